@@ -1,0 +1,1 @@
+//! Cross-crate examples live in this crate's examples.

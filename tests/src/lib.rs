@@ -1,0 +1,1 @@
+//! Integration and multi-process tests of mooncake-rs live in this crate's tests/ folder.
