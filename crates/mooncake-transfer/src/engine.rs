@@ -1,0 +1,226 @@
+//! The `TransferEngine`: registered regions plus the transports that reach peers.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use parking_lot::RwLock;
+
+use crate::error::{Result, TransferError};
+use crate::local::{self, LocalTransport, LOCAL_SCHEME};
+use crate::region::{RegionId, RegisteredRegion, RemoteRegion};
+use crate::transport::{TransferRequest, Transport};
+
+static NEXT_LOCAL_ENGINE: AtomicU64 = AtomicU64::new(1);
+
+/// The part of an engine its transports serve from.
+#[derive(Debug)]
+pub(crate) struct EngineShared {
+    endpoint: String,
+    regions: RwLock<HashMap<RegionId, Arc<RegisteredRegion>>>,
+    next_region: AtomicU64,
+}
+
+impl EngineShared {
+    /// The registered region `id`, or an error naming it.
+    pub(crate) fn region(&self, id: RegionId) -> Result<Arc<RegisteredRegion>> {
+        self.regions
+            .read()
+            .get(&id)
+            .cloned()
+            .ok_or_else(|| TransferError::UnknownRegion {
+                endpoint: self.endpoint.clone(),
+                region: id,
+            })
+    }
+}
+
+impl Drop for EngineShared {
+    fn drop(&mut self) {
+        local::withdraw(&self.endpoint);
+    }
+}
+
+/// Builds a [`TransferEngine`].
+#[derive(Default)]
+pub struct TransferEngineBuilder {
+    transports: Vec<Arc<dyn Transport>>,
+}
+
+impl std::fmt::Debug for TransferEngineBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let names: Vec<&str> = self.transports.iter().map(|t| t.name()).collect();
+        f.debug_struct("TransferEngineBuilder")
+            .field("transports", &names)
+            .finish()
+    }
+}
+
+impl TransferEngineBuilder {
+    /// Adds a transport. Transports are asked in the order added; the first that can
+    /// reach a target serves it. With none added, the engine uses [`LocalTransport`].
+    pub fn transport(mut self, transport: Arc<dyn Transport>) -> Self {
+        self.transports.push(transport);
+        self
+    }
+
+    /// Builds the engine and makes it reachable by in-process peers.
+    pub fn build(self) -> TransferEngine {
+        let mut transports = self.transports;
+        if transports.is_empty() {
+            transports.push(Arc::new(LocalTransport));
+        }
+        let n = NEXT_LOCAL_ENGINE.fetch_add(1, Ordering::Relaxed);
+        let endpoint = format!("{LOCAL_SCHEME}{}/{n}", std::process::id());
+        let shared = Arc::new(EngineShared {
+            endpoint: endpoint.clone(),
+            regions: RwLock::new(HashMap::new()),
+            next_region: AtomicU64::new(1),
+        });
+        local::publish(&endpoint, &shared);
+        TransferEngine { shared, transports }
+    }
+}
+
+/// Owns this endpoint's registered regions and moves bytes to and from peers'
+/// regions through its transports.
+///
+/// ```
+/// use mooncake_transfer::TransferEngine;
+///
+/// let server = TransferEngine::new();
+/// let segment = server.register_region(1 << 20)?;
+/// let client = TransferEngine::new();
+/// let target = server.remote(segment.id());
+/// client.write(&target, 128, b"kv block")?;
+/// let mut back = [0u8; 8];
+/// client.read(&target, 128, &mut back)?;
+/// assert_eq!(&back, b"kv block");
+/// // Requests outside the registered bytes are refused.
+/// assert!(client.read(&target, (1 << 20) - 4, &mut back).is_err());
+/// # Ok::<(), mooncake_transfer::TransferError>(())
+/// ```
+pub struct TransferEngine {
+    shared: Arc<EngineShared>,
+    transports: Vec<Arc<dyn Transport>>,
+}
+
+impl std::fmt::Debug for TransferEngine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TransferEngine")
+            .field("endpoint", &self.shared.endpoint)
+            .field("regions", &self.shared.regions.read().len())
+            .finish()
+    }
+}
+
+impl Default for TransferEngine {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl TransferEngine {
+    /// An engine with the [`LocalTransport`] only.
+    pub fn new() -> Self {
+        Self::builder().build()
+    }
+
+    /// A builder to choose transports.
+    pub fn builder() -> TransferEngineBuilder {
+        TransferEngineBuilder::default()
+    }
+
+    /// This engine's endpoint, as peers name it.
+    pub fn endpoint(&self) -> &str {
+        &self.shared.endpoint
+    }
+
+    /// Registers `len` bytes of fresh zeroed memory that peers may read and write.
+    pub fn register_region(&self, len: u64) -> Result<Arc<RegisteredRegion>> {
+        let id = self.shared.next_region.fetch_add(1, Ordering::Relaxed);
+        let region = Arc::new(RegisteredRegion::new(id, len)?);
+        self.shared.regions.write().insert(id, region.clone());
+        Ok(region)
+    }
+
+    /// Stops serving region `id`; returns whether it was registered. Requests already
+    /// running finish on the memory they hold; later ones fail with `UnknownRegion`.
+    pub fn unregister_region(&self, id: RegionId) -> bool {
+        self.shared.regions.write().remove(&id).is_some()
+    }
+
+    /// The registered region `id` of this engine.
+    pub fn region(&self, id: RegionId) -> Result<Arc<RegisteredRegion>> {
+        self.shared.region(id)
+    }
+
+    /// How peers name region `id` of this engine.
+    pub fn remote(&self, id: RegionId) -> RemoteRegion {
+        RemoteRegion {
+            endpoint: self.shared.endpoint.clone(),
+            region: id,
+        }
+    }
+
+    /// Names of this engine's transports, in the order they are asked.
+    pub fn transport_names(&self) -> Vec<&str> {
+        self.transports.iter().map(|t| t.name()).collect()
+    }
+
+    fn transport_for(&self, endpoint: &str) -> Option<&Arc<dyn Transport>> {
+        self.transports.iter().find(|t| t.can_reach(endpoint))
+    }
+
+    /// Executes a batch, blocking until every request is done; one result per request.
+    ///
+    /// Requests are grouped by the transport that reaches their target, so a
+    /// transport sees its whole share of the batch at once (and may pipeline it).
+    pub fn transfer(&self, requests: &mut [TransferRequest<'_>]) -> Vec<Result<()>> {
+        let mut results: Vec<Option<Result<()>>> = (0..requests.len()).map(|_| None).collect();
+        // Fast path: one transport serves everything (the common case).
+        if let Some(first) = requests.first() {
+            if let Some(t) = self.transport_for(&first.target.endpoint) {
+                if requests
+                    .iter()
+                    .all(|r| r.target.endpoint == first.target.endpoint)
+                {
+                    return t.transfer(requests);
+                }
+            }
+        }
+        for (i, req) in requests.iter_mut().enumerate() {
+            let out = match self.transport_for(&req.target.endpoint) {
+                Some(t) => t
+                    .transfer(std::slice::from_mut(req))
+                    .pop()
+                    .unwrap_or_else(|| {
+                        Err(TransferError::Unreachable(req.target.endpoint.clone()))
+                    }),
+                None => Err(TransferError::Unreachable(req.target.endpoint.clone())),
+            };
+            results[i] = Some(out);
+        }
+        results
+            .into_iter()
+            .map(|r| r.unwrap_or_else(|| Err(TransferError::Unreachable(String::new()))))
+            .collect()
+    }
+
+    /// Reads `dst.len()` bytes of `target` at `offset`.
+    pub fn read(&self, target: &RemoteRegion, offset: u64, dst: &mut [u8]) -> Result<()> {
+        self.single(TransferRequest::read(target, offset, dst))
+    }
+
+    /// Writes `src` into `target` at `offset`.
+    pub fn write(&self, target: &RemoteRegion, offset: u64, src: &[u8]) -> Result<()> {
+        self.single(TransferRequest::write(target, offset, src))
+    }
+
+    fn single(&self, req: TransferRequest<'_>) -> Result<()> {
+        let mut reqs = [req];
+        self.transfer(&mut reqs)
+            .pop()
+            .unwrap_or_else(|| Err(TransferError::Unreachable(reqs[0].target.endpoint.clone())))
+    }
+}
