@@ -1,1 +1,33 @@
-//! placeholder
+//! Mooncake Store: a distributed KV-cache storage engine for LLM inference.
+//!
+//! Clients ([`Store`]) give DRAM to a shared pool (their *segment*) and put and get
+//! immutable objects by key. A [`Master`] keeps the object metadata and places
+//! replicas; bytes move directly between clients through the transfer engine and
+//! never through the master. Without [`StoreBuilder::master`], a store starts its own
+//! embedded master: a complete single-process store.
+//!
+//! ```
+//! use mooncake_core::{Master, MasterConfig, ReplicateConfig, Store};
+//!
+//! let master = Master::new(MasterConfig::default())?;
+//! let a = Store::builder().master(&master).global_segment_size(8 << 20).build()?;
+//! let b = Store::builder().master(&master).global_segment_size(8 << 20).build()?;
+//! a.put_with("layer0/block7", &[1u8; 4096], &ReplicateConfig::replicas(2))?;
+//! drop(a); // one replica survives on b's segment
+//! assert_eq!(b.get("layer0/block7")?.len(), 4096);
+//! # Ok::<(), mooncake_core::Error>(())
+//! ```
+#![deny(missing_docs)]
+
+mod config;
+mod error;
+pub mod master;
+mod store;
+
+pub use config::{MasterConfig, Protocol, ReplicateConfig, MAX_KEY_LEN, MAX_VALUE_LEN};
+pub use error::{Error, Result};
+pub use master::{Master, MasterStats};
+pub use store::{Store, StoreBuilder, StoreStats};
+
+/// Re-exports of the allocation crate: strategies and the traits to write your own.
+pub use mooncake_alloc as alloc;

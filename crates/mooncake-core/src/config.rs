@@ -1,0 +1,161 @@
+//! Configuration types of the store and the master.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use mooncake_alloc::{AllocationStrategy, Random};
+
+use crate::error::{Error, Result};
+
+/// Longest key, in bytes.
+pub const MAX_KEY_LEN: usize = 4096;
+/// Largest value, in bytes (4 GiB).
+pub const MAX_VALUE_LEN: u64 = 4 << 30;
+
+/// Checks a key: UTF-8 (guaranteed by `&str`), 1..=4096 bytes.
+pub(crate) fn check_key(key: &str) -> Result<()> {
+    if key.is_empty() {
+        return Err(Error::InvalidArgument("empty key".into()));
+    }
+    if key.len() > MAX_KEY_LEN {
+        return Err(Error::InvalidArgument(format!(
+            "key of {} bytes exceeds {MAX_KEY_LEN}",
+            key.len()
+        )));
+    }
+    Ok(())
+}
+
+/// Checks a value size: 1 byte ..= 4 GiB.
+pub(crate) fn check_value_len(len: u64) -> Result<()> {
+    if len == 0 {
+        return Err(Error::InvalidArgument("empty value".into()));
+    }
+    if len > MAX_VALUE_LEN {
+        return Err(Error::InvalidArgument(format!("value of {len} bytes exceeds 4 GiB")));
+    }
+    Ok(())
+}
+
+/// How many copies of an object to keep, and where.
+///
+/// ```
+/// use mooncake_core::ReplicateConfig;
+/// let cfg = ReplicateConfig { replica_num: 2, soft_pin: true, ..Default::default() };
+/// assert!(cfg.preferred_segments.is_empty());
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReplicateConfig {
+    /// Number of memory replicas, each on a distinct segment (default 1). Placement is
+    /// best effort: with fewer segments with room, fewer replicas are made.
+    pub replica_num: usize,
+    /// Segments (by name) to try first, in order; they bypass the strategy's ranking.
+    pub preferred_segments: Vec<String>,
+    /// Soft-pinned objects are evicted only when nothing else can be.
+    pub soft_pin: bool,
+}
+
+impl Default for ReplicateConfig {
+    fn default() -> Self {
+        Self { replica_num: 1, preferred_segments: Vec::new(), soft_pin: false }
+    }
+}
+
+impl ReplicateConfig {
+    /// `replica_num` replicas, nothing else changed.
+    pub fn replicas(replica_num: usize) -> Self {
+        Self { replica_num, ..Self::default() }
+    }
+
+    pub(crate) fn check(&self) -> Result<()> {
+        if self.replica_num == 0 {
+            return Err(Error::InvalidArgument("replica_num must be at least 1".into()));
+        }
+        Ok(())
+    }
+}
+
+/// How a client reaches other clients' segments.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Protocol {
+    /// Same process: `memcpy` between registered regions.
+    #[default]
+    Local,
+}
+
+/// Settings of the master service.
+///
+/// ```
+/// use mooncake_core::MasterConfig;
+/// use std::time::Duration;
+/// let cfg = MasterConfig { default_lease: Duration::from_millis(500), ..Default::default() };
+/// assert_eq!(cfg.high_watermark, 0.95);
+/// ```
+#[derive(Clone)]
+pub struct MasterConfig {
+    /// Lease granted to readers by each replica-list call (default 5 s).
+    pub default_lease: Duration,
+    /// A client silent this long loses its segments (default 10 s).
+    pub client_ttl: Duration,
+    /// A put not ended this long after it started is reclaimed (default 30 s).
+    pub put_timeout: Duration,
+    /// Eviction starts when the pool, or one segment, is fuller than this (default 0.95).
+    pub high_watermark: f64,
+    /// Eviction frees down to `high_watermark - eviction_ratio` (default 0.05).
+    pub eviction_ratio: f64,
+    /// How replicas are placed (default [`Random`]).
+    pub allocation_strategy: Arc<dyn AllocationStrategy>,
+    /// Period of the background thread that expires clients and puts and runs
+    /// eviction (default 100 ms).
+    pub monitor_interval: Duration,
+}
+
+impl std::fmt::Debug for MasterConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MasterConfig")
+            .field("default_lease", &self.default_lease)
+            .field("client_ttl", &self.client_ttl)
+            .field("put_timeout", &self.put_timeout)
+            .field("high_watermark", &self.high_watermark)
+            .field("eviction_ratio", &self.eviction_ratio)
+            .field("allocation_strategy", &self.allocation_strategy.name())
+            .field("monitor_interval", &self.monitor_interval)
+            .finish()
+    }
+}
+
+impl Default for MasterConfig {
+    fn default() -> Self {
+        Self {
+            default_lease: Duration::from_secs(5),
+            client_ttl: Duration::from_secs(10),
+            put_timeout: Duration::from_secs(30),
+            high_watermark: 0.95,
+            eviction_ratio: 0.05,
+            allocation_strategy: Arc::new(Random),
+            monitor_interval: Duration::from_millis(100),
+        }
+    }
+}
+
+impl MasterConfig {
+    pub(crate) fn check(&self) -> Result<()> {
+        if !(self.high_watermark > 0.0 && self.high_watermark <= 1.0) {
+            return Err(Error::InvalidArgument(format!(
+                "high_watermark {} not in (0, 1]",
+                self.high_watermark
+            )));
+        }
+        if !(0.0..self.high_watermark).contains(&self.eviction_ratio) {
+            return Err(Error::InvalidArgument(format!(
+                "eviction_ratio {} not in [0, high_watermark)",
+                self.eviction_ratio
+            )));
+        }
+        if self.client_ttl.is_zero() || self.monitor_interval.is_zero() {
+            return Err(Error::InvalidArgument("client_ttl and monitor_interval must be > 0".into()));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,63 @@
+//! The one error type of the store.
+
+use mooncake_alloc::AllocationError;
+use mooncake_transfer::TransferError;
+
+/// Everything that can go wrong in a store call. Match on the variant; the message is
+/// for people.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// No complete object under this key.
+    #[error("not found: {0}")]
+    NotFound(String),
+    /// A put of a key that exists (or is being put). Objects are immutable.
+    #[error("already exists: {0}")]
+    AlreadyExists(String),
+    /// The object is leased to a reader and cannot be removed yet.
+    #[error("object has a live lease: {0}")]
+    HasLease(String),
+    /// No segment has room, even after eviction.
+    #[error("no space: {0}")]
+    NoSpace(String),
+    /// The caller's buffer cannot hold the object.
+    #[error("buffer too small: object has {needed} bytes, buffer {capacity}")]
+    BufferTooSmall {
+        /// Size of the object.
+        needed: u64,
+        /// Size of the buffer given.
+        capacity: u64,
+    },
+    /// Bad input: empty or oversized key or value, bad configuration.
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    /// The master cannot be reached, or does not know this client anymore.
+    #[error("master unavailable: {0}")]
+    MasterUnavailable(String),
+    /// The call did not finish in time.
+    #[error("timed out: {0}")]
+    Timeout(String),
+    /// Moving bytes failed.
+    #[error("transport: {0}")]
+    Transport(#[from] TransferError),
+    /// The SSD tier failed.
+    #[error("storage: {0}")]
+    Storage(String),
+    /// Every replica read back bytes whose checksum does not match the object's.
+    /// The bytes are never returned.
+    #[error("corrupted: every replica of {0} failed its checksum")]
+    Corrupted(String),
+}
+
+impl From<AllocationError> for Error {
+    fn from(e: AllocationError) -> Self {
+        match e {
+            AllocationError::InvalidRequest(m) => Error::InvalidArgument(m),
+            AllocationError::InvalidAlignment(a) => Error::InvalidArgument(format!("alignment {a}")),
+            other => Error::NoSpace(other.to_string()),
+        }
+    }
+}
+
+/// Result alias of this crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

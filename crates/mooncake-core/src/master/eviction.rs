@@ -1,0 +1,140 @@
+//! Memory eviction: approximately-LRU removal of unleased objects above the high
+//! watermark.
+//!
+//! Exact LRU over tens of millions of objects would need a global ordered structure
+//! touched by every get. Instead each object carries its last access time; a pass
+//! samples a slice of the shards to find the access-time cutoff that frees enough
+//! bytes, then removes objects older than the cutoff. Leased objects are never
+//! evicted; soft-pinned ones only when nothing else frees enough.
+
+use std::sync::atomic::Ordering;
+
+use mooncake_alloc::SegmentId;
+
+use super::object::{ObjectEntry, SHARDS};
+use super::MasterService;
+
+/// Shards sampled to estimate the access-time cutoff.
+const SAMPLED_SHARDS: usize = 64;
+
+/// What an eviction pass did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EvictionReport {
+    /// Objects removed.
+    pub evicted_objects: u64,
+    /// Bytes of memory freed (on the segment targeted, or everywhere).
+    pub freed_bytes: u64,
+}
+
+impl EvictionReport {
+    fn add(&mut self, other: EvictionReport) {
+        self.evicted_objects += other.evicted_objects;
+        self.freed_bytes += other.freed_bytes;
+    }
+}
+
+impl MasterService {
+    fn low_watermark(&self) -> f64 {
+        self.config.high_watermark - self.config.eviction_ratio
+    }
+
+    /// Evicts until at least `bytes` are freed and the pool is below the low watermark.
+    pub fn evict_for(&self, bytes: u64) -> EvictionReport {
+        let _pass = self.eviction.lock();
+        let (cap, used) = {
+            let t = self.segments.read();
+            (t.capacity(), t.used())
+        };
+        let excess = used.saturating_sub((cap as f64 * self.low_watermark()) as u64);
+        self.evict(bytes.max(excess), None)
+    }
+
+    /// Evicts where the pool or a segment is above the high watermark. Run by the
+    /// monitor thread; callable directly.
+    pub fn evict_if_needed(&self) -> EvictionReport {
+        let _pass = self.eviction.lock();
+        let mut report = EvictionReport::default();
+        let candidates = self.candidates();
+        let (cap, used): (u64, u64) =
+            candidates.iter().fold((0, 0), |(c, u), s| (c + s.capacity(), u + s.used_bytes()));
+        let high = self.config.high_watermark;
+        if cap > 0 && used as f64 > cap as f64 * high {
+            report.add(self.evict(used - (cap as f64 * self.low_watermark()) as u64, None));
+        }
+        for seg in candidates.iter() {
+            let (c, u) = (seg.capacity(), seg.used_bytes());
+            if u as f64 > c as f64 * high {
+                report.add(self.evict(u - (c as f64 * self.low_watermark()) as u64, Some(seg.id())));
+            }
+        }
+        report
+    }
+
+    fn evictable(e: &ObjectEntry, now: u64, segment: Option<SegmentId>) -> bool {
+        e.complete && !e.leased(now) && e.memory_bytes(segment) > 0
+    }
+
+    /// Frees at least `target` bytes (on `segment`, or anywhere) if it can.
+    fn evict(&self, target: u64, segment: Option<SegmentId>) -> EvictionReport {
+        let mut report = EvictionReport::default();
+        if target == 0 {
+            return report;
+        }
+        let now = self.now_ms();
+        let start = rand::random::<u32>() as usize % SHARDS;
+
+        // 1. Estimate the access-time cutoff from a sample of the shards.
+        let mut sample: Vec<(u64, u64)> = Vec::new();
+        for i in 0..SAMPLED_SHARDS {
+            let shard = self.index.shard_at((start + i) % SHARDS).lock();
+            sample.extend(
+                shard
+                    .values()
+                    .filter(|e| !e.soft_pin && Self::evictable(e, now, segment))
+                    .map(|e| (e.last_access_ms, e.memory_bytes(segment))),
+            );
+        }
+        sample.sort_unstable();
+        let scale = (SHARDS / SAMPLED_SHARDS) as u64;
+        let mut acc = 0u64;
+        let mut cutoff = u64::MAX;
+        for (t, b) in &sample {
+            acc += b * scale;
+            if acc >= target {
+                cutoff = *t;
+                break;
+            }
+        }
+
+        // 2. Remove by cutoff, then anything unpinned, then pinned objects too.
+        for (cutoff, include_pinned) in [(cutoff, false), (u64::MAX, false), (u64::MAX, true)] {
+            for i in 0..SHARDS {
+                if report.freed_bytes >= target {
+                    break;
+                }
+                let mut shard = self.index.shard_at((start + i) % SHARDS).lock();
+                shard.retain(|_, e| {
+                    if report.freed_bytes >= target
+                        || e.last_access_ms > cutoff
+                        || (e.soft_pin && !include_pinned)
+                        || !Self::evictable(e, now, segment)
+                    {
+                        return true;
+                    }
+                    report.freed_bytes += e.memory_bytes(segment);
+                    report.evicted_objects += 1;
+                    false
+                });
+            }
+            if report.freed_bytes >= target {
+                break;
+            }
+        }
+        self.counters.evicted_objects.fetch_add(report.evicted_objects, Ordering::Relaxed);
+        self.counters.evicted_bytes.fetch_add(report.freed_bytes, Ordering::Relaxed);
+        if report.evicted_objects > 0 {
+            tracing::debug!(?segment, objects = report.evicted_objects, bytes = report.freed_bytes, "evicted");
+        }
+        report
+    }
+}

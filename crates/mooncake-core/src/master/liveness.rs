@@ -1,0 +1,64 @@
+//! The monitor thread: client TTLs, the stall grace period, put timeouts, eviction.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use crate::error::{Error, Result};
+
+use super::{ClientId, MasterService};
+
+/// Starts the monitor. It holds only a weak reference and exits once the service is
+/// dropped.
+pub(super) fn spawn_monitor(service: &Arc<MasterService>) -> Result<()> {
+    let weak = Arc::downgrade(service);
+    let interval = service.config.monitor_interval;
+    service.last_tick_ms.store(service.now_ms(), Ordering::Relaxed);
+    std::thread::Builder::new()
+        .name("mooncake-master-monitor".into())
+        .spawn(move || loop {
+            std::thread::sleep(interval);
+            match weak.upgrade() {
+                Some(service) => service.tick(),
+                None => return,
+            }
+        })
+        .map(|_| ())
+        .map_err(|e| Error::InvalidArgument(format!("cannot start the master monitor: {e}")))
+}
+
+impl MasterService {
+    /// One round of the monitor.
+    pub(super) fn tick(&self) {
+        let now = self.now_ms();
+        let last = self.last_tick_ms.swap(now, Ordering::Relaxed);
+        let ttl = self.config.client_ttl.as_millis() as u64;
+        // If the master itself did not run for a good part of the TTL (paused,
+        // starved), clients' heartbeats could not be processed either: expiring them
+        // now would punish them for our stall. Grant everyone a fresh TTL instead.
+        if now.saturating_sub(last) > (ttl / 4).max(2 * self.config.monitor_interval.as_millis() as u64) {
+            self.counters.stall_graces.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(stalled_ms = now - last, "master was stalled; granting clients a grace period");
+            for rec in self.clients.read().values() {
+                rec.touch(now);
+            }
+            return;
+        }
+        let expired: Vec<ClientId> = self
+            .clients
+            .read()
+            .iter()
+            .filter(|(_, rec)| now.saturating_sub(rec.last_heartbeat_ms.load(Ordering::Relaxed)) > ttl)
+            .map(|(id, _)| *id)
+            .collect();
+        for client in expired {
+            let removed = self.forget_client(client);
+            self.counters.expired_clients.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(client = format!("{client:#x}"), removed, "client expired; its segments are unmounted");
+        }
+        if self.counters.pending_puts.load(Ordering::Relaxed) > 0 {
+            let timed_out = self.retain_entries(|e| !self.put_expired(e, now), |_| {});
+            self.counters.put_timeouts.fetch_add(timed_out as u64, Ordering::Relaxed);
+        }
+        self.evict_if_needed();
+    }
+}

@@ -1,0 +1,89 @@
+//! The object index: 1024 shards of key -> metadata, each behind its own lock.
+
+use std::collections::HashMap;
+use std::hash::BuildHasher;
+
+use mooncake_alloc::{AllocatedBuffer, SegmentId};
+use parking_lot::Mutex;
+
+use super::ClientId;
+
+/// Number of index shards; metadata calls on different shards never contend.
+pub(crate) const SHARDS: usize = 1024;
+
+/// One replica as the master keeps it: the buffer (freed when dropped) and whether its
+/// bytes are all written.
+pub(crate) struct StoredReplica {
+    pub(crate) buf: AllocatedBuffer,
+    pub(crate) complete: bool,
+}
+
+impl StoredReplica {
+    pub(crate) fn segment(&self) -> SegmentId {
+        self.buf.segment_id()
+    }
+}
+
+/// Metadata of one object. Times are milliseconds of the master's clock.
+pub(crate) struct ObjectEntry {
+    pub(crate) len: u64,
+    pub(crate) checksum: u32,
+    pub(crate) soft_pin: bool,
+    /// `PutEnd` seen: readable.
+    pub(crate) complete: bool,
+    /// The client whose put created the entry (it alone may end or revoke it).
+    pub(crate) owner: ClientId,
+    /// While processing: when the put started. Once complete: last read or write.
+    pub(crate) last_access_ms: u64,
+    pub(crate) lease_until_ms: u64,
+    pub(crate) replicas: Vec<StoredReplica>,
+}
+
+impl ObjectEntry {
+    pub(crate) fn leased(&self, now_ms: u64) -> bool {
+        self.lease_until_ms > now_ms
+    }
+
+    /// Bytes of memory this object holds (on every segment, or on one).
+    pub(crate) fn memory_bytes(&self, segment: Option<SegmentId>) -> u64 {
+        self.replicas
+            .iter()
+            .filter(|r| segment.is_none_or(|s| r.segment() == s))
+            .map(|r| r.buf.len())
+            .sum()
+    }
+}
+
+pub(crate) type Shard = HashMap<Box<str>, ObjectEntry, ahash::RandomState>;
+
+/// The sharded index.
+pub(crate) struct ObjectIndex {
+    shards: Box<[Mutex<Shard>]>,
+    router: ahash::RandomState,
+}
+
+impl ObjectIndex {
+    pub(crate) fn new() -> Self {
+        Self {
+            shards: (0..SHARDS).map(|_| Mutex::new(Shard::default())).collect(),
+            // Fixed seeds: a key's shard must not depend on the process.
+            router: ahash::RandomState::with_seeds(0x6d6f6f6e, 0x63616b65, 0x2d72732d, 0x73686172),
+        }
+    }
+
+    pub(crate) fn shard_of(&self, key: &str) -> usize {
+        (self.router.hash_one(key) as usize) % SHARDS
+    }
+
+    pub(crate) fn shard(&self, key: &str) -> &Mutex<Shard> {
+        &self.shards[self.shard_of(key)]
+    }
+
+    pub(crate) fn shard_at(&self, i: usize) -> &Mutex<Shard> {
+        &self.shards[i]
+    }
+
+    pub(crate) fn shards(&self) -> impl Iterator<Item = &Mutex<Shard>> {
+        self.shards.iter()
+    }
+}

@@ -1,0 +1,70 @@
+//! Mounted segments and the clients that own them.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use mooncake_alloc::{SegmentAllocator, SegmentId};
+use mooncake_transfer::RemoteRegion;
+
+use super::ClientId;
+
+/// A segment as the master knows it.
+pub(crate) struct MountedSegment {
+    pub(crate) alloc: Arc<SegmentAllocator>,
+    pub(crate) owner: ClientId,
+    pub(crate) region: RemoteRegion,
+}
+
+/// A registered client.
+pub(crate) struct ClientRecord {
+    pub(crate) last_heartbeat_ms: AtomicU64,
+    pub(crate) segments: Vec<SegmentId>,
+}
+
+impl ClientRecord {
+    pub(crate) fn new(now_ms: u64) -> Self {
+        Self { last_heartbeat_ms: AtomicU64::new(now_ms), segments: Vec::new() }
+    }
+
+    pub(crate) fn touch(&self, now_ms: u64) {
+        self.last_heartbeat_ms.fetch_max(now_ms, Ordering::Relaxed);
+    }
+}
+
+/// Segments by id plus the candidate list handed to the allocation strategy. The list
+/// is rebuilt on mount/unmount (rare) so that a put only clones an `Arc`.
+#[derive(Default)]
+pub(crate) struct SegmentTable {
+    pub(crate) by_id: HashMap<SegmentId, MountedSegment>,
+    pub(crate) candidates: Arc<Vec<Arc<SegmentAllocator>>>,
+}
+
+impl SegmentTable {
+    pub(crate) fn insert(&mut self, seg: MountedSegment) {
+        self.by_id.insert(seg.alloc.id(), seg);
+        self.rebuild();
+    }
+
+    pub(crate) fn remove(&mut self, id: SegmentId) -> Option<MountedSegment> {
+        let seg = self.by_id.remove(&id);
+        if seg.is_some() {
+            self.rebuild();
+        }
+        seg
+    }
+
+    fn rebuild(&mut self) {
+        let mut list: Vec<_> = self.by_id.values().map(|s| s.alloc.clone()).collect();
+        list.sort_by_key(|a| a.id());
+        self.candidates = Arc::new(list);
+    }
+
+    pub(crate) fn capacity(&self) -> u64 {
+        self.candidates.iter().map(|s| s.capacity()).sum()
+    }
+
+    pub(crate) fn used(&self) -> u64 {
+        self.candidates.iter().map(|s| s.used_bytes()).sum()
+    }
+}

@@ -1,0 +1,135 @@
+//! `StoreBuilder`: how a client is configured.
+
+use std::sync::Arc;
+
+use mooncake_alloc::AllocationStrategy;
+
+use crate::config::{MasterConfig, Protocol, ReplicateConfig};
+use crate::error::{Error, Result};
+use crate::master::Master;
+
+use super::Store;
+
+/// Configures and builds a [`Store`]. Reads like a sentence:
+///
+/// ```
+/// use mooncake_core::{ReplicateConfig, Store};
+/// use mooncake_alloc::FreeRatioFirst;
+///
+/// let store = Store::builder()
+///     .global_segment_size(64 << 20)
+///     .local_buffer_size(16 << 20)
+///     .allocation_strategy(FreeRatioFirst)
+///     .default_replicate_config(ReplicateConfig::replicas(1))
+///     .build()?;
+/// store.put("block-0", &[7u8; 4096])?;
+/// # Ok::<(), mooncake_core::Error>(())
+/// ```
+#[derive(Clone)]
+pub struct StoreBuilder {
+    pub(super) global_segment_size: u64,
+    pub(super) local_buffer_size: u64,
+    pub(super) master: Option<Master>,
+    pub(super) master_config: Option<MasterConfig>,
+    pub(super) strategy: Option<Arc<dyn AllocationStrategy>>,
+    pub(super) protocol: Protocol,
+    pub(super) replicate: ReplicateConfig,
+}
+
+impl std::fmt::Debug for StoreBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StoreBuilder")
+            .field("global_segment_size", &self.global_segment_size)
+            .field("local_buffer_size", &self.local_buffer_size)
+            .field("shared_master", &self.master.is_some())
+            .field("protocol", &self.protocol)
+            .field("replicate", &self.replicate)
+            .finish()
+    }
+}
+
+impl Default for StoreBuilder {
+    fn default() -> Self {
+        Self {
+            global_segment_size: 256 << 20,
+            local_buffer_size: 64 << 20,
+            master: None,
+            master_config: None,
+            strategy: None,
+            protocol: Protocol::Local,
+            replicate: ReplicateConfig::default(),
+        }
+    }
+}
+
+impl StoreBuilder {
+    /// Bytes of DRAM this client gives the pool (default 256 MiB; 0: none, the client
+    /// only reads and writes other clients' segments). Pages are committed on first
+    /// write.
+    pub fn global_segment_size(mut self, bytes: u64) -> Self {
+        self.global_segment_size = bytes;
+        self
+    }
+
+    /// Size of the registered staging buffer that networked transports copy through
+    /// (default 64 MiB). The in-process transport copies straight between the
+    /// caller's memory and the segment and does not use it.
+    pub fn local_buffer_size(mut self, bytes: u64) -> Self {
+        self.local_buffer_size = bytes;
+        self
+    }
+
+    /// Joins an existing in-process master instead of starting an embedded one.
+    pub fn master(mut self, master: &Master) -> Self {
+        self.master = Some(master.clone());
+        self
+    }
+
+    /// Configuration of the embedded master this builder starts (ignored with
+    /// [`master`](Self::master), which is an error to combine it with).
+    pub fn master_config(mut self, config: MasterConfig) -> Self {
+        self.master_config = Some(config);
+        self
+    }
+
+    /// Placement strategy of the embedded master (any [`AllocationStrategy`]).
+    pub fn allocation_strategy(mut self, strategy: impl AllocationStrategy + 'static) -> Self {
+        self.strategy = Some(Arc::new(strategy));
+        self
+    }
+
+    /// How this client reaches other segments.
+    pub fn protocol(mut self, protocol: Protocol) -> Self {
+        self.protocol = protocol;
+        self
+    }
+
+    /// Replication used by [`Store::put`] (default: one replica, no pin).
+    pub fn default_replicate_config(mut self, cfg: ReplicateConfig) -> Self {
+        self.replicate = cfg;
+        self
+    }
+
+    /// Builds the client: joins (or starts) the master and mounts the segment.
+    pub fn build(self) -> Result<Store> {
+        self.replicate.check()?;
+        let master = match (&self.master, &self.master_config, &self.strategy) {
+            (Some(_), Some(_), _) | (Some(_), _, Some(_)) => {
+                return Err(Error::InvalidArgument(
+                    "master_config and allocation_strategy configure an embedded master; \
+                     they cannot be combined with master(..)"
+                        .into(),
+                ))
+            }
+            (Some(m), None, None) => m.clone(),
+            (None, cfg, strategy) => {
+                let mut cfg = cfg.clone().unwrap_or_default();
+                if let Some(s) = strategy {
+                    cfg.allocation_strategy = s.clone();
+                }
+                Master::new(cfg)?
+            }
+        };
+        Store::connect(self, master)
+    }
+}

@@ -1,0 +1,506 @@
+//! The client: `Store` puts and gets objects through the master and the transfer
+//! engine.
+
+mod builder;
+mod stats;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use bytes::Bytes;
+use crossbeam_channel::{bounded, RecvTimeoutError, Sender};
+use mooncake_alloc::SegmentId;
+use mooncake_transfer::{RegisteredRegion, RemoteRegion, TransferEngine, TransferRequest};
+use parking_lot::{Mutex, RwLock};
+
+use crate::config::{check_key, check_value_len, ReplicateConfig};
+use crate::error::{Error, Result};
+use crate::master::{ClientId, Master, MemoryReplica, ReplicaList};
+
+pub use builder::StoreBuilder;
+pub use stats::StoreStats;
+use stats::StoreCounters;
+
+/// How many times a get re-asks the master after every replica failed its checksum
+/// (the memory was freed and reused under a stale list).
+const CHECKSUM_RETRIES: usize = 3;
+
+/// A client of the store: puts and gets objects.
+///
+/// `Store` is `Clone + Send + Sync`; clones share one client. Dropping the last handle
+/// unmounts the client's segment: objects whose only replica lived there are gone.
+///
+/// ```
+/// use mooncake_core::{Error, Store};
+///
+/// let store = Store::builder().global_segment_size(16 << 20).build()?;
+/// store.put("prefix/0", b"kv bytes")?;
+/// assert_eq!(&store.get("prefix/0")?[..], b"kv bytes");
+/// assert!(matches!(store.put("prefix/0", b"again"), Err(Error::AlreadyExists(_))));
+/// let mut buf = [0u8; 64];
+/// let n = store.get_into("prefix/0", &mut buf)?;
+/// assert_eq!(&buf[..n], b"kv bytes");
+/// store.remove("prefix/0").unwrap_or(()); // may be leased by the gets above
+/// # Ok::<(), mooncake_core::Error>(())
+/// ```
+#[derive(Clone)]
+pub struct Store {
+    inner: Arc<StoreInner>,
+}
+
+impl std::fmt::Debug for Store {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Store")
+            .field("client", &format_args!("{:#x}", self.inner.client()))
+            .field("endpoint", &self.inner.engine.endpoint())
+            .finish()
+    }
+}
+
+/// The client's segment: registered memory and its id at the master.
+struct MountedSegment {
+    region: Arc<RegisteredRegion>,
+    id: SegmentId,
+}
+
+struct StoreInner {
+    master: Master,
+    client: AtomicU64,
+    engine: TransferEngine,
+    segment: Mutex<Option<MountedSegment>>,
+    /// The segment id of our own segment (0: none), read on every get for locality.
+    own_segment: AtomicU64,
+    routes: RwLock<HashMap<SegmentId, Arc<RemoteRegion>>>,
+    replicate: ReplicateConfig,
+    counters: StoreCounters,
+    /// Dropping it stops the heartbeat thread.
+    _heartbeat_stop: Sender<()>,
+}
+
+impl Drop for StoreInner {
+    fn drop(&mut self) {
+        let removed = self.master.unregister_client(self.client());
+        tracing::debug!(removed, "client unregistered; segment unmounted");
+    }
+}
+
+impl StoreInner {
+    fn client(&self) -> ClientId {
+        self.client.load(Ordering::Acquire)
+    }
+
+    /// Registers again after the master expired us, and re-mounts a fresh segment.
+    /// Objects of the old segment were dropped by the master; the new one starts empty.
+    fn rejoin(&self) -> Result<()> {
+        let client = self.master.register_client();
+        let mut seg = self.segment.lock();
+        if let Some(old) = seg.take() {
+            self.engine.unregister_region(old.region.id());
+            let region = self.engine.register_region(old.region.len())?;
+            let id = self.master.mount_segment(client, self.engine.remote(region.id()), region.len())?;
+            self.own_segment.store(id, Ordering::Release);
+            *seg = Some(MountedSegment { region, id });
+        }
+        self.client.store(client, Ordering::Release);
+        tracing::warn!(client = format!("{client:#x}"), "client re-registered with the master");
+        Ok(())
+    }
+
+    fn route(&self, segment: SegmentId) -> Result<Arc<RemoteRegion>> {
+        if let Some(r) = self.routes.read().get(&segment) {
+            return Ok(r.clone());
+        }
+        let info = self
+            .master
+            .segment_info(segment)
+            .ok_or_else(|| Error::NotFound(format!("segment {segment} is not mounted")))?;
+        let route = Arc::new(info.region);
+        self.routes.write().insert(segment, route.clone());
+        Ok(route)
+    }
+
+    /// Replicas in the order to try them: our own segment first.
+    fn read_order(&self, replicas: &[MemoryReplica]) -> Vec<MemoryReplica> {
+        let own = self.own_segment.load(Ordering::Acquire);
+        let mut order = replicas.to_vec();
+        order.sort_by_key(|r| r.segment != own);
+        order
+    }
+
+    /// Reads the object of `list` into `dst` (exactly `list.len` bytes) from the first
+    /// replica whose bytes match the checksum.
+    fn read_replicas(&self, key: &str, list: &ReplicaList, dst: &mut [u8]) -> Result<()> {
+        let mut last_err = Error::NotFound(key.to_owned());
+        for r in self.read_order(&list.replicas) {
+            let route = match self.route(r.segment) {
+                Ok(route) => route,
+                Err(e) => {
+                    last_err = e;
+                    continue;
+                }
+            };
+            match self.engine.read(&route, r.offset, dst) {
+                Ok(()) if crc32c::crc32c(dst) == list.checksum => return Ok(()),
+                Ok(()) => {
+                    StoreCounters::inc(&self.counters.checksum_mismatches, 1);
+                    tracing::warn!(key, segment = r.segment, "replica failed its checksum");
+                    last_err = Error::Corrupted(key.to_owned());
+                }
+                Err(e) => {
+                    self.routes.write().remove(&r.segment);
+                    last_err = e.into();
+                }
+            }
+        }
+        Err(last_err)
+    }
+
+    fn get_into(&self, key: &str, buf: &mut [u8]) -> Result<usize> {
+        check_key(key)?;
+        let mut attempt = 0;
+        loop {
+            let list = self.master.get_replica_list(key)?;
+            if list.len > buf.len() as u64 {
+                return Err(Error::BufferTooSmall { needed: list.len, capacity: buf.len() as u64 });
+            }
+            let dst = &mut buf[..list.len as usize];
+            match self.read_replicas(key, &list, dst) {
+                Ok(()) => return Ok(list.len as usize),
+                Err(Error::Corrupted(_)) | Err(Error::Transport(_)) if attempt < CHECKSUM_RETRIES => attempt += 1,
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    fn get(&self, key: &str) -> Result<Bytes> {
+        check_key(key)?;
+        let mut attempt = 0;
+        loop {
+            let list = self.master.get_replica_list(key)?;
+            let mut buf = vec![0u8; list.len as usize];
+            match self.read_replicas(key, &list, &mut buf) {
+                Ok(()) => return Ok(Bytes::from(buf)),
+                Err(Error::Corrupted(_)) | Err(Error::Transport(_)) if attempt < CHECKSUM_RETRIES => attempt += 1,
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    fn put(&self, key: &str, value: &[u8], cfg: &ReplicateConfig) -> Result<()> {
+        check_key(key)?;
+        check_value_len(value.len() as u64)?;
+        let checksum = crc32c::crc32c(value);
+        let client = self.client();
+        let replicas = self.master.put_start(client, key, value.len() as u64, cfg)?;
+        if let Err(e) = self.write_replicas(&replicas, value) {
+            let _ = self.master.put_revoke(client, key);
+            return Err(e);
+        }
+        self.master.put_end(client, key, checksum)
+    }
+
+    fn write_replicas(&self, replicas: &[MemoryReplica], value: &[u8]) -> Result<()> {
+        let routes = replicas.iter().map(|r| self.route(r.segment)).collect::<Result<Vec<_>>>()?;
+        let mut reqs: Vec<TransferRequest<'_>> =
+            replicas.iter().zip(&routes).map(|(r, route)| TransferRequest::write(route, r.offset, value)).collect();
+        self.engine.transfer(&mut reqs).into_iter().collect::<Result<(), _>>()?;
+        Ok(())
+    }
+}
+
+impl Store {
+    /// A builder; see [`StoreBuilder`].
+    pub fn builder() -> StoreBuilder {
+        StoreBuilder::default()
+    }
+
+    fn connect(cfg: StoreBuilder, master: Master) -> Result<Store> {
+        let engine = TransferEngine::new();
+        let client = master.register_client();
+        let segment = if cfg.global_segment_size > 0 {
+            let region = engine.register_region(cfg.global_segment_size)?;
+            match master.mount_segment(client, engine.remote(region.id()), region.len()) {
+                Ok(id) => Some(MountedSegment { region, id }),
+                Err(e) => {
+                    master.unregister_client(client);
+                    return Err(e);
+                }
+            }
+        } else {
+            None
+        };
+        let (stop_tx, stop_rx) = bounded::<()>(0);
+        let own = segment.as_ref().map_or(0, |s| s.id);
+        let inner = Arc::new(StoreInner {
+            master,
+            client: AtomicU64::new(client),
+            engine,
+            segment: Mutex::new(segment),
+            own_segment: AtomicU64::new(own),
+            routes: RwLock::new(HashMap::new()),
+            replicate: cfg.replicate,
+            counters: StoreCounters::default(),
+            _heartbeat_stop: stop_tx,
+        });
+        // Heartbeats get their own thread so that no amount of I/O delays them.
+        let weak: Weak<StoreInner> = Arc::downgrade(&inner);
+        let period = (inner.master.config().client_ttl / 4).max(Duration::from_millis(1));
+        std::thread::Builder::new()
+            .name("mooncake-heartbeat".into())
+            .spawn(move || loop {
+                match stop_rx.recv_timeout(period) {
+                    Err(RecvTimeoutError::Timeout) => {}
+                    _ => return,
+                }
+                let Some(inner) = weak.upgrade() else { return };
+                if inner.master.heartbeat(inner.client()).is_err() {
+                    if let Err(e) = inner.rejoin() {
+                        tracing::error!(error = %e, "cannot re-register with the master");
+                    }
+                }
+            })
+            .map_err(|e| Error::InvalidArgument(format!("cannot start the heartbeat thread: {e}")))?;
+        Ok(Store { inner })
+    }
+
+    /// Stores `value` under `key` with the builder's default replication.
+    /// Fails with `AlreadyExists` if the key exists: objects are immutable.
+    pub fn put(&self, key: &str, value: &[u8]) -> Result<()> {
+        self.put_with(key, value, &self.inner.replicate)
+    }
+
+    /// Stores `value` under `key` with `cfg`'s replication.
+    pub fn put_with(&self, key: &str, value: &[u8], cfg: &ReplicateConfig) -> Result<()> {
+        let c = &self.inner.counters;
+        let res = self.inner.put(key, value, cfg);
+        match &res {
+            Ok(()) => {
+                StoreCounters::inc(&c.puts, 1);
+                StoreCounters::inc(&c.put_bytes, value.len() as u64);
+            }
+            Err(_) => StoreCounters::inc(&c.put_errors, 1),
+        }
+        res
+    }
+
+    /// The bytes stored under `key`; `NotFound` if absent. The bytes are verified
+    /// against the checksum taken at put time.
+    pub fn get(&self, key: &str) -> Result<Bytes> {
+        let res = self.inner.get(key);
+        self.count_get(res.as_ref().map(|b| b.len()).map_err(|_| ()));
+        res
+    }
+
+    /// Reads the object into `buf` and returns its length; `BufferTooSmall` if it
+    /// does not fit (nothing is written then).
+    pub fn get_into(&self, key: &str, buf: &mut [u8]) -> Result<usize> {
+        let res = self.inner.get_into(key, buf);
+        self.count_get(res.as_ref().copied().map_err(|_| ()));
+        res
+    }
+
+    fn count_get(&self, res: std::result::Result<usize, ()>) {
+        let c = &self.inner.counters;
+        match res {
+            Ok(n) => {
+                StoreCounters::inc(&c.gets, 1);
+                StoreCounters::inc(&c.get_bytes, n as u64);
+            }
+            Err(()) => StoreCounters::inc(&c.get_errors, 1),
+        }
+    }
+
+    /// Puts many objects with one master round trip per phase and one transfer batch.
+    /// One result per item, in order.
+    pub fn batch_put(&self, items: &[(&str, &[u8])], cfg: &ReplicateConfig) -> Vec<Result<()>> {
+        let inner = &self.inner;
+        let client = inner.client();
+        let mut results: Vec<Result<()>> = Vec::with_capacity(items.len());
+        let mut valid: Vec<(usize, &str, u64)> = Vec::with_capacity(items.len());
+        for (i, (k, v)) in items.iter().enumerate() {
+            match check_key(k).and_then(|_| check_value_len(v.len() as u64)).and_then(|_| cfg.check()) {
+                Ok(()) => {
+                    results.push(Ok(()));
+                    valid.push((i, k, v.len() as u64));
+                }
+                Err(e) => results.push(Err(e)),
+            }
+        }
+        let starts = inner
+            .master
+            .batch_put_start(client, &valid.iter().map(|(_, k, l)| (*k, *l)).collect::<Vec<_>>(), cfg);
+        // Resolve every route first so requests can borrow them.
+        let mut plans: Vec<(usize, Vec<(MemoryReplica, Arc<RemoteRegion>)>)> = Vec::new();
+        for ((i, _, _), start) in valid.iter().zip(starts) {
+            match start.and_then(|reps| {
+                reps.into_iter().map(|r| inner.route(r.segment).map(|route| (r, route))).collect::<Result<Vec<_>>>()
+            }) {
+                Ok(p) => plans.push((*i, p)),
+                Err(e) => results[*i] = Err(e),
+            }
+        }
+        let mut reqs: Vec<TransferRequest<'_>> = Vec::new();
+        let mut owner: Vec<usize> = Vec::new();
+        for (i, plan) in &plans {
+            for (r, route) in plan {
+                reqs.push(TransferRequest::write(route, r.offset, items[*i].1));
+                owner.push(*i);
+            }
+        }
+        for (res, i) in inner.engine.transfer(&mut reqs).into_iter().zip(owner) {
+            if let Err(e) = res {
+                if results[i].is_ok() {
+                    results[i] = Err(e.into());
+                }
+            }
+        }
+        let (mut ends, mut revokes) = (Vec::new(), Vec::new());
+        for (i, _) in &plans {
+            let key = items[*i].0;
+            if results[*i].is_ok() {
+                ends.push((*i, key, crc32c::crc32c(items[*i].1)));
+            } else {
+                revokes.push(key);
+            }
+        }
+        inner.master.batch_put_revoke(client, &revokes);
+        let end_results = inner.master.batch_put_end(client, &ends.iter().map(|(_, k, c)| (*k, *c)).collect::<Vec<_>>());
+        for ((i, _, _), res) in ends.iter().zip(end_results) {
+            results[*i] = res;
+        }
+        let c = &inner.counters;
+        for (res, (_, v)) in results.iter().zip(items) {
+            match res {
+                Ok(()) => {
+                    StoreCounters::inc(&c.puts, 1);
+                    StoreCounters::inc(&c.put_bytes, v.len() as u64);
+                }
+                Err(_) => StoreCounters::inc(&c.put_errors, 1),
+            }
+        }
+        results
+    }
+
+    /// Gets many objects with one master round trip and one transfer batch; a key
+    /// whose first replica fails is retried alone. One result per key, in order.
+    pub fn batch_get(&self, keys: &[&str]) -> Vec<Result<Bytes>> {
+        let inner = &self.inner;
+        let lists = inner.master.batch_get_replica_list(keys);
+        let mut bufs: Vec<Option<Vec<u8>>> = Vec::with_capacity(keys.len());
+        let mut routes: Vec<Option<(u64, Arc<RemoteRegion>)>> = Vec::with_capacity(keys.len());
+        for list in &lists {
+            let first = list
+                .as_ref()
+                .ok()
+                .and_then(|l| inner.read_order(&l.replicas).first().copied())
+                .and_then(|r| inner.route(r.segment).ok().map(|route| (r.offset, route)));
+            bufs.push(list.as_ref().ok().filter(|_| first.is_some()).map(|l| vec![0u8; l.len as usize]));
+            routes.push(first);
+        }
+        let mut reqs: Vec<TransferRequest<'_>> = Vec::new();
+        let mut owner = Vec::new();
+        for (i, (buf, route)) in bufs.iter_mut().zip(&routes).enumerate() {
+            if let (Some(buf), Some((offset, route))) = (buf.as_mut(), route) {
+                reqs.push(TransferRequest::read(route, *offset, buf));
+                owner.push(i);
+            }
+        }
+        let mut ok = vec![false; keys.len()];
+        for (res, i) in inner.engine.transfer(&mut reqs).into_iter().zip(owner) {
+            ok[i] = res.is_ok();
+        }
+        lists
+            .into_iter()
+            .enumerate()
+            .map(|(i, list)| {
+                let list = list?;
+                match bufs[i].take() {
+                    Some(buf) if ok[i] && crc32c::crc32c(&buf) == list.checksum => {
+                        self.count_get(Ok(buf.len()));
+                        Ok(Bytes::from(buf))
+                    }
+                    _ => self.get(keys[i]),
+                }
+            })
+            .collect()
+    }
+
+    /// Whether a complete object is stored under `key`.
+    pub fn exists(&self, key: &str) -> Result<bool> {
+        self.inner.master.exists(key)
+    }
+
+    /// Removes `key`; `HasLease` while a reader's lease is live, `NotFound` if absent.
+    pub fn remove(&self, key: &str) -> Result<()> {
+        let res = self.inner.master.remove(key);
+        if res.is_ok() {
+            StoreCounters::inc(&self.inner.counters.removes, 1);
+        }
+        res
+    }
+
+    /// Removes every object without a live lease; returns how many were removed.
+    pub fn remove_all(&self) -> Result<usize> {
+        let n = self.inner.master.remove_all();
+        StoreCounters::inc(&self.inner.counters.removes, n as u64);
+        Ok(n)
+    }
+
+    /// Changes the number of memory replicas of `key` to `cfg.replica_num`, copying
+    /// or dropping replicas; best effort (fewer copies when fewer segments have room).
+    pub fn replicate(&self, key: &str, cfg: &ReplicateConfig) -> Result<()> {
+        let inner = &self.inner;
+        let plan = inner.master.replicate_start(inner.client(), key, cfg)?;
+        if plan.targets.is_empty() {
+            return Ok(());
+        }
+        let list = ReplicaList { len: plan.len, checksum: plan.checksum, replicas: plan.sources, lease: Duration::ZERO };
+        let mut data = vec![0u8; plan.len as usize];
+        let copied = inner.read_replicas(key, &list, &mut data).and_then(|_| inner.write_replicas(&plan.targets, &data));
+        let ended = inner.master.replicate_end(key, &plan.targets, copied.is_ok());
+        copied.and(ended)
+    }
+
+    /// Counters of this client and of the master.
+    pub fn stats(&self) -> StoreStats {
+        let inner = &self.inner;
+        let c = &inner.counters;
+        let seg = inner.segment.lock();
+        let (cap, used) = seg
+            .as_ref()
+            .and_then(|s| inner.master.segment_info(s.id).map(|i| (i.capacity, s.id)))
+            .map(|(cap, id)| (cap, inner.master.segment_used(id)))
+            .unwrap_or((0, 0));
+        StoreStats {
+            client_id: inner.client(),
+            segment_capacity: cap,
+            segment_used: used,
+            puts: c.puts.load(Ordering::Relaxed),
+            put_bytes: c.put_bytes.load(Ordering::Relaxed),
+            put_errors: c.put_errors.load(Ordering::Relaxed),
+            gets: c.gets.load(Ordering::Relaxed),
+            get_bytes: c.get_bytes.load(Ordering::Relaxed),
+            get_errors: c.get_errors.load(Ordering::Relaxed),
+            checksum_mismatches: c.checksum_mismatches.load(Ordering::Relaxed),
+            removes: c.removes.load(Ordering::Relaxed),
+            master: inner.master.stats(),
+        }
+    }
+
+    /// This client's id at the master.
+    pub fn client_id(&self) -> u64 {
+        self.inner.client()
+    }
+
+    /// The id of this client's segment, if it gives memory to the pool.
+    pub fn segment_id(&self) -> Option<SegmentId> {
+        self.inner.segment.lock().as_ref().map(|s| s.id)
+    }
+
+    /// The master this client talks to.
+    pub fn master(&self) -> &Master {
+        &self.inner.master
+    }
+}

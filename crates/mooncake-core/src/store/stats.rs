@@ -1,0 +1,71 @@
+//! Counters of one client.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::master::MasterStats;
+
+#[derive(Default)]
+pub(super) struct StoreCounters {
+    pub(super) puts: AtomicU64,
+    pub(super) put_bytes: AtomicU64,
+    pub(super) put_errors: AtomicU64,
+    pub(super) gets: AtomicU64,
+    pub(super) get_bytes: AtomicU64,
+    pub(super) get_errors: AtomicU64,
+    pub(super) checksum_mismatches: AtomicU64,
+    pub(super) removes: AtomicU64,
+}
+
+impl StoreCounters {
+    pub(super) fn inc(counter: &AtomicU64, by: u64) {
+        counter.fetch_add(by, Ordering::Relaxed);
+    }
+}
+
+/// A snapshot of a client's counters plus the master's.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct StoreStats {
+    /// This client's id at the master.
+    pub client_id: u64,
+    /// Bytes this client gives the pool.
+    pub segment_capacity: u64,
+    /// Bytes allocated in this client's segment.
+    pub segment_used: u64,
+    /// Successful puts.
+    pub puts: u64,
+    /// Bytes of successful puts (once per object, not per replica).
+    pub put_bytes: u64,
+    /// Failed puts.
+    pub put_errors: u64,
+    /// Successful gets.
+    pub gets: u64,
+    /// Bytes returned by successful gets.
+    pub get_bytes: u64,
+    /// Failed gets (including not found).
+    pub get_errors: u64,
+    /// Replica reads whose bytes failed the checksum (and were retried elsewhere).
+    pub checksum_mismatches: u64,
+    /// Successful removes.
+    pub removes: u64,
+    /// The master's view.
+    pub master: MasterStats,
+}
+
+impl std::fmt::Display for StoreStats {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let m = &self.master;
+        writeln!(f, "client {:#x}: segment {}/{} bytes used", self.client_id, self.segment_used, self.segment_capacity)?;
+        writeln!(
+            f,
+            "  puts {} ({} B, {} failed), gets {} ({} B, {} failed), removes {}, checksum retries {}",
+            self.puts, self.put_bytes, self.put_errors, self.gets, self.get_bytes, self.get_errors, self.removes,
+            self.checksum_mismatches
+        )?;
+        write!(
+            f,
+            "  master: {} objects ({} B), {} replicas, {} segments, {}/{} B used, {} evicted, {} clients expired",
+            m.objects, m.object_bytes, m.replicas, m.segments, m.used_bytes, m.capacity_bytes, m.evicted_objects,
+            m.expired_clients
+        )
+    }
+}

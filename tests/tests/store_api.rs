@@ -1,0 +1,306 @@
+//! Every public `Store` method and every error variant it can return, through the
+//! public API of `mooncake-core` only.
+
+use std::time::Duration;
+
+use mooncake_core::{Error, Master, MasterConfig, ReplicateConfig, Store, MAX_KEY_LEN};
+
+fn short_lease_master() -> Master {
+    Master::new(MasterConfig { default_lease: Duration::from_millis(50), ..Default::default() }).unwrap()
+}
+
+fn store_on(master: &Master, segment: u64) -> Store {
+    Store::builder().master(master).global_segment_size(segment).build().unwrap()
+}
+
+fn pattern(seed: u8, len: usize) -> Vec<u8> {
+    (0..len).map(|i| seed.wrapping_add((i % 251) as u8)).collect()
+}
+
+#[test]
+fn put_then_get_returns_exact_bytes_for_kv_cache_sizes() {
+    let store = Store::builder().global_segment_size(64 << 20).build().unwrap();
+    for (i, len) in [1usize, 4096, 65536, 1 << 20, 4 << 20].into_iter().enumerate() {
+        let v = pattern(i as u8, len);
+        let key = format!("k{len}");
+        store.put(&key, &v).unwrap();
+        assert_eq!(&store.get(&key).unwrap()[..], &v[..]);
+    }
+    let s = store.stats();
+    assert_eq!(s.puts, 5);
+    assert_eq!(s.gets, 5);
+    assert_eq!(s.master.objects, 5);
+}
+
+#[test]
+fn keys_and_values_are_validated() {
+    let store = Store::builder().global_segment_size(1 << 20).build().unwrap();
+    let long = "x".repeat(MAX_KEY_LEN + 1);
+    let max = "y".repeat(MAX_KEY_LEN);
+    assert!(matches!(store.put("", b"v"), Err(Error::InvalidArgument(_))));
+    assert!(matches!(store.put(&long, b"v"), Err(Error::InvalidArgument(_))));
+    assert!(matches!(store.put("k", b""), Err(Error::InvalidArgument(_))));
+    assert!(matches!(store.get(""), Err(Error::InvalidArgument(_))));
+    assert!(matches!(store.get(&long), Err(Error::InvalidArgument(_))));
+    assert!(matches!(store.exists(&long), Err(Error::InvalidArgument(_))));
+    assert!(matches!(store.remove(""), Err(Error::InvalidArgument(_))));
+    let zero = ReplicateConfig { replica_num: 0, ..Default::default() };
+    assert!(matches!(store.put_with("k", b"v", &zero), Err(Error::InvalidArgument(_))));
+    store.put(&max, b"a 4096-byte key works").unwrap();
+    assert_eq!(&store.get(&max).unwrap()[..], b"a 4096-byte key works");
+    // Multi-byte UTF-8 keys count bytes, not chars.
+    let emoji = "🦀".repeat(MAX_KEY_LEN / 4);
+    store.put(&emoji, b"crab").unwrap();
+    assert!(matches!(store.put(&format!("{emoji}x"), b"v"), Err(Error::InvalidArgument(_))));
+}
+
+#[test]
+fn objects_are_immutable() {
+    let store = Store::builder().global_segment_size(1 << 20).build().unwrap();
+    store.put("k", b"one").unwrap();
+    assert!(matches!(store.put("k", b"two"), Err(Error::AlreadyExists(_))));
+    assert_eq!(&store.get("k").unwrap()[..], b"one");
+}
+
+#[test]
+fn missing_keys_are_not_found() {
+    let store = Store::builder().global_segment_size(1 << 20).build().unwrap();
+    assert!(matches!(store.get("nope"), Err(Error::NotFound(_))));
+    assert!(matches!(store.get_into("nope", &mut [0u8; 4]), Err(Error::NotFound(_))));
+    assert!(matches!(store.remove("nope"), Err(Error::NotFound(_))));
+    assert!(!store.exists("nope").unwrap());
+    assert!(matches!(store.replicate("nope", &ReplicateConfig::replicas(2)), Err(Error::NotFound(_))));
+    assert_eq!(store.stats().get_errors, 2);
+}
+
+#[test]
+fn get_into_reports_buffer_too_small_and_writes_nothing() {
+    let store = Store::builder().global_segment_size(1 << 20).build().unwrap();
+    store.put("k", &[9u8; 100]).unwrap();
+    let mut small = [1u8; 99];
+    match store.get_into("k", &mut small) {
+        Err(Error::BufferTooSmall { needed: 100, capacity: 99 }) => {}
+        other => panic!("expected BufferTooSmall, got {other:?}"),
+    }
+    assert!(small.iter().all(|&b| b == 1));
+    let mut big = [0u8; 200];
+    assert_eq!(store.get_into("k", &mut big).unwrap(), 100);
+    assert!(big[..100].iter().all(|&b| b == 9));
+    assert!(big[100..].iter().all(|&b| b == 0));
+}
+
+#[test]
+fn leases_block_remove_until_they_expire() {
+    let master = short_lease_master();
+    let store = store_on(&master, 1 << 20);
+    store.put("k", b"v").unwrap();
+    store.remove("k").unwrap(); // never read: no lease
+    store.put("k", b"v").unwrap();
+    store.get("k").unwrap();
+    assert!(matches!(store.remove("k"), Err(Error::HasLease(_))));
+    assert_eq!(master.stats().lease_refusals, 1);
+    std::thread::sleep(Duration::from_millis(80));
+    store.remove("k").unwrap();
+    assert!(!store.exists("k").unwrap());
+}
+
+#[test]
+fn remove_all_skips_leased_objects_and_counts() {
+    let master = short_lease_master();
+    let store = store_on(&master, 1 << 20);
+    for i in 0..10 {
+        store.put(&format!("k{i}"), b"v").unwrap();
+    }
+    store.get("k3").unwrap();
+    store.get("k7").unwrap();
+    assert_eq!(store.remove_all().unwrap(), 8);
+    assert!(store.exists("k3").unwrap() && store.exists("k7").unwrap());
+    std::thread::sleep(Duration::from_millis(80));
+    assert_eq!(store.remove_all().unwrap(), 2);
+    assert_eq!(master.stats().objects, 0);
+}
+
+#[test]
+fn no_space_when_nothing_can_be_evicted() {
+    let store = Store::builder().global_segment_size(1 << 20).build().unwrap();
+    assert!(matches!(store.put("big", &vec![0u8; 2 << 20]), Err(Error::NoSpace(_))));
+    let reader = Store::builder().global_segment_size(0).build().unwrap();
+    assert!(matches!(reader.put("k", b"v"), Err(Error::NoSpace(_))));
+}
+
+#[test]
+fn batch_put_and_batch_get_report_per_item() {
+    let store = Store::builder().global_segment_size(8 << 20).build().unwrap();
+    let a = pattern(1, 5000);
+    let b = pattern(2, 70000);
+    store.put("dup", b"old").unwrap();
+    let items: Vec<(&str, &[u8])> = vec![("a", &a), ("", b"bad key"), ("b", &b), ("dup", b"new"), ("empty", b"")];
+    let res = store.batch_put(&items, &ReplicateConfig::default());
+    assert!(res[0].is_ok());
+    assert!(matches!(res[1], Err(Error::InvalidArgument(_))));
+    assert!(res[2].is_ok());
+    assert!(matches!(res[3], Err(Error::AlreadyExists(_))));
+    assert!(matches!(res[4], Err(Error::InvalidArgument(_))));
+    let got = store.batch_get(&["a", "missing", "b", "dup"]);
+    assert_eq!(&got[0].as_ref().unwrap()[..], &a[..]);
+    assert!(matches!(got[1], Err(Error::NotFound(_))));
+    assert_eq!(&got[2].as_ref().unwrap()[..], &b[..]);
+    assert_eq!(&got[3].as_ref().unwrap()[..], b"old");
+}
+
+#[test]
+fn replicate_adds_and_drops_copies() {
+    let master = Master::new(MasterConfig { default_lease: Duration::ZERO, ..Default::default() }).unwrap();
+    let stores: Vec<Store> = (0..3).map(|_| store_on(&master, 4 << 20)).collect();
+    let v = pattern(7, 300_000);
+    stores[0].put("k", &v).unwrap();
+    assert_eq!(master.stats().replicas, 1);
+    stores[1].replicate("k", &ReplicateConfig::replicas(3)).unwrap();
+    assert_eq!(master.stats().replicas, 3);
+    assert_eq!(master.stats().used_bytes, 3 * 300_032);
+    stores[2].replicate("k", &ReplicateConfig::replicas(1)).unwrap();
+    assert_eq!(master.stats().replicas, 1);
+    // Asking for more copies than segments gives as many as there are.
+    stores[0].replicate("k", &ReplicateConfig::replicas(5)).unwrap();
+    assert_eq!(master.stats().replicas, 3);
+    for s in &stores {
+        assert_eq!(&s.get("k").unwrap()[..], &v[..]);
+    }
+}
+
+#[test]
+fn two_replicas_survive_a_lost_client_and_one_replica_does_not() {
+    let master = Master::new(MasterConfig::default()).unwrap();
+    let a = store_on(&master, 4 << 20);
+    let b = store_on(&master, 4 << 20);
+    let two = pattern(3, 100_000);
+    a.put_with("two", &two, &ReplicateConfig::replicas(2)).unwrap();
+    // Pin the single replica on a's segment.
+    let on_a = ReplicateConfig { preferred_segments: vec![master.segment_info(a.segment_id().unwrap()).unwrap().name], ..Default::default() };
+    a.put_with("one", b"only on a", &on_a).unwrap();
+    assert_eq!(master.stats().replicas, 3);
+    drop(a);
+    assert_eq!(&b.get("two").unwrap()[..], &two[..]);
+    assert!(matches!(b.get("one"), Err(Error::NotFound(_))));
+    assert_eq!(master.stats().segments, 1);
+}
+
+#[test]
+fn a_client_that_stops_heartbeating_is_expired() {
+    let master = Master::new(MasterConfig {
+        client_ttl: Duration::from_millis(200),
+        monitor_interval: Duration::from_millis(10),
+        ..Default::default()
+    })
+    .unwrap();
+    let keeper = store_on(&master, 1 << 20);
+    // A raw client of the master that never heartbeats, with a segment of its own.
+    let silent = master.register_client();
+    let engine = mooncake_transfer_free_region(&master, silent);
+    std::thread::sleep(Duration::from_millis(500));
+    let stats = master.stats();
+    assert_eq!(stats.expired_clients, 1, "{stats:?}");
+    assert_eq!(stats.segments, 1, "only the heartbeating store's segment is left");
+    assert!(master.heartbeat(silent).is_err());
+    keeper.put("still", b"works").unwrap();
+    drop(engine);
+}
+
+/// Mounts a segment for `client` without a `Store` (so nothing heartbeats for it).
+fn mooncake_transfer_free_region(master: &Master, client: u64) -> u64 {
+    let region = mooncake_transfer::RemoteRegion { endpoint: "local://nowhere/1".into(), region: 1 };
+    master.mount_segment(client, region, 1 << 20).unwrap()
+}
+
+#[test]
+fn a_put_that_never_ends_is_reclaimed_after_the_timeout() {
+    let master = Master::new(MasterConfig {
+        put_timeout: Duration::from_millis(100),
+        monitor_interval: Duration::from_millis(10),
+        ..Default::default()
+    })
+    .unwrap();
+    let store = store_on(&master, 1 << 20);
+    let client = master.register_client();
+    master.put_start(client, "stuck", 1000, &ReplicateConfig::default()).unwrap();
+    assert!(matches!(store.put("stuck", b"v"), Err(Error::AlreadyExists(_))));
+    assert!(!store.exists("stuck").unwrap(), "a pending put is not visible");
+    std::thread::sleep(Duration::from_millis(300));
+    let stats = master.stats();
+    assert_eq!(stats.put_timeouts, 1);
+    assert_eq!(stats.pending_puts, 0);
+    assert_eq!(stats.used_bytes, 0);
+    store.put("stuck", b"v").unwrap();
+    assert!(matches!(master.put_end(client, "stuck", 0), Err(Error::AlreadyExists(_))));
+}
+
+#[test]
+fn a_revoked_put_frees_its_space_and_is_invisible() {
+    let master = Master::new(MasterConfig::default()).unwrap();
+    let _store = store_on(&master, 1 << 20);
+    let client = master.register_client();
+    master.put_start(client, "k", 4096, &ReplicateConfig::default()).unwrap();
+    assert!(master.stats().used_bytes >= 4096);
+    // Only the putting client may end or revoke it.
+    assert!(matches!(master.put_revoke(client + 2, "k"), Err(Error::NotFound(_))));
+    master.put_revoke(client, "k").unwrap();
+    assert_eq!(master.stats().used_bytes, 0);
+    assert!(matches!(master.get_replica_list("k"), Err(Error::NotFound(_))));
+}
+
+#[test]
+fn builder_rejects_contradictory_settings() {
+    let master = Master::new(MasterConfig::default()).unwrap();
+    let r = Store::builder().master(&master).master_config(MasterConfig::default()).build();
+    assert!(matches!(r, Err(Error::InvalidArgument(_))));
+    let r = Store::builder().master(&master).allocation_strategy(mooncake_core::alloc::Random).build();
+    assert!(matches!(r, Err(Error::InvalidArgument(_))));
+    let bad = MasterConfig { high_watermark: 1.5, ..Default::default() };
+    assert!(matches!(Master::new(bad), Err(Error::InvalidArgument(_))));
+    let bad = MasterConfig { eviction_ratio: 0.99, ..Default::default() };
+    assert!(matches!(Master::new(bad), Err(Error::InvalidArgument(_))));
+}
+
+#[test]
+fn store_is_clone_send_sync_and_shares_one_client() {
+    fn assert_traits<T: Clone + Send + Sync>() {}
+    assert_traits::<Store>();
+    let store = Store::builder().global_segment_size(8 << 20).build().unwrap();
+    let threads: Vec<_> = (0..4)
+        .map(|t| {
+            let s = store.clone();
+            std::thread::spawn(move || {
+                for i in 0..50 {
+                    let key = format!("t{t}/{i}");
+                    let v = pattern((t * 50 + i) as u8, 1000 + i);
+                    s.put(&key, &v).unwrap();
+                    assert_eq!(&s.get(&key).unwrap()[..], &v[..]);
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    assert_eq!(store.stats().puts, 200);
+    assert_eq!(store.stats().master.clients, 1);
+}
+
+#[test]
+fn errors_are_matchable_and_print_one_line() {
+    let e = Error::BufferTooSmall { needed: 10, capacity: 5 };
+    assert_eq!(e.to_string(), "buffer too small: object has 10 bytes, buffer 5");
+    assert_eq!(Error::NotFound("k".into()).to_string(), "not found: k");
+    for e in [
+        Error::AlreadyExists("k".into()),
+        Error::HasLease("k".into()),
+        Error::NoSpace("x".into()),
+        Error::MasterUnavailable("x".into()),
+        Error::Timeout("x".into()),
+        Error::Storage("x".into()),
+        Error::Corrupted("k".into()),
+        Error::Transport(mooncake_transfer::TransferError::UnknownEndpoint("e".into())),
+    ] {
+        assert!(!e.to_string().contains('\n'));
+    }
+}
