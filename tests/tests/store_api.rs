@@ -13,6 +13,16 @@ fn store_on(master: &Master, segment: u64) -> Store {
     Store::builder().master(master).global_segment_size(segment).build().unwrap()
 }
 
+/// Polls `cond` until it holds; panics after `limit` (the machine may be loaded, so
+/// background work gets time, but a hang still fails).
+fn wait_until(limit: Duration, cond: impl Fn() -> bool) {
+    let start = std::time::Instant::now();
+    while !cond() {
+        assert!(start.elapsed() < limit, "condition not reached in {limit:?}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
 fn pattern(seed: u8, len: usize) -> Vec<u8> {
     (0..len).map(|i| seed.wrapping_add((i % 251) as u8)).collect()
 }
@@ -188,7 +198,7 @@ fn two_replicas_survive_a_lost_client_and_one_replica_does_not() {
 #[test]
 fn a_client_that_stops_heartbeating_is_expired() {
     let master = Master::new(MasterConfig {
-        client_ttl: Duration::from_millis(200),
+        client_ttl: Duration::from_millis(1000),
         monitor_interval: Duration::from_millis(10),
         ..Default::default()
     })
@@ -197,7 +207,7 @@ fn a_client_that_stops_heartbeating_is_expired() {
     // A raw client of the master that never heartbeats, with a segment of its own.
     let silent = master.register_client();
     let engine = mooncake_transfer_free_region(&master, silent);
-    std::thread::sleep(Duration::from_millis(500));
+    wait_until(Duration::from_secs(20), || master.stats().expired_clients > 0);
     let stats = master.stats();
     assert_eq!(stats.expired_clients, 1, "{stats:?}");
     assert_eq!(stats.segments, 1, "only the heartbeating store's segment is left");
@@ -225,7 +235,7 @@ fn a_put_that_never_ends_is_reclaimed_after_the_timeout() {
     master.put_start(client, "stuck", 1000, &ReplicateConfig::default()).unwrap();
     assert!(matches!(store.put("stuck", b"v"), Err(Error::AlreadyExists(_))));
     assert!(!store.exists("stuck").unwrap(), "a pending put is not visible");
-    std::thread::sleep(Duration::from_millis(300));
+    wait_until(Duration::from_secs(20), || master.stats().put_timeouts > 0);
     let stats = master.stats();
     assert_eq!(stats.put_timeouts, 1);
     assert_eq!(stats.pending_puts, 0);
