@@ -14,8 +14,9 @@ use mooncake_alloc::SegmentId;
 use super::object::{ObjectEntry, SHARDS};
 use super::MasterService;
 
-/// Shards sampled to estimate the access-time cutoff.
-const SAMPLED_SHARDS: usize = 64;
+/// Candidates sampled to estimate the access-time cutoff (whole shards are sampled
+/// until this many are seen, or every shard was).
+const SAMPLE_TARGET: usize = 4096;
 
 /// What an eviction pass did.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -85,7 +86,10 @@ impl MasterService {
 
         // 1. Estimate the access-time cutoff from a sample of the shards.
         let mut sample: Vec<(u64, u64)> = Vec::new();
-        for i in 0..SAMPLED_SHARDS {
+        let mut sampled_shards = 0;
+        while sampled_shards < SHARDS && sample.len() < SAMPLE_TARGET {
+            let i = sampled_shards;
+            sampled_shards += 1;
             let shard = self.index.shard_at((start + i) % SHARDS).lock();
             sample.extend(
                 shard
@@ -95,11 +99,11 @@ impl MasterService {
             );
         }
         sample.sort_unstable();
-        let scale = (SHARDS / SAMPLED_SHARDS) as u64;
+        let scale = SHARDS as f64 / sampled_shards as f64;
         let mut acc = 0u64;
         let mut cutoff = u64::MAX;
         for (t, b) in &sample {
-            acc += b * scale;
+            acc += (*b as f64 * scale) as u64;
             if acc >= target {
                 cutoff = *t;
                 break;

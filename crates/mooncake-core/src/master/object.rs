@@ -1,7 +1,6 @@
 //! The object index: 1024 shards of key -> metadata, each behind its own lock.
 
 use std::collections::HashMap;
-use std::hash::BuildHasher;
 
 use mooncake_alloc::{AllocatedBuffer, SegmentId};
 use parking_lot::Mutex;

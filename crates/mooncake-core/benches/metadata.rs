@@ -1,0 +1,49 @@
+//! Embedded metadata round trip: put_start + put_end + get_replica_list (+ remove, so
+//! the index stays the same size), on one core, no bytes moved.
+
+use std::hint::black_box;
+use std::time::Duration;
+
+use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use mooncake_core::{Master, MasterConfig, ReplicateConfig};
+use mooncake_transfer::RemoteRegion;
+
+fn metadata_round_trip(c: &mut Criterion) {
+    let master = Master::new(MasterConfig { default_lease: Duration::ZERO, ..Default::default() }).unwrap();
+    let client = master.register_client();
+    for i in 0..16 {
+        let region = RemoteRegion { endpoint: format!("bench://{i}"), region: 1 };
+        master.mount_segment(client, region, 64 << 30).unwrap();
+    }
+    let keys: Vec<String> = (0..100_000).map(|i| format!("bench/prefix/{i:08}")).collect();
+    let cfg = ReplicateConfig::default();
+    let mut group = c.benchmark_group("metadata");
+    group.throughput(Throughput::Elements(1));
+    let mut i = 0usize;
+    group.bench_function("put_start+put_end+get_replica_list+remove", |b| {
+        b.iter(|| {
+            let key = &keys[i % keys.len()];
+            i += 1;
+            black_box(master.put_start(client, key, 1 << 20, &cfg).unwrap());
+            master.put_end(client, key, 7).unwrap();
+            black_box(master.get_replica_list(key).unwrap());
+            master.remove(key).unwrap();
+        })
+    });
+    // Reads alone against a populated index.
+    for key in &keys {
+        master.put_start(client, key, 4096, &cfg).unwrap();
+        master.put_end(client, key, 7).unwrap();
+    }
+    group.bench_function("get_replica_list", |b| {
+        b.iter(|| {
+            let key = &keys[i % keys.len()];
+            i += 1;
+            black_box(master.get_replica_list(key).unwrap());
+        })
+    });
+    group.finish();
+}
+
+criterion_group!(benches, metadata_round_trip);
+criterion_main!(benches);
