@@ -44,7 +44,7 @@ pub(crate) fn check_value_len(len: u64) -> Result<()> {
 /// let cfg = ReplicateConfig { replica_num: 2, soft_pin: true, ..Default::default() };
 /// assert!(cfg.preferred_segments.is_empty());
 /// ```
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct ReplicateConfig {
     /// Number of memory replicas, each on a distinct segment (default 1). Placement is
     /// best effort: with fewer segments with room, fewer replicas are made.
@@ -109,6 +109,10 @@ pub struct MasterConfig {
     /// Period of the background thread that expires clients and puts and runs
     /// eviction (default 100 ms).
     pub monitor_interval: Duration,
+    /// Tell segment owners (with their heartbeats) which objects their segments
+    /// hold, so that they can repopulate a restarted master (default false: an
+    /// embedded master dies with its clients; the daemon turns it on).
+    pub track_records: bool,
 }
 
 impl std::fmt::Debug for MasterConfig {
@@ -121,6 +125,7 @@ impl std::fmt::Debug for MasterConfig {
             .field("eviction_ratio", &self.eviction_ratio)
             .field("allocation_strategy", &self.allocation_strategy.name())
             .field("monitor_interval", &self.monitor_interval)
+            .field("track_records", &self.track_records)
             .finish()
     }
 }
@@ -135,6 +140,7 @@ impl Default for MasterConfig {
             eviction_ratio: 0.05,
             allocation_strategy: Arc::new(Random),
             monitor_interval: Duration::from_millis(100),
+            track_records: false,
         }
     }
 }

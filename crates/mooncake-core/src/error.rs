@@ -34,6 +34,10 @@ pub enum Error {
     /// The master cannot be reached, or does not know this client anymore.
     #[error("master unavailable: {0}")]
     MasterUnavailable(String),
+    /// The master does not know this client: it expired, or the master restarted.
+    /// The client must register again (a `Store` does so by itself).
+    #[error("unknown client {0:#x}: register again")]
+    UnknownClient(u64),
     /// The call did not finish in time.
     #[error("timed out: {0}")]
     Timeout(String),

@@ -22,11 +22,12 @@
 mod config;
 mod error;
 pub mod master;
+pub mod rpc;
 mod store;
 
 pub use config::{MasterConfig, Protocol, ReplicateConfig, MAX_KEY_LEN, MAX_VALUE_LEN};
 pub use error::{Error, Result};
-pub use master::{Master, MasterStats};
+pub use master::{Master, MasterApi, MasterStats};
 pub use store::{Store, StoreBuilder, StoreStats};
 
 /// Re-exports of the allocation crate: strategies and the traits to write your own.

@@ -117,7 +117,7 @@ impl MasterService {
                     break;
                 }
                 let mut shard = self.index.shard_at((start + i) % SHARDS).lock();
-                shard.retain(|_, e| {
+                shard.retain(|k, e| {
                     if report.freed_bytes >= target
                         || e.last_access_ms > cutoff
                         || (e.soft_pin && !include_pinned)
@@ -127,6 +127,7 @@ impl MasterService {
                     }
                     report.freed_bytes += e.memory_bytes(segment);
                     report.evicted_objects += 1;
+                    self.note_removed(k, &e.replicas);
                     false
                 });
             }

@@ -56,7 +56,7 @@ impl MasterService {
             tracing::warn!(client = format!("{client:#x}"), removed, "client expired; its segments are unmounted");
         }
         if self.counters.pending_puts.load(Ordering::Relaxed) > 0 {
-            let timed_out = self.retain_entries(|e| !self.put_expired(e, now), |_| {});
+            let timed_out = self.retain_entries(|e| !self.put_expired(e, now), |_, _| {});
             self.counters.put_timeouts.fetch_add(timed_out as u64, Ordering::Relaxed);
         }
         self.evict_if_needed();

@@ -5,9 +5,11 @@
 //! their state, grants read leases, evicts under memory pressure, and drops the
 //! segments of clients that stop heartbeating.
 
+mod api;
 mod eviction;
 mod liveness;
 mod object;
+mod records;
 mod segment;
 
 use std::ops::Deref;
@@ -24,13 +26,14 @@ use crate::error::{Error, Result};
 use object::{ObjectEntry, ObjectIndex, StoredReplica};
 use segment::{ClientRecord, MountedSegment, SegmentTable};
 
+pub use api::{ClientRegistration, MasterApi, ObjectRecord, RecordUpdate};
 pub use eviction::EvictionReport;
 
 /// Identifier of a client of the master (random, never 0).
 pub type ClientId = u64;
 
 /// Where one replica's bytes are: `len` bytes at `offset` of segment `segment`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub struct MemoryReplica {
     /// Segment holding the bytes.
     pub segment: SegmentId,
@@ -48,7 +51,7 @@ impl MemoryReplica {
 
 /// The answer to a replica-list call: the complete replicas of an object and the
 /// checksum its bytes must match. The object is leased for `lease`.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct ReplicaList {
     /// Object length.
     pub len: u64,
@@ -78,7 +81,7 @@ pub struct SegmentInfo {
 /// What a client must do to change an object's replica count: copy the object from a
 /// source replica into each target, then call
 /// [`MasterService::replicate_end`]. Extra replicas were already dropped.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct ReplicatePlan {
     /// Object length.
     pub len: u64,
@@ -93,7 +96,7 @@ pub struct ReplicatePlan {
 }
 
 /// Counters and gauges of the master.
-#[derive(Clone, Debug, Default, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct MasterStats {
     /// Complete objects.
     pub objects: u64,
@@ -127,6 +130,23 @@ pub struct MasterStats {
     pub stall_graces: u64,
     /// Allocation strategy in use.
     pub allocation_strategy: String,
+    /// Capacity and use of every mounted segment.
+    pub segment_usage: Vec<SegmentUsage>,
+}
+
+/// Capacity and use of one segment.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct SegmentUsage {
+    /// Segment id.
+    pub segment: SegmentId,
+    /// Segment name.
+    pub name: String,
+    /// Bytes in the segment.
+    pub capacity: u64,
+    /// Bytes allocated.
+    pub used: u64,
+    /// Fragmentation of its free space (0..1).
+    pub fragmentation: f64,
 }
 
 #[derive(Default)]
@@ -239,13 +259,13 @@ impl MasterService {
 
     /// Records a heartbeat. Fails with `MasterUnavailable` when the master no longer
     /// knows the client (it was expired): the client must register again.
-    pub fn heartbeat(&self, client: ClientId) -> Result<()> {
+    pub fn heartbeat(&self, client: ClientId) -> Result<Vec<RecordUpdate>> {
         match self.clients.read().get(&client) {
             Some(rec) => {
                 rec.touch(self.now_ms());
-                Ok(())
+                Ok(std::mem::take(&mut *rec.updates.lock()))
             }
-            None => Err(Error::MasterUnavailable(format!("client {client:#x} is not registered"))),
+            None => Err(Error::UnknownClient(client)),
         }
     }
 
@@ -260,7 +280,7 @@ impl MasterService {
         let mut clients = self.clients.write();
         let rec = clients
             .get_mut(&client)
-            .ok_or_else(|| Error::MasterUnavailable(format!("client {client:#x} is not registered")))?;
+            .ok_or(Error::UnknownClient(client))?;
         rec.segments.push(id);
         self.segments.write().insert(MountedSegment { alloc, owner: client, region });
         tracing::debug!(segment = id, client, capacity, "segment mounted");
@@ -305,7 +325,7 @@ impl MasterService {
         }
         let removed = self.drop_replicas_on(&rec.segments);
         // Puts the client started and never ended cannot end anymore.
-        let removed_pending = self.retain_entries(|e| e.complete || e.owner != client, |_| {});
+        let removed_pending = self.retain_entries(|e| e.complete || e.owner != client, |_, _| {});
         removed + removed_pending
     }
 
@@ -335,11 +355,11 @@ impl MasterService {
     }
 
     /// Removes every entry for which `keep` is false; calls `on_removed` for each.
-    fn retain_entries(&self, keep: impl Fn(&ObjectEntry) -> bool, mut on_removed: impl FnMut(&ObjectEntry)) -> usize {
+    fn retain_entries(&self, keep: impl Fn(&ObjectEntry) -> bool, mut on_removed: impl FnMut(&str, &ObjectEntry)) -> usize {
         let mut removed = 0;
         for shard in self.index.shards() {
             let mut shard = shard.lock();
-            shard.retain(|_, e| {
+            shard.retain(|k, e| {
                 if keep(e) {
                     return true;
                 }
@@ -347,7 +367,7 @@ impl MasterService {
                 if !e.complete {
                     self.counters.pending_puts.fetch_sub(1, Ordering::Relaxed);
                 }
-                on_removed(e);
+                on_removed(k, e);
                 false
             });
         }
@@ -472,6 +492,7 @@ impl MasterService {
                     r.complete = true;
                 }
                 self.counters.pending_puts.fetch_sub(1, Ordering::Relaxed);
+                self.note_added(key, e, None);
                 Ok(())
             }
             Some(e) if e.complete => Err(Error::AlreadyExists(key.to_owned())),
@@ -559,7 +580,9 @@ impl MasterService {
                 Err(Error::HasLease(key.to_owned()))
             }
             Some(e) if e.complete => {
-                shard.remove(key);
+                if let Some(e) = shard.remove(key) {
+                    self.note_removed(key, &e.replicas);
+                }
                 Ok(())
             }
             _ => Err(Error::NotFound(key.to_owned())),
@@ -575,7 +598,7 @@ impl MasterService {
     pub fn remove_all(&self) -> usize {
         let now = self.now_ms();
         let mut refused = 0;
-        let removed = self.retain_entries(|e| !e.complete || e.leased(now), |_| {});
+        let removed = self.retain_entries(|e| !e.complete || e.leased(now), |k, e| self.note_removed(k, &e.replicas));
         for shard in self.index.shards() {
             refused += shard.lock().values().filter(|e| e.complete && e.leased(now)).count();
         }
@@ -607,7 +630,8 @@ impl MasterService {
                 let mut dropped = 0;
                 while e.replicas.iter().filter(|r| r.complete).count() > cfg.replica_num {
                     if let Some(i) = e.replicas.iter().rposition(|r| r.complete) {
-                        e.replicas.remove(i);
+                        let gone = e.replicas.remove(i);
+                        self.note_removed(key, [&gone]);
                         dropped += 1;
                     }
                 }
@@ -659,6 +683,7 @@ impl MasterService {
             for r in e.replicas.iter_mut().filter(|r| is_target(r)) {
                 r.complete = true;
             }
+            self.note_added(key, e, Some(targets));
         } else {
             e.replicas.retain(|r| !is_target(r));
         }
@@ -700,13 +725,18 @@ impl MasterService {
             expired_clients: c.expired_clients.load(Ordering::Relaxed),
             stall_graces: c.stall_graces.load(Ordering::Relaxed),
             allocation_strategy: self.config.allocation_strategy.name().to_owned(),
+            segment_usage: table
+                .candidates
+                .iter()
+                .map(|s| SegmentUsage {
+                    segment: s.id(),
+                    name: s.name().to_owned(),
+                    capacity: s.capacity(),
+                    used: s.used_bytes(),
+                    fragmentation: s.report().fragmentation,
+                })
+                .collect(),
         }
     }
 }
 
-impl MasterService {
-    /// Bytes allocated in segment `id` (0 if not mounted).
-    pub fn segment_used(&self, id: SegmentId) -> u64 {
-        self.segments.read().by_id.get(&id).map_or(0, |s| s.alloc.used_bytes())
-    }
-}

@@ -20,11 +20,14 @@ pub(crate) struct MountedSegment {
 pub(crate) struct ClientRecord {
     pub(crate) last_heartbeat_ms: AtomicU64,
     pub(crate) segments: Vec<SegmentId>,
+    /// Changes to the objects of this client's segments, drained by its heartbeats
+    /// (only when the master tracks records).
+    pub(crate) updates: parking_lot::Mutex<Vec<super::RecordUpdate>>,
 }
 
 impl ClientRecord {
     pub(crate) fn new(now_ms: u64) -> Self {
-        Self { last_heartbeat_ms: AtomicU64::new(now_ms), segments: Vec::new() }
+        Self { last_heartbeat_ms: AtomicU64::new(now_ms), segments: Vec::new(), updates: Default::default() }
     }
 
     pub(crate) fn touch(&self, now_ms: u64) {

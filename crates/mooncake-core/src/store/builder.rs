@@ -6,7 +6,9 @@ use mooncake_alloc::AllocationStrategy;
 
 use crate::config::{MasterConfig, Protocol, ReplicateConfig};
 use crate::error::{Error, Result};
-use crate::master::Master;
+use crate::master::{Master, MasterApi};
+use crate::rpc::RpcMasterClient;
+use mooncake_transfer::TransferEngine;
 
 use super::Store;
 
@@ -30,6 +32,7 @@ pub struct StoreBuilder {
     pub(super) global_segment_size: u64,
     pub(super) local_buffer_size: u64,
     pub(super) master: Option<Master>,
+    pub(super) master_address: Option<String>,
     pub(super) master_config: Option<MasterConfig>,
     pub(super) strategy: Option<Arc<dyn AllocationStrategy>>,
     pub(super) protocol: Protocol,
@@ -54,6 +57,7 @@ impl Default for StoreBuilder {
             global_segment_size: 256 << 20,
             local_buffer_size: 64 << 20,
             master: None,
+            master_address: None,
             master_config: None,
             strategy: None,
             protocol: Protocol::Local,
@@ -85,6 +89,12 @@ impl StoreBuilder {
         self
     }
 
+    /// Talks to a master daemon at `addr` (`host:port`) instead of an embedded one.
+    pub fn master_address(mut self, addr: &str) -> Self {
+        self.master_address = Some(addr.to_owned());
+        self
+    }
+
     /// Configuration of the embedded master this builder starts (ignored with
     /// [`master`](Self::master), which is an error to combine it with).
     pub fn master_config(mut self, config: MasterConfig) -> Self {
@@ -113,23 +123,29 @@ impl StoreBuilder {
     /// Builds the client: joins (or starts) the master and mounts the segment.
     pub fn build(self) -> Result<Store> {
         self.replicate.check()?;
-        let master = match (&self.master, &self.master_config, &self.strategy) {
-            (Some(_), Some(_), _) | (Some(_), _, Some(_)) => {
-                return Err(Error::InvalidArgument(
-                    "master_config and allocation_strategy configure an embedded master; \
-                     they cannot be combined with master(..)"
-                        .into(),
-                ))
-            }
-            (Some(m), None, None) => m.clone(),
-            (None, cfg, strategy) => {
-                let mut cfg = cfg.clone().unwrap_or_default();
-                if let Some(s) = strategy {
+        let external = self.master.is_some() || self.master_address.is_some();
+        if external && (self.master_config.is_some() || self.strategy.is_some()) {
+            return Err(Error::InvalidArgument(
+                "master_config and allocation_strategy configure an embedded master; \
+                 they cannot be combined with master(..) or master_address(..)"
+                    .into(),
+            ));
+        }
+        if self.master.is_some() && self.master_address.is_some() {
+            return Err(Error::InvalidArgument("give master(..) or master_address(..), not both".into()));
+        }
+        let master: Arc<dyn MasterApi> = match (&self.master, &self.master_address) {
+            (Some(m), _) => m.service().clone(),
+            (None, Some(addr)) => Arc::new(RpcMasterClient::connect(addr)?),
+            (None, None) => {
+                let mut cfg = self.master_config.clone().unwrap_or_default();
+                if let Some(s) = &self.strategy {
                     cfg.allocation_strategy = s.clone();
                 }
-                Master::new(cfg)?
+                Master::new(cfg)?.service().clone()
             }
         };
-        Store::connect(self, master)
+        let engine = TransferEngine::new();
+        Store::connect(self, master, engine)
     }
 }

@@ -17,7 +17,7 @@ use parking_lot::{Mutex, RwLock};
 
 use crate::config::{check_key, check_value_len, ReplicateConfig};
 use crate::error::{Error, Result};
-use crate::master::{ClientId, Master, MemoryReplica, ReplicaList};
+use crate::master::{ClientId, MasterApi, MemoryReplica, ObjectRecord, RecordUpdate, ReplicaList};
 
 pub use builder::StoreBuilder;
 pub use stats::StoreStats;
@@ -66,7 +66,7 @@ struct MountedSegment {
 }
 
 struct StoreInner {
-    master: Master,
+    master: Arc<dyn MasterApi>,
     client: AtomicU64,
     engine: TransferEngine,
     segment: Mutex<Option<MountedSegment>>,
@@ -75,14 +75,19 @@ struct StoreInner {
     routes: RwLock<HashMap<SegmentId, Arc<RemoteRegion>>>,
     replicate: ReplicateConfig,
     counters: StoreCounters,
+    /// The objects our segment holds, by offset, as the master told us: what we
+    /// re-register if the master restarts.
+    records: Mutex<HashMap<u64, ObjectRecord>>,
     /// Dropping it stops the heartbeat thread.
     _heartbeat_stop: Sender<()>,
 }
 
 impl Drop for StoreInner {
     fn drop(&mut self) {
-        let removed = self.master.unregister_client(self.client());
-        tracing::debug!(removed, "client unregistered; segment unmounted");
+        match self.master.unregister_client(self.client()) {
+            Ok(removed) => tracing::debug!(removed, "client unregistered; segment unmounted"),
+            Err(e) => tracing::warn!(error = %e, "could not unregister from the master"),
+        }
     }
 }
 
@@ -91,17 +96,52 @@ impl StoreInner {
         self.client.load(Ordering::Acquire)
     }
 
-    /// Registers again after the master expired us, and re-mounts a fresh segment.
-    /// Objects of the old segment were dropped by the master; the new one starts empty.
+    /// One heartbeat: applies the master's record updates for our segment.
+    fn heartbeat(&self) -> Result<()> {
+        let updates = self.master.heartbeat(self.client())?;
+        if updates.is_empty() {
+            return Ok(());
+        }
+        let own = self.own_segment.load(Ordering::Acquire);
+        let mut records = self.records.lock();
+        for u in updates {
+            match u {
+                RecordUpdate::Added { segment, record } if segment == own => {
+                    records.insert(record.offset, record);
+                }
+                RecordUpdate::Removed { segment, key, offset } if segment == own => {
+                    if records.get(&offset).is_some_and(|r| r.key == key) {
+                        records.remove(&offset);
+                    }
+                }
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// Registers again after the master forgot us (we expired, or it restarted) and
+    /// re-mounts the same memory with the objects it still holds. Records whose bytes
+    /// no longer match their checksum are not offered.
     fn rejoin(&self) -> Result<()> {
-        let client = self.master.register_client();
+        let reg = self.master.register_client()?;
+        let client = reg.client;
         let mut seg = self.segment.lock();
-        if let Some(old) = seg.take() {
-            self.engine.unregister_region(old.region.id());
-            let region = self.engine.register_region(old.region.len())?;
-            let id = self.master.mount_segment(client, self.engine.remote(region.id()), region.len())?;
+        if let Some(s) = seg.as_mut() {
+            let records: Vec<ObjectRecord> = {
+                let mut records = self.records.lock();
+                let region = &s.region;
+                records.retain(|_, r| {
+                    let mut buf = vec![0u8; r.len as usize];
+                    region.copy_out(r.offset, &mut buf).is_ok() && crc32c::crc32c(&buf) == r.checksum
+                });
+                records.values().cloned().collect()
+            };
+            let (id, taken) =
+                self.master.remount_segment(client, self.engine.remote(s.region.id()), s.region.len(), records)?;
+            s.id = id;
             self.own_segment.store(id, Ordering::Release);
-            *seg = Some(MountedSegment { region, id });
+            tracing::warn!(segment = id, objects = taken, "segment re-mounted");
         }
         self.client.store(client, Ordering::Release);
         tracing::warn!(client = format!("{client:#x}"), "client re-registered with the master");
@@ -112,10 +152,7 @@ impl StoreInner {
         if let Some(r) = self.routes.read().get(&segment) {
             return Ok(r.clone());
         }
-        let info = self
-            .master
-            .segment_info(segment)
-            .ok_or_else(|| Error::NotFound(format!("segment {segment} is not mounted")))?;
+        let info = self.master.segment_info(segment)?;
         let route = Arc::new(info.region);
         self.routes.write().insert(segment, route.clone());
         Ok(route)
@@ -216,15 +253,15 @@ impl Store {
         StoreBuilder::default()
     }
 
-    fn connect(cfg: StoreBuilder, master: Master) -> Result<Store> {
-        let engine = TransferEngine::new();
-        let client = master.register_client();
+    fn connect(cfg: StoreBuilder, master: Arc<dyn MasterApi>, engine: TransferEngine) -> Result<Store> {
+        let reg = master.register_client()?;
+        let client = reg.client;
         let segment = if cfg.global_segment_size > 0 {
             let region = engine.register_region(cfg.global_segment_size)?;
             match master.mount_segment(client, engine.remote(region.id()), region.len()) {
                 Ok(id) => Some(MountedSegment { region, id }),
                 Err(e) => {
-                    master.unregister_client(client);
+                    let _ = master.unregister_client(client);
                     return Err(e);
                 }
             }
@@ -242,11 +279,13 @@ impl Store {
             routes: RwLock::new(HashMap::new()),
             replicate: cfg.replicate,
             counters: StoreCounters::default(),
+            records: Mutex::new(HashMap::new()),
             _heartbeat_stop: stop_tx,
         });
         // Heartbeats get their own thread so that no amount of I/O delays them.
         let weak: Weak<StoreInner> = Arc::downgrade(&inner);
-        let period = (inner.master.config().client_ttl / 4).max(Duration::from_millis(1));
+        // Well within the TTL, and often enough that segment records stay fresh.
+        let period = Duration::from_millis((reg.client_ttl_ms / 4).clamp(1, 250));
         std::thread::Builder::new()
             .name("mooncake-heartbeat".into())
             .spawn(move || loop {
@@ -255,10 +294,15 @@ impl Store {
                     _ => return,
                 }
                 let Some(inner) = weak.upgrade() else { return };
-                if inner.master.heartbeat(inner.client()).is_err() {
-                    if let Err(e) = inner.rejoin() {
-                        tracing::error!(error = %e, "cannot re-register with the master");
+                match inner.heartbeat() {
+                    Ok(()) => {}
+                    Err(Error::UnknownClient(_)) => {
+                        if let Err(e) = inner.rejoin() {
+                            tracing::error!(error = %e, "cannot re-register with the master");
+                        }
                     }
+                    // Unreachable master: keep our identity and try again next period.
+                    Err(e) => tracing::warn!(error = %e, "heartbeat failed"),
                 }
             })
             .map_err(|e| Error::InvalidArgument(format!("cannot start the heartbeat thread: {e}")))?;
@@ -443,7 +487,7 @@ impl Store {
 
     /// Removes every object without a live lease; returns how many were removed.
     pub fn remove_all(&self) -> Result<usize> {
-        let n = self.inner.master.remove_all();
+        let n = self.inner.master.remove_all()?;
         StoreCounters::inc(&self.inner.counters.removes, n as u64);
         Ok(n)
     }
@@ -468,10 +512,11 @@ impl Store {
         let inner = &self.inner;
         let c = &inner.counters;
         let seg = inner.segment.lock();
+        let master = inner.master.stats().unwrap_or_default();
         let (cap, used) = seg
             .as_ref()
-            .and_then(|s| inner.master.segment_info(s.id).map(|i| (i.capacity, s.id)))
-            .map(|(cap, id)| (cap, inner.master.segment_used(id)))
+            .and_then(|s| master.segment_usage.iter().find(|u| u.segment == s.id))
+            .map(|u| (u.capacity, u.used))
             .unwrap_or((0, 0));
         StoreStats {
             client_id: inner.client(),
@@ -485,7 +530,7 @@ impl Store {
             get_errors: c.get_errors.load(Ordering::Relaxed),
             checksum_mismatches: c.checksum_mismatches.load(Ordering::Relaxed),
             removes: c.removes.load(Ordering::Relaxed),
-            master: inner.master.stats(),
+            master,
         }
     }
 
@@ -500,7 +545,13 @@ impl Store {
     }
 
     /// The master this client talks to.
-    pub fn master(&self) -> &Master {
+    pub fn master(&self) -> &Arc<dyn MasterApi> {
         &self.inner.master
+    }
+
+    /// The objects this client's segment holds, as the master last told it (empty
+    /// with an embedded master, which does not track records).
+    pub fn segment_records(&self) -> Vec<ObjectRecord> {
+        self.inner.records.lock().values().cloned().collect()
     }
 }

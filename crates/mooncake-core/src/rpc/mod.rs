@@ -1,0 +1,12 @@
+//! The master protocol: framed, versioned, pipelined binary RPC over TCP.
+//!
+//! [`RpcServer`] serves a [`MasterService`](crate::master::MasterService);
+//! [`RpcMasterClient`] is the [`MasterApi`](crate::master::MasterApi) a remote
+//! [`Store`](crate::Store) uses. The frame layout is documented in [`wire`].
+
+mod client;
+mod server;
+pub mod wire;
+
+pub use client::RpcMasterClient;
+pub use server::{dispatch, read_frame, RpcServer, RpcServerStats};

@@ -1,0 +1,245 @@
+//! The master's TCP server: one thread per connection, requests answered in order.
+
+use std::io::{BufReader, BufWriter, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+
+use mooncake_transfer::RemoteRegion;
+
+use crate::error::{Error, Result};
+use crate::master::MasterService;
+
+use super::wire::{
+    decode_body, encode_frame, FrameError, FrameHeader, FrameKind, Request, Response, WireError, DEFAULT_MAX_FRAME,
+    HEADER_LEN,
+};
+
+/// Counters of the RPC server.
+#[derive(Debug, Default)]
+pub struct RpcServerStats {
+    /// Requests answered.
+    pub requests: AtomicU64,
+    /// Requests answered with an error.
+    pub errors: AtomicU64,
+    /// Connections closed because of a malformed frame.
+    pub bad_frames: AtomicU64,
+    /// Connections accepted.
+    pub connections: AtomicU64,
+}
+
+/// Serves a [`MasterService`] over TCP.
+///
+/// ```
+/// use mooncake_core::{Master, MasterConfig, Store};
+/// use mooncake_core::rpc::RpcServer;
+///
+/// let master = Master::new(MasterConfig::default())?;
+/// let server = RpcServer::bind("127.0.0.1:0", master.service().clone())?;
+/// let addr = server.local_addr().to_string();
+/// let store = Store::builder().master_address(&addr).global_segment_size(1 << 20).build()?;
+/// store.put("k", b"over tcp")?;
+/// assert_eq!(master.stats().objects, 1);
+/// # Ok::<(), mooncake_core::Error>(())
+/// ```
+pub struct RpcServer {
+    addr: SocketAddr,
+    stop: Arc<AtomicBool>,
+    stats: Arc<RpcServerStats>,
+}
+
+impl std::fmt::Debug for RpcServer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RpcServer").field("addr", &self.addr).finish()
+    }
+}
+
+impl RpcServer {
+    /// Binds `addr` and starts serving `service` on background threads.
+    pub fn bind(addr: &str, service: Arc<MasterService>) -> Result<Self> {
+        Self::bind_with_limit(addr, service, DEFAULT_MAX_FRAME)
+    }
+
+    /// [`bind`](Self::bind) with a custom largest frame body.
+    pub fn bind_with_limit(addr: &str, service: Arc<MasterService>, max_frame: u32) -> Result<Self> {
+        let listener =
+            TcpListener::bind(addr).map_err(|e| Error::InvalidArgument(format!("cannot listen on {addr}: {e}")))?;
+        let local = listener.local_addr().map_err(|e| Error::InvalidArgument(e.to_string()))?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let stats = Arc::new(RpcServerStats::default());
+        let (stop2, stats2) = (stop.clone(), stats.clone());
+        std::thread::Builder::new()
+            .name("mooncake-rpc-accept".into())
+            .spawn(move || {
+                for conn in listener.incoming() {
+                    if stop2.load(Ordering::Relaxed) {
+                        return;
+                    }
+                    let Ok(conn) = conn else { continue };
+                    stats2.connections.fetch_add(1, Ordering::Relaxed);
+                    let (service, stats, stop) = (service.clone(), stats2.clone(), stop2.clone());
+                    let _ = std::thread::Builder::new().name("mooncake-rpc-conn".into()).spawn(move || {
+                        let peer = conn.peer_addr().ok();
+                        if let Err(e) = serve_connection(conn, &service, &stats, &stop, max_frame) {
+                            tracing::warn!(?peer, error = %e, "closing master connection");
+                        }
+                    });
+                }
+            })
+            .map_err(|e| Error::InvalidArgument(format!("cannot start the RPC server: {e}")))?;
+        tracing::info!(%local, "master RPC listening");
+        Ok(Self { addr: local, stop, stats })
+    }
+
+    /// The bound address.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> &RpcServerStats {
+        &self.stats
+    }
+}
+
+impl Drop for RpcServer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        // Wake the accept loop so it sees the flag.
+        let _ = TcpStream::connect(self.addr);
+    }
+}
+
+/// Why a connection ended.
+#[derive(Debug, thiserror::Error)]
+enum ConnError {
+    #[error("{0}")]
+    Frame(#[from] FrameError),
+    #[error("i/o: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+fn serve_connection(
+    conn: TcpStream,
+    service: &MasterService,
+    stats: &RpcServerStats,
+    stop: &AtomicBool,
+    max_frame: u32,
+) -> std::result::Result<(), ConnError> {
+    let _ = conn.set_nodelay(true);
+    let mut reader = BufReader::with_capacity(64 << 10, conn.try_clone()?);
+    let mut writer = BufWriter::with_capacity(64 << 10, conn);
+    let mut header = [0u8; HEADER_LEN];
+    let mut body = Vec::new();
+    loop {
+        if stop.load(Ordering::Relaxed) {
+            return Ok(());
+        }
+        match reader.read_exact(&mut header) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
+            Err(e) => return Err(e.into()),
+        }
+        let h = match FrameHeader::decode(&header, max_frame) {
+            Ok(h) if h.kind == FrameKind::Request => h,
+            Ok(h) => {
+                stats.bad_frames.fetch_add(1, Ordering::Relaxed);
+                return Err(FrameError::Kind(h.kind as u8).into());
+            }
+            Err(e) => {
+                stats.bad_frames.fetch_add(1, Ordering::Relaxed);
+                return Err(e.into());
+            }
+        };
+        body.resize(h.body_len as usize, 0);
+        reader.read_exact(&mut body)?;
+        let request: Request = match decode_body(&body) {
+            Ok(r) => r,
+            Err(e) => {
+                stats.bad_frames.fetch_add(1, Ordering::Relaxed);
+                return Err(e.into());
+            }
+        };
+        let response = dispatch(service, request);
+        stats.requests.fetch_add(1, Ordering::Relaxed);
+        if matches!(response, Response::Error(_)) {
+            stats.errors.fetch_add(1, Ordering::Relaxed);
+        }
+        writer.write_all(&encode_frame(FrameKind::Response, h.request_id, &response)?)?;
+        // Answer at once unless the client already pipelined more requests.
+        if reader.buffer().is_empty() {
+            writer.flush()?;
+        }
+    }
+}
+
+fn one<T>(r: Result<T>, f: impl FnOnce(T) -> Response) -> Response {
+    match r {
+        Ok(v) => f(v),
+        Err(e) => Response::Error(e.into()),
+    }
+}
+
+fn many<T>(rs: Vec<Result<T>>) -> Vec<Result<T, WireError>> {
+    rs.into_iter().map(|r| r.map_err(WireError::from)).collect()
+}
+
+fn strs(v: &[String]) -> Vec<&str> {
+    v.iter().map(String::as_str).collect()
+}
+
+/// Executes one request against the service.
+pub fn dispatch(s: &MasterService, req: Request) -> Response {
+    use crate::master::MasterApi;
+    match req {
+        Request::RegisterClient => one(MasterApi::register_client(s), Response::Registered),
+        Request::Heartbeat { client } => one(s.heartbeat(client), Response::Updates),
+        Request::MountSegment { client, endpoint, region, capacity } => {
+            one(s.mount_segment(client, RemoteRegion { endpoint, region }, capacity), Response::Segment)
+        }
+        Request::RemountSegment { client, endpoint, region, capacity, records } => one(
+            s.remount_segment(client, RemoteRegion { endpoint, region }, capacity, records),
+            |(segment, taken)| Response::Remounted { segment, taken: taken as u64 },
+        ),
+        Request::UnmountSegment { client, segment } => {
+            one(s.unmount_segment(client, segment), |n| Response::Count(n as u64))
+        }
+        Request::UnregisterClient { client } => Response::Count(s.unregister_client(client) as u64),
+        Request::SegmentInfo { segment } => {
+            one(MasterApi::segment_info(s, segment), |i| Response::SegmentInfo(i.into()))
+        }
+        Request::PutStart { client, key, len, cfg } => one(s.put_start(client, &key, len, &cfg), Response::Replicas),
+        Request::PutEnd { client, key, checksum } => one(s.put_end(client, &key, checksum), |_| Response::Unit),
+        Request::PutRevoke { client, key } => one(s.put_revoke(client, &key), |_| Response::Unit),
+        Request::GetReplicaList { key } => one(s.get_replica_list(&key), Response::ReplicaList),
+        Request::Exists { key } => one(s.exists(&key), Response::Bool),
+        Request::Remove { key } => one(s.remove(&key), |_| Response::Unit),
+        Request::RemoveAll => Response::Count(s.remove_all() as u64),
+        Request::ReplicateStart { client, key, cfg } => one(s.replicate_start(client, &key, &cfg), Response::Plan),
+        Request::ReplicateEnd { key, targets, ok } => one(s.replicate_end(&key, &targets, ok), |_| Response::Unit),
+        Request::BatchPutStart { client, items, cfg } => {
+            let items: Vec<(&str, u64)> = items.iter().map(|(k, l)| (k.as_str(), *l)).collect();
+            Response::BatchReplicas(many(s.batch_put_start(client, &items, &cfg)))
+        }
+        Request::BatchPutEnd { client, items } => {
+            let items: Vec<(&str, u32)> = items.iter().map(|(k, c)| (k.as_str(), *c)).collect();
+            Response::BatchUnit(many(s.batch_put_end(client, &items)))
+        }
+        Request::BatchPutRevoke { client, keys } => Response::BatchUnit(many(s.batch_put_revoke(client, &strs(&keys)))),
+        Request::BatchGetReplicaList { keys } => Response::BatchReplicaLists(many(s.batch_get_replica_list(&strs(&keys)))),
+        Request::BatchExists { keys } => Response::BatchBool(many(s.batch_exists(&strs(&keys)))),
+        Request::BatchRemove { keys } => Response::BatchUnit(many(s.batch_remove(&strs(&keys)))),
+        Request::ListKeys { limit } => Response::Keys(s.list_keys(limit.min(usize::MAX as u64) as usize)),
+        Request::Stats => Response::Stats(s.stats()),
+    }
+}
+
+/// Reads one frame body of at most `max` bytes (helper for tests and tools).
+pub fn read_frame(r: &mut impl Read, max: u32) -> std::result::Result<(FrameHeader, Vec<u8>), FrameError> {
+    let mut header = [0u8; HEADER_LEN];
+    r.read_exact(&mut header).map_err(|e| FrameError::Truncated(e.to_string()))?;
+    let h = FrameHeader::decode(&header, max)?;
+    let mut body = vec![0u8; h.body_len as usize];
+    r.read_exact(&mut body).map_err(|e| FrameError::Truncated(e.to_string()))?;
+    Ok((h, body))
+}
