@@ -165,3 +165,30 @@ impl MasterConfig {
         Ok(())
     }
 }
+
+/// Parses a size: `4096`, `64KiB`, `64MiB`, `4GiB`, `1TiB` (also `K`, `M`, `G`, `T`,
+/// `KB`, `MB`, `GB`, `TB`, all powers of 1024; case-insensitive).
+///
+/// ```
+/// use mooncake_core::parse_size;
+/// assert_eq!(parse_size("4096").unwrap(), 4096);
+/// assert_eq!(parse_size("64MiB").unwrap(), 64 << 20);
+/// assert_eq!(parse_size("4gib").unwrap(), 4 << 30);
+/// assert!(parse_size("12 parsecs").is_err());
+/// ```
+pub fn parse_size(text: &str) -> Result<u64> {
+    let t = text.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (digits, unit) = t.split_at(split);
+    let bad = || Error::InvalidArgument(format!("bad size {text:?}: use e.g. 4096, 64MiB, 4GiB"));
+    let n: u64 = digits.parse().map_err(|_| bad())?;
+    let shift = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 0,
+        "k" | "kb" | "kib" => 10,
+        "m" | "mb" | "mib" => 20,
+        "g" | "gb" | "gib" => 30,
+        "t" | "tb" | "tib" => 40,
+        _ => return Err(bad()),
+    };
+    n.checked_mul(1u64 << shift).ok_or_else(bad)
+}

@@ -24,8 +24,9 @@ mod error;
 pub mod master;
 pub mod rpc;
 mod store;
+pub mod metrics;
 
-pub use config::{MasterConfig, Protocol, ReplicateConfig, MAX_KEY_LEN, MAX_VALUE_LEN};
+pub use config::{parse_size, MasterConfig, Protocol, ReplicateConfig, MAX_KEY_LEN, MAX_VALUE_LEN};
 pub use error::{Error, Result};
 pub use master::{Master, MasterApi, MasterStats};
 pub use store::{Store, StoreBuilder, StoreStats};

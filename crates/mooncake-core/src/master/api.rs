@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 use crate::config::ReplicateConfig;
 use crate::error::Result;
 
-use super::{ClientId, MasterService, MasterStats, MemoryReplica, ReplicaList, ReplicatePlan, SegmentInfo};
+use super::{ClientId, MasterService, ObjectInfo, MasterStats, MemoryReplica, ReplicaList, ReplicatePlan, SegmentInfo};
 
 /// What a client learns when it registers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -108,6 +108,8 @@ pub trait MasterApi: Send + Sync {
     fn batch_exists(&self, keys: &[&str]) -> Vec<Result<bool>>;
     /// Batch [`remove`](Self::remove).
     fn batch_remove(&self, keys: &[&str]) -> Vec<Result<()>>;
+    /// What the master knows of one object, without granting a lease.
+    fn object_info(&self, key: &str) -> Result<ObjectInfo>;
     /// Keys of complete objects, at most `limit`.
     fn list_keys(&self, limit: usize) -> Result<Vec<String>>;
     /// Counters and gauges.
@@ -190,6 +192,9 @@ impl MasterApi for MasterService {
     }
     fn batch_remove(&self, keys: &[&str]) -> Vec<Result<()>> {
         MasterService::batch_remove(self, keys)
+    }
+    fn object_info(&self, key: &str) -> Result<ObjectInfo> {
+        MasterService::object_info(self, key)
     }
     fn list_keys(&self, limit: usize) -> Result<Vec<String>> {
         Ok(MasterService::list_keys(self, limit))

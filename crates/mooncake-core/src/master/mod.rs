@@ -27,6 +27,7 @@ use object::{ObjectEntry, ObjectIndex, StoredReplica};
 use segment::{ClientRecord, MountedSegment, SegmentTable};
 
 pub use api::{ClientRegistration, MasterApi, ObjectRecord, RecordUpdate};
+
 pub use eviction::EvictionReport;
 
 /// Identifier of a client of the master (random, never 0).
@@ -61,6 +62,21 @@ pub struct ReplicaList {
     pub replicas: Vec<MemoryReplica>,
     /// How long the object is protected from removal and eviction.
     pub lease: Duration,
+}
+
+/// What the master knows of one object.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ObjectInfo {
+    /// Object length.
+    pub len: u64,
+    /// crc32c of its bytes.
+    pub checksum: u32,
+    /// Complete memory replicas.
+    pub replicas: Vec<MemoryReplica>,
+    /// Soft-pinned.
+    pub soft_pin: bool,
+    /// Milliseconds left on the current read lease (0: none).
+    pub lease_ms_left: u64,
 }
 
 /// A mounted segment, as clients resolve it.
@@ -554,6 +570,22 @@ impl MasterService {
     /// [`get_replica_list`](Self::get_replica_list) for many keys.
     pub fn batch_get_replica_list(&self, keys: &[&str]) -> Vec<Result<ReplicaList>> {
         keys.iter().map(|k| self.get_replica_list(k)).collect()
+    }
+
+    /// What the master knows of `key` (no lease is granted).
+    pub fn object_info(&self, key: &str) -> Result<ObjectInfo> {
+        check_key(key)?;
+        let now = self.now_ms();
+        match self.index.shard(key).lock().get(key) {
+            Some(e) if e.complete => Ok(ObjectInfo {
+                len: e.len,
+                checksum: e.checksum,
+                replicas: e.replicas.iter().filter(|r| r.complete).map(|r| MemoryReplica::of(&r.buf)).collect(),
+                soft_pin: e.soft_pin,
+                lease_ms_left: e.lease_until_ms.saturating_sub(now),
+            }),
+            _ => Err(Error::NotFound(key.to_owned())),
+        }
     }
 
     /// Whether a complete object is stored under `key`.

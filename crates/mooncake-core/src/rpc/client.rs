@@ -12,7 +12,7 @@ use parking_lot::Mutex;
 use crate::config::ReplicateConfig;
 use crate::error::{Error, Result};
 use crate::master::{
-    ClientId, ClientRegistration, MasterApi, MasterStats, MemoryReplica, ObjectRecord, RecordUpdate, ReplicaList,
+    ClientId, ClientRegistration, MasterApi, MasterStats, MemoryReplica, ObjectInfo, ObjectRecord, RecordUpdate, ReplicaList,
     ReplicatePlan, SegmentInfo,
 };
 
@@ -253,6 +253,9 @@ impl MasterApi for RpcMasterClient {
             Response::BatchUnit(v) => Some(v),
             _ => None,
         })
+    }
+    fn object_info(&self, key: &str) -> Result<ObjectInfo> {
+        expect!(self, Request::ObjectInfo { key: key.to_owned() }, Response::ObjectInfo(i) => i)
     }
     fn list_keys(&self, limit: usize) -> Result<Vec<String>> {
         expect!(self, Request::ListKeys { limit: limit as u64 }, Response::Keys(k) => k)

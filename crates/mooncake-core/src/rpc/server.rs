@@ -12,12 +12,16 @@ use crate::master::MasterService;
 
 use super::wire::{
     decode_body, encode_frame, FrameError, FrameHeader, FrameKind, Request, Response, WireError, DEFAULT_MAX_FRAME,
-    HEADER_LEN,
+    HEADER_LEN, REQUEST_KINDS,
 };
 
 /// Counters of the RPC server.
 #[derive(Debug, Default)]
 pub struct RpcServerStats {
+    /// Requests by kind (indexed like [`REQUEST_KINDS`]).
+    pub ops_by_kind: [AtomicU64; REQUEST_KINDS.len()],
+    /// Error answers by kind (indexed like [`REQUEST_KINDS`]).
+    pub errors_by_kind: [AtomicU64; REQUEST_KINDS.len()],
     /// Requests answered.
     pub requests: AtomicU64,
     /// Requests answered with an error.
@@ -97,7 +101,7 @@ impl RpcServer {
     }
 
     /// Counters.
-    pub fn stats(&self) -> &RpcServerStats {
+    pub fn stats(&self) -> &Arc<RpcServerStats> {
         &self.stats
     }
 }
@@ -160,16 +164,30 @@ fn serve_connection(
                 return Err(e.into());
             }
         };
+        let kind = request.kind_index();
         let response = dispatch(service, request);
         stats.requests.fetch_add(1, Ordering::Relaxed);
-        if matches!(response, Response::Error(_)) {
+        stats.ops_by_kind[kind].fetch_add(1, Ordering::Relaxed);
+        if is_error(&response) {
             stats.errors.fetch_add(1, Ordering::Relaxed);
+            stats.errors_by_kind[kind].fetch_add(1, Ordering::Relaxed);
         }
         writer.write_all(&encode_frame(FrameKind::Response, h.request_id, &response)?)?;
         // Answer at once unless the client already pipelined more requests.
         if reader.buffer().is_empty() {
             writer.flush()?;
         }
+    }
+}
+
+fn is_error(r: &Response) -> bool {
+    match r {
+        Response::Error(_) => true,
+        Response::BatchReplicas(v) => v.iter().any(|r| r.is_err()),
+        Response::BatchUnit(v) => v.iter().any(|r| r.is_err()),
+        Response::BatchReplicaLists(v) => v.iter().any(|r| r.is_err()),
+        Response::BatchBool(v) => v.iter().any(|r| r.is_err()),
+        _ => false,
     }
 }
 
@@ -231,6 +249,7 @@ pub fn dispatch(s: &MasterService, req: Request) -> Response {
         Request::BatchRemove { keys } => Response::BatchUnit(many(s.batch_remove(&strs(&keys)))),
         Request::ListKeys { limit } => Response::Keys(s.list_keys(limit.min(usize::MAX as u64) as usize)),
         Request::Stats => Response::Stats(s.stats()),
+        Request::ObjectInfo { key } => one(s.object_info(&key), Response::ObjectInfo),
     }
 }
 

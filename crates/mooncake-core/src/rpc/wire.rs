@@ -18,7 +18,7 @@ use serde::{Deserialize, Serialize};
 use crate::config::ReplicateConfig;
 use crate::error::Error;
 use crate::master::{
-    ClientId, ClientRegistration, MasterStats, MemoryReplica, ObjectRecord, RecordUpdate, ReplicaList, ReplicatePlan,
+    ClientId, ClientRegistration, MasterStats, MemoryReplica, ObjectInfo, ObjectRecord, RecordUpdate, ReplicaList, ReplicatePlan,
     SegmentInfo,
 };
 
@@ -218,6 +218,43 @@ pub enum Request {
     BatchRemove { keys: Vec<String> },
     ListKeys { limit: u64 },
     Stats,
+    ObjectInfo { key: String },
+}
+
+/// Names of the request kinds, indexed by [`Request::kind_index`] (for metrics).
+pub const REQUEST_KINDS: [&str; 25] = ["register_client", "heartbeat", "mount_segment", "remount_segment", "unmount_segment", "unregister_client", "segment_info", "put_start", "put_end", "put_revoke", "get_replica_list", "exists", "remove", "remove_all", "replicate_start", "replicate_end", "batch_put_start", "batch_put_end", "batch_put_revoke", "batch_get_replica_list", "batch_exists", "batch_remove", "list_keys", "stats", "object_info"];
+
+impl Request {
+    /// Index of this request's kind in [`REQUEST_KINDS`].
+    pub fn kind_index(&self) -> usize {
+        match self {
+            Request::RegisterClient => 0,
+            Request::Heartbeat { .. } => 1,
+            Request::MountSegment { .. } => 2,
+            Request::RemountSegment { .. } => 3,
+            Request::UnmountSegment { .. } => 4,
+            Request::UnregisterClient { .. } => 5,
+            Request::SegmentInfo { .. } => 6,
+            Request::PutStart { .. } => 7,
+            Request::PutEnd { .. } => 8,
+            Request::PutRevoke { .. } => 9,
+            Request::GetReplicaList { .. } => 10,
+            Request::Exists { .. } => 11,
+            Request::Remove { .. } => 12,
+            Request::RemoveAll => 13,
+            Request::ReplicateStart { .. } => 14,
+            Request::ReplicateEnd { .. } => 15,
+            Request::BatchPutStart { .. } => 16,
+            Request::BatchPutEnd { .. } => 17,
+            Request::BatchPutRevoke { .. } => 18,
+            Request::BatchGetReplicaList { .. } => 19,
+            Request::BatchExists { .. } => 20,
+            Request::BatchRemove { .. } => 21,
+            Request::ListKeys { .. } => 22,
+            Request::Stats => 23,
+            Request::ObjectInfo { .. } => 24,
+        }
+    }
 }
 
 /// An error as it travels: the variant and its message.
@@ -301,4 +338,5 @@ pub enum Response {
     BatchBool(Vec<WireResult<bool>>),
     Keys(Vec<String>),
     Stats(MasterStats),
+    ObjectInfo(ObjectInfo),
 }

@@ -33,6 +33,7 @@ pub struct StoreBuilder {
     pub(super) local_buffer_size: u64,
     pub(super) master: Option<Master>,
     pub(super) master_address: Option<String>,
+    pub(super) listen: Option<String>,
     pub(super) master_config: Option<MasterConfig>,
     pub(super) strategy: Option<Arc<dyn AllocationStrategy>>,
     pub(super) protocol: Protocol,
@@ -58,6 +59,7 @@ impl Default for StoreBuilder {
             local_buffer_size: 64 << 20,
             master: None,
             master_address: None,
+            listen: None,
             master_config: None,
             strategy: None,
             protocol: Protocol::Local,
@@ -92,6 +94,13 @@ impl StoreBuilder {
     /// Talks to a master daemon at `addr` (`host:port`) instead of an embedded one.
     pub fn master_address(mut self, addr: &str) -> Self {
         self.master_address = Some(addr.to_owned());
+        self
+    }
+
+    /// Serves this client's segment over TCP on `addr` (`host:port`, port 0 picks
+    /// one), so that clients in other processes and on other hosts reach it.
+    pub fn listen(mut self, addr: &str) -> Self {
+        self.listen = Some(addr.to_owned());
         self
     }
 
@@ -145,7 +154,13 @@ impl StoreBuilder {
                 Master::new(cfg)?.service().clone()
             }
         };
-        let engine = TransferEngine::new();
+        let engine = match &self.listen {
+            None => TransferEngine::new(),
+            Some(addr) => TransferEngine::builder()
+                .tcp_listen(addr)
+                .map_err(|e| Error::InvalidArgument(format!("cannot listen on {addr}: {e}")))?
+                .build(),
+        };
         Store::connect(self, master, engine)
     }
 }

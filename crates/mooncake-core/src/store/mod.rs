@@ -539,6 +539,11 @@ impl Store {
         self.inner.client()
     }
 
+    /// The transfer endpoint peers reach this client's segment at.
+    pub fn endpoint(&self) -> &str {
+        self.inner.engine.endpoint()
+    }
+
     /// The id of this client's segment, if it gives memory to the pool.
     pub fn segment_id(&self) -> Option<SegmentId> {
         self.inner.segment.lock().as_ref().map(|s| s.id)

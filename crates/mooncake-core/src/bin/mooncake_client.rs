@@ -1,0 +1,166 @@
+//! `mooncake-client`: a storage node (`serve`) and one-shot commands.
+//!
+//! ```text
+//! mooncake-client serve --master ADDR --listen HOST:PORT --segment-size SIZE
+//!                 [--ssd-dir DIR --ssd-capacity SIZE]
+//! mooncake-client put  --master ADDR KEY FILE [--replicas N]
+//! mooncake-client get  --master ADDR KEY OUTFILE
+//! mooncake-client rm|stat --master ADDR KEY ;  mooncake-client ls --master ADDR
+//! ```
+//! One-shot commands exit 0 on success and 1 with a one-line error on stderr.
+
+use clap::{Parser, Subcommand};
+use mooncake_core::{parse_size, ReplicateConfig, Store};
+
+/// Mooncake Store client.
+#[derive(Parser, Debug)]
+#[command(version, about)]
+struct Args {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Run a storage node: give DRAM (and SSD) to the pool until SIGTERM/SIGINT.
+    Serve {
+        /// Master address (host:port).
+        #[arg(long)]
+        master: String,
+        /// Transfer endpoint to listen on (host:port; port 0 picks one).
+        #[arg(long)]
+        listen: String,
+        /// DRAM given to the pool (4096, 64MiB, 4GiB).
+        #[arg(long, value_parser = size)]
+        segment_size: u64,
+        /// Directory of the SSD tier.
+        #[arg(long, requires = "ssd_capacity")]
+        ssd_dir: Option<std::path::PathBuf>,
+        /// Capacity of the SSD tier.
+        #[arg(long, value_parser = size, requires = "ssd_dir")]
+        ssd_capacity: Option<u64>,
+    },
+    /// Store FILE under KEY.
+    Put {
+        /// Master address.
+        #[arg(long)]
+        master: String,
+        /// Object key.
+        key: String,
+        /// File to store.
+        file: std::path::PathBuf,
+        /// Number of replicas.
+        #[arg(long, default_value_t = 1)]
+        replicas: usize,
+    },
+    /// Write the object KEY to OUTFILE.
+    Get {
+        /// Master address.
+        #[arg(long)]
+        master: String,
+        /// Object key.
+        key: String,
+        /// Where to write the bytes.
+        outfile: std::path::PathBuf,
+    },
+    /// Remove KEY.
+    Rm {
+        /// Master address.
+        #[arg(long)]
+        master: String,
+        /// Object key.
+        key: String,
+    },
+    /// Print what the master knows of KEY.
+    Stat {
+        /// Master address.
+        #[arg(long)]
+        master: String,
+        /// Object key.
+        key: String,
+    },
+    /// List keys.
+    Ls {
+        /// Master address.
+        #[arg(long)]
+        master: String,
+    },
+}
+
+fn size(s: &str) -> Result<u64, String> {
+    parse_size(s).map_err(|e| e.to_string())
+}
+
+fn client(master: &str) -> Result<Store, String> {
+    Store::builder().master_address(master).global_segment_size(0).build().map_err(|e| e.to_string())
+}
+
+fn run(cmd: Command) -> Result<(), String> {
+    match cmd {
+        Command::Serve { master, listen, segment_size, ssd_dir, ssd_capacity } => {
+            if ssd_dir.is_some() || ssd_capacity.is_some() {
+                return Err("the SSD tier is not available in this build yet".into());
+            }
+            let store = Store::builder()
+                .master_address(&master)
+                .listen(&listen)
+                .global_segment_size(segment_size)
+                .build()
+                .map_err(|e| e.to_string())?;
+            println!(
+                "mooncake-client serving segment {} ({} bytes) at {}",
+                store.segment_id().unwrap_or(0),
+                segment_size,
+                store.endpoint()
+            );
+            let mut signals =
+                signal_hook::iterator::Signals::new([signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT])
+                    .map_err(|e| e.to_string())?;
+            if let Some(sig) = signals.forever().next() {
+                tracing::info!(sig, "stopping; unmounting the segment");
+            }
+            drop(store);
+            Ok(())
+        }
+        Command::Put { master, key, file, replicas } => {
+            let data = std::fs::read(&file).map_err(|e| format!("cannot read {}: {e}", file.display()))?;
+            client(&master)?.put_with(&key, &data, &ReplicateConfig::replicas(replicas)).map_err(|e| e.to_string())
+        }
+        Command::Get { master, key, outfile } => {
+            let bytes = client(&master)?.get(&key).map_err(|e| e.to_string())?;
+            std::fs::write(&outfile, &bytes).map_err(|e| format!("cannot write {}: {e}", outfile.display()))
+        }
+        Command::Rm { master, key } => client(&master)?.remove(&key).map_err(|e| e.to_string()),
+        Command::Stat { master, key } => {
+            let info = client(&master)?.master().object_info(&key).map_err(|e| e.to_string())?;
+            println!(
+                "{key}: {} bytes, {} replica(s), crc32c {:08x}{}",
+                info.len,
+                info.replicas.len(),
+                info.checksum,
+                if info.soft_pin { ", soft-pinned" } else { "" }
+            );
+            Ok(())
+        }
+        Command::Ls { master } => {
+            let mut keys = client(&master)?.master().list_keys(usize::MAX).map_err(|e| e.to_string())?;
+            keys.sort();
+            for k in keys {
+                println!("{k}");
+            }
+            Ok(())
+        }
+    }
+}
+
+fn main() {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .init();
+    if let Err(e) = run(Args::parse().command) {
+        eprintln!("{e}");
+        std::process::exit(1);
+    }
+}

@@ -1,0 +1,98 @@
+//! `mooncake-master`: the master daemon.
+//!
+//! ```text
+//! mooncake-master --listen 127.0.0.1:50051 [--metrics-listen ADDR]
+//!                 [--allocation-strategy random|free_ratio_first|ssd_free_ratio_first]
+//!                 [--default-lease-ms 5000] [--client-ttl-ms 10000]
+//! ```
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::Parser;
+use mooncake_core::metrics::prometheus_text;
+use mooncake_core::rpc::{RpcServer, RpcServerStats};
+use mooncake_core::{Master, MasterConfig};
+
+/// Mooncake Store master: object metadata, placement, leases, eviction.
+#[derive(Parser, Debug)]
+#[command(version, about)]
+struct Args {
+    /// Address of the RPC listener.
+    #[arg(long, default_value = "127.0.0.1:50051")]
+    listen: String,
+    /// Serve Prometheus text at /metrics and JSON at /status on this address.
+    #[arg(long)]
+    metrics_listen: Option<String>,
+    /// Replica placement strategy.
+    #[arg(long, default_value = "random", value_parser = ["random", "free_ratio_first", "ssd_free_ratio_first"])]
+    allocation_strategy: String,
+    /// Read lease granted with each replica list (ms).
+    #[arg(long, default_value_t = 5000)]
+    default_lease_ms: u64,
+    /// Clients silent this long lose their segments (ms).
+    #[arg(long, default_value_t = 10000)]
+    client_ttl_ms: u64,
+}
+
+fn serve_metrics(addr: &str, master: Master, rpc: Arc<RpcServerStats>) -> Result<(), String> {
+    let server = tiny_http::Server::http(addr).map_err(|e| format!("cannot listen on {addr} for metrics: {e}"))?;
+    std::thread::Builder::new()
+        .name("mooncake-metrics".into())
+        .spawn(move || {
+            for req in server.incoming_requests() {
+                let stats = master.stats();
+                let (body, ctype) = match req.url() {
+                    "/metrics" => (prometheus_text(&stats, Some(&rpc)), "text/plain; version=0.0.4"),
+                    "/status" | "/" => (serde_json::to_string_pretty(&stats).unwrap_or_default(), "application/json"),
+                    _ => {
+                        let _ = req.respond(tiny_http::Response::from_string("not found").with_status_code(404));
+                        continue;
+                    }
+                };
+                let header = tiny_http::Header::from_bytes("Content-Type", ctype).expect("static header is valid");
+                let _ = req.respond(tiny_http::Response::from_string(body).with_header(header));
+            }
+        })
+        .map_err(|e| e.to_string())?;
+    Ok(())
+}
+
+fn run(args: Args) -> Result<(), String> {
+    let strategy = mooncake_core::alloc::strategy_from_name(&args.allocation_strategy)
+        .ok_or_else(|| format!("unknown allocation strategy {}", args.allocation_strategy))?;
+    let config = MasterConfig {
+        default_lease: Duration::from_millis(args.default_lease_ms),
+        client_ttl: Duration::from_millis(args.client_ttl_ms),
+        monitor_interval: Duration::from_millis((args.client_ttl_ms / 20).clamp(5, 100)),
+        allocation_strategy: strategy,
+        track_records: true,
+        ..MasterConfig::default()
+    };
+    let master = Master::new(config).map_err(|e| e.to_string())?;
+    let server = RpcServer::bind(&args.listen, master.service().clone()).map_err(|e| e.to_string())?;
+    if let Some(addr) = &args.metrics_listen {
+        serve_metrics(addr, master.clone(), server.stats().clone())?;
+    }
+    println!("mooncake-master listening on {}", server.local_addr());
+    let mut signals = signal_hook::iterator::Signals::new([signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT])
+        .map_err(|e| e.to_string())?;
+    if let Some(sig) = signals.forever().next() {
+        tracing::info!(sig, "shutting down");
+    }
+    Ok(())
+}
+
+fn main() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .init();
+    if let Err(e) = run(Args::parse()) {
+        eprintln!("mooncake-master: {e}");
+        std::process::exit(1);
+    }
+}

@@ -1,0 +1,53 @@
+//! Prometheus text and JSON status of a master (served by `mooncake-master
+//! --metrics-listen`).
+
+use std::fmt::Write;
+use std::sync::atomic::Ordering;
+
+use crate::master::MasterStats;
+use crate::rpc::wire::REQUEST_KINDS;
+use crate::rpc::RpcServerStats;
+
+/// Renders the master's stats (and its RPC counters, if any) in the Prometheus text
+/// exposition format.
+pub fn prometheus_text(stats: &MasterStats, rpc: Option<&RpcServerStats>) -> String {
+    let mut out = String::new();
+    let mut gauge = |name: &str, help: &str, kind: &str, value: f64| {
+        let _ = writeln!(out, "# HELP mooncake_{name} {help}\n# TYPE mooncake_{name} {kind}\nmooncake_{name} {value}");
+    };
+    gauge("objects", "Complete objects.", "gauge", stats.objects as f64);
+    gauge("object_bytes", "Logical bytes of complete objects.", "gauge", stats.object_bytes as f64);
+    gauge("pending_puts", "Puts started and not ended.", "gauge", stats.pending_puts as f64);
+    gauge("replicas", "Memory replicas.", "gauge", stats.replicas as f64);
+    gauge("clients", "Registered clients.", "gauge", stats.clients as f64);
+    gauge("segments", "Mounted segments.", "gauge", stats.segments as f64);
+    gauge("capacity_bytes", "Bytes of all mounted segments.", "gauge", stats.capacity_bytes as f64);
+    gauge("used_bytes", "Bytes allocated in mounted segments.", "gauge", stats.used_bytes as f64);
+    gauge("max_fragmentation", "Worst free-space fragmentation of a segment.", "gauge", stats.max_fragmentation);
+    gauge("evicted_objects_total", "Objects evicted.", "counter", stats.evicted_objects as f64);
+    gauge("evicted_bytes_total", "Bytes freed by eviction.", "counter", stats.evicted_bytes as f64);
+    gauge("lease_refusals_total", "Removes refused because of a live lease.", "counter", stats.lease_refusals as f64);
+    gauge("put_timeouts_total", "Puts reclaimed after the put timeout.", "counter", stats.put_timeouts as f64);
+    gauge("expired_clients_total", "Clients expired after the TTL.", "counter", stats.expired_clients as f64);
+    gauge("stall_graces_total", "Grace periods granted after a master stall.", "counter", stats.stall_graces as f64);
+    if let Some(rpc) = rpc {
+        let _ = writeln!(out, "# HELP mooncake_ops_total Requests served, by kind.\n# TYPE mooncake_ops_total counter");
+        for (i, kind) in REQUEST_KINDS.iter().enumerate() {
+            let _ = writeln!(out, "mooncake_ops_total{{kind=\"{kind}\"}} {}", rpc.ops_by_kind[i].load(Ordering::Relaxed));
+        }
+        let _ = writeln!(
+            out,
+            "# HELP mooncake_errors_total Requests answered with an error, by kind.\n# TYPE mooncake_errors_total counter"
+        );
+        for (i, kind) in REQUEST_KINDS.iter().enumerate() {
+            let _ =
+                writeln!(out, "mooncake_errors_total{{kind=\"{kind}\"}} {}", rpc.errors_by_kind[i].load(Ordering::Relaxed));
+        }
+        let _ = writeln!(
+            out,
+            "# HELP mooncake_bad_frames_total Connections closed for a malformed frame.\n# TYPE mooncake_bad_frames_total counter\nmooncake_bad_frames_total {}",
+            rpc.bad_frames.load(Ordering::Relaxed)
+        );
+    }
+    out
+}

@@ -1,0 +1,146 @@
+//! The master protocol: a store over RPC behaves like an embedded one, and bad frames
+//! are refused without hurting other connections.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::Duration;
+
+use mooncake_core::rpc::wire::{encode_frame, FrameHeader, FrameKind, Request, Response, HEADER_LEN};
+use mooncake_core::rpc::{read_frame, RpcServer};
+use mooncake_core::{Error, Master, MasterConfig, ReplicateConfig, Store};
+use proptest::prelude::*;
+
+fn server() -> (Master, RpcServer, String) {
+    let master = Master::new(MasterConfig { default_lease: Duration::from_millis(100), ..Default::default() }).unwrap();
+    let server = RpcServer::bind("127.0.0.1:0", master.service().clone()).unwrap();
+    let addr = server.local_addr().to_string();
+    (master, server, addr)
+}
+
+#[test]
+fn a_store_over_rpc_supports_every_call() {
+    let (master, _server, addr) = server();
+    let a = Store::builder().master_address(&addr).global_segment_size(4 << 20).build().unwrap();
+    let b = Store::builder().master_address(&addr).global_segment_size(4 << 20).build().unwrap();
+    let v: Vec<u8> = (0..200_000u32).map(|i| (i % 253) as u8).collect();
+    a.put_with("k", &v, &ReplicateConfig::replicas(2)).unwrap();
+    assert_eq!(&b.get("k").unwrap()[..], &v[..]);
+    assert!(matches!(b.put("k", b"x"), Err(Error::AlreadyExists(_))));
+    assert!(matches!(b.get("missing"), Err(Error::NotFound(_))));
+    let mut small = [0u8; 10];
+    assert!(matches!(b.get_into("k", &mut small), Err(Error::BufferTooSmall { needed: 200_000, capacity: 10 })));
+    assert!(matches!(a.remove("k"), Err(Error::HasLease(_))));
+    let res = a.batch_put(&[("x", b"1"), ("y", b"2")], &ReplicateConfig::default());
+    assert!(res.iter().all(|r| r.is_ok()));
+    let got = b.batch_get(&["x", "y", "z"]);
+    assert_eq!(&got[0].as_ref().unwrap()[..], b"1");
+    assert!(matches!(got[2], Err(Error::NotFound(_))));
+    assert!(a.exists("x").unwrap());
+    a.replicate("x", &ReplicateConfig::replicas(2)).unwrap();
+    let info = a.master().object_info("x").unwrap();
+    assert_eq!(info.replicas.len(), 2);
+    let mut keys = a.master().list_keys(100).unwrap();
+    keys.sort();
+    assert_eq!(keys, ["k", "x", "y"]);
+    std::thread::sleep(Duration::from_millis(150));
+    assert_eq!(a.remove_all().unwrap(), 3);
+    assert_eq!(master.stats().objects, 0);
+    assert_eq!(a.stats().master.clients, 2, "stats travel over RPC");
+}
+
+#[test]
+fn dropping_a_remote_client_unmounts_its_segment() {
+    let (master, _server, addr) = server();
+    let a = Store::builder().master_address(&addr).global_segment_size(1 << 20).build().unwrap();
+    assert_eq!(master.stats().segments, 1);
+    drop(a);
+    assert_eq!(master.stats().segments, 0);
+    assert_eq!(master.stats().clients, 0);
+}
+
+#[test]
+fn an_unreachable_master_is_reported() {
+    // Bind then drop to get a port nobody listens on.
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let r = Store::builder().master_address(&format!("127.0.0.1:{port}")).build();
+    assert!(matches!(r, Err(Error::MasterUnavailable(_))), "{r:?}");
+}
+
+/// Sends raw bytes; returns whether the server closed the connection without answering.
+fn closed_after(addr: &str, bytes: &[u8]) -> bool {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let _ = s.write_all(bytes);
+    let _ = s.shutdown(std::net::Shutdown::Write);
+    let mut buf = Vec::new();
+    matches!(s.read_to_end(&mut buf), Ok(_)) && buf.is_empty()
+}
+
+fn healthy(addr: &str) {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.write_all(&encode_frame(FrameKind::Request, 42, &Request::Stats).unwrap()).unwrap();
+    let (h, body) = read_frame(&mut s, 1 << 20).unwrap();
+    assert_eq!(h.request_id, 42);
+    let resp: Response = mooncake_core::rpc::wire::decode_body(&body).unwrap();
+    assert!(matches!(resp, Response::Stats(_)));
+}
+
+#[test]
+fn garbage_truncated_and_oversized_frames_close_only_their_connection() {
+    let (_master, server, addr) = server();
+    let good = encode_frame(FrameKind::Request, 1, &Request::Exists { key: "k".into() }).unwrap();
+    // Garbage.
+    assert!(closed_after(&addr, b"GET /metrics HTTP/1.1\r\nHost: localhost:50051\r\nAccept: */*\r\n\r\n"));
+    healthy(&addr);
+    // Truncated: a header announcing more body than sent, then EOF.
+    assert!(closed_after(&addr, &good[..good.len() - 1]));
+    // Oversized: a header announcing 1 GiB.
+    let mut big = FrameHeader { kind: FrameKind::Request, request_id: 1, body_len: 0 }.encode();
+    big[16..20].copy_from_slice(&(1u32 << 30).to_le_bytes());
+    assert!(closed_after(&addr, &big));
+    // Wrong version, wrong kind, body that is not a request.
+    let mut v = good.clone();
+    v[4] = 99;
+    assert!(closed_after(&addr, &v));
+    let resp_frame = encode_frame(FrameKind::Response, 1, &Response::Unit).unwrap();
+    assert!(closed_after(&addr, &resp_frame));
+    let mut junk = FrameHeader { kind: FrameKind::Request, request_id: 1, body_len: 3 }.encode().to_vec();
+    junk.extend_from_slice(&[0xff, 0xff, 0xff]);
+    assert!(closed_after(&addr, &junk));
+    healthy(&addr);
+    assert!(server.stats().bad_frames.load(std::sync::atomic::Ordering::Relaxed) >= 5);
+}
+
+#[test]
+fn requests_can_be_pipelined() {
+    let (_master, _server, addr) = server();
+    let mut s = TcpStream::connect(&addr).unwrap();
+    let mut frames = Vec::new();
+    for id in 0..50u64 {
+        frames.extend(encode_frame(FrameKind::Request, id, &Request::Exists { key: format!("k{id}") }).unwrap());
+    }
+    s.write_all(&frames).unwrap();
+    for id in 0..50u64 {
+        let (h, body) = read_frame(&mut s, 1 << 20).unwrap();
+        assert_eq!(h.request_id, id);
+        let resp: Response = mooncake_core::rpc::wire::decode_body(&body).unwrap();
+        assert_eq!(resp, Response::Bool(false));
+    }
+}
+
+proptest! {
+    #[test]
+    fn arbitrary_bytes_never_panic_the_decoder(bytes in proptest::collection::vec(any::<u8>(), 0..256)) {
+        let _ = mooncake_core::rpc::wire::decode_request_frame(&bytes, 1 << 20);
+    }
+
+    #[test]
+    fn frames_round_trip(id in any::<u64>(), key in "[a-z/0-9]{1,64}", len in 1u64..1 << 32, replicas in 1usize..8) {
+        let req = Request::PutStart { client: 7, key, len, cfg: ReplicateConfig::replicas(replicas) };
+        let frame = encode_frame(FrameKind::Request, id, &req).unwrap();
+        let (h, back) = mooncake_core::rpc::wire::decode_request_frame(&frame, 1 << 20).unwrap();
+        prop_assert_eq!(h.request_id, id);
+        prop_assert_eq!(h.body_len as usize, frame.len() - HEADER_LEN);
+        prop_assert_eq!(back, req);
+    }
+}
