@@ -1,0 +1,233 @@
+//! Starting the real binaries and talking to them.
+
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// Path of a binary of this workspace, next to the test executable's directory.
+pub fn bin(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    // target/<profile>/deps/<test> -> target/<profile>/<name>
+    let dir = exe.parent().and_then(Path::parent).unwrap();
+    let path = dir.join(name);
+    assert!(path.exists(), "{} not built: run `cargo build --bins` (cargo test --workspace builds it)", path.display());
+    path
+}
+
+/// A fresh directory for one test's files.
+pub fn unique_dir(tag: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("mooncake-test-{tag}-{}-{}", std::process::id(), rand_u32()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn rand_u32() -> u32 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(Instant::now().elapsed().as_nanos() as u64);
+    h.finish() as u32
+}
+
+/// Deterministic test bytes.
+pub fn payload(seed: u8, len: usize) -> Vec<u8> {
+    (0..len).map(|i| seed.wrapping_mul(37).wrapping_add((i % 241) as u8) ^ (i >> 12) as u8).collect()
+}
+
+/// Polls `cond` until it holds; panics after `limit`.
+pub fn wait_until(limit: Duration, mut cond: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !cond() {
+        assert!(start.elapsed() < limit, "condition not reached within {limit:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// A child process, killed when dropped.
+pub struct Proc {
+    pub child: Child,
+    pub first_line: String,
+}
+
+impl Proc {
+    /// Spawns `cmd` in `prefix` (e.g. `ip netns exec NS`) and waits for its first line
+    /// of stdout.
+    pub fn spawn(prefix: &[&str], program: &Path, args: &[&str]) -> Proc {
+        let mut cmd = if prefix.is_empty() {
+            Command::new(program)
+        } else {
+            let mut c = Command::new(prefix[0]);
+            c.args(&prefix[1..]).arg(program);
+            c
+        };
+        let mut child = cmd
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {}: {e}", program.display()));
+        let stdout = child.stdout.take().unwrap();
+        let mut line = String::new();
+        BufReader::new(stdout).read_line(&mut line).unwrap();
+        assert!(!line.is_empty(), "{} exited before saying where it listens", program.display());
+        Proc { child, first_line: line.trim().to_owned() }
+    }
+
+    /// Sends a signal by name (`KILL`, `STOP`, `CONT`, `TERM`).
+    pub fn signal(&self, sig: &str) {
+        let ok = Command::new("kill").arg(format!("-{sig}")).arg(self.child.id().to_string()).status().unwrap();
+        assert!(ok.success());
+    }
+
+    /// `kill -9` and reap.
+    pub fn kill9(&mut self) {
+        self.signal("KILL");
+        let _ = self.child.wait();
+    }
+
+    /// Waits for exit; returns the exit code, or None on timeout.
+    pub fn wait(&mut self, limit: Duration) -> Option<i32> {
+        let start = Instant::now();
+        while start.elapsed() < limit {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return status.code();
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        None
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A master and storage nodes on loopback (or in network namespaces).
+pub struct Cluster {
+    pub master: Proc,
+    pub master_addr: String,
+    pub master_args: Vec<String>,
+    pub metrics_addr: String,
+    pub nodes: Vec<Proc>,
+    /// Command prefix for one-shot clients (e.g. `ip netns exec NS`).
+    pub client_prefix: Vec<String>,
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+impl Cluster {
+    /// Starts a master with `master_args` and `nodes` storage nodes of 64 MiB.
+    pub fn start(master_args: &[&str], nodes: usize) -> Cluster {
+        let metrics_addr = format!("127.0.0.1:{}", free_port());
+        let mut args: Vec<String> =
+            vec!["--listen".into(), "127.0.0.1:0".into(), "--metrics-listen".into(), metrics_addr.clone()];
+        args.extend(master_args.iter().map(|s| s.to_string()));
+        let argv: Vec<&str> = args.iter().map(String::as_str).collect();
+        let master = Proc::spawn(&[], &bin("mooncake-master"), &argv);
+        let master_addr = master.first_line.rsplit(' ').next().unwrap().to_owned();
+        // Restarts reuse the bound port.
+        let pos = args.iter().position(|a| a == "127.0.0.1:0").unwrap();
+        args[pos] = master_addr.clone();
+        let mut c = Cluster { master, master_addr, master_args: args, metrics_addr, nodes: Vec::new(), client_prefix: Vec::new() };
+        for _ in 0..nodes {
+            c.add_node(&[], "127.0.0.1:0");
+        }
+        c
+    }
+
+    /// Starts a storage node (64 MiB) listening on `listen`, in `prefix`.
+    pub fn add_node(&mut self, prefix: &[&str], listen: &str) {
+        let node = Proc::spawn(
+            prefix,
+            &bin("mooncake-client"),
+            &["serve", "--master", &self.master_addr, "--listen", listen, "--segment-size", "64MiB"],
+        );
+        assert!(node.first_line.starts_with("mooncake-client serving segment"), "{}", node.first_line);
+        self.nodes.push(node);
+    }
+
+    /// Starts the master again on the same address.
+    pub fn restart_master(&mut self) {
+        let argv: Vec<&str> = self.master_args.iter().map(String::as_str).collect();
+        self.master = Proc::spawn(&[], &bin("mooncake-master"), &argv);
+    }
+
+    /// Runs a one-shot client; returns (exit code, stdout, stderr).
+    pub fn client(&self, args: &[&str]) -> (i32, String, String) {
+        let prefix: Vec<&str> = self.client_prefix.iter().map(String::as_str).collect();
+        let mut cmd = if prefix.is_empty() {
+            Command::new(bin("mooncake-client"))
+        } else {
+            let mut c = Command::new(prefix[0]);
+            c.args(&prefix[1..]).arg(bin("mooncake-client"));
+            c
+        };
+        let out = cmd.args(args).output().unwrap();
+        (
+            out.status.code().unwrap_or(-1),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    }
+
+    /// Runs a one-shot client that must succeed; returns its stdout.
+    pub fn client_ok(&self, args: &[&str]) -> String {
+        let (code, out, err) = self.client(args);
+        assert_eq!(code, 0, "mooncake-client {args:?} failed: {err}");
+        out
+    }
+
+    /// Puts `data` under `key` through a file.
+    pub fn put_bytes(&self, dir: &Path, key: &str, data: &[u8], replicas: usize) {
+        let file = dir.join(key.replace('/', "_"));
+        std::fs::write(&file, data).unwrap();
+        let r = replicas.to_string();
+        self.client_ok(&["put", "--master", &self.master_addr, key, file.to_str().unwrap(), "--replicas", &r]);
+    }
+
+    /// Gets `key` through a file; Err(stderr line) on failure.
+    pub fn get_bytes(&self, dir: &Path, key: &str) -> Result<Vec<u8>, String> {
+        let file = dir.join(format!("{}.out", key.replace('/', "_")));
+        let _ = std::fs::remove_file(&file);
+        match self.client(&["get", "--master", &self.master_addr, key, file.to_str().unwrap()]) {
+            (0, _, _) => Ok(std::fs::read(&file).unwrap()),
+            (_, _, err) => Err(err.trim().to_owned()),
+        }
+    }
+
+    /// Keys the master lists.
+    pub fn ls(&self) -> Vec<String> {
+        match self.client(&["ls", "--master", &self.master_addr]) {
+            (0, out, _) => out.lines().map(str::to_owned).collect(),
+            _ => Vec::new(),
+        }
+    }
+
+    /// The master's JSON status (from the metrics listener).
+    pub fn status(&self) -> String {
+        http_get(&self.metrics_addr, "/status")
+    }
+
+    /// The master's Prometheus text.
+    pub fn metrics(&self) -> String {
+        http_get(&self.metrics_addr, "/metrics")
+    }
+}
+
+/// A minimal HTTP GET (the test talks to our own metrics listener only).
+pub fn http_get(addr: &str, path: &str) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").unwrap();
+    let mut body = String::new();
+    s.read_to_string(&mut body).unwrap();
+    body.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or(body)
+}
