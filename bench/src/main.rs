@@ -1,0 +1,256 @@
+//! `mooncake-bench`: end-to-end benchmarks with JSON output.
+//!
+//! ```text
+//! mooncake-bench remote --transport tcp|shm [--sizes 4K,64K,1M,4M] [--out FILE]
+//! mooncake-bench memcpy [--size 4MiB]
+//! ```
+//! `remote` starts a master and one storage node (the sibling `mooncake-master` and
+//! `mooncake-client` binaries) unless `--master` is given, then puts and gets objects
+//! from this process, which gives no memory to the pool: every byte crosses to the
+//! node over the chosen transport. Rows carry the fields of the reference Mooncake
+//! anchor's JSON (`mode/api/size/batch`, ops/s, GB/s, per-call latency percentiles)
+//! so the two files compare row for row.
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use clap::{Parser, Subcommand};
+use hdrhistogram::Histogram;
+use mooncake_core::{parse_size, Protocol, Store};
+use serde::Serialize;
+
+#[derive(Parser, Debug)]
+#[command(version, about = "End-to-end benchmarks of mooncake-rs")]
+struct Args {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    /// Remote put/get between processes.
+    Remote {
+        /// tcp or shm.
+        #[arg(long, default_value = "tcp")]
+        transport: String,
+        /// Object sizes.
+        #[arg(long, default_value = "4K,64K,1M,4M")]
+        sizes: String,
+        /// Use this master instead of starting one (and a storage node).
+        #[arg(long)]
+        master: Option<String>,
+        /// Segment size of the storage node started.
+        #[arg(long, default_value = "2GiB")]
+        segment_size: String,
+        /// Bytes moved per phase (ops = clamp(phase/size, 64, 2000), as the anchor).
+        #[arg(long, default_value = "256MiB")]
+        phase_bytes: String,
+        /// JSON output file (stdout if absent).
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
+    /// memcpy bandwidth of this machine (the Shm reference point).
+    Memcpy {
+        /// Buffer size.
+        #[arg(long, default_value = "4MiB")]
+        size: String,
+    },
+}
+
+/// One measured phase, in the anchor's row format.
+#[derive(Serialize, Debug)]
+struct Row {
+    system: &'static str,
+    mode: &'static str,
+    transport: String,
+    api: &'static str,
+    size: u64,
+    batch: u64,
+    calls: u64,
+    items: u64,
+    fail: u64,
+    wall_s: f64,
+    ops_per_s: f64,
+    calls_per_s: f64,
+    #[serde(rename = "GB_per_s")]
+    gb_per_s: f64,
+    p50_us: f64,
+    p99_us: f64,
+    mean_us: f64,
+    max_us: f64,
+}
+
+fn row(api: &'static str, transport: &str, size: u64, hist: &Histogram<u64>, fail: u64, wall: Duration) -> Row {
+    let calls = hist.len();
+    let wall_s = wall.as_secs_f64();
+    Row {
+        system: "mooncake-rs",
+        mode: "remote",
+        transport: transport.to_owned(),
+        api,
+        size,
+        batch: 1,
+        calls,
+        items: calls,
+        fail,
+        wall_s,
+        ops_per_s: calls as f64 / wall_s,
+        calls_per_s: calls as f64 / wall_s,
+        gb_per_s: calls as f64 * size as f64 / wall_s / 1e9,
+        p50_us: hist.value_at_quantile(0.50) as f64 / 1000.0,
+        p99_us: hist.value_at_quantile(0.99) as f64 / 1000.0,
+        mean_us: hist.mean() / 1000.0,
+        max_us: hist.max() as f64 / 1000.0,
+    }
+}
+
+/// A child process stopped when dropped.
+struct Child2(Child, String);
+
+impl Drop for Child2 {
+    fn drop(&mut self) {
+        let _ = Command::new("kill").arg("-TERM").arg(self.0.id().to_string()).status();
+        let _ = self.0.wait();
+    }
+}
+
+fn sibling(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("current exe");
+    exe.with_file_name(name)
+}
+
+fn spawn(program: PathBuf, args: &[&str]) -> Result<Child2, String> {
+    let mut child = Command::new(&program)
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .map_err(|e| format!("cannot start {}: {e} (build with `cargo build --release --bins`)", program.display()))?;
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().expect("piped")).read_line(&mut line).map_err(|e| e.to_string())?;
+    Ok(Child2(child, line.trim().to_owned()))
+}
+
+fn payload(len: usize) -> Vec<u8> {
+    (0..len).map(|i| (i * 131 % 251) as u8).collect()
+}
+
+fn remote(transport: &str, sizes: &str, master: Option<String>, segment: &str, phase: &str) -> Result<Vec<Row>, String> {
+    let protocol = match transport {
+        "tcp" => Protocol::Tcp,
+        "shm" => Protocol::Shm,
+        other => return Err(format!("unknown transport {other}")),
+    };
+    let mut children = Vec::new();
+    let master = match master {
+        Some(m) => m,
+        None => {
+            let m = spawn(sibling("mooncake-master"), &["--listen", "127.0.0.1:0"])?;
+            let addr = m.1.rsplit(' ').next().unwrap_or_default().to_owned();
+            children.push(m);
+            let node = spawn(
+                sibling("mooncake-client"),
+                &["serve", "--master", &addr, "--listen", "127.0.0.1:0", "--segment-size", segment],
+            )?;
+            children.push(node);
+            addr
+        }
+    };
+    let store = Store::builder()
+        .master_address(&master)
+        .protocol(protocol)
+        .global_segment_size(0)
+        .build()
+        .map_err(|e| e.to_string())?;
+    let phase_bytes = parse_size(phase).map_err(|e| e.to_string())?;
+    let mut rows = Vec::new();
+    for size in sizes.split(',') {
+        let size = parse_size(size).map_err(|e| e.to_string())?;
+        let ops = (phase_bytes / size).clamp(64, 2000);
+        let value = payload(size as usize);
+        let keys: Vec<String> = (0..ops).map(|i| format!("bench/{transport}/{size}/{i}")).collect();
+        // Warm-up: fault the node's pages in and open connections.
+        for k in keys.iter().take(8) {
+            let _ = store.put(&format!("{k}/warm"), &value);
+            let _ = store.get(&format!("{k}/warm"));
+        }
+        let mut hist = Histogram::<u64>::new(3).expect("histogram");
+        let (mut fail, start) = (0, Instant::now());
+        for k in &keys {
+            let t = Instant::now();
+            if store.put(k, &value).is_err() {
+                fail += 1;
+            }
+            hist.record(t.elapsed().as_nanos() as u64).ok();
+        }
+        rows.push(row("put", transport, size, &hist, fail, start.elapsed()));
+        for (api, into) in [("get", false), ("get_into", true)] {
+            let mut hist = Histogram::<u64>::new(3).expect("histogram");
+            let mut buf = vec![0u8; size as usize];
+            let (mut fail, start) = (0, Instant::now());
+            for k in &keys {
+                let t = Instant::now();
+                let ok = if into { store.get_into(k, &mut buf).is_ok() } else { store.get(k).is_ok() };
+                hist.record(t.elapsed().as_nanos() as u64).ok();
+                if !ok {
+                    fail += 1;
+                }
+            }
+            rows.push(row(api, transport, size, &hist, fail, start.elapsed()));
+        }
+        eprintln!(
+            "{transport} {size:>8} B: put {:.2} GB/s p50 {:.0} us | get {:.2} GB/s p50 {:.0} us",
+            rows[rows.len() - 3].gb_per_s,
+            rows[rows.len() - 3].p50_us,
+            rows[rows.len() - 1].gb_per_s,
+            rows[rows.len() - 1].p50_us
+        );
+        // Leave the segment empty for the next size (leases expire first).
+        std::thread::sleep(Duration::from_millis(50));
+        let _ = store.remove_all();
+    }
+    drop(store);
+    drop(children);
+    Ok(rows)
+}
+
+fn memcpy(size: &str) -> Result<serde_json::Value, String> {
+    let size = parse_size(size).map_err(|e| e.to_string())? as usize;
+    let src = payload(size);
+    let mut dst = vec![0u8; size];
+    dst.copy_from_slice(&src);
+    let iters = ((4u64 << 30) / size as u64).max(4);
+    let start = Instant::now();
+    for _ in 0..iters {
+        dst.copy_from_slice(std::hint::black_box(&src));
+        std::hint::black_box(&mut dst);
+    }
+    let gbps = iters as f64 * size as f64 / start.elapsed().as_secs_f64() / 1e9;
+    Ok(serde_json::json!({ "system": "memcpy", "size": size, "GB_per_s": gbps }))
+}
+
+fn main() {
+    let args = Args::parse();
+    let result = match args.command {
+        Cmd::Remote { transport, sizes, master, segment_size, phase_bytes, out } => {
+            remote(&transport, &sizes, master, &segment_size, &phase_bytes).and_then(|rows| {
+                let json = serde_json::json!({ "system": "mooncake-rs", "rows": rows });
+                let text = serde_json::to_string_pretty(&json).map_err(|e| e.to_string())?;
+                match out {
+                    Some(p) => std::fs::write(&p, text).map_err(|e| e.to_string()),
+                    None => {
+                        println!("{text}");
+                        Ok(())
+                    }
+                }
+            })
+        }
+        Cmd::Memcpy { size } => memcpy(&size).map(|v| println!("{v}")),
+    };
+    if let Err(e) = result {
+        eprintln!("mooncake-bench: {e}");
+        std::process::exit(1);
+    }
+}
