@@ -174,7 +174,7 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 128, ..ProptestConfig::default() })]
     #[test]
     fn store_matches_a_hashmap_model(ops in proptest::collection::vec(op(), 1..60)) {
         run(ops)?;

@@ -82,6 +82,10 @@ pub enum Protocol {
     /// Same process: `memcpy` between registered regions.
     #[default]
     Local,
+    /// TCP to every peer, even on the same host.
+    Tcp,
+    /// Shared memory to peers on the same host, TCP to the others.
+    Shm,
 }
 
 /// Settings of the master service.

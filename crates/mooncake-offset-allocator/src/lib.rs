@@ -1,1 +1,550 @@
-//! placeholder
+//! An O(1) offset allocator with 64-bit offsets, after Sebastian Aaltonen's
+//! OffsetAllocator (a two-level segregated-fit allocator, TLSF-style).
+//!
+//! It manages *offsets* into a range it never touches: Mooncake Store uses it for the
+//! space of a DRAM segment (up to 1 TiB and beyond) and of a preallocated SSD file.
+//!
+//! Sizes are binned as small floating-point numbers (3-bit mantissa, so bins are at
+//! most 12.5 % apart). A 64-bit mask says which exponent groups have free blocks and
+//! an 8-bit mask per group which of its bins do, so finding a block that fits is two
+//! bit scans. Every block knows its physical neighbours, so freeing coalesces in O(1).
+//! When the rounded-up bin search finds nothing, the request's own bin is scanned
+//! (bounded) for a block that is large enough, so the last block that fits is used.
+//!
+//! ```
+//! use mooncake_offset_allocator::OffsetAllocator;
+//!
+//! let mut a = OffsetAllocator::new(1 << 20); // 1 MiB, 64-byte alignment
+//! let x = a.allocate(1000).unwrap();
+//! let y = a.allocate(5000).unwrap();
+//! assert_eq!(x.offset() % 64, 0);
+//! assert!(y.offset() >= x.offset() + x.size());
+//! a.free(x);
+//! a.free(y);
+//! assert_eq!(a.used_bytes(), 0);
+//! assert!(a.allocate(1 << 20).is_some(), "frees coalesce back into one block");
+//! ```
+#![deny(missing_docs)]
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Default alignment of offsets and sizes, in bytes.
+pub const DEFAULT_ALIGNMENT: u64 = 64;
+
+const NONE: u32 = u32::MAX;
+const MANTISSA_BITS: u32 = 3;
+const LEAVES: usize = 1 << MANTISSA_BITS;
+const TOP_BINS: usize = 64;
+const BINS: usize = TOP_BINS * LEAVES;
+/// Nodes of the fallback scan of a request's own bin.
+const FALLBACK_SCAN: usize = 64;
+
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+/// Why an allocator cannot be made.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OffsetAllocatorError {
+    /// Alignment is zero or not a power of two.
+    InvalidAlignment(u64),
+    /// Capacity is smaller than one alignment unit.
+    ZeroCapacity,
+    /// An allocation of another allocator was given back.
+    ForeignAllocation,
+}
+
+impl std::fmt::Display for OffsetAllocatorError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::InvalidAlignment(a) => write!(f, "alignment {a} is not a power of two"),
+            Self::ZeroCapacity => write!(f, "capacity is smaller than one alignment unit"),
+            Self::ForeignAllocation => write!(f, "allocation belongs to another allocator"),
+        }
+    }
+}
+
+impl std::error::Error for OffsetAllocatorError {}
+
+/// A reserved range. Give it back with [`OffsetAllocator::free`]; it is neither
+/// `Clone` nor `Copy`, so it cannot be freed twice.
+#[must_use = "an allocation that is dropped without being freed leaks its space"]
+#[derive(Debug, PartialEq, Eq)]
+pub struct Allocation {
+    offset: u64,
+    size: u64,
+    node: u32,
+    owner: u64,
+}
+
+impl Allocation {
+    /// First byte of the range.
+    pub fn offset(&self) -> u64 {
+        self.offset
+    }
+
+    /// Bytes reserved (the request rounded up to the alignment).
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+}
+
+/// A snapshot of an allocator's space.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AllocatorReport {
+    /// Bytes managed.
+    pub capacity: u64,
+    /// Bytes reserved.
+    pub used_bytes: u64,
+    /// Bytes free.
+    pub free_bytes: u64,
+    /// Number of free blocks.
+    pub free_regions: u64,
+    /// Largest free block, in bytes.
+    pub largest_free_region: u64,
+    /// `1 - largest_free_region / free_bytes` (0 when nothing is free): how much of
+    /// the free space is unusable by one large request.
+    pub fragmentation: f64,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Node {
+    offset: u64, // units
+    size: u64,   // units
+    bin_prev: u32,
+    bin_next: u32,
+    prev: u32, // physical neighbours
+    next: u32,
+    used: bool,
+}
+
+/// The allocator. All sizes and offsets in its API are bytes.
+#[derive(Debug)]
+pub struct OffsetAllocator {
+    id: u64,
+    shift: u32,
+    capacity_units: u64,
+    used_units: u64,
+    top_mask: u64,
+    leaf_masks: [u8; TOP_BINS],
+    heads: Box<[u32; BINS]>,
+    nodes: Vec<Node>,
+    spare: Vec<u32>,
+    free_blocks: u64,
+    /// The block with the highest offset.
+    last: u32,
+}
+
+/// Bin of a size, rounding down: every block in bin `b` is at least `bin_size(b)`.
+fn bin_down(size: u64) -> usize {
+    debug_assert!(size > 0);
+    if size < LEAVES as u64 {
+        return size as usize;
+    }
+    let high = 63 - size.leading_zeros();
+    let shift = high - MANTISSA_BITS;
+    let exp = (shift + 1) as usize;
+    let mantissa = ((size >> shift) & (LEAVES as u64 - 1)) as usize;
+    (exp << MANTISSA_BITS) | mantissa
+}
+
+/// Bin of a size, rounding up: every block in bin `b` or higher holds `size`.
+fn bin_up(size: u64) -> usize {
+    let down = bin_down(size);
+    if bin_size(down) == size {
+        down
+    } else {
+        down + 1
+    }
+}
+
+/// Smallest size a block in bin `b` may have.
+fn bin_size(bin: usize) -> u64 {
+    let exp = bin >> MANTISSA_BITS;
+    let mantissa = (bin & (LEAVES - 1)) as u64;
+    if exp == 0 {
+        mantissa
+    } else {
+        (mantissa | LEAVES as u64) << (exp - 1)
+    }
+}
+
+impl OffsetAllocator {
+    /// An allocator of `capacity` bytes with 64-byte alignment.
+    ///
+    /// # Panics
+    /// If `capacity` is below 64 bytes; use [`with_alignment`](Self::with_alignment)
+    /// for a fallible constructor.
+    pub fn new(capacity: u64) -> Self {
+        Self::with_alignment(capacity, DEFAULT_ALIGNMENT).expect("capacity of at least one alignment unit")
+    }
+
+    /// An allocator of `capacity` bytes (rounded down to the alignment) whose offsets
+    /// and sizes are multiples of `alignment` (a power of two).
+    pub fn with_alignment(capacity: u64, alignment: u64) -> Result<Self, OffsetAllocatorError> {
+        if alignment == 0 || !alignment.is_power_of_two() {
+            return Err(OffsetAllocatorError::InvalidAlignment(alignment));
+        }
+        let shift = alignment.trailing_zeros();
+        let units = capacity >> shift;
+        if units == 0 {
+            return Err(OffsetAllocatorError::ZeroCapacity);
+        }
+        let mut a = Self {
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+            shift,
+            capacity_units: units,
+            used_units: 0,
+            top_mask: 0,
+            leaf_masks: [0; TOP_BINS],
+            heads: Box::new([NONE; BINS]),
+            nodes: Vec::with_capacity(64),
+            spare: Vec::new(),
+            free_blocks: 0,
+            last: 0,
+        };
+        let n = a.new_node(0, units, NONE, NONE);
+        a.insert_free(n);
+        Ok(a)
+    }
+
+    /// Bytes managed.
+    pub fn capacity(&self) -> u64 {
+        self.capacity_units << self.shift
+    }
+
+    /// Alignment of offsets and sizes.
+    pub fn alignment(&self) -> u64 {
+        1 << self.shift
+    }
+
+    /// Bytes reserved.
+    pub fn used_bytes(&self) -> u64 {
+        self.used_units << self.shift
+    }
+
+    /// Bytes free (possibly in several blocks).
+    pub fn free_bytes(&self) -> u64 {
+        (self.capacity_units - self.used_units) << self.shift
+    }
+
+    fn units(&self, bytes: u64) -> Option<u64> {
+        if bytes == 0 {
+            return None;
+        }
+        let align = 1u64 << self.shift;
+        Some(bytes.checked_add(align - 1)? >> self.shift)
+    }
+
+    fn new_node(&mut self, offset: u64, size: u64, prev: u32, next: u32) -> u32 {
+        let node = Node { offset, size, bin_prev: NONE, bin_next: NONE, prev, next, used: false };
+        match self.spare.pop() {
+            Some(i) => {
+                self.nodes[i as usize] = node;
+                i
+            }
+            None => {
+                self.nodes.push(node);
+                (self.nodes.len() - 1) as u32
+            }
+        }
+    }
+
+    fn insert_free(&mut self, i: u32) {
+        let bin = bin_down(self.nodes[i as usize].size);
+        let head = self.heads[bin];
+        {
+            let n = &mut self.nodes[i as usize];
+            n.used = false;
+            n.bin_prev = NONE;
+            n.bin_next = head;
+        }
+        if head != NONE {
+            self.nodes[head as usize].bin_prev = i;
+        }
+        self.heads[bin] = i;
+        self.top_mask |= 1 << (bin >> MANTISSA_BITS);
+        self.leaf_masks[bin >> MANTISSA_BITS] |= 1 << (bin & (LEAVES - 1));
+        self.free_blocks += 1;
+    }
+
+    fn remove_free(&mut self, i: u32) {
+        let n = self.nodes[i as usize];
+        if n.bin_prev != NONE {
+            self.nodes[n.bin_prev as usize].bin_next = n.bin_next;
+        } else {
+            let bin = bin_down(n.size);
+            self.heads[bin] = n.bin_next;
+            if n.bin_next == NONE {
+                let top = bin >> MANTISSA_BITS;
+                self.leaf_masks[top] &= !(1 << (bin & (LEAVES - 1)));
+                if self.leaf_masks[top] == 0 {
+                    self.top_mask &= !(1 << top);
+                }
+            }
+        }
+        if n.bin_next != NONE {
+            self.nodes[n.bin_next as usize].bin_prev = n.bin_prev;
+        }
+        self.free_blocks -= 1;
+    }
+
+    /// First non-empty bin at or above `bin`.
+    fn find_bin(&self, bin: usize) -> Option<usize> {
+        let top = bin >> MANTISSA_BITS;
+        if top >= TOP_BINS {
+            return None;
+        }
+        let leaf = bin & (LEAVES - 1);
+        let leaves = self.leaf_masks[top] & (0xffu8 << leaf);
+        if leaves != 0 {
+            return Some((top << MANTISSA_BITS) | leaves.trailing_zeros() as usize);
+        }
+        let tops = if top + 1 >= TOP_BINS { 0 } else { self.top_mask & (!0u64 << (top + 1)) };
+        if tops == 0 {
+            return None;
+        }
+        let t = tops.trailing_zeros() as usize;
+        Some((t << MANTISSA_BITS) | self.leaf_masks[t].trailing_zeros() as usize)
+    }
+
+    /// Reserves `size` bytes (rounded up to the alignment); `None` if no free block
+    /// is large enough (or `size` is 0). O(1), plus a bounded scan when only the
+    /// request's own bin may hold a fitting block.
+    pub fn allocate(&mut self, size: u64) -> Option<Allocation> {
+        let units = self.units(size)?;
+        if units > self.capacity_units - self.used_units {
+            return None;
+        }
+        let node = match self.find_bin(bin_up(units)) {
+            Some(bin) => self.heads[bin],
+            None => self.scan_bin(bin_down(units), units)?,
+        };
+        Some(self.take(node, units))
+    }
+
+    fn scan_bin(&self, bin: usize, units: u64) -> Option<u32> {
+        let mut i = self.heads[bin];
+        for _ in 0..FALLBACK_SCAN {
+            if i == NONE {
+                return None;
+            }
+            if self.nodes[i as usize].size >= units {
+                return Some(i);
+            }
+            i = self.nodes[i as usize].bin_next;
+        }
+        None
+    }
+
+    /// Uses free node `i` for `units`, splitting off the remainder.
+    fn take(&mut self, i: u32, units: u64) -> Allocation {
+        self.remove_free(i);
+        let n = self.nodes[i as usize];
+        if n.size > units {
+            let rest = self.new_node(n.offset + units, n.size - units, i, n.next);
+            if n.next != NONE {
+                self.nodes[n.next as usize].prev = rest;
+            } else {
+                self.last = rest;
+            }
+            self.nodes[i as usize].next = rest;
+            self.nodes[i as usize].size = units;
+            self.insert_free(rest);
+        }
+        self.nodes[i as usize].used = true;
+        self.used_units += units;
+        Allocation { offset: n.offset << self.shift, size: units << self.shift, node: i, owner: self.id }
+    }
+
+    /// Reserves exactly `[offset, offset + size)` (both rounded to the alignment:
+    /// `offset` must be aligned), if that range is free. Used to rebuild an
+    /// allocator from a list of live ranges; O(number of blocks) in the worst case,
+    /// O(1) when ranges are reserved in increasing offset order on a fresh allocator.
+    pub fn allocate_at(&mut self, offset: u64, size: u64) -> Option<Allocation> {
+        let units = self.units(size)?;
+        if offset & ((1 << self.shift) - 1) != 0 {
+            return None;
+        }
+        let start = offset >> self.shift;
+        let end = start.checked_add(units)?;
+        if end > self.capacity_units {
+            return None;
+        }
+        // Walk the physical chain backwards from the last block: ascending
+        // reservations find their block at once.
+        let mut i = self.last;
+        while i != NONE && self.nodes[i as usize].offset > start {
+            i = self.nodes[i as usize].prev;
+        }
+        if i == NONE {
+            return None;
+        }
+        let n = self.nodes[i as usize];
+        if n.used || n.offset + n.size < end {
+            return None;
+        }
+        // Split off the free head [n.offset, start) and keep it free.
+        let target = if n.offset < start {
+            self.remove_free(i);
+            let t = self.new_node(start, n.offset + n.size - start, i, n.next);
+            if n.next != NONE {
+                self.nodes[n.next as usize].prev = t;
+            } else {
+                self.last = t;
+            }
+            self.nodes[i as usize].next = t;
+            self.nodes[i as usize].size = start - n.offset;
+            self.insert_free(i);
+            self.insert_free(t);
+            t
+        } else {
+            i
+        };
+        Some(self.take(target, units))
+    }
+
+    /// Gives `allocation` back, merging it with free neighbours. Allocations of other
+    /// allocators are refused (see [`try_free`](Self::try_free)); `free` ignores them
+    /// with a debug assertion.
+    pub fn free(&mut self, allocation: Allocation) {
+        let r = self.try_free(allocation);
+        debug_assert!(r.is_ok(), "{r:?}");
+    }
+
+    /// Gives `allocation` back; fails if it belongs to another allocator.
+    pub fn try_free(&mut self, allocation: Allocation) -> Result<(), OffsetAllocatorError> {
+        if allocation.owner != self.id {
+            return Err(OffsetAllocatorError::ForeignAllocation);
+        }
+        let mut i = allocation.node;
+        let n = self.nodes[i as usize];
+        self.used_units -= n.size;
+        self.nodes[i as usize].used = false;
+        // Merge with the previous block: it absorbs us.
+        if n.prev != NONE && !self.nodes[n.prev as usize].used {
+            let p = n.prev;
+            self.remove_free(p);
+            self.nodes[p as usize].size += n.size;
+            self.nodes[p as usize].next = n.next;
+            if n.next != NONE {
+                self.nodes[n.next as usize].prev = p;
+            } else {
+                self.last = p;
+            }
+            self.spare.push(i);
+            i = p;
+        }
+        // Merge with the next block: we absorb it.
+        let next = self.nodes[i as usize].next;
+        if next != NONE && !self.nodes[next as usize].used {
+            let m = self.nodes[next as usize];
+            self.remove_free(next);
+            self.nodes[i as usize].size += m.size;
+            self.nodes[i as usize].next = m.next;
+            if m.next != NONE {
+                self.nodes[m.next as usize].prev = i;
+            } else {
+                self.last = i;
+            }
+            self.spare.push(next);
+        }
+        self.insert_free(i);
+        Ok(())
+    }
+
+    /// Largest free block in bytes (exact: the highest non-empty bin is scanned).
+    pub fn largest_free_region(&self) -> u64 {
+        if self.top_mask == 0 {
+            return 0;
+        }
+        let top = 63 - self.top_mask.leading_zeros() as usize;
+        let leaf = 7 - self.leaf_masks[top].leading_zeros() as usize;
+        let mut i = self.heads[(top << MANTISSA_BITS) | leaf];
+        let mut best = 0;
+        while i != NONE {
+            best = best.max(self.nodes[i as usize].size);
+            i = self.nodes[i as usize].bin_next;
+        }
+        best << self.shift
+    }
+
+    /// A snapshot of the space.
+    pub fn report(&self) -> AllocatorReport {
+        let free = self.free_bytes();
+        let largest = self.largest_free_region();
+        AllocatorReport {
+            capacity: self.capacity(),
+            used_bytes: self.used_bytes(),
+            free_bytes: free,
+            free_regions: self.free_blocks,
+            largest_free_region: largest,
+            fragmentation: if free == 0 { 0.0 } else { 1.0 - largest as f64 / free as f64 },
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bins_bracket_sizes() {
+        for s in (1u64..5000).chain([1 << 20, (1 << 40) + 12345, u64::MAX >> 7]) {
+            let d = bin_down(s);
+            assert!(bin_size(d) <= s, "{s}");
+            let u = bin_up(s);
+            assert!(bin_size(u) >= s, "{s}");
+            assert!(u - d <= 1);
+        }
+    }
+
+    #[test]
+    fn refuses_bad_alignment_and_capacity() {
+        assert_eq!(OffsetAllocator::with_alignment(1024, 3).unwrap_err(), OffsetAllocatorError::InvalidAlignment(3));
+        assert_eq!(OffsetAllocator::with_alignment(63, 64).unwrap_err(), OffsetAllocatorError::ZeroCapacity);
+    }
+
+    #[test]
+    fn huge_and_zero_requests_fail_cleanly() {
+        let mut a = OffsetAllocator::new(1 << 20);
+        assert!(a.allocate(0).is_none());
+        assert!(a.allocate(u64::MAX).is_none());
+        assert!(a.allocate((1 << 20) + 1).is_none());
+        assert!(a.allocate_at(u64::MAX - 63, 64).is_none());
+    }
+
+    #[test]
+    fn one_tebibyte_segment() {
+        let mut a = OffsetAllocator::new(1 << 40);
+        let x = a.allocate(1 << 39).unwrap();
+        let y = a.allocate(1 << 39).unwrap();
+        assert_eq!(y.offset(), 1 << 39);
+        assert!(a.allocate(64).is_none());
+        a.free(x);
+        a.free(y);
+        assert_eq!(a.report().largest_free_region, 1 << 40);
+    }
+
+    #[test]
+    fn foreign_allocations_are_refused() {
+        let mut a = OffsetAllocator::new(1 << 20);
+        let mut b = OffsetAllocator::new(1 << 20);
+        let x = a.allocate(100).unwrap();
+        assert_eq!(b.try_free(x), Err(OffsetAllocatorError::ForeignAllocation));
+    }
+
+    #[test]
+    fn allocate_at_rebuilds_a_layout() {
+        let mut a = OffsetAllocator::new(1 << 20);
+        let x = a.allocate_at(4096, 1000).unwrap();
+        let y = a.allocate_at(8192, 64).unwrap();
+        assert_eq!((x.offset(), y.offset()), (4096, 8192));
+        assert!(a.allocate_at(4096 + 512, 64).is_none(), "inside a used range");
+        assert!(a.allocate_at(100, 64).is_none(), "unaligned");
+        let z = a.allocate_at(0, 4096).unwrap();
+        assert_eq!(z.offset(), 0);
+        a.free(x);
+        a.free(y);
+        a.free(z);
+        assert_eq!(a.report().largest_free_region, 1 << 20);
+    }
+}

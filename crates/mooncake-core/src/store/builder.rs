@@ -154,13 +154,17 @@ impl StoreBuilder {
                 Master::new(cfg)?.service().clone()
             }
         };
-        let engine = match &self.listen {
-            None => TransferEngine::new(),
-            Some(addr) => TransferEngine::builder()
-                .tcp_listen(addr)
-                .map_err(|e| Error::InvalidArgument(format!("cannot listen on {addr}: {e}")))?
-                .build(),
-        };
+        let engine = transfer_engine(self.listen.as_deref(), self.protocol)?;
         Store::connect(self, master, engine)
+    }
+}
+
+/// The transfer engine for a client: which transports, and whether it listens.
+fn transfer_engine(listen: Option<&str>, protocol: Protocol) -> Result<TransferEngine> {
+    match (listen, protocol) {
+        (None, Protocol::Local) => Ok(TransferEngine::new()),
+        (listen, protocol) => Err(Error::InvalidArgument(format!(
+            "listen={listen:?} protocol={protocol:?}: the networked transports are not in this build yet"
+        ))),
     }
 }
