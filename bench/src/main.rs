@@ -122,12 +122,10 @@ fn sibling(name: &str) -> PathBuf {
 }
 
 fn spawn(program: PathBuf, args: &[&str]) -> Result<Child2, String> {
-    let mut child = Command::new(&program)
-        .args(args)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .map_err(|e| format!("cannot start {}: {e} (build with `cargo build --release --bins`)", program.display()))?;
+    let mut child =
+        Command::new(&program).args(args).stdout(Stdio::piped()).stderr(Stdio::inherit()).spawn().map_err(|e| {
+            format!("cannot start {}: {e} (build with `cargo build --release --bins`)", program.display())
+        })?;
     let mut line = String::new();
     BufReader::new(child.stdout.take().expect("piped")).read_line(&mut line).map_err(|e| e.to_string())?;
     Ok(Child2(child, line.trim().to_owned()))
@@ -137,7 +135,13 @@ fn payload(len: usize) -> Vec<u8> {
     (0..len).map(|i| (i * 131 % 251) as u8).collect()
 }
 
-fn remote(transport: &str, sizes: &str, master: Option<String>, segment: &str, phase: &str) -> Result<Vec<Row>, String> {
+fn remote(
+    transport: &str,
+    sizes: &str,
+    master: Option<String>,
+    segment: &str,
+    phase: &str,
+) -> Result<Vec<Row>, String> {
     let protocol = match transport {
         "tcp" => Protocol::Tcp,
         "shm" => Protocol::Shm,

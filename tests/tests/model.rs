@@ -140,7 +140,9 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
                         model.remove(&key);
                     }
                     (None, Err(Error::NotFound(_))) => {}
-                    (known, res) => prop_assert!(false, "replicate of key {} with model {:?} gave {:?}", key, known, res),
+                    (known, res) => {
+                        prop_assert!(false, "replicate of key {} with model {:?} gave {:?}", key, known, res)
+                    }
                 }
             }
             Op::Evict { bytes } => {

@@ -10,7 +10,7 @@ use support::{payload, unique_dir, Cluster, Proc};
 
 #[test]
 fn put_in_one_process_get_in_another() {
-    let c = Cluster::start(&[], 2);
+    let c = Cluster::start(&["--default-lease-ms", "300"], 2);
     let dir = unique_dir("oneshot");
     let data = payload(1, 3 << 20);
     let src = dir.join("in");
@@ -29,6 +29,10 @@ fn put_in_one_process_get_in_another() {
     // Objects are immutable.
     let (code, _, err) = c.client(&["put", "--master", &c.master_addr, "model/layer0", src.to_str().unwrap()]);
     assert_eq!((code, err.trim()), (1, "already exists: model/layer0"));
+    // The get above leased the object to its reader for 300 ms.
+    let (code, _, err) = c.client(&["rm", "--master", &c.master_addr, "model/layer0"]);
+    assert_eq!((code, err.trim()), (1, "object has a live lease: model/layer0"));
+    std::thread::sleep(Duration::from_millis(400));
     c.client_ok(&["rm", "--master", &c.master_addr, "model/layer0"]);
     assert_eq!(c.client_ok(&["ls", "--master", &c.master_addr]).trim(), "");
 }

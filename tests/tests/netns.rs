@@ -58,7 +58,10 @@ impl Testbed {
     /// Bytes sent by a host's interface.
     fn tx_bytes(&self, host: usize) -> u64 {
         let (ns, _, dev) = &self.hosts[host];
-        let out = Command::new("ip").args(["netns", "exec", ns, "cat", &format!("/sys/class/net/{dev}/statistics/tx_bytes")]).output().unwrap();
+        let out = Command::new("ip")
+            .args(["netns", "exec", ns, "cat", &format!("/sys/class/net/{dev}/statistics/tx_bytes")])
+            .output()
+            .unwrap();
         String::from_utf8_lossy(&out.stdout).trim().parse().unwrap_or(0)
     }
 }
@@ -86,11 +89,8 @@ fn master_nodes_and_clients_on_distinct_hosts() {
     let p0 = prefix(0);
     let p0: Vec<&str> = p0.iter().map(String::as_str).collect();
     let master_listen = format!("{}:50051", bed.hosts[0].1);
-    let master = Proc::spawn(
-        &p0,
-        &support::bin("mooncake-master"),
-        &["--listen", &master_listen, "--client-ttl-ms", "3000"],
-    );
+    let master =
+        Proc::spawn(&p0, &support::bin("mooncake-master"), &["--listen", &master_listen, "--client-ttl-ms", "3000"]);
     assert!(master.first_line.ends_with(&master_listen), "{}", master.first_line);
     let mut c = Cluster {
         master,

@@ -186,7 +186,10 @@ fn two_replicas_survive_a_lost_client_and_one_replica_does_not() {
     let two = pattern(3, 100_000);
     a.put_with("two", &two, &ReplicateConfig::replicas(2)).unwrap();
     // Pin the single replica on a's segment.
-    let on_a = ReplicateConfig { preferred_segments: vec![master.segment_info(a.segment_id().unwrap()).unwrap().name], ..Default::default() };
+    let on_a = ReplicateConfig {
+        preferred_segments: vec![master.segment_info(a.segment_id().unwrap()).unwrap().name],
+        ..Default::default()
+    };
     a.put_with("one", b"only on a", &on_a).unwrap();
     assert_eq!(master.stats().replicas, 3);
     drop(a);

@@ -26,8 +26,11 @@ fn strategies(c: &mut Criterion) {
         let segs: Vec<Arc<SegmentAllocator>> =
             (0..segments).map(|i| SegmentAllocator::new(i, format!("seg{i}"), 64 << 30)).collect();
         let req = AllocationRequest { size: 1 << 20, replica_num: replicas, ..Default::default() };
-        let all: [(&str, Box<dyn AllocationStrategy>); 3] =
-            [("random", Box::new(Random)), ("free_ratio_first", Box::new(FreeRatioFirst)), ("ssd_free_ratio_first", Box::new(SsdFreeRatioFirst))];
+        let all: [(&str, Box<dyn AllocationStrategy>); 3] = [
+            ("random", Box::new(Random)),
+            ("free_ratio_first", Box::new(FreeRatioFirst)),
+            ("ssd_free_ratio_first", Box::new(SsdFreeRatioFirst)),
+        ];
         for (name, s) in all {
             group.bench_function(format!("{name}/{replicas}x over {segments}"), |b| {
                 b.iter(|| s.allocate(&req, &segs, Some(&Ssd)).unwrap())

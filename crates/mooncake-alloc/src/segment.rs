@@ -48,10 +48,18 @@ impl SegmentAllocator {
         alignment: u64,
     ) -> Result<Arc<Self>, AllocationError> {
         let inner = OffsetAllocator::with_alignment(capacity, alignment).map_err(|e| match e {
-            mooncake_offset_allocator::OffsetAllocatorError::InvalidAlignment(a) => AllocationError::InvalidAlignment(a),
+            mooncake_offset_allocator::OffsetAllocatorError::InvalidAlignment(a) => {
+                AllocationError::InvalidAlignment(a)
+            }
             other => AllocationError::InvalidRequest(other.to_string()),
         })?;
-        Ok(Arc::new(Self { id, name: name.into(), capacity: inner.capacity(), used: AtomicU64::new(0), inner: Mutex::new(inner) }))
+        Ok(Arc::new(Self {
+            id,
+            name: name.into(),
+            capacity: inner.capacity(),
+            used: AtomicU64::new(0),
+            inner: Mutex::new(inner),
+        }))
     }
 
     /// The segment's id.

@@ -18,10 +18,7 @@ pub(crate) fn check_key(key: &str) -> Result<()> {
         return Err(Error::InvalidArgument("empty key".into()));
     }
     if key.len() > MAX_KEY_LEN {
-        return Err(Error::InvalidArgument(format!(
-            "key of {} bytes exceeds {MAX_KEY_LEN}",
-            key.len()
-        )));
+        return Err(Error::InvalidArgument(format!("key of {} bytes exceeds {MAX_KEY_LEN}", key.len())));
     }
     Ok(())
 }
@@ -152,10 +149,7 @@ impl Default for MasterConfig {
 impl MasterConfig {
     pub(crate) fn check(&self) -> Result<()> {
         if !(self.high_watermark > 0.0 && self.high_watermark <= 1.0) {
-            return Err(Error::InvalidArgument(format!(
-                "high_watermark {} not in (0, 1]",
-                self.high_watermark
-            )));
+            return Err(Error::InvalidArgument(format!("high_watermark {} not in (0, 1]", self.high_watermark)));
         }
         if !(0.0..self.high_watermark).contains(&self.eviction_ratio) {
             return Err(Error::InvalidArgument(format!(

@@ -22,9 +22,9 @@
 mod config;
 mod error;
 pub mod master;
+pub mod metrics;
 pub mod rpc;
 mod store;
-pub mod metrics;
 
 pub use config::{parse_size, MasterConfig, Protocol, ReplicateConfig, MAX_KEY_LEN, MAX_VALUE_LEN};
 pub use error::{Error, Result};

@@ -33,15 +33,19 @@ pub fn prometheus_text(stats: &MasterStats, rpc: Option<&RpcServerStats>) -> Str
     if let Some(rpc) = rpc {
         let _ = writeln!(out, "# HELP mooncake_ops_total Requests served, by kind.\n# TYPE mooncake_ops_total counter");
         for (i, kind) in REQUEST_KINDS.iter().enumerate() {
-            let _ = writeln!(out, "mooncake_ops_total{{kind=\"{kind}\"}} {}", rpc.ops_by_kind[i].load(Ordering::Relaxed));
+            let _ =
+                writeln!(out, "mooncake_ops_total{{kind=\"{kind}\"}} {}", rpc.ops_by_kind[i].load(Ordering::Relaxed));
         }
         let _ = writeln!(
             out,
             "# HELP mooncake_errors_total Requests answered with an error, by kind.\n# TYPE mooncake_errors_total counter"
         );
         for (i, kind) in REQUEST_KINDS.iter().enumerate() {
-            let _ =
-                writeln!(out, "mooncake_errors_total{{kind=\"{kind}\"}} {}", rpc.errors_by_kind[i].load(Ordering::Relaxed));
+            let _ = writeln!(
+                out,
+                "mooncake_errors_total{{kind=\"{kind}\"}} {}",
+                rpc.errors_by_kind[i].load(Ordering::Relaxed)
+            );
         }
         let _ = writeln!(
             out,

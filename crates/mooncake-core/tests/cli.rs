@@ -36,7 +36,8 @@ fn help_lists_the_commands_and_flags_of_the_design() {
 
 #[test]
 fn bad_sizes_and_strategies_are_refused_with_one_line() {
-    let (code, _, err) = run(CLIENT, &["serve", "--master", "127.0.0.1:1", "--listen", "127.0.0.1:0", "--segment-size", "12parsecs"]);
+    let (code, _, err) =
+        run(CLIENT, &["serve", "--master", "127.0.0.1:1", "--listen", "127.0.0.1:0", "--segment-size", "12parsecs"]);
     assert_eq!(code, 2, "clap usage errors exit 2");
     assert!(err.contains("bad size"), "{err}");
     let (code, _, err) = run(MASTER, &["--allocation-strategy", "best_guess"]);

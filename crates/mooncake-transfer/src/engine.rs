@@ -9,6 +9,8 @@ use parking_lot::RwLock;
 use crate::error::{Result, TransferError};
 use crate::local::{self, LocalTransport, LOCAL_SCHEME};
 use crate::region::{RegionId, RegisteredRegion, RemoteRegion};
+use crate::shm::{host_id, ShmTransport};
+use crate::tcp::{TcpServer, TcpTransport};
 use crate::transport::{TransferRequest, Transport};
 
 static NEXT_LOCAL_ENGINE: AtomicU64 = AtomicU64::new(1);
@@ -19,6 +21,8 @@ pub(crate) struct EngineShared {
     endpoint: String,
     regions: RwLock<HashMap<RegionId, Arc<RegisteredRegion>>>,
     next_region: AtomicU64,
+    /// Regions are memfds that same-host peers may map.
+    shared: bool,
 }
 
 impl EngineShared {
@@ -28,10 +32,7 @@ impl EngineShared {
             .read()
             .get(&id)
             .cloned()
-            .ok_or_else(|| TransferError::UnknownRegion {
-                endpoint: self.endpoint.clone(),
-                region: id,
-            })
+            .ok_or_else(|| TransferError::UnknownRegion { endpoint: self.endpoint.clone(), region: id })
     }
 }
 
@@ -45,14 +46,16 @@ impl Drop for EngineShared {
 #[derive(Default)]
 pub struct TransferEngineBuilder {
     transports: Vec<Arc<dyn Transport>>,
+    listen: Option<String>,
+    advertise_host: Option<String>,
+    network: bool,
+    shared_memory: bool,
 }
 
 impl std::fmt::Debug for TransferEngineBuilder {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let names: Vec<&str> = self.transports.iter().map(|t| t.name()).collect();
-        f.debug_struct("TransferEngineBuilder")
-            .field("transports", &names)
-            .finish()
+        f.debug_struct("TransferEngineBuilder").field("transports", &names).finish()
     }
 }
 
@@ -64,21 +67,83 @@ impl TransferEngineBuilder {
         self
     }
 
-    /// Builds the engine and makes it reachable by in-process peers.
-    pub fn build(self) -> TransferEngine {
+    /// Serves this engine's regions over TCP on `addr` (`host:port`; port 0 picks
+    /// one). The endpoint becomes the bound `host:port`. Implies [`network`](Self::network).
+    pub fn tcp_listen(mut self, addr: &str) -> Self {
+        self.listen = Some(addr.to_owned());
+        self.network = true;
+        self
+    }
+
+    /// The host peers should dial (default: the listener's address), for listeners
+    /// bound to a wildcard address.
+    pub fn advertise_host(mut self, host: &str) -> Self {
+        self.advertise_host = Some(host.to_owned());
+        self
+    }
+
+    /// Reach peers over the network: adds the `Shm` (if
+    /// [`shared_memory`](Self::shared_memory)) and `Tcp` transports after `Local`,
+    /// unless transports were given explicitly.
+    pub fn network(mut self) -> Self {
+        self.network = true;
+        self
+    }
+
+    /// Back regions with memfds that same-host peers map, and prefer the `Shm`
+    /// transport for same-host peers.
+    pub fn shared_memory(mut self, on: bool) -> Self {
+        self.shared_memory = on;
+        self
+    }
+
+    /// Builds the engine: binds the listener if asked, and makes the engine reachable
+    /// by in-process peers.
+    pub fn build(self) -> Result<TransferEngine> {
         let mut transports = self.transports;
         if transports.is_empty() {
             transports.push(Arc::new(LocalTransport));
+            if self.network {
+                if self.shared_memory {
+                    transports.push(Arc::new(ShmTransport::new()));
+                }
+                transports.push(Arc::new(TcpTransport::new()));
+            }
         }
-        let n = NEXT_LOCAL_ENGINE.fetch_add(1, Ordering::Relaxed);
-        let endpoint = format!("{LOCAL_SCHEME}{}/{n}", std::process::id());
+        let listener = match &self.listen {
+            Some(addr) => Some(
+                std::net::TcpListener::bind(addr)
+                    .map_err(|e| TransferError::Registration(format!("cannot listen on {addr}: {e}")))?,
+            ),
+            None => None,
+        };
+        let endpoint = match &listener {
+            Some(l) => {
+                let bound = l.local_addr().map_err(|e| TransferError::Io(e.to_string()))?;
+                let host = self.advertise_host.clone().unwrap_or_else(|| bound.ip().to_string());
+                if host.contains(':') {
+                    format!("[{host}]:{}", bound.port())
+                } else {
+                    format!("{host}:{}", bound.port())
+                }
+            }
+            None => {
+                let n = NEXT_LOCAL_ENGINE.fetch_add(1, Ordering::Relaxed);
+                format!("{LOCAL_SCHEME}{}/{n}", std::process::id())
+            }
+        };
         let shared = Arc::new(EngineShared {
             endpoint: endpoint.clone(),
             regions: RwLock::new(HashMap::new()),
             next_region: AtomicU64::new(1),
+            shared: self.shared_memory,
         });
         local::publish(&endpoint, &shared);
-        TransferEngine { shared, transports }
+        let server = match listener {
+            Some(l) => Some(TcpServer::start(l, Arc::downgrade(&shared), host_id().to_owned())?),
+            None => None,
+        };
+        Ok(TransferEngine { shared, transports, _server: server })
     }
 }
 
@@ -103,6 +168,7 @@ impl TransferEngineBuilder {
 pub struct TransferEngine {
     shared: Arc<EngineShared>,
     transports: Vec<Arc<dyn Transport>>,
+    _server: Option<TcpServer>,
 }
 
 impl std::fmt::Debug for TransferEngine {
@@ -123,7 +189,7 @@ impl Default for TransferEngine {
 impl TransferEngine {
     /// An engine with the [`LocalTransport`] only.
     pub fn new() -> Self {
-        Self::builder().build()
+        Self::builder().build().expect("an in-process engine needs no resources that can fail")
     }
 
     /// A builder to choose transports.
@@ -139,7 +205,11 @@ impl TransferEngine {
     /// Registers `len` bytes of fresh zeroed memory that peers may read and write.
     pub fn register_region(&self, len: u64) -> Result<Arc<RegisteredRegion>> {
         let id = self.shared.next_region.fetch_add(1, Ordering::Relaxed);
-        let region = Arc::new(RegisteredRegion::new(id, len)?);
+        let region = Arc::new(if self.shared.shared {
+            RegisteredRegion::new_shared(id, len)?
+        } else {
+            RegisteredRegion::new(id, len)?
+        });
         self.shared.regions.write().insert(id, region.clone());
         Ok(region)
     }
@@ -157,10 +227,7 @@ impl TransferEngine {
 
     /// How peers name region `id` of this engine.
     pub fn remote(&self, id: RegionId) -> RemoteRegion {
-        RemoteRegion {
-            endpoint: self.shared.endpoint.clone(),
-            region: id,
-        }
+        RemoteRegion { endpoint: self.shared.endpoint.clone(), region: id }
     }
 
     /// Names of this engine's transports, in the order they are asked.
@@ -181,10 +248,7 @@ impl TransferEngine {
         // Fast path: one transport serves everything (the common case).
         if let Some(first) = requests.first() {
             if let Some(t) = self.transport_for(&first.target.endpoint) {
-                if requests
-                    .iter()
-                    .all(|r| r.target.endpoint == first.target.endpoint)
-                {
+                if requests.iter().all(|r| r.target.endpoint == first.target.endpoint) {
                     return t.transfer(requests);
                 }
             }
@@ -194,17 +258,12 @@ impl TransferEngine {
                 Some(t) => t
                     .transfer(std::slice::from_mut(req))
                     .pop()
-                    .unwrap_or_else(|| {
-                        Err(TransferError::Unreachable(req.target.endpoint.clone()))
-                    }),
+                    .unwrap_or_else(|| Err(TransferError::Unreachable(req.target.endpoint.clone()))),
                 None => Err(TransferError::Unreachable(req.target.endpoint.clone())),
             };
             results[i] = Some(out);
         }
-        results
-            .into_iter()
-            .map(|r| r.unwrap_or_else(|| Err(TransferError::Unreachable(String::new()))))
-            .collect()
+        results.into_iter().map(|r| r.unwrap_or_else(|| Err(TransferError::Unreachable(String::new())))).collect()
     }
 
     /// Reads `dst.len()` bytes of `target` at `offset`.

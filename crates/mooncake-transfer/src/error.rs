@@ -5,9 +5,7 @@
 pub enum TransferError {
     /// The request touches bytes outside the region the serving engine registered.
     /// Nothing was read or written.
-    #[error(
-        "out of bounds: offset {offset} + len {len} exceeds region {region} of {region_len} bytes"
-    )]
+    #[error("out of bounds: offset {offset} + len {len} exceeds region {region} of {region_len} bytes")]
     OutOfBounds {
         /// Region addressed.
         region: u64,
@@ -32,6 +30,12 @@ pub enum TransferError {
     /// No transport of this engine can reach the target.
     #[error("no transport reaches endpoint {0}")]
     Unreachable(String),
+    /// The connection to a peer failed.
+    #[error("i/o with peer: {0}")]
+    Io(String),
+    /// A peer sent bytes that are not the transfer protocol.
+    #[error("protocol error: {0}")]
+    Protocol(String),
     /// A region of zero bytes, or memory that could not be mapped.
     #[error("cannot register region: {0}")]
     Registration(String),

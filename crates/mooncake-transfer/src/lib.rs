@@ -6,7 +6,9 @@
 //! blocks until all are done. Every request is checked against the regions the
 //! serving engine registered: a peer can never touch bytes outside them.
 //!
-//! Transports in this crate: [`LocalTransport`] (same process, `memcpy`).
+//! Transports in this crate: [`LocalTransport`] (same process, `memcpy`),
+//! [`ShmTransport`] (same host, other process: the peer's memfd is mapped and copied
+//! with `memcpy`) and [`TcpTransport`] (anywhere; pooled, pipelined, striped).
 //!
 //! ```
 //! use mooncake_transfer::{TransferEngine, TransferRequest};
@@ -24,12 +26,17 @@
 
 mod engine;
 mod error;
+pub mod frame;
 mod local;
 mod region;
+mod shm;
+mod tcp;
 mod transport;
 
 pub use engine::{TransferEngine, TransferEngineBuilder};
 pub use error::{Result, TransferError};
 pub use local::{LocalTransport, LOCAL_SCHEME};
 pub use region::{RegionId, RegisteredRegion, RemoteRegion};
+pub use shm::{host_id, ShmTransport};
+pub use tcp::{TcpTransport, TransportStats};
 pub use transport::{TransferOp, TransferRequest, Transport};

@@ -26,6 +26,8 @@ pub struct RegisteredRegion {
     ptr: *mut u8,
     // Keeps the mapping alive; accessed only through `ptr`.
     _map: memmap2::MmapMut,
+    /// The memfd behind a shared region (peers on the host map it).
+    memfd: Option<std::fs::File>,
 }
 
 // SAFETY: the region is plain memory; all access goes through `copy_in`/`copy_out`,
@@ -39,10 +41,7 @@ unsafe impl Sync for RegisteredRegion {}
 
 impl std::fmt::Debug for RegisteredRegion {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RegisteredRegion")
-            .field("id", &self.id)
-            .field("len", &self.len)
-            .finish()
+        f.debug_struct("RegisteredRegion").field("id", &self.id).field("len", &self.len).finish()
     }
 }
 
@@ -51,20 +50,70 @@ impl RegisteredRegion {
         if len == 0 {
             return Err(TransferError::Registration("region of zero bytes".into()));
         }
-        let len_usize = usize::try_from(len).map_err(|_| {
-            TransferError::Registration(format!("{len} bytes exceed the address space"))
-        })?;
+        let len_usize = usize::try_from(len)
+            .map_err(|_| TransferError::Registration(format!("{len} bytes exceed the address space")))?;
         let mut map = memmap2::MmapOptions::new()
             .len(len_usize)
             .map_anon()
             .map_err(|e| TransferError::Registration(format!("mmap of {len} bytes: {e}")))?;
         let ptr = map.as_mut_ptr();
-        Ok(Self {
-            id,
-            len,
-            ptr,
-            _map: map,
-        })
+        Ok(Self { id, len, ptr, _map: map, memfd: None })
+    }
+
+    /// A region backed by a `memfd`, so that processes on the same host can map it.
+    pub(crate) fn new_shared(id: RegionId, len: u64) -> Result<Self> {
+        if len == 0 {
+            return Err(TransferError::Registration("region of zero bytes".into()));
+        }
+        let name = std::ffi::CString::new(format!("mooncake-region-{id}")).expect("no NUL in the name");
+        // SAFETY: `name` is a valid NUL-terminated string; memfd_create has no other
+        // preconditions and returns a new descriptor or -1.
+        let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(TransferError::Registration(format!("memfd_create: {}", std::io::Error::last_os_error())));
+        }
+        // SAFETY: `fd` was just returned by memfd_create and is owned by nobody else.
+        let file = unsafe { <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+        file.set_len(len).map_err(|e| TransferError::Registration(format!("memfd of {len} bytes: {e}")))?;
+        let mut region = Self::map_file(id, &file, len)?;
+        region.memfd = Some(file);
+        Ok(region)
+    }
+
+    /// Maps `len` bytes of `file` shared (a peer's memfd opened through `/proc`).
+    pub(crate) fn map_file(id: RegionId, file: &std::fs::File, len: u64) -> Result<Self> {
+        let len_usize = usize::try_from(len)
+            .map_err(|_| TransferError::Registration(format!("{len} bytes exceed the address space")))?;
+        // SAFETY: the file is a memfd that is only resized by its creator before it is
+        // shared (never truncated later), so the mapping stays backed; accesses go
+        // through raw pointers only (see the `Send` impl).
+        let mut map = unsafe { memmap2::MmapOptions::new().len(len_usize).map_mut(file) }
+            .map_err(|e| TransferError::Registration(format!("mmap of a shared region: {e}")))?;
+        let ptr = map.as_mut_ptr();
+        Ok(Self { id, len, ptr, _map: map, memfd: None })
+    }
+
+    /// The memfd of a shared region.
+    pub(crate) fn memfd(&self) -> Option<&std::fs::File> {
+        self.memfd.as_ref()
+    }
+
+    /// Fills `[offset, offset + len)` straight from `reader` (bounds-checked first).
+    pub(crate) fn fill_from(&self, offset: u64, len: u64, reader: &mut impl std::io::Read) -> Result<()> {
+        self.check_bounds(offset, len)?;
+        // SAFETY: bounds checked above; the slice lives only for this call, and no
+        // other reference into the mapping exists (see the `Send` impl: concurrent
+        // writers of one range are excluded by the master's allocator).
+        let dst = unsafe { std::slice::from_raw_parts_mut(self.ptr.add(offset as usize), len as usize) };
+        reader.read_exact(dst).map_err(|e| TransferError::Io(e.to_string()))
+    }
+
+    /// Sends `[offset, offset + len)` straight to `writer` (bounds-checked first).
+    pub(crate) fn drain_to(&self, offset: u64, len: u64, writer: &mut impl std::io::Write) -> Result<()> {
+        self.check_bounds(offset, len)?;
+        // SAFETY: bounds checked above; the shared slice lives only for this call.
+        let src = unsafe { std::slice::from_raw_parts(self.ptr.add(offset as usize), len as usize) };
+        writer.write_all(src).map_err(|e| TransferError::Io(e.to_string()))
     }
 
     /// The region's id inside its engine.
@@ -86,12 +135,7 @@ impl RegisteredRegion {
     pub fn check_bounds(&self, offset: u64, len: u64) -> Result<()> {
         match offset.checked_add(len) {
             Some(end) if end <= self.len => Ok(()),
-            _ => Err(TransferError::OutOfBounds {
-                region: self.id,
-                offset,
-                len: len,
-                region_len: self.len,
-            }),
+            _ => Err(TransferError::OutOfBounds { region: self.id, offset, len, region_len: self.len }),
         }
     }
 
@@ -113,34 +157,20 @@ impl RegisteredRegion {
         self.check_bounds(offset, dst.len() as u64)?;
         // SAFETY: bounds checked above; `dst` is an exclusive slice outside the mapping.
         unsafe {
-            std::ptr::copy_nonoverlapping(
-                self.ptr.add(offset as usize),
-                dst.as_mut_ptr(),
-                dst.len(),
-            );
+            std::ptr::copy_nonoverlapping(self.ptr.add(offset as usize), dst.as_mut_ptr(), dst.len());
         }
         Ok(())
     }
 
     /// Copies `len` bytes from `src_offset` of `src` to `dst_offset` of this region
     /// (both bounds-checked). The two may be the same region if the ranges don't overlap.
-    pub fn copy_from_region(
-        &self,
-        dst_offset: u64,
-        src: &RegisteredRegion,
-        src_offset: u64,
-        len: u64,
-    ) -> Result<()> {
+    pub fn copy_from_region(&self, dst_offset: u64, src: &RegisteredRegion, src_offset: u64, len: u64) -> Result<()> {
         self.check_bounds(dst_offset, len)?;
         src.check_bounds(src_offset, len)?;
         // SAFETY: both ranges are inside their mappings (checked above); ptr::copy
         // tolerates overlap should a caller pass overlapping ranges of one region.
         unsafe {
-            std::ptr::copy(
-                src.ptr.add(src_offset as usize),
-                self.ptr.add(dst_offset as usize),
-                len as usize,
-            );
+            std::ptr::copy(src.ptr.add(src_offset as usize), self.ptr.add(dst_offset as usize), len as usize);
         }
         Ok(())
     }

@@ -44,20 +44,12 @@ pub struct TransferRequest<'a> {
 impl<'a> TransferRequest<'a> {
     /// A request that reads `dst.len()` bytes from `target` at `offset`.
     pub fn read(target: &'a RemoteRegion, offset: u64, dst: &'a mut [u8]) -> Self {
-        Self {
-            target,
-            offset,
-            op: TransferOp::Read(dst),
-        }
+        Self { target, offset, op: TransferOp::Read(dst) }
     }
 
     /// A request that writes `src` into `target` at `offset`.
     pub fn write(target: &'a RemoteRegion, offset: u64, src: &'a [u8]) -> Self {
-        Self {
-            target,
-            offset,
-            op: TransferOp::Write(src),
-        }
+        Self { target, offset, op: TransferOp::Write(src) }
     }
 }
 
@@ -85,7 +77,7 @@ impl<'a> TransferRequest<'a> {
 /// }
 ///
 /// let counting = Arc::new(Counting::default());
-/// let engine = TransferEngine::builder().transport(counting.clone()).build();
+/// let engine = TransferEngine::builder().transport(counting.clone()).build()?;
 /// let region = engine.register_region(4096)?;
 /// engine.write(&engine.remote(region.id()), 0, b"hello")?;
 /// assert_eq!(counting.bytes.load(Ordering::Relaxed), 5);

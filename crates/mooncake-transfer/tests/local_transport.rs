@@ -24,27 +24,13 @@ fn out_of_region_requests_are_refused_and_touch_nothing() {
     let client = TransferEngine::new();
     client.write(&target, 0, &[7u8; 4096]).unwrap();
     let err = client.write(&target, 4090, &[1u8; 7]).unwrap_err();
-    assert!(
-        matches!(
-            err,
-            TransferError::OutOfBounds {
-                offset: 4090,
-                len: 7,
-                region_len: 4096,
-                ..
-            }
-        ),
-        "{err}"
-    );
+    assert!(matches!(err, TransferError::OutOfBounds { offset: 4090, len: 7, region_len: 4096, .. }), "{err}");
     // offset + len overflowing u64 must not wrap around into bounds.
     let err = client.write(&target, u64::MAX, &[1u8; 2]).unwrap_err();
     assert!(matches!(err, TransferError::OutOfBounds { .. }));
     let mut back = vec![0u8; 4096];
     client.read(&target, 0, &mut back).unwrap();
-    assert!(
-        back.iter().all(|&b| b == 7),
-        "a refused write changed memory"
-    );
+    assert!(back.iter().all(|&b| b == 7), "a refused write changed memory");
 }
 
 #[test]
@@ -55,18 +41,12 @@ fn dropped_engines_and_unregistered_regions_are_unreachable() {
     let client = TransferEngine::new();
     assert!(server.unregister_region(seg.id()));
     assert!(!server.unregister_region(seg.id()));
-    assert!(matches!(
-        client.write(&target, 0, b"x"),
-        Err(TransferError::UnknownRegion { .. })
-    ));
+    assert!(matches!(client.write(&target, 0, b"x"), Err(TransferError::UnknownRegion { .. })));
     let seg2 = server.register_region(4096).unwrap();
     assert_ne!(seg2.id(), seg.id(), "region ids must never be reused");
     let target2 = server.remote(seg2.id());
     drop(server);
-    assert!(matches!(
-        client.write(&target2, 0, b"x"),
-        Err(TransferError::Unreachable(_))
-    ));
+    assert!(matches!(client.write(&target2, 0, b"x"), Err(TransferError::Unreachable(_))));
 }
 
 #[test]
@@ -78,11 +58,8 @@ fn a_batch_reports_each_request_on_its_own() {
     let (ta, tb) = (a.remote(ra.id()), b.remote(rb.id()));
     let me = TransferEngine::new();
     let (x, y, z) = (vec![1u8; 10], vec![2u8; 10], vec![3u8; 10]);
-    let mut reqs = [
-        TransferRequest::write(&ta, 0, &x),
-        TransferRequest::write(&tb, 4095, &y),
-        TransferRequest::write(&tb, 0, &z),
-    ];
+    let mut reqs =
+        [TransferRequest::write(&ta, 0, &x), TransferRequest::write(&tb, 4095, &y), TransferRequest::write(&tb, 0, &z)];
     let results = me.transfer(&mut reqs);
     assert!(results[0].is_ok());
     assert!(matches!(results[1], Err(TransferError::OutOfBounds { .. })));
@@ -94,10 +71,7 @@ fn a_batch_reports_each_request_on_its_own() {
 
 #[test]
 fn zero_sized_regions_are_refused() {
-    assert!(matches!(
-        TransferEngine::new().register_region(0),
-        Err(TransferError::Registration(_))
-    ));
+    assert!(matches!(TransferEngine::new().register_region(0), Err(TransferError::Registration(_))));
 }
 
 proptest! {

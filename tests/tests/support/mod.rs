@@ -135,7 +135,14 @@ impl Cluster {
         // Restarts reuse the bound port.
         let pos = args.iter().position(|a| a == "127.0.0.1:0").unwrap();
         args[pos] = master_addr.clone();
-        let mut c = Cluster { master, master_addr, master_args: args, metrics_addr, nodes: Vec::new(), client_prefix: Vec::new() };
+        let mut c = Cluster {
+            master,
+            master_addr,
+            master_args: args,
+            metrics_addr,
+            nodes: Vec::new(),
+            client_prefix: Vec::new(),
+        };
         for _ in 0..nodes {
             c.add_node(&[], "127.0.0.1:0");
         }

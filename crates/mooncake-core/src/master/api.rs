@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 use crate::config::ReplicateConfig;
 use crate::error::Result;
 
-use super::{ClientId, MasterService, ObjectInfo, MasterStats, MemoryReplica, ReplicaList, ReplicatePlan, SegmentInfo};
+use super::{ClientId, MasterService, MasterStats, MemoryReplica, ObjectInfo, ReplicaList, ReplicatePlan, SegmentInfo};
 
 /// What a client learns when it registers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -97,7 +97,12 @@ pub trait MasterApi: Send + Sync {
     /// Ends a replica-count change.
     fn replicate_end(&self, key: &str, targets: &[MemoryReplica], ok: bool) -> Result<()>;
     /// Batch [`put_start`](Self::put_start).
-    fn batch_put_start(&self, client: ClientId, items: &[(&str, u64)], cfg: &ReplicateConfig) -> Vec<Result<Vec<MemoryReplica>>>;
+    fn batch_put_start(
+        &self,
+        client: ClientId,
+        items: &[(&str, u64)],
+        cfg: &ReplicateConfig,
+    ) -> Vec<Result<Vec<MemoryReplica>>>;
     /// Batch [`put_end`](Self::put_end).
     fn batch_put_end(&self, client: ClientId, items: &[(&str, u32)]) -> Vec<Result<()>>;
     /// Batch [`put_revoke`](Self::put_revoke).
@@ -175,7 +180,12 @@ impl MasterApi for MasterService {
     fn replicate_end(&self, key: &str, targets: &[MemoryReplica], ok: bool) -> Result<()> {
         MasterService::replicate_end(self, key, targets, ok)
     }
-    fn batch_put_start(&self, client: ClientId, items: &[(&str, u64)], cfg: &ReplicateConfig) -> Vec<Result<Vec<MemoryReplica>>> {
+    fn batch_put_start(
+        &self,
+        client: ClientId,
+        items: &[(&str, u64)],
+        cfg: &ReplicateConfig,
+    ) -> Vec<Result<Vec<MemoryReplica>>> {
         MasterService::batch_put_start(self, client, items, cfg)
     }
     fn batch_put_end(&self, client: ClientId, items: &[(&str, u32)]) -> Vec<Result<()>> {

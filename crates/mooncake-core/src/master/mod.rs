@@ -294,9 +294,7 @@ impl MasterService {
         let name = format!("{}#{}", region.endpoint, region.region);
         let alloc = SegmentAllocator::new(id, name, capacity);
         let mut clients = self.clients.write();
-        let rec = clients
-            .get_mut(&client)
-            .ok_or(Error::UnknownClient(client))?;
+        let rec = clients.get_mut(&client).ok_or(Error::UnknownClient(client))?;
         rec.segments.push(id);
         self.segments.write().insert(MountedSegment { alloc, owner: client, region });
         tracing::debug!(segment = id, client, capacity, "segment mounted");
@@ -316,7 +314,9 @@ impl MasterService {
             let mut table = self.segments.write();
             match table.by_id.get(&segment) {
                 Some(s) if s.owner == client => {}
-                Some(_) => return Err(Error::InvalidArgument(format!("segment {segment} is not owned by this client"))),
+                Some(_) => {
+                    return Err(Error::InvalidArgument(format!("segment {segment} is not owned by this client")))
+                }
                 None => return Err(Error::NotFound(format!("segment {segment}"))),
             }
             table.remove(segment)
@@ -371,7 +371,11 @@ impl MasterService {
     }
 
     /// Removes every entry for which `keep` is false; calls `on_removed` for each.
-    fn retain_entries(&self, keep: impl Fn(&ObjectEntry) -> bool, mut on_removed: impl FnMut(&str, &ObjectEntry)) -> usize {
+    fn retain_entries(
+        &self,
+        keep: impl Fn(&ObjectEntry) -> bool,
+        mut on_removed: impl FnMut(&str, &ObjectEntry),
+    ) -> usize {
         let mut removed = 0;
         for shard in self.index.shards() {
             let mut shard = shard.lock();
@@ -409,7 +413,13 @@ impl MasterService {
 
     /// Phase one of a put: reserves up to `cfg.replica_num` buffers of `len` bytes on
     /// distinct segments (evicting if needed) and returns where to write them.
-    pub fn put_start(&self, client: ClientId, key: &str, len: u64, cfg: &ReplicateConfig) -> Result<Vec<MemoryReplica>> {
+    pub fn put_start(
+        &self,
+        client: ClientId,
+        key: &str,
+        len: u64,
+        cfg: &ReplicateConfig,
+    ) -> Result<Vec<MemoryReplica>> {
         check_key(key)?;
         check_value_len(len)?;
         cfg.check()?;
@@ -530,7 +540,12 @@ impl MasterService {
     }
 
     /// [`put_start`](Self::put_start) for many keys; one result per key.
-    pub fn batch_put_start(&self, client: ClientId, items: &[(&str, u64)], cfg: &ReplicateConfig) -> Vec<Result<Vec<MemoryReplica>>> {
+    pub fn batch_put_start(
+        &self,
+        client: ClientId,
+        items: &[(&str, u64)],
+        cfg: &ReplicateConfig,
+    ) -> Vec<Result<Vec<MemoryReplica>>> {
         items.iter().map(|(k, len)| self.put_start(client, k, *len, cfg)).collect()
     }
 
@@ -771,4 +786,3 @@ impl MasterService {
         }
     }
 }
-

@@ -45,11 +45,7 @@ impl ObjectEntry {
 
     /// Bytes of memory this object holds (on every segment, or on one).
     pub(crate) fn memory_bytes(&self, segment: Option<SegmentId>) -> u64 {
-        self.replicas
-            .iter()
-            .filter(|r| segment.is_none_or(|s| r.segment() == s))
-            .map(|r| r.buf.len())
-            .sum()
+        self.replicas.iter().filter(|r| segment.is_none_or(|s| r.segment() == s)).map(|r| r.buf.len()).sum()
     }
 }
 

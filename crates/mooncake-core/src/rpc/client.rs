@@ -12,8 +12,8 @@ use parking_lot::Mutex;
 use crate::config::ReplicateConfig;
 use crate::error::{Error, Result};
 use crate::master::{
-    ClientId, ClientRegistration, MasterApi, MasterStats, MemoryReplica, ObjectInfo, ObjectRecord, RecordUpdate, ReplicaList,
-    ReplicatePlan, SegmentInfo,
+    ClientId, ClientRegistration, MasterApi, MasterStats, MemoryReplica, ObjectInfo, ObjectRecord, RecordUpdate,
+    ReplicaList, ReplicatePlan, SegmentInfo,
 };
 
 use super::server::read_frame;
@@ -69,8 +69,8 @@ impl RpcMasterClient {
 
     fn round_trip(&self, conn: &mut TcpStream, frame: &[u8], id: u64) -> std::io::Result<Response> {
         conn.write_all(frame)?;
-        let (h, body) = read_frame(conn, DEFAULT_MAX_FRAME)
-            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
+        let (h, body) =
+            read_frame(conn, DEFAULT_MAX_FRAME).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
         if h.kind != FrameKind::Response || h.request_id != id {
             return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, "response does not match the request"));
         }
@@ -113,7 +113,11 @@ fn unexpected(r: Response) -> Error {
     }
 }
 
-fn batch<T>(n: usize, r: Result<Response>, pick: impl FnOnce(Response) -> Option<Vec<WireResult<T>>>) -> Vec<Result<T>> {
+fn batch<T>(
+    n: usize,
+    r: Result<Response>,
+    pick: impl FnOnce(Response) -> Option<Vec<WireResult<T>>>,
+) -> Vec<Result<T>> {
     let fail = |e: Error| (0..n).map(|_| Err(e.clone())).collect();
     match r {
         Ok(resp) => {
@@ -209,7 +213,12 @@ impl MasterApi for RpcMasterClient {
         let req = Request::ReplicateEnd { key: key.to_owned(), targets: targets.to_vec(), ok };
         expect!(self, req, Response::Unit => ())
     }
-    fn batch_put_start(&self, client: ClientId, items: &[(&str, u64)], cfg: &ReplicateConfig) -> Vec<Result<Vec<MemoryReplica>>> {
+    fn batch_put_start(
+        &self,
+        client: ClientId,
+        items: &[(&str, u64)],
+        cfg: &ReplicateConfig,
+    ) -> Vec<Result<Vec<MemoryReplica>>> {
         let req = Request::BatchPutStart {
             client,
             items: items.iter().map(|(k, l)| ((*k).to_owned(), *l)).collect(),

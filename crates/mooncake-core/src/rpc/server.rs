@@ -215,10 +215,11 @@ pub fn dispatch(s: &MasterService, req: Request) -> Response {
         Request::MountSegment { client, endpoint, region, capacity } => {
             one(s.mount_segment(client, RemoteRegion { endpoint, region }, capacity), Response::Segment)
         }
-        Request::RemountSegment { client, endpoint, region, capacity, records } => one(
-            s.remount_segment(client, RemoteRegion { endpoint, region }, capacity, records),
-            |(segment, taken)| Response::Remounted { segment, taken: taken as u64 },
-        ),
+        Request::RemountSegment { client, endpoint, region, capacity, records } => {
+            one(s.remount_segment(client, RemoteRegion { endpoint, region }, capacity, records), |(segment, taken)| {
+                Response::Remounted { segment, taken: taken as u64 }
+            })
+        }
         Request::UnmountSegment { client, segment } => {
             one(s.unmount_segment(client, segment), |n| Response::Count(n as u64))
         }
@@ -244,7 +245,9 @@ pub fn dispatch(s: &MasterService, req: Request) -> Response {
             Response::BatchUnit(many(s.batch_put_end(client, &items)))
         }
         Request::BatchPutRevoke { client, keys } => Response::BatchUnit(many(s.batch_put_revoke(client, &strs(&keys)))),
-        Request::BatchGetReplicaList { keys } => Response::BatchReplicaLists(many(s.batch_get_replica_list(&strs(&keys)))),
+        Request::BatchGetReplicaList { keys } => {
+            Response::BatchReplicaLists(many(s.batch_get_replica_list(&strs(&keys))))
+        }
         Request::BatchExists { keys } => Response::BatchBool(many(s.batch_exists(&strs(&keys)))),
         Request::BatchRemove { keys } => Response::BatchUnit(many(s.batch_remove(&strs(&keys)))),
         Request::ListKeys { limit } => Response::Keys(s.list_keys(limit.min(usize::MAX as u64) as usize)),

@@ -18,8 +18,8 @@ use serde::{Deserialize, Serialize};
 use crate::config::ReplicateConfig;
 use crate::error::Error;
 use crate::master::{
-    ClientId, ClientRegistration, MasterStats, MemoryReplica, ObjectInfo, ObjectRecord, RecordUpdate, ReplicaList, ReplicatePlan,
-    SegmentInfo,
+    ClientId, ClientRegistration, MasterStats, MemoryReplica, ObjectInfo, ObjectRecord, RecordUpdate, ReplicaList,
+    ReplicatePlan, SegmentInfo,
 };
 
 /// First bytes of every frame.
@@ -222,7 +222,33 @@ pub enum Request {
 }
 
 /// Names of the request kinds, indexed by [`Request::kind_index`] (for metrics).
-pub const REQUEST_KINDS: [&str; 25] = ["register_client", "heartbeat", "mount_segment", "remount_segment", "unmount_segment", "unregister_client", "segment_info", "put_start", "put_end", "put_revoke", "get_replica_list", "exists", "remove", "remove_all", "replicate_start", "replicate_end", "batch_put_start", "batch_put_end", "batch_put_revoke", "batch_get_replica_list", "batch_exists", "batch_remove", "list_keys", "stats", "object_info"];
+pub const REQUEST_KINDS: [&str; 25] = [
+    "register_client",
+    "heartbeat",
+    "mount_segment",
+    "remount_segment",
+    "unmount_segment",
+    "unregister_client",
+    "segment_info",
+    "put_start",
+    "put_end",
+    "put_revoke",
+    "get_replica_list",
+    "exists",
+    "remove",
+    "remove_all",
+    "replicate_start",
+    "replicate_end",
+    "batch_put_start",
+    "batch_put_end",
+    "batch_put_revoke",
+    "batch_get_replica_list",
+    "batch_exists",
+    "batch_remove",
+    "list_keys",
+    "stats",
+    "object_info",
+];
 
 impl Request {
     /// Index of this request's kind in [`REQUEST_KINDS`].

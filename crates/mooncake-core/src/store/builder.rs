@@ -154,17 +154,28 @@ impl StoreBuilder {
                 Master::new(cfg)?.service().clone()
             }
         };
-        let engine = transfer_engine(self.listen.as_deref(), self.protocol)?;
+        let engine = transfer_engine(self.listen.as_deref(), self.protocol, self.master_address.is_some())?;
         Store::connect(self, master, engine)
     }
 }
 
 /// The transfer engine for a client: which transports, and whether it listens.
-fn transfer_engine(listen: Option<&str>, protocol: Protocol) -> Result<TransferEngine> {
-    match (listen, protocol) {
-        (None, Protocol::Local) => Ok(TransferEngine::new()),
-        (listen, protocol) => Err(Error::InvalidArgument(format!(
-            "listen={listen:?} protocol={protocol:?}: the networked transports are not in this build yet"
-        ))),
+///
+/// `Local` alone for an embedded store; with a listener or a remote master the
+/// network transports join (`Shm` for same-host peers, then `Tcp`), unless
+/// `Protocol::Tcp` asks for TCP to every peer.
+fn transfer_engine(listen: Option<&str>, protocol: Protocol, remote_master: bool) -> Result<TransferEngine> {
+    let shm = protocol != Protocol::Tcp;
+    let mut b = TransferEngine::builder().shared_memory(shm);
+    if protocol == Protocol::Tcp {
+        b = b.transport(std::sync::Arc::new(mooncake_transfer::TcpTransport::new()));
     }
+    if let Some(addr) = listen {
+        b = b.tcp_listen(addr);
+    } else if remote_master || protocol != Protocol::Local {
+        b = b.network();
+    } else {
+        b = b.shared_memory(false);
+    }
+    Ok(b.build()?)
 }

@@ -20,8 +20,8 @@ use crate::error::{Error, Result};
 use crate::master::{ClientId, MasterApi, MemoryReplica, ObjectRecord, RecordUpdate, ReplicaList};
 
 pub use builder::StoreBuilder;
-pub use stats::StoreStats;
 use stats::StoreCounters;
+pub use stats::StoreStats;
 
 /// How many times a get re-asks the master after every replica failed its checksum
 /// (the memory was freed and reused under a stale list).
@@ -372,9 +372,8 @@ impl Store {
                 Err(e) => results.push(Err(e)),
             }
         }
-        let starts = inner
-            .master
-            .batch_put_start(client, &valid.iter().map(|(_, k, l)| (*k, *l)).collect::<Vec<_>>(), cfg);
+        let starts =
+            inner.master.batch_put_start(client, &valid.iter().map(|(_, k, l)| (*k, *l)).collect::<Vec<_>>(), cfg);
         // Resolve every route first so requests can borrow them.
         let mut plans: Vec<(usize, Vec<(MemoryReplica, Arc<RemoteRegion>)>)> = Vec::new();
         for ((i, _, _), start) in valid.iter().zip(starts) {
@@ -410,7 +409,8 @@ impl Store {
             }
         }
         inner.master.batch_put_revoke(client, &revokes);
-        let end_results = inner.master.batch_put_end(client, &ends.iter().map(|(_, k, c)| (*k, *c)).collect::<Vec<_>>());
+        let end_results =
+            inner.master.batch_put_end(client, &ends.iter().map(|(_, k, c)| (*k, *c)).collect::<Vec<_>>());
         for ((i, _, _), res) in ends.iter().zip(end_results) {
             results[*i] = res;
         }
@@ -500,9 +500,11 @@ impl Store {
         if plan.targets.is_empty() {
             return Ok(());
         }
-        let list = ReplicaList { len: plan.len, checksum: plan.checksum, replicas: plan.sources, lease: Duration::ZERO };
+        let list =
+            ReplicaList { len: plan.len, checksum: plan.checksum, replicas: plan.sources, lease: Duration::ZERO };
         let mut data = vec![0u8; plan.len as usize];
-        let copied = inner.read_replicas(key, &list, &mut data).and_then(|_| inner.write_replicas(&plan.targets, &data));
+        let copied =
+            inner.read_replicas(key, &list, &mut data).and_then(|_| inner.write_replicas(&plan.targets, &data));
         let ended = inner.master.replicate_end(key, &plan.targets, copied.is_ok());
         copied.and(ended)
     }

@@ -54,17 +54,33 @@ pub struct StoreStats {
 impl std::fmt::Display for StoreStats {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let m = &self.master;
-        writeln!(f, "client {:#x}: segment {}/{} bytes used", self.client_id, self.segment_used, self.segment_capacity)?;
+        writeln!(
+            f,
+            "client {:#x}: segment {}/{} bytes used",
+            self.client_id, self.segment_used, self.segment_capacity
+        )?;
         writeln!(
             f,
             "  puts {} ({} B, {} failed), gets {} ({} B, {} failed), removes {}, checksum retries {}",
-            self.puts, self.put_bytes, self.put_errors, self.gets, self.get_bytes, self.get_errors, self.removes,
+            self.puts,
+            self.put_bytes,
+            self.put_errors,
+            self.gets,
+            self.get_bytes,
+            self.get_errors,
+            self.removes,
             self.checksum_mismatches
         )?;
         write!(
             f,
             "  master: {} objects ({} B), {} replicas, {} segments, {}/{} B used, {} evicted, {} clients expired",
-            m.objects, m.object_bytes, m.replicas, m.segments, m.used_bytes, m.capacity_bytes, m.evicted_objects,
+            m.objects,
+            m.object_bytes,
+            m.replicas,
+            m.segments,
+            m.used_bytes,
+            m.capacity_bytes,
+            m.evicted_objects,
             m.expired_clients
         )
     }

@@ -1,0 +1,111 @@
+//! The `Shm` transport: peers on the same host map each other's memfd-backed
+//! regions and copy with `memcpy`.
+
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, LazyLock};
+
+use parking_lot::RwLock;
+
+use crate::error::{Result, TransferError};
+use crate::region::RegisteredRegion;
+use crate::tcp::{TcpTransport, TransportStats};
+use crate::transport::{TransferOp, TransferRequest, Transport};
+
+/// This host's identity: hostname, boot id and network namespace. Processes in
+/// different network namespaces count as different hosts (they may not share memory
+/// by design, and tests use namespaces to stand for hosts).
+pub fn host_id() -> &'static str {
+    static ID: LazyLock<String> = LazyLock::new(|| {
+        let read = |p: &str| std::fs::read_to_string(p).map(|s| s.trim().to_owned()).unwrap_or_default();
+        let netns = std::fs::read_link("/proc/self/ns/net").map(|p| p.display().to_string()).unwrap_or_default();
+        format!("{}/{}/{}", read("/proc/sys/kernel/hostname"), read("/proc/sys/kernel/random/boot_id"), netns)
+    });
+    &ID
+}
+
+/// Reaches regions of same-host peers by mapping them; asks peers through `Tcp`.
+#[derive(Debug, Default)]
+pub struct ShmTransport {
+    tcp: TcpTransport,
+    same_host: RwLock<HashMap<String, bool>>,
+    maps: RwLock<HashMap<(String, u64), Arc<RegisteredRegion>>>,
+    stats: TransportStats,
+}
+
+impl ShmTransport {
+    /// A transport with no mappings yet.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Byte and error counters.
+    pub fn stats(&self) -> &TransportStats {
+        &self.stats
+    }
+
+    fn mapping(&self, endpoint: &str, region: u64) -> Result<Arc<RegisteredRegion>> {
+        let key = (endpoint.to_owned(), region);
+        if let Some(m) = self.maps.read().get(&key) {
+            return Ok(m.clone());
+        }
+        let info = self.tcp.shm_info(endpoint, region)?;
+        if info.host_id != host_id() {
+            return Err(TransferError::Unreachable(format!("{endpoint} is on another host")));
+        }
+        let path = format!("/proc/{}/fd/{}", info.pid, info.fd);
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)
+            .map_err(|e| TransferError::Unreachable(format!("cannot open {path}: {e}")))?;
+        let m = Arc::new(RegisteredRegion::map_file(region, &file, info.len)?);
+        self.maps.write().insert(key, m.clone());
+        Ok(m)
+    }
+}
+
+impl Transport for ShmTransport {
+    fn name(&self) -> &str {
+        "shm"
+    }
+
+    fn can_reach(&self, endpoint: &str) -> bool {
+        if !self.tcp.can_reach(endpoint) {
+            return false;
+        }
+        if let Some(&same) = self.same_host.read().get(endpoint) {
+            return same;
+        }
+        let same = self.tcp.hello(endpoint).map(|h| h == host_id()).unwrap_or(false);
+        self.same_host.write().insert(endpoint.to_owned(), same);
+        same
+    }
+
+    fn transfer(&self, requests: &mut [TransferRequest<'_>]) -> Vec<Result<()>> {
+        requests
+            .iter_mut()
+            .map(|req| {
+                let r = match self.mapping(&req.target.endpoint, req.target.region) {
+                    Ok(m) => match &mut req.op {
+                        TransferOp::Read(dst) => m.copy_out(req.offset, dst).inspect(|_| {
+                            self.stats.bytes_read.fetch_add(dst.len() as u64, Ordering::Relaxed);
+                        }),
+                        TransferOp::Write(src) => m.copy_in(req.offset, src).inspect(|_| {
+                            self.stats.bytes_written.fetch_add(src.len() as u64, Ordering::Relaxed);
+                        }),
+                    },
+                    // The region cannot be mapped (not shared, or /proc refused): TCP.
+                    Err(TransferError::Unreachable(_)) | Err(TransferError::Protocol(_)) => {
+                        self.tcp.transfer(std::slice::from_mut(req)).pop().unwrap_or(Ok(()))
+                    }
+                    Err(e) => Err(e),
+                };
+                if r.is_err() {
+                    self.stats.errors.fetch_add(1, Ordering::Relaxed);
+                }
+                r
+            })
+            .collect()
+    }
+}
