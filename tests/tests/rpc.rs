@@ -73,7 +73,7 @@ fn closed_after(addr: &str, bytes: &[u8]) -> bool {
     let _ = s.write_all(bytes);
     let _ = s.shutdown(std::net::Shutdown::Write);
     let mut buf = Vec::new();
-    matches!(s.read_to_end(&mut buf), Ok(_)) && buf.is_empty()
+    s.read_to_end(&mut buf).is_ok() && buf.is_empty()
 }
 
 fn healthy(addr: &str) {

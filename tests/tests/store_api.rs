@@ -209,14 +209,13 @@ fn a_client_that_stops_heartbeating_is_expired() {
     let keeper = store_on(&master, 1 << 20);
     // A raw client of the master that never heartbeats, with a segment of its own.
     let silent = master.register_client();
-    let engine = mooncake_transfer_free_region(&master, silent);
+    let _segment = mooncake_transfer_free_region(&master, silent);
     wait_until(Duration::from_secs(20), || master.stats().expired_clients > 0);
     let stats = master.stats();
     assert_eq!(stats.expired_clients, 1, "{stats:?}");
     assert_eq!(stats.segments, 1, "only the heartbeating store's segment is left");
     assert!(master.heartbeat(silent).is_err());
     keeper.put("still", b"works").unwrap();
-    drop(engine);
 }
 
 /// Mounts a segment for `client` without a `Store` (so nothing heartbeats for it).

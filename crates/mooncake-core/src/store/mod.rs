@@ -59,6 +59,9 @@ impl std::fmt::Debug for Store {
     }
 }
 
+/// A replica and where its segment is served.
+type RoutedReplica = (MemoryReplica, Arc<RemoteRegion>);
+
 /// The client's segment: registered memory and its id at the master.
 struct MountedSegment {
     region: Arc<RegisteredRegion>,
@@ -109,10 +112,10 @@ impl StoreInner {
                 RecordUpdate::Added { segment, record } if segment == own => {
                     records.insert(record.offset, record);
                 }
-                RecordUpdate::Removed { segment, key, offset } if segment == own => {
-                    if records.get(&offset).is_some_and(|r| r.key == key) {
-                        records.remove(&offset);
-                    }
+                RecordUpdate::Removed { segment, key, offset }
+                    if segment == own && records.get(&offset).is_some_and(|r| r.key == key) =>
+                {
+                    records.remove(&offset);
                 }
                 _ => {}
             }
@@ -375,7 +378,7 @@ impl Store {
         let starts =
             inner.master.batch_put_start(client, &valid.iter().map(|(_, k, l)| (*k, *l)).collect::<Vec<_>>(), cfg);
         // Resolve every route first so requests can borrow them.
-        let mut plans: Vec<(usize, Vec<(MemoryReplica, Arc<RemoteRegion>)>)> = Vec::new();
+        let mut plans: Vec<(usize, Vec<RoutedReplica>)> = Vec::new();
         for ((i, _, _), start) in valid.iter().zip(starts) {
             match start.and_then(|reps| {
                 reps.into_iter().map(|r| inner.route(r.segment).map(|route| (r, route))).collect::<Result<Vec<_>>>()
