@@ -1,0 +1,187 @@
+//! The Tcp and Shm transports between engines, through the public API: exact bytes,
+//! striping, batches, bounds, and a server that survives garbage.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::sync::Arc;
+use std::time::Duration;
+
+use mooncake_transfer::frame::{Op, RequestHeader, ResponseHeader, Status, REQUEST_LEN, RESPONSE_LEN};
+use mooncake_transfer::{
+    RemoteRegion, ShmTransport, TcpTransport, TransferEngine, TransferError, TransferRequest, Transport,
+};
+use proptest::prelude::*;
+
+fn server(shared: bool) -> TransferEngine {
+    TransferEngine::builder().tcp_listen("127.0.0.1:0").shared_memory(shared).build().unwrap()
+}
+
+/// A client engine with exactly one transport, so nothing else can serve.
+fn client(t: Arc<dyn Transport>) -> TransferEngine {
+    TransferEngine::builder().transport(t).build().unwrap()
+}
+
+fn bytes(seed: u8, len: usize) -> Vec<u8> {
+    (0..len).map(|i| seed.wrapping_add((i % 249) as u8) ^ (i >> 16) as u8).collect()
+}
+
+fn round_trips(srv: &TransferEngine, cli: &TransferEngine) {
+    let seg = srv.register_region(64 << 20).unwrap();
+    let target = srv.remote(seg.id());
+    for (i, len) in [1usize, 4096, 1 << 20, 16 << 20].into_iter().enumerate() {
+        let data = bytes(i as u8, len);
+        let offset = 4096 * i as u64 + 3;
+        cli.write(&target, offset, &data).unwrap();
+        let mut back = vec![0u8; len];
+        cli.read(&target, offset, &mut back).unwrap();
+        assert!(back == data, "{len} bytes came back different");
+        // And the server's own memory holds them.
+        let mut local = vec![0u8; len];
+        seg.copy_out(offset, &mut local).unwrap();
+        assert!(local == data);
+    }
+}
+
+#[test]
+fn tcp_moves_exact_bytes_including_striped_requests() {
+    let tcp = Arc::new(TcpTransport::new());
+    let (srv, cli) = (server(false), client(tcp.clone()));
+    assert!(srv.endpoint().starts_with("127.0.0.1:"));
+    round_trips(&srv, &cli);
+    let s = tcp.stats();
+    assert!(s.bytes_written.load(std::sync::atomic::Ordering::Relaxed) >= 17 << 20);
+    assert!(s.bytes_read.load(std::sync::atomic::Ordering::Relaxed) >= 17 << 20);
+}
+
+#[test]
+fn shm_moves_exact_bytes_without_tcp_data() {
+    let shm = Arc::new(ShmTransport::new());
+    let (srv, cli) = (server(true), client(shm.clone()));
+    assert!(shm.can_reach(srv.endpoint()), "same host, same namespace");
+    round_trips(&srv, &cli);
+    assert!(shm.stats().bytes_read.load(std::sync::atomic::Ordering::Relaxed) >= 17 << 20);
+}
+
+#[test]
+fn shm_falls_back_to_tcp_for_regions_that_are_not_shared() {
+    let shm = Arc::new(ShmTransport::new());
+    let (srv, cli) = (server(false), client(shm));
+    round_trips(&srv, &cli);
+}
+
+#[test]
+fn batches_mix_peers_and_report_each_request() {
+    let tcp = Arc::new(TcpTransport::new());
+    let (a, b, cli) = (server(false), server(false), client(tcp));
+    let (ra, rb) = (a.register_region(1 << 20).unwrap(), b.register_region(1 << 20).unwrap());
+    let (ta, tb) = (a.remote(ra.id()), b.remote(rb.id()));
+    let blocks: Vec<Vec<u8>> = (0..40).map(|i| bytes(i, 10_000 + i as usize)).collect();
+    let mut reqs: Vec<TransferRequest<'_>> = blocks
+        .iter()
+        .enumerate()
+        .map(|(i, blk)| TransferRequest::write(if i % 2 == 0 { &ta } else { &tb }, (i as u64 / 2) * 20_480, blk))
+        .collect();
+    let bad = vec![0u8; 10];
+    reqs.push(TransferRequest::write(&tb, (1 << 20) - 5, &bad));
+    let res = cli.transfer(&mut reqs);
+    assert!(res[..40].iter().all(|r| r.is_ok()), "{res:?}");
+    assert!(matches!(res[40], Err(TransferError::OutOfBounds { .. })));
+    let mut backs: Vec<Vec<u8>> = blocks.iter().map(|b| vec![0u8; b.len()]).collect();
+    let mut reads: Vec<TransferRequest<'_>> = backs
+        .iter_mut()
+        .enumerate()
+        .map(|(i, b)| TransferRequest::read(if i % 2 == 0 { &ta } else { &tb }, (i as u64 / 2) * 20_480, b))
+        .collect();
+    assert!(cli.transfer(&mut reads).iter().all(|r| r.is_ok()));
+    drop(reads);
+    assert_eq!(backs, blocks);
+}
+
+fn refused_everywhere(t: Arc<dyn Transport>, shared: bool) {
+    let srv = server(shared);
+    let seg = srv.register_region(8192).unwrap();
+    seg.copy_in(0, &[7u8; 8192]).unwrap();
+    let cli = client(t);
+    let target = srv.remote(seg.id());
+    let mut buf = [0u8; 16];
+    assert!(matches!(cli.read(&target, 8190, &mut buf), Err(TransferError::OutOfBounds { .. })));
+    assert!(matches!(cli.write(&target, 8180, &[1u8; 13]), Err(TransferError::OutOfBounds { .. })));
+    assert!(cli.write(&target, u64::MAX - 3, &[1u8; 8]).is_err());
+    let ghost = RemoteRegion { endpoint: srv.endpoint().to_owned(), region: 999 };
+    assert!(matches!(cli.read(&ghost, 0, &mut buf), Err(TransferError::UnknownRegion { .. })));
+    // Nothing changed, and the server still serves.
+    let mut all = vec![0u8; 8192];
+    cli.read(&target, 0, &mut all).unwrap();
+    assert!(all.iter().all(|&b| b == 7));
+}
+
+#[test]
+fn peers_cannot_touch_bytes_outside_registered_regions() {
+    refused_everywhere(Arc::new(TcpTransport::new()), false);
+    refused_everywhere(Arc::new(ShmTransport::new()), true);
+}
+
+fn send_raw(addr: &str, bytes: &[u8]) -> Vec<u8> {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let _ = s.write_all(bytes);
+    let _ = s.shutdown(std::net::Shutdown::Write);
+    let mut out = Vec::new();
+    let _ = s.read_to_end(&mut out);
+    out
+}
+
+#[test]
+fn garbage_truncated_and_oversized_frames_close_the_connection_only() {
+    let srv = server(false);
+    let seg = srv.register_region(4096).unwrap();
+    let addr = srv.endpoint().to_owned();
+    assert!(send_raw(&addr, &[0xAB; 200]).is_empty(), "garbage gets no answer");
+    let read = RequestHeader { op: Op::Read, request_id: 9, region: seg.id(), offset: 0, len: 16 }.encode();
+    assert!(send_raw(&addr, &read[..REQUEST_LEN - 3]).is_empty(), "truncated header");
+    let huge = RequestHeader { op: Op::Write, request_id: 1, region: seg.id(), offset: 0, len: u64::MAX }.encode();
+    assert!(send_raw(&addr, &huge).is_empty(), "oversized length");
+    let mut unknown = read;
+    unknown[5] = 77;
+    assert!(send_raw(&addr, &unknown).is_empty(), "unknown op");
+    // A write whose payload never comes: the server waits, then the peer hangs up.
+    let short = RequestHeader { op: Op::Write, request_id: 2, region: seg.id(), offset: 0, len: 100 }.encode();
+    let mut partial = short.to_vec();
+    partial.extend_from_slice(&[1u8; 10]);
+    assert!(send_raw(&addr, &partial).is_empty());
+    // A well-formed read still works.
+    let out = send_raw(&addr, &read);
+    let h = ResponseHeader::decode(&out, 16).unwrap();
+    assert_eq!((h.status, h.request_id, h.len), (Status::Ok, 9, 16));
+    assert_eq!(out.len(), RESPONSE_LEN + 16);
+    let cli = client(Arc::new(TcpTransport::new()));
+    cli.write(&srv.remote(seg.id()), 0, b"still serving").unwrap();
+}
+
+#[test]
+fn requests_to_a_dropped_engine_fail_cleanly() {
+    let srv = server(false);
+    let seg = srv.register_region(4096).unwrap();
+    let target = srv.remote(seg.id());
+    let cli = client(Arc::new(TcpTransport::new()));
+    cli.write(&target, 0, b"x").unwrap();
+    drop(seg);
+    drop(srv);
+    std::thread::sleep(Duration::from_millis(50));
+    assert!(cli.write(&target, 0, b"x").is_err());
+}
+
+proptest! {
+    #[test]
+    fn request_headers_round_trip(id in any::<u64>(), region in any::<u64>(), offset in any::<u64>(), len in 0u64..=1 << 30, op in 1u8..=2) {
+        let op = if op == 1 { Op::Read } else { Op::Write };
+        let h = RequestHeader { op, request_id: id, region, offset, len };
+        prop_assert_eq!(RequestHeader::decode(&h.encode()).unwrap(), h);
+    }
+
+    #[test]
+    fn arbitrary_bytes_never_panic_the_decoders(b in proptest::collection::vec(any::<u8>(), 0..64)) {
+        let _ = RequestHeader::decode(&b);
+        let _ = ResponseHeader::decode(&b, u64::MAX);
+    }
+}
