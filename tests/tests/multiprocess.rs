@@ -126,3 +126,31 @@ mod libc_sig {
     pub const SIGCONT: &str = "CONT";
     pub const SIGTERM: &str = "TERM";
 }
+
+#[test]
+fn a_shared_secret_keeps_strangers_out() {
+    // Master and node prove the secret through the environment.
+    let c = Cluster::start_env(&[], 1, &[("MOONCAKE_SECRET", "correct horse")]);
+    let dir = unique_dir("secret");
+    let file = dir.join("v");
+    std::fs::write(&file, b"guarded").unwrap();
+    // Without the secret: refused with one line.
+    let (code, _, err) = c.client(&["put", "--master", &c.master_addr, "k", file.to_str().unwrap()]);
+    assert_eq!(code, 1);
+    assert!(err.contains("authentication failed") || err.contains("master unavailable"), "{err}");
+    // With it: works end to end (master RPC and the node's transfer endpoint).
+    let out = std::process::Command::new(support::bin("mooncake-client"))
+        .env("MOONCAKE_SECRET", "correct horse")
+        .args(["put", "--master", &c.master_addr, "k", file.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let back = dir.join("back");
+    let out = std::process::Command::new(support::bin("mooncake-client"))
+        .env("MOONCAKE_SECRET", "correct horse")
+        .args(["get", "--master", &c.master_addr, "k", back.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(std::fs::read(back).unwrap(), b"guarded");
+}

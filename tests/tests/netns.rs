@@ -99,6 +99,7 @@ fn master_nodes_and_clients_on_distinct_hosts() {
         metrics_addr: String::new(),
         nodes: Vec::new(),
         client_prefix: prefix(3),
+        env: Vec::new(),
     };
     for h in [1, 2] {
         let p = prefix(h);

@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use parking_lot::RwLock;
 
+use crate::auth::SharedSecret;
 use crate::error::{Result, TransferError};
 use crate::local::{self, LocalTransport, LOCAL_SCHEME};
 use crate::region::{RegionId, RegisteredRegion, RemoteRegion};
@@ -50,6 +51,7 @@ pub struct TransferEngineBuilder {
     advertise_host: Option<String>,
     network: bool,
     shared_memory: bool,
+    secret: Option<SharedSecret>,
 }
 
 impl std::fmt::Debug for TransferEngineBuilder {
@@ -97,6 +99,14 @@ impl TransferEngineBuilder {
         self
     }
 
+    /// Require peers to prove `secret` (and prove it to them): connections without
+    /// it are refused by this engine's listener, and its transports answer peers'
+    /// challenges.
+    pub fn shared_secret(mut self, secret: &[u8]) -> Self {
+        self.secret = Some(SharedSecret::new(secret));
+        self
+    }
+
     /// Builds the engine: binds the listener if asked, and makes the engine reachable
     /// by in-process peers.
     pub fn build(self) -> Result<TransferEngine> {
@@ -104,10 +114,14 @@ impl TransferEngineBuilder {
         if transports.is_empty() {
             transports.push(Arc::new(LocalTransport));
             if self.network {
+                let (shm, tcp) = match &self.secret {
+                    Some(s) => (ShmTransport::with_secret(s.clone()), TcpTransport::with_secret(s.clone())),
+                    None => (ShmTransport::new(), TcpTransport::new()),
+                };
                 if self.shared_memory {
-                    transports.push(Arc::new(ShmTransport::new()));
+                    transports.push(Arc::new(shm));
                 }
-                transports.push(Arc::new(TcpTransport::new()));
+                transports.push(Arc::new(tcp));
             }
         }
         let listener = match &self.listen {
@@ -140,7 +154,7 @@ impl TransferEngineBuilder {
         });
         local::publish(&endpoint, &shared);
         let server = match listener {
-            Some(l) => Some(TcpServer::start(l, Arc::downgrade(&shared), host_id().to_owned())?),
+            Some(l) => Some(TcpServer::start(l, Arc::downgrade(&shared), host_id().to_owned(), self.secret.clone())?),
             None => None,
         };
         Ok(TransferEngine { shared, transports, _server: server })

@@ -128,6 +128,9 @@ impl RequestHeader {
         if b[4] != VERSION {
             return Err(FrameError::Version(b[4]));
         }
+        if b[6] != 0 || b[7] != 0 {
+            return Err(FrameError::Code(b[6] | b[7]));
+        }
         let op = match b[5] {
             1 => Op::Read,
             2 => Op::Write,

@@ -24,6 +24,7 @@
 //! ```
 #![deny(missing_docs)]
 
+pub mod auth;
 mod engine;
 mod error;
 pub mod frame;
@@ -33,6 +34,7 @@ mod shm;
 mod tcp;
 mod transport;
 
+pub use auth::SharedSecret;
 pub use engine::{TransferEngine, TransferEngineBuilder};
 pub use error::{Result, TransferError};
 pub use local::{LocalTransport, LOCAL_SCHEME};

@@ -39,6 +39,11 @@ impl ShmTransport {
         Self::default()
     }
 
+    /// A transport whose handshakes prove `secret` to peers.
+    pub fn with_secret(secret: crate::SharedSecret) -> Self {
+        Self { tcp: TcpTransport::with_secret(secret), ..Self::default() }
+    }
+
     /// Byte and error counters.
     pub fn stats(&self) -> &TransportStats {
         &self.stats

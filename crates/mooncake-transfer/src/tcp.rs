@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
+use crate::auth::SharedSecret;
 use crate::engine::EngineShared;
 use crate::error::{Result, TransferError};
 use crate::frame::{
@@ -39,7 +40,12 @@ impl Drop for TcpServer {
 
 impl TcpServer {
     /// Binds `listener` and serves `engine` on background threads.
-    pub(crate) fn start(listener: TcpListener, engine: Weak<EngineShared>, host_id: String) -> Result<Self> {
+    pub(crate) fn start(
+        listener: TcpListener,
+        engine: Weak<EngineShared>,
+        host_id: String,
+        secret: Option<SharedSecret>,
+    ) -> Result<Self> {
         let addr = listener.local_addr().map_err(|e| TransferError::Io(e.to_string()))?;
         let stop = Arc::new(AtomicBool::new(false));
         let stop2 = stop.clone();
@@ -53,8 +59,18 @@ impl TcpServer {
                     }
                     let Ok(conn) = conn else { continue };
                     let (engine, stop, host_id) = (engine.clone(), stop2.clone(), host_id.clone());
+                    let secret = secret.clone();
                     let _ = std::thread::Builder::new().name("mooncake-tcp-conn".into()).spawn(move || {
                         let peer = conn.peer_addr().ok();
+                        if let Some(secret) = &secret {
+                            let mut conn = &conn;
+                            let _ = conn.set_read_timeout(Some(Duration::from_secs(5)));
+                            if !secret.challenge(&mut conn).unwrap_or(false) {
+                                tracing::warn!(?peer, "transfer peer failed the shared-secret challenge");
+                                return;
+                            }
+                            let _ = conn.set_read_timeout(None);
+                        }
                         if let Err(e) = serve(conn, &engine, &stop, &host_id) {
                             tracing::warn!(?peer, error = %e, "closing transfer connection");
                         }
@@ -184,6 +200,7 @@ struct Conn {
 pub struct TcpTransport {
     pools: Mutex<HashMap<String, Vec<TcpStream>>>,
     stats: TransportStats,
+    secret: Option<SharedSecret>,
 }
 
 /// A piece of a request moved on one connection.
@@ -198,6 +215,12 @@ impl TcpTransport {
     /// A transport with empty pools.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// A transport that proves `secret` to every peer it connects to (peers built
+    /// with the same [`shared_secret`](crate::TransferEngineBuilder::shared_secret)).
+    pub fn with_secret(secret: SharedSecret) -> Self {
+        Self { secret: Some(secret), ..Self::default() }
     }
 
     /// Byte and error counters.
@@ -218,6 +241,12 @@ impl TcpTransport {
             .map_err(|e| TransferError::Unreachable(format!("{endpoint}: {e}")))?;
         let _ = s.set_nodelay(true);
         let _ = s.set_read_timeout(Some(Duration::from_secs(30)));
+        if let Some(secret) = &self.secret {
+            let mut conn = &s;
+            secret
+                .respond(&mut conn)
+                .map_err(|e| TransferError::Unreachable(format!("{endpoint}: authentication failed: {e}")))?;
+        }
         Ok(s)
     }
 

@@ -185,3 +185,20 @@ proptest! {
         let _ = ResponseHeader::decode(&b, u64::MAX);
     }
 }
+
+#[test]
+fn a_shared_secret_is_required_when_set() {
+    use mooncake_transfer::SharedSecret;
+    let srv = TransferEngine::builder().tcp_listen("127.0.0.1:0").shared_secret(b"s3cret").build().unwrap();
+    let seg = srv.register_region(4096).unwrap();
+    let target = srv.remote(seg.id());
+    let good = client(Arc::new(TcpTransport::with_secret(SharedSecret::new(b"s3cret"))));
+    good.write(&target, 0, b"authenticated").unwrap();
+    let wrong = client(Arc::new(TcpTransport::with_secret(SharedSecret::new(b"guess"))));
+    assert!(wrong.write(&target, 0, b"intruder").is_err());
+    let none = client(Arc::new(TcpTransport::new()));
+    let mut buf = [0u8; 13];
+    assert!(none.read(&target, 0, &mut buf).is_err());
+    good.read(&target, 0, &mut buf).unwrap();
+    assert_eq!(&buf, b"authenticated", "refused peers changed nothing");
+}

@@ -55,6 +55,11 @@ impl Proc {
     /// Spawns `cmd` in `prefix` (e.g. `ip netns exec NS`) and waits for its first line
     /// of stdout.
     pub fn spawn(prefix: &[&str], program: &Path, args: &[&str]) -> Proc {
+        Self::spawn_env(prefix, program, args, &[])
+    }
+
+    /// [`spawn`](Self::spawn) with extra environment variables.
+    pub fn spawn_env(prefix: &[&str], program: &Path, args: &[&str], env: &[(&str, &str)]) -> Proc {
         let mut cmd = if prefix.is_empty() {
             Command::new(program)
         } else {
@@ -64,6 +69,7 @@ impl Proc {
         };
         let mut child = cmd
             .args(args)
+            .envs(env.iter().copied())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
@@ -116,6 +122,8 @@ pub struct Cluster {
     pub nodes: Vec<Proc>,
     /// Command prefix for one-shot clients (e.g. `ip netns exec NS`).
     pub client_prefix: Vec<String>,
+    /// Environment of the master and the nodes.
+    pub env: Vec<(String, String)>,
 }
 
 fn free_port() -> u16 {
@@ -125,16 +133,22 @@ fn free_port() -> u16 {
 impl Cluster {
     /// Starts a master with `master_args` and `nodes` storage nodes of 64 MiB.
     pub fn start(master_args: &[&str], nodes: usize) -> Cluster {
+        Self::start_env(master_args, nodes, &[])
+    }
+
+    /// [`start`](Self::start) with environment variables for the master and nodes.
+    pub fn start_env(master_args: &[&str], nodes: usize, env: &[(&str, &str)]) -> Cluster {
         let metrics_addr = format!("127.0.0.1:{}", free_port());
         let mut args: Vec<String> =
             vec!["--listen".into(), "127.0.0.1:0".into(), "--metrics-listen".into(), metrics_addr.clone()];
         args.extend(master_args.iter().map(|s| s.to_string()));
         let argv: Vec<&str> = args.iter().map(String::as_str).collect();
-        let master = Proc::spawn(&[], &bin("mooncake-master"), &argv);
+        let master = Proc::spawn_env(&[], &bin("mooncake-master"), &argv, env);
         let master_addr = master.first_line.rsplit(' ').next().unwrap().to_owned();
         // Restarts reuse the bound port.
         let pos = args.iter().position(|a| a == "127.0.0.1:0").unwrap();
         args[pos] = master_addr.clone();
+        let env = env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
         let mut c = Cluster {
             master,
             master_addr,
@@ -142,6 +156,7 @@ impl Cluster {
             metrics_addr,
             nodes: Vec::new(),
             client_prefix: Vec::new(),
+            env,
         };
         for _ in 0..nodes {
             c.add_node(&[], "127.0.0.1:0");
@@ -151,10 +166,12 @@ impl Cluster {
 
     /// Starts a storage node (64 MiB) listening on `listen`, in `prefix`.
     pub fn add_node(&mut self, prefix: &[&str], listen: &str) {
-        let node = Proc::spawn(
+        let env: Vec<(&str, &str)> = self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+        let node = Proc::spawn_env(
             prefix,
             &bin("mooncake-client"),
             &["serve", "--master", &self.master_addr, "--listen", listen, "--segment-size", "64MiB"],
+            &env,
         );
         assert!(node.first_line.starts_with("mooncake-client serving segment"), "{}", node.first_line);
         self.nodes.push(node);
@@ -163,7 +180,8 @@ impl Cluster {
     /// Starts the master again on the same address.
     pub fn restart_master(&mut self) {
         let argv: Vec<&str> = self.master_args.iter().map(String::as_str).collect();
-        self.master = Proc::spawn(&[], &bin("mooncake-master"), &argv);
+        let env: Vec<(&str, &str)> = self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+        self.master = Proc::spawn_env(&[], &bin("mooncake-master"), &argv, &env);
     }
 
     /// Runs a one-shot client; returns (exit code, stdout, stderr).

@@ -7,6 +7,7 @@
 //! mooncake-client get  --master ADDR KEY OUTFILE
 //! mooncake-client rm|stat --master ADDR KEY ;  mooncake-client ls --master ADDR
 //! ```
+//! Set `MOONCAKE_SECRET` to prove a shared secret to the master and the nodes.
 //! One-shot commands exit 0 on success and 1 with a one-line error on stderr.
 
 use clap::{Parser, Subcommand};
@@ -91,8 +92,17 @@ fn size(s: &str) -> Result<u64, String> {
     parse_size(s).map_err(|e| e.to_string())
 }
 
+/// A builder that proves `MOONCAKE_SECRET` when it is set.
+fn builder(master: &str) -> mooncake_core::StoreBuilder {
+    let b = Store::builder().master_address(master);
+    match std::env::var("MOONCAKE_SECRET") {
+        Ok(s) => b.shared_secret(s.as_bytes()),
+        Err(_) => b,
+    }
+}
+
 fn client(master: &str) -> Result<Store, String> {
-    Store::builder().master_address(master).global_segment_size(0).build().map_err(|e| e.to_string())
+    builder(master).global_segment_size(0).build().map_err(|e| e.to_string())
 }
 
 fn run(cmd: Command) -> Result<(), String> {
@@ -101,8 +111,7 @@ fn run(cmd: Command) -> Result<(), String> {
             if ssd_dir.is_some() || ssd_capacity.is_some() {
                 return Err("the SSD tier is not available in this build yet".into());
             }
-            let store = Store::builder()
-                .master_address(&master)
+            let store = builder(&master)
                 .listen(&listen)
                 .global_segment_size(segment_size)
                 .build()

@@ -1,5 +1,7 @@
 //! `mooncake-master`: the master daemon.
 //!
+//! Set `MOONCAKE_SECRET` to require clients to prove a shared secret.
+//!
 //! ```text
 //! mooncake-master --listen 127.0.0.1:50051 [--metrics-listen ADDR]
 //!                 [--allocation-strategy random|free_ratio_first|ssd_free_ratio_first]
@@ -11,6 +13,7 @@ use std::time::Duration;
 
 use clap::Parser;
 use mooncake_core::metrics::prometheus_text;
+use mooncake_core::rpc::wire::DEFAULT_MAX_FRAME;
 use mooncake_core::rpc::{RpcServer, RpcServerStats};
 use mooncake_core::{Master, MasterConfig};
 
@@ -70,7 +73,9 @@ fn run(args: Args) -> Result<(), String> {
         ..MasterConfig::default()
     };
     let master = Master::new(config).map_err(|e| e.to_string())?;
-    let server = RpcServer::bind(&args.listen, master.service().clone()).map_err(|e| e.to_string())?;
+    let secret = std::env::var("MOONCAKE_SECRET").ok().map(|s| mooncake_transfer::SharedSecret::new(s.as_bytes()));
+    let server = RpcServer::bind_with(&args.listen, master.service().clone(), DEFAULT_MAX_FRAME, secret)
+        .map_err(|e| e.to_string())?;
     if let Some(addr) = &args.metrics_listen {
         serve_metrics(addr, master.clone(), server.stats().clone())?;
     }

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use mooncake_alloc::SegmentId;
-use mooncake_transfer::RemoteRegion;
+use mooncake_transfer::{RemoteRegion, SharedSecret};
 use parking_lot::Mutex;
 
 use crate::config::ReplicateConfig;
@@ -27,6 +27,7 @@ pub struct RpcMasterClient {
     pool: Mutex<Vec<TcpStream>>,
     next_id: AtomicU64,
     timeout: Duration,
+    secret: Option<SharedSecret>,
 }
 
 impl std::fmt::Debug for RpcMasterClient {
@@ -39,11 +40,17 @@ impl RpcMasterClient {
     /// Connects to the master at `addr` (`host:port`); fails with
     /// `MasterUnavailable` if it cannot be reached.
     pub fn connect(addr: &str) -> Result<Self> {
+        Self::connect_with(addr, None)
+    }
+
+    /// [`connect`](Self::connect), proving `secret` on every connection.
+    pub fn connect_with(addr: &str, secret: Option<SharedSecret>) -> Result<Self> {
         let client = Self {
             addr: addr.to_owned(),
             pool: Mutex::new(Vec::new()),
             next_id: AtomicU64::new(1),
             timeout: Duration::from_secs(30),
+            secret,
         };
         let conn = client.dial()?;
         client.pool.lock().push(conn);
@@ -59,6 +66,12 @@ impl RpcMasterClient {
                 Ok(s) => {
                     let _ = s.set_nodelay(true);
                     let _ = s.set_read_timeout(Some(self.timeout));
+                    if let Some(secret) = &self.secret {
+                        let mut c = &s;
+                        secret.respond(&mut c).map_err(|e| {
+                            Error::MasterUnavailable(format!("{}: authentication failed: {e}", self.addr))
+                        })?;
+                    }
                     return Ok(s);
                 }
                 Err(e) => last = unavailable(e),

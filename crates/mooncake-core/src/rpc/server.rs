@@ -5,7 +5,7 @@ use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
-use mooncake_transfer::RemoteRegion;
+use mooncake_transfer::{RemoteRegion, SharedSecret};
 
 use crate::error::{Error, Result};
 use crate::master::MasterService;
@@ -66,6 +66,17 @@ impl RpcServer {
 
     /// [`bind`](Self::bind) with a custom largest frame body.
     pub fn bind_with_limit(addr: &str, service: Arc<MasterService>, max_frame: u32) -> Result<Self> {
+        Self::bind_with(addr, service, max_frame, None)
+    }
+
+    /// [`bind`](Self::bind) with a largest frame body and, optionally, a shared secret
+    /// every client must prove before its first request.
+    pub fn bind_with(
+        addr: &str,
+        service: Arc<MasterService>,
+        max_frame: u32,
+        secret: Option<SharedSecret>,
+    ) -> Result<Self> {
         let listener =
             TcpListener::bind(addr).map_err(|e| Error::InvalidArgument(format!("cannot listen on {addr}: {e}")))?;
         let local = listener.local_addr().map_err(|e| Error::InvalidArgument(e.to_string()))?;
@@ -82,8 +93,19 @@ impl RpcServer {
                     let Ok(conn) = conn else { continue };
                     stats2.connections.fetch_add(1, Ordering::Relaxed);
                     let (service, stats, stop) = (service.clone(), stats2.clone(), stop2.clone());
+                    let secret = secret.clone();
                     let _ = std::thread::Builder::new().name("mooncake-rpc-conn".into()).spawn(move || {
                         let peer = conn.peer_addr().ok();
+                        if let Some(secret) = &secret {
+                            let mut c = &conn;
+                            let _ = c.set_read_timeout(Some(std::time::Duration::from_secs(5)));
+                            if !secret.challenge(&mut c).unwrap_or(false) {
+                                stats.bad_frames.fetch_add(1, Ordering::Relaxed);
+                                tracing::warn!(?peer, "master client failed the shared-secret challenge");
+                                return;
+                            }
+                            let _ = c.set_read_timeout(None);
+                        }
                         if let Err(e) = serve_connection(conn, &service, &stats, &stop, max_frame) {
                             tracing::warn!(?peer, error = %e, "closing master connection");
                         }

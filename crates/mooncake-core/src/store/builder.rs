@@ -8,7 +8,7 @@ use crate::config::{MasterConfig, Protocol, ReplicateConfig};
 use crate::error::{Error, Result};
 use crate::master::{Master, MasterApi};
 use crate::rpc::RpcMasterClient;
-use mooncake_transfer::TransferEngine;
+use mooncake_transfer::{SharedSecret, TransferEngine};
 
 use super::Store;
 
@@ -34,6 +34,7 @@ pub struct StoreBuilder {
     pub(super) master: Option<Master>,
     pub(super) master_address: Option<String>,
     pub(super) listen: Option<String>,
+    pub(super) secret: Option<Vec<u8>>,
     pub(super) master_config: Option<MasterConfig>,
     pub(super) strategy: Option<Arc<dyn AllocationStrategy>>,
     pub(super) protocol: Protocol,
@@ -60,6 +61,7 @@ impl Default for StoreBuilder {
             master: None,
             master_address: None,
             listen: None,
+            secret: None,
             master_config: None,
             strategy: None,
             protocol: Protocol::Local,
@@ -104,6 +106,14 @@ impl StoreBuilder {
         self
     }
 
+    /// Authenticates this client to the master daemon and to other clients'
+    /// transfer endpoints (and requires it of peers reaching this client's segment).
+    /// Every process of a deployment must use the same secret.
+    pub fn shared_secret(mut self, secret: &[u8]) -> Self {
+        self.secret = Some(secret.to_vec());
+        self
+    }
+
     /// Configuration of the embedded master this builder starts (ignored with
     /// [`master`](Self::master), which is an error to combine it with).
     pub fn master_config(mut self, config: MasterConfig) -> Self {
@@ -145,7 +155,9 @@ impl StoreBuilder {
         }
         let master: Arc<dyn MasterApi> = match (&self.master, &self.master_address) {
             (Some(m), _) => m.service().clone(),
-            (None, Some(addr)) => Arc::new(RpcMasterClient::connect(addr)?),
+            (None, Some(addr)) => {
+                Arc::new(RpcMasterClient::connect_with(addr, self.secret.as_deref().map(SharedSecret::new))?)
+            }
             (None, None) => {
                 let mut cfg = self.master_config.clone().unwrap_or_default();
                 if let Some(s) = &self.strategy {
@@ -154,7 +166,12 @@ impl StoreBuilder {
                 Master::new(cfg)?.service().clone()
             }
         };
-        let engine = transfer_engine(self.listen.as_deref(), self.protocol, self.master_address.is_some())?;
+        let engine = transfer_engine(
+            self.listen.as_deref(),
+            self.protocol,
+            self.master_address.is_some(),
+            self.secret.as_deref(),
+        )?;
         Store::connect(self, master, engine)
     }
 }
@@ -164,11 +181,23 @@ impl StoreBuilder {
 /// `Local` alone for an embedded store; with a listener or a remote master the
 /// network transports join (`Shm` for same-host peers, then `Tcp`), unless
 /// `Protocol::Tcp` asks for TCP to every peer.
-fn transfer_engine(listen: Option<&str>, protocol: Protocol, remote_master: bool) -> Result<TransferEngine> {
+fn transfer_engine(
+    listen: Option<&str>,
+    protocol: Protocol,
+    remote_master: bool,
+    secret: Option<&[u8]>,
+) -> Result<TransferEngine> {
     let shm = protocol != Protocol::Tcp;
     let mut b = TransferEngine::builder().shared_memory(shm);
+    if let Some(s) = secret {
+        b = b.shared_secret(s);
+    }
     if protocol == Protocol::Tcp {
-        b = b.transport(std::sync::Arc::new(mooncake_transfer::TcpTransport::new()));
+        let tcp = match secret {
+            Some(s) => mooncake_transfer::TcpTransport::with_secret(SharedSecret::new(s)),
+            None => mooncake_transfer::TcpTransport::new(),
+        };
+        b = b.transport(std::sync::Arc::new(tcp));
     }
     if let Some(addr) = listen {
         b = b.tcp_listen(addr);
