@@ -316,3 +316,81 @@ fn errors_are_matchable_and_print_one_line() {
         assert!(!e.to_string().contains('\n'));
     }
 }
+
+/// A raw client that owns a segment whose memory the test controls.
+struct RawNode {
+    engine: mooncake_transfer::TransferEngine,
+    region: std::sync::Arc<mooncake_transfer::RegisteredRegion>,
+    client: u64,
+}
+
+fn raw_node(master: &Master) -> RawNode {
+    let engine = mooncake_transfer::TransferEngine::new();
+    let region = engine.register_region(1 << 20).unwrap();
+    let client = master.register_client();
+    master.mount_segment(client, engine.remote(region.id()), region.len()).unwrap();
+    RawNode { engine, region, client }
+}
+
+#[test]
+fn bytes_that_fail_their_checksum_are_never_returned() {
+    let master = Master::new(MasterConfig::default()).unwrap();
+    let node = raw_node(&master);
+    let reader = store_on(&master, 0);
+    // The object's bytes in memory are not the bytes its checksum was taken of (as
+    // after a stray write, or memory freed and reused under a stale replica list).
+    let replicas = master.put_start(node.client, "k", 5, &ReplicateConfig::default()).unwrap();
+    node.region.copy_in(replicas[0].offset, b"wrong").unwrap();
+    master.put_end(node.client, "k", crc32c_of(b"right")).unwrap();
+    assert!(matches!(reader.get("k"), Err(Error::Corrupted(_))));
+    let mut buf = [0u8; 5];
+    assert!(matches!(reader.get_into("k", &mut buf), Err(Error::Corrupted(_))));
+    assert!(reader.stats().checksum_mismatches >= 2);
+    // With a good second replica the get succeeds from it.
+    let replicas = master.put_start(node.client, "k2", 5, &ReplicateConfig::default()).unwrap();
+    node.region.copy_in(replicas[0].offset, b"right").unwrap();
+    master.put_end(node.client, "k2", crc32c_of(b"right")).unwrap();
+    assert_eq!(&reader.get("k2").unwrap()[..], b"right");
+}
+
+fn crc32c_of(b: &[u8]) -> u32 {
+    // The store's checksum is crc32c (Castagnoli); computed bitwise here so the test
+    // does not share the implementation it checks.
+    let mut crc = !0u32;
+    for &byte in b {
+        crc ^= byte as u32;
+        for _ in 0..8 {
+            crc = if crc & 1 != 0 { (crc >> 1) ^ 0x82F6_3B78 } else { crc >> 1 };
+        }
+    }
+    !crc
+}
+
+#[test]
+fn an_unreachable_segment_is_a_transport_error() {
+    let master = Master::new(MasterConfig::default()).unwrap();
+    let node = raw_node(&master);
+    let reader = store_on(&master, 0);
+    let replicas = master.put_start(node.client, "k", 5, &ReplicateConfig::default()).unwrap();
+    node.region.copy_in(replicas[0].offset, b"bytes").unwrap();
+    master.put_end(node.client, "k", crc32c_of(b"bytes")).unwrap();
+    assert_eq!(&reader.get("k").unwrap()[..], b"bytes");
+    // The node's process "dies" without unmounting: its engine is gone.
+    drop(node.engine);
+    assert!(matches!(reader.get("k"), Err(Error::Transport(_))));
+}
+
+#[test]
+fn a_master_that_does_not_answer_times_out() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let _hold = std::thread::spawn(move || {
+        let conns: Vec<_> = listener.incoming().take(2).collect();
+        std::thread::sleep(Duration::from_secs(3));
+        drop(conns);
+    });
+    let client =
+        mooncake_core::rpc::RpcMasterClient::connect_with_timeout(&addr, None, Duration::from_millis(200)).unwrap();
+    use mooncake_core::MasterApi;
+    assert!(matches!(client.exists("k"), Err(Error::Timeout(_))));
+}

@@ -1,6 +1,6 @@
 //! `RpcMasterClient`: the [`MasterApi`] of a master daemon, over TCP.
 
-use std::io::Write;
+use std::io::{Read, Write};
 use std::net::{TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -16,8 +16,7 @@ use crate::master::{
     ReplicaList, ReplicatePlan, SegmentInfo,
 };
 
-use super::server::read_frame;
-use super::wire::{encode_frame, FrameKind, Request, Response, WireResult, DEFAULT_MAX_FRAME};
+use super::wire::{encode_frame, FrameHeader, FrameKind, Request, Response, WireResult, DEFAULT_MAX_FRAME, HEADER_LEN};
 
 /// A client of a master daemon. Connections are pooled: concurrent calls use
 /// separate connections; a broken connection is dropped and the call retried once on
@@ -45,13 +44,14 @@ impl RpcMasterClient {
 
     /// [`connect`](Self::connect), proving `secret` on every connection.
     pub fn connect_with(addr: &str, secret: Option<SharedSecret>) -> Result<Self> {
-        let client = Self {
-            addr: addr.to_owned(),
-            pool: Mutex::new(Vec::new()),
-            next_id: AtomicU64::new(1),
-            timeout: Duration::from_secs(30),
-            secret,
-        };
+        Self::connect_with_timeout(addr, secret, Duration::from_secs(30))
+    }
+
+    /// [`connect_with`](Self::connect_with) where a call fails with `Timeout` when the
+    /// master does not answer within `timeout`.
+    pub fn connect_with_timeout(addr: &str, secret: Option<SharedSecret>, timeout: Duration) -> Result<Self> {
+        let client =
+            Self { addr: addr.to_owned(), pool: Mutex::new(Vec::new()), next_id: AtomicU64::new(1), timeout, secret };
         let conn = client.dial()?;
         client.pool.lock().push(conn);
         Ok(client)
@@ -82,8 +82,13 @@ impl RpcMasterClient {
 
     fn round_trip(&self, conn: &mut TcpStream, frame: &[u8], id: u64) -> std::io::Result<Response> {
         conn.write_all(frame)?;
-        let (h, body) =
-            read_frame(conn, DEFAULT_MAX_FRAME).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
+        // Read with the socket's own errors, so that a timeout stays a timeout.
+        let mut header = [0u8; HEADER_LEN];
+        conn.read_exact(&mut header)?;
+        let h = FrameHeader::decode(&header, DEFAULT_MAX_FRAME)
+            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
+        let mut body = vec![0u8; h.body_len as usize];
+        conn.read_exact(&mut body)?;
         if h.kind != FrameKind::Response || h.request_id != id {
             return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, "response does not match the request"));
         }
