@@ -29,6 +29,13 @@ fn put_in_one_process_get_in_another() {
     // Objects are immutable.
     let (code, _, err) = c.client(&["put", "--master", &c.master_addr, "model/layer0", src.to_str().unwrap()]);
     assert_eq!((code, err.trim()), (1, "already exists: model/layer0"));
+    // The metrics count what happened, by kind.
+    let metrics = c.metrics();
+    assert!(metrics.contains("mooncake_objects 1\n"), "{metrics}");
+    assert!(metrics.contains("mooncake_segments 2\n"), "{metrics}");
+    for line in ["mooncake_ops_total{kind=\"put_start\"} 2", "mooncake_errors_total{kind=\"put_start\"} 1"] {
+        assert!(metrics.contains(line), "missing {line}: {metrics}");
+    }
     // The get above leased the object to its reader for 300 ms.
     let (code, _, err) = c.client(&["rm", "--master", &c.master_addr, "model/layer0"]);
     assert_eq!((code, err.trim()), (1, "object has a live lease: model/layer0"));

@@ -15,12 +15,7 @@ pub(crate) struct RangeAlloc {
 
 impl RangeAlloc {
     pub(crate) fn new(capacity: u64) -> Self {
-        Self {
-            capacity,
-            bump: 0,
-            free: BTreeMap::new(),
-            used: 0,
-        }
+        Self { capacity, bump: 0, free: BTreeMap::new(), used: 0 }
     }
 
     pub(crate) fn used(&self) -> u64 {
@@ -43,11 +38,7 @@ impl RangeAlloc {
     /// First fit in the free list, else from the bump pointer.
     pub(crate) fn alloc(&mut self, len: u64) -> Option<u64> {
         debug_assert!(len > 0);
-        let hit = self
-            .free
-            .iter()
-            .find(|(_, &l)| l >= len)
-            .map(|(&o, &l)| (o, l));
+        let hit = self.free.iter().find(|(_, &l)| l >= len).map(|(&o, &l)| (o, l));
         if let Some((off, l)) = hit {
             self.free.remove(&off);
             if l > len {

@@ -172,11 +172,7 @@ impl WritePlan {
 
     /// Key identity of the reservation.
     pub fn key_id(&self) -> KeyId {
-        KeyId {
-            hash: self.key_hash,
-            fp_hi: self.key_fp_hi,
-            len: self.key_len,
-        }
+        KeyId { hash: self.key_hash, fp_hi: self.key_fp_hi, len: self.key_len }
     }
 
     /// Arena offset of page `i`.
@@ -339,10 +335,7 @@ pub struct NanoKvCache<H: DeviceHeap + ?Sized = dyn DeviceHeap> {
 
 impl<H: DeviceHeap + ?Sized> std::fmt::Debug for NanoKvCache<H> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("NanoKvCache")
-            .field("cfg", &self.cfg)
-            .field("stats", &self.stats())
-            .finish()
+        f.debug_struct("NanoKvCache").field("cfg", &self.cfg).field("stats", &self.stats()).finish()
     }
 }
 
@@ -407,10 +400,7 @@ impl<H: DeviceHeap + ?Sized> NanoKvCache<H> {
 
     fn check_key(key: &str) -> Result<()> {
         if key.is_empty() || key.len() > MAX_KEY_LEN {
-            return Err(GpuError::InvalidArgument(format!(
-                "key length {} not in 1..={MAX_KEY_LEN}",
-                key.len()
-            )));
+            return Err(GpuError::InvalidArgument(format!("key length {} not in 1..={MAX_KEY_LEN}", key.len())));
         }
         Ok(())
     }
@@ -435,11 +425,7 @@ impl<H: DeviceHeap + ?Sized> NanoKvCache<H> {
         let cap = inner.alloc.capacity();
         if need > cap {
             inner.oom_count += 1;
-            return Err(GpuError::NoSpace {
-                need,
-                free: cap - inner.alloc.used(),
-                total: cap,
-            });
+            return Err(GpuError::NoSpace { need, free: cap - inner.alloc.used(), total: cap });
         }
         let high = (self.cfg.high_watermark * cap as f64) as u64;
         if inner.alloc.used() + need > high {
@@ -464,19 +450,14 @@ impl<H: DeviceHeap + ?Sized> NanoKvCache<H> {
             if self.evict_locked(&mut inner, 1, &|_: &Inner| false) == 0 {
                 inner.alloc.free(off, need);
                 inner.oom_count += 1;
-                return Err(GpuError::NoHeaderSlot {
-                    slots: self.heap.header_slots(),
-                });
+                return Err(GpuError::NoHeaderSlot { slots: self.heap.header_slots() });
             }
         };
         span.payload_base = off;
         let id = KeyId::of(key);
         let now = self.now_ns();
         let init = (|| -> Result<u32> {
-            let epoch = self
-                .heap
-                .load_u32(slot, U32Field::Epoch, Ordering::Acquire)?
-                .wrapping_add(1);
+            let epoch = self.heap.load_u32(slot, U32Field::Epoch, Ordering::Acquire)?.wrapping_add(1);
             let h = HeaderSnapshot {
                 key_hash: id.hash,
                 key_fp_hi: id.fp_hi,
@@ -497,12 +478,7 @@ impl<H: DeviceHeap + ?Sized> NanoKvCache<H> {
                 _reserved: [0; 5],
             };
             self.heap.write_header(slot, &h)?;
-            self.heap.store_u32(
-                slot,
-                U32Field::State,
-                ObjectState::Writing.as_u32(),
-                Ordering::Release,
-            )?;
+            self.heap.store_u32(slot, U32Field::State, ObjectState::Writing.as_u32(), Ordering::Release)?;
             Ok(epoch)
         })();
         let epoch = match init {
@@ -519,14 +495,7 @@ impl<H: DeviceHeap + ?Sized> NanoKvCache<H> {
         inner.index.insert(key.clone(), slot);
         inner.fifo.insert(seq, slot);
         inner.pending.insert(seq, slot);
-        inner.slots[slot as usize] = Some(Entry {
-            key,
-            id,
-            epoch,
-            span,
-            seq,
-            committed: false,
-        });
+        inner.slots[slot as usize] = Some(Entry { key, id, epoch, span, seq, committed: false });
         Ok(WritePlan {
             key_hash: id.hash,
             key_fp_hi: id.fp_hi,
@@ -574,10 +543,7 @@ impl<H: DeviceHeap + ?Sized> NanoKvCache<H> {
             _ => return Err(GpuError::Stale),
         }
         self.heap.publish(plan.slot, plan.epoch, self.now_ns())?;
-        if !inner.slots[plan.slot as usize]
-            .as_ref()
-            .is_some_and(|e| e.committed)
-        {
+        if !inner.slots[plan.slot as usize].as_ref().is_some_and(|e| e.committed) {
             inner.puts += 1;
         }
         inner.mark_committed(plan.slot);
@@ -652,26 +618,14 @@ impl<H: DeviceHeap + ?Sized> NanoKvCache<H> {
                     return Err(GpuError::NotFound);
                 };
                 if e.span.bytes_total > dst.len() as u64 {
-                    return Err(GpuError::BufferTooSmall {
-                        need: e.span.bytes_total,
-                        got: dst.len() as u64,
-                    });
+                    return Err(GpuError::BufferTooSmall { need: e.span.bytes_total, got: dst.len() as u64 });
                 }
-                ReadExpect {
-                    slot,
-                    epoch: e.epoch,
-                    key: e.id,
-                }
+                ReadExpect { slot, epoch: e.epoch, key: e.id }
             };
             match self.heap.read_object(&expect, dst) {
                 Ok(n) => {
                     self.gets.fetch_add(1, Ordering::Relaxed);
-                    let _ = self.heap.store_u64(
-                        expect.slot,
-                        U64Field::LastAccess,
-                        self.now_ns(),
-                        Ordering::Relaxed,
-                    );
+                    let _ = self.heap.store_u64(expect.slot, U64Field::LastAccess, self.now_ns(), Ordering::Relaxed);
                     return Ok(n);
                 }
                 Err(GpuError::Stale) | Err(GpuError::BufferTooSmall { .. }) => {
@@ -719,8 +673,7 @@ impl<H: DeviceHeap + ?Sized> NanoKvCache<H> {
     pub fn touch(&self, key: &str) -> Result<()> {
         let inner = self.inner.lock();
         let (slot, _) = inner.entry(key).ok_or(GpuError::NotFound)?;
-        self.heap
-            .store_u64(slot, U64Field::LastAccess, self.now_ns(), Ordering::Relaxed)
+        self.heap.store_u64(slot, U64Field::LastAccess, self.now_ns(), Ordering::Relaxed)
     }
 
     /// Removes `key`: `CAS READY -> DEAD` (or `WRITING -> DEAD` for an
@@ -837,10 +790,7 @@ impl<H: DeviceHeap + ?Sized> NanoKvCache<H> {
                 Some(s @ (ObjectState::Reserved | ObjectState::Writing)) => s,
                 _ => continue,
             };
-            let ts = self
-                .heap
-                .load_u64(slot, U64Field::StateTs, Ordering::Relaxed)
-                .unwrap_or(now_ns);
+            let ts = self.heap.load_u64(slot, U64Field::StateTs, Ordering::Relaxed).unwrap_or(now_ns);
             if now_ns.saturating_sub(ts) <= timeout {
                 continue;
             }
@@ -886,11 +836,7 @@ impl<H: DeviceHeap + ?Sized> NanoKvCache<H> {
     /// Keys currently indexed, oldest first (the FIFO order).
     pub fn keys_fifo(&self) -> Vec<String> {
         let inner = self.inner.lock();
-        inner
-            .fifo
-            .values()
-            .filter_map(|&s| inner.slots[s as usize].as_ref().map(|e| e.key.to_string()))
-            .collect()
+        inner.fifo.values().filter_map(|&s| inner.slots[s as usize].as_ref().map(|e| e.key.to_string())).collect()
     }
 
     /// Whether `key` is indexed (in any state).
@@ -923,9 +869,6 @@ impl<H: DeviceHeap + ?Sized + 'static> NanoKvCache<H> {
                 cache.reclaim_stuck(cache.now_ns());
             })
             .expect("spawn watchdog thread");
-        Watchdog {
-            stop,
-            handle: Some(handle),
-        }
+        Watchdog { stop, handle: Some(handle) }
     }
 }

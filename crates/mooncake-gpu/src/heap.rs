@@ -61,22 +61,15 @@ impl PageSpan {
         }
         let ps = u64::from(page_size);
         let n = bytes_total.div_ceil(ps);
-        let n_pages = u32::try_from(n)
-            .map_err(|_| GpuError::InvalidArgument(format!("{n} pages is too many")))?;
+        let n_pages = u32::try_from(n).map_err(|_| GpuError::InvalidArgument(format!("{n} pages is too many")))?;
         let last = bytes_total - (n - 1) * ps;
-        Ok(Self {
-            payload_base,
-            bytes_total,
-            page_size,
-            n_pages,
-            last_page_bytes: last as u32,
-        })
+        Ok(Self { payload_base, bytes_total, page_size, n_pages, last_page_bytes: last as u32 })
     }
 
     /// The span described by a header.
     pub fn from_header(h: &HeaderSnapshot) -> Result<Self> {
-        let s = Self::new(h.payload_base, h.bytes_total, h.page_size)
-            .map_err(|e| GpuError::Corrupted(e.to_string()))?;
+        let s =
+            Self::new(h.payload_base, h.bytes_total, h.page_size).map_err(|e| GpuError::Corrupted(e.to_string()))?;
         if s.n_pages != h.n_pages || s.last_page_bytes != h.last_page_bytes {
             return Err(GpuError::Corrupted(format!(
                 "geometry mismatch: header says {} pages / last {}, sizes say {} / {}",
@@ -127,10 +120,7 @@ impl PageSpan {
             return Ok(0);
         }
         if first >= self.n_pages {
-            return Err(GpuError::OutOfBounds(format!(
-                "page {first} of a {}-page object",
-                self.n_pages
-            )));
+            return Err(GpuError::OutOfBounds(format!("page {first} of a {}-page object", self.n_pages)));
         }
         let count = (len as u64).div_ceil(u64::from(self.page_size));
         let avail = u64::from(self.n_pages - first);
@@ -278,13 +268,8 @@ pub trait DeviceHeap: Send + Sync {
         let st = self.load_u32(slot, U32Field::State, Ordering::Acquire)?;
         if st != ObjectState::Ready.as_u32() {
             let same_epoch = self.load_u32(slot, U32Field::Epoch, Ordering::Acquire)? == expect.epoch;
-            let in_progress =
-                st == ObjectState::Writing.as_u32() || st == ObjectState::Reserved.as_u32();
-            return Err(if same_epoch && in_progress {
-                GpuError::NotReady
-            } else {
-                GpuError::Stale
-            });
+            let in_progress = st == ObjectState::Writing.as_u32() || st == ObjectState::Reserved.as_u32();
+            return Err(if same_epoch && in_progress { GpuError::NotReady } else { GpuError::Stale });
         }
         self.fetch_add_u32(slot, U32Field::ReaderRefcnt, 1)?;
         let copied = (|| {
@@ -294,18 +279,12 @@ pub trait DeviceHeap: Send + Sync {
                 return Err(GpuError::Stale);
             }
             let h = self.read_header(slot)?;
-            if h.key_hash != expect.key.hash
-                || h.key_fp_hi != expect.key.fp_hi
-                || h.key_len != expect.key.len
-            {
+            if h.key_hash != expect.key.hash || h.key_fp_hi != expect.key.fp_hi || h.key_len != expect.key.len {
                 return Err(GpuError::Stale);
             }
             let span = PageSpan::from_header(&h)?;
             if (dst.len() as u64) < span.bytes_total {
-                return Err(GpuError::BufferTooSmall {
-                    need: span.bytes_total,
-                    got: dst.len() as u64,
-                });
+                return Err(GpuError::BufferTooSmall { need: span.bytes_total, got: dst.len() as u64 });
             }
             self.read_pages(&span, 0, &mut dst[..span.bytes_total as usize])?;
             Ok(span.bytes_total)
@@ -357,9 +336,7 @@ impl HostHeap {
     /// up to a multiple of 8). All headers start `DEAD` with epoch 0.
     pub fn new(header_slots: u32, payload_bytes: u64) -> Result<Self> {
         if header_slots == 0 || payload_bytes == 0 {
-            return Err(GpuError::InvalidArgument(
-                "a heap needs at least one header slot and one payload byte".into(),
-            ));
+            return Err(GpuError::InvalidArgument("a heap needs at least one header slot and one payload byte".into()));
         }
         let n_words = usize::try_from(payload_bytes.div_ceil(HOST_WORD))
             .map_err(|_| GpuError::InvalidArgument("payload too large for this host".into()))?;
@@ -371,18 +348,14 @@ impl HostHeap {
             })
             .collect();
         let words: Box<[AtomicU64]> = (0..n_words).map(|_| AtomicU64::new(0)).collect();
-        Ok(Self {
-            headers,
-            words,
-            capacity: n_words as u64 * HOST_WORD,
-        })
+        Ok(Self { headers, words, capacity: n_words as u64 * HOST_WORD })
     }
 
     /// The header of `slot` (bounds-checked).
     pub fn header(&self, slot: u32) -> Result<&ObjectHeader> {
-        self.headers.get(slot as usize).ok_or_else(|| {
-            GpuError::OutOfBounds(format!("header slot {slot} of {}", self.headers.len()))
-        })
+        self.headers
+            .get(slot as usize)
+            .ok_or_else(|| GpuError::OutOfBounds(format!("header slot {slot} of {}", self.headers.len())))
     }
 
     fn check_span(&self, span: &PageSpan) -> Result<()> {
@@ -480,19 +453,11 @@ impl DeviceHeap for HostHeap {
         current: u32,
         new: u32,
     ) -> Result<std::result::Result<u32, u32>> {
-        Ok(self.header(slot)?.u32_field(f).compare_exchange(
-            current,
-            new,
-            Ordering::SeqCst,
-            Ordering::SeqCst,
-        ))
+        Ok(self.header(slot)?.u32_field(f).compare_exchange(current, new, Ordering::SeqCst, Ordering::SeqCst))
     }
 
     fn fetch_add_u32(&self, slot: u32, f: U32Field, delta: i32) -> Result<u32> {
-        Ok(self
-            .header(slot)?
-            .u32_field(f)
-            .fetch_add(delta as u32, Ordering::SeqCst))
+        Ok(self.header(slot)?.u32_field(f).fetch_add(delta as u32, Ordering::SeqCst))
     }
 
     fn load_u64(&self, slot: u32, f: U64Field, order: Ordering) -> Result<u64> {

@@ -94,11 +94,7 @@ pub struct KeyId {
 impl KeyId {
     /// The identity of `key`.
     pub fn of(key: &str) -> Self {
-        Self {
-            hash: xxh64(key.as_bytes(), 0),
-            fp_hi: xxh64(key.as_bytes(), header::FP_SEED),
-            len: key.len() as u32,
-        }
+        Self { hash: xxh64(key.as_bytes(), 0), fp_hi: xxh64(key.as_bytes(), header::FP_SEED), len: key.len() as u32 }
     }
 }
 

@@ -15,22 +15,14 @@ fn cache20(timeout: Duration) -> NanoKvCache<HostHeap> {
     let heap = Arc::new(HostHeap::new(64, 20 * u64::from(PAGE)).unwrap());
     NanoKvCache::new(
         heap,
-        CacheConfig {
-            page_size: PAGE,
-            high_watermark: 0.95,
-            low_watermark: 0.85,
-            stuck_timeout: timeout,
-            rank: 3,
-        },
+        CacheConfig { page_size: PAGE, high_watermark: 0.95, low_watermark: 0.85, stuck_timeout: timeout, rank: 3 },
     )
     .unwrap()
 }
 
 fn pin(c: &NanoKvCache<HostHeap>, key: &str) -> u32 {
     let m = c.get_location(key).unwrap();
-    c.heap()
-        .fetch_add_u32(m.slot, U32Field::ReaderRefcnt, 1)
-        .unwrap();
+    c.heap().fetch_add_u32(m.slot, U32Field::ReaderRefcnt, 1).unwrap();
     m.slot
 }
 
@@ -115,10 +107,7 @@ fn full_heap_of_pinned_objects_reports_no_space() {
     c.put("x", &[0; 10]).unwrap();
     assert!(!c.contains("k7"));
     // too large for the arena at all
-    assert!(matches!(
-        c.put("huge", &vec![0; 21 * PAGE as usize]),
-        Err(GpuError::NoSpace { .. })
-    ));
+    assert!(matches!(c.put("huge", &vec![0; 21 * PAGE as usize]), Err(GpuError::NoSpace { .. })));
 }
 
 #[test]
@@ -142,12 +131,7 @@ fn header_slots_exhaustion_evicts_or_fails() {
 fn fragmentation_is_resolved_by_evicting_more() {
     // watermarks at 100 %: only the fit loop evicts
     let heap = Arc::new(HostHeap::new(64, 20 * u64::from(PAGE)).unwrap());
-    let cfg = CacheConfig {
-        page_size: PAGE,
-        high_watermark: 1.0,
-        low_watermark: 1.0,
-        ..Default::default()
-    };
+    let cfg = CacheConfig { page_size: PAGE, high_watermark: 1.0, low_watermark: 1.0, ..Default::default() };
     let c = NanoKvCache::new(heap, cfg).unwrap();
     // 10 two-page objects fill the arena
     for i in 0..10 {
@@ -185,7 +169,7 @@ fn crash_mid_put_reclaimed_after_timeout_not_before() {
     assert_eq!(c.stats().stuck_put_reclaimed, 1);
     assert_eq!(c.stats().bytes_used, u64::from(PAGE)); // only "fine" left
     assert_eq!(c.get("fine").unwrap(), vec![1; 10]); // committed objects untouched
-    // the producer that wakes up late is told its plan is gone
+                                                     // the producer that wakes up late is told its plan is gone
     assert_eq!(c.write(&plan, 1, &vec![1; PAGE as usize]), Err(GpuError::Stale));
     assert_eq!(c.commit(&plan), Err(GpuError::Stale));
     // the key can be put again
@@ -223,16 +207,12 @@ fn watchdog_does_not_reclaim_while_host_producer_copies() {
     // The host write path pins the slot, so a reclaim racing it backs off.
     let c = cache20(Duration::from_millis(0));
     let plan = c.open_for_write("w", 10).unwrap();
-    c.heap()
-        .fetch_add_u32(plan.slot, U32Field::ReaderRefcnt, 1)
-        .unwrap(); // as `write` does during its copy
+    c.heap().fetch_add_u32(plan.slot, U32Field::ReaderRefcnt, 1).unwrap(); // as `write` does during its copy
     assert_eq!(c.reclaim_stuck(plan.reserved_at_ns + 1_000_000), 0);
     assert!(c.contains("w"));
     let st = c.heap().load_u32(plan.slot, U32Field::State, Ordering::SeqCst).unwrap();
     assert_eq!(st, ObjectState::Writing as u32); // state restored
-    c.heap()
-        .fetch_add_u32(plan.slot, U32Field::ReaderRefcnt, -1)
-        .unwrap();
+    c.heap().fetch_add_u32(plan.slot, U32Field::ReaderRefcnt, -1).unwrap();
     assert_eq!(c.reclaim_stuck(plan.reserved_at_ns + 1_000_000), 1);
 }
 
@@ -259,10 +239,7 @@ fn config_is_validated_and_rank_reported() {
         CacheConfig { low_watermark: 0.9, high_watermark: 0.8, ..Default::default() },
         CacheConfig { high_watermark: 1.5, ..Default::default() },
     ] {
-        assert!(matches!(
-            NanoKvCache::new(heap.clone(), bad),
-            Err(GpuError::InvalidArgument(_))
-        ));
+        assert!(matches!(NanoKvCache::new(heap.clone(), bad), Err(GpuError::InvalidArgument(_))));
     }
     let c = cache20(Duration::from_secs(1));
     let p = c.open_for_write("r", 1).unwrap();

@@ -6,8 +6,7 @@ use std::sync::Arc;
 
 use mooncake_gpu::header::{U32Field, U64Field};
 use mooncake_gpu::{
-    CacheConfig, DeviceHeap, GpuError, HostHeap, KeyId, NanoKvCache, ObjectState, PageSpan,
-    ReadExpect,
+    CacheConfig, DeviceHeap, GpuError, HostHeap, KeyId, NanoKvCache, ObjectState, PageSpan, ReadExpect,
 };
 
 fn pattern(seed: u64, len: usize) -> Vec<u8> {
@@ -24,14 +23,7 @@ fn pattern(seed: u64, len: usize) -> Vec<u8> {
 
 fn cache(page: u32, slots: u32, bytes: u64) -> NanoKvCache<HostHeap> {
     let heap = Arc::new(HostHeap::new(slots, bytes).unwrap());
-    NanoKvCache::new(
-        heap,
-        CacheConfig {
-            page_size: page,
-            ..Default::default()
-        },
-    )
-    .unwrap()
+    NanoKvCache::new(heap, CacheConfig { page_size: page, ..Default::default() }).unwrap()
 }
 
 #[test]
@@ -93,10 +85,7 @@ fn tail_clamp_never_writes_past_the_object() {
     assert_eq!(&last[..], &v[2 * page as usize..]);
     // a full page-sized buffer for the last page is refused (it would read slack)
     let mut too_big = vec![0u8; page as usize];
-    assert!(matches!(
-        c.heap().read_pages(&span, 2, &mut too_big),
-        Err(GpuError::InvalidArgument(_))
-    ));
+    assert!(matches!(c.heap().read_pages(&span, 2, &mut too_big), Err(GpuError::InvalidArgument(_))));
     // a buffer that is not whole pages is refused
     let mut odd = vec![0u8; 1000];
     assert!(c.heap().read_pages(&span, 0, &mut odd).is_err());
@@ -107,13 +96,7 @@ fn buffer_too_small_and_not_found() {
     let c = cache(64 << 10, 8, 1 << 20);
     c.put("a", &[1u8; 70_000]).unwrap();
     let mut small = vec![0u8; 69_999];
-    assert_eq!(
-        c.get_into("a", &mut small),
-        Err(GpuError::BufferTooSmall {
-            need: 70_000,
-            got: 69_999
-        })
-    );
+    assert_eq!(c.get_into("a", &mut small), Err(GpuError::BufferTooSmall { need: 70_000, got: 69_999 }));
     assert_eq!(c.get("b"), Err(GpuError::NotFound));
     assert_eq!(c.remove("b"), Err(GpuError::NotFound));
     assert_eq!(c.touch("b"), Err(GpuError::NotFound));
@@ -184,25 +167,14 @@ fn epoch_detects_slot_reuse_and_key_is_verified() {
     assert_eq!(new.epoch, old.epoch.wrapping_add(1));
     let mut dst = [0u8; 100];
     // a reader holding the old location is refused, never given b's bytes
-    let stale = ReadExpect {
-        slot: old.slot,
-        epoch: old.epoch,
-        key: KeyId::of("a"),
-    };
+    let stale = ReadExpect { slot: old.slot, epoch: old.epoch, key: KeyId::of("a") };
     assert_eq!(c.heap().read_object(&stale, &mut dst), Err(GpuError::Stale));
     // right epoch, wrong key identity: refused too
-    let wrong_key = ReadExpect {
-        slot: new.slot,
-        epoch: new.epoch,
-        key: KeyId::of("a"),
-    };
+    let wrong_key = ReadExpect { slot: new.slot, epoch: new.epoch, key: KeyId::of("a") };
     assert_eq!(c.heap().read_object(&wrong_key, &mut dst), Err(GpuError::Stale));
     assert_eq!(dst, [0u8; 100]);
     // the refcount is balanced after refused reads
-    let rc = c
-        .heap()
-        .load_u32(new.slot, U32Field::ReaderRefcnt, Ordering::SeqCst)
-        .unwrap();
+    let rc = c.heap().load_u32(new.slot, U32Field::ReaderRefcnt, Ordering::SeqCst).unwrap();
     assert_eq!(rc, 0);
     assert_eq!(c.get("b").unwrap(), vec![2u8; 100]);
 }
@@ -213,10 +185,7 @@ fn heap_bounds_are_checked() {
     assert!(matches!(heap.read_header(2), Err(GpuError::OutOfBounds(_))));
     assert!(heap.load_u32(9, U32Field::State, Ordering::Acquire).is_err());
     let span = PageSpan::new((1 << 20) - 4096, 8192, 4096).unwrap();
-    assert!(matches!(
-        heap.write_pages(&span, 0, &[0u8; 8192]),
-        Err(GpuError::OutOfBounds(_))
-    ));
+    assert!(matches!(heap.write_pages(&span, 0, &[0u8; 8192]), Err(GpuError::OutOfBounds(_))));
     let span = PageSpan::new(u64::MAX - 10, 8192, 4096).unwrap();
     assert!(heap.read_pages(&span, 0, &mut [0u8; 8192]).is_err());
     let ok = PageSpan::new(0, 8192, 4096).unwrap();

@@ -20,8 +20,15 @@ use crate::transport::{TransferOp, TransferRequest, Transport};
 
 /// Requests larger than this are cut into chunks spread over several connections.
 const STRIPE: usize = 1 << 20;
-/// Connections used in parallel for one peer's share of a batch.
-const LANES: usize = 4;
+/// Most connections used in parallel for one peer's share of a batch.
+const MAX_LANES: usize = 4;
+
+/// Connections used in parallel: one per core (2..=4); more only adds contention
+/// for the cores that copy the bytes in and out of the kernel.
+fn lanes() -> usize {
+    static LANES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *LANES.get_or_init(|| std::thread::available_parallelism().map_or(2, |n| n.get()).clamp(2, MAX_LANES))
+}
 /// Requests in flight on one connection before responses are read.
 const WINDOW: usize = 128;
 
@@ -253,7 +260,7 @@ impl TcpTransport {
     fn give_back(&self, endpoint: &str, s: TcpStream) {
         let mut pools = self.pools.lock();
         let pool = pools.entry(endpoint.to_owned()).or_default();
-        if pool.len() < 2 * LANES {
+        if pool.len() < 2 * MAX_LANES {
             pool.push(s);
         }
     }
@@ -437,7 +444,7 @@ impl Transport for TcpTransport {
             }
         }
         for (endpoint, chunks) in by_peer {
-            let lanes = LANES.min(chunks.len()).max(1);
+            let lanes = lanes().min(chunks.len()).max(1);
             let owners: Vec<usize> = chunks.iter().map(|c| c.req).collect();
             let mut outcome: Vec<Option<Result<()>>> = (0..chunks.len()).map(|_| None).collect();
             if lanes == 1 {

@@ -46,14 +46,8 @@ pub(crate) mod status {
 
 /// Names of the kernels in the module.
 #[cfg(test)]
-pub(crate) const KERNEL_NAMES: [&str; 6] = [
-    "nk_hdr_op",
-    "nk_push_pages",
-    "nk_publish",
-    "nk_reader_enter",
-    "nk_read_pages",
-    "nk_reader_exit",
-];
+pub(crate) const KERNEL_NAMES: [&str; 6] =
+    ["nk_hdr_op", "nk_push_pages", "nk_publish", "nk_reader_enter", "nk_read_pages", "nk_reader_exit"];
 
 const BODY: &str = r#"
 typedef unsigned int u32;

@@ -25,9 +25,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, OnceLock};
 
-use cudarc::driver::{
-    result as cu, sys, CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg,
-};
+use cudarc::driver::{result as cu, sys, CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
 use parking_lot::Mutex;
 
 use crate::cache::{ObjMeta, WritePlan};
@@ -66,10 +64,7 @@ fn no_gpu_probe() -> std::result::Result<usize, String> {
 /// runs once per process.
 pub fn device_count() -> Result<usize> {
     static PROBE: OnceLock<std::result::Result<usize, String>> = OnceLock::new();
-    PROBE
-        .get_or_init(no_gpu_probe)
-        .clone()
-        .map_err(GpuError::NoGpu)
+    PROBE.get_or_init(no_gpu_probe).clone().map_err(GpuError::NoGpu)
 }
 
 /// Whether a CUDA device can be used in this process.
@@ -84,10 +79,7 @@ pub fn nvrtc_available() -> bool {
 }
 
 fn drv<T>(op: &'static str, r: std::result::Result<T, cu::DriverError>) -> Result<T> {
-    r.map_err(|e| GpuError::Cuda {
-        op,
-        msg: e.to_string(),
-    })
+    r.map_err(|e| GpuError::Cuda { op, msg: e.to_string() })
 }
 
 /// Runs `f`, turning a panic inside cudarc (missing library or symbol) into
@@ -159,12 +151,7 @@ impl IpcHeapHandle {
         headers.copy_from_slice(&b[20..84]);
         let mut payload = [0u8; 64];
         payload.copy_from_slice(&b[84..148]);
-        Ok(Self {
-            headers,
-            payload,
-            header_slots,
-            payload_bytes,
-        })
+        Ok(Self { headers, payload, header_slots, payload_bytes })
     }
 }
 
@@ -206,20 +193,12 @@ impl std::fmt::Debug for CudaDeviceHeap {
 }
 
 fn cfg1() -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: (1, 1, 1),
-        block_dim: (1, 1, 1),
-        shared_mem_bytes: 0,
-    }
+    LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1, 1, 1), shared_mem_bytes: 0 }
 }
 
 fn copy_cfg(page_size: u32, n_pages: u32) -> LaunchConfig {
     let per_page = page_size.div_ceil(COPY_BYTES_PER_BLOCK).max(1);
-    LaunchConfig {
-        grid_dim: (per_page, n_pages.max(1), 1),
-        block_dim: (COPY_THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    }
+    LaunchConfig { grid_dim: (per_page, n_pages.max(1), 1), block_dim: (COPY_THREADS, 1, 1), shared_mem_bytes: 0 }
 }
 
 impl CudaDeviceHeap {
@@ -228,23 +207,16 @@ impl CudaDeviceHeap {
     /// `Err(NoGpu)` without a GPU (never panics).
     pub fn new(ordinal: usize, header_slots: u32, payload_bytes: u64) -> Result<Self> {
         if header_slots == 0 || payload_bytes == 0 {
-            return Err(GpuError::InvalidArgument(
-                "a heap needs at least one header slot and one payload byte".into(),
-            ));
+            return Err(GpuError::InvalidArgument("a heap needs at least one header slot and one payload byte".into()));
         }
         let (ctx, stream, k) = Self::setup(ordinal)?;
         guarded("CudaDeviceHeap::new", || {
-            ctx.bind_to_thread().map_err(|e| GpuError::Cuda {
-                op: "bind",
-                msg: e.to_string(),
-            })?;
+            ctx.bind_to_thread().map_err(|e| GpuError::Cuda { op: "bind", msg: e.to_string() })?;
             let hdr_bytes = header_slots as usize * HEADER_SIZE;
             // SAFETY: plain device allocations; freed in Drop (or below on error).
             let headers = drv("cuMemAlloc(headers)", unsafe { cu::malloc_sync(hdr_bytes) })?;
             // SAFETY: as above.
-            let payload = match drv("cuMemAlloc(payload)", unsafe {
-                cu::malloc_sync(payload_bytes as usize)
-            }) {
+            let payload = match drv("cuMemAlloc(payload)", unsafe { cu::malloc_sync(payload_bytes as usize) }) {
                 Ok(p) => p,
                 Err(e) => {
                     // SAFETY: `headers` was just allocated and is not used elsewhere.
@@ -363,14 +335,10 @@ impl CudaDeviceHeap {
     fn setup(ordinal: usize) -> Result<(Arc<CudaContext>, Arc<CudaStream>, Kernels)> {
         let n = device_count()?;
         if ordinal >= n {
-            return Err(GpuError::InvalidArgument(format!(
-                "device {ordinal} requested, {n} present"
-            )));
+            return Err(GpuError::InvalidArgument(format!("device {ordinal} requested, {n} present")));
         }
         if !nvrtc_available() {
-            return Err(GpuError::CudaUnavailable(
-                "the NVRTC library (libnvrtc.so) is not present".into(),
-            ));
+            return Err(GpuError::CudaUnavailable("the NVRTC library (libnvrtc.so) is not present".into()));
         }
         guarded("CUDA setup", || {
             let ctx = drv("cuCtx", CudaContext::new(ordinal))?;
@@ -423,10 +391,7 @@ impl CudaDeviceHeap {
 
     fn hdr(&self, slot: u32) -> Result<sys::CUdeviceptr> {
         if slot >= self.header_slots {
-            return Err(GpuError::OutOfBounds(format!(
-                "header slot {slot} of {}",
-                self.header_slots
-            )));
+            return Err(GpuError::OutOfBounds(format!("header slot {slot} of {}", self.header_slots)));
         }
         Ok(self.headers + u64::from(slot) * HEADER_SIZE as u64)
     }
@@ -449,9 +414,7 @@ impl CudaDeviceHeap {
             let mut r = [0u64; 1];
             drv("cuMemcpyDtoH", self.ctx.bind_to_thread())?;
             // SAFETY: `out` is a live 64-byte device allocation; `r` is 8 bytes.
-            drv("cuMemcpyDtoH", unsafe {
-                cu::memcpy_dtoh_async(&mut r, out, self.stream.cu_stream())
-            })?;
+            drv("cuMemcpyDtoH", unsafe { cu::memcpy_dtoh_async(&mut r, out, self.stream.cu_stream()) })?;
             self.sync()?;
             Ok(r[0])
         })
@@ -497,18 +460,11 @@ impl CudaDeviceHeap {
             let out: u64 = *scratch;
             let page0 = self.payload + span.payload_base;
             let mut l = self.stream.launch_builder(&self.k.push_pages);
-            l.arg(&src)
-                .arg(&page0)
-                .arg(&span.page_size)
-                .arg(&first_page)
-                .arg(&span.n_pages)
-                .arg(&span.last_page_bytes);
+            l.arg(&src).arg(&page0).arg(&span.page_size).arg(&first_page).arg(&span.n_pages).arg(&span.last_page_bytes);
             // SAFETY: argument types match (u8*, u64, u32, u32, u32, u32); the
             // destination pages lie inside the arena (check_span) and the
             // source holds `n_pages` pages (caller's contract on `src`).
-            drv("launch nk_push_pages", unsafe {
-                l.launch(copy_cfg(span.page_size, n_pages))
-            })?;
+            drv("launch nk_push_pages", unsafe { l.launch(copy_cfg(span.page_size, n_pages)) })?;
             if !publish {
                 return self.sync();
             }
@@ -518,9 +474,7 @@ impl CudaDeviceHeap {
             drv("launch nk_publish", unsafe { l.launch(cfg1()) })?;
             let mut r = [0u32; 1];
             // SAFETY: `out` is our live scratch allocation.
-            drv("cuMemcpyDtoH", unsafe {
-                cu::memcpy_dtoh_async(&mut r, out, self.stream.cu_stream())
-            })?;
+            drv("cuMemcpyDtoH", unsafe { cu::memcpy_dtoh_async(&mut r, out, self.stream.cu_stream()) })?;
             self.sync()?;
             let writing = crate::ObjectState::Writing.as_u32();
             let ready = crate::ObjectState::Ready.as_u32();
@@ -537,26 +491,14 @@ impl CudaDeviceHeap {
     /// acquire + pin + re-check, `nk_read_pages` tail-clamped copy,
     /// `nk_reader_exit` unpin), stream-ordered, one host round trip.
     /// Returns the object size.
-    pub fn read_into_device(
-        &self,
-        meta: &ObjMeta,
-        key: &KeyId,
-        dst: sys::CUdeviceptr,
-        dst_cap: u64,
-    ) -> Result<u64> {
+    pub fn read_into_device(&self, meta: &ObjMeta, key: &KeyId, dst: sys::CUdeviceptr, dst_cap: u64) -> Result<u64> {
         let hdr = self.hdr(meta.slot)?;
         self.check_span(&meta.span())?;
         guarded("read_into_device", || {
             let scratch = self.scratch.lock();
             let st: u64 = *scratch;
             let mut l = self.stream.launch_builder(&self.k.reader_enter);
-            l.arg(&hdr)
-                .arg(&meta.epoch)
-                .arg(&key.hash)
-                .arg(&key.fp_hi)
-                .arg(&key.len)
-                .arg(&dst_cap)
-                .arg(&st);
+            l.arg(&hdr).arg(&meta.epoch).arg(&key.hash).arg(&key.fp_hi).arg(&key.len).arg(&dst_cap).arg(&st);
             // SAFETY: types match (u64, u32, u64, u64, u32, u64, u32*).
             drv("launch nk_reader_enter", unsafe { l.launch(cfg1()) })?;
             let mut l = self.stream.launch_builder(&self.k.read_pages);
@@ -564,26 +506,19 @@ impl CudaDeviceHeap {
             // SAFETY: types match (u32*, u64, u64, u8*); the kernel copies only
             // when pinned and the header's size was checked against `dst_cap`
             // by nk_reader_enter; the pinned header equals `meta` (epoch).
-            drv("launch nk_read_pages", unsafe {
-                l.launch(copy_cfg(meta.page_bytes, meta.n_pages))
-            })?;
+            drv("launch nk_read_pages", unsafe { l.launch(copy_cfg(meta.page_bytes, meta.n_pages)) })?;
             let mut l = self.stream.launch_builder(&self.k.reader_exit);
             l.arg(&hdr).arg(&st);
             // SAFETY: types match (u64, u32*).
             drv("launch nk_reader_exit", unsafe { l.launch(cfg1()) })?;
             let mut r = [0u32; 1];
             // SAFETY: `st` is our live scratch allocation.
-            drv("cuMemcpyDtoH", unsafe {
-                cu::memcpy_dtoh_async(&mut r, st, self.stream.cu_stream())
-            })?;
+            drv("cuMemcpyDtoH", unsafe { cu::memcpy_dtoh_async(&mut r, st, self.stream.cu_stream()) })?;
             self.sync()?;
             match r[0] {
                 status::PINNED => Ok(meta.bytes_total),
                 status::NOT_READY => Err(GpuError::NotReady),
-                status::TOO_SMALL => Err(GpuError::BufferTooSmall {
-                    need: meta.bytes_total,
-                    got: dst_cap,
-                }),
+                status::TOO_SMALL => Err(GpuError::BufferTooSmall { need: meta.bytes_total, got: dst_cap }),
                 status::STALE => Err(GpuError::Stale),
                 other => Err(GpuError::Corrupted(format!("reader status {other}"))),
             }
@@ -597,11 +532,7 @@ impl CudaDeviceHeap {
             drv("bind", self.ctx.bind_to_thread())?;
             // SAFETY: plain device allocation owned by the returned buffer.
             let ptr = drv("cuMemAlloc", unsafe { cu::malloc_sync(bytes.max(1)) })?;
-            Ok(DeviceBuffer {
-                ctx: self.ctx.clone(),
-                ptr,
-                len: bytes,
-            })
+            Ok(DeviceBuffer { ctx: self.ctx.clone(), ptr, len: bytes })
         })
     }
 
@@ -612,9 +543,7 @@ impl CudaDeviceHeap {
             drv("bind", self.ctx.bind_to_thread())?;
             // SAFETY: the caller passes device ranges of at least `len` bytes
             // in this context (e.g. two DeviceBuffers).
-            drv("cuMemcpyDtoDAsync", unsafe {
-                cu::memcpy_dtod_async(dst, src, len, self.stream.cu_stream())
-            })?;
+            drv("cuMemcpyDtoDAsync", unsafe { cu::memcpy_dtod_async(dst, src, len, self.stream.cu_stream()) })?;
             self.sync()
         })
     }
@@ -749,9 +678,7 @@ impl DeviceHeap for CudaDeviceHeap {
             drv("bind", self.ctx.bind_to_thread())?;
             let mut b = [0u8; HEADER_SIZE];
             // SAFETY: `hdr` is a 128-byte header inside the header array.
-            drv("cuMemcpyDtoH", unsafe {
-                cu::memcpy_dtoh_async(&mut b, hdr, self.stream.cu_stream())
-            })?;
+            drv("cuMemcpyDtoH", unsafe { cu::memcpy_dtoh_async(&mut b, hdr, self.stream.cu_stream()) })?;
             self.sync()?;
             let mut h = HeaderSnapshot::from_bytes(&b);
             h.state = state;
@@ -833,9 +760,7 @@ impl DeviceHeap for CudaDeviceHeap {
             drv("bind", self.ctx.bind_to_thread())?;
             // SAFETY: the destination range lies inside the arena (check_span +
             // pages_for_len); `src` outlives the copy (synced below).
-            drv("cuMemcpyHtoD", unsafe {
-                cu::memcpy_htod_async(dst, src, self.stream.cu_stream())
-            })?;
+            drv("cuMemcpyHtoD", unsafe { cu::memcpy_htod_async(dst, src, self.stream.cu_stream()) })?;
             self.sync()
         })?;
         Ok(n)
@@ -853,9 +778,7 @@ impl DeviceHeap for CudaDeviceHeap {
             drv("bind", self.ctx.bind_to_thread())?;
             // SAFETY: the source range lies inside the arena (check_span +
             // pages_for_len, tail clamped); `dst` outlives the copy (synced).
-            drv("cuMemcpyDtoH", unsafe {
-                cu::memcpy_dtoh_async(dst, src, self.stream.cu_stream())
-            })?;
+            drv("cuMemcpyDtoH", unsafe { cu::memcpy_dtoh_async(dst, src, self.stream.cu_stream()) })?;
             self.sync()
         })?;
         Ok(n)
@@ -872,12 +795,7 @@ impl CudaDeviceHeap {
         };
         h.epoch = 0;
         let one = h.to_bytes();
-        let all: Vec<u8> = one
-            .iter()
-            .copied()
-            .cycle()
-            .take(self.header_slots as usize * HEADER_SIZE)
-            .collect();
+        let all: Vec<u8> = one.iter().copied().cycle().take(self.header_slots as usize * HEADER_SIZE).collect();
         guarded("reset_all_headers", || {
             drv("bind", self.ctx.bind_to_thread())?;
             // SAFETY: the header array is exactly `all.len()` bytes.
