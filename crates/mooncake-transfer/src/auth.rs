@@ -51,3 +51,15 @@ impl SharedSecret {
         conn.flush()
     }
 }
+
+impl SharedSecret {
+    /// Accepting side on a TCP connection: challenges the peer under a 5 s timeout;
+    /// `true` if it proved the secret (the timeout is lifted again).
+    pub fn admit(&self, conn: &std::net::TcpStream) -> bool {
+        let _ = conn.set_read_timeout(Some(std::time::Duration::from_secs(5)));
+        let mut c = conn;
+        let ok = self.challenge(&mut c).unwrap_or(false);
+        let _ = conn.set_read_timeout(None);
+        ok
+    }
+}

@@ -69,14 +69,9 @@ impl TcpServer {
                     let secret = secret.clone();
                     let _ = std::thread::Builder::new().name("mooncake-tcp-conn".into()).spawn(move || {
                         let peer = conn.peer_addr().ok();
-                        if let Some(secret) = &secret {
-                            let mut conn = &conn;
-                            let _ = conn.set_read_timeout(Some(Duration::from_secs(5)));
-                            if !secret.challenge(&mut conn).unwrap_or(false) {
-                                tracing::warn!(?peer, "transfer peer failed the shared-secret challenge");
-                                return;
-                            }
-                            let _ = conn.set_read_timeout(None);
+                        if secret.as_ref().is_some_and(|s| !s.admit(&conn)) {
+                            tracing::warn!(?peer, "transfer peer failed the shared-secret challenge");
+                            return;
                         }
                         if let Err(e) = serve(conn, &engine, &stop, &host_id) {
                             tracing::warn!(?peer, error = %e, "closing transfer connection");

@@ -96,15 +96,10 @@ impl RpcServer {
                     let secret = secret.clone();
                     let _ = std::thread::Builder::new().name("mooncake-rpc-conn".into()).spawn(move || {
                         let peer = conn.peer_addr().ok();
-                        if let Some(secret) = &secret {
-                            let mut c = &conn;
-                            let _ = c.set_read_timeout(Some(std::time::Duration::from_secs(5)));
-                            if !secret.challenge(&mut c).unwrap_or(false) {
-                                stats.bad_frames.fetch_add(1, Ordering::Relaxed);
-                                tracing::warn!(?peer, "master client failed the shared-secret challenge");
-                                return;
-                            }
-                            let _ = c.set_read_timeout(None);
+                        if secret.as_ref().is_some_and(|s| !s.admit(&conn)) {
+                            stats.bad_frames.fetch_add(1, Ordering::Relaxed);
+                            tracing::warn!(?peer, "master client failed the shared-secret challenge");
+                            return;
                         }
                         if let Err(e) = serve_connection(conn, &service, &stats, &stop, max_frame) {
                             tracing::warn!(?peer, error = %e, "closing master connection");
