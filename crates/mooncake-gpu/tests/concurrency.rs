@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 
 use mooncake_gpu::header::U32Field;
 use mooncake_gpu::{
-    CacheConfig, DeviceHeap, GpuError, HeaderSnapshot, HostHeap, KeyId, NanoKvCache,
-    ObjectState, PageSpan, ReadExpect, RetireOutcome,
+    CacheConfig, DeviceHeap, GpuError, HeaderSnapshot, HostHeap, KeyId, NanoKvCache, ObjectState, PageSpan, ReadExpect,
+    RetireOutcome,
 };
 
 /// Word `w` of version `gen` of key `k`: every word names its object.
@@ -18,9 +18,7 @@ fn word(k: u64, gen: u64, w: u64) -> u64 {
 }
 
 fn value(k: u64, gen: u64, words: usize) -> Vec<u8> {
-    (0..words as u64)
-        .flat_map(|w| word(k, gen, w).to_ne_bytes())
-        .collect()
+    (0..words as u64).flat_map(|w| word(k, gen, w).to_ne_bytes()).collect()
 }
 
 /// Checks that `v` is entirely version `gen` (taken from word 0) of key `k`.
@@ -34,9 +32,7 @@ fn check(k: u64, v: &[u8]) -> Result<u64, String> {
         let got = u64::from_ne_bytes(c.try_into().unwrap());
         let want = word(k, gen, i as u64);
         if got != want {
-            return Err(format!(
-                "torn read of key {k} gen {gen}: word {i} = {got:#x}, want {want:#x}"
-            ));
+            return Err(format!("torn read of key {k} gen {gen}: word {i} = {got:#x}, want {want:#x}"));
         }
     }
     Ok(gen)
@@ -49,12 +45,7 @@ fn concurrent_get_vs_evict_remove_reput_never_tears() {
     let c = Arc::new(
         NanoKvCache::new(
             heap,
-            CacheConfig {
-                page_size: 4096,
-                high_watermark: 0.9,
-                low_watermark: 0.6,
-                ..Default::default()
-            },
+            CacheConfig { page_size: 4096, high_watermark: 0.9, low_watermark: 0.6, ..Default::default() },
         )
         .unwrap(),
     );
@@ -239,10 +230,7 @@ fn retire_and_reuse_in_place_never_tears_readers() {
     for r in readers {
         ok += r.join().unwrap().unwrap();
     }
-    eprintln!(
-        "epochs {epochs}, good reads {ok}, retire skipped (pinned) {}",
-        pinned_skips.load(Ordering::Relaxed)
-    );
+    eprintln!("epochs {epochs}, good reads {ok}, retire skipped (pinned) {}", pinned_skips.load(Ordering::Relaxed));
     assert!(ok >= 20, "readers made no progress");
     assert!(epochs >= 20, "writer made no progress");
     assert_eq!(heap.load_u32(0, U32Field::ReaderRefcnt, Ordering::SeqCst).unwrap(), 0);
@@ -253,9 +241,7 @@ fn evictor_never_takes_an_object_a_reader_holds() {
     // A reader thread holds objects pinned (as a long device copy would) while
     // the evictor runs flat out; pinned objects survive, then go once released.
     let heap = Arc::new(HostHeap::new(16, 16 * 4096).unwrap());
-    let c = Arc::new(
-        NanoKvCache::new(heap, CacheConfig { page_size: 4096, ..Default::default() }).unwrap(),
-    );
+    let c = Arc::new(NanoKvCache::new(heap, CacheConfig { page_size: 4096, ..Default::default() }).unwrap());
     for i in 0..16u64 {
         c.put(&format!("k{i}"), &value(i, 1, 512)).unwrap();
     }

@@ -46,12 +46,7 @@ fn no_gpu_path_returns_typed_error_not_panic() {
         Ok(other) => panic!("expected NoGpu, got {other:?}"),
         Err(_) => panic!("CudaDeviceHeap::new panicked without a GPU"),
     }
-    let h = IpcHeapHandle {
-        headers: [1; 64],
-        payload: [2; 64],
-        header_slots: 4,
-        payload_bytes: 1 << 20,
-    };
+    let h = IpcHeapHandle { headers: [1; 64], payload: [2; 64], header_slots: 4, payload_bytes: 1 << 20 };
     assert!(matches!(CudaDeviceHeap::open_ipc(0, &h), Err(GpuError::NoGpu(_))));
     // asking twice gives the same answer (the probe is cached, no panic later)
     assert!(matches!(CudaDeviceHeap::new(0, 1, 1), Err(GpuError::NoGpu(_))));
@@ -59,12 +54,7 @@ fn no_gpu_path_returns_typed_error_not_panic() {
 
 #[test]
 fn ipc_handle_encoding_roundtrip_and_rejects_garbage() {
-    let h = IpcHeapHandle {
-        headers: [7; 64],
-        payload: [9; 64],
-        header_slots: 1024,
-        payload_bytes: 8 << 30,
-    };
+    let h = IpcHeapHandle { headers: [7; 64], payload: [9; 64], header_slots: 1024, payload_bytes: 8 << 30 };
     let b = h.to_bytes();
     assert_eq!(b.len(), IpcHeapHandle::ENCODED_LEN);
     assert_eq!(IpcHeapHandle::from_bytes(&b).unwrap(), h);
@@ -84,8 +74,7 @@ fn ipc_handle_encoding_roundtrip_and_rejects_garbage() {
 fn gpu_cache_exact_bytes_64k_to_8m_and_tail_clamp() {
     let Some(heap) = gpu_heap(64, 64 << 20) else { return };
     for page in [128u32 << 10, 256 << 10, 512 << 10] {
-        let c = NanoKvCache::new(heap.clone(), CacheConfig { page_size: page, ..Default::default() })
-            .unwrap();
+        let c = NanoKvCache::new(heap.clone(), CacheConfig { page_size: page, ..Default::default() }).unwrap();
         let sizes = [64usize << 10, 100_000, (1 << 20) + 12_345, 3_000_001, 8 << 20];
         for (i, &len) in sizes.iter().enumerate() {
             let v = pattern(i as u64, len);
@@ -119,9 +108,7 @@ fn gpu_device_push_publish_and_device_read() {
     // device reader into a device buffer, tail clamped
     let dst = heap.alloc_buffer(len + 4096).unwrap();
     dst.upload(&vec![0xAA; len + 4096]).unwrap();
-    let n = heap
-        .read_into_device(&meta, &KeyId::of("dev"), dst.ptr(), (len + 4096) as u64)
-        .unwrap();
+    let n = heap.read_into_device(&meta, &KeyId::of("dev"), dst.ptr(), (len + 4096) as u64).unwrap();
     assert_eq!(n, len as u64);
     let mut back = vec![0u8; len + 4096];
     dst.download(&mut back).unwrap();
@@ -133,15 +120,9 @@ fn gpu_device_push_publish_and_device_read() {
         heap.read_into_device(&meta, &KeyId::of("dev"), dst.ptr(), 10),
         Err(GpuError::BufferTooSmall { .. })
     ));
-    assert_eq!(
-        heap.read_into_device(&meta, &KeyId::of("other"), dst.ptr(), (len + 4096) as u64),
-        Err(GpuError::Stale)
-    );
+    assert_eq!(heap.read_into_device(&meta, &KeyId::of("other"), dst.ptr(), (len + 4096) as u64), Err(GpuError::Stale));
     c.remove("dev").unwrap();
-    assert_eq!(
-        heap.read_into_device(&meta, &KeyId::of("dev"), dst.ptr(), (len + 4096) as u64),
-        Err(GpuError::Stale)
-    );
+    assert_eq!(heap.read_into_device(&meta, &KeyId::of("dev"), dst.ptr(), (len + 4096) as u64), Err(GpuError::Stale));
     assert_eq!(heap.load_u32(meta.slot, U32Field::ReaderRefcnt, Ordering::SeqCst).unwrap(), 0);
 }
 

@@ -239,10 +239,8 @@ impl CudaDeviceHeap {
                 scratch: Mutex::new(0),
             };
             // From here `heap`'s Drop frees the allocations on error.
-            let scratch = drv("cuMemAlloc(scratch)", unsafe {
-                // SAFETY: plain device allocation, freed in Drop.
-                cu::malloc_sync(64)
-            })?;
+            // SAFETY: plain device allocation, freed in Drop.
+            let scratch = drv("cuMemAlloc(scratch)", unsafe { cu::malloc_sync(64) })?;
             *heap.scratch.lock() = scratch;
             heap.reset_all_headers()?;
             Ok(heap)
@@ -297,10 +295,8 @@ impl CudaDeviceHeap {
                 imported: true,
                 scratch: Mutex::new(0),
             };
-            let scratch = drv("cuMemAlloc(scratch)", unsafe {
-                // SAFETY: plain device allocation, freed in Drop.
-                cu::malloc_sync(64)
-            })?;
+            // SAFETY: plain device allocation, freed in Drop.
+            let scratch = drv("cuMemAlloc(scratch)", unsafe { cu::malloc_sync(64) })?;
             *heap.scratch.lock() = scratch;
             Ok(heap)
         })
