@@ -25,7 +25,7 @@ struct Args {
 }
 
 fn parse_args() -> Args {
-    let mut a = Args { iters: 100, heap_mb: 4096, device: 0 };
+    let mut a = Args { iters: 50, heap_mb: 8192, device: 0 };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         let mut val = |name: &str| -> u64 {
