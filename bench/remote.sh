@@ -36,7 +36,8 @@ if ref:
     for r in ref["rows"]:
         if r.get("mode") == "remote" and r.get("batch", 1) == 1:
             refrows[(r["api"], r["size"])] = r
-print(f"memcpy 4 MiB: {memcpy:.2f} GB/s")
+m = load("memcpy.json")
+print(f"memcpy 4 MiB: {memcpy:.2f} GB/s from 256 MiB of sources (cache-warm: {m.get('warm_GB_per_s', 0):.2f} GB/s)")
 print(f"{'api':9} {'size':>8} | {'tcp GB/s':>8} {'p50 us':>8} {'p99 us':>8} | {'shm GB/s':>8} {'p50 us':>8} | {'ref GB/s':>8} {'ref p50':>8} | {'tcp/ref':>7} {'shm/memcpy':>10}")
 summary = {}
 for (api, size), t in sorted(ours["tcp"].items(), key=lambda kv: (kv[0][1], kv[0][0])):

@@ -19,6 +19,7 @@
 //! ```
 #![deny(missing_docs)]
 
+mod checksum;
 mod config;
 mod error;
 pub mod master;

@@ -136,7 +136,7 @@ impl StoreInner {
                 let region = &s.region;
                 records.retain(|_, r| {
                     let mut buf = vec![0u8; r.len as usize];
-                    region.copy_out(r.offset, &mut buf).is_ok() && crc32c::crc32c(&buf) == r.checksum
+                    region.copy_out(r.offset, &mut buf).is_ok() && crate::checksum::checksum(&buf) == r.checksum
                 });
                 records.values().cloned().collect()
             };
@@ -182,7 +182,7 @@ impl StoreInner {
                 }
             };
             match self.engine.read(&route, r.offset, dst) {
-                Ok(()) if crc32c::crc32c(dst) == list.checksum => return Ok(()),
+                Ok(()) if crate::checksum::checksum(dst) == list.checksum => return Ok(()),
                 Ok(()) => {
                     StoreCounters::inc(&self.counters.checksum_mismatches, 1);
                     tracing::warn!(key, segment = r.segment, "replica failed its checksum");
@@ -231,7 +231,7 @@ impl StoreInner {
     fn put(&self, key: &str, value: &[u8], cfg: &ReplicateConfig) -> Result<()> {
         check_key(key)?;
         check_value_len(value.len() as u64)?;
-        let checksum = crc32c::crc32c(value);
+        let checksum = crate::checksum::checksum(value);
         let client = self.client();
         let replicas = self.master.put_start(client, key, value.len() as u64, cfg)?;
         if let Err(e) = self.write_replicas(&replicas, value) {
@@ -406,7 +406,7 @@ impl Store {
         for (i, _) in &plans {
             let key = items[*i].0;
             if results[*i].is_ok() {
-                ends.push((*i, key, crc32c::crc32c(items[*i].1)));
+                ends.push((*i, key, crate::checksum::checksum(items[*i].1)));
             } else {
                 revokes.push(key);
             }
@@ -464,7 +464,7 @@ impl Store {
             .map(|(i, list)| {
                 let list = list?;
                 match bufs[i].take() {
-                    Some(buf) if ok[i] && crc32c::crc32c(&buf) == list.checksum => {
+                    Some(buf) if ok[i] && crate::checksum::checksum(&buf) == list.checksum => {
                         self.count_get(Ok(buf.len()));
                         Ok(Bytes::from(buf))
                     }
