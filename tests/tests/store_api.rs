@@ -326,7 +326,7 @@ struct RawNode {
 
 fn raw_node(master: &Master) -> RawNode {
     let engine = mooncake_transfer::TransferEngine::new();
-    let region = engine.register_region(1 << 20).unwrap();
+    let region = engine.register_region(16 << 20).unwrap();
     let client = master.register_client();
     master.mount_segment(client, engine.remote(region.id()), region.len()).unwrap();
     RawNode { engine, region, client }
@@ -346,6 +346,18 @@ fn bytes_that_fail_their_checksum_are_never_returned() {
     let mut buf = [0u8; 5];
     assert!(matches!(reader.get_into("k", &mut buf), Err(Error::Corrupted(_))));
     assert!(reader.stats().checksum_mismatches >= 2);
+    // Large objects take the path that sums chunks while copying: same verdicts.
+    let big: Vec<u8> = (0..(3 << 20)).map(|i| (i % 239) as u8).collect();
+    let replicas = master.put_start(node.client, "big", big.len() as u64, &ReplicateConfig::default()).unwrap();
+    node.region.copy_in(replicas[0].offset, &big).unwrap();
+    master.put_end(node.client, "big", crc32c_of(&big)).unwrap();
+    assert_eq!(&reader.get("big").unwrap()[..], &big[..]);
+    let mut wrong = big.clone();
+    wrong[(2 << 20) + 17] ^= 1;
+    let replicas = master.put_start(node.client, "big-bad", big.len() as u64, &ReplicateConfig::default()).unwrap();
+    node.region.copy_in(replicas[0].offset, &wrong).unwrap();
+    master.put_end(node.client, "big-bad", crc32c_of(&big)).unwrap();
+    assert!(matches!(reader.get("big-bad"), Err(Error::Corrupted(_))));
     // With a good second replica the get succeeds from it.
     let replicas = master.put_start(node.client, "k2", 5, &ReplicateConfig::default()).unwrap();
     node.region.copy_in(replicas[0].offset, b"right").unwrap();

@@ -249,6 +249,11 @@ impl TransferEngine {
         self.transports.iter().map(|t| t.name()).collect()
     }
 
+    /// Name of the transport that serves `endpoint` (`local`, `shm`, `tcp`, …).
+    pub fn transport_name(&self, endpoint: &str) -> Option<&str> {
+        self.transport_for(endpoint).map(|t| t.name())
+    }
+
     fn transport_for(&self, endpoint: &str) -> Option<&Arc<dyn Transport>> {
         self.transports.iter().find(|t| t.can_reach(endpoint))
     }
