@@ -64,7 +64,7 @@ impl ShmTransport {
             .write(true)
             .open(&path)
             .map_err(|e| TransferError::Unreachable(format!("cannot open {path}: {e}")))?;
-        let m = Arc::new(RegisteredRegion::map_file(region, &file, info.len)?);
+        let m = Arc::new(RegisteredRegion::map_file(region, &file, info.len, true)?);
         self.maps.write().insert(key, m.clone());
         Ok(m)
     }
