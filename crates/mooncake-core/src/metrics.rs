@@ -23,6 +23,12 @@ pub fn prometheus_text(stats: &MasterStats, rpc: Option<&RpcServerStats>) -> Str
     gauge("segments", "Mounted segments.", "gauge", stats.segments as f64);
     gauge("capacity_bytes", "Bytes of all mounted segments.", "gauge", stats.capacity_bytes as f64);
     gauge("used_bytes", "Bytes allocated in mounted segments.", "gauge", stats.used_bytes as f64);
+    gauge(
+        "metadata_bytes",
+        "Memory of the object index (estimate, keys included).",
+        "gauge",
+        stats.metadata_bytes as f64,
+    );
     gauge("max_fragmentation", "Worst free-space fragmentation of a segment.", "gauge", stats.max_fragmentation);
     gauge("evicted_objects_total", "Objects evicted.", "counter", stats.evicted_objects as f64);
     gauge("evicted_bytes_total", "Bytes freed by eviction.", "counter", stats.evicted_bytes as f64);

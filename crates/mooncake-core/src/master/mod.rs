@@ -146,6 +146,11 @@ pub struct MasterStats {
     pub stall_graces: u64,
     /// Allocation strategy in use.
     pub allocation_strategy: String,
+    /// Bytes of memory the object index uses, keys included (an estimate from the
+    /// sizes of its structures: table slots, entries, replica lists, allocator nodes).
+    pub metadata_bytes: u64,
+    /// Bytes of keys, included in `metadata_bytes`.
+    pub key_bytes: u64,
     /// Capacity and use of every mounted segment.
     pub segment_usage: Vec<SegmentUsage>,
 }
@@ -744,8 +749,13 @@ impl MasterService {
     /// Counters and gauges of the master (walks the index: not for hot paths).
     pub fn stats(&self) -> MasterStats {
         let (mut objects, mut object_bytes, mut replicas) = (0u64, 0u64, 0u64);
+        let (mut metadata_bytes, mut key_bytes) = (0u64, 0u64);
         for shard in self.index.shards() {
-            for e in shard.lock().values() {
+            let shard = shard.lock();
+            metadata_bytes += object::table_bytes(&shard);
+            for (k, e) in shard.iter() {
+                key_bytes += k.len() as u64;
+                metadata_bytes += k.len() as u64 + object::entry_heap_bytes(e);
                 replicas += e.replicas.len() as u64;
                 if e.complete {
                     objects += 1;
@@ -756,6 +766,8 @@ impl MasterService {
         let table = self.segments.read();
         let c = &self.counters;
         MasterStats {
+            metadata_bytes,
+            key_bytes,
             objects,
             pending_puts: c.pending_puts.load(Ordering::Relaxed),
             object_bytes,

@@ -82,3 +82,16 @@ impl ObjectIndex {
         self.shards.iter()
     }
 }
+
+/// Heap bytes a table spends on its slots (entries inline, plus a control byte each).
+pub(crate) fn table_bytes(shard: &Shard) -> u64 {
+    (shard.capacity() * (std::mem::size_of::<(Box<str>, ObjectEntry)>() + 1)) as u64
+}
+
+/// Heap bytes behind one entry: its key, its replica list, and one allocator node per
+/// replica (the offset allocator keeps a node for every allocated block).
+pub(crate) fn entry_heap_bytes(e: &ObjectEntry) -> u64 {
+    const ALLOCATOR_NODE: usize = 40;
+    let replicas = e.replicas.capacity() * std::mem::size_of::<StoredReplica>();
+    (replicas + e.replicas.len() * ALLOCATOR_NODE) as u64
+}
