@@ -29,7 +29,7 @@ pub fn host_id() -> &'static str {
 pub struct ShmTransport {
     tcp: TcpTransport,
     same_host: RwLock<HashMap<String, bool>>,
-    maps: RwLock<HashMap<(String, u64), Arc<RegisteredRegion>>>,
+    maps: RwLock<HashMap<String, HashMap<u64, Arc<RegisteredRegion>>>>,
     stats: TransportStats,
 }
 
@@ -50,8 +50,7 @@ impl ShmTransport {
     }
 
     fn mapping(&self, endpoint: &str, region: u64) -> Result<Arc<RegisteredRegion>> {
-        let key = (endpoint.to_owned(), region);
-        if let Some(m) = self.maps.read().get(&key) {
+        if let Some(m) = self.maps.read().get(endpoint).and_then(|regions| regions.get(&region)) {
             return Ok(m.clone());
         }
         let info = self.tcp.shm_info(endpoint, region)?;
@@ -65,7 +64,7 @@ impl ShmTransport {
             .open(&path)
             .map_err(|e| TransferError::Unreachable(format!("cannot open {path}: {e}")))?;
         let m = Arc::new(RegisteredRegion::map_file(region, &file, info.len, true)?);
-        self.maps.write().insert(key, m.clone());
+        self.maps.write().entry(endpoint.to_owned()).or_default().insert(region, m.clone());
         Ok(m)
     }
 }
