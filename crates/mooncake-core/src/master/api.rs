@@ -113,6 +113,12 @@ pub trait MasterApi: Send + Sync {
     fn batch_exists(&self, keys: &[&str]) -> Vec<Result<bool>>;
     /// Batch [`remove`](Self::remove).
     fn batch_remove(&self, keys: &[&str]) -> Vec<Result<()>>;
+    /// Records the SSD capacity of a client.
+    fn report_ssd_capacity(&self, client: ClientId, capacity_bytes: i64) -> Result<()>;
+    /// Objects (key, length, checksum) a client wrote to its SSD: `LocalDisk` replicas.
+    fn notify_offload_success(&self, client: ClientId, items: &[(&str, u64, u32)]) -> Vec<Result<()>>;
+    /// Objects a client evicted from its SSD: their `LocalDisk` replicas go.
+    fn batch_evict_disk_replica(&self, client: ClientId, keys: &[&str]) -> Vec<Result<()>>;
     /// What the master knows of one object, without granting a lease.
     fn object_info(&self, key: &str) -> Result<ObjectInfo>;
     /// Keys of complete objects, at most `limit`.
@@ -205,6 +211,15 @@ impl MasterApi for MasterService {
     }
     fn object_info(&self, key: &str) -> Result<ObjectInfo> {
         MasterService::object_info(self, key)
+    }
+    fn report_ssd_capacity(&self, client: ClientId, capacity_bytes: i64) -> Result<()> {
+        MasterService::report_ssd_capacity(self, client, capacity_bytes)
+    }
+    fn notify_offload_success(&self, client: ClientId, items: &[(&str, u64, u32)]) -> Vec<Result<()>> {
+        MasterService::notify_offload_success(self, client, items)
+    }
+    fn batch_evict_disk_replica(&self, client: ClientId, keys: &[&str]) -> Vec<Result<()>> {
+        MasterService::batch_evict_disk_replica(self, client, keys)
     }
     fn list_keys(&self, limit: usize) -> Result<Vec<String>> {
         Ok(MasterService::list_keys(self, limit))

@@ -128,6 +128,11 @@ impl MasterService {
                     report.freed_bytes += e.memory_bytes(segment);
                     report.evicted_objects += 1;
                     self.note_removed(k, &e.replicas);
+                    if e.disk != 0 {
+                        // Offloaded: the memory goes, the object stays on its SSD.
+                        e.replicas.clear();
+                        return true;
+                    }
                     false
                 });
             }

@@ -6,6 +6,7 @@
 //! segments of clients that stop heartbeating.
 
 mod api;
+mod disk;
 mod eviction;
 mod liveness;
 mod object;
@@ -62,6 +63,8 @@ pub struct ReplicaList {
     pub replicas: Vec<MemoryReplica>,
     /// How long the object is protected from removal and eviction.
     pub lease: Duration,
+    /// The client whose SSD holds a `LocalDisk` replica, if any.
+    pub disk: Option<ClientId>,
 }
 
 /// What the master knows of one object.
@@ -344,7 +347,7 @@ impl MasterService {
                 table.remove(*s);
             }
         }
-        let removed = self.drop_replicas_on(&rec.segments);
+        let removed = self.drop_replicas_on(&rec.segments) + self.drop_disk_replicas_of(client);
         // Puts the client started and never ended cannot end anymore.
         let removed_pending = self.retain_entries(|e| e.complete || e.owner != client, |_, _| {});
         removed + removed_pending
@@ -362,7 +365,8 @@ impl MasterService {
             shard.retain(|_, e| {
                 let before = e.replicas.len();
                 e.replicas.retain(|r| !segments.contains(&r.segment()));
-                let keep = !e.replicas.is_empty() || before == 0;
+                // An object offloaded to an SSD lives on through its disk replica.
+                let keep = !e.replicas.is_empty() || before == 0 || e.disk != 0;
                 if !keep {
                     removed += 1;
                     if !e.complete {
@@ -459,6 +463,7 @@ impl MasterService {
                 last_access_ms: now,
                 lease_until_ms: 0,
                 replicas: bufs.into_iter().map(|buf| StoredReplica { buf, complete: false }).collect(),
+                disk: 0,
             },
         );
         self.counters.pending_puts.fetch_add(1, Ordering::Relaxed);
@@ -491,7 +496,10 @@ impl MasterService {
                     "no segment is mounted".into()
                 }));
             }
-            match strategy.allocate(&request, &candidates, None) {
+            let metrics = disk::MasterSsdMetrics(self);
+            let ssd: Option<&dyn mooncake_alloc::SsdMetricsProvider> =
+                if strategy.uses_ssd_metrics() { Some(&metrics) } else { None };
+            match strategy.allocate(&request, &candidates, ssd) {
                 Ok(bufs) => return Ok(bufs),
                 // Eviction frees whole objects wherever they are; a fragmented or
                 // unlucky segment may need more than one round.
@@ -581,6 +589,7 @@ impl MasterService {
                     checksum: e.checksum,
                     replicas: e.replicas.iter().filter(|r| r.complete).map(|r| MemoryReplica::of(&r.buf)).collect(),
                     lease,
+                    disk: (e.disk != 0).then_some(e.disk),
                 })
             }
             _ => Err(Error::NotFound(key.to_owned())),
@@ -634,6 +643,7 @@ impl MasterService {
             Some(e) if e.complete => {
                 if let Some(e) = shard.remove(key) {
                     self.note_removed(key, &e.replicas);
+                    self.release_disk(&e);
                 }
                 Ok(())
             }
@@ -650,7 +660,13 @@ impl MasterService {
     pub fn remove_all(&self) -> usize {
         let now = self.now_ms();
         let mut refused = 0;
-        let removed = self.retain_entries(|e| !e.complete || e.leased(now), |k, e| self.note_removed(k, &e.replicas));
+        let removed = self.retain_entries(
+            |e| !e.complete || e.leased(now),
+            |k, e| {
+                self.note_removed(k, &e.replicas);
+                self.release_disk(e);
+            },
+        );
         for shard in self.index.shards() {
             refused += shard.lock().values().filter(|e| e.complete && e.leased(now)).count();
         }

@@ -36,6 +36,8 @@ pub(crate) struct ObjectEntry {
     pub(crate) last_access_ms: u64,
     pub(crate) lease_until_ms: u64,
     pub(crate) replicas: Vec<StoredReplica>,
+    /// The client whose SSD holds a `LocalDisk` replica (0: none).
+    pub(crate) disk: ClientId,
 }
 
 impl ObjectEntry {

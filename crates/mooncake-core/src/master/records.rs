@@ -88,6 +88,7 @@ impl MasterService {
                             last_access_ms: now,
                             lease_until_ms: 0,
                             replicas: vec![StoredReplica { buf, complete: true }],
+                            disk: 0,
                         },
                     );
                     taken += 1;

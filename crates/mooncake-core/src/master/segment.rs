@@ -23,11 +23,21 @@ pub(crate) struct ClientRecord {
     /// Changes to the objects of this client's segments, drained by its heartbeats
     /// (only when the master tracks records).
     pub(crate) updates: parking_lot::Mutex<Vec<super::RecordUpdate>>,
+    /// SSD capacity the client reported (bytes; <= 0: none).
+    pub(crate) ssd_total: std::sync::atomic::AtomicI64,
+    /// Bytes of `LocalDisk` replicas the master records on the client's SSD.
+    pub(crate) ssd_used: std::sync::atomic::AtomicI64,
 }
 
 impl ClientRecord {
     pub(crate) fn new(now_ms: u64) -> Self {
-        Self { last_heartbeat_ms: AtomicU64::new(now_ms), segments: Vec::new(), updates: Default::default() }
+        Self {
+            last_heartbeat_ms: AtomicU64::new(now_ms),
+            segments: Vec::new(),
+            updates: Default::default(),
+            ssd_total: Default::default(),
+            ssd_used: Default::default(),
+        }
     }
 
     pub(crate) fn touch(&self, now_ms: u64) {

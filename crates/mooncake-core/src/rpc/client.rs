@@ -281,6 +281,25 @@ impl MasterApi for RpcMasterClient {
             _ => None,
         })
     }
+    fn report_ssd_capacity(&self, client: ClientId, capacity: i64) -> Result<()> {
+        expect!(self, Request::ReportSsdCapacity { client, capacity }, Response::Unit => ())
+    }
+    fn notify_offload_success(&self, client: ClientId, items: &[(&str, u64, u32)]) -> Vec<Result<()>> {
+        let req = Request::NotifyOffloadSuccess {
+            client,
+            items: items.iter().map(|(k, l, c)| ((*k).to_owned(), *l, *c)).collect(),
+        };
+        batch(items.len(), self.call(&req), |r| match r {
+            Response::BatchUnit(v) => Some(v),
+            _ => None,
+        })
+    }
+    fn batch_evict_disk_replica(&self, client: ClientId, keys: &[&str]) -> Vec<Result<()>> {
+        batch(keys.len(), self.call(&Request::BatchEvictDiskReplica { client, keys: owned(keys) }), |r| match r {
+            Response::BatchUnit(v) => Some(v),
+            _ => None,
+        })
+    }
     fn object_info(&self, key: &str) -> Result<ObjectInfo> {
         expect!(self, Request::ObjectInfo { key: key.to_owned() }, Response::ObjectInfo(i) => i)
     }

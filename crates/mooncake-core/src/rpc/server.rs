@@ -270,6 +270,16 @@ pub fn dispatch(s: &MasterService, req: Request) -> Response {
         Request::ListKeys { limit } => Response::Keys(s.list_keys(limit.min(usize::MAX as u64) as usize)),
         Request::Stats => Response::Stats(s.stats()),
         Request::ObjectInfo { key } => one(s.object_info(&key), Response::ObjectInfo),
+        Request::ReportSsdCapacity { client, capacity } => {
+            one(s.report_ssd_capacity(client, capacity), |_| Response::Unit)
+        }
+        Request::NotifyOffloadSuccess { client, items } => {
+            let items: Vec<(&str, u64, u32)> = items.iter().map(|(k, l, c)| (k.as_str(), *l, *c)).collect();
+            Response::BatchUnit(many(s.notify_offload_success(client, &items)))
+        }
+        Request::BatchEvictDiskReplica { client, keys } => {
+            Response::BatchUnit(many(s.batch_evict_disk_replica(client, &strs(&keys))))
+        }
     }
 }
 

@@ -219,10 +219,13 @@ pub enum Request {
     ListKeys { limit: u64 },
     Stats,
     ObjectInfo { key: String },
+    ReportSsdCapacity { client: ClientId, capacity: i64 },
+    NotifyOffloadSuccess { client: ClientId, items: Vec<(String, u64, u32)> },
+    BatchEvictDiskReplica { client: ClientId, keys: Vec<String> },
 }
 
 /// Names of the request kinds, indexed by [`Request::kind_index`] (for metrics).
-pub const REQUEST_KINDS: [&str; 25] = [
+pub const REQUEST_KINDS: [&str; 28] = [
     "register_client",
     "heartbeat",
     "mount_segment",
@@ -248,6 +251,9 @@ pub const REQUEST_KINDS: [&str; 25] = [
     "list_keys",
     "stats",
     "object_info",
+    "report_ssd_capacity",
+    "notify_offload_success",
+    "batch_evict_disk_replica",
 ];
 
 impl Request {
@@ -279,6 +285,9 @@ impl Request {
             Request::ListKeys { .. } => 22,
             Request::Stats => 23,
             Request::ObjectInfo { .. } => 24,
+            Request::ReportSsdCapacity { .. } => 25,
+            Request::NotifyOffloadSuccess { .. } => 26,
+            Request::BatchEvictDiskReplica { .. } => 27,
         }
     }
 }

@@ -172,6 +172,11 @@ impl StoreInner {
     /// Reads the object of `list` into `dst` (exactly `list.len` bytes) from the first
     /// replica whose bytes match the checksum.
     fn read_replicas(&self, key: &str, list: &ReplicaList, dst: &mut [u8]) -> Result<()> {
+        if let (true, Some(client)) = (list.replicas.is_empty(), list.disk) {
+            return Err(Error::Storage(format!(
+                "{key} is only on the SSD of client {client:#x}; loading from another client's SSD is not in this build"
+            )));
+        }
         let mut last_err = Error::NotFound(key.to_owned());
         for r in self.read_order(&list.replicas) {
             let route = match self.route(r.segment) {
@@ -512,8 +517,13 @@ impl Store {
         if plan.targets.is_empty() {
             return Ok(());
         }
-        let list =
-            ReplicaList { len: plan.len, checksum: plan.checksum, replicas: plan.sources, lease: Duration::ZERO };
+        let list = ReplicaList {
+            len: plan.len,
+            checksum: plan.checksum,
+            replicas: plan.sources,
+            lease: Duration::ZERO,
+            disk: None,
+        };
         let mut data = vec![0u8; plan.len as usize];
         let copied =
             inner.read_replicas(key, &list, &mut data).and_then(|_| inner.write_replicas(&plan.targets, &data));

@@ -1,0 +1,125 @@
+//! The master's side of the SSD tier: `LocalDisk` replicas, per-client SSD usage
+//! (reference 002) and its use by `SsdFreeRatioFirst`.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use mooncake_core::alloc::SsdFreeRatioFirst;
+use mooncake_core::{Error, Master, MasterConfig, ReplicateConfig, Store};
+use mooncake_transfer::RemoteRegion;
+
+fn master() -> Master {
+    Master::new(MasterConfig { default_lease: Duration::ZERO, ..Default::default() }).unwrap()
+}
+
+/// A client with a segment of its own, and an object put on it.
+fn client_with(master: &Master, name: &str, keys: &[(&str, u64)]) -> u64 {
+    let c = master.register_client();
+    let region = RemoteRegion { endpoint: format!("local://{name}"), region: 1 };
+    let seg = master.mount_segment(c, region, 1 << 30).unwrap();
+    let on = ReplicateConfig { preferred_segments: vec![master.segment_info(seg).unwrap().name], ..Default::default() };
+    for (k, len) in keys {
+        master.put_start(c, k, *len, &on).unwrap();
+        master.put_end(c, k, 7).unwrap();
+    }
+    c
+}
+
+#[test]
+fn usage_grows_only_for_recorded_disk_replicas() {
+    let m = master();
+    let c = client_with(&m, "a", &[("x", 1000), ("y", 500)]);
+    m.report_ssd_capacity(c, 1 << 20).unwrap();
+    let res = m.notify_offload_success(c, &[("x", 1000, 7), ("gone", 10, 7), ("y", 500, 8)]);
+    assert!(res[0].is_ok());
+    assert!(matches!(res[1], Err(Error::NotFound(_))), "vanished objects are ignored");
+    assert!(matches!(res[2], Err(Error::NotFound(_))), "a different object under the key is ignored");
+    assert_eq!(m.ssd_usage(c), Some((1 << 20, 1000)));
+    // Notifying twice does not count twice.
+    m.notify_offload_success(c, &[("x", 1000, 7)]);
+    assert_eq!(m.ssd_usage(c).unwrap().1, 1000);
+    assert!(matches!(m.report_ssd_capacity(12345, 1), Err(Error::UnknownClient(_))));
+}
+
+#[test]
+fn disk_eviction_keeps_memory_replicas_and_removes_disk_only_objects() {
+    let m = master();
+    let c = client_with(&m, "a", &[("x", 1000), ("y", 2000)]);
+    m.notify_offload_success(c, &[("x", 1000, 7), ("y", 2000, 7)]);
+    // y loses its memory replica to eviction but stays, through its disk replica.
+    m.evict_for(1 << 40);
+    assert!(m.exists("x").unwrap() && m.exists("y").unwrap());
+    assert!(m.get_replica_list("y").unwrap().replicas.is_empty());
+    assert_eq!(m.get_replica_list("y").unwrap().disk, Some(c));
+    // Disk eviction: x and y lose their disk replicas; y has nothing left.
+    let res = m.batch_evict_disk_replica(c, &["x", "y", "nope"]);
+    assert!(res[0].is_ok() && res[1].is_ok() && res[2].is_err());
+    assert!(!m.exists("y").unwrap(), "metadata goes when no replica is left");
+    assert_eq!(m.ssd_usage(c).unwrap().1, 0);
+    assert_eq!(m.stats().objects, 0, "x was evicted from memory too");
+}
+
+#[test]
+fn removal_and_client_loss_give_back_ssd_usage() {
+    let m = master();
+    let a = client_with(&m, "a", &[("k1", 100), ("k2", 200), ("k3", 300)]);
+    m.notify_offload_success(a, &[("k1", 100, 7), ("k2", 200, 7), ("k3", 300, 7)]);
+    assert_eq!(m.ssd_usage(a).unwrap().1, 600);
+    m.remove("k1").unwrap();
+    assert_eq!(m.ssd_usage(a).unwrap().1, 500);
+    assert_eq!(m.remove_all(), 2);
+    assert_eq!(m.ssd_usage(a).unwrap().1, 0);
+    // A disk replica on another client keeps an object whose memory client is lost.
+    let b = client_with(&m, "b", &[("kept", 100), ("lost", 100)]);
+    let c = m.register_client();
+    m.notify_offload_success(c, &[("kept", 100, 7)]);
+    m.unregister_client(b);
+    assert!(m.exists("kept").unwrap());
+    assert!(!m.exists("lost").unwrap());
+    m.unregister_client(c);
+    assert!(!m.exists("kept").unwrap(), "no replica left once the disk's client is gone");
+}
+
+#[test]
+fn a_store_reports_an_ssd_only_object_as_a_storage_error_never_garbage() {
+    let m = master();
+    let c = client_with(&m, "a", &[("k", 4096)]);
+    m.notify_offload_success(c, &[("k", 4096, 7)]);
+    m.evict_for(1 << 40);
+    let reader = Store::builder().master(&m).global_segment_size(0).build().unwrap();
+    assert!(matches!(reader.get("k"), Err(Error::Storage(_))));
+}
+
+#[test]
+fn ssd_free_ratio_first_places_on_the_client_with_the_emptiest_ssd() {
+    let m = Master::new(MasterConfig {
+        allocation_strategy: Arc::new(SsdFreeRatioFirst),
+        default_lease: Duration::ZERO,
+        ..Default::default()
+    })
+    .unwrap();
+    let full = client_with(&m, "full", &[("big", 900)]);
+    let empty = client_with(&m, "empty", &[]);
+    m.report_ssd_capacity(full, 1000).unwrap();
+    m.report_ssd_capacity(empty, 1000).unwrap();
+    m.notify_offload_success(full, &[("big", 900, 7)]);
+    let empty_segment = m.stats().segment_usage.iter().find(|u| u.name.starts_with("local://empty")).unwrap().segment;
+    for i in 0..20 {
+        let r = m.put_start(full, &format!("n{i}"), 64, &ReplicateConfig::default()).unwrap();
+        assert_eq!(r[0].segment, empty_segment, "placement must prefer the SSD with room");
+    }
+}
+
+#[test]
+fn ssd_calls_travel_over_rpc() {
+    use mooncake_core::MasterApi;
+    let m = master();
+    let server = mooncake_core::rpc::RpcServer::bind("127.0.0.1:0", m.service().clone()).unwrap();
+    let remote = mooncake_core::rpc::RpcMasterClient::connect(&server.local_addr().to_string()).unwrap();
+    let c = client_with(&m, "a", &[("k", 64)]);
+    remote.report_ssd_capacity(c, 4096).unwrap();
+    assert!(remote.notify_offload_success(c, &[("k", 64, 7)])[0].is_ok());
+    assert_eq!(m.ssd_usage(c), Some((4096, 64)));
+    assert!(remote.batch_evict_disk_replica(c, &["k"])[0].is_ok());
+    assert_eq!(m.ssd_usage(c), Some((4096, 0)));
+}
