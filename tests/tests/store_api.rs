@@ -426,3 +426,36 @@ fn master_memory_per_object_is_reported_and_bounded() {
     // DESIGN §2 aims at 128; this pins where we are so that a regression shows.
     assert!(per_object < 256.0, "{per_object} bytes per object");
 }
+
+/// A user-written transport: counts bytes, then lets the memcpy transport move them.
+#[derive(Default)]
+struct CountingTransport {
+    inner: mooncake_transfer::LocalTransport,
+    bytes: std::sync::atomic::AtomicU64,
+}
+
+impl mooncake_transfer::Transport for CountingTransport {
+    fn name(&self) -> &str {
+        "counting"
+    }
+    fn can_reach(&self, endpoint: &str) -> bool {
+        self.inner.can_reach(endpoint)
+    }
+    fn transfer(&self, requests: &mut [mooncake_transfer::TransferRequest<'_>]) -> Vec<mooncake_transfer::Result<()>> {
+        let n: usize = requests.iter().map(|r| r.op.len()).sum();
+        self.bytes.fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed);
+        self.inner.transfer(requests)
+    }
+}
+
+#[test]
+fn a_user_defined_transport_plugs_into_the_builder() {
+    let counting = std::sync::Arc::new(CountingTransport::default());
+    let master = Master::new(MasterConfig::default()).unwrap();
+    let node = store_on(&master, 1 << 20);
+    let client = Store::builder().master(&master).global_segment_size(0).transport(counting.clone()).build().unwrap();
+    client.put("k", &[5u8; 1000]).unwrap();
+    assert_eq!(&client.get("k").unwrap()[..], &[5u8; 1000][..]);
+    assert_eq!(counting.bytes.load(std::sync::atomic::Ordering::Relaxed), 2000, "the put and the get went through it");
+    drop(node);
+}

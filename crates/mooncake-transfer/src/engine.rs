@@ -47,6 +47,7 @@ impl Drop for EngineShared {
 #[derive(Default)]
 pub struct TransferEngineBuilder {
     transports: Vec<Arc<dyn Transport>>,
+    first: Vec<Arc<dyn Transport>>,
     listen: Option<String>,
     advertise_host: Option<String>,
     network: bool,
@@ -66,6 +67,13 @@ impl TransferEngineBuilder {
     /// reach a target serves it. With none added, the engine uses [`LocalTransport`].
     pub fn transport(mut self, transport: Arc<dyn Transport>) -> Self {
         self.transports.push(transport);
+        self
+    }
+
+    /// Adds a transport asked before the default ones, which stay (unlike
+    /// [`transport`](Self::transport), which replaces the defaults).
+    pub fn transport_first(mut self, transport: Arc<dyn Transport>) -> Self {
+        self.first.push(transport);
         self
     }
 
@@ -124,6 +132,11 @@ impl TransferEngineBuilder {
                 transports.push(Arc::new(tcp));
             }
         }
+        let transports = {
+            let mut all = self.first;
+            all.extend(transports);
+            all
+        };
         let listener = match &self.listen {
             Some(addr) => Some(
                 std::net::TcpListener::bind(addr)

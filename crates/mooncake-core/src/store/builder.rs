@@ -35,6 +35,7 @@ pub struct StoreBuilder {
     pub(super) master_address: Option<String>,
     pub(super) listen: Option<String>,
     pub(super) secret: Option<Vec<u8>>,
+    pub(super) transports: Vec<Arc<dyn mooncake_transfer::Transport>>,
     pub(super) master_config: Option<MasterConfig>,
     pub(super) strategy: Option<Arc<dyn AllocationStrategy>>,
     pub(super) protocol: Protocol,
@@ -62,6 +63,7 @@ impl Default for StoreBuilder {
             master_address: None,
             listen: None,
             secret: None,
+            transports: Vec::new(),
             master_config: None,
             strategy: None,
             protocol: Protocol::Local,
@@ -111,6 +113,13 @@ impl StoreBuilder {
     /// Every process of a deployment must use the same secret.
     pub fn shared_secret(mut self, secret: &[u8]) -> Self {
         self.secret = Some(secret.to_vec());
+        self
+    }
+
+    /// Adds a transport of your own (any [`Transport`](mooncake_transfer::Transport)),
+    /// asked before the built-in ones for every peer it says it can reach.
+    pub fn transport(mut self, transport: Arc<dyn mooncake_transfer::Transport>) -> Self {
+        self.transports.push(transport);
         self
     }
 
@@ -166,12 +175,7 @@ impl StoreBuilder {
                 Master::new(cfg)?.service().clone()
             }
         };
-        let engine = transfer_engine(
-            self.listen.as_deref(),
-            self.protocol,
-            self.master_address.is_some(),
-            self.secret.as_deref(),
-        )?;
+        let engine = transfer_engine(&self)?;
         Store::connect(self, master, engine)
     }
 }
@@ -181,14 +185,14 @@ impl StoreBuilder {
 /// `Local` alone for an embedded store; with a listener or a remote master the
 /// network transports join (`Shm` for same-host peers, then `Tcp`), unless
 /// `Protocol::Tcp` asks for TCP to every peer.
-fn transfer_engine(
-    listen: Option<&str>,
-    protocol: Protocol,
-    remote_master: bool,
-    secret: Option<&[u8]>,
-) -> Result<TransferEngine> {
+fn transfer_engine(cfg: &StoreBuilder) -> Result<TransferEngine> {
+    let (listen, protocol, secret) = (cfg.listen.as_deref(), cfg.protocol, cfg.secret.as_deref());
+    let remote_master = cfg.master_address.is_some();
     let shm = protocol != Protocol::Tcp;
     let mut b = TransferEngine::builder().shared_memory(shm);
+    for t in &cfg.transports {
+        b = b.transport_first(t.clone());
+    }
     if let Some(s) = secret {
         b = b.shared_secret(s);
     }
