@@ -21,6 +21,8 @@ use hdrhistogram::Histogram;
 use mooncake_core::{parse_size, Protocol, Store};
 use serde::Serialize;
 
+mod micro;
+
 #[derive(Parser, Debug)]
 #[command(version, about = "End-to-end benchmarks of mooncake-rs")]
 struct Args {
@@ -45,6 +47,28 @@ enum Cmd {
         #[arg(long, default_value = "2GiB")]
         segment_size: String,
         /// Bytes moved per phase (ops = clamp(phase/size, 64, 2000), as the anchor).
+        #[arg(long, default_value = "256MiB")]
+        phase_bytes: String,
+        /// JSON output file (stdout if absent).
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
+    /// Put / get_into / batch_get / batch_put over each transport, with one and
+    /// several client threads; p50/p99/p999 per call.
+    Micro {
+        /// local (same process), shm, tcp.
+        #[arg(long, default_value = "local,shm,tcp")]
+        transports: String,
+        /// Object sizes.
+        #[arg(long, default_value = "4K,64K,1M,16M")]
+        sizes: String,
+        /// Client thread counts.
+        #[arg(long, default_value = "1,4")]
+        threads: String,
+        /// Keys per batch call.
+        #[arg(long, default_value_t = 16)]
+        batch: usize,
+        /// Bytes per phase (items = clamp(phase/size, 64, 4000)).
         #[arg(long, default_value = "256MiB")]
         phase_bytes: String,
         /// JSON output file (stdout if absent).
@@ -107,7 +131,7 @@ fn row(api: &'static str, transport: &str, size: u64, hist: &Histogram<u64>, fai
 }
 
 /// A child process stopped when dropped.
-struct Child2(Child, String);
+pub(crate) struct Child2(Child, pub(crate) String);
 
 impl Drop for Child2 {
     fn drop(&mut self) {
@@ -116,12 +140,12 @@ impl Drop for Child2 {
     }
 }
 
-fn sibling(name: &str) -> PathBuf {
+pub(crate) fn sibling(name: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("current exe");
     exe.with_file_name(name)
 }
 
-fn spawn(program: PathBuf, args: &[&str]) -> Result<Child2, String> {
+pub(crate) fn spawn(program: PathBuf, args: &[&str]) -> Result<Child2, String> {
     let mut child =
         Command::new(&program).args(args).stdout(Stdio::piped()).stderr(Stdio::inherit()).spawn().map_err(|e| {
             format!("cannot start {}: {e} (build with `cargo build --release --bins`)", program.display())
@@ -131,7 +155,7 @@ fn spawn(program: PathBuf, args: &[&str]) -> Result<Child2, String> {
     Ok(Child2(child, line.trim().to_owned()))
 }
 
-fn payload(len: usize) -> Vec<u8> {
+pub(crate) fn payload(len: usize) -> Vec<u8> {
     (0..len).map(|i| (i * 131 % 251) as u8).collect()
 }
 
@@ -256,23 +280,33 @@ fn memcpy(size: &str) -> Result<serde_json::Value, String> {
     )
 }
 
+fn write_json(json: &serde_json::Value, out: Option<PathBuf>) -> Result<(), String> {
+    let text = serde_json::to_string_pretty(json).map_err(|e| e.to_string())?;
+    match out {
+        Some(p) => std::fs::write(&p, text).map_err(|e| e.to_string()),
+        None => {
+            println!("{text}");
+            Ok(())
+        }
+    }
+}
+
 fn main() {
     let args = Args::parse();
     let result = match args.command {
         Cmd::Remote { transport, sizes, master, segment_size, phase_bytes, out } => {
             remote(&transport, &sizes, master, &segment_size, &phase_bytes).and_then(|rows| {
                 let json = serde_json::json!({ "system": "mooncake-rs", "rows": rows });
-                let text = serde_json::to_string_pretty(&json).map_err(|e| e.to_string())?;
-                match out {
-                    Some(p) => std::fs::write(&p, text).map_err(|e| e.to_string()),
-                    None => {
-                        println!("{text}");
-                        Ok(())
-                    }
-                }
+                write_json(&json, out)
             })
         }
         Cmd::Memcpy { size } => memcpy(&size).map(|v| println!("{v}")),
+        Cmd::Micro { transports, sizes, threads, batch, phase_bytes, out } => {
+            micro::micro(&transports, &sizes, &threads, batch, &phase_bytes).and_then(|rows| {
+                let json = serde_json::json!({ "system": "mooncake-rs", "bench": "micro", "rows": rows });
+                write_json(&json, out)
+            })
+        }
     };
     if let Err(e) = result {
         eprintln!("mooncake-bench: {e}");
