@@ -144,3 +144,48 @@ proptest! {
         prop_assert_eq!(back, req);
     }
 }
+
+/// The wire format is pinned: any change to a message's layout changes these bytes.
+/// When that happens on purpose, bump `wire::VERSION` (peers of different versions
+/// must refuse each other, not misread each other) and update the checksum here.
+#[test]
+fn wire_format_changes_bump_the_version() {
+    use mooncake_core::master::{MemoryReplica, ObjectRecord, RecordUpdate, ReplicaList};
+    let reqs = [
+        Request::RegisterClient,
+        Request::PutStart { client: 7, key: "k".into(), len: 4096, cfg: ReplicateConfig::replicas(2) },
+        Request::GetReplicaList { key: "k".into() },
+        Request::NotifyOffloadSuccess { client: 7, items: vec![("k".into(), 1, 2)] },
+        Request::RemountSegment {
+            client: 1,
+            endpoint: "h:1".into(),
+            region: 2,
+            capacity: 3,
+            records: vec![ObjectRecord { key: "k".into(), offset: 64, len: 5, checksum: 6 }],
+        },
+    ];
+    let resps = [
+        Response::ReplicaList(ReplicaList {
+            len: 5,
+            checksum: 6,
+            replicas: vec![MemoryReplica { segment: 1, offset: 2, len: 5 }],
+            lease: Duration::from_millis(5000),
+            disk: Some(9),
+        }),
+        Response::Updates(vec![RecordUpdate::Removed { segment: 1, key: "k".into(), offset: 64 }]),
+        Response::Error(mooncake_core::rpc::wire::WireError::NotFound("k".into())),
+    ];
+    let mut all = Vec::new();
+    for r in &reqs {
+        all.extend(encode_frame(FrameKind::Request, 1, r).unwrap());
+    }
+    for r in &resps {
+        all.extend(encode_frame(FrameKind::Response, 1, r).unwrap());
+    }
+    let sum = all.iter().fold(0u32, |h, &b| h.wrapping_mul(31).wrapping_add(b as u32));
+    assert_eq!(
+        (mooncake_core::rpc::wire::VERSION, sum),
+        (1, 2316957763),
+        "the wire format changed: bump wire::VERSION and update this pin"
+    );
+}
