@@ -162,7 +162,11 @@ impl TransferEngineBuilder {
         let shared = Arc::new(EngineShared {
             endpoint: endpoint.clone(),
             regions: RwLock::new(HashMap::new()),
-            next_region: AtomicU64::new(1),
+            // Ids start at a random base, so that a restarted process serving the
+            // same endpoint never answers to a peer's stale region id (a peer's
+            // cached shared-memory mapping or TCP request then fails cleanly
+            // instead of reaching the wrong memory).
+            next_region: AtomicU64::new(((rand::random::<u32>() as u64) << 24) | 1),
             shared: self.shared_memory,
         });
         local::publish(&endpoint, &shared);

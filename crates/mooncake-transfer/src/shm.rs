@@ -24,12 +24,31 @@ pub fn host_id() -> &'static str {
     &ID
 }
 
+/// A peer's region mapped into this process, and how to tell that it is still the
+/// peer's: the `/proc` path of the peer's descriptor and the memfd's inode.
+#[derive(Debug)]
+struct PeerMapping {
+    region: RegisteredRegion,
+    path: String,
+    ino: u64,
+}
+
+impl PeerMapping {
+    /// Whether the peer still holds this memfd under that descriptor. A mapping
+    /// outlives the peer's memory otherwise: without this check a dead peer's
+    /// segment would stay alive (and be served) for as long as it is cached.
+    fn is_current(&self) -> bool {
+        use std::os::unix::fs::MetadataExt;
+        std::fs::metadata(&self.path).is_ok_and(|m| m.ino() == self.ino)
+    }
+}
+
 /// Reaches regions of same-host peers by mapping them; asks peers through `Tcp`.
 #[derive(Debug, Default)]
 pub struct ShmTransport {
     tcp: TcpTransport,
     same_host: RwLock<HashMap<String, bool>>,
-    maps: RwLock<HashMap<String, HashMap<u64, Arc<RegisteredRegion>>>>,
+    maps: RwLock<HashMap<String, HashMap<u64, Arc<PeerMapping>>>>,
     stats: TransportStats,
 }
 
@@ -49,9 +68,16 @@ impl ShmTransport {
         &self.stats
     }
 
-    fn mapping(&self, endpoint: &str, region: u64) -> Result<Arc<RegisteredRegion>> {
-        if let Some(m) = self.maps.read().get(endpoint).and_then(|regions| regions.get(&region)) {
-            return Ok(m.clone());
+    fn mapping(&self, endpoint: &str, region: u64) -> Result<Arc<PeerMapping>> {
+        let cached = self.maps.read().get(endpoint).and_then(|regions| regions.get(&region)).cloned();
+        if let Some(m) = cached {
+            if m.is_current() {
+                return Ok(m);
+            }
+            // The peer closed it (unregistered, or exited): forget the mapping.
+            if let Some(regions) = self.maps.write().get_mut(endpoint) {
+                regions.remove(&region);
+            }
         }
         let info = self.tcp.shm_info(endpoint, region)?;
         if info.host_id != host_id() {
@@ -63,7 +89,11 @@ impl ShmTransport {
             .write(true)
             .open(&path)
             .map_err(|e| TransferError::Unreachable(format!("cannot open {path}: {e}")))?;
-        let m = Arc::new(RegisteredRegion::map_file(region, &file, info.len, true)?);
+        let ino = {
+            use std::os::unix::fs::MetadataExt;
+            file.metadata().map_err(|e| TransferError::Unreachable(format!("{path}: {e}")))?.ino()
+        };
+        let m = Arc::new(PeerMapping { region: RegisteredRegion::map_file(region, &file, info.len, true)?, path, ino });
         self.maps.write().entry(endpoint.to_owned()).or_default().insert(region, m.clone());
         Ok(m)
     }
@@ -92,10 +122,10 @@ impl Transport for ShmTransport {
             .map(|req| {
                 let r = match self.mapping(&req.target.endpoint, req.target.region) {
                     Ok(m) => match &mut req.op {
-                        TransferOp::Read(dst) => m.copy_out(req.offset, dst).inspect(|_| {
+                        TransferOp::Read(dst) => m.region.copy_out(req.offset, dst).inspect(|_| {
                             self.stats.bytes_read.fetch_add(dst.len() as u64, Ordering::Relaxed);
                         }),
-                        TransferOp::Write(src) => m.copy_in(req.offset, src).inspect(|_| {
+                        TransferOp::Write(src) => m.region.copy_in(req.offset, src).inspect(|_| {
                             self.stats.bytes_written.fetch_add(src.len() as u64, Ordering::Relaxed);
                         }),
                     },

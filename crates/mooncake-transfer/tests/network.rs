@@ -202,3 +202,30 @@ fn a_shared_secret_is_required_when_set() {
     good.read(&target, 0, &mut buf).unwrap();
     assert_eq!(&buf, b"authenticated", "refused peers changed nothing");
 }
+
+#[test]
+fn a_restarted_peer_on_the_same_port_never_serves_stale_region_ids() {
+    let shm = Arc::new(ShmTransport::new());
+    let cli = client(shm);
+    let first = server(true);
+    let endpoint = first.endpoint().to_owned();
+    let old = first.register_region(4096).unwrap();
+    let old_target = first.remote(old.id());
+    cli.write(&old_target, 0, b"before restart").unwrap();
+    drop(old);
+    drop(first);
+    std::thread::sleep(Duration::from_millis(100));
+    // The "restarted" process binds the same address and registers a region again.
+    let again = TransferEngine::builder().tcp_listen(&endpoint).shared_memory(true).build().unwrap();
+    assert_eq!(again.endpoint(), endpoint);
+    let new = again.register_region(4096).unwrap();
+    assert_ne!(new.id(), old_target.region, "region ids must differ across restarts");
+    // The stale id fails cleanly instead of reaching the old (cached) mapping.
+    let mut buf = [0u8; 14];
+    let stale = cli.read(&old_target, 0, &mut buf);
+    assert!(stale.is_err() || buf != *b"before restart", "a stale mapping served old bytes");
+    cli.write(&again.remote(new.id()), 0, b"after restart!").unwrap();
+    let mut back = [0u8; 14];
+    new.copy_out(0, &mut back).unwrap();
+    assert_eq!(&back, b"after restart!");
+}
