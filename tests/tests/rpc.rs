@@ -189,3 +189,47 @@ fn wire_format_changes_bump_the_version() {
         "the wire format changed: bump wire::VERSION and update this pin"
     );
 }
+
+#[test]
+fn a_long_lived_client_keeps_working_across_a_master_restart() {
+    let first =
+        Master::new(MasterConfig { client_ttl: Duration::from_millis(800), track_records: true, ..Default::default() })
+            .unwrap();
+    let server = RpcServer::bind("127.0.0.1:0", first.service().clone()).unwrap();
+    let addr = server.local_addr().to_string();
+    let nodes: Vec<Store> =
+        (0..2).map(|_| Store::builder().master_address(&addr).global_segment_size(4 << 20).build().unwrap()).collect();
+    let client = Store::builder().master_address(&addr).global_segment_size(0).build().unwrap();
+    let value = |i: u8| vec![i; 50_000];
+    for i in 0..10u8 {
+        client.put(&format!("k{i}"), &value(i)).unwrap();
+        assert_eq!(client.get(&format!("k{i}")).unwrap()[..], value(i)[..]);
+    }
+    let old_segments: Vec<u64> = nodes.iter().map(|n| n.segment_id().unwrap()).collect();
+    // Nodes learn their records with heartbeats (every 200 ms at this TTL).
+    std::thread::sleep(Duration::from_millis(700));
+    drop(server);
+    drop(first);
+    let second =
+        Master::new(MasterConfig { client_ttl: Duration::from_millis(800), track_records: true, ..Default::default() })
+            .unwrap();
+    let _server = RpcServer::bind(&addr, second.service().clone()).unwrap();
+    let start = std::time::Instant::now();
+    while second.stats().objects < 10 {
+        assert!(start.elapsed() < Duration::from_secs(20), "nodes did not re-register: {:?}", second.stats());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    for (n, old) in nodes.iter().zip(&old_segments) {
+        assert_ne!(n.segment_id().unwrap(), *old, "segment ids of the new master are new");
+    }
+    // The client's cached routes are by segment id: they must not mislead it.
+    for i in 0..10u8 {
+        assert_eq!(client.get(&format!("k{i}")).unwrap()[..], value(i)[..], "k{i}");
+    }
+    for i in 10..20u8 {
+        client.put(&format!("k{i}"), &value(i)).unwrap();
+    }
+    for i in 0..20u8 {
+        assert_eq!(client.get(&format!("k{i}")).unwrap()[..], value(i)[..], "k{i}");
+    }
+}

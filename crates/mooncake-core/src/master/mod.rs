@@ -240,7 +240,9 @@ impl Master {
             index: ObjectIndex::new(),
             segments: RwLock::new(SegmentTable::default()),
             clients: RwLock::new(Default::default()),
-            next_segment: AtomicU64::new(1),
+            // A random base: segment ids of a restarted master never collide with
+            // the ones clients cached before the restart.
+            next_segment: AtomicU64::new(((rand::random::<u32>() as u64) << 24) | 1),
             counters: Counters::default(),
             eviction: Mutex::new(()),
             last_tick_ms: AtomicU64::new(0),

@@ -50,6 +50,9 @@ pub struct RpcServer {
     addr: SocketAddr,
     stop: Arc<AtomicBool>,
     stats: Arc<RpcServerStats>,
+    /// Open connections, shut down when the server is dropped.
+    conns: Arc<parking_lot::Mutex<Vec<TcpStream>>>,
+    accept: Option<std::thread::JoinHandle<()>>,
 }
 
 impl std::fmt::Debug for RpcServer {
@@ -83,7 +86,9 @@ impl RpcServer {
         let stop = Arc::new(AtomicBool::new(false));
         let stats = Arc::new(RpcServerStats::default());
         let (stop2, stats2) = (stop.clone(), stats.clone());
-        std::thread::Builder::new()
+        let conns: Arc<parking_lot::Mutex<Vec<TcpStream>>> = Arc::default();
+        let conns2 = conns.clone();
+        let accept = std::thread::Builder::new()
             .name("mooncake-rpc-accept".into())
             .spawn(move || {
                 for conn in listener.incoming() {
@@ -91,11 +96,21 @@ impl RpcServer {
                         return;
                     }
                     let Ok(conn) = conn else { continue };
+                    if let Ok(c) = conn.try_clone() {
+                        let mut open = conns2.lock();
+                        // Forget connections that are already closed.
+                        open.retain(|c| c.peer_addr().is_ok());
+                        open.push(c);
+                    }
                     stats2.connections.fetch_add(1, Ordering::Relaxed);
                     let (service, stats, stop) = (service.clone(), stats2.clone(), stop2.clone());
                     let secret = secret.clone();
                     let _ = std::thread::Builder::new().name("mooncake-rpc-conn".into()).spawn(move || {
                         let peer = conn.peer_addr().ok();
+                        // The server keeps a clone of every connection: close the
+                        // socket itself (not just this descriptor) when done.
+                        let closer = conn.try_clone().ok();
+                        let _closing = CloseOnDrop(closer);
                         if secret.as_ref().is_some_and(|s| !s.admit(&conn)) {
                             stats.bad_frames.fetch_add(1, Ordering::Relaxed);
                             tracing::warn!(?peer, "master client failed the shared-secret challenge");
@@ -109,7 +124,7 @@ impl RpcServer {
             })
             .map_err(|e| Error::InvalidArgument(format!("cannot start the RPC server: {e}")))?;
         tracing::info!(%local, "master RPC listening");
-        Ok(Self { addr: local, stop, stats })
+        Ok(Self { addr: local, stop, stats, conns, accept: Some(accept) })
     }
 
     /// The bound address.
@@ -124,10 +139,29 @@ impl RpcServer {
 }
 
 impl Drop for RpcServer {
+    /// Stops accepting, closes the listener (the address is free again when this
+    /// returns) and shuts every open connection down.
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
         // Wake the accept loop so it sees the flag.
         let _ = TcpStream::connect(self.addr);
+        if let Some(t) = self.accept.take() {
+            let _ = t.join();
+        }
+        for c in self.conns.lock().drain(..) {
+            let _ = c.shutdown(std::net::Shutdown::Both);
+        }
+    }
+}
+
+/// Shuts a socket down when dropped.
+struct CloseOnDrop(Option<TcpStream>);
+
+impl Drop for CloseOnDrop {
+    fn drop(&mut self) {
+        if let Some(s) = &self.0 {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
     }
 }
 

@@ -189,6 +189,8 @@ impl StoreInner {
             match self.read_checked(&route, r.offset, dst, list.checksum) {
                 Ok(true) => return Ok(()),
                 Ok(false) => {
+                    // The route may be stale (segment gone, master restarted).
+                    self.routes.write().remove(&r.segment);
                     StoreCounters::inc(&self.counters.checksum_mismatches, 1);
                     tracing::warn!(key, segment = r.segment, "replica failed its checksum");
                     last_err = Error::Corrupted(key.to_owned());
