@@ -9,6 +9,10 @@ use serde::Serialize;
 
 use crate::{payload, sibling, spawn, Child2};
 
+thread_local! {
+    static READ_BUF: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
 /// One measured phase.
 #[derive(Serialize, Debug)]
 pub struct MicroRow {
@@ -180,8 +184,14 @@ pub fn micro(
                 let (h, f, w) = phase(&pool, per_thread, 1, |s, t, i| s.put(&key(t, i), &value).is_err() as usize);
                 rows.push(row(transport, "put", size, 1, n, items, &h, f, w));
                 let (h, f, w) = phase(&pool, per_thread, 1, |s, t, i| {
-                    let mut buf = vec![0u8; size as usize];
-                    s.get_into(&key(t, i), &mut buf).is_err() as usize
+                    // One reused destination per thread, as a server reuses its buffers.
+                    READ_BUF.with(|b| {
+                        let mut b = b.borrow_mut();
+                        if b.len() < size as usize {
+                            b.resize(size as usize, 0);
+                        }
+                        s.get_into(&key(t, i), &mut b[..size as usize]).is_err() as usize
+                    })
                 });
                 rows.push(row(transport, "get_into", size, 1, n, items, &h, f, w));
                 let (h, f, w) = phase(&pool, per_thread, batch, |s, t, i| {

@@ -1,6 +1,7 @@
 //! The client: `Store` puts and gets objects through the master and the transfer
 //! engine.
 
+mod buffers;
 mod builder;
 mod stats;
 
@@ -234,9 +235,10 @@ impl StoreInner {
         let mut attempt = 0;
         loop {
             let list = self.master.get_replica_list(key)?;
-            let mut buf = vec![0u8; list.len as usize];
-            match self.read_replicas(key, &list, &mut buf) {
-                Ok(()) => return Ok(Bytes::from(buf)),
+            let len = list.len as usize;
+            let mut buf = buffers::take(len);
+            match self.read_replicas(key, &list, &mut buf[..len]) {
+                Ok(()) => return Ok(buffers::freeze(buf, len)),
                 Err(Error::Corrupted(_)) | Err(Error::Transport(_)) if attempt < CHECKSUM_RETRIES => attempt += 1,
                 Err(e) => return Err(e),
             }
@@ -459,14 +461,14 @@ impl Store {
                 .ok()
                 .and_then(|l| inner.read_order(&l.replicas).first().copied())
                 .and_then(|r| inner.route(r.segment).ok().map(|route| (r.offset, route)));
-            bufs.push(list.as_ref().ok().filter(|_| first.is_some()).map(|l| vec![0u8; l.len as usize]));
+            bufs.push(list.as_ref().ok().filter(|_| first.is_some()).map(|l| buffers::take(l.len as usize)));
             routes.push(first);
         }
         let mut reqs: Vec<TransferRequest<'_>> = Vec::new();
         let mut owner = Vec::new();
         for (i, (buf, route)) in bufs.iter_mut().zip(&routes).enumerate() {
-            if let (Some(buf), Some((offset, route))) = (buf.as_mut(), route) {
-                reqs.push(TransferRequest::read(route, *offset, buf));
+            if let (Some(buf), Some((offset, route)), Ok(list)) = (buf.as_mut(), route, &lists[i]) {
+                reqs.push(TransferRequest::read(route, *offset, &mut buf[..list.len as usize]));
                 owner.push(i);
             }
         }
@@ -480,9 +482,9 @@ impl Store {
             .map(|(i, list)| {
                 let list = list?;
                 match bufs[i].take() {
-                    Some(buf) if ok[i] && crate::checksum::checksum(&buf) == list.checksum => {
-                        self.count_get(Ok(buf.len()));
-                        Ok(Bytes::from(buf))
+                    Some(buf) if ok[i] && crate::checksum::checksum(&buf[..list.len as usize]) == list.checksum => {
+                        self.count_get(Ok(list.len as usize));
+                        Ok(buffers::freeze(buf, list.len as usize))
                     }
                     _ => self.get(keys[i]),
                 }
