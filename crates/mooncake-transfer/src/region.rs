@@ -34,7 +34,8 @@ pub struct RegisteredRegion {
 // which copy bytes with raw pointers. Concurrent users write disjoint ranges (the
 // master's allocator hands out each range to one writer), and a reader of a range that
 // was freed and reused meanwhile can only observe torn bytes, which the store's
-// checksum rejects. No references into the region are ever handed out.
+// checksum rejects. No references into the region are ever handed out; the only
+// slices made over it live for one bounds-checked socket read or write.
 unsafe impl Send for RegisteredRegion {}
 // SAFETY: see `Send`; shared access only copies bytes through raw pointers.
 unsafe impl Sync for RegisteredRegion {}
@@ -87,14 +88,14 @@ impl RegisteredRegion {
     pub(crate) fn map_file(id: RegionId, file: &std::fs::File, len: u64, populate: bool) -> Result<Self> {
         let len_usize = usize::try_from(len)
             .map_err(|_| TransferError::Registration(format!("{len} bytes exceed the address space")))?;
-        // SAFETY: the file is a memfd that is only resized by its creator before it is
-        // shared (never truncated later), so the mapping stays backed; accesses go
-        // through raw pointers only (see the `Send` impl).
         let mut opts = memmap2::MmapOptions::new();
         opts.len(len_usize);
         if populate {
             opts.populate();
         }
+        // SAFETY: the file is a memfd that is only resized by its creator before it is
+        // shared (never truncated later), so the mapping stays backed; accesses go
+        // through raw pointers only (see the `Send` impl).
         let mut map = unsafe { opts.map_mut(file) }
             .map_err(|e| TransferError::Registration(format!("mmap of a shared region: {e}")))?;
         let ptr = map.as_mut_ptr();
