@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use clap::{Parser, Subcommand};
 use hdrhistogram::Histogram;
-use mooncake_core::{parse_size, Protocol, Store};
+use mooncake_core::{parse_size, Store};
 use serde::Serialize;
 
 mod micro;
@@ -166,43 +166,25 @@ fn remote(
     segment: &str,
     phase: &str,
 ) -> Result<Vec<Row>, String> {
-    let protocol = match transport {
-        "tcp" => Protocol::Tcp,
-        "shm" => Protocol::Shm,
-        other => return Err(format!("unknown transport {other}")),
-    };
-    let mut children = Vec::new();
-    let master = match master {
-        Some(m) => m,
-        None => {
-            let m = spawn(sibling("mooncake-master"), &["--listen", "127.0.0.1:0"])?;
-            let addr = m.1.rsplit(' ').next().unwrap_or_default().to_owned();
-            children.push(m);
-            let node = spawn(
-                sibling("mooncake-client"),
-                &["serve", "--master", &addr, "--listen", "127.0.0.1:0", "--segment-size", segment],
-            )?;
-            children.push(node);
-            addr
-        }
-    };
-    let store = Store::builder()
-        .master_address(&master)
-        .protocol(protocol)
-        .global_segment_size(0)
-        .build()
-        .map_err(|e| e.to_string())?;
-    let phase_bytes = parse_size(phase).map_err(|e| e.to_string())?;
-    // Pre-fault the node's segment like the reference bench does (fill 85 %, free):
-    // first touch of a page costs microseconds and would otherwise dominate puts.
     let segment_bytes = parse_size(segment).map_err(|e| e.to_string())?;
-    let fill = payload(4 << 20);
-    for i in 0..(segment_bytes * 85 / 100) / (4 << 20) {
-        if store.put(&format!("prefault/{i}"), &fill).is_err() {
-            break;
+    let phase_bytes = parse_size(phase).map_err(|e| e.to_string())?;
+    // Our own master and pre-faulted node, or a client of the master given.
+    let (pool, store) = match master {
+        None => {
+            let pool = micro::pool(transport, 1, segment_bytes)?;
+            let store = pool.clients[0].clone();
+            (Some(pool), store)
         }
-    }
-    let _ = store.remove_all();
+        Some(m) => {
+            let store = Store::builder()
+                .master_address(&m)
+                .protocol(micro::protocol(transport)?)
+                .global_segment_size(0)
+                .build()
+                .map_err(|e| e.to_string())?;
+            (None, store)
+        }
+    };
     let mut rows = Vec::new();
     for size in sizes.split(',') {
         let size = parse_size(size).map_err(|e| e.to_string())?;
@@ -250,7 +232,7 @@ fn remote(
         let _ = store.remove_all();
     }
     drop(store);
-    drop(children);
+    drop(pool);
     Ok(rows)
 }
 

@@ -35,13 +35,24 @@ pub struct MicroRow {
 
 /// A pool to measure against: the stores of the client threads, and what keeps the
 /// pool alive (an embedded master, or the master and node processes).
-struct Pool {
-    clients: Vec<Store>,
+pub(crate) struct Pool {
+    pub(crate) clients: Vec<Store>,
     _node: Option<Store>,
     _children: Vec<Child2>,
 }
 
-fn pool(transport: &str, threads: usize, segment: u64) -> Result<Pool, String> {
+/// The client protocol of a transport name (`tcp`, `shm`).
+pub(crate) fn protocol(transport: &str) -> Result<Protocol, String> {
+    match transport {
+        "tcp" => Ok(Protocol::Tcp),
+        "shm" => Ok(Protocol::Shm),
+        other => Err(format!("unknown transport {other}")),
+    }
+}
+
+/// A master and one node with a pre-faulted segment of `segment` bytes, and
+/// `threads` clients that give no memory (`local`: all in this process).
+pub(crate) fn pool(transport: &str, threads: usize, segment: u64) -> Result<Pool, String> {
     let err = |e: mooncake_core::Error| e.to_string();
     if transport == "local" {
         let master = Master::new(MasterConfig::default()).map_err(err)?;
@@ -52,11 +63,7 @@ fn pool(transport: &str, threads: usize, segment: u64) -> Result<Pool, String> {
         prefault(&clients[0], segment);
         return Ok(Pool { clients, _node: Some(node), _children: Vec::new() });
     }
-    let protocol = match transport {
-        "tcp" => Protocol::Tcp,
-        "shm" => Protocol::Shm,
-        other => return Err(format!("unknown transport {other}")),
-    };
+    let protocol = protocol(transport)?;
     let m = spawn(sibling("mooncake-master"), &["--listen", "127.0.0.1:0"])?;
     let addr = m.1.rsplit(' ').next().unwrap_or_default().to_owned();
     let size = segment.to_string();
