@@ -1,0 +1,393 @@
+//! On-disk metadata formats and their parsers.
+//!
+//! Every parser here takes arbitrary bytes and returns
+//! [`StorageError::Corrupted`] on anything it does not accept; none panics (they are
+//! fuzzed by `fuzz/fuzz_targets/storage_meta.rs`). All integers are little-endian.
+//!
+//! # Bucket meta file (`<id>.meta`)
+//!
+//! ```text
+//! magic      8 B   "MCBKMETA"
+//! version    u32   1
+//! flags      u32   0
+//! bucket_id  u64
+//! data_len   u64   length of the data the `.bucket` file must hold
+//! count      u32   number of entries
+//! count x {
+//!   key_len  u32   1..=4096
+//!   key      key_len bytes, UTF-8
+//!   offset   u64   of the value in the `.bucket` file
+//!   len      u64   of the value (>= 1)
+//!   checksum u32   crc32c of the value
+//! }
+//! crc        u32   crc32c of every byte before it
+//! ```
+//! Entries are sorted by offset, do not overlap, lie within `data_len`, and have
+//! distinct keys.
+//!
+//! # Object header (file-per-key files, offset-allocator records)
+//!
+//! ```text
+//! magic      4 B   "MCOH"
+//! version    u16   1
+//! flags      u16   0
+//! key_len    u32   1..=4096
+//! value_crc  u32   crc32c of the value
+//! value_len  u64   >= 1
+//! seq        u64   write sequence number (newer wins on recovery)
+//! header_crc u32   crc32c of the 32 bytes above followed by the key
+//! key        key_len bytes, UTF-8
+//! padding    zeros up to the next 4 KiB boundary (value_offset)
+//! value      value_len bytes
+//! ```
+//! The value starts 4 KiB-aligned so it can be read with `O_DIRECT` straight into an
+//! aligned caller buffer.
+
+use crate::error::{Result, StorageError};
+
+/// Longest key accepted, in bytes.
+pub const MAX_KEY_LEN: usize = 4096;
+/// Alignment of values on disk (and of `O_DIRECT` I/O).
+pub const DISK_ALIGN: u64 = 4096;
+
+const BUCKET_MAGIC: &[u8; 8] = b"MCBKMETA";
+const BUCKET_VERSION: u32 = 1;
+const BUCKET_FIXED: usize = 8 + 4 + 4 + 8 + 8 + 4;
+const ENTRY_MIN: usize = 4 + 1 + 8 + 8 + 4;
+
+const HEADER_MAGIC: &[u8; 4] = b"MCOH";
+const HEADER_VERSION: u16 = 1;
+/// Bytes of the fixed part of an [`ObjectHeader`] (before the key).
+pub const OBJECT_HEADER_FIXED: usize = 36;
+
+/// `x` rounded up to a multiple of [`DISK_ALIGN`].
+pub fn align_up(x: u64) -> u64 {
+    x.div_ceil(DISK_ALIGN) * DISK_ALIGN
+}
+
+/// Checks that a key is 1..=4096 bytes.
+pub fn validate_key(key: &str) -> Result<()> {
+    if key.is_empty() || key.len() > MAX_KEY_LEN {
+        return Err(StorageError::InvalidArgument(format!("key length {} not in 1..={MAX_KEY_LEN}", key.len())));
+    }
+    Ok(())
+}
+
+/// One object of a bucket.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BucketEntry {
+    /// The object's key.
+    pub key: String,
+    /// Offset of the value in the bucket's data file.
+    pub offset: u64,
+    /// Length of the value.
+    pub len: u64,
+    /// crc32c of the value.
+    pub checksum: u32,
+}
+
+/// The content of a bucket's `.meta` file.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BucketMeta {
+    /// The bucket's id (also its file name).
+    pub bucket_id: u64,
+    /// Bytes the data file must hold.
+    pub data_len: u64,
+    /// The objects, sorted by offset.
+    pub entries: Vec<BucketEntry>,
+}
+
+impl BucketMeta {
+    /// Serializes to the meta-file format (see the module docs).
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(
+            BUCKET_FIXED + 4 + self.entries.iter().map(|e| ENTRY_MIN - 1 + e.key.len()).sum::<usize>(),
+        );
+        out.extend_from_slice(BUCKET_MAGIC);
+        out.extend_from_slice(&BUCKET_VERSION.to_le_bytes());
+        out.extend_from_slice(&0u32.to_le_bytes());
+        out.extend_from_slice(&self.bucket_id.to_le_bytes());
+        out.extend_from_slice(&self.data_len.to_le_bytes());
+        out.extend_from_slice(&(self.entries.len() as u32).to_le_bytes());
+        for e in &self.entries {
+            out.extend_from_slice(&(e.key.len() as u32).to_le_bytes());
+            out.extend_from_slice(e.key.as_bytes());
+            out.extend_from_slice(&e.offset.to_le_bytes());
+            out.extend_from_slice(&e.len.to_le_bytes());
+            out.extend_from_slice(&e.checksum.to_le_bytes());
+        }
+        let crc = crc32c::crc32c(&out);
+        out.extend_from_slice(&crc.to_le_bytes());
+        out
+    }
+}
+
+/// A bounds-checked little-endian reader.
+struct Cursor<'a> {
+    bytes: &'a [u8],
+    pos: usize,
+    what: &'static str,
+}
+
+impl<'a> Cursor<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8]> {
+        let end = self.pos.checked_add(n).filter(|&e| e <= self.bytes.len()).ok_or_else(|| {
+            StorageError::corrupted(self.what, format!("truncated at byte {} (need {n} more)", self.pos))
+        })?;
+        let s = &self.bytes[self.pos..end];
+        self.pos = end;
+        Ok(s)
+    }
+    fn u16(&mut self) -> Result<u16> {
+        let b = self.take(2)?;
+        Ok(u16::from_le_bytes([b[0], b[1]]))
+    }
+    fn u32(&mut self) -> Result<u32> {
+        let b = self.take(4)?;
+        Ok(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+    }
+    fn u64(&mut self) -> Result<u64> {
+        let b = self.take(8)?;
+        let mut a = [0u8; 8];
+        a.copy_from_slice(b);
+        Ok(u64::from_le_bytes(a))
+    }
+    fn key(&mut self, len: u32) -> Result<String> {
+        if len == 0 || len as usize > MAX_KEY_LEN {
+            return Err(StorageError::corrupted(self.what, format!("key length {len}")));
+        }
+        let b = self.take(len as usize)?;
+        String::from_utf8(b.to_vec()).map_err(|_| StorageError::corrupted(self.what, "key is not UTF-8"))
+    }
+}
+
+/// Parses a bucket meta file, checking its checksum and every invariant listed in the
+/// module docs. Never panics.
+pub fn parse_bucket_meta(bytes: &[u8]) -> Result<BucketMeta> {
+    const WHAT: &str = "bucket meta";
+    if bytes.len() < BUCKET_FIXED + 4 {
+        return Err(StorageError::corrupted(WHAT, format!("{} bytes is too short", bytes.len())));
+    }
+    let (body, crc) = bytes.split_at(bytes.len() - 4);
+    let stored = u32::from_le_bytes([crc[0], crc[1], crc[2], crc[3]]);
+    let actual = crc32c::crc32c(body);
+    if stored != actual {
+        return Err(StorageError::corrupted(WHAT, format!("checksum {stored:#010x} != {actual:#010x}")));
+    }
+    let mut c = Cursor { bytes: body, pos: 0, what: WHAT };
+    if c.take(8)? != BUCKET_MAGIC {
+        return Err(StorageError::corrupted(WHAT, "bad magic"));
+    }
+    let version = c.u32()?;
+    if version != BUCKET_VERSION {
+        return Err(StorageError::corrupted(WHAT, format!("unknown version {version}")));
+    }
+    let _flags = c.u32()?;
+    let bucket_id = c.u64()?;
+    let data_len = c.u64()?;
+    let count = c.u32()? as usize;
+    if count > (body.len() - c.pos) / ENTRY_MIN {
+        return Err(StorageError::corrupted(WHAT, format!("{count} entries cannot fit")));
+    }
+    let mut entries = Vec::with_capacity(count);
+    let mut keys = ahash::AHashSet::with_capacity(count);
+    let mut end_prev = 0u64;
+    for _ in 0..count {
+        let key_len = c.u32()?;
+        let key = c.key(key_len)?;
+        let offset = c.u64()?;
+        let len = c.u64()?;
+        let checksum = c.u32()?;
+        let end = offset.checked_add(len).ok_or_else(|| StorageError::corrupted(WHAT, "offset overflow"))?;
+        if len == 0 || offset < end_prev || end > data_len {
+            return Err(StorageError::corrupted(WHAT, format!("entry {key:?} at {offset}+{len} out of place")));
+        }
+        if !keys.insert(key.clone()) {
+            return Err(StorageError::corrupted(WHAT, format!("duplicate key {key:?}")));
+        }
+        end_prev = end;
+        entries.push(BucketEntry { key, offset, len, checksum });
+    }
+    if c.pos != body.len() {
+        return Err(StorageError::corrupted(WHAT, "trailing bytes"));
+    }
+    Ok(BucketMeta { bucket_id, data_len, entries })
+}
+
+/// The header in front of a value in file-per-key files and offset-allocator records.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ObjectHeader {
+    /// The object's key.
+    pub key: String,
+    /// Length of the value.
+    pub value_len: u64,
+    /// crc32c of the value.
+    pub value_crc: u32,
+    /// Write sequence number: of two records of one key, the higher wins.
+    pub seq: u64,
+}
+
+impl ObjectHeader {
+    /// Bytes of the header and key, before padding.
+    pub fn encoded_len(&self) -> usize {
+        OBJECT_HEADER_FIXED + self.key.len()
+    }
+
+    /// Offset of the value from the start of the header: the header and key rounded
+    /// up to 4 KiB.
+    pub fn value_offset(&self) -> u64 {
+        align_up(self.encoded_len() as u64)
+    }
+
+    /// Total bytes of header, padding and value.
+    pub fn record_len(&self) -> u64 {
+        self.value_offset() + self.value_len
+    }
+
+    /// Serializes the header and key (no padding).
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(self.encoded_len());
+        out.extend_from_slice(HEADER_MAGIC);
+        out.extend_from_slice(&HEADER_VERSION.to_le_bytes());
+        out.extend_from_slice(&0u16.to_le_bytes());
+        out.extend_from_slice(&(self.key.len() as u32).to_le_bytes());
+        out.extend_from_slice(&self.value_crc.to_le_bytes());
+        out.extend_from_slice(&self.value_len.to_le_bytes());
+        out.extend_from_slice(&self.seq.to_le_bytes());
+        let crc = crc32c::crc32c_append(crc32c::crc32c(&out), self.key.as_bytes());
+        out.extend_from_slice(&crc.to_le_bytes());
+        out.extend_from_slice(self.key.as_bytes());
+        out
+    }
+}
+
+/// Whether `bytes` starts with an object-header magic (a cheap pre-check for scans).
+pub fn has_object_header_magic(bytes: &[u8]) -> bool {
+    bytes.len() >= 4 && &bytes[..4] == HEADER_MAGIC
+}
+
+/// Parses an object header from the start of `bytes` (which may continue with
+/// padding and value). Never panics.
+pub fn parse_object_header(bytes: &[u8]) -> Result<ObjectHeader> {
+    const WHAT: &str = "object header";
+    let mut c = Cursor { bytes, pos: 0, what: WHAT };
+    if c.take(4)? != HEADER_MAGIC {
+        return Err(StorageError::corrupted(WHAT, "bad magic"));
+    }
+    let version = c.u16()?;
+    if version != HEADER_VERSION {
+        return Err(StorageError::corrupted(WHAT, format!("unknown version {version}")));
+    }
+    let _flags = c.u16()?;
+    let key_len = c.u32()?;
+    let value_crc = c.u32()?;
+    let value_len = c.u64()?;
+    let seq = c.u64()?;
+    let stored = c.u32()?;
+    if key_len == 0 || key_len as usize > MAX_KEY_LEN {
+        return Err(StorageError::corrupted(WHAT, format!("key length {key_len}")));
+    }
+    let key_bytes = c.take(key_len as usize)?;
+    let actual = crc32c::crc32c_append(crc32c::crc32c(&bytes[..OBJECT_HEADER_FIXED - 4]), key_bytes);
+    if stored != actual {
+        return Err(StorageError::corrupted(WHAT, format!("checksum {stored:#010x} != {actual:#010x}")));
+    }
+    if value_len == 0 || value_len > u64::MAX / 2 {
+        return Err(StorageError::corrupted(WHAT, format!("value length {value_len}")));
+    }
+    let key = String::from_utf8(key_bytes.to_vec()).map_err(|_| StorageError::corrupted(WHAT, "key is not UTF-8"))?;
+    Ok(ObjectHeader { key, value_len, value_crc, seq })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn meta_strategy() -> impl Strategy<Value = BucketMeta> {
+        (any::<u64>(), proptest::collection::vec(("[a-z0-9/é]{1,40}", 1u64..100_000, any::<u32>(), 0u64..5000), 0..20))
+            .prop_map(|(bucket_id, raw)| {
+                let mut offset = 0;
+                let mut seen = std::collections::HashSet::new();
+                let mut entries = Vec::new();
+                for (key, len, checksum, gap) in raw {
+                    if !seen.insert(key.clone()) {
+                        continue;
+                    }
+                    offset += gap;
+                    entries.push(BucketEntry { key, offset, len, checksum });
+                    offset += len;
+                }
+                BucketMeta { bucket_id, data_len: offset, entries }
+            })
+    }
+
+    proptest! {
+        #[test]
+        fn bucket_meta_roundtrip(meta in meta_strategy()) {
+            let bytes = meta.encode();
+            prop_assert_eq!(parse_bucket_meta(&bytes).unwrap(), meta);
+        }
+
+        #[test]
+        fn bucket_meta_corruption_is_an_error(meta in meta_strategy(), pos in any::<usize>(), flip in 1u8..=255) {
+            let mut bytes = meta.encode();
+            let i = pos % bytes.len();
+            bytes[i] ^= flip;
+            prop_assert!(parse_bucket_meta(&bytes).is_err());
+        }
+
+        #[test]
+        fn bucket_meta_truncation_is_an_error(meta in meta_strategy(), cut in any::<usize>()) {
+            let bytes = meta.encode();
+            let n = cut % bytes.len();
+            prop_assert!(parse_bucket_meta(&bytes[..n]).is_err());
+        }
+
+        #[test]
+        fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
+            let _ = parse_bucket_meta(&bytes);
+            let _ = parse_object_header(&bytes);
+        }
+
+        #[test]
+        fn object_header_roundtrip(key in "[a-zA-Z0-9_]{1,300}", value_len in 1u64..(1 << 40), value_crc in any::<u32>(), seq in any::<u64>(), flip_at in any::<usize>(), flip in 1u8..=255) {
+            let h = ObjectHeader { key, value_len, value_crc, seq };
+            let mut bytes = h.encode();
+            bytes.resize(h.value_offset() as usize, 0);
+            prop_assert_eq!(parse_object_header(&bytes).unwrap(), h.clone());
+            let i = flip_at % h.encoded_len();
+            bytes[i] ^= flip;
+            prop_assert!(parse_object_header(&bytes).is_err());
+        }
+    }
+
+    #[test]
+    fn checksum_valid_but_inconsistent_meta_is_rejected() {
+        // overlapping entries with a correct file checksum
+        let meta = BucketMeta {
+            bucket_id: 1,
+            data_len: 100,
+            entries: vec![
+                BucketEntry { key: "a".into(), offset: 0, len: 60, checksum: 0 },
+                BucketEntry { key: "b".into(), offset: 50, len: 10, checksum: 0 },
+            ],
+        };
+        assert!(parse_bucket_meta(&meta.encode()).is_err());
+        let meta = BucketMeta {
+            bucket_id: 1,
+            data_len: 10,
+            entries: vec![BucketEntry { key: "a".into(), offset: 0, len: 60, checksum: 0 }],
+        };
+        assert!(parse_bucket_meta(&meta.encode()).is_err());
+        let meta = BucketMeta {
+            bucket_id: 1,
+            data_len: 100,
+            entries: vec![
+                BucketEntry { key: "a".into(), offset: 0, len: 1, checksum: 0 },
+                BucketEntry { key: "a".into(), offset: 1, len: 1, checksum: 0 },
+            ],
+        };
+        assert!(parse_bucket_meta(&meta.encode()).is_err());
+    }
+}

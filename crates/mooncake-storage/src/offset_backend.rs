@@ -1,0 +1,586 @@
+//! [`OffsetAllocatorBackend`]: records in one preallocated file.
+//!
+//! All objects share `<dir>/kv_cache.data`, whose space is managed by an
+//! [`OffsetAllocator`] with 4 KiB alignment. The index is sharded over 1024 maps (by
+//! xxh64 of the key), each behind its own lock.
+//!
+//! # On-disk format
+//!
+//! Each record starts at a 4 KiB-aligned offset:
+//!
+//! ```text
+//! [ ObjectHeader: magic "MCOH" | version u16 | flags u16 | key_len u32 | value_crc u32
+//!                 | value_len u64 | seq u64 | header_crc u32 | key ]
+//! [ zero padding to the next 4 KiB boundary ]
+//! [ value (value_len bytes) ]
+//! ```
+//!
+//! i.e. the reference's `[key_len | value_len | key | value]` plus a magic, the
+//! value's crc32c, a write sequence number and a crc32c of the header and key (see
+//! [`crate::meta`]), with the value 4 KiB-aligned for `O_DIRECT`.
+//!
+//! **Crash safety and recovery**: a write is acknowledged after `fdatasync`. Removal
+//! and eviction overwrite the record's first 4 KiB with zeros (synced) before its
+//! space is freed. Opening the file scans it (skipping holes with `SEEK_DATA`): a
+//! record counts only if its header checksum holds, it fits the file, and its value
+//! matches its crc32c — a torn or partial record is ignored and its space is free.
+//! Of two valid records of one key the higher `seq` wins (the other is wiped).
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use ahash::{AHashMap, AHashSet};
+use mooncake_offset_allocator::{Allocation, OffsetAllocator};
+use parking_lot::{Mutex, RwLock};
+use xxhash_rust::xxh64::xxh64;
+
+use crate::backend::{
+    validate_batch, verify, BackendOptions, BackendStats, EvictionReport, Notifier, ObjectMeta, Pinned, Pins, ReadPin,
+    StorageBackend,
+};
+use crate::error::{Result, StorageError};
+use crate::eviction::{DiskEvictionStrategy, UnitId};
+use crate::io::{AlignedBuf, IoEngine, IoFile, OpenMode, ReadOp, IO_ALIGN};
+use crate::meta::{align_up, has_object_header_magic, parse_object_header, ObjectHeader, DISK_ALIGN};
+
+/// Number of index shards.
+pub const SHARDS: usize = 1024;
+/// Name of the data file.
+pub const DATA_FILE: &str = "kv_cache.data";
+const SCAN_CHUNK: usize = 8 << 20;
+
+struct Rec {
+    unit: UnitId,
+    meta: ObjectMeta,
+    offset: u64,
+    value_offset: u64,
+    alloc: Mutex<Option<Allocation>>,
+    pins: Pins,
+}
+
+impl Pinned for Rec {
+    fn pins(&self) -> &Pins {
+        &self.pins
+    }
+}
+
+struct Control {
+    strategy: Box<dyn DiskEvictionStrategy>,
+    units: AHashMap<UnitId, String>,
+    writing: AHashSet<String>,
+}
+
+/// Records in one preallocated file (see the module docs).
+pub struct OffsetAllocatorBackend {
+    path: PathBuf,
+    io: Arc<dyn IoEngine>,
+    file: IoFile,
+    file_size: u64,
+    limit: u64,
+    evict_enabled: bool,
+    capacity: Option<u64>,
+    eviction_wait: Duration,
+    verify_on_load: bool,
+    shards: Box<[RwLock<AHashMap<String, Arc<Rec>>>]>,
+    alloc: Mutex<OffsetAllocator>,
+    ctl: Mutex<Control>,
+    notifier: Notifier,
+    next_seq: AtomicU64,
+    next_unit: AtomicU64,
+    /// Records whose reads outlived `eviction_wait`: freed once unpinned.
+    deferred: Mutex<Vec<Arc<Rec>>>,
+}
+
+fn shard_of(key: &str) -> usize {
+    (xxh64(key.as_bytes(), 0) % SHARDS as u64) as usize
+}
+
+fn seek_data(fd: i32, off: u64) -> Option<u64> {
+    // SAFETY: lseek on a descriptor we own; no memory is involved.
+    let r = unsafe { libc::lseek(fd, off as libc::off_t, libc::SEEK_DATA) };
+    if r < 0 {
+        let e = std::io::Error::last_os_error();
+        if e.raw_os_error() == Some(libc::ENXIO) {
+            None
+        } else {
+            Some(off)
+        }
+    } else {
+        Some(r as u64)
+    }
+}
+
+impl OffsetAllocatorBackend {
+    /// Opens (creating and preallocating if needed) `<dir>/kv_cache.data` of
+    /// `file_size` bytes (rounded down to 4 KiB; an existing larger file keeps its
+    /// size) and recovers every intact record in it. Eviction runs when
+    /// `options.capacity` is set; the usable space is `min(capacity, file size)`.
+    pub fn open(dir: impl AsRef<Path>, file_size: u64, options: BackendOptions) -> Result<Self> {
+        let dir = dir.as_ref();
+        std::fs::create_dir_all(dir)?;
+        let path = dir.join(DATA_FILE);
+        let exists = path.exists();
+        let io = options.io;
+        let file = io.open(&path, if exists { OpenMode::ReadWrite } else { OpenMode::Create })?;
+        let mut size = file_size / DISK_ALIGN * DISK_ALIGN;
+        let current = file.len()?;
+        if current > size {
+            size = current / DISK_ALIGN * DISK_ALIGN;
+        } else if current < size {
+            // SAFETY: fallocate on our descriptor; no memory is involved.
+            let r = unsafe { libc::fallocate(file.fd(), 0, 0, size as libc::off_t) };
+            if r != 0 {
+                file.set_len(size)?;
+            }
+            crate::backend::sync_dir(dir)?;
+        }
+        let alloc = OffsetAllocator::with_alignment(size, DISK_ALIGN)
+            .map_err(|e| StorageError::InvalidArgument(format!("data file of {size} bytes: {e}")))?;
+        let b = OffsetAllocatorBackend {
+            path,
+            file,
+            file_size: size,
+            limit: options.capacity.map_or(size, |c| c.min(size)),
+            evict_enabled: options.capacity.is_some(),
+            capacity: options.capacity,
+            eviction_wait: options.eviction_wait,
+            verify_on_load: options.verify_on_load,
+            shards: (0..SHARDS).map(|_| RwLock::new(AHashMap::new())).collect(),
+            alloc: Mutex::new(alloc),
+            ctl: Mutex::new(Control { strategy: options.eviction, units: AHashMap::new(), writing: AHashSet::new() }),
+            notifier: Notifier::new(options.listener),
+            next_seq: AtomicU64::new(1),
+            next_unit: AtomicU64::new(1),
+            deferred: Mutex::new(Vec::new()),
+            io,
+        };
+        b.recover()?;
+        Ok(b)
+    }
+
+    /// Path of the data file.
+    pub fn data_file_path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Offset of `key`'s record in the data file.
+    pub fn record_offset(&self, key: &str) -> Option<u64> {
+        self.shards[shard_of(key)].read().get(key).map(|r| r.offset)
+    }
+
+    /// Size of the data file.
+    pub fn file_size(&self) -> u64 {
+        self.file_size
+    }
+
+    /// The allocator's report (fragmentation of the file's space).
+    pub fn allocator_report(&self) -> mooncake_offset_allocator::AllocatorReport {
+        self.alloc.lock().report()
+    }
+
+    /// Reads `[off, off+len)` of the data file, from the scan chunk when it is there.
+    fn crc_of_range(&self, chunk: &[u8], chunk_start: u64, off: u64, len: u64) -> Result<u32> {
+        if off >= chunk_start && off + len <= chunk_start + chunk.len() as u64 {
+            let s = (off - chunk_start) as usize;
+            return Ok(crc32c::crc32c(&chunk[s..s + len as usize]));
+        }
+        let mut crc = 0u32;
+        let mut buf = AlignedBuf::zeroed(SCAN_CHUNK.min(align_up(len) as usize));
+        let mut pos = 0u64;
+        while pos < len {
+            let n = (len - pos).min(buf.len() as u64) as usize;
+            self.io.read_at(&self.file, off + pos, &mut buf[..n])?;
+            crc = crc32c::crc32c_append(crc, &buf[..n]);
+            pos += n as u64;
+        }
+        Ok(crc)
+    }
+
+    fn recover(&self) -> Result<()> {
+        let mut found: AHashMap<String, (ObjectHeader, u64)> = AHashMap::new();
+        let mut stale: Vec<u64> = Vec::new();
+        let mut chunk = AlignedBuf::zeroed(SCAN_CHUNK);
+        let mut chunk_start = 0u64;
+        let mut chunk_len = 0usize;
+        let mut off = 0u64;
+        let align = DISK_ALIGN;
+        while off + align <= self.file_size {
+            let need_end = (off + 2 * align).min(self.file_size);
+            if off < chunk_start || need_end > chunk_start + chunk_len as u64 {
+                // refill the chunk at `off`, skipping holes
+                match seek_data(self.file.fd(), off) {
+                    None => break,
+                    Some(d) if d >= off + align => {
+                        off = d / align * align;
+                        continue;
+                    }
+                    Some(_) => {}
+                }
+                let n = (self.file_size - off).min(SCAN_CHUNK as u64) as usize;
+                self.io.read_at(&self.file, off, &mut chunk[..n])?;
+                chunk_start = off;
+                chunk_len = n;
+            }
+            let at = (off - chunk_start) as usize;
+            let block = &chunk[at..chunk_len];
+            if has_object_header_magic(block) {
+                if let Ok(h) = parse_object_header(block) {
+                    let end = off.checked_add(h.record_len());
+                    if let Some(end) = end.filter(|&e| e <= self.file_size) {
+                        let crc =
+                            self.crc_of_range(&chunk[..chunk_len], chunk_start, off + h.value_offset(), h.value_len)?;
+                        if crc == h.value_crc {
+                            match found.get(&h.key) {
+                                Some((old, _)) if old.seq > h.seq => stale.push(off),
+                                Some((_, old_off)) => {
+                                    stale.push(*old_off);
+                                    found.insert(h.key.clone(), (h, off));
+                                }
+                                None => {
+                                    found.insert(h.key.clone(), (h, off));
+                                }
+                            }
+                            off = align_up(end);
+                            continue;
+                        }
+                        tracing::warn!("record {:?} at {off}: value checksum mismatch, ignored", h.key);
+                    }
+                }
+            }
+            off += align;
+        }
+        for off in stale {
+            self.wipe(off)?;
+        }
+        let mut recs: Vec<(ObjectHeader, u64)> = found.into_values().collect();
+        recs.sort_by_key(|(_, off)| *off);
+        let mut alloc = self.alloc.lock();
+        let mut placed = Vec::with_capacity(recs.len());
+        for (h, off) in recs {
+            match alloc.allocate_at(off, h.record_len()) {
+                Some(a) => placed.push((h, off, a)),
+                None => tracing::warn!("record {:?} at {off} overlaps another: ignored", h.key),
+            }
+        }
+        drop(alloc);
+        placed.sort_by_key(|(h, _, _)| h.seq);
+        let mut ctl = self.ctl.lock();
+        let mut max_seq = 0;
+        for (h, off, a) in placed {
+            max_seq = max_seq.max(h.seq);
+            let unit = self.next_unit.fetch_add(1, Ordering::Relaxed);
+            let rec = Rec {
+                unit,
+                meta: ObjectMeta { key: h.key.clone(), len: h.value_len, checksum: h.value_crc },
+                offset: off,
+                value_offset: off + h.value_offset(),
+                alloc: Mutex::new(Some(a)),
+                pins: Pins::default(),
+            };
+            ctl.units.insert(unit, h.key.clone());
+            ctl.strategy.add(unit);
+            self.shards[shard_of(&h.key)].write().insert(h.key, Arc::new(rec));
+        }
+        self.next_seq.store(max_seq + 1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Overwrites the first 4 KiB of a record with zeros (not synced).
+    fn wipe(&self, off: u64) -> Result<()> {
+        let zeros = AlignedBuf::zeroed(IO_ALIGN);
+        self.io.write_at(&self.file, off, &zeros)
+    }
+
+    fn used(&self) -> u64 {
+        self.alloc.lock().used_bytes()
+    }
+
+    /// Frees records whose reads have ended (wipes, syncs, returns their space).
+    fn free_records(&self, recs: &[Arc<Rec>], wait: Duration) {
+        let mut freed = Vec::with_capacity(recs.len());
+        for r in recs {
+            if r.pins.wait_unpinned(wait) {
+                if let Err(e) = self.wipe(r.offset) {
+                    tracing::warn!("cannot wipe record {:?}: {e}", r.meta.key);
+                }
+                freed.push(r);
+            } else {
+                tracing::warn!("{:?}: reads in flight after {wait:?}; its space is freed later", r.meta.key);
+                self.deferred.lock().push(r.clone());
+            }
+        }
+        if freed.is_empty() {
+            return;
+        }
+        if let Err(e) = self.io.sync_data(&self.file) {
+            tracing::warn!("sync after wiping records failed: {e}");
+        }
+        let mut alloc = self.alloc.lock();
+        for r in freed {
+            if let Some(a) = r.alloc.lock().take() {
+                alloc.free(a);
+            }
+        }
+    }
+
+    fn free_deferred(&self) {
+        let ready: Vec<Arc<Rec>> = {
+            let mut d = self.deferred.lock();
+            if d.is_empty() {
+                return;
+            }
+            let (ready, keep) = d.drain(..).partition(|r| r.pins.wait_unpinned(Duration::ZERO));
+            *d = keep;
+            ready
+        };
+        self.free_records(&ready, Duration::ZERO);
+    }
+
+    /// Phase 1: removes victims from the index until `bytes` are freed.
+    fn prepare(&self, bytes: u64) -> Vec<Arc<Rec>> {
+        let mut ctl = self.ctl.lock();
+        let mut victims = Vec::new();
+        let mut freed = 0u64;
+        while freed < bytes {
+            let Some(unit) = ctl.strategy.select_victim() else { break };
+            let Some(key) = ctl.units.remove(&unit) else { continue };
+            if let Some(rec) = self.shards[shard_of(&key)].write().remove(&key) {
+                freed += rec.alloc.lock().as_ref().map_or(0, |a| a.size());
+                victims.push(rec);
+            }
+        }
+        victims
+    }
+
+    fn notify_and_finalize(&self, victims: &[Arc<Rec>]) -> bool {
+        if victims.is_empty() {
+            return true;
+        }
+        let keys = victims.iter().map(|r| r.meta.key.clone()).collect();
+        let notified = self.notifier.notify(keys, victims.len());
+        self.free_records(victims, self.eviction_wait);
+        notified
+    }
+
+    /// Allocates `len` bytes within the limit, evicting as needed.
+    fn allocate(&self, len: u64) -> Result<Allocation> {
+        if len > self.limit {
+            return Err(StorageError::NoSpace { needed: len, capacity: self.limit });
+        }
+        loop {
+            self.free_deferred();
+            {
+                let mut alloc = self.alloc.lock();
+                if let Some(a) = alloc.allocate(len) {
+                    if alloc.used_bytes() <= self.limit {
+                        return Ok(a);
+                    }
+                    alloc.free(a);
+                }
+            }
+            if !self.evict_enabled {
+                return Err(StorageError::NoSpace { needed: len, capacity: self.limit });
+            }
+            let over = (self.used() + align_up(len)).saturating_sub(self.limit);
+            let victims = self.prepare(over.max(align_up(len)));
+            if victims.is_empty() {
+                return Err(StorageError::NoSpace { needed: len, capacity: self.limit });
+            }
+            self.notify_and_finalize(&victims);
+        }
+    }
+
+    fn write_record(&self, key: &str, value: &[u8], off: u64, seq: u64) -> Result<ObjectHeader> {
+        let h =
+            ObjectHeader { key: key.to_owned(), value_len: value.len() as u64, value_crc: crc32c::crc32c(value), seq };
+        let mut head = AlignedBuf::zeroed(h.value_offset() as usize);
+        let enc = h.encode();
+        head[..enc.len()].copy_from_slice(&enc);
+        self.io.write_at(&self.file, off, &head)?;
+        self.io.write_at(&self.file, off + h.value_offset(), value)?;
+        Ok(h)
+    }
+}
+
+impl StorageBackend for OffsetAllocatorBackend {
+    fn name(&self) -> &'static str {
+        "offset_allocator"
+    }
+
+    fn batch_offload(&self, objects: &[(&str, &[u8])]) -> Vec<Result<ObjectMeta>> {
+        let mut results: Vec<Option<Result<ObjectMeta>>> =
+            validate_batch(objects).into_iter().map(|e| e.map(Err)).collect();
+        let mut accepted = Vec::new();
+        {
+            let mut ctl = self.ctl.lock();
+            for (i, (k, _)) in objects.iter().enumerate() {
+                if results[i].is_some() {
+                    continue;
+                }
+                if self.shards[shard_of(k)].read().contains_key(*k) || !ctl.writing.insert(k.to_string()) {
+                    results[i] = Some(Err(StorageError::AlreadyExists(k.to_string())));
+                } else {
+                    accepted.push(i);
+                }
+            }
+        }
+        let mut written: Vec<(usize, ObjectHeader, Allocation)> = Vec::with_capacity(accepted.len());
+        for &i in &accepted {
+            let (k, v) = objects[i];
+            let h_len = align_up((crate::meta::OBJECT_HEADER_FIXED + k.len()) as u64) + v.len() as u64;
+            let a = match self.allocate(h_len) {
+                Ok(a) => a,
+                Err(e) => {
+                    results[i] = Some(Err(e));
+                    continue;
+                }
+            };
+            let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
+            match self.write_record(k, v, a.offset(), seq) {
+                Ok(h) => written.push((i, h, a)),
+                Err(e) => {
+                    self.alloc.lock().free(a);
+                    results[i] = Some(Err(e));
+                }
+            }
+        }
+        let synced = if written.is_empty() { Ok(()) } else { self.io.sync_data(&self.file) };
+        let mut ctl = self.ctl.lock();
+        for &i in &accepted {
+            ctl.writing.remove(objects[i].0);
+        }
+        for (i, h, a) in written {
+            if let Err(e) = &synced {
+                let _ = self.wipe(a.offset());
+                self.alloc.lock().free(a);
+                results[i] = Some(Err(StorageError::Io(std::io::Error::other(e.to_string()))));
+                continue;
+            }
+            let unit = self.next_unit.fetch_add(1, Ordering::Relaxed);
+            let meta = ObjectMeta { key: h.key.clone(), len: h.value_len, checksum: h.value_crc };
+            let rec = Rec {
+                unit,
+                meta: meta.clone(),
+                offset: a.offset(),
+                value_offset: a.offset() + h.value_offset(),
+                alloc: Mutex::new(Some(a)),
+                pins: Pins::default(),
+            };
+            ctl.units.insert(unit, h.key.clone());
+            ctl.strategy.add(unit);
+            self.shards[shard_of(&h.key)].write().insert(h.key, Arc::new(rec));
+            results[i] = Some(Ok(meta));
+        }
+        drop(ctl);
+        self.notifier.supersede(accepted.iter().map(|&i| objects[i].0));
+        results.into_iter().map(|r| r.unwrap_or_else(|| Err(StorageError::InvalidArgument("skipped".into())))).collect()
+    }
+
+    fn object_meta(&self, key: &str) -> Option<ObjectMeta> {
+        self.shards[shard_of(key)].read().get(key).map(|r| r.meta.clone())
+    }
+
+    fn load(&self, key: &str, buf: &mut [u8]) -> Result<usize> {
+        let mut reqs = [(key, buf)];
+        self.batch_load(&mut reqs).pop().unwrap_or_else(|| Err(StorageError::NotFound(key.to_owned())))
+    }
+
+    fn batch_load(&self, requests: &mut [(&str, &mut [u8])]) -> Vec<Result<usize>> {
+        let mut results: Vec<Option<Result<usize>>> = (0..requests.len()).map(|_| None).collect();
+        let mut pinned: Vec<(usize, ReadPin<Rec>)> = Vec::with_capacity(requests.len());
+        for (i, (key, buf)) in requests.iter().enumerate() {
+            let shard = self.shards[shard_of(key)].read();
+            match shard.get(*key) {
+                None => results[i] = Some(Err(StorageError::NotFound(key.to_string()))),
+                Some(r) if (buf.len() as u64) < r.meta.len => {
+                    results[i] = Some(Err(StorageError::BufferTooSmall { needed: r.meta.len, got: buf.len() as u64 }))
+                }
+                Some(r) => pinned.push((i, ReadPin::new(r))),
+            }
+        }
+        {
+            let mut ctl = self.ctl.lock();
+            for (_, pin) in &pinned {
+                ctl.strategy.record_access(pin.0.unit);
+            }
+        }
+        {
+            let mut bufs: Vec<Option<&mut [u8]>> = requests.iter_mut().map(|(_, b)| Some(&mut **b)).collect();
+            let mut ops = Vec::with_capacity(pinned.len());
+            for (i, pin) in &pinned {
+                let buf = bufs[*i].take().expect("each request once");
+                ops.push(ReadOp {
+                    file: &self.file,
+                    offset: pin.0.value_offset,
+                    buf: &mut buf[..pin.0.meta.len as usize],
+                });
+            }
+            let io_results = self.io.read_batch(&mut ops);
+            drop(ops);
+            for (r, (i, pin)) in io_results.into_iter().zip(&pinned) {
+                let m = &pin.0.meta;
+                results[*i] = Some(r.and_then(|()| {
+                    if self.verify_on_load {
+                        verify(&m.key, &requests[*i].1[..m.len as usize], m.checksum)?;
+                    }
+                    Ok(m.len as usize)
+                }));
+            }
+        }
+        drop(pinned);
+        results.into_iter().map(|r| r.unwrap_or_else(|| Err(StorageError::InvalidArgument("skipped".into())))).collect()
+    }
+
+    fn remove(&self, key: &str) -> Result<()> {
+        let rec = {
+            let mut ctl = self.ctl.lock();
+            let rec =
+                self.shards[shard_of(key)].write().remove(key).ok_or_else(|| StorageError::NotFound(key.to_owned()))?;
+            ctl.units.remove(&rec.unit);
+            ctl.strategy.remove(rec.unit);
+            rec
+        };
+        self.free_records(&[rec], self.eviction_wait);
+        Ok(())
+    }
+
+    fn scan_meta(&self, visitor: &mut dyn FnMut(&ObjectMeta)) -> usize {
+        let mut n = 0;
+        for shard in self.shards.iter() {
+            for r in shard.read().values() {
+                visitor(&r.meta);
+                n += 1;
+            }
+        }
+        n
+    }
+
+    fn stats(&self) -> BackendStats {
+        let objects: usize = self.shards.iter().map(|s| s.read().len()).sum();
+        BackendStats {
+            backend: self.name(),
+            io: self.io.name(),
+            capacity: Some(self.capacity.map_or(self.file_size, |c| c.min(self.file_size))),
+            used_bytes: self.used(),
+            objects: objects as u64,
+            units: objects as u64,
+            evicted_objects: self.notifier.evicted_objects.load(Ordering::Relaxed),
+            evicted_units: self.notifier.evicted_units.load(Ordering::Relaxed),
+            pending_notifications: self.notifier.pending(),
+        }
+    }
+
+    fn evict(&self, bytes: u64) -> Result<EvictionReport> {
+        let victims = self.prepare(bytes);
+        let keys: Vec<String> = victims.iter().map(|r| r.meta.key.clone()).collect();
+        let bytes_freed = victims.iter().map(|r| r.alloc.lock().as_ref().map_or(0, |a| a.size())).sum();
+        let notified = self.notify_and_finalize(&victims);
+        Ok(EvictionReport { keys, bytes_freed, notified })
+    }
+
+    fn retry_pending_notifications(&self) -> Result<usize> {
+        self.notifier.retry()
+    }
+}
