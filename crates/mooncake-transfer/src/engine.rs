@@ -12,7 +12,7 @@ use crate::local::{self, LocalTransport, LOCAL_SCHEME};
 use crate::region::{RegionId, RegisteredRegion, RemoteRegion};
 use crate::shm::{host_id, ShmTransport};
 use crate::tcp::{TcpServer, TcpTransport};
-use crate::transport::{TransferRequest, Transport};
+use crate::transport::{TransferOp, TransferRequest, TransferStats, Transport};
 
 static NEXT_LOCAL_ENGINE: AtomicU64 = AtomicU64::new(1);
 
@@ -40,6 +40,11 @@ impl EngineShared {
 impl Drop for EngineShared {
     fn drop(&mut self) {
         local::withdraw(&self.endpoint);
+        // Regions may outlive the engine (callers hold `Arc`s): same-host peers must
+        // stop using their mappings all the same.
+        for region in self.regions.get_mut().values() {
+            region.revoke_sharing();
+        }
     }
 }
 
@@ -48,7 +53,7 @@ impl Drop for EngineShared {
 pub struct TransferEngineBuilder {
     transports: Vec<Arc<dyn Transport>>,
     first: Vec<Arc<dyn Transport>>,
-    listen: Option<String>,
+    listen: Option<std::io::Result<Vec<std::net::SocketAddr>>>,
     advertise_host: Option<String>,
     network: bool,
     shared_memory: bool,
@@ -77,10 +82,12 @@ impl TransferEngineBuilder {
         self
     }
 
-    /// Serves this engine's regions over TCP on `addr` (`host:port`; port 0 picks
-    /// one). The endpoint becomes the bound `host:port`. Implies [`network`](Self::network).
-    pub fn tcp_listen(mut self, addr: &str) -> Self {
-        self.listen = Some(addr.to_owned());
+    /// Serves this engine's regions over TCP on `addr` (a `SocketAddr`, or a
+    /// `"host:port"` string; port 0 picks one). The endpoint becomes the bound
+    /// `host:port` (see [`advertise_host`](Self::advertise_host)). Implies
+    /// [`network`](Self::network). Connections are served by one thread each.
+    pub fn tcp_listen(mut self, addr: impl std::net::ToSocketAddrs) -> Self {
+        self.listen = Some(addr.to_socket_addrs().map(Iterator::collect));
         self.network = true;
         self
     }
@@ -137,11 +144,12 @@ impl TransferEngineBuilder {
             all.extend(transports);
             all
         };
-        let listener = match &self.listen {
-            Some(addr) => Some(
-                std::net::TcpListener::bind(addr)
-                    .map_err(|e| TransferError::Registration(format!("cannot listen on {addr}: {e}")))?,
+        let listener = match self.listen {
+            Some(Ok(addrs)) => Some(
+                std::net::TcpListener::bind(&addrs[..])
+                    .map_err(|e| TransferError::Registration(format!("cannot listen on {addrs:?}: {e}")))?,
             ),
+            Some(Err(e)) => return Err(TransferError::Registration(format!("bad listen address: {e}"))),
             None => None,
         };
         let endpoint = match &listener {
@@ -246,9 +254,14 @@ impl TransferEngine {
     }
 
     /// Stops serving region `id`; returns whether it was registered. Requests already
-    /// running finish on the memory they hold; later ones fail with `UnknownRegion`.
+    /// running finish on the memory they hold; later ones fail with `UnknownRegion`
+    /// (same-host peers that mapped the region drop their mapping).
     pub fn unregister_region(&self, id: RegionId) -> bool {
-        self.shared.regions.write().remove(&id).is_some()
+        let removed = self.shared.regions.write().remove(&id);
+        if let Some(region) = &removed {
+            region.revoke_sharing();
+        }
+        removed.is_some()
     }
 
     /// The registered region `id` of this engine.
@@ -275,31 +288,68 @@ impl TransferEngine {
         self.transports.iter().find(|t| t.can_reach(endpoint))
     }
 
+    fn transport_index(&self, endpoint: &str) -> Option<usize> {
+        self.transports.iter().position(|t| t.can_reach(endpoint))
+    }
+
+    /// Counters of the transports that keep them (`shm`, `tcp`), in the order they
+    /// are asked: which transport moved how many bytes.
+    pub fn stats(&self) -> Vec<TransferStats> {
+        self.transports.iter().filter_map(|t| t.stats().map(|s| s.snapshot(t.name()))).collect()
+    }
+
     /// Executes a batch, blocking until every request is done; one result per request.
     ///
     /// Requests are grouped by the transport that reaches their target, so a
     /// transport sees its whole share of the batch at once (and may pipeline it).
     pub fn transfer(&self, requests: &mut [TransferRequest<'_>]) -> Vec<Result<()>> {
-        let mut results: Vec<Option<Result<()>>> = (0..requests.len()).map(|_| None).collect();
-        // Fast path: one transport serves everything (the common case).
-        if let Some(first) = requests.first() {
-            if let Some(t) = self.transport_for(&first.target.endpoint) {
-                if requests.iter().all(|r| r.target.endpoint == first.target.endpoint) {
-                    return t.transfer(requests);
+        // Which transport serves each request (asked once per distinct endpoint).
+        let mut seen: Vec<(&str, Option<usize>)> = Vec::new();
+        let mut route = Vec::with_capacity(requests.len());
+        for req in requests.iter() {
+            let endpoint = req.target.endpoint.as_str();
+            let t = match seen.iter().find(|(e, _)| *e == endpoint) {
+                Some(&(_, t)) => t,
+                None => {
+                    let t = self.transport_index(endpoint);
+                    seen.push((endpoint, t));
+                    t
                 }
+            };
+            route.push(t);
+        }
+        // Fast path: one transport serves everything (the common case).
+        if let Some(Some(t)) = route.first() {
+            if route.iter().all(|r| *r == Some(*t)) {
+                return self.transports[*t].transfer(requests);
             }
         }
-        for (i, req) in requests.iter_mut().enumerate() {
-            let out = match self.transport_for(&req.target.endpoint) {
-                Some(t) => t
-                    .transfer(std::slice::from_mut(req))
-                    .pop()
-                    .unwrap_or_else(|| Err(TransferError::Unreachable(req.target.endpoint.clone()))),
-                None => Err(TransferError::Unreachable(req.target.endpoint.clone())),
-            };
-            results[i] = Some(out);
+        let mut results: Vec<Result<()>> =
+            requests.iter().map(|r| Err(TransferError::Unreachable(r.target.endpoint.clone()))).collect();
+        for (t, transport) in self.transports.iter().enumerate() {
+            let mine: Vec<usize> = (0..requests.len()).filter(|&i| route[i] == Some(t)).collect();
+            if mine.is_empty() {
+                continue;
+            }
+            // Move this transport's requests into one batch (leaving empty requests in
+            // their place), run it, and put them back.
+            let mut batch: Vec<TransferRequest<'_>> = mine
+                .iter()
+                .map(|&i| {
+                    let target = requests[i].target;
+                    let empty = TransferRequest { target, offset: 0, op: TransferOp::Write(&[]) };
+                    std::mem::replace(&mut requests[i], empty)
+                })
+                .collect();
+            let out = transport.transfer(&mut batch);
+            for (&i, req) in mine.iter().zip(batch) {
+                requests[i] = req;
+            }
+            for (&i, r) in mine.iter().zip(out) {
+                results[i] = r;
+            }
         }
-        results.into_iter().map(|r| r.unwrap_or_else(|| Err(TransferError::Unreachable(String::new())))).collect()
+        results
     }
 
     /// Reads `dst.len()` bytes of `target` at `offset`.

@@ -36,6 +36,10 @@ pub enum TransferError {
     /// A peer sent bytes that are not the transfer protocol.
     #[error("protocol error: {0}")]
     Protocol(String),
+    /// The peer requires a shared secret this engine does not have, or refused the
+    /// one it proved.
+    #[error("authentication with peer failed: {0}")]
+    Auth(String),
     /// A region of zero bytes, or memory that could not be mapped.
     #[error("cannot register region: {0}")]
     Registration(String),

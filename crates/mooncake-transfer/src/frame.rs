@@ -10,11 +10,18 @@
 //! ```
 //! Decoders never panic; anything malformed is a [`FrameError`] and the server closes
 //! that connection.
+//!
+//! A listener that requires a shared secret first sends [`AUTH_MAGIC`], then the
+//! challenge of [`SharedSecret`](crate::SharedSecret), then one verdict byte (`1`
+//! admitted, `0` refused, then closed) before it reads any request.
 
 /// First bytes of every header.
 pub const MAGIC: [u8; 4] = *b"MCTX";
-/// Protocol version of this build.
-pub const VERSION: u8 = 1;
+/// Protocol version of this build (2: authentication verdict, memfd inode in the
+/// shared-memory handshake).
+pub const VERSION: u8 = 2;
+/// First bytes a listener that requires a shared secret sends on a new connection.
+pub const AUTH_MAGIC: [u8; 4] = *b"MCAU";
 /// Bytes in a request header.
 pub const REQUEST_LEN: usize = 40;
 /// Bytes in a response header.
@@ -100,6 +107,20 @@ fn u64_at(b: &[u8], at: usize) -> u64 {
     let mut x = [0u8; 8];
     x.copy_from_slice(&b[at..at + 8]);
     u64::from_le_bytes(x)
+}
+
+/// Decodes and checks a request header (the first [`REQUEST_LEN`] bytes of `b`):
+/// magic, version, op, reserved bits and the length limit of the op. Never panics.
+///
+/// ```
+/// use mooncake_transfer::frame::{decode_frame_header, FrameError, Op, RequestHeader};
+///
+/// let h = RequestHeader { op: Op::Read, request_id: 7, region: 1, offset: 4096, len: 16 };
+/// assert_eq!(decode_frame_header(&h.encode()), Ok(h));
+/// assert_eq!(decode_frame_header(&[0u8; 3]), Err(FrameError::Truncated(3)));
+/// ```
+pub fn decode_frame_header(b: &[u8]) -> Result<RequestHeader, FrameError> {
+    RequestHeader::decode(b)
 }
 
 impl RequestHeader {

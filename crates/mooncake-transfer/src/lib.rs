@@ -40,5 +40,5 @@ pub use error::{Result, TransferError};
 pub use local::{LocalTransport, LOCAL_SCHEME};
 pub use region::{RegionId, RegisteredRegion, RemoteRegion};
 pub use shm::{host_id, ShmTransport};
-pub use tcp::{TcpTransport, TransportStats};
-pub use transport::{TransferOp, TransferRequest, Transport};
+pub use tcp::TcpTransport;
+pub use transport::{TransferOp, TransferRequest, TransferStats, Transport, TransportStats};

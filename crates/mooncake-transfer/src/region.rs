@@ -26,8 +26,10 @@ pub struct RegisteredRegion {
     ptr: *mut u8,
     // Keeps the mapping alive; accessed only through `ptr`.
     _map: memmap2::MmapMut,
-    /// The memfd behind a shared region (peers on the host map it).
-    memfd: Option<std::fs::File>,
+    /// The memfd behind a shared region (peers on the host map it), until sharing is
+    /// revoked (the region is unregistered or its engine dropped): closing it makes
+    /// peers' cached mappings stale, so they stop using them.
+    memfd: parking_lot::Mutex<Option<std::fs::File>>,
 }
 
 // SAFETY: the region is plain memory; all access goes through `copy_in`/`copy_out`,
@@ -58,7 +60,7 @@ impl RegisteredRegion {
             .map_anon()
             .map_err(|e| TransferError::Registration(format!("mmap of {len} bytes: {e}")))?;
         let ptr = map.as_mut_ptr();
-        Ok(Self { id, len, ptr, _map: map, memfd: None })
+        Ok(Self { id, len, ptr, _map: map, memfd: parking_lot::Mutex::new(None) })
     }
 
     /// A region backed by a `memfd`, so that processes on the same host can map it.
@@ -69,15 +71,29 @@ impl RegisteredRegion {
         let name = std::ffi::CString::new(format!("mooncake-region-{id}")).expect("no NUL in the name");
         // SAFETY: `name` is a valid NUL-terminated string; memfd_create has no other
         // preconditions and returns a new descriptor or -1.
-        let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+        let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
         if fd < 0 {
             return Err(TransferError::Registration(format!("memfd_create: {}", std::io::Error::last_os_error())));
         }
         // SAFETY: `fd` was just returned by memfd_create and is owned by nobody else.
         let file = unsafe { <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(fd) };
         file.set_len(len).map_err(|e| TransferError::Registration(format!("memfd of {len} bytes: {e}")))?;
-        let mut region = Self::map_file(id, &file, len, false)?;
-        region.memfd = Some(file);
+        // Seal the size: nobody (a peer that opened it through /proc included) can
+        // shrink it under a mapping, which would turn accesses into SIGBUS.
+        // SAFETY: `file` owns a valid memfd created with MFD_ALLOW_SEALING; F_ADD_SEALS
+        // takes an int argument and touches no memory of ours.
+        let sealed = unsafe {
+            libc::fcntl(
+                std::os::fd::AsRawFd::as_raw_fd(&file),
+                libc::F_ADD_SEALS,
+                libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL,
+            )
+        };
+        if sealed < 0 {
+            return Err(TransferError::Registration(format!("sealing a memfd: {}", std::io::Error::last_os_error())));
+        }
+        let region = Self::map_file(id, &file, len, false)?;
+        *region.memfd.lock() = Some(file);
         Ok(region)
     }
 
@@ -93,18 +109,34 @@ impl RegisteredRegion {
         if populate {
             opts.populate();
         }
-        // SAFETY: the file is a memfd that is only resized by its creator before it is
-        // shared (never truncated later), so the mapping stays backed; accesses go
-        // through raw pointers only (see the `Send` impl).
+        // SAFETY: the file is a memfd whose size is sealed before it is shared (no
+        // shrink, no grow: `new_shared`; peers check the seal before mapping), so the
+        // mapping stays backed; accesses go through raw pointers only (see `Send`).
         let mut map = unsafe { opts.map_mut(file) }
             .map_err(|e| TransferError::Registration(format!("mmap of a shared region: {e}")))?;
         let ptr = map.as_mut_ptr();
-        Ok(Self { id, len, ptr, _map: map, memfd: None })
+        Ok(Self { id, len, ptr, _map: map, memfd: parking_lot::Mutex::new(None) })
     }
 
-    /// The memfd of a shared region.
-    pub(crate) fn memfd(&self) -> Option<&std::fs::File> {
-        self.memfd.as_ref()
+    /// The descriptor and inode of a shared region's memfd, while it is shared.
+    pub(crate) fn shared_fd(&self) -> Option<(i32, u64)> {
+        use std::os::fd::AsRawFd;
+        use std::os::unix::fs::MetadataExt;
+        let memfd = self.memfd.lock();
+        let file = memfd.as_ref()?;
+        Some((file.as_raw_fd(), file.metadata().ok()?.ino()))
+    }
+
+    /// Stops sharing: closes the memfd, so peers' mappings of it are seen as stale
+    /// and further requests go through the engine (which no longer has the region).
+    /// This process's own mapping stays valid.
+    pub(crate) fn revoke_sharing(&self) {
+        self.memfd.lock().take();
+    }
+
+    /// Whether peers on this host may map the region.
+    pub fn is_shared(&self) -> bool {
+        self.memfd.lock().is_some()
     }
 
     /// Fills `[offset, offset + len)` straight from `reader` (bounds-checked first).

@@ -9,8 +9,8 @@ use parking_lot::RwLock;
 
 use crate::error::{Result, TransferError};
 use crate::region::RegisteredRegion;
-use crate::tcp::{TcpTransport, TransportStats};
-use crate::transport::{TransferOp, TransferRequest, Transport};
+use crate::tcp::TcpTransport;
+use crate::transport::{TransferOp, TransferRequest, Transport, TransportStats};
 
 /// This host's identity: hostname, boot id and network namespace. Processes in
 /// different network namespaces count as different hosts (they may not share memory
@@ -89,10 +89,23 @@ impl ShmTransport {
             .write(true)
             .open(&path)
             .map_err(|e| TransferError::Unreachable(format!("cannot open {path}: {e}")))?;
+        let meta = file.metadata().map_err(|e| TransferError::Unreachable(format!("{path}: {e}")))?;
         let ino = {
             use std::os::unix::fs::MetadataExt;
-            file.metadata().map_err(|e| TransferError::Unreachable(format!("{path}: {e}")))?.ino()
+            meta.ino()
         };
+        // The descriptor may have been closed and its number reused since the peer
+        // answered: map only the very memfd it named, of at least the size it named,
+        // and with its size sealed (so the mapping can never lose its backing).
+        if ino != info.ino || meta.len() < info.len {
+            return Err(TransferError::Unreachable(format!("{path} is no longer region {region} of {endpoint}")));
+        }
+        // SAFETY: F_GET_SEALS on a descriptor we own; it takes no argument and
+        // returns the seals or -1.
+        let seals = unsafe { libc::fcntl(std::os::fd::AsRawFd::as_raw_fd(&file), libc::F_GET_SEALS) };
+        if seals < 0 || seals & libc::F_SEAL_SHRINK == 0 {
+            return Err(TransferError::Unreachable(format!("{path} is not a size-sealed memfd")));
+        }
         let m = Arc::new(PeerMapping { region: RegisteredRegion::map_file(region, &file, info.len, true)?, path, ino });
         self.maps.write().entry(endpoint.to_owned()).or_default().insert(region, m.clone());
         Ok(m)
@@ -102,6 +115,10 @@ impl ShmTransport {
 impl Transport for ShmTransport {
     fn name(&self) -> &str {
         "shm"
+    }
+
+    fn stats(&self) -> Option<&TransportStats> {
+        Some(&self.stats)
     }
 
     fn can_reach(&self, endpoint: &str) -> bool {

@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::io::{BufReader, BufWriter, Read, Write};
 use std::net::{TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
@@ -14,9 +14,9 @@ use crate::auth::SharedSecret;
 use crate::engine::EngineShared;
 use crate::error::{Result, TransferError};
 use crate::frame::{
-    Op, RequestHeader, ResponseHeader, Status, MAX_INFO_BYTES, MAX_REQUEST_BYTES, REQUEST_LEN, RESPONSE_LEN,
+    Op, RequestHeader, ResponseHeader, Status, AUTH_MAGIC, MAX_INFO_BYTES, MAX_REQUEST_BYTES, REQUEST_LEN, RESPONSE_LEN,
 };
-use crate::transport::{TransferOp, TransferRequest, Transport};
+use crate::transport::{TransferOp, TransferRequest, Transport, TransportStats};
 
 /// Requests larger than this are cut into chunks spread over several connections.
 const STRIPE: usize = 1 << 20;
@@ -32,16 +32,22 @@ fn lanes() -> usize {
 /// Requests in flight on one connection before responses are read.
 const WINDOW: usize = 128;
 
-/// Serves an engine's regions to TCP peers; stops when the engine is dropped.
+/// Serves an engine's regions to TCP peers; stops when the engine is dropped (its
+/// listener is woken and closed, and every open connection is shut down).
 pub(crate) struct TcpServer {
     stop: Arc<AtomicBool>,
     addr: std::net::SocketAddr,
+    conns: Arc<Mutex<HashMap<u64, TcpStream>>>,
 }
 
 impl Drop for TcpServer {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
+        // Wake the accept loop so that it sees `stop` and drops the listener.
         let _ = TcpStream::connect_timeout(&self.addr, Duration::from_millis(100));
+        for (_, conn) in self.conns.lock().drain() {
+            let _ = conn.shutdown(std::net::Shutdown::Both);
+        }
     }
 }
 
@@ -55,33 +61,70 @@ impl TcpServer {
     ) -> Result<Self> {
         let addr = listener.local_addr().map_err(|e| TransferError::Io(e.to_string()))?;
         let stop = Arc::new(AtomicBool::new(false));
-        let stop2 = stop.clone();
+        let conns: Arc<Mutex<HashMap<u64, TcpStream>>> = Arc::default();
+        let (stop2, conns2) = (stop.clone(), conns.clone());
         let host_id: Arc<str> = host_id.into();
         std::thread::Builder::new()
             .name("mooncake-tcp-accept".into())
             .spawn(move || {
+                let mut next_conn = 0u64;
                 for conn in listener.incoming() {
                     if stop2.load(Ordering::Relaxed) {
                         return;
                     }
-                    let Ok(conn) = conn else { continue };
-                    let (engine, stop, host_id) = (engine.clone(), stop2.clone(), host_id.clone());
-                    let secret = secret.clone();
-                    let _ = std::thread::Builder::new().name("mooncake-tcp-conn".into()).spawn(move || {
-                        let peer = conn.peer_addr().ok();
-                        if secret.as_ref().is_some_and(|s| !s.admit(&conn)) {
-                            tracing::warn!(?peer, "transfer peer failed the shared-secret challenge");
-                            return;
+                    let conn = match conn {
+                        Ok(c) => c,
+                        Err(e) => {
+                            // Out of descriptors and the like: don't spin.
+                            tracing::warn!(error = %e, "accepting a transfer connection");
+                            std::thread::sleep(Duration::from_millis(10));
+                            continue;
                         }
-                        if let Err(e) = serve(conn, &engine, &stop, &host_id) {
+                    };
+                    next_conn += 1;
+                    let id = next_conn;
+                    if let Ok(c) = conn.try_clone() {
+                        conns2.lock().insert(id, c);
+                    }
+                    let (engine, stop, host_id) = (engine.clone(), stop2.clone(), host_id.clone());
+                    let (secret, conns) = (secret.clone(), conns2.clone());
+                    let spawned = std::thread::Builder::new().name("mooncake-tcp-conn".into()).spawn(move || {
+                        let peer = conn.peer_addr().ok();
+                        let admitted = secret.as_ref().is_none_or(|s| admit(s, &conn));
+                        if !admitted {
+                            tracing::warn!(?peer, "transfer peer failed the shared-secret challenge");
+                        } else if let Err(e) = serve(&conn, &engine, &stop, &host_id) {
                             tracing::warn!(?peer, error = %e, "closing transfer connection");
                         }
+                        conns.lock().remove(&id);
                     });
+                    if spawned.is_err() {
+                        tracing::warn!("cannot start a transfer connection thread");
+                        conns2.lock().remove(&id);
+                    }
                 }
             })
             .map_err(|e| TransferError::Io(format!("cannot start the transfer server: {e}")))?;
-        Ok(Self { stop, addr })
+        Ok(Self { stop, addr, conns })
     }
+}
+
+/// Accepting side of the handshake: [`AUTH_MAGIC`], the secret's challenge, then
+/// the verdict byte. A refused peer's pending bytes are drained briefly before the
+/// close so that it reads the verdict rather than a reset.
+fn admit(secret: &SharedSecret, conn: &TcpStream) -> bool {
+    let mut c = conn;
+    if c.write_all(&AUTH_MAGIC).is_err() {
+        return false;
+    }
+    let ok = secret.admit(conn);
+    let _ = c.write_all(&[u8::from(ok)]);
+    if !ok {
+        let _ = conn.shutdown(std::net::Shutdown::Write);
+        let _ = conn.set_read_timeout(Some(Duration::from_millis(200)));
+        let _ = std::io::copy(&mut c.take(1 << 20), &mut std::io::sink());
+    }
+    ok
 }
 
 fn io(e: std::io::Error) -> TransferError {
@@ -101,9 +144,11 @@ fn respond(w: &mut impl Write, status: Status, request_id: u64, len: u64) -> Res
 }
 
 /// One connection: requests answered in order.
-fn serve(conn: TcpStream, engine: &Weak<EngineShared>, stop: &AtomicBool, host_id: &str) -> Result<()> {
+fn serve(conn: &TcpStream, engine: &Weak<EngineShared>, stop: &AtomicBool, host_id: &str) -> Result<()> {
     let _ = conn.set_nodelay(true);
-    let mut r = BufReader::with_capacity(256 << 10, conn.try_clone().map_err(io)?);
+    // Buffered for headers; payloads larger than the buffer bypass it (`BufReader`
+    // reads big requests straight into the destination slice).
+    let mut r = BufReader::with_capacity(256 << 10, conn);
     let mut w = BufWriter::with_capacity(256 << 10, conn);
     let mut header = [0u8; REQUEST_LEN];
     loop {
@@ -136,9 +181,9 @@ fn serve(conn: TcpStream, engine: &Weak<EngineShared>, stop: &AtomicBool, host_i
             (Op::ShmInfo, _) => {
                 // Regions are looked up without the bounds of the request (len is 0).
                 match engine.region(h.region) {
-                    Ok(reg) => match reg.memfd() {
-                        Some(fd) => {
-                            let payload = shm_info_payload(reg.len(), fd, host_id);
+                    Ok(reg) => match reg.shared_fd() {
+                        Some((fd, ino)) => {
+                            let payload = shm_info_payload(reg.len(), fd, ino, host_id);
                             respond(&mut w, Status::Ok, h.request_id, payload.len() as u64)?;
                             w.write_all(&payload).map_err(io)?;
                         }
@@ -159,13 +204,13 @@ fn serve(conn: TcpStream, engine: &Weak<EngineShared>, stop: &AtomicBool, host_i
     }
 }
 
-/// `len u64 | pid u32 | fd i32 | host id`.
-fn shm_info_payload(len: u64, fd: &std::fs::File, host_id: &str) -> Vec<u8> {
-    use std::os::fd::AsRawFd;
-    let mut p = Vec::with_capacity(16 + host_id.len());
+/// `len u64 | pid u32 | fd i32 | inode u64 | host id`.
+fn shm_info_payload(len: u64, fd: i32, ino: u64, host_id: &str) -> Vec<u8> {
+    let mut p = Vec::with_capacity(24 + host_id.len());
     p.extend_from_slice(&len.to_le_bytes());
     p.extend_from_slice(&std::process::id().to_le_bytes());
-    p.extend_from_slice(&fd.as_raw_fd().to_le_bytes());
+    p.extend_from_slice(&fd.to_le_bytes());
+    p.extend_from_slice(&ino.to_le_bytes());
     p.extend_from_slice(host_id.as_bytes());
     p
 }
@@ -175,18 +220,20 @@ pub(crate) struct ShmInfo {
     pub(crate) len: u64,
     pub(crate) pid: u32,
     pub(crate) fd: i32,
+    /// Inode of the memfd: the opened `/proc/<pid>/fd/<fd>` must be this file.
+    pub(crate) ino: u64,
     pub(crate) host_id: String,
 }
 
-/// Counters of a transport.
-#[derive(Debug, Default)]
-pub struct TransportStats {
-    /// Bytes read from peers.
-    pub bytes_read: AtomicU64,
-    /// Bytes written to peers.
-    pub bytes_written: AtomicU64,
-    /// Requests that failed.
-    pub errors: AtomicU64,
+impl ShmInfo {
+    fn decode(p: &[u8]) -> Option<Self> {
+        let len = u64::from_le_bytes(p.get(0..8)?.try_into().ok()?);
+        let pid = u32::from_le_bytes(p.get(8..12)?.try_into().ok()?);
+        let fd = i32::from_le_bytes(p.get(12..16)?.try_into().ok()?);
+        let ino = u64::from_le_bytes(p.get(16..24)?.try_into().ok()?);
+        let host_id = String::from_utf8_lossy(p.get(24..)?).into_owned();
+        Some(Self { len, pid, fd, ino, host_id })
+    }
 }
 
 /// One connection to a peer.
@@ -242,13 +289,23 @@ impl TcpTransport {
         let s = TcpStream::connect_timeout(&addr, Duration::from_secs(5))
             .map_err(|e| TransferError::Unreachable(format!("{endpoint}: {e}")))?;
         let _ = s.set_nodelay(true);
-        let _ = s.set_read_timeout(Some(Duration::from_secs(30)));
         if let Some(secret) = &self.secret {
+            let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
+            let auth = |e: std::io::Error| TransferError::Auth(format!("{endpoint}: {e}"));
             let mut conn = &s;
-            secret
-                .respond(&mut conn)
-                .map_err(|e| TransferError::Unreachable(format!("{endpoint}: authentication failed: {e}")))?;
+            let mut magic = [0u8; 4];
+            conn.read_exact(&mut magic).map_err(auth)?;
+            if magic != AUTH_MAGIC {
+                return Err(TransferError::Auth(format!("{endpoint} does not ask for a shared secret")));
+            }
+            secret.respond(&mut conn).map_err(auth)?;
+            let mut verdict = [0u8; 1];
+            conn.read_exact(&mut verdict).map_err(auth)?;
+            if verdict[0] != 1 {
+                return Err(TransferError::Auth(format!("{endpoint} refused the shared secret")));
+            }
         }
+        let _ = s.set_read_timeout(Some(Duration::from_secs(30)));
         Ok(s)
     }
 
@@ -280,7 +337,7 @@ impl TcpTransport {
         };
         let mut conn = Conn { stream, next_id: 1 };
         let mut broken = None;
-        for window in chunks.chunks_mut(WINDOW) {
+        for window in windows(chunks) {
             if let Some(e) = &broken {
                 results.extend(window.iter().map(|_| Err(TransferError::clone(e))));
                 continue;
@@ -299,7 +356,9 @@ impl TcpTransport {
         results
     }
 
-    /// Sends every request of `window`, then reads every response.
+    /// Sends every request of `window`, then reads every response. Windows never
+    /// hold a Write after a Read (see [`windows`]), so the peer never blocks sending
+    /// read data while this side still sends a payload.
     fn pipeline(&self, conn: &mut Conn, window: &mut [Chunk<'_>]) -> Result<Vec<Result<()>>> {
         let first_id = conn.next_id;
         {
@@ -320,14 +379,12 @@ impl TcpTransport {
             w.flush().map_err(io)?;
         }
         let mut out = Vec::with_capacity(window.len());
-        let mut header = [0u8; RESPONSE_LEN];
         for (i, c) in window.iter_mut().enumerate() {
-            (&conn.stream).read_exact(&mut header).map_err(io)?;
             let max = match &c.op {
                 TransferOp::Read(b) => b.len() as u64,
                 TransferOp::Write(_) => 0,
             };
-            let h = ResponseHeader::decode(&header, max).map_err(|e| TransferError::Protocol(e.to_string()))?;
+            let h = read_response(&conn.stream, max)?;
             if h.request_id != first_id + i as u64 {
                 return Err(TransferError::Protocol("response out of order".into()));
             }
@@ -364,9 +421,7 @@ impl TcpTransport {
         let mut s = self.connect(endpoint)?;
         let h = RequestHeader { op, request_id: 1, region, offset: 0, len: 0 };
         s.write_all(&h.encode()).map_err(io)?;
-        let mut header = [0u8; RESPONSE_LEN];
-        s.read_exact(&mut header).map_err(io)?;
-        let r = ResponseHeader::decode(&header, MAX_INFO_BYTES).map_err(|e| TransferError::Protocol(e.to_string()))?;
+        let r = read_response(&s, MAX_INFO_BYTES)?;
         let mut payload = vec![0u8; r.len as usize];
         s.read_exact(&mut payload).map_err(io)?;
         self.give_back(endpoint, s);
@@ -382,19 +437,8 @@ impl TcpTransport {
     /// How to map one of a peer's regions.
     pub(crate) fn shm_info(&self, endpoint: &str, region: u64) -> Result<ShmInfo> {
         match self.control(endpoint, Op::ShmInfo, region)? {
-            (Status::Ok, p) if p.len() >= 16 => {
-                let mut len = [0u8; 8];
-                len.copy_from_slice(&p[0..8]);
-                let mut pid = [0u8; 4];
-                pid.copy_from_slice(&p[8..12]);
-                let mut fd = [0u8; 4];
-                fd.copy_from_slice(&p[12..16]);
-                Ok(ShmInfo {
-                    len: u64::from_le_bytes(len),
-                    pid: u32::from_le_bytes(pid),
-                    fd: i32::from_le_bytes(fd),
-                    host_id: String::from_utf8_lossy(&p[16..]).into_owned(),
-                })
+            (Status::Ok, p) => {
+                ShmInfo::decode(&p).ok_or_else(|| TransferError::Protocol("short shared-memory handshake".into()))
             }
             (Status::UnknownRegion, _) => Err(TransferError::UnknownRegion { endpoint: endpoint.to_owned(), region }),
             _ => Err(TransferError::Protocol("peer refused the shared-memory handshake".into())),
@@ -402,9 +446,56 @@ impl TcpTransport {
     }
 }
 
+/// Reads one response header; a listener's authentication challenge where a
+/// response was expected means the peer requires a secret this side lacks.
+fn read_response(mut stream: &TcpStream, max_len: u64) -> Result<ResponseHeader> {
+    let mut header = [0u8; RESPONSE_LEN];
+    stream.read_exact(&mut header).map_err(|e| {
+        if e.kind() == std::io::ErrorKind::UnexpectedEof && header[..4] == AUTH_MAGIC {
+            TransferError::Auth("peer requires a shared secret".into())
+        } else {
+            io(e)
+        }
+    })?;
+    if header[..4] == AUTH_MAGIC {
+        return Err(TransferError::Auth("peer requires a shared secret".into()));
+    }
+    ResponseHeader::decode(&header, max_len).map_err(|e| TransferError::Protocol(e.to_string()))
+}
+
+/// Cuts a lane's chunks into pipelined windows of at most [`WINDOW`] requests,
+/// starting a new window at a Write that follows a Read: the peer sends read data
+/// while this side still sends write payloads otherwise, and both could block on
+/// full socket buffers.
+fn windows<'c, 'a>(chunks: &'c mut [Chunk<'a>]) -> impl Iterator<Item = &'c mut [Chunk<'a>]> {
+    let mut rest = chunks;
+    std::iter::from_fn(move || {
+        if rest.is_empty() {
+            return None;
+        }
+        let mut end = 0;
+        let mut seen_read = false;
+        while end < rest.len() && end < WINDOW {
+            match rest[end].op {
+                TransferOp::Read(_) => seen_read = true,
+                TransferOp::Write(_) if seen_read => break,
+                TransferOp::Write(_) => {}
+            }
+            end += 1;
+        }
+        let (window, tail) = std::mem::take(&mut rest).split_at_mut(end);
+        rest = tail;
+        Some(window)
+    })
+}
+
 impl Transport for TcpTransport {
     fn name(&self) -> &str {
         "tcp"
+    }
+
+    fn stats(&self) -> Option<&TransportStats> {
+        Some(&self.stats)
     }
 
     fn can_reach(&self, endpoint: &str) -> bool {
@@ -438,45 +529,46 @@ impl Transport for TcpTransport {
                 }
             }
         }
-        for (endpoint, chunks) in by_peer {
-            let lanes = lanes().min(chunks.len()).max(1);
-            let owners: Vec<usize> = chunks.iter().map(|c| c.req).collect();
-            let mut outcome: Vec<Option<Result<()>>> = (0..chunks.len()).map(|_| None).collect();
-            if lanes == 1 {
-                let mut chunks = chunks;
-                for (k, r) in self.run_lane(&endpoint, &mut chunks).into_iter().enumerate() {
-                    outcome[k] = Some(r);
-                }
-            } else {
-                // Deal chunks round-robin to lanes; each lane runs on its own thread.
-                let mut lane_chunks: Vec<Vec<(usize, Chunk<'_>)>> = (0..lanes).map(|_| Vec::new()).collect();
-                for (k, c) in chunks.into_iter().enumerate() {
-                    lane_chunks[k % lanes].push((k, c));
-                }
-                let done: Vec<Vec<(usize, Result<()>)>> = std::thread::scope(|scope| {
-                    let handles: Vec<_> = lane_chunks
-                        .into_iter()
-                        .map(|lane| {
-                            let endpoint = &endpoint;
-                            scope.spawn(move || {
-                                let (idx, mut cs): (Vec<usize>, Vec<Chunk<'_>>) = lane.into_iter().unzip();
-                                idx.into_iter().zip(self.run_lane(endpoint, &mut cs)).collect::<Vec<_>>()
-                            })
-                        })
-                        .collect();
-                    handles.into_iter().map(|h| h.join().unwrap_or_default()).collect()
-                });
-                for (k, r) in done.into_iter().flatten() {
-                    outcome[k] = Some(r);
-                }
+        // One task per (peer, lane): a peer's chunks are dealt round-robin to as many
+        // lanes (connections) as its bytes warrant, and all peers' lanes run at once.
+        let mut owners: Vec<usize> = Vec::new();
+        let mut tasks: Vec<(&str, Vec<usize>, Vec<Chunk<'_>>)> = Vec::new();
+        for (endpoint, chunks) in &mut by_peer {
+            let bytes: usize = chunks.iter().map(|c| c.op.len()).sum();
+            let lanes = lanes().min(bytes.div_ceil(STRIPE)).max(1);
+            let first = tasks.len();
+            tasks.extend((0..lanes).map(|_| (endpoint.as_str(), Vec::new(), Vec::new())));
+            for (k, c) in std::mem::take(chunks).into_iter().enumerate() {
+                let task = &mut tasks[first + k % lanes];
+                task.1.push(owners.len());
+                owners.push(c.req);
+                task.2.push(c);
             }
-            for (k, r) in outcome.into_iter().enumerate() {
-                let r = r.unwrap_or_else(|| Err(TransferError::Io("lane lost".into())));
-                if let Err(e) = r {
-                    self.stats.errors.fetch_add(1, Ordering::Relaxed);
-                    if results[owners[k]].is_ok() {
-                        results[owners[k]] = Err(e);
-                    }
+        }
+        let mut outcome: Vec<Option<Result<()>>> = (0..owners.len()).map(|_| None).collect();
+        let run = |(endpoint, idx, mut chunks): (&str, Vec<usize>, Vec<Chunk<'_>>)| {
+            idx.into_iter().zip(self.run_lane(endpoint, &mut chunks)).collect::<Vec<_>>()
+        };
+        let done: Vec<Vec<(usize, Result<()>)>> = if tasks.len() == 1 {
+            tasks.into_iter().map(run).collect()
+        } else {
+            std::thread::scope(|scope| {
+                let mut tasks = tasks.into_iter();
+                let here = tasks.next();
+                let handles: Vec<_> = tasks.map(|t| scope.spawn(move || run(t))).collect();
+                let mut done: Vec<_> = here.into_iter().map(run).collect();
+                done.extend(handles.into_iter().map(|h| h.join().unwrap_or_default()));
+                done
+            })
+        };
+        for (k, r) in done.into_iter().flatten() {
+            outcome[k] = Some(r);
+        }
+        for (k, r) in outcome.into_iter().enumerate() {
+            if let Err(e) = r.unwrap_or_else(|| Err(TransferError::Io("lane lost".into()))) {
+                self.stats.errors.fetch_add(1, Ordering::Relaxed);
+                if results[owners[k]].is_ok() {
+                    results[owners[k]] = Err(e);
                 }
             }
         }

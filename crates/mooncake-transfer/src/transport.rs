@@ -1,5 +1,7 @@
 //! The `Transport` trait: one way of moving bytes to and from a peer's regions.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use crate::error::Result;
 use crate::region::RemoteRegion;
 
@@ -93,4 +95,47 @@ pub trait Transport: Send + Sync {
     /// Executes every request of the batch, blocking until all are done, and returns
     /// one result per request, in order.
     fn transfer(&self, requests: &mut [TransferRequest<'_>]) -> Vec<Result<()>>;
+
+    /// Byte and error counters, for transports that keep them (reported by
+    /// [`TransferEngine::stats`](crate::TransferEngine::stats)).
+    fn stats(&self) -> Option<&TransportStats> {
+        None
+    }
+}
+
+/// Counters of a transport (bytes it moved itself: a transport that hands a request
+/// to another one does not count it).
+#[derive(Debug, Default)]
+pub struct TransportStats {
+    /// Bytes read from peers.
+    pub bytes_read: AtomicU64,
+    /// Bytes written to peers.
+    pub bytes_written: AtomicU64,
+    /// Requests that failed.
+    pub errors: AtomicU64,
+}
+
+impl TransportStats {
+    /// The counters now, named after `transport`.
+    pub fn snapshot(&self, transport: &str) -> TransferStats {
+        TransferStats {
+            transport: transport.to_owned(),
+            bytes_read: self.bytes_read.load(Ordering::Relaxed),
+            bytes_written: self.bytes_written.load(Ordering::Relaxed),
+            errors: self.errors.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// The counters of one transport at one moment.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TransferStats {
+    /// The transport's [`name`](Transport::name).
+    pub transport: String,
+    /// Bytes read from peers.
+    pub bytes_read: u64,
+    /// Bytes written to peers.
+    pub bytes_written: u64,
+    /// Requests that failed.
+    pub errors: u64,
 }
