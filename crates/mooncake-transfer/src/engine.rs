@@ -219,6 +219,18 @@ impl std::fmt::Debug for TransferEngine {
     }
 }
 
+impl Drop for TransferEngine {
+    fn drop(&mut self) {
+        // Stop serving now, even if a connection thread still holds the shared part
+        // for a moment: in-process peers lose the endpoint, regions are forgotten
+        // (later requests fail), and same-host peers' mappings go stale.
+        local::withdraw(&self.shared.endpoint);
+        for (_, region) in self.shared.regions.write().drain() {
+            region.revoke_sharing();
+        }
+    }
+}
+
 impl Default for TransferEngine {
     fn default() -> Self {
         Self::new()

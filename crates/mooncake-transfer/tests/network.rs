@@ -229,3 +229,207 @@ fn a_restarted_peer_on_the_same_port_never_serves_stale_region_ids() {
     new.copy_out(0, &mut back).unwrap();
     assert_eq!(&back, b"after restart!");
 }
+
+#[test]
+fn a_batch_of_many_small_requests_to_one_peer_is_pipelined_exactly() {
+    let tcp = Arc::new(TcpTransport::new());
+    let (srv, cli) = (server(false), client(tcp.clone()));
+    let seg = srv.register_region(8 << 20).unwrap();
+    let target = srv.remote(seg.id());
+    // 1000 requests: more than one pipelining window, mixed sizes.
+    let blocks: Vec<Vec<u8>> = (0..1000).map(|i| bytes(i as u8, 1 + (i * 37) % 4096)).collect();
+    let mut writes: Vec<TransferRequest<'_>> =
+        blocks.iter().enumerate().map(|(i, b)| TransferRequest::write(&target, i as u64 * 4096, b)).collect();
+    assert!(cli.transfer(&mut writes).iter().all(|r| r.is_ok()));
+    let mut backs: Vec<Vec<u8>> = blocks.iter().map(|b| vec![0u8; b.len()]).collect();
+    let mut reads: Vec<TransferRequest<'_>> =
+        backs.iter_mut().enumerate().map(|(i, b)| TransferRequest::read(&target, i as u64 * 4096, b)).collect();
+    assert!(cli.transfer(&mut reads).iter().all(|r| r.is_ok()));
+    drop(reads);
+    assert_eq!(backs, blocks);
+    let s = tcp.stats().snapshot("tcp");
+    let total: u64 = blocks.iter().map(|b| b.len() as u64).sum();
+    assert_eq!((s.bytes_written, s.bytes_read, s.errors), (total, total, 0));
+}
+
+#[test]
+fn the_server_answers_pipelined_requests_in_order_on_one_connection() {
+    let srv = server(false);
+    let seg = srv.register_region(4096).unwrap();
+    seg.copy_in(0, b"abcdefgh").unwrap();
+    let mut wire = Vec::new();
+    wire.extend_from_slice(
+        &RequestHeader { op: Op::Read, request_id: 1, region: seg.id(), offset: 0, len: 4 }.encode(),
+    );
+    // A refused write (unknown region): its payload is skipped, the stream stays in sync.
+    wire.extend_from_slice(&RequestHeader { op: Op::Write, request_id: 2, region: 424242, offset: 0, len: 5 }.encode());
+    wire.extend_from_slice(b"XXXXX");
+    // An out-of-bounds write: refused before one byte is stored.
+    wire.extend_from_slice(
+        &RequestHeader { op: Op::Write, request_id: 3, region: seg.id(), offset: 4094, len: 5 }.encode(),
+    );
+    wire.extend_from_slice(b"YYYYY");
+    wire.extend_from_slice(
+        &RequestHeader { op: Op::Write, request_id: 4, region: seg.id(), offset: 4, len: 2 }.encode(),
+    );
+    wire.extend_from_slice(b"ZZ");
+    wire.extend_from_slice(
+        &RequestHeader { op: Op::Read, request_id: 5, region: seg.id(), offset: 2, len: 6 }.encode(),
+    );
+    let out = send_raw(srv.endpoint(), &wire);
+    let mut at = 0;
+    let mut next = |max: u64| {
+        let h = ResponseHeader::decode(&out[at..], max).unwrap();
+        at += RESPONSE_LEN;
+        let body = out[at..at + h.len as usize].to_vec();
+        at += h.len as usize;
+        (h.status, h.request_id, body)
+    };
+    assert_eq!(next(4), (Status::Ok, 1, b"abcd".to_vec()));
+    assert_eq!(next(0), (Status::UnknownRegion, 2, vec![]));
+    assert_eq!(next(0), (Status::OutOfBounds, 3, vec![]));
+    assert_eq!(next(0), (Status::Ok, 4, vec![]));
+    assert_eq!(next(6), (Status::Ok, 5, b"cdZZgh".to_vec()));
+    let mut tail = [0u8; 2];
+    seg.copy_out(4094, &mut tail).unwrap();
+    assert_eq!(tail, [0, 0], "the refused write stored nothing");
+}
+
+#[test]
+fn reads_and_large_writes_interleaved_in_one_batch_complete() {
+    // A pipeline that sent write payloads after reads could block both ends on full
+    // socket buffers; windows are cut so it cannot.
+    let (srv, cli) = (server(false), client(Arc::new(TcpTransport::new())));
+    let seg = srv.register_region(96 << 20).unwrap();
+    let target = srv.remote(seg.id());
+    let src: Vec<Vec<u8>> = (0..24).map(|i| bytes(i, 2 << 20)).collect();
+    for (i, s) in src.iter().enumerate() {
+        seg.copy_in(i as u64 * (2 << 20), s).unwrap();
+    }
+    let mut dst: Vec<Vec<u8>> = (0..24).map(|_| vec![0u8; 2 << 20]).collect();
+    let mut reqs = Vec::new();
+    for (i, (d, s)) in dst.iter_mut().zip(&src).enumerate() {
+        reqs.push(TransferRequest::read(&target, i as u64 * (2 << 20), d));
+        reqs.push(TransferRequest::write(&target, (48 << 20) + i as u64 * (2 << 20), s));
+    }
+    assert!(cli.transfer(&mut reqs).iter().all(|r| r.is_ok()));
+    drop(reqs);
+    assert_eq!(dst, src);
+    let mut back = vec![0u8; 2 << 20];
+    seg.copy_out((48 << 20) + 5 * (2 << 20), &mut back).unwrap();
+    assert!(back == src[5]);
+}
+
+#[test]
+fn a_half_sent_frame_on_one_connection_does_not_stall_others() {
+    let srv = server(false);
+    let seg = srv.register_region(4096).unwrap();
+    let mut stuck = TcpStream::connect(srv.endpoint()).unwrap();
+    stuck.write_all(&[b'M', b'C', b'T', b'X', 2]).unwrap();
+    let cli = client(Arc::new(TcpTransport::new()));
+    cli.write(&srv.remote(seg.id()), 0, b"served meanwhile").unwrap();
+    // A bad version on the stuck connection closes it.
+    let rest = RequestHeader { op: Op::Read, request_id: 1, region: seg.id(), offset: 0, len: 4 }.encode();
+    let mut bad = rest;
+    bad[4] = 99;
+    let mut s = TcpStream::connect(srv.endpoint()).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    s.write_all(&bad).unwrap();
+    let mut out = Vec::new();
+    let _ = s.read_to_end(&mut out);
+    assert!(out.is_empty(), "unknown version gets no answer");
+    drop(stuck);
+    let mut buf = [0u8; 16];
+    cli.read(&srv.remote(seg.id()), 0, &mut buf).unwrap();
+    assert_eq!(&buf, b"served meanwhile");
+}
+
+#[test]
+fn unregistered_regions_and_dropped_engines_are_unreachable_over_shm() {
+    let shm = Arc::new(ShmTransport::new());
+    let cli = client(shm.clone());
+    let srv = server(true);
+    let (a, b) = (srv.register_region(4096).unwrap(), srv.register_region(4096).unwrap());
+    assert!(a.is_shared());
+    let (ta, tb) = (srv.remote(a.id()), srv.remote(b.id()));
+    cli.write(&ta, 0, b"mapped").unwrap();
+    cli.write(&tb, 0, b"mapped").unwrap();
+    let mapped = shm.stats().snapshot("shm").bytes_written;
+    assert_eq!(mapped, 12, "both went through the mapping");
+    // The owner keeps its `Arc`, but peers must stop using their cached mapping.
+    assert!(srv.unregister_region(a.id()));
+    assert!(!a.is_shared());
+    let mut buf = [0u8; 6];
+    assert!(matches!(cli.read(&ta, 0, &mut buf), Err(TransferError::UnknownRegion { .. })));
+    assert!(cli.write(&ta, 0, b"ghost!").is_err());
+    let mut mine = [0u8; 6];
+    a.copy_out(0, &mut mine).unwrap();
+    assert_eq!(&mine, b"mapped", "nothing written after unregistering");
+    // Dropping the engine revokes the rest.
+    cli.read(&tb, 0, &mut buf).unwrap();
+    drop(srv);
+    assert!(!b.is_shared());
+    assert!(cli.read(&tb, 0, &mut buf).is_err());
+    b.copy_out(0, &mut mine).unwrap();
+    assert_eq!(&mine, b"mapped");
+}
+
+#[test]
+fn unregistered_regions_are_unreachable_over_tcp() {
+    let (srv, cli) = (server(false), client(Arc::new(TcpTransport::new())));
+    let seg = srv.register_region(4096).unwrap();
+    let target = srv.remote(seg.id());
+    cli.write(&target, 0, b"x").unwrap();
+    assert!(srv.unregister_region(seg.id()));
+    assert!(matches!(cli.write(&target, 0, b"y"), Err(TransferError::UnknownRegion { .. })));
+}
+
+#[test]
+fn wrong_or_missing_secrets_are_auth_errors() {
+    use mooncake_transfer::SharedSecret;
+    let srv = TransferEngine::builder().tcp_listen("127.0.0.1:0").shared_secret(b"k").build().unwrap();
+    let seg = srv.register_region(4096).unwrap();
+    let target = srv.remote(seg.id());
+    let mut buf = [0u8; 4];
+    let wrong = client(Arc::new(TcpTransport::with_secret(SharedSecret::new(b"not k"))));
+    assert!(matches!(wrong.read(&target, 0, &mut buf), Err(TransferError::Auth(_))));
+    let none = client(Arc::new(TcpTransport::new()));
+    assert!(matches!(none.read(&target, 0, &mut buf), Err(TransferError::Auth(_))));
+    let good = client(Arc::new(ShmTransport::with_secret(SharedSecret::new(b"k"))));
+    good.write(&target, 0, b"shm!").unwrap();
+}
+
+#[test]
+fn listen_addresses_and_advertised_hosts() {
+    let addr: std::net::SocketAddr = "127.0.0.1:0".parse().unwrap();
+    let srv = TransferEngine::builder().tcp_listen(addr).advertise_host("localhost").build().unwrap();
+    assert!(srv.endpoint().starts_with("localhost:"), "{}", srv.endpoint());
+    let seg = srv.register_region(4096).unwrap();
+    let cli = client(Arc::new(TcpTransport::new()));
+    cli.write(&srv.remote(seg.id()), 0, b"via name").unwrap();
+    assert!(TransferEngine::builder().tcp_listen("not an address").build().is_err());
+}
+
+proptest! {
+    #[test]
+    fn response_headers_round_trip(id in any::<u64>(), len in any::<u64>(), status in 0u8..4) {
+        let status = [Status::Ok, Status::OutOfBounds, Status::UnknownRegion, Status::Refused][status as usize];
+        let h = ResponseHeader { status, request_id: id, len };
+        prop_assert_eq!(ResponseHeader::decode(&h.encode(), u64::MAX).unwrap(), h);
+        if len > 0 {
+            prop_assert!(ResponseHeader::decode(&h.encode(), len - 1).is_err());
+        }
+    }
+
+    #[test]
+    fn mutated_request_headers_decode_only_to_what_they_encode(
+        id in any::<u64>(), len in 0u64..=1 << 30, at in 0usize..REQUEST_LEN, byte in any::<u8>(),
+    ) {
+        let mut b = RequestHeader { op: Op::Write, request_id: id, region: 1, offset: 2, len }.encode();
+        b[at] = byte;
+        if let Ok(h) = mooncake_transfer::frame::decode_frame_header(&b) {
+            prop_assert_eq!(h.encode(), b);
+            prop_assert!(h.len <= mooncake_transfer::frame::MAX_REQUEST_BYTES);
+        }
+    }
+}
