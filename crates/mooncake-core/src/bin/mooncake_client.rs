@@ -111,6 +111,11 @@ fn run(cmd: Command) -> Result<(), String> {
             if ssd_dir.is_some() || ssd_capacity.is_some() {
                 return Err("the SSD tier is not available in this build yet".into());
             }
+            // Catch the signals before announcing ourselves: a SIGTERM sent right after
+            // the first line must stop us cleanly, not kill us.
+            let mut signals =
+                signal_hook::iterator::Signals::new([signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT])
+                    .map_err(|e| e.to_string())?;
             let store = builder(&master)
                 .listen(&listen)
                 .global_segment_size(segment_size)
@@ -122,9 +127,6 @@ fn run(cmd: Command) -> Result<(), String> {
                 segment_size,
                 store.endpoint()
             );
-            let mut signals =
-                signal_hook::iterator::Signals::new([signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT])
-                    .map_err(|e| e.to_string())?;
             if let Some(sig) = signals.forever().next() {
                 tracing::info!(sig, "stopping; unmounting the segment");
             }

@@ -72,6 +72,9 @@ fn run(args: Args) -> Result<(), String> {
         track_records: true,
         ..MasterConfig::default()
     };
+    // Catch the signals before announcing ourselves (see mooncake-client serve).
+    let mut signals = signal_hook::iterator::Signals::new([signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT])
+        .map_err(|e| e.to_string())?;
     let master = Master::new(config).map_err(|e| e.to_string())?;
     let secret = std::env::var("MOONCAKE_SECRET").ok().map(|s| mooncake_transfer::SharedSecret::new(s.as_bytes()));
     let server = RpcServer::bind_with(&args.listen, master.service().clone(), DEFAULT_MAX_FRAME, secret)
@@ -80,8 +83,6 @@ fn run(args: Args) -> Result<(), String> {
         serve_metrics(addr, master.clone(), server.stats().clone())?;
     }
     println!("mooncake-master listening on {}", server.local_addr());
-    let mut signals = signal_hook::iterator::Signals::new([signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT])
-        .map_err(|e| e.to_string())?;
     if let Some(sig) = signals.forever().next() {
         tracing::info!(sig, "shutting down");
     }
