@@ -32,6 +32,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 pub const DEFAULT_ALIGNMENT: u64 = 64;
 
 const NONE: u32 = u32::MAX;
+/// `bin_prev` of a node that is in use (free nodes have a real link or `NONE`).
+const USED: u32 = u32::MAX - 1;
 const MANTISSA_BITS: u32 = 3;
 const LEAVES: usize = 1 << MANTISSA_BITS;
 const TOP_BINS: usize = 64;
@@ -105,18 +107,38 @@ pub struct AllocatorReport {
     pub fragmentation: f64,
 }
 
+/// A block, free or used: 32 bytes, two per cache line.
 #[derive(Clone, Copy, Debug)]
 struct Node {
     offset: u64, // units
     size: u64,   // units
+    /// Previous node of the same bin (free), `NONE` at the head, `USED` in use.
     bin_prev: u32,
     bin_next: u32,
     prev: u32, // physical neighbours
     next: u32,
-    used: bool,
 }
 
-/// The allocator. All sizes and offsets in its API are bytes.
+impl Node {
+    fn is_free(&self) -> bool {
+        self.bin_prev != USED
+    }
+}
+
+/// The allocator. All sizes and offsets in its API are bytes; internally it counts in
+/// alignment units. It is `Send` and `Sync` (wrap it in a mutex to share it) and not
+/// `Clone` (its [`Allocation`]s name it).
+///
+/// ```
+/// use mooncake_offset_allocator::OffsetAllocator;
+///
+/// let mut a = OffsetAllocator::with_alignment(1 << 40, 4096).unwrap(); // 1 TiB, 4 KiB pages
+/// let x = a.allocate(1).unwrap();
+/// assert_eq!((x.offset(), x.size()), (0, 4096));
+/// assert_eq!(a.used_bytes(), 4096);
+/// a.free(x);
+/// assert_eq!(a.free_bytes(), 1 << 40);
+/// ```
 #[derive(Debug)]
 pub struct OffsetAllocator {
     id: u64,
@@ -235,7 +257,7 @@ impl OffsetAllocator {
     }
 
     fn new_node(&mut self, offset: u64, size: u64, prev: u32, next: u32) -> u32 {
-        let node = Node { offset, size, bin_prev: NONE, bin_next: NONE, prev, next, used: false };
+        let node = Node { offset, size, bin_prev: USED, bin_next: NONE, prev, next };
         match self.spare.pop() {
             Some(i) => {
                 self.nodes[i as usize] = node;
@@ -253,7 +275,6 @@ impl OffsetAllocator {
         let head = self.heads[bin];
         {
             let n = &mut self.nodes[i as usize];
-            n.used = false;
             n.bin_prev = NONE;
             n.bin_next = head;
         }
@@ -284,6 +305,7 @@ impl OffsetAllocator {
         if n.bin_next != NONE {
             self.nodes[n.bin_next as usize].bin_prev = n.bin_prev;
         }
+        self.nodes[i as usize].bin_prev = USED;
         self.free_blocks -= 1;
     }
 
@@ -350,7 +372,6 @@ impl OffsetAllocator {
             self.nodes[i as usize].size = units;
             self.insert_free(rest);
         }
-        self.nodes[i as usize].used = true;
         self.used_units += units;
         Allocation { offset: n.offset << self.shift, size: units << self.shift, node: i, owner: self.id }
     }
@@ -379,7 +400,7 @@ impl OffsetAllocator {
             return None;
         }
         let n = self.nodes[i as usize];
-        if n.used || n.offset + n.size < end {
+        if !n.is_free() || n.offset + n.size < end {
             return None;
         }
         // Split off the free head [n.offset, start) and keep it free.
@@ -402,25 +423,38 @@ impl OffsetAllocator {
         Some(self.take(target, units))
     }
 
-    /// Gives `allocation` back, merging it with free neighbours. Allocations of other
-    /// allocators are refused (see [`try_free`](Self::try_free)); `free` ignores them
-    /// with a debug assertion.
+    /// Gives `allocation` back, merging it with free neighbours. O(1).
+    ///
+    /// An allocation of another allocator is not freed (that would corrupt both): in
+    /// debug builds this panics, in release builds it is ignored and the space of
+    /// that allocation stays reserved in its own allocator. Use
+    /// [`try_free`](Self::try_free) to get an error instead.
     pub fn free(&mut self, allocation: Allocation) {
         let r = self.try_free(allocation);
         debug_assert!(r.is_ok(), "{r:?}");
     }
 
-    /// Gives `allocation` back; fails if it belongs to another allocator.
+    /// Gives `allocation` back; fails with
+    /// [`ForeignAllocation`](OffsetAllocatorError::ForeignAllocation), changing
+    /// nothing, if it belongs to another allocator.
+    ///
+    /// ```
+    /// use mooncake_offset_allocator::{OffsetAllocator, OffsetAllocatorError};
+    /// let mut a = OffsetAllocator::new(4096);
+    /// let mut b = OffsetAllocator::new(4096);
+    /// let x = a.allocate(64).unwrap();
+    /// assert_eq!(b.try_free(x), Err(OffsetAllocatorError::ForeignAllocation));
+    /// ```
     pub fn try_free(&mut self, allocation: Allocation) -> Result<(), OffsetAllocatorError> {
         if allocation.owner != self.id {
             return Err(OffsetAllocatorError::ForeignAllocation);
         }
         let mut i = allocation.node;
         let n = self.nodes[i as usize];
+        debug_assert!(!n.is_free(), "allocation freed twice");
         self.used_units -= n.size;
-        self.nodes[i as usize].used = false;
         // Merge with the previous block: it absorbs us.
-        if n.prev != NONE && !self.nodes[n.prev as usize].used {
+        if n.prev != NONE && self.nodes[n.prev as usize].is_free() {
             let p = n.prev;
             self.remove_free(p);
             self.nodes[p as usize].size += n.size;
@@ -435,7 +469,7 @@ impl OffsetAllocator {
         }
         // Merge with the next block: we absorb it.
         let next = self.nodes[i as usize].next;
-        if next != NONE && !self.nodes[next as usize].used {
+        if next != NONE && self.nodes[next as usize].is_free() {
             let m = self.nodes[next as usize];
             self.remove_free(next);
             self.nodes[i as usize].size += m.size;

@@ -128,11 +128,43 @@ fn uniform_3_12_mb_allocations_fill_99_percent_of_1_gib() {
 
 #[test]
 fn the_last_block_that_fits_is_used() {
-    // 10 units of 64 B free; a request of 9 units rounds up to a bin above 10's bin
-    // boundary only when bins are coarse: the fallback scan must still find it.
+    // Sizes of 16..32 units share bins two units wide: a free block of 17 units sits
+    // in the bin of 16, a request of 17 units rounds up to the bin of 18 and finds
+    // nothing there; the fallback scan of its own bin must still find the block.
     let mut a = OffsetAllocator::new(64 * 1000);
-    let big = a.allocate(64 * 990).unwrap();
-    let x = a.allocate(64 * 9 + 1).unwrap();
-    assert_eq!(x.offset(), 64 * 990);
+    let big = a.allocate(64 * (1000 - 17)).unwrap();
+    let x = a.allocate(64 * 17).unwrap();
+    assert_eq!(x.offset(), 64 * 983);
+    assert_eq!(a.free_bytes(), 0);
+    a.free(x);
     a.free(big);
+
+    // The same with blocks that are too small in front of the one that fits: holes
+    // of 16 units (bin of 16) and one of 17, freed first so that it is scanned last
+    // (bins are LIFO).
+    let mut a = OffsetAllocator::new(64 * 1000);
+    let mut keep = Vec::new();
+    let mut holes = Vec::new();
+    for _ in 0..20 {
+        holes.push(a.allocate(64 * 16).unwrap());
+        keep.push(a.allocate(64).unwrap());
+    }
+    let last = a.allocate(64 * 17).unwrap();
+    keep.push(a.allocate(a.free_bytes()).unwrap());
+    assert_eq!(a.free_bytes(), 0);
+    let last_offset = last.offset();
+    a.free(last);
+    for h in holes {
+        a.free(h);
+    }
+    let x = a.allocate(64 * 17).expect("the 17-unit hole fits");
+    assert_eq!(x.offset(), last_offset);
+    assert!(a.allocate(64 * 17).is_none(), "only 16-unit holes are left");
+}
+
+#[test]
+fn allocator_is_send_and_sync() {
+    fn check<T: Send + Sync>() {}
+    check::<OffsetAllocator>();
+    check::<Allocation>();
 }
