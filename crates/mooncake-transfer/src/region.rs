@@ -1,6 +1,19 @@
 //! Registered memory: the regions an engine serves to its peers.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use crate::error::{Result, TransferError};
+
+const PAGE: u64 = 4096;
+
+/// Bytes of a shared region's memfd: the data rounded up to a page, then one page
+/// whose first word says whether the owner revoked sharing (peers can't touch it:
+/// requests are bounds-checked against the data length).
+pub(crate) fn shared_file_len(len: u64) -> Result<u64> {
+    len.checked_next_multiple_of(PAGE)
+        .and_then(|l| l.checked_add(PAGE))
+        .ok_or_else(|| TransferError::Registration(format!("{len} bytes exceed the address space")))
+}
 
 /// Identifier of a region inside one engine. Ids are never reused by an engine, so a
 /// stale id can never address a newer region.
@@ -26,6 +39,9 @@ pub struct RegisteredRegion {
     ptr: *mut u8,
     // Keeps the mapping alive; accessed only through `ptr`.
     _map: memmap2::MmapMut,
+    /// Shared regions: the revocation word in the page after the data (see
+    /// [`shared_file_len`]); nonzero once the owner stopped sharing.
+    revoked: Option<*mut u64>,
     /// The memfd behind a shared region (peers on the host map it), until sharing is
     /// revoked (the region is unregistered or its engine dropped): closing it makes
     /// peers' cached mappings stale, so they stop using them.
@@ -60,7 +76,7 @@ impl RegisteredRegion {
             .map_anon()
             .map_err(|e| TransferError::Registration(format!("mmap of {len} bytes: {e}")))?;
         let ptr = map.as_mut_ptr();
-        Ok(Self { id, len, ptr, _map: map, memfd: parking_lot::Mutex::new(None) })
+        Ok(Self { id, len, ptr, _map: map, revoked: None, memfd: parking_lot::Mutex::new(None) })
     }
 
     /// A region backed by a `memfd`, so that processes on the same host can map it.
@@ -77,7 +93,8 @@ impl RegisteredRegion {
         }
         // SAFETY: `fd` was just returned by memfd_create and is owned by nobody else.
         let file = unsafe { <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(fd) };
-        file.set_len(len).map_err(|e| TransferError::Registration(format!("memfd of {len} bytes: {e}")))?;
+        file.set_len(shared_file_len(len)?)
+            .map_err(|e| TransferError::Registration(format!("memfd of {len} bytes: {e}")))?;
         // Seal the size: nobody (a peer that opened it through /proc included) can
         // shrink it under a mapping, which would turn accesses into SIGBUS.
         // SAFETY: `file` owns a valid memfd created with MFD_ALLOW_SEALING; F_ADD_SEALS
@@ -97,15 +114,16 @@ impl RegisteredRegion {
         Ok(region)
     }
 
-    /// Maps `len` bytes of `file` shared (a peer's memfd opened through `/proc`).
+    /// Maps a shared region's memfd: `len` bytes of data and the revocation page
+    /// after them (the owner's own mapping, or a peer's through `/proc`).
     /// With `populate`, every page table entry is made at once (`MAP_POPULATE`): a
     /// peer then copies at memcpy speed from the first access instead of taking a
     /// page fault per 4 KiB on its first touch of each page.
     pub(crate) fn map_file(id: RegionId, file: &std::fs::File, len: u64, populate: bool) -> Result<Self> {
-        let len_usize = usize::try_from(len)
+        let total = usize::try_from(shared_file_len(len)?)
             .map_err(|_| TransferError::Registration(format!("{len} bytes exceed the address space")))?;
         let mut opts = memmap2::MmapOptions::new();
-        opts.len(len_usize);
+        opts.len(total);
         if populate {
             opts.populate();
         }
@@ -115,7 +133,23 @@ impl RegisteredRegion {
         let mut map = unsafe { opts.map_mut(file) }
             .map_err(|e| TransferError::Registration(format!("mmap of a shared region: {e}")))?;
         let ptr = map.as_mut_ptr();
-        Ok(Self { id, len, ptr, _map: map, memfd: parking_lot::Mutex::new(None) })
+        // SAFETY: `total - PAGE` is inside the mapping (`shared_file_len`), and the
+        // mapping is page-aligned, so the word is aligned for a u64.
+        let revoked = Some(unsafe { ptr.add(total - PAGE as usize) }.cast::<u64>());
+        Ok(Self { id, len, ptr, _map: map, revoked, memfd: parking_lot::Mutex::new(None) })
+    }
+
+    fn revoked_word(&self) -> Option<&AtomicU64> {
+        // SAFETY: the word lies in this region's mapping, which lives as long as
+        // `self`; it is aligned (see `map_file`) and only ever accessed atomically,
+        // by this process and by peers mapping the same memfd.
+        self.revoked.map(|p| unsafe { AtomicU64::from_ptr(p) })
+    }
+
+    /// Whether the owner of this (shared) region stopped sharing it: peers check
+    /// this before every use of their mapping.
+    pub(crate) fn is_revoked(&self) -> bool {
+        self.revoked_word().is_some_and(|w| w.load(Ordering::Acquire) != 0)
     }
 
     /// The descriptor and inode of a shared region's memfd, while it is shared.
@@ -131,7 +165,13 @@ impl RegisteredRegion {
     /// and further requests go through the engine (which no longer has the region).
     /// This process's own mapping stays valid.
     pub(crate) fn revoke_sharing(&self) {
-        self.memfd.lock().take();
+        let mut memfd = self.memfd.lock();
+        if memfd.is_some() {
+            if let Some(w) = self.revoked_word() {
+                w.store(1, Ordering::Release);
+            }
+        }
+        memfd.take();
     }
 
     /// Whether peers on this host may map the region.

@@ -25,22 +25,50 @@ pub fn host_id() -> &'static str {
 }
 
 /// A peer's region mapped into this process, and how to tell that it is still the
-/// peer's: the `/proc` path of the peer's descriptor and the memfd's inode.
+/// peer's: the region's revocation word (set by the owner when it unregisters the
+/// region or drops its engine) and a pidfd of the owner (readable once it exited).
+/// Without a pidfd (old kernels), the `/proc` path of the peer's descriptor and the
+/// memfd's inode are checked instead (a few µs per use).
 #[derive(Debug)]
 struct PeerMapping {
     region: RegisteredRegion,
+    pidfd: Option<std::os::fd::OwnedFd>,
     path: String,
     ino: u64,
 }
 
 impl PeerMapping {
-    /// Whether the peer still holds this memfd under that descriptor. A mapping
-    /// outlives the peer's memory otherwise: without this check a dead peer's
+    /// Whether the peer still serves this memfd. A mapping outlives the peer's
+    /// memory otherwise: without this check an unregistered region or a dead peer's
     /// segment would stay alive (and be served) for as long as it is cached.
     fn is_current(&self) -> bool {
-        use std::os::unix::fs::MetadataExt;
-        std::fs::metadata(&self.path).is_ok_and(|m| m.ino() == self.ino)
+        if self.region.is_revoked() {
+            return false;
+        }
+        match &self.pidfd {
+            Some(pidfd) => {
+                use std::os::fd::AsRawFd;
+                let mut p = libc::pollfd { fd: pidfd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+                // SAFETY: one valid pollfd, zero timeout; poll only writes `revents`.
+                let n = unsafe { libc::poll(&mut p, 1, 0) };
+                // A pidfd polls readable once its process exited.
+                n == 0
+            }
+            None => {
+                use std::os::unix::fs::MetadataExt;
+                std::fs::metadata(&self.path).is_ok_and(|m| m.ino() == self.ino)
+            }
+        }
     }
+}
+
+/// A pidfd of `pid`, if the kernel has `pidfd_open` (Linux 5.3).
+fn pidfd_open(pid: u32) -> Option<std::os::fd::OwnedFd> {
+    // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+    let fd = i32::try_from(fd).ok().filter(|&fd| fd >= 0)?;
+    // SAFETY: `fd` was just returned by pidfd_open and is owned by nobody else.
+    Some(unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) })
 }
 
 /// Reaches regions of same-host peers by mapping them; asks peers through `Tcp`.
@@ -83,6 +111,9 @@ impl ShmTransport {
         if info.host_id != host_id() {
             return Err(TransferError::Unreachable(format!("{endpoint} is on another host")));
         }
+        // The pidfd first: if the pid was reused before this, the memfd below is not
+        // the one the peer named and the inode check refuses it.
+        let pidfd = pidfd_open(info.pid);
         let path = format!("/proc/{}/fd/{}", info.pid, info.fd);
         let file = std::fs::OpenOptions::new()
             .read(true)
@@ -97,7 +128,7 @@ impl ShmTransport {
         // The descriptor may have been closed and its number reused since the peer
         // answered: map only the very memfd it named, of at least the size it named,
         // and with its size sealed (so the mapping can never lose its backing).
-        if ino != info.ino || meta.len() < info.len {
+        if ino != info.ino || meta.len() < crate::region::shared_file_len(info.len)? {
             return Err(TransferError::Unreachable(format!("{path} is no longer region {region} of {endpoint}")));
         }
         // SAFETY: F_GET_SEALS on a descriptor we own; it takes no argument and
@@ -106,7 +137,11 @@ impl ShmTransport {
         if seals < 0 || seals & libc::F_SEAL_SHRINK == 0 {
             return Err(TransferError::Unreachable(format!("{path} is not a size-sealed memfd")));
         }
-        let m = Arc::new(PeerMapping { region: RegisteredRegion::map_file(region, &file, info.len, true)?, path, ino });
+        let region_map = RegisteredRegion::map_file(region, &file, info.len, true)?;
+        if region_map.is_revoked() {
+            return Err(TransferError::UnknownRegion { endpoint: endpoint.to_owned(), region });
+        }
+        let m = Arc::new(PeerMapping { region: region_map, pidfd, path, ino });
         self.maps.write().entry(endpoint.to_owned()).or_default().insert(region, m.clone());
         Ok(m)
     }

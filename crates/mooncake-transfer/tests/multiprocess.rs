@@ -174,3 +174,16 @@ fn another_process_requires_its_secret() {
     let none = TransferEngine::builder().transport(Arc::new(ShmTransport::new())).build().unwrap();
     assert!(none.read(&node.target, 0, &mut buf).is_err(), "no secret, no mapping either");
 }
+
+#[test]
+fn a_dead_peer_is_never_served_from_a_cached_mapping() {
+    let mut node = spawn_node(None);
+    let cli = TransferEngine::builder().transport(Arc::new(ShmTransport::new())).build().unwrap();
+    let mut buf = [0u8; 64];
+    cli.read(&node.target, 0, &mut buf).unwrap();
+    assert_eq!(buf.to_vec(), pattern(0, 64));
+    node.child.kill().unwrap();
+    node.child.wait().unwrap();
+    assert!(cli.read(&node.target, 0, &mut buf).is_err(), "the mapping outlived its owner");
+    assert!(cli.write(&node.target, 0, &buf).is_err());
+}
