@@ -8,7 +8,13 @@ use parking_lot::Mutex;
 
 use crate::strategy::AllocationError;
 
-/// Identifier of a mounted segment (given by the master).
+/// Identifier of a mounted segment (given by the master when the segment is mounted).
+///
+/// ```
+/// use mooncake_alloc::{SegmentAllocator, SegmentId};
+/// let id: SegmentId = 42;
+/// assert_eq!(SegmentAllocator::new(id, "node-a", 4096).id(), 42);
+/// ```
 pub type SegmentId = u64;
 
 /// The space of one mounted segment. Reads of its counters are lock-free.
@@ -40,7 +46,25 @@ impl SegmentAllocator {
         Self::with_alignment(id, name, capacity, DEFAULT_ALIGNMENT).expect("segment of at least 64 bytes")
     }
 
-    /// A segment whose buffers are aligned to `alignment` (a power of two).
+    /// A segment of `capacity` bytes (rounded down to the alignment) whose buffers
+    /// are aligned to `alignment` (a power of two).
+    ///
+    /// Fails with [`AllocationError::InvalidAlignment`] if `alignment` is not a power
+    /// of two, and with [`AllocationError::InvalidRequest`] if the capacity is smaller
+    /// than one alignment unit.
+    ///
+    /// ```
+    /// use mooncake_alloc::{AllocationError, SegmentAllocator};
+    /// let seg = SegmentAllocator::with_alignment(1, "gpu0", 1 << 30, 2 << 20)?; // 2 MiB pages
+    /// let page = seg.allocate(1).unwrap();
+    /// assert_eq!(page.offset() % (2 << 20), 0);
+    /// assert_eq!(seg.used_bytes(), 2 << 20); // one whole page reserved
+    /// assert_eq!(
+    ///     SegmentAllocator::with_alignment(1, "bad", 1 << 30, 3).unwrap_err(),
+    ///     AllocationError::InvalidAlignment(3)
+    /// );
+    /// # Ok::<(), AllocationError>(())
+    /// ```
     pub fn with_alignment(
         id: SegmentId,
         name: impl Into<String>,
@@ -72,22 +96,31 @@ impl SegmentAllocator {
         &self.name
     }
 
-    /// Bytes managed.
+    /// Bytes managed (the capacity given, rounded down to the alignment).
     pub fn capacity(&self) -> u64 {
         self.capacity
     }
 
-    /// Bytes reserved.
+    /// Bytes reserved (requests rounded up to the alignment). Lock-free.
     pub fn used_bytes(&self) -> u64 {
         self.used.load(Ordering::Relaxed)
     }
 
-    /// Bytes free.
+    /// Bytes free, possibly in several blocks (see [`report`](Self::report)).
+    /// Lock-free.
     pub fn free_bytes(&self) -> u64 {
         self.capacity.saturating_sub(self.used_bytes())
     }
 
-    /// Free bytes over capacity.
+    /// Free bytes over capacity, in `[0, 1]`; what [`FreeRatioFirst`](crate::FreeRatioFirst)
+    /// ranks by. Lock-free.
+    ///
+    /// ```
+    /// use mooncake_alloc::SegmentAllocator;
+    /// let seg = SegmentAllocator::new(0, "a", 1 << 20);
+    /// let _quarter = seg.allocate(256 << 10).unwrap();
+    /// assert_eq!(seg.free_ratio(), 0.75);
+    /// ```
     pub fn free_ratio(&self) -> f64 {
         self.free_bytes() as f64 / self.capacity as f64
     }
@@ -98,7 +131,8 @@ impl SegmentAllocator {
         Some(AllocatedBuffer { segment: self.clone(), allocation: Some(a), len })
     }
 
-    /// Reserves `size` bytes; `None` if no free block fits.
+    /// Reserves `size` bytes (rounded up to the alignment); `None` if `size` is 0 or
+    /// no free block fits. The space returns when the buffer is dropped.
     pub fn allocate(self: &Arc<Self>, size: u64) -> Option<AllocatedBuffer> {
         if size == 0 || size > self.free_bytes() {
             return None;
@@ -107,20 +141,52 @@ impl SegmentAllocator {
         self.wrap(a, size)
     }
 
-    /// Reserves exactly `[offset, offset + size)` if it is free (rebuilding a
-    /// segment's layout after a master restart).
+    /// Reserves exactly `[offset, offset + size)` if it is free and `offset` is
+    /// aligned (rebuilding a segment's layout after a master restart). Cheapest when
+    /// ranges are reserved in increasing offset order.
+    ///
+    /// ```
+    /// use mooncake_alloc::SegmentAllocator;
+    /// let seg = SegmentAllocator::new(0, "a", 1 << 20);
+    /// let b = seg.allocate_at(8192, 100).unwrap();
+    /// assert_eq!((b.offset(), b.len()), (8192, 100));
+    /// assert!(seg.allocate_at(8192, 1).is_none(), "taken");
+    /// ```
     pub fn allocate_at(self: &Arc<Self>, offset: u64, size: u64) -> Option<AllocatedBuffer> {
         let a = self.inner.lock().allocate_at(offset, size);
         self.wrap(a, size)
     }
 
-    /// Space and fragmentation.
+    /// Space and fragmentation (takes the segment's lock).
+    ///
+    /// ```
+    /// use mooncake_alloc::SegmentAllocator;
+    /// let seg = SegmentAllocator::new(0, "a", 1 << 20);
+    /// let mut bufs: Vec<_> = (0..4).map(|_| seg.allocate(256 << 10).unwrap()).collect();
+    /// bufs.swap_remove(2);
+    /// bufs.swap_remove(0); // two holes of 256 KiB, not adjacent
+    /// let r = seg.report();
+    /// assert_eq!((r.free_bytes, r.free_regions, r.largest_free_region), (512 << 10, 2, 256 << 10));
+    /// assert_eq!(r.fragmentation, 0.5);
+    /// ```
     pub fn report(&self) -> AllocatorReport {
         self.inner.lock().report()
     }
 }
 
 /// A reserved range of a segment; the space returns to the segment when dropped.
+/// Not `Clone` (one owner, one free); `Send + Sync`.
+///
+/// ```
+/// use mooncake_alloc::SegmentAllocator;
+/// let seg = SegmentAllocator::new(3, "node-a", 1 << 20);
+/// let buf = seg.allocate(1000).unwrap();
+/// assert_eq!(buf.segment_id(), 3);
+/// assert_eq!(buf.segment().name(), "node-a");
+/// assert_eq!((buf.offset(), buf.len(), buf.is_empty()), (0, 1000, false));
+/// let moved = std::thread::spawn(move || buf.len()).join().unwrap(); // dropped there
+/// assert_eq!((moved, seg.used_bytes()), (1000, 0));
+/// ```
 #[derive(Debug)]
 pub struct AllocatedBuffer {
     segment: Arc<SegmentAllocator>,
@@ -129,7 +195,7 @@ pub struct AllocatedBuffer {
 }
 
 impl AllocatedBuffer {
-    /// The segment holding the range.
+    /// Id of the segment holding the range.
     pub fn segment_id(&self) -> SegmentId {
         self.segment.id
     }

@@ -8,15 +8,82 @@ use rand::{Rng, SeedableRng};
 
 use crate::segment::{AllocatedBuffer, SegmentAllocator, SegmentId};
 
+/// Per-thread randomness: a fast generator and a permutation of `0..n` that
+/// successive shuffles keep permuting (a partial Fisher-Yates shuffle of *any*
+/// permutation yields a uniformly random prefix, so it never needs resetting while
+/// the number of candidates stays the same).
+struct Scratch {
+    rng: SmallRng,
+    perm: Vec<u32>,
+}
+
+impl Scratch {
+    fn new() -> Self {
+        Self { rng: SmallRng::from_rng(&mut rand::rng()), perm: Vec::new() }
+    }
+
+    fn order(&mut self, n: usize) -> Order<'_> {
+        if self.perm.len() != n {
+            self.perm.clear();
+            self.perm.extend((0..n).map(|i| i as u32));
+        }
+        Order { rng: &mut self.rng, perm: &mut self.perm, next: 0 }
+    }
+}
+
 thread_local! {
-    static RNG: RefCell<SmallRng> = RefCell::new(SmallRng::from_rng(&mut rand::rng()));
+    static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::new());
 }
 
-fn random_below(n: usize) -> usize {
-    RNG.with(|r| r.borrow_mut().random_range(0..n))
+/// Runs `f` with a uniformly random order of `0..n`, drawn lazily (O(1) per index
+/// taken, no allocation once the thread has seen `n` candidates).
+fn with_random_order<R>(n: usize, f: impl FnOnce(&mut Order<'_>) -> R) -> R {
+    SCRATCH.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut scratch) => f(&mut scratch.order(n)),
+        // Re-entered (only possible from a callback): use a private one.
+        Err(_) => f(&mut Scratch::new().order(n)),
+    })
 }
 
-/// Why nothing could be placed.
+/// Indices of `0..n`, each once, in uniformly random order.
+struct Order<'a> {
+    rng: &'a mut SmallRng,
+    perm: &'a mut [u32],
+    next: usize,
+}
+
+impl Iterator for Order<'_> {
+    type Item = usize;
+
+    fn next(&mut self) -> Option<usize> {
+        let n = self.perm.len();
+        if self.next >= n {
+            return None;
+        }
+        let j = self.next;
+        let r = self.rng.random_range(j..n);
+        self.perm.swap(j, r);
+        self.next += 1;
+        Some(self.perm[j] as usize)
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        let left = self.perm.len() - self.next;
+        (left, Some(left))
+    }
+}
+
+/// Why nothing could be placed (or a segment could not be made).
+///
+/// ```
+/// use mooncake_alloc::{AllocationError, AllocationRequest, AllocationStrategy, Random, SegmentAllocator};
+/// let req = AllocationRequest { size: 4096, replica_num: 1, ..Default::default() };
+/// assert_eq!(Random.allocate(&req, &[], None).unwrap_err(), AllocationError::NoSegment);
+/// let tiny = [SegmentAllocator::new(0, "tiny", 1024)];
+/// let err = Random.allocate(&req, &tiny, None).unwrap_err();
+/// assert_eq!(err, AllocationError::NoSpace { size: 4096, replica_num: 1, candidates: 1 });
+/// assert_eq!(err.to_string(), "no space for 4096 bytes x1 in 1 segment(s)");
+/// ```
 #[derive(Debug, thiserror::Error, Clone, PartialEq)]
 pub enum AllocationError {
     /// There is no segment to place on.
@@ -41,6 +108,17 @@ pub enum AllocationError {
 }
 
 /// One put's placement request.
+///
+/// ```
+/// use mooncake_alloc::AllocationRequest;
+/// let req = AllocationRequest {
+///     size: 2 << 20,
+///     replica_num: 2,
+///     preferred_segments: vec!["10.0.0.7:17000".into()], // local segment first
+/// };
+/// assert_eq!(AllocationRequest::default().replica_num, 0); // fill in before use
+/// # let _ = req;
+/// ```
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct AllocationRequest {
     /// Bytes per replica.
@@ -51,12 +129,33 @@ pub struct AllocationRequest {
     pub preferred_segments: Vec<String>,
 }
 
-/// SSD usage of the clients that own segments (the master implements it).
+/// SSD usage of the clients that own segments (the master implements it), read by
+/// [`SsdFreeRatioFirst`]. Values are a placement signal only: they may drift
+/// (`used < 0`, `used > total`) and are clamped by the reader.
+///
+/// ```
+/// use std::collections::HashMap;
+/// use mooncake_alloc::{SegmentId, SsdMetricsProvider};
+///
+/// /// (total, used) per segment; segments it does not know have no SSD.
+/// struct Table(HashMap<SegmentId, (i64, i64)>);
+/// impl SsdMetricsProvider for Table {
+///     fn ssd_total_capacity(&self, s: SegmentId) -> i64 {
+///         self.0.get(&s).map_or(0, |v| v.0)
+///     }
+///     fn ssd_used_bytes(&self, s: SegmentId) -> i64 {
+///         self.0.get(&s).map_or(0, |v| v.1)
+///     }
+/// }
+/// let t = Table(HashMap::from([(1, (1 << 40, 200 << 30))]));
+/// assert_eq!(t.ssd_total_capacity(2), 0);
+/// ```
 pub trait SsdMetricsProvider: Send + Sync {
     /// Total SSD capacity (bytes) of the client that owns `segment`; <= 0 means
     /// unknown or none.
     fn ssd_total_capacity(&self, segment: SegmentId) -> i64;
-    /// SSD bytes in use on that client (may drift outside `[0, total]`).
+    /// SSD bytes in use on that client (may drift outside `[0, total]`; readers
+    /// clamp).
     fn ssd_used_bytes(&self, segment: SegmentId) -> i64;
 }
 
@@ -88,7 +187,11 @@ pub trait SsdMetricsProvider: Send + Sync {
 /// ```
 pub trait AllocationStrategy: Send + Sync {
     /// Returns between 1 and `replica_num` buffers, each on a distinct segment (fewer
-    /// when fewer segments have room), or an error when none could be placed.
+    /// when fewer segments have room), or an error when none could be placed:
+    /// [`InvalidRequest`](AllocationError::InvalidRequest) for size 0 or
+    /// `replica_num` 0, [`NoSegment`](AllocationError::NoSegment) for no candidates,
+    /// [`NoSpace`](AllocationError::NoSpace) when no candidate has a free block of
+    /// the size. Segments named in `preferred_segments` come first, in order.
     fn allocate(
         &self,
         request: &AllocationRequest,
@@ -105,7 +208,14 @@ pub trait AllocationStrategy: Send + Sync {
     fn name(&self) -> &str;
 }
 
-/// The strategy of a name used on command lines.
+/// The built-in strategy of a name used on command lines and in configs:
+/// `random`, `free_ratio_first` or `ssd_free_ratio_first`.
+///
+/// ```
+/// let s = mooncake_alloc::strategy_from_name("ssd_free_ratio_first").unwrap();
+/// assert!(s.uses_ssd_metrics());
+/// assert!(mooncake_alloc::strategy_from_name("best_fit").is_none());
+/// ```
 pub fn strategy_from_name(name: &str) -> Option<Arc<dyn AllocationStrategy>> {
     match name {
         "random" => Some(Arc::new(Random)),
@@ -164,17 +274,16 @@ impl Placement {
         }
     }
 
-    /// Every segment, from a random start: distinct, uniform, no allocation of a
-    /// shuffled copy.
+    /// Every segment once, in random order, until enough replicas are placed.
     fn random_fill(&mut self, size: u64, candidates: &[Arc<SegmentAllocator>]) {
-        let n = candidates.len();
-        let start = random_below(n);
-        for i in 0..n {
-            if self.done() {
-                return;
+        with_random_order(candidates.len(), |order| {
+            for i in order {
+                if self.done() {
+                    return;
+                }
+                self.try_on(&candidates[i], size);
             }
-            self.try_on(&candidates[(start + i) % n], size);
-        }
+        })
     }
 
     fn finish(self, request: &AllocationRequest, candidates: usize) -> Result<Vec<AllocatedBuffer>, AllocationError> {
@@ -186,7 +295,17 @@ impl Placement {
     }
 }
 
-/// Distinct segments in random order.
+/// Preferred segments first, then every segment once in random order until the
+/// replicas are placed. The default strategy: cheapest, and spreads load evenly.
+///
+/// ```
+/// use mooncake_alloc::{AllocationRequest, AllocationStrategy, Random, SegmentAllocator};
+/// let segs: Vec<_> = (0..8).map(|i| SegmentAllocator::new(i, format!("n{i}"), 1 << 20)).collect();
+/// let req = AllocationRequest { size: 1000, replica_num: 3, ..Default::default() };
+/// let bufs = Random.allocate(&req, &segs, None)?;
+/// assert_eq!(bufs.len(), 3);
+/// # Ok::<(), mooncake_alloc::AllocationError>(())
+/// ```
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Random;
 
@@ -209,6 +328,9 @@ impl AllocationStrategy for Random {
     }
 }
 
+/// Segments sampled per replica by the ranking strategies (as the reference system).
+const SAMPLE_FACTOR: usize = 6;
+
 /// Samples `min(6 * replica_num, n)` distinct candidates, ranks them by `score`
 /// (higher first), allocates from the top, then falls back to random.
 fn ranked(
@@ -220,13 +342,15 @@ fn ranked(
     let mut p = Placement::new(request.replica_num);
     p.preferred(request, candidates);
     if !p.done() {
-        let n = candidates.len();
-        let k = request.replica_num.saturating_mul(6).min(n);
-        // A random window of k consecutive segments from a random start: distinct,
-        // and every segment equally likely to be sampled.
-        let start = random_below(n);
+        let k = request.replica_num.saturating_mul(SAMPLE_FACTOR).min(candidates.len());
+        // A uniform sample of k distinct segments, in random order; the sort is
+        // stable, so ties keep that order (no bias towards the first candidates).
         let mut sample: Vec<(f64, &Arc<SegmentAllocator>)> =
-            (0..k).map(|i| &candidates[(start + i) % n]).map(|s| (score(s), s)).collect();
+            with_random_order(candidates.len(), |order| order.take(k).map(|i| (0.0, &candidates[i])).collect());
+        // Scores outside the thread-local borrow: they may call user code.
+        for (score_of, seg) in &mut sample {
+            *score_of = score(seg);
+        }
         sample.sort_by(|a, b| b.0.total_cmp(&a.0));
         for (_, seg) in sample {
             p.try_on(seg, request.size);
@@ -236,7 +360,21 @@ fn ranked(
     p.finish(request, candidates.len())
 }
 
-/// Prefers segments with the highest DRAM free ratio among a sample.
+/// Preferred segments first; then samples `min(6 * replica_num, n)` distinct
+/// segments at random, ranks them by DRAM [free ratio](SegmentAllocator::free_ratio)
+/// (highest first) and allocates from the top; replicas still missing go to random
+/// segments. Sampling keeps the cost bounded on large clusters.
+///
+/// ```
+/// use mooncake_alloc::{AllocationRequest, AllocationStrategy, FreeRatioFirst, SegmentAllocator};
+/// let segs: Vec<_> = (0..3).map(|i| SegmentAllocator::new(i, format!("n{i}"), 1 << 20)).collect();
+/// let _a = segs[0].allocate(512 << 10);
+/// let _b = segs[1].allocate(256 << 10);
+/// let req = AllocationRequest { size: 1000, replica_num: 2, ..Default::default() };
+/// let bufs = FreeRatioFirst.allocate(&req, &segs, None)?; // 3 <= 6 segments: all ranked
+/// assert_eq!((bufs[0].segment_id(), bufs[1].segment_id()), (2, 1));
+/// # Ok::<(), mooncake_alloc::AllocationError>(())
+/// ```
 #[derive(Clone, Copy, Debug, Default)]
 pub struct FreeRatioFirst;
 
@@ -267,7 +405,26 @@ pub(crate) fn ssd_free_ratio(ssd: Option<&dyn SsdMetricsProvider>, segment: Segm
     (total - used) as f64 / total as f64
 }
 
-/// Prefers segments whose owner's SSD has the highest free ratio among a sample.
+/// Preferred segments first; then samples `min(6 * replica_num, n)` distinct
+/// segments at random, ranks them by the SSD free ratio of their owner,
+/// `(total - clamp(used, 0, total)) / total` (fully free when there is no provider
+/// or `total <= 0`), and allocates from the top; replicas still missing go to random
+/// segments. The master passes an [`SsdMetricsProvider`] because
+/// [`uses_ssd_metrics`](AllocationStrategy::uses_ssd_metrics) says so.
+///
+/// ```
+/// use mooncake_alloc::*;
+/// struct Ssd;
+/// impl SsdMetricsProvider for Ssd {
+///     fn ssd_total_capacity(&self, _: SegmentId) -> i64 { 1000 }
+///     fn ssd_used_bytes(&self, s: SegmentId) -> i64 { [900, 100, 500][s as usize] }
+/// }
+/// let segs: Vec<_> = (0..3).map(|i| SegmentAllocator::new(i, format!("n{i}"), 1 << 20)).collect();
+/// let req = AllocationRequest { size: 1000, replica_num: 1, ..Default::default() };
+/// let bufs = SsdFreeRatioFirst.allocate(&req, &segs, Some(&Ssd))?;
+/// assert_eq!(bufs[0].segment_id(), 1); // 90 % of its SSD free
+/// # Ok::<(), mooncake_alloc::AllocationError>(())
+/// ```
 #[derive(Clone, Copy, Debug, Default)]
 pub struct SsdFreeRatioFirst;
 
@@ -302,6 +459,48 @@ mod tests {
         fn ssd_used_bytes(&self, s: SegmentId) -> i64 {
             self.0[s as usize].1
         }
+    }
+
+    #[test]
+    fn orders_visit_every_index_once_uniformly() {
+        for n in 1..40 {
+            let mut firsts = vec![0usize; n];
+            for _ in 0..400 {
+                let mut seen: Vec<usize> = with_random_order(n, |o| o.collect());
+                firsts[seen[0]] += 1;
+                seen.sort_unstable();
+                assert_eq!(seen, (0..n).collect::<Vec<_>>());
+            }
+            if n <= 8 {
+                assert!(firsts.iter().all(|&f| f > 400 / n / 3), "n {n}: {firsts:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn samples_are_not_structured() {
+        // Every pair of 16 shows up as the first two (a rotation or a fixed stride
+        // would give only some).
+        let mut pairs = std::collections::HashSet::new();
+        for _ in 0..20_000 {
+            let w: Vec<usize> = with_random_order(16, |o| o.take(2).collect());
+            pairs.insert((w[0], w[1]));
+        }
+        assert_eq!(pairs.len(), 16 * 15);
+        // Changing n mid-thread resets the permutation.
+        let w: Vec<usize> = with_random_order(3, |o| o.collect());
+        assert_eq!(w.len(), 3);
+        assert!(w.iter().all(|&i| i < 3));
+    }
+
+    #[test]
+    fn reentrant_use_does_not_panic() {
+        let inner = with_random_order(4, |o| {
+            let first = o.next().unwrap();
+            let nested: Vec<usize> = with_random_order(5, |o2| o2.collect());
+            (first, nested.len())
+        });
+        assert!(inner.0 < 4 && inner.1 == 5);
     }
 
     #[test]

@@ -168,3 +168,50 @@ fn allocator_is_send_and_sync() {
     check::<OffsetAllocator>();
     check::<Allocation>();
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 128, ..ProptestConfig::default() })]
+
+    /// Any alignment and capacity: offsets and sizes aligned, no overlap, frees
+    /// coalesce back into the whole (rounded-down) capacity.
+    #[test]
+    fn any_alignment_and_capacity(
+        align_log in 0u32..13,
+        capacity in 1u64..(1 << 22),
+        ops in proptest::collection::vec((any::<bool>(), 1u64..100_000, any::<usize>()), 1..200),
+    ) {
+        let align = 1u64 << align_log;
+        let Ok(mut a) = OffsetAllocator::with_alignment(capacity, align) else {
+            prop_assert!(capacity < align);
+            return Ok(());
+        };
+        prop_assert_eq!(a.capacity(), capacity / align * align);
+        let mut live: BTreeMap<u64, Allocation> = BTreeMap::new();
+        for (alloc, size, pick) in ops {
+            if alloc || live.is_empty() {
+                if let Some(x) = a.allocate(size) {
+                    prop_assert_eq!(x.offset() % align, 0);
+                    prop_assert_eq!(x.size(), size.div_ceil(align) * align);
+                    prop_assert!(x.offset() + x.size() <= a.capacity());
+                    if let Some((&o, p)) = live.range(..x.offset()).next_back() {
+                        prop_assert!(o + p.size() <= x.offset(), "overlap");
+                    }
+                    if let Some((&o, _)) = live.range(x.offset()..).next() {
+                        prop_assert!(x.offset() + x.size() <= o, "overlap");
+                    }
+                    live.insert(x.offset(), x);
+                }
+            } else {
+                let key = *live.keys().nth(pick % live.len()).unwrap();
+                a.free(live.remove(&key).unwrap());
+            }
+            prop_assert_eq!(a.used_bytes(), live.values().map(Allocation::size).sum::<u64>());
+        }
+        for (_, x) in std::mem::take(&mut live) {
+            a.free(x);
+        }
+        prop_assert_eq!(a.report().free_regions, 1);
+        let all = a.allocate(a.capacity());
+        prop_assert!(all.is_some());
+    }
+}
