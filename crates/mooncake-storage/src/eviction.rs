@@ -344,7 +344,8 @@ mod tests {
                     Op::Add(u) => {
                         let u = u as u64;
                         lru.add(u); fifo.add(u);
-                        if !model.iter().any(|e| e.0 == u) { model.push_back((u, None)); fifo_model.push_back(u); }
+                        if !model.iter().any(|e| e.0 == u) { model.push_back((u, None)); }
+                        if !fifo_model.contains(&u) { fifo_model.push_back(u); }
                     }
                     Op::Remove(u) => {
                         let u = u as u64;

@@ -9,7 +9,7 @@
 //! ```text
 //! magic      8 B   "MCBKMETA"
 //! version    u32   1
-//! flags      u32   0
+//! flags      u32   0 (anything else is rejected)
 //! bucket_id  u64
 //! data_len   u64   length of the data the `.bucket` file must hold
 //! count      u32   number of entries
@@ -30,7 +30,7 @@
 //! ```text
 //! magic      4 B   "MCOH"
 //! version    u16   1
-//! flags      u16   0
+//! flags      u16   0 (anything else is rejected)
 //! key_len    u32   1..=4096
 //! value_crc  u32   crc32c of the value
 //! value_len  u64   >= 1
@@ -182,7 +182,10 @@ pub fn parse_bucket_meta(bytes: &[u8]) -> Result<BucketMeta> {
     if version != BUCKET_VERSION {
         return Err(StorageError::corrupted(WHAT, format!("unknown version {version}")));
     }
-    let _flags = c.u32()?;
+    let flags = c.u32()?;
+    if flags != 0 {
+        return Err(StorageError::corrupted(WHAT, format!("unknown flags {flags:#x}")));
+    }
     let bucket_id = c.u64()?;
     let data_len = c.u64()?;
     let count = c.u32()? as usize;
@@ -278,7 +281,10 @@ pub fn parse_object_header(bytes: &[u8]) -> Result<ObjectHeader> {
     if version != HEADER_VERSION {
         return Err(StorageError::corrupted(WHAT, format!("unknown version {version}")));
     }
-    let _flags = c.u16()?;
+    let flags = c.u16()?;
+    if flags != 0 {
+        return Err(StorageError::corrupted(WHAT, format!("unknown flags {flags:#x}")));
+    }
     let key_len = c.u32()?;
     let value_crc = c.u32()?;
     let value_len = c.u64()?;

@@ -66,6 +66,9 @@ impl Pinned for Rec {
     }
 }
 
+/// One of the 1024 index shards.
+type Shard = RwLock<AHashMap<String, Arc<Rec>>>;
+
 struct Control {
     strategy: Box<dyn DiskEvictionStrategy>,
     units: AHashMap<UnitId, String>,
@@ -83,7 +86,7 @@ pub struct OffsetAllocatorBackend {
     capacity: Option<u64>,
     eviction_wait: Duration,
     verify_on_load: bool,
-    shards: Box<[RwLock<AHashMap<String, Arc<Rec>>>]>,
+    shards: Box<[Shard]>,
     alloc: Mutex<OffsetAllocator>,
     ctl: Mutex<Control>,
     notifier: Notifier,

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::{value, Env, GatedEngine, Kind};
+use common::{value, Env, GatedEngine};
 use mooncake_storage::*;
 
 all_backends!(
@@ -22,6 +22,7 @@ all_backends!(
     no_space_without_capacity_to_evict,
     concurrent_writers_readers_and_eviction,
     staging_serves_remote_loads,
+    user_defined_strategy_plugs_in,
 );
 
 const SIZES: [usize; 9] = [1, 7, 4095, 4096, 4097, 65_539, 1 << 20, (1 << 20) + 1, 4 << 20];
@@ -399,5 +400,38 @@ fn staging_serves_remote_loads(env: &Env) {
     assert!(staging.release(lease.batch_id));
     assert!(load_into_staging(&*b.backend, &staging, &["x", "nope"]).unwrap_err().is_not_found());
     assert_eq!(staging.stats().used_bytes, 0, "a failed load releases its batch");
-    let _ = Kind::Bucket;
+}
+
+/// A user-written strategy: last in, first out.
+#[derive(Default)]
+struct Lifo(Vec<UnitId>);
+
+impl DiskEvictionStrategy for Lifo {
+    fn add(&mut self, unit: UnitId) {
+        if !self.0.contains(&unit) {
+            self.0.push(unit);
+        }
+    }
+    fn remove(&mut self, unit: UnitId) {
+        self.0.retain(|&u| u != unit);
+    }
+    fn record_access(&mut self, _unit: UnitId) {}
+    fn select_victim(&mut self) -> Option<UnitId> {
+        self.0.pop()
+    }
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+    fn name(&self) -> &'static str {
+        "lifo"
+    }
+}
+
+fn user_defined_strategy_plugs_in(env: &Env) {
+    let cap = 3 * env.unit_cost(UNIT as u64);
+    let b = env.open(env.opts().with_capacity(cap).with_eviction(Lifo::default()));
+    let keys = write_units(&*b, "u", 3, UNIT);
+    write_units(&*b, "v", 1, UNIT);
+    assert!(b.exists(&keys[0]) && b.exists(&keys[1]) && !b.exists(&keys[2]), "the newest unit went");
+    assert!(b.exists("v0"));
 }

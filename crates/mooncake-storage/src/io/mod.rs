@@ -18,7 +18,7 @@
 //!   batched reads of up to [`QUEUE_DEPTH`] requests per submission, reads into a
 //!   registered fixed buffer use `READ_FIXED`. Falls back to POSIX calls in a thread
 //!   whose ring cannot be created.
-//! * [`PosixEngine`]: `pread`/`pwrite`.
+//! * [`PosixEngine`]: `pread`/`pwrite`, optionally on `O_DIRECT` files.
 //!
 //! [`io_engine`] builds either, falling back to POSIX when `io_uring` is unavailable.
 //! Opening a file with `O_DIRECT` on a filesystem that refuses it (tmpfs) falls back

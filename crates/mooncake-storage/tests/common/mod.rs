@@ -67,9 +67,11 @@ impl Location {
     }
 }
 
+type Locator = Box<dyn Fn(&str) -> Option<Location> + Send + Sync>;
+
 pub struct Opened {
     pub backend: Arc<dyn StorageBackend>,
-    locate: Box<dyn Fn(&str) -> Option<Location> + Send + Sync>,
+    locate: Locator,
 }
 
 impl Opened {
@@ -168,13 +170,10 @@ impl Env {
 }
 
 pub fn run(kind: Kind, io: Io, test: fn(&Env)) {
-    let _ = tracing_subscriber_init();
     if let Some(env) = Env::new(kind, io) {
         test(&env);
     }
 }
-
-fn tracing_subscriber_init() {}
 
 /// Deterministic test bytes for `key`.
 pub fn value(key: &str, len: usize) -> Vec<u8> {
@@ -264,16 +263,16 @@ impl IoEngine for GatedEngine {
 macro_rules! io_variants {
     ($kind:expr; $($t:ident),* $(,)?) => {
         mod uring {
-            $( #[test] fn $t() { $crate::common::run($kind, $crate::common::Io::Uring, crate::$t) } )*
+            $( #[test] fn $t() { $crate::common::run($kind, $crate::common::Io::Uring, $crate::$t) } )*
         }
         mod uring_direct {
-            $( #[test] fn $t() { $crate::common::run($kind, $crate::common::Io::UringDirect, crate::$t) } )*
+            $( #[test] fn $t() { $crate::common::run($kind, $crate::common::Io::UringDirect, $crate::$t) } )*
         }
         mod posix {
-            $( #[test] fn $t() { $crate::common::run($kind, $crate::common::Io::Posix, crate::$t) } )*
+            $( #[test] fn $t() { $crate::common::run($kind, $crate::common::Io::Posix, $crate::$t) } )*
         }
         mod posix_direct {
-            $( #[test] fn $t() { $crate::common::run($kind, $crate::common::Io::PosixDirect, crate::$t) } )*
+            $( #[test] fn $t() { $crate::common::run($kind, $crate::common::Io::PosixDirect, $crate::$t) } )*
         }
     };
 }
