@@ -17,7 +17,7 @@
 //! some keys of a bucket rewrites its meta file (atomically); removing the last one
 //! deletes the bucket. Eviction deletes the meta file before the data file.
 //!
-//! The unit of eviction is the bucket. Reads pin their bucket ([`ReadPin`]), so an
+//! The unit of eviction is the bucket. Reads pin their bucket (an RAII read guard), so an
 //! evicted bucket's files outlive every read that found it.
 
 use std::collections::BTreeMap;
