@@ -330,6 +330,8 @@ impl AllocationStrategy for Random {
 
 /// Segments sampled per replica by the ranking strategies (as the reference system).
 const SAMPLE_FACTOR: usize = 6;
+/// Samples up to this size (5 replicas) are ranked without allocating.
+const STACK_SAMPLE: usize = 32;
 
 /// Samples `min(6 * replica_num, n)` distinct candidates, ranks them by `score`
 /// (higher first), allocates from the top, then falls back to random.
@@ -343,17 +345,36 @@ fn ranked(
     p.preferred(request, candidates);
     if !p.done() {
         let k = request.replica_num.saturating_mul(SAMPLE_FACTOR).min(candidates.len());
-        // A uniform sample of k distinct segments, in random order; the sort is
-        // stable, so ties keep that order (no bias towards the first candidates).
-        let mut sample: Vec<(f64, &Arc<SegmentAllocator>)> =
-            with_random_order(candidates.len(), |order| order.take(k).map(|i| (0.0, &candidates[i])).collect());
+        // (score, candidate index); on the stack for up to 5 replicas.
+        let mut on_stack = [(0.0f64, 0u32); STACK_SAMPLE];
+        let mut on_heap = Vec::new();
+        let sample: &mut [(f64, u32)] = if k <= STACK_SAMPLE {
+            &mut on_stack[..k]
+        } else {
+            on_heap.resize(k, (0.0, 0));
+            &mut on_heap
+        };
+        // A uniform sample of k distinct segments, in random order.
+        with_random_order(candidates.len(), |order| {
+            for (slot, i) in sample.iter_mut().zip(order) {
+                slot.1 = i as u32;
+            }
+        });
         // Scores outside the thread-local borrow: they may call user code.
-        for (score_of, seg) in &mut sample {
-            *score_of = score(seg);
+        for slot in sample.iter_mut() {
+            slot.0 = score(&candidates[slot.1 as usize]);
         }
-        sample.sort_by(|a, b| b.0.total_cmp(&a.0));
-        for (_, seg) in sample {
-            p.try_on(seg, request.size);
+        // Best first, by selection: usually only `replica_num` rounds are needed.
+        // The first of equal scores wins; the order is random, so ties break
+        // uniformly (no bias towards the first candidates).
+        for start in 0..k {
+            if p.done() {
+                break;
+            }
+            let rest = &mut sample[start..];
+            let best = (1..rest.len()).fold(0, |b, i| if rest[i].0 > rest[b].0 { i } else { b });
+            rest.swap(0, best);
+            p.try_on(&candidates[rest[0].1 as usize], request.size);
         }
     }
     p.random_fill(request.size, candidates);

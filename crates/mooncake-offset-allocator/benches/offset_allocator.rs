@@ -19,8 +19,14 @@ fn alloc_free(c: &mut Criterion) {
     for i in 0..10_000u64 {
         live.push(a.allocate(4096 + (i * 7919) % 60_000).unwrap());
     }
-    for x in live.drain(..).step_by(2) {
-        a.free(x);
+    // Free every other block; the rest stay reserved for the whole run.
+    let mut kept = Vec::new();
+    for (i, x) in live.into_iter().enumerate() {
+        if i % 2 == 0 {
+            a.free(x);
+        } else {
+            kept.push(x);
+        }
     }
     let mut sizes = (0..).map(|i: u64| 1024 + (i * 104_729) % 50_000);
     c.bench_function("offset_allocator/alloc+free mixed (fragmented)", |b| {
@@ -29,6 +35,21 @@ fn alloc_free(c: &mut Criterion) {
             a.free(x);
         })
     });
+    // Fallback path: a 1 GiB segment full of 3.12 MB blocks with one hole of exactly
+    // that size; the rounded-up bin search finds nothing, the own-bin scan finds it.
+    let mut a = OffsetAllocator::new(1 << 30);
+    let mut full = Vec::new();
+    while let Some(x) = a.allocate(3_120_000) {
+        full.push(x);
+    }
+    a.free(full.swap_remove(100));
+    c.bench_function("offset_allocator/alloc+free 3.12MB (exact hole, fallback scan)", |b| {
+        b.iter(|| {
+            let x = a.allocate(black_box(3_120_000)).unwrap();
+            a.free(x);
+        })
+    });
+    drop((kept, full));
 }
 
 criterion_group!(benches, alloc_free);
