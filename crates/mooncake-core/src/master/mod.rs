@@ -661,18 +661,19 @@ impl MasterService {
     /// Removes every complete object without a live lease; returns how many.
     pub fn remove_all(&self) -> usize {
         let now = self.now_ms();
-        let mut refused = 0;
+        let refused = std::cell::Cell::new(0u64);
         let removed = self.retain_entries(
-            |e| !e.complete || e.leased(now),
+            |e| {
+                let leased = e.complete && e.leased(now);
+                refused.set(refused.get() + u64::from(leased));
+                !e.complete || leased
+            },
             |k, e| {
                 self.note_removed(k, &e.replicas);
                 self.release_disk(e);
             },
         );
-        for shard in self.index.shards() {
-            refused += shard.lock().values().filter(|e| e.complete && e.leased(now)).count();
-        }
-        self.counters.lease_refusals.fetch_add(refused as u64, Ordering::Relaxed);
+        self.counters.lease_refusals.fetch_add(refused.get(), Ordering::Relaxed);
         removed
     }
 
@@ -782,6 +783,18 @@ impl MasterService {
             }
         }
         let table = self.segments.read();
+        // One allocator report per segment (each takes the segment's lock).
+        let segment_usage: Vec<SegmentUsage> = table
+            .candidates
+            .iter()
+            .map(|s| SegmentUsage {
+                segment: s.id(),
+                name: s.name().to_owned(),
+                capacity: s.capacity(),
+                used: s.used_bytes(),
+                fragmentation: s.report().fragmentation,
+            })
+            .collect();
         let c = &self.counters;
         MasterStats {
             metadata_bytes,
@@ -794,7 +807,7 @@ impl MasterService {
             segments: table.by_id.len() as u64,
             capacity_bytes: table.capacity(),
             used_bytes: table.used(),
-            max_fragmentation: table.candidates.iter().map(|s| s.report().fragmentation).fold(0.0, f64::max),
+            max_fragmentation: segment_usage.iter().map(|u| u.fragmentation).fold(0.0, f64::max),
             evicted_objects: c.evicted_objects.load(Ordering::Relaxed),
             evicted_bytes: c.evicted_bytes.load(Ordering::Relaxed),
             lease_refusals: c.lease_refusals.load(Ordering::Relaxed),
@@ -802,17 +815,7 @@ impl MasterService {
             expired_clients: c.expired_clients.load(Ordering::Relaxed),
             stall_graces: c.stall_graces.load(Ordering::Relaxed),
             allocation_strategy: self.config.allocation_strategy.name().to_owned(),
-            segment_usage: table
-                .candidates
-                .iter()
-                .map(|s| SegmentUsage {
-                    segment: s.id(),
-                    name: s.name().to_owned(),
-                    capacity: s.capacity(),
-                    used: s.used_bytes(),
-                    fragmentation: s.report().fragmentation,
-                })
-                .collect(),
+            segment_usage,
         }
     }
 }

@@ -187,7 +187,7 @@ impl StoreInner {
                     continue;
                 }
             };
-            match self.read_checked(&route, r.offset, dst, list.checksum) {
+            match self.engine.read(&route, r.offset, dst).map(|()| crate::checksum::checksum(dst) == list.checksum) {
                 Ok(true) => return Ok(()),
                 Ok(false) => {
                     // The route may be stale (segment gone, master restarted).
@@ -198,51 +198,43 @@ impl StoreInner {
                 }
                 Err(e) => {
                     self.routes.write().remove(&r.segment);
-                    last_err = e;
+                    last_err = e.into();
                 }
             }
         }
         Err(last_err)
     }
 
-    /// Reads `dst.len()` bytes at `offset` of `route` and tells whether they match
-    /// `expected`. (Overlapping the sum with the copy, chunk by chunk on a second
-    /// core, was measured slower on 2 cores than copying then summing in parallel.)
-    fn read_checked(&self, route: &RemoteRegion, offset: u64, dst: &mut [u8], expected: u32) -> Result<bool> {
-        self.engine.read(route, offset, dst)?;
-        Ok(crate::checksum::checksum(dst) == expected)
+    /// Asks the master for `key`'s replicas and runs `read` on the list, asking again
+    /// (a stale list: memory freed and reused, a segment gone) when every replica
+    /// failed its checksum or could not be reached.
+    fn with_replicas<T>(&self, key: &str, mut read: impl FnMut(&ReplicaList) -> Result<T>) -> Result<T> {
+        check_key(key)?;
+        let mut attempt = 0;
+        loop {
+            let list = self.master.get_replica_list(key)?;
+            match read(&list) {
+                Err(Error::Corrupted(_)) | Err(Error::Transport(_)) if attempt < CHECKSUM_RETRIES => attempt += 1,
+                done => return done,
+            }
+        }
     }
 
     fn get_into(&self, key: &str, buf: &mut [u8]) -> Result<usize> {
-        check_key(key)?;
-        let mut attempt = 0;
-        loop {
-            let list = self.master.get_replica_list(key)?;
+        self.with_replicas(key, |list| {
             if list.len > buf.len() as u64 {
                 return Err(Error::BufferTooSmall { needed: list.len, capacity: buf.len() as u64 });
             }
-            let dst = &mut buf[..list.len as usize];
-            match self.read_replicas(key, &list, dst) {
-                Ok(()) => return Ok(list.len as usize),
-                Err(Error::Corrupted(_)) | Err(Error::Transport(_)) if attempt < CHECKSUM_RETRIES => attempt += 1,
-                Err(e) => return Err(e),
-            }
-        }
+            self.read_replicas(key, list, &mut buf[..list.len as usize]).map(|()| list.len as usize)
+        })
     }
 
     fn get(&self, key: &str) -> Result<Bytes> {
-        check_key(key)?;
-        let mut attempt = 0;
-        loop {
-            let list = self.master.get_replica_list(key)?;
+        self.with_replicas(key, |list| {
             let len = list.len as usize;
             let mut buf = buffers::take(len);
-            match self.read_replicas(key, &list, &mut buf[..len]) {
-                Ok(()) => return Ok(buffers::freeze(buf, len)),
-                Err(Error::Corrupted(_)) | Err(Error::Transport(_)) if attempt < CHECKSUM_RETRIES => attempt += 1,
-                Err(e) => return Err(e),
-            }
-        }
+            self.read_replicas(key, list, &mut buf[..len]).map(|()| buffers::freeze(buf, len))
+        })
     }
 
     fn put(&self, key: &str, value: &[u8], cfg: &ReplicateConfig) -> Result<()> {
