@@ -124,6 +124,7 @@ impl RpcMasterClient {
     }
 }
 
+/// The error a response that is not the expected one stands for.
 fn unexpected(r: Response) -> Error {
     match r {
         Response::Error(e) => e.into(),
@@ -134,26 +135,14 @@ fn unexpected(r: Response) -> Error {
 fn batch<T>(
     n: usize,
     r: Result<Response>,
-    pick: impl FnOnce(Response) -> Option<Vec<WireResult<T>>>,
+    pick: impl FnOnce(Response) -> Result<Vec<WireResult<T>>>,
 ) -> Vec<Result<T>> {
     let fail = |e: Error| (0..n).map(|_| Err(e.clone())).collect();
-    match r {
-        Ok(resp) => {
-            let err = unexpected_msg(&resp);
-            match pick(resp) {
-                Some(v) if v.len() == n => v.into_iter().map(|r| r.map_err(Error::from)).collect(),
-                Some(_) => fail(Error::MasterUnavailable("batch answer of the wrong length".into())),
-                None => fail(err),
-            }
-        }
+    match r.map(pick) {
+        Ok(Ok(v)) if v.len() == n => v.into_iter().map(|r| r.map_err(Error::from)).collect(),
+        Ok(Ok(_)) => fail(Error::MasterUnavailable("batch answer of the wrong length".into())),
+        Ok(Err(e)) => fail(e),
         Err(e) => fail(e),
-    }
-}
-
-fn unexpected_msg(r: &Response) -> Error {
-    match r {
-        Response::Error(e) => e.clone().into(),
-        other => Error::MasterUnavailable(format!("unexpected response {other:?}")),
     }
 }
 
@@ -243,15 +232,15 @@ impl MasterApi for RpcMasterClient {
             cfg: cfg.clone(),
         };
         batch(items.len(), self.call(&req), |r| match r {
-            Response::BatchReplicas(v) => Some(v),
-            _ => None,
+            Response::BatchReplicas(v) => Ok(v),
+            other => Err(unexpected(other)),
         })
     }
     fn batch_put_end(&self, client: ClientId, items: &[(&str, u32)]) -> Vec<Result<()>> {
         let req = Request::BatchPutEnd { client, items: items.iter().map(|(k, c)| ((*k).to_owned(), *c)).collect() };
         batch(items.len(), self.call(&req), |r| match r {
-            Response::BatchUnit(v) => Some(v),
-            _ => None,
+            Response::BatchUnit(v) => Ok(v),
+            other => Err(unexpected(other)),
         })
     }
     fn batch_put_revoke(&self, client: ClientId, keys: &[&str]) -> Vec<Result<()>> {
@@ -259,26 +248,26 @@ impl MasterApi for RpcMasterClient {
             return Vec::new();
         }
         batch(keys.len(), self.call(&Request::BatchPutRevoke { client, keys: owned(keys) }), |r| match r {
-            Response::BatchUnit(v) => Some(v),
-            _ => None,
+            Response::BatchUnit(v) => Ok(v),
+            other => Err(unexpected(other)),
         })
     }
     fn batch_get_replica_list(&self, keys: &[&str]) -> Vec<Result<ReplicaList>> {
         batch(keys.len(), self.call(&Request::BatchGetReplicaList { keys: owned(keys) }), |r| match r {
-            Response::BatchReplicaLists(v) => Some(v),
-            _ => None,
+            Response::BatchReplicaLists(v) => Ok(v),
+            other => Err(unexpected(other)),
         })
     }
     fn batch_exists(&self, keys: &[&str]) -> Vec<Result<bool>> {
         batch(keys.len(), self.call(&Request::BatchExists { keys: owned(keys) }), |r| match r {
-            Response::BatchBool(v) => Some(v),
-            _ => None,
+            Response::BatchBool(v) => Ok(v),
+            other => Err(unexpected(other)),
         })
     }
     fn batch_remove(&self, keys: &[&str]) -> Vec<Result<()>> {
         batch(keys.len(), self.call(&Request::BatchRemove { keys: owned(keys) }), |r| match r {
-            Response::BatchUnit(v) => Some(v),
-            _ => None,
+            Response::BatchUnit(v) => Ok(v),
+            other => Err(unexpected(other)),
         })
     }
     fn report_ssd_capacity(&self, client: ClientId, capacity: i64) -> Result<()> {
@@ -290,14 +279,14 @@ impl MasterApi for RpcMasterClient {
             items: items.iter().map(|(k, l, c)| ((*k).to_owned(), *l, *c)).collect(),
         };
         batch(items.len(), self.call(&req), |r| match r {
-            Response::BatchUnit(v) => Some(v),
-            _ => None,
+            Response::BatchUnit(v) => Ok(v),
+            other => Err(unexpected(other)),
         })
     }
     fn batch_evict_disk_replica(&self, client: ClientId, keys: &[&str]) -> Vec<Result<()>> {
         batch(keys.len(), self.call(&Request::BatchEvictDiskReplica { client, keys: owned(keys) }), |r| match r {
-            Response::BatchUnit(v) => Some(v),
-            _ => None,
+            Response::BatchUnit(v) => Ok(v),
+            other => Err(unexpected(other)),
         })
     }
     fn object_info(&self, key: &str) -> Result<ObjectInfo> {
