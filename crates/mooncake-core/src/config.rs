@@ -114,6 +114,42 @@ pub struct MasterConfig {
     /// hold, so that they can repopulate a restarted master (default false: an
     /// embedded master dies with its clients; the daemon turns it on).
     pub track_records: bool,
+    /// When objects in memory are written to their owner's SSD tier (default
+    /// [`PersistPolicy::Lazy`]). Only clients with an SSD tier are asked.
+    pub persist: PersistPolicy,
+    /// Longest time a put waits for offloads to make room in memory, when every
+    /// object that could be evicted is still waiting to reach an SSD (default 10 s).
+    pub offload_wait: Duration,
+}
+
+/// When the master has objects written to an SSD tier (reference: "Eager, Lazy and
+/// None" persistence). An object is offloaded by the client owning the segment that
+/// holds its first memory replica, if that client has an SSD tier.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum PersistPolicy {
+    /// Never: memory eviction drops objects, the SSD tier only serves what it was
+    /// given before (after a restart).
+    None,
+    /// When memory must be freed: eviction first asks for the object to be
+    /// offloaded and frees its memory once it is on disk, so nothing is lost while the
+    /// SSD has room (puts may wait, bounded by [`MasterConfig::offload_wait`]).
+    #[default]
+    Lazy,
+    /// As soon as a put completes (write-behind): every object also lives on disk,
+    /// and eviction never has to wait.
+    Eager,
+}
+
+impl std::str::FromStr for PersistPolicy {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s.to_ascii_lowercase().as_str() {
+            "none" => Ok(PersistPolicy::None),
+            "lazy" => Ok(PersistPolicy::Lazy),
+            "eager" => Ok(PersistPolicy::Eager),
+            _ => Err(Error::InvalidArgument(format!("persist policy {s:?}: use none, lazy or eager"))),
+        }
+    }
 }
 
 impl std::fmt::Debug for MasterConfig {
@@ -127,6 +163,8 @@ impl std::fmt::Debug for MasterConfig {
             .field("allocation_strategy", &self.allocation_strategy.name())
             .field("monitor_interval", &self.monitor_interval)
             .field("track_records", &self.track_records)
+            .field("persist", &self.persist)
+            .field("offload_wait", &self.offload_wait)
             .finish()
     }
 }
@@ -142,6 +180,8 @@ impl Default for MasterConfig {
             allocation_strategy: Arc::new(Random),
             monitor_interval: Duration::from_millis(100),
             track_records: false,
+            persist: PersistPolicy::Lazy,
+            offload_wait: Duration::from_secs(10),
         }
     }
 }

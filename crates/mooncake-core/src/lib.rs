@@ -27,10 +27,12 @@ pub mod metrics;
 pub mod rpc;
 mod store;
 
-pub use config::{parse_size, MasterConfig, Protocol, ReplicateConfig, MAX_KEY_LEN, MAX_VALUE_LEN};
+pub use config::{parse_size, MasterConfig, PersistPolicy, Protocol, ReplicateConfig, MAX_KEY_LEN, MAX_VALUE_LEN};
 pub use error::{Error, Result};
 pub use master::{Master, MasterApi, MasterStats};
-pub use store::{Store, StoreBuilder, StoreStats};
+pub use store::{SsdBackend, SsdOffloadConfig, SsdStats, Store, StoreBuilder, StoreStats};
 
 /// Re-exports of the allocation crate: strategies and the traits to write your own.
 pub use mooncake_alloc as alloc;
+/// Re-exports of the SSD-tier crate: eviction policies, I/O engines, backends.
+pub use mooncake_storage as storage;

@@ -76,6 +76,9 @@ pub struct StagingStats {
 pub struct ClientBuffer {
     base: *mut u8,
     len: usize,
+    /// Memory lent by someone else (see [`ClientBuffer::from_raw_parts`]): kept alive
+    /// by this value, and not unmapped on drop.
+    lent: Option<Box<dyn std::any::Any + Send + Sync>>,
     alloc: Mutex<OffsetAllocator>,
     leases: Mutex<AHashMap<u64, Lease>>,
     next_batch: AtomicU64,
@@ -118,6 +121,45 @@ impl ClientBuffer {
         Ok(ClientBuffer {
             base: p.cast(),
             len,
+            lent: None,
+            alloc: Mutex::new(alloc),
+            leases: Mutex::new(AHashMap::new()),
+            next_batch: AtomicU64::new(1),
+            gc_ttl,
+            gc_reclaimed: AtomicU64::new(0),
+            uring_registered: AtomicBool::new(false),
+        })
+    }
+
+    /// A staging buffer over memory someone else owns, typically a region registered
+    /// with a transfer engine, so that peers pull staged objects straight out of it
+    /// (no copy between the disk read and the network). `owner` keeps the memory
+    /// alive and is dropped with the buffer; the memory is not unmapped here. Only
+    /// whole 4 KiB slots inside `len` are used.
+    ///
+    /// # Safety
+    /// `base` must be valid for reads and writes of `len` bytes, 4 KiB-aligned, for as
+    /// long as `owner` lives, and nothing else may write the range while this buffer
+    /// exists (readers, such as a transfer engine serving peers, are fine).
+    pub unsafe fn from_raw_parts(
+        base: *mut u8,
+        len: usize,
+        gc_ttl: Duration,
+        owner: Box<dyn std::any::Any + Send + Sync>,
+    ) -> Result<Self> {
+        if (base as usize) % SLOT_ALIGN as usize != 0 {
+            return Err(StorageError::InvalidArgument("staging memory is not 4 KiB-aligned".into()));
+        }
+        let usable = len - len % SLOT_ALIGN as usize;
+        if usable == 0 {
+            return Err(StorageError::InvalidArgument("staging buffer of less than 4 KiB".into()));
+        }
+        let alloc = OffsetAllocator::with_alignment(usable as u64, SLOT_ALIGN)
+            .map_err(|e| StorageError::InvalidArgument(e.to_string()))?;
+        Ok(ClientBuffer {
+            base,
+            len: usable,
+            lent: Some(owner),
             alloc: Mutex::new(alloc),
             leases: Mutex::new(AHashMap::new()),
             next_batch: AtomicU64::new(1),
@@ -307,6 +349,10 @@ impl Drop for ClientBuffer {
     fn drop(&mut self) {
         if self.uring_registered.load(Ordering::Acquire) {
             IoUringEngine::unregister_fixed_buffer_if(self.base);
+        }
+        if self.lent.is_some() {
+            // Lent memory: its owner (dropped with `self`) frees it.
+            return;
         }
         // SAFETY: `base`/`len` are the mapping made in `new`; no guard outlives `self`.
         unsafe { libc::munmap(self.base.cast(), self.len) };

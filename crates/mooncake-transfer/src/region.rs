@@ -197,6 +197,14 @@ impl RegisteredRegion {
         writer.write_all(src).map_err(|e| TransferError::Io(e.to_string()))
     }
 
+    /// Start of the region's memory in this process, for code that must hand the
+    /// memory to another subsystem (an `io_uring` fixed buffer, a staging
+    /// allocator). Valid while the region lives; writing through it is only sound
+    /// for ranges no transfer is using at the same time.
+    pub fn as_mut_ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+
     /// The region's id inside its engine.
     pub fn id(&self) -> RegionId {
         self.id

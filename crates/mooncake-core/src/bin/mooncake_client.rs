@@ -2,7 +2,8 @@
 //!
 //! ```text
 //! mooncake-client serve --master ADDR --listen HOST:PORT --segment-size SIZE
-//!                 [--ssd-dir DIR --ssd-capacity SIZE]
+//!                 [--ssd-dir DIR --ssd-capacity SIZE [--ssd-backend bucket|file_per_key|offset_allocator]
+//!                  [--ssd-eviction fifo|lru]]
 //! mooncake-client put  --master ADDR KEY FILE [--replicas N]
 //! mooncake-client get  --master ADDR KEY OUTFILE
 //! mooncake-client rm|stat --master ADDR KEY ;  mooncake-client ls --master ADDR
@@ -11,7 +12,7 @@
 //! One-shot commands exit 0 on success and 1 with a one-line error on stderr.
 
 use clap::{Parser, Subcommand};
-use mooncake_core::{parse_size, ReplicateConfig, Store};
+use mooncake_core::{parse_size, ReplicateConfig, SsdBackend, SsdOffloadConfig, Store};
 
 /// Mooncake Store client.
 #[derive(Parser, Debug)]
@@ -40,6 +41,12 @@ enum Command {
         /// Capacity of the SSD tier.
         #[arg(long, value_parser = size, requires = "ssd_dir")]
         ssd_capacity: Option<u64>,
+        /// On-disk layout of the SSD tier.
+        #[arg(long, default_value = "bucket", value_parser = ["bucket", "file_per_key", "offset_allocator"])]
+        ssd_backend: String,
+        /// Which objects leave the SSD first when it is full.
+        #[arg(long, default_value = "fifo", value_parser = ["fifo", "lru"])]
+        ssd_eviction: String,
     },
     /// Store FILE under KEY.
     Put {
@@ -107,20 +114,22 @@ fn client(master: &str) -> Result<Store, String> {
 
 fn run(cmd: Command) -> Result<(), String> {
     match cmd {
-        Command::Serve { master, listen, segment_size, ssd_dir, ssd_capacity } => {
-            if ssd_dir.is_some() || ssd_capacity.is_some() {
-                return Err("the SSD tier is not available in this build yet".into());
-            }
+        Command::Serve { master, listen, segment_size, ssd_dir, ssd_capacity, ssd_backend, ssd_eviction } => {
             // Catch the signals before announcing ourselves: a SIGTERM sent right after
             // the first line must stop us cleanly, not kill us.
             let mut signals =
                 signal_hook::iterator::Signals::new([signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT])
                     .map_err(|e| e.to_string())?;
-            let store = builder(&master)
-                .listen(&listen)
-                .global_segment_size(segment_size)
-                .build()
-                .map_err(|e| e.to_string())?;
+            let mut b = builder(&master).listen(&listen).global_segment_size(segment_size);
+            if let (Some(dir), Some(capacity)) = (ssd_dir, ssd_capacity) {
+                let eviction = match ssd_eviction.as_str() {
+                    "lru" => mooncake_core::storage::EvictionPolicy::Lru,
+                    _ => mooncake_core::storage::EvictionPolicy::Fifo,
+                };
+                let backend = ssd_backend.parse::<SsdBackend>().map_err(|e| e.to_string())?;
+                b = b.ssd_offload(SsdOffloadConfig::new(dir, capacity).backend(backend).eviction(eviction));
+            }
+            let store = b.build().map_err(|e| e.to_string())?;
             println!(
                 "mooncake-client serving segment {} ({} bytes) at {}",
                 store.segment_id().unwrap_or(0),

@@ -5,7 +5,7 @@
 //! ```text
 //! mooncake-master --listen 127.0.0.1:50051 [--metrics-listen ADDR]
 //!                 [--allocation-strategy random|free_ratio_first|ssd_free_ratio_first]
-//!                 [--default-lease-ms 5000] [--client-ttl-ms 10000]
+//!                 [--default-lease-ms 5000] [--client-ttl-ms 10000] [--persist none|lazy|eager]
 //! ```
 
 use std::sync::Arc;
@@ -36,6 +36,10 @@ struct Args {
     /// Clients silent this long lose their segments (ms).
     #[arg(long, default_value_t = 10000)]
     client_ttl_ms: u64,
+    /// When objects go to the SSD tiers of the nodes that have one: never, when
+    /// memory must be freed, or as soon as they are put.
+    #[arg(long, default_value = "lazy", value_parser = ["none", "lazy", "eager"])]
+    persist: String,
 }
 
 fn serve_metrics(addr: &str, master: Master, rpc: Arc<RpcServerStats>) -> Result<(), String> {
@@ -70,6 +74,7 @@ fn run(args: Args) -> Result<(), String> {
         monitor_interval: Duration::from_millis((args.client_ttl_ms / 20).clamp(5, 100)),
         allocation_strategy: strategy,
         track_records: true,
+        persist: args.persist.parse().map_err(|e: mooncake_core::Error| e.to_string())?,
         ..MasterConfig::default()
     };
     // Catch the signals before announcing ourselves (see mooncake-client serve).

@@ -7,7 +7,10 @@ use serde::{Deserialize, Serialize};
 use crate::config::ReplicateConfig;
 use crate::error::Result;
 
-use super::{ClientId, MasterService, MasterStats, MemoryReplica, ObjectInfo, ReplicaList, ReplicatePlan, SegmentInfo};
+use super::{
+    ClientId, MasterService, MasterStats, MemoryReplica, ObjectInfo, OffloadPlan, ReplicaList, ReplicatePlan,
+    SegmentInfo,
+};
 
 /// What a client learns when it registers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -119,6 +122,14 @@ pub trait MasterApi: Send + Sync {
     fn notify_offload_success(&self, client: ClientId, items: &[(&str, u64, u32)]) -> Vec<Result<()>>;
     /// Objects a client evicted from its SSD: their `LocalDisk` replicas go.
     fn batch_evict_disk_replica(&self, client: ClientId, keys: &[&str]) -> Vec<Result<()>>;
+    /// A client offers an SSD tier, serving loads at `endpoint`.
+    fn mount_ssd(&self, client: ClientId, capacity_bytes: i64, endpoint: &str) -> Result<()>;
+    /// Where a client serves loads from its SSD.
+    fn disk_endpoint(&self, client: ClientId) -> Result<String>;
+    /// What a client's SSD tier should offload (at most `max` objects) and discard.
+    fn offload_heartbeat(&self, client: ClientId, max: usize) -> Result<OffloadPlan>;
+    /// Objects (key, length, checksum) a client found on its SSD at start.
+    fn register_disk_objects(&self, client: ClientId, items: &[(&str, u64, u32)]) -> Vec<Result<()>>;
     /// What the master knows of one object, without granting a lease.
     fn object_info(&self, key: &str) -> Result<ObjectInfo>;
     /// Keys of complete objects, at most `limit`.
@@ -223,6 +234,18 @@ impl MasterApi for MasterService {
     }
     fn list_keys(&self, limit: usize) -> Result<Vec<String>> {
         Ok(MasterService::list_keys(self, limit))
+    }
+    fn mount_ssd(&self, client: ClientId, capacity_bytes: i64, endpoint: &str) -> Result<()> {
+        MasterService::mount_ssd(self, client, capacity_bytes, endpoint)
+    }
+    fn disk_endpoint(&self, client: ClientId) -> Result<String> {
+        MasterService::disk_endpoint(self, client)
+    }
+    fn offload_heartbeat(&self, client: ClientId, max: usize) -> Result<OffloadPlan> {
+        MasterService::offload_heartbeat(self, client, max)
+    }
+    fn register_disk_objects(&self, client: ClientId, items: &[(&str, u64, u32)]) -> Vec<Result<()>> {
+        MasterService::register_disk_objects(self, client, items)
     }
     fn stats(&self) -> Result<MasterStats> {
         Ok(MasterService::stats(self))

@@ -10,11 +10,11 @@ use std::sync::atomic::Ordering;
 
 use mooncake_alloc::{SegmentId, SsdMetricsProvider};
 
-use crate::config::check_key;
+use crate::config::{check_key, PersistPolicy};
 use crate::error::{Error, Result};
 
 use super::object::ObjectEntry;
-use super::{ClientId, MasterService};
+use super::{ClientId, MasterService, OffloadPlan, OffloadTask};
 
 /// The master's view of each segment owner's SSD.
 pub(super) struct MasterSsdMetrics<'a>(pub(super) &'a MasterService);
@@ -45,6 +45,178 @@ impl MasterService {
         Ok(())
     }
 
+    /// A client offers an SSD tier of `capacity_bytes`, serving loads of its disk
+    /// replicas at `endpoint` (the address of its `batch_get_offload_object` server).
+    pub fn mount_ssd(&self, client: ClientId, capacity_bytes: i64, endpoint: &str) -> Result<()> {
+        if capacity_bytes <= 0 {
+            return Err(Error::InvalidArgument(format!("SSD capacity {capacity_bytes} must be positive")));
+        }
+        let clients = self.clients.read();
+        let rec = clients.get(&client).ok_or(Error::UnknownClient(client))?;
+        rec.ssd_total.store(capacity_bytes, Ordering::Relaxed);
+        *rec.ssd_endpoint.lock() = Some(endpoint.to_owned());
+        Ok(())
+    }
+
+    /// Where `client` serves loads from its SSD; `NotFound` if it has no SSD tier.
+    pub fn disk_endpoint(&self, client: ClientId) -> Result<String> {
+        let clients = self.clients.read();
+        let rec = clients.get(&client).ok_or_else(|| Error::NotFound(format!("client {client:#x} is gone")))?;
+        let ep = rec.ssd_endpoint.lock().clone();
+        ep.ok_or_else(|| Error::NotFound(format!("client {client:#x} has no SSD tier")))
+    }
+
+    /// The owner of `segment` if it has an SSD tier that offloads are asked of.
+    fn offload_owner(&self, segment: SegmentId) -> Option<ClientId> {
+        if self.config.persist == PersistPolicy::None {
+            return None;
+        }
+        let owner = self.segments.read().by_id.get(&segment)?.owner;
+        let clients = self.clients.read();
+        let rec = clients.get(&owner)?;
+        (rec.ssd_total.load(Ordering::Relaxed) > 0 && rec.ssd_endpoint.lock().is_some()).then_some(owner)
+    }
+
+    /// Segments whose owners take offloads, with those owners (one lookup per
+    /// eviction pass rather than per object).
+    pub(super) fn offload_owners(&self) -> ahash::HashMap<SegmentId, ClientId> {
+        if self.config.persist == PersistPolicy::None {
+            return Default::default();
+        }
+        let table = self.segments.read();
+        let clients = self.clients.read();
+        table
+            .by_id
+            .iter()
+            .filter(|(_, s)| {
+                clients
+                    .get(&s.owner)
+                    .is_some_and(|c| c.ssd_total.load(Ordering::Relaxed) > 0 && c.ssd_endpoint.lock().is_some())
+            })
+            .map(|(id, s)| (*id, s.owner))
+            .collect()
+    }
+
+    /// Asks `owner` to offload `keys` (their entries were marked pending).
+    pub(super) fn queue_offloads(&self, owner: ClientId, keys: impl IntoIterator<Item = Box<str>>) {
+        if let Some(rec) = self.clients.read().get(&owner) {
+            rec.offload.lock().write.extend(keys);
+        }
+    }
+
+    /// Under [`PersistPolicy::Eager`], asks for a completed object to be offloaded.
+    pub(super) fn offload_on_put(&self, key: &str, first_segment: Option<SegmentId>) {
+        if self.config.persist != PersistPolicy::Eager {
+            return;
+        }
+        let Some(owner) = first_segment.and_then(|s| self.offload_owner(s)) else { return };
+        let deadline = self.now_ms() + self.config.put_timeout.as_millis() as u64;
+        {
+            let mut shard = self.index.shard(key).lock();
+            match shard.get_mut(key) {
+                Some(e) if e.complete && e.disk == 0 => e.offload_deadline_ms = deadline,
+                _ => return,
+            }
+        }
+        self.queue_offloads(owner, [key.into()]);
+    }
+
+    /// The offload heartbeat of a client's SSD tier: up to `max` objects of its
+    /// segments to write to its SSD (eviction leaves their memory alone meanwhile),
+    /// and the keys whose disk replicas were dropped (removed objects), whose files
+    /// it should delete. Counts as a heartbeat.
+    pub fn offload_heartbeat(&self, client: ClientId, max: usize) -> Result<OffloadPlan> {
+        let now = self.now_ms();
+        let (keys, discard, segments) = {
+            let clients = self.clients.read();
+            let rec = clients.get(&client).ok_or(Error::UnknownClient(client))?;
+            rec.touch(now);
+            let mut q = rec.offload.lock();
+            let n = q.write.len().min(max);
+            let keys: Vec<Box<str>> = q.write.drain(..n).collect();
+            (keys, std::mem::take(&mut q.discard), rec.segments.clone())
+        };
+        let hold = now + self.config.put_timeout.as_millis() as u64;
+        let mut tasks = Vec::with_capacity(keys.len());
+        for key in keys {
+            let mut shard = self.index.shard(&key).lock();
+            let Some(e) = shard.get_mut(&*key) else { continue };
+            if !e.complete || e.disk == client {
+                e.offload_deadline_ms = 0;
+                continue;
+            }
+            let Some(r) = e.replicas.iter().find(|r| r.complete && segments.contains(&r.segment())) else {
+                e.offload_deadline_ms = 0;
+                continue;
+            };
+            let task = OffloadTask {
+                key: key.to_string(),
+                segment: r.segment(),
+                offset: r.buf.offset(),
+                len: e.len,
+                checksum: e.checksum,
+            };
+            // Eviction skips the object until it is reported (or the deadline
+            // passes). A remove may still free the memory under the client's read;
+            // the client then sees a checksum mismatch and skips the object.
+            e.offload_deadline_ms = e.offload_deadline_ms.max(hold);
+            tasks.push(task);
+        }
+        Ok(OffloadPlan { tasks, discard })
+    }
+
+    /// Re-registers objects a client found on its SSD when it started (or after the
+    /// master restarted): an object the master does not know is created with only
+    /// its disk replica; a known one with the same length and checksum gains the
+    /// disk replica; one that differs is refused with `AlreadyExists` (the disk copy
+    /// is stale and should be deleted).
+    pub fn register_disk_objects(&self, client: ClientId, items: &[(&str, u64, u32)]) -> Vec<Result<()>> {
+        if !self.clients.read().contains_key(&client) {
+            return items.iter().map(|_| Err(Error::UnknownClient(client))).collect();
+        }
+        let now = self.now_ms();
+        items
+            .iter()
+            .map(|&(key, len, checksum)| {
+                check_key(key)?;
+                crate::config::check_value_len(len)?;
+                let mut shard = self.index.shard(key).lock();
+                match shard.get_mut(key) {
+                    None => {
+                        shard.insert(
+                            key.into(),
+                            ObjectEntry {
+                                len,
+                                checksum,
+                                soft_pin: false,
+                                complete: true,
+                                owner: client,
+                                last_access_ms: now,
+                                lease_until_ms: 0,
+                                replicas: Vec::new(),
+                                disk: client,
+                                offload_deadline_ms: 0,
+                            },
+                        );
+                        self.add_ssd_used(client, len as i64);
+                        Ok(())
+                    }
+                    Some(e) if e.complete && e.len == len && e.checksum == checksum => {
+                        if e.disk != client {
+                            if e.disk != 0 {
+                                self.add_ssd_used(e.disk, -(len as i64));
+                            }
+                            e.disk = client;
+                            self.add_ssd_used(client, len as i64);
+                        }
+                        Ok(())
+                    }
+                    Some(_) => Err(Error::AlreadyExists(format!("{key} (the master holds a different object)"))),
+                }
+            })
+            .collect()
+    }
+
     /// SSD capacity and recorded usage of a client.
     pub fn ssd_usage(&self, client: ClientId) -> Option<(i64, i64)> {
         self.clients
@@ -59,10 +231,14 @@ impl MasterService {
         }
     }
 
-    /// Gives back the SSD usage of `e`'s disk replica (the entry is leaving).
-    pub(super) fn release_disk(&self, e: &ObjectEntry) {
+    /// Gives back the SSD usage of `e`'s disk replica (the entry is leaving) and
+    /// tells its client to delete the file.
+    pub(super) fn release_disk(&self, key: &str, e: &ObjectEntry) {
         if e.disk != 0 {
             self.add_ssd_used(e.disk, -(e.len as i64));
+            if let Some(rec) = self.clients.read().get(&e.disk) {
+                rec.offload.lock().discard.push(key.to_owned());
+            }
         }
     }
 
@@ -81,6 +257,7 @@ impl MasterService {
                 let mut shard = self.index.shard(key).lock();
                 match shard.get_mut(key) {
                     Some(e) if e.complete && e.len == len && e.checksum == checksum => {
+                        e.offload_deadline_ms = 0;
                         if e.disk != client {
                             if e.disk != 0 {
                                 self.add_ssd_used(e.disk, -(len as i64));
@@ -105,7 +282,8 @@ impl MasterService {
                 let mut shard = self.index.shard(key).lock();
                 match shard.get_mut(key) {
                     Some(e) if e.disk == client => {
-                        self.release_disk(e);
+                        // The client evicted the file itself: nothing to discard.
+                        self.add_ssd_used(client, -(e.len as i64));
                         e.disk = 0;
                         if e.replicas.is_empty() {
                             shard.remove(key);

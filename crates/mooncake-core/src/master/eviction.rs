@@ -25,12 +25,16 @@ pub struct EvictionReport {
     pub evicted_objects: u64,
     /// Bytes of memory freed (on the segment targeted, or everywhere).
     pub freed_bytes: u64,
+    /// Objects kept because they wait to be offloaded to an SSD tier first; their
+    /// memory is freed by a later pass, once they are on disk.
+    pub awaiting_offload: u64,
 }
 
 impl EvictionReport {
     fn add(&mut self, other: EvictionReport) {
         self.evicted_objects += other.evicted_objects;
         self.freed_bytes += other.freed_bytes;
+        self.awaiting_offload += other.awaiting_offload;
     }
 }
 
@@ -110,7 +114,12 @@ impl MasterService {
             }
         }
 
-        // 2. Remove by cutoff, then anything unpinned, then pinned objects too.
+        // 2. Remove by cutoff, then anything unpinned, then pinned objects too. An
+        //    object not yet on the SSD of an owner that has one is offloaded first
+        //    (`PersistPolicy::Lazy`): it is queued, kept, and freed by a later pass.
+        let offload_owners = self.offload_owners();
+        let offload_until = now + self.config.put_timeout.as_millis() as u64;
+        let mut to_offload: Vec<(u64, Box<str>)> = Vec::new();
         for (cutoff, include_pinned) in [(cutoff, false), (u64::MAX, false), (u64::MAX, true)] {
             for i in 0..SHARDS {
                 if report.freed_bytes >= target {
@@ -125,6 +134,23 @@ impl MasterService {
                     {
                         return true;
                     }
+                    if e.disk == 0 && !offload_owners.is_empty() {
+                        let owner = e.replicas.first().and_then(|r| offload_owners.get(&r.segment()));
+                        if let Some(&owner) = owner {
+                            if e.offload_pending(now) {
+                                report.awaiting_offload += 1;
+                                return true;
+                            }
+                            if e.offload_deadline_ms == 0 {
+                                e.offload_deadline_ms = offload_until;
+                                to_offload.push((owner, k.clone()));
+                                report.awaiting_offload += 1;
+                                return true;
+                            }
+                            // Asked before and never reported: the owner cannot
+                            // offload it; it is dropped like any other object.
+                        }
+                    }
                     report.freed_bytes += e.memory_bytes(segment);
                     report.evicted_objects += 1;
                     self.note_removed(k, &e.replicas);
@@ -138,6 +164,12 @@ impl MasterService {
             }
             if report.freed_bytes >= target {
                 break;
+            }
+        }
+        if !to_offload.is_empty() {
+            to_offload.sort_unstable_by_key(|(owner, _)| *owner);
+            for chunk in to_offload.chunk_by(|a, b| a.0 == b.0) {
+                self.queue_offloads(chunk[0].0, chunk.iter().map(|(_, k)| k.clone()));
             }
         }
         self.counters.evicted_objects.fetch_add(report.evicted_objects, Ordering::Relaxed);

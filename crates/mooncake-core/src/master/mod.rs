@@ -82,6 +82,31 @@ pub struct ObjectInfo {
     pub lease_ms_left: u64,
 }
 
+/// One object a client's SSD tier should write: its bytes are `len` bytes at
+/// `offset` of the client's own segment `segment`, and must match `checksum`.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct OffloadTask {
+    /// Object key.
+    pub key: String,
+    /// The client's segment holding a complete replica.
+    pub segment: SegmentId,
+    /// Offset of that replica in the segment.
+    pub offset: u64,
+    /// Object length.
+    pub len: u64,
+    /// crc32c of the object's bytes.
+    pub checksum: u32,
+}
+
+/// The answer to an offload heartbeat.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct OffloadPlan {
+    /// Objects to write to the SSD, then report with `notify_offload_success`.
+    pub tasks: Vec<OffloadTask>,
+    /// Keys whose disk replicas the master dropped (the objects were removed): delete them.
+    pub discard: Vec<String>,
+}
+
 /// A mounted segment, as clients resolve it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SegmentInfo {
@@ -466,6 +491,7 @@ impl MasterService {
                 lease_until_ms: 0,
                 replicas: bufs.into_iter().map(|buf| StoredReplica { buf, complete: false }).collect(),
                 disk: 0,
+                offload_deadline_ms: 0,
             },
         );
         self.counters.pending_puts.fetch_add(1, Ordering::Relaxed);
@@ -486,6 +512,7 @@ impl MasterService {
         };
         let strategy = &self.config.allocation_strategy;
         let mut evictions = 0;
+        let mut wait_until: Option<Instant> = None;
         loop {
             let mut candidates = self.candidates();
             if let Some(ex) = exclude {
@@ -505,15 +532,23 @@ impl MasterService {
                 Ok(bufs) => return Ok(bufs),
                 // Eviction frees whole objects wherever they are; a fragmented or
                 // unlucky segment may need more than one round.
-                Err(AllocationError::NoSpace { .. }) if evictions < 3 => {
-                    evictions += 1;
+                Err(AllocationError::NoSpace { .. }) if evictions < 8 => {
                     let want = len.saturating_mul(cfg.replica_num as u64);
                     let report = self.evict_for(want);
-                    if report.freed_bytes == 0 {
+                    if report.freed_bytes > 0 {
+                        evictions += 1;
+                        continue;
+                    }
+                    // Everything evictable is on its way to an SSD: wait for the
+                    // offloads to land (bounded), then evict their memory.
+                    let until = *wait_until.get_or_insert_with(|| Instant::now() + self.config.offload_wait);
+                    if report.awaiting_offload == 0 || Instant::now() >= until {
                         return Err(Error::NoSpace(format!(
-                            "no segment has {len} free bytes and nothing can be evicted"
+                            "no segment has {len} free bytes and nothing can be evicted{}",
+                            if report.awaiting_offload > 0 { " (offloads to SSD did not finish in time)" } else { "" }
                         )));
                     }
+                    std::thread::sleep(Duration::from_millis(5));
                 }
                 Err(e) => return Err(e.into()),
             }
@@ -534,6 +569,9 @@ impl MasterService {
                 }
                 self.counters.pending_puts.fetch_sub(1, Ordering::Relaxed);
                 self.note_added(key, e, None);
+                let first = e.replicas.first().map(|r| r.segment());
+                drop(shard);
+                self.offload_on_put(key, first);
                 Ok(())
             }
             Some(e) if e.complete => Err(Error::AlreadyExists(key.to_owned())),
@@ -645,7 +683,7 @@ impl MasterService {
             Some(e) if e.complete => {
                 if let Some(e) = shard.remove(key) {
                     self.note_removed(key, &e.replicas);
-                    self.release_disk(&e);
+                    self.release_disk(key, &e);
                 }
                 Ok(())
             }
@@ -670,7 +708,7 @@ impl MasterService {
             },
             |k, e| {
                 self.note_removed(k, &e.replicas);
-                self.release_disk(e);
+                self.release_disk(k, e);
             },
         );
         self.counters.lease_refusals.fetch_add(refused.get(), Ordering::Relaxed);

@@ -38,11 +38,20 @@ pub(crate) struct ObjectEntry {
     pub(crate) replicas: Vec<StoredReplica>,
     /// The client whose SSD holds a `LocalDisk` replica (0: none).
     pub(crate) disk: ClientId,
+    /// While an offload of the object is asked for and not yet reported: until when
+    /// the master waits for it (0: none). Eviction skips the object meanwhile, and
+    /// treats it as an ordinary (droppable) one once the deadline passed.
+    pub(crate) offload_deadline_ms: u64,
 }
 
 impl ObjectEntry {
     pub(crate) fn leased(&self, now_ms: u64) -> bool {
         self.lease_until_ms > now_ms
+    }
+
+    /// An offload was asked for and may still come.
+    pub(crate) fn offload_pending(&self, now_ms: u64) -> bool {
+        self.offload_deadline_ms > now_ms
     }
 
     /// Bytes of memory this object holds (on every segment, or on one).

@@ -89,6 +89,7 @@ impl MasterService {
                             lease_until_ms: 0,
                             replicas: vec![StoredReplica { buf, complete: true }],
                             disk: 0,
+                            offload_deadline_ms: 0,
                         },
                     );
                     taken += 1;

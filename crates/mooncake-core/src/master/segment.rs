@@ -27,6 +27,19 @@ pub(crate) struct ClientRecord {
     pub(crate) ssd_total: std::sync::atomic::AtomicI64,
     /// Bytes of `LocalDisk` replicas the master records on the client's SSD.
     pub(crate) ssd_used: std::sync::atomic::AtomicI64,
+    /// Where the client serves loads from its SSD (`batch_get_offload_object`).
+    pub(crate) ssd_endpoint: parking_lot::Mutex<Option<String>>,
+    /// Work for the client's offload heartbeat.
+    pub(crate) offload: parking_lot::Mutex<OffloadQueue>,
+}
+
+/// What a client's SSD tier has to do, drained by its offload heartbeats.
+#[derive(Default)]
+pub(crate) struct OffloadQueue {
+    /// Keys to write to the SSD, oldest request first.
+    pub(crate) write: std::collections::VecDeque<Box<str>>,
+    /// Keys whose disk replica the master dropped (removed objects): their files go.
+    pub(crate) discard: Vec<String>,
 }
 
 impl ClientRecord {
@@ -37,6 +50,8 @@ impl ClientRecord {
             updates: Default::default(),
             ssd_total: Default::default(),
             ssd_used: Default::default(),
+            ssd_endpoint: Default::default(),
+            offload: Default::default(),
         }
     }
 

@@ -12,8 +12,8 @@ use parking_lot::Mutex;
 use crate::config::ReplicateConfig;
 use crate::error::{Error, Result};
 use crate::master::{
-    ClientId, ClientRegistration, MasterApi, MasterStats, MemoryReplica, ObjectInfo, ObjectRecord, RecordUpdate,
-    ReplicaList, ReplicatePlan, SegmentInfo,
+    ClientId, ClientRegistration, MasterApi, MasterStats, MemoryReplica, ObjectInfo, ObjectRecord, OffloadPlan,
+    RecordUpdate, ReplicaList, ReplicatePlan, SegmentInfo,
 };
 
 use super::wire::{encode_frame, FrameHeader, FrameKind, Request, Response, WireResult, DEFAULT_MAX_FRAME, HEADER_LEN};
@@ -285,6 +285,26 @@ impl MasterApi for RpcMasterClient {
     }
     fn batch_evict_disk_replica(&self, client: ClientId, keys: &[&str]) -> Vec<Result<()>> {
         batch(keys.len(), self.call(&Request::BatchEvictDiskReplica { client, keys: owned(keys) }), |r| match r {
+            Response::BatchUnit(v) => Ok(v),
+            other => Err(unexpected(other)),
+        })
+    }
+    fn mount_ssd(&self, client: ClientId, capacity: i64, endpoint: &str) -> Result<()> {
+        expect!(self, Request::MountSsd { client, capacity, endpoint: endpoint.to_owned() }, Response::Unit => ())
+    }
+    fn disk_endpoint(&self, client: ClientId) -> Result<String> {
+        expect!(self, Request::DiskEndpoint { client }, Response::Endpoint(e) => e)
+    }
+    fn offload_heartbeat(&self, client: ClientId, max: usize) -> Result<OffloadPlan> {
+        let max = u32::try_from(max).unwrap_or(u32::MAX);
+        expect!(self, Request::OffloadHeartbeat { client, max }, Response::OffloadPlan(p) => p)
+    }
+    fn register_disk_objects(&self, client: ClientId, items: &[(&str, u64, u32)]) -> Vec<Result<()>> {
+        let req = Request::RegisterDiskObjects {
+            client,
+            items: items.iter().map(|(k, l, c)| ((*k).to_owned(), *l, *c)).collect(),
+        };
+        batch(items.len(), self.call(&req), |r| match r {
             Response::BatchUnit(v) => Ok(v),
             other => Err(unexpected(other)),
         })

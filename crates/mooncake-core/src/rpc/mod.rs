@@ -9,4 +9,4 @@ mod server;
 pub mod wire;
 
 pub use client::RpcMasterClient;
-pub use server::{dispatch, read_frame, RpcServer, RpcServerStats};
+pub use server::{dispatch, read_frame, RpcHandler, RpcServer, RpcServerStats};

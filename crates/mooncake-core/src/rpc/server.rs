@@ -16,7 +16,7 @@ use super::wire::{
 };
 
 /// Counters of the RPC server.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct RpcServerStats {
     /// Requests by kind (indexed like [`REQUEST_KINDS`]).
     pub ops_by_kind: [AtomicU64; REQUEST_KINDS.len()],
@@ -30,6 +30,19 @@ pub struct RpcServerStats {
     pub bad_frames: AtomicU64,
     /// Connections accepted.
     pub connections: AtomicU64,
+}
+
+impl Default for RpcServerStats {
+    fn default() -> Self {
+        Self {
+            ops_by_kind: std::array::from_fn(|_| AtomicU64::new(0)),
+            errors_by_kind: std::array::from_fn(|_| AtomicU64::new(0)),
+            requests: AtomicU64::new(0),
+            errors: AtomicU64::new(0),
+            bad_frames: AtomicU64::new(0),
+            connections: AtomicU64::new(0),
+        }
+    }
 }
 
 /// Serves a [`MasterService`] over TCP.
@@ -80,6 +93,17 @@ impl RpcServer {
         max_frame: u32,
         secret: Option<SharedSecret>,
     ) -> Result<Self> {
+        Self::serve(addr, service, max_frame, secret)
+    }
+
+    /// Serves any [`RpcHandler`] (the master, or a storage node answering loads from
+    /// its SSD) with the same framing, limits and authentication.
+    pub fn serve(
+        addr: &str,
+        service: Arc<dyn RpcHandler>,
+        max_frame: u32,
+        secret: Option<SharedSecret>,
+    ) -> Result<Self> {
         let listener =
             TcpListener::bind(addr).map_err(|e| Error::InvalidArgument(format!("cannot listen on {addr}: {e}")))?;
         let local = listener.local_addr().map_err(|e| Error::InvalidArgument(e.to_string()))?;
@@ -116,7 +140,7 @@ impl RpcServer {
                             tracing::warn!(?peer, "master client failed the shared-secret challenge");
                             return;
                         }
-                        if let Err(e) = serve_connection(conn, &service, &stats, &stop, max_frame) {
+                        if let Err(e) = serve_connection(conn, &*service, &stats, &stop, max_frame) {
                             tracing::warn!(?peer, error = %e, "closing master connection");
                         }
                     });
@@ -174,9 +198,21 @@ enum ConnError {
     Io(#[from] std::io::Error),
 }
 
+/// Answers requests of the framed protocol.
+pub trait RpcHandler: Send + Sync + 'static {
+    /// The response to one request.
+    fn handle(&self, request: Request) -> Response;
+}
+
+impl RpcHandler for MasterService {
+    fn handle(&self, request: Request) -> Response {
+        dispatch(self, request)
+    }
+}
+
 fn serve_connection(
     conn: TcpStream,
-    service: &MasterService,
+    service: &dyn RpcHandler,
     stats: &RpcServerStats,
     stop: &AtomicBool,
     max_frame: u32,
@@ -216,7 +252,7 @@ fn serve_connection(
             }
         };
         let kind = request.kind_index();
-        let response = dispatch(service, request);
+        let response = service.handle(request);
         stats.requests.fetch_add(1, Ordering::Relaxed);
         stats.ops_by_kind[kind].fetch_add(1, Ordering::Relaxed);
         if is_error(&response) {
@@ -314,6 +350,20 @@ pub fn dispatch(s: &MasterService, req: Request) -> Response {
         Request::BatchEvictDiskReplica { client, keys } => {
             Response::BatchUnit(many(s.batch_evict_disk_replica(client, &strs(&keys))))
         }
+        Request::MountSsd { client, capacity, endpoint } => {
+            one(s.mount_ssd(client, capacity, &endpoint), |_| Response::Unit)
+        }
+        Request::DiskEndpoint { client } => one(s.disk_endpoint(client), Response::Endpoint),
+        Request::OffloadHeartbeat { client, max } => {
+            one(s.offload_heartbeat(client, max as usize), Response::OffloadPlan)
+        }
+        Request::RegisterDiskObjects { client, items } => {
+            let items: Vec<(&str, u64, u32)> = items.iter().map(|(k, l, c)| (k.as_str(), *l, *c)).collect();
+            Response::BatchUnit(many(s.register_disk_objects(client, &items)))
+        }
+        Request::BatchGetOffloadObject { .. } | Request::ReleaseOffloadBuffer { .. } => Response::Error(
+            WireError::InvalidArgument("this is a master: SSD loads are served by storage nodes".into()),
+        ),
     }
 }
 

@@ -18,8 +18,8 @@ use serde::{Deserialize, Serialize};
 use crate::config::ReplicateConfig;
 use crate::error::Error;
 use crate::master::{
-    ClientId, ClientRegistration, MasterStats, MemoryReplica, ObjectInfo, ObjectRecord, RecordUpdate, ReplicaList,
-    ReplicatePlan, SegmentInfo,
+    ClientId, ClientRegistration, MasterStats, MemoryReplica, ObjectInfo, ObjectRecord, OffloadPlan, RecordUpdate,
+    ReplicaList, ReplicatePlan, SegmentInfo,
 };
 
 /// First bytes of every frame.
@@ -195,37 +195,136 @@ impl From<WireSegment> for SegmentInfo {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum Request {
     RegisterClient,
-    Heartbeat { client: ClientId },
-    MountSegment { client: ClientId, endpoint: String, region: u64, capacity: u64 },
-    RemountSegment { client: ClientId, endpoint: String, region: u64, capacity: u64, records: Vec<ObjectRecord> },
-    UnmountSegment { client: ClientId, segment: SegmentId },
-    UnregisterClient { client: ClientId },
-    SegmentInfo { segment: SegmentId },
-    PutStart { client: ClientId, key: String, len: u64, cfg: ReplicateConfig },
-    PutEnd { client: ClientId, key: String, checksum: u32 },
-    PutRevoke { client: ClientId, key: String },
-    GetReplicaList { key: String },
-    Exists { key: String },
-    Remove { key: String },
+    Heartbeat {
+        client: ClientId,
+    },
+    MountSegment {
+        client: ClientId,
+        endpoint: String,
+        region: u64,
+        capacity: u64,
+    },
+    RemountSegment {
+        client: ClientId,
+        endpoint: String,
+        region: u64,
+        capacity: u64,
+        records: Vec<ObjectRecord>,
+    },
+    UnmountSegment {
+        client: ClientId,
+        segment: SegmentId,
+    },
+    UnregisterClient {
+        client: ClientId,
+    },
+    SegmentInfo {
+        segment: SegmentId,
+    },
+    PutStart {
+        client: ClientId,
+        key: String,
+        len: u64,
+        cfg: ReplicateConfig,
+    },
+    PutEnd {
+        client: ClientId,
+        key: String,
+        checksum: u32,
+    },
+    PutRevoke {
+        client: ClientId,
+        key: String,
+    },
+    GetReplicaList {
+        key: String,
+    },
+    Exists {
+        key: String,
+    },
+    Remove {
+        key: String,
+    },
     RemoveAll,
-    ReplicateStart { client: ClientId, key: String, cfg: ReplicateConfig },
-    ReplicateEnd { key: String, targets: Vec<MemoryReplica>, ok: bool },
-    BatchPutStart { client: ClientId, items: Vec<(String, u64)>, cfg: ReplicateConfig },
-    BatchPutEnd { client: ClientId, items: Vec<(String, u32)> },
-    BatchPutRevoke { client: ClientId, keys: Vec<String> },
-    BatchGetReplicaList { keys: Vec<String> },
-    BatchExists { keys: Vec<String> },
-    BatchRemove { keys: Vec<String> },
-    ListKeys { limit: u64 },
+    ReplicateStart {
+        client: ClientId,
+        key: String,
+        cfg: ReplicateConfig,
+    },
+    ReplicateEnd {
+        key: String,
+        targets: Vec<MemoryReplica>,
+        ok: bool,
+    },
+    BatchPutStart {
+        client: ClientId,
+        items: Vec<(String, u64)>,
+        cfg: ReplicateConfig,
+    },
+    BatchPutEnd {
+        client: ClientId,
+        items: Vec<(String, u32)>,
+    },
+    BatchPutRevoke {
+        client: ClientId,
+        keys: Vec<String>,
+    },
+    BatchGetReplicaList {
+        keys: Vec<String>,
+    },
+    BatchExists {
+        keys: Vec<String>,
+    },
+    BatchRemove {
+        keys: Vec<String>,
+    },
+    ListKeys {
+        limit: u64,
+    },
     Stats,
-    ObjectInfo { key: String },
-    ReportSsdCapacity { client: ClientId, capacity: i64 },
-    NotifyOffloadSuccess { client: ClientId, items: Vec<(String, u64, u32)> },
-    BatchEvictDiskReplica { client: ClientId, keys: Vec<String> },
+    ObjectInfo {
+        key: String,
+    },
+    ReportSsdCapacity {
+        client: ClientId,
+        capacity: i64,
+    },
+    NotifyOffloadSuccess {
+        client: ClientId,
+        items: Vec<(String, u64, u32)>,
+    },
+    BatchEvictDiskReplica {
+        client: ClientId,
+        keys: Vec<String>,
+    },
+    MountSsd {
+        client: ClientId,
+        capacity: i64,
+        endpoint: String,
+    },
+    DiskEndpoint {
+        client: ClientId,
+    },
+    OffloadHeartbeat {
+        client: ClientId,
+        max: u32,
+    },
+    RegisterDiskObjects {
+        client: ClientId,
+        items: Vec<(String, u64, u32)>,
+    },
+    /// To a storage node (not the master): stage these SSD objects for a pull.
+    BatchGetOffloadObject {
+        keys: Vec<String>,
+    },
+    /// To a storage node: the pull of a staged batch is done.
+    ReleaseOffloadBuffer {
+        batch_id: u64,
+    },
 }
 
 /// Names of the request kinds, indexed by [`Request::kind_index`] (for metrics).
-pub const REQUEST_KINDS: [&str; 28] = [
+pub const REQUEST_KINDS: [&str; 34] = [
     "register_client",
     "heartbeat",
     "mount_segment",
@@ -254,6 +353,12 @@ pub const REQUEST_KINDS: [&str; 28] = [
     "report_ssd_capacity",
     "notify_offload_success",
     "batch_evict_disk_replica",
+    "mount_ssd",
+    "disk_endpoint",
+    "offload_heartbeat",
+    "register_disk_objects",
+    "batch_get_offload_object",
+    "release_offload_buffer",
 ];
 
 impl Request {
@@ -288,6 +393,12 @@ impl Request {
             Request::ReportSsdCapacity { .. } => 25,
             Request::NotifyOffloadSuccess { .. } => 26,
             Request::BatchEvictDiskReplica { .. } => 27,
+            Request::MountSsd { .. } => 28,
+            Request::DiskEndpoint { .. } => 29,
+            Request::OffloadHeartbeat { .. } => 30,
+            Request::RegisterDiskObjects { .. } => 31,
+            Request::BatchGetOffloadObject { .. } => 32,
+            Request::ReleaseOffloadBuffer { .. } => 33,
         }
     }
 }
@@ -316,6 +427,8 @@ pub enum WireError {
     UnknownClient(u64),
     /// Any other error, by message.
     Other(String),
+    /// [`Error::Storage`].
+    Storage(String),
 }
 
 impl From<Error> for WireError {
@@ -328,6 +441,7 @@ impl From<Error> for WireError {
             Error::BufferTooSmall { needed, capacity } => WireError::BufferTooSmall { needed, capacity },
             Error::InvalidArgument(m) => WireError::InvalidArgument(m),
             Error::UnknownClient(c) => WireError::UnknownClient(c),
+            Error::Storage(m) => WireError::Storage(m),
             other => WireError::Other(other.to_string()),
         }
     }
@@ -344,6 +458,7 @@ impl From<WireError> for Error {
             WireError::InvalidArgument(m) => Error::InvalidArgument(m),
             WireError::UnknownClient(c) => Error::UnknownClient(c),
             WireError::Other(m) => Error::MasterUnavailable(format!("master error: {m}")),
+            WireError::Storage(m) => Error::Storage(m),
         }
     }
 }
@@ -374,4 +489,24 @@ pub enum Response {
     Keys(Vec<String>),
     Stats(MasterStats),
     ObjectInfo(ObjectInfo),
+    Endpoint(String),
+    OffloadPlan(OffloadPlan),
+    OffloadBatch(OffloadBatch),
+}
+
+/// A storage node's answer to `BatchGetOffloadObject`: the objects sit in its staging
+/// region (served by its transfer engine at `endpoint`, region `region`) until the
+/// batch is released or `gc_ttl_ms` passed.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OffloadBatch {
+    /// Batch to release when done.
+    pub batch_id: u64,
+    /// Transfer endpoint serving the staging region.
+    pub endpoint: String,
+    /// Region id of the staging region at that endpoint.
+    pub region: u64,
+    /// The batch may be reclaimed this long after it was staged.
+    pub gc_ttl_ms: u64,
+    /// Per key, in order: `(offset, len)` in the staging region.
+    pub objects: Vec<WireResult<(u64, u64)>>,
 }

@@ -40,6 +40,7 @@ pub struct StoreBuilder {
     pub(super) strategy: Option<Arc<dyn AllocationStrategy>>,
     pub(super) protocol: Protocol,
     pub(super) replicate: ReplicateConfig,
+    pub(super) ssd: Option<super::SsdOffloadConfig>,
 }
 
 impl std::fmt::Debug for StoreBuilder {
@@ -50,6 +51,7 @@ impl std::fmt::Debug for StoreBuilder {
             .field("shared_master", &self.master.is_some())
             .field("protocol", &self.protocol)
             .field("replicate", &self.replicate)
+            .field("ssd", &self.ssd)
             .finish()
     }
 }
@@ -68,6 +70,7 @@ impl Default for StoreBuilder {
             strategy: None,
             protocol: Protocol::Local,
             replicate: ReplicateConfig::default(),
+            ssd: None,
         }
     }
 }
@@ -145,6 +148,15 @@ impl StoreBuilder {
     /// Replication used by [`Store::put`] (default: one replica, no pin).
     pub fn default_replicate_config(mut self, cfg: ReplicateConfig) -> Self {
         self.replicate = cfg;
+        self
+    }
+
+    /// Gives this client an SSD tier: objects of its segment are offloaded there (as
+    /// the master's [`PersistPolicy`](crate::PersistPolicy) says), gets of objects
+    /// only on disk load them back, and other clients load from it. Objects already
+    /// in the directory are registered with the master at start.
+    pub fn ssd_offload(mut self, config: super::SsdOffloadConfig) -> Self {
+        self.ssd = Some(config);
         self
     }
 

@@ -3,6 +3,7 @@
 
 mod buffers;
 mod builder;
+mod file_storage;
 mod stats;
 
 use std::collections::HashMap;
@@ -21,6 +22,8 @@ use crate::error::{Error, Result};
 use crate::master::{ClientId, MasterApi, MemoryReplica, ObjectRecord, RecordUpdate, ReplicaList};
 
 pub use builder::StoreBuilder;
+use file_storage::{DiskPeers, FileStorage};
+pub use file_storage::{SsdBackend, SsdOffloadConfig, SsdStats};
 use stats::StoreCounters;
 pub use stats::StoreStats;
 
@@ -71,8 +74,13 @@ struct MountedSegment {
 
 struct StoreInner {
     master: Arc<dyn MasterApi>,
-    client: AtomicU64,
+    /// Shared with the SSD tier's eviction notices (the id changes on re-registration).
+    client: Arc<AtomicU64>,
     engine: TransferEngine,
+    /// The SSD tier, if configured.
+    ssd: Option<FileStorage>,
+    /// Loads from other clients' SSDs.
+    disk_peers: DiskPeers,
     segment: Mutex<Option<MountedSegment>>,
     /// The segment id of our own segment (0: none), read on every get for locality.
     own_segment: AtomicU64,
@@ -147,7 +155,11 @@ impl StoreInner {
             self.own_segment.store(id, Ordering::Release);
             tracing::warn!(segment = id, objects = taken, "segment re-mounted");
         }
+        drop(seg);
         self.client.store(client, Ordering::Release);
+        if let Some(ssd) = &self.ssd {
+            ssd.announce(&*self.master, client)?;
+        }
         tracing::warn!(client = format!("{client:#x}"), "client re-registered with the master");
         Ok(())
     }
@@ -173,11 +185,37 @@ impl StoreInner {
     /// Reads the object of `list` into `dst` (exactly `list.len` bytes) from the first
     /// replica whose bytes match the checksum.
     fn read_replicas(&self, key: &str, list: &ReplicaList, dst: &mut [u8]) -> Result<()> {
-        if let (true, Some(client)) = (list.replicas.is_empty(), list.disk) {
-            return Err(Error::Storage(format!(
-                "{key} is only on the SSD of client {client:#x}; loading from another client's SSD is not in this build"
-            )));
+        let memory = if list.replicas.is_empty() {
+            Err(Error::NotFound(key.to_owned()))
+        } else {
+            self.read_memory_replicas(key, list, dst)
+        };
+        match (memory, list.disk) {
+            (Err(e), Some(owner)) if !matches!(e, Error::BufferTooSmall { .. }) => {
+                self.read_disk_replica(key, list, owner, dst).map_err(|disk| {
+                    tracing::debug!(key, memory = %e, %disk, "no replica could be read");
+                    disk
+                })
+            }
+            (res, _) => res,
         }
+    }
+
+    /// Reads the `LocalDisk` replica on `owner`'s SSD: our own disk directly, another
+    /// client's through its load server and our transfer engine.
+    fn read_disk_replica(&self, key: &str, list: &ReplicaList, owner: ClientId, dst: &mut [u8]) -> Result<()> {
+        match &self.ssd {
+            Some(ssd) if owner == self.client() => ssd.load_local(key, dst)?,
+            _ => self.disk_peers.load(&*self.master, &self.engine, owner, key, dst)?,
+        }
+        if crate::checksum::checksum(dst) != list.checksum {
+            StoreCounters::inc(&self.counters.checksum_mismatches, 1);
+            return Err(Error::Corrupted(key.to_owned()));
+        }
+        Ok(())
+    }
+
+    fn read_memory_replicas(&self, key: &str, list: &ReplicaList, dst: &mut [u8]) -> Result<()> {
         let mut last_err = Error::NotFound(key.to_owned());
         for r in self.read_order(&list.replicas) {
             let route = match self.route(r.segment) {
@@ -281,12 +319,25 @@ impl Store {
         } else {
             None
         };
+        let client_id = Arc::new(AtomicU64::new(client));
+        let ssd = match &cfg.ssd {
+            Some(c) => match FileStorage::open(c, master.clone(), client_id.clone(), &engine, cfg.secret.as_deref()) {
+                Ok(f) => Some(f),
+                Err(e) => {
+                    let _ = master.unregister_client(client);
+                    return Err(e);
+                }
+            },
+            None => None,
+        };
         let (stop_tx, stop_rx) = bounded::<()>(0);
         let own = segment.as_ref().map_or(0, |s| s.id);
         let inner = Arc::new(StoreInner {
             master,
-            client: AtomicU64::new(client),
+            client: client_id,
             engine,
+            ssd,
+            disk_peers: DiskPeers::new(cfg.secret.as_deref()),
             segment: Mutex::new(segment),
             own_segment: AtomicU64::new(own),
             routes: RwLock::new(HashMap::new()),
@@ -319,6 +370,10 @@ impl Store {
                 }
             })
             .map_err(|e| Error::InvalidArgument(format!("cannot start the heartbeat thread: {e}")))?;
+        if let Some(ssd) = &inner.ssd {
+            ssd.announce(&*inner.master, client)?;
+            spawn_offloader(&inner, ssd.interval())?;
+        }
         Ok(Store { inner })
     }
 
@@ -527,6 +582,11 @@ impl Store {
         copied.and(ended)
     }
 
+    /// Counters of this client's SSD tier, if it has one.
+    pub fn ssd_stats(&self) -> Option<SsdStats> {
+        self.inner.ssd.as_ref().map(FileStorage::stats)
+    }
+
     /// Counters of this client and of the master.
     pub fn stats(&self) -> StoreStats {
         let inner = &self.inner;
@@ -550,6 +610,8 @@ impl Store {
             get_errors: c.get_errors.load(Ordering::Relaxed),
             checksum_mismatches: c.checksum_mismatches.load(Ordering::Relaxed),
             removes: c.removes.load(Ordering::Relaxed),
+            ssd: self.ssd_stats(),
+            disk_loads: inner.disk_peers.loads(),
             master,
         }
     }
@@ -579,4 +641,35 @@ impl Store {
     pub fn segment_records(&self) -> Vec<ObjectRecord> {
         self.inner.records.lock().values().cloned().collect()
     }
+}
+
+/// Starts the offload thread of the SSD tier: it runs offload heartbeats back to back
+/// while the master has work, and every `idle` otherwise. It holds only a weak
+/// reference and exits with the store.
+fn spawn_offloader(inner: &Arc<StoreInner>, idle: Duration) -> Result<()> {
+    let weak: Weak<StoreInner> = Arc::downgrade(inner);
+    std::thread::Builder::new()
+        .name("mooncake-offload".into())
+        .spawn(move || loop {
+            let Some(inner) = weak.upgrade() else { return };
+            let Some(ssd) = &inner.ssd else { return };
+            let region = inner.segment.lock().as_ref().map(|s| (s.id, s.region.clone()));
+            let busy =
+                match ssd.offload_round(&*inner.master, inner.client(), region.as_ref().map(|(id, r)| (*id, &**r))) {
+                    Ok(n) => n > 0,
+                    Err(e) => {
+                        tracing::debug!(error = %e, "offload heartbeat failed");
+                        false
+                    }
+                };
+            if !busy {
+                ssd.retry_notifications();
+            }
+            drop(inner);
+            if !busy {
+                std::thread::sleep(idle);
+            }
+        })
+        .map(|_| ())
+        .map_err(|e| Error::InvalidArgument(format!("cannot start the offload thread: {e}")))
 }

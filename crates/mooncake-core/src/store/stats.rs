@@ -47,6 +47,10 @@ pub struct StoreStats {
     pub checksum_mismatches: u64,
     /// Successful removes.
     pub removes: u64,
+    /// The SSD tier's counters, if this client has one.
+    pub ssd: Option<super::SsdStats>,
+    /// Objects this client pulled from other clients' SSDs.
+    pub disk_loads: u64,
     /// The master's view.
     pub master: MasterStats,
 }
