@@ -123,3 +123,59 @@ fn ssd_calls_travel_over_rpc() {
     assert!(remote.batch_evict_disk_replica(c, &["k"])[0].is_ok());
     assert_eq!(m.ssd_usage(c), Some((4096, 0)));
 }
+
+#[test]
+fn objects_found_on_disk_are_registered_and_stale_copies_refused() {
+    let m = master();
+    let c = client_with(&m, "a", &[("known", 100)]);
+    let res = m.register_disk_objects(c, &[("fresh", 300, 9), ("known", 100, 7), ("known2", 0, 1)]);
+    assert!(res[0].is_ok(), "an object only on disk is created");
+    assert!(res[1].is_ok(), "the same object gains its disk replica");
+    assert!(matches!(res[2], Err(Error::InvalidArgument(_))), "empty values are refused");
+    let list = m.get_replica_list("fresh").unwrap();
+    assert!(list.replicas.is_empty());
+    assert_eq!((list.len, list.checksum, list.disk), (300, 9, Some(c)));
+    assert_eq!(m.ssd_usage(c).unwrap().1, 400);
+    let res = m.register_disk_objects(c, &[("known", 100, 8)]);
+    assert!(matches!(res[0], Err(Error::AlreadyExists(_))), "a different object under the key makes the copy stale");
+    assert!(matches!(m.register_disk_objects(424242, &[("x", 1, 1)])[0], Err(Error::UnknownClient(_))));
+}
+
+/// Lazy persistence: memory is freed only through the disk. A put that needs room
+/// asks the owner to offload and waits; with nobody offloading it gives up after
+/// `offload_wait` with a clear `NoSpace`, and the object is still there. Removing an
+/// offloaded object tells its owner to delete the file.
+#[test]
+fn lazy_eviction_offloads_first_and_puts_wait_bounded() {
+    let m = Master::new(MasterConfig {
+        default_lease: Duration::ZERO,
+        offload_wait: Duration::from_millis(300),
+        ..Default::default()
+    })
+    .unwrap();
+    let c = client_with(&m, "a", &[]);
+    let seg = m.segment_info(m.stats().segment_usage[0].segment).unwrap();
+    m.mount_ssd(c, 1 << 30, "127.0.0.1:1").unwrap();
+    assert_eq!(m.disk_endpoint(c).unwrap(), "127.0.0.1:1");
+    assert!(matches!(m.mount_ssd(c, 0, "x"), Err(Error::InvalidArgument(_))));
+    let big = seg.capacity * 3 / 4;
+    m.put_start(c, "first", big, &ReplicateConfig::default()).unwrap();
+    m.put_end(c, "first", 5).unwrap();
+    let start = std::time::Instant::now();
+    let err = m.put_start(c, "second", big, &ReplicateConfig::default()).unwrap_err();
+    assert!(start.elapsed() >= Duration::from_millis(300), "the put waited for the offload");
+    assert!(matches!(&err, Error::NoSpace(m) if m.contains("offload")), "{err}");
+    assert!(m.exists("first").unwrap(), "not dropped: it waits for the disk");
+    // The owner is asked to offload exactly that object, at its place in the segment.
+    let plan = m.offload_heartbeat(c, 16).unwrap();
+    assert_eq!(plan.tasks.len(), 1);
+    let t = &plan.tasks[0];
+    assert_eq!((t.key.as_str(), t.segment, t.len, t.checksum), ("first", seg.id, big, 5));
+    assert!(m.offload_heartbeat(c, 16).unwrap().tasks.is_empty(), "handed out once");
+    // Reported: the memory can go, and the put succeeds.
+    m.notify_offload_success(c, &[("first", big, 5)]);
+    m.put_start(c, "second", big, &ReplicateConfig::default()).unwrap();
+    assert!(m.get_replica_list("first").unwrap().replicas.is_empty());
+    m.remove("first").unwrap();
+    assert_eq!(m.offload_heartbeat(c, 16).unwrap().discard, vec!["first".to_owned()]);
+}
