@@ -96,7 +96,12 @@ fn offset_allocator_backend_holds_256_mib_in_32_mib_of_dram() {
 #[test]
 fn eager_offload_and_remote_load_from_another_clients_disk() {
     let dir = unique_dir("ssd-remote");
-    let master = Master::new(MasterConfig { persist: PersistPolicy::Eager, ..Default::default() }).unwrap();
+    let master = Master::new(MasterConfig {
+        persist: PersistPolicy::Eager,
+        default_lease: Duration::from_millis(200),
+        ..Default::default()
+    })
+    .unwrap();
     let node = ssd_store(&master, 16 << 20, &dir, 256 << 20, SsdBackend::Bucket);
     let reader = Store::builder().master(&master).global_segment_size(0).build().unwrap();
     for i in 0..8 {
@@ -108,11 +113,26 @@ fn eager_offload_and_remote_load_from_another_clients_disk() {
     let freed = master.evict_for(u64::MAX);
     assert_eq!(freed.evicted_objects, 8);
     assert!(master.object_info("k3").unwrap().replicas.is_empty());
-    for i in 0..8 {
+    for i in 0..4 {
         assert_eq!(&reader.get(&format!("k{i}")).unwrap()[..], &block(i, 300_000)[..], "k{i}");
     }
+    // A batch pulls every disk-only object of one node with one staging round trip.
+    let keys: Vec<String> = (4..8).map(|i| format!("k{i}")).chain(["missing".to_owned()]).collect();
+    let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+    let got = reader.batch_get(&refs);
+    for (i, r) in (4..8).zip(&got) {
+        assert_eq!(&r.as_ref().unwrap()[..], &block(i, 300_000)[..], "k{i}");
+    }
+    assert!(matches!(got[4], Err(Error::NotFound(_))));
     assert_eq!(reader.stats().disk_loads, 8);
     assert_eq!(node.ssd_stats().unwrap().served_loads, 8);
+    // The node reads its own disk directly, in one submission.
+    let all: Vec<String> = (0..8).map(|i| format!("k{i}")).collect();
+    let refs: Vec<&str> = all.iter().map(String::as_str).collect();
+    for (i, r) in node.batch_get(&refs).iter().enumerate() {
+        assert_eq!(&r.as_ref().unwrap()[..], &block(i, 300_000)[..], "k{i} from the local disk");
+    }
+    assert_eq!(node.ssd_stats().unwrap().local_loads, 8);
     // Released batches leave the staging region empty (no wait for the GC).
     wait_until(Duration::from_secs(2), || node.ssd_stats().unwrap().staging.batches == 0);
 

@@ -26,7 +26,7 @@ use mooncake_storage::{
     ClientBuffer, EvictionPolicy, FilePerKeyBackend, GcThread, IoKind, NotifyError, ObjectMeta, OffsetAllocatorBackend,
     StagingStats, StorageBackend, StorageError,
 };
-use mooncake_transfer::{RegisteredRegion, RemoteRegion, SharedSecret, TransferEngine};
+use mooncake_transfer::{RegisteredRegion, RemoteRegion, SharedSecret, TransferEngine, TransferRequest};
 use parking_lot::Mutex;
 
 use crate::error::{Error, Result};
@@ -500,14 +500,23 @@ impl FileStorage {
             .collect()
     }
 
-    /// Reads `key` from this client's disk into `dst` (exactly the object's length).
-    pub(crate) fn load_local(&self, key: &str, dst: &mut [u8]) -> Result<()> {
-        let n = self.backend.load(key, dst).map_err(storage_err)?;
-        if n != dst.len() {
-            return Err(Error::Storage(format!("{key}: {n} bytes on disk, the master says {}", dst.len())));
-        }
-        inc(&self.counters.local_loads, 1);
-        Ok(())
+    /// Reads several objects from this client's disk, submitted together (the
+    /// `io_uring` engine reads them at queue depth up to 32).
+    pub(crate) fn load_local_many(&self, requests: &mut [(&str, &mut [u8])]) -> Vec<Result<()>> {
+        let expected: Vec<usize> = requests.iter().map(|(_, d)| d.len()).collect();
+        let results: Vec<Result<()>> = self
+            .backend
+            .batch_load(requests)
+            .into_iter()
+            .zip(requests.iter().zip(expected))
+            .map(|(r, ((key, _), want))| match r {
+                Ok(n) if n == want => Ok(()),
+                Ok(n) => Err(Error::Storage(format!("{key}: {n} bytes on disk, the master says {want}"))),
+                Err(e) => Err(storage_err(e)),
+            })
+            .collect();
+        inc(&self.counters.local_loads, results.iter().filter(|r| r.is_ok()).count() as u64);
+        results
     }
 
     /// Runs queued eviction notices again (after the master was unreachable).
@@ -562,18 +571,21 @@ impl DiskPeers {
         self.loads.load(Ordering::Relaxed)
     }
 
-    /// Pulls `key` from the disk of `owner` (another client) into `dst`.
-    pub(crate) fn load(
+    /// Pulls several objects from the disk of `owner` with one staging round trip and
+    /// one transfer batch; each destination must be exactly the object's length.
+    /// The outer error is the load server's (nothing was pulled); inner ones are per
+    /// object.
+    pub(crate) fn load_many(
         &self,
         master: &dyn MasterApi,
         engine: &TransferEngine,
         owner: ClientId,
-        key: &str,
-        dst: &mut [u8],
-    ) -> Result<()> {
+        requests: &mut [(&str, &mut [u8])],
+    ) -> Result<Vec<Result<()>>> {
         let peer = self.peer(master, owner)?;
-        let batch = match peer.call(&Request::BatchGetOffloadObject { keys: vec![key.to_owned()] }) {
-            Ok(Response::OffloadBatch(b)) => b,
+        let keys = requests.iter().map(|(k, _)| (*k).to_owned()).collect();
+        let batch = match peer.call(&Request::BatchGetOffloadObject { keys }) {
+            Ok(Response::OffloadBatch(b)) if b.objects.len() == requests.len() => b,
             Ok(Response::Error(e)) => return Err(e.into()),
             Ok(other) => return Err(Error::Storage(format!("unexpected answer of a load server: {other:?}"))),
             Err(e) => {
@@ -582,22 +594,32 @@ impl DiskPeers {
                 return Err(e);
             }
         };
-        let pulled = (|| {
-            let (offset, len) =
-                batch.objects.first().cloned().ok_or_else(|| Error::Storage("empty load answer".into()))??;
-            if len != dst.len() as u64 {
-                return Err(Error::Storage(format!("{key}: {len} bytes staged, the master says {}", dst.len())));
+        let region = RemoteRegion { endpoint: batch.endpoint.clone(), region: batch.region };
+        let mut results: Vec<Result<()>> = Vec::with_capacity(requests.len());
+        let mut reads: Vec<TransferRequest<'_>> = Vec::with_capacity(requests.len());
+        let mut read_of: Vec<usize> = Vec::with_capacity(requests.len());
+        for (i, ((key, dst), staged)) in requests.iter_mut().zip(batch.objects).enumerate() {
+            match staged {
+                Ok((offset, len)) if len == dst.len() as u64 => {
+                    results.push(Ok(()));
+                    reads.push(TransferRequest::read(&region, offset, dst));
+                    read_of.push(i);
+                }
+                Ok((_, len)) => results
+                    .push(Err(Error::Storage(format!("{key}: {len} bytes staged, the master says {}", dst.len())))),
+                Err(e) => results.push(Err(e.into())),
             }
-            let region = RemoteRegion { endpoint: batch.endpoint.clone(), region: batch.region };
-            engine.read(&region, offset, dst)?;
-            Ok(())
-        })();
+        }
+        for (res, i) in engine.transfer(&mut reads).into_iter().zip(read_of) {
+            if let Err(e) = res {
+                results[i] = Err(e.into());
+            }
+        }
         // Release at once; the GC reclaims the batch should this call be lost.
         let _ = peer.call(&Request::ReleaseOffloadBuffer { batch_id: batch.batch_id });
-        if pulled.is_ok() {
-            self.loads.fetch_add(1, Ordering::Relaxed);
-        }
-        pulled
+        let pulled = results.iter().filter(|r| r.is_ok()).count();
+        self.loads.fetch_add(pulled as u64, Ordering::Relaxed);
+        Ok(results)
     }
 
     fn peer(&self, master: &dyn MasterApi, owner: ClientId) -> Result<Arc<RpcMasterClient>> {

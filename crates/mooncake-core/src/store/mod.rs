@@ -204,15 +204,26 @@ impl StoreInner {
     /// Reads the `LocalDisk` replica on `owner`'s SSD: our own disk directly, another
     /// client's through its load server and our transfer engine.
     fn read_disk_replica(&self, key: &str, list: &ReplicaList, owner: ClientId, dst: &mut [u8]) -> Result<()> {
-        match &self.ssd {
-            Some(ssd) if owner == self.client() => ssd.load_local(key, dst)?,
-            _ => self.disk_peers.load(&*self.master, &self.engine, owner, key, dst)?,
-        }
+        let mut one = [(key, dst)];
+        self.read_disk_many(owner, &mut one).pop().unwrap_or_else(|| Err(Error::NotFound(key.to_owned())))?;
+        let dst = &one[0].1;
         if crate::checksum::checksum(dst) != list.checksum {
             StoreCounters::inc(&self.counters.checksum_mismatches, 1);
             return Err(Error::Corrupted(key.to_owned()));
         }
         Ok(())
+    }
+
+    /// Reads objects from the SSD of `owner` (ours, or another client's), each into a
+    /// destination of exactly its length; checksums are the caller's to check.
+    fn read_disk_many(&self, owner: ClientId, requests: &mut [(&str, &mut [u8])]) -> Vec<Result<()>> {
+        match &self.ssd {
+            Some(ssd) if owner == self.client() => ssd.load_local_many(requests),
+            _ => self
+                .disk_peers
+                .load_many(&*self.master, &self.engine, owner, requests)
+                .unwrap_or_else(|e| vec![Err(e); requests.len()]),
+        }
     }
 
     fn read_memory_replicas(&self, key: &str, list: &ReplicaList, dst: &mut [u8]) -> Result<()> {
@@ -522,6 +533,33 @@ impl Store {
         let mut ok = vec![false; keys.len()];
         for (res, i) in inner.engine.transfer(&mut reqs).into_iter().zip(owner) {
             ok[i] = res.is_ok();
+        }
+        drop(reqs);
+        // Objects only on an SSD: one batch per disk that holds some.
+        let mut by_disk: HashMap<ClientId, Vec<usize>> = HashMap::new();
+        for (i, list) in lists.iter().enumerate() {
+            if let (Ok(l), None) = (list, &routes[i]) {
+                if let Some(disk) = l.disk {
+                    by_disk.entry(disk).or_default().push(i);
+                    bufs[i] = Some(buffers::take(l.len as usize));
+                }
+            }
+        }
+        for (disk, idxs) in by_disk {
+            let mut wanted = vec![false; keys.len()];
+            idxs.iter().for_each(|&i| wanted[i] = true);
+            let mut reqs: Vec<(&str, &mut [u8])> = bufs
+                .iter_mut()
+                .enumerate()
+                .filter(|(i, _)| wanted[*i])
+                .filter_map(|(i, b)| {
+                    let len = lists[i].as_ref().map_or(0, |l| l.len as usize);
+                    b.as_mut().map(|b| (keys[i], &mut b[..len]))
+                })
+                .collect();
+            for (res, i) in inner.read_disk_many(disk, &mut reqs).into_iter().zip(idxs) {
+                ok[i] = res.is_ok();
+            }
         }
         lists
             .into_iter()
