@@ -351,6 +351,10 @@ impl FileStorage {
             }
             .map_err(storage_err)?,
         );
+        if cfg.io == IoKind::Uring {
+            // Loads for peers then read straight into registered pages (READ_FIXED).
+            staging.register_with_uring();
+        }
         let gc = staging.spawn_gc(cfg.gc_ttl / 2);
         let counters = Arc::new(Counters::default());
         let listen = match &cfg.listen {
