@@ -120,14 +120,17 @@ impl MasterService {
         let offload_owners = self.offload_owners();
         let offload_until = now + self.config.put_timeout.as_millis() as u64;
         let mut to_offload: Vec<(u64, Box<str>)> = Vec::new();
+        // Memory that offloads under way will free: it counts toward the target, so
+        // that a pass asks for no more offloads than the room it needs.
+        let mut awaiting_bytes = 0u64;
         for (cutoff, include_pinned) in [(cutoff, false), (u64::MAX, false), (u64::MAX, true)] {
             for i in 0..SHARDS {
-                if report.freed_bytes >= target {
+                if report.freed_bytes + awaiting_bytes >= target {
                     break;
                 }
                 let mut shard = self.index.shard_at((start + i) % SHARDS).lock();
                 shard.retain(|k, e| {
-                    if report.freed_bytes >= target
+                    if report.freed_bytes + awaiting_bytes >= target
                         || e.last_access_ms > cutoff
                         || (e.soft_pin && !include_pinned)
                         || !Self::evictable(e, now, segment)
@@ -137,14 +140,13 @@ impl MasterService {
                     if e.disk == 0 && !offload_owners.is_empty() {
                         let owner = e.replicas.first().and_then(|r| offload_owners.get(&r.segment()));
                         if let Some(&owner) = owner {
-                            if e.offload_pending(now) {
+                            if e.offload_pending(now) || e.offload_deadline_ms == 0 {
+                                if e.offload_deadline_ms == 0 {
+                                    e.offload_deadline_ms = offload_until;
+                                    to_offload.push((owner, k.clone()));
+                                }
                                 report.awaiting_offload += 1;
-                                return true;
-                            }
-                            if e.offload_deadline_ms == 0 {
-                                e.offload_deadline_ms = offload_until;
-                                to_offload.push((owner, k.clone()));
-                                report.awaiting_offload += 1;
+                                awaiting_bytes += e.memory_bytes(segment);
                                 return true;
                             }
                             // Asked before and never reported: the owner cannot
@@ -162,7 +164,7 @@ impl MasterService {
                     false
                 });
             }
-            if report.freed_bytes >= target {
+            if report.freed_bytes + awaiting_bytes >= target {
                 break;
             }
         }
