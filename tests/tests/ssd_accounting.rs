@@ -179,3 +179,26 @@ fn lazy_eviction_offloads_first_and_puts_wait_bounded() {
     m.remove("first").unwrap();
     assert_eq!(m.offload_heartbeat(c, 16).unwrap().discard, vec!["first".to_owned()]);
 }
+
+/// A pass under memory pressure asks for as many offloads as the room it needs, not
+/// for every object in memory.
+#[test]
+fn lazy_eviction_asks_only_for_the_room_it_needs() {
+    let m = Master::new(MasterConfig {
+        default_lease: Duration::ZERO,
+        offload_wait: Duration::from_millis(50),
+        ..Default::default()
+    })
+    .unwrap();
+    let c = client_with(&m, "a", &[]);
+    m.mount_ssd(c, 1 << 40, "127.0.0.1:1").unwrap();
+    let cap = m.stats().capacity_bytes;
+    for i in 0..9 {
+        let k = format!("o{i}");
+        m.put_start(c, &k, cap / 10, &ReplicateConfig::default()).unwrap();
+        m.put_end(c, &k, 1).unwrap();
+    }
+    assert!(m.put_start(c, "big", cap / 5, &ReplicateConfig::default()).is_err(), "nobody offloads");
+    let asked = m.offload_heartbeat(c, 100).unwrap().tasks.len();
+    assert!((1..=3).contains(&asked), "asked for {asked} offloads to free 2 of 9 slots");
+}

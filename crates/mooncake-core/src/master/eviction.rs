@@ -123,6 +123,16 @@ impl MasterService {
         // Memory that offloads under way will free: it counts toward the target, so
         // that a pass asks for no more offloads than the room it needs.
         let mut awaiting_bytes = 0u64;
+        if !offload_owners.is_empty() {
+            for shard in self.index.shards() {
+                for e in shard.lock().values() {
+                    if e.disk == 0 && e.offload_pending(now) && Self::evictable(e, now, segment) {
+                        awaiting_bytes += e.memory_bytes(segment);
+                        report.awaiting_offload += 1;
+                    }
+                }
+            }
+        }
         for (cutoff, include_pinned) in [(cutoff, false), (u64::MAX, false), (u64::MAX, true)] {
             for i in 0..SHARDS {
                 if report.freed_bytes + awaiting_bytes >= target {
@@ -140,11 +150,12 @@ impl MasterService {
                     if e.disk == 0 && !offload_owners.is_empty() {
                         let owner = e.replicas.first().and_then(|r| offload_owners.get(&r.segment()));
                         if let Some(&owner) = owner {
-                            if e.offload_pending(now) || e.offload_deadline_ms == 0 {
-                                if e.offload_deadline_ms == 0 {
-                                    e.offload_deadline_ms = offload_until;
-                                    to_offload.push((owner, k.clone()));
-                                }
+                            if e.offload_pending(now) {
+                                return true; // counted above
+                            }
+                            if e.offload_deadline_ms == 0 {
+                                e.offload_deadline_ms = offload_until;
+                                to_offload.push((owner, k.clone()));
                                 report.awaiting_offload += 1;
                                 awaiting_bytes += e.memory_bytes(segment);
                                 return true;
