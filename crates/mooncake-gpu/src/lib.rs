@@ -23,6 +23,14 @@
 //!   export/import. On a machine without CUDA every entry point returns
 //!   [`GpuError::NoGpu`] instead of panicking.
 //! * [`route`]: which owner rank an object goes to.
+//! * [`device`]: device memory as a copy target — the [`DeviceMemory`] trait
+//!   (asynchronous host <-> device copies on streams, pinned host staging),
+//!   [`HostDeviceMemory`] (its host emulation) and
+//!   [`cuda::DeviceBuffer`] (CUDA), the double-buffered chunked [`Stager`]
+//!   and the [`PinnedPool`] of reusable staging buffers.
+//! * [`GpuTransport`]: a `mooncake_transfer::Transport` whose regions are
+//!   device memory, so the transfer engine (and a store built with it) moves
+//!   bytes between host memory and GPU buffers of this process.
 //!
 //! # Example
 //!
@@ -68,14 +76,18 @@
 mod alloc;
 pub mod cache;
 pub mod cuda;
+pub mod device;
 mod error;
 pub mod header;
 pub mod heap;
+mod transport;
 
 pub use cache::{CacheConfig, CacheStats, NanoKvCache, ObjMeta, Watchdog, WritePlan};
+pub use device::{DeviceMemory, DeviceStream, HostDeviceMemory, MemoryLocation, PinnedBuffer, PinnedPool, Stager};
 pub use error::{GpuError, Result};
 pub use header::{HeaderSnapshot, ObjectHeader, ObjectState};
 pub use heap::{DeviceHeap, HostHeap, PageSpan, ReadExpect, RetireOutcome};
+pub use transport::{gpu_to_transfer, GpuTransport, GPU_SCHEME};
 
 use xxhash_rust::xxh64::xxh64;
 

@@ -20,6 +20,10 @@
 //! `payload_offset`, which is what the methods here use.
 
 pub mod kernels;
+mod memory;
+
+pub use memory::DeviceBuffer;
+pub(crate) use memory::HostAlloc;
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::Ordering;
@@ -528,7 +532,7 @@ impl CudaDeviceHeap {
             drv("bind", self.ctx.bind_to_thread())?;
             // SAFETY: plain device allocation owned by the returned buffer.
             let ptr = drv("cuMemAlloc", unsafe { cu::malloc_sync(bytes.max(1)) })?;
-            Ok(DeviceBuffer { ctx: self.ctx.clone(), ptr, len: bytes })
+            Ok(DeviceBuffer::owned(self.ctx.clone(), self.ordinal, ptr, bytes))
         })
     }
 
@@ -542,65 +546,6 @@ impl CudaDeviceHeap {
             drv("cuMemcpyDtoDAsync", unsafe { cu::memcpy_dtod_async(dst, src, len, self.stream.cu_stream()) })?;
             self.sync()
         })
-    }
-}
-
-/// A device allocation in a heap's context, freed on drop.
-#[derive(Debug)]
-pub struct DeviceBuffer {
-    ctx: Arc<CudaContext>,
-    ptr: sys::CUdeviceptr,
-    len: usize,
-}
-
-impl DeviceBuffer {
-    /// Device pointer.
-    pub fn ptr(&self) -> sys::CUdeviceptr {
-        self.ptr
-    }
-
-    /// Length in bytes.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// Whether the buffer is empty.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// Copies `src` into the start of the buffer (synchronous).
-    pub fn upload(&self, src: &[u8]) -> Result<()> {
-        if src.len() > self.len {
-            return Err(GpuError::OutOfBounds("upload larger than the buffer".into()));
-        }
-        guarded("upload", || {
-            drv("bind", self.ctx.bind_to_thread())?;
-            // SAFETY: `ptr` is a live allocation of `len >= src.len()` bytes.
-            drv("cuMemcpyHtoD", unsafe { cu::memcpy_htod_sync(self.ptr, src) })
-        })
-    }
-
-    /// Copies the start of the buffer into `dst` (synchronous).
-    pub fn download(&self, dst: &mut [u8]) -> Result<()> {
-        if dst.len() > self.len {
-            return Err(GpuError::OutOfBounds("download larger than the buffer".into()));
-        }
-        guarded("download", || {
-            drv("bind", self.ctx.bind_to_thread())?;
-            // SAFETY: `ptr` is a live allocation of `len >= dst.len()` bytes.
-            drv("cuMemcpyDtoH", unsafe { cu::memcpy_dtoh_sync(dst, self.ptr) })
-        })
-    }
-}
-
-impl Drop for DeviceBuffer {
-    fn drop(&mut self) {
-        let _ = guarded("DeviceBuffer::drop", || {
-            drv("bind", self.ctx.bind_to_thread())?;
-            // SAFETY: `ptr` came from cuMemAlloc in this context and is freed once.
-            drv("cuMemFree", unsafe { cu::free_sync(self.ptr) })
-        });
     }
 }
 

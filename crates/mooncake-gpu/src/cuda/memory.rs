@@ -1,0 +1,349 @@
+//! CUDA device memory as a [`DeviceMemory`]: `cuMemAlloc` buffers (or memory
+//! allocated elsewhere, borrowed), `cuMemHostAlloc` pinned staging, and
+//! pooled streams on which `cuMemcpyHtoDAsync` / `cuMemcpyDtoHAsync` run with
+//! events as fences.
+
+use std::collections::VecDeque;
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+use cudarc::driver::{result as cu, sys, CudaContext};
+use parking_lot::Mutex;
+
+use super::{device_count, drv, guarded};
+use crate::device::{check_range, DeviceMemory, DeviceStream, Fence, MemoryLocation, PinnedBuffer};
+use crate::error::{GpuError, Result};
+
+/// Page-locked host memory from `cuMemHostAlloc` (portable: usable with every
+/// context), freed with `cuMemFreeHost`.
+pub(crate) struct HostAlloc {
+    ctx: Arc<CudaContext>,
+    ptr: NonNull<u8>,
+}
+
+impl HostAlloc {
+    pub(crate) fn ptr(&self) -> NonNull<u8> {
+        self.ptr
+    }
+}
+
+impl Drop for HostAlloc {
+    fn drop(&mut self) {
+        let _ = guarded("cuMemFreeHost", || {
+            drv("bind", self.ctx.bind_to_thread())?;
+            // SAFETY: `ptr` came from cuMemHostAlloc and is freed exactly once;
+            // its owner (a PinnedBuffer) is being dropped, and every copy using
+            // it was waited for (the DeviceStream contract).
+            drv("cuMemFreeHost", unsafe { cu::free_host(self.ptr.as_ptr().cast()) })
+        });
+    }
+}
+
+/// A stream and its spare events, kept by a buffer between uses.
+struct StreamSlot {
+    stream: sys::CUstream,
+    events: Vec<sys::CUevent>,
+}
+
+// SAFETY: CUDA stream and event handles are opaque driver handles, valid from
+// any thread of the process (the driver API is thread-safe); a slot is used by
+// one `CudaCopyStream` at a time (it is taken out of the pool while in use).
+unsafe impl Send for StreamSlot {}
+
+/// A device allocation (`cuMemAlloc`, or memory borrowed from elsewhere with
+/// [`from_raw`](Self::from_raw)) in one CUDA context. A [`DeviceMemory`]:
+/// the store's `get_into_device` / `put_from_device` and the
+/// [`GpuTransport`](crate::GpuTransport) copy into it asynchronously through
+/// pinned staging buffers.
+pub struct DeviceBuffer {
+    ctx: Arc<CudaContext>,
+    ordinal: usize,
+    ptr: sys::CUdeviceptr,
+    len: usize,
+    /// Freed on drop (false: borrowed with `from_raw`).
+    owned: bool,
+    /// Idle copy streams.
+    streams: Mutex<Vec<StreamSlot>>,
+}
+
+impl std::fmt::Debug for DeviceBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceBuffer")
+            .field("ordinal", &self.ordinal)
+            .field("ptr", &format_args!("{:#x}", self.ptr))
+            .field("len", &self.len)
+            .field("owned", &self.owned)
+            .finish()
+    }
+}
+
+impl DeviceBuffer {
+    /// Wraps a `cuMemAlloc` allocation owned from now on by the buffer.
+    pub(crate) fn owned(ctx: Arc<CudaContext>, ordinal: usize, ptr: sys::CUdeviceptr, len: usize) -> Self {
+        Self { ctx, ordinal, ptr, len, owned: true, streams: Mutex::new(Vec::new()) }
+    }
+
+    fn context(ordinal: usize) -> Result<Arc<CudaContext>> {
+        let n = device_count()?;
+        if ordinal >= n {
+            return Err(GpuError::InvalidArgument(format!("device {ordinal} requested, {n} present")));
+        }
+        guarded("CudaContext::new", || drv("cuDevicePrimaryCtxRetain", CudaContext::new(ordinal)))
+    }
+
+    /// Allocates `bytes` of memory on device `ordinal` (its primary context;
+    /// no kernels are compiled). `Err(NoGpu)` without a GPU, never a panic.
+    pub fn new(ordinal: usize, bytes: usize) -> Result<Self> {
+        let ctx = Self::context(ordinal)?;
+        guarded("DeviceBuffer::new", || {
+            drv("bind", ctx.bind_to_thread())?;
+            // SAFETY: plain device allocation, owned by the returned buffer.
+            let ptr = drv("cuMemAlloc", unsafe { cu::malloc_sync(bytes.max(1)) })?;
+            Ok(Self::owned(ctx.clone(), ordinal, ptr, bytes))
+        })
+    }
+
+    /// Borrows `len` bytes of device memory at `ptr` on device `ordinal`,
+    /// allocated by someone else (a framework's tensor): not freed on drop.
+    ///
+    /// # Safety
+    ///
+    /// `ptr .. ptr + len` must be device memory of `ordinal` (in its primary
+    /// context, or mapped into it), live for as long as the returned buffer.
+    pub unsafe fn from_raw(ordinal: usize, ptr: sys::CUdeviceptr, len: usize) -> Result<Self> {
+        let ctx = Self::context(ordinal)?;
+        Ok(Self { ctx, ordinal, ptr, len, owned: false, streams: Mutex::new(Vec::new()) })
+    }
+
+    /// Device pointer.
+    pub fn ptr(&self) -> sys::CUdeviceptr {
+        self.ptr
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the buffer is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Device ordinal.
+    pub fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+
+    /// Copies `src` into the start of the buffer with a synchronous
+    /// `cuMemcpyHtoD` from pageable memory (the plain `cudaMemcpy` reference).
+    pub fn upload(&self, src: &[u8]) -> Result<()> {
+        if src.len() > self.len {
+            return Err(GpuError::OutOfBounds("upload larger than the buffer".into()));
+        }
+        guarded("upload", || {
+            drv("bind", self.ctx.bind_to_thread())?;
+            // SAFETY: `ptr` is a live allocation of `len >= src.len()` bytes.
+            drv("cuMemcpyHtoD", unsafe { cu::memcpy_htod_sync(self.ptr, src) })
+        })
+    }
+
+    /// Copies the start of the buffer into `dst` (synchronous).
+    pub fn download(&self, dst: &mut [u8]) -> Result<()> {
+        if dst.len() > self.len {
+            return Err(GpuError::OutOfBounds("download larger than the buffer".into()));
+        }
+        guarded("download", || {
+            drv("bind", self.ctx.bind_to_thread())?;
+            // SAFETY: `ptr` is a live allocation of `len >= dst.len()` bytes.
+            drv("cuMemcpyDtoH", unsafe { cu::memcpy_dtoh_sync(dst, self.ptr) })
+        })
+    }
+
+    fn take_slot(&self) -> Result<StreamSlot> {
+        if let Some(s) = self.streams.lock().pop() {
+            return Ok(s);
+        }
+        guarded("cuStreamCreate", || {
+            drv("bind", self.ctx.bind_to_thread())?;
+            let stream = drv("cuStreamCreate", cu::stream::create(cu::stream::StreamKind::NonBlocking))?;
+            Ok(StreamSlot { stream, events: Vec::new() })
+        })
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        let slots = std::mem::take(&mut *self.streams.lock());
+        let (ptr, owned) = (self.ptr, self.owned);
+        let _ = guarded("DeviceBuffer::drop", || {
+            drv("bind", self.ctx.bind_to_thread())?;
+            for s in slots {
+                // SAFETY: idle slots have no work in flight (a stream is
+                // synchronized before it returns to the pool); each handle is
+                // destroyed once.
+                unsafe {
+                    for e in s.events {
+                        let _ = cu::event::destroy(e);
+                    }
+                    let _ = cu::stream::destroy(s.stream);
+                }
+            }
+            if owned {
+                // SAFETY: `ptr` came from cuMemAlloc in this context and is freed once.
+                drv("cuMemFree", unsafe { cu::free_sync(ptr) })?;
+            }
+            Ok(())
+        });
+    }
+}
+
+impl DeviceMemory for DeviceBuffer {
+    fn len(&self) -> u64 {
+        self.len as u64
+    }
+
+    fn location(&self) -> MemoryLocation {
+        MemoryLocation::Cuda { ordinal: self.ordinal }
+    }
+
+    fn device_ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    fn alloc_pinned(&self, len: usize) -> Result<PinnedBuffer> {
+        guarded("cuMemHostAlloc", || {
+            drv("bind", self.ctx.bind_to_thread())?;
+            // SAFETY: a plain page-locked allocation, owned by the returned
+            // HostAlloc (freed once in its Drop); zeroed below before any read.
+            let raw = drv("cuMemHostAlloc", unsafe { cu::malloc_host(len.max(1), sys::CU_MEMHOSTALLOC_PORTABLE) })?;
+            let ptr = NonNull::new(raw.cast::<u8>())
+                .ok_or_else(|| GpuError::Cuda { op: "cuMemHostAlloc", msg: "null pointer".into() })?;
+            let alloc = HostAlloc { ctx: self.ctx.clone(), ptr };
+            // SAFETY: `ptr` is a fresh allocation of at least `len` bytes.
+            unsafe { std::ptr::write_bytes(ptr.as_ptr(), 0, len) };
+            Ok(PinnedBuffer::from_cuda(alloc, len))
+        })
+    }
+
+    fn open_stream(&self) -> Result<Box<dyn DeviceStream + '_>> {
+        let slot = self.take_slot()?;
+        Ok(Box::new(CudaCopyStream { buf: self, slot: Some(slot), pending: VecDeque::new(), next: 0 }))
+    }
+}
+
+/// Copies of one [`DeviceBuffer`] on a pooled CUDA stream; fences are events.
+struct CudaCopyStream<'a> {
+    buf: &'a DeviceBuffer,
+    slot: Option<StreamSlot>,
+    /// Recorded events not known complete, oldest first, with their ticket.
+    pending: VecDeque<(u64, sys::CUevent)>,
+    /// Ticket of the next fence.
+    next: u64,
+}
+
+impl CudaCopyStream<'_> {
+    fn slot(&mut self) -> &mut StreamSlot {
+        self.slot.as_mut().expect("present until drop")
+    }
+
+    fn stream(&self) -> sys::CUstream {
+        self.slot.as_ref().expect("present until drop").stream
+    }
+
+    /// All pending events up to `ticket` are complete: recycle them.
+    fn retire_upto(&mut self, ticket: u64) {
+        while self.pending.front().is_some_and(|(t, _)| *t <= ticket) {
+            let (_, e) = self.pending.pop_front().expect("checked");
+            self.slot().events.push(e);
+        }
+    }
+}
+
+impl DeviceStream for CudaCopyStream<'_> {
+    unsafe fn copy_to_device_async(&mut self, src: *const u8, len: usize, dst_offset: u64) -> Result<()> {
+        check_range(self.buf.len as u64, dst_offset, len as u64)?;
+        let (dst, stream, ctx) = (self.buf.ptr + dst_offset, self.stream(), &self.buf.ctx);
+        guarded("cuMemcpyHtoDAsync", || {
+            drv("bind", ctx.bind_to_thread())?;
+            // SAFETY: the device range is inside the allocation (checked above);
+            // the caller keeps `src..src+len` readable and unchanged until the
+            // copy completes (this method's contract).
+            drv("cuMemcpyHtoDAsync", unsafe { sys::cuMemcpyHtoDAsync_v2(dst, src.cast(), len, stream).result() })
+        })
+    }
+
+    unsafe fn copy_from_device_async(&mut self, dst: *mut u8, len: usize, src_offset: u64) -> Result<()> {
+        check_range(self.buf.len as u64, src_offset, len as u64)?;
+        let (src, stream, ctx) = (self.buf.ptr + src_offset, self.stream(), &self.buf.ctx);
+        guarded("cuMemcpyDtoHAsync", || {
+            drv("bind", ctx.bind_to_thread())?;
+            // SAFETY: the device range is inside the allocation (checked above);
+            // the caller keeps `dst..dst+len` writable and untouched until the
+            // copy completes (this method's contract).
+            drv("cuMemcpyDtoHAsync", unsafe { sys::cuMemcpyDtoHAsync_v2(dst.cast(), src, len, stream).result() })
+        })
+    }
+
+    fn fence(&mut self) -> Result<Fence> {
+        let ctx = self.buf.ctx.clone();
+        let stream = self.stream();
+        let spare = self.slot().events.pop();
+        let event = guarded("cuEventRecord", || {
+            drv("bind", ctx.bind_to_thread())?;
+            let e = match spare {
+                Some(e) => e,
+                None => drv("cuEventCreate", cu::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))?,
+            };
+            // SAFETY: `e` is a live event of this context, `stream` a live
+            // stream of this slot.
+            drv("cuEventRecord", unsafe { cu::event::record(e, stream) })?;
+            Ok(e)
+        })?;
+        self.next += 1;
+        self.pending.push_back((self.next, event));
+        Ok(Fence(self.next))
+    }
+
+    fn wait(&mut self, fence: Fence) -> Result<()> {
+        // The newest pending event at or before the fence covers all older ones.
+        let Some(&(ticket, event)) = self.pending.iter().take_while(|(t, _)| *t <= fence.0).last() else {
+            return Ok(());
+        };
+        let ctx = self.buf.ctx.clone();
+        guarded("cuEventSynchronize", || {
+            drv("bind", ctx.bind_to_thread())?;
+            // SAFETY: `event` is a live, recorded event of this stream.
+            drv("cuEventSynchronize", unsafe { cu::event::synchronize(event) })
+        })?;
+        self.retire_upto(ticket);
+        Ok(())
+    }
+
+    fn synchronize(&mut self) -> Result<()> {
+        let (ctx, stream) = (self.buf.ctx.clone(), self.stream());
+        guarded("cuStreamSynchronize", || {
+            drv("bind", ctx.bind_to_thread())?;
+            // SAFETY: `stream` is a live stream of this slot.
+            drv("cuStreamSynchronize", unsafe { cu::stream::synchronize(stream) })
+        })?;
+        self.retire_upto(u64::MAX);
+        Ok(())
+    }
+}
+
+impl Drop for CudaCopyStream<'_> {
+    fn drop(&mut self) {
+        // Host buffers of outstanding copies must not be freed under the DMA.
+        if self.synchronize().is_err() {
+            // The stream is in an unknown state: do not reuse it (leak it
+            // rather than destroy a stream that may still run).
+            tracing::warn!("CUDA copy stream failed to synchronize; dropping it from the pool");
+            self.slot = None;
+            return;
+        }
+        if let Some(slot) = self.slot.take() {
+            self.buf.streams.lock().push(slot);
+        }
+    }
+}
