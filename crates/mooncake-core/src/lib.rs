@@ -36,3 +36,6 @@ pub use store::{SsdBackend, SsdOffloadConfig, SsdStats, Store, StoreBuilder, Sto
 pub use mooncake_alloc as alloc;
 /// Re-exports of the SSD-tier crate: eviction policies, I/O engines, backends.
 pub use mooncake_storage as storage;
+/// Re-exports of the GPU crate: device memory (`DeviceMemory`, its host emulation, CUDA
+/// buffers) for [`Store::get_into_device`] / [`Store::put_from_device`], and `GpuTransport`.
+pub use mooncake_gpu as gpu;

@@ -3,6 +3,7 @@
 
 mod buffers;
 mod builder;
+mod device;
 mod file_storage;
 mod stats;
 

@@ -1,0 +1,314 @@
+//! GPU memory as a `get_into` target and a `put` source of the store, over the
+//! host emulation of device memory (CI has no GPU): `get_into_device`,
+//! `put_from_device` and their batch forms, and device memory mounted as a
+//! store segment through `GpuTransport` plugged into `StoreBuilder::transport`.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use mooncake_core::gpu::cuda::{self, DeviceBuffer};
+use mooncake_core::gpu::device::{allocate_or_emulate, MemoryLocation};
+use mooncake_core::gpu::{DeviceMemory, GpuError, GpuTransport, HostDeviceMemory};
+use mooncake_core::{Error, Master, MasterConfig, ReplicateConfig, Store};
+use mooncake_transfer::{TransferError, TransferRequest, Transport};
+
+fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+fn store(segment: u64) -> Store {
+    Store::builder().global_segment_size(segment).build().unwrap()
+}
+
+fn device(len: u64) -> HostDeviceMemory {
+    HostDeviceMemory::new(len).unwrap()
+}
+
+#[test]
+fn kv_sizes_round_trip_through_device_memory() {
+    let store = store(64 << 20);
+    let src = device(16 << 20);
+    let dst = device(16 << 20);
+    for (i, len) in [64usize << 10, (256 << 10) + 1, 1 << 20, (4 << 20) + 3, 8 << 20].into_iter().enumerate() {
+        let data = pattern(i as u64, len);
+        let (src_off, dst_off) = (1000 * i as u64 + 7, 4096 * i as u64);
+        src.copy_from_host(src_off, &data).unwrap();
+        let key = format!("kv/{len}");
+        store.put_from_device(&key, &src, src_off, len as u64).unwrap();
+        // What the store holds is exactly the device bytes.
+        assert!(store.get(&key).unwrap()[..] == data[..], "{len}: stored bytes");
+        assert_eq!(store.get_into_device(&key, &dst, dst_off).unwrap(), len);
+        let all = dst.to_vec();
+        assert!(all[dst_off as usize..dst_off as usize + len] == data[..], "{len}: device bytes");
+        // Nothing around the target range was touched.
+        assert!(all[..dst_off as usize].iter().all(|&b| b == 0), "{len}: bytes before the range");
+        assert!(all[dst_off as usize + len..].iter().all(|&b| b == 0), "{len}: bytes after the range");
+        dst.with_bytes_mut(|b| b.fill(0));
+    }
+}
+
+#[test]
+fn small_and_boundary_sizes_and_changing_sizes() {
+    let store = store(32 << 20);
+    let dst = device(8 << 20);
+    // 1 byte, staging-class boundaries (64 KiB classes and powers of two), and
+    // sizes that alternate so the staging size guess misses both ways.
+    let sizes = [1usize, 65_535, 65_536, 65_537, 3 << 20, 10, (1 << 20) + 1, 2 << 20, 1];
+    for (i, len) in sizes.into_iter().enumerate() {
+        let data = pattern(100 + i as u64, len);
+        let key = format!("b/{i}");
+        store.put(&key, &data).unwrap();
+        let off = (8 << 20) - len as u64; // flush with the end of device memory
+        assert_eq!(store.get_into_device(&key, &dst, off).unwrap(), len);
+        assert!(dst.to_vec()[off as usize..] == data[..], "size {len}");
+    }
+}
+
+#[test]
+fn device_ranges_outside_the_memory_are_errors_not_panics() {
+    let store = store(16 << 20);
+    let mem = device(1 << 20);
+    store.put("obj", &pattern(1, 100_000)).unwrap();
+
+    // Offset beyond the end.
+    assert!(matches!(store.get_into_device("obj", &mem, (1 << 20) + 1), Err(Error::InvalidArgument(_))));
+    assert!(matches!(store.get_into_device("obj", &mem, u64::MAX), Err(Error::InvalidArgument(_))));
+    // At the end / too close to it: the object does not fit.
+    match store.get_into_device("obj", &mem, 1 << 20) {
+        Err(Error::BufferTooSmall { needed: 100_000, capacity: 0 }) => {}
+        other => panic!("expected BufferTooSmall, got {other:?}"),
+    }
+    match store.get_into_device("obj", &mem, (1 << 20) - 99_999) {
+        Err(Error::BufferTooSmall { needed: 100_000, capacity: 99_999 }) => {}
+        other => panic!("expected BufferTooSmall, got {other:?}"),
+    }
+    assert!(mem.to_vec().iter().all(|&b| b == 0), "nothing copied on errors");
+    assert!(matches!(store.get_into_device("missing", &mem, 0), Err(Error::NotFound(_))));
+
+    // Puts from outside the device memory, or of nothing.
+    for (off, len) in [(1u64 << 20, 1u64), ((1 << 20) - 10, 11), (u64::MAX, 2), (0, (1 << 20) + 1)] {
+        let r = store.put_from_device("p", &mem, off, len);
+        assert!(matches!(r, Err(Error::InvalidArgument(_))), "{off}+{len}: {r:?}");
+    }
+    assert!(matches!(store.put_from_device("p", &mem, 0, 0), Err(Error::InvalidArgument(_))));
+    assert!(!store.exists("p").unwrap(), "a refused put stores nothing");
+    store.put_from_device("p", &mem, (1 << 20) - 10, 10).unwrap();
+    assert_eq!(store.get("p").unwrap().len(), 10);
+    // Objects are immutable through this path too.
+    assert!(matches!(store.put_from_device("p", &mem, 0, 10), Err(Error::AlreadyExists(_))));
+}
+
+#[test]
+fn put_from_device_with_replicas() {
+    let master = Master::new(MasterConfig::default()).unwrap();
+    let a = Store::builder().master(&master).global_segment_size(16 << 20).build().unwrap();
+    let b = Store::builder().master(&master).global_segment_size(16 << 20).build().unwrap();
+    let mem = device(4 << 20);
+    let data = pattern(5, 3 << 20);
+    mem.copy_from_host(0, &data).unwrap();
+    a.put_from_device_with("r2", &mem, 0, data.len() as u64, &ReplicateConfig::replicas(2)).unwrap();
+    drop(a); // one replica survives on b's segment
+    let out = device(4 << 20);
+    assert_eq!(b.get_into_device("r2", &out, 1 << 20).unwrap(), data.len());
+    assert!(out.to_vec()[1 << 20..] == data[..]);
+}
+
+#[test]
+fn batch_get_into_device_pipelines_and_reports_per_item() {
+    let store = store(64 << 20);
+    let dst = device(32 << 20);
+    let lens = [64usize << 10, 1 << 20, 3, (2 << 20) + 5, 8 << 20, 100_000];
+    let mut items: Vec<(String, u64)> = Vec::new();
+    let mut off = 0u64;
+    for (i, &len) in lens.iter().enumerate() {
+        let key = format!("bg/{i}");
+        store.put(&key, &pattern(200 + i as u64, len)).unwrap();
+        items.push((key, off));
+        off += len as u64 + 17;
+    }
+    items.insert(2, ("bg/missing".into(), 0));
+    items.push(("bg/0".into(), (32 << 20) - 10)); // does not fit
+    items.push(("bg/1".into(), (32 << 20) + 1)); // offset beyond the memory
+    let refs: Vec<(&str, u64)> = items.iter().map(|(k, o)| (k.as_str(), *o)).collect();
+    let res = store.batch_get_into_device(&refs, &dst);
+    assert_eq!(res.len(), refs.len());
+    assert!(matches!(res[2], Err(Error::NotFound(_))));
+    assert!(matches!(res[refs.len() - 2], Err(Error::BufferTooSmall { .. })));
+    assert!(matches!(res[refs.len() - 1], Err(Error::InvalidArgument(_))));
+    let all = dst.to_vec();
+    let mut lens_iter = lens.iter().enumerate();
+    for (j, (key, off)) in items.iter().enumerate() {
+        if j == 2 || j >= refs.len() - 2 {
+            continue;
+        }
+        let (i, &len) = lens_iter.next().unwrap();
+        assert_eq!(res[j].as_ref().copied().unwrap(), len, "{key}");
+        assert!(all[*off as usize..*off as usize + len] == pattern(200 + i as u64, len)[..], "{key}");
+    }
+    assert!(store.batch_get_into_device(&[], &dst).is_empty());
+}
+
+#[test]
+fn batch_put_from_device_pipelines_and_reports_per_item() {
+    let store = store(64 << 20);
+    let src = device(24 << 20);
+    let data = pattern(9, 24 << 20);
+    src.copy_from_host(0, &data).unwrap();
+    let items: Vec<(String, u64, u64)> = vec![
+        ("bp/0".into(), 0, 64 << 10),
+        ("bp/1".into(), 100, 1 << 20),
+        ("bp/bad".into(), (24 << 20) - 5, 6), // out of the device memory
+        ("bp/2".into(), 5 << 20, 8 << 20),
+        ("bp/3".into(), 1, 1),
+        ("bp/1".into(), 0, 10), // exists already
+        ("bp/4".into(), (24 << 20) - 4097, 4097),
+    ];
+    let refs: Vec<(&str, u64, u64)> = items.iter().map(|(k, o, l)| (k.as_str(), *o, *l)).collect();
+    let res = store.batch_put_from_device(&refs, &src, &ReplicateConfig::default());
+    assert!(matches!(res[2], Err(Error::InvalidArgument(_))), "{:?}", res[2]);
+    assert!(matches!(res[5], Err(Error::AlreadyExists(_))), "{:?}", res[5]);
+    for (j, (key, off, len)) in items.iter().enumerate() {
+        if j == 2 || j == 5 {
+            continue;
+        }
+        assert!(res[j].is_ok(), "{key}: {:?}", res[j]);
+        let got = store.get(key).unwrap();
+        assert!(got[..] == data[*off as usize..(*off + *len) as usize], "{key}");
+    }
+    assert!(!store.exists("bp/bad").unwrap());
+}
+
+#[test]
+fn concurrent_device_gets_and_puts_share_the_staging_pool() {
+    let store = store(128 << 20);
+    let threads: Vec<_> = (0..6u64)
+        .map(|t| {
+            let store = store.clone();
+            std::thread::spawn(move || {
+                let mem = device(8 << 20);
+                for round in 0..5u64 {
+                    let len = ((t + 1) * (round + 1) * 97_531) as usize % (4 << 20) + 1;
+                    let data = pattern(t * 100 + round, len);
+                    mem.copy_from_host(0, &data).unwrap();
+                    let key = format!("c/{t}/{round}");
+                    store.put_from_device(&key, &mem, 0, len as u64).unwrap();
+                    mem.with_bytes_mut(|b| b.fill(0));
+                    assert_eq!(store.get_into_device(&key, &mem, 4 << 20).unwrap(), len);
+                    assert!(mem.to_vec()[4 << 20..(4 << 20) + len] == data[..], "thread {t} round {round}");
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+}
+
+// --- Device memory as a store segment, through the Transport trait ----------
+
+/// A user-defined transport: counts the bytes it hands to the GPU transport.
+struct Counting {
+    inner: Arc<GpuTransport>,
+    bytes: AtomicU64,
+}
+
+impl Transport for Counting {
+    fn name(&self) -> &str {
+        "counting-gpu"
+    }
+    fn can_reach(&self, endpoint: &str) -> bool {
+        self.inner.can_reach(endpoint)
+    }
+    fn transfer(&self, requests: &mut [TransferRequest<'_>]) -> Vec<mooncake_transfer::Result<()>> {
+        let n: usize = requests.iter().map(|r| r.op.len()).sum();
+        self.bytes.fetch_add(n as u64, Ordering::Relaxed);
+        self.inner.transfer(requests)
+    }
+}
+
+#[test]
+fn device_memory_mounted_as_a_segment_through_a_user_transport() {
+    // Small staging chunks, so objects cross many chunk boundaries.
+    let chunk = 4096;
+    let gpu = Arc::new(GpuTransport::with_staging(chunk, 2).unwrap());
+    let counting = Arc::new(Counting { inner: gpu.clone(), bytes: AtomicU64::new(0) });
+    // No DRAM segment: the device memory below is the only place objects can go.
+    let store = Store::builder().global_segment_size(0).transport(counting.clone()).build().unwrap();
+    let hbm = Arc::new(device(16 << 20));
+    let region = gpu.register(hbm.clone()).unwrap();
+    let segment = store.master().mount_segment(store.client_id(), region, hbm.len()).unwrap();
+
+    let sizes = [1usize, chunk - 1, chunk, chunk + 1, 2 * chunk, 3 * chunk + 7, 1 << 20, (4 << 20) + 3];
+    for (i, &len) in sizes.iter().enumerate() {
+        let data = pattern(300 + i as u64, len);
+        let key = format!("hbm/{i}");
+        store.put(&key, &data).unwrap();
+        // The bytes are in device memory, where the master placed them.
+        let info = store.master().object_info(&key).unwrap();
+        assert_eq!(info.replicas.len(), 1);
+        assert_eq!(info.replicas[0].segment, segment);
+        let at = info.replicas[0].offset as usize;
+        assert!(hbm.to_vec()[at..at + len] == data[..], "{len}: bytes in device memory");
+        // And come back through the transport, checksum-verified.
+        assert!(store.get(&key).unwrap()[..] == data[..], "{len}: get");
+        // Device (segment) -> host staging -> another device buffer.
+        let other = device(8 << 20);
+        assert_eq!(store.get_into_device(&key, &other, 0).unwrap(), len);
+        assert!(other.to_vec()[..len] == data[..]);
+    }
+    let moved: u64 = sizes.iter().map(|&l| l as u64).sum::<u64>() * 3; // put + get + get_into_device
+    assert_eq!(counting.bytes.load(Ordering::Relaxed), moved);
+    let gpu_stats = gpu.stats().unwrap().snapshot("gpu");
+    assert_eq!(gpu_stats.bytes_written, moved / 3);
+    assert_eq!(gpu_stats.bytes_read, 2 * moved / 3);
+    assert_eq!(gpu_stats.errors, 0);
+}
+
+#[test]
+fn gpu_transport_plugs_into_the_store_builder_and_leaves_host_segments_alone() {
+    let gpu = Arc::new(GpuTransport::new());
+    let store = Store::builder().global_segment_size(8 << 20).transport(gpu.clone()).build().unwrap();
+    store.put("host-object", &pattern(1, 50_000)).unwrap();
+    assert_eq!(store.get("host-object").unwrap()[..], pattern(1, 50_000)[..]);
+    let s = gpu.stats().unwrap().snapshot("gpu");
+    assert_eq!((s.bytes_read, s.bytes_written), (0, 0), "host segments are not the GPU transport's");
+}
+
+// --- Without a GPU ---------------------------------------------------------
+
+#[test]
+fn without_cuda_the_typed_error_maps_into_the_store_error() {
+    if cuda::is_available() {
+        eprintln!("note: a GPU is present; the no-GPU path is not exercised here");
+        return;
+    }
+    let e = std::panic::catch_unwind(|| DeviceBuffer::new(0, 1 << 20)).expect("no panic").unwrap_err();
+    assert!(matches!(e, GpuError::NoGpu(_)), "{e:?}");
+    match Error::from(e) {
+        Error::Transport(TransferError::Io(msg)) => assert!(msg.contains("no GPU"), "{msg}"),
+        other => panic!("expected Transport(Io), got {other:?}"),
+    }
+    assert!(matches!(Error::from(GpuError::OutOfBounds("x".into())), Error::InvalidArgument(_)));
+    assert!(matches!(
+        Error::from(GpuError::BufferTooSmall { need: 5, got: 4 }),
+        Error::BufferTooSmall { needed: 5, capacity: 4 }
+    ));
+    // The fallback the example uses: emulated device memory, same store API.
+    let (mem, why) = allocate_or_emulate(0, 1 << 20).unwrap();
+    assert_eq!(mem.location(), MemoryLocation::Emulated);
+    assert!(why.is_some());
+    let store = store(8 << 20);
+    store.put("k", b"bytes for the emulated gpu").unwrap();
+    assert_eq!(store.get_into_device("k", &*mem, 10).unwrap(), 26);
+    let mut back = [0u8; 26];
+    mem.copy_to_host(10, &mut back).unwrap();
+    assert_eq!(&back, b"bytes for the emulated gpu");
+}
