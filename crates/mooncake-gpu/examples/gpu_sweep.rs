@@ -7,7 +7,14 @@
 //!
 //! ```text
 //! cargo run --release -p mooncake-gpu --example gpu_sweep -- [--iters N] [--heap-mb M] [--device D]
+//! cargo run --release -p mooncake-gpu --example gpu_sweep -- --staging [--iters N] [--device D]
 //! ```
+//!
+//! `--staging` sweeps instead the staged host <-> device path of
+//! `GpuTransport` ([`Stager`]: pageable host memory copied in chunks through
+//! two pinned buffers, double-buffered) over chunk sizes 1–16 MiB, against a
+//! synchronous `cuMemcpyHtoD` from pageable memory and an async HtoD from
+//! pinned memory (the DMA ceiling).
 //!
 //! Without a GPU it prints `gpu_sweep: no GPU: ...` on stderr and exits with
 //! status 2.
@@ -15,17 +22,18 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use mooncake_gpu::cuda::CudaDeviceHeap;
-use mooncake_gpu::{CacheConfig, GpuError, KeyId, NanoKvCache};
+use mooncake_gpu::cuda::{CudaDeviceHeap, DeviceBuffer};
+use mooncake_gpu::{CacheConfig, DeviceMemory, GpuError, KeyId, NanoKvCache, Stager};
 
 struct Args {
+    staging: bool,
     iters: usize,
     heap_mb: u64,
     device: usize,
 }
 
 fn parse_args() -> Args {
-    let mut a = Args { iters: 50, heap_mb: 8192, device: 0 };
+    let mut a = Args { staging: false, iters: 50, heap_mb: 8192, device: 0 };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         let mut val = |name: &str| -> u64 {
@@ -35,8 +43,9 @@ fn parse_args() -> Args {
             "--iters" => a.iters = val("--iters").max(1) as usize,
             "--heap-mb" => a.heap_mb = val("--heap-mb").max(64),
             "--device" => a.device = val("--device") as usize,
+            "--staging" => a.staging = true,
             "-h" | "--help" => {
-                eprintln!("usage: gpu_sweep [--iters N] [--heap-mb M] [--device D]");
+                eprintln!("usage: gpu_sweep [--staging] [--iters N] [--heap-mb M] [--device D]");
                 std::process::exit(0);
             }
             other => panic!("unknown argument {other}"),
@@ -136,9 +145,65 @@ fn run(a: &Args) -> Result<String, GpuError> {
     ))
 }
 
+/// Staged (chunked, double-buffered) host <-> device copies vs plain copies.
+fn run_staging(a: &Args) -> Result<String, GpuError> {
+    let sizes: [usize; 3] = [4 << 20, 16 << 20, 64 << 20];
+    let max = *sizes.iter().max().expect("sizes");
+    let buf = DeviceBuffer::new(a.device, max)?;
+    let host: Vec<u8> = (0..max).map(|i| (i * 31 % 251) as u8).collect();
+    let mut back = vec![0u8; max];
+    let pinned = buf.alloc_pinned(max)?;
+    let gbps = |bytes: usize, s: f64| bytes as f64 / s / 1e9;
+    let mut rows = Vec::new();
+    for &size in &sizes {
+        let t = Instant::now();
+        for _ in 0..a.iters {
+            buf.upload(&host[..size])?;
+        }
+        let pageable = gbps(size * a.iters, t.elapsed().as_secs_f64());
+        let mut stream = buf.open_stream()?;
+        let t = Instant::now();
+        for _ in 0..a.iters {
+            // SAFETY: `pinned` outlives the stream and is not written while
+            // the copy runs (synchronized right after).
+            unsafe { stream.copy_to_device_async(pinned.as_ptr(), size, 0)? };
+            stream.synchronize()?;
+        }
+        let pinned_h2d = gbps(size * a.iters, t.elapsed().as_secs_f64());
+        drop(stream);
+        for chunk_mb in [1usize, 2, 4, 8, 16] {
+            let mut st = Stager::new(&buf, chunk_mb << 20, 2)?;
+            st.upload(&buf, &host[..size], 0)?; // warm-up
+            let t = Instant::now();
+            for _ in 0..a.iters {
+                st.upload(&buf, &host[..size], 0)?;
+            }
+            let up = gbps(size * a.iters, t.elapsed().as_secs_f64());
+            let t = Instant::now();
+            for _ in 0..a.iters {
+                st.download(&buf, &mut back[..size], 0)?;
+            }
+            let down = gbps(size * a.iters, t.elapsed().as_secs_f64());
+            if back[..size] != host[..size] {
+                return Err(GpuError::Corrupted(format!("staged round trip of {size} bytes differs")));
+            }
+            rows.push(format!(
+                "{{\"object_bytes\":{size},\"chunk_bytes\":{},\"iters\":{},\"staged_h2d_gbps\":{up:.3},\
+                 \"staged_d2h_gbps\":{down:.3},\"htod_pageable_gbps\":{pageable:.3},\"htod_pinned_gbps\":{pinned_h2d:.3},\
+                 \"staged_h2d_vs_pinned\":{:.3}}}",
+                chunk_mb << 20,
+                a.iters,
+                up / pinned_h2d,
+            ));
+        }
+    }
+    Ok(format!("{{\"bench\":\"gpu_staging\",\"device\":{},\"rows\":[\n  {}\n]}}", a.device, rows.join(",\n  ")))
+}
+
 fn main() {
     let a = parse_args();
-    match run(&a) {
+    let res = if a.staging { run_staging(&a) } else { run(&a) };
+    match res {
         Ok(json) => println!("{json}"),
         Err(e @ (GpuError::NoGpu(_) | GpuError::CudaUnavailable(_))) => {
             eprintln!("gpu_sweep: {e}; nothing to measure (exit 2)");
