@@ -3,6 +3,8 @@
 //! ```text
 //! mooncake-bench remote --transport tcp|shm [--sizes 4K,64K,1M,4M] [--out FILE]
 //! mooncake-bench memcpy [--size 4MiB]
+//! mooncake-bench trace FILE [--bytes-per-token 128] [--time-scale 20] [--dram 256MiB] [--ssd-dir DIR] [--out FILE]
+//! mooncake-bench meta | plot --results DIR --out-dir DIR
 //! ```
 //! `remote` starts a master and one storage node (the sibling `mooncake-master` and
 //! `mooncake-client` binaries) unless `--master` is given, then puts and gets objects
@@ -21,7 +23,10 @@ use hdrhistogram::Histogram;
 use mooncake_core::{parse_size, Store};
 use serde::Serialize;
 
+mod lru_sim;
 mod micro;
+mod plot;
+mod trace;
 
 #[derive(Parser, Debug)]
 #[command(version, about = "End-to-end benchmarks of mooncake-rs")]
@@ -32,6 +37,28 @@ struct Args {
 
 #[derive(Subcommand, Debug)]
 enum Cmd {
+    /// Replays a Mooncake-format request trace (prefix fetch until the first miss,
+    /// then puts) against DRAM and optionally SSD; hit ratio per tier, bytes/s,
+    /// prefix-fetch latency; compared with an offline LRU simulation.
+    Trace(trace::TraceArgs),
+    /// Embedded metadata ops/s (one thread, no bytes moved).
+    Meta {
+        /// Seconds per measured phase.
+        #[arg(long, default_value_t = 1.0)]
+        secs: f64,
+        /// JSON output file (stdout if absent).
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
+    /// PNG charts of a results directory (as bench/compare.sh writes it).
+    Plot {
+        /// Directory with the JSON results.
+        #[arg(long)]
+        results: PathBuf,
+        /// Where the PNGs go (default: the results directory).
+        #[arg(long)]
+        out_dir: Option<PathBuf>,
+    },
     /// Remote put/get between processes.
     Remote {
         /// tcp or shm.
@@ -276,6 +303,13 @@ fn write_json(json: &serde_json::Value, out: Option<PathBuf>) -> Result<(), Stri
 fn main() {
     let args = Args::parse();
     let result = match args.command {
+        Cmd::Trace(a) => trace::run(&a),
+        Cmd::Meta { secs, out } => trace::metadata(secs).and_then(|json| write_json(&json, out)),
+        Cmd::Plot { results, out_dir } => plot::plot(&results, out_dir.as_ref().unwrap_or(&results)).map(|files| {
+            for f in files {
+                eprintln!("wrote {}", f.display());
+            }
+        }),
         Cmd::Remote { transport, sizes, master, segment_size, phase_bytes, out } => {
             remote(&transport, &sizes, master, &segment_size, &phase_bytes).and_then(|rows| {
                 let json = serde_json::json!({ "system": "mooncake-rs", "rows": rows });
