@@ -5,6 +5,7 @@
 //! mooncake-bench memcpy [--size 4MiB]
 //! mooncake-bench trace FILE [--bytes-per-token 128] [--time-scale 20] [--dram 256MiB] [--ssd-dir DIR] [--out FILE]
 //! mooncake-bench meta | plot --results DIR --out-dir DIR
+//! mooncake-bench ssd [--dir /var/tmp/mooncake-ssd-bench] [--total 2GiB] [--out FILE]
 //! ```
 //! `remote` starts a master and one storage node (the sibling `mooncake-master` and
 //! `mooncake-client` binaries) unless `--master` is given, then puts and gets objects
@@ -26,6 +27,7 @@ use serde::Serialize;
 mod lru_sim;
 mod micro;
 mod plot;
+mod ssd;
 mod trace;
 
 #[derive(Parser, Debug)]
@@ -108,6 +110,9 @@ enum Cmd {
         #[arg(long, default_value = "4MiB")]
         size: String,
     },
+    /// The SSD tier (mooncake-storage) on a directory: offload and load GB/s,
+    /// random small-object loads per second (see bench/ssd.sh for fio beside it).
+    Ssd(ssd::SsdArgs),
 }
 
 /// One measured phase, in the anchor's row format.
@@ -316,6 +321,7 @@ fn main() {
                 write_json(&json, out)
             })
         }
+        Cmd::Ssd(a) => ssd::ssd(&a).and_then(|json| write_json(&json, a.out.clone())),
         Cmd::Memcpy { size } => memcpy(&size).map(|v| println!("{v}")),
         Cmd::Micro { transports, sizes, threads, batch, phase_bytes, out } => {
             micro::micro(&transports, &sizes, &threads, batch, &phase_bytes).and_then(|rows| {
