@@ -21,6 +21,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use mooncake_storage::io::AlignedBuf;
 use mooncake_storage::{
     direct_io_supported, io_engine, load_into_staging, BackendOptions, BackendStats, BucketBackend, BucketConfig,
     ClientBuffer, EvictionPolicy, FilePerKeyBackend, GcThread, IoKind, NotifyError, ObjectMeta, OffsetAllocatorBackend,
@@ -435,7 +436,7 @@ impl FileStorage {
         }
         let asked = tasks.len();
         let objects = self.read_tasks(tasks, segment);
-        let views: Vec<(&str, &[u8])> = objects.iter().map(|(t, b)| (t.key.as_str(), b.as_slice())).collect();
+        let views: Vec<(&str, &[u8])> = objects.iter().map(|(t, b)| (t.key.as_str(), &b[..])).collect();
         let mut written: Vec<&OffloadTask> = Vec::with_capacity(objects.len());
         for ((task, bytes), res) in objects.iter().zip(self.backend.batch_offload(&views)) {
             match res {
@@ -485,7 +486,7 @@ impl FileStorage {
         &self,
         tasks: Vec<OffloadTask>,
         segment: Option<(u64, &RegisteredRegion)>,
-    ) -> Vec<(OffloadTask, Vec<u8>)> {
+    ) -> Vec<(OffloadTask, AlignedBuf)> {
         let Some((own, region)) = segment else { return Vec::new() };
         tasks
             .into_iter()
@@ -493,7 +494,8 @@ impl FileStorage {
                 if t.segment != own {
                     return None;
                 }
-                let mut buf = vec![0u8; t.len as usize];
+                // Aligned, so that an `O_DIRECT` backend writes it without a bounce copy.
+                let mut buf = AlignedBuf::zeroed(t.len as usize);
                 if region.copy_out(t.offset, &mut buf).is_err() || crate::checksum::checksum(&buf) != t.checksum {
                     inc(&self.counters.offload_failures, 1);
                     tracing::warn!(key = t.key, "segment bytes do not match the object; not offloaded");
