@@ -16,6 +16,7 @@
 use std::path::{Path, PathBuf};
 
 use plotters::prelude::*;
+use plotters::style::text_anchor::{HPos, Pos, VPos};
 use serde_json::Value;
 
 type Res<T> = Result<T, String>;
@@ -47,6 +48,20 @@ fn series(v: &Value, api: &str, mode: Option<&str>) -> Vec<(f64, f64)> {
         .collect();
     pts.sort_by(|a, b| a.0.total_cmp(&b.0));
     pts
+}
+
+/// The distinct object sizes of some points.
+fn sizes(points: &[(f64, f64)]) -> Vec<f64> {
+    let mut s: Vec<f64> = points.iter().map(|p| p.0).collect();
+    s.sort_by(f64::total_cmp);
+    s.dedup();
+    s
+}
+
+/// A number with as few decimals as its size needs (0.01, 0.5, 2, 10).
+fn trim(v: f64) -> String {
+    let t = format!("{v:.3}");
+    t.trim_end_matches('0').trim_end_matches('.').to_string()
 }
 
 fn size_label(s: f64) -> String {
@@ -124,14 +139,18 @@ fn throughput(dir: &Path, out_dir: &Path) -> Res<Option<PathBuf>> {
             .margin(12)
             .x_label_area_size(40)
             .y_label_area_size(60)
-            .build_cartesian_2d((xmin..xmax).log_scale(), (ymin..ymax).log_scale())
+            .build_cartesian_2d(
+                // Ticks at the measured sizes (powers of two), not at powers of ten.
+                (xmin..xmax).log_scale().with_key_points(sizes(&all)),
+                (ymin..ymax).log_scale(),
+            )
             .map_err(e)?;
         chart
             .configure_mesh()
-            .x_desc("object size (bytes)")
-            .y_desc("GB/s")
+            .x_desc("object size")
+            .y_desc("GB/s (log scale)")
             .x_label_formatter(&|x| size_label(*x))
-            .y_label_formatter(&|y| format!("{y:.3}"))
+            .y_label_formatter(&|y| trim(*y))
             .draw()
             .map_err(e)?;
         for (i, (name, pts)) in lines.iter().enumerate() {
@@ -247,18 +266,18 @@ fn hit_ratio(dir: &Path, out_dir: &Path) -> Res<Option<PathBuf>> {
         .map_err(e)?
         .label("SSD hits")
         .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 14, y + 5)], ssd_c.filled()));
+    let centered = TextStyle::from(("sans-serif", 13).into_font()).pos(Pos::new(HPos::Center, VPos::Top));
+    let value_style = TextStyle::from(("sans-serif", 15).into_font()).pos(Pos::new(HPos::Center, VPos::Bottom));
     for (i, b) in bars.iter().enumerate() {
         let x = i as f64 + 0.5;
         chart
-            .draw_series([Text::new(
-                format!("{:.3}", b.dram + b.ssd),
-                (x - 0.12, b.dram + b.ssd + top * 0.03),
-                ("sans-serif", 15),
-            )])
+            .draw_series([Text::new(format!("{:.3}", b.dram + b.ssd), (x, b.dram + b.ssd), value_style.clone())])
             .map_err(e)?;
+        // Bar names under the axis, in pixels of the whole image (the chart's own
+        // coordinates stop at the axis).
+        let (px, py) = chart.backend_coord(&(x, 0.0));
         for (j, line) in b.label.lines().enumerate() {
-            let y = -(top * 1.25) * (0.035 + 0.04 * j as f64);
-            chart.draw_series([Text::new(line.to_string(), (x - 0.42, y), ("sans-serif", 12))]).map_err(e)?;
+            root.draw(&Text::new(line.to_string(), (px, py + 8 + 16 * j as i32), centered.clone())).map_err(e)?;
         }
     }
     chart
