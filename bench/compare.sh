@@ -10,7 +10,7 @@
 # Installs what it needs (apt-get; pip into a venv for the reference). Writes every
 # JSON, table.md and the PNG charts into $RESULTS (default bench/results).
 #
-#   bash bench/compare.sh                      # ~11 min on 2 cores once built
+#   bash bench/compare.sh     # ~4.5 min on 2 cores once built; ~6.5 min with a fresh release build
 #   SKIP_ANCHOR=1 SKIP_SSD=1 bash bench/compare.sh
 # Knobs: RESULTS, DIR (disk directory for fio/SSD, not tmpfs), MC_VENV, SIZES,
 # TRACE, TIME_SCALE, BYTES_PER_TOKEN, TRACE_DRAM, TRACE_SSD, SSD_ROUNDS, SSD_TOTAL_MIB.
