@@ -116,12 +116,25 @@ impl ClientBuffer {
         if p == libc::MAP_FAILED {
             return Err(std::io::Error::last_os_error().into());
         }
+        Self::over(p.cast(), len, None, gc_ttl).inspect_err(|_| {
+            // SAFETY: the mapping made above, not handed to anyone.
+            unsafe { libc::munmap(p, len) };
+        })
+    }
+
+    /// A buffer over `len` bytes at `base` (a whole number of slots).
+    fn over(
+        base: *mut u8,
+        len: usize,
+        lent: Option<Box<dyn std::any::Any + Send + Sync>>,
+        gc_ttl: Duration,
+    ) -> Result<Self> {
         let alloc = OffsetAllocator::with_alignment(len as u64, SLOT_ALIGN)
             .map_err(|e| StorageError::InvalidArgument(e.to_string()))?;
         Ok(ClientBuffer {
-            base: p.cast(),
+            base,
             len,
-            lent: None,
+            lent,
             alloc: Mutex::new(alloc),
             leases: Mutex::new(AHashMap::new()),
             next_batch: AtomicU64::new(1),
@@ -154,19 +167,7 @@ impl ClientBuffer {
         if usable == 0 {
             return Err(StorageError::InvalidArgument("staging buffer of less than 4 KiB".into()));
         }
-        let alloc = OffsetAllocator::with_alignment(usable as u64, SLOT_ALIGN)
-            .map_err(|e| StorageError::InvalidArgument(e.to_string()))?;
-        Ok(ClientBuffer {
-            base,
-            len: usable,
-            lent: Some(owner),
-            alloc: Mutex::new(alloc),
-            leases: Mutex::new(AHashMap::new()),
-            next_batch: AtomicU64::new(1),
-            gc_ttl,
-            gc_reclaimed: AtomicU64::new(0),
-            uring_registered: AtomicBool::new(false),
-        })
+        Self::over(base, usable, Some(owner), gc_ttl)
     }
 
     /// Start of the buffer (to register it with a transfer engine).
@@ -476,6 +477,49 @@ mod tests {
         drop(guard);
         assert_eq!(b.stats().used_bytes, 0);
         assert!(b.slot(l2.batch_id, 0).is_err());
+    }
+
+    /// Memory lent to a buffer in a test: freed by its own drop, which is recorded.
+    struct Lent {
+        ptr: *mut u8,
+        layout: std::alloc::Layout,
+        dropped: Arc<AtomicBool>,
+    }
+    // SAFETY: the allocation is owned by `Lent` alone.
+    unsafe impl Send for Lent {}
+    // SAFETY: `Lent` gives no access to the memory.
+    unsafe impl Sync for Lent {}
+    impl Drop for Lent {
+        fn drop(&mut self) {
+            self.dropped.store(true, Ordering::SeqCst);
+            // SAFETY: allocated in the test with this layout.
+            unsafe { std::alloc::dealloc(self.ptr, self.layout) };
+        }
+    }
+
+    #[test]
+    fn lent_memory_is_used_whole_slots_only_and_freed_by_its_owner() {
+        let layout = std::alloc::Layout::from_size_align(3 * 4096 + 100, 4096).unwrap();
+        // SAFETY: a non-zero layout.
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        assert!(!ptr.is_null());
+        let dropped = Arc::new(AtomicBool::new(false));
+        let owner = Box::new(Lent { ptr, layout, dropped: dropped.clone() });
+        // SAFETY: 4 KiB-aligned memory that `owner` keeps alive; nobody else uses it.
+        let b = unsafe { ClientBuffer::from_raw_parts(ptr, layout.size(), Duration::from_secs(1), owner) }.unwrap();
+        assert_eq!(b.len(), 3 * 4096, "the partial slot at the end is not used");
+        assert_eq!(b.as_ptr(), ptr as *const u8);
+        let l = b.allocate_batch(&[4096, 8192]).unwrap();
+        b.slot(l.batch_id, 1).unwrap().fill(9);
+        assert_eq!(b.read_slot(l.batch_id, 1).unwrap(), vec![9; 8192]);
+        assert!(b.allocate_batch(&[4096]).is_err(), "three slots, all taken");
+        drop(b);
+        assert!(dropped.load(Ordering::SeqCst), "the owner is dropped with the buffer");
+        let other = Box::new(());
+        // SAFETY: refused before any use: misaligned.
+        assert!(unsafe { ClientBuffer::from_raw_parts(4097 as *mut u8, 8192, Duration::ZERO, other) }.is_err());
+        // SAFETY: refused before any use: less than one slot.
+        assert!(unsafe { ClientBuffer::from_raw_parts(4096 as *mut u8, 4095, Duration::ZERO, Box::new(())) }.is_err());
     }
 
     #[test]

@@ -202,13 +202,7 @@ impl MasterService {
                         Ok(())
                     }
                     Some(e) if e.complete && e.len == len && e.checksum == checksum => {
-                        if e.disk != client {
-                            if e.disk != 0 {
-                                self.add_ssd_used(e.disk, -(len as i64));
-                            }
-                            e.disk = client;
-                            self.add_ssd_used(client, len as i64);
-                        }
+                        self.attach_disk(e, client);
                         Ok(())
                     }
                     Some(_) => Err(Error::AlreadyExists(format!("{key} (the master holds a different object)"))),
@@ -228,6 +222,17 @@ impl MasterService {
     fn add_ssd_used(&self, client: ClientId, delta: i64) {
         if let Some(c) = self.clients.read().get(&client) {
             c.ssd_used.fetch_add(delta, Ordering::Relaxed);
+        }
+    }
+
+    /// Records `e`'s disk replica on `client` (moving the usage from a previous one).
+    fn attach_disk(&self, e: &mut ObjectEntry, client: ClientId) {
+        if e.disk != client {
+            if e.disk != 0 {
+                self.add_ssd_used(e.disk, -(e.len as i64));
+            }
+            e.disk = client;
+            self.add_ssd_used(client, e.len as i64);
         }
     }
 
@@ -258,13 +263,7 @@ impl MasterService {
                 match shard.get_mut(key) {
                     Some(e) if e.complete && e.len == len && e.checksum == checksum => {
                         e.offload_deadline_ms = 0;
-                        if e.disk != client {
-                            if e.disk != 0 {
-                                self.add_ssd_used(e.disk, -(len as i64));
-                            }
-                            e.disk = client;
-                            self.add_ssd_used(client, len as i64);
-                        }
+                        self.attach_disk(e, client);
                         Ok(())
                     }
                     _ => Err(Error::NotFound(key.to_owned())),
