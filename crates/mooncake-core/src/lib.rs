@@ -34,8 +34,8 @@ pub use store::{SsdBackend, SsdOffloadConfig, SsdStats, Store, StoreBuilder, Sto
 
 /// Re-exports of the allocation crate: strategies and the traits to write your own.
 pub use mooncake_alloc as alloc;
-/// Re-exports of the SSD-tier crate: eviction policies, I/O engines, backends.
-pub use mooncake_storage as storage;
 /// Re-exports of the GPU crate: device memory (`DeviceMemory`, its host emulation, CUDA
 /// buffers) for [`Store::get_into_device`] / [`Store::put_from_device`], and `GpuTransport`.
 pub use mooncake_gpu as gpu;
+/// Re-exports of the SSD-tier crate: eviction policies, I/O engines, backends.
+pub use mooncake_storage as storage;
