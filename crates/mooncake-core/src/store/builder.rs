@@ -41,6 +41,7 @@ pub struct StoreBuilder {
     pub(super) protocol: Protocol,
     pub(super) replicate: ReplicateConfig,
     pub(super) ssd: Option<super::SsdOffloadConfig>,
+    pub(super) replica_cache: usize,
 }
 
 impl std::fmt::Debug for StoreBuilder {
@@ -71,6 +72,7 @@ impl Default for StoreBuilder {
             protocol: Protocol::Local,
             replicate: ReplicateConfig::default(),
             ssd: None,
+            replica_cache: 1 << 16,
         }
     }
 }
@@ -157,6 +159,15 @@ impl StoreBuilder {
     /// in the directory are registered with the master at start.
     pub fn ssd_offload(mut self, config: super::SsdOffloadConfig) -> Self {
         self.ssd = Some(config);
+        self
+    }
+
+    /// How many replica lists this client keeps while it holds their read lease
+    /// (default 65,536; 0: none). A get of a key whose lease is still running goes
+    /// straight to the replica, skipping the master. The lease guarantees the list
+    /// is still right: the master refuses to remove, evict or shrink a leased object.
+    pub fn replica_cache(mut self, lists: usize) -> Self {
+        self.replica_cache = lists;
         self
     }
 

@@ -5,6 +5,7 @@ mod buffers;
 mod builder;
 mod device;
 mod file_storage;
+mod replica_cache;
 mod stats;
 
 use std::collections::HashMap;
@@ -25,6 +26,7 @@ use crate::master::{ClientId, MasterApi, MemoryReplica, ObjectRecord, RecordUpda
 pub use builder::StoreBuilder;
 use file_storage::{DiskPeers, FileStorage};
 pub use file_storage::{SsdBackend, SsdOffloadConfig, SsdStats};
+use replica_cache::ReplicaCache;
 use stats::StoreCounters;
 pub use stats::StoreStats;
 
@@ -82,6 +84,8 @@ struct StoreInner {
     ssd: Option<FileStorage>,
     /// Loads from other clients' SSDs.
     disk_peers: DiskPeers,
+    /// Replica lists this client holds a lease on.
+    cache: ReplicaCache,
     segment: Mutex<Option<MountedSegment>>,
     /// The segment id of our own segment (0: none), read on every get for locality.
     own_segment: AtomicU64,
@@ -260,12 +264,29 @@ impl StoreInner {
     /// failed its checksum or could not be reached.
     fn with_replicas<T>(&self, key: &str, mut read: impl FnMut(&ReplicaList) -> Result<T>) -> Result<T> {
         check_key(key)?;
+        if let Some(list) = self.cache.get(key) {
+            match read(&list) {
+                Ok(v) => {
+                    self.cache.hit();
+                    return Ok(v);
+                }
+                Err(e @ Error::BufferTooSmall { .. }) => return Err(e),
+                // Whatever failed, the master knows better now.
+                Err(_) => self.cache.forget(key),
+            }
+        }
         let mut attempt = 0;
         loop {
+            let asked_at = std::time::Instant::now();
             let list = self.master.get_replica_list(key)?;
             match read(&list) {
                 Err(Error::Corrupted(_)) | Err(Error::Transport(_)) if attempt < CHECKSUM_RETRIES => attempt += 1,
-                done => return done,
+                done => {
+                    if done.is_ok() {
+                        self.cache.insert(key, list, asked_at);
+                    }
+                    return done;
+                }
             }
         }
     }
@@ -350,6 +371,7 @@ impl Store {
             engine,
             ssd,
             disk_peers: DiskPeers::new(cfg.secret.as_deref()),
+            cache: ReplicaCache::new(cfg.replica_cache),
             segment: Mutex::new(segment),
             own_segment: AtomicU64::new(own),
             routes: RwLock::new(HashMap::new()),
@@ -586,6 +608,7 @@ impl Store {
     /// Removes `key`; `HasLease` while a reader's lease is live, `NotFound` if absent.
     pub fn remove(&self, key: &str) -> Result<()> {
         let res = self.inner.master.remove(key);
+        self.inner.cache.forget(key);
         if res.is_ok() {
             StoreCounters::inc(&self.inner.counters.removes, 1);
         }
@@ -595,6 +618,7 @@ impl Store {
     /// Removes every object without a live lease; returns how many were removed.
     pub fn remove_all(&self) -> Result<usize> {
         let n = self.inner.master.remove_all()?;
+        self.inner.cache.clear();
         StoreCounters::inc(&self.inner.counters.removes, n as u64);
         Ok(n)
     }
@@ -651,6 +675,7 @@ impl Store {
             removes: c.removes.load(Ordering::Relaxed),
             ssd: self.ssd_stats(),
             disk_loads: inner.disk_peers.loads(),
+            replica_cache_hits: inner.cache.hits(),
             master,
         }
     }

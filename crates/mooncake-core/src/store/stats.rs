@@ -51,6 +51,9 @@ pub struct StoreStats {
     pub ssd: Option<super::SsdStats>,
     /// Objects this client pulled from other clients' SSDs.
     pub disk_loads: u64,
+    /// Gets served through a replica list this client still held a lease on (one
+    /// round trip, to the replica, instead of two).
+    pub replica_cache_hits: u64,
     /// The master's view.
     pub master: MasterStats,
 }

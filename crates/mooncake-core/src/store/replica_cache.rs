@@ -1,0 +1,138 @@
+//! Replica lists this client holds a read lease on, reused until the lease ends.
+//!
+//! Every replica-list call leases the object to the caller: until the lease ends the
+//! master refuses to remove it, evict it or drop a replica of it. So for that long
+//! the list the master answered stays exactly right, and a repeated get of a hot
+//! object (a shared prompt prefix read by every request) can go straight to the
+//! replica: one round trip instead of two. The lease is counted from before the
+//! request was sent, so it ends here no later than at the master. What the lease
+//! does not cover (the owner of a replica dies, the master restarts) is caught by
+//! the checksum and the transport: any failed read through a cached list forgets it
+//! and asks the master, as an uncached get would.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+
+use crate::master::ReplicaList;
+
+/// Lists whose lease ends within this are not reused (slack for a read under way).
+const MIN_LEFT: Duration = Duration::from_millis(5);
+
+/// A leased list and when its lease ends here.
+type Leased = (Arc<ReplicaList>, Instant);
+
+pub(super) struct ReplicaCache {
+    capacity: usize,
+    lists: Mutex<HashMap<Box<str>, Leased>>,
+    hits: AtomicU64,
+}
+
+impl ReplicaCache {
+    /// A cache of at most `capacity` lists (0: none is kept).
+    pub(super) fn new(capacity: usize) -> Self {
+        Self { capacity, lists: Mutex::new(HashMap::new()), hits: AtomicU64::new(0) }
+    }
+
+    /// The list of `key`, if its lease still has time.
+    pub(super) fn get(&self, key: &str) -> Option<Arc<ReplicaList>> {
+        if self.capacity == 0 {
+            return None;
+        }
+        let lists = self.lists.lock();
+        let (list, until) = lists.get(key)?;
+        (Instant::now() + MIN_LEFT < *until).then(|| list.clone())
+    }
+
+    /// Keeps `list`, leased by a call sent at `asked_at`. Lists with memory replicas
+    /// only: a disk replica can be evicted by its owner despite a lease.
+    pub(super) fn insert(&self, key: &str, list: ReplicaList, asked_at: Instant) {
+        if self.capacity == 0 || list.lease <= MIN_LEFT || list.replicas.is_empty() {
+            return;
+        }
+        let until = asked_at + list.lease;
+        let mut lists = self.lists.lock();
+        if lists.len() >= self.capacity {
+            let now = Instant::now();
+            lists.retain(|_, (_, u)| *u > now);
+            if lists.len() >= self.capacity {
+                // Every entry is live: make room by dropping an arbitrary one.
+                if let Some(k) = lists.keys().next().cloned() {
+                    lists.remove(&k);
+                }
+            }
+        }
+        lists.insert(key.into(), (Arc::new(list), until));
+    }
+
+    /// Forgets `key` (a read through its list failed, or it was removed).
+    pub(super) fn forget(&self, key: &str) {
+        if self.capacity > 0 {
+            self.lists.lock().remove(key);
+        }
+    }
+
+    /// Forgets everything.
+    pub(super) fn clear(&self) {
+        self.lists.lock().clear();
+    }
+
+    pub(super) fn hit(&self) {
+        self.hits.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Gets served through a kept list.
+    pub(super) fn hits(&self) -> u64 {
+        self.hits.load(Ordering::Relaxed)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn list(lease_ms: u64, replicas: usize) -> ReplicaList {
+        ReplicaList {
+            len: 1,
+            checksum: 0,
+            replicas: (0..replicas)
+                .map(|i| crate::master::MemoryReplica { segment: 1, offset: i as u64, len: 1 })
+                .collect(),
+            lease: Duration::from_millis(lease_ms),
+            disk: None,
+        }
+    }
+
+    #[test]
+    fn lists_live_exactly_as_long_as_their_lease() {
+        let c = ReplicaCache::new(8);
+        let asked = Instant::now();
+        c.insert("a", list(60, 1), asked);
+        c.insert("disk-only", list(60, 0), asked);
+        c.insert("no-lease", list(0, 1), asked);
+        assert!(c.get("a").is_some());
+        assert!(c.get("disk-only").is_none(), "disk replicas are not lease-protected");
+        assert!(c.get("no-lease").is_none());
+        std::thread::sleep(Duration::from_millis(60));
+        assert!(c.get("a").is_none(), "expired with its lease");
+        c.insert("b", list(1000, 1), Instant::now());
+        c.forget("b");
+        assert!(c.get("b").is_none());
+    }
+
+    #[test]
+    fn capacity_is_a_bound_and_zero_disables() {
+        let c = ReplicaCache::new(4);
+        for i in 0..20 {
+            c.insert(&format!("k{i}"), list(10_000, 1), Instant::now());
+        }
+        assert!(c.lists.lock().len() <= 4);
+        assert!(c.get("k19").is_some(), "the newest is kept");
+        let off = ReplicaCache::new(0);
+        off.insert("k", list(10_000, 1), Instant::now());
+        assert!(off.get("k").is_none());
+    }
+}
