@@ -259,7 +259,7 @@ impl StoreInner {
                 }
                 Err(e) => {
                     self.routes.write().remove(&r.segment);
-                    last_err = e.into();
+                    last_err = e;
                 }
             }
         }
