@@ -9,6 +9,11 @@
 //! Bucket ids are nanosecond timestamps, bumped so they strictly increase (also
 //! across restarts), so id order is creation order (FIFO).
 //!
+//! A bucket's data file is allocated at its full length (`fallocate`), then its values
+//! are streamed in with up to 32 writes in flight while their checksums are computed
+//! (see [`BucketBackend`]'s `write_bucket`); loads check each value as its read
+//! completes.
+//!
 //! **Crash safety**: the data file is written and `fdatasync`ed before the meta file,
 //! which is written to `<id>.meta.tmp`, synced and renamed into place (then the
 //! directory is synced). A bucket without a valid meta file is garbage and is deleted
@@ -35,7 +40,7 @@ use crate::backend::{
 };
 use crate::error::{Result, StorageError};
 use crate::eviction::DiskEvictionStrategy;
-use crate::io::{AlignedBuf, IoEngine, IoFile, OpenMode, ReadOp};
+use crate::io::{AlignedBuf, IoEngine, IoFile, OpenMode, ReadOp, WriteData, WriteNext, WriteOp, WriteSource};
 use crate::meta::{align_up, parse_bucket_meta, BucketEntry, BucketMeta};
 
 /// Limits of one bucket.
@@ -369,50 +374,20 @@ impl BucketBackend {
     }
 
     /// Writes one bucket's files; returns its entries and data length.
+    ///
+    /// The data file is allocated at its full length first (so that `O_DIRECT`
+    /// writes into it are overwrites, which the filesystem runs side by side), the
+    /// values are streamed into it with up to `QUEUE_DEPTH` writes in flight while the
+    /// checksums are computed ([`BucketWriter`]), then the data file is synced and only
+    /// then the meta file written: a crash leaves no meta file naming unsynced data.
     fn write_bucket(&self, id: u64, objects: &[(&str, &[u8])]) -> Result<(Vec<BucketEntry>, u64)> {
-        const STAGE: usize = 8 << 20;
-        const BIG: usize = 1 << 20;
         let path = data_path(&self.dir, id);
         let file = self.io.open(&path, OpenMode::Create)?;
-        let mut entries = Vec::with_capacity(objects.len());
-        let mut stage = AlignedBuf::zeroed(0);
-        let mut stage_off = 0u64; // file offset of stage[0]
-        let mut stage_len = 0usize;
-        let mut off = 0u64;
-        for (key, value) in objects {
-            let padded = align_up(value.len() as u64);
-            entries.push(BucketEntry {
-                key: key.to_string(),
-                offset: off,
-                len: value.len() as u64,
-                checksum: crc32c::crc32c(value),
-            });
-            if value.len() >= BIG {
-                if stage_len > 0 {
-                    self.io.write_at(&file, stage_off, &stage[..stage_len])?;
-                    stage_len = 0;
-                }
-                self.io.write_at(&file, off, value)?;
-            } else {
-                if stage_len > 0 && stage_len + padded as usize > STAGE {
-                    self.io.write_at(&file, stage_off, &stage[..stage_len])?;
-                    stage_len = 0;
-                }
-                if stage_len == 0 {
-                    stage_off = off;
-                    if stage.len() < STAGE {
-                        stage = AlignedBuf::zeroed(STAGE);
-                    }
-                }
-                stage[stage_len..stage_len + value.len()].copy_from_slice(value);
-                stage[stage_len + value.len()..stage_len + padded as usize].fill(0);
-                stage_len += padded as usize;
-            }
-            off += padded;
-        }
-        if stage_len > 0 {
-            self.io.write_at(&file, stage_off, &stage[..stage_len])?;
-        }
+        let total: u64 = objects.iter().map(|(_, v)| align_up(v.len() as u64)).sum();
+        file.allocate(total)?;
+        let mut writer = BucketWriter::new(objects);
+        self.io.write_stream(&file, &mut writer)?;
+        let (entries, off) = writer.finish()?;
         if file.len()? < off {
             file.set_len(off)?;
         }
@@ -553,19 +528,18 @@ impl StorageBackend for BucketBackend {
                 let e = &pin.0.entries[*entry];
                 let buf = bufs[*i].take().expect("each request once");
                 ops.push(ReadOp { file: f, offset: e.offset, buf: &mut buf[..e.len as usize] });
-                op_of.push((*i, pin, *entry));
+                op_of.push((*i, &pin.0.entries[*entry]));
             }
-            let io_results = self.io.read_batch(&mut ops);
-            drop(ops);
-            for (r, (i, pin, entry)) in io_results.into_iter().zip(op_of) {
-                let e = &pin.0.entries[entry];
-                results[i] = Some(r.and_then(|()| {
+            // Each value is checked as its read completes, while the others are in flight.
+            self.io.read_batch_each(&mut ops, &mut |j, r| {
+                let (i, e) = op_of[j];
+                results[i] = Some(r.and_then(|data| {
                     if self.verify_on_load {
-                        verify(&e.key, &requests[i].1[..e.len as usize], e.checksum)?;
+                        verify(&e.key, data, e.checksum)?;
                     }
                     Ok(e.len as usize)
                 }));
-            }
+            });
         }
         drop(pinned);
         results.into_iter().map(|r| r.unwrap_or_else(|| Err(StorageError::InvalidArgument("skipped".into())))).collect()
@@ -679,6 +653,198 @@ impl BucketBackend {
     }
 }
 
+/// The writes of one bucket's data file, as a [`WriteSource`].
+///
+/// Values of [`BucketWriter::DIRECT_MIN`] bytes or more are written straight from the
+/// caller's memory, each at its 4 KiB-aligned offset; the crc32c of each is computed
+/// on the next call, while its write is in flight. Smaller values are packed (each
+/// padded to 4 KiB) into staging buffers of [`BucketWriter::STAGE`] bytes, summed as
+/// they are copied; at most [`BucketWriter::MAX_STAGES`] are in flight, the rest wait
+/// for one to come back.
+struct BucketWriter<'o, 'a> {
+    objects: &'o [(&'a str, &'a [u8])],
+    /// Next object to hand over, and its file offset.
+    next: usize,
+    off: u64,
+    entries: Vec<BucketEntry>,
+    /// Entry whose value was handed over unsummed.
+    unsummed: Option<usize>,
+    /// The staging buffer being filled, its file offset and bytes used.
+    stage: Option<(AlignedBuf, u64, usize)>,
+    /// Staging buffers back from the disk.
+    spare: Vec<AlignedBuf>,
+    /// Staging buffers allocated so far.
+    stages: usize,
+}
+
+impl<'o, 'a> BucketWriter<'o, 'a> {
+    /// Values at least this long are written from the caller's memory.
+    const DIRECT_MIN: usize = 1 << 20;
+    /// Bytes of one staging buffer (a multiple of 4 KiB, at least `DIRECT_MIN`).
+    const STAGE: usize = 2 << 20;
+    /// Most staging buffers of one bucket write.
+    const MAX_STAGES: usize = 8;
+
+    fn new(objects: &'o [(&'a str, &'a [u8])]) -> Self {
+        BucketWriter {
+            objects,
+            next: 0,
+            off: 0,
+            entries: Vec::with_capacity(objects.len()),
+            unsummed: None,
+            stage: None,
+            spare: Vec::new(),
+            stages: 0,
+        }
+    }
+
+    fn entry(&mut self, key: &str, len: usize, checksum: u32) {
+        self.entries.push(BucketEntry { key: key.to_owned(), offset: self.off, len: len as u64, checksum });
+        self.off += align_up(len as u64);
+    }
+
+    /// The staging buffer, filled so far, as a write.
+    fn flush_stage(&mut self) -> Option<WriteNext<'a>> {
+        let (buf, offset, len) = self.stage.take()?;
+        Some(WriteNext::Op(WriteOp { offset, data: WriteData::Owned { buf, len } }))
+    }
+
+    /// The entries and the data length, once every value was handed over.
+    fn finish(mut self) -> Result<(Vec<BucketEntry>, u64)> {
+        self.sum_pending();
+        if self.next != self.objects.len() || self.stage.is_some() {
+            return Err(StorageError::Io(std::io::Error::other("bucket write stream ended early")));
+        }
+        Ok((self.entries, self.off))
+    }
+
+    fn sum_pending(&mut self) {
+        if let Some(e) = self.unsummed.take() {
+            // the value is in flight meanwhile: the checksum overlaps its write
+            self.entries[e].checksum = crc32c::crc32c(self.objects[e].1);
+        }
+    }
+}
+
+impl<'a> WriteSource<'a> for BucketWriter<'_, 'a> {
+    fn next_write(&mut self) -> WriteNext<'a> {
+        self.sum_pending();
+        loop {
+            let Some(&(key, value)) = self.objects.get(self.next) else {
+                return self.flush_stage().unwrap_or(WriteNext::Done);
+            };
+            if value.len() >= Self::DIRECT_MIN {
+                if let Some(w) = self.flush_stage() {
+                    return w;
+                }
+                let offset = self.off;
+                self.unsummed = Some(self.entries.len());
+                self.entry(key, value.len(), 0);
+                self.next += 1;
+                return WriteNext::Op(WriteOp { offset, data: WriteData::Borrowed(value) });
+            }
+            let padded = align_up(value.len() as u64) as usize;
+            if self.stage.as_ref().is_some_and(|(_, _, used)| used + padded > Self::STAGE) {
+                return self.flush_stage().expect("checked above");
+            }
+            if self.stage.is_none() {
+                let buf = match self.spare.pop() {
+                    Some(b) => b,
+                    None if self.stages < Self::MAX_STAGES => {
+                        self.stages += 1;
+                        AlignedBuf::zeroed(Self::STAGE)
+                    }
+                    None => return WriteNext::Wait,
+                };
+                self.stage = Some((buf, self.off, 0));
+            }
+            let (buf, _, used) = self.stage.as_mut().expect("set above");
+            buf[*used..*used + value.len()].copy_from_slice(value);
+            // zero padding: a recycled buffer holds old bytes
+            buf[*used + value.len()..*used + padded].fill(0);
+            *used += padded;
+            // summed while it is hot in the cache, and while earlier writes are in flight
+            let checksum = crc32c::crc32c(value);
+            self.entry(key, value.len(), checksum);
+            self.next += 1;
+        }
+    }
+
+    fn recycle(&mut self, buf: AlignedBuf) {
+        self.spare.push(buf);
+    }
+}
+
 fn clone_err(msg: &str, _key: &str) -> StorageError {
     StorageError::Io(std::io::Error::other(msg.to_owned()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn take(w: &mut BucketWriter<'_, '_>) -> Vec<WriteOp<'static>> {
+        let mut out = Vec::new();
+        loop {
+            match w.next_write() {
+                WriteNext::Op(op) => out.push(WriteOp {
+                    offset: op.offset,
+                    data: match op.data {
+                        WriteData::Owned { buf, len } => WriteData::Owned { buf, len },
+                        WriteData::Borrowed(b) => WriteData::Owned { buf: AlignedBuf::zeroed(b.len()), len: b.len() },
+                    },
+                }),
+                WriteNext::Wait | WriteNext::Done => return out,
+                WriteNext::Fail(e) => panic!("{e}"),
+            }
+        }
+    }
+
+    #[test]
+    fn bucket_writer_packs_small_values_and_waits_for_buffers() {
+        let small = vec![7u8; 100_000];
+        let big = vec![9u8; (1 << 20) + 3];
+        let keys: Vec<String> = (0..400).map(|i| format!("k{i}")).collect();
+        let objects: Vec<(&str, &[u8])> =
+            keys.iter().enumerate().map(|(i, k)| (k.as_str(), if i == 5 { &big[..] } else { &small[..] })).collect();
+        let mut w = BucketWriter::new(&objects);
+        // without buffers coming back the writer stops after MAX_STAGES staging buffers
+        let first = take(&mut w);
+        let owned = first.iter().filter(|op| op.data_is_owned_stage()).count();
+        assert_eq!(owned, BucketWriter::MAX_STAGES);
+        assert!(matches!(w.next_write(), WriteNext::Wait));
+        let mut ops = first;
+        loop {
+            // a buffer comes back: the writer goes on
+            let Some(buf) = ops.iter_mut().rev().find_map(|op| op.take_stage()) else { break };
+            w.recycle(buf);
+            let more = take(&mut w);
+            if more.is_empty() {
+                break;
+            }
+            ops.extend(more);
+        }
+        let (entries, len) = w.finish().unwrap();
+        assert_eq!(entries.len(), objects.len());
+        for (e, (k, v)) in entries.iter().zip(&objects) {
+            assert_eq!((&e.key[..], e.len, e.checksum), (*k, v.len() as u64, crc32c::crc32c(v)));
+            assert_eq!(e.offset % 4096, 0);
+        }
+        assert_eq!(len, objects.iter().map(|(_, v)| align_up(v.len() as u64)).sum::<u64>());
+    }
+
+    impl WriteOp<'_> {
+        fn data_is_owned_stage(&self) -> bool {
+            matches!(&self.data, WriteData::Owned { buf, .. } if buf.len() == BucketWriter::STAGE)
+        }
+        fn take_stage(&mut self) -> Option<AlignedBuf> {
+            if !self.data_is_owned_stage() {
+                return None;
+            }
+            match std::mem::replace(&mut self.data, WriteData::Borrowed(&[])) {
+                WriteData::Owned { buf, .. } => Some(buf),
+                WriteData::Borrowed(_) => None,
+            }
+        }
+    }
 }

@@ -414,17 +414,17 @@ impl StorageBackend for FilePerKeyBackend {
                 ops.push(ReadOp { file: f, offset: pin.0.value_offset, buf: &mut buf[..pin.0.meta.len as usize] });
                 op_of.push((*i, pin));
             }
-            let io_results = self.io.read_batch(&mut ops);
-            drop(ops);
-            for (r, (i, pin)) in io_results.into_iter().zip(op_of) {
+            // Each value is checked as its read completes, while the others are in flight.
+            self.io.read_batch_each(&mut ops, &mut |j, r| {
+                let (i, pin) = op_of[j];
                 let m = &pin.0.meta;
-                results[i] = Some(r.and_then(|()| {
+                results[i] = Some(r.and_then(|data| {
                     if self.verify_on_load {
-                        verify(&m.key, &requests[i].1[..m.len as usize], m.checksum)?;
+                        verify(&m.key, data, m.checksum)?;
                     }
                     Ok(m.len as usize)
                 }));
-            }
+            });
         }
         drop(pinned);
         results.into_iter().map(|r| r.unwrap_or_else(|| Err(StorageError::InvalidArgument("skipped".into())))).collect()

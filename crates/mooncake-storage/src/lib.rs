@@ -14,8 +14,9 @@
 //!   reached; [`FifoEviction`] and [`LruEviction`] built in. Eviction is two-phase
 //!   (see [`backend`]): victims leave the index, the [`EvictionListener`] is told,
 //!   then files are deleted once in-flight reads finish.
-//! * [`io`]: the [`IoEngine`] trait, [`IoUringEngine`] (thread-local rings, batched
-//!   reads) and [`PosixEngine`], both with optional `O_DIRECT`.
+//! * [`io`]: the [`IoEngine`] trait, [`IoUringEngine`] (thread-local rings; batched
+//!   reads reported as each completes, pipelined writes, up to 32 requests in flight)
+//!   and [`PosixEngine`], both with optional `O_DIRECT`.
 //! * [`ClientBuffer`]: a staging area with batch leases and a GC, for serving loads
 //!   to remote clients.
 //! * [`meta`]: on-disk formats and their (fuzzed) parsers.
