@@ -405,6 +405,20 @@ pub(crate) fn validate_batch(objects: &[(&str, &[u8])]) -> Vec<Option<StorageErr
         .collect()
 }
 
+/// The length of a value just read, once its bytes match `checksum` (when `check`).
+pub(crate) fn checked_load(check: bool, key: &str, len: u64, checksum: u32, read: Result<&mut [u8]>) -> Result<usize> {
+    let data = read?;
+    if check {
+        verify(key, data, checksum)?;
+    }
+    Ok(len as usize)
+}
+
+/// One result per request of a batch; a request no step answered is reported skipped.
+pub(crate) fn batch_results<T>(results: Vec<Option<Result<T>>>) -> Vec<Result<T>> {
+    results.into_iter().map(|r| r.unwrap_or_else(|| Err(StorageError::InvalidArgument("skipped".into())))).collect()
+}
+
 /// Checks a loaded value against its checksum.
 pub(crate) fn verify(key: &str, data: &[u8], checksum: u32) -> Result<()> {
     let actual = crc32c::crc32c(data);

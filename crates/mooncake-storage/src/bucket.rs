@@ -35,8 +35,8 @@ use ahash::{AHashMap, AHashSet};
 use parking_lot::{Mutex, RwLock};
 
 use crate::backend::{
-    remove_file_quiet, validate_batch, verify, write_file_atomic, BackendOptions, BackendStats, EvictionReport,
-    Notifier, ObjectMeta, Pinned, Pins, ReadPin, StorageBackend,
+    batch_results, checked_load, remove_file_quiet, validate_batch, write_file_atomic, BackendOptions, BackendStats,
+    EvictionReport, Notifier, ObjectMeta, Pinned, Pins, ReadPin, StorageBackend,
 };
 use crate::error::{Result, StorageError};
 use crate::eviction::DiskEvictionStrategy;
@@ -468,7 +468,7 @@ impl StorageBackend for BucketBackend {
                 }
             }
         }
-        results.into_iter().map(|r| r.unwrap_or_else(|| Err(StorageError::InvalidArgument("skipped".into())))).collect()
+        batch_results(results)
     }
 
     fn object_meta(&self, key: &str) -> Option<ObjectMeta> {
@@ -533,16 +533,11 @@ impl StorageBackend for BucketBackend {
             // Each value is checked as its read completes, while the others are in flight.
             self.io.read_batch_each(&mut ops, &mut |j, r| {
                 let (i, e) = op_of[j];
-                results[i] = Some(r.and_then(|data| {
-                    if self.verify_on_load {
-                        verify(&e.key, data, e.checksum)?;
-                    }
-                    Ok(e.len as usize)
-                }));
+                results[i] = Some(checked_load(self.verify_on_load, &e.key, e.len, e.checksum, r));
             });
         }
         drop(pinned);
-        results.into_iter().map(|r| r.unwrap_or_else(|| Err(StorageError::InvalidArgument("skipped".into())))).collect()
+        batch_results(results)
     }
 
     fn remove(&self, key: &str) -> Result<()> {

@@ -37,8 +37,8 @@ use parking_lot::{Mutex, RwLock};
 use xxhash_rust::xxh64::xxh64;
 
 use crate::backend::{
-    validate_batch, verify, BackendOptions, BackendStats, EvictionReport, Notifier, ObjectMeta, Pinned, Pins, ReadPin,
-    StorageBackend,
+    batch_results, checked_load, validate_batch, BackendOptions, BackendStats, EvictionReport, Notifier, ObjectMeta,
+    Pinned, Pins, ReadPin, StorageBackend,
 };
 use crate::error::{Result, StorageError};
 use crate::eviction::{DiskEvictionStrategy, UnitId};
@@ -478,7 +478,7 @@ impl StorageBackend for OffsetAllocatorBackend {
         }
         drop(ctl);
         self.notifier.supersede(accepted.iter().map(|&i| objects[i].0));
-        results.into_iter().map(|r| r.unwrap_or_else(|| Err(StorageError::InvalidArgument("skipped".into())))).collect()
+        batch_results(results)
     }
 
     fn object_meta(&self, key: &str) -> Option<ObjectMeta> {
@@ -524,16 +524,11 @@ impl StorageBackend for OffsetAllocatorBackend {
             self.io.read_batch_each(&mut ops, &mut |j, r| {
                 let (i, pin) = &pinned[j];
                 let m = &pin.0.meta;
-                results[*i] = Some(r.and_then(|data| {
-                    if self.verify_on_load {
-                        verify(&m.key, data, m.checksum)?;
-                    }
-                    Ok(m.len as usize)
-                }));
+                results[*i] = Some(checked_load(self.verify_on_load, &m.key, m.len, m.checksum, r));
             });
         }
         drop(pinned);
-        results.into_iter().map(|r| r.unwrap_or_else(|| Err(StorageError::InvalidArgument("skipped".into())))).collect()
+        batch_results(results)
     }
 
     fn remove(&self, key: &str) -> Result<()> {
