@@ -326,6 +326,16 @@ impl Notifier {
         self.pending_len.store(pending.len(), Ordering::Relaxed);
     }
 
+    /// The eviction counters of [`BackendStats`], the rest left default.
+    pub(crate) fn stats(&self) -> BackendStats {
+        BackendStats {
+            evicted_objects: self.evicted_objects.load(Ordering::Relaxed),
+            evicted_units: self.evicted_units.load(Ordering::Relaxed),
+            pending_notifications: self.pending(),
+            ..BackendStats::default()
+        }
+    }
+
     pub(crate) fn pending(&self) -> u64 {
         self.pending_len.load(Ordering::Relaxed) as u64
     }

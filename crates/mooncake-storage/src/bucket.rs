@@ -27,7 +27,6 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -585,9 +584,7 @@ impl StorageBackend for BucketBackend {
             used_bytes: idx.used,
             objects: idx.objects.len() as u64,
             units: idx.buckets.len() as u64,
-            evicted_objects: self.notifier.evicted_objects.load(Ordering::Relaxed),
-            evicted_units: self.notifier.evicted_units.load(Ordering::Relaxed),
-            pending_notifications: self.notifier.pending(),
+            ..self.notifier.stats()
         }
     }
 

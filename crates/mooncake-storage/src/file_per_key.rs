@@ -455,9 +455,7 @@ impl StorageBackend for FilePerKeyBackend {
             used_bytes: idx.used,
             objects: idx.objects.len() as u64,
             units: idx.objects.len() as u64,
-            evicted_objects: self.notifier.evicted_objects.load(Ordering::Relaxed),
-            evicted_units: self.notifier.evicted_units.load(Ordering::Relaxed),
-            pending_notifications: self.notifier.pending(),
+            ..self.notifier.stats()
         }
     }
 

@@ -564,9 +564,7 @@ impl StorageBackend for OffsetAllocatorBackend {
             used_bytes: self.used(),
             objects: objects as u64,
             units: objects as u64,
-            evicted_objects: self.notifier.evicted_objects.load(Ordering::Relaxed),
-            evicted_units: self.notifier.evicted_units.load(Ordering::Relaxed),
-            pending_notifications: self.notifier.pending(),
+            ..self.notifier.stats()
         }
     }
 
