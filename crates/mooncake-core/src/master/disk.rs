@@ -74,7 +74,7 @@ impl MasterService {
         let owner = self.segments.read().by_id.get(&segment)?.owner;
         let clients = self.clients.read();
         let rec = clients.get(&owner)?;
-        (rec.ssd_total.load(Ordering::Relaxed) > 0 && rec.ssd_endpoint.lock().is_some()).then_some(owner)
+        rec.takes_offloads().then_some(owner)
     }
 
     /// Segments whose owners take offloads, with those owners (one lookup per
@@ -88,11 +88,7 @@ impl MasterService {
         table
             .by_id
             .iter()
-            .filter(|(_, s)| {
-                clients
-                    .get(&s.owner)
-                    .is_some_and(|c| c.ssd_total.load(Ordering::Relaxed) > 0 && c.ssd_endpoint.lock().is_some())
-            })
+            .filter(|(_, s)| clients.get(&s.owner).is_some_and(|c| c.takes_offloads()))
             .map(|(id, s)| (*id, s.owner))
             .collect()
     }

@@ -55,6 +55,11 @@ impl ClientRecord {
         }
     }
 
+    /// Whether the client has an SSD tier the master can ask to offload to.
+    pub(crate) fn takes_offloads(&self) -> bool {
+        self.ssd_total.load(Ordering::Relaxed) > 0 && self.ssd_endpoint.lock().is_some()
+    }
+
     pub(crate) fn touch(&self, now_ms: u64) {
         self.last_heartbeat_ms.fetch_max(now_ms, Ordering::Relaxed);
     }
