@@ -144,7 +144,7 @@ fn demo(device: usize) -> Result<(), Box<dyn std::error::Error>> {
     };
     let region = gpu.register(hbm.clone())?;
     println!("segment endpoint: {}", region.endpoint);
-    pool_store.master().mount_segment(pool_store.client_id(), region, hbm.len())?;
+    pool_store.master().mount_segment(pool_store.client_id(), &region, hbm.len())?;
     pool_store.put("in-hbm", &kv_block(9, 9, 1 << 20))?;
     assert_eq!(pool_store.get("in-hbm")?[..], kv_block(9, 9, 1 << 20)[..]);
     println!("1 MiB object stored in and read back from a {} segment", hbm.location());

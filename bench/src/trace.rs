@@ -704,10 +704,10 @@ pub fn metadata(secs: f64) -> Result<serde_json::Value, String> {
     use mooncake_transfer::RemoteRegion;
     let err = |e: Error| e.to_string();
     let master = Master::new(MasterConfig { default_lease: Duration::ZERO, ..Default::default() }).map_err(err)?;
-    let client = master.register_client();
+    let client = master.register_client().map_err(err)?.client;
     for i in 0..16 {
         let region = RemoteRegion { endpoint: format!("bench://{i}"), region: 1 };
-        master.mount_segment(client, region, 64 << 30).map_err(err)?;
+        master.mount_segment(client, &region, 64 << 30).map_err(err)?;
     }
     let keys: Vec<String> = (0..100_000).map(|i| format!("bench/prefix/{i:08}")).collect();
     let cfg = ReplicateConfig::default();

@@ -10,10 +10,10 @@ use mooncake_transfer::RemoteRegion;
 
 fn metadata_round_trip(c: &mut Criterion) {
     let master = Master::new(MasterConfig { default_lease: Duration::ZERO, ..Default::default() }).unwrap();
-    let client = master.register_client();
+    let client = master.register_client().unwrap().client;
     for i in 0..16 {
         let region = RemoteRegion { endpoint: format!("bench://{i}"), region: 1 };
-        master.mount_segment(client, region, 64 << 30).unwrap();
+        master.mount_segment(client, &region, 64 << 30).unwrap();
     }
     let keys: Vec<String> = (0..100_000).map(|i| format!("bench/prefix/{i:08}")).collect();
     let cfg = ReplicateConfig::default();

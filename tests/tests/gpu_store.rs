@@ -244,7 +244,7 @@ fn device_memory_mounted_as_a_segment_through_a_user_transport() {
     let store = Store::builder().global_segment_size(0).transport(counting.clone()).build().unwrap();
     let hbm = Arc::new(device(16 << 20));
     let region = gpu.register(hbm.clone()).unwrap();
-    let segment = store.master().mount_segment(store.client_id(), region, hbm.len()).unwrap();
+    let segment = store.master().mount_segment(store.client_id(), &region, hbm.len()).unwrap();
 
     let sizes = [1usize, chunk - 1, chunk, chunk + 1, 2 * chunk, 3 * chunk + 7, 1 << 20, (4 << 20) + 3];
     for (i, &len) in sizes.iter().enumerate() {

@@ -78,7 +78,7 @@ fn closed_after(addr: &str, bytes: &[u8]) -> bool {
 
 fn healthy(addr: &str) {
     let mut s = TcpStream::connect(addr).unwrap();
-    s.write_all(&encode_frame(FrameKind::Request, 42, &Request::Stats).unwrap()).unwrap();
+    s.write_all(&encode_frame(FrameKind::Request, 42, &Request::Stats {}).unwrap()).unwrap();
     let (h, body) = read_frame(&mut s, 1 << 20).unwrap();
     assert_eq!(h.request_id, 42);
     let resp: Response = mooncake_core::rpc::wire::decode_body(&body).unwrap();
@@ -124,7 +124,7 @@ fn requests_can_be_pipelined() {
         let (h, body) = read_frame(&mut s, 1 << 20).unwrap();
         assert_eq!(h.request_id, id);
         let resp: Response = mooncake_core::rpc::wire::decode_body(&body).unwrap();
-        assert_eq!(resp, Response::Bool(false));
+        assert_eq!(resp, Response::Exists(Ok(false)));
     }
 }
 
@@ -151,28 +151,29 @@ proptest! {
 #[test]
 fn wire_format_changes_bump_the_version() {
     use mooncake_core::master::{MemoryReplica, ObjectRecord, RecordUpdate, ReplicaList};
+    use mooncake_core::rpc::wire::WireRegion;
+    use mooncake_transfer::RemoteRegion;
     let reqs = [
-        Request::RegisterClient,
+        Request::RegisterClient {},
         Request::PutStart { client: 7, key: "k".into(), len: 4096, cfg: ReplicateConfig::replicas(2) },
         Request::GetReplicaList { key: "k".into() },
         Request::NotifyOffloadSuccess { client: 7, items: vec![("k".into(), 1, 2)] },
         Request::RemountSegment {
             client: 1,
-            endpoint: "h:1".into(),
-            region: 2,
+            region: WireRegion(RemoteRegion { endpoint: "h:1".into(), region: 2 }),
             capacity: 3,
             records: vec![ObjectRecord { key: "k".into(), offset: 64, len: 5, checksum: 6 }],
         },
     ];
     let resps = [
-        Response::ReplicaList(ReplicaList {
+        Response::GetReplicaList(Ok(ReplicaList {
             len: 5,
             checksum: 6,
             replicas: vec![MemoryReplica { segment: 1, offset: 2, len: 5 }],
             lease: Duration::from_millis(5000),
             disk: Some(9),
-        }),
-        Response::Updates(vec![RecordUpdate::Removed { segment: 1, key: "k".into(), offset: 64 }]),
+        })),
+        Response::Heartbeat(Ok(vec![RecordUpdate::Removed { segment: 1, key: "k".into(), offset: 64 }])),
         Response::Error(mooncake_core::rpc::wire::WireError::NotFound("k".into())),
     ];
     let mut all = Vec::new();
@@ -185,7 +186,7 @@ fn wire_format_changes_bump_the_version() {
     let sum = all.iter().fold(0u32, |h, &b| h.wrapping_mul(31).wrapping_add(b as u32));
     assert_eq!(
         (mooncake_core::rpc::wire::VERSION, sum),
-        (1, 2316957763),
+        (2, 3272841792),
         "the wire format changed: bump wire::VERSION and update this pin"
     );
 }

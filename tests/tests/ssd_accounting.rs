@@ -14,9 +14,9 @@ fn master() -> Master {
 
 /// A client with a segment of its own, and an object put on it.
 fn client_with(master: &Master, name: &str, keys: &[(&str, u64)]) -> u64 {
-    let c = master.register_client();
+    let c = master.register_client().unwrap().client;
     let region = RemoteRegion { endpoint: format!("local://{name}"), region: 1 };
-    let seg = master.mount_segment(c, region, 1 << 30).unwrap();
+    let seg = master.mount_segment(c, &region, 1 << 30).unwrap();
     let on = ReplicateConfig { preferred_segments: vec![master.segment_info(seg).unwrap().name], ..Default::default() };
     for (k, len) in keys {
         master.put_start(c, k, *len, &on).unwrap();
@@ -67,16 +67,16 @@ fn removal_and_client_loss_give_back_ssd_usage() {
     assert_eq!(m.ssd_usage(a).unwrap().1, 600);
     m.remove("k1").unwrap();
     assert_eq!(m.ssd_usage(a).unwrap().1, 500);
-    assert_eq!(m.remove_all(), 2);
+    assert_eq!(m.remove_all().unwrap(), 2);
     assert_eq!(m.ssd_usage(a).unwrap().1, 0);
     // A disk replica on another client keeps an object whose memory client is lost.
     let b = client_with(&m, "b", &[("kept", 100), ("lost", 100)]);
-    let c = m.register_client();
+    let c = m.register_client().unwrap().client;
     m.notify_offload_success(c, &[("kept", 100, 7)]);
-    m.unregister_client(b);
+    m.unregister_client(b).unwrap();
     assert!(m.exists("kept").unwrap());
     assert!(!m.exists("lost").unwrap());
-    m.unregister_client(c);
+    m.unregister_client(c).unwrap();
     assert!(!m.exists("kept").unwrap(), "no replica left once the disk's client is gone");
 }
 

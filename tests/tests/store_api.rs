@@ -208,7 +208,7 @@ fn a_client_that_stops_heartbeating_is_expired() {
     .unwrap();
     let keeper = store_on(&master, 1 << 20);
     // A raw client of the master that never heartbeats, with a segment of its own.
-    let silent = master.register_client();
+    let silent = master.register_client().unwrap().client;
     let _segment = mooncake_transfer_free_region(&master, silent);
     wait_until(Duration::from_secs(20), || master.stats().expired_clients > 0);
     let stats = master.stats();
@@ -221,7 +221,7 @@ fn a_client_that_stops_heartbeating_is_expired() {
 /// Mounts a segment for `client` without a `Store` (so nothing heartbeats for it).
 fn mooncake_transfer_free_region(master: &Master, client: u64) -> u64 {
     let region = mooncake_transfer::RemoteRegion { endpoint: "local://nowhere/1".into(), region: 1 };
-    master.mount_segment(client, region, 1 << 20).unwrap()
+    master.mount_segment(client, &region, 1 << 20).unwrap()
 }
 
 #[test]
@@ -233,7 +233,7 @@ fn a_put_that_never_ends_is_reclaimed_after_the_timeout() {
     })
     .unwrap();
     let store = store_on(&master, 1 << 20);
-    let client = master.register_client();
+    let client = master.register_client().unwrap().client;
     master.put_start(client, "stuck", 1000, &ReplicateConfig::default()).unwrap();
     assert!(matches!(store.put("stuck", b"v"), Err(Error::AlreadyExists(_))));
     assert!(!store.exists("stuck").unwrap(), "a pending put is not visible");
@@ -250,7 +250,7 @@ fn a_put_that_never_ends_is_reclaimed_after_the_timeout() {
 fn a_revoked_put_frees_its_space_and_is_invisible() {
     let master = Master::new(MasterConfig::default()).unwrap();
     let _store = store_on(&master, 1 << 20);
-    let client = master.register_client();
+    let client = master.register_client().unwrap().client;
     master.put_start(client, "k", 4096, &ReplicateConfig::default()).unwrap();
     assert!(master.stats().used_bytes >= 4096);
     // Only the putting client may end or revoke it.
@@ -327,8 +327,8 @@ struct RawNode {
 fn raw_node(master: &Master) -> RawNode {
     let engine = mooncake_transfer::TransferEngine::new();
     let region = engine.register_region(16 << 20).unwrap();
-    let client = master.register_client();
-    master.mount_segment(client, engine.remote(region.id()), region.len()).unwrap();
+    let client = master.register_client().unwrap().client;
+    master.mount_segment(client, &engine.remote(region.id()), region.len()).unwrap();
     RawNode { engine, region, client }
 }
 
@@ -410,9 +410,9 @@ fn a_master_that_does_not_answer_times_out() {
 #[test]
 fn master_memory_per_object_is_reported_and_bounded() {
     let master = Master::new(MasterConfig::default()).unwrap();
-    let client = master.register_client();
+    let client = master.register_client().unwrap().client;
     let region = mooncake_transfer::RemoteRegion { endpoint: "local://accounting/1".into(), region: 1 };
-    master.mount_segment(client, region, 64 << 30).unwrap();
+    master.mount_segment(client, &region, 64 << 30).unwrap();
     let n = 100_000u64;
     for i in 0..n {
         let key = format!("prefix-hash/{i:016x}");

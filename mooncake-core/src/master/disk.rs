@@ -13,14 +13,15 @@ use mooncake_alloc::{SegmentId, SsdMetricsProvider};
 use crate::config::{check_key, PersistPolicy};
 use crate::error::{Error, Result};
 
-use super::object::ObjectEntry;
-use super::{ClientId, MasterService, OffloadPlan, OffloadTask};
+use crate::master::object::ObjectEntry;
+use crate::master::service::MasterService;
+use crate::master::types::{ClientId, OffloadPlan, OffloadTask};
 
 /// The master's view of each segment owner's SSD.
-pub(super) struct MasterSsdMetrics<'a>(pub(super) &'a MasterService);
+pub(crate) struct MasterSsdMetrics<'a>(pub(super) &'a MasterService);
 
 impl MasterSsdMetrics<'_> {
-    fn of(&self, segment: SegmentId, f: impl Fn(&super::segment::ClientRecord) -> i64) -> i64 {
+    pub(crate) fn of(&self, segment: SegmentId, f: impl Fn(&crate::master::segment::ClientRecord) -> i64) -> i64 {
         let Some(owner) = self.0.segments.read().by_id.get(&segment).map(|s| s.owner) else { return 0 };
         self.0.clients.read().get(&owner).map_or(0, f)
     }
@@ -67,7 +68,7 @@ impl MasterService {
     }
 
     /// The owner of `segment` if it has an SSD tier that offloads are asked of.
-    fn offload_owner(&self, segment: SegmentId) -> Option<ClientId> {
+    pub(crate) fn offload_owner(&self, segment: SegmentId) -> Option<ClientId> {
         if self.config.persist == PersistPolicy::None {
             return None;
         }
@@ -79,7 +80,7 @@ impl MasterService {
 
     /// Segments whose owners take offloads, with those owners (one lookup per
     /// eviction pass rather than per object).
-    pub(super) fn offload_owners(&self) -> ahash::HashMap<SegmentId, ClientId> {
+    pub(crate) fn offload_owners(&self) -> ahash::HashMap<SegmentId, ClientId> {
         if self.config.persist == PersistPolicy::None {
             return Default::default();
         }
@@ -94,14 +95,14 @@ impl MasterService {
     }
 
     /// Asks `owner` to offload `keys` (their entries were marked pending).
-    pub(super) fn queue_offloads(&self, owner: ClientId, keys: impl IntoIterator<Item = Box<str>>) {
+    pub(crate) fn queue_offloads(&self, owner: ClientId, keys: impl IntoIterator<Item = Box<str>>) {
         if let Some(rec) = self.clients.read().get(&owner) {
             rec.offload.lock().write.extend(keys);
         }
     }
 
     /// Under [`PersistPolicy::Eager`], asks for a completed object to be offloaded.
-    pub(super) fn offload_on_put(&self, key: &str, first_segment: Option<SegmentId>) {
+    pub(crate) fn offload_on_put(&self, key: &str, first_segment: Option<SegmentId>) {
         if self.config.persist != PersistPolicy::Eager {
             return;
         }
@@ -215,14 +216,14 @@ impl MasterService {
             .map(|c| (c.ssd_total.load(Ordering::Relaxed), c.ssd_used.load(Ordering::Relaxed)))
     }
 
-    fn add_ssd_used(&self, client: ClientId, delta: i64) {
+    pub(crate) fn add_ssd_used(&self, client: ClientId, delta: i64) {
         if let Some(c) = self.clients.read().get(&client) {
             c.ssd_used.fetch_add(delta, Ordering::Relaxed);
         }
     }
 
     /// Records `e`'s disk replica on `client` (moving the usage from a previous one).
-    fn attach_disk(&self, e: &mut ObjectEntry, client: ClientId) {
+    pub(crate) fn attach_disk(&self, e: &mut ObjectEntry, client: ClientId) {
         if e.disk != client {
             if e.disk != 0 {
                 self.add_ssd_used(e.disk, -(e.len as i64));
@@ -234,7 +235,7 @@ impl MasterService {
 
     /// Gives back the SSD usage of `e`'s disk replica (the entry is leaving) and
     /// tells its client to delete the file.
-    pub(super) fn release_disk(&self, key: &str, e: &ObjectEntry) {
+    pub(crate) fn release_disk(&self, key: &str, e: &ObjectEntry) {
         if e.disk != 0 {
             self.add_ssd_used(e.disk, -(e.len as i64));
             if let Some(rec) = self.clients.read().get(&e.disk) {
@@ -293,7 +294,7 @@ impl MasterService {
 
     /// Drops the disk replicas of a lost client; returns how many objects had no
     /// other replica and were removed.
-    pub(super) fn drop_disk_replicas_of(&self, client: ClientId) -> usize {
+    pub(crate) fn drop_disk_replicas_of(&self, client: ClientId) -> usize {
         let mut removed = 0;
         for shard in self.index.shards() {
             shard.lock().retain(|_, e| {

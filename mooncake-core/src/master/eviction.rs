@@ -11,35 +11,16 @@ use std::sync::atomic::Ordering;
 
 use mooncake_alloc::SegmentId;
 
-use super::object::{ObjectEntry, SHARDS};
-use super::MasterService;
+use crate::master::object::{ObjectEntry, SHARDS};
+use crate::master::service::MasterService;
+use crate::master::types::EvictionReport;
 
 /// Candidates sampled to estimate the access-time cutoff (whole shards are sampled
 /// until this many are seen, or every shard was).
 const SAMPLE_TARGET: usize = 4096;
 
-/// What an eviction pass did.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct EvictionReport {
-    /// Objects removed.
-    pub evicted_objects: u64,
-    /// Bytes of memory freed (on the segment targeted, or everywhere).
-    pub freed_bytes: u64,
-    /// Objects kept because they wait to be offloaded to an SSD tier first; their
-    /// memory is freed by a later pass, once they are on disk.
-    pub awaiting_offload: u64,
-}
-
-impl EvictionReport {
-    fn add(&mut self, other: EvictionReport) {
-        self.evicted_objects += other.evicted_objects;
-        self.freed_bytes += other.freed_bytes;
-        self.awaiting_offload += other.awaiting_offload;
-    }
-}
-
 impl MasterService {
-    fn low_watermark(&self) -> f64 {
+    pub(crate) fn low_watermark(&self) -> f64 {
         self.config.high_watermark - self.config.eviction_ratio
     }
 
@@ -75,12 +56,12 @@ impl MasterService {
         report
     }
 
-    fn evictable(e: &ObjectEntry, now: u64, segment: Option<SegmentId>) -> bool {
+    pub(crate) fn evictable(e: &ObjectEntry, now: u64, segment: Option<SegmentId>) -> bool {
         e.complete && !e.leased(now) && e.memory_bytes(segment) > 0
     }
 
     /// Frees at least `target` bytes (on `segment`, or anywhere) if it can.
-    fn evict(&self, target: u64, segment: Option<SegmentId>) -> EvictionReport {
+    pub(crate) fn evict(&self, target: u64, segment: Option<SegmentId>) -> EvictionReport {
         let mut report = EvictionReport::default();
         if target == 0 {
             return report;

@@ -5,11 +5,12 @@ use std::sync::Arc;
 
 use crate::error::{Error, Result};
 
-use super::{ClientId, MasterService};
+use crate::master::service::MasterService;
+use crate::master::types::ClientId;
 
 /// Starts the monitor. It holds only a weak reference and exits once the service is
 /// dropped.
-pub(super) fn spawn_monitor(service: &Arc<MasterService>) -> Result<()> {
+pub(crate) fn spawn_monitor(service: &Arc<MasterService>) -> Result<()> {
     let weak = Arc::downgrade(service);
     let interval = service.config.monitor_interval;
     service.last_tick_ms.store(service.now_ms(), Ordering::Relaxed);
@@ -28,7 +29,7 @@ pub(super) fn spawn_monitor(service: &Arc<MasterService>) -> Result<()> {
 
 impl MasterService {
     /// One round of the monitor.
-    pub(super) fn tick(&self) {
+    pub(crate) fn tick(&self) {
         let now = self.now_ms();
         let last = self.last_tick_ms.swap(now, Ordering::Relaxed);
         let ttl = self.config.client_ttl.as_millis() as u64;

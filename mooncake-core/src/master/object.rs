@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use mooncake_alloc::{AllocatedBuffer, SegmentId};
 use parking_lot::Mutex;
 
-use super::ClientId;
+use crate::master::types::ClientId;
 
 /// Number of index shards; metadata calls on different shards never contend.
 pub(crate) const SHARDS: usize = 1024;

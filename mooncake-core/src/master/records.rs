@@ -7,12 +7,13 @@ use mooncake_transfer::RemoteRegion;
 use crate::config::check_key;
 use crate::error::Result;
 
-use super::object::{ObjectEntry, StoredReplica};
-use super::{ClientId, MasterService, MemoryReplica, ObjectRecord, RecordUpdate};
+use crate::master::object::{ObjectEntry, StoredReplica};
+use crate::master::service::MasterService;
+use crate::master::types::{ClientId, MemoryReplica, ObjectRecord, RecordUpdate};
 
 impl MasterService {
     /// Queues `update` for the owner of `segment` (no-op unless tracking records).
-    fn push_update(&self, segment: SegmentId, update: RecordUpdate) {
+    pub(crate) fn push_update(&self, segment: SegmentId, update: RecordUpdate) {
         let owner = match self.segments.read().by_id.get(&segment) {
             Some(s) => s.owner,
             None => return,
@@ -23,7 +24,7 @@ impl MasterService {
     }
 
     /// Tells the owners of `key`'s complete replicas (or of `only` those) that they hold it.
-    pub(super) fn note_added(&self, key: &str, e: &ObjectEntry, only: Option<&[MemoryReplica]>) {
+    pub(crate) fn note_added(&self, key: &str, e: &ObjectEntry, only: Option<&[MemoryReplica]>) {
         if !self.config.track_records {
             return;
         }
@@ -38,7 +39,7 @@ impl MasterService {
     }
 
     /// Tells the owners of these replicas of `key` that they no longer hold it.
-    pub(super) fn note_removed<'a>(&self, key: &str, replicas: impl IntoIterator<Item = &'a StoredReplica>) {
+    pub(crate) fn note_removed<'a>(&self, key: &str, replicas: impl IntoIterator<Item = &'a StoredReplica>) {
         if !self.config.track_records {
             return;
         }
@@ -55,10 +56,11 @@ impl MasterService {
     pub fn remount_segment(
         &self,
         client: ClientId,
-        region: RemoteRegion,
+        region: &RemoteRegion,
         capacity: u64,
-        mut records: Vec<ObjectRecord>,
+        records: &[ObjectRecord],
     ) -> Result<(SegmentId, usize)> {
+        let mut records = records.to_vec();
         let id = self.mount_segment(client, region, capacity)?;
         let Some(alloc) = self.segments.read().by_id.get(&id).map(|s| s.alloc.clone()) else {
             return Ok((id, 0));
@@ -106,18 +108,18 @@ impl MasterService {
     }
 
     /// Keys of complete objects, at most `limit` (in no particular order).
-    pub fn list_keys(&self, limit: usize) -> Vec<String> {
+    pub fn list_keys(&self, limit: usize) -> Result<Vec<String>> {
         let mut keys = Vec::new();
         for shard in self.index.shards() {
             for (k, e) in shard.lock().iter() {
                 if keys.len() >= limit {
-                    return keys;
+                    return Ok(keys);
                 }
                 if e.complete {
                     keys.push(k.to_string());
                 }
             }
         }
-        keys
+        Ok(keys)
     }
 }

@@ -7,10 +7,10 @@ use std::sync::Arc;
 use mooncake_alloc::{SegmentAllocator, SegmentId};
 use mooncake_transfer::RemoteRegion;
 
-use super::ClientId;
+use crate::master::types::ClientId;
 
 /// A segment as the master knows it.
-pub(crate) struct MountedSegment {
+pub(crate) struct SegmentEntry {
     pub(crate) alloc: Arc<SegmentAllocator>,
     pub(crate) owner: ClientId,
     pub(crate) region: RemoteRegion,
@@ -22,7 +22,7 @@ pub(crate) struct ClientRecord {
     pub(crate) segments: Vec<SegmentId>,
     /// Changes to the objects of this client's segments, drained by its heartbeats
     /// (only when the master tracks records).
-    pub(crate) updates: parking_lot::Mutex<Vec<super::RecordUpdate>>,
+    pub(crate) updates: parking_lot::Mutex<Vec<crate::master::types::RecordUpdate>>,
     /// SSD capacity the client reported (bytes; <= 0: none).
     pub(crate) ssd_total: std::sync::atomic::AtomicI64,
     /// Bytes of `LocalDisk` replicas the master records on the client's SSD.
@@ -69,17 +69,17 @@ impl ClientRecord {
 /// is rebuilt on mount/unmount (rare) so that a put only clones an `Arc`.
 #[derive(Default)]
 pub(crate) struct SegmentTable {
-    pub(crate) by_id: HashMap<SegmentId, MountedSegment>,
+    pub(crate) by_id: HashMap<SegmentId, SegmentEntry>,
     pub(crate) candidates: Arc<Vec<Arc<SegmentAllocator>>>,
 }
 
 impl SegmentTable {
-    pub(crate) fn insert(&mut self, seg: MountedSegment) {
+    pub(crate) fn insert(&mut self, seg: SegmentEntry) {
         self.by_id.insert(seg.alloc.id(), seg);
         self.rebuild();
     }
 
-    pub(crate) fn remove(&mut self, id: SegmentId) -> Option<MountedSegment> {
+    pub(crate) fn remove(&mut self, id: SegmentId) -> Option<SegmentEntry> {
         let seg = self.by_id.remove(&id);
         if seg.is_some() {
             self.rebuild();

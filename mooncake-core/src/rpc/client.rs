@@ -12,11 +12,13 @@ use parking_lot::Mutex;
 use crate::config::ReplicateConfig;
 use crate::error::{Error, Result};
 use crate::master::{
-    ClientId, ClientRegistration, MasterApi, MasterStats, MemoryReplica, ObjectInfo, ObjectRecord, OffloadPlan,
-    RecordUpdate, ReplicaList, ReplicatePlan, SegmentInfo,
+    master_calls, ClientId, ClientRegistration, MasterApi, MasterStats, MemoryReplica, ObjectInfo, ObjectRecord,
+    OffloadPlan, RecordUpdate, ReplicaList, ReplicatePlan, SegmentInfo,
 };
-
-use super::wire::{encode_frame, FrameHeader, FrameKind, Request, Response, WireResult, DEFAULT_MAX_FRAME, HEADER_LEN};
+use crate::rpc::convert::{BatchLen, IntoWire, WireReturn};
+use crate::rpc::wire::{
+    decode_body, encode_frame, FrameHeader, FrameKind, Request, Response, DEFAULT_MAX_FRAME, HEADER_LEN,
+};
 
 /// A client of a master daemon. Connections are pooled: concurrent calls use
 /// separate connections; a broken connection is dropped and the call retried once on
@@ -92,7 +94,7 @@ impl RpcMasterClient {
         if h.kind != FrameKind::Response || h.request_id != id {
             return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, "response does not match the request"));
         }
-        super::wire::decode_body(&body).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))
+        decode_body(&body).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))
     }
 
     /// Sends `req` and returns the master's response.
@@ -132,190 +134,31 @@ fn unexpected(r: Response) -> Error {
     }
 }
 
-fn batch<T>(
-    n: usize,
-    r: Result<Response>,
-    pick: impl FnOnce(Response) -> Result<Vec<WireResult<T>>>,
-) -> Vec<Result<T>> {
-    let fail = |e: Error| (0..n).map(|_| Err(e.clone())).collect();
-    match r.map(pick) {
-        Ok(Ok(v)) if v.len() == n => v.into_iter().map(|r| r.map_err(Error::from)).collect(),
-        Ok(Ok(_)) => fail(Error::MasterUnavailable("batch answer of the wrong length".into())),
-        Ok(Err(e)) => fail(e),
-        Err(e) => fail(e),
-    }
-}
-
-fn owned(keys: &[&str]) -> Vec<String> {
-    keys.iter().map(|k| (*k).to_owned()).collect()
-}
-
-macro_rules! expect {
-    ($self:ident, $req:expr, $pat:pat => $out:expr) => {
-        match $self.call(&$req)? {
-            $pat => Ok($out),
-            other => Err(unexpected(other)),
+/// Implements every master call as one round trip.
+macro_rules! impl_rpc_client {
+    ($( $(#[$doc:meta])* $variant:ident => fn $name:ident ( $( $arg:ident : $ty:ty => $wire:ty ),* $(,)? ) -> $ret:ty; )*) => {
+        impl MasterApi for RpcMasterClient {
+            $(
+                fn $name(&self $(, $arg: $ty)*) -> $ret {
+                    let items: Option<usize> = if <$ret as WireReturn>::BATCH {
+                        None $( .or(BatchLen::batch_len(&$arg)) )*
+                    } else {
+                        None
+                    };
+                    if items == Some(0) {
+                        // An empty batch needs no round trip.
+                        return <$ret as WireReturn>::failed(Error::InvalidArgument(String::new()), items);
+                    }
+                    let request = Request::$variant { $( $arg: IntoWire::into_wire($arg) ),* };
+                    match self.call(&request) {
+                        Ok(Response::$variant(wire)) => <$ret as WireReturn>::from_wire(wire, items),
+                        Ok(other) => <$ret as WireReturn>::failed(unexpected(other), items),
+                        Err(e) => <$ret as WireReturn>::failed(e, items),
+                    }
+                }
+            )*
         }
     };
 }
 
-impl MasterApi for RpcMasterClient {
-    fn register_client(&self) -> Result<ClientRegistration> {
-        expect!(self, Request::RegisterClient, Response::Registered(r) => r)
-    }
-    fn heartbeat(&self, client: ClientId) -> Result<Vec<RecordUpdate>> {
-        expect!(self, Request::Heartbeat { client }, Response::Updates(u) => u)
-    }
-    fn mount_segment(&self, client: ClientId, region: RemoteRegion, capacity: u64) -> Result<SegmentId> {
-        let req = Request::MountSegment { client, endpoint: region.endpoint, region: region.region, capacity };
-        expect!(self, req, Response::Segment(s) => s)
-    }
-    fn remount_segment(
-        &self,
-        client: ClientId,
-        region: RemoteRegion,
-        capacity: u64,
-        records: Vec<ObjectRecord>,
-    ) -> Result<(SegmentId, usize)> {
-        let req =
-            Request::RemountSegment { client, endpoint: region.endpoint, region: region.region, capacity, records };
-        expect!(self, req, Response::Remounted { segment, taken } => (segment, taken as usize))
-    }
-    fn unmount_segment(&self, client: ClientId, segment: SegmentId) -> Result<usize> {
-        expect!(self, Request::UnmountSegment { client, segment }, Response::Count(n) => n as usize)
-    }
-    fn unregister_client(&self, client: ClientId) -> Result<usize> {
-        expect!(self, Request::UnregisterClient { client }, Response::Count(n) => n as usize)
-    }
-    fn segment_info(&self, segment: SegmentId) -> Result<SegmentInfo> {
-        expect!(self, Request::SegmentInfo { segment }, Response::SegmentInfo(s) => s.into())
-    }
-    fn put_start(&self, client: ClientId, key: &str, len: u64, cfg: &ReplicateConfig) -> Result<Vec<MemoryReplica>> {
-        let req = Request::PutStart { client, key: key.to_owned(), len, cfg: cfg.clone() };
-        expect!(self, req, Response::Replicas(r) => r)
-    }
-    fn put_end(&self, client: ClientId, key: &str, checksum: u32) -> Result<()> {
-        expect!(self, Request::PutEnd { client, key: key.to_owned(), checksum }, Response::Unit => ())
-    }
-    fn put_revoke(&self, client: ClientId, key: &str) -> Result<()> {
-        expect!(self, Request::PutRevoke { client, key: key.to_owned() }, Response::Unit => ())
-    }
-    fn get_replica_list(&self, key: &str) -> Result<ReplicaList> {
-        expect!(self, Request::GetReplicaList { key: key.to_owned() }, Response::ReplicaList(l) => l)
-    }
-    fn exists(&self, key: &str) -> Result<bool> {
-        expect!(self, Request::Exists { key: key.to_owned() }, Response::Bool(b) => b)
-    }
-    fn remove(&self, key: &str) -> Result<()> {
-        expect!(self, Request::Remove { key: key.to_owned() }, Response::Unit => ())
-    }
-    fn remove_all(&self) -> Result<usize> {
-        expect!(self, Request::RemoveAll, Response::Count(n) => n as usize)
-    }
-    fn replicate_start(&self, client: ClientId, key: &str, cfg: &ReplicateConfig) -> Result<ReplicatePlan> {
-        let req = Request::ReplicateStart { client, key: key.to_owned(), cfg: cfg.clone() };
-        expect!(self, req, Response::Plan(p) => p)
-    }
-    fn replicate_end(&self, key: &str, targets: &[MemoryReplica], ok: bool) -> Result<()> {
-        let req = Request::ReplicateEnd { key: key.to_owned(), targets: targets.to_vec(), ok };
-        expect!(self, req, Response::Unit => ())
-    }
-    fn batch_put_start(
-        &self,
-        client: ClientId,
-        items: &[(&str, u64)],
-        cfg: &ReplicateConfig,
-    ) -> Vec<Result<Vec<MemoryReplica>>> {
-        let req = Request::BatchPutStart {
-            client,
-            items: items.iter().map(|(k, l)| ((*k).to_owned(), *l)).collect(),
-            cfg: cfg.clone(),
-        };
-        batch(items.len(), self.call(&req), |r| match r {
-            Response::BatchReplicas(v) => Ok(v),
-            other => Err(unexpected(other)),
-        })
-    }
-    fn batch_put_end(&self, client: ClientId, items: &[(&str, u32)]) -> Vec<Result<()>> {
-        let req = Request::BatchPutEnd { client, items: items.iter().map(|(k, c)| ((*k).to_owned(), *c)).collect() };
-        batch(items.len(), self.call(&req), |r| match r {
-            Response::BatchUnit(v) => Ok(v),
-            other => Err(unexpected(other)),
-        })
-    }
-    fn batch_put_revoke(&self, client: ClientId, keys: &[&str]) -> Vec<Result<()>> {
-        if keys.is_empty() {
-            return Vec::new();
-        }
-        batch(keys.len(), self.call(&Request::BatchPutRevoke { client, keys: owned(keys) }), |r| match r {
-            Response::BatchUnit(v) => Ok(v),
-            other => Err(unexpected(other)),
-        })
-    }
-    fn batch_get_replica_list(&self, keys: &[&str]) -> Vec<Result<ReplicaList>> {
-        batch(keys.len(), self.call(&Request::BatchGetReplicaList { keys: owned(keys) }), |r| match r {
-            Response::BatchReplicaLists(v) => Ok(v),
-            other => Err(unexpected(other)),
-        })
-    }
-    fn batch_exists(&self, keys: &[&str]) -> Vec<Result<bool>> {
-        batch(keys.len(), self.call(&Request::BatchExists { keys: owned(keys) }), |r| match r {
-            Response::BatchBool(v) => Ok(v),
-            other => Err(unexpected(other)),
-        })
-    }
-    fn batch_remove(&self, keys: &[&str]) -> Vec<Result<()>> {
-        batch(keys.len(), self.call(&Request::BatchRemove { keys: owned(keys) }), |r| match r {
-            Response::BatchUnit(v) => Ok(v),
-            other => Err(unexpected(other)),
-        })
-    }
-    fn report_ssd_capacity(&self, client: ClientId, capacity: i64) -> Result<()> {
-        expect!(self, Request::ReportSsdCapacity { client, capacity }, Response::Unit => ())
-    }
-    fn notify_offload_success(&self, client: ClientId, items: &[(&str, u64, u32)]) -> Vec<Result<()>> {
-        let req = Request::NotifyOffloadSuccess {
-            client,
-            items: items.iter().map(|(k, l, c)| ((*k).to_owned(), *l, *c)).collect(),
-        };
-        batch(items.len(), self.call(&req), |r| match r {
-            Response::BatchUnit(v) => Ok(v),
-            other => Err(unexpected(other)),
-        })
-    }
-    fn batch_evict_disk_replica(&self, client: ClientId, keys: &[&str]) -> Vec<Result<()>> {
-        batch(keys.len(), self.call(&Request::BatchEvictDiskReplica { client, keys: owned(keys) }), |r| match r {
-            Response::BatchUnit(v) => Ok(v),
-            other => Err(unexpected(other)),
-        })
-    }
-    fn mount_ssd(&self, client: ClientId, capacity: i64, endpoint: &str) -> Result<()> {
-        expect!(self, Request::MountSsd { client, capacity, endpoint: endpoint.to_owned() }, Response::Unit => ())
-    }
-    fn disk_endpoint(&self, client: ClientId) -> Result<String> {
-        expect!(self, Request::DiskEndpoint { client }, Response::Endpoint(e) => e)
-    }
-    fn offload_heartbeat(&self, client: ClientId, max: usize) -> Result<OffloadPlan> {
-        let max = u32::try_from(max).unwrap_or(u32::MAX);
-        expect!(self, Request::OffloadHeartbeat { client, max }, Response::OffloadPlan(p) => p)
-    }
-    fn register_disk_objects(&self, client: ClientId, items: &[(&str, u64, u32)]) -> Vec<Result<()>> {
-        let req = Request::RegisterDiskObjects {
-            client,
-            items: items.iter().map(|(k, l, c)| ((*k).to_owned(), *l, *c)).collect(),
-        };
-        batch(items.len(), self.call(&req), |r| match r {
-            Response::BatchUnit(v) => Ok(v),
-            other => Err(unexpected(other)),
-        })
-    }
-    fn object_info(&self, key: &str) -> Result<ObjectInfo> {
-        expect!(self, Request::ObjectInfo { key: key.to_owned() }, Response::ObjectInfo(i) => i)
-    }
-    fn list_keys(&self, limit: usize) -> Result<Vec<String>> {
-        expect!(self, Request::ListKeys { limit: limit as u64 }, Response::Keys(k) => k)
-    }
-    fn stats(&self) -> Result<MasterStats> {
-        expect!(self, Request::Stats, Response::Stats(s) => s)
-    }
-}
+master_calls!(impl_rpc_client);

@@ -5,6 +5,7 @@
 //! [`Store`](crate::Store) uses. The frame layout is documented in [`wire`].
 
 mod client;
+mod convert;
 mod server;
 pub mod wire;
 

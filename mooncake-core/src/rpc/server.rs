@@ -5,10 +5,11 @@ use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
-use mooncake_transfer::{RemoteRegion, SharedSecret};
+use mooncake_transfer::SharedSecret;
 
 use crate::error::{Error, Result};
-use crate::master::MasterService;
+use crate::master::{master_calls, MasterApi, MasterService};
+use crate::rpc::convert::{Arg, Lend, WireReturn};
 
 use super::wire::{
     decode_body, encode_frame, FrameError, FrameHeader, FrameKind, Request, Response, WireError, DEFAULT_MAX_FRAME,
@@ -255,7 +256,7 @@ fn serve_connection(
         let response = service.handle(request);
         stats.requests.fetch_add(1, Ordering::Relaxed);
         stats.ops_by_kind[kind].fetch_add(1, Ordering::Relaxed);
-        if is_error(&response) {
+        if Request::is_error(&response) {
             stats.errors.fetch_add(1, Ordering::Relaxed);
             stats.errors_by_kind[kind].fetch_add(1, Ordering::Relaxed);
         }
@@ -267,104 +268,25 @@ fn serve_connection(
     }
 }
 
-fn is_error(r: &Response) -> bool {
-    match r {
-        Response::Error(_) => true,
-        Response::BatchReplicas(v) => v.iter().any(|r| r.is_err()),
-        Response::BatchUnit(v) => v.iter().any(|r| r.is_err()),
-        Response::BatchReplicaLists(v) => v.iter().any(|r| r.is_err()),
-        Response::BatchBool(v) => v.iter().any(|r| r.is_err()),
-        _ => false,
+/// Answers one request with a master: the server's dispatch over any
+/// [`MasterApi`] (the service itself, or anything that wraps one).
+pub fn dispatch(api: &dyn MasterApi, request: Request) -> Response {
+    macro_rules! dispatch_calls {
+        ($( $(#[$doc:meta])* $variant:ident => fn $name:ident ( $( $arg:ident : $ty:ty => $wire:ty ),* $(,)? ) -> $ret:ty; )*) => {
+            match request {
+                $(
+                    Request::$variant { $($arg),* } => {
+                        $( let $arg = Lend::lend(&$arg); )*
+                        Response::$variant(WireReturn::into_wire(api.$name($( Arg::arg(&$arg) ),*)))
+                    }
+                )*
+                Request::BatchGetOffloadObject { .. } | Request::ReleaseOffloadBuffer { .. } => Response::Error(
+                    WireError::InvalidArgument("this is a master: SSD loads are served by storage nodes".into()),
+                ),
+            }
+        };
     }
-}
-
-fn one<T>(r: Result<T>, f: impl FnOnce(T) -> Response) -> Response {
-    match r {
-        Ok(v) => f(v),
-        Err(e) => Response::Error(e.into()),
-    }
-}
-
-fn many<T>(rs: Vec<Result<T>>) -> Vec<Result<T, WireError>> {
-    rs.into_iter().map(|r| r.map_err(WireError::from)).collect()
-}
-
-fn strs(v: &[String]) -> Vec<&str> {
-    v.iter().map(String::as_str).collect()
-}
-
-/// Executes one request against the service.
-pub fn dispatch(s: &MasterService, req: Request) -> Response {
-    use crate::master::MasterApi;
-    match req {
-        Request::RegisterClient => one(MasterApi::register_client(s), Response::Registered),
-        Request::Heartbeat { client } => one(s.heartbeat(client), Response::Updates),
-        Request::MountSegment { client, endpoint, region, capacity } => {
-            one(s.mount_segment(client, RemoteRegion { endpoint, region }, capacity), Response::Segment)
-        }
-        Request::RemountSegment { client, endpoint, region, capacity, records } => {
-            one(s.remount_segment(client, RemoteRegion { endpoint, region }, capacity, records), |(segment, taken)| {
-                Response::Remounted { segment, taken: taken as u64 }
-            })
-        }
-        Request::UnmountSegment { client, segment } => {
-            one(s.unmount_segment(client, segment), |n| Response::Count(n as u64))
-        }
-        Request::UnregisterClient { client } => Response::Count(s.unregister_client(client) as u64),
-        Request::SegmentInfo { segment } => {
-            one(MasterApi::segment_info(s, segment), |i| Response::SegmentInfo(i.into()))
-        }
-        Request::PutStart { client, key, len, cfg } => one(s.put_start(client, &key, len, &cfg), Response::Replicas),
-        Request::PutEnd { client, key, checksum } => one(s.put_end(client, &key, checksum), |_| Response::Unit),
-        Request::PutRevoke { client, key } => one(s.put_revoke(client, &key), |_| Response::Unit),
-        Request::GetReplicaList { key } => one(s.get_replica_list(&key), Response::ReplicaList),
-        Request::Exists { key } => one(s.exists(&key), Response::Bool),
-        Request::Remove { key } => one(s.remove(&key), |_| Response::Unit),
-        Request::RemoveAll => Response::Count(s.remove_all() as u64),
-        Request::ReplicateStart { client, key, cfg } => one(s.replicate_start(client, &key, &cfg), Response::Plan),
-        Request::ReplicateEnd { key, targets, ok } => one(s.replicate_end(&key, &targets, ok), |_| Response::Unit),
-        Request::BatchPutStart { client, items, cfg } => {
-            let items: Vec<(&str, u64)> = items.iter().map(|(k, l)| (k.as_str(), *l)).collect();
-            Response::BatchReplicas(many(s.batch_put_start(client, &items, &cfg)))
-        }
-        Request::BatchPutEnd { client, items } => {
-            let items: Vec<(&str, u32)> = items.iter().map(|(k, c)| (k.as_str(), *c)).collect();
-            Response::BatchUnit(many(s.batch_put_end(client, &items)))
-        }
-        Request::BatchPutRevoke { client, keys } => Response::BatchUnit(many(s.batch_put_revoke(client, &strs(&keys)))),
-        Request::BatchGetReplicaList { keys } => {
-            Response::BatchReplicaLists(many(s.batch_get_replica_list(&strs(&keys))))
-        }
-        Request::BatchExists { keys } => Response::BatchBool(many(s.batch_exists(&strs(&keys)))),
-        Request::BatchRemove { keys } => Response::BatchUnit(many(s.batch_remove(&strs(&keys)))),
-        Request::ListKeys { limit } => Response::Keys(s.list_keys(limit.min(usize::MAX as u64) as usize)),
-        Request::Stats => Response::Stats(s.stats()),
-        Request::ObjectInfo { key } => one(s.object_info(&key), Response::ObjectInfo),
-        Request::ReportSsdCapacity { client, capacity } => {
-            one(s.report_ssd_capacity(client, capacity), |_| Response::Unit)
-        }
-        Request::NotifyOffloadSuccess { client, items } => {
-            let items: Vec<(&str, u64, u32)> = items.iter().map(|(k, l, c)| (k.as_str(), *l, *c)).collect();
-            Response::BatchUnit(many(s.notify_offload_success(client, &items)))
-        }
-        Request::BatchEvictDiskReplica { client, keys } => {
-            Response::BatchUnit(many(s.batch_evict_disk_replica(client, &strs(&keys))))
-        }
-        Request::MountSsd { client, capacity, endpoint } => {
-            one(s.mount_ssd(client, capacity, &endpoint), |_| Response::Unit)
-        }
-        Request::DiskEndpoint { client } => one(s.disk_endpoint(client), Response::Endpoint),
-        Request::OffloadHeartbeat { client, max } => {
-            one(s.offload_heartbeat(client, max as usize), Response::OffloadPlan)
-        }
-        Request::RegisterDiskObjects { client, items } => {
-            let items: Vec<(&str, u64, u32)> = items.iter().map(|(k, l, c)| (k.as_str(), *l, *c)).collect();
-            Response::BatchUnit(many(s.register_disk_objects(client, &items)))
-        }
-        Request::BatchGetOffloadObject { .. } | Request::ReleaseOffloadBuffer { .. } => Response::Error(
-            WireError::InvalidArgument("this is a master: SSD loads are served by storage nodes".into()),
-        ),
-    }
+    master_calls!(dispatch_calls)
 }
 
 /// Reads one frame body of at most `max` bytes (helper for tests and tools).

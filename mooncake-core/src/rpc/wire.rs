@@ -17,15 +17,18 @@ use serde::{Deserialize, Serialize};
 
 use crate::config::ReplicateConfig;
 use crate::error::Error;
+use crate::error::Result;
 use crate::master::{
-    ClientId, ClientRegistration, MasterStats, MemoryReplica, ObjectInfo, ObjectRecord, OffloadPlan, RecordUpdate,
-    ReplicaList, ReplicatePlan, SegmentInfo,
+    master_calls, ClientId, ClientRegistration, MasterStats, MemoryReplica, ObjectInfo, ObjectRecord, OffloadPlan,
+    RecordUpdate, ReplicaList, ReplicatePlan, SegmentInfo,
 };
+use crate::rpc::convert::WireReturn;
+use mooncake_transfer::RemoteRegion;
 
 /// First bytes of every frame.
 pub const MAGIC: [u8; 4] = *b"MCRP";
 /// Protocol version spoken by this build.
-pub const VERSION: u8 = 1;
+pub const VERSION: u8 = 2;
 /// Bytes in a frame header.
 pub const HEADER_LEN: usize = 20;
 /// Default largest body accepted (64 MiB).
@@ -148,260 +151,85 @@ pub fn decode_request_frame(bytes: &[u8], max_body: u32) -> Result<(FrameHeader,
     Ok((header, decode_body(body)?))
 }
 
-/// A segment's location, as it travels.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct WireSegment {
-    /// Segment id.
-    pub id: SegmentId,
-    /// Name.
-    pub name: String,
-    /// Owner.
-    pub owner: ClientId,
-    /// Endpoint serving it.
-    pub endpoint: String,
-    /// Region id at the endpoint.
-    pub region: u64,
-    /// Bytes.
-    pub capacity: u64,
-}
-
-impl From<SegmentInfo> for WireSegment {
-    fn from(s: SegmentInfo) -> Self {
-        Self {
-            id: s.id,
-            name: s.name,
-            owner: s.owner,
-            endpoint: s.region.endpoint,
-            region: s.region.region,
-            capacity: s.capacity,
+/// Declares the wire messages from the table of master calls.
+macro_rules! define_wire_messages {
+    ($( $(#[$doc:meta])* $variant:ident => fn $name:ident ( $( $arg:ident : $ty:ty => $wire:ty ),* $(,)? ) -> $ret:ty; )*) => {
+        /// A request: one variant per [`MasterApi`](crate::master::MasterApi) call (fields
+        /// as the call's arguments), then the calls a storage node answers.
+        #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+        pub enum Request {
+            $(
+                $(#[$doc])*
+                $variant { $(
+                    #[allow(missing_docs)]
+                    $arg: $wire
+                ),* },
+            )*
+            /// To a storage node (not the master): stage these SSD objects for a pull.
+            BatchGetOffloadObject {
+                /// Keys to stage.
+                keys: Vec<String>,
+            },
+            /// To a storage node: the pull of a staged batch is done.
+            ReleaseOffloadBuffer {
+                /// The batch.
+                batch_id: u64,
+            },
         }
-    }
-}
 
-impl From<WireSegment> for SegmentInfo {
-    fn from(s: WireSegment) -> Self {
-        Self {
-            id: s.id,
-            name: s.name,
-            owner: s.owner,
-            region: mooncake_transfer::RemoteRegion { endpoint: s.endpoint, region: s.region },
-            capacity: s.capacity,
+        /// An answer: one variant per master call (its result), then the answers that
+        /// are not a call's result.
+        #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+        pub enum Response {
+            $(
+                $(#[$doc])*
+                $variant(<$ret as WireReturn>::Wire),
+            )*
+            /// The request failed as a whole (malformed, or not served here).
+            Error(WireError),
+            /// Done, nothing to return (storage-node calls).
+            Unit,
+            /// A storage node's staged batch.
+            OffloadBatch(OffloadBatch),
         }
-    }
-}
 
-/// A request to the master. One variant per [`MasterApi`](crate::master::MasterApi) call.
-#[allow(missing_docs)]
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub enum Request {
-    RegisterClient,
-    Heartbeat {
-        client: ClientId,
-    },
-    MountSegment {
-        client: ClientId,
-        endpoint: String,
-        region: u64,
-        capacity: u64,
-    },
-    RemountSegment {
-        client: ClientId,
-        endpoint: String,
-        region: u64,
-        capacity: u64,
-        records: Vec<ObjectRecord>,
-    },
-    UnmountSegment {
-        client: ClientId,
-        segment: SegmentId,
-    },
-    UnregisterClient {
-        client: ClientId,
-    },
-    SegmentInfo {
-        segment: SegmentId,
-    },
-    PutStart {
-        client: ClientId,
-        key: String,
-        len: u64,
-        cfg: ReplicateConfig,
-    },
-    PutEnd {
-        client: ClientId,
-        key: String,
-        checksum: u32,
-    },
-    PutRevoke {
-        client: ClientId,
-        key: String,
-    },
-    GetReplicaList {
-        key: String,
-    },
-    Exists {
-        key: String,
-    },
-    Remove {
-        key: String,
-    },
-    RemoveAll,
-    ReplicateStart {
-        client: ClientId,
-        key: String,
-        cfg: ReplicateConfig,
-    },
-    ReplicateEnd {
-        key: String,
-        targets: Vec<MemoryReplica>,
-        ok: bool,
-    },
-    BatchPutStart {
-        client: ClientId,
-        items: Vec<(String, u64)>,
-        cfg: ReplicateConfig,
-    },
-    BatchPutEnd {
-        client: ClientId,
-        items: Vec<(String, u32)>,
-    },
-    BatchPutRevoke {
-        client: ClientId,
-        keys: Vec<String>,
-    },
-    BatchGetReplicaList {
-        keys: Vec<String>,
-    },
-    BatchExists {
-        keys: Vec<String>,
-    },
-    BatchRemove {
-        keys: Vec<String>,
-    },
-    ListKeys {
-        limit: u64,
-    },
-    Stats,
-    ObjectInfo {
-        key: String,
-    },
-    ReportSsdCapacity {
-        client: ClientId,
-        capacity: i64,
-    },
-    NotifyOffloadSuccess {
-        client: ClientId,
-        items: Vec<(String, u64, u32)>,
-    },
-    BatchEvictDiskReplica {
-        client: ClientId,
-        keys: Vec<String>,
-    },
-    MountSsd {
-        client: ClientId,
-        capacity: i64,
-        endpoint: String,
-    },
-    DiskEndpoint {
-        client: ClientId,
-    },
-    OffloadHeartbeat {
-        client: ClientId,
-        max: u32,
-    },
-    RegisterDiskObjects {
-        client: ClientId,
-        items: Vec<(String, u64, u32)>,
-    },
-    /// To a storage node (not the master): stage these SSD objects for a pull.
-    BatchGetOffloadObject {
-        keys: Vec<String>,
-    },
-    /// To a storage node: the pull of a staged batch is done.
-    ReleaseOffloadBuffer {
-        batch_id: u64,
-    },
-}
-
-/// Names of the request kinds, indexed by [`Request::kind_index`] (for metrics).
-pub const REQUEST_KINDS: [&str; 34] = [
-    "register_client",
-    "heartbeat",
-    "mount_segment",
-    "remount_segment",
-    "unmount_segment",
-    "unregister_client",
-    "segment_info",
-    "put_start",
-    "put_end",
-    "put_revoke",
-    "get_replica_list",
-    "exists",
-    "remove",
-    "remove_all",
-    "replicate_start",
-    "replicate_end",
-    "batch_put_start",
-    "batch_put_end",
-    "batch_put_revoke",
-    "batch_get_replica_list",
-    "batch_exists",
-    "batch_remove",
-    "list_keys",
-    "stats",
-    "object_info",
-    "report_ssd_capacity",
-    "notify_offload_success",
-    "batch_evict_disk_replica",
-    "mount_ssd",
-    "disk_endpoint",
-    "offload_heartbeat",
-    "register_disk_objects",
-    "batch_get_offload_object",
-    "release_offload_buffer",
-];
-
-impl Request {
-    /// Index of this request's kind in [`REQUEST_KINDS`].
-    pub fn kind_index(&self) -> usize {
-        match self {
-            Request::RegisterClient => 0,
-            Request::Heartbeat { .. } => 1,
-            Request::MountSegment { .. } => 2,
-            Request::RemountSegment { .. } => 3,
-            Request::UnmountSegment { .. } => 4,
-            Request::UnregisterClient { .. } => 5,
-            Request::SegmentInfo { .. } => 6,
-            Request::PutStart { .. } => 7,
-            Request::PutEnd { .. } => 8,
-            Request::PutRevoke { .. } => 9,
-            Request::GetReplicaList { .. } => 10,
-            Request::Exists { .. } => 11,
-            Request::Remove { .. } => 12,
-            Request::RemoveAll => 13,
-            Request::ReplicateStart { .. } => 14,
-            Request::ReplicateEnd { .. } => 15,
-            Request::BatchPutStart { .. } => 16,
-            Request::BatchPutEnd { .. } => 17,
-            Request::BatchPutRevoke { .. } => 18,
-            Request::BatchGetReplicaList { .. } => 19,
-            Request::BatchExists { .. } => 20,
-            Request::BatchRemove { .. } => 21,
-            Request::ListKeys { .. } => 22,
-            Request::Stats => 23,
-            Request::ObjectInfo { .. } => 24,
-            Request::ReportSsdCapacity { .. } => 25,
-            Request::NotifyOffloadSuccess { .. } => 26,
-            Request::BatchEvictDiskReplica { .. } => 27,
-            Request::MountSsd { .. } => 28,
-            Request::DiskEndpoint { .. } => 29,
-            Request::OffloadHeartbeat { .. } => 30,
-            Request::RegisterDiskObjects { .. } => 31,
-            Request::BatchGetOffloadObject { .. } => 32,
-            Request::ReleaseOffloadBuffer { .. } => 33,
+        /// The kinds of request, in wire order (for metrics).
+        #[allow(clippy::enum_variant_names)]
+        #[derive(Clone, Copy)]
+        enum RequestKind {
+            $( $variant, )*
+            BatchGetOffloadObject,
+            ReleaseOffloadBuffer,
         }
-    }
+
+        /// Names of the request kinds, indexed by [`Request::kind_index`] (for metrics).
+        pub const REQUEST_KINDS: &[&str] =
+            &[$( stringify!($name), )* "batch_get_offload_object", "release_offload_buffer"];
+
+        impl Request {
+            /// Index of this request's kind in [`REQUEST_KINDS`].
+            pub fn kind_index(&self) -> usize {
+                let kind = match self {
+                    $( Request::$variant { .. } => RequestKind::$variant, )*
+                    Request::BatchGetOffloadObject { .. } => RequestKind::BatchGetOffloadObject,
+                    Request::ReleaseOffloadBuffer { .. } => RequestKind::ReleaseOffloadBuffer,
+                };
+                kind as usize
+            }
+
+            /// Whether the answer to this request carries an error (for metrics).
+            pub fn is_error(response: &Response) -> bool {
+                match response {
+                    $( Response::$variant(r) => <$ret as WireReturn>::is_error(r), )*
+                    Response::Error(_) => true,
+                    Response::Unit | Response::OffloadBatch(_) => false,
+                }
+            }
+        }
+    };
 }
+
+master_calls!(define_wire_messages);
 
 /// An error as it travels: the variant and its message.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -463,36 +291,12 @@ impl From<WireError> for Error {
     }
 }
 
-/// Per-key result of a batch call.
-pub type WireResult<T> = Result<T, WireError>;
+/// A [`RemoteRegion`] as it travels (the transfer crate has no serde).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WireRegion(#[serde(with = "crate::master::remote_region")] pub RemoteRegion);
 
-/// The master's answer.
-#[allow(missing_docs)]
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub enum Response {
-    Error(WireError),
-    Unit,
-    Registered(ClientRegistration),
-    Updates(Vec<RecordUpdate>),
-    Segment(SegmentId),
-    Remounted { segment: SegmentId, taken: u64 },
-    Count(u64),
-    SegmentInfo(WireSegment),
-    Replicas(Vec<MemoryReplica>),
-    ReplicaList(ReplicaList),
-    Bool(bool),
-    Plan(ReplicatePlan),
-    BatchReplicas(Vec<WireResult<Vec<MemoryReplica>>>),
-    BatchUnit(Vec<WireResult<()>>),
-    BatchReplicaLists(Vec<WireResult<ReplicaList>>),
-    BatchBool(Vec<WireResult<bool>>),
-    Keys(Vec<String>),
-    Stats(MasterStats),
-    ObjectInfo(ObjectInfo),
-    Endpoint(String),
-    OffloadPlan(OffloadPlan),
-    OffloadBatch(OffloadBatch),
-}
+/// Per-key result of a call, as it travels.
+pub type WireResult<T> = Result<T, WireError>;
 
 /// A storage node's answer to `BatchGetOffloadObject`: the objects sit in its staging
 /// region (served by its transfer engine at `endpoint`, region `region`) until the

@@ -162,7 +162,7 @@ impl StoreInner {
                 records.values().cloned().collect()
             };
             let (id, taken) =
-                self.master.remount_segment(client, self.engine.remote(s.region.id()), s.region.len(), records)?;
+                self.master.remount_segment(client, &self.engine.remote(s.region.id()), s.region.len(), &records)?;
             s.id = id;
             self.own_segment.store(id, Ordering::Release);
             tracing::warn!(segment = id, objects = taken, "segment re-mounted");
@@ -362,7 +362,7 @@ impl Store {
         let client = reg.client;
         let segment = if cfg.global_segment_size > 0 {
             let region = engine.register_region(cfg.global_segment_size)?;
-            match master.mount_segment(client, engine.remote(region.id()), region.len()) {
+            match master.mount_segment(client, &engine.remote(region.id()), region.len()) {
                 Ok(id) => Some(MountedSegment { region, id }),
                 Err(e) => {
                     let _ = master.unregister_client(client);

@@ -1,0 +1,171 @@
+//! The master's clients and their segments: registration, heartbeats, mounting,
+//! and what happens to objects when a segment or a client goes away.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use mooncake_alloc::{SegmentAllocator, SegmentId};
+use mooncake_transfer::RemoteRegion;
+
+use crate::error::{Error, Result};
+use crate::master::object::ObjectEntry;
+use crate::master::segment::{ClientRecord, SegmentEntry};
+use crate::master::service::MasterService;
+use crate::master::types::*;
+
+impl MasterService {
+    /// Registers a new client and returns its id.
+    pub fn register_client(&self) -> Result<ClientRegistration> {
+        let now = self.now_ms();
+        let mut clients = self.clients.write();
+        loop {
+            let id: ClientId = rand::random::<u64>() | 1;
+            if let std::collections::hash_map::Entry::Vacant(e) = clients.entry(id) {
+                e.insert(ClientRecord::new(now));
+                return Ok(ClientRegistration { client: id, client_ttl_ms: self.config.client_ttl.as_millis() as u64 });
+            }
+        }
+    }
+
+    /// Records a heartbeat. Fails with `MasterUnavailable` when the master no longer
+    /// knows the client (it was expired): the client must register again.
+    pub fn heartbeat(&self, client: ClientId) -> Result<Vec<RecordUpdate>> {
+        match self.clients.read().get(&client) {
+            Some(rec) => {
+                rec.touch(self.now_ms());
+                Ok(std::mem::take(&mut *rec.updates.lock()))
+            }
+            None => Err(Error::UnknownClient(client)),
+        }
+    }
+
+    /// Mounts `capacity` bytes served at `region` as a segment of `client`.
+    pub fn mount_segment(&self, client: ClientId, region: &RemoteRegion, capacity: u64) -> Result<SegmentId> {
+        if capacity == 0 {
+            return Err(Error::InvalidArgument("segment of zero bytes".into()));
+        }
+        let id = self.next_segment.fetch_add(1, Ordering::Relaxed);
+        let name = format!("{}#{}", region.endpoint, region.region);
+        let alloc = SegmentAllocator::new(id, name, capacity);
+        let mut clients = self.clients.write();
+        let rec = clients.get_mut(&client).ok_or(Error::UnknownClient(client))?;
+        rec.segments.push(id);
+        self.segments.write().insert(SegmentEntry { alloc, owner: client, region: region.clone() });
+        tracing::debug!(segment = id, client, capacity, "segment mounted");
+        Ok(id)
+    }
+
+    /// Unmounts a segment: its replicas are dropped, objects left without a replica
+    /// are removed. Returns how many objects were removed.
+    pub fn unmount_segment(&self, client: ClientId, segment: SegmentId) -> Result<usize> {
+        {
+            let mut clients = self.clients.write();
+            if let Some(rec) = clients.get_mut(&client) {
+                rec.segments.retain(|&s| s != segment);
+            }
+        }
+        let seg = {
+            let mut table = self.segments.write();
+            match table.by_id.get(&segment) {
+                Some(s) if s.owner == client => {}
+                Some(_) => {
+                    return Err(Error::InvalidArgument(format!("segment {segment} is not owned by this client")))
+                }
+                None => return Err(Error::NotFound(format!("segment {segment}"))),
+            }
+            table.remove(segment)
+        };
+        drop(seg);
+        Ok(self.drop_replicas_on(&[segment]))
+    }
+
+    /// Unregisters a client and unmounts all its segments (a clean shutdown).
+    pub fn unregister_client(&self, client: ClientId) -> Result<usize> {
+        Ok(self.forget_client(client))
+    }
+
+    pub(crate) fn forget_client(&self, client: ClientId) -> usize {
+        let rec = self.clients.write().remove(&client);
+        let Some(rec) = rec else { return 0 };
+        {
+            let mut table = self.segments.write();
+            for s in &rec.segments {
+                table.remove(*s);
+            }
+        }
+        let removed = self.drop_replicas_on(&rec.segments) + self.drop_disk_replicas_of(client);
+        // Puts the client started and never ended cannot end anymore.
+        let removed_pending = self.retain_entries(|e| e.complete || e.owner != client, |_, _| {});
+        removed + removed_pending
+    }
+
+    /// Drops every replica on `segments`; removes objects left with none. Returns the
+    /// number of objects removed.
+    pub(crate) fn drop_replicas_on(&self, segments: &[SegmentId]) -> usize {
+        if segments.is_empty() {
+            return 0;
+        }
+        let mut removed = 0;
+        for shard in self.index.shards() {
+            let mut shard = shard.lock();
+            shard.retain(|_, e| {
+                let before = e.replicas.len();
+                e.replicas.retain(|r| !segments.contains(&r.segment()));
+                // An object offloaded to an SSD lives on through its disk replica.
+                let keep = !e.replicas.is_empty() || before == 0 || e.disk != 0;
+                if !keep {
+                    removed += 1;
+                    if !e.complete {
+                        self.counters.pending_puts.fetch_sub(1, Ordering::Relaxed);
+                    }
+                }
+                keep
+            });
+        }
+        removed
+    }
+
+    /// Removes every entry for which `keep` is false; calls `on_removed` for each.
+    pub(crate) fn retain_entries(
+        &self,
+        keep: impl Fn(&ObjectEntry) -> bool,
+        mut on_removed: impl FnMut(&str, &ObjectEntry),
+    ) -> usize {
+        let mut removed = 0;
+        for shard in self.index.shards() {
+            let mut shard = shard.lock();
+            shard.retain(|k, e| {
+                if keep(e) {
+                    return true;
+                }
+                removed += 1;
+                if !e.complete {
+                    self.counters.pending_puts.fetch_sub(1, Ordering::Relaxed);
+                }
+                on_removed(k, e);
+                false
+            });
+        }
+        removed
+    }
+
+    /// Where segment `id` is served, and who owns it.
+    pub fn segment_info(&self, id: SegmentId) -> Result<SegmentInfo> {
+        self.segments
+            .read()
+            .by_id
+            .get(&id)
+            .map(|s| SegmentInfo {
+                id,
+                name: s.alloc.name().to_owned(),
+                owner: s.owner,
+                region: s.region.clone(),
+                capacity: s.alloc.capacity(),
+            })
+            .ok_or_else(|| Error::NotFound(format!("segment {id} is not mounted")))
+    }
+
+    pub(crate) fn candidates(&self) -> Arc<Vec<Arc<SegmentAllocator>>> {
+        self.segments.read().candidates.clone()
+    }
+}

@@ -1,0 +1,375 @@
+//! The master's object calls: two-phase puts, replica lists and leases, removal,
+//! and changes of the replica count.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use mooncake_alloc::{AllocatedBuffer, AllocationError, AllocationRequest, SegmentId};
+
+use crate::config::{check_key, check_value_len, ReplicateConfig};
+use crate::error::{Error, Result};
+use crate::master::object::{ObjectEntry, StoredReplica};
+use crate::master::service::MasterService;
+use crate::master::types::*;
+
+impl MasterService {
+    /// Phase one of a put: reserves up to `cfg.replica_num` buffers of `len` bytes on
+    /// distinct segments (evicting if needed) and returns where to write them.
+    pub fn put_start(
+        &self,
+        client: ClientId,
+        key: &str,
+        len: u64,
+        cfg: &ReplicateConfig,
+    ) -> Result<Vec<MemoryReplica>> {
+        check_key(key)?;
+        check_value_len(len)?;
+        cfg.check()?;
+        let now = self.now_ms();
+        {
+            let mut shard = self.index.shard(key).lock();
+            if let Some(e) = shard.get(key) {
+                if e.complete || !self.put_expired(e, now) {
+                    return Err(Error::AlreadyExists(key.to_owned()));
+                }
+                // A put that never ended: reclaim it and go on.
+                shard.remove(key);
+                self.counters.pending_puts.fetch_sub(1, Ordering::Relaxed);
+                self.counters.put_timeouts.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        let bufs = self.allocate(len, cfg, None)?;
+        let replicas: Vec<MemoryReplica> = bufs.iter().map(MemoryReplica::of).collect();
+        let mut shard = self.index.shard(key).lock();
+        if shard.contains_key(key) {
+            // Another put of the same key won the race; our buffers are freed on drop.
+            return Err(Error::AlreadyExists(key.to_owned()));
+        }
+        shard.insert(
+            key.into(),
+            ObjectEntry {
+                len,
+                checksum: 0,
+                soft_pin: cfg.soft_pin,
+                complete: false,
+                owner: client,
+                last_access_ms: now,
+                lease_until_ms: 0,
+                replicas: bufs.into_iter().map(|buf| StoredReplica { buf, complete: false }).collect(),
+                disk: 0,
+                offload_deadline_ms: 0,
+            },
+        );
+        self.counters.pending_puts.fetch_add(1, Ordering::Relaxed);
+        Ok(replicas)
+    }
+
+    pub(crate) fn put_expired(&self, e: &ObjectEntry, now: u64) -> bool {
+        !e.complete && now.saturating_sub(e.last_access_ms) >= self.config.put_timeout.as_millis() as u64
+    }
+
+    /// Allocates buffers for `cfg`, excluding segments in `exclude`; on lack of space,
+    /// evicts and tries once more.
+    pub(crate) fn allocate(
+        &self,
+        len: u64,
+        cfg: &ReplicateConfig,
+        exclude: Option<&[SegmentId]>,
+    ) -> Result<Vec<AllocatedBuffer>> {
+        let request = AllocationRequest {
+            size: len,
+            replica_num: cfg.replica_num,
+            preferred_segments: cfg.preferred_segments.clone(),
+        };
+        let strategy = &self.config.allocation_strategy;
+        let mut evictions = 0;
+        let mut wait_until: Option<Instant> = None;
+        loop {
+            let mut candidates = self.candidates();
+            if let Some(ex) = exclude {
+                candidates = Arc::new(candidates.iter().filter(|s| !ex.contains(&s.id())).cloned().collect());
+            }
+            if candidates.is_empty() {
+                return Err(Error::NoSpace(if exclude.is_some() {
+                    "no other segment is mounted".into()
+                } else {
+                    "no segment is mounted".into()
+                }));
+            }
+            let metrics = crate::master::disk::MasterSsdMetrics(self);
+            let ssd: Option<&dyn mooncake_alloc::SsdMetricsProvider> =
+                if strategy.uses_ssd_metrics() { Some(&metrics) } else { None };
+            match strategy.allocate(&request, &candidates, ssd) {
+                Ok(bufs) => return Ok(bufs),
+                // Eviction frees whole objects wherever they are; a fragmented or
+                // unlucky segment may need more than one round.
+                Err(AllocationError::NoSpace { .. }) if evictions < 8 => {
+                    let want = len.saturating_mul(cfg.replica_num as u64);
+                    let report = self.evict_for(want);
+                    if report.freed_bytes > 0 {
+                        evictions += 1;
+                        continue;
+                    }
+                    // Everything evictable is on its way to an SSD: wait for the
+                    // offloads to land (bounded), then evict their memory.
+                    let until = *wait_until.get_or_insert_with(|| Instant::now() + self.config.offload_wait);
+                    if report.awaiting_offload == 0 || Instant::now() >= until {
+                        return Err(Error::NoSpace(format!(
+                            "no segment has {len} free bytes and nothing can be evicted{}",
+                            if report.awaiting_offload > 0 { " (offloads to SSD did not finish in time)" } else { "" }
+                        )));
+                    }
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+
+    /// Phase two of a put: the bytes are written; the object becomes readable.
+    pub fn put_end(&self, client: ClientId, key: &str, checksum: u32) -> Result<()> {
+        let now = self.now_ms();
+        let mut shard = self.index.shard(key).lock();
+        match shard.get_mut(key) {
+            Some(e) if !e.complete && e.owner == client => {
+                e.complete = true;
+                e.checksum = checksum;
+                e.last_access_ms = now;
+                for r in &mut e.replicas {
+                    r.complete = true;
+                }
+                self.counters.pending_puts.fetch_sub(1, Ordering::Relaxed);
+                self.note_added(key, e, None);
+                let first = e.replicas.first().map(|r| r.segment());
+                drop(shard);
+                self.offload_on_put(key, first);
+                Ok(())
+            }
+            Some(e) if e.complete => Err(Error::AlreadyExists(key.to_owned())),
+            _ => Err(Error::NotFound(format!("{key} (no put in progress by this client)"))),
+        }
+    }
+
+    /// Abandons a put: its buffers are freed.
+    pub fn put_revoke(&self, client: ClientId, key: &str) -> Result<()> {
+        let mut shard = self.index.shard(key).lock();
+        match shard.get(key) {
+            Some(e) if !e.complete && e.owner == client => {
+                shard.remove(key);
+                self.counters.pending_puts.fetch_sub(1, Ordering::Relaxed);
+                Ok(())
+            }
+            _ => Err(Error::NotFound(format!("{key} (no put in progress by this client)"))),
+        }
+    }
+
+    /// [`put_start`](Self::put_start) for many keys; one result per key.
+    pub fn batch_put_start(
+        &self,
+        client: ClientId,
+        items: &[(&str, u64)],
+        cfg: &ReplicateConfig,
+    ) -> Vec<Result<Vec<MemoryReplica>>> {
+        items.iter().map(|(k, len)| self.put_start(client, k, *len, cfg)).collect()
+    }
+
+    /// [`put_end`](Self::put_end) for many keys; one result per key.
+    pub fn batch_put_end(&self, client: ClientId, items: &[(&str, u32)]) -> Vec<Result<()>> {
+        items.iter().map(|(k, c)| self.put_end(client, k, *c)).collect()
+    }
+
+    /// [`put_revoke`](Self::put_revoke) for many keys; one result per key.
+    pub fn batch_put_revoke(&self, client: ClientId, keys: &[&str]) -> Vec<Result<()>> {
+        keys.iter().map(|k| self.put_revoke(client, k)).collect()
+    }
+
+    // ---- reads -----------------------------------------------------------------------
+
+    /// The complete replicas of `key`, and a lease of `default_lease` on the object.
+    pub fn get_replica_list(&self, key: &str) -> Result<ReplicaList> {
+        check_key(key)?;
+        let now = self.now_ms();
+        let lease = self.config.default_lease;
+        let mut shard = self.index.shard(key).lock();
+        match shard.get_mut(key) {
+            Some(e) if e.complete => {
+                e.lease_until_ms = e.lease_until_ms.max(now + lease.as_millis() as u64);
+                e.last_access_ms = now;
+                Ok(ReplicaList {
+                    len: e.len,
+                    checksum: e.checksum,
+                    replicas: e.replicas.iter().filter(|r| r.complete).map(|r| MemoryReplica::of(&r.buf)).collect(),
+                    lease,
+                    disk: (e.disk != 0).then_some(e.disk),
+                })
+            }
+            _ => Err(Error::NotFound(key.to_owned())),
+        }
+    }
+
+    /// [`get_replica_list`](Self::get_replica_list) for many keys.
+    pub fn batch_get_replica_list(&self, keys: &[&str]) -> Vec<Result<ReplicaList>> {
+        keys.iter().map(|k| self.get_replica_list(k)).collect()
+    }
+
+    /// What the master knows of `key` (no lease is granted).
+    pub fn object_info(&self, key: &str) -> Result<ObjectInfo> {
+        check_key(key)?;
+        let now = self.now_ms();
+        match self.index.shard(key).lock().get(key) {
+            Some(e) if e.complete => Ok(ObjectInfo {
+                len: e.len,
+                checksum: e.checksum,
+                replicas: e.replicas.iter().filter(|r| r.complete).map(|r| MemoryReplica::of(&r.buf)).collect(),
+                soft_pin: e.soft_pin,
+                lease_ms_left: e.lease_until_ms.saturating_sub(now),
+            }),
+            _ => Err(Error::NotFound(key.to_owned())),
+        }
+    }
+
+    /// Whether a complete object is stored under `key`.
+    pub fn exists(&self, key: &str) -> Result<bool> {
+        check_key(key)?;
+        Ok(self.index.shard(key).lock().get(key).is_some_and(|e| e.complete))
+    }
+
+    /// [`exists`](Self::exists) for many keys.
+    pub fn batch_exists(&self, keys: &[&str]) -> Vec<Result<bool>> {
+        keys.iter().map(|k| self.exists(k)).collect()
+    }
+
+    // ---- removal ---------------------------------------------------------------------
+
+    /// Removes a complete object; fails with `HasLease` while a reader holds a lease.
+    pub fn remove(&self, key: &str) -> Result<()> {
+        check_key(key)?;
+        let now = self.now_ms();
+        let mut shard = self.index.shard(key).lock();
+        match shard.get(key) {
+            Some(e) if e.complete && e.leased(now) => {
+                self.counters.lease_refusals.fetch_add(1, Ordering::Relaxed);
+                Err(Error::HasLease(key.to_owned()))
+            }
+            Some(e) if e.complete => {
+                if let Some(e) = shard.remove(key) {
+                    self.note_removed(key, &e.replicas);
+                    self.release_disk(key, &e);
+                }
+                Ok(())
+            }
+            _ => Err(Error::NotFound(key.to_owned())),
+        }
+    }
+
+    /// [`remove`](Self::remove) for many keys.
+    pub fn batch_remove(&self, keys: &[&str]) -> Vec<Result<()>> {
+        keys.iter().map(|k| self.remove(k)).collect()
+    }
+
+    /// Removes every complete object without a live lease; returns how many.
+    pub fn remove_all(&self) -> Result<usize> {
+        let now = self.now_ms();
+        let refused = std::cell::Cell::new(0u64);
+        let removed = self.retain_entries(
+            |e| {
+                let leased = e.complete && e.leased(now);
+                refused.set(refused.get() + u64::from(leased));
+                !e.complete || leased
+            },
+            |k, e| {
+                self.note_removed(k, &e.replicas);
+                self.release_disk(k, e);
+            },
+        );
+        self.counters.lease_refusals.fetch_add(refused.get(), Ordering::Relaxed);
+        Ok(removed)
+    }
+
+    // ---- replica count ---------------------------------------------------------------
+
+    /// Starts changing the number of memory replicas of `key` to `cfg.replica_num`:
+    /// drops extra replicas at once (refused with `HasLease` while leased), or
+    /// reserves new ones on segments that hold none, for the caller to fill.
+    pub fn replicate_start(&self, client: ClientId, key: &str, cfg: &ReplicateConfig) -> Result<ReplicatePlan> {
+        check_key(key)?;
+        cfg.check()?;
+        let now = self.now_ms();
+        let (have, held_on, len) = {
+            let mut shard = self.index.shard(key).lock();
+            let e = match shard.get_mut(key) {
+                Some(e) if e.complete => e,
+                _ => return Err(Error::NotFound(key.to_owned())),
+            };
+            let have = e.replicas.iter().filter(|r| r.complete).count();
+            if have > cfg.replica_num {
+                if e.leased(now) {
+                    self.counters.lease_refusals.fetch_add(1, Ordering::Relaxed);
+                    return Err(Error::HasLease(key.to_owned()));
+                }
+                let mut dropped = 0;
+                while e.replicas.iter().filter(|r| r.complete).count() > cfg.replica_num {
+                    if let Some(i) = e.replicas.iter().rposition(|r| r.complete) {
+                        let gone = e.replicas.remove(i);
+                        self.note_removed(key, [&gone]);
+                        dropped += 1;
+                    }
+                }
+                e.soft_pin = cfg.soft_pin;
+                return Ok(ReplicatePlan {
+                    len: e.len,
+                    checksum: e.checksum,
+                    sources: vec![],
+                    targets: vec![],
+                    dropped,
+                });
+            }
+            e.soft_pin = cfg.soft_pin;
+            if have == cfg.replica_num || e.replicas.len() > have {
+                // Nothing to do, or another replicate is filling replicas right now.
+                return Ok(ReplicatePlan {
+                    len: e.len,
+                    checksum: e.checksum,
+                    sources: vec![],
+                    targets: vec![],
+                    dropped: 0,
+                });
+            }
+            let held: Vec<SegmentId> = e.replicas.iter().map(|r| r.segment()).collect();
+            (have, held, e.len)
+        };
+        let extra = ReplicateConfig { replica_num: cfg.replica_num - have, ..cfg.clone() };
+        let bufs = self.allocate(len, &extra, Some(&held_on))?;
+        let mut shard = self.index.shard(key).lock();
+        let e = match shard.get_mut(key) {
+            Some(e) if e.complete => e,
+            _ => return Err(Error::NotFound(key.to_owned())),
+        };
+        // Sources must stay put while the client copies from them.
+        e.lease_until_ms = e.lease_until_ms.max(now + self.config.put_timeout.as_millis() as u64);
+        let sources = e.replicas.iter().filter(|r| r.complete).map(|r| MemoryReplica::of(&r.buf)).collect();
+        let targets = bufs.iter().map(MemoryReplica::of).collect();
+        e.replicas.extend(bufs.into_iter().map(|buf| StoredReplica { buf, complete: false }));
+        let _ = client;
+        Ok(ReplicatePlan { len: e.len, checksum: e.checksum, sources, targets, dropped: 0 })
+    }
+
+    /// Ends a replicate: the targets become readable (`ok`) or are freed (`!ok`).
+    pub fn replicate_end(&self, key: &str, targets: &[MemoryReplica], ok: bool) -> Result<()> {
+        let mut shard = self.index.shard(key).lock();
+        let e = shard.get_mut(key).ok_or_else(|| Error::NotFound(key.to_owned()))?;
+        let is_target = |r: &StoredReplica| !r.complete && targets.contains(&MemoryReplica::of(&r.buf));
+        if ok {
+            for r in e.replicas.iter_mut().filter(|r| is_target(r)) {
+                r.complete = true;
+            }
+            self.note_added(key, e, Some(targets));
+        } else {
+            e.replicas.retain(|r| !is_target(r));
+        }
+        // The copy lease is over; readers still get their own leases.
+        e.lease_until_ms = e.lease_until_ms.min(self.now_ms() + self.config.default_lease.as_millis() as u64);
+        Ok(())
+    }
+}

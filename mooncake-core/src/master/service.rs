@@ -1,0 +1,120 @@
+//! The master service: its state, and the handle that owns it.
+//!
+//! The service's calls are facets in sibling files (`clients`, `objects`, `disk`,
+//! `eviction`, `records`, `liveness`, `stats`), each an `impl MasterService` block
+//! over the state declared here.
+
+use std::ops::Deref;
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+use std::time::Instant;
+
+use parking_lot::{Mutex, RwLock};
+
+use crate::config::MasterConfig;
+use crate::error::Result;
+use crate::master::object::ObjectIndex;
+use crate::master::segment::{ClientRecord, SegmentTable};
+use crate::master::types::ClientId;
+
+#[derive(Default)]
+/// Event counters of the master (gauges are computed by `stats`).
+pub(crate) struct MasterCounters {
+    pub(super) evicted_objects: AtomicU64,
+    pub(super) evicted_bytes: AtomicU64,
+    pub(super) lease_refusals: AtomicU64,
+    pub(super) put_timeouts: AtomicU64,
+    pub(super) expired_clients: AtomicU64,
+    pub(super) stall_graces: AtomicU64,
+    pub(super) pending_puts: AtomicU64,
+}
+
+/// The master service: an in-process object. Use it through [`Master`].
+pub struct MasterService {
+    pub(super) config: MasterConfig,
+    pub(super) epoch: Instant,
+    pub(super) index: ObjectIndex,
+    pub(super) segments: RwLock<SegmentTable>,
+    pub(super) clients: RwLock<ahash::HashMap<ClientId, ClientRecord>>,
+    pub(super) next_segment: AtomicU64,
+    pub(super) counters: MasterCounters,
+    /// Serializes eviction passes (puts that need room wait for the running one).
+    pub(super) eviction: Mutex<()>,
+    /// Last tick of the liveness monitor (ms), to detect that the master was stalled.
+    pub(super) last_tick_ms: AtomicU64,
+}
+
+/// A handle on a master service running in this process. Clones share it; the
+/// service (and its background thread) stops when the last handle is dropped.
+///
+/// ```
+/// use mooncake_core::{Master, MasterConfig, Store};
+/// let master = Master::new(MasterConfig::default())?;
+/// let a = Store::builder().master(&master).global_segment_size(1 << 20).build()?;
+/// let b = Store::builder().master(&master).global_segment_size(1 << 20).build()?;
+/// a.put("k", b"v")?;
+/// assert_eq!(&b.get("k")?[..], b"v");
+/// assert_eq!(master.stats().segments, 2);
+/// # Ok::<(), mooncake_core::Error>(())
+/// ```
+#[derive(Clone)]
+pub struct Master {
+    service: Arc<MasterService>,
+}
+
+impl std::fmt::Debug for Master {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Master").field("config", &self.service.config).finish()
+    }
+}
+
+impl Deref for Master {
+    type Target = MasterService;
+    fn deref(&self) -> &MasterService {
+        &self.service
+    }
+}
+
+impl Master {
+    /// Starts a master service with `config` (and its monitor thread).
+    pub fn new(config: MasterConfig) -> Result<Self> {
+        config.check()?;
+        let service = Arc::new(MasterService {
+            config,
+            epoch: Instant::now(),
+            index: ObjectIndex::new(),
+            segments: RwLock::new(SegmentTable::default()),
+            clients: RwLock::new(Default::default()),
+            // A random base: segment ids of a restarted master never collide with
+            // the ones clients cached before the restart.
+            next_segment: AtomicU64::new(((rand::random::<u32>() as u64) << 24) | 1),
+            counters: MasterCounters::default(),
+            eviction: Mutex::new(()),
+            last_tick_ms: AtomicU64::new(0),
+        });
+        crate::master::liveness::spawn_monitor(&service)?;
+        Ok(Self { service })
+    }
+
+    /// Counters and gauges of the master (walks the index: not for hot paths).
+    pub fn stats(&self) -> crate::master::types::MasterStats {
+        self.service.collect_stats()
+    }
+
+    /// The service behind the handle.
+    pub fn service(&self) -> &Arc<MasterService> {
+        &self.service
+    }
+}
+
+impl MasterService {
+    /// The configuration the master runs with.
+    pub fn config(&self) -> &MasterConfig {
+        &self.config
+    }
+
+    /// Milliseconds since the master started.
+    pub(crate) fn now_ms(&self) -> u64 {
+        self.epoch.elapsed().as_millis() as u64
+    }
+}

@@ -1,0 +1,255 @@
+//! The data the master hands out and takes in: replicas, replica lists, plans,
+//! records, registrations and stats. Plain values; the RPC carries them as they are.
+
+use std::time::Duration;
+
+use mooncake_alloc::{AllocatedBuffer, SegmentId};
+use mooncake_transfer::RemoteRegion;
+use serde::{Deserialize, Serialize};
+
+/// Identifier of a client of the master (random, never 0).
+pub type ClientId = u64;
+
+/// Where one replica's bytes are: `len` bytes at `offset` of segment `segment`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct MemoryReplica {
+    /// Segment holding the bytes.
+    pub segment: SegmentId,
+    /// Offset inside the segment.
+    pub offset: u64,
+    /// Number of bytes (the object's length).
+    pub len: u64,
+}
+
+impl MemoryReplica {
+    pub(crate) fn of(buf: &AllocatedBuffer) -> Self {
+        Self { segment: buf.segment_id(), offset: buf.offset(), len: buf.len() }
+    }
+}
+
+/// The answer to a replica-list call: the complete replicas of an object and the
+/// checksum its bytes must match. The object is leased for `lease`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReplicaList {
+    /// Object length.
+    pub len: u64,
+    /// crc32c of the object's bytes.
+    pub checksum: u32,
+    /// Complete memory replicas.
+    pub replicas: Vec<MemoryReplica>,
+    /// How long the object is protected from removal and eviction.
+    pub lease: Duration,
+    /// The client whose SSD holds a `LocalDisk` replica, if any.
+    pub disk: Option<ClientId>,
+}
+
+/// What the master knows of one object.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ObjectInfo {
+    /// Object length.
+    pub len: u64,
+    /// crc32c of its bytes.
+    pub checksum: u32,
+    /// Complete memory replicas.
+    pub replicas: Vec<MemoryReplica>,
+    /// Soft-pinned.
+    pub soft_pin: bool,
+    /// Milliseconds left on the current read lease (0: none).
+    pub lease_ms_left: u64,
+}
+
+/// One object a client's SSD tier should write: its bytes are `len` bytes at
+/// `offset` of the client's own segment `segment`, and must match `checksum`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OffloadTask {
+    /// Object key.
+    pub key: String,
+    /// The client's segment holding a complete replica.
+    pub segment: SegmentId,
+    /// Offset of that replica in the segment.
+    pub offset: u64,
+    /// Object length.
+    pub len: u64,
+    /// crc32c of the object's bytes.
+    pub checksum: u32,
+}
+
+/// The answer to an offload heartbeat.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OffloadPlan {
+    /// Objects to write to the SSD, then report with `notify_offload_success`.
+    pub tasks: Vec<OffloadTask>,
+    /// Keys whose disk replicas the master dropped (the objects were removed): delete them.
+    pub discard: Vec<String>,
+}
+
+/// A mounted segment, as clients resolve it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SegmentInfo {
+    /// Segment id.
+    pub id: SegmentId,
+    /// Segment name (`endpoint#n`).
+    pub name: String,
+    /// Client that owns (and serves) it.
+    pub owner: ClientId,
+    /// Where its bytes are served.
+    #[serde(with = "remote_region")]
+    pub region: RemoteRegion,
+    /// Bytes in the segment.
+    pub capacity: u64,
+}
+
+/// What a client must do to change an object's replica count: copy the object from a
+/// source replica into each target, then call
+/// [`MasterService::replicate_end`]. Extra replicas were already dropped.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReplicatePlan {
+    /// Object length.
+    pub len: u64,
+    /// crc32c of the object's bytes.
+    pub checksum: u32,
+    /// Complete replicas to copy from (the object is leased while the plan runs).
+    pub sources: Vec<MemoryReplica>,
+    /// New replicas to fill; not readable until `replicate_end`.
+    pub targets: Vec<MemoryReplica>,
+    /// Replicas dropped to reach a lower count.
+    pub dropped: usize,
+}
+
+/// Counters and gauges of the master.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct MasterStats {
+    /// Complete objects.
+    pub objects: u64,
+    /// Puts started and not yet ended.
+    pub pending_puts: u64,
+    /// Logical bytes of complete objects (one replica each).
+    pub object_bytes: u64,
+    /// Memory replicas (complete or not).
+    pub replicas: u64,
+    /// Registered clients.
+    pub clients: u64,
+    /// Mounted segments.
+    pub segments: u64,
+    /// Bytes of all mounted segments.
+    pub capacity_bytes: u64,
+    /// Bytes allocated in all mounted segments.
+    pub used_bytes: u64,
+    /// Worst fragmentation of any segment (0 = none, 1 = all free space in slivers).
+    pub max_fragmentation: f64,
+    /// Objects evicted since start.
+    pub evicted_objects: u64,
+    /// Bytes of memory freed by eviction since start.
+    pub evicted_bytes: u64,
+    /// Removes refused because of a live lease.
+    pub lease_refusals: u64,
+    /// Puts reclaimed after `put_timeout`.
+    pub put_timeouts: u64,
+    /// Clients expired after `client_ttl`.
+    pub expired_clients: u64,
+    /// Times the master noticed it had itself been stalled and granted a grace period.
+    pub stall_graces: u64,
+    /// Allocation strategy in use.
+    pub allocation_strategy: String,
+    /// Bytes of memory the object index uses, keys included (an estimate from the
+    /// sizes of its structures: table slots, entries, replica lists, allocator nodes).
+    pub metadata_bytes: u64,
+    /// Bytes of keys, included in `metadata_bytes`.
+    pub key_bytes: u64,
+    /// Capacity and use of every mounted segment.
+    pub segment_usage: Vec<SegmentUsage>,
+}
+
+/// Capacity and use of one segment.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct SegmentUsage {
+    /// Segment id.
+    pub segment: SegmentId,
+    /// Segment name.
+    pub name: String,
+    /// Bytes in the segment.
+    pub capacity: u64,
+    /// Bytes allocated.
+    pub used: u64,
+    /// Fragmentation of its free space (0..1).
+    pub fragmentation: f64,
+}
+
+/// What a client learns when it registers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClientRegistration {
+    /// The client's id.
+    pub client: ClientId,
+    /// The master expires clients silent for this long (ms); heartbeat well within it.
+    pub client_ttl_ms: u64,
+}
+
+/// One object held in a segment, as its owner records it so that a restarted master
+/// can be told again (DESIGN §2: a master restart loses nothing).
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct ObjectRecord {
+    /// Object key.
+    pub key: String,
+    /// Offset of the replica in the owner's segment.
+    pub offset: u64,
+    /// Object length.
+    pub len: u64,
+    /// crc32c of the bytes.
+    pub checksum: u32,
+}
+
+/// A change to the objects of one of a client's segments, delivered with heartbeats.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum RecordUpdate {
+    /// A complete replica now lives in `segment`.
+    Added {
+        /// The segment (owned by the heartbeating client).
+        segment: SegmentId,
+        /// The object.
+        record: ObjectRecord,
+    },
+    /// The replica of `key` at `offset` left `segment`.
+    Removed {
+        /// The segment.
+        segment: SegmentId,
+        /// Object key.
+        key: String,
+        /// Offset the replica had.
+        offset: u64,
+    },
+}
+
+/// What an eviction pass did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EvictionReport {
+    /// Objects removed.
+    pub evicted_objects: u64,
+    /// Bytes of memory freed (on the segment targeted, or everywhere).
+    pub freed_bytes: u64,
+    /// Objects kept because they wait to be offloaded to an SSD tier first; their
+    /// memory is freed by a later pass, once they are on disk.
+    pub awaiting_offload: u64,
+}
+
+impl EvictionReport {
+    pub(crate) fn add(&mut self, other: EvictionReport) {
+        self.evicted_objects += other.evicted_objects;
+        self.freed_bytes += other.freed_bytes;
+        self.awaiting_offload += other.awaiting_offload;
+    }
+}
+
+/// `RemoteRegion` (of the transfer crate, which has no serde) as `(endpoint, region)`.
+pub(crate) mod remote_region {
+    use mooncake_transfer::RemoteRegion;
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+    pub(crate) fn serialize<S: Serializer>(r: &RemoteRegion, s: S) -> Result<S::Ok, S::Error> {
+        (&r.endpoint, r.region).serialize(s)
+    }
+
+    pub(crate) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<RemoteRegion, D::Error> {
+        let (endpoint, region) = <(String, u64)>::deserialize(d)?;
+        Ok(RemoteRegion { endpoint, region })
+    }
+}
