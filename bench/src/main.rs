@@ -13,6 +13,8 @@
 //! node over the chosen transport. Rows carry the fields of the reference Mooncake
 //! anchor's JSON (`mode/api/size/batch`, ops/s, GB/s, per-call latency percentiles)
 //! so the two files compare row for row.
+#![deny(missing_docs)]
+#![deny(clippy::undocumented_unsafe_blocks)]
 
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;

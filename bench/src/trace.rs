@@ -695,7 +695,7 @@ pub fn trace(a: &TraceArgs) -> Result<serde_json::Value, String> {
     }))
 }
 
-/// `meta`: the embedded master's metadata rate (DESIGN §9: >= 1 M ops/s), one
+/// `meta`: the embedded master's metadata rate (target: >= 1 M ops/s, BENCHMARKS.md), one
 /// thread, no bytes moved: lookups (`get_replica_list`, which also grants a lease)
 /// against 100 k objects, and the full put_start + put_end + lookup + remove cycle
 /// (4 calls).

@@ -18,18 +18,23 @@
 //! # Ok::<(), mooncake_core::Error>(())
 //! ```
 #![deny(missing_docs)]
+#![deny(clippy::undocumented_unsafe_blocks)]
 
 mod checksum;
 mod config;
 mod error;
-pub mod master;
+mod master;
 pub mod metrics;
 pub mod rpc;
 mod store;
 
 pub use config::{parse_size, MasterConfig, PersistPolicy, Protocol, ReplicateConfig, MAX_KEY_LEN, MAX_VALUE_LEN};
 pub use error::{Error, Result};
-pub use master::{Master, MasterApi, MasterStats};
+pub use master::{
+    ClientId, ClientRegistration, EvictionReport, Master, MasterApi, MasterService, MasterStats, MemoryReplica,
+    ObjectInfo, ObjectRecord, OffloadPlan, OffloadTask, RecordUpdate, ReplicaList, ReplicatePlan, SegmentInfo,
+    SegmentUsage,
+};
 pub use store::{SsdBackend, SsdOffloadConfig, SsdStats, Store, StoreBuilder, StoreStats};
 
 /// Re-exports of the allocation crate: strategies and the traits to write your own.

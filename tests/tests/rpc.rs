@@ -150,8 +150,8 @@ proptest! {
 /// must refuse each other, not misread each other) and update the checksum here.
 #[test]
 fn wire_format_changes_bump_the_version() {
-    use mooncake_core::master::{MemoryReplica, ObjectRecord, RecordUpdate, ReplicaList};
     use mooncake_core::rpc::wire::WireRegion;
+    use mooncake_core::{MemoryReplica, ObjectRecord, RecordUpdate, ReplicaList};
     use mooncake_transfer::RemoteRegion;
     let reqs = [
         Request::RegisterClient {},

@@ -28,7 +28,7 @@ fn ssd_store(master: &Master, dram: u64, dir: &std::path::Path, ssd: u64, backen
         .unwrap()
 }
 
-/// DESIGN §7: with an SSD tier a put does not fail for lack of DRAM while the SSD has
+/// With an SSD tier a put does not fail for lack of DRAM while the SSD has
 /// room. 256 MiB through 32 MiB of DRAM, every object read back exactly, and found
 /// again after the store is rebuilt on the same directory.
 fn dram_overflow_goes_to_disk_and_survives_restart(backend: SsdBackend) {

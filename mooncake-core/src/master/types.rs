@@ -185,7 +185,7 @@ pub struct ClientRegistration {
 }
 
 /// One object held in a segment, as its owner records it so that a restarted master
-/// can be told again (DESIGN §2: a master restart loses nothing).
+/// can be told again: a master restart loses nothing (ARCHITECTURE.md, "Durable records").
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct ObjectRecord {
     /// Object key.

@@ -77,7 +77,7 @@ impl std::fmt::Debug for Store {
 type RoutedReplica = (MemoryReplica, Arc<RemoteRegion>);
 
 /// The client's segment: registered memory and its id at the master.
-struct MountedSegment {
+struct OwnSegment {
     region: Arc<RegisteredRegion>,
     id: SegmentId,
 }
@@ -93,7 +93,7 @@ struct StoreInner {
     disk_peers: DiskPeers,
     /// Replica lists this client holds a lease on.
     cache: ReplicaCache,
-    segment: Mutex<Option<MountedSegment>>,
+    segment: Mutex<Option<OwnSegment>>,
     /// The segment id of our own segment (0: none), read on every get for locality.
     own_segment: AtomicU64,
     routes: RwLock<HashMap<SegmentId, Arc<RemoteRegion>>>,
@@ -363,7 +363,7 @@ impl Store {
         let segment = if cfg.global_segment_size > 0 {
             let region = engine.register_region(cfg.global_segment_size)?;
             match master.mount_segment(client, &engine.remote(region.id()), region.len()) {
-                Ok(id) => Some(MountedSegment { region, id }),
+                Ok(id) => Some(OwnSegment { region, id }),
                 Err(e) => {
                     let _ = master.unregister_client(client);
                     return Err(e);
