@@ -9,7 +9,7 @@
 //!   and on machines without a GPU. Its streams *defer* every copy until the
 //!   stream is waited on, so code that reuses a staging buffer before waiting
 //!   for the copy out of it reads wrong bytes in tests, as it would on a GPU.
-//! * [`cuda::DeviceBuffer`](crate::cuda::DeviceBuffer): device memory through
+//! * [`DeviceBuffer`](crate::DeviceBuffer): device memory through
 //!   the CUDA driver (`cuMemHostAlloc` staging, `cuMemcpyHtoDAsync` /
 //!   `cuMemcpyDtoHAsync` on pooled streams, events as fences).
 //! * [`Stager`]: copies any host slice (pageable memory) to or from device
@@ -20,7 +20,7 @@
 //!   idle bytes (pinned memory is expensive to allocate and scarce).
 //!
 //! ```
-//! use mooncake_gpu::device::{DeviceMemory, HostDeviceMemory, Stager};
+//! use mooncake_gpu::{DeviceMemory, HostDeviceMemory, Stager};
 //!
 //! # fn main() -> mooncake_gpu::Result<()> {
 //! let gpu = HostDeviceMemory::new(1 << 20)?;
@@ -82,13 +82,22 @@ impl fmt::Display for MemoryLocation {
     }
 }
 
+/// Page-locked host memory allocated through a device API (`cuMemHostAlloc`);
+/// dropping it frees the memory. (Only a device API makes such memory: a build
+/// without one has none.)
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) trait PageLockedAlloc: Send + Sync {
+    /// Start of the allocation.
+    fn ptr(&self) -> NonNull<u8>;
+}
+
 /// How a [`PinnedBuffer`]'s memory is freed.
 enum Backing {
     /// `std::alloc` memory (not page-locked): host emulation.
     Heap(Layout),
-    /// `cuMemHostAlloc` memory, freed with `cuMemFreeHost` by the
-    /// allocation's own Drop.
-    Cuda { _alloc: crate::cuda::HostAlloc },
+    /// Page-locked memory, freed by the allocation's own Drop.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    PageLocked { _alloc: Box<dyn PageLockedAlloc> },
 }
 
 /// A host buffer that asynchronous device copies read from or write into:
@@ -101,8 +110,9 @@ pub struct PinnedBuffer {
     backing: Backing,
 }
 
-// SAFETY: the buffer exclusively owns its allocation (like a `Box<[u8]>`); the
-// CUDA variant's free is valid from any thread (it binds its context first).
+// SAFETY: the buffer exclusively owns its allocation (like a `Box<[u8]>`); a
+// page-locked allocation is `Send + Sync` itself (its free is valid from any
+// thread).
 unsafe impl Send for PinnedBuffer {}
 // SAFETY: shared access only hands out `&[u8]`; mutation needs `&mut self`.
 unsafe impl Sync for PinnedBuffer {}
@@ -127,9 +137,10 @@ impl PinnedBuffer {
         Ok(Self { ptr, len, backing: Backing::Heap(layout) })
     }
 
-    /// Wraps page-locked memory from `cuMemHostAlloc` (zeroed by the caller).
-    pub(crate) fn from_cuda(alloc: crate::cuda::HostAlloc, len: usize) -> Self {
-        Self { ptr: alloc.ptr(), len, backing: Backing::Cuda { _alloc: alloc } }
+    /// Wraps `len` bytes of page-locked memory (zeroed by the caller).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn page_locked(alloc: Box<dyn PageLockedAlloc>, len: usize) -> Self {
+        Self { ptr: alloc.ptr(), len, backing: Backing::PageLocked { _alloc: alloc } }
     }
 
     /// Length in bytes.
@@ -144,7 +155,7 @@ impl PinnedBuffer {
 
     /// Whether the memory is page-locked (DMA-able without a driver bounce).
     pub fn is_page_locked(&self) -> bool {
-        matches!(self.backing, Backing::Cuda { .. })
+        matches!(self.backing, Backing::PageLocked { .. })
     }
 
     /// Start of the buffer, for [`DeviceStream`] copies.
@@ -179,8 +190,8 @@ impl Drop for PinnedBuffer {
         match &self.backing {
             // SAFETY: allocated in `unpinned` with exactly this layout, freed once.
             Backing::Heap(layout) => unsafe { std::alloc::dealloc(self.ptr.as_ptr(), *layout) },
-            // `HostAlloc`'s own Drop frees the page-locked memory.
-            Backing::Cuda { .. } => {}
+            // The allocation's own Drop frees the page-locked memory.
+            Backing::PageLocked { .. } => {}
         }
     }
 }
@@ -239,7 +250,7 @@ pub trait DeviceStream {
 /// host buffers, asynchronously, on [`DeviceStream`]s.
 ///
 /// Implemented by [`HostDeviceMemory`] (emulation) and
-/// [`cuda::DeviceBuffer`](crate::cuda::DeviceBuffer); implement it for another
+/// [`DeviceBuffer`](crate::DeviceBuffer); implement it for another
 /// device API (ROCm, a framework's tensor allocator) and everything built on
 /// it ([`Stager`], [`GpuTransport`](crate::GpuTransport), the store's
 /// `get_into_device`) works with it.
@@ -679,22 +690,6 @@ impl Drop for PooledBuffer<'_> {
         if let Some(b) = self.buf.take() {
             self.pool.give_back(b);
         }
-    }
-}
-
-/// Device memory of `len` bytes on CUDA device `ordinal` if one can be used,
-/// else host emulation (with the reason it was used: `NoGpu` or
-/// `CudaUnavailable`). Other errors (out of device memory, a bad ordinal) are
-/// returned, not hidden behind the emulation.
-pub fn allocate_or_emulate(ordinal: usize, len: u64) -> Result<(Box<dyn DeviceMemory>, Option<GpuError>)> {
-    let n = usize::try_from(len).map_err(|_| GpuError::InvalidArgument(format!("{len} bytes")))?;
-    match crate::cuda::DeviceBuffer::new(ordinal, n) {
-        Ok(b) => Ok((Box::new(b), None)),
-        Err(e @ (GpuError::NoGpu(_) | GpuError::CudaUnavailable(_))) => {
-            tracing::info!(reason = %e, "no usable GPU: device memory is emulated in host memory");
-            Ok((Box::new(HostDeviceMemory::new(len)?), Some(e)))
-        }
-        Err(e) => Err(e),
     }
 }
 

@@ -31,8 +31,8 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::error::{GpuError, Result};
-use crate::header::{HeaderSnapshot, ObjectHeader, ObjectState, U32Field, U64Field};
-use crate::KeyId;
+use crate::header::{DeviceObjectHeader, HeaderSnapshot, HeaderU32Field, HeaderU64Field, ObjectState};
+use crate::key::KeyId;
 
 /// Page geometry of one object inside a heap's payload arena.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -172,11 +172,11 @@ fn store_order(o: Ordering) -> Ordering {
     }
 }
 
-/// Memory an owner heap lives in: `header_slots()` 128-byte [`ObjectHeader`]s and
+/// Memory an owner heap lives in: `header_slots()` 128-byte [`DeviceObjectHeader`]s and
 /// a payload arena of `payload_capacity()` bytes.
 ///
 /// Implemented by [`HostHeap`] (host memory emulating the device) and by
-/// `cuda::CudaDeviceHeap` (device memory). Object-safe and `Send + Sync`.
+/// [`CudaDeviceHeap`](crate::CudaDeviceHeap) (device memory). Object-safe and `Send + Sync`.
 ///
 /// Orderings: `load_*`/`store_*` take the ordering to use (a load asked for
 /// `Release`/`AcqRel` or a store asked for `Acquire`/`AcqRel` is done `SeqCst`);
@@ -202,24 +202,24 @@ pub trait DeviceHeap: Send + Sync {
     /// Release.
     fn write_header(&self, slot: u32, h: &HeaderSnapshot) -> Result<()>;
     /// Atomic load of a 32-bit field.
-    fn load_u32(&self, slot: u32, f: U32Field, order: Ordering) -> Result<u32>;
+    fn load_u32(&self, slot: u32, f: HeaderU32Field, order: Ordering) -> Result<u32>;
     /// Atomic store to a 32-bit field.
-    fn store_u32(&self, slot: u32, f: U32Field, v: u32, order: Ordering) -> Result<()>;
+    fn store_u32(&self, slot: u32, f: HeaderU32Field, v: u32, order: Ordering) -> Result<()>;
     /// SeqCst compare-exchange of a 32-bit field: `Ok(previous)` when it held
     /// `current` and now holds `new`, `Err(actual)` otherwise.
     fn compare_exchange_u32(
         &self,
         slot: u32,
-        f: U32Field,
+        f: HeaderU32Field,
         current: u32,
         new: u32,
     ) -> Result<std::result::Result<u32, u32>>;
     /// SeqCst wrapping add of `delta` (may be negative); returns the previous value.
-    fn fetch_add_u32(&self, slot: u32, f: U32Field, delta: i32) -> Result<u32>;
+    fn fetch_add_u32(&self, slot: u32, f: HeaderU32Field, delta: i32) -> Result<u32>;
     /// Atomic load of a 64-bit field.
-    fn load_u64(&self, slot: u32, f: U64Field, order: Ordering) -> Result<u64>;
+    fn load_u64(&self, slot: u32, f: HeaderU64Field, order: Ordering) -> Result<u64>;
     /// Atomic store to a 64-bit field.
-    fn store_u64(&self, slot: u32, f: U64Field, v: u64, order: Ordering) -> Result<()>;
+    fn store_u64(&self, slot: u32, f: HeaderU64Field, v: u64, order: Ordering) -> Result<()>;
 
     /// Copies `src` into pages `first_page ..` of `span`. `src` must cover whole
     /// pages, except that it may end with the object's (clamped) last page.
@@ -235,19 +235,19 @@ pub trait DeviceHeap: Send + Sync {
     /// Idempotent: publishing an already READY object of the same epoch is Ok.
     /// `Err(Stale)` when the slot was reclaimed or reused.
     fn publish(&self, slot: u32, epoch: u32, now_ns: u64) -> Result<()> {
-        if self.load_u32(slot, U32Field::Epoch, Ordering::Acquire)? != epoch {
+        if self.load_u32(slot, HeaderU32Field::Epoch, Ordering::Acquire)? != epoch {
             return Err(GpuError::Stale);
         }
         let writing = ObjectState::Writing.as_u32();
         let ready = ObjectState::Ready.as_u32();
-        match self.compare_exchange_u32(slot, U32Field::State, writing, ready)? {
+        match self.compare_exchange_u32(slot, HeaderU32Field::State, writing, ready)? {
             Ok(_) => {
-                self.store_u64(slot, U64Field::StateTs, now_ns, Ordering::Relaxed)?;
+                self.store_u64(slot, HeaderU64Field::StateTs, now_ns, Ordering::Relaxed)?;
                 Ok(())
             }
             Err(s) if s == ready => {
                 // Published already (e.g. by the device). Make sure it is ours.
-                if self.load_u32(slot, U32Field::Epoch, Ordering::Acquire)? == epoch {
+                if self.load_u32(slot, HeaderU32Field::Epoch, Ordering::Acquire)? == epoch {
                     Ok(())
                 } else {
                     Err(GpuError::Stale)
@@ -265,16 +265,16 @@ pub trait DeviceHeap: Send + Sync {
     /// `Err(Stale)` if it was retired or the slot reused, `Err(BufferTooSmall)`.
     fn read_object(&self, expect: &ReadExpect, dst: &mut [u8]) -> Result<u64> {
         let slot = expect.slot;
-        let st = self.load_u32(slot, U32Field::State, Ordering::Acquire)?;
+        let st = self.load_u32(slot, HeaderU32Field::State, Ordering::Acquire)?;
         if st != ObjectState::Ready.as_u32() {
-            let same_epoch = self.load_u32(slot, U32Field::Epoch, Ordering::Acquire)? == expect.epoch;
+            let same_epoch = self.load_u32(slot, HeaderU32Field::Epoch, Ordering::Acquire)? == expect.epoch;
             let in_progress = st == ObjectState::Writing.as_u32() || st == ObjectState::Reserved.as_u32();
             return Err(if same_epoch && in_progress { GpuError::NotReady } else { GpuError::Stale });
         }
-        self.fetch_add_u32(slot, U32Field::ReaderRefcnt, 1)?;
+        self.fetch_add_u32(slot, HeaderU32Field::ReaderRefcnt, 1)?;
         let copied = (|| {
-            let st = self.load_u32(slot, U32Field::State, Ordering::SeqCst)?;
-            let ep = self.load_u32(slot, U32Field::Epoch, Ordering::Acquire)?;
+            let st = self.load_u32(slot, HeaderU32Field::State, Ordering::SeqCst)?;
+            let ep = self.load_u32(slot, HeaderU32Field::Epoch, Ordering::Acquire)?;
             if st != ObjectState::Ready.as_u32() || ep != expect.epoch {
                 return Err(GpuError::Stale);
             }
@@ -291,7 +291,7 @@ pub trait DeviceHeap: Send + Sync {
         })();
         // Unpin (SeqCst includes Release: our copy happens-before a retirer
         // that reads the decremented count).
-        self.fetch_add_u32(slot, U32Field::ReaderRefcnt, -1)?;
+        self.fetch_add_u32(slot, HeaderU32Field::ReaderRefcnt, -1)?;
         copied
     }
 
@@ -300,16 +300,16 @@ pub trait DeviceHeap: Send + Sync {
     /// [`RetireOutcome::Pinned`]. On `Retired`, `state_ts` is set to `now_ns`.
     fn retire(&self, slot: u32, from: ObjectState, now_ns: u64) -> Result<RetireOutcome> {
         let dead = ObjectState::Dead.as_u32();
-        if let Err(actual) = self.compare_exchange_u32(slot, U32Field::State, from.as_u32(), dead)? {
+        if let Err(actual) = self.compare_exchange_u32(slot, HeaderU32Field::State, from.as_u32(), dead)? {
             return Ok(RetireOutcome::StateChanged(actual));
         }
-        let readers = self.load_u32(slot, U32Field::ReaderRefcnt, Ordering::SeqCst)?;
+        let readers = self.load_u32(slot, HeaderU32Field::ReaderRefcnt, Ordering::SeqCst)?;
         if readers != 0 {
             // A reader pinned the object before seeing DEAD; give it back.
-            let _ = self.compare_exchange_u32(slot, U32Field::State, dead, from.as_u32())?;
+            let _ = self.compare_exchange_u32(slot, HeaderU32Field::State, dead, from.as_u32())?;
             return Ok(RetireOutcome::Pinned(readers));
         }
-        self.store_u64(slot, U64Field::StateTs, now_ns, Ordering::Relaxed)?;
+        self.store_u64(slot, HeaderU64Field::StateTs, now_ns, Ordering::Relaxed)?;
         Ok(RetireOutcome::Retired)
     }
 }
@@ -326,7 +326,7 @@ pub const HOST_WORD: u64 = 8;
 /// No `unsafe` code.
 #[derive(Debug)]
 pub struct HostHeap {
-    headers: Box<[ObjectHeader]>,
+    headers: Box<[DeviceObjectHeader]>,
     words: Box<[AtomicU64]>,
     capacity: u64,
 }
@@ -340,9 +340,9 @@ impl HostHeap {
         }
         let n_words = usize::try_from(payload_bytes.div_ceil(HOST_WORD))
             .map_err(|_| GpuError::InvalidArgument("payload too large for this host".into()))?;
-        let headers: Box<[ObjectHeader]> = (0..header_slots)
+        let headers: Box<[DeviceObjectHeader]> = (0..header_slots)
             .map(|_| {
-                let h = ObjectHeader::default();
+                let h = DeviceObjectHeader::default();
                 h.state.store(ObjectState::Dead.as_u32(), Ordering::Relaxed);
                 h
             })
@@ -352,7 +352,7 @@ impl HostHeap {
     }
 
     /// The header of `slot` (bounds-checked).
-    pub fn header(&self, slot: u32) -> Result<&ObjectHeader> {
+    pub fn header(&self, slot: u32) -> Result<&DeviceObjectHeader> {
         self.headers
             .get(slot as usize)
             .ok_or_else(|| GpuError::OutOfBounds(format!("header slot {slot} of {}", self.headers.len())))
@@ -437,11 +437,11 @@ impl DeviceHeap for HostHeap {
         Ok(())
     }
 
-    fn load_u32(&self, slot: u32, f: U32Field, order: Ordering) -> Result<u32> {
+    fn load_u32(&self, slot: u32, f: HeaderU32Field, order: Ordering) -> Result<u32> {
         Ok(self.header(slot)?.u32_field(f).load(load_order(order)))
     }
 
-    fn store_u32(&self, slot: u32, f: U32Field, v: u32, order: Ordering) -> Result<()> {
+    fn store_u32(&self, slot: u32, f: HeaderU32Field, v: u32, order: Ordering) -> Result<()> {
         self.header(slot)?.u32_field(f).store(v, store_order(order));
         Ok(())
     }
@@ -449,22 +449,22 @@ impl DeviceHeap for HostHeap {
     fn compare_exchange_u32(
         &self,
         slot: u32,
-        f: U32Field,
+        f: HeaderU32Field,
         current: u32,
         new: u32,
     ) -> Result<std::result::Result<u32, u32>> {
         Ok(self.header(slot)?.u32_field(f).compare_exchange(current, new, Ordering::SeqCst, Ordering::SeqCst))
     }
 
-    fn fetch_add_u32(&self, slot: u32, f: U32Field, delta: i32) -> Result<u32> {
+    fn fetch_add_u32(&self, slot: u32, f: HeaderU32Field, delta: i32) -> Result<u32> {
         Ok(self.header(slot)?.u32_field(f).fetch_add(delta as u32, Ordering::SeqCst))
     }
 
-    fn load_u64(&self, slot: u32, f: U64Field, order: Ordering) -> Result<u64> {
+    fn load_u64(&self, slot: u32, f: HeaderU64Field, order: Ordering) -> Result<u64> {
         Ok(self.header(slot)?.u64_field(f).load(load_order(order)))
     }
 
-    fn store_u64(&self, slot: u32, f: U64Field, v: u64, order: Ordering) -> Result<()> {
+    fn store_u64(&self, slot: u32, f: HeaderU64Field, v: u64, order: Ordering) -> Result<()> {
         self.header(slot)?.u64_field(f).store(v, store_order(order));
         Ok(())
     }
