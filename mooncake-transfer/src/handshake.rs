@@ -76,3 +76,51 @@ pub(crate) fn shm_info(via: &impl ControlChannel, endpoint: &str, region: u64) -
         _ => Err(TransferError::Protocol("peer refused the shared-memory handshake".into())),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shm_info_round_trips_and_short_answers_are_refused() {
+        let p = ShmInfo::encode(1 << 20, 7, 4242, "host/boot/netns");
+        let info = ShmInfo::decode(&p).expect("a full answer decodes");
+        assert_eq!((info.len, info.pid, info.fd, info.ino), (1 << 20, std::process::id(), 7, 4242));
+        assert_eq!(info.host_id, "host/boot/netns");
+        for cut in 0..24 {
+            assert!(ShmInfo::decode(&p[..cut]).is_none(), "{cut} bytes");
+        }
+    }
+
+    /// A control channel that answers from a table, as a peer would.
+    struct Scripted(Vec<(FrameOp, FrameStatus, Vec<u8>)>);
+
+    impl ControlChannel for Scripted {
+        fn control(&self, _endpoint: &str, op: FrameOp, _region: u64) -> Result<(FrameStatus, Vec<u8>)> {
+            let (_, status, payload) = self.0.iter().find(|(o, _, _)| *o == op).expect("scripted op");
+            Ok((*status, payload.clone()))
+        }
+    }
+
+    #[test]
+    fn answers_map_to_host_ids_infos_and_errors() {
+        let peer = Scripted(vec![
+            (FrameOp::Hello, FrameStatus::Ok, b"other-host".to_vec()),
+            (FrameOp::ShmInfo, FrameStatus::Ok, ShmInfo::encode(64, 3, 9, "other-host")),
+        ]);
+        assert_eq!(hello(&peer, "peer:1").unwrap(), "other-host");
+        assert_eq!(shm_info(&peer, "peer:1", 5).unwrap().ino, 9);
+
+        let bad_utf8 = Scripted(vec![(FrameOp::Hello, FrameStatus::Ok, vec![0xff, 0xfe])]);
+        assert!(matches!(hello(&bad_utf8, "peer:1"), Err(TransferError::Protocol(_))));
+        let unknown = Scripted(vec![(FrameOp::ShmInfo, FrameStatus::UnknownRegion, vec![])]);
+        assert_eq!(
+            shm_info(&unknown, "peer:1", 5).err(),
+            Some(TransferError::UnknownRegion { endpoint: "peer:1".into(), region: 5 })
+        );
+        let refused = Scripted(vec![(FrameOp::ShmInfo, FrameStatus::Refused, vec![])]);
+        assert!(matches!(shm_info(&refused, "peer:1", 5), Err(TransferError::Protocol(_))));
+        let short = Scripted(vec![(FrameOp::ShmInfo, FrameStatus::Ok, vec![0; 10])]);
+        assert!(matches!(shm_info(&short, "peer:1", 5), Err(TransferError::Protocol(_))));
+    }
+}

@@ -119,3 +119,39 @@ pub(crate) fn lookup(endpoint: &str) -> Result<Arc<RegionRegistry>> {
         .and_then(Weak::upgrade)
         .ok_or_else(|| TransferError::UnknownEndpoint(endpoint.to_owned()))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn regions_register_unregister_and_revoke() {
+        let table = RegionRegistry::new("local://registry-test/1".into(), false);
+        let a = table.register(4096).unwrap();
+        let b = table.register(4096).unwrap();
+        assert_ne!(a.id(), b.id());
+        assert_eq!(table.len(), 2);
+        assert_eq!(table.region(a.id()).unwrap().id(), a.id());
+        assert!(table.unregister(a.id()));
+        assert!(!table.unregister(a.id()), "already gone");
+        assert_eq!(
+            table.region(a.id()).unwrap_err(),
+            TransferError::UnknownRegion { endpoint: "local://registry-test/1".into(), region: a.id() }
+        );
+        table.clear();
+        assert_eq!(table.len(), 0);
+    }
+
+    #[test]
+    fn in_process_directory_follows_the_registry_lifetime() {
+        let endpoint = "local://registry-test/2";
+        let table = Arc::new(RegionRegistry::new(endpoint.into(), false));
+        publish(&table);
+        assert!(Arc::ptr_eq(&lookup(endpoint).unwrap(), &table));
+        withdraw(endpoint);
+        assert!(matches!(lookup(endpoint), Err(TransferError::UnknownEndpoint(_))));
+        publish(&table);
+        drop(table); // dropping the table withdraws it too
+        assert!(matches!(lookup(endpoint), Err(TransferError::UnknownEndpoint(_))));
+    }
+}
