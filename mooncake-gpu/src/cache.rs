@@ -323,7 +323,7 @@ impl Drop for Watchdog {
 ///
 /// Thread-safe (`Send + Sync`); the control-plane tables sit behind one mutex,
 /// payload copies run outside it, protected by the header state machine
-/// (see [`crate::heap`]).
+/// (see [`DeviceHeap`]).
 pub struct NanoKvCache<H: DeviceHeap + ?Sized = dyn DeviceHeap> {
     heap: Arc<H>,
     cfg: CacheConfig,

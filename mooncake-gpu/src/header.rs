@@ -1,35 +1,6 @@
 //! The 128-byte object header that lives in the owner heap next to the payload.
 //!
-//! Layout (byte offsets, little-endian, all fields naturally aligned):
-//!
-//! | offset | field             | type | notes                                        |
-//! |-------:|-------------------|------|----------------------------------------------|
-//! |      0 | `key_hash`        | u64  | `xxh64(key, 0)`                              |
-//! |      8 | `key_fp_hi`       | u64  | second fingerprint, `xxh64(key, KEY_FP_SEED)`     |
-//! |     16 | `key_len`         | u32  | key length in bytes                          |
-//! |     20 | `header_version`  | u32  | [`HEADER_VERSION`]                           |
-//! |     24 | `payload_base`    | u64  | payload offset inside the heap's arena       |
-//! |     32 | `bytes_total`     | u64  | object size in bytes                         |
-//! |     40 | `page_size`       | u32  | bytes per page                               |
-//! |     44 | `n_pages`         | u32  | number of pages                              |
-//! |     48 | `last_page_bytes` | u32  | valid bytes of the final page (tail clamp)   |
-//! |     52 | `epoch`           | u32  | bumped every time the slot is reused         |
-//! |     56 | `state`           | u32  | [`ObjectState`]; the publish flag            |
-//! |     60 | `reader_refcnt`   | u32  | readers currently copying the payload        |
-//! |     64 | `state_ts`        | u64  | ns timestamp of the last state change        |
-//! |     72 | `last_access`     | u64  | ns timestamp of the last read/touch          |
-//! |     80 | `flags`           | u32  | reserved, 0                                  |
-//! |     84 | `_pad`            | u32  | 0                                            |
-//! |  88..128 | reserved        |      | zero, pads the header to 128 bytes           |
-//!
-//! The reference asks for 64-byte alignment; we align to 128 so that one header
-//! never shares a 128-byte L2 sector pair with its neighbour.
-//!
-//! Every field is an atomic in [`DeviceObjectHeader`] because the same header is read
-//! by readers while a writer may (after a reclaim) re-initialise it; the fields
-//! other than `state` and `reader_refcnt` are accessed with `Relaxed` ordering and
-//! are ordered by the `state` release/acquire pair. On the device the same bytes
-//! are plain memory accessed with `ld/st` and `atom.*.sys`.
+//! The layout is documented on [`DeviceObjectHeader`].
 
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
@@ -185,9 +156,39 @@ impl HeaderU64Field {
 }
 
 /// The in-heap object header: 128 bytes, `#[repr(C, align(128))]`.
+/// [`HeaderSnapshot`] is the plain (non-atomic) copy of the same bytes; the
+/// offsets are also in [`header_offsets`].
 ///
-/// See the [module docs](self) for the layout. [`HeaderSnapshot`] is the plain
-/// (non-atomic) copy of the same bytes.
+/// Layout (byte offsets, little-endian, all fields naturally aligned):
+///
+/// | offset | field             | type | notes                                        |
+/// |-------:|-------------------|------|----------------------------------------------|
+/// |      0 | `key_hash`        | u64  | `xxh64(key, 0)`                              |
+/// |      8 | `key_fp_hi`       | u64  | second fingerprint, `xxh64(key, KEY_FP_SEED)` |
+/// |     16 | `key_len`         | u32  | key length in bytes                          |
+/// |     20 | `header_version`  | u32  | [`HEADER_VERSION`]                           |
+/// |     24 | `payload_base`    | u64  | payload offset inside the heap's arena       |
+/// |     32 | `bytes_total`     | u64  | object size in bytes                         |
+/// |     40 | `page_size`       | u32  | bytes per page                               |
+/// |     44 | `n_pages`         | u32  | number of pages                              |
+/// |     48 | `last_page_bytes` | u32  | valid bytes of the final page (tail clamp)   |
+/// |     52 | `epoch`           | u32  | bumped every time the slot is reused         |
+/// |     56 | `state`           | u32  | [`ObjectState`]; the publish flag            |
+/// |     60 | `reader_refcnt`   | u32  | readers currently copying the payload        |
+/// |     64 | `state_ts`        | u64  | ns timestamp of the last state change        |
+/// |     72 | `last_access`     | u64  | ns timestamp of the last read/touch          |
+/// |     80 | `flags`           | u32  | reserved, 0                                  |
+/// |     84 | `_pad`            | u32  | 0                                            |
+/// |  88..128 | reserved        |      | zero, pads the header to 128 bytes           |
+///
+/// The reference asks for 64-byte alignment; we align to 128 so that one header
+/// never shares a 128-byte L2 sector pair with its neighbour.
+///
+/// Every field is an atomic here because the same header is read
+/// by readers while a writer may (after a reclaim) re-initialise it; the fields
+/// other than `state` and `reader_refcnt` are accessed with `Relaxed` ordering and
+/// are ordered by the `state` release/acquire pair. On the device the same bytes
+/// are plain memory accessed with `ld/st` and `atom.*.sys`.
 #[repr(C, align(128))]
 #[derive(Debug, Default)]
 pub struct DeviceObjectHeader {

@@ -3,7 +3,7 @@
 use crate::error::{GpuError, Result};
 
 /// A CUDA IPC description of an owner heap, to open it from another process
-/// on the same host ([`CudaDeviceHeap::open_ipc`]).
+/// on the same host ([`CudaDeviceHeap::open_ipc`](crate::CudaDeviceHeap::open_ipc)).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct IpcHeapHandle {
     /// `cuIpcGetMemHandle` of the header array.

@@ -14,7 +14,7 @@
 //! | RMW SeqCst       | `fence.sc.sys; atom.acquire.sys.{cas,add}` |
 //!
 //! These need `sm_70` or newer. Header field offsets are substituted from
-//! [`crate::header::offsets`] so the kernels and the Rust layout cannot drift.
+//! [`header_offsets`](crate::header_offsets) so the kernels and the Rust layout cannot drift.
 
 use crate::header::{header_offsets, ObjectState};
 

@@ -83,12 +83,12 @@ impl PinnedBuffer {
         matches!(self.backing, Backing::PageLocked { .. })
     }
 
-    /// Start of the buffer, for [`DeviceStream`] copies.
+    /// Start of the buffer, for [`DeviceStream`](super::DeviceStream) copies.
     pub fn as_ptr(&self) -> *const u8 {
         self.ptr.as_ptr()
     }
 
-    /// Start of the buffer, for [`DeviceStream`] copies into it.
+    /// Start of the buffer, for [`DeviceStream`](super::DeviceStream) copies into it.
     pub fn as_mut_ptr(&mut self) -> *mut u8 {
         self.ptr.as_ptr()
     }

@@ -1,32 +1,7 @@
 //! Device heaps: the memory an owner's objects live in (header slots + payload
 //! arena), and [`HostHeap`], a host-memory emulation of device memory.
 //!
-//! # Memory-ordering protocol
-//!
-//! The protocol is implemented once, in the provided methods of [`DeviceHeap`]
-//! ([`DeviceHeap::publish`], [`DeviceHeap::read_object`], [`DeviceHeap::retire`]),
-//! on top of a few primitive atomics that every heap implements; the CUDA kernels
-//! implement the same steps with `ld.acquire.sys` / `st.release.sys` /
-//! `atom.*.sys` + `__threadfence_system()`.
-//!
-//! * **Publish** (producer): write every page, then `CAS state WRITING -> READY`
-//!   (SeqCst, which includes Release): a reader that acquires `READY` sees every
-//!   page.
-//! * **Read**: load `state` with Acquire; if `READY`, `reader_refcnt += 1`
-//!   (SeqCst), re-load `state` and `epoch` (SeqCst/Acquire) and verify the key
-//!   identity; copy the pages (tail clamped to `last_page_bytes`);
-//!   `reader_refcnt -= 1` (SeqCst, which includes Release).
-//! * **Retire** (evict/remove/reclaim): `CAS state X -> DEAD` (SeqCst), then load
-//!   `reader_refcnt` (SeqCst). If it is non-zero a reader may be copying: the
-//!   state is put back (`DEAD -> X`) and the caller skips the object. Only when
-//!   it reads 0 may the payload be freed.
-//!
-//! The refcount increment/state re-check on the reader side and the state CAS /
-//! refcount load on the retire side form a Dekker pair; they are SeqCst (one
-//! notch above the Acquire the reference names) because with Acquire/Release
-//! alone both sides could miss each other's write and a reader could copy
-//! memory that is being freed. With SeqCst, either the reader sees `DEAD` and
-//! backs off, or the retirer sees the reader and backs off.
+//! The memory-ordering protocol is documented on [`DeviceHeap`].
 
 mod host;
 
@@ -162,7 +137,8 @@ pub enum RetireOutcome {
     StateChanged(u32),
 }
 
-/// Memory an owner heap lives in: `header_slots()` 128-byte [`DeviceObjectHeader`]s and
+/// Memory an owner heap lives in: `header_slots()` 128-byte
+/// [`DeviceObjectHeader`](crate::DeviceObjectHeader)s and
 /// a payload arena of `payload_capacity()` bytes.
 ///
 /// Implemented by [`HostHeap`] (host memory emulating the device) and by
@@ -171,6 +147,33 @@ pub enum RetireOutcome {
 /// Orderings: `load_*`/`store_*` take the ordering to use (a load asked for
 /// `Release`/`AcqRel` or a store asked for `Acquire`/`AcqRel` is done `SeqCst`);
 /// read-modify-write operations are always `SeqCst`.
+///
+/// # Memory-ordering protocol
+///
+/// The protocol is implemented once, in the provided methods of this trait
+/// ([`publish`](Self::publish), [`read_object`](Self::read_object), [`retire`](Self::retire)),
+/// on top of a few primitive atomics that every heap implements; the CUDA kernels
+/// implement the same steps with `ld.acquire.sys` / `st.release.sys` /
+/// `atom.*.sys` + `__threadfence_system()`.
+///
+/// * **Publish** (producer): write every page, then `CAS state WRITING -> READY`
+///   (SeqCst, which includes Release): a reader that acquires `READY` sees every
+///   page.
+/// * **Read**: load `state` with Acquire; if `READY`, `reader_refcnt += 1`
+///   (SeqCst), re-load `state` and `epoch` (SeqCst/Acquire) and verify the key
+///   identity; copy the pages (tail clamped to `last_page_bytes`);
+///   `reader_refcnt -= 1` (SeqCst, which includes Release).
+/// * **Retire** (evict/remove/reclaim): `CAS state X -> DEAD` (SeqCst), then load
+///   `reader_refcnt` (SeqCst). If it is non-zero a reader may be copying: the
+///   state is put back (`DEAD -> X`) and the caller skips the object. Only when
+///   it reads 0 may the payload be freed.
+///
+/// The refcount increment/state re-check on the reader side and the state CAS /
+/// refcount load on the retire side form a Dekker pair; they are SeqCst (one
+/// notch above the Acquire the reference names) because with Acquire/Release
+/// alone both sides could miss each other's write and a reader could copy
+/// memory that is being freed. With SeqCst, either the reader sees `DEAD` and
+/// backs off, or the retirer sees the reader and backs off.
 pub trait DeviceHeap: Send + Sync {
     /// Number of header slots.
     fn header_slots(&self) -> u32;
