@@ -20,9 +20,9 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use mooncake_core::gpu::cuda::DeviceBuffer;
-use mooncake_core::gpu::device::{allocate_or_emulate, MemoryLocation};
-use mooncake_core::gpu::{DeviceMemory, GpuError, GpuTransport, HostDeviceMemory};
+use mooncake_core::gpu::{
+    allocate_or_emulate, DeviceBuffer, DeviceMemory, GpuError, GpuTransport, HostDeviceMemory, MemoryLocation,
+};
 use mooncake_core::{Error, ReplicateConfig, Store};
 
 fn kv_block(layer: usize, block: usize, len: usize) -> Vec<u8> {

@@ -3,11 +3,11 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use mooncake_transfer::frame::{decode_frame_header, ResponseHeader, MAX_REQUEST_BYTES, REQUEST_LEN};
+use mooncake_transfer::{decode_frame_header, ResponseHeader, MAX_REQUEST_BYTES, REQUEST_HEADER_LEN};
 
 fuzz_target!(|data: &[u8]| {
     if let Ok(h) = decode_frame_header(data) {
-        assert_eq!(&h.encode()[..], &data[..REQUEST_LEN]);
+        assert_eq!(&h.encode()[..], &data[..REQUEST_HEADER_LEN]);
         assert!(h.len <= MAX_REQUEST_BYTES);
     }
     if let Ok(h) = ResponseHeader::decode(data, 1 << 20) {

@@ -26,15 +26,18 @@
 //! # Ok::<(), mooncake_alloc::AllocationError>(())
 //! ```
 #![deny(missing_docs)]
+#![deny(clippy::undocumented_unsafe_blocks)]
 
+mod error;
 mod segment;
 mod strategy;
 
+pub use error::AllocationError;
 pub use mooncake_offset_allocator::{
     Allocation, AllocatorReport, OffsetAllocator, OffsetAllocatorError, DEFAULT_ALIGNMENT,
 };
 pub use segment::{AllocatedBuffer, SegmentAllocator, SegmentId};
 pub use strategy::{
-    strategy_from_name, AllocationError, AllocationRequest, AllocationStrategy, FreeRatioFirst, Random,
-    SsdFreeRatioFirst, SsdMetricsProvider,
+    strategy_from_name, AllocationRequest, AllocationStrategy, FreeRatioFirst, Random, SsdFreeRatioFirst,
+    SsdMetricsProvider,
 };

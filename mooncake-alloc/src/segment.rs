@@ -6,7 +6,7 @@ use std::sync::Arc;
 use mooncake_offset_allocator::{Allocation, AllocatorReport, OffsetAllocator, DEFAULT_ALIGNMENT};
 use parking_lot::Mutex;
 
-use crate::strategy::AllocationError;
+use crate::error::AllocationError;
 
 /// Identifier of a mounted segment (given by the master when the segment is mounted).
 ///

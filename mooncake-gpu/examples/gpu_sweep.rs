@@ -1,4 +1,4 @@
-//! GPU page-size sweep (Nano Mooncake §9 test 4): for page sizes 128/256/512
+//! GPU page-size sweep: for page sizes 128/256/512
 //! KiB and a few object sizes, pushes objects from a device producer buffer
 //! into a `CudaDeviceHeap` through `open_for_write` + `nk_push_pages` +
 //! `nk_publish`, reads them back with the device reader kernels, and measures
@@ -22,8 +22,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use mooncake_gpu::cuda::{CudaDeviceHeap, DeviceBuffer};
-use mooncake_gpu::{CacheConfig, DeviceMemory, GpuError, KeyId, NanoKvCache, Stager};
+use mooncake_gpu::{CacheConfig, CudaDeviceHeap, DeviceBuffer, DeviceMemory, GpuError, KeyId, NanoKvCache, Stager};
 
 struct Args {
     staging: bool,

@@ -1,5 +1,5 @@
 //! Payload arena allocator: a bump pointer plus an address-ordered free list of
-//! reclaimed ranges (first fit, coalescing), after Nano Mooncake §8.
+//! reclaimed ranges (first fit, coalescing).
 
 use std::collections::BTreeMap;
 

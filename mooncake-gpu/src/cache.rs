@@ -10,9 +10,9 @@ use parking_lot::{Condvar, Mutex};
 
 use crate::alloc::RangeAlloc;
 use crate::error::{GpuError, Result};
-use crate::header::{offsets, HeaderSnapshot, ObjectState, U32Field, U64Field, HEADER_VERSION};
+use crate::header::{header_offsets, HeaderSnapshot, HeaderU32Field, HeaderU64Field, ObjectState, HEADER_VERSION};
 use crate::heap::{DeviceHeap, PageSpan, ReadExpect, RetireOutcome};
-use crate::KeyId;
+use crate::key::KeyId;
 
 /// Default page size: 256 KiB.
 pub const DEFAULT_PAGE_SIZE: u32 = 256 * 1024;
@@ -112,12 +112,12 @@ impl ObjMeta {
 
     /// Address of the `state` word (what a device reader acquires).
     pub fn state_ptr(&self) -> u64 {
-        self.header_ptr + offsets::STATE as u64
+        self.header_ptr + header_offsets::STATE as u64
     }
 
     /// Address of the `reader_refcnt` word.
     pub fn refcnt_ptr(&self) -> u64 {
-        self.header_ptr + offsets::READER_REFCNT as u64
+        self.header_ptr + header_offsets::READER_REFCNT as u64
     }
 }
 
@@ -192,7 +192,7 @@ impl WritePlan {
 
     /// Address of the `state` word the producer flips to READY.
     pub fn state_ptr(&self) -> u64 {
-        self.header_ptr + offsets::STATE as u64
+        self.header_ptr + header_offsets::STATE as u64
     }
 }
 
@@ -323,7 +323,7 @@ impl Drop for Watchdog {
 ///
 /// Thread-safe (`Send + Sync`); the control-plane tables sit behind one mutex,
 /// payload copies run outside it, protected by the header state machine
-/// (see [`crate::heap`]).
+/// (see [`DeviceHeap`]).
 pub struct NanoKvCache<H: DeviceHeap + ?Sized = dyn DeviceHeap> {
     heap: Arc<H>,
     cfg: CacheConfig,
@@ -346,7 +346,7 @@ impl<H: DeviceHeap + ?Sized> NanoKvCache<H> {
         cfg.validate()?;
         let n = heap.header_slots();
         for slot in 0..n {
-            let epoch = heap.load_u32(slot, U32Field::Epoch, Ordering::Relaxed)?;
+            let epoch = heap.load_u32(slot, HeaderU32Field::Epoch, Ordering::Relaxed)?;
             let h = HeaderSnapshot {
                 epoch,
                 state: ObjectState::Dead.as_u32(),
@@ -457,7 +457,7 @@ impl<H: DeviceHeap + ?Sized> NanoKvCache<H> {
         let id = KeyId::of(key);
         let now = self.now_ns();
         let init = (|| -> Result<u32> {
-            let epoch = self.heap.load_u32(slot, U32Field::Epoch, Ordering::Acquire)?.wrapping_add(1);
+            let epoch = self.heap.load_u32(slot, HeaderU32Field::Epoch, Ordering::Acquire)?.wrapping_add(1);
             let h = HeaderSnapshot {
                 key_hash: id.hash,
                 key_fp_hi: id.fp_hi,
@@ -478,7 +478,7 @@ impl<H: DeviceHeap + ?Sized> NanoKvCache<H> {
                 _reserved: [0; 5],
             };
             self.heap.write_header(slot, &h)?;
-            self.heap.store_u32(slot, U32Field::State, ObjectState::Writing.as_u32(), Ordering::Release)?;
+            self.heap.store_u32(slot, HeaderU32Field::State, ObjectState::Writing.as_u32(), Ordering::Release)?;
             Ok(epoch)
         })();
         let epoch = match init {
@@ -520,16 +520,16 @@ impl<H: DeviceHeap + ?Sized> NanoKvCache<H> {
     /// cannot reclaim it mid-copy; `Err(Stale)` if it was already reclaimed.
     pub fn write(&self, plan: &WritePlan, first_page: u32, src: &[u8]) -> Result<u32> {
         let h = &*self.heap;
-        h.fetch_add_u32(plan.slot, U32Field::ReaderRefcnt, 1)?;
+        h.fetch_add_u32(plan.slot, HeaderU32Field::ReaderRefcnt, 1)?;
         let r = (|| {
-            let st = h.load_u32(plan.slot, U32Field::State, Ordering::SeqCst)?;
-            let ep = h.load_u32(plan.slot, U32Field::Epoch, Ordering::Acquire)?;
+            let st = h.load_u32(plan.slot, HeaderU32Field::State, Ordering::SeqCst)?;
+            let ep = h.load_u32(plan.slot, HeaderU32Field::Epoch, Ordering::Acquire)?;
             if ep != plan.epoch || st != ObjectState::Writing.as_u32() {
                 return Err(GpuError::Stale);
             }
             h.write_pages(&plan.span(), first_page, src)
         })();
-        h.fetch_add_u32(plan.slot, U32Field::ReaderRefcnt, -1)?;
+        h.fetch_add_u32(plan.slot, HeaderU32Field::ReaderRefcnt, -1)?;
         r
     }
 
@@ -579,7 +579,7 @@ impl<H: DeviceHeap + ?Sized> NanoKvCache<H> {
         let Some((slot, e)) = inner.entry(key) else {
             return Err(GpuError::NotFound);
         };
-        let st = self.heap.load_u32(slot, U32Field::State, Ordering::Acquire)?;
+        let st = self.heap.load_u32(slot, HeaderU32Field::State, Ordering::Acquire)?;
         let meta = ObjMeta {
             key_hash: e.id.hash,
             owner_rank: self.cfg.rank,
@@ -625,7 +625,8 @@ impl<H: DeviceHeap + ?Sized> NanoKvCache<H> {
             match self.heap.read_object(&expect, dst) {
                 Ok(n) => {
                     self.gets.fetch_add(1, Ordering::Relaxed);
-                    let _ = self.heap.store_u64(expect.slot, U64Field::LastAccess, self.now_ns(), Ordering::Relaxed);
+                    let _ =
+                        self.heap.store_u64(expect.slot, HeaderU64Field::LastAccess, self.now_ns(), Ordering::Relaxed);
                     return Ok(n);
                 }
                 Err(GpuError::Stale) | Err(GpuError::BufferTooSmall { .. }) => {
@@ -673,7 +674,7 @@ impl<H: DeviceHeap + ?Sized> NanoKvCache<H> {
     pub fn touch(&self, key: &str) -> Result<()> {
         let inner = self.inner.lock();
         let (slot, _) = inner.entry(key).ok_or(GpuError::NotFound)?;
-        self.heap.store_u64(slot, U64Field::LastAccess, self.now_ns(), Ordering::Relaxed)
+        self.heap.store_u64(slot, HeaderU64Field::LastAccess, self.now_ns(), Ordering::Relaxed)
     }
 
     /// Removes `key`: `CAS READY -> DEAD` (or `WRITING -> DEAD` for an
@@ -687,7 +688,7 @@ impl<H: DeviceHeap + ?Sized> NanoKvCache<H> {
 
     fn retire_slot(&self, inner: &mut Inner, slot: u32) -> Result<()> {
         for _ in 0..8 {
-            let st = self.heap.load_u32(slot, U32Field::State, Ordering::Acquire)?;
+            let st = self.heap.load_u32(slot, HeaderU32Field::State, Ordering::Acquire)?;
             let from = match ObjectState::from_u32(st) {
                 Some(ObjectState::Dead) => {
                     // An evictor is between its CAS and its revert (only
@@ -722,7 +723,7 @@ impl<H: DeviceHeap + ?Sized> NanoKvCache<H> {
             };
             cursor = seq + 1;
             let ready = ObjectState::Ready.as_u32();
-            match self.heap.load_u32(slot, U32Field::State, Ordering::Acquire) {
+            match self.heap.load_u32(slot, HeaderU32Field::State, Ordering::Acquire) {
                 Ok(st) if st == ready => {}
                 Ok(_) => {
                     inner.evict_not_ready_skip += 1;
@@ -734,7 +735,7 @@ impl<H: DeviceHeap + ?Sized> NanoKvCache<H> {
                 }
             }
             inner.mark_committed(slot);
-            match self.heap.load_u32(slot, U32Field::ReaderRefcnt, Ordering::Acquire) {
+            match self.heap.load_u32(slot, HeaderU32Field::ReaderRefcnt, Ordering::Acquire) {
                 Ok(0) => {}
                 _ => {
                     inner.evict_in_use_retry += 1;
@@ -775,7 +776,7 @@ impl<H: DeviceHeap + ?Sized> NanoKvCache<H> {
         let pending: Vec<u32> = inner.pending.values().copied().collect();
         let mut reclaimed = 0;
         for slot in pending {
-            let st = match self.heap.load_u32(slot, U32Field::State, Ordering::Acquire) {
+            let st = match self.heap.load_u32(slot, HeaderU32Field::State, Ordering::Acquire) {
                 Ok(st) => st,
                 Err(e) => {
                     tracing::warn!(slot, error = %e, "watchdog cannot read header");
@@ -790,7 +791,7 @@ impl<H: DeviceHeap + ?Sized> NanoKvCache<H> {
                 Some(s @ (ObjectState::Reserved | ObjectState::Writing)) => s,
                 _ => continue,
             };
-            let ts = self.heap.load_u64(slot, U64Field::StateTs, Ordering::Relaxed).unwrap_or(now_ns);
+            let ts = self.heap.load_u64(slot, HeaderU64Field::StateTs, Ordering::Relaxed).unwrap_or(now_ns);
             if now_ns.saturating_sub(ts) <= timeout {
                 continue;
             }

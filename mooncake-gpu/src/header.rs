@@ -1,36 +1,6 @@
 //! The 128-byte object header that lives in the owner heap next to the payload.
 //!
-//! Layout (byte offsets, little-endian, all fields naturally aligned), after the
-//! Nano Mooncake design §4.1:
-//!
-//! | offset | field             | type | notes                                        |
-//! |-------:|-------------------|------|----------------------------------------------|
-//! |      0 | `key_hash`        | u64  | `xxh64(key, 0)`                              |
-//! |      8 | `key_fp_hi`       | u64  | second fingerprint, `xxh64(key, FP_SEED)`     |
-//! |     16 | `key_len`         | u32  | key length in bytes                          |
-//! |     20 | `header_version`  | u32  | [`HEADER_VERSION`]                           |
-//! |     24 | `payload_base`    | u64  | payload offset inside the heap's arena       |
-//! |     32 | `bytes_total`     | u64  | object size in bytes                         |
-//! |     40 | `page_size`       | u32  | bytes per page                               |
-//! |     44 | `n_pages`         | u32  | number of pages                              |
-//! |     48 | `last_page_bytes` | u32  | valid bytes of the final page (tail clamp)   |
-//! |     52 | `epoch`           | u32  | bumped every time the slot is reused         |
-//! |     56 | `state`           | u32  | [`ObjectState`]; the publish flag            |
-//! |     60 | `reader_refcnt`   | u32  | readers currently copying the payload        |
-//! |     64 | `state_ts`        | u64  | ns timestamp of the last state change        |
-//! |     72 | `last_access`     | u64  | ns timestamp of the last read/touch          |
-//! |     80 | `flags`           | u32  | reserved, 0                                  |
-//! |     84 | `_pad`            | u32  | 0                                            |
-//! |  88..128 | reserved        |      | zero, pads the header to 128 bytes           |
-//!
-//! The reference asks for 64-byte alignment; we align to 128 so that one header
-//! never shares a 128-byte L2 sector pair with its neighbour.
-//!
-//! Every field is an atomic in [`ObjectHeader`] because the same header is read
-//! by readers while a writer may (after a reclaim) re-initialise it; the fields
-//! other than `state` and `reader_refcnt` are accessed with `Relaxed` ordering and
-//! are ordered by the `state` release/acquire pair. On the device the same bytes
-//! are plain memory accessed with `ld/st` and `atom.*.sys`.
+//! The layout is documented on [`DeviceObjectHeader`].
 
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
@@ -44,10 +14,10 @@ pub const HEADER_SIZE: usize = 128;
 ///
 /// The reference stores the high half of an xxh128; we store an independent
 /// xxh64 with this seed, which gives the same 128-bit collision guard.
-pub const FP_SEED: u64 = 0x9E37_79B9_7F4A_7C15;
+pub const KEY_FP_SEED: u64 = 0x9E37_79B9_7F4A_7C15;
 
 /// Byte offsets of the header fields (the device kernels use these).
-pub mod offsets {
+pub mod header_offsets {
     /// `key_hash: u64`
     pub const KEY_HASH: usize = 0;
     /// `key_fp_hi: u64`
@@ -116,7 +86,7 @@ impl ObjectState {
 
 /// A 32-bit header field that can be accessed atomically.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum U32Field {
+pub enum HeaderU32Field {
     /// `key_len`
     KeyLen,
     /// `header_version`
@@ -137,26 +107,26 @@ pub enum U32Field {
     Flags,
 }
 
-impl U32Field {
+impl HeaderU32Field {
     /// Byte offset of the field inside the header.
     pub fn offset(self) -> usize {
         match self {
-            Self::KeyLen => offsets::KEY_LEN,
-            Self::HeaderVersion => offsets::HEADER_VERSION,
-            Self::PageSize => offsets::PAGE_SIZE,
-            Self::NPages => offsets::N_PAGES,
-            Self::LastPageBytes => offsets::LAST_PAGE_BYTES,
-            Self::Epoch => offsets::EPOCH,
-            Self::State => offsets::STATE,
-            Self::ReaderRefcnt => offsets::READER_REFCNT,
-            Self::Flags => offsets::FLAGS,
+            Self::KeyLen => header_offsets::KEY_LEN,
+            Self::HeaderVersion => header_offsets::HEADER_VERSION,
+            Self::PageSize => header_offsets::PAGE_SIZE,
+            Self::NPages => header_offsets::N_PAGES,
+            Self::LastPageBytes => header_offsets::LAST_PAGE_BYTES,
+            Self::Epoch => header_offsets::EPOCH,
+            Self::State => header_offsets::STATE,
+            Self::ReaderRefcnt => header_offsets::READER_REFCNT,
+            Self::Flags => header_offsets::FLAGS,
         }
     }
 }
 
 /// A 64-bit header field that can be accessed atomically.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum U64Field {
+pub enum HeaderU64Field {
     /// `key_hash`
     KeyHash,
     /// `key_fp_hi`
@@ -171,30 +141,60 @@ pub enum U64Field {
     LastAccess,
 }
 
-impl U64Field {
+impl HeaderU64Field {
     /// Byte offset of the field inside the header.
     pub fn offset(self) -> usize {
         match self {
-            Self::KeyHash => offsets::KEY_HASH,
-            Self::KeyFpHi => offsets::KEY_FP_HI,
-            Self::PayloadBase => offsets::PAYLOAD_BASE,
-            Self::BytesTotal => offsets::BYTES_TOTAL,
-            Self::StateTs => offsets::STATE_TS,
-            Self::LastAccess => offsets::LAST_ACCESS,
+            Self::KeyHash => header_offsets::KEY_HASH,
+            Self::KeyFpHi => header_offsets::KEY_FP_HI,
+            Self::PayloadBase => header_offsets::PAYLOAD_BASE,
+            Self::BytesTotal => header_offsets::BYTES_TOTAL,
+            Self::StateTs => header_offsets::STATE_TS,
+            Self::LastAccess => header_offsets::LAST_ACCESS,
         }
     }
 }
 
 /// The in-heap object header: 128 bytes, `#[repr(C, align(128))]`.
+/// [`HeaderSnapshot`] is the plain (non-atomic) copy of the same bytes; the
+/// offsets are also in [`header_offsets`].
 ///
-/// See the [module docs](self) for the layout. [`HeaderSnapshot`] is the plain
-/// (non-atomic) copy of the same bytes.
+/// Layout (byte offsets, little-endian, all fields naturally aligned):
+///
+/// | offset | field             | type | notes                                        |
+/// |-------:|-------------------|------|----------------------------------------------|
+/// |      0 | `key_hash`        | u64  | `xxh64(key, 0)`                              |
+/// |      8 | `key_fp_hi`       | u64  | second fingerprint, `xxh64(key, KEY_FP_SEED)` |
+/// |     16 | `key_len`         | u32  | key length in bytes                          |
+/// |     20 | `header_version`  | u32  | [`HEADER_VERSION`]                           |
+/// |     24 | `payload_base`    | u64  | payload offset inside the heap's arena       |
+/// |     32 | `bytes_total`     | u64  | object size in bytes                         |
+/// |     40 | `page_size`       | u32  | bytes per page                               |
+/// |     44 | `n_pages`         | u32  | number of pages                              |
+/// |     48 | `last_page_bytes` | u32  | valid bytes of the final page (tail clamp)   |
+/// |     52 | `epoch`           | u32  | bumped every time the slot is reused         |
+/// |     56 | `state`           | u32  | [`ObjectState`]; the publish flag            |
+/// |     60 | `reader_refcnt`   | u32  | readers currently copying the payload        |
+/// |     64 | `state_ts`        | u64  | ns timestamp of the last state change        |
+/// |     72 | `last_access`     | u64  | ns timestamp of the last read/touch          |
+/// |     80 | `flags`           | u32  | reserved, 0                                  |
+/// |     84 | `_pad`            | u32  | 0                                            |
+/// |  88..128 | reserved        |      | zero, pads the header to 128 bytes           |
+///
+/// The reference asks for 64-byte alignment; we align to 128 so that one header
+/// never shares a 128-byte L2 sector pair with its neighbour.
+///
+/// Every field is an atomic here because the same header is read
+/// by readers while a writer may (after a reclaim) re-initialise it; the fields
+/// other than `state` and `reader_refcnt` are accessed with `Relaxed` ordering and
+/// are ordered by the `state` release/acquire pair. On the device the same bytes
+/// are plain memory accessed with `ld/st` and `atom.*.sys`.
 #[repr(C, align(128))]
 #[derive(Debug, Default)]
-pub struct ObjectHeader {
+pub struct DeviceObjectHeader {
     /// `xxh64(key, 0)`.
     pub key_hash: AtomicU64,
-    /// Second fingerprint of the key, `xxh64(key, FP_SEED)`.
+    /// Second fingerprint of the key, `xxh64(key, KEY_FP_SEED)`.
     pub key_fp_hi: AtomicU64,
     /// Key length in bytes.
     pub key_len: AtomicU32,
@@ -227,7 +227,7 @@ pub struct ObjectHeader {
     _reserved: [u64; 5],
 }
 
-/// A plain copy of an [`ObjectHeader`] (same layout, same 128 bytes).
+/// A plain copy of an [`DeviceObjectHeader`] (same layout, same 128 bytes).
 #[repr(C, align(128))]
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct HeaderSnapshot {
@@ -273,53 +273,53 @@ macro_rules! assert_layout {
             use core::mem::{align_of, offset_of, size_of};
             assert!(size_of::<$t>() == HEADER_SIZE);
             assert!(align_of::<$t>() == 128);
-            assert!(offset_of!($t, key_hash) == offsets::KEY_HASH);
-            assert!(offset_of!($t, key_fp_hi) == offsets::KEY_FP_HI);
-            assert!(offset_of!($t, key_len) == offsets::KEY_LEN);
-            assert!(offset_of!($t, header_version) == offsets::HEADER_VERSION);
-            assert!(offset_of!($t, payload_base) == offsets::PAYLOAD_BASE);
-            assert!(offset_of!($t, bytes_total) == offsets::BYTES_TOTAL);
-            assert!(offset_of!($t, page_size) == offsets::PAGE_SIZE);
-            assert!(offset_of!($t, n_pages) == offsets::N_PAGES);
-            assert!(offset_of!($t, last_page_bytes) == offsets::LAST_PAGE_BYTES);
-            assert!(offset_of!($t, epoch) == offsets::EPOCH);
-            assert!(offset_of!($t, state) == offsets::STATE);
-            assert!(offset_of!($t, reader_refcnt) == offsets::READER_REFCNT);
-            assert!(offset_of!($t, state_ts) == offsets::STATE_TS);
-            assert!(offset_of!($t, last_access) == offsets::LAST_ACCESS);
-            assert!(offset_of!($t, flags) == offsets::FLAGS);
-            assert!(offset_of!($t, _pad) == offsets::PAD);
+            assert!(offset_of!($t, key_hash) == header_offsets::KEY_HASH);
+            assert!(offset_of!($t, key_fp_hi) == header_offsets::KEY_FP_HI);
+            assert!(offset_of!($t, key_len) == header_offsets::KEY_LEN);
+            assert!(offset_of!($t, header_version) == header_offsets::HEADER_VERSION);
+            assert!(offset_of!($t, payload_base) == header_offsets::PAYLOAD_BASE);
+            assert!(offset_of!($t, bytes_total) == header_offsets::BYTES_TOTAL);
+            assert!(offset_of!($t, page_size) == header_offsets::PAGE_SIZE);
+            assert!(offset_of!($t, n_pages) == header_offsets::N_PAGES);
+            assert!(offset_of!($t, last_page_bytes) == header_offsets::LAST_PAGE_BYTES);
+            assert!(offset_of!($t, epoch) == header_offsets::EPOCH);
+            assert!(offset_of!($t, state) == header_offsets::STATE);
+            assert!(offset_of!($t, reader_refcnt) == header_offsets::READER_REFCNT);
+            assert!(offset_of!($t, state_ts) == header_offsets::STATE_TS);
+            assert!(offset_of!($t, last_access) == header_offsets::LAST_ACCESS);
+            assert!(offset_of!($t, flags) == header_offsets::FLAGS);
+            assert!(offset_of!($t, _pad) == header_offsets::PAD);
         };
     };
 }
-assert_layout!(ObjectHeader);
+assert_layout!(DeviceObjectHeader);
 assert_layout!(HeaderSnapshot);
 
-impl ObjectHeader {
+impl DeviceObjectHeader {
     /// The atomic behind a 32-bit field.
-    pub fn u32_field(&self, f: U32Field) -> &AtomicU32 {
+    pub fn u32_field(&self, f: HeaderU32Field) -> &AtomicU32 {
         match f {
-            U32Field::KeyLen => &self.key_len,
-            U32Field::HeaderVersion => &self.header_version,
-            U32Field::PageSize => &self.page_size,
-            U32Field::NPages => &self.n_pages,
-            U32Field::LastPageBytes => &self.last_page_bytes,
-            U32Field::Epoch => &self.epoch,
-            U32Field::State => &self.state,
-            U32Field::ReaderRefcnt => &self.reader_refcnt,
-            U32Field::Flags => &self.flags,
+            HeaderU32Field::KeyLen => &self.key_len,
+            HeaderU32Field::HeaderVersion => &self.header_version,
+            HeaderU32Field::PageSize => &self.page_size,
+            HeaderU32Field::NPages => &self.n_pages,
+            HeaderU32Field::LastPageBytes => &self.last_page_bytes,
+            HeaderU32Field::Epoch => &self.epoch,
+            HeaderU32Field::State => &self.state,
+            HeaderU32Field::ReaderRefcnt => &self.reader_refcnt,
+            HeaderU32Field::Flags => &self.flags,
         }
     }
 
     /// The atomic behind a 64-bit field.
-    pub fn u64_field(&self, f: U64Field) -> &AtomicU64 {
+    pub fn u64_field(&self, f: HeaderU64Field) -> &AtomicU64 {
         match f {
-            U64Field::KeyHash => &self.key_hash,
-            U64Field::KeyFpHi => &self.key_fp_hi,
-            U64Field::PayloadBase => &self.payload_base,
-            U64Field::BytesTotal => &self.bytes_total,
-            U64Field::StateTs => &self.state_ts,
-            U64Field::LastAccess => &self.last_access,
+            HeaderU64Field::KeyHash => &self.key_hash,
+            HeaderU64Field::KeyFpHi => &self.key_fp_hi,
+            HeaderU64Field::PayloadBase => &self.payload_base,
+            HeaderU64Field::BytesTotal => &self.bytes_total,
+            HeaderU64Field::StateTs => &self.state_ts,
+            HeaderU64Field::LastAccess => &self.last_access,
         }
     }
 
@@ -380,22 +380,22 @@ impl HeaderSnapshot {
     pub fn to_bytes(&self) -> [u8; HEADER_SIZE] {
         let mut b = [0u8; HEADER_SIZE];
         let mut put = |off: usize, v: &[u8]| b[off..off + v.len()].copy_from_slice(v);
-        put(offsets::KEY_HASH, &self.key_hash.to_ne_bytes());
-        put(offsets::KEY_FP_HI, &self.key_fp_hi.to_ne_bytes());
-        put(offsets::KEY_LEN, &self.key_len.to_ne_bytes());
-        put(offsets::HEADER_VERSION, &self.header_version.to_ne_bytes());
-        put(offsets::PAYLOAD_BASE, &self.payload_base.to_ne_bytes());
-        put(offsets::BYTES_TOTAL, &self.bytes_total.to_ne_bytes());
-        put(offsets::PAGE_SIZE, &self.page_size.to_ne_bytes());
-        put(offsets::N_PAGES, &self.n_pages.to_ne_bytes());
-        put(offsets::LAST_PAGE_BYTES, &self.last_page_bytes.to_ne_bytes());
-        put(offsets::EPOCH, &self.epoch.to_ne_bytes());
-        put(offsets::STATE, &self.state.to_ne_bytes());
-        put(offsets::READER_REFCNT, &self.reader_refcnt.to_ne_bytes());
-        put(offsets::STATE_TS, &self.state_ts.to_ne_bytes());
-        put(offsets::LAST_ACCESS, &self.last_access.to_ne_bytes());
-        put(offsets::FLAGS, &self.flags.to_ne_bytes());
-        put(offsets::PAD, &self._pad.to_ne_bytes());
+        put(header_offsets::KEY_HASH, &self.key_hash.to_ne_bytes());
+        put(header_offsets::KEY_FP_HI, &self.key_fp_hi.to_ne_bytes());
+        put(header_offsets::KEY_LEN, &self.key_len.to_ne_bytes());
+        put(header_offsets::HEADER_VERSION, &self.header_version.to_ne_bytes());
+        put(header_offsets::PAYLOAD_BASE, &self.payload_base.to_ne_bytes());
+        put(header_offsets::BYTES_TOTAL, &self.bytes_total.to_ne_bytes());
+        put(header_offsets::PAGE_SIZE, &self.page_size.to_ne_bytes());
+        put(header_offsets::N_PAGES, &self.n_pages.to_ne_bytes());
+        put(header_offsets::LAST_PAGE_BYTES, &self.last_page_bytes.to_ne_bytes());
+        put(header_offsets::EPOCH, &self.epoch.to_ne_bytes());
+        put(header_offsets::STATE, &self.state.to_ne_bytes());
+        put(header_offsets::READER_REFCNT, &self.reader_refcnt.to_ne_bytes());
+        put(header_offsets::STATE_TS, &self.state_ts.to_ne_bytes());
+        put(header_offsets::LAST_ACCESS, &self.last_access.to_ne_bytes());
+        put(header_offsets::FLAGS, &self.flags.to_ne_bytes());
+        put(header_offsets::PAD, &self._pad.to_ne_bytes());
         b
     }
 
@@ -404,22 +404,22 @@ impl HeaderSnapshot {
         let u64_at = |o: usize| u64::from_ne_bytes(b[o..o + 8].try_into().expect("8 bytes"));
         let u32_at = |o: usize| u32::from_ne_bytes(b[o..o + 4].try_into().expect("4 bytes"));
         Self {
-            key_hash: u64_at(offsets::KEY_HASH),
-            key_fp_hi: u64_at(offsets::KEY_FP_HI),
-            key_len: u32_at(offsets::KEY_LEN),
-            header_version: u32_at(offsets::HEADER_VERSION),
-            payload_base: u64_at(offsets::PAYLOAD_BASE),
-            bytes_total: u64_at(offsets::BYTES_TOTAL),
-            page_size: u32_at(offsets::PAGE_SIZE),
-            n_pages: u32_at(offsets::N_PAGES),
-            last_page_bytes: u32_at(offsets::LAST_PAGE_BYTES),
-            epoch: u32_at(offsets::EPOCH),
-            state: u32_at(offsets::STATE),
-            reader_refcnt: u32_at(offsets::READER_REFCNT),
-            state_ts: u64_at(offsets::STATE_TS),
-            last_access: u64_at(offsets::LAST_ACCESS),
-            flags: u32_at(offsets::FLAGS),
-            _pad: u32_at(offsets::PAD),
+            key_hash: u64_at(header_offsets::KEY_HASH),
+            key_fp_hi: u64_at(header_offsets::KEY_FP_HI),
+            key_len: u32_at(header_offsets::KEY_LEN),
+            header_version: u32_at(header_offsets::HEADER_VERSION),
+            payload_base: u64_at(header_offsets::PAYLOAD_BASE),
+            bytes_total: u64_at(header_offsets::BYTES_TOTAL),
+            page_size: u32_at(header_offsets::PAGE_SIZE),
+            n_pages: u32_at(header_offsets::N_PAGES),
+            last_page_bytes: u32_at(header_offsets::LAST_PAGE_BYTES),
+            epoch: u32_at(header_offsets::EPOCH),
+            state: u32_at(header_offsets::STATE),
+            reader_refcnt: u32_at(header_offsets::READER_REFCNT),
+            state_ts: u64_at(header_offsets::STATE_TS),
+            last_access: u64_at(header_offsets::LAST_ACCESS),
+            flags: u32_at(header_offsets::FLAGS),
+            _pad: u32_at(header_offsets::PAD),
             _reserved: [0; 5],
         }
     }

@@ -1,6 +1,7 @@
-//! GPU-resident KV cache for Mooncake Store, after the "Nano Mooncake" design.
+//! GPU-resident KV cache for Mooncake Store ("Nano Mooncake": objects live in
+//! the memory of an owner GPU, and producers write them there directly).
 //!
-//! Each owner GPU holds a *device heap*: an array of 128-byte [`ObjectHeader`]s
+//! Each owner GPU holds a *device heap*: an array of 128-byte [`DeviceObjectHeader`]s
 //! and a payload arena cut in pages (128–512 KiB, default 256 KiB). The owner's
 //! control plane, [`NanoKvCache`], allocates space (bump pointer + free list),
 //! indexes objects and hands producers a [`WritePlan`] (device pointers of the
@@ -13,21 +14,23 @@
 //! and a low watermark and skips objects that are pinned or not `READY`; a
 //! watchdog reclaims puts stuck in `RESERVED`/`WRITING`.
 //!
-//! * [`heap`]: the [`DeviceHeap`] trait (header atomics, page copies, and the
+//! * The [`DeviceHeap`] trait (header atomics, page copies, and the
 //!   publish / read / retire protocol) and [`HostHeap`], host memory that
 //!   emulates a device heap exactly — everything above it is tested on
-//!   machines without a GPU.
-//! * [`cache`]: [`NanoKvCache`] over any `DeviceHeap`.
-//! * [`cuda`]: [`cuda::CudaDeviceHeap`], device memory through the CUDA driver
-//!   API loaded at run time, kernels compiled with NVRTC at run time, CUDA IPC
-//!   export/import. On a machine without CUDA every entry point returns
-//!   [`GpuError::NoGpu`] instead of panicking.
-//! * [`route`]: which owner rank an object goes to.
-//! * [`device`]: device memory as a copy target — the [`DeviceMemory`] trait
-//!   (asynchronous host <-> device copies on streams, pinned host staging),
-//!   [`HostDeviceMemory`] (its host emulation) and
-//!   [`cuda::DeviceBuffer`] (CUDA), the double-buffered chunked [`Stager`]
-//!   and the [`PinnedPool`] of reusable staging buffers.
+//!   machines without a GPU. The header layout is [`DeviceObjectHeader`]
+//!   (atomics) / [`HeaderSnapshot`] (a plain copy), at [`header_offsets`].
+//! * [`NanoKvCache`] over any `DeviceHeap`.
+//! * [`CudaDeviceHeap`]: device memory through the CUDA driver API loaded at
+//!   run time, kernels compiled with NVRTC at run time, CUDA IPC
+//!   export/import ([`IpcHeapHandle`]). On a machine without CUDA every entry
+//!   point returns [`GpuError::NoGpu`] instead of panicking.
+//! * [`route`]: which owner rank an object goes to; [`KeyId`]: how a header
+//!   names its key.
+//! * Device memory as a copy target — the [`DeviceMemory`] trait
+//!   (asynchronous host <-> device copies on [`DeviceStream`]s, pinned host
+//!   staging), [`HostDeviceMemory`] (its host emulation) and [`DeviceBuffer`]
+//!   (CUDA; [`allocate_or_emulate`] picks one), the double-buffered chunked
+//!   [`Stager`] and the [`PinnedPool`] of reusable staging buffers.
 //! * [`GpuTransport`]: a `mooncake_transfer::Transport` whose regions are
 //!   device memory, so the transfer engine (and a store built with it) moves
 //!   bytes between host memory and GPU buffers of this process.
@@ -70,60 +73,44 @@
 //! # }
 //! ```
 
-#![warn(missing_docs)]
+//!
+//! # Features
+//!
+//! * `cuda` (default): the CUDA implementation, through `cudarc` (no CUDA
+//!   toolkit is needed to build; the driver is loaded at run time). Without
+//!   it the crate builds no CUDA code: [`CudaDeviceHeap`], [`DeviceBuffer`]
+//!   and the other CUDA entry points still exist, with the same signatures,
+//!   and report [`GpuError::NoGpu`]; everything else works unchanged over host
+//!   emulation.
+#![deny(missing_docs)]
 #![deny(clippy::undocumented_unsafe_blocks)]
 
 mod alloc;
-pub mod cache;
-pub mod cuda;
-pub mod device;
+mod cache;
+mod cuda;
+mod device;
 mod error;
-pub mod header;
-pub mod heap;
+mod header;
+mod heap;
+mod key;
 mod transport;
 
-pub use cache::{CacheConfig, CacheStats, NanoKvCache, ObjMeta, Watchdog, WritePlan};
-pub use device::{DeviceMemory, DeviceStream, HostDeviceMemory, MemoryLocation, PinnedBuffer, PinnedPool, Stager};
+pub use cache::{
+    CacheConfig, CacheStats, NanoKvCache, ObjMeta, Watchdog, WritePlan, DEFAULT_PAGE_SIZE, MAX_KEY_LEN, PAYLOAD_ALIGN,
+};
+pub use cuda::{
+    allocate_or_emulate, cuda_available, cuda_device_count, nvrtc_available, CudaDeviceHeap, DeviceBuffer,
+    IpcHeapHandle,
+};
+pub use device::{
+    DeviceMemory, DeviceStream, Fence, HostDeviceMemory, MemoryLocation, PinnedBuffer, PinnedPool, PooledBuffer,
+    Stager, DEFAULT_CHUNK, DEFAULT_LANES,
+};
 pub use error::{GpuError, Result};
-pub use header::{HeaderSnapshot, ObjectHeader, ObjectState};
-pub use heap::{DeviceHeap, HostHeap, PageSpan, ReadExpect, RetireOutcome};
+pub use header::{
+    header_offsets, DeviceObjectHeader, HeaderSnapshot, HeaderU32Field, HeaderU64Field, ObjectState, HEADER_SIZE,
+    HEADER_VERSION, KEY_FP_SEED,
+};
+pub use heap::{DeviceHeap, HostHeap, PageSpan, ReadExpect, RetireOutcome, HOST_WORD};
+pub use key::{route, KeyId};
 pub use transport::{gpu_to_transfer, GpuTransport, GPU_SCHEME};
-
-use xxhash_rust::xxh64::xxh64;
-
-/// Identity of a key as stored in a header: `xxh64(key, 0)`, a second
-/// fingerprint `xxh64(key, FP_SEED)`, and the length. A reader accepts an
-/// object only if all three match.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct KeyId {
-    /// `xxh64(key, 0)` (`key_hash`).
-    pub hash: u64,
-    /// `xxh64(key, FP_SEED)` (`key_fp_hi`).
-    pub fp_hi: u64,
-    /// Key length in bytes (`key_len`).
-    pub len: u32,
-}
-
-impl KeyId {
-    /// The identity of `key`.
-    pub fn of(key: &str) -> Self {
-        Self { hash: xxh64(key.as_bytes(), 0), fp_hi: xxh64(key.as_bytes(), header::FP_SEED), len: key.len() as u32 }
-    }
-}
-
-/// Owner rank of `key` among `world_size` owners: `preferred_segment` when
-/// given (returned unchanged: it is the caller's rank), else
-/// `xxh64(key) % world_size`.
-///
-/// # Panics
-///
-/// If `world_size` is 0 and no preferred segment is given.
-pub fn route(key: &str, preferred_segment: Option<usize>, world_size: usize) -> usize {
-    match preferred_segment {
-        Some(p) => p,
-        None => {
-            assert!(world_size > 0, "world_size must be > 0");
-            (xxh64(key.as_bytes(), 0) % world_size as u64) as usize
-        }
-    }
-}

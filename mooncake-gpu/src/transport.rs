@@ -54,7 +54,7 @@ const MAX_IDLE_STAGERS: usize = 4;
 /// use mooncake_transfer::TransferEngine;
 ///
 /// let gpu = Arc::new(GpuTransport::new());
-/// let mem = Arc::new(HostDeviceMemory::new(1 << 20)?); // or cuda::DeviceBuffer::new(0, 1 << 20)?
+/// let mem = Arc::new(HostDeviceMemory::new(1 << 20)?); // or DeviceBuffer::new(0, 1 << 20)?
 /// let region = gpu.register(mem.clone())?;
 /// assert!(region.endpoint.starts_with("gpu:"));
 ///

@@ -6,10 +6,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use mooncake_gpu::header::U32Field;
 use mooncake_gpu::{
-    CacheConfig, DeviceHeap, GpuError, HeaderSnapshot, HostHeap, KeyId, NanoKvCache, ObjectState, PageSpan, ReadExpect,
-    RetireOutcome,
+    CacheConfig, DeviceHeap, GpuError, HeaderSnapshot, HeaderU32Field, HostHeap, KeyId, NanoKvCache, ObjectState,
+    PageSpan, ReadExpect, RetireOutcome,
 };
 
 /// Word `w` of version `gen` of key `k`: every word names its object.
@@ -128,7 +127,7 @@ fn concurrent_get_vs_evict_remove_reput_never_tears() {
     assert!(s.evict_count > 0);
     // every header's refcount is back to zero
     for slot in 0..c.heap().header_slots() {
-        let rc = c.heap().load_u32(slot, U32Field::ReaderRefcnt, Ordering::SeqCst).unwrap();
+        let rc = c.heap().load_u32(slot, HeaderU32Field::ReaderRefcnt, Ordering::SeqCst).unwrap();
         assert_eq!(rc, 0, "slot {slot}");
     }
 }
@@ -233,7 +232,7 @@ fn retire_and_reuse_in_place_never_tears_readers() {
     eprintln!("epochs {epochs}, good reads {ok}, retire skipped (pinned) {}", pinned_skips.load(Ordering::Relaxed));
     assert!(ok >= 20, "readers made no progress");
     assert!(epochs >= 20, "writer made no progress");
-    assert_eq!(heap.load_u32(0, U32Field::ReaderRefcnt, Ordering::SeqCst).unwrap(), 0);
+    assert_eq!(heap.load_u32(0, HeaderU32Field::ReaderRefcnt, Ordering::SeqCst).unwrap(), 0);
 }
 
 #[test]
@@ -249,7 +248,7 @@ fn evictor_never_takes_an_object_a_reader_holds() {
         .iter()
         .map(|i| {
             let m = c.get_location(&format!("k{i}")).unwrap();
-            c.heap().fetch_add_u32(m.slot, U32Field::ReaderRefcnt, 1).unwrap();
+            c.heap().fetch_add_u32(m.slot, HeaderU32Field::ReaderRefcnt, 1).unwrap();
             m.slot
         })
         .collect();
@@ -271,7 +270,7 @@ fn evictor_never_takes_an_object_a_reader_holds() {
         check(i, &c.get(&format!("k{i}")).unwrap()).unwrap();
     }
     for s in pinned {
-        c.heap().fetch_add_u32(s, U32Field::ReaderRefcnt, -1).unwrap();
+        c.heap().fetch_add_u32(s, HeaderU32Field::ReaderRefcnt, -1).unwrap();
     }
     assert_eq!(c.evict_until_below(0.0), 3);
 }

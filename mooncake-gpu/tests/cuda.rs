@@ -6,9 +6,10 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use mooncake_gpu::cuda::{self, CudaDeviceHeap, IpcHeapHandle};
-use mooncake_gpu::header::U32Field;
-use mooncake_gpu::{CacheConfig, DeviceHeap, GpuError, KeyId, NanoKvCache};
+use mooncake_gpu::{
+    cuda_available, cuda_device_count, CacheConfig, CudaDeviceHeap, DeviceHeap, GpuError, HeaderU32Field,
+    IpcHeapHandle, KeyId, NanoKvCache,
+};
 
 fn pattern(seed: u64, len: usize) -> Vec<u8> {
     let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
@@ -35,11 +36,11 @@ fn gpu_heap(slots: u32, bytes: u64) -> Option<Arc<CudaDeviceHeap>> {
 
 #[test]
 fn no_gpu_path_returns_typed_error_not_panic() {
-    if cuda::is_available() {
+    if cuda_available() {
         eprintln!("note: a GPU is present; the no-GPU path is not exercised here");
         return;
     }
-    assert!(matches!(cuda::device_count(), Err(GpuError::NoGpu(_))));
+    assert!(matches!(cuda_device_count(), Err(GpuError::NoGpu(_))));
     let r = std::panic::catch_unwind(|| CudaDeviceHeap::new(0, 16, 1 << 20));
     match r {
         Ok(Err(GpuError::NoGpu(msg))) => assert!(!msg.is_empty()),
@@ -114,7 +115,7 @@ fn gpu_device_push_publish_and_device_read() {
     dst.download(&mut back).unwrap();
     assert_eq!(&back[..len], &v[..]);
     assert!(back[len..].iter().all(|&b| b == 0xAA));
-    assert_eq!(heap.load_u32(meta.slot, U32Field::ReaderRefcnt, Ordering::SeqCst).unwrap(), 0);
+    assert_eq!(heap.load_u32(meta.slot, HeaderU32Field::ReaderRefcnt, Ordering::SeqCst).unwrap(), 0);
     // too small a destination, wrong key, stale epoch: refused, refcount balanced
     assert!(matches!(
         heap.read_into_device(&meta, &KeyId::of("dev"), dst.ptr(), 10),
@@ -123,7 +124,7 @@ fn gpu_device_push_publish_and_device_read() {
     assert_eq!(heap.read_into_device(&meta, &KeyId::of("other"), dst.ptr(), (len + 4096) as u64), Err(GpuError::Stale));
     c.remove("dev").unwrap();
     assert_eq!(heap.read_into_device(&meta, &KeyId::of("dev"), dst.ptr(), (len + 4096) as u64), Err(GpuError::Stale));
-    assert_eq!(heap.load_u32(meta.slot, U32Field::ReaderRefcnt, Ordering::SeqCst).unwrap(), 0);
+    assert_eq!(heap.load_u32(meta.slot, HeaderU32Field::ReaderRefcnt, Ordering::SeqCst).unwrap(), 0);
 }
 
 #[test]
@@ -135,11 +136,11 @@ fn gpu_eviction_skips_pinned_and_watchdog_reclaims() {
         c.put(&format!("k{i}"), &[i as u8; 1000]).unwrap();
     }
     let m = c.get_location("k0").unwrap();
-    heap.fetch_add_u32(m.slot, U32Field::ReaderRefcnt, 1).unwrap();
+    heap.fetch_add_u32(m.slot, HeaderU32Field::ReaderRefcnt, 1).unwrap();
     assert_eq!(c.evict_until_below(0.0), 4);
     assert_eq!(c.keys_fifo(), vec!["k0"]);
     assert_eq!(c.remove("k0"), Err(GpuError::InUse { readers: 1 }));
-    heap.fetch_add_u32(m.slot, U32Field::ReaderRefcnt, -1).unwrap();
+    heap.fetch_add_u32(m.slot, HeaderU32Field::ReaderRefcnt, -1).unwrap();
     c.remove("k0").unwrap();
     let plan = c.open_for_write("stuck", 10).unwrap();
     assert_eq!(c.reclaim_stuck(plan.reserved_at_ns), 0);

@@ -6,9 +6,10 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use mooncake_gpu::cuda::{self, DeviceBuffer};
-use mooncake_gpu::device::{allocate_or_emulate, MemoryLocation, DEFAULT_CHUNK};
-use mooncake_gpu::{DeviceMemory, GpuError, GpuTransport, HostDeviceMemory, PinnedBuffer, PinnedPool, Stager};
+use mooncake_gpu::{
+    allocate_or_emulate, cuda_available, DeviceBuffer, DeviceMemory, GpuError, GpuTransport, HostDeviceMemory,
+    MemoryLocation, PinnedBuffer, PinnedPool, Stager, DEFAULT_CHUNK,
+};
 use mooncake_transfer::{LocalTransport, TransferEngine, TransferError, TransferRequest, Transport};
 use proptest::prelude::*;
 
@@ -147,7 +148,7 @@ fn pinned_pool_reuses_buffers_across_takes() {
 
 #[test]
 fn no_gpu_paths_return_typed_errors_and_fall_back_to_emulation() {
-    if cuda::is_available() {
+    if cuda_available() {
         eprintln!("note: a GPU is present; the no-GPU path is not exercised here");
         return;
     }

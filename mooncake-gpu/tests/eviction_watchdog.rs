@@ -5,8 +5,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use mooncake_gpu::header::U32Field;
-use mooncake_gpu::{CacheConfig, DeviceHeap, GpuError, HostHeap, NanoKvCache, ObjectState};
+use mooncake_gpu::{CacheConfig, DeviceHeap, GpuError, HeaderU32Field, HostHeap, NanoKvCache, ObjectState};
 
 const PAGE: u32 = 64 << 10;
 
@@ -22,12 +21,12 @@ fn cache20(timeout: Duration) -> NanoKvCache<HostHeap> {
 
 fn pin(c: &NanoKvCache<HostHeap>, key: &str) -> u32 {
     let m = c.get_location(key).unwrap();
-    c.heap().fetch_add_u32(m.slot, U32Field::ReaderRefcnt, 1).unwrap();
+    c.heap().fetch_add_u32(m.slot, HeaderU32Field::ReaderRefcnt, 1).unwrap();
     m.slot
 }
 
 fn unpin(c: &NanoKvCache<HostHeap>, slot: u32) {
-    c.heap().fetch_add_u32(slot, U32Field::ReaderRefcnt, -1).unwrap();
+    c.heap().fetch_add_u32(slot, HeaderU32Field::ReaderRefcnt, -1).unwrap();
 }
 
 #[test]
@@ -207,12 +206,12 @@ fn watchdog_does_not_reclaim_while_host_producer_copies() {
     // The host write path pins the slot, so a reclaim racing it backs off.
     let c = cache20(Duration::from_millis(0));
     let plan = c.open_for_write("w", 10).unwrap();
-    c.heap().fetch_add_u32(plan.slot, U32Field::ReaderRefcnt, 1).unwrap(); // as `write` does during its copy
+    c.heap().fetch_add_u32(plan.slot, HeaderU32Field::ReaderRefcnt, 1).unwrap(); // as `write` does during its copy
     assert_eq!(c.reclaim_stuck(plan.reserved_at_ns + 1_000_000), 0);
     assert!(c.contains("w"));
-    let st = c.heap().load_u32(plan.slot, U32Field::State, Ordering::SeqCst).unwrap();
+    let st = c.heap().load_u32(plan.slot, HeaderU32Field::State, Ordering::SeqCst).unwrap();
     assert_eq!(st, ObjectState::Writing as u32); // state restored
-    c.heap().fetch_add_u32(plan.slot, U32Field::ReaderRefcnt, -1).unwrap();
+    c.heap().fetch_add_u32(plan.slot, HeaderU32Field::ReaderRefcnt, -1).unwrap();
     assert_eq!(c.reclaim_stuck(plan.reserved_at_ns + 1_000_000), 1);
 }
 

@@ -2,53 +2,54 @@
 
 use std::mem::{align_of, offset_of, size_of};
 
-use mooncake_gpu::header::{offsets, U32Field, U64Field, HEADER_SIZE};
-use mooncake_gpu::{HeaderSnapshot, ObjectHeader, ObjectState};
+use mooncake_gpu::{
+    header_offsets, DeviceObjectHeader, HeaderSnapshot, HeaderU32Field, HeaderU64Field, ObjectState, HEADER_SIZE,
+};
 
 #[test]
 fn size_and_alignment() {
-    assert_eq!(size_of::<ObjectHeader>(), 128);
+    assert_eq!(size_of::<DeviceObjectHeader>(), 128);
     assert_eq!(size_of::<HeaderSnapshot>(), 128);
     assert_eq!(HEADER_SIZE, 128);
-    assert_eq!(align_of::<ObjectHeader>(), 128);
+    assert_eq!(align_of::<DeviceObjectHeader>(), 128);
     // an array of headers has no gaps
-    assert_eq!(size_of::<[ObjectHeader; 3]>(), 3 * 128);
+    assert_eq!(size_of::<[DeviceObjectHeader; 3]>(), 3 * 128);
 }
 
 #[test]
 fn field_offsets_follow_the_reference_order() {
     let expect = [
-        (offset_of!(ObjectHeader, key_hash), 0, offsets::KEY_HASH),
-        (offset_of!(ObjectHeader, key_fp_hi), 8, offsets::KEY_FP_HI),
-        (offset_of!(ObjectHeader, key_len), 16, offsets::KEY_LEN),
-        (offset_of!(ObjectHeader, header_version), 20, offsets::HEADER_VERSION),
-        (offset_of!(ObjectHeader, payload_base), 24, offsets::PAYLOAD_BASE),
-        (offset_of!(ObjectHeader, bytes_total), 32, offsets::BYTES_TOTAL),
-        (offset_of!(ObjectHeader, page_size), 40, offsets::PAGE_SIZE),
-        (offset_of!(ObjectHeader, n_pages), 44, offsets::N_PAGES),
-        (offset_of!(ObjectHeader, last_page_bytes), 48, offsets::LAST_PAGE_BYTES),
-        (offset_of!(ObjectHeader, epoch), 52, offsets::EPOCH),
-        (offset_of!(ObjectHeader, state), 56, offsets::STATE),
-        (offset_of!(ObjectHeader, reader_refcnt), 60, offsets::READER_REFCNT),
-        (offset_of!(ObjectHeader, state_ts), 64, offsets::STATE_TS),
-        (offset_of!(ObjectHeader, last_access), 72, offsets::LAST_ACCESS),
-        (offset_of!(ObjectHeader, flags), 80, offsets::FLAGS),
-        (offset_of!(ObjectHeader, _pad), 84, offsets::PAD),
+        (offset_of!(DeviceObjectHeader, key_hash), 0, header_offsets::KEY_HASH),
+        (offset_of!(DeviceObjectHeader, key_fp_hi), 8, header_offsets::KEY_FP_HI),
+        (offset_of!(DeviceObjectHeader, key_len), 16, header_offsets::KEY_LEN),
+        (offset_of!(DeviceObjectHeader, header_version), 20, header_offsets::HEADER_VERSION),
+        (offset_of!(DeviceObjectHeader, payload_base), 24, header_offsets::PAYLOAD_BASE),
+        (offset_of!(DeviceObjectHeader, bytes_total), 32, header_offsets::BYTES_TOTAL),
+        (offset_of!(DeviceObjectHeader, page_size), 40, header_offsets::PAGE_SIZE),
+        (offset_of!(DeviceObjectHeader, n_pages), 44, header_offsets::N_PAGES),
+        (offset_of!(DeviceObjectHeader, last_page_bytes), 48, header_offsets::LAST_PAGE_BYTES),
+        (offset_of!(DeviceObjectHeader, epoch), 52, header_offsets::EPOCH),
+        (offset_of!(DeviceObjectHeader, state), 56, header_offsets::STATE),
+        (offset_of!(DeviceObjectHeader, reader_refcnt), 60, header_offsets::READER_REFCNT),
+        (offset_of!(DeviceObjectHeader, state_ts), 64, header_offsets::STATE_TS),
+        (offset_of!(DeviceObjectHeader, last_access), 72, header_offsets::LAST_ACCESS),
+        (offset_of!(DeviceObjectHeader, flags), 80, header_offsets::FLAGS),
+        (offset_of!(DeviceObjectHeader, _pad), 84, header_offsets::PAD),
     ];
     for (i, (actual, documented, constant)) in expect.iter().enumerate() {
         assert_eq!(actual, documented, "field #{i}");
         assert_eq!(actual, constant, "field #{i}");
     }
     // field widths from the reference: u64 key_hash..., u32 state/refcnt
-    assert_eq!(offsets::KEY_FP_HI - offsets::KEY_HASH, 8);
-    assert_eq!(offsets::READER_REFCNT - offsets::STATE, 4);
-    assert_eq!(offsets::LAST_ACCESS - offsets::STATE_TS, 8);
+    assert_eq!(header_offsets::KEY_FP_HI - header_offsets::KEY_HASH, 8);
+    assert_eq!(header_offsets::READER_REFCNT - header_offsets::STATE, 4);
+    assert_eq!(header_offsets::LAST_ACCESS - header_offsets::STATE_TS, 8);
     // the snapshot has the same layout
     assert_eq!(offset_of!(HeaderSnapshot, state), 56);
     assert_eq!(offset_of!(HeaderSnapshot, state_ts), 64);
-    assert_eq!(U32Field::State.offset(), 56);
-    assert_eq!(U32Field::ReaderRefcnt.offset(), 60);
-    assert_eq!(U64Field::LastAccess.offset(), 72);
+    assert_eq!(HeaderU32Field::State.offset(), 56);
+    assert_eq!(HeaderU32Field::ReaderRefcnt.offset(), 60);
+    assert_eq!(HeaderU64Field::LastAccess.offset(), 72);
 }
 
 #[test]
@@ -90,7 +91,7 @@ fn snapshot_bytes_roundtrip_and_store() {
     assert!(b[88..].iter().all(|&x| x == 0));
     assert_eq!(HeaderSnapshot::from_bytes(&b), h);
 
-    let live = ObjectHeader::default();
+    let live = DeviceObjectHeader::default();
     live.reader_refcnt.store(5, std::sync::atomic::Ordering::Relaxed);
     live.store_from(&h);
     let s = live.snapshot();

@@ -4,9 +4,9 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use mooncake_gpu::header::{U32Field, U64Field};
 use mooncake_gpu::{
-    CacheConfig, DeviceHeap, GpuError, HostHeap, KeyId, NanoKvCache, ObjectState, PageSpan, ReadExpect,
+    CacheConfig, DeviceHeap, GpuError, HeaderU32Field, HeaderU64Field, HostHeap, KeyId, NanoKvCache, ObjectState,
+    PageSpan, ReadExpect,
 };
 
 fn pattern(seed: u64, len: usize) -> Vec<u8> {
@@ -174,7 +174,7 @@ fn epoch_detects_slot_reuse_and_key_is_verified() {
     assert_eq!(c.heap().read_object(&wrong_key, &mut dst), Err(GpuError::Stale));
     assert_eq!(dst, [0u8; 100]);
     // the refcount is balanced after refused reads
-    let rc = c.heap().load_u32(new.slot, U32Field::ReaderRefcnt, Ordering::SeqCst).unwrap();
+    let rc = c.heap().load_u32(new.slot, HeaderU32Field::ReaderRefcnt, Ordering::SeqCst).unwrap();
     assert_eq!(rc, 0);
     assert_eq!(c.get("b").unwrap(), vec![2u8; 100]);
 }
@@ -183,7 +183,7 @@ fn epoch_detects_slot_reuse_and_key_is_verified() {
 fn heap_bounds_are_checked() {
     let heap = HostHeap::new(2, 1 << 20).unwrap();
     assert!(matches!(heap.read_header(2), Err(GpuError::OutOfBounds(_))));
-    assert!(heap.load_u32(9, U32Field::State, Ordering::Acquire).is_err());
+    assert!(heap.load_u32(9, HeaderU32Field::State, Ordering::Acquire).is_err());
     let span = PageSpan::new((1 << 20) - 4096, 8192, 4096).unwrap();
     assert!(matches!(heap.write_pages(&span, 0, &[0u8; 8192]), Err(GpuError::OutOfBounds(_))));
     let span = PageSpan::new(u64::MAX - 10, 8192, 4096).unwrap();
@@ -191,7 +191,7 @@ fn heap_bounds_are_checked() {
     let ok = PageSpan::new(0, 8192, 4096).unwrap();
     assert_eq!(heap.write_pages(&ok, 0, &[5u8; 8192]).unwrap(), 2);
     assert_eq!(heap.write_pages(&ok, 2, &[5u8; 1]).map_err(|_| ()), Err(()));
-    heap.store_u64(0, U64Field::LastAccess, 42, Ordering::Release).unwrap();
+    heap.store_u64(0, HeaderU64Field::LastAccess, 42, Ordering::Release).unwrap();
     assert_eq!(heap.read_header(0).unwrap().last_access, 42);
 }
 

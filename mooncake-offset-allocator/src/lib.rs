@@ -25,6 +25,7 @@
 //! assert!(a.allocate(1 << 20).is_some(), "frees coalesce back into one block");
 //! ```
 #![deny(missing_docs)]
+#![deny(clippy::undocumented_unsafe_blocks)]
 
 use std::sync::atomic::{AtomicU64, Ordering};
 

@@ -1,16 +1,17 @@
 //! Optional shared-secret authentication of connections (transfer and master RPC).
-//!
-//! The accepting side sends a 32-byte random nonce; the connecting side answers with
-//! the BLAKE3 keyed hash of the nonce under a key derived from the secret. The
-//! secret itself never crosses the wire, and a replayed answer is useless against a
-//! fresh nonce. The comparison is constant-time.
 
 use std::io::{Read, Write};
 
-/// Bytes of the nonce and of the answer.
+/// Bytes of the shared-secret challenge: its nonce, and the answer to it.
 pub const AUTH_LEN: usize = 32;
 
-/// A shared secret, as a derived key.
+/// A shared secret, as a derived key: optional authentication of connections
+/// (transfer and master RPC).
+///
+/// The accepting side sends a 32-byte random nonce; the connecting side answers with
+/// the BLAKE3 keyed hash of the nonce under a key derived from the secret. The
+/// secret itself never crosses the wire, and a replayed answer is useless against a
+/// fresh nonce. The comparison is constant-time.
 #[derive(Clone)]
 pub struct SharedSecret {
     key: [u8; 32],

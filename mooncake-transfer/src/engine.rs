@@ -1,52 +1,19 @@
 //! The `TransferEngine`: registered regions plus the transports that reach peers.
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use parking_lot::RwLock;
-
 use crate::auth::SharedSecret;
 use crate::error::{Result, TransferError};
-use crate::local::{self, LocalTransport, LOCAL_SCHEME};
+use crate::handshake::host_id;
 use crate::region::{RegionId, RegisteredRegion, RemoteRegion};
-use crate::shm::{host_id, ShmTransport};
-use crate::tcp::{TcpServer, TcpTransport};
-use crate::transport::{TransferOp, TransferRequest, TransferStats, Transport};
+use crate::registry::{self, RegionRegistry};
+use crate::transport::{
+    LocalTransport, ShmTransport, TcpServer, TcpTransport, TransferOp, TransferRequest, TransferStats, Transport,
+    LOCAL_SCHEME,
+};
 
 static NEXT_LOCAL_ENGINE: AtomicU64 = AtomicU64::new(1);
-
-/// The part of an engine its transports serve from.
-#[derive(Debug)]
-pub(crate) struct EngineShared {
-    endpoint: String,
-    regions: RwLock<HashMap<RegionId, Arc<RegisteredRegion>>>,
-    next_region: AtomicU64,
-    /// Regions are memfds that same-host peers may map.
-    shared: bool,
-}
-
-impl EngineShared {
-    /// The registered region `id`, or an error naming it.
-    pub(crate) fn region(&self, id: RegionId) -> Result<Arc<RegisteredRegion>> {
-        self.regions
-            .read()
-            .get(&id)
-            .cloned()
-            .ok_or_else(|| TransferError::UnknownRegion { endpoint: self.endpoint.clone(), region: id })
-    }
-}
-
-impl Drop for EngineShared {
-    fn drop(&mut self) {
-        local::withdraw(&self.endpoint);
-        // Regions may outlive the engine (callers hold `Arc`s): same-host peers must
-        // stop using their mappings all the same.
-        for region in self.regions.get_mut().values() {
-            region.revoke_sharing();
-        }
-    }
-}
 
 /// Builds a [`TransferEngine`].
 #[derive(Default)]
@@ -167,22 +134,13 @@ impl TransferEngineBuilder {
                 format!("{LOCAL_SCHEME}{}/{n}", std::process::id())
             }
         };
-        let shared = Arc::new(EngineShared {
-            endpoint: endpoint.clone(),
-            regions: RwLock::new(HashMap::new()),
-            // Ids start at a random base, so that a restarted process serving the
-            // same endpoint never answers to a peer's stale region id (a peer's
-            // cached shared-memory mapping or TCP request then fails cleanly
-            // instead of reaching the wrong memory).
-            next_region: AtomicU64::new(((rand::random::<u32>() as u64) << 24) | 1),
-            shared: self.shared_memory,
-        });
-        local::publish(&endpoint, &shared);
+        let regions = Arc::new(RegionRegistry::new(endpoint, self.shared_memory));
+        registry::publish(&regions);
         let server = match listener {
-            Some(l) => Some(TcpServer::start(l, Arc::downgrade(&shared), host_id().to_owned(), self.secret.clone())?),
+            Some(l) => Some(TcpServer::start(l, Arc::downgrade(&regions), host_id().to_owned(), self.secret.clone())?),
             None => None,
         };
-        Ok(TransferEngine { shared, transports, _server: server })
+        Ok(TransferEngine { regions, transports, _server: server })
     }
 }
 
@@ -205,7 +163,7 @@ impl TransferEngineBuilder {
 /// # Ok::<(), mooncake_transfer::TransferError>(())
 /// ```
 pub struct TransferEngine {
-    shared: Arc<EngineShared>,
+    regions: Arc<RegionRegistry>,
     transports: Vec<Arc<dyn Transport>>,
     _server: Option<TcpServer>,
 }
@@ -213,8 +171,8 @@ pub struct TransferEngine {
 impl std::fmt::Debug for TransferEngine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("TransferEngine")
-            .field("endpoint", &self.shared.endpoint)
-            .field("regions", &self.shared.regions.read().len())
+            .field("endpoint", &self.regions.endpoint())
+            .field("regions", &self.regions.len())
             .finish()
     }
 }
@@ -224,10 +182,8 @@ impl Drop for TransferEngine {
         // Stop serving now, even if a connection thread still holds the shared part
         // for a moment: in-process peers lose the endpoint, regions are forgotten
         // (later requests fail), and same-host peers' mappings go stale.
-        local::withdraw(&self.shared.endpoint);
-        for (_, region) in self.shared.regions.write().drain() {
-            region.revoke_sharing();
-        }
+        registry::withdraw(self.regions.endpoint());
+        self.regions.clear();
     }
 }
 
@@ -250,40 +206,29 @@ impl TransferEngine {
 
     /// This engine's endpoint, as peers name it.
     pub fn endpoint(&self) -> &str {
-        &self.shared.endpoint
+        self.regions.endpoint()
     }
 
     /// Registers `len` bytes of fresh zeroed memory that peers may read and write.
     pub fn register_region(&self, len: u64) -> Result<Arc<RegisteredRegion>> {
-        let id = self.shared.next_region.fetch_add(1, Ordering::Relaxed);
-        let region = Arc::new(if self.shared.shared {
-            RegisteredRegion::new_shared(id, len)?
-        } else {
-            RegisteredRegion::new(id, len)?
-        });
-        self.shared.regions.write().insert(id, region.clone());
-        Ok(region)
+        self.regions.register(len)
     }
 
     /// Stops serving region `id`; returns whether it was registered. Requests already
     /// running finish on the memory they hold; later ones fail with `UnknownRegion`
     /// (same-host peers that mapped the region drop their mapping).
     pub fn unregister_region(&self, id: RegionId) -> bool {
-        let removed = self.shared.regions.write().remove(&id);
-        if let Some(region) = &removed {
-            region.revoke_sharing();
-        }
-        removed.is_some()
+        self.regions.unregister(id)
     }
 
     /// The registered region `id` of this engine.
     pub fn region(&self, id: RegionId) -> Result<Arc<RegisteredRegion>> {
-        self.shared.region(id)
+        self.regions.region(id)
     }
 
     /// How peers name region `id` of this engine.
     pub fn remote(&self, id: RegionId) -> RemoteRegion {
-        RemoteRegion { endpoint: self.shared.endpoint.clone(), region: id }
+        RemoteRegion { endpoint: self.regions.endpoint().to_owned(), region: id }
     }
 
     /// Names of this engine's transports, in the order they are asked.

@@ -1,39 +1,25 @@
-//! The transfer protocol on the wire (TCP transport and the shared-memory handshake).
-//!
-//! Fixed-layout little-endian headers, no serialization library needed:
-//!
-//! ```text
-//! request  (40 B): magic "MCTX" | version u8 | op u8 | flags u16 | request id u64
-//!                  | region u64 | offset u64 | len u64        [+ len bytes for Write]
-//! response (24 B): magic "MCTX" | status u8 | 0 u8 x3 | request id u64 | len u64
-//!                  [+ len bytes: data of a Read, or the handshake payload]
-//! ```
-//! Decoders never panic; anything malformed is a [`FrameError`] and the server closes
-//! that connection.
-//!
-//! A listener that requires a shared secret first sends [`AUTH_MAGIC`], then the
-//! challenge of [`SharedSecret`](crate::SharedSecret), then one verdict byte (`1`
-//! admitted, `0` refused, then closed) before it reads any request.
+//! The transfer protocol on the wire: request and response headers, their codes
+//! and limits (the layout is drawn in the crate documentation).
 
 /// First bytes of every header.
-pub const MAGIC: [u8; 4] = *b"MCTX";
+pub const FRAME_MAGIC: [u8; 4] = *b"MCTX";
 /// Protocol version of this build (2: authentication verdict, memfd inode in the
 /// shared-memory handshake).
-pub const VERSION: u8 = 2;
+pub const FRAME_VERSION: u8 = 2;
 /// First bytes a listener that requires a shared secret sends on a new connection.
 pub const AUTH_MAGIC: [u8; 4] = *b"MCAU";
 /// Bytes in a request header.
-pub const REQUEST_LEN: usize = 40;
+pub const REQUEST_HEADER_LEN: usize = 40;
 /// Bytes in a response header.
-pub const RESPONSE_LEN: usize = 24;
+pub const RESPONSE_HEADER_LEN: usize = 24;
 /// Largest read or write one request may move (larger transfers are striped).
 pub const MAX_REQUEST_BYTES: u64 = 1 << 30;
 /// Largest handshake payload.
-pub const MAX_INFO_BYTES: u64 = 4096;
+pub const MAX_HANDSHAKE_BYTES: u64 = 4096;
 
 /// What a request asks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Op {
+pub enum FrameOp {
     /// Send `len` bytes of `region` at `offset`.
     Read = 1,
     /// Store the `len` bytes that follow into `region` at `offset`.
@@ -48,7 +34,7 @@ pub enum Op {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RequestHeader {
     /// Operation.
-    pub op: Op,
+    pub op: FrameOp,
     /// Echoed by the response.
     pub request_id: u64,
     /// Region addressed.
@@ -61,7 +47,7 @@ pub struct RequestHeader {
 
 /// Outcome of a request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Status {
+pub enum FrameStatus {
     /// Done; `len` bytes follow for a Read or a handshake.
     Ok = 0,
     /// Outside the region's registered bytes; nothing was touched.
@@ -76,7 +62,7 @@ pub enum Status {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ResponseHeader {
     /// Outcome.
-    pub status: Status,
+    pub status: FrameStatus,
     /// The request's id.
     pub request_id: u64,
     /// Bytes that follow.
@@ -109,13 +95,13 @@ fn u64_at(b: &[u8], at: usize) -> u64 {
     u64::from_le_bytes(x)
 }
 
-/// Decodes and checks a request header (the first [`REQUEST_LEN`] bytes of `b`):
+/// Decodes and checks a request header (the first [`REQUEST_HEADER_LEN`] bytes of `b`):
 /// magic, version, op, reserved bits and the length limit of the op. Never panics.
 ///
 /// ```
-/// use mooncake_transfer::frame::{decode_frame_header, FrameError, Op, RequestHeader};
+/// use mooncake_transfer::{decode_frame_header, FrameError, FrameOp, RequestHeader};
 ///
-/// let h = RequestHeader { op: Op::Read, request_id: 7, region: 1, offset: 4096, len: 16 };
+/// let h = RequestHeader { op: FrameOp::Read, request_id: 7, region: 1, offset: 4096, len: 16 };
 /// assert_eq!(decode_frame_header(&h.encode()), Ok(h));
 /// assert_eq!(decode_frame_header(&[0u8; 3]), Err(FrameError::Truncated(3)));
 /// ```
@@ -125,10 +111,10 @@ pub fn decode_frame_header(b: &[u8]) -> Result<RequestHeader, FrameError> {
 
 impl RequestHeader {
     /// Encodes the header.
-    pub fn encode(&self) -> [u8; REQUEST_LEN] {
-        let mut h = [0u8; REQUEST_LEN];
-        h[0..4].copy_from_slice(&MAGIC);
-        h[4] = VERSION;
+    pub fn encode(&self) -> [u8; REQUEST_HEADER_LEN] {
+        let mut h = [0u8; REQUEST_HEADER_LEN];
+        h[0..4].copy_from_slice(&FRAME_MAGIC);
+        h[4] = FRAME_VERSION;
         h[5] = self.op as u8;
         h[8..16].copy_from_slice(&self.request_id.to_le_bytes());
         h[16..24].copy_from_slice(&self.region.to_le_bytes());
@@ -139,30 +125,30 @@ impl RequestHeader {
 
     /// Decodes and checks a header (magic, version, op, length limits).
     pub fn decode(b: &[u8]) -> Result<Self, FrameError> {
-        if b.len() < REQUEST_LEN {
+        if b.len() < REQUEST_HEADER_LEN {
             return Err(FrameError::Truncated(b.len()));
         }
         let magic = [b[0], b[1], b[2], b[3]];
-        if magic != MAGIC {
+        if magic != FRAME_MAGIC {
             return Err(FrameError::BadMagic(magic));
         }
-        if b[4] != VERSION {
+        if b[4] != FRAME_VERSION {
             return Err(FrameError::Version(b[4]));
         }
         if b[6] != 0 || b[7] != 0 {
             return Err(FrameError::Code(b[6] | b[7]));
         }
         let op = match b[5] {
-            1 => Op::Read,
-            2 => Op::Write,
-            3 => Op::ShmInfo,
-            4 => Op::Hello,
+            1 => FrameOp::Read,
+            2 => FrameOp::Write,
+            3 => FrameOp::ShmInfo,
+            4 => FrameOp::Hello,
             c => return Err(FrameError::Code(c)),
         };
         let h = Self { op, request_id: u64_at(b, 8), region: u64_at(b, 16), offset: u64_at(b, 24), len: u64_at(b, 32) };
         let limit = match op {
-            Op::Read | Op::Write => MAX_REQUEST_BYTES,
-            Op::ShmInfo | Op::Hello => 0,
+            FrameOp::Read | FrameOp::Write => MAX_REQUEST_BYTES,
+            FrameOp::ShmInfo | FrameOp::Hello => 0,
         };
         if h.len > limit {
             return Err(FrameError::TooLong(h.len));
@@ -173,9 +159,9 @@ impl RequestHeader {
 
 impl ResponseHeader {
     /// Encodes the header.
-    pub fn encode(&self) -> [u8; RESPONSE_LEN] {
-        let mut h = [0u8; RESPONSE_LEN];
-        h[0..4].copy_from_slice(&MAGIC);
+    pub fn encode(&self) -> [u8; RESPONSE_HEADER_LEN] {
+        let mut h = [0u8; RESPONSE_HEADER_LEN];
+        h[0..4].copy_from_slice(&FRAME_MAGIC);
         h[4] = self.status as u8;
         h[8..16].copy_from_slice(&self.request_id.to_le_bytes());
         h[16..24].copy_from_slice(&self.len.to_le_bytes());
@@ -184,18 +170,18 @@ impl ResponseHeader {
 
     /// Decodes a header; `len` must not exceed `max_len`.
     pub fn decode(b: &[u8], max_len: u64) -> Result<Self, FrameError> {
-        if b.len() < RESPONSE_LEN {
+        if b.len() < RESPONSE_HEADER_LEN {
             return Err(FrameError::Truncated(b.len()));
         }
         let magic = [b[0], b[1], b[2], b[3]];
-        if magic != MAGIC {
+        if magic != FRAME_MAGIC {
             return Err(FrameError::BadMagic(magic));
         }
         let status = match b[4] {
-            0 => Status::Ok,
-            1 => Status::OutOfBounds,
-            2 => Status::UnknownRegion,
-            3 => Status::Refused,
+            0 => FrameStatus::Ok,
+            1 => FrameStatus::OutOfBounds,
+            2 => FrameStatus::UnknownRegion,
+            3 => FrameStatus::Refused,
             c => return Err(FrameError::Code(c)),
         };
         let len = u64_at(b, 16);

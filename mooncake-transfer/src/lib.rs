@@ -22,23 +22,46 @@
 //! assert!(me.transfer(&mut reqs).iter().all(|r| r.is_ok()));
 //! # Ok::<(), mooncake_transfer::TransferError>(())
 //! ```
+//!
+//! # Wire protocol
+//!
+//! The TCP transport (and the handshakes that set up shared memory) speak
+//! fixed-layout little-endian frames, no serialization library needed:
+//!
+//! ```text
+//! request  (40 B): magic "MCTX" | version u8 | op u8 | flags u16 | request id u64
+//!                  | region u64 | offset u64 | len u64        [+ len bytes for Write]
+//! response (24 B): magic "MCTX" | status u8 | 0 u8 x3 | request id u64 | len u64
+//!                  [+ len bytes: data of a Read, or the handshake payload]
+//! ```
+//! Decoders ([`RequestHeader::decode`], [`ResponseHeader::decode`]) never panic;
+//! anything malformed is a [`FrameError`] and the server closes that connection.
+//!
+//! A listener that requires a shared secret first sends [`AUTH_MAGIC`], then the
+//! challenge of [`SharedSecret`], then one verdict byte (`1` admitted, `0` refused,
+//! then closed) before it reads any request.
 #![deny(missing_docs)]
+#![deny(clippy::undocumented_unsafe_blocks)]
 
-pub mod auth;
+mod auth;
 mod engine;
 mod error;
-pub mod frame;
-mod local;
+mod frame;
+mod handshake;
 mod region;
-mod shm;
-mod tcp;
+mod registry;
 mod transport;
 
-pub use auth::SharedSecret;
+pub use auth::{SharedSecret, AUTH_LEN};
 pub use engine::{TransferEngine, TransferEngineBuilder};
 pub use error::{Result, TransferError};
-pub use local::{LocalTransport, LOCAL_SCHEME};
+pub use frame::{
+    decode_frame_header, FrameError, FrameOp, FrameStatus, RequestHeader, ResponseHeader, AUTH_MAGIC, FRAME_MAGIC,
+    FRAME_VERSION, MAX_HANDSHAKE_BYTES, MAX_REQUEST_BYTES, REQUEST_HEADER_LEN, RESPONSE_HEADER_LEN,
+};
+pub use handshake::host_id;
 pub use region::{RegionId, RegisteredRegion, RemoteRegion};
-pub use shm::{host_id, ShmTransport};
-pub use tcp::TcpTransport;
-pub use transport::{TransferOp, TransferRequest, TransferStats, Transport, TransportStats};
+pub use transport::{
+    LocalTransport, ShmTransport, TcpTransport, TransferOp, TransferRequest, TransferStats, Transport, TransportStats,
+    LOCAL_SCHEME,
+};

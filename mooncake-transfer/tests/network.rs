@@ -6,7 +6,7 @@ use std::net::TcpStream;
 use std::sync::Arc;
 use std::time::Duration;
 
-use mooncake_transfer::frame::{Op, RequestHeader, ResponseHeader, Status, REQUEST_LEN, RESPONSE_LEN};
+use mooncake_transfer::{FrameOp, FrameStatus, RequestHeader, ResponseHeader, REQUEST_HEADER_LEN, RESPONSE_HEADER_LEN};
 use mooncake_transfer::{
     RemoteRegion, ShmTransport, TcpTransport, TransferEngine, TransferError, TransferRequest, Transport,
 };
@@ -137,23 +137,23 @@ fn garbage_truncated_and_oversized_frames_close_the_connection_only() {
     let seg = srv.register_region(4096).unwrap();
     let addr = srv.endpoint().to_owned();
     assert!(send_raw(&addr, &[0xAB; 200]).is_empty(), "garbage gets no answer");
-    let read = RequestHeader { op: Op::Read, request_id: 9, region: seg.id(), offset: 0, len: 16 }.encode();
-    assert!(send_raw(&addr, &read[..REQUEST_LEN - 3]).is_empty(), "truncated header");
-    let huge = RequestHeader { op: Op::Write, request_id: 1, region: seg.id(), offset: 0, len: u64::MAX }.encode();
+    let read = RequestHeader { op: FrameOp::Read, request_id: 9, region: seg.id(), offset: 0, len: 16 }.encode();
+    assert!(send_raw(&addr, &read[..REQUEST_HEADER_LEN - 3]).is_empty(), "truncated header");
+    let huge = RequestHeader { op: FrameOp::Write, request_id: 1, region: seg.id(), offset: 0, len: u64::MAX }.encode();
     assert!(send_raw(&addr, &huge).is_empty(), "oversized length");
     let mut unknown = read;
     unknown[5] = 77;
     assert!(send_raw(&addr, &unknown).is_empty(), "unknown op");
     // A write whose payload never comes: the server waits, then the peer hangs up.
-    let short = RequestHeader { op: Op::Write, request_id: 2, region: seg.id(), offset: 0, len: 100 }.encode();
+    let short = RequestHeader { op: FrameOp::Write, request_id: 2, region: seg.id(), offset: 0, len: 100 }.encode();
     let mut partial = short.to_vec();
     partial.extend_from_slice(&[1u8; 10]);
     assert!(send_raw(&addr, &partial).is_empty());
     // A well-formed read still works.
     let out = send_raw(&addr, &read);
     let h = ResponseHeader::decode(&out, 16).unwrap();
-    assert_eq!((h.status, h.request_id, h.len), (Status::Ok, 9, 16));
-    assert_eq!(out.len(), RESPONSE_LEN + 16);
+    assert_eq!((h.status, h.request_id, h.len), (FrameStatus::Ok, 9, 16));
+    assert_eq!(out.len(), RESPONSE_HEADER_LEN + 16);
     let cli = client(Arc::new(TcpTransport::new()));
     cli.write(&srv.remote(seg.id()), 0, b"still serving").unwrap();
 }
@@ -174,7 +174,7 @@ fn requests_to_a_dropped_engine_fail_cleanly() {
 proptest! {
     #[test]
     fn request_headers_round_trip(id in any::<u64>(), region in any::<u64>(), offset in any::<u64>(), len in 0u64..=1 << 30, op in 1u8..=2) {
-        let op = if op == 1 { Op::Read } else { Op::Write };
+        let op = if op == 1 { FrameOp::Read } else { FrameOp::Write };
         let h = RequestHeader { op, request_id: id, region, offset, len };
         prop_assert_eq!(RequestHeader::decode(&h.encode()).unwrap(), h);
     }
@@ -259,37 +259,39 @@ fn the_server_answers_pipelined_requests_in_order_on_one_connection() {
     seg.copy_in(0, b"abcdefgh").unwrap();
     let mut wire = Vec::new();
     wire.extend_from_slice(
-        &RequestHeader { op: Op::Read, request_id: 1, region: seg.id(), offset: 0, len: 4 }.encode(),
+        &RequestHeader { op: FrameOp::Read, request_id: 1, region: seg.id(), offset: 0, len: 4 }.encode(),
     );
     // A refused write (unknown region): its payload is skipped, the stream stays in sync.
-    wire.extend_from_slice(&RequestHeader { op: Op::Write, request_id: 2, region: 424242, offset: 0, len: 5 }.encode());
+    wire.extend_from_slice(
+        &RequestHeader { op: FrameOp::Write, request_id: 2, region: 424242, offset: 0, len: 5 }.encode(),
+    );
     wire.extend_from_slice(b"XXXXX");
     // An out-of-bounds write: refused before one byte is stored.
     wire.extend_from_slice(
-        &RequestHeader { op: Op::Write, request_id: 3, region: seg.id(), offset: 4094, len: 5 }.encode(),
+        &RequestHeader { op: FrameOp::Write, request_id: 3, region: seg.id(), offset: 4094, len: 5 }.encode(),
     );
     wire.extend_from_slice(b"YYYYY");
     wire.extend_from_slice(
-        &RequestHeader { op: Op::Write, request_id: 4, region: seg.id(), offset: 4, len: 2 }.encode(),
+        &RequestHeader { op: FrameOp::Write, request_id: 4, region: seg.id(), offset: 4, len: 2 }.encode(),
     );
     wire.extend_from_slice(b"ZZ");
     wire.extend_from_slice(
-        &RequestHeader { op: Op::Read, request_id: 5, region: seg.id(), offset: 2, len: 6 }.encode(),
+        &RequestHeader { op: FrameOp::Read, request_id: 5, region: seg.id(), offset: 2, len: 6 }.encode(),
     );
     let out = send_raw(srv.endpoint(), &wire);
     let mut at = 0;
     let mut next = |max: u64| {
         let h = ResponseHeader::decode(&out[at..], max).unwrap();
-        at += RESPONSE_LEN;
+        at += RESPONSE_HEADER_LEN;
         let body = out[at..at + h.len as usize].to_vec();
         at += h.len as usize;
         (h.status, h.request_id, body)
     };
-    assert_eq!(next(4), (Status::Ok, 1, b"abcd".to_vec()));
-    assert_eq!(next(0), (Status::UnknownRegion, 2, vec![]));
-    assert_eq!(next(0), (Status::OutOfBounds, 3, vec![]));
-    assert_eq!(next(0), (Status::Ok, 4, vec![]));
-    assert_eq!(next(6), (Status::Ok, 5, b"cdZZgh".to_vec()));
+    assert_eq!(next(4), (FrameStatus::Ok, 1, b"abcd".to_vec()));
+    assert_eq!(next(0), (FrameStatus::UnknownRegion, 2, vec![]));
+    assert_eq!(next(0), (FrameStatus::OutOfBounds, 3, vec![]));
+    assert_eq!(next(0), (FrameStatus::Ok, 4, vec![]));
+    assert_eq!(next(6), (FrameStatus::Ok, 5, b"cdZZgh".to_vec()));
     let mut tail = [0u8; 2];
     seg.copy_out(4094, &mut tail).unwrap();
     assert_eq!(tail, [0, 0], "the refused write stored nothing");
@@ -329,7 +331,7 @@ fn a_half_sent_frame_on_one_connection_does_not_stall_others() {
     let cli = client(Arc::new(TcpTransport::new()));
     cli.write(&srv.remote(seg.id()), 0, b"served meanwhile").unwrap();
     // A bad version on the stuck connection closes it.
-    let rest = RequestHeader { op: Op::Read, request_id: 1, region: seg.id(), offset: 0, len: 4 }.encode();
+    let rest = RequestHeader { op: FrameOp::Read, request_id: 1, region: seg.id(), offset: 0, len: 4 }.encode();
     let mut bad = rest;
     bad[4] = 99;
     let mut s = TcpStream::connect(srv.endpoint()).unwrap();
@@ -413,7 +415,7 @@ fn listen_addresses_and_advertised_hosts() {
 proptest! {
     #[test]
     fn response_headers_round_trip(id in any::<u64>(), len in any::<u64>(), status in 0u8..4) {
-        let status = [Status::Ok, Status::OutOfBounds, Status::UnknownRegion, Status::Refused][status as usize];
+        let status = [FrameStatus::Ok, FrameStatus::OutOfBounds, FrameStatus::UnknownRegion, FrameStatus::Refused][status as usize];
         let h = ResponseHeader { status, request_id: id, len };
         prop_assert_eq!(ResponseHeader::decode(&h.encode(), u64::MAX).unwrap(), h);
         if len > 0 {
@@ -423,13 +425,13 @@ proptest! {
 
     #[test]
     fn mutated_request_headers_decode_only_to_what_they_encode(
-        id in any::<u64>(), len in 0u64..=1 << 30, at in 0usize..REQUEST_LEN, byte in any::<u8>(),
+        id in any::<u64>(), len in 0u64..=1 << 30, at in 0usize..REQUEST_HEADER_LEN, byte in any::<u8>(),
     ) {
-        let mut b = RequestHeader { op: Op::Write, request_id: id, region: 1, offset: 2, len }.encode();
+        let mut b = RequestHeader { op: FrameOp::Write, request_id: id, region: 1, offset: 2, len }.encode();
         b[at] = byte;
-        if let Ok(h) = mooncake_transfer::frame::decode_frame_header(&b) {
+        if let Ok(h) = mooncake_transfer::decode_frame_header(&b) {
             prop_assert_eq!(h.encode(), b);
-            prop_assert!(h.len <= mooncake_transfer::frame::MAX_REQUEST_BYTES);
+            prop_assert!(h.len <= mooncake_transfer::MAX_REQUEST_BYTES);
         }
     }
 }

@@ -6,9 +6,10 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use mooncake_core::gpu::cuda::{self, DeviceBuffer};
-use mooncake_core::gpu::device::{allocate_or_emulate, MemoryLocation};
-use mooncake_core::gpu::{DeviceMemory, GpuError, GpuTransport, HostDeviceMemory};
+use mooncake_core::gpu::{
+    allocate_or_emulate, cuda_available, DeviceBuffer, DeviceMemory, GpuError, GpuTransport, HostDeviceMemory,
+    MemoryLocation,
+};
 use mooncake_core::{Error, Master, MasterConfig, ReplicateConfig, Store};
 use mooncake_transfer::{TransferError, TransferRequest, Transport};
 
@@ -286,7 +287,7 @@ fn gpu_transport_plugs_into_the_store_builder_and_leaves_host_segments_alone() {
 
 #[test]
 fn without_cuda_the_typed_error_maps_into_the_store_error() {
-    if cuda::is_available() {
+    if cuda_available() {
         eprintln!("note: a GPU is present; the no-GPU path is not exercised here");
         return;
     }

@@ -13,7 +13,7 @@
 //!
 //! Device memory is anything implementing
 //! [`DeviceMemory`](mooncake_gpu::DeviceMemory): a CUDA
-//! [`DeviceBuffer`](mooncake_gpu::cuda::DeviceBuffer), or
+//! [`DeviceBuffer`](mooncake_gpu::DeviceBuffer), or
 //! [`HostDeviceMemory`](mooncake_gpu::HostDeviceMemory) (host emulation,
 //! same API) on machines without a GPU.
 //!
@@ -25,8 +25,7 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::LazyLock;
 
-use mooncake_gpu::device::{Fence, PinnedPool, PooledBuffer};
-use mooncake_gpu::{DeviceMemory, DeviceStream, GpuError};
+use mooncake_gpu::{DeviceMemory, DeviceStream, Fence, GpuError, PinnedPool, PooledBuffer};
 use mooncake_transfer::TransferError;
 
 use super::Store;
@@ -97,7 +96,7 @@ impl Store {
     ///
     /// let store = Store::builder().global_segment_size(16 << 20).build()?;
     /// store.put("kv/0", &[7u8; 100_000])?;
-    /// // A GPU buffer (`gpu::cuda::DeviceBuffer::new(0, len)?`), or its host emulation.
+    /// // A GPU buffer (`gpu::DeviceBuffer::new(0, len)?`), or its host emulation.
     /// let gpu = HostDeviceMemory::new(1 << 20)?;
     /// assert_eq!(store.get_into_device("kv/0", &gpu, 4096)?, 100_000);
     /// assert!(gpu.to_vec()[4096..104_096].iter().all(|&b| b == 7));

@@ -14,12 +14,12 @@
 //! | RMW SeqCst       | `fence.sc.sys; atom.acquire.sys.{cas,add}` |
 //!
 //! These need `sm_70` or newer. Header field offsets are substituted from
-//! [`crate::header::offsets`] so the kernels and the Rust layout cannot drift.
+//! [`header_offsets`](crate::header_offsets) so the kernels and the Rust layout cannot drift.
 
-use crate::header::{offsets, ObjectState};
+use crate::header::{header_offsets, ObjectState};
 
 /// Operation codes of the `nk_hdr_op` kernel (host access to header atomics).
-pub(crate) mod op {
+pub(super) mod op {
     pub const LD32_RELAXED: u32 = 0;
     pub const LD32_ACQUIRE: u32 = 1;
     pub const LD32_SEQCST: u32 = 2;
@@ -37,7 +37,7 @@ pub(crate) mod op {
 }
 
 /// Reader status codes written by `nk_reader_enter`.
-pub(crate) mod status {
+pub(super) mod status {
     pub const PINNED: u32 = 0;
     pub const NOT_READY: u32 = 1;
     pub const STALE: u32 = 2;
@@ -46,7 +46,7 @@ pub(crate) mod status {
 
 /// Names of the kernels in the module.
 #[cfg(test)]
-pub(crate) const KERNEL_NAMES: [&str; 6] =
+const KERNEL_NAMES: [&str; 6] =
     ["nk_hdr_op", "nk_push_pages", "nk_publish", "nk_reader_enter", "nk_read_pages", "nk_reader_exit"];
 
 const BODY: &str = r#"
@@ -197,20 +197,20 @@ extern "C" __global__ void nk_reader_exit(u64 hdr, const u32* status) {
 
 /// The complete kernel source, with the header offsets and state values
 /// defined from the Rust constants.
-pub fn source() -> String {
+pub(super) fn source() -> String {
     let defs = [
-        ("OFF_KEY_HASH", offsets::KEY_HASH as u32),
-        ("OFF_KEY_FP_HI", offsets::KEY_FP_HI as u32),
-        ("OFF_KEY_LEN", offsets::KEY_LEN as u32),
-        ("OFF_PAYLOAD_BASE", offsets::PAYLOAD_BASE as u32),
-        ("OFF_BYTES_TOTAL", offsets::BYTES_TOTAL as u32),
-        ("OFF_PAGE_SIZE", offsets::PAGE_SIZE as u32),
-        ("OFF_N_PAGES", offsets::N_PAGES as u32),
-        ("OFF_LAST_PAGE_BYTES", offsets::LAST_PAGE_BYTES as u32),
-        ("OFF_EPOCH", offsets::EPOCH as u32),
-        ("OFF_STATE", offsets::STATE as u32),
-        ("OFF_REFCNT", offsets::READER_REFCNT as u32),
-        ("OFF_STATE_TS", offsets::STATE_TS as u32),
+        ("OFF_KEY_HASH", header_offsets::KEY_HASH as u32),
+        ("OFF_KEY_FP_HI", header_offsets::KEY_FP_HI as u32),
+        ("OFF_KEY_LEN", header_offsets::KEY_LEN as u32),
+        ("OFF_PAYLOAD_BASE", header_offsets::PAYLOAD_BASE as u32),
+        ("OFF_BYTES_TOTAL", header_offsets::BYTES_TOTAL as u32),
+        ("OFF_PAGE_SIZE", header_offsets::PAGE_SIZE as u32),
+        ("OFF_N_PAGES", header_offsets::N_PAGES as u32),
+        ("OFF_LAST_PAGE_BYTES", header_offsets::LAST_PAGE_BYTES as u32),
+        ("OFF_EPOCH", header_offsets::EPOCH as u32),
+        ("OFF_STATE", header_offsets::STATE as u32),
+        ("OFF_REFCNT", header_offsets::READER_REFCNT as u32),
+        ("OFF_STATE_TS", header_offsets::STATE_TS as u32),
         ("ST_RESERVED", ObjectState::Reserved.as_u32()),
         ("ST_WRITING", ObjectState::Writing.as_u32()),
         ("ST_READY", ObjectState::Ready.as_u32()),

@@ -10,19 +10,26 @@ use std::sync::Arc;
 use cudarc::driver::{result as cu, sys, CudaContext};
 use parking_lot::Mutex;
 
-use super::{device_count, drv, guarded};
-use crate::device::{check_range, DeviceMemory, DeviceStream, Fence, MemoryLocation, PinnedBuffer};
+use super::driver::{cuda_device_count, drv, guarded};
+use crate::device::{check_range, DeviceMemory, DeviceStream, Fence, MemoryLocation, PageLockedAlloc, PinnedBuffer};
 use crate::error::{GpuError, Result};
 
 /// Page-locked host memory from `cuMemHostAlloc` (portable: usable with every
 /// context), freed with `cuMemFreeHost`.
-pub(crate) struct HostAlloc {
+struct HostAlloc {
     ctx: Arc<CudaContext>,
     ptr: NonNull<u8>,
 }
 
-impl HostAlloc {
-    pub(crate) fn ptr(&self) -> NonNull<u8> {
+// SAFETY: the allocation is owned by this value alone (like a `Box<[u8]>`) and
+// never read or written through it; `cuMemFreeHost` is valid from any thread (Drop
+// binds the context first), and `CudaContext` is itself `Send + Sync`.
+unsafe impl Send for HostAlloc {}
+// SAFETY: shared access only reads the pointer value.
+unsafe impl Sync for HostAlloc {}
+
+impl PageLockedAlloc for HostAlloc {
+    fn ptr(&self) -> NonNull<u8> {
         self.ptr
     }
 }
@@ -79,12 +86,12 @@ impl std::fmt::Debug for DeviceBuffer {
 
 impl DeviceBuffer {
     /// Wraps a `cuMemAlloc` allocation owned from now on by the buffer.
-    pub(crate) fn owned(ctx: Arc<CudaContext>, ordinal: usize, ptr: sys::CUdeviceptr, len: usize) -> Self {
+    pub(super) fn owned(ctx: Arc<CudaContext>, ordinal: usize, ptr: sys::CUdeviceptr, len: usize) -> Self {
         Self { ctx, ordinal, ptr, len, owned: true, streams: Mutex::new(Vec::new()) }
     }
 
     fn context(ordinal: usize) -> Result<Arc<CudaContext>> {
-        let n = device_count()?;
+        let n = cuda_device_count()?;
         if ordinal >= n {
             return Err(GpuError::InvalidArgument(format!("device {ordinal} requested, {n} present")));
         }
@@ -110,13 +117,13 @@ impl DeviceBuffer {
     ///
     /// `ptr .. ptr + len` must be device memory of `ordinal` (in its primary
     /// context, or mapped into it), live for as long as the returned buffer.
-    pub unsafe fn from_raw(ordinal: usize, ptr: sys::CUdeviceptr, len: usize) -> Result<Self> {
+    pub unsafe fn from_raw(ordinal: usize, ptr: u64, len: usize) -> Result<Self> {
         let ctx = Self::context(ordinal)?;
         Ok(Self { ctx, ordinal, ptr, len, owned: false, streams: Mutex::new(Vec::new()) })
     }
 
     /// Device pointer.
-    pub fn ptr(&self) -> sys::CUdeviceptr {
+    pub fn ptr(&self) -> u64 {
         self.ptr
     }
 
@@ -222,7 +229,7 @@ impl DeviceMemory for DeviceBuffer {
             let alloc = HostAlloc { ctx: self.ctx.clone(), ptr };
             // SAFETY: `ptr` is a fresh allocation of at least `len` bytes.
             unsafe { std::ptr::write_bytes(ptr.as_ptr(), 0, len) };
-            Ok(PinnedBuffer::from_cuda(alloc, len))
+            Ok(PinnedBuffer::page_locked(Box::new(alloc), len))
         })
     }
 

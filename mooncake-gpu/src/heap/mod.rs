@@ -1,38 +1,17 @@
 //! Device heaps: the memory an owner's objects live in (header slots + payload
 //! arena), and [`HostHeap`], a host-memory emulation of device memory.
 //!
-//! # Memory-ordering protocol
-//!
-//! The protocol is implemented once, in the provided methods of [`DeviceHeap`]
-//! ([`DeviceHeap::publish`], [`DeviceHeap::read_object`], [`DeviceHeap::retire`]),
-//! on top of a few primitive atomics that every heap implements; the CUDA kernels
-//! implement the same steps with `ld.acquire.sys` / `st.release.sys` /
-//! `atom.*.sys` + `__threadfence_system()`.
-//!
-//! * **Publish** (producer): write every page, then `CAS state WRITING -> READY`
-//!   (SeqCst, which includes Release): a reader that acquires `READY` sees every
-//!   page.
-//! * **Read**: load `state` with Acquire; if `READY`, `reader_refcnt += 1`
-//!   (SeqCst), re-load `state` and `epoch` (SeqCst/Acquire) and verify the key
-//!   identity; copy the pages (tail clamped to `last_page_bytes`);
-//!   `reader_refcnt -= 1` (SeqCst, which includes Release).
-//! * **Retire** (evict/remove/reclaim): `CAS state X -> DEAD` (SeqCst), then load
-//!   `reader_refcnt` (SeqCst). If it is non-zero a reader may be copying: the
-//!   state is put back (`DEAD -> X`) and the caller skips the object. Only when
-//!   it reads 0 may the payload be freed.
-//!
-//! The refcount increment/state re-check on the reader side and the state CAS /
-//! refcount load on the retire side form a Dekker pair; they are SeqCst (one
-//! notch above the Acquire the reference names) because with Acquire/Release
-//! alone both sides could miss each other's write and a reader could copy
-//! memory that is being freed. With SeqCst, either the reader sees `DEAD` and
-//! backs off, or the retirer sees the reader and backs off.
+//! The memory-ordering protocol is documented on [`DeviceHeap`].
 
-use std::sync::atomic::{AtomicU64, Ordering};
+mod host;
+
+use std::sync::atomic::Ordering;
+
+pub use host::{HostHeap, HOST_WORD};
 
 use crate::error::{GpuError, Result};
-use crate::header::{HeaderSnapshot, ObjectHeader, ObjectState, U32Field, U64Field};
-use crate::KeyId;
+use crate::header::{HeaderSnapshot, HeaderU32Field, HeaderU64Field, ObjectState};
+use crate::key::KeyId;
 
 /// Page geometry of one object inside a heap's payload arena.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -158,29 +137,43 @@ pub enum RetireOutcome {
     StateChanged(u32),
 }
 
-fn load_order(o: Ordering) -> Ordering {
-    match o {
-        Ordering::Release | Ordering::AcqRel => Ordering::SeqCst,
-        o => o,
-    }
-}
-
-fn store_order(o: Ordering) -> Ordering {
-    match o {
-        Ordering::Acquire | Ordering::AcqRel => Ordering::SeqCst,
-        o => o,
-    }
-}
-
-/// Memory an owner heap lives in: `header_slots()` 128-byte [`ObjectHeader`]s and
+/// Memory an owner heap lives in: `header_slots()` 128-byte
+/// [`DeviceObjectHeader`](crate::DeviceObjectHeader)s and
 /// a payload arena of `payload_capacity()` bytes.
 ///
 /// Implemented by [`HostHeap`] (host memory emulating the device) and by
-/// `cuda::CudaDeviceHeap` (device memory). Object-safe and `Send + Sync`.
+/// [`CudaDeviceHeap`](crate::CudaDeviceHeap) (device memory). Object-safe and `Send + Sync`.
 ///
 /// Orderings: `load_*`/`store_*` take the ordering to use (a load asked for
 /// `Release`/`AcqRel` or a store asked for `Acquire`/`AcqRel` is done `SeqCst`);
 /// read-modify-write operations are always `SeqCst`.
+///
+/// # Memory-ordering protocol
+///
+/// The protocol is implemented once, in the provided methods of this trait
+/// ([`publish`](Self::publish), [`read_object`](Self::read_object), [`retire`](Self::retire)),
+/// on top of a few primitive atomics that every heap implements; the CUDA kernels
+/// implement the same steps with `ld.acquire.sys` / `st.release.sys` /
+/// `atom.*.sys` + `__threadfence_system()`.
+///
+/// * **Publish** (producer): write every page, then `CAS state WRITING -> READY`
+///   (SeqCst, which includes Release): a reader that acquires `READY` sees every
+///   page.
+/// * **Read**: load `state` with Acquire; if `READY`, `reader_refcnt += 1`
+///   (SeqCst), re-load `state` and `epoch` (SeqCst/Acquire) and verify the key
+///   identity; copy the pages (tail clamped to `last_page_bytes`);
+///   `reader_refcnt -= 1` (SeqCst, which includes Release).
+/// * **Retire** (evict/remove/reclaim): `CAS state X -> DEAD` (SeqCst), then load
+///   `reader_refcnt` (SeqCst). If it is non-zero a reader may be copying: the
+///   state is put back (`DEAD -> X`) and the caller skips the object. Only when
+///   it reads 0 may the payload be freed.
+///
+/// The refcount increment/state re-check on the reader side and the state CAS /
+/// refcount load on the retire side form a Dekker pair; they are SeqCst (one
+/// notch above the Acquire the reference names) because with Acquire/Release
+/// alone both sides could miss each other's write and a reader could copy
+/// memory that is being freed. With SeqCst, either the reader sees `DEAD` and
+/// backs off, or the retirer sees the reader and backs off.
 pub trait DeviceHeap: Send + Sync {
     /// Number of header slots.
     fn header_slots(&self) -> u32;
@@ -202,24 +195,24 @@ pub trait DeviceHeap: Send + Sync {
     /// Release.
     fn write_header(&self, slot: u32, h: &HeaderSnapshot) -> Result<()>;
     /// Atomic load of a 32-bit field.
-    fn load_u32(&self, slot: u32, f: U32Field, order: Ordering) -> Result<u32>;
+    fn load_u32(&self, slot: u32, f: HeaderU32Field, order: Ordering) -> Result<u32>;
     /// Atomic store to a 32-bit field.
-    fn store_u32(&self, slot: u32, f: U32Field, v: u32, order: Ordering) -> Result<()>;
+    fn store_u32(&self, slot: u32, f: HeaderU32Field, v: u32, order: Ordering) -> Result<()>;
     /// SeqCst compare-exchange of a 32-bit field: `Ok(previous)` when it held
     /// `current` and now holds `new`, `Err(actual)` otherwise.
     fn compare_exchange_u32(
         &self,
         slot: u32,
-        f: U32Field,
+        f: HeaderU32Field,
         current: u32,
         new: u32,
     ) -> Result<std::result::Result<u32, u32>>;
     /// SeqCst wrapping add of `delta` (may be negative); returns the previous value.
-    fn fetch_add_u32(&self, slot: u32, f: U32Field, delta: i32) -> Result<u32>;
+    fn fetch_add_u32(&self, slot: u32, f: HeaderU32Field, delta: i32) -> Result<u32>;
     /// Atomic load of a 64-bit field.
-    fn load_u64(&self, slot: u32, f: U64Field, order: Ordering) -> Result<u64>;
+    fn load_u64(&self, slot: u32, f: HeaderU64Field, order: Ordering) -> Result<u64>;
     /// Atomic store to a 64-bit field.
-    fn store_u64(&self, slot: u32, f: U64Field, v: u64, order: Ordering) -> Result<()>;
+    fn store_u64(&self, slot: u32, f: HeaderU64Field, v: u64, order: Ordering) -> Result<()>;
 
     /// Copies `src` into pages `first_page ..` of `span`. `src` must cover whole
     /// pages, except that it may end with the object's (clamped) last page.
@@ -235,19 +228,19 @@ pub trait DeviceHeap: Send + Sync {
     /// Idempotent: publishing an already READY object of the same epoch is Ok.
     /// `Err(Stale)` when the slot was reclaimed or reused.
     fn publish(&self, slot: u32, epoch: u32, now_ns: u64) -> Result<()> {
-        if self.load_u32(slot, U32Field::Epoch, Ordering::Acquire)? != epoch {
+        if self.load_u32(slot, HeaderU32Field::Epoch, Ordering::Acquire)? != epoch {
             return Err(GpuError::Stale);
         }
         let writing = ObjectState::Writing.as_u32();
         let ready = ObjectState::Ready.as_u32();
-        match self.compare_exchange_u32(slot, U32Field::State, writing, ready)? {
+        match self.compare_exchange_u32(slot, HeaderU32Field::State, writing, ready)? {
             Ok(_) => {
-                self.store_u64(slot, U64Field::StateTs, now_ns, Ordering::Relaxed)?;
+                self.store_u64(slot, HeaderU64Field::StateTs, now_ns, Ordering::Relaxed)?;
                 Ok(())
             }
             Err(s) if s == ready => {
                 // Published already (e.g. by the device). Make sure it is ours.
-                if self.load_u32(slot, U32Field::Epoch, Ordering::Acquire)? == epoch {
+                if self.load_u32(slot, HeaderU32Field::Epoch, Ordering::Acquire)? == epoch {
                     Ok(())
                 } else {
                     Err(GpuError::Stale)
@@ -265,16 +258,16 @@ pub trait DeviceHeap: Send + Sync {
     /// `Err(Stale)` if it was retired or the slot reused, `Err(BufferTooSmall)`.
     fn read_object(&self, expect: &ReadExpect, dst: &mut [u8]) -> Result<u64> {
         let slot = expect.slot;
-        let st = self.load_u32(slot, U32Field::State, Ordering::Acquire)?;
+        let st = self.load_u32(slot, HeaderU32Field::State, Ordering::Acquire)?;
         if st != ObjectState::Ready.as_u32() {
-            let same_epoch = self.load_u32(slot, U32Field::Epoch, Ordering::Acquire)? == expect.epoch;
+            let same_epoch = self.load_u32(slot, HeaderU32Field::Epoch, Ordering::Acquire)? == expect.epoch;
             let in_progress = st == ObjectState::Writing.as_u32() || st == ObjectState::Reserved.as_u32();
             return Err(if same_epoch && in_progress { GpuError::NotReady } else { GpuError::Stale });
         }
-        self.fetch_add_u32(slot, U32Field::ReaderRefcnt, 1)?;
+        self.fetch_add_u32(slot, HeaderU32Field::ReaderRefcnt, 1)?;
         let copied = (|| {
-            let st = self.load_u32(slot, U32Field::State, Ordering::SeqCst)?;
-            let ep = self.load_u32(slot, U32Field::Epoch, Ordering::Acquire)?;
+            let st = self.load_u32(slot, HeaderU32Field::State, Ordering::SeqCst)?;
+            let ep = self.load_u32(slot, HeaderU32Field::Epoch, Ordering::Acquire)?;
             if st != ObjectState::Ready.as_u32() || ep != expect.epoch {
                 return Err(GpuError::Stale);
             }
@@ -291,7 +284,7 @@ pub trait DeviceHeap: Send + Sync {
         })();
         // Unpin (SeqCst includes Release: our copy happens-before a retirer
         // that reads the decremented count).
-        self.fetch_add_u32(slot, U32Field::ReaderRefcnt, -1)?;
+        self.fetch_add_u32(slot, HeaderU32Field::ReaderRefcnt, -1)?;
         copied
     }
 
@@ -300,186 +293,16 @@ pub trait DeviceHeap: Send + Sync {
     /// [`RetireOutcome::Pinned`]. On `Retired`, `state_ts` is set to `now_ns`.
     fn retire(&self, slot: u32, from: ObjectState, now_ns: u64) -> Result<RetireOutcome> {
         let dead = ObjectState::Dead.as_u32();
-        if let Err(actual) = self.compare_exchange_u32(slot, U32Field::State, from.as_u32(), dead)? {
+        if let Err(actual) = self.compare_exchange_u32(slot, HeaderU32Field::State, from.as_u32(), dead)? {
             return Ok(RetireOutcome::StateChanged(actual));
         }
-        let readers = self.load_u32(slot, U32Field::ReaderRefcnt, Ordering::SeqCst)?;
+        let readers = self.load_u32(slot, HeaderU32Field::ReaderRefcnt, Ordering::SeqCst)?;
         if readers != 0 {
             // A reader pinned the object before seeing DEAD; give it back.
-            let _ = self.compare_exchange_u32(slot, U32Field::State, dead, from.as_u32())?;
+            let _ = self.compare_exchange_u32(slot, HeaderU32Field::State, dead, from.as_u32())?;
             return Ok(RetireOutcome::Pinned(readers));
         }
-        self.store_u64(slot, U64Field::StateTs, now_ns, Ordering::Relaxed)?;
+        self.store_u64(slot, HeaderU64Field::StateTs, now_ns, Ordering::Relaxed)?;
         Ok(RetireOutcome::Retired)
-    }
-}
-
-/// Alignment of payload bases and of the arena size in [`HostHeap`].
-pub const HOST_WORD: u64 = 8;
-
-/// A [`DeviceHeap`] in host memory that emulates device memory exactly: the same
-/// 128-byte headers, the same state machine, the same atomics and orderings.
-///
-/// The payload arena is an array of `AtomicU64` words accessed with `Relaxed`
-/// loads/stores, the way device memory behaves for plain `ld/st`: a protocol bug
-/// shows up as wrong bytes in a test, never as undefined behaviour.
-/// No `unsafe` code.
-#[derive(Debug)]
-pub struct HostHeap {
-    headers: Box<[ObjectHeader]>,
-    words: Box<[AtomicU64]>,
-    capacity: u64,
-}
-
-impl HostHeap {
-    /// A heap with `header_slots` headers and a `payload_bytes` arena (rounded
-    /// up to a multiple of 8). All headers start `DEAD` with epoch 0.
-    pub fn new(header_slots: u32, payload_bytes: u64) -> Result<Self> {
-        if header_slots == 0 || payload_bytes == 0 {
-            return Err(GpuError::InvalidArgument("a heap needs at least one header slot and one payload byte".into()));
-        }
-        let n_words = usize::try_from(payload_bytes.div_ceil(HOST_WORD))
-            .map_err(|_| GpuError::InvalidArgument("payload too large for this host".into()))?;
-        let headers: Box<[ObjectHeader]> = (0..header_slots)
-            .map(|_| {
-                let h = ObjectHeader::default();
-                h.state.store(ObjectState::Dead.as_u32(), Ordering::Relaxed);
-                h
-            })
-            .collect();
-        let words: Box<[AtomicU64]> = (0..n_words).map(|_| AtomicU64::new(0)).collect();
-        Ok(Self { headers, words, capacity: n_words as u64 * HOST_WORD })
-    }
-
-    /// The header of `slot` (bounds-checked).
-    pub fn header(&self, slot: u32) -> Result<&ObjectHeader> {
-        self.headers
-            .get(slot as usize)
-            .ok_or_else(|| GpuError::OutOfBounds(format!("header slot {slot} of {}", self.headers.len())))
-    }
-
-    fn check_span(&self, span: &PageSpan) -> Result<()> {
-        let end = span.payload_base.checked_add(span.alloc_bytes());
-        if span.payload_base % HOST_WORD != 0 || u64::from(span.page_size) % HOST_WORD != 0 {
-            return Err(GpuError::InvalidArgument(format!(
-                "payload base {} and page size {} must be multiples of {HOST_WORD}",
-                span.payload_base, span.page_size
-            )));
-        }
-        match end {
-            Some(e) if e <= self.capacity => Ok(()),
-            _ => Err(GpuError::OutOfBounds(format!(
-                "span {}+{} outside the {}-byte arena",
-                span.payload_base,
-                span.alloc_bytes(),
-                self.capacity
-            ))),
-        }
-    }
-
-    fn copy_in(&self, byte_off: u64, src: &[u8]) {
-        let mut w = (byte_off / HOST_WORD) as usize;
-        let mut chunks = src.chunks_exact(8);
-        for c in &mut chunks {
-            let v = u64::from_ne_bytes(c.try_into().expect("8-byte chunk"));
-            self.words[w].store(v, Ordering::Relaxed);
-            w += 1;
-        }
-        let rem = chunks.remainder();
-        if !rem.is_empty() {
-            // The rest of this word is the page's own slack: no other object
-            // and no other page shares it.
-            let mut b = self.words[w].load(Ordering::Relaxed).to_ne_bytes();
-            b[..rem.len()].copy_from_slice(rem);
-            self.words[w].store(u64::from_ne_bytes(b), Ordering::Relaxed);
-        }
-    }
-
-    fn copy_out(&self, byte_off: u64, dst: &mut [u8]) {
-        let mut w = (byte_off / HOST_WORD) as usize;
-        let mut chunks = dst.chunks_exact_mut(8);
-        for c in &mut chunks {
-            c.copy_from_slice(&self.words[w].load(Ordering::Relaxed).to_ne_bytes());
-            w += 1;
-        }
-        let rem = chunks.into_remainder();
-        if !rem.is_empty() {
-            let b = self.words[w].load(Ordering::Relaxed).to_ne_bytes();
-            let n = rem.len();
-            rem.copy_from_slice(&b[..n]);
-        }
-    }
-}
-
-impl DeviceHeap for HostHeap {
-    fn header_slots(&self) -> u32 {
-        self.headers.len() as u32
-    }
-
-    fn payload_capacity(&self) -> u64 {
-        self.capacity
-    }
-
-    fn header_addr(&self, slot: u32) -> u64 {
-        self.headers.as_ptr() as u64 + u64::from(slot) * crate::header::HEADER_SIZE as u64
-    }
-
-    fn payload_addr(&self, offset: u64) -> u64 {
-        self.words.as_ptr() as u64 + offset
-    }
-
-    fn read_header(&self, slot: u32) -> Result<HeaderSnapshot> {
-        Ok(self.header(slot)?.snapshot())
-    }
-
-    fn write_header(&self, slot: u32, h: &HeaderSnapshot) -> Result<()> {
-        self.header(slot)?.store_from(h);
-        Ok(())
-    }
-
-    fn load_u32(&self, slot: u32, f: U32Field, order: Ordering) -> Result<u32> {
-        Ok(self.header(slot)?.u32_field(f).load(load_order(order)))
-    }
-
-    fn store_u32(&self, slot: u32, f: U32Field, v: u32, order: Ordering) -> Result<()> {
-        self.header(slot)?.u32_field(f).store(v, store_order(order));
-        Ok(())
-    }
-
-    fn compare_exchange_u32(
-        &self,
-        slot: u32,
-        f: U32Field,
-        current: u32,
-        new: u32,
-    ) -> Result<std::result::Result<u32, u32>> {
-        Ok(self.header(slot)?.u32_field(f).compare_exchange(current, new, Ordering::SeqCst, Ordering::SeqCst))
-    }
-
-    fn fetch_add_u32(&self, slot: u32, f: U32Field, delta: i32) -> Result<u32> {
-        Ok(self.header(slot)?.u32_field(f).fetch_add(delta as u32, Ordering::SeqCst))
-    }
-
-    fn load_u64(&self, slot: u32, f: U64Field, order: Ordering) -> Result<u64> {
-        Ok(self.header(slot)?.u64_field(f).load(load_order(order)))
-    }
-
-    fn store_u64(&self, slot: u32, f: U64Field, v: u64, order: Ordering) -> Result<()> {
-        self.header(slot)?.u64_field(f).store(v, store_order(order));
-        Ok(())
-    }
-
-    fn write_pages(&self, span: &PageSpan, first_page: u32, src: &[u8]) -> Result<u32> {
-        self.check_span(span)?;
-        let n = span.pages_for_len(first_page, src.len())?;
-        self.copy_in(span.page_offset(first_page), src);
-        Ok(n)
-    }
-
-    fn read_pages(&self, span: &PageSpan, first_page: u32, dst: &mut [u8]) -> Result<u32> {
-        self.check_span(span)?;
-        let n = span.pages_for_len(first_page, dst.len())?;
-        self.copy_out(span.page_offset(first_page), dst);
-        Ok(n)
     }
 }

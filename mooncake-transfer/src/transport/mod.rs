@@ -1,6 +1,16 @@
-//! The `Transport` trait: one way of moving bytes to and from a peer's regions.
+//! The [`Transport`] trait: one way of moving bytes to and from a peer's regions,
+//! with its requests and counters; one file per implementation.
+
+mod local;
+mod shm;
+mod tcp;
 
 use std::sync::atomic::{AtomicU64, Ordering};
+
+pub use local::{LocalTransport, LOCAL_SCHEME};
+pub use shm::ShmTransport;
+pub(crate) use tcp::TcpServer;
+pub use tcp::TcpTransport;
 
 use crate::error::Result;
 use crate::region::RemoteRegion;

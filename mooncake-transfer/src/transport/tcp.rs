@@ -10,13 +10,15 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
+use super::{TransferOp, TransferRequest, Transport, TransportStats};
 use crate::auth::SharedSecret;
-use crate::engine::EngineShared;
 use crate::error::{Result, TransferError};
 use crate::frame::{
-    Op, RequestHeader, ResponseHeader, Status, AUTH_MAGIC, MAX_INFO_BYTES, MAX_REQUEST_BYTES, REQUEST_LEN, RESPONSE_LEN,
+    FrameOp, FrameStatus, RequestHeader, ResponseHeader, AUTH_MAGIC, MAX_HANDSHAKE_BYTES, MAX_REQUEST_BYTES,
+    REQUEST_HEADER_LEN, RESPONSE_HEADER_LEN,
 };
-use crate::transport::{TransferOp, TransferRequest, Transport, TransportStats};
+use crate::handshake::{ControlChannel, ShmInfo};
+use crate::registry::RegionRegistry;
 
 /// Requests larger than this are cut into chunks spread over several connections.
 const STRIPE: usize = 1 << 20;
@@ -52,10 +54,10 @@ impl Drop for TcpServer {
 }
 
 impl TcpServer {
-    /// Binds `listener` and serves `engine` on background threads.
+    /// Binds `listener` and serves `regions` on background threads.
     pub(crate) fn start(
         listener: TcpListener,
-        engine: Weak<EngineShared>,
+        regions: Weak<RegionRegistry>,
         host_id: String,
         secret: Option<SharedSecret>,
     ) -> Result<Self> {
@@ -86,14 +88,14 @@ impl TcpServer {
                     if let Ok(c) = conn.try_clone() {
                         conns2.lock().insert(id, c);
                     }
-                    let (engine, stop, host_id) = (engine.clone(), stop2.clone(), host_id.clone());
+                    let (regions, stop, host_id) = (regions.clone(), stop2.clone(), host_id.clone());
                     let (secret, conns) = (secret.clone(), conns2.clone());
                     let spawned = std::thread::Builder::new().name("mooncake-tcp-conn".into()).spawn(move || {
                         let peer = conn.peer_addr().ok();
                         let admitted = secret.as_ref().is_none_or(|s| admit(s, &conn));
                         if !admitted {
                             tracing::warn!(?peer, "transfer peer failed the shared-secret challenge");
-                        } else if let Err(e) = serve(&conn, &engine, &stop, &host_id) {
+                        } else if let Err(e) = serve(&conn, &regions, &stop, &host_id) {
                             tracing::warn!(?peer, error = %e, "closing transfer connection");
                         }
                         conns.lock().remove(&id);
@@ -131,26 +133,26 @@ fn io(e: std::io::Error) -> TransferError {
     TransferError::Io(e.to_string())
 }
 
-fn status_of(e: &TransferError) -> Status {
+fn status_of(e: &TransferError) -> FrameStatus {
     match e {
-        TransferError::OutOfBounds { .. } => Status::OutOfBounds,
-        TransferError::UnknownRegion { .. } => Status::UnknownRegion,
-        _ => Status::Refused,
+        TransferError::OutOfBounds { .. } => FrameStatus::OutOfBounds,
+        TransferError::UnknownRegion { .. } => FrameStatus::UnknownRegion,
+        _ => FrameStatus::Refused,
     }
 }
 
-fn respond(w: &mut impl Write, status: Status, request_id: u64, len: u64) -> Result<()> {
+fn respond(w: &mut impl Write, status: FrameStatus, request_id: u64, len: u64) -> Result<()> {
     w.write_all(&ResponseHeader { status, request_id, len }.encode()).map_err(io)
 }
 
 /// One connection: requests answered in order.
-fn serve(conn: &TcpStream, engine: &Weak<EngineShared>, stop: &AtomicBool, host_id: &str) -> Result<()> {
+fn serve(conn: &TcpStream, regions: &Weak<RegionRegistry>, stop: &AtomicBool, host_id: &str) -> Result<()> {
     let _ = conn.set_nodelay(true);
     // Buffered for headers; payloads larger than the buffer bypass it (`BufReader`
     // reads big requests straight into the destination slice).
     let mut r = BufReader::with_capacity(256 << 10, conn);
     let mut w = BufWriter::with_capacity(256 << 10, conn);
-    let mut header = [0u8; REQUEST_LEN];
+    let mut header = [0u8; REQUEST_HEADER_LEN];
     loop {
         match r.read_exact(&mut header) {
             Ok(()) => {}
@@ -161,39 +163,39 @@ fn serve(conn: &TcpStream, engine: &Weak<EngineShared>, stop: &AtomicBool, host_
             return Ok(());
         }
         let h = RequestHeader::decode(&header).map_err(|e| TransferError::Protocol(e.to_string()))?;
-        let Some(engine) = engine.upgrade() else { return Ok(()) };
-        let region = engine.region(h.region).and_then(|reg| reg.check_bounds(h.offset, h.len).map(|_| reg));
+        let Some(regions) = regions.upgrade() else { return Ok(()) };
+        let region = regions.region(h.region).and_then(|reg| reg.check_bounds(h.offset, h.len).map(|_| reg));
         match (h.op, region) {
-            (Op::Read, Ok(reg)) => {
-                respond(&mut w, Status::Ok, h.request_id, h.len)?;
+            (FrameOp::Read, Ok(reg)) => {
+                respond(&mut w, FrameStatus::Ok, h.request_id, h.len)?;
                 reg.drain_to(h.offset, h.len, &mut w)?;
             }
-            (Op::Write, Ok(reg)) => {
+            (FrameOp::Write, Ok(reg)) => {
                 reg.fill_from(h.offset, h.len, &mut r)?;
-                respond(&mut w, Status::Ok, h.request_id, 0)?;
+                respond(&mut w, FrameStatus::Ok, h.request_id, 0)?;
             }
-            (Op::Write, Err(e)) => {
+            (FrameOp::Write, Err(e)) => {
                 // Refused before one byte was stored; skip the payload to stay in sync.
                 std::io::copy(&mut (&mut r).take(h.len), &mut std::io::sink()).map_err(io)?;
                 respond(&mut w, status_of(&e), h.request_id, 0)?;
             }
-            (Op::Read, Err(e)) => respond(&mut w, status_of(&e), h.request_id, 0)?,
-            (Op::ShmInfo, _) => {
+            (FrameOp::Read, Err(e)) => respond(&mut w, status_of(&e), h.request_id, 0)?,
+            (FrameOp::ShmInfo, _) => {
                 // Regions are looked up without the bounds of the request (len is 0).
-                match engine.region(h.region) {
+                match regions.region(h.region) {
                     Ok(reg) => match reg.shared_fd() {
                         Some((fd, ino)) => {
-                            let payload = shm_info_payload(reg.len(), fd, ino, host_id);
-                            respond(&mut w, Status::Ok, h.request_id, payload.len() as u64)?;
+                            let payload = ShmInfo::encode(reg.len(), fd, ino, host_id);
+                            respond(&mut w, FrameStatus::Ok, h.request_id, payload.len() as u64)?;
                             w.write_all(&payload).map_err(io)?;
                         }
-                        None => respond(&mut w, Status::Refused, h.request_id, 0)?,
+                        None => respond(&mut w, FrameStatus::Refused, h.request_id, 0)?,
                     },
                     Err(e) => respond(&mut w, status_of(&e), h.request_id, 0)?,
                 }
             }
-            (Op::Hello, _) => {
-                respond(&mut w, Status::Ok, h.request_id, host_id.len() as u64)?;
+            (FrameOp::Hello, _) => {
+                respond(&mut w, FrameStatus::Ok, h.request_id, host_id.len() as u64)?;
                 w.write_all(host_id.as_bytes()).map_err(io)?;
             }
         }
@@ -201,38 +203,6 @@ fn serve(conn: &TcpStream, engine: &Weak<EngineShared>, stop: &AtomicBool, host_
         if r.buffer().is_empty() {
             w.flush().map_err(io)?;
         }
-    }
-}
-
-/// `len u64 | pid u32 | fd i32 | inode u64 | host id`.
-fn shm_info_payload(len: u64, fd: i32, ino: u64, host_id: &str) -> Vec<u8> {
-    let mut p = Vec::with_capacity(24 + host_id.len());
-    p.extend_from_slice(&len.to_le_bytes());
-    p.extend_from_slice(&std::process::id().to_le_bytes());
-    p.extend_from_slice(&fd.to_le_bytes());
-    p.extend_from_slice(&ino.to_le_bytes());
-    p.extend_from_slice(host_id.as_bytes());
-    p
-}
-
-/// What a peer said about one of its shared regions.
-pub(crate) struct ShmInfo {
-    pub(crate) len: u64,
-    pub(crate) pid: u32,
-    pub(crate) fd: i32,
-    /// Inode of the memfd: the opened `/proc/<pid>/fd/<fd>` must be this file.
-    pub(crate) ino: u64,
-    pub(crate) host_id: String,
-}
-
-impl ShmInfo {
-    fn decode(p: &[u8]) -> Option<Self> {
-        let len = u64::from_le_bytes(p.get(0..8)?.try_into().ok()?);
-        let pid = u32::from_le_bytes(p.get(8..12)?.try_into().ok()?);
-        let fd = i32::from_le_bytes(p.get(12..16)?.try_into().ok()?);
-        let ino = u64::from_le_bytes(p.get(16..24)?.try_into().ok()?);
-        let host_id = String::from_utf8_lossy(p.get(24..)?).into_owned();
-        Some(Self { len, pid, fd, ino, host_id })
     }
 }
 
@@ -364,9 +334,9 @@ impl TcpTransport {
         {
             let mut w = BufWriter::with_capacity(64 << 10, &conn.stream);
             for c in window.iter() {
-                let (op, len, payload): (Op, usize, Option<&[u8]>) = match &c.op {
-                    TransferOp::Read(b) => (Op::Read, b.len(), None),
-                    TransferOp::Write(b) => (Op::Write, b.len(), Some(b)),
+                let (op, len, payload): (FrameOp, usize, Option<&[u8]>) = match &c.op {
+                    TransferOp::Read(b) => (FrameOp::Read, b.len(), None),
+                    TransferOp::Write(b) => (FrameOp::Write, b.len(), Some(b)),
                 };
                 let h =
                     RequestHeader { op, request_id: conn.next_id, region: c.region, offset: c.offset, len: len as u64 };
@@ -389,7 +359,7 @@ impl TcpTransport {
                 return Err(TransferError::Protocol("response out of order".into()));
             }
             out.push(match (h.status, &mut c.op) {
-                (Status::Ok, TransferOp::Read(dst)) => {
+                (FrameStatus::Ok, TransferOp::Read(dst)) => {
                     if h.len != dst.len() as u64 {
                         return Err(TransferError::Protocol("short read".into()));
                     }
@@ -397,59 +367,44 @@ impl TcpTransport {
                     self.stats.bytes_read.fetch_add(h.len, Ordering::Relaxed);
                     Ok(())
                 }
-                (Status::Ok, TransferOp::Write(src)) => {
+                (FrameStatus::Ok, TransferOp::Write(src)) => {
                     self.stats.bytes_written.fetch_add(src.len() as u64, Ordering::Relaxed);
                     Ok(())
                 }
-                (Status::OutOfBounds, op) => Err(TransferError::OutOfBounds {
+                (FrameStatus::OutOfBounds, op) => Err(TransferError::OutOfBounds {
                     region: c.region,
                     offset: c.offset,
                     len: op.len() as u64,
                     region_len: 0,
                 }),
-                (Status::UnknownRegion, _) => {
+                (FrameStatus::UnknownRegion, _) => {
                     Err(TransferError::UnknownRegion { endpoint: String::new(), region: c.region })
                 }
-                (Status::Refused, _) => Err(TransferError::Protocol("request refused".into())),
+                (FrameStatus::Refused, _) => Err(TransferError::Protocol("request refused".into())),
             });
         }
         Ok(out)
     }
+}
 
-    /// A one-request control exchange (handshakes).
-    fn control(&self, endpoint: &str, op: Op, region: u64) -> Result<(Status, Vec<u8>)> {
+impl ControlChannel for TcpTransport {
+    /// A one-request control exchange on a pooled connection.
+    fn control(&self, endpoint: &str, op: FrameOp, region: u64) -> Result<(FrameStatus, Vec<u8>)> {
         let mut s = self.connect(endpoint)?;
         let h = RequestHeader { op, request_id: 1, region, offset: 0, len: 0 };
         s.write_all(&h.encode()).map_err(io)?;
-        let r = read_response(&s, MAX_INFO_BYTES)?;
+        let r = read_response(&s, MAX_HANDSHAKE_BYTES)?;
         let mut payload = vec![0u8; r.len as usize];
         s.read_exact(&mut payload).map_err(io)?;
         self.give_back(endpoint, s);
         Ok((r.status, payload))
-    }
-
-    /// The host identity a peer reports.
-    pub(crate) fn hello(&self, endpoint: &str) -> Result<String> {
-        let (_, payload) = self.control(endpoint, Op::Hello, 0)?;
-        String::from_utf8(payload).map_err(|_| TransferError::Protocol("host id is not UTF-8".into()))
-    }
-
-    /// How to map one of a peer's regions.
-    pub(crate) fn shm_info(&self, endpoint: &str, region: u64) -> Result<ShmInfo> {
-        match self.control(endpoint, Op::ShmInfo, region)? {
-            (Status::Ok, p) => {
-                ShmInfo::decode(&p).ok_or_else(|| TransferError::Protocol("short shared-memory handshake".into()))
-            }
-            (Status::UnknownRegion, _) => Err(TransferError::UnknownRegion { endpoint: endpoint.to_owned(), region }),
-            _ => Err(TransferError::Protocol("peer refused the shared-memory handshake".into())),
-        }
     }
 }
 
 /// Reads one response header; a listener's authentication challenge where a
 /// response was expected means the peer requires a secret this side lacks.
 fn read_response(mut stream: &TcpStream, max_len: u64) -> Result<ResponseHeader> {
-    let mut header = [0u8; RESPONSE_LEN];
+    let mut header = [0u8; RESPONSE_HEADER_LEN];
     stream.read_exact(&mut header).map_err(|e| {
         if e.kind() == std::io::ErrorKind::UnexpectedEof && header[..4] == AUTH_MAGIC {
             TransferError::Auth("peer requires a shared secret".into())

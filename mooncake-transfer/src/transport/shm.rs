@@ -3,26 +3,16 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, LazyLock};
+use std::sync::Arc;
 
 use parking_lot::RwLock;
 
+use super::tcp::TcpTransport;
+use super::{TransferOp, TransferRequest, Transport, TransportStats};
+use crate::auth::SharedSecret;
 use crate::error::{Result, TransferError};
-use crate::region::RegisteredRegion;
-use crate::tcp::TcpTransport;
-use crate::transport::{TransferOp, TransferRequest, Transport, TransportStats};
-
-/// This host's identity: hostname, boot id and network namespace. Processes in
-/// different network namespaces count as different hosts (they may not share memory
-/// by design, and tests use namespaces to stand for hosts).
-pub fn host_id() -> &'static str {
-    static ID: LazyLock<String> = LazyLock::new(|| {
-        let read = |p: &str| std::fs::read_to_string(p).map(|s| s.trim().to_owned()).unwrap_or_default();
-        let netns = std::fs::read_link("/proc/self/ns/net").map(|p| p.display().to_string()).unwrap_or_default();
-        format!("{}/{}/{}", read("/proc/sys/kernel/hostname"), read("/proc/sys/kernel/random/boot_id"), netns)
-    });
-    &ID
-}
+use crate::handshake::{self, host_id};
+use crate::region::{shared_file_len, RegisteredRegion};
 
 /// A peer's region mapped into this process, and how to tell that it is still the
 /// peer's: the region's revocation word (set by the owner when it unregisters the
@@ -87,7 +77,7 @@ impl ShmTransport {
     }
 
     /// A transport whose handshakes prove `secret` to peers.
-    pub fn with_secret(secret: crate::SharedSecret) -> Self {
+    pub fn with_secret(secret: SharedSecret) -> Self {
         Self { tcp: TcpTransport::with_secret(secret), ..Self::default() }
     }
 
@@ -107,7 +97,7 @@ impl ShmTransport {
                 regions.remove(&region);
             }
         }
-        let info = self.tcp.shm_info(endpoint, region)?;
+        let info = handshake::shm_info(&self.tcp, endpoint, region)?;
         if info.host_id != host_id() {
             return Err(TransferError::Unreachable(format!("{endpoint} is on another host")));
         }
@@ -128,7 +118,7 @@ impl ShmTransport {
         // The descriptor may have been closed and its number reused since the peer
         // answered: map only the very memfd it named, of at least the size it named,
         // and with its size sealed (so the mapping can never lose its backing).
-        if ino != info.ino || meta.len() < crate::region::shared_file_len(info.len)? {
+        if ino != info.ino || meta.len() < shared_file_len(info.len)? {
             return Err(TransferError::Unreachable(format!("{path} is no longer region {region} of {endpoint}")));
         }
         // SAFETY: F_GET_SEALS on a descriptor we own; it takes no argument and
@@ -163,7 +153,7 @@ impl Transport for ShmTransport {
         if let Some(&same) = self.same_host.read().get(endpoint) {
             return same;
         }
-        let same = self.tcp.hello(endpoint).map(|h| h == host_id()).unwrap_or(false);
+        let same = handshake::hello(&self.tcp, endpoint).map(|h| h == host_id()).unwrap_or(false);
         self.same_host.write().insert(endpoint.to_owned(), same);
         same
     }

@@ -1,0 +1,181 @@
+//! [`HostDeviceMemory`]: host memory standing in for a device allocation, with
+//! streams that defer their copies like a device would.
+
+use std::collections::VecDeque;
+use std::fmt;
+
+use parking_lot::RwLock;
+
+use super::{check_range, DeviceMemory, DeviceStream, Fence, MemoryLocation, PinnedBuffer};
+use crate::error::{GpuError, Result};
+
+/// Host memory standing in for a device allocation: the same API as device
+/// memory, for tests and for machines without a GPU.
+///
+/// Its streams defer every copy until the stream is waited on (or dropped),
+/// in order, like a device that has not got to them yet: a caller that reads
+/// or reuses a staging buffer before waiting for its copy sees wrong bytes.
+pub struct HostDeviceMemory {
+    data: RwLock<Box<[u8]>>,
+    base: u64,
+}
+
+impl fmt::Debug for HostDeviceMemory {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("HostDeviceMemory").field("len", &self.len()).finish()
+    }
+}
+
+impl HostDeviceMemory {
+    /// `len` zeroed bytes of emulated device memory (`len >= 1`).
+    pub fn new(len: u64) -> Result<Self> {
+        if len == 0 {
+            return Err(GpuError::InvalidArgument("device memory of zero bytes".into()));
+        }
+        let n = usize::try_from(len)
+            .map_err(|_| GpuError::InvalidArgument(format!("{len} bytes exceed the address space")))?;
+        let data: Box<[u8]> = vec![0u8; n].into_boxed_slice();
+        let base = data.as_ptr() as u64;
+        Ok(Self { data: RwLock::new(data), base })
+    }
+
+    /// A copy of the whole memory (tests: what a kernel would see).
+    pub fn to_vec(&self) -> Vec<u8> {
+        self.data.read().to_vec()
+    }
+
+    /// Runs `f` on the memory's bytes (tests, and a producer "kernel" in the
+    /// emulation writing device memory directly).
+    pub fn with_bytes_mut<R>(&self, f: impl FnOnce(&mut [u8]) -> R) -> R {
+        f(&mut self.data.write())
+    }
+}
+
+impl DeviceMemory for HostDeviceMemory {
+    fn len(&self) -> u64 {
+        self.data.read().len() as u64
+    }
+
+    fn location(&self) -> MemoryLocation {
+        MemoryLocation::Emulated
+    }
+
+    fn device_ptr(&self) -> u64 {
+        self.base
+    }
+
+    fn alloc_pinned(&self, len: usize) -> Result<PinnedBuffer> {
+        PinnedBuffer::unpinned(len)
+    }
+
+    fn open_stream(&self) -> Result<Box<dyn DeviceStream + '_>> {
+        Ok(Box::new(HostStream { mem: self, queue: VecDeque::new(), enqueued: 0, completed: 0 }))
+    }
+}
+
+enum HostOp {
+    ToDevice { src: *const u8, len: usize, offset: usize },
+    FromDevice { dst: *mut u8, len: usize, offset: usize },
+}
+
+/// The emulation's stream: a queue of copies run when waited on.
+struct HostStream<'a> {
+    mem: &'a HostDeviceMemory,
+    queue: VecDeque<HostOp>,
+    enqueued: u64,
+    completed: u64,
+}
+
+impl HostStream<'_> {
+    fn run_until(&mut self, upto: u64) {
+        while self.completed < upto {
+            let Some(op) = self.queue.pop_front() else { break };
+            match op {
+                HostOp::ToDevice { src, len, offset } => {
+                    let mut data = self.mem.data.write();
+                    // SAFETY: the enqueuer promised `src..src+len` readable and
+                    // unchanged until this copy completes (now); the device range
+                    // was bounds-checked when enqueued and the memory never resizes.
+                    let src = unsafe { std::slice::from_raw_parts(src, len) };
+                    data[offset..offset + len].copy_from_slice(src);
+                }
+                HostOp::FromDevice { dst, len, offset } => {
+                    let data = self.mem.data.read();
+                    // SAFETY: the enqueuer promised `dst..dst+len` writable and
+                    // untouched by anyone else until this copy completes (now).
+                    let dst = unsafe { std::slice::from_raw_parts_mut(dst, len) };
+                    dst.copy_from_slice(&data[offset..offset + len]);
+                }
+            }
+            self.completed += 1;
+        }
+    }
+
+    fn device_range(&self, offset: u64, len: usize) -> Result<usize> {
+        check_range(self.mem.len(), offset, len as u64)?;
+        Ok(offset as usize)
+    }
+}
+
+impl DeviceStream for HostStream<'_> {
+    unsafe fn copy_to_device_async(&mut self, src: *const u8, len: usize, dst_offset: u64) -> Result<()> {
+        let offset = self.device_range(dst_offset, len)?;
+        self.queue.push_back(HostOp::ToDevice { src, len, offset });
+        self.enqueued += 1;
+        Ok(())
+    }
+
+    unsafe fn copy_from_device_async(&mut self, dst: *mut u8, len: usize, src_offset: u64) -> Result<()> {
+        let offset = self.device_range(src_offset, len)?;
+        self.queue.push_back(HostOp::FromDevice { dst, len, offset });
+        self.enqueued += 1;
+        Ok(())
+    }
+
+    fn fence(&mut self) -> Result<Fence> {
+        Ok(Fence(self.enqueued))
+    }
+
+    fn wait(&mut self, fence: Fence) -> Result<()> {
+        self.run_until(fence.0.min(self.enqueued));
+        Ok(())
+    }
+
+    fn synchronize(&mut self) -> Result<()> {
+        self.run_until(self.enqueued);
+        Ok(())
+    }
+}
+
+impl Drop for HostStream<'_> {
+    fn drop(&mut self) {
+        // A device finishes what it was given; so does the emulation.
+        self.run_until(self.enqueued);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn emulated_streams_defer_copies_until_waited() {
+        let mem = HostDeviceMemory::new(16).unwrap();
+        let mut src = PinnedBuffer::unpinned(4).unwrap();
+        src.copy_from_slice(&[1, 2, 3, 4]);
+        let mut s = mem.open_stream().unwrap();
+        // SAFETY: `src` lives until after the synchronize below and is only
+        // written before the fence is waited on to show the deferral.
+        unsafe { s.copy_to_device_async(src.as_ptr(), 4, 8).unwrap() };
+        let f = s.fence().unwrap();
+        assert_eq!(mem.to_vec()[8..12], [0, 0, 0, 0], "not copied before the wait");
+        s.wait(f).unwrap();
+        assert_eq!(mem.to_vec()[8..12], [1, 2, 3, 4]);
+        // Out of bounds: refused, nothing enqueued.
+        // SAFETY: nothing is enqueued (the call fails on the bounds check).
+        let r = unsafe { s.copy_to_device_async(src.as_ptr(), 4, 13) };
+        assert!(matches!(r, Err(GpuError::OutOfBounds(_))));
+        s.synchronize().unwrap();
+        assert_eq!(mem.to_vec()[12..], [0, 0, 0, 0]);
+    }
+}
