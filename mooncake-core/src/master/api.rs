@@ -23,8 +23,6 @@ use crate::master::types::{
     ClientId, ClientRegistration, MasterStats, MemoryReplica, ObjectInfo, ObjectRecord, OffloadPlan, RecordUpdate,
     ReplicaList, ReplicatePlan, SegmentInfo,
 };
-#[allow(unused_imports)] // named by the table, used where it expands
-use crate::rpc::wire::WireRegion;
 
 /// The table of master calls. Calls `$m! { .. }` with one entry per call:
 ///

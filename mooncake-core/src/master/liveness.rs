@@ -1,31 +1,9 @@
 //! The monitor thread: client TTLs, the stall grace period, put timeouts, eviction.
 
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
-
-use crate::error::{Error, Result};
 
 use crate::master::service::MasterService;
 use crate::master::types::ClientId;
-
-/// Starts the monitor. It holds only a weak reference and exits once the service is
-/// dropped.
-pub(crate) fn spawn_monitor(service: &Arc<MasterService>) -> Result<()> {
-    let weak = Arc::downgrade(service);
-    let interval = service.config.monitor_interval;
-    service.last_tick_ms.store(service.now_ms(), Ordering::Relaxed);
-    std::thread::Builder::new()
-        .name("mooncake-master-monitor".into())
-        .spawn(move || loop {
-            std::thread::sleep(interval);
-            match weak.upgrade() {
-                Some(service) => service.tick(),
-                None => return,
-            }
-        })
-        .map(|_| ())
-        .map_err(|e| Error::InvalidArgument(format!("cannot start the master monitor: {e}")))
-}
 
 impl MasterService {
     /// One round of the monitor.

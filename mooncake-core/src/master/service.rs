@@ -5,14 +5,14 @@
 //! over the state declared here.
 
 use std::ops::Deref;
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
 use parking_lot::{Mutex, RwLock};
 
 use crate::config::MasterConfig;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::master::object::ObjectIndex;
 use crate::master::segment::{ClientRecord, SegmentTable};
 use crate::master::types::ClientId;
@@ -92,7 +92,7 @@ impl Master {
             eviction: Mutex::new(()),
             last_tick_ms: AtomicU64::new(0),
         });
-        crate::master::liveness::spawn_monitor(&service)?;
+        spawn_monitor(&service)?;
         Ok(Self { service })
     }
 
@@ -117,4 +117,23 @@ impl MasterService {
     pub(crate) fn now_ms(&self) -> u64 {
         self.epoch.elapsed().as_millis() as u64
     }
+}
+
+/// Starts the monitor. It holds only a weak reference and exits once the service is
+/// dropped.
+fn spawn_monitor(service: &Arc<MasterService>) -> Result<()> {
+    let weak = Arc::downgrade(service);
+    let interval = service.config.monitor_interval;
+    service.last_tick_ms.store(service.now_ms(), Ordering::Relaxed);
+    std::thread::Builder::new()
+        .name("mooncake-master-monitor".into())
+        .spawn(move || loop {
+            std::thread::sleep(interval);
+            match weak.upgrade() {
+                Some(service) => service.tick(),
+                None => return,
+            }
+        })
+        .map(|_| ())
+        .map_err(|e| Error::InvalidArgument(format!("cannot start the master monitor: {e}")))
 }

@@ -15,7 +15,8 @@ use crate::master::{
     master_calls, ClientId, ClientRegistration, MasterApi, MasterStats, MemoryReplica, ObjectInfo, ObjectRecord,
     OffloadPlan, RecordUpdate, ReplicaList, ReplicatePlan, SegmentInfo,
 };
-use crate::rpc::convert::{BatchLen, IntoWire, WireReturn};
+use crate::rpc::convert::{BatchLen, IntoWire};
+use crate::rpc::wire::WireReturn;
 use crate::rpc::wire::{
     decode_body, encode_frame, FrameHeader, FrameKind, Request, Response, DEFAULT_MAX_FRAME, HEADER_LEN,
 };

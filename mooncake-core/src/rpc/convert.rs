@@ -7,10 +7,9 @@
 //! back in the borrowed form with [`Lend`] and [`Arg`]. Results travel as
 //! [`WireResult`]s through [`WireReturn`].
 
-use crate::error::{Error, Result};
 use mooncake_transfer::RemoteRegion;
 
-use crate::rpc::wire::{WireError, WireRegion, WireResult};
+use crate::rpc::wire::WireRegion;
 
 /// An argument as the client holds it, turned into what the request carries.
 pub trait IntoWire<W> {
@@ -190,58 +189,3 @@ macro_rules! not_batch {
     ($($t:ty),*) => { $( impl BatchLen for $t {} )* };
 }
 not_batch!(u64, u32, i64, usize, bool, &str, &crate::config::ReplicateConfig, &mooncake_transfer::RemoteRegion);
-
-/// A call's result and its wire form.
-pub trait WireReturn: Sized {
-    /// What the response carries.
-    type Wire;
-    /// Whether the call is a batch call (one result per item).
-    const BATCH: bool;
-    /// The wire form of a result.
-    fn into_wire(self) -> Self::Wire;
-    /// The result a response stands for; `items` is the batch size, if the call is one.
-    fn from_wire(wire: Self::Wire, items: Option<usize>) -> Self;
-    /// The result of a call that got no usable response.
-    fn failed(error: Error, items: Option<usize>) -> Self;
-    /// Whether the wire form carries an error (for metrics).
-    fn is_error(wire: &Self::Wire) -> bool;
-}
-
-impl<T> WireReturn for Result<T> {
-    type Wire = WireResult<T>;
-    const BATCH: bool = false;
-    fn into_wire(self) -> WireResult<T> {
-        self.map_err(WireError::from)
-    }
-    fn from_wire(wire: WireResult<T>, _: Option<usize>) -> Self {
-        wire.map_err(Error::from)
-    }
-    fn failed(error: Error, _: Option<usize>) -> Self {
-        Err(error)
-    }
-    fn is_error(wire: &WireResult<T>) -> bool {
-        wire.is_err()
-    }
-}
-
-impl<T> WireReturn for Vec<Result<T>> {
-    type Wire = Vec<WireResult<T>>;
-    const BATCH: bool = true;
-    fn into_wire(self) -> Vec<WireResult<T>> {
-        self.into_iter().map(|r| r.map_err(WireError::from)).collect()
-    }
-    fn from_wire(wire: Vec<WireResult<T>>, items: Option<usize>) -> Self {
-        match items {
-            Some(n) if n != wire.len() => {
-                Self::failed(Error::MasterUnavailable(format!("batch answer of {} items for {n}", wire.len())), items)
-            }
-            _ => wire.into_iter().map(|r| r.map_err(Error::from)).collect(),
-        }
-    }
-    fn failed(error: Error, items: Option<usize>) -> Self {
-        (0..items.unwrap_or(0)).map(|_| Err(error.clone())).collect()
-    }
-    fn is_error(wire: &Vec<WireResult<T>>) -> bool {
-        wire.iter().any(|r| r.is_err())
-    }
-}

@@ -9,7 +9,8 @@ use mooncake_transfer::SharedSecret;
 
 use crate::error::{Error, Result};
 use crate::master::{master_calls, MasterApi, MasterService};
-use crate::rpc::convert::{Arg, Lend, WireReturn};
+use crate::rpc::convert::{Arg, Lend};
+use crate::rpc::wire::WireReturn;
 
 use super::wire::{
     decode_body, encode_frame, FrameError, FrameHeader, FrameKind, Request, Response, WireError, DEFAULT_MAX_FRAME,
