@@ -26,7 +26,7 @@ use crate::error::{Result, StorageError};
 use crate::io::IoUringEngine;
 
 /// Alignment of slots in the buffer.
-pub const SLOT_ALIGN: u64 = 4096;
+pub(crate) const SLOT_ALIGN: u64 = 4096;
 
 /// Where one object of a batch lies in the buffer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
