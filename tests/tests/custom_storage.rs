@@ -300,12 +300,10 @@ fn hex(key: &str) -> String {
     key.bytes().map(|b| format!("{b:02x}")).collect()
 }
 
+/// The key a file name is the hex of; `None` for any other name.
 fn unhex(name: &str) -> Option<String> {
-    if name.len() % 2 != 0 {
-        return None;
-    }
-    let bytes: Option<Vec<u8>> =
-        (0..name.len()).step_by(2).map(|i| u8::from_str_radix(&name[i..i + 2], 16).ok()).collect();
+    let pair = |c: &[u8]| u8::from_str_radix(std::str::from_utf8(c).ok().filter(|p| p.len() == 2)?, 16).ok();
+    let bytes: Option<Vec<u8>> = name.as_bytes().chunks(2).map(pair).collect();
     String::from_utf8(bytes?).ok()
 }
 

@@ -5,9 +5,9 @@ use super::{DiskEvictionStrategy, UnitId, UnitInfo};
 
 /// Least recently used, with never-read units first.
 ///
-/// As in the reference (whose never-read buckets have `last_access == 0`), units that
-/// were never read are evicted before any unit that was read, oldest first (FIFO among
-/// the unread); then the unit whose last read is the oldest.
+/// As in the C++ Mooncake store (whose never-read buckets have `last_access == 0`),
+/// units that were never read are evicted before any unit that was read, oldest first
+/// (FIFO among the unread); then the unit whose last read is the oldest.
 #[derive(Debug)]
 pub struct LruEviction {
     // list 0: never read, in insertion order; list 1: read, least recent first.
