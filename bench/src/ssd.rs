@@ -31,7 +31,7 @@ use std::time::{Duration, Instant};
 use clap::Args;
 use hdrhistogram::Histogram;
 use mooncake_core::parse_size;
-use mooncake_core::storage::io::AlignedBuf;
+use mooncake_core::storage::AlignedBuf;
 use mooncake_core::storage::{
     direct_io_supported, io_engine, load_into_staging, BackendOptions, BucketBackend, BucketConfig, ClientBuffer,
     FilePerKeyBackend, IoKind, OffsetAllocatorBackend, StorageBackend,

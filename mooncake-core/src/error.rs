@@ -1,6 +1,9 @@
 //! The one error type of the store.
 
+use std::sync::Arc;
+
 use mooncake_alloc::AllocationError;
+use mooncake_storage::StorageError;
 use mooncake_transfer::TransferError;
 
 /// Everything that can go wrong in a store call. Match on the variant; the message is
@@ -44,9 +47,12 @@ pub enum Error {
     /// Moving bytes failed.
     #[error("transport: {0}")]
     Transport(#[from] TransferError),
-    /// The SSD tier failed.
+    /// The SSD tier failed: this client's, or another node's (then the source is a
+    /// [`StorageError::Remote`] with the message that crossed the network). The
+    /// [`StorageError`] is kept as the source, behind an `Arc` so that `Error` stays
+    /// `Clone`.
     #[error("storage: {0}")]
-    Storage(String),
+    Storage(#[source] Arc<StorageError>),
     /// Every replica read back bytes whose checksum does not match the object's.
     /// The bytes are never returned.
     #[error("corrupted: every replica of {0} failed its checksum")]
@@ -59,6 +65,18 @@ impl From<AllocationError> for Error {
             AllocationError::InvalidRequest(m) => Error::InvalidArgument(m),
             AllocationError::InvalidAlignment(a) => Error::InvalidArgument(format!("alignment {a}")),
             other => Error::NoSpace(other.to_string()),
+        }
+    }
+}
+
+/// A storage error as a store error: [`StorageError::NotFound`] is
+/// [`Error::NotFound`] (the object is not there, whichever tier was asked); anything
+/// else is [`Error::Storage`].
+impl From<StorageError> for Error {
+    fn from(e: StorageError) -> Self {
+        match e {
+            StorageError::NotFound(k) => Error::NotFound(k),
+            other => Error::Storage(Arc::new(other)),
         }
     }
 }

@@ -52,6 +52,30 @@ pub enum StorageError {
     /// An operating-system I/O error.
     #[error("i/o error: {0}")]
     Io(#[from] io::Error),
+    /// The SSD tier of another node failed (or answered nonsense); its message, as it
+    /// crossed the network.
+    #[error("{0}")]
+    Remote(String),
+}
+
+/// Errors are equal when their variants and fields are; two I/O errors when their
+/// kind and message are (an [`io::Error`] has no equality of its own).
+impl PartialEq for StorageError {
+    fn eq(&self, other: &Self) -> bool {
+        use StorageError::*;
+        match (self, other) {
+            (NotFound(a), NotFound(b))
+            | (AlreadyExists(a), AlreadyExists(b))
+            | (InvalidArgument(a), InvalidArgument(b))
+            | (Notification(a), Notification(b))
+            | (Remote(a), Remote(b)) => a == b,
+            (NoSpace { needed: a, capacity: b }, NoSpace { needed: c, capacity: d })
+            | (BufferTooSmall { needed: a, got: b }, BufferTooSmall { needed: c, got: d }) => (a, b) == (c, d),
+            (Corrupted { what: a, detail: b }, Corrupted { what: c, detail: d }) => (a, b) == (c, d),
+            (Io(a), Io(b)) => a.kind() == b.kind() && a.to_string() == b.to_string(),
+            _ => false,
+        }
+    }
 }
 
 impl StorageError {

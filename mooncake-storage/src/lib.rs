@@ -9,17 +9,21 @@
 //! * [`StorageBackend`]: a crash-safe disk object store. Three layouts:
 //!   [`BucketBackend`] (default; objects grouped in buckets of a data file and a meta
 //!   file), [`FilePerKeyBackend`] (one file per object in a hash-sharded tree),
-//!   [`OffsetAllocatorBackend`] (records in one preallocated file).
+//!   [`OffsetAllocatorBackend`] (records in one preallocated file). A
+//!   [`BackendFactory`] opens one with the options its owner builds, so that a store
+//!   can be served by a backend of your own.
 //! * [`DiskEvictionStrategy`]: which unit is evicted when a capacity limit is
-//!   reached; [`FifoEviction`] and [`LruEviction`] built in. Eviction is two-phase
-//!   (see [`backend`]): victims leave the index, the [`EvictionListener`] is told,
-//!   then files are deleted once in-flight reads finish.
-//! * [`io`]: the [`IoEngine`] trait, [`IoUringEngine`] (thread-local rings; batched
-//!   reads reported as each completes, pipelined writes, up to 32 requests in flight)
-//!   and [`PosixEngine`], both with optional `O_DIRECT`.
+//!   reached; [`FifoEviction`] and [`LruEviction`] built in ([`EvictionPolicy`] names
+//!   them), an [`EvictionFactory`] makes a fresh one per backend. Eviction is
+//!   two-phase (see [`StorageBackend`]): victims leave the index, the
+//!   [`EvictionListener`] is told, then files are deleted once in-flight reads finish.
+//! * [`IoEngine`]: positional file I/O; [`IoUringEngine`] (thread-local rings;
+//!   batched reads reported as each completes, pipelined writes, up to
+//!   [`QUEUE_DEPTH`] requests in flight) and [`PosixEngine`], both with optional
+//!   `O_DIRECT`.
 //! * [`ClientBuffer`]: a staging area with batch leases and a GC, for serving loads
 //!   to remote clients.
-//! * [`meta`]: on-disk formats and their (fuzzed) parsers.
+//! * On-disk formats ([`BucketMeta`], [`RecordHeader`]) and their fuzzed parsers.
 //!
 //! # Example
 //!
@@ -56,26 +60,27 @@
 #![deny(missing_docs)]
 #![deny(clippy::undocumented_unsafe_blocks)]
 
-pub mod backend;
-pub mod bucket;
-pub mod error;
-pub mod eviction;
-pub mod file_per_key;
-pub mod io;
-pub mod meta;
-pub mod offset_backend;
-pub mod staging;
+mod backend;
+mod error;
+mod eviction;
+mod io;
+mod meta;
+mod staging;
 
 pub use backend::{
-    BackendOptions, BackendStats, EvictionListener, EvictionReport, NotifyError, ObjectMeta, StorageBackend,
+    BackendFactory, BackendOptions, BackendStats, BucketBackend, BucketConfig, DiskEvictionReport, EvictionListener,
+    FilePerKeyBackend, NotifyError, ObjectMeta, OffsetAllocatorBackend, StorageBackend,
 };
-pub use bucket::{BucketBackend, BucketConfig};
 pub use error::{Result, StorageError};
-pub use eviction::{DiskEvictionStrategy, EvictionPolicy, FifoEviction, LruEviction, UnitId};
-pub use file_per_key::FilePerKeyBackend;
-pub use io::{direct_io_supported, io_engine, IoEngine, IoKind, IoUringEngine, PosixEngine};
-pub use meta::{parse_bucket_meta, parse_object_header, BucketEntry, BucketMeta, ObjectHeader};
-pub use offset_backend::OffsetAllocatorBackend;
+pub use eviction::{
+    DiskEvictionStrategy, EvictionFactory, EvictionPolicy, FifoEviction, LruEviction, UnitId, UnitInfo,
+};
+pub use io::{
+    direct_io_supported, io_engine, AlignedBuf, IoEngine, IoFile, IoKind, IoUringEngine, OpenMode, PosixEngine,
+    RawNext, RawRead, RawWrite, RawWriteSource, ReadOp, WriteData, WriteNext, WriteOp, WriteSource, IO_ALIGN,
+    QUEUE_DEPTH,
+};
+pub use meta::{parse_bucket_meta, parse_record_header, BucketEntry, BucketMeta, RecordHeader, MAX_KEY_LEN};
 pub use staging::{load_into_staging, BatchLease, BufferLocation, ClientBuffer, GcThread, SlotGuard, StagingStats};
 
 #[cfg(test)]

@@ -4,51 +4,14 @@
 //! [`StorageError::Corrupted`] on anything it does not accept; none panics (they are
 //! fuzzed by `fuzz/fuzz_targets/storage_meta.rs`). All integers are little-endian.
 //!
-//! # Bucket meta file (`<id>.meta`)
-//!
-//! ```text
-//! magic      8 B   "MCBKMETA"
-//! version    u32   1
-//! flags      u32   0 (anything else is rejected)
-//! bucket_id  u64
-//! data_len   u64   length of the data the `.bucket` file must hold
-//! count      u32   number of entries
-//! count x {
-//!   key_len  u32   1..=4096
-//!   key      key_len bytes, UTF-8
-//!   offset   u64   of the value in the `.bucket` file
-//!   len      u64   of the value (>= 1)
-//!   checksum u32   crc32c of the value
-//! }
-//! crc        u32   crc32c of every byte before it
-//! ```
-//! Entries are sorted by offset, do not overlap, lie within `data_len`, and have
-//! distinct keys.
-//!
-//! # Object header (file-per-key files, offset-allocator records)
-//!
-//! ```text
-//! magic      4 B   "MCOH"
-//! version    u16   1
-//! flags      u16   0 (anything else is rejected)
-//! key_len    u32   1..=4096
-//! value_crc  u32   crc32c of the value
-//! value_len  u64   >= 1
-//! seq        u64   write sequence number (newer wins on recovery)
-//! header_crc u32   crc32c of the 32 bytes above followed by the key
-//! key        key_len bytes, UTF-8
-//! padding    zeros up to the next 4 KiB boundary (value_offset)
-//! value      value_len bytes
-//! ```
-//! The value starts 4 KiB-aligned so it can be read with `O_DIRECT` straight into an
-//! aligned caller buffer.
+//! The formats are described on [`BucketMeta`] and [`RecordHeader`].
 
 use crate::error::{Result, StorageError};
 
 /// Longest key accepted, in bytes.
 pub const MAX_KEY_LEN: usize = 4096;
 /// Alignment of values on disk (and of `O_DIRECT` I/O).
-pub const DISK_ALIGN: u64 = 4096;
+pub(crate) const DISK_ALIGN: u64 = 4096;
 
 const BUCKET_MAGIC: &[u8; 8] = b"MCBKMETA";
 const BUCKET_VERSION: u32 = 1;
@@ -57,16 +20,16 @@ const ENTRY_MIN: usize = 4 + 1 + 8 + 8 + 4;
 
 const HEADER_MAGIC: &[u8; 4] = b"MCOH";
 const HEADER_VERSION: u16 = 1;
-/// Bytes of the fixed part of an [`ObjectHeader`] (before the key).
-pub const OBJECT_HEADER_FIXED: usize = 36;
+/// Bytes of the fixed part of a [`RecordHeader`] (before the key).
+pub(crate) const RECORD_HEADER_FIXED: usize = 36;
 
 /// `x` rounded up to a multiple of [`DISK_ALIGN`].
-pub fn align_up(x: u64) -> u64 {
+pub(crate) fn align_up(x: u64) -> u64 {
     x.div_ceil(DISK_ALIGN) * DISK_ALIGN
 }
 
 /// Checks that a key is 1..=4096 bytes.
-pub fn validate_key(key: &str) -> Result<()> {
+pub(crate) fn validate_key(key: &str) -> Result<()> {
     if key.is_empty() || key.len() > MAX_KEY_LEN {
         return Err(StorageError::InvalidArgument(format!("key length {} not in 1..={MAX_KEY_LEN}", key.len())));
     }
@@ -87,6 +50,27 @@ pub struct BucketEntry {
 }
 
 /// The content of a bucket's `.meta` file.
+///
+/// Its format (integers little-endian):
+///
+/// ```text
+/// magic      8 B   "MCBKMETA"
+/// version    u32   1
+/// flags      u32   0 (anything else is rejected)
+/// bucket_id  u64
+/// data_len   u64   length of the data the `.bucket` file must hold
+/// count      u32   number of entries
+/// count x {
+///   key_len  u32   1..=4096
+///   key      key_len bytes, UTF-8
+///   offset   u64   of the value in the `.bucket` file
+///   len      u64   of the value (>= 1)
+///   checksum u32   crc32c of the value
+/// }
+/// crc        u32   crc32c of every byte before it
+/// ```
+/// Entries are sorted by offset, do not overlap, lie within `data_len`, and have
+/// distinct keys.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BucketMeta {
     /// The bucket's id (also its file name).
@@ -98,7 +82,7 @@ pub struct BucketMeta {
 }
 
 impl BucketMeta {
-    /// Serializes to the meta-file format (see the module docs).
+    /// Serializes to the meta-file format (see [`BucketMeta`]).
     pub fn encode(&self) -> Vec<u8> {
         let mut out = Vec::with_capacity(
             BUCKET_FIXED + 4 + self.entries.iter().map(|e| ENTRY_MIN - 1 + e.key.len()).sum::<usize>(),
@@ -161,8 +145,8 @@ impl<'a> Cursor<'a> {
     }
 }
 
-/// Parses a bucket meta file, checking its checksum and every invariant listed in the
-/// module docs. Never panics.
+/// Parses a bucket meta file, checking its checksum and every invariant listed on
+/// [`BucketMeta`]. Never panics.
 pub fn parse_bucket_meta(bytes: &[u8]) -> Result<BucketMeta> {
     const WHAT: &str = "bucket meta";
     if bytes.len() < BUCKET_FIXED + 4 {
@@ -217,9 +201,28 @@ pub fn parse_bucket_meta(bytes: &[u8]) -> Result<BucketMeta> {
     Ok(BucketMeta { bucket_id, data_len, entries })
 }
 
-/// The header in front of a value in file-per-key files and offset-allocator records.
+/// The header in front of a value in file-per-key files and offset-allocator records:
+/// a record is a header, its key, zero padding to 4 KiB, then the value.
+///
+/// Its format (integers little-endian):
+///
+/// ```text
+/// magic      4 B   "MCOH"
+/// version    u16   1
+/// flags      u16   0 (anything else is rejected)
+/// key_len    u32   1..=4096
+/// value_crc  u32   crc32c of the value
+/// value_len  u64   >= 1
+/// seq        u64   write sequence number (newer wins on recovery)
+/// header_crc u32   crc32c of the 32 bytes above followed by the key
+/// key        key_len bytes, UTF-8
+/// padding    zeros up to the next 4 KiB boundary (value_offset)
+/// value      value_len bytes
+/// ```
+/// The value starts 4 KiB-aligned so it can be read with `O_DIRECT` straight into an
+/// aligned caller buffer.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ObjectHeader {
+pub struct RecordHeader {
     /// The object's key.
     pub key: String,
     /// Length of the value.
@@ -230,10 +233,10 @@ pub struct ObjectHeader {
     pub seq: u64,
 }
 
-impl ObjectHeader {
+impl RecordHeader {
     /// Bytes of the header and key, before padding.
     pub fn encoded_len(&self) -> usize {
-        OBJECT_HEADER_FIXED + self.key.len()
+        RECORD_HEADER_FIXED + self.key.len()
     }
 
     /// Offset of the value from the start of the header: the header and key rounded
@@ -264,15 +267,15 @@ impl ObjectHeader {
     }
 }
 
-/// Whether `bytes` starts with an object-header magic (a cheap pre-check for scans).
-pub fn has_object_header_magic(bytes: &[u8]) -> bool {
+/// Whether `bytes` starts with a record-header magic (a cheap pre-check for scans).
+pub(crate) fn has_record_header_magic(bytes: &[u8]) -> bool {
     bytes.len() >= 4 && &bytes[..4] == HEADER_MAGIC
 }
 
-/// Parses an object header from the start of `bytes` (which may continue with
+/// Parses a record header from the start of `bytes` (which may continue with
 /// padding and value). Never panics.
-pub fn parse_object_header(bytes: &[u8]) -> Result<ObjectHeader> {
-    const WHAT: &str = "object header";
+pub fn parse_record_header(bytes: &[u8]) -> Result<RecordHeader> {
+    const WHAT: &str = "record header";
     let mut c = Cursor { bytes, pos: 0, what: WHAT };
     if c.take(4)? != HEADER_MAGIC {
         return Err(StorageError::corrupted(WHAT, "bad magic"));
@@ -294,7 +297,7 @@ pub fn parse_object_header(bytes: &[u8]) -> Result<ObjectHeader> {
         return Err(StorageError::corrupted(WHAT, format!("key length {key_len}")));
     }
     let key_bytes = c.take(key_len as usize)?;
-    let actual = crc32c::crc32c_append(crc32c::crc32c(&bytes[..OBJECT_HEADER_FIXED - 4]), key_bytes);
+    let actual = crc32c::crc32c_append(crc32c::crc32c(&bytes[..RECORD_HEADER_FIXED - 4]), key_bytes);
     if stored != actual {
         return Err(StorageError::corrupted(WHAT, format!("checksum {stored:#010x} != {actual:#010x}")));
     }
@@ -302,7 +305,7 @@ pub fn parse_object_header(bytes: &[u8]) -> Result<ObjectHeader> {
         return Err(StorageError::corrupted(WHAT, format!("value length {value_len}")));
     }
     let key = String::from_utf8(key_bytes.to_vec()).map_err(|_| StorageError::corrupted(WHAT, "key is not UTF-8"))?;
-    Ok(ObjectHeader { key, value_len, value_crc, seq })
+    Ok(RecordHeader { key, value_len, value_crc, seq })
 }
 
 #[cfg(test)]
@@ -353,18 +356,18 @@ mod tests {
         #[test]
         fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
             let _ = parse_bucket_meta(&bytes);
-            let _ = parse_object_header(&bytes);
+            let _ = parse_record_header(&bytes);
         }
 
         #[test]
-        fn object_header_roundtrip(key in "[a-zA-Z0-9_]{1,300}", value_len in 1u64..(1 << 40), value_crc in any::<u32>(), seq in any::<u64>(), flip_at in any::<usize>(), flip in 1u8..=255) {
-            let h = ObjectHeader { key, value_len, value_crc, seq };
+        fn record_header_roundtrip(key in "[a-zA-Z0-9_]{1,300}", value_len in 1u64..(1 << 40), value_crc in any::<u32>(), seq in any::<u64>(), flip_at in any::<usize>(), flip in 1u8..=255) {
+            let h = RecordHeader { key, value_len, value_crc, seq };
             let mut bytes = h.encode();
             bytes.resize(h.value_offset() as usize, 0);
-            prop_assert_eq!(parse_object_header(&bytes).unwrap(), h.clone());
+            prop_assert_eq!(parse_record_header(&bytes).unwrap(), h.clone());
             let i = flip_at % h.encoded_len();
             bytes[i] ^= flip;
-            prop_assert!(parse_object_header(&bytes).is_err());
+            prop_assert!(parse_record_header(&bytes).is_err());
         }
     }
 

@@ -1,17 +1,4 @@
 //! [`ClientBuffer`]: the staging area that serves SSD objects to remote clients.
-//!
-//! A remote client asks this node for objects that live only on its disk
-//! (`batch_get_offload_object(keys)`); the node reads them into slots of its
-//! `ClientBuffer` ([`load_into_staging`]) and answers with a [`BatchLease`]
-//! (`batch_id`, the slots' [`BufferLocation`]s, `gc_ttl_ms`). The requester pulls the
-//! bytes with its transfer engine, then releases the batch
-//! ([`ClientBuffer::release`]); a lease never released is reclaimed by
-//! [`ClientBuffer::gc`] once `gc_ttl` has passed.
-//!
-//! The buffer is one anonymous mapping (page-aligned, so also `O_DIRECT`-aligned),
-//! whose space is handed out by an offset allocator with 4 KiB alignment. It can be
-//! registered as the `io_uring` fixed buffer ([`ClientBuffer::register_with_uring`])
-//! and with a transfer engine ([`ClientBuffer::as_ptr`], [`ClientBuffer::len`]).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -26,7 +13,7 @@ use crate::error::{Result, StorageError};
 use crate::io::IoUringEngine;
 
 /// Alignment of slots in the buffer.
-pub const SLOT_ALIGN: u64 = 4096;
+pub(crate) const SLOT_ALIGN: u64 = 4096;
 
 /// Where one object of a batch lies in the buffer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -72,7 +59,21 @@ pub struct StagingStats {
     pub gc_reclaimed: u64,
 }
 
-/// A contiguous, page-aligned staging buffer with batch leases (see the module docs).
+/// A contiguous, page-aligned staging buffer with batch leases, that serves SSD
+/// objects to remote clients.
+///
+/// A remote client asks this node for objects that live only on its disk
+/// (`batch_get_offload_object(keys)`); the node reads them into slots of its
+/// `ClientBuffer` ([`load_into_staging`]) and answers with a [`BatchLease`]
+/// (`batch_id`, the slots' [`BufferLocation`]s, `gc_ttl_ms`). The requester pulls the
+/// bytes with its transfer engine, then releases the batch
+/// ([`ClientBuffer::release`]); a lease never released is reclaimed by
+/// [`ClientBuffer::gc`] once `gc_ttl` has passed.
+///
+/// The buffer is one anonymous mapping (page-aligned, so also `O_DIRECT`-aligned),
+/// whose space is handed out by an offset allocator with 4 KiB alignment. It can be
+/// registered as the `io_uring` fixed buffer ([`ClientBuffer::register_with_uring`])
+/// and with a transfer engine ([`ClientBuffer::as_ptr`], [`ClientBuffer::len`]).
 pub struct ClientBuffer {
     base: *mut u8,
     len: usize,

@@ -48,7 +48,7 @@ fn roundtrip_exact_bytes(env: &Env) {
         assert_eq!(&big[1..=v.len()], &v[..]);
         assert!(big[v.len() + 1..].iter().all(|&x| x == 0xAA), "nothing written past the value");
         // aligned buffer
-        let mut aligned = io::AlignedBuf::zeroed(v.len());
+        let mut aligned = AlignedBuf::zeroed(v.len());
         b.load(k, &mut aligned).unwrap();
         assert_eq!(&aligned[..], &v[..]);
         assert_eq!(b.load_vec(k).unwrap(), *v);
@@ -408,7 +408,7 @@ fn staging_serves_remote_loads(env: &Env) {
 struct Lifo(Vec<UnitId>);
 
 impl DiskEvictionStrategy for Lifo {
-    fn add(&mut self, unit: UnitId) {
+    fn add(&mut self, unit: UnitId, _info: UnitInfo<'_>) {
         if !self.0.contains(&unit) {
             self.0.push(unit);
         }
@@ -455,10 +455,10 @@ fn mixed_sizes_in_one_batch(env: &Env) {
         keys.push(k);
     }
     // large values at a 4 KiB-aligned address too (written without a bounce copy)
-    let aligned: Vec<io::AlignedBuf> = vals
+    let aligned: Vec<AlignedBuf> = vals
         .iter()
         .map(|v| {
-            let mut a = io::AlignedBuf::zeroed(v.len());
+            let mut a = AlignedBuf::zeroed(v.len());
             a.copy_from_slice(v);
             a
         })

@@ -309,7 +309,7 @@ fn errors_are_matchable_and_print_one_line() {
         Error::NoSpace("x".into()),
         Error::MasterUnavailable("x".into()),
         Error::Timeout("x".into()),
-        Error::Storage("x".into()),
+        Error::Storage(mooncake_core::storage::StorageError::Remote("x".into()).into()),
         Error::Corrupted("k".into()),
         Error::Transport(mooncake_transfer::TransferError::UnknownEndpoint("e".into())),
     ] {

@@ -268,7 +268,7 @@ impl From<Error> for WireError {
             Error::BufferTooSmall { needed, capacity } => WireError::BufferTooSmall { needed, capacity },
             Error::InvalidArgument(m) => WireError::InvalidArgument(m),
             Error::UnknownClient(c) => WireError::UnknownClient(c),
-            Error::Storage(m) => WireError::Storage(m),
+            Error::Storage(e) => WireError::Storage(e.to_string()),
             other => WireError::Other(other.to_string()),
         }
     }
@@ -285,7 +285,7 @@ impl From<WireError> for Error {
             WireError::InvalidArgument(m) => Error::InvalidArgument(m),
             WireError::UnknownClient(c) => Error::UnknownClient(c),
             WireError::Other(m) => Error::MasterUnavailable(format!("master error: {m}")),
-            WireError::Storage(m) => Error::Storage(m),
+            WireError::Storage(m) => Error::Storage(mooncake_storage::StorageError::Remote(m).into()),
         }
     }
 }

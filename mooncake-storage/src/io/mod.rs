@@ -1,35 +1,5 @@
-//! The I/O layer: positional reads and writes of files, through `io_uring` or POSIX.
-//!
-//! An [`IoEngine`] provides four raw operations ([`raw_read`](IoEngine::raw_read),
-//! [`raw_write`](IoEngine::raw_write), [`raw_read_batch`](IoEngine::raw_read_batch),
-//! [`sync_data`](IoEngine::sync_data)), may override two more that have sequential
-//! defaults ([`raw_read_each`](IoEngine::raw_read_each),
-//! [`raw_write_stream`](IoEngine::raw_write_stream)), and gets from them, as provided
-//! methods, exact reads and writes that respect `O_DIRECT` rules — one at a time
-//! ([`read_at`](IoEngine::read_at), [`write_at`](IoEngine::write_at)), batched reads
-//! reported as each completes ([`read_batch_each`](IoEngine::read_batch_each)) and
-//! pipelined writes ([`write_stream`](IoEngine::write_stream)). With `O_DIRECT`,
-//! buffers, lengths and offsets must be 4 KiB-aligned, so
-//! * reads whose buffer and offset are aligned go straight into the caller's buffer
-//!   (only an unaligned tail goes through a 4 KiB bounce buffer); other reads go
-//!   through aligned bounce buffers (4 MiB at a time);
-//! * writes must start at an aligned offset; an unaligned tail (or an unaligned
-//!   source buffer) goes through an aligned bounce buffer and **is padded with zeros up
-//!   to the next 4 KiB boundary** — the file may grow to the padded length. The
-//!   on-disk formats of this crate keep every value 4 KiB-aligned for this reason.
-//!
-//! Engines:
-//! * [`IoUringEngine`]: one ring per thread (thread-local, no lock between threads);
-//!   batched reads and streamed writes keep up to [`QUEUE_DEPTH`] requests in flight,
-//!   refilling the ring as completions come back; reads into a registered fixed buffer
-//!   use `READ_FIXED`. Falls back to POSIX calls in a thread whose ring cannot be
-//!   created (or while the thread's ring is busy running a caller's callback).
-//! * [`PosixEngine`]: `pread`/`pwrite`, one request at a time, optionally on `O_DIRECT`
-//!   files.
-//!
-//! [`io_engine`] builds either, falling back to POSIX when `io_uring` is unavailable.
-//! Opening a file with `O_DIRECT` on a filesystem that refuses it (tmpfs) falls back
-//! to buffered I/O for that file with a logged warning.
+//! The I/O layer: positional reads and writes of files, through `io_uring` or POSIX
+//! (described on [`IoEngine`]).
 
 mod posix;
 mod stream;
@@ -44,7 +14,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 pub use posix::PosixEngine;
-pub use stream::{RawNext, RawWrite, RawWriteSource, SliceWrites, WriteData, WriteNext, WriteOp, WriteSource};
+pub(crate) use stream::SliceWrites;
+pub use stream::{RawNext, RawWrite, RawWriteSource, WriteData, WriteNext, WriteOp, WriteSource};
 pub use uring::{IoUringEngine, QUEUE_DEPTH};
 
 use crate::error::{Result, StorageError};
@@ -159,7 +130,39 @@ pub struct RawRead {
     pub result: Option<io::Result<usize>>,
 }
 
-/// Positional file I/O. Object-safe; engines are shared by every backend thread.
+/// Positional file I/O, through `io_uring` or POSIX. Object-safe; engines are
+/// shared by every backend thread.
+///
+/// An engine provides four raw operations ([`raw_read`](IoEngine::raw_read),
+/// [`raw_write`](IoEngine::raw_write), [`raw_read_batch`](IoEngine::raw_read_batch),
+/// [`sync_data`](IoEngine::sync_data)), may override two more that have sequential
+/// defaults ([`raw_read_each`](IoEngine::raw_read_each),
+/// [`raw_write_stream`](IoEngine::raw_write_stream)), and gets from them, as provided
+/// methods, exact reads and writes that respect `O_DIRECT` rules — one at a time
+/// ([`read_at`](IoEngine::read_at), [`write_at`](IoEngine::write_at)), batched reads
+/// reported as each completes ([`read_batch_each`](IoEngine::read_batch_each)) and
+/// pipelined writes ([`write_stream`](IoEngine::write_stream)). With `O_DIRECT`,
+/// buffers, lengths and offsets must be 4 KiB-aligned, so
+/// * reads whose buffer and offset are aligned go straight into the caller's buffer
+///   (only an unaligned tail goes through a 4 KiB bounce buffer); other reads go
+///   through aligned bounce buffers (4 MiB at a time);
+/// * writes must start at an aligned offset; an unaligned tail (or an unaligned
+///   source buffer) goes through an aligned bounce buffer and **is padded with zeros up
+///   to the next 4 KiB boundary** — the file may grow to the padded length. The
+///   on-disk formats of this crate keep every value 4 KiB-aligned for this reason.
+///
+/// Engines:
+/// * [`IoUringEngine`]: one ring per thread (thread-local, no lock between threads);
+///   batched reads and streamed writes keep up to [`QUEUE_DEPTH`] requests in flight,
+///   refilling the ring as completions come back; reads into a registered fixed buffer
+///   use `READ_FIXED`. Falls back to POSIX calls in a thread whose ring cannot be
+///   created (or while the thread's ring is busy running a caller's callback).
+/// * [`PosixEngine`]: `pread`/`pwrite`, one request at a time, optionally on `O_DIRECT`
+///   files.
+///
+/// [`io_engine`] builds either, falling back to POSIX when `io_uring` is unavailable.
+/// Opening a file with `O_DIRECT` on a filesystem that refuses it (tmpfs) falls back
+/// to buffered I/O for that file with a logged warning.
 pub trait IoEngine: Send + Sync + std::fmt::Debug {
     /// Short name (`"io_uring"`, `"posix"`).
     fn name(&self) -> &'static str;

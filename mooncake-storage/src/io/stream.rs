@@ -81,7 +81,7 @@ pub trait WriteSource<'a> {
 
 /// A [`WriteSource`] over a slice of `(offset, bytes)`.
 #[derive(Debug)]
-pub struct SliceWrites<'s, 'a> {
+pub(crate) struct SliceWrites<'s, 'a> {
     writes: &'s [(u64, &'a [u8])],
     next: usize,
 }

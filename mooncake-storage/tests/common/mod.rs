@@ -7,7 +7,6 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 
-use mooncake_storage::io::{IoFile, RawRead};
 use mooncake_storage::*;
 
 /// The four I/O variants every backend suite runs over.
@@ -61,7 +60,7 @@ impl Location {
                 use std::os::unix::fs::FileExt;
                 let Ok(f) = std::fs::File::open(p) else { return false };
                 let mut head = vec![0u8; 8192];
-                f.read_exact_at(&mut head, *off).is_ok() && parse_object_header(&head).is_ok_and(|h| &h.key == key)
+                f.read_exact_at(&mut head, *off).is_ok() && parse_record_header(&head).is_ok_and(|h| &h.key == key)
             }
         }
     }

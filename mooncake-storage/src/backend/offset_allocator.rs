@@ -1,30 +1,4 @@
 //! [`OffsetAllocatorBackend`]: records in one preallocated file.
-//!
-//! All objects share `<dir>/kv_cache.data`, whose space is managed by an
-//! [`OffsetAllocator`] with 4 KiB alignment. The index is sharded over 1024 maps (by
-//! xxh64 of the key), each behind its own lock.
-//!
-//! # On-disk format
-//!
-//! Each record starts at a 4 KiB-aligned offset:
-//!
-//! ```text
-//! [ ObjectHeader: magic "MCOH" | version u16 | flags u16 | key_len u32 | value_crc u32
-//!                 | value_len u64 | seq u64 | header_crc u32 | key ]
-//! [ zero padding to the next 4 KiB boundary ]
-//! [ value (value_len bytes) ]
-//! ```
-//!
-//! i.e. the reference's `[key_len | value_len | key | value]` plus a magic, the
-//! value's crc32c, a write sequence number and a crc32c of the header and key (see
-//! [`crate::meta`]), with the value 4 KiB-aligned for `O_DIRECT`.
-//!
-//! **Crash safety and recovery**: a write is acknowledged after `fdatasync`. Removal
-//! and eviction overwrite the record's first 4 KiB with zeros (synced) before its
-//! space is freed. Opening the file scans it (skipping holes with `SEEK_DATA`): a
-//! record counts only if its header checksum holds, it fits the file, and its value
-//! matches its crc32c — a torn or partial record is ignored and its space is free.
-//! Of two valid records of one key the higher `seq` wins (the other is wiped).
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -36,28 +10,39 @@ use mooncake_offset_allocator::{Allocation, OffsetAllocator};
 use parking_lot::{Mutex, RwLock};
 use xxhash_rust::xxh64::xxh64;
 
-use crate::backend::{
-    batch_results, checked_load, validate_batch, BackendOptions, BackendStats, EvictionReport, Notifier, ObjectMeta,
-    Pinned, Pins, ReadPin, StorageBackend,
+use super::files::sync_dir;
+use super::skeleton::{
+    batch_results, checked_load, validate_batch, BackendCore, Layout, Pinned, Pins, ReadPin, Usage, Victims,
 };
+use super::{BackendOptions, BackendStats, DiskEvictionReport, ObjectMeta, StorageBackend};
 use crate::error::{Result, StorageError};
-use crate::eviction::{DiskEvictionStrategy, UnitId};
-use crate::io::{AlignedBuf, IoEngine, IoFile, OpenMode, ReadOp, IO_ALIGN};
-use crate::meta::{align_up, has_object_header_magic, parse_object_header, ObjectHeader, DISK_ALIGN};
+use crate::eviction::{UnitId, UnitInfo};
+use crate::io::{AlignedBuf, IoFile, OpenMode, ReadOp, IO_ALIGN};
+use crate::meta::{
+    align_up, has_record_header_magic, parse_record_header, RecordHeader, DISK_ALIGN, RECORD_HEADER_FIXED,
+};
 
 /// Number of index shards.
-pub const SHARDS: usize = 1024;
+const SHARDS: usize = 1024;
 /// Name of the data file.
-pub const DATA_FILE: &str = "kv_cache.data";
+const DATA_FILE: &str = "kv_cache.data";
 const SCAN_CHUNK: usize = 8 << 20;
 
-struct Rec {
+/// A record in the data file: the unit of eviction of this layout.
+pub(super) struct Rec {
     unit: UnitId,
     meta: ObjectMeta,
     offset: u64,
     value_offset: u64,
     alloc: Mutex<Option<Allocation>>,
     pins: Pins,
+}
+
+impl Rec {
+    /// Bytes of the record's allocation (0 once freed).
+    fn size(&self) -> u64 {
+        self.alloc.lock().as_ref().map_or(0, |a| a.size())
+    }
 }
 
 impl Pinned for Rec {
@@ -69,27 +54,49 @@ impl Pinned for Rec {
 /// One of the 1024 index shards.
 type Shard = RwLock<AHashMap<String, Arc<Rec>>>;
 
+/// Locked before the eviction strategy and the index shards, never after them.
 struct Control {
-    strategy: Box<dyn DiskEvictionStrategy>,
     units: AHashMap<UnitId, String>,
     writing: AHashSet<String>,
 }
 
-/// Records in one preallocated file (see the module docs).
+/// Records in one preallocated file.
+///
+/// All objects share `<dir>/kv_cache.data`, whose space is managed by an
+/// [`OffsetAllocator`] with 4 KiB alignment. The index is sharded over 1024 maps (by
+/// xxh64 of the key), each behind its own lock.
+///
+/// # On-disk format
+///
+/// Each record starts at a 4 KiB-aligned offset:
+///
+/// ```text
+/// [ RecordHeader: magic "MCOH" | version u16 | flags u16 | key_len u32 | value_crc u32
+///                 | value_len u64 | seq u64 | header_crc u32 | key ]
+/// [ zero padding to the next 4 KiB boundary ]
+/// [ value (value_len bytes) ]
+/// ```
+///
+/// i.e. the C++ Mooncake store's `[key_len | value_len | key | value]` plus a magic,
+/// the value's crc32c, a write sequence number and a crc32c of the header and key (see
+/// [`RecordHeader`]), with the value 4 KiB-aligned for `O_DIRECT`.
+///
+/// **Crash safety and recovery**: a write is acknowledged after `fdatasync`. Removal
+/// and eviction overwrite the record's first 4 KiB with zeros (synced) before its
+/// space is freed. Opening the file scans it (skipping holes with `SEEK_DATA`): a
+/// record counts only if its header checksum holds, it fits the file, and its value
+/// matches its crc32c — a torn or partial record is ignored and its space is free.
+/// Of two valid records of one key the higher `seq` wins (the other is wiped).
 pub struct OffsetAllocatorBackend {
     path: PathBuf,
-    io: Arc<dyn IoEngine>,
+    core: BackendCore,
     file: IoFile,
     file_size: u64,
     limit: u64,
     evict_enabled: bool,
-    capacity: Option<u64>,
-    eviction_wait: Duration,
-    verify_on_load: bool,
     shards: Box<[Shard]>,
     alloc: Mutex<OffsetAllocator>,
     ctl: Mutex<Control>,
-    notifier: Notifier,
     next_seq: AtomicU64,
     next_unit: AtomicU64,
     /// Records whose reads outlived `eviction_wait`: freed once unpinned.
@@ -125,7 +132,7 @@ impl OffsetAllocatorBackend {
         std::fs::create_dir_all(dir)?;
         let path = dir.join(DATA_FILE);
         let exists = path.exists();
-        let io = options.io;
+        let io = options.io.clone();
         let file = io.open(&path, if exists { OpenMode::ReadWrite } else { OpenMode::Create })?;
         let mut size = file_size / DISK_ALIGN * DISK_ALIGN;
         let current = file.len()?;
@@ -137,7 +144,7 @@ impl OffsetAllocatorBackend {
             if r != 0 {
                 file.set_len(size)?;
             }
-            crate::backend::sync_dir(dir)?;
+            sync_dir(dir)?;
         }
         let alloc = OffsetAllocator::with_alignment(size, DISK_ALIGN)
             .map_err(|e| StorageError::InvalidArgument(format!("data file of {size} bytes: {e}")))?;
@@ -147,17 +154,13 @@ impl OffsetAllocatorBackend {
             file_size: size,
             limit: options.capacity.map_or(size, |c| c.min(size)),
             evict_enabled: options.capacity.is_some(),
-            capacity: options.capacity,
-            eviction_wait: options.eviction_wait,
-            verify_on_load: options.verify_on_load,
             shards: (0..SHARDS).map(|_| RwLock::new(AHashMap::new())).collect(),
             alloc: Mutex::new(alloc),
-            ctl: Mutex::new(Control { strategy: options.eviction, units: AHashMap::new(), writing: AHashSet::new() }),
-            notifier: Notifier::new(options.listener),
+            ctl: Mutex::new(Control { units: AHashMap::new(), writing: AHashSet::new() }),
             next_seq: AtomicU64::new(1),
             next_unit: AtomicU64::new(1),
             deferred: Mutex::new(Vec::new()),
-            io,
+            core: BackendCore::new(options),
         };
         b.recover()?;
         Ok(b)
@@ -194,7 +197,7 @@ impl OffsetAllocatorBackend {
         let mut pos = 0u64;
         while pos < len {
             let n = (len - pos).min(buf.len() as u64) as usize;
-            self.io.read_at(&self.file, off + pos, &mut buf[..n])?;
+            self.core.io.read_at(&self.file, off + pos, &mut buf[..n])?;
             crc = crc32c::crc32c_append(crc, &buf[..n]);
             pos += n as u64;
         }
@@ -202,7 +205,7 @@ impl OffsetAllocatorBackend {
     }
 
     fn recover(&self) -> Result<()> {
-        let mut found: AHashMap<String, (ObjectHeader, u64)> = AHashMap::new();
+        let mut found: AHashMap<String, (RecordHeader, u64)> = AHashMap::new();
         let mut stale: Vec<u64> = Vec::new();
         let mut chunk = AlignedBuf::zeroed(SCAN_CHUNK);
         let mut chunk_start = 0u64;
@@ -222,14 +225,14 @@ impl OffsetAllocatorBackend {
                     Some(_) => {}
                 }
                 let n = (self.file_size - off).min(SCAN_CHUNK as u64) as usize;
-                self.io.read_at(&self.file, off, &mut chunk[..n])?;
+                self.core.io.read_at(&self.file, off, &mut chunk[..n])?;
                 chunk_start = off;
                 chunk_len = n;
             }
             let at = (off - chunk_start) as usize;
             let block = &chunk[at..chunk_len];
-            if has_object_header_magic(block) {
-                if let Ok(h) = parse_object_header(block) {
+            if has_record_header_magic(block) {
+                if let Ok(h) = parse_record_header(block) {
                     let end = off.checked_add(h.record_len());
                     if let Some(end) = end.filter(|&e| e <= self.file_size) {
                         let crc =
@@ -257,7 +260,7 @@ impl OffsetAllocatorBackend {
         for off in stale {
             self.wipe(off)?;
         }
-        let mut recs: Vec<(ObjectHeader, u64)> = found.into_values().collect();
+        let mut recs: Vec<(RecordHeader, u64)> = found.into_values().collect();
         recs.sort_by_key(|(_, off)| *off);
         let mut alloc = self.alloc.lock();
         let mut placed = Vec::with_capacity(recs.len());
@@ -270,6 +273,7 @@ impl OffsetAllocatorBackend {
         drop(alloc);
         placed.sort_by_key(|(h, _, _)| h.seq);
         let mut ctl = self.ctl.lock();
+        let mut strategy = self.core.strategy.lock();
         let mut max_seq = 0;
         for (h, off, a) in placed {
             max_seq = max_seq.max(h.seq);
@@ -283,7 +287,7 @@ impl OffsetAllocatorBackend {
                 pins: Pins::default(),
             };
             ctl.units.insert(unit, h.key.clone());
-            ctl.strategy.add(unit);
+            strategy.add(unit, UnitInfo { bytes: rec.size(), keys: &[h.key.as_str()] });
             self.shards[shard_of(&h.key)].write().insert(h.key, Arc::new(rec));
         }
         self.next_seq.store(max_seq + 1, Ordering::Relaxed);
@@ -293,7 +297,7 @@ impl OffsetAllocatorBackend {
     /// Overwrites the first 4 KiB of a record with zeros (not synced).
     fn wipe(&self, off: u64) -> Result<()> {
         let zeros = AlignedBuf::zeroed(IO_ALIGN);
-        self.io.write_at(&self.file, off, &zeros)
+        self.core.io.write_at(&self.file, off, &zeros)
     }
 
     fn used(&self) -> u64 {
@@ -317,7 +321,7 @@ impl OffsetAllocatorBackend {
         if freed.is_empty() {
             return;
         }
-        if let Err(e) = self.io.sync_data(&self.file) {
+        if let Err(e) = self.core.io.sync_data(&self.file) {
             tracing::warn!("sync after wiping records failed: {e}");
         }
         let mut alloc = self.alloc.lock();
@@ -341,32 +345,6 @@ impl OffsetAllocatorBackend {
         self.free_records(&ready, Duration::ZERO);
     }
 
-    /// Phase 1: removes victims from the index until `bytes` are freed.
-    fn prepare(&self, bytes: u64) -> Vec<Arc<Rec>> {
-        let mut ctl = self.ctl.lock();
-        let mut victims = Vec::new();
-        let mut freed = 0u64;
-        while freed < bytes {
-            let Some(unit) = ctl.strategy.select_victim() else { break };
-            let Some(key) = ctl.units.remove(&unit) else { continue };
-            if let Some(rec) = self.shards[shard_of(&key)].write().remove(&key) {
-                freed += rec.alloc.lock().as_ref().map_or(0, |a| a.size());
-                victims.push(rec);
-            }
-        }
-        victims
-    }
-
-    fn notify_and_finalize(&self, victims: &[Arc<Rec>]) -> bool {
-        if victims.is_empty() {
-            return true;
-        }
-        let keys = victims.iter().map(|r| r.meta.key.clone()).collect();
-        let notified = self.notifier.notify(keys, victims.len());
-        self.free_records(victims, self.eviction_wait);
-        notified
-    }
-
     /// Allocates `len` bytes within the limit, evicting as needed.
     fn allocate(&self, len: u64) -> Result<Allocation> {
         if len > self.limit {
@@ -387,22 +365,22 @@ impl OffsetAllocatorBackend {
                 return Err(StorageError::NoSpace { needed: len, capacity: self.limit });
             }
             let over = (self.used() + align_up(len)).saturating_sub(self.limit);
-            let victims = self.prepare(over.max(align_up(len)));
-            if victims.is_empty() {
+            let victims = self.select_victims(over.max(align_up(len)));
+            if victims.units.is_empty() {
                 return Err(StorageError::NoSpace { needed: len, capacity: self.limit });
             }
-            self.notify_and_finalize(&victims);
+            self.notify_and_finalize(victims);
         }
     }
 
-    fn write_record(&self, key: &str, value: &[u8], off: u64, seq: u64) -> Result<ObjectHeader> {
+    fn write_record(&self, key: &str, value: &[u8], off: u64, seq: u64) -> Result<RecordHeader> {
         let h =
-            ObjectHeader { key: key.to_owned(), value_len: value.len() as u64, value_crc: crc32c::crc32c(value), seq };
+            RecordHeader { key: key.to_owned(), value_len: value.len() as u64, value_crc: crc32c::crc32c(value), seq };
         let mut head = AlignedBuf::zeroed(h.value_offset() as usize);
         let enc = h.encode();
         head[..enc.len()].copy_from_slice(&enc);
-        self.io.write_at(&self.file, off, &head)?;
-        self.io.write_at(&self.file, off + h.value_offset(), value)?;
+        self.core.io.write_at(&self.file, off, &head)?;
+        self.core.io.write_at(&self.file, off + h.value_offset(), value)?;
         Ok(h)
     }
 }
@@ -429,10 +407,10 @@ impl StorageBackend for OffsetAllocatorBackend {
                 }
             }
         }
-        let mut written: Vec<(usize, ObjectHeader, Allocation)> = Vec::with_capacity(accepted.len());
+        let mut written: Vec<(usize, RecordHeader, Allocation)> = Vec::with_capacity(accepted.len());
         for &i in &accepted {
             let (k, v) = objects[i];
-            let h_len = align_up((crate::meta::OBJECT_HEADER_FIXED + k.len()) as u64) + v.len() as u64;
+            let h_len = align_up((RECORD_HEADER_FIXED + k.len()) as u64) + v.len() as u64;
             let a = match self.allocate(h_len) {
                 Ok(a) => a,
                 Err(e) => {
@@ -449,7 +427,7 @@ impl StorageBackend for OffsetAllocatorBackend {
                 }
             }
         }
-        let synced = if written.is_empty() { Ok(()) } else { self.io.sync_data(&self.file) };
+        let synced = if written.is_empty() { Ok(()) } else { self.core.io.sync_data(&self.file) };
         let mut ctl = self.ctl.lock();
         for &i in &accepted {
             ctl.writing.remove(objects[i].0);
@@ -472,12 +450,12 @@ impl StorageBackend for OffsetAllocatorBackend {
                 pins: Pins::default(),
             };
             ctl.units.insert(unit, h.key.clone());
-            ctl.strategy.add(unit);
+            self.core.strategy.lock().add(unit, UnitInfo { bytes: rec.size(), keys: &[h.key.as_str()] });
             self.shards[shard_of(&h.key)].write().insert(h.key, Arc::new(rec));
             results[i] = Some(Ok(meta));
         }
         drop(ctl);
-        self.notifier.supersede(accepted.iter().map(|&i| objects[i].0));
+        self.core.notifier.supersede(accepted.iter().map(|&i| objects[i].0));
         batch_results(results)
     }
 
@@ -486,8 +464,7 @@ impl StorageBackend for OffsetAllocatorBackend {
     }
 
     fn load(&self, key: &str, buf: &mut [u8]) -> Result<usize> {
-        let mut reqs = [(key, buf)];
-        self.batch_load(&mut reqs).pop().unwrap_or_else(|| Err(StorageError::NotFound(key.to_owned())))
+        self.load_one(key, buf)
     }
 
     fn batch_load(&self, requests: &mut [(&str, &mut [u8])]) -> Vec<Result<usize>> {
@@ -503,12 +480,7 @@ impl StorageBackend for OffsetAllocatorBackend {
                 Some(r) => pinned.push((i, ReadPin::new(r))),
             }
         }
-        {
-            let mut ctl = self.ctl.lock();
-            for (_, pin) in &pinned {
-                ctl.strategy.record_access(pin.0.unit);
-            }
-        }
+        self.core.record_accesses(pinned.iter().map(|(_, pin)| pin.0.unit));
         {
             let mut bufs: Vec<Option<&mut [u8]>> = requests.iter_mut().map(|(_, b)| Some(&mut **b)).collect();
             let mut ops = Vec::with_capacity(pinned.len());
@@ -521,10 +493,10 @@ impl StorageBackend for OffsetAllocatorBackend {
                 });
             }
             // Each value is checked as its read completes, while the others are in flight.
-            self.io.read_batch_each(&mut ops, &mut |j, r| {
+            self.core.io.read_batch_each(&mut ops, &mut |j, r| {
                 let (i, pin) = &pinned[j];
                 let m = &pin.0.meta;
-                results[*i] = Some(checked_load(self.verify_on_load, &m.key, m.len, m.checksum, r));
+                results[*i] = Some(checked_load(self.core.verify_on_load, &m.key, m.len, m.checksum, r));
             });
         }
         drop(pinned);
@@ -537,10 +509,10 @@ impl StorageBackend for OffsetAllocatorBackend {
             let rec =
                 self.shards[shard_of(key)].write().remove(key).ok_or_else(|| StorageError::NotFound(key.to_owned()))?;
             ctl.units.remove(&rec.unit);
-            ctl.strategy.remove(rec.unit);
+            self.core.strategy.lock().remove(rec.unit);
             rec
         };
-        self.free_records(&[rec], self.eviction_wait);
+        self.free_records(&[rec], self.core.eviction_wait);
         Ok(())
     }
 
@@ -556,27 +528,49 @@ impl StorageBackend for OffsetAllocatorBackend {
     }
 
     fn stats(&self) -> BackendStats {
-        let objects: usize = self.shards.iter().map(|s| s.read().len()).sum();
-        BackendStats {
-            backend: self.name(),
-            io: self.io.name(),
-            capacity: Some(self.capacity.map_or(self.file_size, |c| c.min(self.file_size))),
-            used_bytes: self.used(),
-            objects: objects as u64,
-            units: objects as u64,
-            ..self.notifier.stats()
-        }
+        self.snapshot()
     }
 
-    fn evict(&self, bytes: u64) -> Result<EvictionReport> {
-        let victims = self.prepare(bytes);
-        let keys: Vec<String> = victims.iter().map(|r| r.meta.key.clone()).collect();
-        let bytes_freed = victims.iter().map(|r| r.alloc.lock().as_ref().map_or(0, |a| a.size())).sum();
-        let notified = self.notify_and_finalize(&victims);
-        Ok(EvictionReport { keys, bytes_freed, notified })
+    fn evict(&self, bytes: u64) -> Result<DiskEvictionReport> {
+        Ok(self.evict_now(bytes))
     }
 
     fn retry_pending_notifications(&self) -> Result<usize> {
-        self.notifier.retry()
+        self.core.notifier.retry()
+    }
+}
+
+impl Layout for OffsetAllocatorBackend {
+    type Unit = Arc<Rec>;
+
+    fn core(&self) -> &BackendCore {
+        &self.core
+    }
+
+    /// Removes records from the index, in the strategy's order, until `bytes` are freed.
+    fn select_victims(&self, bytes: u64) -> Victims<Arc<Rec>> {
+        let mut ctl = self.ctl.lock();
+        let mut strategy = self.core.strategy.lock();
+        Victims::select(&mut **strategy, bytes, |victim, keys| {
+            let key = ctl.units.remove(&victim)?;
+            let rec = self.shards[shard_of(&key)].write().remove(&key)?;
+            keys.push(key);
+            let freed = rec.size();
+            Some((rec, freed))
+        })
+    }
+
+    fn finalize(&self, records: &[Arc<Rec>]) {
+        self.free_records(records, self.core.eviction_wait);
+    }
+
+    fn usage(&self) -> Usage {
+        let objects = self.shards.iter().map(|s| s.read().len()).sum::<usize>() as u64;
+        Usage {
+            capacity: Some(self.core.capacity.map_or(self.file_size, |c| c.min(self.file_size))),
+            used_bytes: self.used(),
+            objects,
+            units: objects,
+        }
     }
 }

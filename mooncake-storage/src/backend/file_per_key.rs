@@ -1,47 +1,42 @@
 //! [`FilePerKeyBackend`]: one file per object.
-//!
-//! An object with key `k` lives in `<dir>/<h[0..2]>/<h[2..4]>/<h>.obj`, where `h` is
-//! the 32-hex-digit 128-bit hash of `k` (two seeded xxh64) — a two-level sharded
-//! tree that keeps directories small. Each file is an
-//! [`ObjectHeader`] (key, length, crc32c of the value, write sequence; protected by
-//! its own crc32c) padded to 4 KiB, then the value (format in [`crate::meta`]).
-//!
-//! **Crash safety**: a file is written as `<h>.obj.tmp.<seq>`, `fdatasync`ed, renamed
-//! into place, and its directory synced before the write is acknowledged. Opening the
-//! directory deletes temporary files and files whose header is invalid, whose
-//! path does not match their key, or that are shorter than their header says.
-//! Values are checked against their crc32c on load.
-//!
-//! The unit of eviction is the object.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
 
 use ahash::{AHashMap, AHashSet};
-use parking_lot::{Mutex, RwLock};
+use parking_lot::RwLock;
 use xxhash_rust::xxh64::xxh64;
 
-use crate::backend::{
-    batch_results, checked_load, remove_file_quiet, sync_dir, validate_batch, BackendOptions, BackendStats,
-    EvictionReport, Notifier, ObjectMeta, Pinned, Pins, ReadPin, StorageBackend,
+use super::files::{remove_file_quiet, sync_dir};
+use super::skeleton::{
+    batch_results, bytes_over, checked_load, validate_batch, BackendCore, CachedFile, Layout, Pinned, Pins, ReadPin,
+    Usage, Victims,
 };
+use super::{BackendOptions, BackendStats, DiskEvictionReport, ObjectMeta, StorageBackend};
 use crate::error::{Result, StorageError};
-use crate::eviction::{DiskEvictionStrategy, UnitId};
-use crate::io::{AlignedBuf, IoEngine, IoFile, OpenMode, ReadOp};
-use crate::meta::{align_up, parse_object_header, ObjectHeader, MAX_KEY_LEN, OBJECT_HEADER_FIXED};
+use crate::eviction::{UnitId, UnitInfo};
+use crate::io::{AlignedBuf, IoFile, OpenMode, ReadOp};
+use crate::meta::{align_up, parse_record_header, RecordHeader, MAX_KEY_LEN, RECORD_HEADER_FIXED};
 
 const SEED_B: u64 = 0x9E37_79B9_7F4A_7C15;
 
-struct Obj {
+/// A stored object and its file: the unit of eviction of this layout.
+pub(super) struct Obj {
     unit: UnitId,
     meta: ObjectMeta,
     path: PathBuf,
     value_offset: u64,
     disk_len: u64,
     pins: Pins,
-    file: Mutex<Option<Arc<IoFile>>>,
+    file: CachedFile,
+}
+
+impl Obj {
+    /// What the eviction strategy learns of the object's unit.
+    fn info<'a>(&self, keys: &'a [&'a str]) -> UnitInfo<'a> {
+        UnitInfo { bytes: self.disk_len, keys }
+    }
 }
 
 impl Pinned for Obj {
@@ -58,28 +53,32 @@ struct Index {
     used: u64,
 }
 
-struct PendingEviction {
-    objects: Vec<Arc<Obj>>,
-    bytes: u64,
-}
-
-/// One file per object in a hash-sharded directory tree (see the module docs).
+/// One file per object in a hash-sharded directory tree.
+///
+/// An object with key `k` lives in `<dir>/<h[0..2]>/<h[2..4]>/<h>.obj`, where `h` is
+/// the 32-hex-digit 128-bit hash of `k` (two seeded xxh64) — a two-level sharded
+/// tree that keeps directories small. Each file is a
+/// [`RecordHeader`] (key, length, crc32c of the value, write sequence; protected by
+/// its own crc32c) padded to 4 KiB, then the value.
+///
+/// **Crash safety**: a file is written as `<h>.obj.tmp.<seq>`, `fdatasync`ed, renamed
+/// into place, and its directory synced before the write is acknowledged. Opening the
+/// directory deletes temporary files and files whose header is invalid, whose
+/// path does not match their key, or that are shorter than their header says.
+/// Values are checked against their crc32c on load.
+///
+/// The unit of eviction is the object.
 pub struct FilePerKeyBackend {
     dir: PathBuf,
-    io: Arc<dyn IoEngine>,
-    capacity: Option<u64>,
-    eviction_wait: Duration,
-    verify_on_load: bool,
+    core: BackendCore,
     index: RwLock<Index>,
-    strategy: Mutex<Box<dyn DiskEvictionStrategy>>,
-    notifier: Notifier,
     next_seq: AtomicU64,
     next_unit: AtomicU64,
 }
 
 /// Bytes an object takes on disk: its header block and its value padded to 4 KiB.
 fn disk_len(key: &str, value_len: u64) -> u64 {
-    align_up((OBJECT_HEADER_FIXED + key.len()) as u64) + align_up(value_len)
+    align_up((RECORD_HEADER_FIXED + key.len()) as u64) + align_up(value_len)
 }
 
 impl FilePerKeyBackend {
@@ -90,13 +89,8 @@ impl FilePerKeyBackend {
         std::fs::create_dir_all(&dir)?;
         let b = FilePerKeyBackend {
             dir,
-            io: options.io,
-            capacity: options.capacity,
-            eviction_wait: options.eviction_wait,
-            verify_on_load: options.verify_on_load,
+            core: BackendCore::new(options),
             index: RwLock::new(Index::default()),
-            strategy: Mutex::new(options.eviction),
-            notifier: Notifier::new(options.listener),
             next_seq: AtomicU64::new(1),
             next_unit: AtomicU64::new(1),
         };
@@ -113,7 +107,7 @@ impl FilePerKeyBackend {
     }
 
     fn recover(&self) -> Result<()> {
-        let mut found: Vec<(ObjectHeader, PathBuf, u64)> = Vec::new();
+        let mut found: Vec<(RecordHeader, PathBuf, u64)> = Vec::new();
         for l1 in std::fs::read_dir(&self.dir)? {
             let l1 = l1?.path();
             if !l1.is_dir() {
@@ -139,7 +133,7 @@ impl FilePerKeyBackend {
         }
         found.sort_by_key(|(h, _, _)| h.seq);
         let mut idx = self.index.write();
-        let mut strategy = self.strategy.lock();
+        let mut strategy = self.core.strategy.lock();
         let mut max_seq = 0;
         for (h, path, file_len) in found {
             max_seq = max_seq.max(h.seq);
@@ -151,19 +145,19 @@ impl FilePerKeyBackend {
                 value_offset: h.value_offset(),
                 disk_len: file_len.max(disk_len(&h.key, h.value_len)),
                 pins: Pins::default(),
-                file: Mutex::new(None),
+                file: CachedFile::default(),
             };
             idx.used += obj.disk_len;
             idx.units.insert(unit, h.key.clone());
+            strategy.add(unit, obj.info(&[h.key.as_str()]));
             idx.objects.insert(h.key, Arc::new(obj));
-            strategy.add(unit);
         }
         self.next_seq.store(max_seq + 1, Ordering::Relaxed);
         Ok(())
     }
 
     /// Checks one file found on disk; `Ok(None)` for a removed temporary file.
-    fn recover_file(&self, path: &Path) -> Result<Option<(ObjectHeader, u64)>> {
+    fn recover_file(&self, path: &Path) -> Result<Option<(RecordHeader, u64)>> {
         use std::io::Read;
         let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
         if name.contains(".tmp") {
@@ -172,9 +166,9 @@ impl FilePerKeyBackend {
         }
         let mut f = std::fs::File::open(path)?;
         let len = f.metadata()?.len();
-        let mut head = Vec::with_capacity(OBJECT_HEADER_FIXED + MAX_KEY_LEN);
-        f.by_ref().take((OBJECT_HEADER_FIXED + MAX_KEY_LEN) as u64).read_to_end(&mut head)?;
-        let h = parse_object_header(&head)?;
+        let mut head = Vec::with_capacity(RECORD_HEADER_FIXED + MAX_KEY_LEN);
+        f.by_ref().take((RECORD_HEADER_FIXED + MAX_KEY_LEN) as u64).read_to_end(&mut head)?;
+        let h = parse_record_header(&head)?;
         if self.path_for(&h.key) != path {
             return Err(StorageError::corrupted(path.display().to_string(), "file is not at its key's path"));
         }
@@ -184,56 +178,31 @@ impl FilePerKeyBackend {
         Ok(Some((h, len)))
     }
 
-    fn prepare(&self, idx: &mut Index, need: u64, free_at_least: Option<u64>) -> PendingEviction {
-        let mut p = PendingEviction { objects: Vec::new(), bytes: 0 };
-        let mut strategy = self.strategy.lock();
-        loop {
-            let enough = match free_at_least {
-                Some(n) => p.bytes >= n,
-                None => self.capacity.is_none_or(|c| idx.used + need <= c),
-            };
-            if enough {
-                break;
-            }
-            let Some(victim) = strategy.select_victim() else { break };
-            let Some(key) = idx.units.remove(&victim) else { continue };
-            let Some(obj) = idx.objects.remove(&key) else { continue };
+    /// Phase 1 under the index lock: takes objects out of the index, in the
+    /// strategy's order, until `bytes` are freed.
+    fn take_victims(&self, idx: &mut Index, bytes: u64) -> Victims<Arc<Obj>> {
+        let mut strategy = self.core.strategy.lock();
+        Victims::select(&mut **strategy, bytes, |victim, keys| {
+            let key = idx.units.remove(&victim)?;
+            let obj = idx.objects.remove(&key)?;
             idx.used -= obj.disk_len;
-            p.bytes += obj.disk_len;
-            p.objects.push(obj);
-        }
-        idx.used += need;
-        p
-    }
-
-    fn notify_and_finalize(&self, p: PendingEviction) -> bool {
-        if p.objects.is_empty() {
-            return true;
-        }
-        let keys = p.objects.iter().map(|o| o.meta.key.clone()).collect();
-        let notified = self.notifier.notify(keys, p.objects.len());
-        for o in &p.objects {
-            self.delete(o);
-        }
-        notified
+            keys.push(key);
+            let freed = obj.disk_len;
+            Some((obj, freed))
+        })
     }
 
     fn delete(&self, o: &Obj) {
-        if !o.pins.wait_unpinned(self.eviction_wait) {
-            tracing::warn!("{:?}: reads still in flight after {:?}; deleting anyway", o.meta.key, self.eviction_wait);
+        let wait = self.core.eviction_wait;
+        if !o.pins.wait_unpinned(wait) {
+            tracing::warn!("{:?}: reads still in flight after {wait:?}; deleting anyway", o.meta.key);
         }
-        o.file.lock().take();
+        o.file.close();
         remove_file_quiet(&o.path);
     }
 
     fn file_of(&self, o: &Obj) -> Result<Arc<IoFile>> {
-        let mut cached = o.file.lock();
-        if let Some(f) = &*cached {
-            return Ok(f.clone());
-        }
-        let f = Arc::new(self.io.open(&o.path, OpenMode::Read)?);
-        *cached = Some(f.clone());
-        Ok(f)
+        o.file.get_or_open(|| self.core.io.open(&o.path, OpenMode::Read))
     }
 
     /// Writes one object durably under its final name (the directory is synced by
@@ -250,16 +219,17 @@ impl FilePerKeyBackend {
             }
         }
         let h =
-            ObjectHeader { key: key.to_owned(), value_len: value.len() as u64, value_crc: crc32c::crc32c(value), seq };
+            RecordHeader { key: key.to_owned(), value_len: value.len() as u64, value_crc: crc32c::crc32c(value), seq };
         let tmp = path.with_extension(format!("obj.tmp.{seq}"));
+        let io = &self.core.io;
         let res = (|| {
-            let file = self.io.open(&tmp, OpenMode::Create)?;
+            let file = io.open(&tmp, OpenMode::Create)?;
             let mut head = AlignedBuf::zeroed(h.value_offset() as usize);
             let enc = h.encode();
             head[..enc.len()].copy_from_slice(&enc);
-            self.io.write_at(&file, 0, &head)?;
-            self.io.write_at(&file, h.value_offset(), value)?;
-            self.io.sync_data(&file)?;
+            io.write_at(&file, 0, &head)?;
+            io.write_at(&file, h.value_offset(), value)?;
+            io.sync_data(&file)?;
             std::fs::rename(&tmp, &path)?;
             Ok(())
         })();
@@ -274,7 +244,7 @@ impl FilePerKeyBackend {
             value_offset: h.value_offset(),
             disk_len: disk_len(key, h.value_len),
             pins: Pins::default(),
-            file: Mutex::new(None),
+            file: CachedFile::default(),
         })
     }
 }
@@ -296,7 +266,7 @@ impl StorageBackend for FilePerKeyBackend {
                     continue;
                 }
                 let size = disk_len(k, v.len() as u64);
-                if let Some(cap) = self.capacity.filter(|&c| need + size > c) {
+                if let Some(cap) = self.core.capacity.filter(|&c| need + size > c) {
                     results[i] = Some(Err(StorageError::NoSpace { needed: size, capacity: cap }));
                 } else if idx.objects.contains_key(*k) || !idx.writing.insert(k.to_string()) {
                     results[i] = Some(Err(StorageError::AlreadyExists(k.to_string())));
@@ -306,10 +276,17 @@ impl StorageBackend for FilePerKeyBackend {
                 }
             }
         }
-        let pending = self.prepare(&mut self.index.write(), need, None);
+        let capacity = self.core.capacity;
+        let pending = {
+            let mut idx = self.index.write();
+            let over = bytes_over(capacity, idx.used, need);
+            let victims = self.take_victims(&mut idx, over);
+            idx.used += need;
+            victims
+        };
         let over = {
             let idx = self.index.read();
-            self.capacity.filter(|&c| idx.used > c)
+            capacity.filter(|&c| idx.used > c)
         };
         self.notify_and_finalize(pending);
         if let Some(cap) = over {
@@ -344,7 +321,7 @@ impl StorageBackend for FilePerKeyBackend {
         for &i in &accepted {
             idx.writing.remove(objects[i].0);
         }
-        let mut strategy = self.strategy.lock();
+        let mut strategy = self.core.strategy.lock();
         for (i, o) in written {
             if let Some(msg) = &dir_err {
                 remove_file_quiet(&o.path);
@@ -354,12 +331,12 @@ impl StorageBackend for FilePerKeyBackend {
             results[i] = Some(Ok(o.meta.clone()));
             idx.used += o.disk_len;
             idx.units.insert(o.unit, o.meta.key.clone());
-            strategy.add(o.unit);
+            strategy.add(o.unit, o.info(&[o.meta.key.as_str()]));
             idx.objects.insert(o.meta.key.clone(), Arc::new(o));
         }
         drop(strategy);
         drop(idx);
-        self.notifier.supersede(accepted.iter().map(|&i| objects[i].0));
+        self.core.notifier.supersede(accepted.iter().map(|&i| objects[i].0));
         batch_results(results)
     }
 
@@ -368,8 +345,7 @@ impl StorageBackend for FilePerKeyBackend {
     }
 
     fn load(&self, key: &str, buf: &mut [u8]) -> Result<usize> {
-        let mut reqs = [(key, buf)];
-        self.batch_load(&mut reqs).pop().unwrap_or_else(|| Err(StorageError::NotFound(key.to_owned())))
+        self.load_one(key, buf)
     }
 
     fn batch_load(&self, requests: &mut [(&str, &mut [u8])]) -> Vec<Result<usize>> {
@@ -388,12 +364,7 @@ impl StorageBackend for FilePerKeyBackend {
                 }
             }
         }
-        {
-            let mut strategy = self.strategy.lock();
-            for (_, pin) in &pinned {
-                strategy.record_access(pin.0.unit);
-            }
-        }
+        self.core.record_accesses(pinned.iter().map(|(_, pin)| pin.0.unit));
         let files: Vec<Option<Arc<IoFile>>> = pinned
             .iter()
             .map(|(i, pin)| match self.file_of(&pin.0) {
@@ -415,10 +386,10 @@ impl StorageBackend for FilePerKeyBackend {
                 op_of.push((*i, pin));
             }
             // Each value is checked as its read completes, while the others are in flight.
-            self.io.read_batch_each(&mut ops, &mut |j, r| {
+            self.core.io.read_batch_each(&mut ops, &mut |j, r| {
                 let (i, pin) = op_of[j];
                 let m = &pin.0.meta;
-                results[i] = Some(checked_load(self.verify_on_load, &m.key, m.len, m.checksum, r));
+                results[i] = Some(checked_load(self.core.verify_on_load, &m.key, m.len, m.checksum, r));
             });
         }
         drop(pinned);
@@ -431,7 +402,7 @@ impl StorageBackend for FilePerKeyBackend {
             let obj = idx.objects.remove(key).ok_or_else(|| StorageError::NotFound(key.to_owned()))?;
             idx.units.remove(&obj.unit);
             idx.used -= obj.disk_len;
-            self.strategy.lock().remove(obj.unit);
+            self.core.strategy.lock().remove(obj.unit);
             obj
         };
         self.delete(&obj);
@@ -447,27 +418,38 @@ impl StorageBackend for FilePerKeyBackend {
     }
 
     fn stats(&self) -> BackendStats {
-        let idx = self.index.read();
-        BackendStats {
-            backend: self.name(),
-            io: self.io.name(),
-            capacity: self.capacity,
-            used_bytes: idx.used,
-            objects: idx.objects.len() as u64,
-            units: idx.objects.len() as u64,
-            ..self.notifier.stats()
-        }
+        self.snapshot()
     }
 
-    fn evict(&self, bytes: u64) -> Result<EvictionReport> {
-        let p = self.prepare(&mut self.index.write(), 0, Some(bytes));
-        let keys: Vec<String> = p.objects.iter().map(|o| o.meta.key.clone()).collect();
-        let bytes_freed = p.bytes;
-        let notified = self.notify_and_finalize(p);
-        Ok(EvictionReport { keys, bytes_freed, notified })
+    fn evict(&self, bytes: u64) -> Result<DiskEvictionReport> {
+        Ok(self.evict_now(bytes))
     }
 
     fn retry_pending_notifications(&self) -> Result<usize> {
-        self.notifier.retry()
+        self.core.notifier.retry()
+    }
+}
+
+impl Layout for FilePerKeyBackend {
+    type Unit = Arc<Obj>;
+
+    fn core(&self) -> &BackendCore {
+        &self.core
+    }
+
+    fn select_victims(&self, bytes: u64) -> Victims<Arc<Obj>> {
+        self.take_victims(&mut self.index.write(), bytes)
+    }
+
+    fn finalize(&self, objects: &[Arc<Obj>]) {
+        for o in objects {
+            self.delete(o);
+        }
+    }
+
+    fn usage(&self) -> Usage {
+        let idx = self.index.read();
+        let objects = idx.objects.len() as u64;
+        Usage { capacity: self.core.capacity, used_bytes: idx.used, objects, units: objects }
     }
 }

@@ -1,45 +1,21 @@
-//! [`BucketBackend`]: objects grouped into buckets, the default layout.
-//!
-//! Each bucket is two files in the backend's directory:
-//! * `<id>.bucket` — the values, each starting at a 4 KiB-aligned offset (zero
-//!   padding between them);
-//! * `<id>.meta` — a [`BucketMeta`]: keys, offsets, lengths and crc32c of every value,
-//!   and a crc32c of the meta file itself (format in [`crate::meta`]).
-//!
-//! Bucket ids are nanosecond timestamps, bumped so they strictly increase (also
-//! across restarts), so id order is creation order (FIFO).
-//!
-//! A bucket's data file is allocated at its full length (`fallocate`), then its values
-//! are streamed in with up to 32 writes in flight while their checksums are computed
-//! (see [`BucketBackend`]'s `write_bucket`); loads check each value as its read
-//! completes.
-//!
-//! **Crash safety**: the data file is written and `fdatasync`ed before the meta file,
-//! which is written to `<id>.meta.tmp`, synced and renamed into place (then the
-//! directory is synced). A bucket without a valid meta file is garbage and is deleted
-//! when the directory is opened; objects whose bytes lie beyond the end of a
-//! (truncated) data file are dropped; every value's crc32c is checked on load. Removing
-//! some keys of a bucket rewrites its meta file (atomically); removing the last one
-//! deletes the bucket. Eviction deletes the meta file before the data file.
-//!
-//! The unit of eviction is the bucket. Reads pin their bucket (an RAII read guard), so an
-//! evicted bucket's files outlive every read that found it.
+//! [`BucketBackend`]: objects grouped into buckets of a data file and a meta file.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Duration;
 
 use ahash::{AHashMap, AHashSet};
 use parking_lot::{Mutex, RwLock};
 
-use crate::backend::{
-    batch_results, checked_load, remove_file_quiet, validate_batch, write_file_atomic, BackendOptions, BackendStats,
-    EvictionReport, Notifier, ObjectMeta, Pinned, Pins, ReadPin, StorageBackend,
+use super::files::{remove_file_quiet, write_file_atomic};
+use super::skeleton::{
+    batch_results, bytes_over, checked_load, validate_batch, BackendCore, CachedFile, Layout, Pinned, Pins, ReadPin,
+    Usage, Victims,
 };
+use super::{BackendOptions, BackendStats, DiskEvictionReport, ObjectMeta, StorageBackend};
 use crate::error::{Result, StorageError};
-use crate::eviction::DiskEvictionStrategy;
-use crate::io::{AlignedBuf, IoEngine, IoFile, OpenMode, ReadOp, WriteData, WriteNext, WriteOp, WriteSource};
+use crate::eviction::UnitInfo;
+use crate::io::{AlignedBuf, IoFile, OpenMode, ReadOp, WriteData, WriteNext, WriteOp, WriteSource};
 use crate::meta::{align_up, parse_bucket_meta, BucketEntry, BucketMeta};
 
 /// Limits of one bucket.
@@ -58,7 +34,8 @@ impl Default for BucketConfig {
     }
 }
 
-struct Bucket {
+/// A bucket: the unit of eviction of this layout.
+pub(super) struct Bucket {
     id: u64,
     /// Bytes of the data file (with padding): what the bucket counts against capacity.
     data_len: u64,
@@ -67,12 +44,25 @@ struct Bucket {
     /// serializes meta rewrites.
     state: Mutex<BucketState>,
     pins: Pins,
-    file: Mutex<Option<Arc<IoFile>>>,
+    file: CachedFile,
 }
 
 struct BucketState {
     live: Vec<bool>,
     deleted: bool,
+}
+
+impl Bucket {
+    /// Keys of the objects the bucket still holds.
+    fn live_keys(&self) -> Vec<&str> {
+        let state = self.state.lock();
+        self.entries.iter().zip(&state.live).filter(|(_, &l)| l).map(|(e, _)| e.key.as_str()).collect()
+    }
+
+    /// What the eviction strategy learns of the bucket holding `keys`.
+    fn info<'a>(&self, keys: &'a [&'a str]) -> UnitInfo<'a> {
+        UnitInfo { bytes: self.data_len, keys }
+    }
 }
 
 impl Pinned for Bucket {
@@ -97,25 +87,38 @@ struct Index {
     used: u64,
 }
 
-/// The bucket layout (see the module docs).
+/// The bucket layout, the default: objects grouped into buckets.
+///
+/// Each bucket is two files in the backend's directory:
+/// * `<id>.bucket` — the values, each starting at a 4 KiB-aligned offset (zero
+///   padding between them);
+/// * `<id>.meta` — a [`BucketMeta`]: keys, offsets, lengths and crc32c of every value,
+///   and a crc32c of the meta file itself (format in [`BucketMeta`]).
+///
+/// Bucket ids are nanosecond timestamps, bumped so they strictly increase (also
+/// across restarts), so id order is creation order (FIFO).
+///
+/// A bucket's data file is allocated at its full length (`fallocate`), then its values
+/// are streamed in with up to 32 writes in flight while their checksums are computed
+/// (`write_bucket`); loads check each value as its read
+/// completes.
+///
+/// **Crash safety**: the data file is written and `fdatasync`ed before the meta file,
+/// which is written to `<id>.meta.tmp`, synced and renamed into place (then the
+/// directory is synced). A bucket without a valid meta file is garbage and is deleted
+/// when the directory is opened; objects whose bytes lie beyond the end of a
+/// (truncated) data file are dropped; every value's crc32c is checked on load. Removing
+/// some keys of a bucket rewrites its meta file (atomically); removing the last one
+/// deletes the bucket. Eviction deletes the meta file before the data file.
+///
+/// The unit of eviction is the bucket. Reads pin their bucket (an RAII read guard), so an
+/// evicted bucket's files outlive every read that found it.
 pub struct BucketBackend {
     dir: PathBuf,
     cfg: BucketConfig,
-    io: Arc<dyn IoEngine>,
-    capacity: Option<u64>,
-    eviction_wait: Duration,
-    verify_on_load: bool,
+    core: BackendCore,
     index: RwLock<Index>,
-    strategy: Mutex<Box<dyn DiskEvictionStrategy>>,
-    notifier: Notifier,
     last_id: Mutex<u64>,
-}
-
-/// Victims removed from the index, awaiting notification and deletion.
-struct PendingEviction {
-    buckets: Vec<Arc<Bucket>>,
-    keys: Vec<String>,
-    bytes: u64,
 }
 
 fn data_path(dir: &Path, id: u64) -> PathBuf {
@@ -128,7 +131,7 @@ fn meta_name(id: u64) -> String {
 
 impl BucketBackend {
     /// Opens (creating if needed) a bucket store in `dir`, recovering every intact
-    /// bucket already there and deleting garbage (see the module docs).
+    /// bucket already there and deleting garbage (see [`BucketBackend`]).
     pub fn open(dir: impl AsRef<Path>, options: BackendOptions, config: BucketConfig) -> Result<Self> {
         if config.bucket_size_limit == 0 || config.bucket_keys_limit == 0 {
             return Err(StorageError::InvalidArgument("bucket limits must be positive".into()));
@@ -138,13 +141,8 @@ impl BucketBackend {
         let b = BucketBackend {
             dir,
             cfg: config,
-            io: options.io,
-            capacity: options.capacity,
-            eviction_wait: options.eviction_wait,
-            verify_on_load: options.verify_on_load,
+            core: BackendCore::new(options),
             index: RwLock::new(Index::default()),
-            strategy: Mutex::new(options.eviction),
-            notifier: Notifier::new(options.listener),
             last_id: Mutex::new(0),
         };
         b.recover()?;
@@ -203,7 +201,7 @@ impl BucketBackend {
             }
         }
         let mut idx = self.index.write();
-        let mut strategy = self.strategy.lock();
+        let mut strategy = self.core.strategy.lock();
         let mut last = 0u64;
         for (id, data) in &datas {
             let Some(meta_path) = metas.remove(id) else {
@@ -220,8 +218,8 @@ impl BucketBackend {
                         }
                     }
                     idx.used += bucket.data_len;
+                    strategy.add(*id, bucket.info(&bucket.live_keys()));
                     idx.buckets.insert(*id, bucket);
-                    strategy.add(*id);
                     last = last.max(*id);
                 }
                 Ok(None) => {
@@ -277,7 +275,7 @@ impl BucketBackend {
             entries: meta.entries,
             state: Mutex::new(BucketState { live, deleted: false }),
             pins: Pins::default(),
-            file: Mutex::new(None),
+            file: CachedFile::default(),
         };
         if changed {
             self.rewrite_meta(&bucket)?;
@@ -308,64 +306,36 @@ impl BucketBackend {
     }
 
     fn file_of(&self, bucket: &Bucket) -> Result<Arc<IoFile>> {
-        let mut cached = bucket.file.lock();
-        if let Some(f) = &*cached {
-            return Ok(f.clone());
-        }
-        let f = Arc::new(self.io.open(&data_path(&self.dir, bucket.id), OpenMode::Read)?);
-        *cached = Some(f.clone());
-        Ok(f)
+        bucket.file.get_or_open(|| self.core.io.open(&data_path(&self.dir, bucket.id), OpenMode::Read))
     }
 
-    /// Phase 1: under the index lock, evicts until `need` more bytes fit (or, with
-    /// `free_at_least`, until that many bytes were freed) and reserves `need`.
-    fn prepare(&self, idx: &mut Index, need: u64, free_at_least: Option<u64>) -> PendingEviction {
-        let mut p = PendingEviction { buckets: Vec::new(), keys: Vec::new(), bytes: 0 };
-        let mut strategy = self.strategy.lock();
-        loop {
-            let enough = match free_at_least {
-                Some(n) => p.bytes >= n,
-                None => self.capacity.is_none_or(|c| idx.used + need <= c),
-            };
-            if enough {
-                break;
-            }
-            let Some(victim) = strategy.select_victim() else { break };
-            let Some(bucket) = idx.buckets.remove(&victim) else { continue };
+    /// Phase 1 under the index lock: takes buckets out of the index, in the
+    /// strategy's order, until `bytes` are freed.
+    fn take_victims(&self, idx: &mut Index, bytes: u64) -> Victims<Arc<Bucket>> {
+        let mut strategy = self.core.strategy.lock();
+        Victims::select(&mut **strategy, bytes, |victim, keys| {
+            let bucket = idx.buckets.remove(&victim)?;
             let state = bucket.state.lock();
             for (i, e) in bucket.entries.iter().enumerate() {
                 if state.live[i] {
                     idx.objects.remove(&e.key);
-                    p.keys.push(e.key.clone());
+                    keys.push(e.key.clone());
                 }
             }
             drop(state);
             idx.used -= bucket.data_len;
-            p.bytes += bucket.data_len;
-            p.buckets.push(bucket);
-        }
-        idx.used += need;
-        p
-    }
-
-    /// Phases 2 and 3.
-    fn notify_and_finalize(&self, p: PendingEviction) -> bool {
-        if p.buckets.is_empty() {
-            return true;
-        }
-        let notified = self.notifier.notify(p.keys, p.buckets.len());
-        for b in &p.buckets {
-            self.delete_bucket(b);
-        }
-        notified
+            let freed = bucket.data_len;
+            Some((bucket, freed))
+        })
     }
 
     /// Finalize: waits for reads, drops the cached handle, deletes meta then data.
     fn delete_bucket(&self, b: &Bucket) {
-        if !b.pins.wait_unpinned(self.eviction_wait) {
-            tracing::warn!("bucket {}: reads still in flight after {:?}; deleting anyway", b.id, self.eviction_wait);
+        let wait = self.core.eviction_wait;
+        if !b.pins.wait_unpinned(wait) {
+            tracing::warn!("bucket {}: reads still in flight after {wait:?}; deleting anyway", b.id);
         }
-        b.file.lock().take();
+        b.file.close();
         let mut state = b.state.lock();
         state.deleted = true;
         remove_file_quiet(&self.dir.join(meta_name(b.id)));
@@ -381,16 +351,17 @@ impl BucketBackend {
     /// then the meta file written: a crash leaves no meta file naming unsynced data.
     fn write_bucket(&self, id: u64, objects: &[(&str, &[u8])]) -> Result<(Vec<BucketEntry>, u64)> {
         let path = data_path(&self.dir, id);
-        let file = self.io.open(&path, OpenMode::Create)?;
+        let io = &self.core.io;
+        let file = io.open(&path, OpenMode::Create)?;
         let total: u64 = objects.iter().map(|(_, v)| align_up(v.len() as u64)).sum();
         file.allocate(total)?;
         let mut writer = BucketWriter::new(objects);
-        self.io.write_stream(&file, &mut writer)?;
+        io.write_stream(&file, &mut writer)?;
         let (entries, off) = writer.finish()?;
         if file.len()? < off {
             file.set_len(off)?;
         }
-        self.io.sync_data(&file)?;
+        io.sync_data(&file)?;
         let meta = BucketMeta { bucket_id: id, data_len: off, entries };
         write_file_atomic(&self.dir, &meta_name(id), &meta.encode())?;
         Ok((meta.entries, off))
@@ -454,9 +425,10 @@ impl StorageBackend for BucketBackend {
                         results[i] = Some(Ok(ObjectMeta { key: e.key.clone(), len: e.len, checksum: e.checksum }));
                     }
                     idx.buckets.insert(bucket.id, bucket.clone());
-                    self.strategy.lock().add(bucket.id);
+                    let keys: Vec<&str> = group.iter().map(|&i| objects[i].0).collect();
+                    self.core.strategy.lock().add(bucket.id, bucket.info(&keys));
                     drop(idx);
-                    self.notifier.supersede(group.iter().map(|&i| objects[i].0));
+                    self.core.notifier.supersede(group.iter().map(|&i| objects[i].0));
                 }
                 Err(e) => {
                     let msg = e.to_string();
@@ -478,8 +450,7 @@ impl StorageBackend for BucketBackend {
     }
 
     fn load(&self, key: &str, buf: &mut [u8]) -> Result<usize> {
-        let mut reqs = [(key, buf)];
-        self.batch_load(&mut reqs).pop().unwrap_or_else(|| Err(StorageError::NotFound(key.to_owned())))
+        self.load_one(key, buf)
     }
 
     fn batch_load(&self, requests: &mut [(&str, &mut [u8])]) -> Vec<Result<usize>> {
@@ -501,12 +472,7 @@ impl StorageBackend for BucketBackend {
                 }
             }
         }
-        {
-            let mut strategy = self.strategy.lock();
-            for (_, pin, _) in &pinned {
-                strategy.record_access(pin.0.id);
-            }
-        }
+        self.core.record_accesses(pinned.iter().map(|(_, pin, _)| pin.0.id));
         // open files, then one batched read
         let mut files = Vec::with_capacity(pinned.len());
         for (i, pin, _) in &pinned {
@@ -530,9 +496,9 @@ impl StorageBackend for BucketBackend {
                 op_of.push((*i, &pin.0.entries[*entry]));
             }
             // Each value is checked as its read completes, while the others are in flight.
-            self.io.read_batch_each(&mut ops, &mut |j, r| {
+            self.core.io.read_batch_each(&mut ops, &mut |j, r| {
                 let (i, e) = op_of[j];
-                results[i] = Some(checked_load(self.verify_on_load, &e.key, e.len, e.checksum, r));
+                results[i] = Some(checked_load(self.core.verify_on_load, &e.key, e.len, e.checksum, r));
             });
         }
         drop(pinned);
@@ -550,7 +516,7 @@ impl StorageBackend for BucketBackend {
             if emptied {
                 idx.buckets.remove(&loc.bucket.id);
                 idx.used -= loc.bucket.data_len;
-                self.strategy.lock().remove(loc.bucket.id);
+                self.core.strategy.lock().remove(loc.bucket.id);
             }
             (loc.bucket, emptied)
         };
@@ -576,42 +542,65 @@ impl StorageBackend for BucketBackend {
     }
 
     fn stats(&self) -> BackendStats {
-        let idx = self.index.read();
-        BackendStats {
-            backend: self.name(),
-            io: self.io.name(),
-            capacity: self.capacity,
-            used_bytes: idx.used,
-            objects: idx.objects.len() as u64,
-            units: idx.buckets.len() as u64,
-            ..self.notifier.stats()
-        }
+        self.snapshot()
     }
 
-    fn evict(&self, bytes: u64) -> Result<EvictionReport> {
-        let p = self.prepare(&mut self.index.write(), 0, Some(bytes));
-        let report = EvictionReport { keys: p.keys.clone(), bytes_freed: p.bytes, notified: true };
-        let notified = self.notify_and_finalize(p);
-        Ok(EvictionReport { notified, ..report })
+    fn evict(&self, bytes: u64) -> Result<DiskEvictionReport> {
+        Ok(self.evict_now(bytes))
     }
 
     fn retry_pending_notifications(&self) -> Result<usize> {
-        self.notifier.retry()
+        self.core.notifier.retry()
+    }
+}
+
+impl Layout for BucketBackend {
+    type Unit = Arc<Bucket>;
+
+    fn core(&self) -> &BackendCore {
+        &self.core
+    }
+
+    fn select_victims(&self, bytes: u64) -> Victims<Arc<Bucket>> {
+        self.take_victims(&mut self.index.write(), bytes)
+    }
+
+    fn finalize(&self, buckets: &[Arc<Bucket>]) {
+        for b in buckets {
+            self.delete_bucket(b);
+        }
+    }
+
+    fn usage(&self) -> Usage {
+        let idx = self.index.read();
+        Usage {
+            capacity: self.core.capacity,
+            used_bytes: idx.used,
+            objects: idx.objects.len() as u64,
+            units: idx.buckets.len() as u64,
+        }
     }
 }
 
 impl BucketBackend {
     /// Reserves space (evicting as needed) and writes one group as a new bucket.
     fn write_group(&self, objects: &[(&str, &[u8])], group: &[usize], size: u64) -> Result<Arc<Bucket>> {
-        if let Some(cap) = self.capacity {
+        let capacity = self.core.capacity;
+        if let Some(cap) = capacity {
             if size > cap {
                 return Err(StorageError::NoSpace { needed: size, capacity: cap });
             }
         }
-        let pending = self.prepare(&mut self.index.write(), size, None);
+        let pending = {
+            let mut idx = self.index.write();
+            let over = bytes_over(capacity, idx.used, size);
+            let victims = self.take_victims(&mut idx, over);
+            idx.used += size;
+            victims
+        };
         let over = {
             let idx = self.index.read();
-            self.capacity.filter(|&c| idx.used > c)
+            capacity.filter(|&c| idx.used > c)
         };
         self.notify_and_finalize(pending);
         if let Some(cap) = over {
@@ -632,7 +621,7 @@ impl BucketBackend {
                     state: Mutex::new(BucketState { live: vec![true; entries.len()], deleted: false }),
                     entries,
                     pins: Pins::default(),
-                    file: Mutex::new(None),
+                    file: CachedFile::default(),
                 }))
             }
             Err(e) => {

@@ -1,0 +1,275 @@
+//! [`FileStorage`]: a client's SSD tier — offload of objects from the client's
+//! segment to its disk, loads back, and recovery of the disk's objects on start.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use mooncake_storage::{
+    direct_io_supported, io_engine, AlignedBuf, BackendOptions, ClientBuffer, EvictionListener, GcThread, IoKind,
+    NotifyError, ObjectMeta, StorageBackend, StorageError,
+};
+use mooncake_transfer::{RegisteredRegion, SharedSecret, TransferEngine};
+
+use super::config::SsdOffloadConfig;
+use super::load_server::{endpoint_host, LoadServer};
+use super::stats::{inc, SsdCounters, SsdStats};
+use crate::error::{Error, Result};
+use crate::master::{ClientId, MasterApi, OffloadPlan, OffloadTask};
+use crate::rpc::wire::DEFAULT_MAX_FRAME;
+use crate::rpc::RpcServer;
+
+/// Objects registered with the master per call when a disk is scanned.
+const REGISTER_CHUNK: usize = 1024;
+
+/// The SSD tier of one client.
+pub(crate) struct FileStorage {
+    backend: Arc<dyn StorageBackend>,
+    staging: Arc<ClientBuffer>,
+    /// The load server (stops when dropped).
+    server: RpcServer,
+    capacity: u64,
+    batch: usize,
+    interval: Duration,
+    counters: Arc<SsdCounters>,
+    _gc: GcThread,
+}
+
+/// Tells the master which keys disk eviction removed, before their files go.
+struct EvictionNotice {
+    master: Arc<dyn MasterApi>,
+    client: Arc<AtomicU64>,
+}
+
+impl EvictionListener for EvictionNotice {
+    fn on_evicted(&self, keys: &[String]) -> std::result::Result<(), NotifyError> {
+        let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+        let client = self.client.load(Ordering::Acquire);
+        for r in self.master.batch_evict_disk_replica(client, &refs) {
+            match r {
+                // The master no longer lists the replica (removed meanwhile): done.
+                Ok(()) | Err(Error::NotFound(_)) => {}
+                Err(e) => return Err(Box::new(e)),
+            }
+        }
+        Ok(())
+    }
+}
+
+impl FileStorage {
+    /// Opens the tier: the backend on `cfg.dir` (recovering what it holds), the
+    /// staging region registered with `engine`, and the load server.
+    pub(crate) fn open(
+        cfg: &SsdOffloadConfig,
+        master: Arc<dyn MasterApi>,
+        client: Arc<AtomicU64>,
+        engine: &TransferEngine,
+        secret: Option<&[u8]>,
+    ) -> Result<Self> {
+        cfg.check()?;
+        std::fs::create_dir_all(&cfg.dir).map_err(|e| {
+            let context = format!("cannot create {}: {e}", cfg.dir.display());
+            Error::from(StorageError::Io(std::io::Error::new(e.kind(), context)))
+        })?;
+        let direct = cfg.direct_io && direct_io_supported(&cfg.dir);
+        let opts = BackendOptions::default()
+            .with_io(io_engine(cfg.io, direct))
+            .with_capacity(cfg.capacity)
+            .with_eviction_boxed(cfg.eviction.build())
+            .with_listener(Arc::new(EvictionNotice { master, client }));
+        let backend = cfg.backend.open(&cfg.dir, opts)?;
+        let region: Arc<RegisteredRegion> = engine.register_region(cfg.staging_size.max(4096))?;
+        let staging_region = engine.remote(region.id());
+        // SAFETY: the region's mapping is page-aligned and lives as long as the `Arc`
+        // handed over as owner; nothing but the staging allocator writes it (peers
+        // only read it through the engine).
+        let staging = Arc::new(unsafe {
+            ClientBuffer::from_raw_parts(region.as_mut_ptr(), region.len() as usize, cfg.gc_ttl, Box::new(region))
+        }?);
+        if cfg.io == IoKind::Uring {
+            // Loads for peers then read straight into registered pages (READ_FIXED).
+            staging.register_with_uring();
+        }
+        let gc = staging.spawn_gc(cfg.gc_ttl / 2);
+        let counters = Arc::new(SsdCounters::default());
+        let listen = match &cfg.listen {
+            Some(a) => a.clone(),
+            None => format!("{}:0", endpoint_host(engine.endpoint())),
+        };
+        let handler = Arc::new(LoadServer {
+            backend: backend.clone(),
+            staging: staging.clone(),
+            region: staging_region,
+            counters: counters.clone(),
+        });
+        let server = RpcServer::serve(&listen, handler, DEFAULT_MAX_FRAME, secret.map(SharedSecret::new))?;
+        tracing::info!(dir = %cfg.dir.display(), backend = backend.name(), direct, server = %server.local_addr(), "SSD tier open");
+        Ok(Self {
+            backend,
+            staging,
+            server,
+            capacity: cfg.capacity,
+            batch: cfg.offload_batch,
+            interval: cfg.heartbeat_interval,
+            counters,
+            _gc: gc,
+        })
+    }
+
+    /// Pause between idle offload heartbeats.
+    pub(crate) fn interval(&self) -> Duration {
+        self.interval
+    }
+
+    /// Offers the tier to the master and registers every object already on disk
+    /// (at start, and again after the master restarted). Stale copies (the master
+    /// holds a different object under the key) are deleted.
+    pub(crate) fn announce(&self, master: &dyn MasterApi, client: ClientId) -> Result<usize> {
+        let mut found: Vec<ObjectMeta> = Vec::new();
+        self.backend.scan_meta(&mut |m| found.push(m.clone()));
+        let mut registered = 0;
+        for chunk in found.chunks(REGISTER_CHUNK) {
+            let items: Vec<(&str, u64, u32)> = chunk.iter().map(|m| (m.key.as_str(), m.len, m.checksum)).collect();
+            for (m, r) in chunk.iter().zip(master.register_disk_objects(client, &items)) {
+                match r {
+                    Ok(()) => registered += 1,
+                    Err(Error::AlreadyExists(_)) | Err(Error::InvalidArgument(_)) => {
+                        let _ = self.backend.remove(&m.key);
+                        inc(&self.counters.discarded, 1);
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+        }
+        inc(&self.counters.recovered, registered as u64);
+        let endpoint = self.server.local_addr().to_string();
+        master.mount_ssd(client, i64::try_from(self.capacity).unwrap_or(i64::MAX), &endpoint)?;
+        if registered > 0 {
+            tracing::info!(objects = registered, "objects on disk registered with the master");
+        }
+        Ok(registered)
+    }
+
+    /// One offload heartbeat: deletes what the master discarded, writes what it asks
+    /// for (read from `segment`, checked against the checksum) and reports it.
+    /// Returns how many objects were asked for.
+    pub(crate) fn offload_round(
+        &self,
+        master: &dyn MasterApi,
+        client: ClientId,
+        segment: Option<(u64, &RegisteredRegion)>,
+    ) -> Result<usize> {
+        let OffloadPlan { tasks, discard } = master.offload_heartbeat(client, self.batch)?;
+        for key in &discard {
+            if self.backend.remove(key).is_ok() {
+                inc(&self.counters.discarded, 1);
+            }
+        }
+        if tasks.is_empty() {
+            return Ok(0);
+        }
+        let asked = tasks.len();
+        let objects = self.read_tasks(tasks, segment);
+        let views: Vec<(&str, &[u8])> = objects.iter().map(|(t, b)| (t.key.as_str(), &b[..])).collect();
+        let mut written: Vec<&OffloadTask> = Vec::with_capacity(objects.len());
+        for ((task, bytes), res) in objects.iter().zip(self.backend.batch_offload(&views)) {
+            match res {
+                Ok(_) => written.push(task),
+                Err(StorageError::AlreadyExists(_)) => {
+                    // Written before (a report that got lost), or a stale copy of an
+                    // older object under the same key.
+                    match self.backend.object_meta(&task.key) {
+                        Some(m) if m.len == task.len && m.checksum == task.checksum => written.push(task),
+                        _ => {
+                            let _ = self.backend.remove(&task.key);
+                            match self.backend.offload(&task.key, bytes) {
+                                Ok(_) => written.push(task),
+                                Err(e) => self.offload_failed(&task.key, e),
+                            }
+                        }
+                    }
+                }
+                Err(e) => self.offload_failed(&task.key, e),
+            }
+        }
+        let items: Vec<(&str, u64, u32)> = written.iter().map(|t| (t.key.as_str(), t.len, t.checksum)).collect();
+        for (task, r) in written.iter().zip(master.notify_offload_success(client, &items)) {
+            match r {
+                Ok(()) => {
+                    inc(&self.counters.offloaded_objects, 1);
+                    inc(&self.counters.offloaded_bytes, task.len);
+                }
+                // Removed (or replaced) while we wrote it: the file is an orphan.
+                Err(Error::NotFound(_)) => {
+                    let _ = self.backend.remove(&task.key);
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(asked)
+    }
+
+    fn offload_failed(&self, key: &str, e: StorageError) {
+        inc(&self.counters.offload_failures, 1);
+        tracing::warn!(key, error = %e, "offload to SSD failed");
+    }
+
+    /// Copies each task's bytes out of our segment, keeping those whose bytes still
+    /// match the checksum (the master leased them, so they should).
+    fn read_tasks(
+        &self,
+        tasks: Vec<OffloadTask>,
+        segment: Option<(u64, &RegisteredRegion)>,
+    ) -> Vec<(OffloadTask, AlignedBuf)> {
+        let Some((own, region)) = segment else { return Vec::new() };
+        tasks
+            .into_iter()
+            .filter_map(|t| {
+                if t.segment != own {
+                    return None;
+                }
+                // Aligned, so that an `O_DIRECT` backend writes it without a bounce copy.
+                let mut buf = AlignedBuf::zeroed(t.len as usize);
+                if region.copy_out(t.offset, &mut buf).is_err() || crate::checksum::checksum(&buf) != t.checksum {
+                    inc(&self.counters.offload_failures, 1);
+                    tracing::warn!(key = t.key, "segment bytes do not match the object; not offloaded");
+                    return None;
+                }
+                Some((t, buf))
+            })
+            .collect()
+    }
+
+    /// Reads several objects from this client's disk, submitted together (the
+    /// `io_uring` engine reads them at queue depth up to 32).
+    pub(crate) fn load_local_many(&self, requests: &mut [(&str, &mut [u8])]) -> Vec<Result<()>> {
+        let expected: Vec<usize> = requests.iter().map(|(_, d)| d.len()).collect();
+        let results: Vec<Result<()>> = self
+            .backend
+            .batch_load(requests)
+            .into_iter()
+            .zip(requests.iter().zip(expected))
+            .map(|(r, ((key, _), want))| match r {
+                Ok(n) if n == want => Ok(()),
+                Ok(n) => {
+                    Err(StorageError::corrupted(*key, format!("{n} bytes on disk, the master says {want}")).into())
+                }
+                Err(e) => Err(e.into()),
+            })
+            .collect();
+        inc(&self.counters.local_loads, results.iter().filter(|r| r.is_ok()).count() as u64);
+        results
+    }
+
+    /// Runs queued eviction notices again (after the master was unreachable).
+    pub(crate) fn retry_notifications(&self) {
+        if let Err(e) = self.backend.retry_pending_notifications() {
+            tracing::debug!(error = %e, "eviction notices still pending");
+        }
+    }
+
+    /// A snapshot of the tier.
+    pub(crate) fn stats(&self) -> SsdStats {
+        self.counters.snapshot(self.backend.stats(), self.staging.stats())
+    }
+}

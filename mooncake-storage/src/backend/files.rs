@@ -1,0 +1,33 @@
+//! Durable file operations the layouts share.
+
+use std::io::Write;
+use std::path::Path;
+
+use crate::error::Result;
+
+/// Writes `bytes` to `dir/name` atomically: a temporary file, fsync, rename, fsync
+/// of the directory.
+pub(super) fn write_file_atomic(dir: &Path, name: &str, bytes: &[u8]) -> Result<()> {
+    let tmp = dir.join(format!("{name}.tmp"));
+    let mut f = std::fs::File::create(&tmp)?;
+    f.write_all(bytes)?;
+    f.sync_all()?;
+    drop(f);
+    std::fs::rename(&tmp, dir.join(name))?;
+    sync_dir(dir)
+}
+
+/// fsync of a directory (makes renames and creations in it durable).
+pub(super) fn sync_dir(dir: &Path) -> Result<()> {
+    std::fs::File::open(dir)?.sync_all()?;
+    Ok(())
+}
+
+/// Removes a file, ignoring "not found".
+pub(super) fn remove_file_quiet(path: &Path) {
+    if let Err(e) = std::fs::remove_file(path) {
+        if e.kind() != std::io::ErrorKind::NotFound {
+            tracing::warn!("cannot remove {}: {e}", path.display());
+        }
+    }
+}
