@@ -119,9 +119,7 @@ fn an_object_removed_while_its_ssd_was_down_stays_removed() {
     c.put_bytes(&dir, "gone", &payload(1, 100_000), 1);
     c.put_bytes(&dir, "kept", &payload(2, 100_000), 1);
     // Eager persistence: both reach the SSD (one bucket each offload round at most).
-    wait_until(Duration::from_secs(10), || {
-        committed_buckets(&ssd) >= 1 && c.status().contains("\"objects\": 2")
-    });
+    wait_until(Duration::from_secs(10), || committed_buckets(&ssd) >= 1 && c.status().contains("\"objects\": 2"));
     let disk_holds = |key: &str| {
         std::fs::read_dir(&ssd).unwrap().filter_map(|e| e.ok()).any(|e| {
             e.file_name().to_string_lossy().ends_with(".meta")

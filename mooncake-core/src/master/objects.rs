@@ -208,10 +208,8 @@ impl MasterService {
     /// The nodes' records of all of them are awaited together (one frame per node).
     pub fn batch_put_end(&self, client: ClientId, items: &[(&str, u32)]) -> Vec<Result<()>> {
         let mut wait = RecordWait::default();
-        let mut results: Vec<Result<()>> = items
-            .iter()
-            .map(|(k, c)| self.put_end_queued(client, k, *c).map(|w| wait.merge(w)))
-            .collect();
+        let mut results: Vec<Result<()>> =
+            items.iter().map(|(k, c)| self.put_end_queued(client, k, *c).map(|w| wait.merge(w))).collect();
         if !self.await_records(wait) {
             for (res, (k, _)) in results.iter_mut().zip(items) {
                 if res.is_ok() && !self.exists(k).unwrap_or(false) {
@@ -376,13 +374,8 @@ impl MasterService {
                     }
                 }
                 e.soft_pin = cfg.soft_pin;
-                let plan = ReplicatePlan {
-                    len: e.len,
-                    checksum: e.checksum,
-                    sources: vec![],
-                    targets: vec![],
-                    dropped,
-                };
+                let plan =
+                    ReplicatePlan { len: e.len, checksum: e.checksum, sources: vec![], targets: vec![], dropped };
                 drop(shard);
                 self.await_records(wait);
                 return Ok(plan);

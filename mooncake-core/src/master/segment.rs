@@ -113,9 +113,8 @@ impl SegmentTable {
     fn rebuild(&mut self) {
         let mut list: Vec<_> = self.by_id.values().map(|s| s.alloc.clone()).collect();
         list.sort_by_key(|a| a.id());
-        self.placeable = Arc::new(
-            list.iter().filter(|a| self.by_id.get(&a.id()).is_some_and(|s| !s.suspect)).cloned().collect(),
-        );
+        self.placeable =
+            Arc::new(list.iter().filter(|a| self.by_id.get(&a.id()).is_some_and(|s| !s.suspect)).cloned().collect());
         self.candidates = Arc::new(list);
     }
 

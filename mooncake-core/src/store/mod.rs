@@ -177,7 +177,10 @@ impl StoreInner {
         }
         drop(seg);
         self.client.store(client, Ordering::Release);
-        self.announce_records(client)?;
+        if let Err(e) = self.announce_records(client) {
+            // Without it, the records come with the heartbeats.
+            tracing::warn!(error = %e, "the master cannot reach our record endpoint");
+        }
         if let Some(ssd) = &self.ssd {
             ssd.announce(&*self.master, client)?;
         }
@@ -569,19 +572,28 @@ impl Store {
             }
         }
         let mut reqs: Vec<TransferRequest<'_>> = Vec::new();
-        let mut owner: Vec<usize> = Vec::new();
+        let mut owner: Vec<(usize, SegmentId)> = Vec::new();
         for (i, plan) in &plans {
             for (r, route) in plan {
                 reqs.push(TransferRequest::write(route, r.offset, items[*i].1));
-                owner.push(*i);
+                owner.push((*i, r.segment));
             }
         }
-        for (res, i) in inner.engine.transfer(&mut reqs).into_iter().zip(owner) {
+        let mut failed_segments: Vec<SegmentId> = Vec::new();
+        for (res, (i, segment)) in inner.engine.transfer(&mut reqs).into_iter().zip(owner) {
             if let Err(e) = res {
+                if !failed_segments.contains(&segment) {
+                    failed_segments.push(segment);
+                }
                 if results[i].is_ok() {
                     results[i] = Err(e.into());
                 }
             }
+        }
+        // The master stops placing there; the failed items are the caller's to retry.
+        for segment in failed_segments {
+            inner.routes.write().remove(&segment);
+            let _ = inner.master.report_segment_failure(client, segment);
         }
         let (mut ends, mut revokes) = (Vec::new(), Vec::new());
         for (i, _) in &plans {
