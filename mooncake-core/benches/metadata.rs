@@ -1,11 +1,13 @@
 //! Embedded metadata round trip: put_start + put_end + get_replica_list (+ remove, so
-//! the index stays the same size), on one core, no bytes moved.
+//! the index stays the same size), on one core, no bytes moved. And the cost of
+//! durable records on an in-process store: a 4 KiB put + remove with the master
+//! tracking records (each acknowledged once the node's records are updated) or not.
 
 use std::hint::black_box;
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use mooncake_core::{Master, MasterConfig, ReplicateConfig};
+use mooncake_core::{Master, MasterConfig, ReplicateConfig, Store};
 use mooncake_transfer::RemoteRegion;
 
 fn metadata_round_trip(c: &mut Criterion) {
@@ -45,5 +47,29 @@ fn metadata_round_trip(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, metadata_round_trip);
+fn embedded_put_with_records(c: &mut Criterion) {
+    let mut group = c.benchmark_group("embedded_put_4k");
+    group.throughput(Throughput::Elements(1));
+    let value = vec![7u8; 4096];
+    for track_records in [false, true] {
+        let master =
+            Master::new(MasterConfig { default_lease: Duration::ZERO, track_records, ..Default::default() }).unwrap();
+        let node = Store::builder().master(&master).global_segment_size(64 << 20).build().unwrap();
+        let client = Store::builder().master(&master).global_segment_size(0).build().unwrap();
+        let name = if track_records { "put+remove, records on" } else { "put+remove, records off" };
+        let mut i = 0usize;
+        group.bench_function(name, |b| {
+            b.iter(|| {
+                let key = format!("bench/{i}");
+                i += 1;
+                client.put(&key, &value).unwrap();
+                client.remove(&key).unwrap();
+            })
+        });
+        drop((client, node));
+    }
+    group.finish();
+}
+
+criterion_group!(benches, metadata_round_trip, embedded_put_with_records);
 criterion_main!(benches);

@@ -50,11 +50,14 @@ pub struct ReplicateConfig {
     pub preferred_segments: Vec<String>,
     /// Soft-pinned objects are evicted only when nothing else can be.
     pub soft_pin: bool,
+    /// Fail a put (`NoSpace`) rather than store fewer than `replica_num` replicas
+    /// (default false: best effort, counted in `under_replicated_puts`).
+    pub require_all_replicas: bool,
 }
 
 impl Default for ReplicateConfig {
     fn default() -> Self {
-        Self { replica_num: 1, preferred_segments: Vec::new(), soft_pin: false }
+        Self { replica_num: 1, preferred_segments: Vec::new(), soft_pin: false, require_all_replicas: false }
     }
 }
 
@@ -120,6 +123,10 @@ pub struct MasterConfig {
     /// Longest time a put waits for offloads to make room in memory, when every
     /// object that could be evicted is still waiting to reach an SSD (default 10 s).
     pub offload_wait: Duration,
+    /// Longest time a put or remove waits for a storage node to record the change
+    /// (when the node serves a record endpoint); a node that does not answer in time is
+    /// forgotten, as on expiry (default 2 s).
+    pub record_timeout: Duration,
 }
 
 /// When the master has objects written to an SSD tier (reference: "Eager, Lazy and
@@ -182,6 +189,7 @@ impl Default for MasterConfig {
             track_records: false,
             persist: PersistPolicy::Lazy,
             offload_wait: Duration::from_secs(10),
+            record_timeout: Duration::from_secs(2),
         }
     }
 }

@@ -35,6 +35,24 @@ pub fn prometheus_text(stats: &MasterStats, rpc: Option<&RpcServerStats>) -> Str
     gauge("lease_refusals_total", "Removes refused because of a live lease.", "counter", stats.lease_refusals as f64);
     gauge("put_timeouts_total", "Puts reclaimed after the put timeout.", "counter", stats.put_timeouts as f64);
     gauge("expired_clients_total", "Clients expired after the TTL.", "counter", stats.expired_clients as f64);
+    gauge(
+        "under_replicated_puts_total",
+        "Puts placed with fewer replicas than asked.",
+        "counter",
+        stats.under_replicated_puts as f64,
+    );
+    gauge(
+        "segment_failures_total",
+        "Segments clients reported they could not write to.",
+        "counter",
+        stats.segment_failures as f64,
+    );
+    gauge(
+        "record_failures_total",
+        "Storage nodes forgotten because they could not be told of a change to their records.",
+        "counter",
+        stats.record_failures as f64,
+    );
     gauge("stall_graces_total", "Grace periods granted after a master stall.", "counter", stats.stall_graces as f64);
     if let Some(rpc) = rpc {
         let _ = writeln!(out, "# HELP mooncake_ops_total Requests served, by kind.\n# TYPE mooncake_ops_total counter");

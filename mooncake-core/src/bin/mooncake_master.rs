@@ -14,7 +14,7 @@ use std::time::Duration;
 use clap::Parser;
 use mooncake_core::metrics::prometheus_text;
 use mooncake_core::rpc::wire::DEFAULT_MAX_FRAME;
-use mooncake_core::rpc::{RpcServer, RpcServerStats};
+use mooncake_core::rpc::{RpcRecordConnector, RpcServer, RpcServerStats};
 use mooncake_core::{Master, MasterConfig};
 
 /// Mooncake Store master: object metadata, placement, leases, eviction.
@@ -82,6 +82,9 @@ fn run(args: Args) -> Result<(), String> {
         .map_err(|e| e.to_string())?;
     let master = Master::new(config).map_err(|e| e.to_string())?;
     let secret = std::env::var("MOONCAKE_SECRET").ok().map(|s| mooncake_transfer::SharedSecret::new(s.as_bytes()));
+    // Puts and removes are acknowledged once the storage nodes recorded them.
+    let timeout = master.config().record_timeout;
+    master.set_record_connector(Arc::new(RpcRecordConnector::new(secret.clone(), timeout)));
     let server = RpcServer::bind_with(&args.listen, master.service().clone(), DEFAULT_MAX_FRAME, secret)
         .map_err(|e| e.to_string())?;
     if let Some(addr) = &args.metrics_listen {

@@ -142,6 +142,15 @@ macro_rules! master_calls {
                 client: ClientId => ClientId,
                 items: &[(&str, u64, u32)] => Vec<(String, u64, u32)>
             ) -> Vec<Result<()>>;
+            /// A storage node serves the records of its segments at `endpoint`: the master
+            /// tells it of every change there before acknowledging the put or remove.
+            MountRecords => fn mount_records(client: ClientId => ClientId, endpoint: &str => String) -> Result<()>;
+            /// A client could not write to `segment`: the master places nothing there until
+            /// its owner heartbeats again.
+            ReportSegmentFailure => fn report_segment_failure(
+                client: ClientId => ClientId,
+                segment: SegmentId => SegmentId
+            ) -> Result<()>;
         }
     };
 }

@@ -22,7 +22,11 @@ impl MasterService {
             let id: ClientId = rand::random::<u64>() | 1;
             if let std::collections::hash_map::Entry::Vacant(e) = clients.entry(id) {
                 e.insert(ClientRecord::new(now));
-                return Ok(ClientRegistration { client: id, client_ttl_ms: self.config.client_ttl.as_millis() as u64 });
+                return Ok(ClientRegistration {
+                    client: id,
+                    client_ttl_ms: self.config.client_ttl.as_millis() as u64,
+                    incarnation: self.incarnation,
+                });
             }
         }
     }
@@ -30,13 +34,21 @@ impl MasterService {
     /// Records a heartbeat. Fails with `MasterUnavailable` when the master no longer
     /// knows the client (it was expired): the client must register again.
     pub fn heartbeat(&self, client: ClientId) -> Result<Vec<RecordUpdate>> {
-        match self.clients.read().get(&client) {
+        let (updates, cleared) = match self.clients.read().get(&client) {
             Some(rec) => {
                 rec.touch(self.now_ms());
-                Ok(std::mem::take(&mut *rec.updates.lock()))
+                let cleared = rec.suspect.swap(false, Ordering::AcqRel).then(|| rec.segments.clone());
+                (std::mem::take(&mut *rec.updates.lock()), cleared)
             }
-            None => Err(Error::UnknownClient(client)),
+            None => return Err(Error::UnknownClient(client)),
+        };
+        if let Some(segments) = cleared {
+            let mut table = self.segments.write();
+            for s in segments {
+                table.set_suspect(s, false);
+            }
         }
+        Ok(updates)
     }
 
     /// Mounts `capacity` bytes served at `region` as a segment of `client`.
@@ -50,7 +62,7 @@ impl MasterService {
         let mut clients = self.clients.write();
         let rec = clients.get_mut(&client).ok_or(Error::UnknownClient(client))?;
         rec.segments.push(id);
-        self.segments.write().insert(SegmentEntry { alloc, owner: client, region: region.clone() });
+        self.segments.write().insert(SegmentEntry { alloc, owner: client, region: region.clone(), suspect: false });
         tracing::debug!(segment = id, client, capacity, "segment mounted");
         Ok(id)
     }
@@ -87,6 +99,9 @@ impl MasterService {
     pub(crate) fn forget_client(&self, client: ClientId) -> usize {
         let rec = self.clients.write().remove(&client);
         let Some(rec) = rec else { return 0 };
+        if let Some(link) = rec.link.lock().take() {
+            link.close();
+        }
         {
             let mut table = self.segments.write();
             for s in &rec.segments {
@@ -167,5 +182,33 @@ impl MasterService {
 
     pub(crate) fn candidates(&self) -> Arc<Vec<Arc<SegmentAllocator>>> {
         self.segments.read().candidates.clone()
+    }
+
+    /// Segments new replicas may go to (suspect ones excluded).
+    pub(crate) fn placeable(&self) -> Arc<Vec<Arc<SegmentAllocator>>> {
+        self.segments.read().placeable.clone()
+    }
+
+    /// A client could not write to `segment`: no new replica goes there until its owner
+    /// heartbeats again (a live owner does within a heartbeat period; a dead one is
+    /// expired with its segments).
+    pub fn report_segment_failure(&self, client: ClientId, segment: SegmentId) -> Result<()> {
+        if !self.clients.read().contains_key(&client) {
+            return Err(Error::UnknownClient(client));
+        }
+        let owner = {
+            let mut table = self.segments.write();
+            let owner = table.by_id.get(&segment).map(|s| s.owner);
+            if table.set_suspect(segment, true) {
+                self.counters.segment_failures.fetch_add(1, Ordering::Relaxed);
+            }
+            owner
+        };
+        let Some(owner) = owner else { return Err(Error::NotFound(format!("segment {segment} is not mounted"))) };
+        if let Some(rec) = self.clients.read().get(&owner) {
+            rec.suspect.store(true, Ordering::Release);
+        }
+        tracing::warn!(segment, reporter = format!("{client:#x}"), "segment reported unwritable; not placing there");
+        Ok(())
     }
 }

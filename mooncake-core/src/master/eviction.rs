@@ -147,7 +147,11 @@ impl MasterService {
                     }
                     report.freed_bytes += e.memory_bytes(segment);
                     report.evicted_objects += 1;
-                    self.note_removed(k, &e.replicas);
+                    // Not waited for: a node that still lists an evicted object
+                    // offers it again only if its bytes are intact (a cache may keep
+                    // what it evicted), and the update precedes, on the node's link,
+                    // any later record of the space it frees.
+                    let _ = self.note_removed(k, &e.replicas);
                     if e.disk != 0 {
                         // Offloaded: the memory goes, the object stays on its SSD.
                         e.replicas.clear();

@@ -26,6 +26,7 @@ mod types;
 
 pub(crate) use api::master_calls;
 pub use api::MasterApi;
+pub use records::{RecordConnector, RecordSink};
 pub use service::{Master, MasterService};
 pub(crate) use types::remote_region;
 pub use types::{

@@ -10,6 +10,7 @@ use mooncake_alloc::{AllocatedBuffer, AllocationError, AllocationRequest, Segmen
 use crate::config::{check_key, check_value_len, ReplicateConfig};
 use crate::error::{Error, Result};
 use crate::master::object::{ObjectEntry, StoredReplica};
+use crate::master::records::RecordWait;
 use crate::master::service::MasterService;
 use crate::master::types::*;
 
@@ -40,6 +41,16 @@ impl MasterService {
             }
         }
         let bufs = self.allocate(len, cfg, None)?;
+        if bufs.len() < cfg.replica_num {
+            if cfg.require_all_replicas {
+                return Err(Error::NoSpace(format!(
+                    "{key}: only {} of {} replicas could be placed",
+                    bufs.len(),
+                    cfg.replica_num
+                )));
+            }
+            self.counters.under_replicated_puts.fetch_add(1, Ordering::Relaxed);
+        }
         let replicas: Vec<MemoryReplica> = bufs.iter().map(MemoryReplica::of).collect();
         let mut shard = self.index.shard(key).lock();
         if shard.contains_key(key) {
@@ -86,7 +97,7 @@ impl MasterService {
         let mut evictions = 0;
         let mut wait_until: Option<Instant> = None;
         loop {
-            let mut candidates = self.candidates();
+            let mut candidates = self.placeable();
             if let Some(ex) = exclude {
                 candidates = Arc::new(candidates.iter().filter(|s| !ex.contains(&s.id())).cloned().collect());
             }
@@ -127,8 +138,26 @@ impl MasterService {
         }
     }
 
-    /// Phase two of a put: the bytes are written; the object becomes readable.
+    /// Phase two of a put: the bytes are written; the object becomes readable. With
+    /// durable records, returns once every node holding a replica recorded it; a
+    /// node that could not be told is forgotten with its replicas, and the put fails
+    /// if none is left.
     pub fn put_end(&self, client: ClientId, key: &str, checksum: u32) -> Result<()> {
+        let wait = self.put_end_queued(client, key, checksum)?;
+        self.settle_put(key, wait)
+    }
+
+    /// After the record updates of `key`'s put: fails if a node could not record it and
+    /// the object lost every replica with that node.
+    fn settle_put(&self, key: &str, wait: RecordWait) -> Result<()> {
+        if self.await_records(wait) || self.exists(key).unwrap_or(false) {
+            return Ok(());
+        }
+        Err(Error::MasterUnavailable(format!("{key}: no storage node of the put could record it")))
+    }
+
+    /// [`put_end`](Self::put_end) without waiting for the nodes' records.
+    fn put_end_queued(&self, client: ClientId, key: &str, checksum: u32) -> Result<RecordWait> {
         let now = self.now_ms();
         let mut shard = self.index.shard(key).lock();
         match shard.get_mut(key) {
@@ -140,11 +169,12 @@ impl MasterService {
                     r.complete = true;
                 }
                 self.counters.pending_puts.fetch_sub(1, Ordering::Relaxed);
-                self.note_added(key, e, None);
+                let wait = self.note_added(key, e, None);
                 let first = e.replicas.first().map(|r| r.segment());
                 drop(shard);
+                self.clear_tombstone(key);
                 self.offload_on_put(key, first);
-                Ok(())
+                Ok(wait)
             }
             Some(e) if e.complete => Err(Error::AlreadyExists(key.to_owned())),
             _ => Err(Error::NotFound(format!("{key} (no put in progress by this client)"))),
@@ -175,8 +205,19 @@ impl MasterService {
     }
 
     /// [`put_end`](Self::put_end) for many keys; one result per key.
+    /// The nodes' records of all of them are awaited together (one frame per node).
     pub fn batch_put_end(&self, client: ClientId, items: &[(&str, u32)]) -> Vec<Result<()>> {
-        items.iter().map(|(k, c)| self.put_end(client, k, *c)).collect()
+        let mut wait = RecordWait::default();
+        let mut results: Vec<Result<()>> =
+            items.iter().map(|(k, c)| self.put_end_queued(client, k, *c).map(|w| wait.merge(w))).collect();
+        if !self.await_records(wait) {
+            for (res, (k, _)) in results.iter_mut().zip(items) {
+                if res.is_ok() && !self.exists(k).unwrap_or(false) {
+                    *res = Err(Error::MasterUnavailable(format!("{k}: no storage node of the put could record it")));
+                }
+            }
+        }
+        results
     }
 
     /// [`put_revoke`](Self::put_revoke) for many keys; one result per key.
@@ -243,7 +284,16 @@ impl MasterService {
     // ---- removal ---------------------------------------------------------------------
 
     /// Removes a complete object; fails with `HasLease` while a reader holds a lease.
+    /// With durable records, returns once every node that held a replica dropped its
+    /// record (a node that cannot be told is forgotten: it comes back with none).
     pub fn remove(&self, key: &str) -> Result<()> {
+        let wait = self.remove_queued(key)?;
+        self.await_records(wait);
+        Ok(())
+    }
+
+    /// [`remove`](Self::remove) without waiting for the nodes' records.
+    fn remove_queued(&self, key: &str) -> Result<RecordWait> {
         check_key(key)?;
         let now = self.now_ms();
         let mut shard = self.index.shard(key).lock();
@@ -253,11 +303,12 @@ impl MasterService {
                 Err(Error::HasLease(key.to_owned()))
             }
             Some(e) if e.complete => {
+                let mut wait = RecordWait::default();
                 if let Some(e) = shard.remove(key) {
-                    self.note_removed(key, &e.replicas);
+                    wait = self.note_removed(key, &e.replicas);
                     self.release_disk(key, &e);
                 }
-                Ok(())
+                Ok(wait)
             }
             _ => Err(Error::NotFound(key.to_owned())),
         }
@@ -265,13 +316,17 @@ impl MasterService {
 
     /// [`remove`](Self::remove) for many keys.
     pub fn batch_remove(&self, keys: &[&str]) -> Vec<Result<()>> {
-        keys.iter().map(|k| self.remove(k)).collect()
+        let mut wait = RecordWait::default();
+        let results = keys.iter().map(|k| self.remove_queued(k).map(|w| wait.merge(w))).collect();
+        self.await_records(wait);
+        results
     }
 
     /// Removes every complete object without a live lease; returns how many.
     pub fn remove_all(&self) -> Result<usize> {
         let now = self.now_ms();
         let refused = std::cell::Cell::new(0u64);
+        let mut wait = RecordWait::default();
         let removed = self.retain_entries(
             |e| {
                 let leased = e.complete && e.leased(now);
@@ -279,10 +334,11 @@ impl MasterService {
                 !e.complete || leased
             },
             |k, e| {
-                self.note_removed(k, &e.replicas);
+                wait.merge(self.note_removed(k, &e.replicas));
                 self.release_disk(k, e);
             },
         );
+        self.await_records(wait);
         self.counters.lease_refusals.fetch_add(refused.get(), Ordering::Relaxed);
         Ok(removed)
     }
@@ -309,21 +365,20 @@ impl MasterService {
                     return Err(Error::HasLease(key.to_owned()));
                 }
                 let mut dropped = 0;
+                let mut wait = RecordWait::default();
                 while e.replicas.iter().filter(|r| r.complete).count() > cfg.replica_num {
                     if let Some(i) = e.replicas.iter().rposition(|r| r.complete) {
                         let gone = e.replicas.remove(i);
-                        self.note_removed(key, [&gone]);
+                        wait.merge(self.note_removed(key, [&gone]));
                         dropped += 1;
                     }
                 }
                 e.soft_pin = cfg.soft_pin;
-                return Ok(ReplicatePlan {
-                    len: e.len,
-                    checksum: e.checksum,
-                    sources: vec![],
-                    targets: vec![],
-                    dropped,
-                });
+                let plan =
+                    ReplicatePlan { len: e.len, checksum: e.checksum, sources: vec![], targets: vec![], dropped };
+                drop(shard);
+                self.await_records(wait);
+                return Ok(plan);
             }
             e.soft_pin = cfg.soft_pin;
             if have == cfg.replica_num || e.replicas.len() > have {
@@ -360,16 +415,19 @@ impl MasterService {
         let mut shard = self.index.shard(key).lock();
         let e = shard.get_mut(key).ok_or_else(|| Error::NotFound(key.to_owned()))?;
         let is_target = |r: &StoredReplica| !r.complete && targets.contains(&MemoryReplica::of(&r.buf));
+        let mut wait = RecordWait::default();
         if ok {
             for r in e.replicas.iter_mut().filter(|r| is_target(r)) {
                 r.complete = true;
             }
-            self.note_added(key, e, Some(targets));
+            wait = self.note_added(key, e, Some(targets));
         } else {
             e.replicas.retain(|r| !is_target(r));
         }
         // The copy lease is over; readers still get their own leases.
         e.lease_until_ms = e.lease_until_ms.min(self.now_ms() + self.config.default_lease.as_millis() as u64);
+        drop(shard);
+        self.await_records(wait);
         Ok(())
     }
 }

@@ -1,32 +1,265 @@
 //! Object records: what each storage node is told about the objects in its segments,
 //! so that a restarted master can be repopulated by the nodes re-mounting.
+//!
+//! A node that serves a record endpoint ([`mount_records`](MasterService::mount_records))
+//! is told of every change synchronously: the change is queued on the node's
+//! [`NodeLink`], a thread of the master sends everything queued in one frame (group
+//! commit), and the put or remove that made the change is acknowledged only once every
+//! node it touched has answered. A node without a record endpoint gets its changes with
+//! the answers to its heartbeats (best effort). A node that cannot be told in time is
+//! forgotten, as if it had expired: its replicas are dropped, and when it comes back it
+//! registers again and re-mounts with no records.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::Duration;
 
 use mooncake_alloc::SegmentId;
 use mooncake_transfer::RemoteRegion;
+use parking_lot::{Condvar, Mutex};
 
 use crate::config::check_key;
-use crate::error::Result;
+use crate::error::{Error, Result};
 
 use crate::master::object::{ObjectEntry, StoredReplica};
 use crate::master::service::MasterService;
 use crate::master::types::{ClientId, MemoryReplica, ObjectRecord, RecordUpdate};
 
+/// Where a storage node's records live, as the master sees it: it applies changes to
+/// the records of the node's segments and returns once they are applied.
+pub trait RecordSink: Send + Sync {
+    /// Applies `updates`, in order; returns once they are applied.
+    fn apply_records(&self, updates: &[RecordUpdate]) -> Result<()>;
+}
+
+/// Opens a [`RecordSink`] for the record endpoint a storage node announced with
+/// `mount_records`. The master daemon uses the RPC one (`rpc::RpcRecordConnector`).
+pub trait RecordConnector: Send + Sync {
+    /// Connects to the node's record endpoint (fails if it cannot be reached).
+    fn connect(&self, endpoint: &str) -> Result<Arc<dyn RecordSink>>;
+}
+
+/// Most updates sent to a node in one frame.
+const MAX_UPDATES_PER_FRAME: usize = 65_536;
+
+/// The queue of record updates for one storage node and the thread that delivers them.
+pub(crate) struct NodeLink {
+    state: Mutex<LinkState>,
+    /// Wakes the sender (work queued, or closed) and the waiters (work delivered).
+    cond: Condvar,
+}
+
+#[derive(Default)]
+struct LinkState {
+    queue: VecDeque<RecordUpdate>,
+    /// Updates ever queued / ever delivered: a waiter's ticket is `queued` after it
+    /// queued its own, and it is done once `delivered` reaches it.
+    queued: u64,
+    delivered: u64,
+    /// The node could not be told: nothing more is delivered.
+    failed: bool,
+    closed: bool,
+}
+
+impl NodeLink {
+    /// Starts the sender thread of a link to `sink`.
+    fn start(client: ClientId, sink: Arc<dyn RecordSink>) -> Result<Arc<Self>> {
+        let link = Arc::new(NodeLink { state: Mutex::new(LinkState::default()), cond: Condvar::new() });
+        let sender = link.clone();
+        std::thread::Builder::new()
+            .name("mooncake-records".into())
+            .spawn(move || sender.run(client, &*sink))
+            .map_err(|e| Error::InvalidArgument(format!("cannot start a record sender: {e}")))?;
+        Ok(link)
+    }
+
+    fn run(&self, client: ClientId, sink: &dyn RecordSink) {
+        loop {
+            let batch: Vec<RecordUpdate> = {
+                let mut st = self.state.lock();
+                while st.queue.is_empty() && !st.closed {
+                    self.cond.wait(&mut st);
+                }
+                if st.closed {
+                    return;
+                }
+                let n = st.queue.len().min(MAX_UPDATES_PER_FRAME);
+                st.queue.drain(..n).collect()
+            };
+            let res = sink.apply_records(&batch);
+            let mut st = self.state.lock();
+            match res {
+                Ok(()) => st.delivered += batch.len() as u64,
+                Err(e) => {
+                    tracing::warn!(client = format!("{client:#x}"), error = %e, "a storage node cannot be told of its records");
+                    st.failed = true;
+                    st.closed = true;
+                }
+            }
+            self.cond.notify_all();
+            if st.closed {
+                return;
+            }
+        }
+    }
+
+    /// Queues `update`; returns the ticket to wait for.
+    fn push(&self, update: RecordUpdate) -> u64 {
+        let mut st = self.state.lock();
+        st.queue.push_back(update);
+        st.queued += 1;
+        let ticket = st.queued;
+        drop(st);
+        self.cond.notify_all();
+        ticket
+    }
+
+    /// Waits until every update up to `ticket` is delivered; false if the node failed.
+    fn wait(&self, ticket: u64, limit: Duration) -> bool {
+        let deadline = std::time::Instant::now() + limit;
+        let mut st = self.state.lock();
+        loop {
+            if st.delivered >= ticket {
+                return true;
+            }
+            if st.failed || self.cond.wait_until(&mut st, deadline).timed_out() {
+                return st.delivered >= ticket;
+            }
+        }
+    }
+
+    /// Stops the sender; waiters see the node as failed.
+    pub(crate) fn close(&self) {
+        let mut st = self.state.lock();
+        st.closed = true;
+        st.failed = true;
+        drop(st);
+        self.cond.notify_all();
+    }
+}
+
+/// Record updates a call queued for storage nodes, to wait for before acknowledging.
+#[derive(Default)]
+#[must_use = "a put or remove is durable only once its record updates are delivered"]
+pub(crate) struct RecordWait {
+    tickets: Vec<(ClientId, Arc<NodeLink>, u64)>,
+}
+
+impl RecordWait {
+    fn add(&mut self, client: ClientId, link: Arc<NodeLink>, ticket: u64) {
+        match self.tickets.iter_mut().find(|(c, _, _)| *c == client) {
+            Some(t) => t.2 = t.2.max(ticket),
+            None => self.tickets.push((client, link, ticket)),
+        }
+    }
+
+    /// Adds every ticket of `other`.
+    pub(crate) fn merge(&mut self, other: RecordWait) {
+        for (c, l, t) in other.tickets {
+            self.add(c, l, t);
+        }
+    }
+}
+
 impl MasterService {
-    /// Queues `update` for the owner of `segment` (no-op unless tracking records).
-    pub(crate) fn push_update(&self, segment: SegmentId, update: RecordUpdate) {
+    /// Tells the master how to reach storage nodes' record endpoints (the daemon
+    /// sets the RPC connector). Without one, nodes learn their records with their
+    /// heartbeats. Only the first connector set is kept.
+    pub fn set_record_connector(&self, connector: Arc<dyn RecordConnector>) {
+        let _ = self.record_connector.set(connector);
+    }
+
+    /// A client in this process keeps the records of its segments in `sink`: the
+    /// in-process form of [`mount_records`](Self::mount_records). Ignored by a master
+    /// that does not track records.
+    pub fn attach_records(&self, client: ClientId, sink: Arc<dyn RecordSink>) -> Result<()> {
+        if !self.config.track_records {
+            return Ok(());
+        }
+        self.link_records(client, sink)
+    }
+
+    /// A storage node serves the records of its segments at `endpoint`. From now on
+    /// every change to them reaches it before the call that made the change returns.
+    /// Ignored by a master that does not track records or has no connector.
+    pub fn mount_records(&self, client: ClientId, endpoint: &str) -> Result<()> {
+        if !self.config.track_records {
+            return Ok(());
+        }
+        let Some(connector) = self.record_connector.get() else { return Ok(()) };
+        if !self.clients.read().contains_key(&client) {
+            return Err(Error::UnknownClient(client));
+        }
+        self.link_records(client, connector.connect(endpoint)?)
+    }
+
+    /// From now on, changes to `client`'s records go to `sink` (after those queued).
+    fn link_records(&self, client: ClientId, sink: Arc<dyn RecordSink>) -> Result<()> {
+        let link = NodeLink::start(client, sink)?;
+        let clients = self.clients.read();
+        let Some(rec) = clients.get(&client) else {
+            link.close();
+            return Err(Error::UnknownClient(client));
+        };
+        // Updates queued for the heartbeats go first, in order.
+        let mut updates = rec.updates.lock();
+        for u in updates.drain(..) {
+            let _ = link.push(u);
+        }
+        if let Some(old) = rec.link.lock().replace(link) {
+            old.close();
+        }
+        Ok(())
+    }
+
+    /// Queues `update` for the owner of `segment`: on its link, or for its heartbeats.
+    pub(crate) fn push_update(&self, segment: SegmentId, update: RecordUpdate, wait: &mut RecordWait) {
         let owner = match self.segments.read().by_id.get(&segment) {
             Some(s) => s.owner,
             None => return,
         };
         if let Some(rec) = self.clients.read().get(&owner) {
-            rec.updates.lock().push(update);
+            // Under the heartbeat queue's lock, so that `mount_records` moving the
+            // queue onto the link cannot reorder updates.
+            let mut updates = rec.updates.lock();
+            match rec.link.lock().clone() {
+                Some(link) => {
+                    let ticket = link.push(update);
+                    wait.add(owner, link, ticket);
+                }
+                None => updates.push(update),
+            }
         }
     }
 
+    /// Waits until the storage nodes got the updates of `wait`. A node that could not
+    /// be told in time is forgotten (its replicas dropped, as on expiry). Returns
+    /// whether every node got them.
+    pub(crate) fn await_records(&self, wait: RecordWait) -> bool {
+        let mut all = true;
+        for (client, link, ticket) in wait.tickets {
+            if !link.wait(ticket, self.config.record_timeout) {
+                all = false;
+                link.close();
+                if self.clients.read().contains_key(&client) {
+                    self.counters.record_failures.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    let removed = self.forget_client(client);
+                    tracing::warn!(
+                        client = format!("{client:#x}"),
+                        removed,
+                        "storage node could not be told of its records: forgotten"
+                    );
+                }
+            }
+        }
+        all
+    }
+
     /// Tells the owners of `key`'s complete replicas (or of `only` those) that they hold it.
-    pub(crate) fn note_added(&self, key: &str, e: &ObjectEntry, only: Option<&[MemoryReplica]>) {
+    pub(crate) fn note_added(&self, key: &str, e: &ObjectEntry, only: Option<&[MemoryReplica]>) -> RecordWait {
+        let mut wait = RecordWait::default();
         if !self.config.track_records {
-            return;
+            return wait;
         }
         for r in e.replicas.iter().filter(|r| r.complete) {
             let m = MemoryReplica::of(&r.buf);
@@ -34,19 +267,27 @@ impl MasterService {
                 continue;
             }
             let record = ObjectRecord { key: key.to_owned(), offset: m.offset, len: e.len, checksum: e.checksum };
-            self.push_update(m.segment, RecordUpdate::Added { segment: m.segment, record });
+            self.push_update(m.segment, RecordUpdate::Added { segment: m.segment, record }, &mut wait);
         }
+        wait
     }
 
     /// Tells the owners of these replicas of `key` that they no longer hold it.
-    pub(crate) fn note_removed<'a>(&self, key: &str, replicas: impl IntoIterator<Item = &'a StoredReplica>) {
+    pub(crate) fn note_removed<'a>(
+        &self,
+        key: &str,
+        replicas: impl IntoIterator<Item = &'a StoredReplica>,
+    ) -> RecordWait {
+        let mut wait = RecordWait::default();
         if !self.config.track_records {
-            return;
+            return wait;
         }
         for r in replicas.into_iter().filter(|r| r.complete) {
             let segment = r.segment();
-            self.push_update(segment, RecordUpdate::Removed { segment, key: key.to_owned(), offset: r.buf.offset() });
+            let update = RecordUpdate::Removed { segment, key: key.to_owned(), offset: r.buf.offset() };
+            self.push_update(segment, update, &mut wait);
         }
+        wait
     }
 
     /// Mounts a segment that already holds objects, e.g. when a node re-mounts after

@@ -14,6 +14,8 @@ pub(crate) struct SegmentEntry {
     pub(crate) alloc: Arc<SegmentAllocator>,
     pub(crate) owner: ClientId,
     pub(crate) region: RemoteRegion,
+    /// A client could not write to it: no placement until its owner heartbeats again.
+    pub(crate) suspect: bool,
 }
 
 /// A registered client.
@@ -23,6 +25,11 @@ pub(crate) struct ClientRecord {
     /// Changes to the objects of this client's segments, drained by its heartbeats
     /// (only when the master tracks records).
     pub(crate) updates: parking_lot::Mutex<Vec<crate::master::types::RecordUpdate>>,
+    /// The client's record endpoint, once it mounted one: changes go there, not to
+    /// the heartbeats.
+    pub(crate) link: parking_lot::Mutex<Option<Arc<crate::master::records::NodeLink>>>,
+    /// Some segment of this client is suspect (its next heartbeat clears them).
+    pub(crate) suspect: std::sync::atomic::AtomicBool,
     /// SSD capacity the client reported (bytes; <= 0: none).
     pub(crate) ssd_total: std::sync::atomic::AtomicI64,
     /// Bytes of `LocalDisk` replicas the master records on the client's SSD.
@@ -48,6 +55,8 @@ impl ClientRecord {
             last_heartbeat_ms: AtomicU64::new(now_ms),
             segments: Vec::new(),
             updates: Default::default(),
+            link: Default::default(),
+            suspect: Default::default(),
             ssd_total: Default::default(),
             ssd_used: Default::default(),
             ssd_endpoint: Default::default(),
@@ -71,6 +80,8 @@ impl ClientRecord {
 pub(crate) struct SegmentTable {
     pub(crate) by_id: HashMap<SegmentId, SegmentEntry>,
     pub(crate) candidates: Arc<Vec<Arc<SegmentAllocator>>>,
+    /// The candidates new replicas may go to: all but the suspect segments.
+    pub(crate) placeable: Arc<Vec<Arc<SegmentAllocator>>>,
 }
 
 impl SegmentTable {
@@ -87,9 +98,23 @@ impl SegmentTable {
         seg
     }
 
+    /// Marks a segment suspect (or not); returns whether it changed.
+    pub(crate) fn set_suspect(&mut self, id: SegmentId, suspect: bool) -> bool {
+        match self.by_id.get_mut(&id) {
+            Some(s) if s.suspect != suspect => {
+                s.suspect = suspect;
+                self.rebuild();
+                true
+            }
+            _ => false,
+        }
+    }
+
     fn rebuild(&mut self) {
         let mut list: Vec<_> = self.by_id.values().map(|s| s.alloc.clone()).collect();
         list.sort_by_key(|a| a.id());
+        self.placeable =
+            Arc::new(list.iter().filter(|a| self.by_id.get(&a.id()).is_some_and(|s| !s.suspect)).cloned().collect());
         self.candidates = Arc::new(list);
     }
 

@@ -27,6 +27,9 @@ pub(crate) struct MasterCounters {
     pub(super) expired_clients: AtomicU64,
     pub(super) stall_graces: AtomicU64,
     pub(super) pending_puts: AtomicU64,
+    pub(super) under_replicated_puts: AtomicU64,
+    pub(super) segment_failures: AtomicU64,
+    pub(super) record_failures: AtomicU64,
 }
 
 /// The master service: an in-process object. Use it through [`Master`].
@@ -42,6 +45,13 @@ pub struct MasterService {
     pub(super) eviction: Mutex<()>,
     /// Last tick of the liveness monitor (ms), to detect that the master was stalled.
     pub(super) last_tick_ms: AtomicU64,
+    /// Random per start (see [`ClientRegistration::incarnation`](crate::ClientRegistration)).
+    pub(super) incarnation: u64,
+    /// How to reach storage nodes' record endpoints (unset: heartbeats only).
+    pub(super) record_connector: std::sync::OnceLock<Arc<dyn crate::master::records::RecordConnector>>,
+    /// Keys removed while they had a disk replica: an SSD that comes back with one of
+    /// them does not register it again.
+    pub(super) tombstones: crate::master::disk::Tombstones,
 }
 
 /// A handle on a master service running in this process. Clones share it; the
@@ -91,6 +101,9 @@ impl Master {
             counters: MasterCounters::default(),
             eviction: Mutex::new(()),
             last_tick_ms: AtomicU64::new(0),
+            incarnation: rand::random::<u64>() | 1,
+            record_connector: std::sync::OnceLock::new(),
+            tombstones: Default::default(),
         });
         spawn_monitor(&service)?;
         Ok(Self { service })

@@ -147,6 +147,15 @@ pub struct MasterStats {
     pub put_timeouts: u64,
     /// Clients expired after `client_ttl`.
     pub expired_clients: u64,
+    /// Puts placed with fewer replicas than asked (fewer segments with room, or
+    /// segments a client could not write to).
+    pub under_replicated_puts: u64,
+    /// Segments a client reported it could not write to (placement skips them until
+    /// their owner heartbeats again).
+    pub segment_failures: u64,
+    /// Storage nodes forgotten because they could not be told of a change to their
+    /// records in time.
+    pub record_failures: u64,
     /// Times the master noticed it had itself been stalled and granted a grace period.
     pub stall_graces: u64,
     /// Allocation strategy in use.
@@ -182,6 +191,10 @@ pub struct ClientRegistration {
     pub client: ClientId,
     /// The master expires clients silent for this long (ms); heartbeat well within it.
     pub client_ttl_ms: u64,
+    /// Random for each start of a master. A client that must register again with the
+    /// same incarnation was forgotten by a master that kept running (its records are
+    /// stale); with another one, the master restarted and wants its records back.
+    pub incarnation: u64,
 }
 
 /// One object held in a segment, as its owner records it so that a restarted master

@@ -3,6 +3,7 @@
 use std::io::{Read, Write};
 use std::net::{TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use mooncake_alloc::SegmentId;
@@ -13,7 +14,7 @@ use crate::config::ReplicateConfig;
 use crate::error::{Error, Result};
 use crate::master::{
     master_calls, ClientId, ClientRegistration, MasterApi, MasterStats, MemoryReplica, ObjectInfo, ObjectRecord,
-    OffloadPlan, RecordUpdate, ReplicaList, ReplicatePlan, SegmentInfo,
+    OffloadPlan, RecordConnector, RecordSink, RecordUpdate, ReplicaList, ReplicatePlan, SegmentInfo,
 };
 use crate::rpc::convert::{BatchLen, IntoWire};
 use crate::rpc::wire::WireReturn;
@@ -124,6 +125,38 @@ impl RpcMasterClient {
             }
         }
         Err(Error::MasterUnavailable(self.addr.clone()))
+    }
+}
+
+/// A storage node's record endpoint, as the master reaches it.
+impl RecordSink for RpcMasterClient {
+    fn apply_records(&self, updates: &[RecordUpdate]) -> Result<()> {
+        match self.call(&Request::ApplyRecords { updates: updates.to_vec() })? {
+            Response::Unit => Ok(()),
+            other => Err(unexpected(other)),
+        }
+    }
+}
+
+/// How a master daemon reaches storage nodes' record endpoints: one connection pool
+/// per node, proving the shared secret if one is set; a node silent for `timeout`
+/// fails the call.
+#[derive(Clone)]
+pub struct RpcRecordConnector {
+    secret: Option<SharedSecret>,
+    timeout: Duration,
+}
+
+impl RpcRecordConnector {
+    /// A connector proving `secret` (if any); calls time out after `timeout`.
+    pub fn new(secret: Option<SharedSecret>, timeout: Duration) -> Self {
+        Self { secret, timeout }
+    }
+}
+
+impl RecordConnector for RpcRecordConnector {
+    fn connect(&self, endpoint: &str) -> Result<Arc<dyn RecordSink>> {
+        Ok(Arc::new(RpcMasterClient::connect_with_timeout(endpoint, self.secret.clone(), self.timeout)?))
     }
 }
 

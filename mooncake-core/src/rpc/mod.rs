@@ -9,5 +9,5 @@ mod convert;
 mod server;
 pub mod wire;
 
-pub use client::RpcMasterClient;
+pub use client::{RpcMasterClient, RpcRecordConnector};
 pub use server::{dispatch, read_frame, RpcHandler, RpcServer, RpcServerStats};

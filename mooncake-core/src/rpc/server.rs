@@ -281,9 +281,11 @@ pub fn dispatch(api: &dyn MasterApi, request: Request) -> Response {
                         Response::$variant(WireReturn::into_wire(api.$name($( Arg::arg(&$arg) ),*)))
                     }
                 )*
-                Request::BatchGetOffloadObject { .. } | Request::ReleaseOffloadBuffer { .. } => Response::Error(
-                    WireError::InvalidArgument("this is a master: SSD loads are served by storage nodes".into()),
-                ),
+                Request::BatchGetOffloadObject { .. }
+                | Request::ReleaseOffloadBuffer { .. }
+                | Request::ApplyRecords { .. } => Response::Error(WireError::InvalidArgument(
+                    "this is a master: storage-node requests are served by storage nodes".into(),
+                )),
             }
         };
     }

@@ -27,7 +27,7 @@ use mooncake_transfer::RemoteRegion;
 /// First bytes of every frame.
 pub const MAGIC: [u8; 4] = *b"MCRP";
 /// Protocol version spoken by this build.
-pub const VERSION: u8 = 2;
+pub const VERSION: u8 = 3;
 /// Bytes in a frame header.
 pub const HEADER_LEN: usize = 20;
 /// Default largest body accepted (64 MiB).
@@ -174,6 +174,12 @@ macro_rules! define_wire_messages {
                 /// The batch.
                 batch_id: u64,
             },
+            /// From the master to a storage node: apply these changes to the records of
+            /// its segment, and answer only once they are applied (durable records).
+            ApplyRecords {
+                /// The changes, in the order the master made them.
+                updates: Vec<RecordUpdate>,
+            },
         }
 
         /// An answer: one variant per master call (its result), then the answers that
@@ -199,11 +205,12 @@ macro_rules! define_wire_messages {
             $( $variant, )*
             BatchGetOffloadObject,
             ReleaseOffloadBuffer,
+            ApplyRecords,
         }
 
         /// Names of the request kinds, indexed by [`Request::kind_index`] (for metrics).
         pub const REQUEST_KINDS: &[&str] =
-            &[$( stringify!($name), )* "batch_get_offload_object", "release_offload_buffer"];
+            &[$( stringify!($name), )* "batch_get_offload_object", "release_offload_buffer", "apply_records"];
 
         impl Request {
             /// Index of this request's kind in [`REQUEST_KINDS`].
@@ -212,6 +219,7 @@ macro_rules! define_wire_messages {
                     $( Request::$variant { .. } => RequestKind::$variant, )*
                     Request::BatchGetOffloadObject { .. } => RequestKind::BatchGetOffloadObject,
                     Request::ReleaseOffloadBuffer { .. } => RequestKind::ReleaseOffloadBuffer,
+                    Request::ApplyRecords { .. } => RequestKind::ApplyRecords,
                 };
                 kind as usize
             }

@@ -5,6 +5,7 @@ mod buffers;
 mod builder;
 mod device;
 mod file_storage;
+mod records;
 mod replica_cache;
 mod stats;
 
@@ -21,11 +22,13 @@ use parking_lot::{Mutex, RwLock};
 
 use crate::config::{check_key, check_value_len, ReplicateConfig};
 use crate::error::{Error, Result};
-use crate::master::{ClientId, MasterApi, MemoryReplica, ObjectRecord, RecordUpdate, ReplicaList};
+use crate::master::{ClientId, Master, MasterApi, MemoryReplica, ObjectRecord, ReplicaList};
+use crate::rpc::RpcServer;
 
 pub use builder::StoreBuilder;
 use file_storage::{DiskPeers, FileStorage};
 pub use file_storage::{SsdBackend, SsdOffloadConfig, SsdStats};
+use records::SegmentRecords;
 use replica_cache::ReplicaCache;
 use stats::StoreCounters;
 pub use stats::StoreStats;
@@ -33,6 +36,10 @@ pub use stats::StoreStats;
 /// How many times a get re-asks the master after every replica failed its checksum
 /// (the memory was freed and reused under a stale list).
 const CHECKSUM_RETRIES: usize = 3;
+
+/// How many times a put is placed again after writing to a segment failed (the
+/// master is told, and places it elsewhere).
+const PUT_ATTEMPTS: usize = 3;
 
 /// Objects of this many bytes, read by memory copy, are copied and summed piece by
 /// piece (see `checksum::fill_and_sum`). Measured on the 2-vCPU development VM
@@ -73,6 +80,14 @@ impl std::fmt::Debug for Store {
     }
 }
 
+/// Where this client serves the records of its segment to the master.
+enum RecordEndpoint {
+    /// A master in another process: an RPC endpoint of ours.
+    Rpc(RpcServer),
+    /// A master in this process: it calls our records directly.
+    InProcess(Master),
+}
+
 /// A replica and where its segment is served.
 type RoutedReplica = (MemoryReplica, Arc<RemoteRegion>);
 
@@ -99,9 +114,11 @@ struct StoreInner {
     routes: RwLock<HashMap<SegmentId, Arc<RemoteRegion>>>,
     replicate: ReplicateConfig,
     counters: StoreCounters,
-    /// The objects our segment holds, by offset, as the master told us: what we
-    /// re-register if the master restarts.
-    records: Mutex<HashMap<u64, ObjectRecord>>,
+    /// The objects our segment holds, as the master told us: what we re-register if
+    /// the master restarts.
+    records: Arc<SegmentRecords>,
+    /// Where the master tells us of changes to our records before acknowledging them.
+    record_endpoint: Option<RecordEndpoint>,
     /// Dropping it stops the heartbeat thread.
     _heartbeat_stop: Sender<()>,
 }
@@ -123,25 +140,19 @@ impl StoreInner {
     /// One heartbeat: applies the master's record updates for our segment.
     fn heartbeat(&self) -> Result<()> {
         let updates = self.master.heartbeat(self.client())?;
-        if updates.is_empty() {
-            return Ok(());
-        }
-        let own = self.own_segment.load(Ordering::Acquire);
-        let mut records = self.records.lock();
-        for u in updates {
-            match u {
-                RecordUpdate::Added { segment, record } if segment == own => {
-                    records.insert(record.offset, record);
-                }
-                RecordUpdate::Removed { segment, key, offset }
-                    if segment == own && records.get(&offset).is_some_and(|r| r.key == key) =>
-                {
-                    records.remove(&offset);
-                }
-                _ => {}
-            }
+        if !updates.is_empty() {
+            self.records.apply(updates);
         }
         Ok(())
+    }
+
+    /// Tells the master where to send changes to our records (if we serve them).
+    fn announce_records(&self, client: ClientId) -> Result<()> {
+        match &self.record_endpoint {
+            Some(RecordEndpoint::Rpc(server)) => self.master.mount_records(client, &server.local_addr().to_string()),
+            Some(RecordEndpoint::InProcess(master)) => master.attach_records(client, self.records.clone()),
+            None => Ok(()),
+        }
     }
 
     /// Registers again after the master forgot us (we expired, or it restarted) and
@@ -152,23 +163,24 @@ impl StoreInner {
         let client = reg.client;
         let mut seg = self.segment.lock();
         if let Some(s) = seg.as_mut() {
-            let records: Vec<ObjectRecord> = {
-                let mut records = self.records.lock();
-                let region = &s.region;
-                records.retain(|_, r| {
-                    let mut buf = vec![0u8; r.len as usize];
-                    region.copy_out(r.offset, &mut buf).is_ok() && crate::checksum::checksum(&buf) == r.checksum
-                });
-                records.values().cloned().collect()
-            };
+            let region = &s.region;
+            let records = self.records.rejoin(reg.incarnation, |r| {
+                let mut buf = vec![0u8; r.len as usize];
+                region.copy_out(r.offset, &mut buf).is_ok() && crate::checksum::checksum(&buf) == r.checksum
+            });
             let (id, taken) =
                 self.master.remount_segment(client, &self.engine.remote(s.region.id()), s.region.len(), &records)?;
             s.id = id;
             self.own_segment.store(id, Ordering::Release);
+            self.records.set_segment(id);
             tracing::warn!(segment = id, objects = taken, "segment re-mounted");
         }
         drop(seg);
         self.client.store(client, Ordering::Release);
+        if let Err(e) = self.announce_records(client) {
+            // Without it, the records come with the heartbeats.
+            tracing::warn!(error = %e, "the master cannot reach our record endpoint");
+        }
         if let Some(ssd) = &self.ssd {
             ssd.announce(&*self.master, client)?;
         }
@@ -315,18 +327,34 @@ impl StoreInner {
         })
     }
 
+    /// A put: placed, written, ended. A segment that cannot be written to is reported
+    /// to the master (which stops placing there) and the put placed again without it.
     fn put(&self, key: &str, value: &[u8], cfg: &ReplicateConfig) -> Result<()> {
         check_key(key)?;
         check_value_len(value.len() as u64)?;
         let client = self.client();
-        let replicas = self.master.put_start(client, key, value.len() as u64, cfg)?;
         let checksum = crate::checksum::checksum(value);
-        let written = self.write_replicas(&replicas, value);
-        if let Err(e) = written {
+        let mut attempt = 1;
+        loop {
+            let replicas = self.master.put_start(client, key, value.len() as u64, cfg)?;
+            let failed = self.write_replicas(&replicas, value);
+            let Some((_, err)) = failed.first() else {
+                if replicas.len() < cfg.replica_num {
+                    StoreCounters::inc(&self.counters.under_replicated_puts, 1);
+                }
+                return self.master.put_end(client, key, checksum);
+            };
+            let err = err.clone();
             let _ = self.master.put_revoke(client, key);
-            return Err(e);
+            if attempt >= PUT_ATTEMPTS {
+                return Err(err);
+            }
+            for (segment, e) in &failed {
+                tracing::warn!(key, segment, error = %e, "cannot write a replica; placing the put again");
+                let _ = self.master.report_segment_failure(client, *segment);
+            }
+            attempt += 1;
         }
-        self.master.put_end(client, key, checksum)
     }
 
     /// Reads `dst.len()` bytes at `offset` of `route` and returns their crc32c. A large
@@ -342,12 +370,26 @@ impl StoreInner {
         Ok(crate::checksum::checksum(dst))
     }
 
-    fn write_replicas(&self, replicas: &[MemoryReplica], value: &[u8]) -> Result<()> {
-        let routes = replicas.iter().map(|r| self.route(r.segment)).collect::<Result<Vec<_>>>()?;
+    /// Writes `value` to every replica; returns the segments that failed, with why.
+    fn write_replicas(&self, replicas: &[MemoryReplica], value: &[u8]) -> Vec<(SegmentId, Error)> {
+        let mut failed = Vec::new();
+        let mut routed = Vec::with_capacity(replicas.len());
+        for r in replicas {
+            match self.route(r.segment) {
+                Ok(route) => routed.push((r, route)),
+                Err(e) => failed.push((r.segment, e)),
+            }
+        }
         let mut reqs: Vec<TransferRequest<'_>> =
-            replicas.iter().zip(&routes).map(|(r, route)| TransferRequest::write(route, r.offset, value)).collect();
-        self.engine.transfer(&mut reqs).into_iter().collect::<Result<(), _>>()?;
-        Ok(())
+            routed.iter().map(|(r, route)| TransferRequest::write(route, r.offset, value)).collect();
+        for (res, (r, _)) in self.engine.transfer(&mut reqs).into_iter().zip(&routed) {
+            if let Err(e) = res {
+                // The route may be stale; ask the master again next time.
+                self.routes.write().remove(&r.segment);
+                failed.push((r.segment, e.into()));
+            }
+        }
+        failed
     }
 }
 
@@ -385,6 +427,24 @@ impl Store {
         };
         let (stop_tx, stop_rx) = bounded::<()>(0);
         let own = segment.as_ref().map_or(0, |s| s.id);
+        let records = Arc::new(SegmentRecords::new(own, reg.incarnation));
+        let record_endpoint = match (&segment, &cfg.master, &cfg.master_address) {
+            (None, _, _) => None,
+            (Some(_), Some(m), _) => Some(RecordEndpoint::InProcess(m.clone())),
+            (Some(_), None, Some(_)) => {
+                let listen = format!("{}:0", file_storage::endpoint_host(engine.endpoint()));
+                let secret = cfg.secret.as_deref().map(mooncake_transfer::SharedSecret::new);
+                let handler: Arc<dyn crate::rpc::RpcHandler> = records.clone();
+                match RpcServer::serve(&listen, handler, crate::rpc::wire::DEFAULT_MAX_FRAME, secret) {
+                    Ok(server) => Some(RecordEndpoint::Rpc(server)),
+                    Err(e) => {
+                        let _ = master.unregister_client(client);
+                        return Err(e);
+                    }
+                }
+            }
+            (Some(_), None, None) => None,
+        };
         let inner = Arc::new(StoreInner {
             master,
             client: client_id,
@@ -397,9 +457,14 @@ impl Store {
             routes: RwLock::new(HashMap::new()),
             replicate: cfg.replicate,
             counters: StoreCounters::default(),
-            records: Mutex::new(HashMap::new()),
+            records,
+            record_endpoint,
             _heartbeat_stop: stop_tx,
         });
+        if let Err(e) = inner.announce_records(client) {
+            // Without it, the node still learns its records with its heartbeats.
+            tracing::warn!(error = %e, "the master cannot reach our record endpoint");
+        }
         // Heartbeats get their own thread so that no amount of I/O delays them.
         let weak: Weak<StoreInner> = Arc::downgrade(&inner);
         // Well within the TTL, and often enough that segment records stay fresh.
@@ -507,19 +572,28 @@ impl Store {
             }
         }
         let mut reqs: Vec<TransferRequest<'_>> = Vec::new();
-        let mut owner: Vec<usize> = Vec::new();
+        let mut owner: Vec<(usize, SegmentId)> = Vec::new();
         for (i, plan) in &plans {
             for (r, route) in plan {
                 reqs.push(TransferRequest::write(route, r.offset, items[*i].1));
-                owner.push(*i);
+                owner.push((*i, r.segment));
             }
         }
-        for (res, i) in inner.engine.transfer(&mut reqs).into_iter().zip(owner) {
+        let mut failed_segments: Vec<SegmentId> = Vec::new();
+        for (res, (i, segment)) in inner.engine.transfer(&mut reqs).into_iter().zip(owner) {
             if let Err(e) = res {
+                if !failed_segments.contains(&segment) {
+                    failed_segments.push(segment);
+                }
                 if results[i].is_ok() {
                     results[i] = Err(e.into());
                 }
             }
+        }
+        // The master stops placing there; the failed items are the caller's to retry.
+        for segment in failed_segments {
+            inner.routes.write().remove(&segment);
+            let _ = inner.master.report_segment_failure(client, segment);
         }
         let (mut ends, mut revokes) = (Vec::new(), Vec::new());
         for (i, _) in &plans {
@@ -659,8 +733,12 @@ impl Store {
             disk: None,
         };
         let mut data = vec![0u8; plan.len as usize];
-        let copied =
-            inner.read_replicas(key, &list, &mut data).and_then(|_| inner.write_replicas(&plan.targets, &data));
+        let copied = inner.read_replicas(key, &list, &mut data).and_then(|_| {
+            match inner.write_replicas(&plan.targets, &data).into_iter().next() {
+                Some((_, e)) => Err(e),
+                None => Ok(()),
+            }
+        });
         let ended = inner.master.replicate_end(key, &plan.targets, copied.is_ok());
         copied.and(ended)
     }
@@ -693,6 +771,7 @@ impl Store {
             get_errors: c.get_errors.load(Ordering::Relaxed),
             checksum_mismatches: c.checksum_mismatches.load(Ordering::Relaxed),
             removes: c.removes.load(Ordering::Relaxed),
+            under_replicated_puts: c.under_replicated_puts.load(Ordering::Relaxed),
             ssd: self.ssd_stats(),
             disk_loads: inner.disk_peers.loads(),
             replica_cache_hits: inner.cache.hits(),
@@ -723,7 +802,7 @@ impl Store {
     /// The objects this client's segment holds, as the master last told it (empty
     /// with an embedded master, which does not track records).
     pub fn segment_records(&self) -> Vec<ObjectRecord> {
-        self.inner.records.lock().values().cloned().collect()
+        self.inner.records.snapshot()
     }
 }
 

@@ -14,6 +14,7 @@ pub(super) struct StoreCounters {
     pub(super) get_errors: AtomicU64,
     pub(super) checksum_mismatches: AtomicU64,
     pub(super) removes: AtomicU64,
+    pub(super) under_replicated_puts: AtomicU64,
 }
 
 impl StoreCounters {
@@ -47,6 +48,9 @@ pub struct StoreStats {
     pub checksum_mismatches: u64,
     /// Successful removes.
     pub removes: u64,
+    /// Puts stored with fewer replicas than asked (see
+    /// [`ReplicateConfig::require_all_replicas`](crate::ReplicateConfig)).
+    pub under_replicated_puts: u64,
     /// The SSD tier's counters, if this client has one.
     pub ssd: Option<super::SsdStats>,
     /// Objects this client pulled from other clients' SSDs.

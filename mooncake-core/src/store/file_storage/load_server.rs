@@ -76,7 +76,7 @@ impl LoadServer {
 
 /// The host part of a `host:port` endpoint (IPv6 hosts keep their brackets); an
 /// in-process endpoint (no port) serves on loopback.
-pub(super) fn endpoint_host(endpoint: &str) -> &str {
+pub(crate) fn endpoint_host(endpoint: &str) -> &str {
     match endpoint.rfind(':') {
         Some(i) if endpoint[i + 1..].parse::<u16>().is_ok() => &endpoint[..i],
         _ => "127.0.0.1",

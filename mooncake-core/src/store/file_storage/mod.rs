@@ -22,6 +22,7 @@ mod stats;
 mod tier;
 
 pub use config::{SsdBackend, SsdOffloadConfig};
+pub(crate) use load_server::endpoint_host;
 pub(crate) use peers::DiskPeers;
 pub use stats::SsdStats;
 pub(crate) use tier::FileStorage;
