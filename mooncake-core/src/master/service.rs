@@ -42,6 +42,11 @@ pub struct MasterService {
     pub(super) eviction: Mutex<()>,
     /// Last tick of the liveness monitor (ms), to detect that the master was stalled.
     pub(super) last_tick_ms: AtomicU64,
+    /// Until when (ms) the master counts as recovering from a restart: set by each
+    /// segment re-mounted with its objects, for one client TTL (every surviving
+    /// client re-mounts within it). Meanwhile a missing key or a lack of segments is
+    /// `Error::Recovering`, which callers retry, not `NotFound` or `NoSpace`.
+    pub(super) recovering_until_ms: AtomicU64,
 }
 
 /// A handle on a master service running in this process. Clones share it; the
@@ -91,6 +96,7 @@ impl Master {
             counters: MasterCounters::default(),
             eviction: Mutex::new(()),
             last_tick_ms: AtomicU64::new(0),
+            recovering_until_ms: AtomicU64::new(0),
         });
         spawn_monitor(&service)?;
         Ok(Self { service })

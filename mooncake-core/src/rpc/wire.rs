@@ -27,7 +27,7 @@ use mooncake_transfer::RemoteRegion;
 /// First bytes of every frame.
 pub const MAGIC: [u8; 4] = *b"MCRP";
 /// Protocol version spoken by this build.
-pub const VERSION: u8 = 2;
+pub const VERSION: u8 = 3;
 /// Bytes in a frame header.
 pub const HEADER_LEN: usize = 20;
 /// Default largest body accepted (64 MiB).
@@ -240,7 +240,14 @@ pub enum WireError {
     /// [`Error::HasLease`].
     HasLease(String),
     /// [`Error::NoSpace`].
-    NoSpace(String),
+    NoSpace {
+        /// Bytes needed.
+        needed: u64,
+        /// Largest free block.
+        largest_free: u64,
+        /// Why.
+        reason: String,
+    },
     /// [`Error::BufferTooSmall`].
     BufferTooSmall {
         /// Object size.
@@ -256,6 +263,8 @@ pub enum WireError {
     Other(String),
     /// [`Error::Storage`].
     Storage(String),
+    /// [`Error::Recovering`].
+    Recovering(String),
 }
 
 impl From<Error> for WireError {
@@ -264,7 +273,8 @@ impl From<Error> for WireError {
             Error::NotFound(m) => WireError::NotFound(m),
             Error::AlreadyExists(m) => WireError::AlreadyExists(m),
             Error::HasLease(m) => WireError::HasLease(m),
-            Error::NoSpace(m) => WireError::NoSpace(m),
+            Error::NoSpace { needed, largest_free, reason } => WireError::NoSpace { needed, largest_free, reason },
+            Error::Recovering(m) => WireError::Recovering(m),
             Error::BufferTooSmall { needed, capacity } => WireError::BufferTooSmall { needed, capacity },
             Error::InvalidArgument(m) => WireError::InvalidArgument(m),
             Error::UnknownClient(c) => WireError::UnknownClient(c),
@@ -280,7 +290,8 @@ impl From<WireError> for Error {
             WireError::NotFound(m) => Error::NotFound(m),
             WireError::AlreadyExists(m) => Error::AlreadyExists(m),
             WireError::HasLease(m) => Error::HasLease(m),
-            WireError::NoSpace(m) => Error::NoSpace(m),
+            WireError::NoSpace { needed, largest_free, reason } => Error::NoSpace { needed, largest_free, reason },
+            WireError::Recovering(m) => Error::Recovering(m),
             WireError::BufferTooSmall { needed, capacity } => Error::BufferTooSmall { needed, capacity },
             WireError::InvalidArgument(m) => Error::InvalidArgument(m),
             WireError::UnknownClient(c) => Error::UnknownClient(c),
