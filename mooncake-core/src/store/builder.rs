@@ -263,12 +263,14 @@ fn check_address(what: &str, addr: &str) -> Result<()> {
     if port.parse::<u16>().is_err() {
         return bad("the port is not a number from 0 to 65535");
     }
-    let host = host.strip_prefix('[').and_then(|h| h.strip_suffix(']')).unwrap_or(host);
-    if host.is_empty() || host.contains(|c: char| c.is_whitespace() || c == '/') {
-        return bad("bad host");
+    if let Some(v6) = host.strip_prefix('[').and_then(|h| h.strip_suffix(']')) {
+        return match v6.parse::<std::net::Ipv6Addr>() {
+            Ok(_) => Ok(()),
+            Err(_) => bad("bad IPv6 host"),
+        };
     }
-    if host.contains(':') && host.parse::<std::net::Ipv6Addr>().is_err() {
-        return bad("bad IPv6 host");
+    if host.is_empty() || host.contains(|c: char| c.is_whitespace() || c == '/' || c == ':') {
+        return bad("bad host (IPv6 addresses go in brackets: [::1]:50051)");
     }
     Ok(())
 }
