@@ -14,9 +14,12 @@ use crate::master::{ClientId, ReplicaList};
 use super::stats::StoreCounters;
 use super::{Store, StoreInner};
 
+/// Pieces of the caller's buffers, each with the offset in the object of its first byte.
+type Pieces<'a> = Vec<(u64, &'a mut [u8])>;
+
 /// The parts of `bufs` that hold the first `len` bytes of an object, each with its
 /// offset in the object; `BufferTooSmall` if together they hold fewer.
-fn cover<'a>(bufs: &'a mut [&mut [u8]], len: u64) -> Result<Vec<(u64, &'a mut [u8])>> {
+fn cover<'a>(bufs: &'a mut [&mut [u8]], len: u64) -> Result<Pieces<'a>> {
     let capacity: u64 = bufs.iter().map(|b| b.len() as u64).sum();
     if capacity < len {
         return Err(Error::BufferTooSmall { needed: len, capacity });
@@ -165,7 +168,7 @@ impl StoreInner {
             return vec![Err(e); keys.len()];
         }
         let lists = self.master.batch_get_replica_list(keys);
-        let mut covers: Vec<Result<Vec<(u64, &mut [u8])>>> = Vec::with_capacity(keys.len());
+        let mut covers: Vec<Result<Pieces<'_>>> = Vec::with_capacity(keys.len());
         for (list, b) in lists.iter().zip(bufs.iter_mut()) {
             covers.push(match list {
                 Ok(l) => cover(b, l.len),
