@@ -6,7 +6,9 @@
 use std::time::{Duration, Instant};
 
 use mooncake_core::rpc::RpcServer;
-use mooncake_core::{Error, Master, MasterConfig, PersistPolicy, ReplicateConfig, SsdOffloadConfig, Store};
+use mooncake_core::{
+    Error, Master, MasterConfig, MasterDaemon, PersistPolicy, ReplicateConfig, SsdOffloadConfig, Store,
+};
 
 const KIB: usize = 1 << 10;
 
@@ -157,6 +159,10 @@ fn flush_puts_everything_on_the_ssd_and_close_keeps_it() {
         store.put(&format!("k{i}"), &block(i, 8 * KIB)).unwrap();
     }
     store.flush().unwrap();
+    let shown = store.stats().to_string();
+    for field in ["replica cache hits", "disk loads", "ssd (", "offloaded", "lease refusals", "pending puts"] {
+        assert!(shown.contains(field), "{field} missing from:\n{shown}");
+    }
     store.close().unwrap();
     let reader = Store::builder()
         .master(&master)
@@ -209,7 +215,7 @@ fn errors_say_what_happened() {
 
 #[test]
 fn a_client_of_a_master_daemon_is_readable_by_other_processes() {
-    let master = Master::new(MasterConfig { track_records: true, ..Default::default() }).unwrap();
+    let master = Master::new(MasterConfig::served()).unwrap();
     let server = RpcServer::bind("127.0.0.1:0", master.service().clone()).unwrap();
     let addr = server.local_addr().to_string();
     let writer = Store::builder()
@@ -228,4 +234,20 @@ fn a_client_of_a_master_daemon_is_readable_by_other_processes() {
         .build()
         .unwrap();
     assert_eq!(&reader.get("k").unwrap()[..], b"from the writer");
+}
+
+#[test]
+fn a_daemon_runs_a_user_strategy_with_served_defaults() {
+    let daemon =
+        MasterDaemon::builder("127.0.0.1:0").allocation_strategy(mooncake_core::alloc::FreeRatioFirst).serve().unwrap();
+    let addr = daemon.local_addr().to_string();
+    let store = Store::builder().master_address(&addr).global_segment_size(4 << 20).build().unwrap();
+    store.put("k", b"v").unwrap();
+    assert_eq!(daemon.master().stats().allocation_strategy, "free_ratio_first");
+    // Records are tracked: the owner learns what its segment holds.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while store.segment_records().is_empty() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(store.segment_records().len(), 1);
 }
