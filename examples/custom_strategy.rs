@@ -3,6 +3,10 @@
 //! `FirstFit` places each replica on the first segments (by id) that have room: a
 //! deliberately simple policy that packs the pool from one end.
 //!
+//! A strategy only ranks segments: `ReplicateConfig::preferred_segments` is applied
+//! by the master before it asks the strategy (which then places only the replicas
+//! left, among the other segments), so every strategy honours it.
+//!
 //! Run: `cargo run --example custom_strategy`
 
 use std::sync::Arc;
@@ -10,7 +14,7 @@ use std::sync::Arc;
 use mooncake_core::alloc::{
     AllocatedBuffer, AllocationError, AllocationRequest, AllocationStrategy, SegmentAllocator, SsdMetricsProvider,
 };
-use mooncake_core::{Error, Master, MasterConfig, Store};
+use mooncake_core::{Error, Master, MasterConfig, ReplicateConfig, Store};
 
 /// Fills segments in id order.
 #[derive(Debug, Default)]
@@ -55,6 +59,11 @@ fn main() -> Result<(), Error> {
     let (a, b) = (first.stats().segment_used, second.stats().segment_used);
     println!("strategy {}: first segment {a} bytes used, second {b}", master.stats().allocation_strategy);
     assert!(a >= 8 * (64 << 10) && b == 0, "first fit packs the first segment");
+    // A preferred segment wins over the strategy's ranking.
+    let on_second = master.segment_info(second.segment_id().expect("has a segment"))?.name;
+    let cfg = ReplicateConfig { preferred_segments: vec![on_second], ..Default::default() };
+    first.put_with("pinned-here", &[9u8; 64 << 10], &cfg)?;
+    assert!(second.stats().segment_used >= 64 << 10, "placed on the preferred segment");
     // The same strategy through the builder of a store with an embedded master.
     let solo = Store::builder().global_segment_size(1 << 20).allocation_strategy(FirstFit).build()?;
     solo.put("k", b"v")?;

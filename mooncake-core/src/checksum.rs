@@ -7,6 +7,20 @@
 /// Objects at least this large are summed in parallel.
 const PARALLEL_FROM: usize = 2 << 20;
 
+/// crc32c of the concatenation of `parts`.
+pub(crate) fn checksum_parts<'a>(parts: impl IntoIterator<Item = &'a [u8]>) -> u32 {
+    parts
+        .into_iter()
+        .fold(None, |acc: Option<u32>, p| {
+            let crc = checksum(p);
+            Some(match acc {
+                Some(a) => crc32c::crc32c_combine(a, crc, p.len()),
+                None => crc,
+            })
+        })
+        .unwrap_or_else(|| crc32c::crc32c(&[]))
+}
+
 /// crc32c of `data`.
 pub(crate) fn checksum(data: &[u8]) -> u32 {
     let threads = parallelism();

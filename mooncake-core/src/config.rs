@@ -115,7 +115,8 @@ pub struct MasterConfig {
     pub monitor_interval: Duration,
     /// Tell segment owners (with their heartbeats) which objects their segments
     /// hold, so that they can repopulate a restarted master (default false: an
-    /// embedded master dies with its clients; the daemon turns it on).
+    /// embedded master dies with its clients; [`MasterConfig::served`], the
+    /// daemon's defaults, turns it on).
     pub track_records: bool,
     /// When objects in memory are written to their owner's SSD tier (default
     /// [`PersistPolicy::Lazy`]). Only clients with an SSD tier are asked.
@@ -195,6 +196,17 @@ impl Default for MasterConfig {
 }
 
 impl MasterConfig {
+    /// The defaults of a master served to other processes (the daemon's):
+    /// [`track_records`](Self::track_records) on, so that clients can repopulate it
+    /// after a restart; everything else as [`Default`].
+    ///
+    /// ```
+    /// assert!(mooncake_core::MasterConfig::served().track_records);
+    /// ```
+    pub fn served() -> Self {
+        Self { track_records: true, ..Self::default() }
+    }
+
     pub(crate) fn check(&self) -> Result<()> {
         if !(self.high_watermark > 0.0 && self.high_watermark <= 1.0) {
             return Err(Error::InvalidArgument(format!("high_watermark {} not in (0, 1]", self.high_watermark)));

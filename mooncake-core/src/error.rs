@@ -20,9 +20,17 @@ pub enum Error {
     /// The object is leased to a reader and cannot be removed yet.
     #[error("object has a live lease: {0}")]
     HasLease(String),
-    /// No segment has room, even after eviction.
-    #[error("no space: {0}")]
-    NoSpace(String),
+    /// No segment has room for the object, even after eviction.
+    #[error("no space for {needed} bytes (largest free block {largest_free} bytes): {reason}")]
+    NoSpace {
+        /// Bytes the request needed (one replica).
+        needed: u64,
+        /// Largest free block of any candidate segment when the request gave up.
+        largest_free: u64,
+        /// Why, for people: nothing could be evicted, the object is larger than any
+        /// segment, offloads did not finish in time, no segment is mounted.
+        reason: String,
+    },
     /// The caller's buffer cannot hold the object.
     #[error("buffer too small: object has {needed} bytes, buffer {capacity}")]
     BufferTooSmall {
@@ -57,6 +65,36 @@ pub enum Error {
     /// The bytes are never returned.
     #[error("corrupted: every replica of {0} failed its checksum")]
     Corrupted(String),
+    /// The master restarted moments ago and its clients are still re-mounting their
+    /// segments: the object (or the room) may be back in a moment. Retry.
+    #[error("master recovering from a restart: {0}")]
+    Recovering(String),
+}
+
+impl Error {
+    /// Whether the same call may succeed if made again a little later: the master
+    /// could not be reached or is recovering, the call timed out, a transfer failed, a
+    /// read of the object was in flight (`HasLease`), or the master forgot this client
+    /// (a `Store` registers again by itself). Not retryable: bad input, objects absent
+    /// or present, `NoSpace` (room comes back only when objects are removed), storage
+    /// and corruption errors.
+    ///
+    /// ```
+    /// use mooncake_core::Error;
+    /// assert!(Error::Timeout("get".into()).is_retryable());
+    /// assert!(!Error::NotFound("k".into()).is_retryable());
+    /// ```
+    pub fn is_retryable(&self) -> bool {
+        matches!(
+            self,
+            Error::MasterUnavailable(_)
+                | Error::Recovering(_)
+                | Error::Timeout(_)
+                | Error::Transport(_)
+                | Error::HasLease(_)
+                | Error::UnknownClient(_)
+        )
+    }
 }
 
 impl From<AllocationError> for Error {
@@ -64,7 +102,10 @@ impl From<AllocationError> for Error {
         match e {
             AllocationError::InvalidRequest(m) => Error::InvalidArgument(m),
             AllocationError::InvalidAlignment(a) => Error::InvalidArgument(format!("alignment {a}")),
-            other => Error::NoSpace(other.to_string()),
+            AllocationError::NoSpace { size, .. } => {
+                Error::NoSpace { needed: size, largest_free: 0, reason: e.to_string() }
+            }
+            other => Error::NoSpace { needed: 0, largest_free: 0, reason: other.to_string() },
         }
     }
 }

@@ -22,6 +22,7 @@
 
 mod checksum;
 mod config;
+mod daemon;
 mod error;
 mod master;
 pub mod metrics;
@@ -29,6 +30,7 @@ pub mod rpc;
 mod store;
 
 pub use config::{parse_size, MasterConfig, PersistPolicy, Protocol, ReplicateConfig, MAX_KEY_LEN, MAX_VALUE_LEN};
+pub use daemon::{MasterDaemon, MasterDaemonBuilder};
 pub use error::{Error, Result};
 pub use master::{
     ClientId, ClientRegistration, EvictionReport, Master, MasterApi, MasterService, MasterStats, MemoryReplica,

@@ -107,6 +107,10 @@ fn leases_block_remove_until_they_expire() {
     store.remove("k").unwrap(); // never read: no lease
     store.put("k", b"v").unwrap();
     store.get("k").unwrap();
+    store.remove("k").unwrap(); // the get is over: its lease went back
+    store.put("k", b"v").unwrap();
+    // A read in flight whose reader died: its lease holds until it expires.
+    master.get_replica_list("k").unwrap();
     assert!(matches!(store.remove("k"), Err(Error::HasLease(_))));
     assert_eq!(master.stats().lease_refusals, 1);
     std::thread::sleep(Duration::from_millis(80));
@@ -121,8 +125,9 @@ fn remove_all_skips_leased_objects_and_counts() {
     for i in 0..10 {
         store.put(&format!("k{i}"), b"v").unwrap();
     }
-    store.get("k3").unwrap();
-    store.get("k7").unwrap();
+    // Reads in flight (never released).
+    master.get_replica_list("k3").unwrap();
+    master.get_replica_list("k7").unwrap();
     assert_eq!(store.remove_all().unwrap(), 8);
     assert!(store.exists("k3").unwrap() && store.exists("k7").unwrap());
     std::thread::sleep(Duration::from_millis(80));
@@ -133,9 +138,9 @@ fn remove_all_skips_leased_objects_and_counts() {
 #[test]
 fn no_space_when_nothing_can_be_evicted() {
     let store = Store::builder().global_segment_size(1 << 20).build().unwrap();
-    assert!(matches!(store.put("big", &vec![0u8; 2 << 20]), Err(Error::NoSpace(_))));
+    assert!(matches!(store.put("big", &vec![0u8; 2 << 20]), Err(Error::NoSpace { .. })));
     let reader = Store::builder().global_segment_size(0).build().unwrap();
-    assert!(matches!(reader.put("k", b"v"), Err(Error::NoSpace(_))));
+    assert!(matches!(reader.put("k", b"v"), Err(Error::NoSpace { .. })));
 }
 
 #[test]
@@ -306,7 +311,8 @@ fn errors_are_matchable_and_print_one_line() {
     for e in [
         Error::AlreadyExists("k".into()),
         Error::HasLease("k".into()),
-        Error::NoSpace("x".into()),
+        Error::NoSpace { needed: 1, largest_free: 0, reason: "x".into() },
+        Error::Recovering("x".into()),
         Error::MasterUnavailable("x".into()),
         Error::Timeout("x".into()),
         Error::Storage(mooncake_core::storage::StorageError::Remote("x".into()).into()),

@@ -1,4 +1,6 @@
-//! `mooncake-master`: the master daemon.
+//! `mooncake-master`: the master daemon, a command line over
+//! [`MasterDaemon`](mooncake_core::MasterDaemon) (run your own, with your own
+//! allocation strategy, with that type: see examples/custom_master.rs).
 //!
 //! Set `MOONCAKE_SECRET` to require clients to prove a shared secret.
 //!
@@ -13,9 +15,8 @@ use std::time::Duration;
 
 use clap::Parser;
 use mooncake_core::metrics::prometheus_text;
-use mooncake_core::rpc::wire::DEFAULT_MAX_FRAME;
-use mooncake_core::rpc::{RpcRecordConnector, RpcServer, RpcServerStats};
-use mooncake_core::{Master, MasterConfig};
+use mooncake_core::rpc::RpcServerStats;
+use mooncake_core::{Master, MasterConfig, MasterDaemon};
 
 /// Mooncake Store master: object metadata, placement, leases, eviction.
 #[derive(Parser, Debug)]
@@ -73,24 +74,21 @@ fn run(args: Args) -> Result<(), String> {
         client_ttl: Duration::from_millis(args.client_ttl_ms),
         monitor_interval: Duration::from_millis((args.client_ttl_ms / 20).clamp(5, 100)),
         allocation_strategy: strategy,
-        track_records: true,
         persist: args.persist.parse().map_err(|e: mooncake_core::Error| e.to_string())?,
-        ..MasterConfig::default()
+        ..MasterConfig::served()
     };
     // Catch the signals before announcing ourselves (see mooncake-client serve).
     let mut signals = signal_hook::iterator::Signals::new([signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT])
         .map_err(|e| e.to_string())?;
-    let master = Master::new(config).map_err(|e| e.to_string())?;
-    let secret = std::env::var("MOONCAKE_SECRET").ok().map(|s| mooncake_transfer::SharedSecret::new(s.as_bytes()));
-    // Puts and removes are acknowledged once the storage nodes recorded them.
-    let timeout = master.config().record_timeout;
-    master.set_record_connector(Arc::new(RpcRecordConnector::new(secret.clone(), timeout)));
-    let server = RpcServer::bind_with(&args.listen, master.service().clone(), DEFAULT_MAX_FRAME, secret)
-        .map_err(|e| e.to_string())?;
-    if let Some(addr) = &args.metrics_listen {
-        serve_metrics(addr, master.clone(), server.stats().clone())?;
+    let mut daemon = MasterDaemon::builder(&args.listen).config(config);
+    if let Ok(secret) = std::env::var("MOONCAKE_SECRET") {
+        daemon = daemon.shared_secret(secret.as_bytes());
     }
-    println!("mooncake-master listening on {}", server.local_addr());
+    let daemon = daemon.serve().map_err(|e| e.to_string())?;
+    if let Some(addr) = &args.metrics_listen {
+        serve_metrics(addr, daemon.master().clone(), daemon.rpc_stats().clone())?;
+    }
+    println!("mooncake-master listening on {}", daemon.local_addr());
     if let Some(sig) = signals.forever().next() {
         tracing::info!(sig, "shutting down");
     }

@@ -151,6 +151,11 @@ macro_rules! master_calls {
                 client: ClientId => ClientId,
                 segment: SegmentId => SegmentId
             ) -> Result<()>;
+            /// Ends one read lease of each key: the reads those replica lists served are over.
+            ReleaseLeases => fn release_leases(keys: &[&str] => Vec<String>) -> Result<()>;
+            /// Asks a client's SSD tier to offload what its segments hold that is on no SSD;
+            /// returns how many such objects are left.
+            FlushSegments => fn flush_segments(client: ClientId => ClientId) -> Result<u64>;
         }
     };
 }

@@ -245,6 +245,7 @@ impl MasterService {
                                 owner: client,
                                 last_access_ms: now,
                                 lease_until_ms: 0,
+                                readers: 0,
                                 replicas: Vec::new(),
                                 disk: client,
                                 offload_deadline_ms: 0,

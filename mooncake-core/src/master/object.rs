@@ -34,7 +34,13 @@ pub(crate) struct ObjectEntry {
     pub(crate) owner: ClientId,
     /// While processing: when the put started. Once complete: last read or write.
     pub(crate) last_access_ms: u64,
+    /// Until when the reads in flight may hold the object: the safety net for a
+    /// reader that died before releasing its lease.
     pub(crate) lease_until_ms: u64,
+    /// Reads (and replica copies) in flight: each replica-list call adds one, each
+    /// release takes one away. The object is leased while this is above zero and
+    /// `lease_until_ms` has not passed.
+    pub(crate) readers: u32,
     pub(crate) replicas: Vec<StoredReplica>,
     /// The client whose SSD holds a `LocalDisk` replica (0: none).
     pub(crate) disk: ClientId,
@@ -46,7 +52,22 @@ pub(crate) struct ObjectEntry {
 
 impl ObjectEntry {
     pub(crate) fn leased(&self, now_ms: u64) -> bool {
-        self.lease_until_ms > now_ms
+        self.readers > 0 && self.lease_until_ms > now_ms
+    }
+
+    /// One more read in flight, for at most `ttl_ms`. Reads whose lease ran out were
+    /// never released (their client died): they no longer count.
+    pub(crate) fn lease(&mut self, now_ms: u64, ttl_ms: u64) {
+        if self.lease_until_ms <= now_ms {
+            self.readers = 0;
+        }
+        self.readers = self.readers.saturating_add(1);
+        self.lease_until_ms = self.lease_until_ms.max(now_ms + ttl_ms);
+    }
+
+    /// One read in flight less.
+    pub(crate) fn release(&mut self) {
+        self.readers = self.readers.saturating_sub(1);
     }
 
     /// An offload was asked for and may still come.

@@ -5,7 +5,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use mooncake_alloc::{AllocatedBuffer, AllocationError, AllocationRequest, SegmentId};
+use mooncake_alloc::{AllocatedBuffer, AllocationError, AllocationRequest, SegmentAllocator, SegmentId};
 
 use crate::config::{check_key, check_value_len, ReplicateConfig};
 use crate::error::{Error, Result};
@@ -13,6 +13,11 @@ use crate::master::object::{ObjectEntry, StoredReplica};
 use crate::master::records::RecordWait;
 use crate::master::service::MasterService;
 use crate::master::types::*;
+
+/// The largest free block of any of `segments`.
+fn largest_free(segments: &[Arc<SegmentAllocator>]) -> u64 {
+    segments.iter().map(|s| s.report().largest_free_region).max().unwrap_or(0)
+}
 
 impl MasterService {
     /// Phase one of a put: reserves up to `cfg.replica_num` buffers of `len` bytes on
@@ -67,6 +72,7 @@ impl MasterService {
                 owner: client,
                 last_access_ms: now,
                 lease_until_ms: 0,
+                readers: 0,
                 replicas: bufs.into_iter().map(|buf| StoredReplica { buf, complete: false }).collect(),
                 disk: 0,
                 offload_deadline_ms: 0,
@@ -76,42 +82,73 @@ impl MasterService {
         Ok(replicas)
     }
 
+    /// A segment came back with its objects. To a master younger than two client
+    /// TTLs this means it restarted (a client that merely expired comes back to an
+    /// older one): other clients may still be on their way back for one TTL.
+    pub(crate) fn note_recovery(&self) {
+        let (now, ttl) = (self.now_ms(), self.config.client_ttl.as_millis() as u64);
+        if now < 2 * ttl {
+            self.recovering_until_ms.fetch_max(now + ttl, Ordering::Relaxed);
+        }
+    }
+
+    /// Whether the master is in the window after a restart when clients re-mount.
+    pub(crate) fn recovering(&self) -> bool {
+        self.now_ms() < self.recovering_until_ms.load(Ordering::Relaxed)
+    }
+
     pub(crate) fn put_expired(&self, e: &ObjectEntry, now: u64) -> bool {
         !e.complete && now.saturating_sub(e.last_access_ms) >= self.config.put_timeout.as_millis() as u64
     }
 
     /// Allocates buffers for `cfg`, excluding segments in `exclude`; on lack of space,
-    /// evicts and tries once more.
+    /// evicts and tries again.
     pub(crate) fn allocate(
         &self,
         len: u64,
         cfg: &ReplicateConfig,
         exclude: Option<&[SegmentId]>,
     ) -> Result<Vec<AllocatedBuffer>> {
-        let request = AllocationRequest {
-            size: len,
-            replica_num: cfg.replica_num,
-            preferred_segments: cfg.preferred_segments.clone(),
-        };
-        let strategy = &self.config.allocation_strategy;
         let mut evictions = 0;
         let mut wait_until: Option<Instant> = None;
         loop {
+<<<<<<< HEAD
             let mut candidates = self.placeable();
             if let Some(ex) = exclude {
                 candidates = Arc::new(candidates.iter().filter(|s| !ex.contains(&s.id())).cloned().collect());
+=======
+            let mounted = self.candidates();
+            if let Some(unknown) =
+                cfg.preferred_segments.iter().find(|p| !mounted.iter().any(|s| s.name() == p.as_str()))
+            {
+                return Err(Error::InvalidArgument(format!(
+                    "preferred segment {unknown:?} is not mounted (names are `endpoint#n`, see SegmentInfo::name)"
+                )));
+>>>>>>> wt-h13
             }
+            let candidates: Vec<Arc<SegmentAllocator>> = match exclude {
+                Some(ex) => mounted.iter().filter(|s| !ex.contains(&s.id())).cloned().collect(),
+                None => mounted.to_vec(),
+            };
             if candidates.is_empty() {
-                return Err(Error::NoSpace(if exclude.is_some() {
-                    "no other segment is mounted".into()
-                } else {
-                    "no segment is mounted".into()
-                }));
+                let reason = if exclude.is_some() { "no other segment is mounted" } else { "no segment is mounted" };
+                if self.recovering() {
+                    return Err(Error::Recovering(format!("{reason} yet: clients are re-mounting their segments")));
+                }
+                return Err(Error::NoSpace { needed: len, largest_free: 0, reason: reason.into() });
             }
-            let metrics = crate::master::disk::MasterSsdMetrics(self);
-            let ssd: Option<&dyn mooncake_alloc::SsdMetricsProvider> =
-                if strategy.uses_ssd_metrics() { Some(&metrics) } else { None };
-            match strategy.allocate(&request, &candidates, ssd) {
+            let largest_segment = candidates.iter().map(|s| s.capacity()).max().unwrap_or(0);
+            if len > largest_segment {
+                return Err(Error::NoSpace {
+                    needed: len,
+                    largest_free: largest_free(&candidates),
+                    reason: format!(
+                        "the object is larger than any segment (the largest has {largest_segment} bytes): \
+                         give clients larger segments, or split the object"
+                    ),
+                });
+            }
+            match self.place(len, cfg, &candidates) {
                 Ok(bufs) => return Ok(bufs),
                 // Eviction frees whole objects wherever they are; a fragmented or
                 // unlucky segment may need more than one round.
@@ -126,22 +163,88 @@ impl MasterService {
                     // offloads to land (bounded), then evict their memory.
                     let until = *wait_until.get_or_insert_with(|| Instant::now() + self.config.offload_wait);
                     if report.awaiting_offload == 0 || Instant::now() >= until {
-                        return Err(Error::NoSpace(format!(
-                            "no segment has {len} free bytes and nothing can be evicted{}",
-                            if report.awaiting_offload > 0 { " (offloads to SSD did not finish in time)" } else { "" }
-                        )));
+                        return Err(Error::NoSpace {
+                            needed: len,
+                            largest_free: largest_free(&candidates),
+                            reason: if report.awaiting_offload > 0 {
+                                "offloads to SSD did not finish in time to free memory".into()
+                            } else {
+                                "nothing can be evicted: every object is being read or written, or pinned \
+                                 objects fill the free blocks"
+                                    .into()
+                            },
+                        });
                     }
                     std::thread::sleep(Duration::from_millis(5));
+                }
+                Err(AllocationError::NoSpace { .. }) => {
+                    return Err(Error::NoSpace {
+                        needed: len,
+                        largest_free: largest_free(&candidates),
+                        reason: "no free block of that size after eviction (fragmented segments)".into(),
+                    })
                 }
                 Err(e) => return Err(e.into()),
             }
         }
     }
 
+<<<<<<< HEAD
     /// Phase two of a put: the bytes are written; the object becomes readable. With
     /// durable records, returns once every node holding a replica recorded it; a
     /// node that could not be told is forgotten with its replicas, and the put fails
     /// if none is left.
+=======
+    /// Places `cfg.replica_num` replicas of `len` bytes: on the preferred segments
+    /// first, in order (whatever the strategy), then the rest by the strategy among
+    /// the other candidates. Best effort: fewer replicas when fewer segments have room.
+    fn place(
+        &self,
+        len: u64,
+        cfg: &ReplicateConfig,
+        candidates: &[Arc<SegmentAllocator>],
+    ) -> Result<Vec<AllocatedBuffer>, AllocationError> {
+        let mut placed: Vec<AllocatedBuffer> = Vec::new();
+        for name in &cfg.preferred_segments {
+            if placed.len() == cfg.replica_num {
+                return Ok(placed);
+            }
+            let Some(seg) = candidates.iter().find(|s| s.name() == name.as_str()) else { continue };
+            if placed.iter().all(|b| b.segment_id() != seg.id()) {
+                placed.extend(seg.allocate(len));
+            }
+        }
+        if placed.len() == cfg.replica_num {
+            return Ok(placed);
+        }
+        let rest: Vec<Arc<SegmentAllocator>> =
+            candidates.iter().filter(|s| placed.iter().all(|b| b.segment_id() != s.id())).cloned().collect();
+        let no_space =
+            AllocationError::NoSpace { size: len, replica_num: cfg.replica_num, candidates: candidates.len() };
+        if rest.is_empty() {
+            return if placed.is_empty() { Err(no_space) } else { Ok(placed) };
+        }
+        let request = AllocationRequest {
+            size: len,
+            replica_num: cfg.replica_num - placed.len(),
+            preferred_segments: Vec::new(),
+        };
+        let strategy = &self.config.allocation_strategy;
+        let metrics = crate::master::disk::MasterSsdMetrics(self);
+        let ssd: Option<&dyn mooncake_alloc::SsdMetricsProvider> =
+            if strategy.uses_ssd_metrics() { Some(&metrics) } else { None };
+        match strategy.allocate(&request, &rest, ssd) {
+            Ok(bufs) => {
+                placed.extend(bufs);
+                Ok(placed)
+            }
+            Err(_) if !placed.is_empty() => Ok(placed),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Phase two of a put: the bytes are written; the object becomes readable.
+>>>>>>> wt-h13
     pub fn put_end(&self, client: ClientId, key: &str, checksum: u32) -> Result<()> {
         let wait = self.put_end_queued(client, key, checksum)?;
         self.settle_put(key, wait)
@@ -227,7 +330,10 @@ impl MasterService {
 
     // ---- reads -----------------------------------------------------------------------
 
-    /// The complete replicas of `key`, and a lease of `default_lease` on the object.
+    /// The complete replicas of `key`, and a read lease on the object: until the
+    /// reader gives it back with [`release_leases`](Self::release_leases) (or
+    /// `default_lease` passed, for a reader that died), the object is neither
+    /// removed, nor evicted, nor shrunk.
     pub fn get_replica_list(&self, key: &str) -> Result<ReplicaList> {
         check_key(key)?;
         let now = self.now_ms();
@@ -235,7 +341,7 @@ impl MasterService {
         let mut shard = self.index.shard(key).lock();
         match shard.get_mut(key) {
             Some(e) if e.complete => {
-                e.lease_until_ms = e.lease_until_ms.max(now + lease.as_millis() as u64);
+                e.lease(now, lease.as_millis() as u64);
                 e.last_access_ms = now;
                 Ok(ReplicaList {
                     len: e.len,
@@ -245,6 +351,9 @@ impl MasterService {
                     disk: (e.disk != 0).then_some(e.disk),
                 })
             }
+            _ if self.recovering() => {
+                Err(Error::Recovering(format!("{key} not found yet: clients are re-mounting their segments")))
+            }
             _ => Err(Error::NotFound(key.to_owned())),
         }
     }
@@ -252,6 +361,17 @@ impl MasterService {
     /// [`get_replica_list`](Self::get_replica_list) for many keys.
     pub fn batch_get_replica_list(&self, keys: &[&str]) -> Vec<Result<ReplicaList>> {
         keys.iter().map(|k| self.get_replica_list(k)).collect()
+    }
+
+    /// Ends one read lease of each key (one per replica-list answer the reader got):
+    /// its read is over. Keys that are gone are skipped.
+    pub fn release_leases(&self, keys: &[&str]) -> Result<()> {
+        for key in keys {
+            if let Some(e) = self.index.shard(key).lock().get_mut(*key) {
+                e.release();
+            }
+        }
+        Ok(())
     }
 
     /// What the master knows of `key` (no lease is granted).
@@ -264,7 +384,7 @@ impl MasterService {
                 checksum: e.checksum,
                 replicas: e.replicas.iter().filter(|r| r.complete).map(|r| MemoryReplica::of(&r.buf)).collect(),
                 soft_pin: e.soft_pin,
-                lease_ms_left: e.lease_until_ms.saturating_sub(now),
+                lease_ms_left: if e.leased(now) { e.lease_until_ms - now } else { 0 },
             }),
             _ => Err(Error::NotFound(key.to_owned())),
         }
@@ -281,11 +401,48 @@ impl MasterService {
         keys.iter().map(|k| self.exists(k)).collect()
     }
 
+    // ---- persistence -----------------------------------------------------------------
+
+    /// Asks `client`'s SSD tier to offload every object held in its segments that is
+    /// on no SSD yet, and returns how many such objects there are (0: all are on
+    /// disk). Called repeatedly by a flushing client until it answers 0.
+    pub fn flush_segments(&self, client: ClientId) -> Result<u64> {
+        let segments = match self.clients.read().get(&client) {
+            Some(rec) => rec.segments.clone(),
+            None => return Err(Error::UnknownClient(client)),
+        };
+        let now = self.now_ms();
+        let hold = now + self.config.put_timeout.as_millis() as u64;
+        let (mut left, mut ask) = (0u64, Vec::new());
+        for shard in self.index.shards() {
+            for (k, e) in shard.lock().iter_mut() {
+                if !e.complete
+                    || e.disk != 0
+                    || !e.replicas.iter().any(|r| r.complete && segments.contains(&r.segment()))
+                {
+                    continue;
+                }
+                left += 1;
+                if !e.offload_pending(now) {
+                    e.offload_deadline_ms = hold;
+                    ask.push(k.clone());
+                }
+            }
+        }
+        self.queue_offloads(client, ask);
+        Ok(left)
+    }
+
     // ---- removal ---------------------------------------------------------------------
 
+<<<<<<< HEAD
     /// Removes a complete object; fails with `HasLease` while a reader holds a lease.
     /// With durable records, returns once every node that held a replica dropped its
     /// record (a node that cannot be told is forgotten: it comes back with none).
+=======
+    /// Removes a complete object; fails with `HasLease` while a read of it is in
+    /// flight.
+>>>>>>> wt-h13
     pub fn remove(&self, key: &str) -> Result<()> {
         let wait = self.remove_queued(key)?;
         self.await_records(wait);
@@ -401,8 +558,9 @@ impl MasterService {
             Some(e) if e.complete => e,
             _ => return Err(Error::NotFound(key.to_owned())),
         };
-        // Sources must stay put while the client copies from them.
-        e.lease_until_ms = e.lease_until_ms.max(now + self.config.put_timeout.as_millis() as u64);
+        // Sources must stay put while the client copies from them: the copy is a
+        // read, released by `replicate_end`.
+        e.lease(now, self.config.put_timeout.as_millis() as u64);
         let sources = e.replicas.iter().filter(|r| r.complete).map(|r| MemoryReplica::of(&r.buf)).collect();
         let targets = bufs.iter().map(MemoryReplica::of).collect();
         e.replicas.extend(bufs.into_iter().map(|buf| StoredReplica { buf, complete: false }));
@@ -424,10 +582,15 @@ impl MasterService {
         } else {
             e.replicas.retain(|r| !is_target(r));
         }
+<<<<<<< HEAD
         // The copy lease is over; readers still get their own leases.
         e.lease_until_ms = e.lease_until_ms.min(self.now_ms() + self.config.default_lease.as_millis() as u64);
         drop(shard);
         self.await_records(wait);
+=======
+        // The copy is over; readers hold their own leases.
+        e.release();
+>>>>>>> wt-h13
         Ok(())
     }
 }

@@ -303,6 +303,9 @@ impl MasterService {
     ) -> Result<(SegmentId, usize)> {
         let mut records = records.to_vec();
         let id = self.mount_segment(client, region, capacity)?;
+        if !records.is_empty() {
+            self.note_recovery();
+        }
         let Some(alloc) = self.segments.read().by_id.get(&id).map(|s| s.alloc.clone()) else {
             return Ok((id, 0));
         };
@@ -330,6 +333,7 @@ impl MasterService {
                             owner: client,
                             last_access_ms: now,
                             lease_until_ms: 0,
+                            readers: 0,
                             replicas: vec![StoredReplica { buf, complete: true }],
                             disk: 0,
                             offload_deadline_ms: 0,

@@ -52,6 +52,11 @@ pub struct MasterService {
     /// Keys removed while they had a disk replica: an SSD that comes back with one of
     /// them does not register it again.
     pub(super) tombstones: crate::master::disk::Tombstones,
+    /// Until when (ms) the master counts as recovering from a restart: set by each
+    /// segment re-mounted with its objects, for one client TTL (every surviving
+    /// client re-mounts within it). Meanwhile a missing key or a lack of segments is
+    /// `Error::Recovering`, which callers retry, not `NotFound` or `NoSpace`.
+    pub(super) recovering_until_ms: AtomicU64,
 }
 
 /// A handle on a master service running in this process. Clones share it; the
@@ -104,6 +109,7 @@ impl Master {
             incarnation: rand::random::<u64>() | 1,
             record_connector: std::sync::OnceLock::new(),
             tombstones: Default::default(),
+            recovering_until_ms: AtomicU64::new(0),
         });
         spawn_monitor(&service)?;
         Ok(Self { service })

@@ -248,7 +248,14 @@ pub enum WireError {
     /// [`Error::HasLease`].
     HasLease(String),
     /// [`Error::NoSpace`].
-    NoSpace(String),
+    NoSpace {
+        /// Bytes needed.
+        needed: u64,
+        /// Largest free block.
+        largest_free: u64,
+        /// Why.
+        reason: String,
+    },
     /// [`Error::BufferTooSmall`].
     BufferTooSmall {
         /// Object size.
@@ -264,6 +271,8 @@ pub enum WireError {
     Other(String),
     /// [`Error::Storage`].
     Storage(String),
+    /// [`Error::Recovering`].
+    Recovering(String),
 }
 
 impl From<Error> for WireError {
@@ -272,7 +281,8 @@ impl From<Error> for WireError {
             Error::NotFound(m) => WireError::NotFound(m),
             Error::AlreadyExists(m) => WireError::AlreadyExists(m),
             Error::HasLease(m) => WireError::HasLease(m),
-            Error::NoSpace(m) => WireError::NoSpace(m),
+            Error::NoSpace { needed, largest_free, reason } => WireError::NoSpace { needed, largest_free, reason },
+            Error::Recovering(m) => WireError::Recovering(m),
             Error::BufferTooSmall { needed, capacity } => WireError::BufferTooSmall { needed, capacity },
             Error::InvalidArgument(m) => WireError::InvalidArgument(m),
             Error::UnknownClient(c) => WireError::UnknownClient(c),
@@ -288,7 +298,8 @@ impl From<WireError> for Error {
             WireError::NotFound(m) => Error::NotFound(m),
             WireError::AlreadyExists(m) => Error::AlreadyExists(m),
             WireError::HasLease(m) => Error::HasLease(m),
-            WireError::NoSpace(m) => Error::NoSpace(m),
+            WireError::NoSpace { needed, largest_free, reason } => Error::NoSpace { needed, largest_free, reason },
+            WireError::Recovering(m) => Error::Recovering(m),
             WireError::BufferTooSmall { needed, capacity } => Error::BufferTooSmall { needed, capacity },
             WireError::InvalidArgument(m) => Error::InvalidArgument(m),
             WireError::UnknownClient(c) => Error::UnknownClient(c),

@@ -1,6 +1,7 @@
 //! `StoreBuilder`: how a client is configured.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use mooncake_alloc::AllocationStrategy;
 
@@ -42,6 +43,8 @@ pub struct StoreBuilder {
     pub(super) replicate: ReplicateConfig,
     pub(super) ssd: Option<super::SsdOffloadConfig>,
     pub(super) replica_cache: usize,
+    pub(super) master_timeout: Duration,
+    pub(super) flush_timeout: Duration,
 }
 
 impl std::fmt::Debug for StoreBuilder {
@@ -73,6 +76,8 @@ impl Default for StoreBuilder {
             replicate: ReplicateConfig::default(),
             ssd: None,
             replica_cache: 1 << 16,
+            master_timeout: Duration::from_secs(30),
+            flush_timeout: Duration::from_secs(60),
         }
     }
 }
@@ -101,6 +106,9 @@ impl StoreBuilder {
     }
 
     /// Talks to a master daemon at `addr` (`host:port`) instead of an embedded one.
+    /// A client that gives memory must be reachable by the others: without
+    /// [`listen`](Self::listen) it serves its segment on the address by which this
+    /// host reaches the master, port chosen by the system.
     pub fn master_address(mut self, addr: &str) -> Self {
         self.master_address = Some(addr.to_owned());
         self
@@ -162,17 +170,32 @@ impl StoreBuilder {
         self
     }
 
-    /// How many replica lists this client keeps while it holds their read lease
-    /// (default 65,536; 0: none). A get of a key whose lease is still running goes
-    /// straight to the replica, skipping the master. The lease guarantees the list
-    /// is still right: the master refuses to remove, evict or shrink a leased object.
+    /// How many replica lists of recent gets this client keeps (default 65,536; 0:
+    /// none), each for one lease period. A repeated get of a kept key goes straight
+    /// to the replica, skipping the master. Reads through a kept list are checked
+    /// against the object's checksum like every read: a list made stale by a remove
+    /// or an eviction elsewhere is detected and the master asked again; until the
+    /// memory is reused, such a get may still return the removed object's bytes.
     pub fn replica_cache(mut self, lists: usize) -> Self {
         self.replica_cache = lists;
         self
     }
 
+    /// Longest wait for the master daemon's answer to one call before it fails with
+    /// `Timeout` (default 30 s; only with [`master_address`](Self::master_address)).
+    pub fn master_timeout(mut self, timeout: Duration) -> Self {
+        self.master_timeout = timeout;
+        self
+    }
+
+    /// Longest wait of [`Store::flush`] for the SSD tier (default 60 s).
+    pub fn flush_timeout(mut self, timeout: Duration) -> Self {
+        self.flush_timeout = timeout;
+        self
+    }
+
     /// Builds the client: joins (or starts) the master and mounts the segment.
-    pub fn build(self) -> Result<Store> {
+    pub fn build(mut self) -> Result<Store> {
         self.replicate.check()?;
         let external = self.master.is_some() || self.master_address.is_some();
         if external && (self.master_config.is_some() || self.strategy.is_some()) {
@@ -185,11 +208,35 @@ impl StoreBuilder {
         if self.master.is_some() && self.master_address.is_some() {
             return Err(Error::InvalidArgument("give master(..) or master_address(..), not both".into()));
         }
+        if let Some(addr) = &self.master_address {
+            check_address("master_address", addr)?;
+            if self.global_segment_size > 0 && self.listen.is_none() {
+                // Other clients must reach this segment: serve it on the address by
+                // which this host reaches the master (the route the master's peers
+                // share), rather than in-process only.
+                self.listen = Some(reachable_listen_address(addr).map_err(|e| {
+                    Error::InvalidArgument(format!(
+                        "a client that gives memory (global_segment_size {}) to the master at {addr} must be \
+                         reachable by the other clients, and no route to the master was found ({e}): set \
+                         listen(\"HOST:PORT\") to an address they reach, or global_segment_size(0)",
+                        self.global_segment_size
+                    ))
+                })?);
+            }
+        }
+        if let Some(addr) = &self.listen {
+            check_address("listen", addr)?;
+        }
+        if self.master_timeout.is_zero() || self.flush_timeout.is_zero() {
+            return Err(Error::InvalidArgument("master_timeout and flush_timeout must be > 0".into()));
+        }
         let master: Arc<dyn MasterApi> = match (&self.master, &self.master_address) {
             (Some(m), _) => m.service().clone(),
-            (None, Some(addr)) => {
-                Arc::new(RpcMasterClient::connect_with(addr, self.secret.as_deref().map(SharedSecret::new))?)
-            }
+            (None, Some(addr)) => Arc::new(RpcMasterClient::connect_with_timeout(
+                addr,
+                self.secret.as_deref().map(SharedSecret::new),
+                self.master_timeout,
+            )?),
             (None, None) => {
                 let mut cfg = self.master_config.clone().unwrap_or_default();
                 if let Some(s) = &self.strategy {
@@ -201,6 +248,43 @@ impl StoreBuilder {
         let engine = transfer_engine(&self)?;
         Store::connect(self, master, engine)
     }
+}
+
+/// Checks that `addr` reads as `host:port` (the host may be a name, an IPv4 address
+/// or a bracketed IPv6 address), so that a typo is an `InvalidArgument` at build
+/// rather than an unreachable master later.
+fn check_address(what: &str, addr: &str) -> Result<()> {
+    let bad = |why: &str| {
+        Err(Error::InvalidArgument(format!(
+            "{what} {addr:?} is not an address: {why} (use host:port, e.g. 10.0.0.1:50051)"
+        )))
+    };
+    let Some((host, port)) = addr.rsplit_once(':') else { return bad("no port") };
+    if port.parse::<u16>().is_err() {
+        return bad("the port is not a number from 0 to 65535");
+    }
+    if let Some(v6) = host.strip_prefix('[').and_then(|h| h.strip_suffix(']')) {
+        return match v6.parse::<std::net::Ipv6Addr>() {
+            Ok(_) => Ok(()),
+            Err(_) => bad("bad IPv6 host"),
+        };
+    }
+    if host.is_empty() || host.contains(|c: char| c.is_whitespace() || c == '/' || c == ':') {
+        return bad("bad host (IPv6 addresses go in brackets: [::1]:50051)");
+    }
+    Ok(())
+}
+
+/// `IP:0` for the local address this host uses to reach `master` (found by a
+/// connected UDP socket, which sends nothing).
+fn reachable_listen_address(master: &str) -> std::io::Result<String> {
+    let target = std::net::ToSocketAddrs::to_socket_addrs(master)?
+        .next()
+        .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::NotFound, "the name has no address"))?;
+    let any = if target.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" };
+    let socket = std::net::UdpSocket::bind(any)?;
+    socket.connect(target)?;
+    Ok(std::net::SocketAddr::new(socket.local_addr()?.ip(), 0).to_string())
 }
 
 /// The transfer engine for a client: which transports, and whether it listens.

@@ -6,6 +6,8 @@ mod builder;
 mod device;
 mod file_storage;
 mod records;
+mod leases;
+mod parts;
 mod replica_cache;
 mod stats;
 
@@ -29,9 +31,13 @@ pub use builder::StoreBuilder;
 use file_storage::{DiskPeers, FileStorage};
 pub use file_storage::{SsdBackend, SsdOffloadConfig, SsdStats};
 use records::SegmentRecords;
+use leases::LeaseReleaser;
 use replica_cache::ReplicaCache;
 use stats::StoreCounters;
 pub use stats::StoreStats;
+
+/// The client id of a store that [`Store::close`] unregistered (ids are never 0).
+const CLOSED: ClientId = 0;
 
 /// How many times a get re-asks the master after every replica failed its checksum
 /// (the memory was freed and reused under a stale list).
@@ -106,8 +112,10 @@ struct StoreInner {
     ssd: Option<FileStorage>,
     /// Loads from other clients' SSDs.
     disk_peers: DiskPeers,
-    /// Replica lists this client holds a lease on.
+    /// Replica lists of recent gets, reused for a while (see `ReplicaCache`).
     cache: ReplicaCache,
+    /// Ends the read lease of each replica list the master answered, once read.
+    leases: LeaseReleaser,
     segment: Mutex<Option<OwnSegment>>,
     /// The segment id of our own segment (0: none), read on every get for locality.
     own_segment: AtomicU64,
@@ -119,12 +127,17 @@ struct StoreInner {
     records: Arc<SegmentRecords>,
     /// Where the master tells us of changes to our records before acknowledging them.
     record_endpoint: Option<RecordEndpoint>,
+    /// Longest time `flush` waits for the SSD tier.
+    flush_timeout: Duration,
     /// Dropping it stops the heartbeat thread.
     _heartbeat_stop: Sender<()>,
 }
 
 impl Drop for StoreInner {
     fn drop(&mut self) {
+        if self.client() == CLOSED {
+            return;
+        }
         match self.master.unregister_client(self.client()) {
             Ok(removed) => tracing::debug!(removed, "client unregistered; segment unmounted"),
             Err(e) => tracing::warn!(error = %e, "could not unregister from the master"),
@@ -298,7 +311,10 @@ impl StoreInner {
         loop {
             let asked_at = std::time::Instant::now();
             let list = self.master.get_replica_list(key)?;
-            match read(&list) {
+            let res = read(&list);
+            // The read is over: its lease goes back at once.
+            self.leases.release([key]);
+            match res {
                 Err(Error::Corrupted(_)) | Err(Error::Transport(_)) if attempt < CHECKSUM_RETRIES => attempt += 1,
                 done => {
                     if done.is_ok() {
@@ -425,6 +441,7 @@ impl Store {
             },
             None => None,
         };
+        let leases = LeaseReleaser::new(master.clone(), cfg.master_address.is_some())?;
         let (stop_tx, stop_rx) = bounded::<()>(0);
         let own = segment.as_ref().map_or(0, |s| s.id);
         let records = Arc::new(SegmentRecords::new(own, reg.incarnation));
@@ -452,6 +469,7 @@ impl Store {
             ssd,
             disk_peers: DiskPeers::new(cfg.secret.as_deref()),
             cache: ReplicaCache::new(cfg.replica_cache),
+            leases,
             segment: Mutex::new(segment),
             own_segment: AtomicU64::new(own),
             routes: RwLock::new(HashMap::new()),
@@ -459,6 +477,7 @@ impl Store {
             counters: StoreCounters::default(),
             records,
             record_endpoint,
+            flush_timeout: cfg.flush_timeout,
             _heartbeat_stop: stop_tx,
         });
         if let Err(e) = inner.announce_records(client) {
@@ -477,6 +496,9 @@ impl Store {
                     _ => return,
                 }
                 let Some(inner) = weak.upgrade() else { return };
+                if inner.client() == CLOSED {
+                    return;
+                }
                 match inner.heartbeat() {
                     Ok(()) => {}
                     Err(Error::UnknownClient(_)) => {
@@ -546,81 +568,9 @@ impl Store {
     /// Puts many objects with one master round trip per phase and one transfer batch.
     /// One result per item, in order.
     pub fn batch_put(&self, items: &[(&str, &[u8])], cfg: &ReplicateConfig) -> Vec<Result<()>> {
-        let inner = &self.inner;
-        let client = inner.client();
-        let mut results: Vec<Result<()>> = Vec::with_capacity(items.len());
-        let mut valid: Vec<(usize, &str, u64)> = Vec::with_capacity(items.len());
-        for (i, (k, v)) in items.iter().enumerate() {
-            match check_key(k).and_then(|_| check_value_len(v.len() as u64)).and_then(|_| cfg.check()) {
-                Ok(()) => {
-                    results.push(Ok(()));
-                    valid.push((i, k, v.len() as u64));
-                }
-                Err(e) => results.push(Err(e)),
-            }
-        }
-        let starts =
-            inner.master.batch_put_start(client, &valid.iter().map(|(_, k, l)| (*k, *l)).collect::<Vec<_>>(), cfg);
-        // Resolve every route first so requests can borrow them.
-        let mut plans: Vec<(usize, Vec<RoutedReplica>)> = Vec::new();
-        for ((i, _, _), start) in valid.iter().zip(starts) {
-            match start.and_then(|reps| {
-                reps.into_iter().map(|r| inner.route(r.segment).map(|route| (r, route))).collect::<Result<Vec<_>>>()
-            }) {
-                Ok(p) => plans.push((*i, p)),
-                Err(e) => results[*i] = Err(e),
-            }
-        }
-        let mut reqs: Vec<TransferRequest<'_>> = Vec::new();
-        let mut owner: Vec<(usize, SegmentId)> = Vec::new();
-        for (i, plan) in &plans {
-            for (r, route) in plan {
-                reqs.push(TransferRequest::write(route, r.offset, items[*i].1));
-                owner.push((*i, r.segment));
-            }
-        }
-        let mut failed_segments: Vec<SegmentId> = Vec::new();
-        for (res, (i, segment)) in inner.engine.transfer(&mut reqs).into_iter().zip(owner) {
-            if let Err(e) = res {
-                if !failed_segments.contains(&segment) {
-                    failed_segments.push(segment);
-                }
-                if results[i].is_ok() {
-                    results[i] = Err(e.into());
-                }
-            }
-        }
-        // The master stops placing there; the failed items are the caller's to retry.
-        for segment in failed_segments {
-            inner.routes.write().remove(&segment);
-            let _ = inner.master.report_segment_failure(client, segment);
-        }
-        let (mut ends, mut revokes) = (Vec::new(), Vec::new());
-        for (i, _) in &plans {
-            let key = items[*i].0;
-            if results[*i].is_ok() {
-                ends.push((*i, key, crate::checksum::checksum(items[*i].1)));
-            } else {
-                revokes.push(key);
-            }
-        }
-        inner.master.batch_put_revoke(client, &revokes);
-        let end_results =
-            inner.master.batch_put_end(client, &ends.iter().map(|(_, k, c)| (*k, *c)).collect::<Vec<_>>());
-        for ((i, _, _), res) in ends.iter().zip(end_results) {
-            results[*i] = res;
-        }
-        let c = &inner.counters;
-        for (res, (_, v)) in results.iter().zip(items) {
-            match res {
-                Ok(()) => {
-                    StoreCounters::inc(&c.puts, 1);
-                    StoreCounters::inc(&c.put_bytes, v.len() as u64);
-                }
-                Err(_) => StoreCounters::inc(&c.put_errors, 1),
-            }
-        }
-        results
+        let one: Vec<[&[u8]; 1]> = items.iter().map(|(_, v)| [*v]).collect();
+        let items: Vec<(&str, &[&[u8]])> = items.iter().zip(&one).map(|((k, _), v)| (*k, &v[..])).collect();
+        self.inner.batch_put_parts(&items, cfg)
     }
 
     /// Gets many objects with one master round trip and one transfer batch; a key
@@ -678,6 +628,8 @@ impl Store {
                 ok[i] = res.is_ok();
             }
         }
+        // Every read of the batch is over (a key retried alone takes a lease of its own).
+        inner.leases.release(keys.iter().zip(&lists).filter(|(_, l)| l.is_ok()).map(|(k, _)| *k));
         lists
             .into_iter()
             .enumerate()

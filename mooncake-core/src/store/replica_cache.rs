@@ -1,14 +1,20 @@
-//! Replica lists this client holds a read lease on, reused until the lease ends.
+//! Replica lists of recent gets, reused for a while: a repeated get of a hot object
+//! (a shared prompt prefix read by every request) goes straight to the replica, one
+//! round trip instead of two.
 //!
-//! Every replica-list call leases the object to the caller: until the lease ends the
-//! master refuses to remove it, evict it or drop a replica of it. So for that long
-//! the list the master answered stays exactly right, and a repeated get of a hot
-//! object (a shared prompt prefix read by every request) can go straight to the
-//! replica: one round trip instead of two. The lease is counted from before the
-//! request was sent, so it ends here no later than at the master. What the lease
-//! does not cover (the owner of a replica dies, the master restarts) is caught by
-//! the checksum and the transport: any failed read through a cached list forgets it
-//! and asks the master, as an uncached get would.
+//! The master's read lease covers only the read that asked for the list (it is given
+//! back as soon as that read is over), so a kept list is not protected: the object
+//! may be removed or evicted, and its memory reused, while the list is kept. Reading
+//! through a kept list is still safe because every read is checked against the
+//! object's checksum, which the list carries: memory that now holds other bytes fails
+//! the check (a torn read of memory being rewritten too), the list is forgotten and
+//! the master is asked, exactly as after a failed uncached read. What a kept list can
+//! return is therefore only ever the object's own bytes; the one difference from an
+//! uncached get is that those bytes may be returned up to one lease period
+//! (`MasterConfig::default_lease`) after another client removed the object, while
+//! its memory was not yet reused. A client's own `remove` forgets the list at once.
+//! What no lease covers either (the owner of a replica dies, the master restarts) is
+//! caught the same way, by the checksum and the transport.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -22,7 +28,7 @@ use crate::master::ReplicaList;
 /// Lists whose lease ends within this are not reused (slack for a read under way).
 const MIN_LEFT: Duration = Duration::from_millis(5);
 
-/// A leased list and when its lease ends here.
+/// A kept list and until when it may be used.
 type Leased = (Arc<ReplicaList>, Instant);
 
 pub(super) struct ReplicaCache {
@@ -37,7 +43,7 @@ impl ReplicaCache {
         Self { capacity, lists: Mutex::new(HashMap::new()), hits: AtomicU64::new(0) }
     }
 
-    /// The list of `key`, if its lease still has time.
+    /// The list of `key`, if it is still young enough.
     pub(super) fn get(&self, key: &str) -> Option<Arc<ReplicaList>> {
         if self.capacity == 0 {
             return None;
@@ -47,8 +53,9 @@ impl ReplicaCache {
         (Instant::now() + MIN_LEFT < *until).then(|| list.clone())
     }
 
-    /// Keeps `list`, leased by a call sent at `asked_at`. Lists with memory replicas
-    /// only: a disk replica can be evicted by its owner despite a lease.
+    /// Keeps `list`, answered to a call sent at `asked_at`, for its lease period.
+    /// Lists with memory replicas only (a disk-only object is read from its owner's
+    /// SSD, which checks it anyway).
     pub(super) fn insert(&self, key: &str, list: ReplicaList, asked_at: Instant) {
         if self.capacity == 0 || list.lease <= MIN_LEFT || list.replicas.is_empty() {
             return;

@@ -55,13 +55,21 @@ pub struct StoreStats {
     pub ssd: Option<super::SsdStats>,
     /// Objects this client pulled from other clients' SSDs.
     pub disk_loads: u64,
-    /// Gets served through a replica list this client still held a lease on (one
-    /// round trip, to the replica, instead of two).
+    /// Gets served through a replica list kept from a recent get (one round trip,
+    /// to the replica, instead of two).
     pub replica_cache_hits: u64,
     /// The master's view.
     pub master: MasterStats,
 }
 
+/// Every field, on a few lines:
+///
+/// ```text
+/// client 0x…: segment 1048576/4194304 bytes used
+///   puts 10 (…), gets 12 (…), removes 0, checksum retries 0, replica cache hits 3, disk loads 0
+///   ssd (bucket, io …): 8 objects, 65536/… B used, 8 offloaded (65536 B, 0 failed), …
+///   master (random): 10 objects (…), … evicted (… B), lease refusals 0, put timeouts 0, …
+/// ```
 impl std::fmt::Display for StoreStats {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let m = &self.master;
@@ -72,7 +80,8 @@ impl std::fmt::Display for StoreStats {
         )?;
         writeln!(
             f,
-            "  puts {} ({} B, {} failed), gets {} ({} B, {} failed), removes {}, checksum retries {}",
+            "  puts {} ({} B, {} failed), gets {} ({} B, {} failed), removes {}, checksum retries {}, \
+             replica cache hits {}, disk loads {}",
             self.puts,
             self.put_bytes,
             self.put_errors,
@@ -80,19 +89,59 @@ impl std::fmt::Display for StoreStats {
             self.get_bytes,
             self.get_errors,
             self.removes,
-            self.checksum_mismatches
+            self.checksum_mismatches,
+            self.replica_cache_hits,
+            self.disk_loads
         )?;
+        if let Some(s) = &self.ssd {
+            let b = &s.backend;
+            writeln!(
+                f,
+                "  ssd ({}, io {}): {} objects in {} units, {}/{} B used, {} evicted ({} units), \
+                 {} pending notifications; {} offloaded ({} B, {} failed), {} local loads, {} served loads, \
+                 {} discarded, {} recovered; staging {:?}",
+                b.backend,
+                b.io,
+                b.objects,
+                b.units,
+                b.used_bytes,
+                b.capacity.map_or_else(|| "unbounded".to_owned(), |c| c.to_string()),
+                b.evicted_objects,
+                b.evicted_units,
+                b.pending_notifications,
+                s.offloaded_objects,
+                s.offloaded_bytes,
+                s.offload_failures,
+                s.local_loads,
+                s.served_loads,
+                s.discarded,
+                s.recovered,
+                s.staging
+            )?;
+        }
         write!(
             f,
-            "  master: {} objects ({} B), {} replicas, {} segments, {}/{} B used, {} evicted, {} clients expired",
+            "  master ({}): {} objects ({} B, {} pending puts), {} replicas, {} clients, {} segments, {}/{} B used \
+             (max fragmentation {:.2}), {} evicted ({} B), lease refusals {}, put timeouts {}, \
+             {} clients expired, {} stall graces, metadata {} B (keys {} B)",
+            m.allocation_strategy,
             m.objects,
             m.object_bytes,
+            m.pending_puts,
             m.replicas,
+            m.clients,
             m.segments,
             m.used_bytes,
             m.capacity_bytes,
+            m.max_fragmentation,
             m.evicted_objects,
-            m.expired_clients
+            m.evicted_bytes,
+            m.lease_refusals,
+            m.put_timeouts,
+            m.expired_clients,
+            m.stall_graces,
+            m.metadata_bytes,
+            m.key_bytes
         )
     }
 }

@@ -1,0 +1,117 @@
+//! `MasterDaemon`: a master served over TCP, as the `mooncake-master` binary runs
+//! it, for programs that run their own (with their own allocation strategy).
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use mooncake_alloc::AllocationStrategy;
+use mooncake_transfer::SharedSecret;
+
+use crate::config::MasterConfig;
+use crate::error::Result;
+use crate::master::Master;
+use crate::rpc::wire::DEFAULT_MAX_FRAME;
+use crate::rpc::{RpcServer, RpcServerStats};
+
+/// A master serving clients in other processes over TCP. It serves until dropped.
+///
+/// Built with [`MasterDaemon::builder`], whose defaults are those of a served
+/// master: [`MasterConfig::served`] (segment owners are told which objects they
+/// hold, so that they can repopulate a restarted master).
+///
+/// ```
+/// use mooncake_core::{MasterDaemon, Store};
+/// use mooncake_core::alloc::FreeRatioFirst;
+///
+/// let daemon = MasterDaemon::builder("127.0.0.1:0").allocation_strategy(FreeRatioFirst).serve()?;
+/// let addr = daemon.local_addr().to_string();
+/// let store = Store::builder().master_address(&addr).global_segment_size(4 << 20).build()?;
+/// store.put("k", b"v")?;
+/// assert_eq!(daemon.master().stats().allocation_strategy, "free_ratio_first");
+/// # Ok::<(), mooncake_core::Error>(())
+/// ```
+pub struct MasterDaemon {
+    master: Master,
+    server: RpcServer,
+}
+
+impl std::fmt::Debug for MasterDaemon {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MasterDaemon").field("addr", &self.server.local_addr()).finish()
+    }
+}
+
+impl MasterDaemon {
+    /// A daemon that will listen on `listen` (`host:port`, port 0 picks one).
+    pub fn builder(listen: &str) -> MasterDaemonBuilder {
+        MasterDaemonBuilder {
+            listen: listen.to_owned(),
+            config: MasterConfig::served(),
+            secret: None,
+            max_frame: DEFAULT_MAX_FRAME,
+        }
+    }
+
+    /// The address clients connect to.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.server.local_addr()
+    }
+
+    /// The master service (stats, and every call in process).
+    pub fn master(&self) -> &Master {
+        &self.master
+    }
+
+    /// Counters of the RPC server (for metrics).
+    pub fn rpc_stats(&self) -> &Arc<RpcServerStats> {
+        self.server.stats()
+    }
+}
+
+/// Configures a [`MasterDaemon`].
+#[derive(Clone, Debug)]
+pub struct MasterDaemonBuilder {
+    listen: String,
+    config: MasterConfig,
+    secret: Option<Vec<u8>>,
+    max_frame: u32,
+}
+
+impl MasterDaemonBuilder {
+    /// The master's configuration (default [`MasterConfig::served`]; start from it
+    /// to keep the served defaults: `MasterConfig { .., ..MasterConfig::served() }`).
+    pub fn config(mut self, config: MasterConfig) -> Self {
+        self.config = config;
+        self
+    }
+
+    /// Placement strategy (any [`AllocationStrategy`], yours included).
+    pub fn allocation_strategy(mut self, strategy: impl AllocationStrategy + 'static) -> Self {
+        self.config.allocation_strategy = Arc::new(strategy);
+        self
+    }
+
+    /// Requires every client to prove this secret (clients set the same one with
+    /// `StoreBuilder::shared_secret`).
+    pub fn shared_secret(mut self, secret: &[u8]) -> Self {
+        self.secret = Some(secret.to_vec());
+        self
+    }
+
+    /// Largest request body accepted, in bytes (default the wire's default).
+    pub fn max_frame(mut self, bytes: u32) -> Self {
+        self.max_frame = bytes;
+        self
+    }
+
+    /// Starts the master and serves it on background threads.
+    pub fn serve(self) -> Result<MasterDaemon> {
+        let master = Master::new(self.config)?;
+        let secret = self.secret.as_deref().map(SharedSecret::new);
+        // Puts and removes are acknowledged once the storage nodes recorded them.
+        let timeout = master.config().record_timeout;
+        master.set_record_connector(std::sync::Arc::new(crate::rpc::RpcRecordConnector::new(secret.clone(), timeout)));
+        let server = RpcServer::bind_with(&self.listen, master.service().clone(), self.max_frame, secret)?;
+        Ok(MasterDaemon { master, server })
+    }
+}

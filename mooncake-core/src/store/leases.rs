@@ -1,0 +1,64 @@
+//! Giving read leases back to the master once the reads they protect are over.
+
+use std::sync::Arc;
+
+use crossbeam_channel::{unbounded, Sender};
+
+use crate::error::{Error, Result};
+use crate::master::MasterApi;
+
+/// Most keys one release call carries.
+const BATCH: usize = 1024;
+
+/// How a client ends its read leases.
+pub(super) enum LeaseReleaser {
+    /// In the master's process: a release is a function call, made at once (a
+    /// `remove` right after a `get` then finds no lease).
+    Direct(Arc<dyn MasterApi>),
+    /// Over the network: releases are queued and sent in batches by a thread of
+    /// their own, so that a get stays one master round trip. A release that is late
+    /// or lost only keeps the object until its lease's time runs out.
+    Batched(Sender<Box<str>>),
+}
+
+impl LeaseReleaser {
+    /// A releaser for `master`; `remote` masters get the batching thread, which ends
+    /// when the releaser is dropped (after sending what it holds).
+    pub(super) fn new(master: Arc<dyn MasterApi>, remote: bool) -> Result<Self> {
+        if !remote {
+            return Ok(LeaseReleaser::Direct(master));
+        }
+        let (tx, rx) = unbounded::<Box<str>>();
+        std::thread::Builder::new()
+            .name("mooncake-lease-release".into())
+            .spawn(move || {
+                while let Ok(first) = rx.recv() {
+                    let mut keys = vec![first];
+                    keys.extend(rx.try_iter().take(BATCH - 1));
+                    let refs: Vec<&str> = keys.iter().map(|k| &**k).collect();
+                    if let Err(e) = master.release_leases(&refs) {
+                        tracing::debug!(error = %e, keys = refs.len(), "lease release failed; the leases expire");
+                    }
+                }
+            })
+            .map_err(|e| Error::InvalidArgument(format!("cannot start the lease release thread: {e}")))?;
+        Ok(LeaseReleaser::Batched(tx))
+    }
+
+    /// Ends one lease of each key.
+    pub(super) fn release<'k>(&self, keys: impl IntoIterator<Item = &'k str>) {
+        match self {
+            LeaseReleaser::Direct(master) => {
+                let keys: Vec<&str> = keys.into_iter().collect();
+                if !keys.is_empty() {
+                    let _ = master.release_leases(&keys);
+                }
+            }
+            LeaseReleaser::Batched(tx) => {
+                for k in keys {
+                    let _ = tx.send(k.into());
+                }
+            }
+        }
+    }
+}
