@@ -176,7 +176,7 @@ fn require_all_replicas_fails_a_put_that_cannot_get_them() {
     let store = Store::builder().master_address(&c.master_addr).global_segment_size(0).build().unwrap();
     let strict = ReplicateConfig { replica_num: 2, require_all_replicas: true, ..Default::default() };
     match store.put_with("strict", b"two or nothing", &strict) {
-        Err(Error::NoSpace(m)) => assert!(m.contains("only 1 of 2 replicas"), "{m}"),
+        Err(Error::NoSpace { reason: m, .. }) => assert!(m.contains("only 1 of 2 replicas"), "{m}"),
         other => panic!("expected NoSpace, got {other:?}"),
     }
     assert!(!store.exists("strict").unwrap());

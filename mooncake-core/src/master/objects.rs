@@ -48,11 +48,11 @@ impl MasterService {
         let bufs = self.allocate(len, cfg, None)?;
         if bufs.len() < cfg.replica_num {
             if cfg.require_all_replicas {
-                return Err(Error::NoSpace(format!(
-                    "{key}: only {} of {} replicas could be placed",
-                    bufs.len(),
-                    cfg.replica_num
-                )));
+                return Err(Error::NoSpace {
+                    needed: len,
+                    largest_free: 0,
+                    reason: format!("{key}: only {} of {} replicas could be placed", bufs.len(), cfg.replica_num),
+                });
             }
             self.counters.under_replicated_puts.fetch_add(1, Ordering::Relaxed);
         }
@@ -112,19 +112,13 @@ impl MasterService {
         let mut evictions = 0;
         let mut wait_until: Option<Instant> = None;
         loop {
-<<<<<<< HEAD
-            let mut candidates = self.placeable();
-            if let Some(ex) = exclude {
-                candidates = Arc::new(candidates.iter().filter(|s| !ex.contains(&s.id())).cloned().collect());
-=======
-            let mounted = self.candidates();
-            if let Some(unknown) =
-                cfg.preferred_segments.iter().find(|p| !mounted.iter().any(|s| s.name() == p.as_str()))
-            {
+            let all = self.candidates();
+            // Segments whose writes failed are left out until their owner heartbeats again.
+            let mounted = self.placeable();
+            if let Some(unknown) = cfg.preferred_segments.iter().find(|p| !all.iter().any(|s| s.name() == p.as_str())) {
                 return Err(Error::InvalidArgument(format!(
                     "preferred segment {unknown:?} is not mounted (names are `endpoint#n`, see SegmentInfo::name)"
                 )));
->>>>>>> wt-h13
             }
             let candidates: Vec<Arc<SegmentAllocator>> = match exclude {
                 Some(ex) => mounted.iter().filter(|s| !ex.contains(&s.id())).cloned().collect(),
@@ -189,12 +183,6 @@ impl MasterService {
         }
     }
 
-<<<<<<< HEAD
-    /// Phase two of a put: the bytes are written; the object becomes readable. With
-    /// durable records, returns once every node holding a replica recorded it; a
-    /// node that could not be told is forgotten with its replicas, and the put fails
-    /// if none is left.
-=======
     /// Places `cfg.replica_num` replicas of `len` bytes: on the preferred segments
     /// first, in order (whatever the strategy), then the rest by the strategy among
     /// the other candidates. Best effort: fewer replicas when fewer segments have room.
@@ -243,8 +231,10 @@ impl MasterService {
         }
     }
 
-    /// Phase two of a put: the bytes are written; the object becomes readable.
->>>>>>> wt-h13
+    /// Phase two of a put: the bytes are written; the object becomes readable. With
+    /// durable records, returns once every node holding a replica recorded it; a
+    /// node that could not be told is forgotten with its replicas, and the put fails
+    /// if none is left.
     pub fn put_end(&self, client: ClientId, key: &str, checksum: u32) -> Result<()> {
         let wait = self.put_end_queued(client, key, checksum)?;
         self.settle_put(key, wait)
@@ -435,14 +425,10 @@ impl MasterService {
 
     // ---- removal ---------------------------------------------------------------------
 
-<<<<<<< HEAD
-    /// Removes a complete object; fails with `HasLease` while a reader holds a lease.
-    /// With durable records, returns once every node that held a replica dropped its
-    /// record (a node that cannot be told is forgotten: it comes back with none).
-=======
     /// Removes a complete object; fails with `HasLease` while a read of it is in
-    /// flight.
->>>>>>> wt-h13
+    /// flight. With durable records, returns once every node that held a replica
+    /// dropped its record (a node that cannot be told is forgotten: it comes back with
+    /// none).
     pub fn remove(&self, key: &str) -> Result<()> {
         let wait = self.remove_queued(key)?;
         self.await_records(wait);
@@ -582,15 +568,10 @@ impl MasterService {
         } else {
             e.replicas.retain(|r| !is_target(r));
         }
-<<<<<<< HEAD
-        // The copy lease is over; readers still get their own leases.
-        e.lease_until_ms = e.lease_until_ms.min(self.now_ms() + self.config.default_lease.as_millis() as u64);
-        drop(shard);
-        self.await_records(wait);
-=======
         // The copy is over; readers hold their own leases.
         e.release();
->>>>>>> wt-h13
+        drop(shard);
+        self.await_records(wait);
         Ok(())
     }
 }

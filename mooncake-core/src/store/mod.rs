@@ -5,9 +5,9 @@ mod buffers;
 mod builder;
 mod device;
 mod file_storage;
-mod records;
 mod leases;
 mod parts;
+mod records;
 mod replica_cache;
 mod stats;
 
@@ -30,8 +30,8 @@ use crate::rpc::RpcServer;
 pub use builder::StoreBuilder;
 use file_storage::{DiskPeers, FileStorage};
 pub use file_storage::{SsdBackend, SsdOffloadConfig, SsdStats};
-use records::SegmentRecords;
 use leases::LeaseReleaser;
+use records::SegmentRecords;
 use replica_cache::ReplicaCache;
 use stats::StoreCounters;
 pub use stats::StoreStats;
@@ -93,9 +93,6 @@ enum RecordEndpoint {
     /// A master in this process: it calls our records directly.
     InProcess(Master),
 }
-
-/// A replica and where its segment is served.
-type RoutedReplica = (MemoryReplica, Arc<RemoteRegion>);
 
 /// The client's segment: registered memory and its id at the master.
 struct OwnSegment {
