@@ -6,7 +6,7 @@ use std::cmp::Reverse;
 use std::collections::{BinaryHeap, VecDeque};
 use std::io::{ErrorKind, Read, Write};
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -36,7 +36,7 @@ pub(crate) struct EventLoop {
     stop: Arc<AtomicBool>,
     waker: Arc<Waker>,
     thread: Option<std::thread::JoinHandle<()>>,
-    workers: Vec<std::thread::JoinHandle<()>>,
+    pool: Arc<WorkerPool>,
 }
 
 impl Drop for EventLoop {
@@ -47,8 +47,88 @@ impl Drop for EventLoop {
             let _ = t.join();
         }
         // The loop dropped the job queue's sender: the workers finish and exit.
-        for w in self.workers.drain(..) {
+        let workers: Vec<_> = self.pool.handles.lock().drain(..).collect();
+        for w in workers {
             let _ = w.join();
+        }
+    }
+}
+
+/// The workers: at least `min` threads; one more is started whenever a request
+/// finds none idle (a request may block, as a put waiting for an offload does),
+/// up to `max`; extra ones exit after a while idle.
+struct WorkerPool {
+    min: usize,
+    max: usize,
+    idle: AtomicUsize,
+    total: AtomicUsize,
+    handles: parking_lot::Mutex<Vec<std::thread::JoinHandle<()>>>,
+    jobs: Receiver<Job>,
+    done: Sender<Done>,
+    waker: Arc<Waker>,
+    handler: Arc<dyn RpcHandler>,
+    stats: Arc<RpcServerStats>,
+}
+
+/// How long a worker beyond the minimum stays idle before it exits.
+const WORKER_IDLE: Duration = Duration::from_secs(10);
+
+impl WorkerPool {
+    /// Starts a worker (if under the maximum).
+    fn grow(self: &Arc<Self>) -> std::io::Result<()> {
+        if self.total.fetch_add(1, Ordering::AcqRel) >= self.max {
+            self.total.fetch_sub(1, Ordering::AcqRel);
+            return Ok(());
+        }
+        self.idle.fetch_add(1, Ordering::AcqRel);
+        let pool = self.clone();
+        let spawned = std::thread::Builder::new().name("mooncake-rpc-worker".into()).spawn(move || pool.work());
+        match spawned {
+            Ok(h) => {
+                let mut handles = self.handles.lock();
+                // Forget workers that already exited.
+                handles.retain(|h| !h.is_finished());
+                handles.push(h);
+                Ok(())
+            }
+            Err(e) => {
+                self.total.fetch_sub(1, Ordering::AcqRel);
+                self.idle.fetch_sub(1, Ordering::AcqRel);
+                Err(e)
+            }
+        }
+    }
+
+    /// Whether a request queued now would wait for a worker.
+    fn all_busy(&self) -> bool {
+        self.idle.load(Ordering::Acquire) == 0
+    }
+
+    /// A worker: decodes, answers and encodes requests until the queue closes.
+    fn work(&self) {
+        loop {
+            let job = match self.jobs.recv_timeout(WORKER_IDLE) {
+                Ok(job) => job,
+                Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
+                    let total = self.total.load(Ordering::Acquire);
+                    if total > self.min
+                        && self.total.compare_exchange(total, total - 1, Ordering::AcqRel, Ordering::Acquire).is_ok()
+                    {
+                        self.idle.fetch_sub(1, Ordering::AcqRel);
+                        return;
+                    }
+                    continue;
+                }
+                Err(crossbeam_channel::RecvTimeoutError::Disconnected) => return,
+            };
+            self.idle.fetch_sub(1, Ordering::AcqRel);
+            let (slot, generation) = (job.slot, job.generation);
+            let frame = answer(job, &*self.handler, &self.stats);
+            self.idle.fetch_add(1, Ordering::AcqRel);
+            if self.done.send(Done { slot, generation, frame }).is_err() {
+                return;
+            }
+            let _ = self.waker.wake();
         }
     }
 }
@@ -83,19 +163,24 @@ impl EventLoop {
         let stop = Arc::new(AtomicBool::new(false));
         let (job_tx, job_rx) = crossbeam_channel::unbounded::<Job>();
         let (done_tx, done_rx) = crossbeam_channel::unbounded::<Done>();
-        let n_workers = match config.workers {
+        let min = match config.workers {
             0 => std::thread::available_parallelism().map_or(2, |n| n.get()).clamp(2, 16),
             n => n,
         };
-        let mut workers = Vec::with_capacity(n_workers);
-        for _ in 0..n_workers {
-            let (jobs, done, waker, handler, stats) =
-                (job_rx.clone(), done_tx.clone(), waker.clone(), handler.clone(), stats.clone());
-            workers.push(
-                std::thread::Builder::new()
-                    .name("mooncake-rpc-worker".into())
-                    .spawn(move || work(&jobs, &done, &waker, &*handler, &stats))?,
-            );
+        let pool = Arc::new(WorkerPool {
+            min,
+            max: config.max_workers.max(min),
+            idle: AtomicUsize::new(0),
+            total: AtomicUsize::new(0),
+            handles: parking_lot::Mutex::new(Vec::new()),
+            jobs: job_rx,
+            done: done_tx,
+            waker: waker.clone(),
+            handler,
+            stats: stats.clone(),
+        });
+        for _ in 0..min {
+            pool.grow()?;
         }
         let state = Loop {
             poll,
@@ -112,46 +197,41 @@ impl EventLoop {
             accept_retry: None,
             jobs: job_tx,
             done: done_rx,
+            pool: pool.clone(),
             scratch: vec![0; READ_CHUNK],
             next_generation: 0,
         };
         let thread = std::thread::Builder::new().name("mooncake-rpc-loop".into()).spawn(move || state.run())?;
-        Ok(Self { stop, waker, thread: Some(thread), workers })
+        Ok(Self { stop, waker, thread: Some(thread), pool })
     }
 }
 
-/// A worker: decodes, answers and encodes requests until the queue closes.
-fn work(jobs: &Receiver<Job>, done: &Sender<Done>, waker: &Waker, handler: &dyn RpcHandler, stats: &RpcServerStats) {
-    for job in jobs {
-        let frame = match decode_body::<Request>(&job.body) {
-            Ok(request) => {
-                drop(job.body);
-                let kind = request.kind_index();
-                let response = handler.handle(request);
-                stats.requests.fetch_add(1, Ordering::Relaxed);
-                stats.ops_by_kind[kind].fetch_add(1, Ordering::Relaxed);
-                if Request::is_error(&response) {
-                    stats.errors.fetch_add(1, Ordering::Relaxed);
-                    stats.errors_by_kind[kind].fetch_add(1, Ordering::Relaxed);
-                }
-                match encode_frame(FrameKind::Response, job.request_id, &response) {
-                    Ok(f) => Some(f),
-                    Err(e) => {
-                        tracing::warn!(error = %e, "cannot encode a response");
-                        None
-                    }
+/// The response frame to one request, or `None` if its body is malformed.
+fn answer(job: Job, handler: &dyn RpcHandler, stats: &RpcServerStats) -> Option<Vec<u8>> {
+    match decode_body::<Request>(&job.body) {
+        Ok(request) => {
+            drop(job.body);
+            let kind = request.kind_index();
+            let response = handler.handle(request);
+            stats.requests.fetch_add(1, Ordering::Relaxed);
+            stats.ops_by_kind[kind].fetch_add(1, Ordering::Relaxed);
+            if Request::is_error(&response) {
+                stats.errors.fetch_add(1, Ordering::Relaxed);
+                stats.errors_by_kind[kind].fetch_add(1, Ordering::Relaxed);
+            }
+            match encode_frame(FrameKind::Response, job.request_id, &response) {
+                Ok(f) => Some(f),
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot encode a response");
+                    None
                 }
             }
-            Err(e) => {
-                stats.bad_frames.fetch_add(1, Ordering::Relaxed);
-                tracing::warn!(error = %e, "closing an RPC connection: malformed request body");
-                None
-            }
-        };
-        if done.send(Done { slot: job.slot, generation: job.generation, frame }).is_err() {
-            return;
         }
-        let _ = waker.wake();
+        Err(e) => {
+            stats.bad_frames.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(error = %e, "closing an RPC connection: malformed request body");
+            None
+        }
     }
 }
 
@@ -208,6 +288,7 @@ struct Loop {
     accept_retry: Option<Instant>,
     jobs: Sender<Job>,
     done: Receiver<Done>,
+    pool: Arc<WorkerPool>,
     scratch: Vec<u8>,
     next_generation: u64,
 }
@@ -602,6 +683,11 @@ impl Loop {
                 c.phase = Phase::Open { hello_done: true };
                 c.busy = true;
                 let job = Job { slot: c.slot, generation: c.generation, request_id: header.request_id, body };
+                if self.pool.all_busy() {
+                    if let Err(e) = self.pool.grow() {
+                        tracing::warn!(error = %e, "cannot start an RPC worker");
+                    }
+                }
                 if self.jobs.send(job).is_err() {
                     return (n, Next::Close);
                 }

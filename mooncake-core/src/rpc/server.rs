@@ -84,8 +84,11 @@ pub struct RpcServerConfig {
     /// How long a new connection has to complete its hello: the shared-secret
     /// handshake, or (without a secret) its first request.
     pub hello_timeout: Duration,
-    /// Threads answering requests (0: one per core, at least 2, at most 16).
+    /// Threads answering requests kept ready (0: one per core, at least 2, at most 16).
     pub workers: usize,
+    /// Most threads answering requests: a request that blocks (a put waiting for an
+    /// offload) holds one, and another is started when a request finds none free.
+    pub max_workers: usize,
 }
 
 impl Default for RpcServerConfig {
@@ -98,6 +101,7 @@ impl Default for RpcServerConfig {
             memory_budget: 1 << 30,
             hello_timeout: Duration::from_secs(5),
             workers: 0,
+            max_workers: 256,
         }
     }
 }
