@@ -138,7 +138,8 @@ fn authentication_errors_are_one_clear_line_in_under_a_second() {
     let secret = [("MOONCAKE_SECRET", "right")];
     let (_guarded, guarded) = master(&[], &[], &secret);
     let (_open, open) = master(&[], &[], &[]);
-    let cases: [(&str, &[(&str, &str)], &str); 3] = [
+    type Env<'a> = &'a [(&'a str, &'a str)];
+    let cases: [(&str, Env, &str); 3] = [
         (&guarded, &[("MOONCAKE_SECRET", "wrong")], "wrong secret"),
         (&guarded, &[], "requires a shared secret"),
         (&open, &secret, "has no shared secret"),

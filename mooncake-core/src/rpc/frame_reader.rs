@@ -2,6 +2,9 @@
 
 use super::wire::{FrameError, FrameHeader, HEADER_LEN};
 
+/// A frame as read: its header and its undecoded body.
+pub type RawFrame = (FrameHeader, Vec<u8>);
+
 /// Assembles frames from bytes as they arrive, holding in memory only the body bytes
 /// already received: a header announcing a large body costs nothing until that body
 /// is actually sent.
@@ -48,11 +51,7 @@ impl FrameReader {
     /// Returns how many bytes were consumed and, when they complete one, the frame
     /// (header and body); bytes after a complete frame are left unconsumed. A
     /// malformed header is an error, after which the reader must not be fed again.
-    pub fn feed(
-        &mut self,
-        input: &[u8],
-        allowance: usize,
-    ) -> Result<(usize, Option<(FrameHeader, Vec<u8>)>), FrameError> {
+    pub fn feed(&mut self, input: &[u8], allowance: usize) -> Result<(usize, Option<RawFrame>), FrameError> {
         let mut used = 0;
         if self.current.is_none() {
             let take = (HEADER_LEN - self.header_filled).min(input.len());

@@ -12,5 +12,5 @@ mod server;
 pub mod wire;
 
 pub use client::RpcMasterClient;
-pub use frame_reader::FrameReader;
+pub use frame_reader::{FrameReader, RawFrame};
 pub use server::{dispatch, read_frame, RpcHandler, RpcServer, RpcServerConfig, RpcServerStats};

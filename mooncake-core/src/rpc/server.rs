@@ -13,6 +13,7 @@ use crate::error::{Error, Result};
 use crate::master::{master_calls, MasterApi, MasterService};
 use crate::rpc::convert::{Arg, Lend};
 use crate::rpc::event_loop::EventLoop;
+use crate::rpc::frame_reader::RawFrame;
 use crate::rpc::wire::WireReturn;
 
 use super::wire::{
@@ -240,7 +241,7 @@ pub fn dispatch(api: &dyn MasterApi, request: Request) -> Response {
 
 /// Reads one frame body of at most `max` bytes (helper for tests and tools; a
 /// blocking reader that trusts its peer).
-pub fn read_frame(r: &mut impl Read, max: u32) -> std::result::Result<(FrameHeader, Vec<u8>), FrameError> {
+pub fn read_frame(r: &mut impl Read, max: u32) -> std::result::Result<RawFrame, FrameError> {
     let mut header = [0u8; HEADER_LEN];
     r.read_exact(&mut header).map_err(|e| FrameError::Truncated(e.to_string()))?;
     let h = FrameHeader::decode(&header, max)?;
