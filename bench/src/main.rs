@@ -26,6 +26,7 @@ use hdrhistogram::Histogram;
 use mooncake_core::{parse_size, Store};
 use serde::Serialize;
 
+mod idle;
 mod lru_sim;
 mod micro;
 mod plot;
@@ -115,6 +116,9 @@ enum Cmd {
     /// The SSD tier (mooncake-storage) on a directory: offload and load GB/s,
     /// random small-object loads per second (see bench/ssd.sh for fio beside it).
     Ssd(ssd::SsdArgs),
+    /// Many idle clients connected to one master (default 10,000): the master's RSS
+    /// and threads, and the 4 KiB get p50, before and with them connected.
+    Idle(idle::IdleArgs),
 }
 
 /// One measured phase, in the anchor's row format.
@@ -324,6 +328,7 @@ fn main() {
             })
         }
         Cmd::Ssd(a) => ssd::ssd(&a).and_then(|json| write_json(&json, a.out.clone())),
+        Cmd::Idle(a) => idle::idle(&a).and_then(|json| write_json(&json, a.out.clone())),
         Cmd::Memcpy { size } => memcpy(&size).map(|v| println!("{v}")),
         Cmd::Micro { transports, sizes, threads, batch, phase_bytes, out } => {
             micro::micro(&transports, &sizes, &threads, batch, &phase_bytes).and_then(|rows| {

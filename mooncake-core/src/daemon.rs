@@ -10,8 +10,7 @@ use mooncake_transfer::SharedSecret;
 use crate::config::MasterConfig;
 use crate::error::Result;
 use crate::master::Master;
-use crate::rpc::wire::DEFAULT_MAX_FRAME;
-use crate::rpc::{RpcServer, RpcServerStats};
+use crate::rpc::{RpcRecordConnector, RpcServer, RpcServerConfig, RpcServerStats};
 
 /// A master serving clients in other processes over TCP. It serves until dropped.
 ///
@@ -47,8 +46,7 @@ impl MasterDaemon {
         MasterDaemonBuilder {
             listen: listen.to_owned(),
             config: MasterConfig::served(),
-            secret: None,
-            max_frame: DEFAULT_MAX_FRAME,
+            rpc: RpcServerConfig::default(),
         }
     }
 
@@ -73,8 +71,7 @@ impl MasterDaemon {
 pub struct MasterDaemonBuilder {
     listen: String,
     config: MasterConfig,
-    secret: Option<Vec<u8>>,
-    max_frame: u32,
+    rpc: RpcServerConfig,
 }
 
 impl MasterDaemonBuilder {
@@ -94,24 +91,38 @@ impl MasterDaemonBuilder {
     /// Requires every client to prove this secret (clients set the same one with
     /// `StoreBuilder::shared_secret`).
     pub fn shared_secret(mut self, secret: &[u8]) -> Self {
-        self.secret = Some(secret.to_vec());
+        self.rpc.secret = Some(SharedSecret::new(secret));
         self
     }
 
     /// Largest request body accepted, in bytes (default the wire's default).
     pub fn max_frame(mut self, bytes: u32) -> Self {
-        self.max_frame = bytes;
+        self.rpc.max_frame = bytes;
+        self
+    }
+
+    /// Serves clients on any address without a secret. Off by default (protected
+    /// mode): without a secret only loopback clients are served.
+    pub fn insecure(mut self, insecure: bool) -> Self {
+        self.rpc.insecure = insecure;
+        self
+    }
+
+    /// The RPC server's limits and access rules (connection cap, memory budget,
+    /// hello timeout, workers); replaces what `shared_secret`, `max_frame` and
+    /// `insecure` set.
+    pub fn rpc_config(mut self, rpc: RpcServerConfig) -> Self {
+        self.rpc = rpc;
         self
     }
 
     /// Starts the master and serves it on background threads.
     pub fn serve(self) -> Result<MasterDaemon> {
         let master = Master::new(self.config)?;
-        let secret = self.secret.as_deref().map(SharedSecret::new);
         // Puts and removes are acknowledged once the storage nodes recorded them.
         let timeout = master.config().record_timeout;
-        master.set_record_connector(std::sync::Arc::new(crate::rpc::RpcRecordConnector::new(secret.clone(), timeout)));
-        let server = RpcServer::bind_with(&self.listen, master.service().clone(), self.max_frame, secret)?;
+        master.set_record_connector(Arc::new(RpcRecordConnector::new(self.rpc.secret.clone(), timeout)));
+        let server = RpcServer::serve_with(&self.listen, master.service().clone(), self.rpc)?;
         Ok(MasterDaemon { master, server })
     }
 }

@@ -25,6 +25,8 @@ pub struct TransferEngineBuilder {
     network: bool,
     shared_memory: bool,
     secret: Option<SharedSecret>,
+    empty_secret: bool,
+    insecure: bool,
 }
 
 impl std::fmt::Debug for TransferEngineBuilder {
@@ -83,15 +85,26 @@ impl TransferEngineBuilder {
 
     /// Require peers to prove `secret` (and prove it to them): connections without
     /// it are refused by this engine's listener, and its transports answer peers'
-    /// challenges.
+    /// challenges. An empty secret is refused by [`build`](Self::build).
     pub fn shared_secret(mut self, secret: &[u8]) -> Self {
+        self.empty_secret = secret.is_empty();
         self.secret = Some(SharedSecret::new(secret));
+        self
+    }
+
+    /// Serve peers on any address without a shared secret. By default (protected
+    /// mode) a listener without a secret serves loopback peers only.
+    pub fn insecure(mut self, insecure: bool) -> Self {
+        self.insecure = insecure;
         self
     }
 
     /// Builds the engine: binds the listener if asked, and makes the engine reachable
     /// by in-process peers.
     pub fn build(self) -> Result<TransferEngine> {
+        if self.empty_secret {
+            return Err(TransferError::Auth("the shared secret is empty".into()));
+        }
         let mut transports = self.transports;
         if transports.is_empty() {
             transports.push(Arc::new(LocalTransport));
@@ -137,7 +150,13 @@ impl TransferEngineBuilder {
         let regions = Arc::new(RegionRegistry::new(endpoint, self.shared_memory));
         registry::publish(&regions);
         let server = match listener {
-            Some(l) => Some(TcpServer::start(l, Arc::downgrade(&regions), host_id().to_owned(), self.secret.clone())?),
+            Some(l) => Some(TcpServer::start(
+                l,
+                Arc::downgrade(&regions),
+                host_id().to_owned(),
+                self.secret.clone(),
+                self.insecure,
+            )?),
             None => None,
         };
         Ok(TransferEngine { regions, transports, _server: server })

@@ -8,6 +8,9 @@ pub const FRAME_MAGIC: [u8; 4] = *b"MCTX";
 pub const FRAME_VERSION: u8 = 2;
 /// First bytes a listener that requires a shared secret sends on a new connection.
 pub const AUTH_MAGIC: [u8; 4] = *b"MCAU";
+/// First bytes of a listener's refusal (protected mode, too many connections, a
+/// secret this listener does not have), sent just before it closes the connection.
+pub const REFUSE_MAGIC: [u8; 4] = *b"MCNO";
 /// Bytes in a request header.
 pub const REQUEST_HEADER_LEN: usize = 40;
 /// Bytes in a response header.

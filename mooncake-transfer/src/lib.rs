@@ -37,9 +37,11 @@
 //! Decoders ([`RequestHeader::decode`], [`ResponseHeader::decode`]) never panic;
 //! anything malformed is a [`FrameError`] and the server closes that connection.
 //!
-//! A listener that requires a shared secret first sends [`AUTH_MAGIC`], then the
-//! challenge of [`SharedSecret`], then one verdict byte (`1` admitted, `0` refused,
-//! then closed) before it reads any request.
+//! A listener that requires a shared secret runs the handshake of [`SharedSecret`]
+//! (both sides send [`AUTH_MAGIC`], then the challenge, then one verdict byte) before
+//! it reads any request. A listener that will not serve a connection (protected
+//! mode, a peer proving a secret this listener does not have) sends a refusal
+//! ([`encode_refusal`]) and closes it.
 #![deny(missing_docs)]
 #![deny(clippy::undocumented_unsafe_blocks)]
 
@@ -52,12 +54,15 @@ mod region;
 mod registry;
 mod transport;
 
-pub use auth::{SharedSecret, AUTH_LEN};
+pub use auth::{
+    admits_peer, decode_refusal, encode_refusal, read_up_to, AuthFailure, SharedSecret, AUTH_LEN,
+    PROTECTED_MODE_REFUSAL,
+};
 pub use engine::{TransferEngine, TransferEngineBuilder};
 pub use error::{Result, TransferError};
 pub use frame::{
     decode_frame_header, FrameError, FrameOp, FrameStatus, RequestHeader, ResponseHeader, AUTH_MAGIC, FRAME_MAGIC,
-    FRAME_VERSION, MAX_HANDSHAKE_BYTES, MAX_REQUEST_BYTES, REQUEST_HEADER_LEN, RESPONSE_HEADER_LEN,
+    FRAME_VERSION, MAX_HANDSHAKE_BYTES, MAX_REQUEST_BYTES, REFUSE_MAGIC, REQUEST_HEADER_LEN, RESPONSE_HEADER_LEN,
 };
 pub use handshake::host_id;
 pub use region::{RegionId, RegisteredRegion, RemoteRegion};

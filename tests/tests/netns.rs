@@ -89,8 +89,14 @@ fn master_nodes_and_clients_on_distinct_hosts() {
     let p0 = prefix(0);
     let p0: Vec<&str> = p0.iter().map(String::as_str).collect();
     let master_listen = format!("{}:50051", bed.hosts[0].1);
-    let master =
-        Proc::spawn(&p0, &support::bin("mooncake-master"), &["--listen", &master_listen, "--client-ttl-ms", "3000"]);
+    // Across hosts, listeners without a secret would serve loopback peers only.
+    let secret = ("MOONCAKE_SECRET", "netns secret");
+    let master = Proc::spawn_env(
+        &p0,
+        &support::bin("mooncake-master"),
+        &["--listen", &master_listen, "--client-ttl-ms", "3000"],
+        &[secret],
+    );
     assert!(master.first_line.ends_with(&master_listen), "{}", master.first_line);
     let mut c = Cluster {
         master,
@@ -98,8 +104,8 @@ fn master_nodes_and_clients_on_distinct_hosts() {
         master_args: Vec::new(),
         metrics_addr: String::new(),
         nodes: Vec::new(),
-        client_prefix: prefix(3),
-        env: Vec::new(),
+        client_prefix: [prefix(3), vec!["env".into(), format!("{}={}", secret.0, secret.1)]].concat(),
+        env: vec![(secret.0.into(), secret.1.into())],
     };
     for h in [1, 2] {
         let p = prefix(h);

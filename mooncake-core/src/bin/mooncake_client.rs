@@ -6,9 +6,10 @@
 //!                  [--ssd-eviction fifo|lru]]
 //! mooncake-client put  --master ADDR KEY FILE [--replicas N]
 //! mooncake-client get  --master ADDR KEY OUTFILE
-//! mooncake-client rm|stat --master ADDR KEY ;  mooncake-client ls --master ADDR
+//! mooncake-client rm|stat --master ADDR KEY ;  mooncake-client ls --master ADDR [--json]
 //! ```
 //! Set `MOONCAKE_SECRET` to prove a shared secret to the master and the nodes.
+//! Without it a node serves loopback peers only, unless started `serve --insecure`.
 //! One-shot commands exit 0 on success and 1 with a one-line error on stderr.
 
 use clap::{Parser, Subcommand};
@@ -47,6 +48,10 @@ enum Command {
         /// Which objects leave the SSD first when it is full.
         #[arg(long, default_value = "fifo", value_parser = ["fifo", "lru"])]
         ssd_eviction: String,
+        /// Serve peers on any address without a shared secret (by default, without
+        /// `MOONCAKE_SECRET`, only loopback peers are served).
+        #[arg(long)]
+        insecure: bool,
     },
     /// Store FILE under KEY.
     Put {
@@ -87,11 +92,14 @@ enum Command {
         /// Object key.
         key: String,
     },
-    /// List keys.
+    /// List keys, one a line, escaped (`\n`, `\t`, `\"`, `\u{..}` as in Rust strings).
     Ls {
         /// Master address.
         #[arg(long)]
         master: String,
+        /// Print a JSON array of the keys instead.
+        #[arg(long)]
+        json: bool,
     },
 }
 
@@ -99,28 +107,35 @@ fn size(s: &str) -> Result<u64, String> {
     parse_size(s).map_err(|e| e.to_string())
 }
 
-/// A builder that proves `MOONCAKE_SECRET` when it is set.
-fn builder(master: &str) -> mooncake_core::StoreBuilder {
+/// A builder that proves `MOONCAKE_SECRET` when it is set (an empty one is an error).
+fn builder(master: &str) -> Result<mooncake_core::StoreBuilder, String> {
     let b = Store::builder().master_address(master);
     match std::env::var("MOONCAKE_SECRET") {
-        Ok(s) => b.shared_secret(s.as_bytes()),
-        Err(_) => b,
+        Ok(s) if s.is_empty() => Err("MOONCAKE_SECRET is set but empty: give a secret or unset it".into()),
+        Ok(s) => Ok(b.shared_secret(s.as_bytes())),
+        Err(_) => Ok(b),
     }
 }
 
 fn client(master: &str) -> Result<Store, String> {
-    builder(master).global_segment_size(0).build().map_err(|e| e.to_string())
+    builder(master)?.global_segment_size(0).build().map_err(|e| e.to_string())
+}
+
+/// A key on one line: control characters, quotes and backslashes escaped as in Rust
+/// strings, so that no key can pass for two or hide in the terminal.
+fn escape_key(key: &str) -> String {
+    key.escape_debug().to_string()
 }
 
 fn run(cmd: Command) -> Result<(), String> {
     match cmd {
-        Command::Serve { master, listen, segment_size, ssd_dir, ssd_capacity, ssd_backend, ssd_eviction } => {
+        Command::Serve { master, listen, segment_size, ssd_dir, ssd_capacity, ssd_backend, ssd_eviction, insecure } => {
             // Catch the signals before announcing ourselves: a SIGTERM sent right after
             // the first line must stop us cleanly, not kill us.
             let mut signals =
                 signal_hook::iterator::Signals::new([signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT])
                     .map_err(|e| e.to_string())?;
-            let mut b = builder(&master).listen(&listen).global_segment_size(segment_size);
+            let mut b = builder(&master)?.listen(&listen).global_segment_size(segment_size).insecure(insecure);
             if let (Some(dir), Some(capacity)) = (ssd_dir, ssd_capacity) {
                 let eviction = match ssd_eviction.as_str() {
                     "lru" => mooncake_core::storage::EvictionPolicy::Lru,
@@ -162,11 +177,15 @@ fn run(cmd: Command) -> Result<(), String> {
             );
             Ok(())
         }
-        Command::Ls { master } => {
+        Command::Ls { master, json } => {
             let mut keys = client(&master)?.master().list_keys(usize::MAX).map_err(|e| e.to_string())?;
             keys.sort();
-            for k in keys {
-                println!("{k}");
+            if json {
+                println!("{}", serde_json::to_string(&keys).map_err(|e| e.to_string())?);
+            } else {
+                for k in keys {
+                    println!("{}", escape_key(&k));
+                }
             }
             Ok(())
         }

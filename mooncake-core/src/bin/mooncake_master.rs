@@ -2,10 +2,12 @@
 //! [`MasterDaemon`](mooncake_core::MasterDaemon) (run your own, with your own
 //! allocation strategy, with that type: see examples/custom_master.rs).
 //!
-//! Set `MOONCAKE_SECRET` to require clients to prove a shared secret.
+//! Set `MOONCAKE_SECRET` to require clients to prove a shared secret (and HTTP
+//! clients of `/metrics` and `/status` to send `Authorization: Bearer <secret>`).
+//! Without it the master serves loopback clients only, unless started `--insecure`.
 //!
 //! ```text
-//! mooncake-master --listen 127.0.0.1:50051 [--metrics-listen ADDR]
+//! mooncake-master --listen 127.0.0.1:50051 [--metrics-listen ADDR] [--insecure] [--max-connections N]
 //!                 [--allocation-strategy random|free_ratio_first|ssd_free_ratio_first]
 //!                 [--default-lease-ms 5000] [--client-ttl-ms 10000] [--persist none|lazy|eager]
 //! ```
@@ -15,7 +17,7 @@ use std::time::Duration;
 
 use clap::Parser;
 use mooncake_core::metrics::prometheus_text;
-use mooncake_core::rpc::RpcServerStats;
+use mooncake_core::rpc::{RpcServerConfig, RpcServerStats};
 use mooncake_core::{Master, MasterConfig, MasterDaemon};
 
 /// Mooncake Store master: object metadata, placement, leases, eviction.
@@ -41,14 +43,61 @@ struct Args {
     /// memory must be freed, or as soon as they are put.
     #[arg(long, default_value = "lazy", value_parser = ["none", "lazy", "eager"])]
     persist: String,
+    /// Serve clients on any address without a shared secret (by default, without
+    /// `MOONCAKE_SECRET`, only loopback clients are served).
+    #[arg(long)]
+    insecure: bool,
+    /// Most client connections open at once; more are refused with a message.
+    #[arg(long, default_value_t = 65_536)]
+    max_connections: usize,
 }
 
-fn serve_metrics(addr: &str, master: Master, rpc: Arc<RpcServerStats>) -> Result<(), String> {
+/// `MOONCAKE_SECRET`, if set; an empty one is an error.
+fn secret_from_env() -> Result<Option<String>, String> {
+    match std::env::var("MOONCAKE_SECRET") {
+        Ok(s) if s.is_empty() => Err("MOONCAKE_SECRET is set but empty: give a secret or unset it".into()),
+        Ok(s) => Ok(Some(s)),
+        Err(_) => Ok(None),
+    }
+}
+
+/// Whether an HTTP request may read the metrics: with a secret, it must carry it as
+/// a bearer token; without one, it must come from loopback (unless insecure).
+fn metrics_allowed(req: &tiny_http::Request, secret: Option<&str>, insecure: bool) -> bool {
+    match secret {
+        Some(secret) => req.headers().iter().any(|h| {
+            h.field.equiv("Authorization")
+                && h.value.as_str().strip_prefix("Bearer ").is_some_and(|token| {
+                    // Compare keyed digests, not the strings: the time taken tells
+                    // nothing of the secret.
+                    let digest = |s: &str| mooncake_transfer::SharedSecret::new(s.as_bytes()).answer(&[0; 32]);
+                    digest(token) == digest(secret)
+                })
+        }),
+        None => insecure || req.remote_addr().is_some_and(|a| a.ip().to_canonical().is_loopback()),
+    }
+}
+
+fn serve_metrics(
+    addr: &str,
+    master: Master,
+    rpc: Arc<RpcServerStats>,
+    secret: Option<String>,
+    insecure: bool,
+) -> Result<(), String> {
     let server = tiny_http::Server::http(addr).map_err(|e| format!("cannot listen on {addr} for metrics: {e}"))?;
     std::thread::Builder::new()
         .name("mooncake-metrics".into())
         .spawn(move || {
             for req in server.incoming_requests() {
+                if !metrics_allowed(&req, secret.as_deref(), insecure) {
+                    let (code, why) = match secret {
+                        Some(_) => (401, "send the shared secret: Authorization: Bearer <secret>\n"),
+                        None => (403, "protected mode: metrics are served to loopback clients only\n"),
+                    };
+                    let _ = req.respond(tiny_http::Response::from_string(why).with_status_code(code));
+                    continue;
+                }
                 let stats = master.stats();
                 let (body, ctype) = match req.url() {
                     "/metrics" => (prometheus_text(&stats, Some(&rpc)), "text/plain; version=0.0.4"),
@@ -80,13 +129,17 @@ fn run(args: Args) -> Result<(), String> {
     // Catch the signals before announcing ourselves (see mooncake-client serve).
     let mut signals = signal_hook::iterator::Signals::new([signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT])
         .map_err(|e| e.to_string())?;
-    let mut daemon = MasterDaemon::builder(&args.listen).config(config);
-    if let Ok(secret) = std::env::var("MOONCAKE_SECRET") {
-        daemon = daemon.shared_secret(secret.as_bytes());
-    }
+    let secret = secret_from_env()?;
+    let rpc_config = RpcServerConfig {
+        secret: secret.as_deref().map(|s| mooncake_transfer::SharedSecret::new(s.as_bytes())),
+        insecure: args.insecure,
+        max_connections: args.max_connections,
+        ..RpcServerConfig::default()
+    };
+    let daemon = MasterDaemon::builder(&args.listen).config(config).rpc_config(rpc_config);
     let daemon = daemon.serve().map_err(|e| e.to_string())?;
     if let Some(addr) = &args.metrics_listen {
-        serve_metrics(addr, daemon.master().clone(), daemon.rpc_stats().clone())?;
+        serve_metrics(addr, daemon.master().clone(), daemon.rpc_stats().clone(), secret, args.insecure)?;
     }
     println!("mooncake-master listening on {}", daemon.local_addr());
     if let Some(sig) = signals.forever().next() {

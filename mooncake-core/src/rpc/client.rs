@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use mooncake_alloc::SegmentId;
-use mooncake_transfer::{RemoteRegion, SharedSecret};
+use mooncake_transfer::{decode_refusal, read_up_to, RemoteRegion, SharedSecret, AUTH_MAGIC, REFUSE_MAGIC};
 use parking_lot::Mutex;
 
 use crate::config::ReplicateConfig;
@@ -71,10 +71,7 @@ impl RpcMasterClient {
                     let _ = s.set_nodelay(true);
                     let _ = s.set_read_timeout(Some(self.timeout));
                     if let Some(secret) = &self.secret {
-                        let mut c = &s;
-                        secret.respond(&mut c).map_err(|e| {
-                            Error::MasterUnavailable(format!("{}: authentication failed: {e}", self.addr))
-                        })?;
+                        secret.prove(&s, &self.addr).map_err(Error::MasterUnavailable)?;
                     }
                     return Ok(s);
                 }
@@ -88,7 +85,19 @@ impl RpcMasterClient {
         conn.write_all(frame)?;
         // Read with the socket's own errors, so that a timeout stays a timeout.
         let mut header = [0u8; HEADER_LEN];
-        conn.read_exact(&mut header)?;
+        let n = read_up_to(&*conn, &mut header)?;
+        if n >= 4 && header[..4] == AUTH_MAGIC {
+            return Err(refused("the master requires a shared secret and this client has none: set MOONCAKE_SECRET"));
+        }
+        if n >= 4 && header[..4] == REFUSE_MAGIC {
+            return Err(refused(&format!(
+                "the master refused the connection: {}",
+                decode_refusal(&header[4..n], &*conn)
+            )));
+        }
+        if n < HEADER_LEN {
+            return Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "the master closed the connection"));
+        }
         let h = FrameHeader::decode(&header, DEFAULT_MAX_FRAME)
             .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
         let mut body = vec![0u8; h.body_len as usize];
@@ -112,6 +121,9 @@ impl RpcMasterClient {
                 Ok(resp) => {
                     self.pool.lock().push(conn);
                     return Ok(resp);
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => {
+                    return Err(Error::MasterUnavailable(format!("{}: {e}", self.addr)));
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock || e.kind() == std::io::ErrorKind::TimedOut => {
                     return Err(Error::Timeout(format!("master {} did not answer: {e}", self.addr)));
@@ -158,6 +170,11 @@ impl RecordConnector for RpcRecordConnector {
     fn connect(&self, endpoint: &str) -> Result<Arc<dyn RecordSink>> {
         Ok(Arc::new(RpcMasterClient::connect_with_timeout(endpoint, self.secret.clone(), self.timeout)?))
     }
+}
+
+/// A refusal by the master: not retried, reported as is.
+fn refused(message: &str) -> std::io::Error {
+    std::io::Error::new(std::io::ErrorKind::PermissionDenied, message)
 }
 
 /// The error a response that is not the expected one stands for.

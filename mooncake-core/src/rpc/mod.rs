@@ -6,8 +6,11 @@
 
 mod client;
 mod convert;
+mod event_loop;
+mod frame_reader;
 mod server;
 pub mod wire;
 
 pub use client::{RpcMasterClient, RpcRecordConnector};
-pub use server::{dispatch, read_frame, RpcHandler, RpcServer, RpcServerStats};
+pub use frame_reader::{FrameReader, RawFrame};
+pub use server::{dispatch, read_frame, RpcHandler, RpcServer, RpcServerConfig, RpcServerStats};

@@ -1,20 +1,23 @@
-//! The master's TCP server: one thread per connection, requests answered in order.
+//! The master's TCP server: an event loop holding every connection and a pool of
+//! workers answering their requests (each connection's requests in order).
 
-use std::io::{BufReader, BufWriter, Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::io::Read;
+use std::net::SocketAddr;
+use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
+use std::time::Duration;
 
 use mooncake_transfer::SharedSecret;
 
 use crate::error::{Error, Result};
 use crate::master::{master_calls, MasterApi, MasterService};
 use crate::rpc::convert::{Arg, Lend};
+use crate::rpc::event_loop::EventLoop;
+use crate::rpc::frame_reader::RawFrame;
 use crate::rpc::wire::WireReturn;
 
 use super::wire::{
-    decode_body, encode_frame, FrameError, FrameHeader, FrameKind, Request, Response, WireError, DEFAULT_MAX_FRAME,
-    HEADER_LEN, REQUEST_KINDS,
+    FrameError, FrameHeader, Request, Response, WireError, DEFAULT_MAX_FRAME, HEADER_LEN, REQUEST_KINDS,
 };
 
 /// Counters of the RPC server.
@@ -32,6 +35,18 @@ pub struct RpcServerStats {
     pub bad_frames: AtomicU64,
     /// Connections accepted.
     pub connections: AtomicU64,
+    /// Connections open now.
+    pub open_connections: AtomicU64,
+    /// Connections refused at once: protected mode, or over the connection limit.
+    pub refused_connections: AtomicU64,
+    /// Connections closed for not completing their hello (the shared-secret
+    /// handshake, or a first frame) in time.
+    pub hello_timeouts: AtomicU64,
+    /// Connections that failed the shared-secret handshake.
+    pub auth_failures: AtomicU64,
+    /// Bytes of request bodies held in memory now (within
+    /// [`RpcServerConfig::memory_budget`]).
+    pub buffered_bytes: AtomicU64,
 }
 
 impl Default for RpcServerStats {
@@ -43,11 +58,65 @@ impl Default for RpcServerStats {
             errors: AtomicU64::new(0),
             bad_frames: AtomicU64::new(0),
             connections: AtomicU64::new(0),
+            open_connections: AtomicU64::new(0),
+            refused_connections: AtomicU64::new(0),
+            hello_timeouts: AtomicU64::new(0),
+            auth_failures: AtomicU64::new(0),
+            buffered_bytes: AtomicU64::new(0),
+        }
+    }
+}
+
+/// Limits and access rules of an [`RpcServer`].
+#[derive(Clone, Debug)]
+pub struct RpcServerConfig {
+    /// Largest frame body accepted; also the most request bytes one connection holds.
+    pub max_frame: u32,
+    /// Secret every client must prove before its first request.
+    pub secret: Option<SharedSecret>,
+    /// Serve clients on any address without a secret. Off by default (protected
+    /// mode): without a secret, only loopback clients are served.
+    pub insecure: bool,
+    /// Most connections open at once; beyond it, new ones are refused with a message.
+    pub max_connections: usize,
+    /// Most bytes of request bodies held in memory over all connections; a
+    /// connection whose body would exceed it waits until memory is freed.
+    pub memory_budget: usize,
+    /// How long a new connection has to complete its hello: the shared-secret
+    /// handshake, or (without a secret) its first request.
+    pub hello_timeout: Duration,
+    /// Threads answering requests kept ready (0: one per core, at least 2, at most 16).
+    pub workers: usize,
+    /// Most threads answering requests: a request that blocks (a put waiting for an
+    /// offload) holds one, and another is started when a request finds none free.
+    pub max_workers: usize,
+}
+
+impl Default for RpcServerConfig {
+    fn default() -> Self {
+        Self {
+            max_frame: DEFAULT_MAX_FRAME,
+            secret: None,
+            insecure: false,
+            max_connections: 65_536,
+            memory_budget: 1 << 30,
+            hello_timeout: Duration::from_secs(5),
+            workers: 0,
+            max_workers: 256,
         }
     }
 }
 
 /// Serves a [`MasterService`] over TCP.
+///
+/// One event-loop thread holds every connection (an idle one costs a socket and a
+/// few hundred bytes), and a pool of workers answers requests. Request bodies are
+/// read into memory as their bytes arrive, within [`RpcServerConfig::max_frame`] per
+/// connection and [`RpcServerConfig::memory_budget`] over all of them: a header alone
+/// costs nothing. A connection that has not completed its hello within
+/// [`RpcServerConfig::hello_timeout`] is closed; connections beyond
+/// [`RpcServerConfig::max_connections`], and (in protected mode) non-loopback clients
+/// of a server without a secret, are refused with a message.
 ///
 /// ```
 /// use mooncake_core::{Master, MasterConfig, Store};
@@ -63,11 +132,8 @@ impl Default for RpcServerStats {
 /// ```
 pub struct RpcServer {
     addr: SocketAddr,
-    stop: Arc<AtomicBool>,
     stats: Arc<RpcServerStats>,
-    /// Open connections, shut down when the server is dropped.
-    conns: Arc<parking_lot::Mutex<Vec<TcpStream>>>,
-    accept: Option<std::thread::JoinHandle<()>>,
+    event_loop: Option<EventLoop>,
 }
 
 impl std::fmt::Debug for RpcServer {
@@ -106,51 +172,19 @@ impl RpcServer {
         max_frame: u32,
         secret: Option<SharedSecret>,
     ) -> Result<Self> {
-        let listener =
-            TcpListener::bind(addr).map_err(|e| Error::InvalidArgument(format!("cannot listen on {addr}: {e}")))?;
+        Self::serve_with(addr, service, RpcServerConfig { max_frame, secret, ..RpcServerConfig::default() })
+    }
+
+    /// Serves `service` with every limit and access rule of `config`.
+    pub fn serve_with(addr: &str, service: Arc<dyn RpcHandler>, config: RpcServerConfig) -> Result<Self> {
+        let listener = std::net::TcpListener::bind(addr)
+            .map_err(|e| Error::InvalidArgument(format!("cannot listen on {addr}: {e}")))?;
         let local = listener.local_addr().map_err(|e| Error::InvalidArgument(e.to_string()))?;
-        let stop = Arc::new(AtomicBool::new(false));
         let stats = Arc::new(RpcServerStats::default());
-        let (stop2, stats2) = (stop.clone(), stats.clone());
-        let conns: Arc<parking_lot::Mutex<Vec<TcpStream>>> = Arc::default();
-        let conns2 = conns.clone();
-        let accept = std::thread::Builder::new()
-            .name("mooncake-rpc-accept".into())
-            .spawn(move || {
-                for conn in listener.incoming() {
-                    if stop2.load(Ordering::Relaxed) {
-                        return;
-                    }
-                    let Ok(conn) = conn else { continue };
-                    if let Ok(c) = conn.try_clone() {
-                        let mut open = conns2.lock();
-                        // Forget connections that are already closed.
-                        open.retain(|c| c.peer_addr().is_ok());
-                        open.push(c);
-                    }
-                    stats2.connections.fetch_add(1, Ordering::Relaxed);
-                    let (service, stats, stop) = (service.clone(), stats2.clone(), stop2.clone());
-                    let secret = secret.clone();
-                    let _ = std::thread::Builder::new().name("mooncake-rpc-conn".into()).spawn(move || {
-                        let peer = conn.peer_addr().ok();
-                        // The server keeps a clone of every connection: close the
-                        // socket itself (not just this descriptor) when done.
-                        let closer = conn.try_clone().ok();
-                        let _closing = CloseOnDrop(closer);
-                        if secret.as_ref().is_some_and(|s| !s.admit(&conn)) {
-                            stats.bad_frames.fetch_add(1, Ordering::Relaxed);
-                            tracing::warn!(?peer, "master client failed the shared-secret challenge");
-                            return;
-                        }
-                        if let Err(e) = serve_connection(conn, &*service, &stats, &stop, max_frame) {
-                            tracing::warn!(?peer, error = %e, "closing master connection");
-                        }
-                    });
-                }
-            })
+        let event_loop = EventLoop::start(listener, service, config, stats.clone())
             .map_err(|e| Error::InvalidArgument(format!("cannot start the RPC server: {e}")))?;
-        tracing::info!(%local, "master RPC listening");
-        Ok(Self { addr: local, stop, stats, conns, accept: Some(accept) })
+        tracing::info!(%local, "RPC listening");
+        Ok(Self { addr: local, stats, event_loop: Some(event_loop) })
     }
 
     /// The bound address.
@@ -165,39 +199,11 @@ impl RpcServer {
 }
 
 impl Drop for RpcServer {
-    /// Stops accepting, closes the listener (the address is free again when this
-    /// returns) and shuts every open connection down.
+    /// Stops the event loop, closes the listener (the address is free again when this
+    /// returns) and every open connection, and joins the workers.
     fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        // Wake the accept loop so it sees the flag.
-        let _ = TcpStream::connect(self.addr);
-        if let Some(t) = self.accept.take() {
-            let _ = t.join();
-        }
-        for c in self.conns.lock().drain(..) {
-            let _ = c.shutdown(std::net::Shutdown::Both);
-        }
+        drop(self.event_loop.take());
     }
-}
-
-/// Shuts a socket down when dropped.
-struct CloseOnDrop(Option<TcpStream>);
-
-impl Drop for CloseOnDrop {
-    fn drop(&mut self) {
-        if let Some(s) = &self.0 {
-            let _ = s.shutdown(std::net::Shutdown::Both);
-        }
-    }
-}
-
-/// Why a connection ended.
-#[derive(Debug, thiserror::Error)]
-enum ConnError {
-    #[error("{0}")]
-    Frame(#[from] FrameError),
-    #[error("i/o: {0}")]
-    Io(#[from] std::io::Error),
 }
 
 /// Answers requests of the framed protocol.
@@ -209,63 +215,6 @@ pub trait RpcHandler: Send + Sync + 'static {
 impl RpcHandler for MasterService {
     fn handle(&self, request: Request) -> Response {
         dispatch(self, request)
-    }
-}
-
-fn serve_connection(
-    conn: TcpStream,
-    service: &dyn RpcHandler,
-    stats: &RpcServerStats,
-    stop: &AtomicBool,
-    max_frame: u32,
-) -> std::result::Result<(), ConnError> {
-    let _ = conn.set_nodelay(true);
-    let mut reader = BufReader::with_capacity(64 << 10, conn.try_clone()?);
-    let mut writer = BufWriter::with_capacity(64 << 10, conn);
-    let mut header = [0u8; HEADER_LEN];
-    let mut body = Vec::new();
-    loop {
-        if stop.load(Ordering::Relaxed) {
-            return Ok(());
-        }
-        match reader.read_exact(&mut header) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
-            Err(e) => return Err(e.into()),
-        }
-        let h = match FrameHeader::decode(&header, max_frame) {
-            Ok(h) if h.kind == FrameKind::Request => h,
-            Ok(h) => {
-                stats.bad_frames.fetch_add(1, Ordering::Relaxed);
-                return Err(FrameError::Kind(h.kind as u8).into());
-            }
-            Err(e) => {
-                stats.bad_frames.fetch_add(1, Ordering::Relaxed);
-                return Err(e.into());
-            }
-        };
-        body.resize(h.body_len as usize, 0);
-        reader.read_exact(&mut body)?;
-        let request: Request = match decode_body(&body) {
-            Ok(r) => r,
-            Err(e) => {
-                stats.bad_frames.fetch_add(1, Ordering::Relaxed);
-                return Err(e.into());
-            }
-        };
-        let kind = request.kind_index();
-        let response = service.handle(request);
-        stats.requests.fetch_add(1, Ordering::Relaxed);
-        stats.ops_by_kind[kind].fetch_add(1, Ordering::Relaxed);
-        if Request::is_error(&response) {
-            stats.errors.fetch_add(1, Ordering::Relaxed);
-            stats.errors_by_kind[kind].fetch_add(1, Ordering::Relaxed);
-        }
-        writer.write_all(&encode_frame(FrameKind::Response, h.request_id, &response)?)?;
-        // Answer at once unless the client already pipelined more requests.
-        if reader.buffer().is_empty() {
-            writer.flush()?;
-        }
     }
 }
 
@@ -292,8 +241,9 @@ pub fn dispatch(api: &dyn MasterApi, request: Request) -> Response {
     master_calls!(dispatch_calls)
 }
 
-/// Reads one frame body of at most `max` bytes (helper for tests and tools).
-pub fn read_frame(r: &mut impl Read, max: u32) -> std::result::Result<(FrameHeader, Vec<u8>), FrameError> {
+/// Reads one frame body of at most `max` bytes (helper for tests and tools; a
+/// blocking reader that trusts its peer).
+pub fn read_frame(r: &mut impl Read, max: u32) -> std::result::Result<RawFrame, FrameError> {
     let mut header = [0u8; HEADER_LEN];
     r.read_exact(&mut header).map_err(|e| FrameError::Truncated(e.to_string()))?;
     let h = FrameHeader::decode(&header, max)?;

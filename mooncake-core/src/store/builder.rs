@@ -36,6 +36,7 @@ pub struct StoreBuilder {
     pub(super) master_address: Option<String>,
     pub(super) listen: Option<String>,
     pub(super) secret: Option<Vec<u8>>,
+    pub(super) insecure: bool,
     pub(super) transports: Vec<Arc<dyn mooncake_transfer::Transport>>,
     pub(super) master_config: Option<MasterConfig>,
     pub(super) strategy: Option<Arc<dyn AllocationStrategy>>,
@@ -69,6 +70,7 @@ impl Default for StoreBuilder {
             master_address: None,
             listen: None,
             secret: None,
+            insecure: false,
             transports: Vec::new(),
             master_config: None,
             strategy: None,
@@ -123,9 +125,18 @@ impl StoreBuilder {
 
     /// Authenticates this client to the master daemon and to other clients'
     /// transfer endpoints (and requires it of peers reaching this client's segment).
-    /// Every process of a deployment must use the same secret.
+    /// Every process of a deployment must use the same secret; an empty one is
+    /// refused by [`build`](Self::build).
     pub fn shared_secret(mut self, secret: &[u8]) -> Self {
         self.secret = Some(secret.to_vec());
+        self
+    }
+
+    /// Serve this client's segment (and SSD tier) to peers on any address without a
+    /// shared secret. By default (protected mode) listeners without a secret serve
+    /// loopback peers only.
+    pub fn insecure(mut self, insecure: bool) -> Self {
+        self.insecure = insecure;
         self
     }
 
@@ -197,6 +208,9 @@ impl StoreBuilder {
     /// Builds the client: joins (or starts) the master and mounts the segment.
     pub fn build(mut self) -> Result<Store> {
         self.replicate.check()?;
+        if self.secret.as_ref().is_some_and(Vec::is_empty) {
+            return Err(Error::InvalidArgument("the shared secret is empty".into()));
+        }
         let external = self.master.is_some() || self.master_address.is_some();
         if external && (self.master_config.is_some() || self.strategy.is_some()) {
             return Err(Error::InvalidArgument(
@@ -296,7 +310,7 @@ fn transfer_engine(cfg: &StoreBuilder) -> Result<TransferEngine> {
     let (listen, protocol, secret) = (cfg.listen.as_deref(), cfg.protocol, cfg.secret.as_deref());
     let remote_master = cfg.master_address.is_some();
     let shm = protocol != Protocol::Tcp;
-    let mut b = TransferEngine::builder().shared_memory(shm);
+    let mut b = TransferEngine::builder().shared_memory(shm).insecure(cfg.insecure);
     for t in &cfg.transports {
         b = b.transport_first(t.clone());
     }

@@ -429,7 +429,14 @@ impl Store {
         };
         let client_id = Arc::new(AtomicU64::new(client));
         let ssd = match &cfg.ssd {
-            Some(c) => match FileStorage::open(c, master.clone(), client_id.clone(), &engine, cfg.secret.as_deref()) {
+            Some(c) => match FileStorage::open(
+                c,
+                master.clone(),
+                client_id.clone(),
+                &engine,
+                cfg.secret.as_deref(),
+                cfg.insecure,
+            ) {
                 Ok(f) => Some(f),
                 Err(e) => {
                     let _ = master.unregister_client(client);

@@ -11,11 +11,11 @@ use std::time::Duration;
 use parking_lot::Mutex;
 
 use super::{TransferOp, TransferRequest, Transport, TransportStats};
-use crate::auth::SharedSecret;
+use crate::auth::{admits_peer, decode_refusal, encode_refusal, read_up_to, SharedSecret, PROTECTED_MODE_REFUSAL};
 use crate::error::{Result, TransferError};
 use crate::frame::{
     FrameOp, FrameStatus, RequestHeader, ResponseHeader, AUTH_MAGIC, MAX_HANDSHAKE_BYTES, MAX_REQUEST_BYTES,
-    REQUEST_HEADER_LEN, RESPONSE_HEADER_LEN,
+    REFUSE_MAGIC, REQUEST_HEADER_LEN, RESPONSE_HEADER_LEN,
 };
 use crate::handshake::{ControlChannel, ShmInfo};
 use crate::registry::RegionRegistry;
@@ -54,12 +54,14 @@ impl Drop for TcpServer {
 }
 
 impl TcpServer {
-    /// Binds `listener` and serves `regions` on background threads.
+    /// Binds `listener` and serves `regions` on background threads. Without a
+    /// secret, and unless `insecure`, only loopback peers are served (protected mode).
     pub(crate) fn start(
         listener: TcpListener,
         regions: Weak<RegionRegistry>,
         host_id: String,
         secret: Option<SharedSecret>,
+        insecure: bool,
     ) -> Result<Self> {
         let addr = listener.local_addr().map_err(|e| TransferError::Io(e.to_string()))?;
         let stop = Arc::new(AtomicBool::new(false));
@@ -83,6 +85,12 @@ impl TcpServer {
                             continue;
                         }
                     };
+                    let peer = conn.peer_addr().ok();
+                    if peer.is_some_and(|p| !admits_peer(p.ip(), secret.is_some(), insecure)) {
+                        tracing::warn!(?peer, "protected mode: refusing a non-loopback transfer peer");
+                        let _ = (&conn).write_all(&encode_refusal(PROTECTED_MODE_REFUSAL));
+                        continue;
+                    }
                     next_conn += 1;
                     let id = next_conn;
                     if let Ok(c) = conn.try_clone() {
@@ -91,12 +99,14 @@ impl TcpServer {
                     let (regions, stop, host_id) = (regions.clone(), stop2.clone(), host_id.clone());
                     let (secret, conns) = (secret.clone(), conns2.clone());
                     let spawned = std::thread::Builder::new().name("mooncake-tcp-conn".into()).spawn(move || {
-                        let peer = conn.peer_addr().ok();
-                        let admitted = secret.as_ref().is_none_or(|s| admit(s, &conn));
-                        if !admitted {
-                            tracing::warn!(?peer, "transfer peer failed the shared-secret challenge");
-                        } else if let Err(e) = serve(&conn, &regions, &stop, &host_id) {
-                            tracing::warn!(?peer, error = %e, "closing transfer connection");
+                        let admitted = match &secret {
+                            Some(s) => admit(s, &conn),
+                            None => true,
+                        };
+                        if admitted {
+                            if let Err(e) = serve(&conn, &regions, &stop, &host_id, secret.is_some()) {
+                                tracing::warn!(?peer, error = %e, "closing transfer connection");
+                            }
                         }
                         conns.lock().remove(&id);
                     });
@@ -111,22 +121,21 @@ impl TcpServer {
     }
 }
 
-/// Accepting side of the handshake: [`AUTH_MAGIC`], the secret's challenge, then
-/// the verdict byte. A refused peer's pending bytes are drained briefly before the
-/// close so that it reads the verdict rather than a reset.
+/// Accepting side of the handshake ([`SharedSecret::admit`]). A refused peer's
+/// pending bytes are drained briefly before the close so that it reads the verdict
+/// rather than a reset.
 fn admit(secret: &SharedSecret, conn: &TcpStream) -> bool {
-    let mut c = conn;
-    if c.write_all(&AUTH_MAGIC).is_err() {
-        return false;
+    let peer = conn.peer_addr().ok();
+    match secret.admit(conn) {
+        Ok(()) => true,
+        Err(why) => {
+            tracing::warn!(?peer, ?why, "transfer peer failed the shared-secret handshake");
+            let _ = conn.shutdown(std::net::Shutdown::Write);
+            let _ = conn.set_read_timeout(Some(Duration::from_millis(200)));
+            let _ = std::io::copy(&mut (&mut &*conn).take(1 << 20), &mut std::io::sink());
+            false
+        }
     }
-    let ok = secret.admit(conn);
-    let _ = c.write_all(&[u8::from(ok)]);
-    if !ok {
-        let _ = conn.shutdown(std::net::Shutdown::Write);
-        let _ = conn.set_read_timeout(Some(Duration::from_millis(200)));
-        let _ = std::io::copy(&mut c.take(1 << 20), &mut std::io::sink());
-    }
-    ok
 }
 
 fn io(e: std::io::Error) -> TransferError {
@@ -145,16 +154,31 @@ fn respond(w: &mut impl Write, status: FrameStatus, request_id: u64, len: u64) -
     w.write_all(&ResponseHeader { status, request_id, len }.encode()).map_err(io)
 }
 
-/// One connection: requests answered in order.
-fn serve(conn: &TcpStream, regions: &Weak<RegionRegistry>, stop: &AtomicBool, host_id: &str) -> Result<()> {
+/// How long a new connection may take to send its first request.
+const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// One connection: requests answered in order. Write payloads go from the socket
+/// straight into the region, so a peer's announced lengths never size a buffer.
+fn serve(
+    conn: &TcpStream,
+    regions: &Weak<RegionRegistry>,
+    stop: &AtomicBool,
+    host_id: &str,
+    authenticated: bool,
+) -> Result<()> {
     let _ = conn.set_nodelay(true);
     // Buffered for headers; payloads larger than the buffer bypass it (`BufReader`
     // reads big requests straight into the destination slice).
     let mut r = BufReader::with_capacity(256 << 10, conn);
     let mut w = BufWriter::with_capacity(256 << 10, conn);
     let mut header = [0u8; REQUEST_HEADER_LEN];
+    if !authenticated && !first_request_arrives(conn, &mut r, &mut header)? {
+        return Ok(());
+    }
+    let mut have_header = !authenticated;
     loop {
-        match r.read_exact(&mut header) {
+        let got = if std::mem::take(&mut have_header) { Ok(()) } else { r.read_exact(&mut header) };
+        match got {
             Ok(()) => {}
             Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
             Err(e) => return Err(io(e)),
@@ -204,6 +228,27 @@ fn serve(conn: &TcpStream, regions: &Weak<RegionRegistry>, stop: &AtomicBool, ho
             w.flush().map_err(io)?;
         }
     }
+}
+
+/// The first request of a connection without a secret, read within
+/// [`HELLO_TIMEOUT`] into `header`; `false` (after answering with a refusal) if the
+/// peer started a shared-secret handshake this listener cannot complete, or sent
+/// nothing in time.
+fn first_request_arrives(conn: &TcpStream, r: &mut impl Read, header: &mut [u8; REQUEST_HEADER_LEN]) -> Result<bool> {
+    let _ = conn.set_read_timeout(Some(HELLO_TIMEOUT));
+    let n = read_up_to(&mut *r, &mut header[..4]).map_err(io)?;
+    if n < 4 {
+        return Ok(false);
+    }
+    if header[..4] == AUTH_MAGIC {
+        let refusal = "this listener has no shared secret but the peer proved one: set the same MOONCAKE_SECRET \
+             on every process";
+        let _ = (&mut &*conn).write_all(&encode_refusal(refusal));
+        return Ok(false);
+    }
+    r.read_exact(&mut header[4..]).map_err(io)?;
+    let _ = conn.set_read_timeout(None);
+    Ok(true)
 }
 
 /// One connection to a peer.
@@ -260,20 +305,7 @@ impl TcpTransport {
             .map_err(|e| TransferError::Unreachable(format!("{endpoint}: {e}")))?;
         let _ = s.set_nodelay(true);
         if let Some(secret) = &self.secret {
-            let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
-            let auth = |e: std::io::Error| TransferError::Auth(format!("{endpoint}: {e}"));
-            let mut conn = &s;
-            let mut magic = [0u8; 4];
-            conn.read_exact(&mut magic).map_err(auth)?;
-            if magic != AUTH_MAGIC {
-                return Err(TransferError::Auth(format!("{endpoint} does not ask for a shared secret")));
-            }
-            secret.respond(&mut conn).map_err(auth)?;
-            let mut verdict = [0u8; 1];
-            conn.read_exact(&mut verdict).map_err(auth)?;
-            if verdict[0] != 1 {
-                return Err(TransferError::Auth(format!("{endpoint} refused the shared secret")));
-            }
+            secret.prove(&s, endpoint).map_err(TransferError::Auth)?;
         }
         let _ = s.set_read_timeout(Some(Duration::from_secs(30)));
         Ok(s)
@@ -403,17 +435,20 @@ impl ControlChannel for TcpTransport {
 
 /// Reads one response header; a listener's authentication challenge where a
 /// response was expected means the peer requires a secret this side lacks.
-fn read_response(mut stream: &TcpStream, max_len: u64) -> Result<ResponseHeader> {
+fn read_response(stream: &TcpStream, max_len: u64) -> Result<ResponseHeader> {
     let mut header = [0u8; RESPONSE_HEADER_LEN];
-    stream.read_exact(&mut header).map_err(|e| {
-        if e.kind() == std::io::ErrorKind::UnexpectedEof && header[..4] == AUTH_MAGIC {
-            TransferError::Auth("peer requires a shared secret".into())
-        } else {
-            io(e)
-        }
-    })?;
-    if header[..4] == AUTH_MAGIC {
-        return Err(TransferError::Auth("peer requires a shared secret".into()));
+    let n = read_up_to(stream, &mut header).map_err(io)?;
+    if n >= 4 && header[..4] == AUTH_MAGIC {
+        return Err(TransferError::Auth("the peer requires a shared secret and this side has none".into()));
+    }
+    if n >= 4 && header[..4] == REFUSE_MAGIC {
+        return Err(TransferError::Auth(format!(
+            "the peer refused the connection: {}",
+            decode_refusal(&header[4..n], stream)
+        )));
+    }
+    if n < RESPONSE_HEADER_LEN {
+        return Err(TransferError::Io(format!("connection closed after {n} bytes of a response header")));
     }
     ResponseHeader::decode(&header, max_len).map_err(|e| TransferError::Protocol(e.to_string()))
 }

@@ -235,15 +235,35 @@ impl Cluster {
         }
     }
 
-    /// The master's JSON status (from the metrics listener).
+    /// The master's JSON status (from the metrics listener, with the cluster's
+    /// secret as the bearer token when it has one).
     pub fn status(&self) -> String {
-        http_get(&self.metrics_addr, "/status")
+        http_request(&self.metrics_addr, "/status", self.secret()).1
     }
 
     /// The master's Prometheus text.
     pub fn metrics(&self) -> String {
-        http_get(&self.metrics_addr, "/metrics")
+        http_request(&self.metrics_addr, "/metrics", self.secret()).1
     }
+
+    /// The `MOONCAKE_SECRET` of the master and the nodes, if any.
+    pub fn secret(&self) -> Option<&str> {
+        self.env.iter().find(|(k, _)| k == "MOONCAKE_SECRET").map(|(_, v)| v.as_str())
+    }
+}
+
+/// A minimal HTTP GET with an optional bearer token; returns the status code and
+/// the body.
+pub fn http_request(addr: &str, path: &str, bearer: Option<&str>) -> (u16, String) {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let auth = bearer.map(|t| format!("Authorization: Bearer {t}\r\n")).unwrap_or_default();
+    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n{auth}\r\n").unwrap();
+    let mut text = String::new();
+    s.read_to_string(&mut text).unwrap();
+    let code = text.split(' ').nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    (code, text.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or(text))
 }
 
 /// A minimal HTTP GET (the test talks to our own metrics listener only).

@@ -16,8 +16,7 @@ use super::load_server::{endpoint_host, LoadServer};
 use super::stats::{inc, SsdCounters, SsdStats};
 use crate::error::{Error, Result};
 use crate::master::{ClientId, MasterApi, OffloadPlan, OffloadTask};
-use crate::rpc::wire::DEFAULT_MAX_FRAME;
-use crate::rpc::RpcServer;
+use crate::rpc::{RpcServer, RpcServerConfig};
 
 /// Objects registered with the master per call when a disk is scanned.
 const REGISTER_CHUNK: usize = 1024;
@@ -65,6 +64,7 @@ impl FileStorage {
         client: Arc<AtomicU64>,
         engine: &TransferEngine,
         secret: Option<&[u8]>,
+        insecure: bool,
     ) -> Result<Self> {
         cfg.check()?;
         std::fs::create_dir_all(&cfg.dir).map_err(|e| {
@@ -102,7 +102,8 @@ impl FileStorage {
             region: staging_region,
             counters: counters.clone(),
         });
-        let server = RpcServer::serve(&listen, handler, DEFAULT_MAX_FRAME, secret.map(SharedSecret::new))?;
+        let config = RpcServerConfig { secret: secret.map(SharedSecret::new), insecure, ..RpcServerConfig::default() };
+        let server = RpcServer::serve_with(&listen, handler, config)?;
         tracing::info!(dir = %cfg.dir.display(), backend = backend.name(), direct, server = %server.local_addr(), "SSD tier open");
         Ok(Self {
             backend,

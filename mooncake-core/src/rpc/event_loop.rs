@@ -1,0 +1,718 @@
+//! The RPC server's event loop: one thread polls the listener and every connection;
+//! complete requests go to a pool of workers, whose answers come back through a
+//! channel and a waker.
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, VecDeque};
+use std::io::{ErrorKind, Read, Write};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, Sender};
+use mio::net::{TcpListener, TcpStream};
+use mio::{Events, Interest, Poll, Token, Waker};
+use mooncake_transfer::{admits_peer, encode_refusal, AUTH_LEN, AUTH_MAGIC, PROTECTED_MODE_REFUSAL};
+
+use super::frame_reader::FrameReader;
+use super::server::{RpcHandler, RpcServerConfig, RpcServerStats};
+use super::wire::{decode_body, encode_frame, FrameKind, Request};
+
+const LISTENER: Token = Token(0);
+const WAKER: Token = Token(1);
+/// Tokens of connections start here (slot `i` is token `FIRST_CONN + i`).
+const FIRST_CONN: usize = 2;
+/// Bytes read from a socket at a time.
+const READ_CHUNK: usize = 64 << 10;
+/// How long a refused connection is kept to drain what its peer sent, so that the
+/// peer reads the refusal rather than a reset.
+const LINGER: Duration = Duration::from_millis(500);
+/// Most refused connections lingering at once (beyond it they are closed at once).
+const MAX_LINGERING: usize = 256;
+
+/// A running event loop and its workers; dropping it stops and joins them.
+pub(crate) struct EventLoop {
+    stop: Arc<AtomicBool>,
+    waker: Arc<Waker>,
+    thread: Option<std::thread::JoinHandle<()>>,
+    pool: Arc<WorkerPool>,
+}
+
+impl Drop for EventLoop {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        let _ = self.waker.wake();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+        // The loop dropped the job queue's sender: the workers finish and exit.
+        let workers: Vec<_> = self.pool.handles.lock().drain(..).collect();
+        for w in workers {
+            let _ = w.join();
+        }
+    }
+}
+
+/// The workers: at least `min` threads; one more is started whenever a request
+/// finds none idle (a request may block, as a put waiting for an offload does),
+/// up to `max`; extra ones exit after a while idle.
+struct WorkerPool {
+    min: usize,
+    max: usize,
+    idle: AtomicUsize,
+    total: AtomicUsize,
+    handles: parking_lot::Mutex<Vec<std::thread::JoinHandle<()>>>,
+    jobs: Receiver<Job>,
+    done: Sender<Done>,
+    waker: Arc<Waker>,
+    handler: Arc<dyn RpcHandler>,
+    stats: Arc<RpcServerStats>,
+}
+
+/// How long a worker beyond the minimum stays idle before it exits.
+const WORKER_IDLE: Duration = Duration::from_secs(10);
+
+impl WorkerPool {
+    /// Starts a worker (if under the maximum).
+    fn grow(self: &Arc<Self>) -> std::io::Result<()> {
+        if self.total.fetch_add(1, Ordering::AcqRel) >= self.max {
+            self.total.fetch_sub(1, Ordering::AcqRel);
+            return Ok(());
+        }
+        self.idle.fetch_add(1, Ordering::AcqRel);
+        let pool = self.clone();
+        let spawned = std::thread::Builder::new().name("mooncake-rpc-worker".into()).spawn(move || pool.work());
+        match spawned {
+            Ok(h) => {
+                let mut handles = self.handles.lock();
+                // Forget workers that already exited.
+                handles.retain(|h| !h.is_finished());
+                handles.push(h);
+                Ok(())
+            }
+            Err(e) => {
+                self.total.fetch_sub(1, Ordering::AcqRel);
+                self.idle.fetch_sub(1, Ordering::AcqRel);
+                Err(e)
+            }
+        }
+    }
+
+    /// Whether a request queued now would wait for a worker.
+    fn all_busy(&self) -> bool {
+        self.idle.load(Ordering::Acquire) == 0
+    }
+
+    /// A worker: decodes, answers and encodes requests until the queue closes.
+    fn work(&self) {
+        loop {
+            let job = match self.jobs.recv_timeout(WORKER_IDLE) {
+                Ok(job) => job,
+                Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
+                    let total = self.total.load(Ordering::Acquire);
+                    if total > self.min
+                        && self.total.compare_exchange(total, total - 1, Ordering::AcqRel, Ordering::Acquire).is_ok()
+                    {
+                        self.idle.fetch_sub(1, Ordering::AcqRel);
+                        return;
+                    }
+                    continue;
+                }
+                Err(crossbeam_channel::RecvTimeoutError::Disconnected) => return,
+            };
+            self.idle.fetch_sub(1, Ordering::AcqRel);
+            let (slot, generation) = (job.slot, job.generation);
+            let frame = answer(job, &*self.handler, &self.stats);
+            self.idle.fetch_add(1, Ordering::AcqRel);
+            if self.done.send(Done { slot, generation, frame }).is_err() {
+                return;
+            }
+            let _ = self.waker.wake();
+        }
+    }
+}
+
+/// A complete request frame for a worker.
+struct Job {
+    slot: usize,
+    generation: u64,
+    request_id: u64,
+    body: Vec<u8>,
+}
+
+/// A worker's answer: the response frame, or `None` if the body was malformed.
+struct Done {
+    slot: usize,
+    generation: u64,
+    frame: Option<Vec<u8>>,
+}
+
+impl EventLoop {
+    pub(crate) fn start(
+        listener: std::net::TcpListener,
+        handler: Arc<dyn RpcHandler>,
+        config: RpcServerConfig,
+        stats: Arc<RpcServerStats>,
+    ) -> std::io::Result<Self> {
+        listener.set_nonblocking(true)?;
+        let mut listener = TcpListener::from_std(listener);
+        let poll = Poll::new()?;
+        poll.registry().register(&mut listener, LISTENER, Interest::READABLE)?;
+        let waker = Arc::new(Waker::new(poll.registry(), WAKER)?);
+        let stop = Arc::new(AtomicBool::new(false));
+        let (job_tx, job_rx) = crossbeam_channel::unbounded::<Job>();
+        let (done_tx, done_rx) = crossbeam_channel::unbounded::<Done>();
+        let min = match config.workers {
+            0 => std::thread::available_parallelism().map_or(2, |n| n.get()).clamp(2, 16),
+            n => n,
+        };
+        let pool = Arc::new(WorkerPool {
+            min,
+            max: config.max_workers.max(min),
+            idle: AtomicUsize::new(0),
+            total: AtomicUsize::new(0),
+            handles: parking_lot::Mutex::new(Vec::new()),
+            jobs: job_rx,
+            done: done_tx,
+            waker: waker.clone(),
+            handler,
+            stats: stats.clone(),
+        });
+        for _ in 0..min {
+            pool.grow()?;
+        }
+        let state = Loop {
+            poll,
+            listener,
+            config,
+            stats,
+            stop: stop.clone(),
+            conns: Vec::new(),
+            free: Vec::new(),
+            timers: BinaryHeap::new(),
+            buffered: 0,
+            starved: VecDeque::new(),
+            lingering: 0,
+            accept_retry: None,
+            jobs: job_tx,
+            done: done_rx,
+            pool: pool.clone(),
+            scratch: vec![0; READ_CHUNK],
+            next_generation: 0,
+        };
+        let thread = std::thread::Builder::new().name("mooncake-rpc-loop".into()).spawn(move || state.run())?;
+        Ok(Self { stop, waker, thread: Some(thread), pool })
+    }
+}
+
+/// The response frame to one request, or `None` if its body is malformed.
+fn answer(job: Job, handler: &dyn RpcHandler, stats: &RpcServerStats) -> Option<Vec<u8>> {
+    match decode_body::<Request>(&job.body) {
+        Ok(request) => {
+            drop(job.body);
+            let kind = request.kind_index();
+            let response = handler.handle(request);
+            stats.requests.fetch_add(1, Ordering::Relaxed);
+            stats.ops_by_kind[kind].fetch_add(1, Ordering::Relaxed);
+            if Request::is_error(&response) {
+                stats.errors.fetch_add(1, Ordering::Relaxed);
+                stats.errors_by_kind[kind].fetch_add(1, Ordering::Relaxed);
+            }
+            match encode_frame(FrameKind::Response, job.request_id, &response) {
+                Ok(f) => Some(f),
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot encode a response");
+                    None
+                }
+            }
+        }
+        Err(e) => {
+            stats.bad_frames.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(error = %e, "closing an RPC connection: malformed request body");
+            None
+        }
+    }
+}
+
+/// Where a connection is in its life.
+enum Phase {
+    /// A server with a secret sent its challenge; the client's `AUTH_MAGIC` and
+    /// answer are arriving.
+    Auth { nonce: [u8; AUTH_LEN], got: [u8; 4 + AUTH_LEN], filled: usize },
+    /// A server without a secret: the first bytes tell a frame from a client that
+    /// tries to prove a secret.
+    Hello { got: [u8; 4], filled: usize },
+    /// Authenticated (or no secret): requests and responses, but the first frame
+    /// (without a secret) must still complete in time.
+    Open { hello_done: bool },
+    /// Refused: what the peer sends is discarded until it closes or the linger ends.
+    Closing,
+}
+
+struct Conn {
+    slot: usize,
+    stream: TcpStream,
+    peer: SocketAddr,
+    generation: u64,
+    phase: Phase,
+    reader: FrameReader,
+    /// Bytes read from the socket and not consumed yet (kept only while the
+    /// connection waits: a request in flight, a response unsent, no memory budget).
+    pending: Vec<u8>,
+    /// A request of this connection is at a worker.
+    busy: bool,
+    /// Body bytes charged to the memory budget.
+    charged: usize,
+    /// Response bytes not yet written, from `out_pos`.
+    out: Vec<u8>,
+    out_pos: usize,
+    /// Waiting for memory budget.
+    starved: bool,
+}
+
+struct Loop {
+    poll: Poll,
+    listener: TcpListener,
+    config: RpcServerConfig,
+    stats: Arc<RpcServerStats>,
+    stop: Arc<AtomicBool>,
+    conns: Vec<Option<Conn>>,
+    free: Vec<usize>,
+    /// Hello deadlines and linger ends: (when, slot, generation).
+    timers: BinaryHeap<Reverse<(Instant, usize, u64)>>,
+    /// Body bytes held over all connections.
+    buffered: usize,
+    starved: VecDeque<(usize, u64)>,
+    lingering: usize,
+    accept_retry: Option<Instant>,
+    jobs: Sender<Job>,
+    done: Receiver<Done>,
+    pool: Arc<WorkerPool>,
+    scratch: Vec<u8>,
+    next_generation: u64,
+}
+
+/// What driving a connection came to.
+enum Next {
+    Keep,
+    Close,
+}
+
+impl Loop {
+    fn run(mut self) {
+        let mut events = Events::with_capacity(1024);
+        loop {
+            if self.stop.load(Ordering::Relaxed) {
+                return;
+            }
+            let now = Instant::now();
+            let next_timer = self.timers.peek().map(|Reverse((at, _, _))| *at);
+            let wake = [next_timer, self.accept_retry].into_iter().flatten().min();
+            let timeout = wake.map(|at| at.saturating_duration_since(now));
+            if let Err(e) = self.poll.poll(&mut events, timeout) {
+                if e.kind() != ErrorKind::Interrupted {
+                    tracing::error!(error = %e, "RPC event loop failed");
+                    return;
+                }
+            }
+            for event in events.iter() {
+                match event.token() {
+                    LISTENER => self.accept(),
+                    WAKER => {}
+                    Token(t) => {
+                        let slot = t - FIRST_CONN;
+                        if event.is_writable() {
+                            self.with_conn(slot, None, |l, c| l.flush(c));
+                        }
+                        if event.is_readable() || event.is_read_closed() {
+                            self.with_conn(slot, None, |l, c| l.drive(c));
+                        }
+                    }
+                }
+            }
+            while let Ok(done) = self.done.try_recv() {
+                self.finish(done);
+            }
+            self.fire_timers();
+            if self.accept_retry.is_some_and(|at| at <= Instant::now()) {
+                self.accept_retry = None;
+                self.accept();
+            }
+        }
+    }
+
+    /// Runs `f` on the connection in `slot` (of `generation`, if given), closing it
+    /// if `f` says so.
+    fn with_conn(&mut self, slot: usize, generation: Option<u64>, f: impl FnOnce(&mut Self, &mut Conn) -> Next) {
+        let Some(mut conn) = self.conns.get_mut(slot).and_then(Option::take) else { return };
+        if generation.is_some_and(|g| g != conn.generation) {
+            self.conns[slot] = Some(conn);
+            return;
+        }
+        match f(self, &mut conn) {
+            Next::Keep => self.conns[slot] = Some(conn),
+            Next::Close => self.close(slot, conn),
+        }
+    }
+
+    fn close(&mut self, slot: usize, mut conn: Conn) {
+        let _ = self.poll.registry().deregister(&mut conn.stream);
+        self.release(&mut conn);
+        if matches!(conn.phase, Phase::Closing) {
+            self.lingering -= 1;
+        }
+        self.stats.open_connections.fetch_sub(1, Ordering::Relaxed);
+        self.free.push(slot);
+        self.wake_starved();
+    }
+
+    /// Gives a connection's body bytes back to the memory budget.
+    fn release(&mut self, conn: &mut Conn) {
+        self.buffered -= conn.charged;
+        conn.charged = 0;
+        self.stats.buffered_bytes.store(self.buffered as u64, Ordering::Relaxed);
+    }
+
+    fn accept(&mut self) {
+        loop {
+            let (mut stream, peer) = match self.listener.accept() {
+                Ok(s) => s,
+                Err(e) if e.kind() == ErrorKind::WouldBlock => return,
+                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    // Out of descriptors and the like: try again shortly, without spinning.
+                    tracing::warn!(error = %e, "accepting an RPC connection");
+                    self.accept_retry = Some(Instant::now() + Duration::from_millis(100));
+                    return;
+                }
+            };
+            self.stats.connections.fetch_add(1, Ordering::Relaxed);
+            let open = self.conns.len() - self.free.len();
+            let refusal = if !admits_peer(peer.ip(), self.config.secret.is_some(), self.config.insecure) {
+                tracing::warn!(%peer, "protected mode: refusing a non-loopback RPC client");
+                Some(PROTECTED_MODE_REFUSAL.to_owned())
+            } else if open >= self.config.max_connections {
+                tracing::warn!(%peer, open, "refusing an RPC connection: too many connections");
+                Some(format!("too many connections (limit {})", self.config.max_connections))
+            } else {
+                None
+            };
+            if let Some(message) = &refusal {
+                self.stats.refused_connections.fetch_add(1, Ordering::Relaxed);
+                let _ = stream.write(&encode_refusal(message));
+                if self.lingering >= MAX_LINGERING || open >= self.config.max_connections {
+                    continue;
+                }
+            }
+            let _ = stream.set_nodelay(true);
+            let generation = self.next_generation;
+            self.next_generation += 1;
+            let (phase, greeting) = match (&refusal, &self.config.secret) {
+                (Some(_), _) => (Phase::Closing, None),
+                (None, Some(_)) => {
+                    let nonce: [u8; AUTH_LEN] = rand::random();
+                    (Phase::Auth { nonce, got: [0; 4 + AUTH_LEN], filled: 0 }, Some([&AUTH_MAGIC[..], &nonce].concat()))
+                }
+                (None, None) => (Phase::Hello { got: [0; 4], filled: 0 }, None),
+            };
+            if let Some(g) = greeting {
+                // A fresh socket's send buffer takes 36 bytes.
+                if stream.write(&g).map_or(true, |n| n < g.len()) {
+                    continue;
+                }
+            }
+            let slot = self.free.pop().unwrap_or_else(|| {
+                self.conns.push(None);
+                self.conns.len() - 1
+            });
+            if self
+                .poll
+                .registry()
+                .register(&mut stream, Token(FIRST_CONN + slot), Interest::READABLE | Interest::WRITABLE)
+                .is_err()
+            {
+                self.free.push(slot);
+                continue;
+            }
+            let deadline = if matches!(phase, Phase::Closing) {
+                self.lingering += 1;
+                let _ = stream.shutdown(std::net::Shutdown::Write);
+                Instant::now() + LINGER
+            } else {
+                Instant::now() + self.config.hello_timeout
+            };
+            self.timers.push(Reverse((deadline, slot, generation)));
+            self.stats.open_connections.fetch_add(1, Ordering::Relaxed);
+            self.conns[slot] = Some(Conn {
+                slot,
+                stream,
+                peer,
+                generation,
+                phase,
+                reader: FrameReader::new(self.config.max_frame),
+                pending: Vec::new(),
+                busy: false,
+                charged: 0,
+                out: Vec::new(),
+                out_pos: 0,
+                starved: false,
+            });
+        }
+    }
+
+    /// Closes connections whose hello did not complete in time, and refused ones
+    /// whose linger ended.
+    fn fire_timers(&mut self) {
+        let now = Instant::now();
+        while let Some(Reverse((at, slot, generation))) = self.timers.peek().copied() {
+            if at > now {
+                return;
+            }
+            self.timers.pop();
+            let stats = self.stats.clone();
+            self.with_conn(slot, Some(generation), |_, c| match c.phase {
+                Phase::Open { hello_done: true } => Next::Keep,
+                Phase::Closing => Next::Close,
+                _ => {
+                    stats.hello_timeouts.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(peer = %c.peer, "closing an RPC connection that did not complete its hello in time");
+                    Next::Close
+                }
+            });
+        }
+    }
+
+    /// A worker's answer: queue it for the client and go on with the connection.
+    fn finish(&mut self, done: Done) {
+        self.with_conn(done.slot, Some(done.generation), |l, c| {
+            c.busy = false;
+            l.release(c);
+            let Some(frame) = done.frame else { return Next::Close };
+            c.out = frame;
+            c.out_pos = 0;
+            match l.flush(c) {
+                Next::Keep => l.drive(c),
+                Next::Close => Next::Close,
+            }
+        });
+        self.wake_starved();
+    }
+
+    /// Retries connections that waited for memory budget.
+    fn wake_starved(&mut self) {
+        let n = self.starved.len();
+        for _ in 0..n {
+            if self.buffered >= self.config.memory_budget {
+                return;
+            }
+            let Some((slot, generation)) = self.starved.pop_front() else { return };
+            self.with_conn(slot, Some(generation), |l, c| {
+                c.starved = false;
+                l.drive(c)
+            });
+        }
+    }
+
+    /// Writes what is pending of the response.
+    fn flush(&mut self, c: &mut Conn) -> Next {
+        while c.out_pos < c.out.len() {
+            match c.stream.write(&c.out[c.out_pos..]) {
+                Ok(0) => return Next::Close,
+                Ok(n) => c.out_pos += n,
+                Err(e) if e.kind() == ErrorKind::WouldBlock => return Next::Keep,
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(_) => return Next::Close,
+            }
+        }
+        if !c.out.is_empty() {
+            // Keep no response memory while idle.
+            c.out = Vec::new();
+            c.out_pos = 0;
+            return self.drive(c);
+        }
+        Next::Keep
+    }
+
+    /// Reads and handles what the client sent, as far as the connection may go now
+    /// (one request at a time, the previous response written, memory available).
+    fn drive(&mut self, c: &mut Conn) -> Next {
+        loop {
+            if c.busy || c.out_pos < c.out.len() || c.starved {
+                return Next::Keep;
+            }
+            // Bytes kept from an earlier read first, then the socket.
+            if !c.pending.is_empty() {
+                let pending = std::mem::take(&mut c.pending);
+                let (used, next) = self.consume(c, &pending);
+                if used < pending.len() {
+                    c.pending = pending[used..].to_vec();
+                }
+                if let Next::Close = next {
+                    return Next::Close;
+                }
+                continue;
+            }
+            let mut buf = std::mem::take(&mut self.scratch);
+            let read = c.stream.read(&mut buf);
+            let next = match read {
+                Ok(0) => Some(Next::Close),
+                Ok(n) => {
+                    let (used, next) = self.consume(c, &buf[..n]);
+                    if used < n {
+                        c.pending = buf[used..n].to_vec();
+                    }
+                    matches!(next, Next::Close).then_some(Next::Close)
+                }
+                Err(e) if e.kind() == ErrorKind::WouldBlock => Some(Next::Keep),
+                Err(e) if e.kind() == ErrorKind::Interrupted => None,
+                Err(_) => Some(Next::Close),
+            };
+            self.scratch = buf;
+            if let Some(next) = next {
+                return next;
+            }
+        }
+    }
+
+    /// Consumes bytes the client sent; returns how many were used (the rest waits
+    /// for the connection to be ready again).
+    fn consume(&mut self, c: &mut Conn, input: &[u8]) -> (usize, Next) {
+        let mut used = 0;
+        while used < input.len() && !c.busy && !c.starved {
+            let rest = &input[used..];
+            match &mut c.phase {
+                Phase::Closing => return (input.len(), Next::Keep),
+                Phase::Auth { nonce, got, filled } => {
+                    let take = (got.len() - *filled).min(rest.len());
+                    got[*filled..*filled + take].copy_from_slice(&rest[..take]);
+                    *filled += take;
+                    used += take;
+                    if *filled >= 4 && got[..4] != AUTH_MAGIC {
+                        self.stats.auth_failures.fetch_add(1, Ordering::Relaxed);
+                        tracing::warn!(peer = %c.peer, "RPC client sent no shared secret; closing");
+                        return (used, self.linger(c));
+                    }
+                    if *filled < got.len() {
+                        continue;
+                    }
+                    let mut answer = [0u8; AUTH_LEN];
+                    answer.copy_from_slice(&got[4..]);
+                    let secret = self.config.secret.as_ref().expect("the Auth phase exists only with a secret");
+                    let ok = secret.verify(nonce, &answer);
+                    let _ = c.stream.write(&[u8::from(ok)]);
+                    if !ok {
+                        self.stats.auth_failures.fetch_add(1, Ordering::Relaxed);
+                        tracing::warn!(peer = %c.peer, "RPC client proved a wrong shared secret");
+                        return (used, self.linger(c));
+                    }
+                    c.phase = Phase::Open { hello_done: true };
+                }
+                Phase::Hello { got, filled } => {
+                    let take = (got.len() - *filled).min(rest.len());
+                    got[*filled..*filled + take].copy_from_slice(&rest[..take]);
+                    *filled += take;
+                    used += take;
+                    if *filled < got.len() {
+                        continue;
+                    }
+                    let first = *got;
+                    if first == AUTH_MAGIC {
+                        self.stats.auth_failures.fetch_add(1, Ordering::Relaxed);
+                        tracing::warn!(peer = %c.peer, "RPC client proves a shared secret this server does not have");
+                        let _ = c.stream.write(&encode_refusal(
+                            "this server has no shared secret but the client proved one: set the same \
+                             MOONCAKE_SECRET on every process",
+                        ));
+                        return (used, self.linger(c));
+                    }
+                    c.phase = Phase::Open { hello_done: false };
+                    if let Next::Close = self.feed(c, &first) {
+                        return (used, Next::Close);
+                    }
+                }
+                Phase::Open { .. } => {
+                    let (n, next) = self.feed_some(c, rest);
+                    used += n;
+                    if let Next::Close = next {
+                        return (used, Next::Close);
+                    }
+                    if n == 0 {
+                        break;
+                    }
+                }
+            }
+        }
+        (used, Next::Keep)
+    }
+
+    /// Feeds bytes that must all be taken (at most a header's worth).
+    fn feed(&mut self, c: &mut Conn, bytes: &[u8]) -> Next {
+        let (n, next) = self.feed_some(c, bytes);
+        debug_assert!(n == bytes.len() || matches!(next, Next::Close));
+        next
+    }
+
+    /// Feeds the frame reader within the memory budget; a complete frame goes to a
+    /// worker. Returns the bytes taken.
+    fn feed_some(&mut self, c: &mut Conn, bytes: &[u8]) -> (usize, Next) {
+        let allowance = self.config.memory_budget.saturating_sub(self.buffered);
+        let before = c.reader.buffered();
+        let (n, frame) = match c.reader.feed(bytes, allowance) {
+            Ok(r) => r,
+            Err(e) => {
+                self.stats.bad_frames.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(peer = %c.peer, error = %e, "closing an RPC connection: malformed frame");
+                return (0, Next::Close);
+            }
+        };
+        let grown = c.reader.buffered() - before;
+        self.buffered += grown;
+        c.charged += grown;
+        match frame {
+            Some((header, body)) => {
+                if header.kind != FrameKind::Request {
+                    self.stats.bad_frames.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(peer = %c.peer, "closing an RPC connection: a response frame from a client");
+                    return (n, Next::Close);
+                }
+                // Bodies charged as they arrived stay charged until answered.
+                let extra = body.len().saturating_sub(c.charged);
+                self.buffered += extra;
+                c.charged += extra;
+                c.phase = Phase::Open { hello_done: true };
+                c.busy = true;
+                let job = Job { slot: c.slot, generation: c.generation, request_id: header.request_id, body };
+                if self.pool.all_busy() {
+                    if let Err(e) = self.pool.grow() {
+                        tracing::warn!(error = %e, "cannot start an RPC worker");
+                    }
+                }
+                if self.jobs.send(job).is_err() {
+                    return (n, Next::Close);
+                }
+            }
+            None if n < bytes.len() => {
+                // Out of memory budget: wait for some to be freed.
+                c.starved = true;
+                self.starved.push_back((c.slot, c.generation));
+            }
+            None => {}
+        }
+        self.stats.buffered_bytes.store(self.buffered as u64, Ordering::Relaxed);
+        (n, Next::Keep)
+    }
+
+    /// Refuses a connection: stop writing, and discard what the peer still sends
+    /// until it closes or the linger ends.
+    fn linger(&mut self, c: &mut Conn) -> Next {
+        if self.lingering >= MAX_LINGERING {
+            return Next::Close;
+        }
+        self.lingering += 1;
+        let _ = c.stream.shutdown(std::net::Shutdown::Write);
+        c.phase = Phase::Closing;
+        self.timers.push(Reverse((Instant::now() + LINGER, c.slot, c.generation)));
+        Next::Keep
+    }
+}
