@@ -456,7 +456,8 @@ impl Store {
                 let listen = format!("{}:0", file_storage::endpoint_host(engine.endpoint()));
                 let secret = cfg.secret.as_deref().map(mooncake_transfer::SharedSecret::new);
                 let handler: Arc<dyn crate::rpc::RpcHandler> = records.clone();
-                match RpcServer::serve(&listen, handler, crate::rpc::wire::DEFAULT_MAX_FRAME, secret) {
+                let config = crate::rpc::RpcServerConfig { secret, insecure: cfg.insecure, ..Default::default() };
+                match RpcServer::serve_with(&listen, handler, config) {
                     Ok(server) => Some(RecordEndpoint::Rpc(server)),
                     Err(e) => {
                         let _ = master.unregister_client(client);
