@@ -184,7 +184,8 @@ fn preferred_segments_apply_whatever_the_strategy() {
     let master = Master::new(MasterConfig::default()).unwrap(); // Random
     let a = Store::builder().master(&master).global_segment_size(4 << 20).build().unwrap();
     let b = Store::builder().master(&master).global_segment_size(4 << 20).build().unwrap();
-    let on_b = master.segment_info(b.segment_id().unwrap()).unwrap().name;
+    let on_b = b.segment_name().unwrap().unwrap();
+    assert_eq!(on_b, master.segment_info(b.segment_id().unwrap()).unwrap().name);
     let cfg = ReplicateConfig { preferred_segments: vec![on_b], ..Default::default() };
     for i in 0..16 {
         a.put_with(&format!("k{i}"), &[1u8; 4096], &cfg).unwrap();
