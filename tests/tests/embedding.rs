@@ -10,6 +10,8 @@ use mooncake_core::{
     Error, Master, MasterConfig, MasterDaemon, PersistPolicy, ReplicateConfig, SsdOffloadConfig, Store,
 };
 
+mod support;
+
 const KIB: usize = 1 << 10;
 
 fn block(i: usize, len: usize) -> Vec<u8> {
@@ -184,7 +186,8 @@ fn preferred_segments_apply_whatever_the_strategy() {
     let master = Master::new(MasterConfig::default()).unwrap(); // Random
     let a = Store::builder().master(&master).global_segment_size(4 << 20).build().unwrap();
     let b = Store::builder().master(&master).global_segment_size(4 << 20).build().unwrap();
-    let on_b = master.segment_info(b.segment_id().unwrap()).unwrap().name;
+    let on_b = b.segment_name().unwrap().unwrap();
+    assert_eq!(on_b, master.segment_info(b.segment_id().unwrap()).unwrap().name);
     let cfg = ReplicateConfig { preferred_segments: vec![on_b], ..Default::default() };
     for i in 0..16 {
         a.put_with(&format!("k{i}"), &[1u8; 4096], &cfg).unwrap();
@@ -250,4 +253,43 @@ fn a_daemon_runs_a_user_strategy_with_served_defaults() {
         std::thread::sleep(Duration::from_millis(10));
     }
     assert_eq!(store.segment_records().len(), 1);
+}
+
+#[test]
+fn a_segment_given_to_a_master_daemon_is_read_by_another_process() {
+    let daemon = MasterDaemon::builder("127.0.0.1:0").serve().unwrap();
+    let addr = daemon.local_addr().to_string();
+    // No `listen`: the builder serves the segment where the master's peers reach it.
+    let writer = Store::builder().master_address(&addr).global_segment_size(4 << 20).build().unwrap();
+    let here =
+        ReplicateConfig { preferred_segments: vec![writer.segment_name().unwrap().unwrap()], ..Default::default() };
+    let data = block(7, 300 * KIB);
+    writer.put_with("shared/block", &data, &here).unwrap();
+    let dir = support::unique_dir("embedding");
+    let out = dir.join("out");
+    let got = std::process::Command::new(support::bin("mooncake-client"))
+        .args(["get", "--master", &addr, "shared/block", out.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(got.status.success(), "{}", String::from_utf8_lossy(&got.stderr));
+    assert_eq!(std::fs::read(&out).unwrap(), data);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_restarted_master_answers_retryable_errors_while_clients_come_back() {
+    let master = Master::new(MasterConfig::served()).unwrap();
+    let fresh = master.register_client().unwrap().client;
+    assert!(matches!(master.get_replica_list("missing"), Err(Error::NotFound(_))), "not recovering yet");
+    // A client comes back with the objects of its segment: the master restarted.
+    let back = master.register_client().unwrap().client;
+    let region = mooncake_transfer::RemoteRegion { endpoint: "tcp://10.0.0.9:1".into(), region: 1 };
+    let records = [mooncake_core::ObjectRecord { key: "kept".into(), offset: 0, len: 5, checksum: 6 }];
+    master.remount_segment(back, &region, 1 << 20, &records).unwrap();
+    assert!(master.exists("kept").unwrap());
+    let missing = master.get_replica_list("not-back-yet").unwrap_err();
+    assert!(matches!(missing, Error::Recovering(_)) && missing.is_retryable(), "{missing}");
+    master.unregister_client(back).unwrap();
+    let no_room = master.put_start(fresh, "k", 5, &ReplicateConfig::default()).unwrap_err();
+    assert!(matches!(no_room, Error::Recovering(_)) && no_room.is_retryable(), "{no_room}");
 }

@@ -58,7 +58,7 @@ fn leased_and_soft_pinned_objects_are_kept() {
     let pinned = ReplicateConfig { soft_pin: true, ..Default::default() };
     store.put_with("pinned", &vec![2u8; OBJ], &pinned).unwrap();
     store.put("leased", &vec![3u8; OBJ]).unwrap();
-    store.get("leased").unwrap(); // 30 s lease
+    m.get_replica_list("leased").unwrap(); // a read in flight: leased (for up to 30 s)
     for i in 0..100 {
         store.put(&format!("k{i}"), &vec![4u8; OBJ]).unwrap();
     }

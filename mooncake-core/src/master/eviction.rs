@@ -4,8 +4,9 @@
 //! Exact LRU over tens of millions of objects would need a global ordered structure
 //! touched by every get. Instead each object carries its last access time; a pass
 //! samples a slice of the shards to find the access-time cutoff that frees enough
-//! bytes, then removes objects older than the cutoff. Leased objects are never
-//! evicted; soft-pinned ones only when nothing else frees enough.
+//! bytes, then removes objects older than the cutoff, those also on an SSD first
+//! (they keep living there). Objects being read (leased) are never evicted;
+//! soft-pinned ones only when nothing else frees enough.
 
 use std::sync::atomic::Ordering;
 
@@ -114,7 +115,11 @@ impl MasterService {
                 }
             }
         }
-        for (cutoff, include_pinned) in [(cutoff, false), (u64::MAX, false), (u64::MAX, true)] {
+        // Objects that also live on an SSD go first among those past the cutoff:
+        // they only give up their memory, at once, where others would first have to
+        // be offloaded (and the put wait for it) or be lost.
+        let passes = [(cutoff, false, true), (cutoff, false, false), (u64::MAX, false, true), (u64::MAX, false, false)];
+        for (cutoff, include_pinned, on_disk_only) in passes.into_iter().chain([(u64::MAX, true, false)]) {
             for i in 0..SHARDS {
                 if report.freed_bytes + awaiting_bytes >= target {
                     break;
@@ -124,6 +129,7 @@ impl MasterService {
                     if report.freed_bytes + awaiting_bytes >= target
                         || e.last_access_ms > cutoff
                         || (e.soft_pin && !include_pinned)
+                        || (on_disk_only && e.disk == 0)
                         || !Self::evictable(e, now, segment)
                     {
                         return true;

@@ -18,18 +18,36 @@ pub(super) enum LeaseReleaser {
     /// Over the network: releases are queued and sent in batches by a thread of
     /// their own, so that a get stays one master round trip. A release that is late
     /// or lost only keeps the object until its lease's time runs out.
-    Batched(Sender<Box<str>>),
+    Batched {
+        /// Keys whose lease to end; `None` once dropped.
+        queue: Option<Sender<Box<str>>>,
+        /// The sending thread, joined on drop so that a process that exits right
+        /// after its last get still gives its leases back.
+        sender: Option<std::thread::JoinHandle<()>>,
+    },
+}
+
+impl Drop for LeaseReleaser {
+    fn drop(&mut self) {
+        if let LeaseReleaser::Batched { queue, sender } = self {
+            drop(queue.take());
+            if let Some(t) = sender.take() {
+                let _ = t.join();
+            }
+        }
+    }
 }
 
 impl LeaseReleaser {
     /// A releaser for `master`; `remote` masters get the batching thread, which ends
-    /// when the releaser is dropped (after sending what it holds).
+    /// when the releaser is dropped, after sending what it holds (each call bounded
+    /// by the master timeout).
     pub(super) fn new(master: Arc<dyn MasterApi>, remote: bool) -> Result<Self> {
         if !remote {
             return Ok(LeaseReleaser::Direct(master));
         }
         let (tx, rx) = unbounded::<Box<str>>();
-        std::thread::Builder::new()
+        let sender = std::thread::Builder::new()
             .name("mooncake-lease-release".into())
             .spawn(move || {
                 while let Ok(first) = rx.recv() {
@@ -42,7 +60,7 @@ impl LeaseReleaser {
                 }
             })
             .map_err(|e| Error::InvalidArgument(format!("cannot start the lease release thread: {e}")))?;
-        Ok(LeaseReleaser::Batched(tx))
+        Ok(LeaseReleaser::Batched { queue: Some(tx), sender: Some(sender) })
     }
 
     /// Ends one lease of each key.
@@ -54,11 +72,12 @@ impl LeaseReleaser {
                     let _ = master.release_leases(&keys);
                 }
             }
-            LeaseReleaser::Batched(tx) => {
+            LeaseReleaser::Batched { queue: Some(tx), .. } => {
                 for k in keys {
                     let _ = tx.send(k.into());
                 }
             }
+            LeaseReleaser::Batched { queue: None, .. } => {}
         }
     }
 }

@@ -746,12 +746,23 @@ impl Store {
         self.inner.engine.endpoint()
     }
 
+    /// The name of this client's segment at the master (what
+    /// [`ReplicateConfig::preferred_segments`] lists), if it gives memory to the pool.
+    pub fn segment_name(&self) -> Result<Option<String>> {
+        match self.segment_id() {
+            Some(id) => Ok(Some(self.inner.master.segment_info(id)?.name)),
+            None => Ok(None),
+        }
+    }
+
     /// The id of this client's segment, if it gives memory to the pool.
     pub fn segment_id(&self) -> Option<SegmentId> {
         self.inner.segment.lock().as_ref().map(|s| s.id)
     }
 
-    /// The master this client talks to.
+    /// The master this client talks to, for its low-level calls (two-phase puts,
+    /// client registration, object info): tools and tests use them; a server needs
+    /// only `Store`'s own methods, which keep the master's state consistent.
     pub fn master(&self) -> &Arc<dyn MasterApi> {
         &self.inner.master
     }
