@@ -392,8 +392,8 @@ impl MooncakeDistributedStore {
             let objects = s.store.batch_get(&unique);
             for (i, keys) in all_keys.iter().enumerate() {
                 for (j, key) in keys.iter().enumerate() {
-                    let (dst, src, len) = (&all_dst_offsets[i][j], all_src_offsets[i].get(j), all_sizes[i].get(j));
-                    let (Some(src), Some(len)) = (src, len) else { continue };
+                    let (dst, src, len) = (all_dst_offsets[i].get(j), all_src_offsets[i].get(j), all_sizes[i].get(j));
+                    let (Some(dst), Some(src), Some(len)) = (dst, src, len) else { continue };
                     if src.len() != dst.len() || len.len() != dst.len() {
                         continue;
                     }

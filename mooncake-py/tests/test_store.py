@@ -320,6 +320,11 @@ def test_get_into_ranges(store):
         assert store.get_into_ranges([b0.ptr], [["r1"]], [[[31]]], [[[0]]], [[[4]]])[0][0][0] < 0
         missing = store.get_into_ranges([b0.ptr], [["nope", "r1"]], [[[0], [8]]], [[[0], [0]]], [[[4], [4]]])
         assert missing[0][0][0] == OBJECT_NOT_FOUND and missing[0][1][0] == 4
+        # Inner lists shorter than the keys: the keys without ranges fail alone.
+        short = store.get_into_ranges([b0.ptr], [["r1", "r2"]], [[[0]]], [[[0]]], [[[4]]])
+        assert short == [[[4], []]]
+        short = store.get_into_ranges([b0.ptr], [["r1", "r2"]], [[[0], [8]]], [[[0]]], [[[4]]])
+        assert short == [[[4], [INVALID_PARAMS]]]
         top = store.get_into_ranges([b0.ptr, b1.ptr], [["r1"]], [[[0]]], [[[0]]], [[[4]]])
         assert top == [[[INVALID_PARAMS]]]
         assert store.get_into_ranges([12345], [["r1"]], [[[0]]], [[[0]]], [[[4]]]) == [[[INVALID_PARAMS]]]
