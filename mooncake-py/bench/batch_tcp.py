@@ -10,7 +10,8 @@ BATCH objects of SIZE bytes (fresh keys every round), checking the bytes read ba
     python batch_tcp.py run --ours-master target/release/mooncake-master \\
         [--ref-python /path/to/venv/bin/python] [--rounds 30] [--repeat 3] [--out result.json]
 
-`--ref-python` names an interpreter with `mooncake-transfer-engine-non-cuda` installed
+`MOONCAKE_BENCH_PROTOCOL=shm` runs ours over same-host shared memory instead of TCP
+(the reference always uses TCP). `--ref-python` names an interpreter with `mooncake-transfer-engine-non-cuda` installed
 (its `mooncake_master` is used); without it only ours runs. Reported per call: p50 and
 mean latency, and GB/s (1e9) of payload.
 """
@@ -45,7 +46,10 @@ def store_class(impl):
 
 def connect(impl, master, segment):
     s = store_class(impl)()
-    rc = s.setup("127.0.0.1", "P2PHANDSHAKE", segment, 64 * MiB, "tcp", "", master)
+    # The reference only knows "tcp" here; ours may be asked for same-host shared
+    # memory instead (MOONCAKE_BENCH_PROTOCOL=shm) to show what TCP costs.
+    protocol = os.environ.get("MOONCAKE_BENCH_PROTOCOL", "tcp") if impl == "ours" else "tcp"
+    rc = s.setup("127.0.0.1", "P2PHANDSHAKE", segment, 64 * MiB, protocol, "", master)
     if rc != 0:
         raise SystemExit(f"{impl}: setup failed rc={rc}")
     return s

@@ -16,7 +16,7 @@ pub const NO_AVAILABLE_HANDLE: i32 = -200;
 pub const INVALID_PARAMS: i32 = -600;
 /// No object under this key.
 pub const OBJECT_NOT_FOUND: i32 = -704;
-/// A put of a key that exists.
+/// A put of a key that exists (the put forms answer 0 for it, see [`put_status`]).
 pub const OBJECT_ALREADY_EXISTS: i32 = -705;
 /// A remove of an object a reader holds a lease on.
 pub const OBJECT_HAS_LEASE: i32 = -706;
@@ -51,6 +51,16 @@ pub fn code(e: &Error) -> i32 {
         Error::Transport(_) => TRANSFER_FAIL,
         Error::Corrupted(_) => CHECKSUM_MISMATCH,
         _ => INTERNAL_ERROR,
+    }
+}
+
+/// A put's code: like [`status`], except that a key that already exists is a success,
+/// as in the reference (objects are immutable: the first value stays, and a second
+/// writer of the same key, typically the same KV block, has nothing left to do).
+pub fn put_status(res: &mooncake_core::Result<()>) -> i32 {
+    match res {
+        Err(Error::AlreadyExists(_)) => 0,
+        other => status(other),
     }
 }
 

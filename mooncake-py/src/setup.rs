@@ -1,6 +1,7 @@
 //! `setup`'s arguments: the reference's positional form and its dict form.
 
 use std::collections::HashMap;
+use std::hash::BuildHasher;
 
 use mooncake_core::{parse_size, Protocol, SsdOffloadConfig, Store, StoreBuilder};
 use pyo3::prelude::*;
@@ -24,6 +25,9 @@ const POSITIONAL: [&str; 13] = [
     "enable_client_http_server",
     "client_http_port",
 ];
+
+/// Ports the reference picks a client's port from when its hostname names none.
+const PORT_RANGE: (u16, u16) = (12300, 14300);
 
 /// SSD tier size when `enable_ssd_offload` is set and `MOONCAKE_SSD_CAPACITY` is not.
 const DEFAULT_SSD_CAPACITY: u64 = 16 << 30;
@@ -104,12 +108,24 @@ impl SetupArgs {
         })
     }
 
-    /// The address to listen on: the hostname with its port, or port 0 (any).
+    /// The address to listen on: the hostname with its port, or, like the reference, a
+    /// free port of 12300..=14300 (any free port if that range is full).
     fn listen_address(&self) -> String {
-        match split_port(&self.local_hostname) {
-            Some(_) => self.local_hostname.clone(),
-            None => format!("{}:0", self.local_hostname),
+        if split_port(&self.local_hostname).is_some() {
+            return self.local_hostname.clone();
         }
+        let host = self.local_hostname.as_str();
+        let span = u64::from(PORT_RANGE.1 - PORT_RANGE.0) + 1;
+        // Start at a random point of the range so that clients started together spread.
+        let start = std::collections::hash_map::RandomState::new().hash_one(std::process::id()) % span;
+        for i in 0..span.min(64) {
+            let port = PORT_RANGE.0 + ((start + i * 7919) % span) as u16;
+            // The listener is dropped at once; the engine binds the port right after.
+            if std::net::TcpListener::bind((host, port)).is_ok() {
+                return format!("{host}:{port}");
+            }
+        }
+        format!("{host}:0")
     }
 
     /// A builder for the store these arguments describe. `MOONCAKE_SECRET`, when set,

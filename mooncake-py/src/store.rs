@@ -11,7 +11,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyBytes, PyDict, PyInt, PyString, PyTuple};
 
 use crate::buffers::BufferRegistry;
-use crate::codes::{self, code, status, INVALID_PARAMS};
+use crate::codes::{self, code, put_status, status, INVALID_PARAMS};
 use crate::config::{resolve, ReplicateConfig};
 use crate::handle::BufferHandle;
 use crate::setup::SetupArgs;
@@ -32,7 +32,7 @@ struct Session {
 /// A Mooncake Store client, with the reference's methods, arguments and return codes.
 ///
 /// Every method returns `0` or a negative code where the reference does (`-704` not
-/// found, `-705` exists, `-706` leased, `-600` bad arguments or not set up, ...). The
+/// found, `-706` leased, `-600` bad arguments or not set up, ...). The
 /// GIL is released while the engine works. Raw pointers (`put_from`, `get_into`,
 /// ...) must lie inside a buffer given to `register_buffer`; anything else is refused
 /// with `-600`.
@@ -116,7 +116,7 @@ impl MooncakeDistributedStore {
     /// Puts `values` under `keys` in one batch; one code each.
     fn put_many(store: &Store, keys: &[String], values: &[&[u8]], cfg: &mooncake_core::ReplicateConfig) -> Vec<i32> {
         let items: Vec<(&str, &[u8])> = keys.iter().map(String::as_str).zip(values.iter().copied()).collect();
-        store.batch_put(&items, cfg).iter().map(status).collect()
+        store.batch_put(&items, cfg).iter().map(put_status).collect()
     }
 }
 
@@ -185,6 +185,8 @@ impl MooncakeDistributedStore {
     }
 
     /// Stores `value` (a bytes-like object) under `key`. Returns 0 or a negative code.
+    /// Objects are immutable: a put of a key that exists returns 0 and keeps the value
+    /// stored first, as the reference does; every put form behaves so.
     #[pyo3(signature = (key, value, config = None))]
     fn put(
         &self,
@@ -200,7 +202,7 @@ impl MooncakeDistributedStore {
             Err(c) => return Ok(c),
         };
         let data = value.as_bytes();
-        Ok(py.detach(|| status(&s.store.put_with(key, data, &cfg))))
+        Ok(py.detach(|| put_status(&s.store.put_with(key, data, &cfg))))
     }
 
     /// Stores the concatenation of `parts` under `key`. Returns 0 or a negative code.
@@ -223,7 +225,7 @@ impl MooncakeDistributedStore {
             // TODO(embedding-api): use Store::put_parts, which writes the parts without
             // joining them first.
             let joined = slices.concat();
-            status(&s.store.put_with(key, &joined, &cfg))
+            put_status(&s.store.put_with(key, &joined, &cfg))
         }))
     }
 
@@ -328,7 +330,7 @@ impl MooncakeDistributedStore {
             // SAFETY: `check` found `[buffer_ptr, buffer_ptr + size)` inside a region
             // Python registered as valid memory.
             let data = unsafe { std::slice::from_raw_parts(buffer_ptr as *const u8, size) };
-            status(&s.store.put_with(key, data, &cfg))
+            put_status(&s.store.put_with(key, data, &cfg))
         })
     }
 
