@@ -8,10 +8,11 @@ import sys
 import textwrap
 import threading
 import time
+import urllib.request
 
 import pytest
 
-from conftest import connect, wait_lease
+from conftest import connect, free_port, master_binary, stop, wait_lease
 from mooncake_rs.store import BufferHandle, MooncakeDistributedStore, ReplicateConfig, SoftPinAction
 
 INVALID_PARAMS = -600
@@ -526,3 +527,28 @@ def test_bad_pointers_do_not_crash_the_process(master):
     out = subprocess.run([sys.executable, "-c", script, master], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "survived"
+
+
+def test_master_takes_the_reference_flag_spellings():
+    port, metrics = free_port(), free_port()
+    flags = [
+        "--rpc_address=127.0.0.1",
+        f"--rpc_port={port}",
+        "--default_kv_lease_ttl=200",
+        "--client_ttl=5",
+        "--eviction_high_watermark_ratio=0.9",
+        "--eviction_ratio=0.1",
+        "--metrics_host=127.0.0.1",
+        f"--metrics_port={metrics}",
+        "--enable_offload=false",
+    ]
+    proc = subprocess.Popen([master_binary(), *flags], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert f"listening on 127.0.0.1:{port}" in proc.stdout.readline()
+        s = connect(f"127.0.0.1:{port}")
+        assert s.put("flags", b"v") == 0 and s.get("flags") == b"v"
+        text = urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=10).read().decode()
+        assert "mooncake_objects 1" in text
+        s.close()
+    finally:
+        stop(proc)
