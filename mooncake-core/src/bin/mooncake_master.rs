@@ -11,6 +11,10 @@
 //!                 [--allocation-strategy random|free_ratio_first|ssd_free_ratio_first]
 //!                 [--default-lease-ms 5000] [--client-ttl-ms 10000] [--persist none|lazy|eager]
 //! ```
+//!
+//! The reference master's spellings are accepted too: `--rpc_address`, `--rpc_port`,
+//! `--default_kv_lease_ttl` (ms), `--client_ttl` (s), `--eviction_high_watermark_ratio`,
+//! `--eviction_ratio`, `--metrics_host`, `--metrics_port`, `--enable_offload`.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -34,7 +38,7 @@ struct Args {
     #[arg(long, default_value = "random", value_parser = ["random", "free_ratio_first", "ssd_free_ratio_first"])]
     allocation_strategy: String,
     /// Read lease granted with each replica list (ms).
-    #[arg(long, default_value_t = 5000)]
+    #[arg(long, alias = "default_kv_lease_ttl", default_value_t = 5000)]
     default_lease_ms: u64,
     /// Clients silent this long lose their segments (ms).
     #[arg(long, default_value_t = 10000)]
@@ -50,6 +54,52 @@ struct Args {
     /// Most client connections open at once; more are refused with a message.
     #[arg(long, default_value_t = 65_536)]
     max_connections: usize,
+    /// Host of the RPC listener (with `--rpc_port`, instead of `--listen`).
+    #[arg(long = "rpc_address", help_heading = "Reference master's spellings")]
+    rpc_address: Option<String>,
+    /// Port of the RPC listener.
+    #[arg(long = "rpc_port", help_heading = "Reference master's spellings")]
+    rpc_port: Option<u16>,
+    /// Clients silent this long lose their segments (s; instead of `--client-ttl-ms`).
+    #[arg(long = "client_ttl", help_heading = "Reference master's spellings")]
+    client_ttl_s: Option<u64>,
+    /// Eviction starts when memory is fuller than this ratio.
+    #[arg(long = "eviction_high_watermark_ratio", help_heading = "Reference master's spellings")]
+    eviction_high_watermark_ratio: Option<f64>,
+    /// Eviction frees this ratio below the high watermark.
+    #[arg(long = "eviction_ratio", help_heading = "Reference master's spellings")]
+    eviction_ratio: Option<f64>,
+    /// Host of the metrics listener (with `--metrics_port`; default 0.0.0.0).
+    #[arg(long = "metrics_host", help_heading = "Reference master's spellings")]
+    metrics_host: Option<String>,
+    /// Port of the metrics listener (instead of `--metrics-listen`).
+    #[arg(long = "metrics_port", help_heading = "Reference master's spellings")]
+    metrics_port: Option<u16>,
+    /// `true`: objects go to the SSD tiers as soon as they are put (`--persist eager`).
+    #[arg(long = "enable_offload", num_args = 0..=1, default_missing_value = "true", help_heading = "Reference master's spellings")]
+    enable_offload: Option<bool>,
+}
+
+impl Args {
+    /// Folds the reference master's spellings into ours.
+    fn resolve(mut self) -> Self {
+        if self.rpc_address.is_some() || self.rpc_port.is_some() {
+            let (host, port) = self.listen.rsplit_once(':').unwrap_or((self.listen.as_str(), "50051"));
+            let host = self.rpc_address.clone().unwrap_or_else(|| host.to_owned());
+            let port = self.rpc_port.map_or_else(|| port.to_owned(), |p| p.to_string());
+            self.listen = format!("{host}:{port}");
+        }
+        if let Some(s) = self.client_ttl_s {
+            self.client_ttl_ms = s.saturating_mul(1000);
+        }
+        if let Some(port) = self.metrics_port {
+            self.metrics_listen = Some(format!("{}:{port}", self.metrics_host.as_deref().unwrap_or("0.0.0.0")));
+        }
+        if self.enable_offload == Some(true) {
+            self.persist = "eager".into();
+        }
+        self
+    }
 }
 
 /// `MOONCAKE_SECRET`, if set; an empty one is an error.
@@ -126,6 +176,11 @@ fn run(args: Args) -> Result<(), String> {
         persist: args.persist.parse().map_err(|e: mooncake_core::Error| e.to_string())?,
         ..MasterConfig::served()
     };
+    let config = MasterConfig {
+        high_watermark: args.eviction_high_watermark_ratio.unwrap_or(config.high_watermark),
+        eviction_ratio: args.eviction_ratio.unwrap_or(config.eviction_ratio),
+        ..config
+    };
     // Catch the signals before announcing ourselves (see mooncake-client serve).
     let mut signals = signal_hook::iterator::Signals::new([signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT])
         .map_err(|e| e.to_string())?;
@@ -154,7 +209,7 @@ fn main() {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
-    if let Err(e) = run(Args::parse()) {
+    if let Err(e) = run(Args::parse().resolve()) {
         eprintln!("mooncake-master: {e}");
         std::process::exit(1);
     }

@@ -1,0 +1,172 @@
+//! `setup`'s arguments: the reference's positional form and its dict form.
+
+use std::collections::HashMap;
+use std::hash::BuildHasher;
+
+use mooncake_core::{parse_size, Protocol, SsdOffloadConfig, Store, StoreBuilder};
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyTuple};
+
+use crate::codes::INVALID_PARAMS;
+
+/// The names of `setup`'s arguments, in the reference's positional order.
+const POSITIONAL: [&str; 13] = [
+    "local_hostname",
+    "metadata_server",
+    "global_segment_size",
+    "local_buffer_size",
+    "protocol",
+    "rdma_devices",
+    "master_server_addr",
+    "engine",
+    "enable_ssd_offload",
+    "ssd_offload_path",
+    "tenant_id",
+    "enable_client_http_server",
+    "client_http_port",
+];
+
+/// Ports the reference picks a client's port from when its hostname names none.
+const PORT_RANGE: (u16, u16) = (12300, 14300);
+
+/// SSD tier size when `enable_ssd_offload` is set and `MOONCAKE_SSD_CAPACITY` is not.
+const DEFAULT_SSD_CAPACITY: u64 = 16 << 30;
+
+/// What `setup` was asked for.
+#[derive(Debug)]
+pub struct SetupArgs {
+    /// `host` or `host:port` this client serves its segment on.
+    pub local_hostname: String,
+    /// Bytes given to the pool.
+    pub global_segment_size: u64,
+    /// Staging buffer of the networked transports.
+    pub local_buffer_size: u64,
+    /// `tcp`, or anything else for shared memory to same-host peers and TCP beyond.
+    pub protocol: String,
+    /// `host:port` of the master daemon.
+    pub master_server_addr: String,
+    /// SSD tier directory, when offload is on.
+    pub ssd_offload_path: Option<String>,
+}
+
+impl SetupArgs {
+    /// Reads `setup(*args, **kwargs)`: either the 7 positional arguments (and the
+    /// optional ones after them, by position or name), or one dict (positional or
+    /// `config=`) whose values may be strings, with sizes like `"16 MB"`.
+    pub fn parse(args: &Bound<'_, PyTuple>, kwargs: Option<&Bound<'_, PyDict>>) -> Result<Self, i32> {
+        let mut values: HashMap<String, Bound<'_, PyAny>> = HashMap::new();
+        let dict = match (args.len(), kwargs) {
+            (1, None) => args.get_item(0).ok().and_then(|a| a.cast_into::<PyDict>().ok()),
+            (0, Some(kw)) if kw.len() == 1 => {
+                kw.get_item("config").ok().flatten().and_then(|a| a.cast_into::<PyDict>().ok())
+            }
+            _ => None,
+        };
+        if let Some(d) = dict {
+            for (k, v) in d.iter() {
+                values.insert(k.str().map_err(|_| INVALID_PARAMS)?.to_string(), v);
+            }
+        } else {
+            if args.len() > POSITIONAL.len() {
+                return Err(INVALID_PARAMS);
+            }
+            for (name, v) in POSITIONAL.iter().zip(args.iter()) {
+                values.insert((*name).to_owned(), v);
+            }
+            if let Some(kw) = kwargs {
+                for (k, v) in kw.iter() {
+                    let k = k.str().map_err(|_| INVALID_PARAMS)?.to_string();
+                    if !POSITIONAL.contains(&k.as_str()) || values.insert(k, v).is_some() {
+                        return Err(INVALID_PARAMS);
+                    }
+                }
+            }
+        }
+        let text = |name: &str, default: &str| -> Result<String, i32> {
+            match values.get(name) {
+                Some(v) if !v.is_none() => Ok(v.str().map_err(|_| INVALID_PARAMS)?.to_string()),
+                _ => Ok(default.to_owned()),
+            }
+        };
+        let size = |name: &str| -> Result<u64, i32> { parse_size(&text(name, "16MB")?).map_err(|_| INVALID_PARAMS) };
+        let local_hostname = text("local_hostname", "")?;
+        if local_hostname.is_empty() {
+            return Err(INVALID_PARAMS);
+        }
+        let offload = matches!(text("enable_ssd_offload", "false")?.to_ascii_lowercase().as_str(), "true" | "1");
+        let ssd_path = text("ssd_offload_path", "")?;
+        if offload && ssd_path.is_empty() {
+            return Err(INVALID_PARAMS);
+        }
+        Ok(Self {
+            local_hostname,
+            global_segment_size: size("global_segment_size")?,
+            local_buffer_size: size("local_buffer_size")?,
+            protocol: text("protocol", "tcp")?,
+            master_server_addr: text("master_server_addr", "127.0.0.1:50051")?,
+            ssd_offload_path: offload.then_some(ssd_path),
+        })
+    }
+
+    /// The address to listen on: the hostname with its port, or, like the reference, a
+    /// free port of 12300..=14300 (any free port if that range is full).
+    fn listen_address(&self) -> String {
+        if split_port(&self.local_hostname).is_some() {
+            return self.local_hostname.clone();
+        }
+        let host = self.local_hostname.as_str();
+        let span = u64::from(PORT_RANGE.1 - PORT_RANGE.0) + 1;
+        // Start at a random point of the range so that clients started together spread.
+        let start = std::collections::hash_map::RandomState::new().hash_one(std::process::id()) % span;
+        for i in 0..span.min(64) {
+            let port = PORT_RANGE.0 + ((start + i * 7919) % span) as u16;
+            // The listener is dropped at once; the engine binds the port right after.
+            if std::net::TcpListener::bind((host, port)).is_ok() {
+                return format!("{host}:{port}");
+            }
+        }
+        format!("{host}:0")
+    }
+
+    /// A builder for the store these arguments describe. `MOONCAKE_SECRET`, when set,
+    /// is the secret shared with the master and the other clients.
+    pub fn builder(&self) -> Result<StoreBuilder, i32> {
+        let protocol = if self.protocol.eq_ignore_ascii_case("tcp") { Protocol::Tcp } else { Protocol::Shm };
+        let mut b = Store::builder()
+            .master_address(&self.master_server_addr)
+            .global_segment_size(self.global_segment_size)
+            .local_buffer_size(self.local_buffer_size)
+            .protocol(protocol)
+            .listen(&self.listen_address());
+        if let Ok(secret) = std::env::var("MOONCAKE_SECRET") {
+            b = b.shared_secret(secret.as_bytes());
+        }
+        if let Some(dir) = &self.ssd_offload_path {
+            let capacity = match std::env::var("MOONCAKE_SSD_CAPACITY") {
+                Ok(c) => parse_size(&c).map_err(|_| INVALID_PARAMS)?,
+                Err(_) => DEFAULT_SSD_CAPACITY,
+            };
+            b = b.ssd_offload(SsdOffloadConfig::new(dir, capacity));
+        }
+        Ok(b)
+    }
+
+    /// `host:port` as `get_hostname` reports it: the given host, with the port the
+    /// segment is served on.
+    pub fn hostname(&self, endpoint: &str) -> String {
+        let host = match split_port(&self.local_hostname) {
+            Some((host, _)) => host,
+            None => self.local_hostname.as_str(),
+        };
+        match split_port(endpoint) {
+            Some((_, port)) => format!("{host}:{port}"),
+            None => self.local_hostname.clone(),
+        }
+    }
+}
+
+/// `("host", port)` when `addr` ends in `:port`.
+fn split_port(addr: &str) -> Option<(&str, u16)> {
+    let (host, port) = addr.rsplit_once(':')?;
+    Some((host, port.parse().ok()?))
+}

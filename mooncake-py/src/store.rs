@@ -1,0 +1,719 @@
+//! `MooncakeDistributedStore`: the reference's Python class over a [`Store`].
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use mooncake_core::{Error, Store};
+use parking_lot::RwLock;
+use pyo3::exceptions::PyTypeError;
+use pyo3::prelude::*;
+use pyo3::types::{PyByteArray, PyBytes, PyDict, PyInt, PyString, PyTuple};
+
+use crate::buffers::BufferRegistry;
+use crate::codes::{self, code, put_status, status, INVALID_PARAMS};
+use crate::config::{resolve, ReplicateConfig};
+use crate::handle::BufferHandle;
+use crate::setup::SetupArgs;
+
+/// How long a forced remove waits for readers' leases to run out. The engine never
+/// frees memory a reader may still be copying from, so `force` waits out the lease
+/// (the master's lease TTL, 5 s by default) instead of skipping it.
+const FORCE_DEADLINE: Duration = Duration::from_secs(30);
+/// Poll period of a forced remove.
+const FORCE_POLL: Duration = Duration::from_millis(10);
+
+/// A connected client and the name it reports.
+struct Session {
+    store: Store,
+    hostname: String,
+}
+
+/// A Mooncake Store client, with the reference's methods, arguments and return codes.
+///
+/// Every method returns `0` or a negative code where the reference does (`-704` not
+/// found, `-706` leased, `-600` bad arguments or not set up, ...). The
+/// GIL is released while the engine works. Raw pointers (`put_from`, `get_into`,
+/// ...) must lie inside a buffer given to `register_buffer`; anything else is refused
+/// with `-600`.
+#[pyclass(name = "MooncakeDistributedStore", module = "mooncake_rs.store", frozen)]
+pub struct MooncakeDistributedStore {
+    session: RwLock<Option<Arc<Session>>>,
+    buffers: BufferRegistry,
+}
+
+/// A value given by Python: `bytes` are read in place; other buffer-protocol objects
+/// are copied into `bytes` first (the stable ABI this wheel is built for has no
+/// buffer protocol before Python 3.11).
+fn value_bytes<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyBytes>> {
+    if let Ok(b) = obj.cast::<PyBytes>() {
+        return Ok(b.clone());
+    }
+    if obj.is_instance_of::<PyInt>() || obj.is_instance_of::<PyString>() {
+        return Err(PyTypeError::new_err("value must be a bytes-like object"));
+    }
+    if let Ok(b) = obj.cast::<PyByteArray>() {
+        return Ok(PyBytes::new(obj.py(), &b.to_vec()));
+    }
+    obj.py().get_type::<PyBytes>().call1((obj,))?.cast_into::<PyBytes>().map_err(Into::into)
+}
+
+/// Copies `data` to the raw address `dst`.
+///
+/// # Safety
+/// `[dst, dst + data.len())` must be writable memory (a registered buffer).
+unsafe fn copy_out(data: &[u8], dst: usize) {
+    // SAFETY: the caller checked the destination against a registered region; the
+    // source is engine-owned memory, so the two cannot overlap.
+    unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), dst as *mut u8, data.len()) };
+}
+
+impl MooncakeDistributedStore {
+    fn session(&self) -> Option<Arc<Session>> {
+        self.session.read().clone()
+    }
+
+    /// Lengths of two argument lists agree.
+    fn same_len(a: usize, b: usize, c: usize) -> bool {
+        a == b && b == c
+    }
+
+    /// Removes `key`; with `force`, waits for readers' leases to run out.
+    fn remove_one(store: &Store, key: &str, force: bool) -> i32 {
+        let deadline = Instant::now() + FORCE_DEADLINE;
+        loop {
+            match store.remove(key) {
+                Err(Error::HasLease(_)) if force && Instant::now() < deadline => std::thread::sleep(FORCE_POLL),
+                res => return status(&res),
+            }
+        }
+    }
+
+    /// Removes every key of `keys`, one result each; with `force`, retries the leased
+    /// ones until their leases run out.
+    fn remove_many(store: &Store, keys: &[&str], force: bool) -> Vec<i32> {
+        let deadline = Instant::now() + FORCE_DEADLINE;
+        let mut results = vec![0; keys.len()];
+        let mut pending: Vec<usize> = (0..keys.len()).collect();
+        loop {
+            let batch: Vec<&str> = pending.iter().map(|&i| keys[i]).collect();
+            let answers = store.master().batch_remove(&batch);
+            let mut leased = Vec::new();
+            for (&i, res) in pending.iter().zip(&answers) {
+                results[i] = status(res);
+                if matches!(res, Err(Error::HasLease(_))) {
+                    leased.push(i);
+                }
+            }
+            if !force || leased.is_empty() || Instant::now() >= deadline {
+                return results;
+            }
+            pending = leased;
+            std::thread::sleep(FORCE_POLL);
+        }
+    }
+
+    /// Puts `values` under `keys` in one batch; one code each.
+    fn put_many(store: &Store, keys: &[String], values: &[&[u8]], cfg: &mooncake_core::ReplicateConfig) -> Vec<i32> {
+        let items: Vec<(&str, &[u8])> = keys.iter().map(String::as_str).zip(values.iter().copied()).collect();
+        store.batch_put(&items, cfg).iter().map(put_status).collect()
+    }
+}
+
+#[pymethods]
+impl MooncakeDistributedStore {
+    /// A store that is not connected yet: call `setup`.
+    #[new]
+    fn new() -> Self {
+        Self { session: RwLock::new(None), buffers: BufferRegistry::default() }
+    }
+
+    /// Connects to the master and gives `global_segment_size` bytes to the pool.
+    ///
+    /// `setup(local_hostname, metadata_server, global_segment_size, local_buffer_size,
+    /// protocol, rdma_devices, master_server_addr, engine=None, enable_ssd_offload=False,
+    /// ssd_offload_path="", tenant_id="default", enable_client_http_server=False,
+    /// client_http_port=9300)`, or `setup(config_dict)` with sizes such as `"16 MB"`.
+    /// The metadata server, RDMA devices, engine, tenant and HTTP server are accepted
+    /// and not needed. Returns 0 or a negative code.
+    #[pyo3(signature = (*args, **kwargs))]
+    fn setup(&self, py: Python<'_>, args: &Bound<'_, PyTuple>, kwargs: Option<&Bound<'_, PyDict>>) -> i32 {
+        let parsed = match SetupArgs::parse(args, kwargs) {
+            Ok(p) => p,
+            Err(c) => return c,
+        };
+        let builder = match parsed.builder() {
+            Ok(b) => b,
+            Err(c) => return c,
+        };
+        let old = self.session.write().take();
+        py.detach(move || {
+            drop(old);
+            match builder.build() {
+                Ok(store) => {
+                    let hostname = parsed.hostname(store.endpoint());
+                    *self.session.write() = Some(Arc::new(Session { store, hostname }));
+                    0
+                }
+                Err(e) => code(&e),
+            }
+        })
+    }
+
+    /// Disconnects: this client's segment leaves the pool (with the objects on it) and
+    /// its registered buffers are forgotten. Returns 0.
+    fn close(&self, py: Python<'_>) -> i32 {
+        let old = self.session.write().take();
+        self.buffers.clear();
+        py.detach(move || drop(old));
+        0
+    }
+
+    /// 0 when connected and the master answers, 1 when not set up or closed, 2 when the
+    /// master does not answer.
+    fn health_check(&self, py: Python<'_>) -> i32 {
+        let Some(s) = self.session() else { return codes::NOT_INITIALIZED };
+        py.detach(move || match s.store.master().stats() {
+            Ok(_) => codes::HEALTHY,
+            Err(_) => codes::MASTER_UNREACHABLE,
+        })
+    }
+
+    /// `host:port` this client serves its segment on ("" before `setup`).
+    fn get_hostname(&self) -> String {
+        self.session().map(|s| s.hostname.clone()).unwrap_or_default()
+    }
+
+    /// Stores `value` (a bytes-like object) under `key`. Returns 0 or a negative code.
+    /// Objects are immutable: a put of a key that exists returns 0 and keeps the value
+    /// stored first, as the reference does; every put form behaves so.
+    #[pyo3(signature = (key, value, config = None))]
+    fn put(
+        &self,
+        py: Python<'_>,
+        key: &str,
+        value: &Bound<'_, PyAny>,
+        config: Option<PyRef<'_, ReplicateConfig>>,
+    ) -> PyResult<i32> {
+        let value = value_bytes(value)?;
+        let Some(s) = self.session() else { return Ok(INVALID_PARAMS) };
+        let cfg = match resolve(config) {
+            Ok(c) => c,
+            Err(c) => return Ok(c),
+        };
+        let data = value.as_bytes();
+        Ok(py.detach(|| put_status(&s.store.put_with(key, data, &cfg))))
+    }
+
+    /// Stores the concatenation of `parts` under `key`. Returns 0 or a negative code.
+    #[pyo3(signature = (key, *parts, config = None))]
+    fn put_parts(
+        &self,
+        py: Python<'_>,
+        key: &str,
+        parts: &Bound<'_, PyTuple>,
+        config: Option<PyRef<'_, ReplicateConfig>>,
+    ) -> PyResult<i32> {
+        let parts: Vec<Bound<'_, PyBytes>> = parts.iter().map(|p| value_bytes(&p)).collect::<PyResult<_>>()?;
+        let Some(s) = self.session() else { return Ok(INVALID_PARAMS) };
+        let cfg = match resolve(config) {
+            Ok(c) => c,
+            Err(c) => return Ok(c),
+        };
+        let slices: Vec<&[u8]> = parts.iter().map(|p| p.as_bytes()).collect();
+        Ok(py.detach(|| {
+            // TODO(embedding-api): use Store::put_parts, which writes the parts without
+            // joining them first.
+            let joined = slices.concat();
+            put_status(&s.store.put_with(key, &joined, &cfg))
+        }))
+    }
+
+    /// Stores `values[i]` under `keys[i]` in one batch. Returns 0, or the first
+    /// failure's code.
+    #[pyo3(signature = (keys, values, config = None))]
+    fn put_batch(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+        values: Vec<Bound<'_, PyAny>>,
+        config: Option<PyRef<'_, ReplicateConfig>>,
+    ) -> PyResult<i32> {
+        let values: Vec<Bound<'_, PyBytes>> = values.iter().map(value_bytes).collect::<PyResult<_>>()?;
+        let Some(s) = self.session() else { return Ok(INVALID_PARAMS) };
+        if keys.len() != values.len() {
+            return Ok(INVALID_PARAMS);
+        }
+        let cfg = match resolve(config) {
+            Ok(c) => c,
+            Err(c) => return Ok(c),
+        };
+        let slices: Vec<&[u8]> = values.iter().map(|v| v.as_bytes()).collect();
+        let codes = py.detach(|| Self::put_many(&s.store, &keys, &slices, &cfg));
+        Ok(codes.into_iter().find(|&c| c != 0).unwrap_or(0))
+    }
+
+    /// The bytes under `key`; `b""` when absent or on error.
+    fn get<'py>(&self, py: Python<'py>, key: &str) -> Bound<'py, PyBytes> {
+        let data = match self.session() {
+            Some(s) => py.detach(|| s.store.get(key).unwrap_or_default()),
+            None => Bytes::new(),
+        };
+        PyBytes::new(py, &data)
+    }
+
+    /// The bytes under each key; `b""` for the absent ones.
+    fn get_batch<'py>(&self, py: Python<'py>, keys: Vec<String>) -> Vec<Bound<'py, PyBytes>> {
+        let found = match self.session() {
+            Some(s) => py.detach(|| {
+                let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+                s.store.batch_get(&keys).into_iter().map(|r| r.unwrap_or_default()).collect()
+            }),
+            None => vec![Bytes::new(); keys.len()],
+        };
+        found.iter().map(|b| PyBytes::new(py, b)).collect()
+    }
+
+    /// The object under `key` as a `BufferHandle`, or `None`.
+    fn get_buffer(&self, py: Python<'_>, key: &str) -> Option<BufferHandle> {
+        let s = self.session()?;
+        py.detach(|| s.store.get(key).ok()).map(BufferHandle::new)
+    }
+
+    /// One `BufferHandle` (or `None`) per key.
+    fn batch_get_buffer(&self, py: Python<'_>, keys: Vec<String>) -> Vec<Option<BufferHandle>> {
+        let Some(s) = self.session() else { return keys.iter().map(|_| None).collect() };
+        let found = py.detach(|| {
+            let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+            s.store.batch_get(&keys)
+        });
+        found.into_iter().map(|r| r.ok().map(BufferHandle::new)).collect()
+    }
+
+    /// Declares `[buffer_ptr, buffer_ptr + size)` as memory the zero-copy calls may
+    /// read and write. Returns 0 or -600.
+    fn register_buffer(&self, buffer_ptr: usize, size: usize) -> i32 {
+        if self.session().is_none() {
+            return INVALID_PARAMS;
+        }
+        self.buffers.register(buffer_ptr, size)
+    }
+
+    /// Forgets the buffer registered at `buffer_ptr`. Returns 0, or -600 if none is.
+    fn unregister_buffer(&self, buffer_ptr: usize) -> i32 {
+        if self.session().is_none() {
+            return INVALID_PARAMS;
+        }
+        self.buffers.unregister(buffer_ptr)
+    }
+
+    /// Stores the `size` bytes at `buffer_ptr` (inside a registered buffer) under
+    /// `key`, without a copy. Returns 0 or a negative code.
+    #[pyo3(signature = (key, buffer_ptr, size, config = None))]
+    fn put_from(
+        &self,
+        py: Python<'_>,
+        key: &str,
+        buffer_ptr: usize,
+        size: usize,
+        config: Option<PyRef<'_, ReplicateConfig>>,
+    ) -> i32 {
+        let Some(s) = self.session() else { return INVALID_PARAMS };
+        if let Err(c) = self.buffers.check(buffer_ptr, size) {
+            return c;
+        }
+        let cfg = match resolve(config) {
+            Ok(c) => c,
+            Err(c) => return c,
+        };
+        py.detach(|| {
+            // SAFETY: `check` found `[buffer_ptr, buffer_ptr + size)` inside a region
+            // Python registered as valid memory.
+            let data = unsafe { std::slice::from_raw_parts(buffer_ptr as *const u8, size) };
+            put_status(&s.store.put_with(key, data, &cfg))
+        })
+    }
+
+    /// Reads the object under `key` into the registered memory at `buffer_ptr` (room:
+    /// `size` bytes). Returns its length, or a negative code (-600 if it does not fit).
+    fn get_into(&self, py: Python<'_>, key: &str, buffer_ptr: usize, size: usize) -> i64 {
+        let Some(s) = self.session() else { return INVALID_PARAMS.into() };
+        if let Err(c) = self.buffers.check(buffer_ptr, size) {
+            return c.into();
+        }
+        py.detach(|| {
+            // SAFETY: `check` found the range inside a registered region; nothing else
+            // in this process holds a Rust reference to it.
+            let buf = unsafe { std::slice::from_raw_parts_mut(buffer_ptr as *mut u8, size) };
+            match s.store.get_into(key, buf) {
+                Ok(n) => n as i64,
+                Err(e) => code(&e).into(),
+            }
+        })
+    }
+
+    /// Reads byte ranges of objects into registered buffers: for buffer `i` and its
+    /// key `j`, range `k` copies `all_sizes[i][j][k]` bytes from offset
+    /// `all_src_offsets[i][j][k]` of the object to offset `all_dst_offsets[i][j][k]` of
+    /// the buffer. Returns, in the same shape, the bytes copied or a negative code.
+    fn get_into_ranges(
+        &self,
+        py: Python<'_>,
+        buffer_ptrs: Vec<usize>,
+        all_keys: Vec<Vec<String>>,
+        all_dst_offsets: Vec<Vec<Vec<usize>>>,
+        all_src_offsets: Vec<Vec<Vec<usize>>>,
+        all_sizes: Vec<Vec<Vec<usize>>>,
+    ) -> Vec<Vec<Vec<i64>>> {
+        // The answer has the shape of the keys and destination offsets, also when the
+        // other lists do not match them.
+        let mut results: Vec<Vec<Vec<i64>>> = all_keys
+            .iter()
+            .enumerate()
+            .map(|(i, keys)| {
+                (0..keys.len())
+                    .map(|j| {
+                        let n = all_dst_offsets.get(i).and_then(|d| d.get(j)).map_or(0, Vec::len);
+                        vec![i64::from(INVALID_PARAMS); n]
+                    })
+                    .collect()
+            })
+            .collect();
+        let Some(s) = self.session() else { return results };
+        let n = buffer_ptrs.len();
+        if ![all_keys.len(), all_dst_offsets.len(), all_src_offsets.len(), all_sizes.len()].iter().all(|&l| l == n) {
+            return results;
+        }
+        let capacities: Vec<Option<usize>> = buffer_ptrs.iter().map(|&p| self.buffers.capacity(p)).collect();
+        py.detach(|| {
+            let mut unique: Vec<&str> = all_keys.iter().flatten().map(String::as_str).collect();
+            unique.sort_unstable();
+            unique.dedup();
+            // TODO(embedding-api): use Store::batch_get_into_parts to read each range
+            // straight into its destination.
+            let objects = s.store.batch_get(&unique);
+            for (i, keys) in all_keys.iter().enumerate() {
+                for (j, key) in keys.iter().enumerate() {
+                    let (dst, src, len) = (all_dst_offsets[i].get(j), all_src_offsets[i].get(j), all_sizes[i].get(j));
+                    let (Some(dst), Some(src), Some(len)) = (dst, src, len) else { continue };
+                    if src.len() != dst.len() || len.len() != dst.len() {
+                        continue;
+                    }
+                    let pos = unique.binary_search(&key.as_str()).expect("every key was collected");
+                    let object = match &objects[pos] {
+                        Ok(o) => o,
+                        Err(e) => {
+                            results[i][j].iter_mut().for_each(|r| *r = code(e).into());
+                            continue;
+                        }
+                    };
+                    for k in 0..dst.len() {
+                        let (d, sr, l) = (dst[k], src[k], len[k]);
+                        let fits_src = sr.checked_add(l).is_some_and(|end| end <= object.len());
+                        let fits_dst = capacities[i].is_some_and(|cap| d.checked_add(l).is_some_and(|end| end <= cap));
+                        if l == 0 || !fits_src || !fits_dst {
+                            continue;
+                        }
+                        // SAFETY: `[ptr + d, ptr + d + l)` lies inside the registered
+                        // region that contains `ptr` (checked against its capacity).
+                        unsafe { copy_out(&object[sr..sr + l], buffer_ptrs[i] + d) };
+                        results[i][j][k] = l as i64;
+                    }
+                }
+            }
+        });
+        results
+    }
+
+    /// Stores the `sizes[i]` bytes at `buffer_ptrs[i]` under `keys[i]`, in one batch
+    /// and without copies. One code per key.
+    #[pyo3(signature = (keys, buffer_ptrs, sizes, config = None))]
+    fn batch_put_from(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+        buffer_ptrs: Vec<usize>,
+        sizes: Vec<usize>,
+        config: Option<PyRef<'_, ReplicateConfig>>,
+    ) -> Vec<i32> {
+        let n = keys.len();
+        let Some(s) = self.session() else { return vec![INVALID_PARAMS; n] };
+        if !Self::same_len(n, buffer_ptrs.len(), sizes.len()) {
+            return vec![INVALID_PARAMS; n];
+        }
+        let cfg = match resolve(config) {
+            Ok(c) => c,
+            Err(c) => return vec![c; n],
+        };
+        let mut results = vec![0; n];
+        let mut valid = Vec::with_capacity(n);
+        for i in 0..n {
+            match self.buffers.check(buffer_ptrs[i], sizes[i]) {
+                Ok(()) => valid.push(i),
+                Err(c) => results[i] = c,
+            }
+        }
+        py.detach(|| {
+            let keys: Vec<String> = valid.iter().map(|&i| keys[i].clone()).collect();
+            let values: Vec<&[u8]> = valid
+                .iter()
+                // SAFETY: each range was checked against a registered region.
+                .map(|&i| unsafe { std::slice::from_raw_parts(buffer_ptrs[i] as *const u8, sizes[i]) })
+                .collect();
+            for (&i, c) in valid.iter().zip(Self::put_many(&s.store, &keys, &values, &cfg)) {
+                results[i] = c;
+            }
+        });
+        results
+    }
+
+    /// Reads `keys[i]` into the registered memory at `buffer_ptrs[i]` (room:
+    /// `sizes[i]`). One result per key: the object's length or a negative code.
+    fn batch_get_into(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+        buffer_ptrs: Vec<usize>,
+        sizes: Vec<usize>,
+    ) -> Vec<i64> {
+        let n = keys.len();
+        let bad = vec![i64::from(INVALID_PARAMS); n];
+        let Some(s) = self.session() else { return bad };
+        if !Self::same_len(n, buffer_ptrs.len(), sizes.len()) {
+            return bad;
+        }
+        let checks: Vec<Result<(), i32>> = (0..n).map(|i| self.buffers.check(buffer_ptrs[i], sizes[i])).collect();
+        py.detach(|| {
+            let wanted: Vec<&str> = (0..n).filter(|&i| checks[i].is_ok()).map(|i| keys[i].as_str()).collect();
+            // TODO(embedding-api): use Store::batch_get_into, which reads straight into
+            // the destinations instead of through engine-owned buffers.
+            let mut found = s.store.batch_get(&wanted).into_iter();
+            (0..n)
+                .map(|i| {
+                    if let Err(c) = checks[i] {
+                        return c.into();
+                    }
+                    match found.next().expect("one answer per key asked") {
+                        Ok(data) if data.len() <= sizes[i] => {
+                            // SAFETY: the destination was checked against a registered
+                            // region of at least `sizes[i]` bytes.
+                            unsafe { copy_out(&data, buffer_ptrs[i]) };
+                            data.len() as i64
+                        }
+                        Ok(_) => INVALID_PARAMS.into(),
+                        Err(e) => code(&e).into(),
+                    }
+                })
+                .collect()
+        })
+    }
+
+    /// Stores, under `keys[i]`, the concatenation of the buffers `all_buffer_ptrs[i]`
+    /// (sizes `all_sizes[i]`), all registered. One code per key.
+    #[pyo3(signature = (keys, all_buffer_ptrs, all_sizes, config = None))]
+    fn batch_put_from_multi_buffers(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+        all_buffer_ptrs: Vec<Vec<usize>>,
+        all_sizes: Vec<Vec<usize>>,
+        config: Option<PyRef<'_, ReplicateConfig>>,
+    ) -> Vec<i32> {
+        let n = keys.len();
+        let Some(s) = self.session() else { return vec![INVALID_PARAMS; n] };
+        if !Self::same_len(n, all_buffer_ptrs.len(), all_sizes.len()) {
+            return vec![INVALID_PARAMS; n];
+        }
+        let cfg = match resolve(config) {
+            Ok(c) => c,
+            Err(c) => return vec![c; n],
+        };
+        let mut results = vec![0; n];
+        let mut valid = Vec::with_capacity(n);
+        for i in 0..n {
+            let (ptrs, sizes) = (&all_buffer_ptrs[i], &all_sizes[i]);
+            let ok = !ptrs.is_empty()
+                && ptrs.len() == sizes.len()
+                && ptrs.iter().zip(sizes).all(|(&p, &l)| self.buffers.check(p, l).is_ok());
+            if ok {
+                valid.push(i);
+            } else {
+                results[i] = INVALID_PARAMS;
+            }
+        }
+        py.detach(|| {
+            // TODO(embedding-api): use Store::batch_put_parts, which writes the parts
+            // without joining them first.
+            let joined: Vec<Vec<u8>> = valid
+                .iter()
+                .map(|&i| {
+                    let mut v = Vec::with_capacity(all_sizes[i].iter().sum());
+                    for (&p, &l) in all_buffer_ptrs[i].iter().zip(&all_sizes[i]) {
+                        // SAFETY: each part was checked against a registered region.
+                        v.extend_from_slice(unsafe { std::slice::from_raw_parts(p as *const u8, l) });
+                    }
+                    v
+                })
+                .collect();
+            let keys: Vec<String> = valid.iter().map(|&i| keys[i].clone()).collect();
+            let values: Vec<&[u8]> = joined.iter().map(Vec::as_slice).collect();
+            for (&i, c) in valid.iter().zip(Self::put_many(&s.store, &keys, &values, &cfg)) {
+                results[i] = c;
+            }
+        });
+        results
+    }
+
+    /// Reads `keys[i]` into the registered buffers `all_buffer_ptrs[i]` (sizes
+    /// `all_sizes[i]`), filling them in order. One result per key: the object's length
+    /// or a negative code (-600 if it does not fit in them).
+    #[pyo3(signature = (keys, all_buffer_ptrs, all_sizes, prefer_alloc_in_same_node = false))]
+    fn batch_get_into_multi_buffers(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+        all_buffer_ptrs: Vec<Vec<usize>>,
+        all_sizes: Vec<Vec<usize>>,
+        prefer_alloc_in_same_node: bool,
+    ) -> Vec<i64> {
+        // Reads already prefer a replica on this host when there is one.
+        let _ = prefer_alloc_in_same_node;
+        let n = keys.len();
+        let bad = vec![i64::from(INVALID_PARAMS); n];
+        let Some(s) = self.session() else { return bad };
+        if !Self::same_len(n, all_buffer_ptrs.len(), all_sizes.len()) {
+            return bad;
+        }
+        let ok: Vec<bool> = (0..n)
+            .map(|i| {
+                let (ptrs, sizes) = (&all_buffer_ptrs[i], &all_sizes[i]);
+                ptrs.len() == sizes.len() && ptrs.iter().zip(sizes).all(|(&p, &l)| self.buffers.check(p, l).is_ok())
+            })
+            .collect();
+        py.detach(|| {
+            let wanted: Vec<&str> = (0..n).filter(|&i| ok[i]).map(|i| keys[i].as_str()).collect();
+            // TODO(embedding-api): use Store::batch_get_into_parts, which scatters
+            // straight into the destinations.
+            let mut found = s.store.batch_get(&wanted).into_iter();
+            (0..n)
+                .map(|i| {
+                    if !ok[i] {
+                        return INVALID_PARAMS.into();
+                    }
+                    let data = match found.next().expect("one answer per key asked") {
+                        Ok(d) => d,
+                        Err(e) => return code(&e).into(),
+                    };
+                    if data.len() > all_sizes[i].iter().sum::<usize>() {
+                        return INVALID_PARAMS.into();
+                    }
+                    let mut rest: &[u8] = &data;
+                    for (&p, &l) in all_buffer_ptrs[i].iter().zip(&all_sizes[i]) {
+                        let (part, tail) = rest.split_at(l.min(rest.len()));
+                        // SAFETY: each destination was checked against a registered
+                        // region of at least `l >= part.len()` bytes.
+                        unsafe { copy_out(part, p) };
+                        rest = tail;
+                    }
+                    data.len() as i64
+                })
+                .collect()
+        })
+    }
+
+    /// 1 if a complete object is stored under `key`, 0 if not, or a negative code.
+    fn is_exist(&self, py: Python<'_>, key: &str) -> i32 {
+        let Some(s) = self.session() else { return INVALID_PARAMS };
+        py.detach(|| match s.store.exists(key) {
+            Ok(found) => i32::from(found),
+            Err(e) => code(&e),
+        })
+    }
+
+    /// `is_exist` for many keys with one master round trip: 1, 0 or a negative code each.
+    fn batch_is_exist(&self, py: Python<'_>, keys: Vec<String>) -> Vec<i32> {
+        let Some(s) = self.session() else { return vec![INVALID_PARAMS; keys.len()] };
+        py.detach(|| {
+            let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+            // TODO(embedding-api): use Store::batch_exists.
+            s.store
+                .master()
+                .batch_exists(&keys)
+                .iter()
+                .map(|r| match r {
+                    Ok(found) => i32::from(*found),
+                    Err(e) => code(e),
+                })
+                .collect()
+        })
+    }
+
+    /// The length of the object under `key`, or a negative code.
+    fn get_size(&self, py: Python<'_>, key: &str) -> i64 {
+        let Some(s) = self.session() else { return INVALID_PARAMS.into() };
+        py.detach(|| match s.store.master().object_info(key) {
+            Ok(info) => info.len as i64,
+            Err(e) => code(&e).into(),
+        })
+    }
+
+    /// Removes `key`. A reader's lease makes it fail with -706, unless `force`: then it
+    /// waits for the lease to run out. Returns 0 or a negative code.
+    #[pyo3(signature = (key, force = false))]
+    fn remove(&self, py: Python<'_>, key: &str, force: bool) -> i32 {
+        let Some(s) = self.session() else { return INVALID_PARAMS };
+        py.detach(|| Self::remove_one(&s.store, key, force))
+    }
+
+    /// Removes every key matching the regular expression (searched anywhere in the
+    /// key). Returns how many were removed, or a negative code (-600 for a bad
+    /// expression).
+    #[pyo3(signature = (regex_pattern, force = false))]
+    fn remove_by_regex(&self, py: Python<'_>, regex_pattern: &str, force: bool) -> i64 {
+        let Some(s) = self.session() else { return INVALID_PARAMS.into() };
+        let Ok(re) = regex::Regex::new(regex_pattern) else { return INVALID_PARAMS.into() };
+        py.detach(|| {
+            let keys = match s.store.master().list_keys(usize::MAX) {
+                Ok(k) => k,
+                Err(e) => return code(&e).into(),
+            };
+            let matching: Vec<&str> = keys.iter().map(String::as_str).filter(|k| re.is_match(k)).collect();
+            Self::remove_many(&s.store, &matching, force).iter().filter(|&&c| c == 0).count() as i64
+        })
+    }
+
+    /// Removes every object (with `force`, also those leased to readers, once their
+    /// leases run out). Returns how many were removed, or a negative code.
+    #[pyo3(signature = (force = false))]
+    fn remove_all(&self, py: Python<'_>, force: bool) -> i64 {
+        let Some(s) = self.session() else { return INVALID_PARAMS.into() };
+        py.detach(|| {
+            let deadline = Instant::now() + FORCE_DEADLINE;
+            let mut removed = 0;
+            loop {
+                match s.store.remove_all() {
+                    Ok(n) => removed += n as i64,
+                    Err(e) => return code(&e).into(),
+                }
+                if !force || Instant::now() >= deadline {
+                    return removed;
+                }
+                match s.store.master().list_keys(1) {
+                    Ok(left) if left.is_empty() => return removed,
+                    Ok(_) => std::thread::sleep(FORCE_POLL),
+                    Err(e) => return code(&e).into(),
+                }
+            }
+        })
+    }
+
+    /// Removes each key; one code per key (see `remove` for `force`).
+    #[pyo3(signature = (keys, force = false))]
+    fn batch_remove(&self, py: Python<'_>, keys: Vec<String>, force: bool) -> Vec<i32> {
+        let Some(s) = self.session() else { return vec![INVALID_PARAMS; keys.len()] };
+        py.detach(|| {
+            let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+            Self::remove_many(&s.store, &keys, force)
+        })
+    }
+}
