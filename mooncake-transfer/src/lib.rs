@@ -48,6 +48,7 @@ mod engine;
 mod error;
 mod frame;
 mod handshake;
+mod rdma;
 mod region;
 mod registry;
 mod transport;
@@ -60,6 +61,13 @@ pub use frame::{
     FRAME_VERSION, MAX_HANDSHAKE_BYTES, MAX_REQUEST_BYTES, REQUEST_HEADER_LEN, RESPONSE_HEADER_LEN,
 };
 pub use handshake::host_id;
+#[cfg(feature = "rdma")]
+pub use rdma::VerbsRdma;
+pub use rdma::{
+    rdma_device_present, Completion, CompletionStatus, MemoryRegion, PortInfo, ProtectionDomain, QpAddress, QpState,
+    QueuePair, RdmaConfig, RdmaHandshake, RdmaProvider, RdmaRegionInfo, RdmaTransport, RegionPiece, SoftFaults,
+    SoftPortConfig, SoftRdma, WorkOp, WorkRequest,
+};
 pub use region::{RegionId, RegisteredRegion, RemoteRegion};
 pub use transport::{
     LocalTransport, ShmTransport, TcpTransport, TransferOp, TransferRequest, TransferStats, Transport, TransportStats,
