@@ -613,3 +613,154 @@ fn serve(conn: TcpStream, nic: &Weak<SoftNic>) {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Two connected queue pairs on two software NICs, with a region each.
+    struct Pair {
+        _a: SoftRdma,
+        b: SoftRdma,
+        qa: Box<dyn QueuePair>,
+        _qb: Box<dyn QueuePair>,
+        pda: Arc<dyn ProtectionDomain>,
+        pdb: Arc<dyn ProtectionDomain>,
+    }
+
+    fn pair() -> Pair {
+        let (a, b) = (SoftRdma::new(1).unwrap(), SoftRdma::new(1).unwrap());
+        let (pda, pdb) = (a.open(0).unwrap(), b.open(0).unwrap());
+        let (mut qa, mut qb) = (pda.create_qp(16).unwrap(), pdb.create_qp(16).unwrap());
+        assert_eq!(qa.state(), QpState::Reset);
+        // Out of order transitions are refused.
+        assert!(qa.to_rts().is_err());
+        assert!(qa.to_rtr(&qb.address(), 4096).is_err());
+        qa.to_init().unwrap();
+        qb.to_init().unwrap();
+        assert!(qa.to_rtr(&qb.address(), 1000).is_err(), "not an MTU");
+        let (ra, rb) = (qa.address(), qb.address());
+        qb.to_rtr(&ra, 4096).unwrap();
+        qb.to_rts().unwrap();
+        // Posting before RTS is an error.
+        // SAFETY: nothing is posted (empty batch); the call only checks the state.
+        assert!(unsafe { qa.post(&[]) }.is_err());
+        qa.to_rtr(&rb, 4096).unwrap();
+        qa.to_rts().unwrap();
+        assert_eq!((qa.state(), qa.path_mtu()), (QpState::Rts, 4096));
+        Pair { _a: a, b, qa, _qb: qb, pda, pdb }
+    }
+
+    fn wait_all(qp: &mut dyn QueuePair, n: usize) -> Vec<Completion> {
+        let mut out = Vec::new();
+        let until = std::time::Instant::now() + Duration::from_secs(5);
+        while out.len() < n && std::time::Instant::now() < until {
+            qp.poll(&mut out, Duration::from_millis(50)).unwrap();
+        }
+        out
+    }
+
+    #[test]
+    fn soft_seam_one_sided_reads_and_writes_with_keys_bounds_and_errors() {
+        let mut p = pair();
+        let mut local = vec![0u8; 8192];
+        let mut remote = vec![0u8; 4096];
+        // SAFETY: both vectors outlive their registrations (deregistered below).
+        let lmr = unsafe { p.pda.register(local.as_mut_ptr(), 8192, false) }.unwrap();
+        // SAFETY: as above.
+        let rmr = unsafe { p.pdb.register(remote.as_mut_ptr(), 4096, true) }.unwrap();
+        assert_eq!(lmr.rkey, 0, "local-only regions have no remote key");
+        local[..5].copy_from_slice(b"hello");
+        let wr = |wr_id, op, local_off: u64, remote_off: u64, len, rkey| WorkRequest {
+            wr_id,
+            op,
+            local_addr: lmr.addr + local_off,
+            len,
+            lkey: lmr.lkey,
+            remote_addr: rmr.addr + remote_off,
+            rkey,
+        };
+        // One doorbell: a write then a read of the same bytes, completed in order.
+        let batch = [wr(1, WorkOp::Write, 0, 100, 5, rmr.rkey), wr(2, WorkOp::Read, 4096, 100, 5, rmr.rkey)];
+        // SAFETY: `local` lives until the completions are polled below.
+        unsafe { p.qa.post(&batch) }.unwrap();
+        let done = wait_all(p.qa.as_mut(), 2);
+        assert_eq!(done.iter().map(|c| (c.wr_id, c.status)).collect::<Vec<_>>(), [
+            (1, CompletionStatus::Success),
+            (2, CompletionStatus::Success)
+        ]);
+        assert_eq!(&remote[100..105], b"hello");
+        assert_eq!(&local[4096..4101], b"hello");
+        // Out of the remote region: a remote access error, and the QP is in error.
+        // SAFETY: as above.
+        unsafe { p.qa.post(&[wr(3, WorkOp::Read, 0, 4090, 16, rmr.rkey)]) }.unwrap();
+        assert_eq!(wait_all(p.qa.as_mut(), 1)[0].status, CompletionStatus::RemoteAccess);
+        let until = std::time::Instant::now() + Duration::from_secs(5);
+        while p.qa.state() != QpState::Error && std::time::Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(p.qa.state(), QpState::Error);
+        // SAFETY: as above.
+        unsafe { p.qa.post(&[wr(4, WorkOp::Read, 0, 0, 1, rmr.rkey)]) }.unwrap();
+        assert_eq!(wait_all(p.qa.as_mut(), 1)[0].status, CompletionStatus::Flushed);
+        p.pda.deregister(&lmr);
+        p.pdb.deregister(&rmr);
+    }
+
+    #[test]
+    fn soft_seam_bad_rkeys_local_protection_and_peer_death() {
+        let mut p = pair();
+        let mut local = vec![0u8; 4096];
+        let mut remote = vec![0u8; 4096];
+        // SAFETY: both vectors outlive their registrations.
+        let lmr = unsafe { p.pda.register(local.as_mut_ptr(), 4096, false) }.unwrap();
+        // SAFETY: as above.
+        let rmr = unsafe { p.pdb.register(remote.as_mut_ptr(), 4096, true) }.unwrap();
+        let wr = WorkRequest {
+            wr_id: 1,
+            op: WorkOp::Write,
+            local_addr: lmr.addr,
+            len: 8,
+            lkey: lmr.lkey,
+            remote_addr: rmr.addr,
+            rkey: rmr.rkey ^ 0x40,
+        };
+        // SAFETY: `local` outlives the completion.
+        unsafe { p.qa.post(&[wr]) }.unwrap();
+        assert_eq!(wait_all(p.qa.as_mut(), 1)[0].status, CompletionStatus::RemoteAccess, "bad rkey");
+
+        let mut p = pair();
+        // SAFETY: as above.
+        let lmr = unsafe { p.pda.register(local.as_mut_ptr(), 4096, false) }.unwrap();
+        // SAFETY: as above.
+        let rmr = unsafe { p.pdb.register(remote.as_mut_ptr(), 4096, true) }.unwrap();
+        let outside = WorkRequest { lkey: lmr.lkey, local_addr: lmr.addr + 4090, rkey: rmr.rkey, ..wr };
+        // SAFETY: the request is refused before any memory is touched.
+        unsafe { p.qa.post(&[outside]) }.unwrap();
+        assert_eq!(wait_all(p.qa.as_mut(), 1)[0].status, CompletionStatus::LocalProtection);
+        assert_eq!(p.qa.state(), QpState::Error);
+
+        let mut p = pair();
+        // SAFETY: as above.
+        let lmr = unsafe { p.pda.register(local.as_mut_ptr(), 4096, false) }.unwrap();
+        // SAFETY: as above.
+        let rmr = unsafe { p.pdb.register(remote.as_mut_ptr(), 4096, true) }.unwrap();
+        p.b.faults().kill();
+        let good = WorkRequest { lkey: lmr.lkey, local_addr: lmr.addr, rkey: rmr.rkey, ..wr };
+        // SAFETY: as above.
+        unsafe { p.qa.post(&[good]) }.unwrap();
+        assert_eq!(wait_all(p.qa.as_mut(), 1)[0].status, CompletionStatus::RetryExceeded, "dead peer");
+        // A deregistered key is refused.
+        p.b.faults().revive();
+        let mut p2 = pair();
+        // SAFETY: as above.
+        let lmr = unsafe { p2.pda.register(local.as_mut_ptr(), 4096, false) }.unwrap();
+        // SAFETY: as above.
+        let rmr = unsafe { p2.pdb.register(remote.as_mut_ptr(), 4096, true) }.unwrap();
+        p2.pdb.deregister(&rmr);
+        let stale = WorkRequest { lkey: lmr.lkey, local_addr: lmr.addr, rkey: rmr.rkey, ..wr };
+        // SAFETY: as above.
+        unsafe { p2.qa.post(&[stale]) }.unwrap();
+        assert_eq!(wait_all(p2.qa.as_mut(), 1)[0].status, CompletionStatus::RemoteAccess, "deregistered");
+    }
+}

@@ -41,8 +41,8 @@ enum Peer {
     Linked(Arc<Link>),
     /// Its RDMA setup failed (no device, refused, older peer): TCP serves it.
     Tcp,
-    /// It could not be reached: not tried again before `until`.
-    Down { until: Instant, failures: u32 },
+    /// It could not be reached, or its link broke: not tried again before `until`.
+    Down { until: Instant },
 }
 
 /// A piece of a request moved by one work request.
@@ -75,6 +75,9 @@ pub struct RdmaTransport {
     tcp: TcpTransport,
     config: RdmaConfig,
     peers: Mutex<HashMap<String, Peer>>,
+    /// Consecutive failures per peer (a link that broke, a connection refused):
+    /// each doubles the cooldown before the next connection attempt.
+    strikes: Mutex<HashMap<String, u32>>,
     cache: RegistrationCache,
     nic_bytes: Vec<AtomicU64>,
     next_qp: AtomicUsize,
@@ -110,6 +113,7 @@ impl RdmaTransport {
             tcp,
             config,
             peers: Mutex::new(HashMap::new()),
+            strikes: Mutex::new(HashMap::new()),
             cache,
             nic_bytes,
             next_qp: AtomicUsize::new(0),
@@ -160,25 +164,25 @@ impl RdmaTransport {
 
     /// The link to `endpoint`: `None` if it is served over TCP.
     fn link(&self, endpoint: &str) -> Result<Option<Arc<Link>>> {
-        let failures = match self.peers.lock().get(endpoint) {
+        match self.peers.lock().get_mut(endpoint) {
             Some(Peer::Linked(link)) => return Ok(Some(link.clone())),
             Some(Peer::Tcp) => return Ok(None),
-            Some(Peer::Down { until, failures }) => {
-                if Instant::now() < *until {
-                    return Err(TransferError::Unreachable(format!("{endpoint}: down, not retried yet")));
+            Some(Peer::Down { until }) => {
+                let now = Instant::now();
+                if now < *until {
+                    return Err(TransferError::Unreachable(format!("{endpoint}: link down, not retried yet")));
                 }
-                *failures
+                // This thread reconnects; the others keep failing fast meanwhile.
+                *until = now + self.config.deadline;
             }
-            None => 0,
-        };
+            None => {}
+        }
         let peer = match self.connect(endpoint) {
             Ok(Some(link)) => Peer::Linked(Arc::new(link)),
             Ok(None) => Peer::Tcp,
             Err(e @ (TransferError::Auth(_) | TransferError::UnknownEndpoint(_))) => return Err(e),
             Err(e) => {
-                let cooldown = (self.config.backoff * 2u32.saturating_pow(failures)).min(MAX_COOLDOWN);
-                let until = Instant::now() + cooldown;
-                self.peers.lock().insert(endpoint.to_owned(), Peer::Down { until, failures: failures + 1 });
+                self.strike(endpoint);
                 return Err(e);
             }
         };
@@ -194,12 +198,26 @@ impl RdmaTransport {
         })
     }
 
-    /// Forgets `link` (broken): the next request connects again.
+    /// Forgets `link` (broken): a request after the cooldown connects again.
     fn drop_link(&self, endpoint: &str, link: &Arc<Link>) {
-        let mut peers = self.peers.lock();
-        if matches!(peers.get(endpoint), Some(Peer::Linked(l)) if Arc::ptr_eq(l, link)) {
-            peers.remove(endpoint);
+        let current = matches!(self.peers.lock().get(endpoint), Some(Peer::Linked(l)) if Arc::ptr_eq(l, link));
+        if current {
+            self.strike(endpoint);
         }
+    }
+
+    /// One more failure of `endpoint`: no connection attempt before a cooldown
+    /// that doubles with each consecutive failure (capped), so that the requests
+    /// of every thread to a dead peer do not each reconnect.
+    fn strike(&self, endpoint: &str) {
+        let strikes = {
+            let mut all = self.strikes.lock();
+            let n = all.entry(endpoint.to_owned()).or_insert(0);
+            *n = n.saturating_add(1);
+            *n
+        };
+        let cooldown = (self.config.backoff * 2u32.saturating_pow(strikes - 1)).min(MAX_COOLDOWN);
+        self.peers.lock().insert(endpoint.to_owned(), Peer::Down { until: Instant::now() + cooldown });
     }
 
     /// Sets up a pool of queue pairs with the peer: `Ok(None)` if the peer is
@@ -411,9 +429,12 @@ impl RdmaTransport {
                 while got.len() < batch.len() {
                     let now = Instant::now();
                     if now >= deadline {
-                        // Stop the queue pair before giving the buffers back.
+                        // Stop the queue pair before giving the buffers back; what
+                        // completed before stays done, the rest timed out.
                         lq.qp.to_error();
-                        let _ = lq.qp.poll(&mut got, Duration::ZERO);
+                        let mut last = Vec::new();
+                        let _ = lq.qp.poll(&mut last, Duration::ZERO);
+                        got.extend(last.into_iter().filter(|c| c.status == CompletionStatus::Success));
                         break;
                     }
                     let wait = (deadline - now).min(Duration::from_millis(50));
@@ -550,12 +571,28 @@ impl RdmaTransport {
                             Err(Failure::Broken(e)) => retry.push((i, e)),
                         }
                     }
-                    if !retry.is_empty() {
+                    if results.iter().any(|r| matches!(r, Err(TransferError::TimedOut(_)))) {
+                        // Its queue pairs were stopped: the next request links anew.
+                        let mut peers = self.peers.lock();
+                        if matches!(peers.get(endpoint), Some(Peer::Linked(l)) if Arc::ptr_eq(l, &link)) {
+                            peers.remove(endpoint);
+                        }
+                    }
+                    if retry.is_empty() {
+                        self.strikes.lock().remove(endpoint);
+                    } else {
                         self.drop_link(endpoint, &link);
                     }
                     retry
                 }
-                Err(e) => pending.iter().map(|&i| (i, e.clone())).collect(),
+                Err(e) => {
+                    // The peer cannot be linked now (its failure is counted and
+                    // cools down): fail at once instead of waiting on it.
+                    for &i in &pending {
+                        results[i] = Err(e.clone());
+                    }
+                    Vec::new()
+                }
             };
             tries += 1;
             let wait = self.config.backoff * 2u32.saturating_pow(tries - 1);
