@@ -105,9 +105,7 @@ impl TransferEngineBuilder {
     /// by in-process peers.
     pub fn build(self) -> Result<TransferEngine> {
         let nics = match &self.rdma {
-            Some((provider, _)) => Some(Arc::new(
-                crate::rdma::open_nics(provider.as_ref())?,
-            )),
+            Some((provider, _)) => Some(Arc::new(crate::rdma::open_nics(provider.as_ref())?)),
             None => None,
         };
         let mut transports = self.transports;

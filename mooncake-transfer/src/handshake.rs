@@ -63,8 +63,7 @@ pub(crate) trait ControlChannel {
 
     /// As [`control`](Self::control), with a request payload (at most
     /// [`MAX_HANDSHAKE_BYTES`](crate::frame::MAX_HANDSHAKE_BYTES)).
-    fn control_with(&self, endpoint: &str, op: FrameOp, region: u64, payload: &[u8])
-        -> Result<(FrameStatus, Vec<u8>)>;
+    fn control_with(&self, endpoint: &str, op: FrameOp, region: u64, payload: &[u8]) -> Result<(FrameStatus, Vec<u8>)>;
 }
 
 /// Answers the control requests a listener does not answer itself (the RDMA
@@ -116,7 +115,13 @@ mod tests {
     struct Scripted(Vec<(FrameOp, FrameStatus, Vec<u8>)>);
 
     impl ControlChannel for Scripted {
-        fn control_with(&self, _endpoint: &str, op: FrameOp, _region: u64, _payload: &[u8]) -> Result<(FrameStatus, Vec<u8>)> {
+        fn control_with(
+            &self,
+            _endpoint: &str,
+            op: FrameOp,
+            _region: u64,
+            _payload: &[u8],
+        ) -> Result<(FrameStatus, Vec<u8>)> {
             let (_, status, payload) = self.0.iter().find(|(o, _, _)| *o == op).expect("scripted op");
             Ok((*status, payload.clone()))
         }

@@ -22,8 +22,8 @@ use std::time::Duration;
 
 pub use handshake::{RdmaHandshake, RdmaRegionInfo, RegionPiece};
 pub(crate) use server::RdmaResponder;
-pub(crate) use transport::open_nics;
 pub use soft::{SoftFaults, SoftPortConfig, SoftRdma};
+pub(crate) use transport::open_nics;
 pub use transport::RdmaTransport;
 #[cfg(feature = "rdma")]
 pub use verbs::VerbsRdma;

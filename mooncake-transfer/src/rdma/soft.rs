@@ -345,18 +345,19 @@ impl SoftQp {
             return Err(std::io::ErrorKind::ConnectionRefused.into());
         }
         let (shared, reader) = (self.shared.clone(), s.try_clone()?);
-        self.receiver = Some(
-            std::thread::Builder::new().name("mooncake-soft-cq".into()).spawn(move || receive(reader, &shared))?,
-        );
+        self.receiver =
+            Some(std::thread::Builder::new().name("mooncake-soft-cq".into()).spawn(move || receive(reader, &shared))?);
         self.stream = Some(s);
         Ok(())
     }
 
     /// Whether `wr`'s local range lies in a local memory region of this protection domain.
     fn local_ok(&self, wr: &WorkRequest) -> bool {
-        self.nic.mrs.read().get(&wr.lkey).is_some_and(|mr| {
-            !mr.remote && mr.pd == self.shared.pd && mr.covers(wr.local_addr, u64::from(wr.len))
-        })
+        self.nic
+            .mrs
+            .read()
+            .get(&wr.lkey)
+            .is_some_and(|mr| !mr.remote && mr.pd == self.shared.pd && mr.covers(wr.local_addr, u64::from(wr.len)))
     }
 }
 
@@ -503,7 +504,8 @@ impl QueuePair for SoftQp {
         }
         if accepted < batch.len() {
             // A local protection error puts the queue pair in error, like a NIC.
-            self.shared.complete(Completion { wr_id: batch[accepted].wr_id, status: CompletionStatus::LocalProtection });
+            self.shared
+                .complete(Completion { wr_id: batch[accepted].wr_id, status: CompletionStatus::LocalProtection });
             self.to_error();
             for wr in &batch[accepted + 1..] {
                 self.shared.complete(Completion { wr_id: wr.wr_id, status: CompletionStatus::Flushed });
@@ -685,10 +687,10 @@ mod tests {
         // SAFETY: `local` lives until the completions are polled below.
         unsafe { p.qa.post(&batch) }.unwrap();
         let done = wait_all(p.qa.as_mut(), 2);
-        assert_eq!(done.iter().map(|c| (c.wr_id, c.status)).collect::<Vec<_>>(), [
-            (1, CompletionStatus::Success),
-            (2, CompletionStatus::Success)
-        ]);
+        assert_eq!(
+            done.iter().map(|c| (c.wr_id, c.status)).collect::<Vec<_>>(),
+            [(1, CompletionStatus::Success), (2, CompletionStatus::Success)]
+        );
         assert_eq!(&remote[100..105], b"hello");
         assert_eq!(&local[4096..4101], b"hello");
         // Out of the remote region: a remote access error, and the QP is in error.

@@ -42,7 +42,9 @@ enum Peer {
     /// Its RDMA setup failed (no device, refused, older peer): TCP serves it.
     Tcp,
     /// It could not be reached, or its link broke: not tried again before `until`.
-    Down { until: Instant },
+    Down {
+        until: Instant,
+    },
 }
 
 /// A piece of a request moved by one work request.
@@ -236,18 +238,18 @@ impl RdmaTransport {
             offer.push(addr);
             qps.push((qp, nic));
         }
-        let answer = match self.tcp.control_with(endpoint, FrameOp::RdmaConnect, 0, &RdmaHandshake { qps: offer }.encode())
-        {
-            Ok((FrameStatus::Ok, payload)) => RdmaHandshake::decode(&payload).ok(),
-            Ok(_) => None,
-            // An older peer closes the connection on the unknown request.
-            Err(TransferError::Protocol(_)) => None,
-            Err(TransferError::Io(e)) if self.tcp.control(endpoint, FrameOp::Hello, 0).is_ok() => {
-                tracing::info!(endpoint, error = %e, "peer closed the RDMA handshake: TCP serves it");
-                None
-            }
-            Err(e) => return Err(e),
-        };
+        let answer =
+            match self.tcp.control_with(endpoint, FrameOp::RdmaConnect, 0, &RdmaHandshake { qps: offer }.encode()) {
+                Ok((FrameStatus::Ok, payload)) => RdmaHandshake::decode(&payload).ok(),
+                Ok(_) => None,
+                // An older peer closes the connection on the unknown request.
+                Err(TransferError::Protocol(_)) => None,
+                Err(TransferError::Io(e)) if self.tcp.control(endpoint, FrameOp::Hello, 0).is_ok() => {
+                    tracing::info!(endpoint, error = %e, "peer closed the RDMA handshake: TCP serves it");
+                    None
+                }
+                Err(e) => return Err(e),
+            };
         let Some(answer) = answer.filter(|a| a.qps.len() == qps.len()) else {
             tracing::info!(endpoint, "peer has no RDMA link to offer: TCP serves it");
             return Ok(None);
@@ -273,9 +275,10 @@ impl RdmaTransport {
             return Ok(info.clone());
         }
         let info = match self.tcp.control(endpoint, FrameOp::RdmaRegion, region)? {
-            (FrameStatus::Ok, p) => Arc::new(RdmaRegionInfo::decode(&p).map_err(|e| {
-                TransferError::Protocol(format!("RDMA region info of {endpoint}: {e}"))
-            })?),
+            (FrameStatus::Ok, p) => Arc::new(
+                RdmaRegionInfo::decode(&p)
+                    .map_err(|e| TransferError::Protocol(format!("RDMA region info of {endpoint}: {e}")))?,
+            ),
             (FrameStatus::UnknownRegion, _) => {
                 return Err(TransferError::UnknownRegion { endpoint: endpoint.to_owned(), region })
             }
@@ -359,7 +362,8 @@ impl RdmaTransport {
             while pos < len {
                 let remote_off = req.offset + pos;
                 let rp = info.pieces.partition_point(|p| p.offset + p.len <= remote_off);
-                let (Some(rpiece), Some((lpiece, local_left))) = (info.pieces.get(rp), local.piece_at(ptr + pos)) else {
+                let (Some(rpiece), Some((lpiece, local_left))) = (info.pieces.get(rp), local.piece_at(ptr + pos))
+                else {
                     failed.push((i, Failure::Final(TransferError::Protocol("region pieces do not cover".into()))));
                     break;
                 };
@@ -548,7 +552,10 @@ impl RdmaTransport {
                         .iter()
                         .map(|&i| {
                             let target = batch[i].target;
-                            std::mem::replace(&mut batch[i], TransferRequest { target, offset: 0, op: TransferOp::Write(&[]) })
+                            std::mem::replace(
+                                &mut batch[i],
+                                TransferRequest { target, offset: 0, op: TransferOp::Write(&[]) },
+                            )
                         })
                         .collect();
                     let out = self.tcp.transfer(&mut moved);
@@ -670,7 +677,10 @@ impl Transport for RdmaTransport {
                 .iter()
                 .map(|&i| {
                     let target = requests[i].target;
-                    std::mem::replace(&mut requests[i], TransferRequest { target, offset: 0, op: TransferOp::Write(&[]) })
+                    std::mem::replace(
+                        &mut requests[i],
+                        TransferRequest { target, offset: 0, op: TransferOp::Write(&[]) },
+                    )
                 })
                 .collect();
             let out = self.to_peer(&endpoint, &mut batch);
