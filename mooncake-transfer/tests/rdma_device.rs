@@ -18,11 +18,8 @@ fn a_real_device_moves_exact_bytes_between_two_engines() {
     }
     let verbs = Arc::new(VerbsRdma::open().expect("a device is listed in /sys/class/infiniband"));
     println!("running on the {} implementation: ports {:?}", verbs.implementation(), verbs.ports());
-    let srv = TransferEngine::builder()
-        .tcp_listen("127.0.0.1:0")
-        .rdma(verbs.clone(), RdmaConfig::default())
-        .build()
-        .unwrap();
+    let srv =
+        TransferEngine::builder().tcp_listen("127.0.0.1:0").rdma(verbs.clone(), RdmaConfig::default()).build().unwrap();
     let rdma = Arc::new(RdmaTransport::new(verbs.as_ref(), RdmaConfig::default()).unwrap());
     let cli = TransferEngine::builder().transport(rdma.clone()).build().unwrap();
     let seg = srv.register_region(64 << 20).unwrap();
@@ -43,8 +40,5 @@ fn a_real_device_moves_exact_bytes_between_two_engines() {
 #[cfg(not(feature = "rdma"))]
 #[test]
 fn a_real_device_moves_exact_bytes_between_two_engines() {
-    println!(
-        "skipped: built without the `rdma` feature (device present: {}); no RDMA result",
-        rdma_device_present()
-    );
+    println!("skipped: built without the `rdma` feature (device present: {}); no RDMA result", rdma_device_present());
 }

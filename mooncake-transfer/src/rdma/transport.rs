@@ -266,6 +266,13 @@ impl RdmaTransport {
             link_qps.push(Mutex::new(LinkQp { qp, local_nic: nic, remote_nic: remote.nic as usize }));
         }
         let local_nics = link_qps.iter().map(|q| q.lock().local_nic).collect();
+        tracing::info!(
+            endpoint,
+            queue_pairs = link_qps.len(),
+            path_mtu,
+            implementation = self.nics.implementation,
+            "RDMA link up"
+        );
         Ok(Some(Link { qps: link_qps, local_nics, regions: RwLock::new(HashMap::new()), path_mtu }))
     }
 
