@@ -8,7 +8,10 @@
 //!
 //! Transports in this crate: [`LocalTransport`] (same process, `memcpy`),
 //! [`ShmTransport`] (same host, other process: the peer's memfd is mapped and copied
-//! with `memcpy`) and [`TcpTransport`] (anywhere; pooled, pipelined, striped).
+//! with `memcpy`), [`TcpTransport`] (anywhere; pooled, pipelined, striped) and
+//! [`RdmaTransport`] (one-sided RDMA READ/WRITE through an [`RdmaProvider`]:
+//! [`SoftRdma`] software NICs, or, with the `rdma` feature, `VerbsRdma` on this
+//! host's devices through libibverbs loaded at run time).
 //!
 //! ```
 //! use mooncake_transfer::{TransferEngine, TransferRequest};

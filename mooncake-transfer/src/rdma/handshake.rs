@@ -159,9 +159,9 @@ impl RdmaRegionInfo {
         b
     }
 
-    /// Decodes and checks region info: magic, version, at least one NIC, pieces
-    /// that fit the bytes, are non-empty, contiguous from 0 and end at the region's
-    /// length, with addresses that do not wrap. Never panics.
+    /// Decodes and checks region info: magic, version, at least one NIC and one
+    /// piece, pieces that fit the bytes, are non-empty, contiguous from 0 and end at
+    /// the region's length, with addresses that do not wrap. Never panics.
     pub fn decode(b: &[u8]) -> Result<Self, FrameError> {
         if b.len() as u64 > MAX_HANDSHAKE_BYTES {
             return Err(FrameError::TooLong(b.len() as u64));
@@ -171,7 +171,8 @@ impl RdmaRegionInfo {
         let len = c.u64()?;
         let nics = c.u8()? as usize;
         let count = c.u16()? as usize;
-        if nics == 0 {
+        // A region has at least one byte, so at least one piece.
+        if nics == 0 || count == 0 {
             return Err(FrameError::Code(0));
         }
         if count * (24 + 4 * nics) != c.0.len() {

@@ -179,6 +179,18 @@ pub trait ProtectionDomain: Send + Sync {
     /// Without, it must be valid whenever a work request naming it is posted.
     unsafe fn register(&self, addr: *mut u8, len: u64, remote_access: bool) -> Result<MemoryRegion>;
 
+    /// Registers `len` bytes at `offset` of a dma-buf (device memory a GPU driver
+    /// exported, so that the NIC reads and writes it without host staging), for
+    /// local access and peers' READ/WRITE, addressed from `iova` on. Devices or
+    /// implementations without dma-buf support refuse (the default).
+    ///
+    /// # Safety
+    /// The dma-buf must stay allocated until [`deregister`](Self::deregister) returns.
+    unsafe fn register_dmabuf(&self, fd: i32, offset: u64, len: u64, iova: u64) -> Result<MemoryRegion> {
+        let _ = (fd, offset, len, iova);
+        Err(crate::TransferError::Registration(format!("{}: no dma-buf registration", self.port().device)))
+    }
+
     /// Deregisters a region: its keys are refused from now on.
     fn deregister(&self, mr: &MemoryRegion);
 

@@ -162,6 +162,7 @@ type QueryGid = unsafe extern "C" fn(*mut c_void, u8, c_int, *mut [u8; 16]) -> c
 type AllocPd = unsafe extern "C" fn(*mut c_void) -> *mut c_void;
 type Destroy = unsafe extern "C" fn(*mut c_void) -> c_int;
 type RegMr = unsafe extern "C" fn(*mut c_void, *mut c_void, usize, c_int) -> *mut c_void;
+type RegDmabufMr = unsafe extern "C" fn(*mut c_void, u64, usize, u64, c_int, c_int) -> *mut c_void;
 type CreateCq = unsafe extern "C" fn(*mut c_void, c_int, *mut c_void, *mut c_void, c_int) -> *mut c_void;
 type CreateQp = unsafe extern "C" fn(*mut c_void, *mut u8) -> *mut c_void;
 type ModifyQp = unsafe extern "C" fn(*mut c_void, *mut QpAttr, c_int) -> c_int;
@@ -182,6 +183,8 @@ struct Lib {
     alloc_pd: AllocPd,
     dealloc_pd: Destroy,
     reg_mr: RegMr,
+    /// `ibv_reg_dmabuf_mr` (rdma-core 34 and later), for GPU memory.
+    reg_dmabuf_mr: Option<RegDmabufMr>,
     dereg_mr: Destroy,
     create_cq: CreateCq,
     destroy_cq: Destroy,
@@ -219,6 +222,8 @@ impl Lib {
             alloc_pd: sym!("ibv_alloc_pd"),
             dealloc_pd: sym!("ibv_dealloc_pd"),
             reg_mr: sym!("ibv_reg_mr"),
+            // SAFETY: as `sym!`; absent from older libraries, hence optional.
+            reg_dmabuf_mr: unsafe { lib.get::<RegDmabufMr>(b"ibv_reg_dmabuf_mr\0") }.ok().map(|f| *f),
             dereg_mr: sym!("ibv_dereg_mr"),
             create_cq: sym!("ibv_create_cq"),
             destroy_cq: sym!("ibv_destroy_cq"),
@@ -468,6 +473,25 @@ impl ProtectionDomain for VerbsPd {
             unsafe { (*mr.cast::<u8>().add(MR_LKEY).cast::<u32>(), *mr.cast::<u8>().add(MR_RKEY).cast::<u32>()) };
         self.mrs.lock().insert(lkey, mr as usize);
         Ok(MemoryRegion { addr: addr as u64, len, lkey, rkey: if remote_access { rkey } else { 0 } })
+    }
+
+    unsafe fn register_dmabuf(&self, fd: i32, offset: u64, len: u64, iova: u64) -> Result<MemoryRegion> {
+        let Some(reg) = self.ctx.lib.reg_dmabuf_mr else {
+            return Err(TransferError::Registration("libibverbs has no ibv_reg_dmabuf_mr".into()));
+        };
+        // SAFETY: the caller keeps the dma-buf allocated as the trait requires.
+        let mr = unsafe { reg(self.pd, offset, len as usize, iova, fd, ACCESS_REMOTE) };
+        if mr.is_null() {
+            return Err(TransferError::Registration(format!(
+                "ibv_reg_dmabuf_mr of {len} bytes: {}",
+                std::io::Error::last_os_error()
+            )));
+        }
+        // SAFETY: `mr` points to a live `struct ibv_mr`; keys at their ABI offsets.
+        let (lkey, rkey) =
+            unsafe { (*mr.cast::<u8>().add(MR_LKEY).cast::<u32>(), *mr.cast::<u8>().add(MR_RKEY).cast::<u32>()) };
+        self.mrs.lock().insert(lkey, mr as usize);
+        Ok(MemoryRegion { addr: iova, len, lkey, rkey })
     }
 
     fn deregister(&self, mr: &MemoryRegion) {
