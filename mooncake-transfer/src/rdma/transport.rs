@@ -31,7 +31,9 @@ struct LinkQp {
 /// The queue pairs connected to one peer, and what it said about its regions.
 struct Link {
     qps: Vec<Mutex<LinkQp>>,
+    /// The local and the remote NIC of each queue pair (read without locking it).
     local_nics: Vec<usize>,
+    remote_nics: Vec<usize>,
     regions: RwLock<HashMap<u64, Arc<RdmaRegionInfo>>>,
     path_mtu: u32,
 }
@@ -266,6 +268,7 @@ impl RdmaTransport {
             link_qps.push(Mutex::new(LinkQp { qp, local_nic: nic, remote_nic: remote.nic as usize }));
         }
         let local_nics = link_qps.iter().map(|q| q.lock().local_nic).collect();
+        let remote_nics = link_qps.iter().map(|q| q.lock().remote_nic).collect();
         tracing::info!(
             endpoint,
             queue_pairs = link_qps.len(),
@@ -273,7 +276,7 @@ impl RdmaTransport {
             implementation = self.nics.implementation,
             "RDMA link up"
         );
-        Ok(Some(Link { qps: link_qps, local_nics, regions: RwLock::new(HashMap::new()), path_mtu }))
+        Ok(Some(Link { qps: link_qps, local_nics, remote_nics, regions: RwLock::new(HashMap::new()), path_mtu }))
     }
 
     /// What the peer said about `region` (asked once per link).
@@ -292,7 +295,7 @@ impl RdmaTransport {
             _ => return Err(TransferError::Protocol(format!("{endpoint} refused RDMA for region {region}"))),
         };
         let nics = info.pieces.first().map_or(0, |p| p.rkeys.len());
-        if link.qps.iter().any(|q| q.lock().remote_nic >= nics) {
+        if link.remote_nics.iter().any(|&n| n >= nics) {
             return Err(TransferError::Protocol(format!("{endpoint} named fewer NICs than it connected")));
         }
         link.regions.write().insert(region, info.clone());
@@ -384,7 +387,7 @@ impl RdmaTransport {
                 } else {
                     near[self.next_qp.fetch_add(1, Ordering::Relaxed) % near.len()]
                 };
-                let (local_nic, remote_nic) = (link.local_nics[qp], link.qps[qp].lock().remote_nic);
+                let (local_nic, remote_nic) = (link.local_nics[qp], link.remote_nics[qp]);
                 out.push(Chunk {
                     req: i,
                     qp,
