@@ -38,6 +38,8 @@ pub struct SoftFaults {
     delay_us: AtomicU64,
     qp_errors: AtomicU32,
     served: Mutex<Vec<TcpStream>>,
+    /// Posts that sent work (one write to the fabric each): the doorbells rung.
+    doorbells: AtomicU64,
 }
 
 impl SoftFaults {
@@ -229,6 +231,12 @@ impl SoftRdma {
     /// The faults injected into these NICs.
     pub fn faults(&self) -> &Arc<SoftFaults> {
         &self.faults
+    }
+
+    /// Doorbells rung so far on queue pairs of these NICs: one per post that sent
+    /// work, however many work requests it carried.
+    pub fn doorbells(&self) -> u64 {
+        self.faults.doorbells.load(Ordering::Relaxed)
     }
 }
 
@@ -495,6 +503,7 @@ impl QueuePair for SoftQp {
         } else if accepted > 0 {
             self.shared.outstanding.lock().extend(batch[..accepted].iter().copied());
             // One write of the whole batch: the doorbell.
+            self.nic.faults.doorbells.fetch_add(1, Ordering::Relaxed);
             let sent = self.stream.as_ref().map(|mut s| s.write_all(&frames));
             if !matches!(sent, Some(Ok(()))) {
                 if let Some(s) = &self.stream {
