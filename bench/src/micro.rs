@@ -41,11 +41,12 @@ pub(crate) struct Pool {
     _children: Vec<Child2>,
 }
 
-/// The client protocol of a transport name (`tcp`, `shm`).
+/// The client protocol of a transport name (`tcp`, `shm`, `rdma`).
 pub(crate) fn protocol(transport: &str) -> Result<Protocol, String> {
     match transport {
         "tcp" => Ok(Protocol::Tcp),
         "shm" => Ok(Protocol::Shm),
+        "rdma" => Ok(Protocol::Rdma),
         other => Err(format!("unknown transport {other}")),
     }
 }

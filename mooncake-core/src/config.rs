@@ -86,6 +86,29 @@ pub enum Protocol {
     Tcp,
     /// Shared memory to peers on the same host, TCP to the others.
     Shm,
+    /// One-sided RDMA to every peer that serves it, TCP to the others. Building a
+    /// store fails with a `NoDevice` transport error when this host has no RDMA
+    /// device (or the build lacks the `rdma` feature and no provider was given).
+    Rdma,
+    /// Shared memory on the same host, RDMA to peers when both ends have a
+    /// device, TCP otherwise.
+    Auto,
+}
+
+impl std::str::FromStr for Protocol {
+    type Err = String;
+
+    /// `local`, `tcp`, `shm`, `rdma` or `auto`.
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "local" => Ok(Self::Local),
+            "tcp" => Ok(Self::Tcp),
+            "shm" => Ok(Self::Shm),
+            "rdma" => Ok(Self::Rdma),
+            "auto" => Ok(Self::Auto),
+            other => Err(format!("unknown protocol {other} (local, tcp, shm, rdma, auto)")),
+        }
+    }
 }
 
 /// Settings of the master service.

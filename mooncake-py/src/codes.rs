@@ -42,7 +42,7 @@ pub fn code(e: &Error) -> i32 {
         Error::NotFound(_) => OBJECT_NOT_FOUND,
         Error::AlreadyExists(_) => OBJECT_ALREADY_EXISTS,
         Error::HasLease(_) => OBJECT_HAS_LEASE,
-        Error::NoSpace(_) => NO_AVAILABLE_HANDLE,
+        Error::NoSpace { .. } => NO_AVAILABLE_HANDLE,
         // The reference answers a too-small buffer with INVALID_PARAMS too.
         Error::BufferTooSmall { .. } | Error::InvalidArgument(_) => INVALID_PARAMS,
         Error::MasterUnavailable(_) => RPC_FAIL,

@@ -161,6 +161,7 @@ impl ReplicateConfig {
             replica_num: self.replica_num,
             preferred_segments: preferred,
             soft_pin: self.soft_pin_action == SoftPinAction::Enable,
+            ..Default::default()
         })
     }
 }

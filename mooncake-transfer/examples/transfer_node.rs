@@ -7,7 +7,8 @@
 //! Registers one region (memfd-backed, so same-host peers map it), fills it with a
 //! known pattern (byte `i` is `i % 251`), prints `endpoint=<host:port> region=<id>`
 //! on stdout, and serves until killed or until its stdin closes. `MOONCAKE_SECRET`
-//! in the environment makes the listener require that shared secret.
+//! in the environment makes the listener require that shared secret;
+//! `MOONCAKE_RDMA=soft` serves RDMA on two software NICs of the `SoftRdma` seam.
 
 use std::io::{Read, Write};
 
@@ -18,6 +19,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut builder = mooncake_transfer::TransferEngine::builder().tcp_listen(listen.as_str()).shared_memory(true);
     if let Ok(secret) = std::env::var("MOONCAKE_SECRET") {
         builder = builder.shared_secret(secret.as_bytes());
+    }
+    if std::env::var("MOONCAKE_RDMA").is_ok_and(|v| v == "soft") {
+        let nics = std::sync::Arc::new(mooncake_transfer::SoftRdma::new(2)?);
+        builder = builder.rdma(nics, mooncake_transfer::RdmaConfig::default());
     }
     let engine = builder.build()?;
     let region = engine.register_region(len)?;

@@ -5,7 +5,8 @@ use std::sync::Arc;
 
 use crate::auth::SharedSecret;
 use crate::error::{Result, TransferError};
-use crate::handshake::host_id;
+use crate::handshake::{host_id, ControlResponder};
+use crate::rdma::{RdmaConfig, RdmaProvider, RdmaResponder, RdmaTransport};
 use crate::region::{RegionId, RegisteredRegion, RemoteRegion};
 use crate::registry::{self, RegionRegistry};
 use crate::transport::{
@@ -27,6 +28,7 @@ pub struct TransferEngineBuilder {
     secret: Option<SharedSecret>,
     empty_secret: bool,
     insecure: bool,
+    rdma: Option<(Arc<dyn RdmaProvider>, RdmaConfig)>,
 }
 
 impl std::fmt::Debug for TransferEngineBuilder {
@@ -99,12 +101,26 @@ impl TransferEngineBuilder {
         self
     }
 
+    /// Reach and serve peers with one-sided RDMA on every port of `provider`: the
+    /// listener answers peers' RDMA handshakes, and (with the default transports)
+    /// the `Rdma` transport comes before `Tcp`, which serves the peers whose RDMA
+    /// setup fails. Building fails with [`TransferError::NoDevice`] if the
+    /// provider has no port.
+    pub fn rdma(mut self, provider: Arc<dyn RdmaProvider>, config: RdmaConfig) -> Self {
+        self.rdma = Some((provider, config));
+        self
+    }
+
     /// Builds the engine: binds the listener if asked, and makes the engine reachable
     /// by in-process peers.
     pub fn build(self) -> Result<TransferEngine> {
         if self.empty_secret {
             return Err(TransferError::Auth("the shared secret is empty".into()));
         }
+        let nics = match &self.rdma {
+            Some((provider, _)) => Some(Arc::new(crate::rdma::open_nics(provider.as_ref())?)),
+            None => None,
+        };
         let mut transports = self.transports;
         if transports.is_empty() {
             transports.push(Arc::new(LocalTransport));
@@ -115,6 +131,13 @@ impl TransferEngineBuilder {
                 };
                 if self.shared_memory {
                     transports.push(Arc::new(shm));
+                }
+                if let (Some(nics), Some((_, config))) = (&nics, &self.rdma) {
+                    let tcp = match &self.secret {
+                        Some(s) => TcpTransport::with_secret(s.clone()),
+                        None => TcpTransport::new(),
+                    };
+                    transports.push(Arc::new(RdmaTransport::on(nics.clone(), config.clone(), tcp)));
                 }
                 transports.push(Arc::new(tcp));
             }
@@ -149,6 +172,16 @@ impl TransferEngineBuilder {
         };
         let regions = Arc::new(RegionRegistry::new(endpoint, self.shared_memory));
         registry::publish(&regions);
+        let responder = nics.map(|nics| Arc::new(RdmaResponder::new(nics)));
+        if let Some(r) = &responder {
+            let weak = Arc::downgrade(r);
+            regions.on_unregister(Box::new(move |id| {
+                if let Some(r) = weak.upgrade() {
+                    r.forget_region(id);
+                }
+            }));
+        }
+        let responder = responder.map(|r| r as Arc<dyn ControlResponder>);
         let server = match listener {
             Some(l) => Some(TcpServer::start(
                 l,
@@ -156,6 +189,7 @@ impl TransferEngineBuilder {
                 host_id().to_owned(),
                 self.secret.clone(),
                 self.insecure,
+                responder,
             )?),
             None => None,
         };

@@ -43,6 +43,13 @@ pub enum TransferError {
     /// A region of zero bytes, or memory that could not be mapped.
     #[error("cannot register region: {0}")]
     Registration(String),
+    /// The request did not complete before its deadline; the link that carried it
+    /// was reset (nothing of it runs afterwards).
+    #[error("deadline exceeded: {0}")]
+    TimedOut(String),
+    /// A transport was asked for that needs a device this host lacks (RDMA).
+    #[error("no device: {0}")]
+    NoDevice(String),
 }
 
 /// Result alias of this crate.

@@ -31,6 +31,11 @@ pub enum FrameOp {
     ShmInfo = 3,
     /// Who are you (host identity), for choosing shared memory.
     Hello = 4,
+    /// Connect RDMA queue pairs: the `len` bytes that follow are the requester's
+    /// queue pair addresses; the answer is the server's (RDMA handshake).
+    RdmaConnect = 5,
+    /// How to reach `region` with one-sided RDMA: its memory regions and keys.
+    RdmaRegion = 6,
 }
 
 /// A request header.
@@ -146,12 +151,15 @@ impl RequestHeader {
             2 => FrameOp::Write,
             3 => FrameOp::ShmInfo,
             4 => FrameOp::Hello,
+            5 => FrameOp::RdmaConnect,
+            6 => FrameOp::RdmaRegion,
             c => return Err(FrameError::Code(c)),
         };
         let h = Self { op, request_id: u64_at(b, 8), region: u64_at(b, 16), offset: u64_at(b, 24), len: u64_at(b, 32) };
         let limit = match op {
             FrameOp::Read | FrameOp::Write => MAX_REQUEST_BYTES,
-            FrameOp::ShmInfo | FrameOp::Hello => 0,
+            FrameOp::RdmaConnect => MAX_HANDSHAKE_BYTES,
+            FrameOp::ShmInfo | FrameOp::Hello | FrameOp::RdmaRegion => 0,
         };
         if h.len > limit {
             return Err(FrameError::TooLong(h.len));

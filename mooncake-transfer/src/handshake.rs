@@ -57,7 +57,26 @@ impl ShmInfo {
 pub(crate) trait ControlChannel {
     /// Sends a `op` request about `region` to `endpoint`; the answer's status and
     /// payload.
-    fn control(&self, endpoint: &str, op: FrameOp, region: u64) -> Result<(FrameStatus, Vec<u8>)>;
+    fn control(&self, endpoint: &str, op: FrameOp, region: u64) -> Result<(FrameStatus, Vec<u8>)> {
+        self.control_with(endpoint, op, region, &[])
+    }
+
+    /// As [`control`](Self::control), with a request payload (at most
+    /// [`MAX_HANDSHAKE_BYTES`](crate::frame::MAX_HANDSHAKE_BYTES)).
+    fn control_with(&self, endpoint: &str, op: FrameOp, region: u64, payload: &[u8]) -> Result<(FrameStatus, Vec<u8>)>;
+}
+
+/// Answers the control requests a listener does not answer itself (the RDMA
+/// handshake), so that the TCP server needs no knowledge of RDMA.
+pub(crate) trait ControlResponder: Send + Sync {
+    /// The answer to `op` with the request's `payload`; `region` is the addressed
+    /// region when the request names one that is registered.
+    fn answer(
+        &self,
+        op: FrameOp,
+        region: Option<std::sync::Arc<crate::region::RegisteredRegion>>,
+        payload: &[u8],
+    ) -> std::result::Result<Vec<u8>, FrameStatus>;
 }
 
 /// The host identity the peer at `endpoint` reports.
@@ -96,7 +115,13 @@ mod tests {
     struct Scripted(Vec<(FrameOp, FrameStatus, Vec<u8>)>);
 
     impl ControlChannel for Scripted {
-        fn control(&self, _endpoint: &str, op: FrameOp, _region: u64) -> Result<(FrameStatus, Vec<u8>)> {
+        fn control_with(
+            &self,
+            _endpoint: &str,
+            op: FrameOp,
+            _region: u64,
+            _payload: &[u8],
+        ) -> Result<(FrameStatus, Vec<u8>)> {
             let (_, status, payload) = self.0.iter().find(|(o, _, _)| *o == op).expect("scripted op");
             Ok((*status, payload.clone()))
         }

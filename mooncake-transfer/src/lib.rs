@@ -8,7 +8,10 @@
 //!
 //! Transports in this crate: [`LocalTransport`] (same process, `memcpy`),
 //! [`ShmTransport`] (same host, other process: the peer's memfd is mapped and copied
-//! with `memcpy`) and [`TcpTransport`] (anywhere; pooled, pipelined, striped).
+//! with `memcpy`), [`TcpTransport`] (anywhere; pooled, pipelined, striped) and
+//! [`RdmaTransport`] (one-sided RDMA READ/WRITE through an [`RdmaProvider`]:
+//! [`SoftRdma`] software NICs, or, with the `rdma` feature, `VerbsRdma` on this
+//! host's devices through libibverbs loaded at run time).
 //!
 //! ```
 //! use mooncake_transfer::{TransferEngine, TransferRequest};
@@ -50,6 +53,7 @@ mod engine;
 mod error;
 mod frame;
 mod handshake;
+mod rdma;
 mod region;
 mod registry;
 mod transport;
@@ -65,6 +69,13 @@ pub use frame::{
     FRAME_VERSION, MAX_HANDSHAKE_BYTES, MAX_REQUEST_BYTES, REFUSE_MAGIC, REQUEST_HEADER_LEN, RESPONSE_HEADER_LEN,
 };
 pub use handshake::host_id;
+#[cfg(feature = "rdma")]
+pub use rdma::VerbsRdma;
+pub use rdma::{
+    rdma_device_present, Completion, CompletionStatus, MemoryRegion, PortInfo, ProtectionDomain, QpAddress, QpState,
+    QueuePair, RdmaConfig, RdmaHandshake, RdmaProvider, RdmaRegionInfo, RdmaTransport, RegionPiece, SoftFaults,
+    SoftPortConfig, SoftRdma, WorkOp, WorkRequest,
+};
 pub use region::{RegionId, RegisteredRegion, RemoteRegion};
 pub use transport::{
     LocalTransport, ShmTransport, TcpTransport, TransferOp, TransferRequest, TransferStats, Transport, TransportStats,

@@ -19,6 +19,18 @@ pub(crate) struct RegionRegistry {
     next_region: AtomicU64,
     /// Regions are memfds that same-host peers may map.
     shared: bool,
+    /// Told the id of every region the engine stops serving (the RDMA side
+    /// deregisters its memory regions).
+    on_unregister: RwLock<Vec<UnregisterHook>>,
+}
+
+/// A callback told the id of a region the engine stops serving.
+struct UnregisterHook(Box<dyn Fn(RegionId) + Send + Sync>);
+
+impl std::fmt::Debug for UnregisterHook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("UnregisterHook")
+    }
 }
 
 impl RegionRegistry {
@@ -34,6 +46,18 @@ impl RegionRegistry {
             // instead of reaching the wrong memory).
             next_region: AtomicU64::new(((rand::random::<u32>() as u64) << 24) | 1),
             shared,
+            on_unregister: RwLock::new(Vec::new()),
+        }
+    }
+
+    /// Calls `hook` with the id of every region unregistered from now on.
+    pub(crate) fn on_unregister(&self, hook: Box<dyn Fn(RegionId) + Send + Sync>) {
+        self.on_unregister.write().push(UnregisterHook(hook));
+    }
+
+    fn unregistered(&self, id: RegionId) {
+        for hook in self.on_unregister.read().iter() {
+            (hook.0)(id);
         }
     }
 
@@ -73,14 +97,17 @@ impl RegionRegistry {
         let removed = self.regions.write().remove(&id);
         if let Some(region) = &removed {
             region.revoke_sharing();
+            self.unregistered(id);
         }
         removed.is_some()
     }
 
     /// Forgets every region and revokes their sharing (the engine stops serving).
     pub(crate) fn clear(&self) {
-        for (_, region) in self.regions.write().drain() {
+        let drained: Vec<_> = self.regions.write().drain().collect();
+        for (id, region) in drained {
             region.revoke_sharing();
+            self.unregistered(id);
         }
     }
 }

@@ -8,17 +8,25 @@
 //! mooncake-client get  --master ADDR KEY OUTFILE
 //! mooncake-client rm|stat --master ADDR KEY ;  mooncake-client ls --master ADDR [--json]
 //! ```
+//! `--protocol auto|tcp|shm|rdma` (any command) picks how segments are reached
+//! (default `auto`: shared memory on this host, RDMA where both ends have a
+//! device, else TCP; `rdma` without a device is an error).
 //! Set `MOONCAKE_SECRET` to prove a shared secret to the master and the nodes.
 //! Without it a node serves loopback peers only, unless started `serve --insecure`.
+//! `MOONCAKE_SOFT_RDMA=N` replaces the RDMA devices by N software NICs that reach
+//! peers over loopback (for testing the RDMA path on one host; not RDMA).
 //! One-shot commands exit 0 on success and 1 with a one-line error on stderr.
 
 use clap::{Parser, Subcommand};
-use mooncake_core::{parse_size, ReplicateConfig, SsdBackend, SsdOffloadConfig, Store};
+use mooncake_core::{parse_size, Protocol, ReplicateConfig, SsdBackend, SsdOffloadConfig, Store};
 
 /// Mooncake Store client.
 #[derive(Parser, Debug)]
 #[command(version, about)]
 struct Args {
+    /// How segments are reached: auto, tcp, shm or rdma.
+    #[arg(long, global = true, default_value = "auto", value_parser = ["auto", "tcp", "shm", "rdma"])]
+    protocol: String,
     #[command(subcommand)]
     command: Command,
 }
@@ -107,9 +115,19 @@ fn size(s: &str) -> Result<u64, String> {
     parse_size(s).map_err(|e| e.to_string())
 }
 
-/// A builder that proves `MOONCAKE_SECRET` when it is set (an empty one is an error).
-fn builder(master: &str) -> Result<mooncake_core::StoreBuilder, String> {
-    let b = Store::builder().master_address(master);
+/// A builder with the chosen protocol that proves `MOONCAKE_SECRET` when it is set
+/// (an empty one is an error).
+fn builder(master: &str, protocol: Protocol) -> Result<mooncake_core::StoreBuilder, String> {
+    let mut b = Store::builder().master_address(master).protocol(protocol);
+    if let Some(nics) = std::env::var("MOONCAKE_SOFT_RDMA").ok().and_then(|n| n.parse::<usize>().ok()) {
+        match mooncake_transfer::SoftRdma::new(nics) {
+            Ok(soft) => {
+                tracing::warn!(nics, "RDMA on software NICs (loopback only, not RDMA)");
+                b = b.rdma_provider(std::sync::Arc::new(soft));
+            }
+            Err(e) => tracing::warn!(error = %e, "cannot start software RDMA NICs"),
+        }
+    }
     match std::env::var("MOONCAKE_SECRET") {
         Ok(s) if s.is_empty() => Err("MOONCAKE_SECRET is set but empty: give a secret or unset it".into()),
         Ok(s) => Ok(b.shared_secret(s.as_bytes())),
@@ -117,8 +135,8 @@ fn builder(master: &str) -> Result<mooncake_core::StoreBuilder, String> {
     }
 }
 
-fn client(master: &str) -> Result<Store, String> {
-    builder(master)?.global_segment_size(0).build().map_err(|e| e.to_string())
+fn client(master: &str, protocol: Protocol) -> Result<Store, String> {
+    builder(master, protocol)?.global_segment_size(0).build().map_err(|e| e.to_string())
 }
 
 /// A key on one line: control characters, quotes and backslashes escaped as in Rust
@@ -127,7 +145,7 @@ fn escape_key(key: &str) -> String {
     key.escape_debug().to_string()
 }
 
-fn run(cmd: Command) -> Result<(), String> {
+fn run(cmd: Command, protocol: Protocol) -> Result<(), String> {
     match cmd {
         Command::Serve { master, listen, segment_size, ssd_dir, ssd_capacity, ssd_backend, ssd_eviction, insecure } => {
             // Catch the signals before announcing ourselves: a SIGTERM sent right after
@@ -135,7 +153,8 @@ fn run(cmd: Command) -> Result<(), String> {
             let mut signals =
                 signal_hook::iterator::Signals::new([signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT])
                     .map_err(|e| e.to_string())?;
-            let mut b = builder(&master)?.listen(&listen).global_segment_size(segment_size).insecure(insecure);
+            let mut b =
+                builder(&master, protocol)?.listen(&listen).global_segment_size(segment_size).insecure(insecure);
             if let (Some(dir), Some(capacity)) = (ssd_dir, ssd_capacity) {
                 let eviction = match ssd_eviction.as_str() {
                     "lru" => mooncake_core::storage::EvictionPolicy::Lru,
@@ -159,15 +178,17 @@ fn run(cmd: Command) -> Result<(), String> {
         }
         Command::Put { master, key, file, replicas } => {
             let data = std::fs::read(&file).map_err(|e| format!("cannot read {}: {e}", file.display()))?;
-            client(&master)?.put_with(&key, &data, &ReplicateConfig::replicas(replicas)).map_err(|e| e.to_string())
+            client(&master, protocol)?
+                .put_with(&key, &data, &ReplicateConfig::replicas(replicas))
+                .map_err(|e| e.to_string())
         }
         Command::Get { master, key, outfile } => {
-            let bytes = client(&master)?.get(&key).map_err(|e| e.to_string())?;
+            let bytes = client(&master, protocol)?.get(&key).map_err(|e| e.to_string())?;
             std::fs::write(&outfile, &bytes).map_err(|e| format!("cannot write {}: {e}", outfile.display()))
         }
-        Command::Rm { master, key } => client(&master)?.remove(&key).map_err(|e| e.to_string()),
+        Command::Rm { master, key } => client(&master, protocol)?.remove(&key).map_err(|e| e.to_string()),
         Command::Stat { master, key } => {
-            let info = client(&master)?.master().object_info(&key).map_err(|e| e.to_string())?;
+            let info = client(&master, protocol)?.master().object_info(&key).map_err(|e| e.to_string())?;
             println!(
                 "{key}: {} bytes, {} replica(s), crc32c {:08x}{}",
                 info.len,
@@ -178,7 +199,7 @@ fn run(cmd: Command) -> Result<(), String> {
             Ok(())
         }
         Command::Ls { master, json } => {
-            let mut keys = client(&master)?.master().list_keys(usize::MAX).map_err(|e| e.to_string())?;
+            let mut keys = client(&master, protocol)?.master().list_keys(usize::MAX).map_err(|e| e.to_string())?;
             keys.sort();
             if json {
                 println!("{}", serde_json::to_string(&keys).map_err(|e| e.to_string())?);
@@ -198,7 +219,9 @@ fn main() {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
-    if let Err(e) = run(Args::parse().command) {
+    let args = Args::parse();
+    let outcome = args.protocol.parse::<Protocol>().and_then(|protocol| run(args.command, protocol));
+    if let Err(e) = outcome {
         eprintln!("{e}");
         std::process::exit(1);
     }

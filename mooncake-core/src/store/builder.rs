@@ -9,7 +9,7 @@ use crate::config::{MasterConfig, Protocol, ReplicateConfig};
 use crate::error::{Error, Result};
 use crate::master::{Master, MasterApi};
 use crate::rpc::RpcMasterClient;
-use mooncake_transfer::{SharedSecret, TransferEngine};
+use mooncake_transfer::{SharedSecret, TransferEngine, TransferError};
 
 use super::Store;
 
@@ -41,6 +41,7 @@ pub struct StoreBuilder {
     pub(super) master_config: Option<MasterConfig>,
     pub(super) strategy: Option<Arc<dyn AllocationStrategy>>,
     pub(super) protocol: Protocol,
+    pub(super) rdma_provider: Option<Arc<dyn mooncake_transfer::RdmaProvider>>,
     pub(super) replicate: ReplicateConfig,
     pub(super) ssd: Option<super::SsdOffloadConfig>,
     pub(super) replica_cache: usize,
@@ -75,6 +76,7 @@ impl Default for StoreBuilder {
             master_config: None,
             strategy: None,
             protocol: Protocol::Local,
+            rdma_provider: None,
             replicate: ReplicateConfig::default(),
             ssd: None,
             replica_cache: 1 << 16,
@@ -163,6 +165,13 @@ impl StoreBuilder {
     /// How this client reaches other segments.
     pub fn protocol(mut self, protocol: Protocol) -> Self {
         self.protocol = protocol;
+        self
+    }
+
+    /// The RDMA ports [`Protocol::Rdma`] and [`Protocol::Auto`] use (default: this
+    /// host's devices through libibverbs, with the `rdma` feature).
+    pub fn rdma_provider(mut self, provider: Arc<dyn mooncake_transfer::RdmaProvider>) -> Self {
+        self.rdma_provider = Some(provider);
         self
     }
 
@@ -301,6 +310,23 @@ fn reachable_listen_address(master: &str) -> std::io::Result<String> {
     Ok(std::net::SocketAddr::new(socket.local_addr()?.ip(), 0).to_string())
 }
 
+/// The RDMA ports of this client: the builder's provider, else this host's
+/// devices (`rdma` feature); `NoDevice` when there are none.
+fn rdma_provider(cfg: &StoreBuilder) -> std::result::Result<Arc<dyn mooncake_transfer::RdmaProvider>, TransferError> {
+    if let Some(p) = &cfg.rdma_provider {
+        return Ok(p.clone());
+    }
+    #[cfg(feature = "rdma")]
+    {
+        if mooncake_transfer::rdma_device_present() {
+            return Ok(Arc::new(mooncake_transfer::VerbsRdma::open()?));
+        }
+        Err(TransferError::NoDevice("no RDMA device in /sys/class/infiniband".into()))
+    }
+    #[cfg(not(feature = "rdma"))]
+    Err(TransferError::NoDevice("built without the `rdma` feature".into()))
+}
+
 /// The transfer engine for a client: which transports, and whether it listens.
 ///
 /// `Local` alone for an embedded store; with a listener or a remote master the
@@ -309,7 +335,8 @@ fn reachable_listen_address(master: &str) -> std::io::Result<String> {
 fn transfer_engine(cfg: &StoreBuilder) -> Result<TransferEngine> {
     let (listen, protocol, secret) = (cfg.listen.as_deref(), cfg.protocol, cfg.secret.as_deref());
     let remote_master = cfg.master_address.is_some();
-    let shm = protocol != Protocol::Tcp;
+    // Protocol::Rdma asks for RDMA even to same-host peers.
+    let shm = !matches!(protocol, Protocol::Tcp | Protocol::Rdma);
     let mut b = TransferEngine::builder().shared_memory(shm).insecure(cfg.insecure);
     for t in &cfg.transports {
         b = b.transport_first(t.clone());
@@ -323,6 +350,14 @@ fn transfer_engine(cfg: &StoreBuilder) -> Result<TransferEngine> {
             None => mooncake_transfer::TcpTransport::new(),
         };
         b = b.transport(std::sync::Arc::new(tcp));
+    }
+    match (protocol, rdma_provider(cfg)) {
+        (Protocol::Rdma | Protocol::Auto, Ok(provider)) => {
+            b = b.rdma(provider, mooncake_transfer::RdmaConfig::default()).network();
+        }
+        (Protocol::Rdma, Err(e)) => return Err(e.into()),
+        (Protocol::Auto, Err(_)) => b = b.network(),
+        _ => {}
     }
     if let Some(addr) = listen {
         b = b.tcp_listen(addr);

@@ -17,7 +17,7 @@ use crate::frame::{
     FrameOp, FrameStatus, RequestHeader, ResponseHeader, AUTH_MAGIC, MAX_HANDSHAKE_BYTES, MAX_REQUEST_BYTES,
     REFUSE_MAGIC, REQUEST_HEADER_LEN, RESPONSE_HEADER_LEN,
 };
-use crate::handshake::{ControlChannel, ShmInfo};
+use crate::handshake::{ControlChannel, ControlResponder, ShmInfo};
 use crate::registry::RegionRegistry;
 
 /// Requests larger than this are cut into chunks spread over several connections.
@@ -62,6 +62,7 @@ impl TcpServer {
         host_id: String,
         secret: Option<SharedSecret>,
         insecure: bool,
+        responder: Option<Arc<dyn ControlResponder>>,
     ) -> Result<Self> {
         let addr = listener.local_addr().map_err(|e| TransferError::Io(e.to_string()))?;
         let stop = Arc::new(AtomicBool::new(false));
@@ -97,14 +98,16 @@ impl TcpServer {
                         conns2.lock().insert(id, c);
                     }
                     let (regions, stop, host_id) = (regions.clone(), stop2.clone(), host_id.clone());
-                    let (secret, conns) = (secret.clone(), conns2.clone());
+                    let (secret, conns, responder) = (secret.clone(), conns2.clone(), responder.clone());
                     let spawned = std::thread::Builder::new().name("mooncake-tcp-conn".into()).spawn(move || {
                         let admitted = match &secret {
                             Some(s) => admit(s, &conn),
                             None => true,
                         };
                         if admitted {
-                            if let Err(e) = serve(&conn, &regions, &stop, &host_id, secret.is_some()) {
+                            if let Err(e) =
+                                serve(&conn, &regions, &stop, &host_id, secret.is_some(), responder.as_deref())
+                            {
                                 tracing::warn!(?peer, error = %e, "closing transfer connection");
                             }
                         }
@@ -165,6 +168,7 @@ fn serve(
     stop: &AtomicBool,
     host_id: &str,
     authenticated: bool,
+    responder: Option<&dyn ControlResponder>,
 ) -> Result<()> {
     let _ = conn.set_nodelay(true);
     // Buffered for headers; payloads larger than the buffer bypass it (`BufReader`
@@ -221,6 +225,22 @@ fn serve(
             (FrameOp::Hello, _) => {
                 respond(&mut w, FrameStatus::Ok, h.request_id, host_id.len() as u64)?;
                 w.write_all(host_id.as_bytes()).map_err(io)?;
+            }
+            (FrameOp::RdmaConnect | FrameOp::RdmaRegion, _) => {
+                let mut payload = vec![0u8; h.len as usize];
+                r.read_exact(&mut payload).map_err(io)?;
+                let region = if h.op == FrameOp::RdmaRegion { regions.region(h.region).ok() } else { None };
+                let answer = match responder {
+                    Some(rdma) => rdma.answer(h.op, region, &payload),
+                    None => Err(FrameStatus::Refused),
+                };
+                match answer {
+                    Ok(p) => {
+                        respond(&mut w, FrameStatus::Ok, h.request_id, p.len() as u64)?;
+                        w.write_all(&p).map_err(io)?;
+                    }
+                    Err(status) => respond(&mut w, status, h.request_id, 0)?,
+                }
             }
         }
         // Answer now unless the peer already pipelined more requests.
@@ -421,10 +441,12 @@ impl TcpTransport {
 
 impl ControlChannel for TcpTransport {
     /// A one-request control exchange on a pooled connection.
-    fn control(&self, endpoint: &str, op: FrameOp, region: u64) -> Result<(FrameStatus, Vec<u8>)> {
+    fn control_with(&self, endpoint: &str, op: FrameOp, region: u64, payload: &[u8]) -> Result<(FrameStatus, Vec<u8>)> {
         let mut s = self.connect(endpoint)?;
-        let h = RequestHeader { op, request_id: 1, region, offset: 0, len: 0 };
-        s.write_all(&h.encode()).map_err(io)?;
+        let h = RequestHeader { op, request_id: 1, region, offset: 0, len: payload.len() as u64 };
+        let mut frame = h.encode().to_vec();
+        frame.extend_from_slice(payload);
+        s.write_all(&frame).map_err(io)?;
         let r = read_response(&s, MAX_HANDSHAKE_BYTES)?;
         let mut payload = vec![0u8; r.len as usize];
         s.read_exact(&mut payload).map_err(io)?;

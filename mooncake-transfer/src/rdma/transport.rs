@@ -1,0 +1,704 @@
+//! The `Rdma` transport: one-sided READ for reads and WRITE for writes, straight
+//! between registered memory, over a pool of RC queue pairs per peer set up through
+//! the peer's TCP listener.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::{Mutex, RwLock};
+
+use super::handshake::{RdmaHandshake, RdmaRegionInfo};
+use super::registration::{Nics, Registration, RegistrationCache};
+use super::{Completion, CompletionStatus, QueuePair, RdmaConfig, RdmaProvider, WorkOp, WorkRequest};
+use crate::auth::SharedSecret;
+use crate::error::{Result, TransferError};
+use crate::frame::{FrameOp, FrameStatus};
+use crate::handshake::ControlChannel;
+use crate::transport::{TcpTransport, TransferOp, TransferRequest, Transport, TransportStats};
+
+/// Longest a peer that could not be reached is left alone before the next try.
+const MAX_COOLDOWN: Duration = Duration::from_secs(5);
+
+/// One queue pair of a peer's pool.
+struct LinkQp {
+    qp: Box<dyn QueuePair>,
+    local_nic: usize,
+    remote_nic: usize,
+}
+
+/// The queue pairs connected to one peer, and what it said about its regions.
+struct Link {
+    qps: Vec<Mutex<LinkQp>>,
+    /// The local and the remote NIC of each queue pair (read without locking it).
+    local_nics: Vec<usize>,
+    remote_nics: Vec<usize>,
+    regions: RwLock<HashMap<u64, Arc<RdmaRegionInfo>>>,
+    path_mtu: u32,
+}
+
+/// How a peer is reached now.
+enum Peer {
+    Linked(Arc<Link>),
+    /// Its RDMA setup failed (no device, refused, older peer): TCP serves it.
+    Tcp,
+    /// It could not be reached, or its link broke: not tried again before `until`.
+    Down {
+        until: Instant,
+    },
+}
+
+/// A piece of a request moved by one work request.
+struct Chunk {
+    req: usize,
+    qp: usize,
+    wr: WorkRequest,
+}
+
+/// Why a request failed on a link.
+enum Failure {
+    /// The link broke (peer died, queue pair error, stale keys): worth a new link.
+    Broken(TransferError),
+    /// Final for this request.
+    Final(TransferError),
+}
+
+/// Reaches peers' regions with one-sided RDMA through an [`RdmaProvider`].
+///
+/// Every request to a peer is checked against the region's length the peer
+/// reported; its bytes move by READ/WRITE work requests between the caller's
+/// buffer (registered once, then cached) and the peer's registered region, cut
+/// at `stripe` bytes and spread over the queue pairs of every NIC for large
+/// requests, or kept on the NIC nearest the buffer's NUMA node for small ones.
+/// A peer whose link breaks is reconnected at most `retries` times with a
+/// doubling backoff; a peer that cannot be reached is left alone for a cooldown
+/// (no reconnection storm); a peer without RDMA is served over TCP.
+pub struct RdmaTransport {
+    nics: Arc<Nics>,
+    tcp: TcpTransport,
+    config: RdmaConfig,
+    peers: Mutex<HashMap<String, Peer>>,
+    /// Consecutive failures per peer (a link that broke, a connection refused):
+    /// each doubles the cooldown before the next connection attempt.
+    strikes: Mutex<HashMap<String, u32>>,
+    cache: RegistrationCache,
+    nic_bytes: Vec<AtomicU64>,
+    next_qp: AtomicUsize,
+    stats: TransportStats,
+}
+
+impl std::fmt::Debug for RdmaTransport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RdmaTransport")
+            .field("implementation", &self.nics.implementation)
+            .field("nics", &self.nics.pds.len())
+            .finish()
+    }
+}
+
+impl RdmaTransport {
+    /// A transport on every port of `provider`;
+    /// [`TransferError::NoDevice`] if it has none.
+    pub fn new(provider: &dyn RdmaProvider, config: RdmaConfig) -> Result<Self> {
+        Ok(Self::on(Arc::new(open_nics(provider)?), config, TcpTransport::new()))
+    }
+
+    /// As [`new`](Self::new), proving `secret` to peers' listeners.
+    pub fn with_secret(provider: &dyn RdmaProvider, config: RdmaConfig, secret: SharedSecret) -> Result<Self> {
+        Ok(Self::on(Arc::new(open_nics(provider)?), config, TcpTransport::with_secret(secret)))
+    }
+
+    pub(crate) fn on(nics: Arc<Nics>, config: RdmaConfig, tcp: TcpTransport) -> Self {
+        let cache = RegistrationCache::new(config.registration_cache);
+        let nic_bytes = nics.pds.iter().map(|_| AtomicU64::new(0)).collect();
+        Self {
+            nics,
+            tcp,
+            config,
+            peers: Mutex::new(HashMap::new()),
+            strikes: Mutex::new(HashMap::new()),
+            cache,
+            nic_bytes,
+            next_qp: AtomicUsize::new(0),
+            stats: TransportStats::default(),
+        }
+    }
+
+    /// Which seam implementation runs underneath (`"soft"` or `"verbs"`).
+    pub fn implementation(&self) -> &'static str {
+        self.nics.implementation
+    }
+
+    /// Byte and error counters.
+    pub fn stats(&self) -> &TransportStats {
+        &self.stats
+    }
+
+    /// Bytes moved through each NIC, in port order.
+    pub fn nic_bytes(&self) -> Vec<u64> {
+        self.nic_bytes.iter().map(|b| b.load(Ordering::Relaxed)).collect()
+    }
+
+    /// Memory regions registered so far on all NICs (a registration cache hit
+    /// registers none).
+    pub fn registrations(&self) -> u64 {
+        self.nics.registrations.load(Ordering::Relaxed)
+    }
+
+    /// Forgets every cached registration of local buffers (call it after freeing
+    /// buffers that were transferred, before their addresses are mapped again).
+    pub fn forget_registrations(&self) {
+        self.cache.clear();
+    }
+
+    /// The path MTU of the link to `endpoint` (the smaller of both ports'), if an
+    /// RDMA link is up.
+    pub fn path_mtu(&self, endpoint: &str) -> Option<u32> {
+        match self.peers.lock().get(endpoint) {
+            Some(Peer::Linked(link)) => Some(link.path_mtu),
+            _ => None,
+        }
+    }
+
+    /// Whether `endpoint` is served over TCP because its RDMA setup failed.
+    pub fn falls_back_to_tcp(&self, endpoint: &str) -> bool {
+        matches!(self.peers.lock().get(endpoint), Some(Peer::Tcp))
+    }
+
+    /// The link to `endpoint`: `None` if it is served over TCP.
+    fn link(&self, endpoint: &str) -> Result<Option<Arc<Link>>> {
+        match self.peers.lock().get_mut(endpoint) {
+            Some(Peer::Linked(link)) => return Ok(Some(link.clone())),
+            Some(Peer::Tcp) => return Ok(None),
+            Some(Peer::Down { until }) => {
+                let now = Instant::now();
+                if now < *until {
+                    return Err(TransferError::Unreachable(format!("{endpoint}: link down, not retried yet")));
+                }
+                // This thread reconnects; the others keep failing fast meanwhile.
+                *until = now + self.config.deadline;
+            }
+            None => {}
+        }
+        let peer = match self.connect(endpoint) {
+            Ok(Some(link)) => Peer::Linked(Arc::new(link)),
+            Ok(None) => Peer::Tcp,
+            Err(e @ (TransferError::Auth(_) | TransferError::UnknownEndpoint(_))) => return Err(e),
+            Err(e) => {
+                self.strike(endpoint);
+                return Err(e);
+            }
+        };
+        let mut peers = self.peers.lock();
+        // Another thread may have linked meanwhile: keep the first.
+        let entry = peers.entry(endpoint.to_owned()).or_insert(Peer::Tcp);
+        if !matches!(entry, Peer::Linked(_)) {
+            *entry = peer;
+        }
+        Ok(match entry {
+            Peer::Linked(link) => Some(link.clone()),
+            _ => None,
+        })
+    }
+
+    /// Forgets `link` (broken): a request after the cooldown connects again.
+    fn drop_link(&self, endpoint: &str, link: &Arc<Link>) {
+        let current = matches!(self.peers.lock().get(endpoint), Some(Peer::Linked(l)) if Arc::ptr_eq(l, link));
+        if current {
+            self.strike(endpoint);
+        }
+    }
+
+    /// One more failure of `endpoint`: no connection attempt before a cooldown
+    /// that doubles with each consecutive failure (capped), so that the requests
+    /// of every thread to a dead peer do not each reconnect.
+    fn strike(&self, endpoint: &str) {
+        let strikes = {
+            let mut all = self.strikes.lock();
+            let n = all.entry(endpoint.to_owned()).or_insert(0);
+            *n = n.saturating_add(1);
+            *n
+        };
+        let cooldown = (self.config.backoff * 2u32.saturating_pow(strikes - 1)).min(MAX_COOLDOWN);
+        self.peers.lock().insert(endpoint.to_owned(), Peer::Down { until: Instant::now() + cooldown });
+    }
+
+    /// Sets up a pool of queue pairs with the peer: `Ok(None)` if the peer is
+    /// reachable but its RDMA setup failed.
+    fn connect(&self, endpoint: &str) -> Result<Option<Link>> {
+        let per_nic = self.config.qps_per_nic.max(1);
+        let nics = self.nics.pds.len();
+        let mut qps = Vec::with_capacity(nics * per_nic);
+        let mut offer = Vec::with_capacity(nics * per_nic);
+        for j in 0..nics * per_nic {
+            let nic = j % nics;
+            let mut qp = self.nics.pds[nic].create_qp(self.config.max_batch as u32 * 2)?;
+            qp.to_init()?;
+            let mut addr = qp.address();
+            addr.nic = nic as u8;
+            offer.push(addr);
+            qps.push((qp, nic));
+        }
+        let answer =
+            match self.tcp.control_with(endpoint, FrameOp::RdmaConnect, 0, &RdmaHandshake { qps: offer }.encode()) {
+                Ok((FrameStatus::Ok, payload)) => RdmaHandshake::decode(&payload).ok(),
+                Ok(_) => None,
+                // An older peer closes the connection on the unknown request.
+                Err(TransferError::Protocol(_)) => None,
+                Err(TransferError::Io(e)) if self.tcp.control(endpoint, FrameOp::Hello, 0).is_ok() => {
+                    tracing::info!(endpoint, error = %e, "peer closed the RDMA handshake: TCP serves it");
+                    None
+                }
+                Err(e) => return Err(e),
+            };
+        let Some(answer) = answer.filter(|a| a.qps.len() == qps.len()) else {
+            tracing::info!(endpoint, "peer has no RDMA link to offer: TCP serves it");
+            return Ok(None);
+        };
+        let mut link_qps = Vec::with_capacity(qps.len());
+        let mut path_mtu = u32::MAX;
+        for ((mut qp, nic), remote) in qps.into_iter().zip(&answer.qps) {
+            let mtu = remote.mtu.min(self.nics.pds[nic].port().active_mtu);
+            path_mtu = path_mtu.min(mtu);
+            if let Err(e) = qp.to_rtr(remote, mtu).and_then(|()| qp.to_rts()) {
+                tracing::warn!(endpoint, error = %e, "connecting an RDMA queue pair: TCP serves the peer");
+                return Ok(None);
+            }
+            link_qps.push(Mutex::new(LinkQp { qp, local_nic: nic, remote_nic: remote.nic as usize }));
+        }
+        let local_nics = link_qps.iter().map(|q| q.lock().local_nic).collect();
+        let remote_nics = link_qps.iter().map(|q| q.lock().remote_nic).collect();
+        tracing::info!(
+            endpoint,
+            queue_pairs = link_qps.len(),
+            path_mtu,
+            implementation = self.nics.implementation,
+            "RDMA link up"
+        );
+        Ok(Some(Link { qps: link_qps, local_nics, remote_nics, regions: RwLock::new(HashMap::new()), path_mtu }))
+    }
+
+    /// What the peer said about `region` (asked once per link).
+    fn region_info(&self, endpoint: &str, link: &Link, region: u64) -> Result<Arc<RdmaRegionInfo>> {
+        if let Some(info) = link.regions.read().get(&region) {
+            return Ok(info.clone());
+        }
+        let info = match self.tcp.control(endpoint, FrameOp::RdmaRegion, region)? {
+            (FrameStatus::Ok, p) => Arc::new(
+                RdmaRegionInfo::decode(&p)
+                    .map_err(|e| TransferError::Protocol(format!("RDMA region info of {endpoint}: {e}")))?,
+            ),
+            (FrameStatus::UnknownRegion, _) => {
+                return Err(TransferError::UnknownRegion { endpoint: endpoint.to_owned(), region })
+            }
+            _ => return Err(TransferError::Protocol(format!("{endpoint} refused RDMA for region {region}"))),
+        };
+        let nics = info.pieces.first().map_or(0, |p| p.rkeys.len());
+        if link.remote_nics.iter().any(|&n| n >= nics) {
+            return Err(TransferError::Protocol(format!("{endpoint} named fewer NICs than it connected")));
+        }
+        link.regions.write().insert(region, info.clone());
+        Ok(info)
+    }
+
+    /// Queue pairs of the NICs nearest `addr` (its NUMA node), or all.
+    fn near_qps(&self, link: &Link, addr: u64) -> Vec<usize> {
+        let node = numa_node_of(addr);
+        let near: Vec<usize> = (0..link.qps.len())
+            .filter(|&q| node.is_some() && self.nics.pds[link.local_nics[q]].port().numa_node == node)
+            .collect();
+        if near.is_empty() {
+            (0..link.qps.len()).collect()
+        } else {
+            near
+        }
+    }
+
+    /// Cuts the requests `idx` of `batch` into work requests on `link`'s queue
+    /// pairs. A request that cannot go over RDMA gets its failure instead.
+    fn plan(
+        &self,
+        endpoint: &str,
+        link: &Link,
+        batch: &mut [TransferRequest<'_>],
+        idx: &[usize],
+        out: &mut Vec<Chunk>,
+        keep: &mut Vec<Arc<Registration>>,
+    ) -> Vec<(usize, Failure)> {
+        let mut failed = Vec::new();
+        let mut wr_id = 0u64;
+        for &i in idx {
+            let req = &mut batch[i];
+            let (op, ptr, len) = match &mut req.op {
+                TransferOp::Read(dst) => (WorkOp::Read, dst.as_mut_ptr() as u64, dst.len() as u64),
+                TransferOp::Write(src) => (WorkOp::Write, src.as_ptr() as u64, src.len() as u64),
+            };
+            let info = match self.region_info(endpoint, link, req.target.region) {
+                Ok(info) => info,
+                Err(e @ (TransferError::Io(_) | TransferError::Unreachable(_))) => {
+                    failed.push((i, Failure::Broken(e)));
+                    continue;
+                }
+                Err(e) => {
+                    failed.push((i, Failure::Final(e)));
+                    continue;
+                }
+            };
+            if req.offset.checked_add(len).is_none_or(|end| end > info.len) {
+                let e = TransferError::OutOfBounds {
+                    region: req.target.region,
+                    offset: req.offset,
+                    len,
+                    region_len: info.len,
+                };
+                failed.push((i, Failure::Final(e)));
+                continue;
+            }
+            if len == 0 {
+                continue;
+            }
+            let local = match self.cache.get(&self.nics, ptr as *const u8, len) {
+                Ok(r) => r,
+                Err(e) => {
+                    failed.push((i, Failure::Final(e)));
+                    continue;
+                }
+            };
+            let striped = len > self.config.stripe as u64;
+            let near = if striped { Vec::new() } else { self.near_qps(link, ptr) };
+            let mut pos = 0u64;
+            let mut k = 0usize;
+            while pos < len {
+                let remote_off = req.offset + pos;
+                let rp = info.pieces.partition_point(|p| p.offset + p.len <= remote_off);
+                let (Some(rpiece), Some((lpiece, local_left))) = (info.pieces.get(rp), local.piece_at(ptr + pos))
+                else {
+                    failed.push((i, Failure::Final(TransferError::Protocol("region pieces do not cover".into()))));
+                    break;
+                };
+                let n = (len - pos)
+                    .min(self.config.stripe as u64)
+                    .min(rpiece.offset + rpiece.len - remote_off)
+                    .min(local_left)
+                    .min(u32::MAX as u64);
+                let qp = if striped {
+                    k % link.qps.len()
+                } else {
+                    near[self.next_qp.fetch_add(1, Ordering::Relaxed) % near.len()]
+                };
+                let (local_nic, remote_nic) = (link.local_nics[qp], link.remote_nics[qp]);
+                out.push(Chunk {
+                    req: i,
+                    qp,
+                    wr: WorkRequest {
+                        wr_id,
+                        op,
+                        local_addr: ptr + pos,
+                        len: n as u32,
+                        lkey: lpiece.mrs[local_nic].lkey,
+                        remote_addr: rpiece.addr + (remote_off - rpiece.offset),
+                        rkey: rpiece.rkeys[remote_nic],
+                    },
+                });
+                wr_id += 1;
+                pos += n;
+                k += 1;
+            }
+            // The registration must outlive the work requests even if the cache
+            // evicts it meanwhile.
+            keep.push(local);
+        }
+        failed
+    }
+
+    /// Runs `chunks` on the link's queue pairs, in parallel per queue pair; the
+    /// status of every chunk (by `wr_id`), or `None` for chunks past the deadline.
+    fn execute(&self, link: &Link, chunks: &[Chunk], deadline: Instant) -> HashMap<u64, Option<CompletionStatus>> {
+        let mut per_qp: Vec<Vec<WorkRequest>> = vec![Vec::new(); link.qps.len()];
+        for c in chunks {
+            per_qp[c.qp].push(c.wr);
+        }
+        let run = |(q, wrs): (usize, Vec<WorkRequest>)| -> Vec<(u64, Option<CompletionStatus>)> {
+            let mut lq = link.qps[q].lock();
+            let mut done = Vec::with_capacity(wrs.len());
+            let mut expired = false;
+            for batch in wrs.chunks(self.config.max_batch.max(1)) {
+                if expired {
+                    done.extend(batch.iter().map(|wr| (wr.wr_id, None)));
+                    continue;
+                }
+                // SAFETY: every local range is a sub-range of a buffer borrowed by
+                // this transfer (alive until it returns), inside a registration held
+                // by the cache or by `plan`; this function returns only after every
+                // posted request completed, or after `to_error` stopped the queue
+                // pair from touching memory.
+                if let Err(e) = unsafe { lq.qp.post(batch) } {
+                    tracing::warn!(error = %e, "posting RDMA work requests");
+                    lq.qp.to_error();
+                    done.extend(batch.iter().map(|wr| (wr.wr_id, Some(CompletionStatus::Flushed))));
+                    continue;
+                }
+                let mut got: Vec<Completion> = Vec::with_capacity(batch.len());
+                while got.len() < batch.len() {
+                    let now = Instant::now();
+                    if now >= deadline {
+                        // Stop the queue pair before giving the buffers back; what
+                        // completed before stays done, the rest timed out.
+                        lq.qp.to_error();
+                        let mut last = Vec::new();
+                        let _ = lq.qp.poll(&mut last, Duration::ZERO);
+                        got.extend(last.into_iter().filter(|c| c.status == CompletionStatus::Success));
+                        break;
+                    }
+                    let wait = (deadline - now).min(Duration::from_millis(50));
+                    if lq.qp.poll(&mut got, wait).is_err() {
+                        lq.qp.to_error();
+                        break;
+                    }
+                }
+                let mut statuses: HashMap<u64, CompletionStatus> = got.iter().map(|c| (c.wr_id, c.status)).collect();
+                for wr in batch {
+                    let s = statuses.remove(&wr.wr_id);
+                    // The rest of this queue pair's share is past the deadline too.
+                    expired |= s.is_none();
+                    done.push((wr.wr_id, s));
+                }
+            }
+            if let Some(nic) = self.nic_bytes.get(lq.local_nic) {
+                let bytes: u64 = wrs
+                    .iter()
+                    .zip(&done)
+                    .filter(|(_, (_, s))| *s == Some(CompletionStatus::Success))
+                    .map(|(wr, _)| u64::from(wr.len))
+                    .sum();
+                nic.fetch_add(bytes, Ordering::Relaxed);
+            }
+            done
+        };
+        let work: Vec<(usize, Vec<WorkRequest>)> =
+            per_qp.into_iter().enumerate().filter(|(_, w)| !w.is_empty()).collect();
+        let results: Vec<Vec<(u64, Option<CompletionStatus>)>> = if work.len() <= 1 {
+            work.into_iter().map(run).collect()
+        } else {
+            std::thread::scope(|scope| {
+                let handles: Vec<_> = work.into_iter().map(|w| scope.spawn(|| run(w))).collect();
+                handles.into_iter().map(|h| h.join().unwrap_or_default()).collect()
+            })
+        };
+        results.into_iter().flatten().collect()
+    }
+
+    /// One attempt of the requests `idx` on `link`.
+    fn attempt(
+        &self,
+        endpoint: &str,
+        link: &Link,
+        batch: &mut [TransferRequest<'_>],
+        idx: &[usize],
+        deadline: Instant,
+    ) -> Vec<(usize, Result<(), Failure>)> {
+        let (mut chunks, mut keep) = (Vec::new(), Vec::new());
+        let failed = self.plan(endpoint, link, batch, idx, &mut chunks, &mut keep);
+        let statuses = self.execute(link, &chunks, deadline);
+        drop(keep);
+        let mut outcome: HashMap<usize, Result<(), Failure>> = idx.iter().map(|&i| (i, Ok(()))).collect();
+        for (i, f) in failed {
+            outcome.insert(i, Err(f));
+        }
+        for c in &chunks {
+            let failure = match statuses.get(&c.wr.wr_id).copied().flatten() {
+                Some(CompletionStatus::Success) => continue,
+                None => Failure::Final(TransferError::TimedOut(format!(
+                    "{endpoint}: not completed within {:?}",
+                    self.config.deadline
+                ))),
+                Some(CompletionStatus::LocalProtection) => {
+                    self.cache.clear();
+                    Failure::Final(TransferError::Registration("local protection error on an RDMA buffer".into()))
+                }
+                Some(CompletionStatus::RemoteAccess) => {
+                    // Keys went stale (region unregistered, peer restarted): ask again.
+                    link.regions.write().remove(&batch[c.req].target.region);
+                    Failure::Broken(TransferError::UnknownRegion {
+                        endpoint: endpoint.to_owned(),
+                        region: batch[c.req].target.region,
+                    })
+                }
+                Some(s) => Failure::Broken(TransferError::Io(format!("RDMA link to {endpoint}: {s:?}"))),
+            };
+            let slot = outcome.entry(c.req).or_insert(Ok(()));
+            // A final failure wins over a broken link: retrying cannot help it.
+            if !matches!(slot, Err(Failure::Final(_))) {
+                *slot = Err(failure);
+            }
+        }
+        let mut out: Vec<(usize, Result<(), Failure>)> = outcome.into_iter().collect();
+        out.sort_by_key(|(i, _)| *i);
+        for (i, r) in &out {
+            if r.is_ok() {
+                let n = batch[*i].op.len() as u64;
+                match batch[*i].op {
+                    TransferOp::Read(_) => self.stats.bytes_read.fetch_add(n, Ordering::Relaxed),
+                    TransferOp::Write(_) => self.stats.bytes_written.fetch_add(n, Ordering::Relaxed),
+                };
+            }
+        }
+        out
+    }
+
+    /// Every request of `batch` (all to `endpoint`), with reconnections.
+    fn to_peer(&self, endpoint: &str, batch: &mut [TransferRequest<'_>]) -> Vec<Result<()>> {
+        let deadline = Instant::now() + self.config.deadline;
+        let mut results: Vec<Result<()>> = (0..batch.len()).map(|_| Ok(())).collect();
+        let mut pending: Vec<usize> = (0..batch.len()).collect();
+        let mut tries = 0u32;
+        while !pending.is_empty() {
+            let link = match self.link(endpoint) {
+                Ok(Some(link)) => Ok(link),
+                Ok(None) => {
+                    // TCP serves this peer: move the pending requests there.
+                    let mut moved: Vec<TransferRequest<'_>> = pending
+                        .iter()
+                        .map(|&i| {
+                            let target = batch[i].target;
+                            std::mem::replace(
+                                &mut batch[i],
+                                TransferRequest { target, offset: 0, op: TransferOp::Write(&[]) },
+                            )
+                        })
+                        .collect();
+                    let out = self.tcp.transfer(&mut moved);
+                    for ((&i, req), r) in pending.iter().zip(moved).zip(out) {
+                        batch[i] = req;
+                        results[i] = r;
+                    }
+                    return results;
+                }
+                Err(e) => Err(e),
+            };
+            let retry: Vec<(usize, TransferError)> = match link {
+                Ok(link) => {
+                    let out = self.attempt(endpoint, &link, batch, &pending, deadline);
+                    let mut retry = Vec::new();
+                    for (i, r) in out {
+                        match r {
+                            Ok(()) => results[i] = Ok(()),
+                            Err(Failure::Final(e)) => results[i] = Err(e),
+                            Err(Failure::Broken(e)) => retry.push((i, e)),
+                        }
+                    }
+                    if results.iter().any(|r| matches!(r, Err(TransferError::TimedOut(_)))) {
+                        // Its queue pairs were stopped: the next request links anew.
+                        let mut peers = self.peers.lock();
+                        if matches!(peers.get(endpoint), Some(Peer::Linked(l)) if Arc::ptr_eq(l, &link)) {
+                            peers.remove(endpoint);
+                        }
+                    }
+                    if retry.is_empty() {
+                        self.strikes.lock().remove(endpoint);
+                    } else {
+                        self.drop_link(endpoint, &link);
+                    }
+                    retry
+                }
+                Err(e) => {
+                    // The peer cannot be linked now (its failure is counted and
+                    // cools down): fail at once instead of waiting on it.
+                    for &i in &pending {
+                        results[i] = Err(e.clone());
+                    }
+                    Vec::new()
+                }
+            };
+            tries += 1;
+            let wait = self.config.backoff * 2u32.saturating_pow(tries - 1);
+            let jitter = Duration::from_micros(rand::random::<u64>() % (wait.as_micros() as u64 / 2 + 1));
+            if retry.is_empty() || tries > self.config.retries || Instant::now() + wait + jitter >= deadline {
+                for (i, e) in retry {
+                    results[i] = Err(e);
+                }
+                break;
+            }
+            pending = retry.into_iter().map(|(i, _)| i).collect();
+            std::thread::sleep(wait + jitter);
+        }
+        for r in &results {
+            if r.is_err() {
+                self.stats.errors.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        results
+    }
+}
+
+/// The protection domains of every port of `provider`; [`TransferError::NoDevice`] if none.
+pub(crate) fn open_nics(provider: &dyn RdmaProvider) -> Result<Nics> {
+    Nics::open(provider).map_err(|e| TransferError::NoDevice(e.to_string()))
+}
+
+/// The NUMA node of the page holding `addr`, if the kernel says.
+fn numa_node_of(addr: u64) -> Option<u32> {
+    const MPOL_F_NODE: libc::c_ulong = 1;
+    const MPOL_F_ADDR: libc::c_ulong = 2;
+    let mut node: libc::c_int = -1;
+    // SAFETY: get_mempolicy writes one int to `node`; no node mask is asked for
+    // (null, 0); `addr` is only looked up, never dereferenced by us.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_get_mempolicy,
+            &mut node as *mut libc::c_int,
+            std::ptr::null_mut::<libc::c_ulong>(),
+            0 as libc::c_ulong,
+            addr as *mut libc::c_void,
+            MPOL_F_NODE | MPOL_F_ADDR,
+        )
+    };
+    (rc == 0 && node >= 0).then_some(node as u32)
+}
+
+impl Transport for RdmaTransport {
+    fn name(&self) -> &str {
+        "rdma"
+    }
+
+    fn stats(&self) -> Option<&TransportStats> {
+        Some(&self.stats)
+    }
+
+    fn can_reach(&self, endpoint: &str) -> bool {
+        self.tcp.can_reach(endpoint)
+    }
+
+    fn transfer(&self, requests: &mut [TransferRequest<'_>]) -> Vec<Result<()>> {
+        let mut results: Vec<Result<()>> = (0..requests.len()).map(|_| Ok(())).collect();
+        let mut by_peer: Vec<(String, Vec<usize>)> = Vec::new();
+        for (i, r) in requests.iter().enumerate() {
+            match by_peer.iter_mut().find(|(e, _)| *e == r.target.endpoint) {
+                Some((_, idx)) => idx.push(i),
+                None => by_peer.push((r.target.endpoint.clone(), vec![i])),
+            }
+        }
+        if by_peer.len() == 1 {
+            return self.to_peer(&by_peer[0].0, requests);
+        }
+        for (endpoint, idx) in by_peer {
+            let mut batch: Vec<TransferRequest<'_>> = idx
+                .iter()
+                .map(|&i| {
+                    let target = requests[i].target;
+                    std::mem::replace(
+                        &mut requests[i],
+                        TransferRequest { target, offset: 0, op: TransferOp::Write(&[]) },
+                    )
+                })
+                .collect();
+            let out = self.to_peer(&endpoint, &mut batch);
+            for ((&i, req), r) in idx.iter().zip(batch).zip(out) {
+                requests[i] = req;
+                results[i] = r;
+            }
+        }
+        results
+    }
+}
