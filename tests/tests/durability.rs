@@ -57,6 +57,7 @@ fn acknowledged_puts_survive_kill_9_of_the_master() {
         assert_eq!(c.get_bytes(&dir, &format!("put/{i}")).unwrap(), payload(i as u8, 4096 + i));
     }
     eprintln!("{rounds} put/kill -9/restart rounds in {:?}", start.elapsed());
+    std::fs::remove_dir_all(&dir).ok();
 }
 
 #[test]
@@ -79,6 +80,7 @@ fn acknowledged_removes_survive_kill_9_of_the_master() {
     }
     assert!(c.ls().is_empty());
     eprintln!("{rounds} rm/kill -9/restart rounds in {:?}", start.elapsed());
+    std::fs::remove_dir_all(&dir).ok();
 }
 
 fn ssd_node(master: &str, dir: &std::path::Path) -> Proc {
@@ -142,6 +144,7 @@ fn an_object_removed_while_its_ssd_was_down_stays_removed() {
     let _node = ssd_node(&c.master_addr, &ssd);
     assert_eq!(c.get_bytes(&dir, "gone"), Err("not found: gone".to_owned()));
     std::fs::remove_dir_all(&ssd).ok();
+    std::fs::remove_dir_all(&dir).ok();
 }
 
 #[test]
@@ -167,6 +170,7 @@ fn puts_succeed_within_a_second_of_kill_9_of_one_of_two_nodes() {
         assert_eq!(c.get_bytes(&dir, &format!("after/{i}")).unwrap(), payload(i as u8, 65536));
     }
     eprintln!("first put {first_ok:?} after kill -9 of a node");
+    std::fs::remove_dir_all(&dir).ok();
 }
 
 #[test]

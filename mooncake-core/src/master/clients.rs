@@ -34,14 +34,19 @@ impl MasterService {
     /// Records a heartbeat. Fails with `MasterUnavailable` when the master no longer
     /// knows the client (it was expired): the client must register again.
     pub fn heartbeat(&self, client: ClientId) -> Result<Vec<RecordUpdate>> {
-        let (updates, cleared) = match self.clients.read().get(&client) {
+        let (updates, cleared, link) = match self.clients.read().get(&client) {
             Some(rec) => {
                 rec.touch(self.now_ms());
                 let cleared = rec.suspect.swap(false, Ordering::AcqRel).then(|| rec.segments.clone());
-                (std::mem::take(&mut *rec.updates.lock()), cleared)
+                let link = rec.link.lock().clone().filter(|l| l.has_queued());
+                (std::mem::take(&mut *rec.updates.lock()), cleared, link)
             }
             None => return Err(Error::UnknownClient(client)),
         };
+        // Updates no call waited for (eviction's) go out at the latest now.
+        if let Some(link) = link {
+            let _ = link.flush(self.config.record_timeout);
+        }
         if let Some(segments) = cleared {
             let mut table = self.segments.write();
             for s in segments {

@@ -3,7 +3,7 @@
 //!
 //! A node that serves a record endpoint ([`mount_records`](MasterService::mount_records))
 //! is told of every change synchronously: the change is queued on the node's
-//! [`NodeLink`], a thread of the master sends everything queued in one frame (group
+//! [`NodeLink`], the first waiting caller sends everything queued in one frame (group
 //! commit), and the put or remove that made the change is acknowledged only once every
 //! node it touched has answered. A node without a record endpoint gets its changes with
 //! the answers to its heartbeats (best effort). A node that cannot be told in time is
@@ -42,10 +42,15 @@ pub trait RecordConnector: Send + Sync {
 /// Most updates sent to a node in one frame.
 const MAX_UPDATES_PER_FRAME: usize = 65_536;
 
-/// The queue of record updates for one storage node and the thread that delivers them.
+/// The queue of record updates for one storage node. There is no sender thread: a
+/// caller that waits for its updates sends, itself, everything queued so far in one
+/// frame when no send is in flight (it leads), or waits for the send in flight and
+/// then for the next, which carries what queued meanwhile (group commit).
 pub(crate) struct NodeLink {
+    client: ClientId,
+    sink: Arc<dyn RecordSink>,
     state: Mutex<LinkState>,
-    /// Wakes the sender (work queued, or closed) and the waiters (work delivered).
+    /// Wakes waiters when a send finished or the link closed.
     cond: Condvar,
 }
 
@@ -56,51 +61,15 @@ struct LinkState {
     /// queued its own, and it is done once `delivered` reaches it.
     queued: u64,
     delivered: u64,
-    /// The node could not be told: nothing more is delivered.
+    /// A send is in flight (its leader releases the lock meanwhile).
+    sending: bool,
+    /// The node could not be told, or it was forgotten: nothing more is delivered.
     failed: bool,
-    closed: bool,
 }
 
 impl NodeLink {
-    /// Starts the sender thread of a link to `sink`.
-    fn start(client: ClientId, sink: Arc<dyn RecordSink>) -> Result<Arc<Self>> {
-        let link = Arc::new(NodeLink { state: Mutex::new(LinkState::default()), cond: Condvar::new() });
-        let sender = link.clone();
-        std::thread::Builder::new()
-            .name("mooncake-records".into())
-            .spawn(move || sender.run(client, &*sink))
-            .map_err(|e| Error::InvalidArgument(format!("cannot start a record sender: {e}")))?;
-        Ok(link)
-    }
-
-    fn run(&self, client: ClientId, sink: &dyn RecordSink) {
-        loop {
-            let batch: Vec<RecordUpdate> = {
-                let mut st = self.state.lock();
-                while st.queue.is_empty() && !st.closed {
-                    self.cond.wait(&mut st);
-                }
-                if st.closed {
-                    return;
-                }
-                let n = st.queue.len().min(MAX_UPDATES_PER_FRAME);
-                st.queue.drain(..n).collect()
-            };
-            let res = sink.apply_records(&batch);
-            let mut st = self.state.lock();
-            match res {
-                Ok(()) => st.delivered += batch.len() as u64,
-                Err(e) => {
-                    tracing::warn!(client = format!("{client:#x}"), error = %e, "a storage node cannot be told of its records");
-                    st.failed = true;
-                    st.closed = true;
-                }
-            }
-            self.cond.notify_all();
-            if st.closed {
-                return;
-            }
-        }
+    fn new(client: ClientId, sink: Arc<dyn RecordSink>) -> Arc<Self> {
+        Arc::new(NodeLink { client, sink, state: Mutex::new(LinkState::default()), cond: Condvar::new() })
     }
 
     /// Queues `update`; returns the ticket to wait for.
@@ -108,13 +77,11 @@ impl NodeLink {
         let mut st = self.state.lock();
         st.queue.push_back(update);
         st.queued += 1;
-        let ticket = st.queued;
-        drop(st);
-        self.cond.notify_all();
-        ticket
+        st.queued
     }
 
-    /// Waits until every update up to `ticket` is delivered; false if the node failed.
+    /// Waits until every update up to `ticket` is delivered, sending them if no one
+    /// else is; false if the node failed or did not answer within `limit`.
     fn wait(&self, ticket: u64, limit: Duration) -> bool {
         let deadline = std::time::Instant::now() + limit;
         let mut st = self.state.lock();
@@ -122,18 +89,51 @@ impl NodeLink {
             if st.delivered >= ticket {
                 return true;
             }
-            if st.failed || self.cond.wait_until(&mut st, deadline).timed_out() {
+            if st.failed {
+                return false;
+            }
+            if !st.sending && !st.queue.is_empty() {
+                let n = st.queue.len().min(MAX_UPDATES_PER_FRAME);
+                let batch: Vec<RecordUpdate> = st.queue.drain(..n).collect();
+                st.sending = true;
+                drop(st);
+                let res = self.sink.apply_records(&batch);
+                st = self.state.lock();
+                st.sending = false;
+                match res {
+                    Ok(()) => st.delivered += batch.len() as u64,
+                    Err(e) => {
+                        tracing::warn!(
+                            client = format!("{:#x}", self.client),
+                            error = %e,
+                            "a storage node cannot be told of its records"
+                        );
+                        st.failed = true;
+                    }
+                }
+                self.cond.notify_all();
+                continue;
+            }
+            if self.cond.wait_until(&mut st, deadline).timed_out() {
                 return st.delivered >= ticket;
             }
         }
     }
 
-    /// Stops the sender; waiters see the node as failed.
+    /// Sends whatever is queued (updates nobody waits for, e.g. eviction's).
+    pub(crate) fn flush(&self, limit: Duration) -> bool {
+        let ticket = self.state.lock().queued;
+        self.wait(ticket, limit)
+    }
+
+    /// Whether updates are queued and not sent.
+    pub(crate) fn has_queued(&self) -> bool {
+        !self.state.lock().queue.is_empty()
+    }
+
+    /// Delivers nothing more; waiters see the node as failed.
     pub(crate) fn close(&self) {
-        let mut st = self.state.lock();
-        st.closed = true;
-        st.failed = true;
-        drop(st);
+        self.state.lock().failed = true;
         self.cond.notify_all();
     }
 }
@@ -195,7 +195,7 @@ impl MasterService {
 
     /// From now on, changes to `client`'s records go to `sink` (after those queued).
     fn link_records(&self, client: ClientId, sink: Arc<dyn RecordSink>) -> Result<()> {
-        let link = NodeLink::start(client, sink)?;
+        let link = NodeLink::new(client, sink);
         let clients = self.clients.read();
         let Some(rec) = clients.get(&client) else {
             link.close();
