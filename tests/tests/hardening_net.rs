@@ -134,6 +134,17 @@ fn connections_beyond_the_limit_are_refused_with_a_message() {
 }
 
 #[test]
+fn refusals_and_open_connections_show_in_the_metrics() {
+    let c = Cluster::start(&["--max-connections", "4"], 0);
+    let _held: Vec<TcpStream> = (0..4).map(|_| idle_client(&c.master_addr)).collect();
+    let (code, _, _) = client(&["ls", "--master", &c.master_addr], &[]);
+    assert_eq!(code, 1);
+    let metrics = c.metrics();
+    assert!(metrics.contains("mooncake_open_connections 4"), "{metrics}");
+    assert!(metrics.contains("mooncake_refused_connections_total 1"), "{metrics}");
+}
+
+#[test]
 fn authentication_errors_are_one_clear_line_in_under_a_second() {
     let secret = [("MOONCAKE_SECRET", "right")];
     let (_guarded, guarded) = master(&[], &[], &secret);
