@@ -76,6 +76,35 @@ pub fn prometheus_text(stats: &MasterStats, rpc: Option<&RpcServerStats>) -> Str
             "# HELP mooncake_bad_frames_total Connections closed for a malformed frame.\n# TYPE mooncake_bad_frames_total counter\nmooncake_bad_frames_total {}",
             rpc.bad_frames.load(Ordering::Relaxed)
         );
+        let connection_metrics = [
+            ("open_connections", "Client connections open now.", "gauge", &rpc.open_connections),
+            (
+                "refused_connections_total",
+                "Connections refused at once (protected mode, connection limit).",
+                "counter",
+                &rpc.refused_connections,
+            ),
+            (
+                "hello_timeouts_total",
+                "Connections closed for not completing their hello in time.",
+                "counter",
+                &rpc.hello_timeouts,
+            ),
+            (
+                "auth_failures_total",
+                "Connections that failed the shared-secret handshake.",
+                "counter",
+                &rpc.auth_failures,
+            ),
+            ("rpc_buffered_bytes", "Bytes of request bodies held in memory now.", "gauge", &rpc.buffered_bytes),
+        ];
+        for (name, help, kind, value) in connection_metrics {
+            let _ = writeln!(
+                out,
+                "# HELP mooncake_{name} {help}\n# TYPE mooncake_{name} {kind}\nmooncake_{name} {}",
+                value.load(Ordering::Relaxed)
+            );
+        }
     }
     out
 }

@@ -134,6 +134,17 @@ fn connections_beyond_the_limit_are_refused_with_a_message() {
 }
 
 #[test]
+fn refusals_and_open_connections_show_in_the_metrics() {
+    let c = Cluster::start(&["--max-connections", "4"], 0);
+    let _held: Vec<TcpStream> = (0..4).map(|_| idle_client(&c.master_addr)).collect();
+    let (code, _, _) = client(&["ls", "--master", &c.master_addr], &[]);
+    assert_eq!(code, 1);
+    let metrics = c.metrics();
+    assert!(metrics.contains("mooncake_open_connections 4"), "{metrics}");
+    assert!(metrics.contains("mooncake_refused_connections_total 1"), "{metrics}");
+}
+
+#[test]
 fn authentication_errors_are_one_clear_line_in_under_a_second() {
     let secret = [("MOONCAKE_SECRET", "right")];
     let (_guarded, guarded) = master(&[], &[], &secret);
@@ -250,4 +261,40 @@ fn ls_escapes_keys_and_speaks_json() {
     assert_eq!(lines, ["plain", "quote\\\"d", "tab\\there", "two\\nlines"], "{out}");
     let json = c.client_ok(&["ls", "--master", &c.master_addr, "--json"]);
     assert_eq!(json.trim(), r#"["plain","quote\"d","tab\there","two\nlines"]"#);
+}
+
+#[test]
+fn transfer_listeners_name_secret_mismatches_in_under_a_second() {
+    use mooncake_transfer::{SharedSecret, TcpTransport, TransferEngine, TransferError};
+    use std::sync::Arc;
+    let client = |secret: Option<&[u8]>| {
+        let tcp = match secret {
+            Some(s) => TcpTransport::with_secret(SharedSecret::new(s)),
+            None => TcpTransport::new(),
+        };
+        TransferEngine::builder().transport(Arc::new(tcp)).build().unwrap()
+    };
+    let guarded = TransferEngine::builder().tcp_listen("127.0.0.1:0").shared_secret(b"k").build().unwrap();
+    let open = TransferEngine::builder().tcp_listen("127.0.0.1:0").build().unwrap();
+    let (g, o) = (guarded.register_region(4096).unwrap(), open.register_region(4096).unwrap());
+    let cases = [
+        (guarded.remote(g.id()), Some(&b"not k"[..]), "wrong secret"),
+        (guarded.remote(g.id()), None, "requires a shared secret"),
+        (open.remote(o.id()), Some(&b"k"[..]), "no shared secret"),
+    ];
+    for (target, secret, expect) in cases {
+        let start = Instant::now();
+        let mut buf = [0u8; 4];
+        match client(secret).read(&target, 0, &mut buf) {
+            Err(TransferError::Auth(m)) => assert!(m.contains(expect), "expected {expect:?} in {m:?}"),
+            other => panic!("{expect}: {other:?}"),
+        }
+        assert!(start.elapsed() < Duration::from_secs(1), "{expect}: {:?}", start.elapsed());
+    }
+    // A transfer connection that never sends a request is closed after its hello timeout.
+    let mut s = TcpStream::connect(open.endpoint()).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(15))).unwrap();
+    let start = Instant::now();
+    assert_eq!(s.read(&mut [0u8; 1]).unwrap_or(0), 0);
+    assert!(start.elapsed() < Duration::from_secs(10), "{:?}", start.elapsed());
 }

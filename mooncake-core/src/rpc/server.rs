@@ -143,7 +143,8 @@ impl std::fmt::Debug for RpcServer {
 }
 
 impl RpcServer {
-    /// Binds `addr` and starts serving `service` on background threads.
+    /// Binds `addr` and starts serving `service` on background threads, with the
+    /// default [`RpcServerConfig`]: no secret, so loopback clients only.
     pub fn bind(addr: &str, service: Arc<MasterService>) -> Result<Self> {
         Self::bind_with_limit(addr, service, DEFAULT_MAX_FRAME)
     }
