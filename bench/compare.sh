@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One run, on this machine, of everything DESIGN §9 compares, and the table of ratios:
+# One run, on this machine, of everything the performance targets compares, and the table of ratios:
 #   - mooncake-rs: `remote` over Tcp and Shm (1 client, 4K..4M), `meta` (embedded
 #     metadata ops/s), `ssd` through bench/ssd.sh when it is there, and `trace`
 #     (the Mooncake FAST'25 trace replayed over Tcp: DRAM only, then DRAM + SSD);
@@ -247,7 +247,7 @@ def f(x):
     if x is None:
         return "-"
     return f"{x:.3g}" if abs(x) < 1000 else f"{x:,.0f}"
-lines = ["| target (DESIGN §9) | ours | reference / limit | ratio | goal | met | note |", "|---|---:|---:|---:|---:|:-:|---|"]
+lines = ["| target | ours | reference / limit | ratio | goal | met | note |", "|---|---:|---:|---:|---:|:-:|---|"]
 for t, m, o, r, g, met, note in rows:
     flag = "-" if met is None else ("yes" if met else "**no**")
     if t.startswith("trace hit") or t.startswith("trace (+SSD)"):

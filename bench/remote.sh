@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Remote put/get between processes: mooncake-rs over Tcp and Shm, the reference
 # Mooncake Store (../shared/anchors/mooncake, TCP) and memcpy, in one run.
-# Prints the ratios of DESIGN §9 and writes every JSON under $OUT (default bench/out).
+# Prints the ratios of the performance targets and writes every JSON under $OUT (default bench/out).
 #
 #   bash bench/remote.sh            # all of it (~3 min, plus the anchor's pip install once)
 #   SKIP_ANCHOR=1 bash bench/remote.sh

@@ -10,7 +10,7 @@
 # Two more fio jobs explain the store's figures (not targets): a 1 MiB write at QD1
 # (what one batch_offload call issues) and a 4 KiB random read submitted and reaped
 # 32 at a time (what one batch_load call of 32 keys does).
-# Prints ours/fio per round and their median for the DESIGN §9 targets, and writes
+# Prints ours/fio per round and their median for the the performance targets targets, and writes
 # every row and fio result to one JSON.
 #
 #   bash bench/ssd.sh [--dir DIR] [--out FILE]     (~2.5 min with the defaults)
@@ -145,7 +145,7 @@ checks = [
     ("  offload, 2 threads", ("offload", "bucket", True, "batch_offload", 1 << 20, None, 2), 0.90),
     ("  load, 2 threads", ("load", "bucket", True, "load_into_staging", 1 << 20, 32, 2), 0.90),
 ]
-print(f"\n{'DESIGN §9 target':34} {'ours':>10} {'fio':>10} {'median ratio':>12} {'goal':>5}  met")
+print(f"\n{'the performance targets target':34} {'ours':>10} {'fio':>10} {'median ratio':>12} {'goal':>5}  met")
 summary = []
 for name, want, goal in checks:
     hits = [v for k, v in table.items() if all(w is None or w == x for w, x in zip(want, k))]
