@@ -1,5 +1,5 @@
 //! `mooncake-master`: the master daemon, a command line over
-//! [`MasterDaemon`](mooncake_core::MasterDaemon) (run your own, with your own
+//! [`MasterDaemon`] (run your own, with your own
 //! allocation strategy, with that type: see examples/custom_master.rs).
 //!
 //! Set `MOONCAKE_SECRET` to require clients to prove a shared secret (and HTTP

@@ -95,23 +95,23 @@ macro_rules! master_calls {
                 targets: &[MemoryReplica] => Vec<MemoryReplica>,
                 ok: bool => bool
             ) -> Result<()>;
-            /// Batch [`put_start`](MasterApi::put_start).
+            /// Batch [`put_start`](crate::MasterApi::put_start).
             BatchPutStart => fn batch_put_start(
                 client: ClientId => ClientId,
                 items: &[(&str, u64)] => Vec<(String, u64)>,
                 cfg: &ReplicateConfig => ReplicateConfig
             ) -> Vec<Result<Vec<MemoryReplica>>>;
-            /// Batch [`put_end`](MasterApi::put_end).
+            /// Batch [`put_end`](crate::MasterApi::put_end).
             BatchPutEnd => fn batch_put_end(client: ClientId => ClientId, items: &[(&str, u32)] => Vec<(String, u32)>)
                 -> Vec<Result<()>>;
-            /// Batch [`put_revoke`](MasterApi::put_revoke).
+            /// Batch [`put_revoke`](crate::MasterApi::put_revoke).
             BatchPutRevoke => fn batch_put_revoke(client: ClientId => ClientId, keys: &[&str] => Vec<String>)
                 -> Vec<Result<()>>;
-            /// Batch [`get_replica_list`](MasterApi::get_replica_list).
+            /// Batch [`get_replica_list`](crate::MasterApi::get_replica_list).
             BatchGetReplicaList => fn batch_get_replica_list(keys: &[&str] => Vec<String>) -> Vec<Result<ReplicaList>>;
-            /// Batch [`exists`](MasterApi::exists).
+            /// Batch [`exists`](crate::MasterApi::exists).
             BatchExists => fn batch_exists(keys: &[&str] => Vec<String>) -> Vec<Result<bool>>;
-            /// Batch [`remove`](MasterApi::remove).
+            /// Batch [`remove`](crate::MasterApi::remove).
             BatchRemove => fn batch_remove(keys: &[&str] => Vec<String>) -> Vec<Result<()>>;
             /// Keys of complete objects, at most `limit`.
             ListKeys => fn list_keys(limit: usize => usize) -> Result<Vec<String>>;

@@ -101,7 +101,7 @@ pub struct SegmentInfo {
 
 /// What a client must do to change an object's replica count: copy the object from a
 /// source replica into each target, then call
-/// [`MasterService::replicate_end`]. Extra replicas were already dropped.
+/// [`MasterService::replicate_end`](crate::MasterService::replicate_end). Extra replicas were already dropped.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ReplicatePlan {
     /// Object length.
