@@ -18,15 +18,17 @@ mod eviction;
 mod liveness;
 mod object;
 mod objects;
+mod record_link;
 mod records;
 mod segment;
 mod service;
 mod stats;
+mod tombstones;
 mod types;
 
 pub(crate) use api::master_calls;
 pub use api::MasterApi;
-pub use records::{RecordConnector, RecordSink};
+pub use record_link::{RecordConnector, RecordSink};
 pub use service::{Master, MasterService};
 pub(crate) use types::remote_region;
 pub use types::{

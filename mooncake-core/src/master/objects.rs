@@ -10,7 +10,7 @@ use mooncake_alloc::{AllocatedBuffer, AllocationError, AllocationRequest, Segmen
 use crate::config::{check_key, check_value_len, ReplicateConfig};
 use crate::error::{Error, Result};
 use crate::master::object::{ObjectEntry, StoredReplica};
-use crate::master::records::RecordWait;
+use crate::master::record_link::RecordWait;
 use crate::master::service::MasterService;
 use crate::master::types::*;
 

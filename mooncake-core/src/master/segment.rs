@@ -27,7 +27,7 @@ pub(crate) struct ClientRecord {
     pub(crate) updates: parking_lot::Mutex<Vec<crate::master::types::RecordUpdate>>,
     /// The client's record endpoint, once it mounted one: changes go there, not to
     /// the heartbeats.
-    pub(crate) link: parking_lot::Mutex<Option<Arc<crate::master::records::NodeLink>>>,
+    pub(crate) link: parking_lot::Mutex<Option<Arc<crate::master::record_link::NodeLink>>>,
     /// Some segment of this client is suspect (its next heartbeat clears them).
     pub(crate) suspect: std::sync::atomic::AtomicBool,
     /// SSD capacity the client reported (bytes; <= 0: none).

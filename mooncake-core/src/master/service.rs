@@ -48,10 +48,10 @@ pub struct MasterService {
     /// Random per start (see [`ClientRegistration::incarnation`](crate::ClientRegistration)).
     pub(super) incarnation: u64,
     /// How to reach storage nodes' record endpoints (unset: heartbeats only).
-    pub(super) record_connector: std::sync::OnceLock<Arc<dyn crate::master::records::RecordConnector>>,
+    pub(super) record_connector: std::sync::OnceLock<Arc<dyn crate::master::record_link::RecordConnector>>,
     /// Keys removed while they had a disk replica: an SSD that comes back with one of
     /// them does not register it again.
-    pub(super) tombstones: crate::master::disk::Tombstones,
+    pub(super) tombstones: crate::master::tombstones::Tombstones,
     /// Until when (ms) the master counts as recovering from a restart: set by each
     /// segment re-mounted with its objects, for one client TTL (every surviving
     /// client re-mounts within it). Meanwhile a missing key or a lack of segments is

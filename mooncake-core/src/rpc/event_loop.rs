@@ -16,7 +16,7 @@ use mio::{Events, Interest, Poll, Token, Waker};
 use mooncake_transfer::{admits_peer, encode_refusal, AUTH_LEN, AUTH_MAGIC, PROTECTED_MODE_REFUSAL};
 
 use super::frame_reader::FrameReader;
-use super::server::{RpcHandler, RpcServerConfig, RpcServerStats};
+use super::handler::{RpcHandler, RpcServerConfig, RpcServerStats};
 use super::wire::{decode_body, encode_frame, FrameKind, Request};
 
 const LISTENER: Token = Token(0);

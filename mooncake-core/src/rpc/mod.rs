@@ -8,9 +8,11 @@ mod client;
 mod convert;
 mod event_loop;
 mod frame_reader;
+mod handler;
 mod server;
 pub mod wire;
 
 pub use client::{RpcMasterClient, RpcRecordConnector};
 pub use frame_reader::{FrameReader, RawFrame};
-pub use server::{dispatch, read_frame, RpcHandler, RpcServer, RpcServerConfig, RpcServerStats};
+pub use handler::{RpcHandler, RpcServerConfig, RpcServerStats};
+pub use server::{dispatch, read_frame, RpcServer};

@@ -3,9 +3,7 @@
 
 use std::io::Read;
 use std::net::SocketAddr;
-use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
-use std::time::Duration;
 
 use mooncake_transfer::SharedSecret;
 
@@ -14,98 +12,10 @@ use crate::master::{master_calls, MasterApi, MasterService};
 use crate::rpc::convert::{Arg, Lend};
 use crate::rpc::event_loop::EventLoop;
 use crate::rpc::frame_reader::RawFrame;
+use crate::rpc::handler::{RpcHandler, RpcServerConfig, RpcServerStats};
 use crate::rpc::wire::WireReturn;
 
-use super::wire::{
-    FrameError, FrameHeader, Request, Response, WireError, DEFAULT_MAX_FRAME, HEADER_LEN, REQUEST_KINDS,
-};
-
-/// Counters of the RPC server.
-#[derive(Debug)]
-pub struct RpcServerStats {
-    /// Requests by kind (indexed like [`REQUEST_KINDS`]).
-    pub ops_by_kind: [AtomicU64; REQUEST_KINDS.len()],
-    /// Error answers by kind (indexed like [`REQUEST_KINDS`]).
-    pub errors_by_kind: [AtomicU64; REQUEST_KINDS.len()],
-    /// Requests answered.
-    pub requests: AtomicU64,
-    /// Requests answered with an error.
-    pub errors: AtomicU64,
-    /// Connections closed because of a malformed frame.
-    pub bad_frames: AtomicU64,
-    /// Connections accepted.
-    pub connections: AtomicU64,
-    /// Connections open now.
-    pub open_connections: AtomicU64,
-    /// Connections refused at once: protected mode, or over the connection limit.
-    pub refused_connections: AtomicU64,
-    /// Connections closed for not completing their hello (the shared-secret
-    /// handshake, or a first frame) in time.
-    pub hello_timeouts: AtomicU64,
-    /// Connections that failed the shared-secret handshake.
-    pub auth_failures: AtomicU64,
-    /// Bytes of request bodies held in memory now (within
-    /// [`RpcServerConfig::memory_budget`]).
-    pub buffered_bytes: AtomicU64,
-}
-
-impl Default for RpcServerStats {
-    fn default() -> Self {
-        Self {
-            ops_by_kind: std::array::from_fn(|_| AtomicU64::new(0)),
-            errors_by_kind: std::array::from_fn(|_| AtomicU64::new(0)),
-            requests: AtomicU64::new(0),
-            errors: AtomicU64::new(0),
-            bad_frames: AtomicU64::new(0),
-            connections: AtomicU64::new(0),
-            open_connections: AtomicU64::new(0),
-            refused_connections: AtomicU64::new(0),
-            hello_timeouts: AtomicU64::new(0),
-            auth_failures: AtomicU64::new(0),
-            buffered_bytes: AtomicU64::new(0),
-        }
-    }
-}
-
-/// Limits and access rules of an [`RpcServer`].
-#[derive(Clone, Debug)]
-pub struct RpcServerConfig {
-    /// Largest frame body accepted; also the most request bytes one connection holds.
-    pub max_frame: u32,
-    /// Secret every client must prove before its first request.
-    pub secret: Option<SharedSecret>,
-    /// Serve clients on any address without a secret. Off by default (protected
-    /// mode): without a secret, only loopback clients are served.
-    pub insecure: bool,
-    /// Most connections open at once; beyond it, new ones are refused with a message.
-    pub max_connections: usize,
-    /// Most bytes of request bodies held in memory over all connections; a
-    /// connection whose body would exceed it waits until memory is freed.
-    pub memory_budget: usize,
-    /// How long a new connection has to complete its hello: the shared-secret
-    /// handshake, or (without a secret) its first request.
-    pub hello_timeout: Duration,
-    /// Threads answering requests kept ready (0: one per core, at least 2, at most 16).
-    pub workers: usize,
-    /// Most threads answering requests: a request that blocks (a put waiting for an
-    /// offload) holds one, and another is started when a request finds none free.
-    pub max_workers: usize,
-}
-
-impl Default for RpcServerConfig {
-    fn default() -> Self {
-        Self {
-            max_frame: DEFAULT_MAX_FRAME,
-            secret: None,
-            insecure: false,
-            max_connections: 65_536,
-            memory_budget: 1 << 30,
-            hello_timeout: Duration::from_secs(5),
-            workers: 0,
-            max_workers: 256,
-        }
-    }
-}
+use super::wire::{FrameError, FrameHeader, Request, Response, WireError, DEFAULT_MAX_FRAME, HEADER_LEN};
 
 /// Serves a [`MasterService`] over TCP.
 ///
@@ -205,12 +115,6 @@ impl Drop for RpcServer {
     fn drop(&mut self) {
         drop(self.event_loop.take());
     }
-}
-
-/// Answers requests of the framed protocol.
-pub trait RpcHandler: Send + Sync + 'static {
-    /// The response to one request.
-    fn handle(&self, request: Request) -> Response;
 }
 
 impl RpcHandler for MasterService {
