@@ -222,10 +222,8 @@ impl MooncakeDistributedStore {
         };
         let slices: Vec<&[u8]> = parts.iter().map(|p| p.as_bytes()).collect();
         Ok(py.detach(|| {
-            // TODO(embedding-api): use Store::put_parts, which writes the parts without
-            // joining them first.
-            let joined = slices.concat();
-            put_status(&s.store.put_with(key, &joined, &cfg))
+            let res = s.store.batch_put_parts(&[(key, &slices)], &cfg).pop().unwrap_or(Ok(()));
+            put_status(&res)
         }))
     }
 
@@ -542,23 +540,21 @@ impl MooncakeDistributedStore {
             }
         }
         py.detach(|| {
-            // TODO(embedding-api): use Store::batch_put_parts, which writes the parts
-            // without joining them first.
-            let joined: Vec<Vec<u8>> = valid
+            let parts: Vec<Vec<&[u8]>> = valid
                 .iter()
                 .map(|&i| {
-                    let mut v = Vec::with_capacity(all_sizes[i].iter().sum());
-                    for (&p, &l) in all_buffer_ptrs[i].iter().zip(&all_sizes[i]) {
-                        // SAFETY: each part was checked against a registered region.
-                        v.extend_from_slice(unsafe { std::slice::from_raw_parts(p as *const u8, l) });
-                    }
-                    v
+                    let (ptrs, sizes) = (&all_buffer_ptrs[i], &all_sizes[i]);
+                    // SAFETY: each part was checked against a registered region.
+                    ptrs.iter()
+                        .zip(sizes)
+                        .map(|(&p, &l)| unsafe { std::slice::from_raw_parts(p as *const u8, l) })
+                        .collect()
                 })
                 .collect();
-            let keys: Vec<String> = valid.iter().map(|&i| keys[i].clone()).collect();
-            let values: Vec<&[u8]> = joined.iter().map(Vec::as_slice).collect();
-            for (&i, c) in valid.iter().zip(Self::put_many(&s.store, &keys, &values, &cfg)) {
-                results[i] = c;
+            let items: Vec<(&str, &[&[u8]])> =
+                valid.iter().zip(&parts).map(|(&i, p)| (keys[i].as_str(), p.as_slice())).collect();
+            for (&i, res) in valid.iter().zip(s.store.batch_put_parts(&items, &cfg)) {
+                results[i] = put_status(&res);
             }
         });
         results

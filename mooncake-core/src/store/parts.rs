@@ -158,6 +158,9 @@ impl StoreInner {
             results[*i] = res;
         }
         let c = &self.counters;
+        // As a single put counts it: stored, with fewer replicas than asked.
+        let short = plans.iter().filter(|(i, p)| p.len() < cfg.replica_num && results[*i].is_ok()).count();
+        StoreCounters::inc(&c.under_replicated_puts, short as u64);
         for (res, len) in results.iter().zip(&lens) {
             match res {
                 Ok(()) => {
@@ -297,7 +300,7 @@ impl Store {
     /// Stores one object made of `parts`, concatenated (one block's KV cache kept
     /// in per-layer buffers, say), without joining them in memory first.
     pub fn put_parts(&self, key: &str, parts: &[&[u8]]) -> Result<()> {
-        self.batch_put_parts(&[(key, parts)], &self.inner.replicate.clone()).pop().unwrap_or(Ok(()))
+        self.batch_put_parts(&[(key, parts)], &self.inner.replicate).pop().unwrap_or(Ok(()))
     }
 
     /// Reads one object into `bufs`, filled in order (the first `bufs[0].len()`
