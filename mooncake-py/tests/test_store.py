@@ -12,7 +12,7 @@ import urllib.request
 
 import pytest
 
-from conftest import connect, free_port, master_binary, stop
+from conftest import connect, master_binary, stop
 from mooncake_rs.store import BufferHandle, MooncakeDistributedStore, ReplicateConfig, SoftPinAction
 
 INVALID_PARAMS = -600
@@ -544,7 +544,9 @@ def test_bad_pointers_do_not_crash_the_process(master):
 
 
 def test_master_takes_the_reference_flag_spellings():
-    port, metrics = free_port(), free_port()
+    # Port 0 for both: the master prints the ports it bound, so no other test can take
+    # them between choosing and binding.
+    port, metrics = 0, 0
     flags = [
         "--rpc_address=127.0.0.1",
         f"--rpc_port={port}",
@@ -558,7 +560,12 @@ def test_master_takes_the_reference_flag_spellings():
     ]
     proc = subprocess.Popen([master_binary(), *flags], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
-        assert f"listening on 127.0.0.1:{port}" in proc.stdout.readline()
+        line = proc.stdout.readline()
+        assert "listening on 127.0.0.1:" in line, line
+        port = int(line.rsplit(":", 1)[1])
+        line = proc.stdout.readline()
+        assert "metrics on 127.0.0.1:" in line, line
+        metrics = int(line.rsplit(":", 1)[1])
         s = connect(f"127.0.0.1:{port}")
         assert s.put("flags", b"v") == 0 and s.get("flags") == b"v"
         text = urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=10).read().decode()

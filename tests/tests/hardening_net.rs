@@ -240,9 +240,8 @@ fn metrics_without_a_secret_are_served_to_loopback_only() {
         eprintln!("SKIPPED: this machine has no non-loopback address");
         return;
     };
-    let port = std::net::TcpListener::bind("0.0.0.0:0").unwrap().local_addr().unwrap().port();
-    let metrics = format!("0.0.0.0:{port}");
-    let (_m, _) = master(&[], &["--metrics-listen", &metrics], &[]);
+    let (mut m, _) = master(&[], &["--metrics-listen", "0.0.0.0:0"], &[]);
+    let port = m.next_addr().rsplit(':').next().unwrap().to_owned();
     let (code, _) = http_request(&format!("{ip}:{port}"), "/status", None);
     assert_eq!(code, 403);
     let (code, body) = http_request(&format!("127.0.0.1:{port}"), "/status", None);

@@ -15,6 +15,10 @@
 //! The reference master's spellings are accepted too: `--rpc_address`, `--rpc_port`,
 //! `--default_kv_lease_ttl` (ms), `--client_ttl` (s), `--eviction_high_watermark_ratio`,
 //! `--eviction_ratio`, `--metrics_host`, `--metrics_port`, `--enable_offload`.
+//!
+//! Once serving it prints `mooncake-master listening on ADDR` and, with metrics,
+//! `mooncake-master metrics on ADDR` on stdout; port 0 in either address picks a free
+//! port and these lines say which.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -134,8 +138,10 @@ fn serve_metrics(
     rpc: Arc<RpcServerStats>,
     secret: Option<String>,
     insecure: bool,
-) -> Result<(), String> {
+) -> Result<String, String> {
     let server = tiny_http::Server::http(addr).map_err(|e| format!("cannot listen on {addr} for metrics: {e}"))?;
+    // Port 0 picks a free port; the caller prints the one bound.
+    let bound = server.server_addr().to_string();
     std::thread::Builder::new()
         .name("mooncake-metrics".into())
         .spawn(move || {
@@ -162,7 +168,7 @@ fn serve_metrics(
             }
         })
         .map_err(|e| e.to_string())?;
-    Ok(())
+    Ok(bound)
 }
 
 fn run(args: Args) -> Result<(), String> {
@@ -193,10 +199,17 @@ fn run(args: Args) -> Result<(), String> {
     };
     let daemon = MasterDaemon::builder(&args.listen).config(config).rpc_config(rpc_config);
     let daemon = daemon.serve().map_err(|e| e.to_string())?;
-    if let Some(addr) = &args.metrics_listen {
-        serve_metrics(addr, daemon.master().clone(), daemon.rpc_stats().clone(), secret, args.insecure)?;
-    }
+    let metrics = match &args.metrics_listen {
+        Some(addr) => {
+            Some(serve_metrics(addr, daemon.master().clone(), daemon.rpc_stats().clone(), secret, args.insecure)?)
+        }
+        None => None,
+    };
+    // First line: where RPC listens (scripts read it); second: where metrics are.
     println!("mooncake-master listening on {}", daemon.local_addr());
+    if let Some(metrics) = metrics {
+        println!("mooncake-master metrics on {metrics}");
+    }
     if let Some(sig) = signals.forever().next() {
         tracing::info!(sig, "shutting down");
     }

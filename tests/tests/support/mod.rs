@@ -4,7 +4,7 @@
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, ChildStdout, Command, Stdio};
 use std::time::{Duration, Instant};
 
 /// Path of a binary of this workspace, next to the test executable's directory.
@@ -49,6 +49,9 @@ pub fn wait_until(limit: Duration, mut cond: impl FnMut() -> bool) {
 pub struct Proc {
     pub child: Child,
     pub first_line: String,
+    /// The rest of stdout, kept open so later lines can be read and the child never
+    /// writes into a closed pipe.
+    stdout: BufReader<ChildStdout>,
 }
 
 impl Proc {
@@ -74,11 +77,24 @@ impl Proc {
             .stderr(Stdio::inherit())
             .spawn()
             .unwrap_or_else(|e| panic!("cannot start {}: {e}", program.display()));
-        let stdout = child.stdout.take().unwrap();
+        let mut stdout = BufReader::new(child.stdout.take().unwrap());
         let mut line = String::new();
-        BufReader::new(stdout).read_line(&mut line).unwrap();
+        stdout.read_line(&mut line).unwrap();
         assert!(!line.is_empty(), "{} exited before saying where it listens", program.display());
-        Proc { child, first_line: line.trim().to_owned() }
+        Proc { child, first_line: line.trim().to_owned(), stdout }
+    }
+
+    /// The next line of stdout (blocks until it comes); panics at end of output.
+    pub fn next_line(&mut self) -> String {
+        let mut line = String::new();
+        self.stdout.read_line(&mut line).unwrap();
+        assert!(!line.is_empty(), "the process ended its output");
+        line.trim().to_owned()
+    }
+
+    /// The address at the end of the next line (`... metrics on ADDR`).
+    pub fn next_addr(&mut self) -> String {
+        self.next_line().rsplit(' ').next().unwrap().to_owned()
     }
 
     /// Sends a signal by name (`KILL`, `STOP`, `CONT`, `TERM`).
@@ -126,10 +142,6 @@ pub struct Cluster {
     pub env: Vec<(String, String)>,
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
 impl Cluster {
     /// Starts a master with `master_args` and `nodes` storage nodes of 64 MiB.
     pub fn start(master_args: &[&str], nodes: usize) -> Cluster {
@@ -138,16 +150,18 @@ impl Cluster {
 
     /// [`start`](Self::start) with environment variables for the master and nodes.
     pub fn start_env(master_args: &[&str], nodes: usize, env: &[(&str, &str)]) -> Cluster {
-        let metrics_addr = format!("127.0.0.1:{}", free_port());
+        // Port 0 for both listeners: the master says which ports it bound, so no
+        // other test can take them between choosing and binding.
         let mut args: Vec<String> =
-            vec!["--listen".into(), "127.0.0.1:0".into(), "--metrics-listen".into(), metrics_addr.clone()];
+            vec!["--listen".into(), "127.0.0.1:0".into(), "--metrics-listen".into(), "127.0.0.1:0".into()];
         args.extend(master_args.iter().map(|s| s.to_string()));
         let argv: Vec<&str> = args.iter().map(String::as_str).collect();
-        let master = Proc::spawn_env(&[], &bin("mooncake-master"), &argv, env);
+        let mut master = Proc::spawn_env(&[], &bin("mooncake-master"), &argv, env);
         let master_addr = master.first_line.rsplit(' ').next().unwrap().to_owned();
-        // Restarts reuse the bound port.
-        let pos = args.iter().position(|a| a == "127.0.0.1:0").unwrap();
-        args[pos] = master_addr.clone();
+        let metrics_addr = master.next_addr();
+        // Restarts reuse the bound ports.
+        args[1] = master_addr.clone();
+        args[3] = metrics_addr.clone();
         let env = env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
         let mut c = Cluster {
             master,
