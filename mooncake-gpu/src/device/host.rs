@@ -32,7 +32,8 @@ const PAGE: u64 = 4096;
 /// hands out as the allocation's "dma-buf": a software RDMA NIC
 /// (`mooncake_transfer::SoftRdma`) imports it by mapping it and then reads and
 /// writes the memory itself, as a NIC does GPU memory, by device address, never
-/// through this value. A real NIC refuses it (it is no dma-buf).
+/// through this value (so without its lock: bytes read while a NIC writes them are
+/// unspecified, as on a GPU). A real NIC refuses it (it is no dma-buf).
 pub struct HostDeviceMemory {
     data: RwLock<MmapMut>,
     len: u64,
