@@ -8,6 +8,8 @@
 //!
 //! ```text
 //! mooncake-master --listen 127.0.0.1:50051 [--metrics-listen ADDR] [--insecure] [--max-connections N]
+//!                 [--etcd http://H:P[,H:P] --cluster-id NAME [--advertise ADDR] [--slot-groups 16]
+//!                  [--lease-ttl-ms 3000]]
 //!                 [--allocation-strategy random|free_ratio_first|ssd_free_ratio_first]
 //!                 [--default-lease-ms 5000] [--client-ttl-ms 10000] [--persist none|lazy|eager]
 //! ```
@@ -58,6 +60,25 @@ struct Args {
     /// Most client connections open at once; more are refused with a message.
     #[arg(long, default_value_t = 65_536)]
     max_connections: usize,
+    /// Cluster mode: etcd endpoints (`http://H:P[,H:P...]`); the master joins the
+    /// cluster `--cluster-id` and answers only for the slot groups it leads.
+    #[arg(long, requires = "cluster_id")]
+    etcd: Option<String>,
+    /// Cluster mode: the cluster's name (clients use `etcd://H:P/NAME`).
+    #[arg(long)]
+    cluster_id: Option<String>,
+    /// Cluster mode: the address clients reach this master at (default: the one served;
+    /// give a routable one when listening on 0.0.0.0).
+    #[arg(long)]
+    advertise: Option<String>,
+    /// Cluster mode: slot groups, when this master creates the cluster (a divisor of
+    /// 16384; the first master fixes it).
+    #[arg(long, default_value_t = 16)]
+    slot_groups: u32,
+    /// Cluster mode: leadership lease (ms); a master that cannot renew it for this long
+    /// stops answering for its slots.
+    #[arg(long, default_value_t = 3000)]
+    lease_ttl_ms: u64,
     /// Host of the RPC listener (with `--rpc_port`, instead of `--listen`).
     #[arg(long = "rpc_address", help_heading = "Reference master's spellings")]
     rpc_address: Option<String>,
@@ -197,7 +218,23 @@ fn run(args: Args) -> Result<(), String> {
         max_connections: args.max_connections,
         ..RpcServerConfig::default()
     };
-    let daemon = MasterDaemon::builder(&args.listen).config(config).rpc_config(rpc_config);
+    let mut daemon = MasterDaemon::builder(&args.listen).config(config).rpc_config(rpc_config);
+    if let Some(etcd) = &args.etcd {
+        let endpoints: Vec<String> = etcd
+            .split(',')
+            .map(|e| e.trim().trim_start_matches("http://").to_owned())
+            .filter(|e| !e.is_empty())
+            .collect();
+        let member = mooncake_core::cluster::MemberConfig {
+            endpoints,
+            cluster: args.cluster_id.clone().unwrap_or_default(),
+            advertise: args.advertise.clone().unwrap_or_default(),
+            lease_ttl: Duration::from_millis(args.lease_ttl_ms),
+            groups: args.slot_groups,
+            ..mooncake_core::cluster::MemberConfig::default()
+        };
+        daemon = daemon.cluster(member);
+    }
     let daemon = daemon.serve().map_err(|e| e.to_string())?;
     let metrics = match &args.metrics_listen {
         Some(addr) => {
