@@ -127,6 +127,7 @@ mod tests {
     #[test]
     fn keys_round_trip_through_parse() {
         let l = Layout::new("c1");
+        assert_eq!(l.prefix(), "/mooncake/c1/");
         assert_eq!(l.config(), "/mooncake/c1/config");
         assert_eq!(l.parse(l.config().as_bytes()), Some(ClusterKey::Config));
         assert_eq!(l.parse(l.scheduler().as_bytes()), Some(ClusterKey::Scheduler));

@@ -42,17 +42,16 @@ pub(crate) fn plan(view: &ClusterView) -> Vec<Assignment> {
     for id in owner.iter().flatten() {
         *load.get_mut(id.as_str()).expect("owners are live members") += 1;
     }
-    for g in 0..groups {
-        if owner[g].is_some() {
+    for (o, leader) in owner.iter_mut().zip(&view.leaders) {
+        if o.is_some() {
             continue;
         }
-        let leader = view.leaders[g].as_ref().map(|l| l.master.clone());
-        let target = match live(&leader) {
+        let target = match live(&leader.as_ref().map(|l| l.master.clone())) {
             Some(leader) => leader,
             None => least_loaded(&load).to_string(),
         };
         *load.get_mut(target.as_str()).expect("targets are live members") += 1;
-        owner[g] = Some(target);
+        *o = Some(target);
     }
     loop {
         let most = most_loaded(&load);
