@@ -596,12 +596,16 @@ impl Coordinator {
         tracing::info!(member = %self.shared.id, "left the cluster");
     }
 
-    /// Revokes the lease (best effort; it expires anyway).
+    /// Revokes the lease, and one given up earlier if it was not revoked yet (best
+    /// effort; they expire anyway).
     async fn give_up_lease(&mut self) {
-        if let Some(s) = self.session.take() {
+        let leases = self.session.take().map(|s| s.lease).into_iter().chain(self.stale_lease.take());
+        for id in leases.collect::<Vec<_>>() {
             let mut lease = self.etcd.client.lease_client();
-            if let Err(e) = self.etcd.call("revoke the lease", lease.revoke(s.lease)).await {
-                tracing::warn!(member = %self.shared.id, "cannot revoke the lease (it will expire): {e}");
+            match self.etcd.call("revoke the lease", lease.revoke(id)).await {
+                Ok(_) => {}
+                Err(e) if is_lease_not_found(&e) => {}
+                Err(e) => tracing::warn!(member = %self.shared.id, "cannot revoke the lease (it will expire): {e}"),
             }
         }
     }
