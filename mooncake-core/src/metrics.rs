@@ -54,7 +54,12 @@ pub fn prometheus_text(stats: &MasterStats, rpc: Option<&RpcServerStats>) -> Str
         stats.record_failures as f64,
     );
     gauge("stall_graces_total", "Grace periods granted after a master stall.", "counter", stats.stall_graces as f64);
-    gauge("slot_groups_acquired_total", "Slot groups this master took the lead of.", "counter", stats.groups_acquired as f64);
+    gauge(
+        "slot_groups_acquired_total",
+        "Slot groups this master took the lead of.",
+        "counter",
+        stats.groups_acquired as f64,
+    );
     gauge("slot_groups_released_total", "Slot groups this master gave up.", "counter", stats.groups_released as f64);
     gauge("moved_answers_total", "Calls answered Moved (slot led elsewhere).", "counter", stats.moved_answers as f64);
     if let Some(rpc) = rpc {

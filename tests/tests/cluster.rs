@@ -104,7 +104,7 @@ struct Cluster {
     nodes: Vec<Proc>,
 }
 
-const LEASE_MS: u64 = 1500;
+const LEASE_MS: u64 = 2000;
 
 impl Cluster {
     fn start(masters: usize, nodes: usize) -> Option<Cluster> {
@@ -206,9 +206,11 @@ fn count_by_leader(leaders: &[Option<String>]) -> HashMap<String, usize> {
 #[test]
 fn kill_9_of_a_master_loses_nothing_acknowledged_and_returns_nothing_removed() {
     let Some(mut c) = Cluster::start(3, 2) else { return };
-    let counts = count_by_leader(&c.leaders());
-    assert_eq!(counts.len(), 3, "three masters share the groups: {counts:?}");
-    assert!(counts.values().all(|&n| (4..=6).contains(&n)), "about a third each: {counts:?}");
+    // The scheduler balances the groups: about a third each.
+    wait_until(Duration::from_secs(10), || {
+        let counts = count_by_leader(&c.leaders());
+        counts.len() == 3 && counts.values().all(|&n| (5..=6).contains(&n))
+    });
 
     let store = c.store();
     let two = ReplicateConfig::replicas(2);
@@ -310,7 +312,9 @@ fn masters_stop_serving_without_etcd_and_resume_when_it_returns() {
     assert!(direct.exists("e1").unwrap());
     c.etcd.kill();
     // Its lease cannot be renewed: within a lease it answers no key.
-    wait_until(Duration::from_secs(2 * LEASE_MS / 1000 + 3), || matches!(direct.exists("e1"), Err(Error::Moved { .. })));
+    wait_until(Duration::from_secs(2 * LEASE_MS / 1000 + 3), || {
+        matches!(direct.exists("e1"), Err(Error::Moved { .. }))
+    });
     c.etcd.restart();
     wait_until(Duration::from_secs(15), || matches!(direct.exists("e1"), Ok(true)));
     for i in 0..50 {

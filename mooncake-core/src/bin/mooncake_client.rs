@@ -228,7 +228,9 @@ fn run(cmd: Command, protocol: Protocol) -> Result<(), String> {
                 println!("{} slot groups", map.groups());
                 for (r, l) in ranges {
                     match l {
-                        Some(l) => println!("{}-{} -> {} (master {}, epoch {})", r.start(), r.end(), l.addr, l.master, l.epoch),
+                        Some(l) => {
+                            println!("{}-{} -> {} (master {}, epoch {})", r.start(), r.end(), l.addr, l.master, l.epoch)
+                        }
                         None => println!("{}-{} -> no leader", r.start(), r.end()),
                     }
                 }

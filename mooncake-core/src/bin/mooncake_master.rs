@@ -75,8 +75,8 @@ struct Args {
     /// 16384; the first master fixes it).
     #[arg(long, default_value_t = 16)]
     slot_groups: u32,
-    /// Cluster mode: leadership lease (ms); a master that cannot renew it for this long
-    /// stops answering for its slots.
+    /// Cluster mode: leadership lease (ms, rounded up to whole seconds; etcd's minimum
+    /// is 2 s); a master that cannot renew it stops answering for its slots.
     #[arg(long, default_value_t = 3000)]
     lease_ttl_ms: u64,
     /// Host of the RPC listener (with `--rpc_port`, instead of `--listen`).
@@ -220,18 +220,14 @@ fn run(args: Args) -> Result<(), String> {
     };
     let mut daemon = MasterDaemon::builder(&args.listen).config(config).rpc_config(rpc_config);
     if let Some(etcd) = &args.etcd {
-        let endpoints: Vec<String> = etcd
-            .split(',')
-            .map(|e| e.trim().trim_start_matches("http://").to_owned())
-            .filter(|e| !e.is_empty())
-            .collect();
+        let endpoints: Vec<String> = etcd.split(',').map(|e| e.trim().to_owned()).filter(|e| !e.is_empty()).collect();
         let member = mooncake_core::cluster::MemberConfig {
             endpoints,
             cluster: args.cluster_id.clone().unwrap_or_default(),
             advertise: args.advertise.clone().unwrap_or_default(),
             lease_ttl: Duration::from_millis(args.lease_ttl_ms),
             groups: args.slot_groups,
-            ..mooncake_core::cluster::MemberConfig::default()
+            scan_interval: Duration::from_secs(1),
         };
         daemon = daemon.cluster(member);
     }

@@ -5,7 +5,8 @@
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
 
-use crate::cluster::member::{ClusterMember, GroupHandler};
+use crate::cluster::member::ClusterMember;
+use crate::cluster::member_config::GroupHandler;
 use crate::cluster::slots::{key_slot, SLOTS};
 use crate::error::Error;
 use crate::master::{KeyOwnership, MasterService};
@@ -37,8 +38,12 @@ impl MemberOwnership {
         self.member.get()
     }
 
+    /// The group's leader as the map here says, unless that is this master (whose map
+    /// lags behind its lapsed lease): then nobody known.
     fn leader_of(&self, group: u32) -> Option<String> {
-        self.member.get().and_then(|m| m.slot_map().leader(group).map(|l| l.addr.clone()))
+        let member = self.member.get()?;
+        let map = member.slot_map();
+        map.leader(group).filter(|l| l.master != member.id()).map(|l| l.addr.clone())
     }
 }
 

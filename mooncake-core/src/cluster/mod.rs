@@ -18,7 +18,8 @@
 //! `scheduler` (its pure assignment plan), `fence` (the lease deadline `leads` checks);
 //! with `etcd`: `client` (requests with deadlines), `mirror` (loading and watching a
 //! view), `member_config` (the config, handler trait, stats), `coordinator` (a member's
-//! coordination loop), `member` ([`ClusterMember`]), `watcher` ([`SlotMapWatcher`]).
+//! coordination loop), `member` ([`ClusterMember`]), `watcher` ([`SlotMapWatcher`]),
+//! `leadership` (a master's `KeyOwnership` from its membership).
 
 mod address;
 #[cfg(feature = "etcd")]
@@ -29,6 +30,8 @@ mod coordinator;
 mod fence;
 #[cfg(any(feature = "etcd", test))]
 mod layout;
+#[cfg(feature = "etcd")]
+pub(crate) mod leadership;
 #[cfg(feature = "etcd")]
 mod member;
 #[cfg(feature = "etcd")]

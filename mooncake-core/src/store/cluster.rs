@@ -35,6 +35,9 @@ use crate::rpc::wire::{Request, Response, WireError};
 use crate::rpc::{RpcHandler, RpcMasterClient};
 use crate::store::records::SegmentRecords;
 
+/// Longest wait for one master's answer before the call is routed again.
+const SESSION_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// One master of the cluster, as this client knows it.
 struct Session {
     addr: String,
@@ -55,6 +58,8 @@ struct Extent {
 
 /// The [`MasterApi`] of a cluster of masters; see the module docs.
 pub(crate) struct ClusterClient {
+    /// Itself, for the sessions' heartbeat threads.
+    me: std::sync::Weak<ClusterClient>,
     watcher: SlotMapWatcher,
     secret: Option<Vec<u8>>,
     timeout: Duration,
@@ -76,6 +81,11 @@ pub(crate) struct ClusterClient {
     remounted: AtomicBool,
     /// The shortest client TTL of the masters registered with (ms).
     client_ttl_ms: AtomicU64,
+    /// Heartbeats answered by any master: the store's heartbeat fails while this
+    /// stays still (no master of the cluster answers).
+    heartbeats: AtomicU64,
+    /// `heartbeats` at the store's last heartbeat.
+    last_heartbeats: AtomicU64,
 }
 
 impl ClusterClient {
@@ -113,10 +123,13 @@ impl ClusterClient {
                 });
             }
         }
-        Ok(Arc::new(Self {
+        Ok(Arc::new_cyclic(|me| Self {
+            me: me.clone(),
             watcher,
             secret: secret.map(<[u8]>::to_vec),
-            timeout,
+            // A leader that stopped answering (its slots move within a lease) must not
+            // hold a call for the store's whole master timeout.
+            timeout: timeout.min(SESSION_TIMEOUT),
             retry_for: Duration::from_secs(15),
             sessions: RwLock::new(HashMap::new()),
             logical: rand::random::<u64>() | 1,
@@ -127,6 +140,8 @@ impl ClusterClient {
             record_endpoint: Mutex::new(None),
             remounted: AtomicBool::new(false),
             client_ttl_ms: AtomicU64::new(u64::MAX),
+            heartbeats: AtomicU64::new(0),
+            last_heartbeats: AtomicU64::new(u64::MAX),
         }))
     }
 
@@ -146,11 +161,6 @@ impl ClusterClient {
         self.remounted.swap(false, Ordering::AcqRel)
     }
 
-    /// The slot map as last seen.
-    pub(crate) fn slot_map(&self) -> Arc<SlotMap> {
-        self.watcher.map()
-    }
-
     // ---- sessions --------------------------------------------------------------------
 
     /// The session with the master at `addr`, connecting (and registering, once the
@@ -162,11 +172,60 @@ impl ClusterClient {
         let rpc =
             RpcMasterClient::connect_with_timeout(addr, self.secret.as_deref().map(SharedSecret::new), self.timeout)?;
         let session = Arc::new(Session { addr: addr.to_owned(), rpc, client: AtomicU64::new(0) });
-        let session = self.sessions.write().entry(addr.to_owned()).or_insert(session).clone();
+        let (session, new) = {
+            let mut sessions = self.sessions.write();
+            match sessions.get(addr) {
+                Some(s) => (s.clone(), false),
+                None => {
+                    sessions.insert(addr.to_owned(), session.clone());
+                    (session, true)
+                }
+            }
+        };
+        if new {
+            self.spawn_heartbeats(&session)?;
+        }
         if self.registered.load(Ordering::Acquire) {
             self.register_session(&session)?;
         }
         Ok(session)
+    }
+
+    /// Heartbeats `s` on a thread of its own, so that a master that stopped answering
+    /// delays no other's heartbeats (the others would expire us meanwhile). Ends with
+    /// the client, or once the session was replaced.
+    fn spawn_heartbeats(&self, s: &Arc<Session>) -> Result<()> {
+        let (me, session) = (self.me.clone(), Arc::downgrade(s));
+        std::thread::Builder::new()
+            .name("mooncake-cluster-heartbeat".into())
+            .spawn(move || loop {
+                let period = {
+                    let Some(me) = me.upgrade() else { return };
+                    let ttl = me.client_ttl_ms.load(Ordering::Relaxed).min(10_000);
+                    Duration::from_millis((ttl / 4).clamp(1, 250))
+                };
+                std::thread::sleep(period);
+                let (Some(me), Some(s)) = (me.upgrade(), session.upgrade()) else { return };
+                if !me.registered.load(Ordering::Acquire) {
+                    continue;
+                }
+                let Ok(id) = me.id_at(&s) else { continue };
+                match s.rpc.heartbeat(id) {
+                    Ok(updates) => {
+                        me.heartbeats.fetch_add(1, Ordering::Relaxed);
+                        me.apply_updates(updates);
+                    }
+                    Err(Error::UnknownClient(_)) => {
+                        if me.register_session(&s).is_ok() {
+                            me.heartbeats.fetch_add(1, Ordering::Relaxed);
+                            // Its extents are mounted again on the store's next heartbeat.
+                        }
+                    }
+                    Err(e) => tracing::debug!(master = s.addr, error = %e, "heartbeat failed"),
+                }
+            })
+            .map(|_| ())
+            .map_err(|e| Error::InvalidArgument(format!("cannot start a heartbeat thread: {e}")))
     }
 
     /// Registers with one master and tells it where our records are served.
@@ -433,7 +492,9 @@ impl RpcHandler for ClusterRecords {
 
 /// Not used by a store in cluster mode (it mounts extents itself).
 fn not_in_cluster<T>(call: &str) -> Result<T> {
-    Err(Error::InvalidArgument(format!("{call} is not a call of a client of a cluster (extents are mounted per group)")))
+    Err(Error::InvalidArgument(format!(
+        "{call} is not a call of a client of a cluster (extents are mounted per group)"
+    )))
 }
 
 impl MasterApi for ClusterClient {
@@ -458,30 +519,16 @@ impl MasterApi for ClusterClient {
         Ok(ClientRegistration { client: self.logical, client_ttl_ms: ttl, incarnation: self.logical })
     }
 
+    /// Follows the slot map: connects to new masters, mounts extents with new leaders.
+    /// The masters themselves are heartbeaten by one thread per session; this fails only
+    /// when none of them answered since the last call.
     fn heartbeat(&self, _client: ClientId) -> Result<Vec<RecordUpdate>> {
+        let before = self.heartbeats.load(Ordering::Relaxed);
         let sessions = self.all_sessions();
-        let mut reached = 0;
-        for s in &sessions {
-            let id = match self.id_at(s) {
-                Ok(id) => id,
-                Err(_) => continue,
-            };
-            match s.rpc.heartbeat(id) {
-                Ok(updates) => {
-                    reached += 1;
-                    self.apply_updates(updates);
-                }
-                Err(Error::UnknownClient(_)) => {
-                    if self.register_session(s).is_ok() {
-                        reached += 1;
-                    }
-                }
-                Err(e) => tracing::debug!(master = s.addr, error = %e, "heartbeat failed"),
-            }
-        }
         self.place_extents();
-        if reached == 0 && !sessions.is_empty() {
-            return Err(Error::MasterUnavailable("no master of the cluster answered".into()));
+        let last = self.last_heartbeats.swap(before, Ordering::Relaxed);
+        if before == last && !sessions.is_empty() && self.registered.load(Ordering::Acquire) {
+            return Err(Error::MasterUnavailable("no master of the cluster answered a heartbeat lately".into()));
         }
         Ok(Vec::new())
     }
@@ -577,14 +624,18 @@ impl MasterApi for ClusterClient {
         items: &[(&str, u64)],
         cfg: &ReplicateConfig,
     ) -> Vec<Result<Vec<MemoryReplica>>> {
-        self.on_keys(items, |i| i.0, |s, id, part| {
-            let answers = s.rpc.batch_put_start(id, part, cfg);
-            let mut homes = self.segment_home.write();
-            for r in answers.iter().flatten().flatten() {
-                homes.entry(r.segment).or_insert_with(|| s.addr.clone());
-            }
-            answers
-        })
+        self.on_keys(
+            items,
+            |i| i.0,
+            |s, id, part| {
+                let answers = s.rpc.batch_put_start(id, part, cfg);
+                let mut homes = self.segment_home.write();
+                for r in answers.iter().flatten().flatten() {
+                    homes.entry(r.segment).or_insert_with(|| s.addr.clone());
+                }
+                answers
+            },
+        )
     }
 
     fn batch_put_end(&self, _client: ClientId, items: &[(&str, u32)]) -> Vec<Result<()>> {
@@ -596,13 +647,17 @@ impl MasterApi for ClusterClient {
     }
 
     fn batch_get_replica_list(&self, keys: &[&str]) -> Vec<Result<ReplicaList>> {
-        self.on_keys(keys, |k| k, |s, _, part| {
-            let answers = s.rpc.batch_get_replica_list(part);
-            for list in answers.iter().flatten() {
-                self.note_homes(&s.addr, list);
-            }
-            answers
-        })
+        self.on_keys(
+            keys,
+            |k| k,
+            |s, _, part| {
+                let answers = s.rpc.batch_get_replica_list(part);
+                for list in answers.iter().flatten() {
+                    self.note_homes(&s.addr, list);
+                }
+                answers
+            },
+        )
     }
 
     fn batch_exists(&self, keys: &[&str]) -> Vec<Result<bool>> {
@@ -706,10 +761,14 @@ impl MasterApi for ClusterClient {
     }
 
     fn release_leases(&self, keys: &[&str]) -> Result<()> {
-        let answers = self.on_keys(keys, |k| k, |s, _, part| match s.rpc.release_leases(part) {
-            Ok(()) => part.iter().map(|_| Ok(())).collect(),
-            Err(e) => part.iter().map(|_| Err(e.clone())).collect(),
-        });
+        let answers = self.on_keys(
+            keys,
+            |k| k,
+            |s, _, part| match s.rpc.release_leases(part) {
+                Ok(()) => part.iter().map(|_| Ok(())).collect(),
+                Err(e) => part.iter().map(|_| Err(e.clone())).collect(),
+            },
+        );
         answers.into_iter().find(|r| r.is_err()).unwrap_or(Ok(()))
     }
 

@@ -2,9 +2,9 @@
 //! engine.
 
 mod buffers;
+mod builder;
 #[cfg(feature = "etcd")]
 mod cluster;
-mod builder;
 mod device;
 mod file_storage;
 mod leases;
@@ -873,12 +873,12 @@ fn spawn_offloader(inner: &Arc<StoreInner>, idle: Duration) -> Result<()> {
             let regions = inner.segment_regions();
             let views: Vec<(u64, &RegisteredRegion)> = regions.iter().map(|(id, r)| (*id, &**r)).collect();
             let busy = match ssd.offload_round(&*inner.master, inner.client(), &views) {
-                    Ok(n) => n > 0,
-                    Err(e) => {
-                        tracing::debug!(error = %e, "offload heartbeat failed");
-                        false
-                    }
-                };
+                Ok(n) => n > 0,
+                Err(e) => {
+                    tracing::debug!(error = %e, "offload heartbeat failed");
+                    false
+                }
+            };
             if !busy {
                 ssd.retry_notifications();
             }
