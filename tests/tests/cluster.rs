@@ -64,6 +64,7 @@ impl Etcd {
             std::thread::sleep(Duration::from_millis(50));
         }
         let _ = child.kill();
+        let _ = child.wait();
         None
     }
 
@@ -100,7 +101,8 @@ fn free_port() -> u16 {
 struct Cluster {
     etcd: Etcd,
     name: String,
-    masters: Vec<(Proc, String)>,
+    /// (process, RPC address, metrics address).
+    masters: Vec<(Proc, String, String)>,
     nodes: Vec<Proc>,
 }
 
@@ -142,10 +144,14 @@ impl Cluster {
                 &lease,
                 "--client-ttl-ms",
                 "2000",
+                "--metrics-listen",
+                "127.0.0.1:0",
             ],
         );
+        let mut p = p;
         let addr = p.first_line.rsplit(' ').next().unwrap().to_owned();
-        self.masters.push((p, addr.clone()));
+        let metrics = p.next_addr();
+        self.masters.push((p, addr.clone(), metrics));
         addr
     }
 
@@ -185,7 +191,7 @@ impl Cluster {
     /// Waits until every group is led by a live master; returns how long it took.
     fn wait_all_led(&self, limit: Duration) -> Duration {
         let start = Instant::now();
-        let live: Vec<String> = self.masters.iter().map(|(_, a)| a.clone()).collect();
+        let live: Vec<String> = self.masters.iter().map(|(_, a, _)| a.clone()).collect();
         wait_until(limit, || self.leaders().iter().all(|l| l.as_ref().is_some_and(|a| live.contains(a))));
         start.elapsed()
     }
@@ -193,6 +199,14 @@ impl Cluster {
     fn store(&self) -> Store {
         Store::builder().master_address(&self.address()).global_segment_size(0).build().unwrap()
     }
+}
+
+/// The value of a metric in Prometheus text (0 when absent).
+fn metric(text: &str, name: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name).and_then(|v| v.strip_prefix(' ')))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0.0)
 }
 
 fn count_by_leader(leaders: &[Option<String>]) -> HashMap<String, usize> {
@@ -222,11 +236,24 @@ fn kill_9_of_a_master_loses_nothing_acknowledged_and_returns_nothing_removed() {
         store.remove(&format!("obj/{i}")).unwrap();
     }
 
-    let (mut victim, victim_addr) = c.masters.remove(0);
+    let (mut victim, victim_addr, _) = c.masters.remove(0);
+    let victim_groups = c.leaders().iter().flatten().filter(|a| **a == victim_addr).count();
     victim.kill9();
     let took = c.wait_all_led(Duration::from_secs(5));
     eprintln!("every group led again {took:?} after kill -9");
     assert!(!c.leaders().iter().flatten().any(|a| a == &victim_addr));
+    // The survivors count the takeovers as failovers, and the slot map shows them.
+    let failovers: f64 = c
+        .masters
+        .iter()
+        .map(|(_, _, m)| metric(&support::http_request(m, "/metrics", None).1, "mooncake_cluster_failovers_total"))
+        .sum();
+    assert_eq!(failovers as usize, victim_groups);
+    let out =
+        std::process::Command::new(bin("mooncake-client")).args(["slots", "--master", &c.address()]).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && text.starts_with("16 slot groups"), "{text}");
+    assert!(text.lines().skip(1).all(|l| c.masters.iter().any(|(_, a, _)| l.contains(a.as_str()))), "{text}");
 
     for i in 0..500 {
         let key = format!("obj/{i}");
@@ -244,7 +271,7 @@ fn kill_9_of_a_master_loses_nothing_acknowledged_and_returns_nothing_removed() {
 
 #[test]
 fn a_master_stopped_past_its_lease_answers_nothing_for_the_slots_it_lost() {
-    let Some(mut c) = Cluster::start(2, 1) else { return };
+    let Some(c) = Cluster::start(2, 1) else { return };
     let store = c.store();
     for i in 0..100 {
         store.put(&format!("k{i}"), &payload(i as u8, 2000)).unwrap();

@@ -27,8 +27,8 @@ use std::time::Duration;
 
 use clap::Parser;
 use mooncake_core::metrics::prometheus_text;
-use mooncake_core::rpc::{RpcServerConfig, RpcServerStats};
-use mooncake_core::{Master, MasterConfig, MasterDaemon};
+use mooncake_core::rpc::RpcServerConfig;
+use mooncake_core::{MasterConfig, MasterDaemon};
 
 /// Mooncake Store master: object metadata, placement, leases, eviction.
 #[derive(Parser, Debug)]
@@ -155,8 +155,7 @@ fn metrics_allowed(req: &tiny_http::Request, secret: Option<&str>, insecure: boo
 
 fn serve_metrics(
     addr: &str,
-    master: Master,
-    rpc: Arc<RpcServerStats>,
+    daemon: Arc<MasterDaemon>,
     secret: Option<String>,
     insecure: bool,
 ) -> Result<String, String> {
@@ -175,10 +174,23 @@ fn serve_metrics(
                     let _ = req.respond(tiny_http::Response::from_string(why).with_status_code(code));
                     continue;
                 }
-                let stats = master.stats();
+                let stats = daemon.master().stats();
+                let cluster = daemon.cluster_stats();
                 let (body, ctype) = match req.url() {
-                    "/metrics" => (prometheus_text(&stats, Some(&rpc)), "text/plain; version=0.0.4"),
-                    "/status" | "/" => (serde_json::to_string_pretty(&stats).unwrap_or_default(), "application/json"),
+                    "/metrics" => {
+                        let mut text = prometheus_text(&stats, Some(daemon.rpc_stats()));
+                        if let Some(c) = &cluster {
+                            text.push_str(&mooncake_core::metrics::cluster_prometheus_text(c));
+                        }
+                        (text, "text/plain; version=0.0.4")
+                    }
+                    "/status" | "/" => {
+                        let mut status = serde_json::to_value(&stats).unwrap_or_default();
+                        if let (Some(c), Some(map)) = (&cluster, status.as_object_mut()) {
+                            map.insert("cluster".into(), serde_json::to_value(c).unwrap_or_default());
+                        }
+                        (serde_json::to_string_pretty(&status).unwrap_or_default(), "application/json")
+                    }
                     _ => {
                         let _ = req.respond(tiny_http::Response::from_string("not found").with_status_code(404));
                         continue;
@@ -231,11 +243,9 @@ fn run(args: Args) -> Result<(), String> {
         };
         daemon = daemon.cluster(member);
     }
-    let daemon = daemon.serve().map_err(|e| e.to_string())?;
+    let daemon = Arc::new(daemon.serve().map_err(|e| e.to_string())?);
     let metrics = match &args.metrics_listen {
-        Some(addr) => {
-            Some(serve_metrics(addr, daemon.master().clone(), daemon.rpc_stats().clone(), secret, args.insecure)?)
-        }
+        Some(addr) => Some(serve_metrics(addr, daemon.clone(), secret, args.insecure)?),
         None => None,
     };
     // First line: where RPC listens (scripts read it); second: where metrics are.

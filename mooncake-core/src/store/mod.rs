@@ -130,6 +130,7 @@ struct StoreInner {
     flush_timeout: Duration,
     /// Cluster mode: the cluster client (also `master`) and the record endpoint of our
     /// extents.
+    #[cfg_attr(not(feature = "etcd"), allow(dead_code))]
     cluster: ClusterPart,
     /// Dropping it stops the heartbeat thread.
     _heartbeat_stop: Sender<()>,
@@ -140,7 +141,7 @@ struct StoreInner {
 type ClusterPart = Option<(Arc<cluster::ClusterClient>, Option<RpcServer>)>;
 /// Without the `etcd` feature there is no cluster mode.
 #[cfg(not(feature = "etcd"))]
-type ClusterPart = ();
+type ClusterPart = Option<std::convert::Infallible>;
 
 impl Drop for StoreInner {
     fn drop(&mut self) {
