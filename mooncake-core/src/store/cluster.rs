@@ -35,6 +35,9 @@ use crate::rpc::wire::{Request, Response, WireError};
 use crate::rpc::{RpcHandler, RpcMasterClient};
 use crate::store::records::SegmentRecords;
 
+/// Most record updates kept for extents whose mount answer has not arrived yet.
+const MAX_UNROUTED: usize = 65_536;
+
 /// Longest wait for one master's answer before the call is routed again.
 const SESSION_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -44,6 +47,8 @@ struct Session {
     rpc: RpcMasterClient,
     /// Our client id at this master (0: not registered).
     client: AtomicU64,
+    /// Held while registering (see `register_session`).
+    registering: Mutex<()>,
 }
 
 /// One extent of this node's memory: the share of one slot group.
@@ -86,6 +91,8 @@ pub(crate) struct ClusterClient {
     heartbeats: AtomicU64,
     /// `heartbeats` at the store's last heartbeat.
     last_heartbeats: AtomicU64,
+    /// Record updates for a segment not (yet) known to be one of our extents.
+    unrouted: Mutex<Vec<(Instant, RecordUpdate)>>,
 }
 
 impl ClusterClient {
@@ -142,6 +149,7 @@ impl ClusterClient {
             client_ttl_ms: AtomicU64::new(u64::MAX),
             heartbeats: AtomicU64::new(0),
             last_heartbeats: AtomicU64::new(u64::MAX),
+            unrouted: Mutex::new(Vec::new()),
         }))
     }
 
@@ -171,7 +179,8 @@ impl ClusterClient {
         }
         let rpc =
             RpcMasterClient::connect_with_timeout(addr, self.secret.as_deref().map(SharedSecret::new), self.timeout)?;
-        let session = Arc::new(Session { addr: addr.to_owned(), rpc, client: AtomicU64::new(0) });
+        let session =
+            Arc::new(Session { addr: addr.to_owned(), rpc, client: AtomicU64::new(0), registering: Mutex::new(()) });
         let (session, new) = {
             let mut sessions = self.sessions.write();
             match sessions.get(addr) {
@@ -184,9 +193,9 @@ impl ClusterClient {
         };
         if new {
             self.spawn_heartbeats(&session)?;
-        }
-        if self.registered.load(Ordering::Acquire) {
-            self.register_session(&session)?;
+            if self.registered.load(Ordering::Acquire) {
+                self.id_at(&session)?;
+            }
         }
         Ok(session)
     }
@@ -216,7 +225,7 @@ impl ClusterClient {
                         me.apply_updates(updates);
                     }
                     Err(Error::UnknownClient(_)) => {
-                        if me.register_session(&s).is_ok() {
+                        if me.register_session(&s, id).is_ok() {
                             me.heartbeats.fetch_add(1, Ordering::Relaxed);
                             // Its extents are mounted again on the store's next heartbeat.
                         }
@@ -228,8 +237,16 @@ impl ClusterClient {
             .map_err(|e| Error::InvalidArgument(format!("cannot start a heartbeat thread: {e}")))
     }
 
-    /// Registers with one master and tells it where our records are served.
-    fn register_session(&self, s: &Session) -> Result<ClientId> {
+    /// Registers with one master, in place of the id `stale` it no longer knows (0:
+    /// none yet), and tells it where our records are served. One registration at a
+    /// time per master: callers that saw the same stale id share the new one (two ids
+    /// would leave extents mounted under one that nobody heartbeats, and it expires).
+    fn register_session(&self, s: &Session, stale: ClientId) -> Result<ClientId> {
+        let _one = s.registering.lock();
+        let current = s.client.load(Ordering::Acquire);
+        if current != stale {
+            return Ok(current);
+        }
         let reg = s.rpc.register_client()?;
         self.client_ttl_ms.fetch_min(reg.client_ttl_ms, Ordering::Relaxed);
         s.client.store(reg.client, Ordering::Release);
@@ -251,7 +268,7 @@ impl ClusterClient {
     /// Our client id at `s`, registering if needed.
     fn id_at(&self, s: &Session) -> Result<ClientId> {
         match s.client.load(Ordering::Acquire) {
-            0 => self.register_session(s),
+            0 => self.register_session(s, 0),
             id => Ok(id),
         }
     }
@@ -282,7 +299,7 @@ impl ClusterClient {
                     let id = self.id_at(&s)?;
                     match call(&s, id) {
                         Err(Error::UnknownClient(_)) => {
-                            let id = self.register_session(&s)?;
+                            let id = self.register_session(&s, id)?;
                             call(&s, id)
                         }
                         other => other,
@@ -327,7 +344,7 @@ impl ClusterClient {
                         Ok((s, id)) => {
                             let mut answers = call(&s, id, &part);
                             if answers.iter().any(|r| matches!(r, Err(Error::UnknownClient(_)))) {
-                                if let Ok(id) = self.register_session(&s) {
+                                if let Ok(id) = self.register_session(&s, id) {
                                     answers = call(&s, id, &part);
                                 }
                             }
@@ -434,8 +451,16 @@ impl ClusterClient {
             x.region.copy_out(r.offset, &mut buf).is_ok() && crate::checksum::checksum(&buf) == r.checksum
         });
         let (segment, taken) = s.rpc.mount_extent(id, &x.remote, x.region.len(), x.group, &records)?;
-        x.records.set_segment(segment);
-        *x.mount.lock() = Some((addr.to_owned(), segment, epoch));
+        {
+            // The master may have placed objects there and told us before this answer
+            // reached us: those updates wait in `unrouted`.
+            let mut unrouted = self.unrouted.lock();
+            x.records.set_segment(segment);
+            *x.mount.lock() = Some((addr.to_owned(), segment, epoch));
+            let (ours, rest): (Vec<_>, Vec<_>) = unrouted.drain(..).partition(|(_, u)| update_segment(u) == segment);
+            *unrouted = rest;
+            x.records.apply(ours.into_iter().map(|(_, u)| u).collect());
+        }
         self.segment_home.write().insert(segment, addr.to_owned());
         if taken > 0 {
             self.remounted.store(true, Ordering::Release);
@@ -449,8 +474,33 @@ impl ClusterClient {
         if updates.is_empty() {
             return;
         }
-        for x in &self.extents {
-            x.records.apply(updates.clone());
+        // Under this lock, a mount that just completed has set its segment (below).
+        let mut unrouted = self.unrouted.lock();
+        let mut by_extent: Vec<Vec<RecordUpdate>> = self.extents.iter().map(|_| Vec::new()).collect();
+        let mounted: Vec<Option<SegmentId>> =
+            self.extents.iter().map(|x| x.mount.lock().as_ref().map(|(_, segment, _)| *segment)).collect();
+        for u in updates {
+            let segment = update_segment(&u);
+            match mounted.iter().position(|m| *m == Some(segment)) {
+                Some(i) => by_extent[i].push(u),
+                // For an extent whose mount answer is still on its way to us: kept
+                // until it arrives (bounded: a segment nobody mounts here is noise).
+                None => {
+                    if unrouted.len() >= MAX_UNROUTED {
+                        // Mount answers arrive within a master timeout; older ones are
+                        // for segments that are not ours.
+                        unrouted.retain(|(at, _)| at.elapsed() < SESSION_TIMEOUT * 2);
+                    }
+                    if unrouted.len() < MAX_UNROUTED {
+                        unrouted.push((Instant::now(), u));
+                    }
+                }
+            }
+        }
+        for (x, updates) in self.extents.iter().zip(by_extent) {
+            if !updates.is_empty() {
+                x.records.apply(updates);
+            }
         }
     }
 
@@ -465,6 +515,13 @@ impl ClusterClient {
     /// The records of every extent (what this node would offer new leaders).
     pub(crate) fn records(&self) -> Vec<ObjectRecord> {
         self.extents.iter().flat_map(|x| x.records.snapshot()).collect()
+    }
+}
+
+/// The segment a record update is about.
+fn update_segment(u: &RecordUpdate) -> SegmentId {
+    match u {
+        RecordUpdate::Added { segment, .. } | RecordUpdate::Removed { segment, .. } => *segment,
     }
 }
 
@@ -505,10 +562,8 @@ impl MasterApi for ClusterClient {
             return Err(Error::MasterUnavailable("no master of the cluster is reachable (is any running?)".into()));
         }
         for s in sessions {
-            if s.client.load(Ordering::Acquire) == 0 {
-                if let Err(e) = self.register_session(&s) {
-                    tracing::warn!(master = s.addr, error = %e, "cannot register with a master");
-                }
+            if let Err(e) = self.id_at(&s) {
+                tracing::warn!(master = s.addr, error = %e, "cannot register with a master");
             }
         }
         self.place_extents();
