@@ -86,6 +86,8 @@ impl Etcd {
 impl Drop for Etcd {
     fn drop(&mut self) {
         self.kill();
+        // Its write-ahead log preallocates tens of MiB.
+        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 
@@ -104,6 +106,17 @@ struct Cluster {
     /// (process, RPC address, metrics address).
     masters: Vec<(Proc, String, String)>,
     nodes: Vec<Proc>,
+    /// The nodes' SSD directories, removed with the cluster.
+    dirs: Vec<PathBuf>,
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        self.nodes.clear();
+        for d in &self.dirs {
+            let _ = std::fs::remove_dir_all(d);
+        }
+    }
 }
 
 const LEASE_MS: u64 = 2000;
@@ -112,7 +125,7 @@ impl Cluster {
     fn start(masters: usize, nodes: usize) -> Option<Cluster> {
         let etcd = Etcd::start()?;
         let name = format!("c{}", std::process::id());
-        let mut c = Cluster { etcd, name, masters: Vec::new(), nodes: Vec::new() };
+        let mut c = Cluster { etcd, name, masters: Vec::new(), nodes: Vec::new(), dirs: Vec::new() };
         for _ in 0..masters {
             c.add_master();
         }
@@ -176,6 +189,7 @@ impl Cluster {
         );
         assert!(node.first_line.starts_with("mooncake-client serving segment"), "{}", node.first_line);
         self.nodes.push(node);
+        self.dirs.push(dir);
     }
 
     fn watcher(&self) -> SlotMapWatcher {
