@@ -8,7 +8,7 @@
 //! Layout: [`types`](self) holds the values the master hands out; `service` the state
 //! and the [`Master`] handle; `api` the one table of calls ([`MasterApi`]); the other
 //! files are facets of [`MasterService`]: `clients`, `objects`, `disk` (the SSD tier's
-//! side), `eviction`, `records` (durable per-node records), `liveness`, `stats`. The
+//! side), `eviction`, `records` (durable per-node records), `liveness`, `stats`, `upsert` (atomic replacement of an object). The
 //! internal index and segment table live in `object` and `segment`.
 
 mod api;
@@ -25,6 +25,7 @@ mod service;
 mod stats;
 mod tombstones;
 mod types;
+mod upsert;
 
 pub(crate) use api::master_calls;
 pub use api::MasterApi;

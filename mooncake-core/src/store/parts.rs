@@ -13,6 +13,7 @@ use crate::error::{Error, Result};
 use crate::master::{ClientId, ReplicaList};
 
 use super::stats::StoreCounters;
+use super::upsert::WriteKind;
 use super::{Store, StoreInner};
 
 /// Pieces of the caller's buffers, each with the offset in the object of its first byte.
@@ -91,6 +92,33 @@ impl StoreInner {
     /// Puts objects each made of several parts: one master round trip per phase and
     /// one transfer batch.
     pub(super) fn batch_put_parts(&self, items: &[(&str, &[&[u8]])], cfg: &ReplicateConfig) -> Vec<Result<()>> {
+        let results = self.write_parts(items, cfg, WriteKind::Put);
+        self.count_puts(items, &results);
+        results
+    }
+
+    /// Counts the puts of `items` (stored, or failed).
+    pub(super) fn count_puts(&self, items: &[(&str, &[&[u8]])], results: &[Result<()>]) {
+        let c = &self.counters;
+        for (res, (_, parts)) in results.iter().zip(items) {
+            match res {
+                Ok(()) => {
+                    StoreCounters::inc(&c.puts, 1);
+                    StoreCounters::inc(&c.put_bytes, parts.iter().map(|p| p.len() as u64).sum());
+                }
+                Err(_) => StoreCounters::inc(&c.put_errors, 1),
+            }
+        }
+    }
+
+    /// Writes objects each made of several parts, as puts or upserts (`kind`): one
+    /// master round trip per phase and one transfer batch. Not counted: callers count.
+    pub(super) fn write_parts(
+        &self,
+        items: &[(&str, &[&[u8]])],
+        cfg: &ReplicateConfig,
+        kind: WriteKind,
+    ) -> Vec<Result<()>> {
         let client = self.client();
         let lens: Vec<u64> = items.iter().map(|(_, parts)| parts.iter().map(|p| p.len() as u64).sum()).collect();
         let mut results: Vec<Result<()>> = Vec::with_capacity(items.len());
@@ -104,8 +132,7 @@ impl StoreInner {
                 Err(e) => results.push(Err(e)),
             }
         }
-        let starts =
-            self.master.batch_put_start(client, &valid.iter().map(|(_, k, l)| (*k, *l)).collect::<Vec<_>>(), cfg);
+        let starts = kind.start(&*self.master, client, &valid.iter().map(|(_, k, l)| (*k, *l)).collect::<Vec<_>>(), cfg);
         let mut plans = Vec::new();
         for ((i, _, _), start) in valid.iter().zip(starts) {
             match start.and_then(|reps| {
@@ -152,24 +179,14 @@ impl StoreInner {
                 revokes.push(key);
             }
         }
-        self.master.batch_put_revoke(client, &revokes);
-        let end_results = self.master.batch_put_end(client, &ends.iter().map(|(_, k, c)| (*k, *c)).collect::<Vec<_>>());
+        kind.revoke(&*self.master, client, &revokes);
+        let end_results = kind.end(&*self.master, client, &ends.iter().map(|(_, k, c)| (*k, *c)).collect::<Vec<_>>());
         for ((i, _, _), res) in ends.iter().zip(end_results) {
             results[*i] = res;
         }
-        let c = &self.counters;
         // As a single put counts it: stored, with fewer replicas than asked.
         let short = plans.iter().filter(|(i, p)| p.len() < cfg.replica_num && results[*i].is_ok()).count();
-        StoreCounters::inc(&c.under_replicated_puts, short as u64);
-        for (res, len) in results.iter().zip(&lens) {
-            match res {
-                Ok(()) => {
-                    StoreCounters::inc(&c.puts, 1);
-                    StoreCounters::inc(&c.put_bytes, *len);
-                }
-                Err(_) => StoreCounters::inc(&c.put_errors, 1),
-            }
-        }
+        StoreCounters::inc(&self.counters.under_replicated_puts, short as u64);
         results
     }
 
