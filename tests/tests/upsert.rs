@@ -101,15 +101,11 @@ fn check_records(master: &Master, stores: &[Store], model: &Model) -> Result<(),
 fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
     // No leases, so that a remove never depends on timing, and segments that never
     // reach the watermark (6 keys x 2 replicas x 40 KB), so nothing is evicted.
-    let master = Master::new(MasterConfig {
-        default_lease: Duration::ZERO,
-        track_records: true,
-        ..MasterConfig::default()
-    })
-    .unwrap();
-    let stores: Vec<Store> = (0..STORES)
-        .map(|_| Store::builder().master(&master).global_segment_size(4 << 20).build().unwrap())
-        .collect();
+    let master =
+        Master::new(MasterConfig { default_lease: Duration::ZERO, track_records: true, ..MasterConfig::default() })
+            .unwrap();
+    let stores: Vec<Store> =
+        (0..STORES).map(|_| Store::builder().master(&master).global_segment_size(4 << 20).build().unwrap()).collect();
     let mut model: Model = HashMap::new();
     for op in ops {
         match op {
@@ -147,7 +143,11 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
                 let names: Vec<String> = keys.iter().map(|&k| key_name(k)).collect();
                 let items: Vec<(&str, &[u8])> =
                     names.iter().zip(&values).map(|(k, v)| (k.as_str(), v.as_slice())).collect();
-                for (res, (k, v)) in stores[via].batch_upsert(&items, &ReplicateConfig::default()).into_iter().zip(keys.iter().zip(&values)) {
+                for (res, (k, v)) in stores[via]
+                    .batch_upsert(&items, &ReplicateConfig::default())
+                    .into_iter()
+                    .zip(keys.iter().zip(&values))
+                {
                     prop_assert!(res.is_ok(), "batch upsert of {}: {:?}", k, res);
                     model.insert(*k, (v.clone(), 1));
                 }
@@ -159,7 +159,9 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
             Op::Get { key, via } => match (stores[via].get(&key_name(key)), model.get(&key)) {
                 (Ok(b), Some((v, _))) => prop_assert!(&b[..] == v.as_slice(), "get of {} returned other bytes", key),
                 (Err(Error::NotFound(_)), None) => {}
-                (res, want) => prop_assert!(false, "get of {} (present: {}): {:?}", key, want.is_some(), res.map(|b| b.len())),
+                (res, want) => {
+                    prop_assert!(false, "get of {} (present: {}): {:?}", key, want.is_some(), res.map(|b| b.len()))
+                }
             },
             Op::BatchGetInto { via } => {
                 let names: Vec<String> = (0..KEYS).map(key_name).collect();
@@ -171,7 +173,9 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
                     match (r, model.get(&k)) {
                         (Ok(n), Some((v, _))) => prop_assert!(&bufs[k][..n] == v.as_slice(), "batch_get_into of {}", k),
                         (Err(Error::NotFound(_)), None) => {}
-                        (r, want) => prop_assert!(false, "batch_get_into of {} (present: {}): {:?}", k, want.is_some(), r),
+                        (r, want) => {
+                            prop_assert!(false, "batch_get_into of {} (present: {}): {:?}", k, want.is_some(), r)
+                        }
                     }
                 }
             }

@@ -103,13 +103,7 @@ impl MasterService {
 
     /// Places the new replicas of the upsert `id` (the object stays readable and
     /// leased meanwhile) and attaches them to it.
-    fn place_upsert(
-        &self,
-        key: &str,
-        len: u64,
-        cfg: &ReplicateConfig,
-        id: u64,
-    ) -> Result<Vec<MemoryReplica>> {
+    fn place_upsert(&self, key: &str, len: u64, cfg: &ReplicateConfig, id: u64) -> Result<Vec<MemoryReplica>> {
         let placed = self.allocate(len, cfg, None).and_then(|bufs| {
             if bufs.len() < cfg.replica_num && cfg.require_all_replicas {
                 return Err(Error::NoSpace {
@@ -176,8 +170,7 @@ impl MasterService {
             return self.put_end_queued(client, key, checksum);
         }
         let Some(u) = e.upsert.as_deref_mut() else { return Err(no_upsert(key)) };
-        let Some(staged) = u.staged.take_if(|s| s.owner == client && s.until_ms > now && !s.replicas.is_empty())
-        else {
+        let Some(staged) = u.staged.take_if(|s| s.owner == client && s.until_ms > now && !s.replicas.is_empty()) else {
             return Err(no_upsert(key));
         };
         let mut new = staged.replicas;

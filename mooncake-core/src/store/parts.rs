@@ -132,7 +132,8 @@ impl StoreInner {
                 Err(e) => results.push(Err(e)),
             }
         }
-        let starts = kind.start(&*self.master, client, &valid.iter().map(|(_, k, l)| (*k, *l)).collect::<Vec<_>>(), cfg);
+        let starts =
+            kind.start(&*self.master, client, &valid.iter().map(|(_, k, l)| (*k, *l)).collect::<Vec<_>>(), cfg);
         let mut plans = Vec::new();
         for ((i, _, _), start) in valid.iter().zip(starts) {
             match start.and_then(|reps| {
