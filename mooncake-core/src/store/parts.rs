@@ -171,15 +171,19 @@ impl StoreInner {
             self.routes.write().remove(&segment);
             let _ = self.master.report_segment_failure(client, segment);
         }
-        let (mut ends, mut revokes) = (Vec::new(), Vec::new());
+        let (mut written, mut pieces, mut revokes) = (Vec::new(), Vec::new(), Vec::new());
         for (i, _) in &plans {
             let (key, parts) = items[*i];
             if results[*i].is_ok() {
-                ends.push((*i, key, crate::checksum::checksum_parts(parts.iter().copied())));
+                written.push((*i, key));
+                pieces.push(parts.to_vec());
             } else {
                 revokes.push(key);
             }
         }
+        // Summed on several cores for a large batch (the peers are idle now).
+        let sums = crate::checksum::checksum_each(&pieces);
+        let ends: Vec<(usize, &str, u32)> = written.iter().zip(sums).map(|((i, k), c)| (*i, *k, c)).collect();
         kind.revoke(&*self.master, client, &revokes);
         let end_results = kind.end(&*self.master, client, &ends.iter().map(|(_, k, c)| (*k, *c)).collect::<Vec<_>>());
         for ((i, _, _), res) in ends.iter().zip(end_results) {
@@ -259,13 +263,25 @@ impl StoreInner {
         }
         // Every read of the batch is over (a key retried alone takes a lease of its own).
         self.leases.release(keys.iter().zip(&lists).filter(|(_, l)| l.is_ok()).map(|(k, _)| *k));
+        // The checksums of every object read, summed on several cores for a large batch.
+        let read: Vec<usize> = (0..keys.len()).filter(|&i| ok[i] && covers[i].is_ok()).collect();
+        let mut sums: Vec<Option<u32>> = vec![None; keys.len()];
+        {
+            let pieces: Vec<Vec<&[u8]>> = read
+                .iter()
+                .map(|&i| covers[i].as_ref().map(|c| c.iter().map(|(_, p)| &**p).collect()).unwrap_or_default())
+                .collect();
+            for (&i, sum) in read.iter().zip(crate::checksum::checksum_each(&pieces)) {
+                sums[i] = Some(sum);
+            }
+        }
         let mut retry = Vec::new();
         let mut results: Vec<Result<usize>> = Vec::with_capacity(keys.len());
         for (i, (list, c)) in lists.into_iter().zip(covers).enumerate() {
             results.push(match (list, c) {
                 (Err(e), _) | (_, Err(e)) => Err(e),
-                (Ok(l), Ok(parts)) => {
-                    if ok[i] && crate::checksum::checksum_parts(parts.iter().map(|(_, p)| &**p)) == l.checksum {
+                (Ok(l), Ok(_)) => {
+                    if sums[i] == Some(l.checksum) {
                         Ok(l.len as usize)
                     } else {
                         retry.push(i);
