@@ -69,13 +69,23 @@ pub enum Error {
     /// segments: the object (or the room) may be back in a moment. Retry.
     #[error("master recovering from a restart: {0}")]
     Recovering(String),
+    /// Cluster mode: the master asked does not lead the key's slot (it never did, or
+    /// its leadership moved or lapsed). Ask `leader`, or read the slot map again.
+    #[error("slot {slot} moved{}", .leader.as_deref().map(|l| format!(" to {l}")).unwrap_or_else(|| " (no leader yet)".into()))]
+    Moved {
+        /// The key's slot (`key_slot`).
+        slot: u16,
+        /// The RPC address of the slot's leader, as the answering master knows it.
+        leader: Option<String>,
+    },
 }
 
 impl Error {
     /// Whether the same call may succeed if made again a little later: the master
     /// could not be reached or is recovering, the call timed out, a transfer failed, a
     /// read of the object was in flight (`HasLease`), or the master forgot this client
-    /// (a `Store` registers again by itself). Not retryable: bad input, objects absent
+    /// (a `Store` registers again by itself), or the key's slot moved to another master
+    /// (cluster mode; a `Store` follows it by itself). Not retryable: bad input, objects absent
     /// or present, `NoSpace` (room comes back only when objects are removed), storage
     /// and corruption errors.
     ///
@@ -93,6 +103,7 @@ impl Error {
                 | Error::Transport(_)
                 | Error::HasLease(_)
                 | Error::UnknownClient(_)
+                | Error::Moved { .. }
         )
     }
 }

@@ -69,6 +69,10 @@ pub enum GpuError {
     /// An argument is invalid (key length, zero size, page geometry, ...).
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+    /// The memory cannot do what was asked (export itself as a dma-buf for an RDMA
+    /// NIC, on a device or an implementation without it).
+    #[error("unsupported: {0}")]
+    Unsupported(String),
     /// An access outside the heap's header slots or payload arena was refused.
     #[error("out of bounds: {0}")]
     OutOfBounds(String),

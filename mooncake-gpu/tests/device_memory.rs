@@ -451,3 +451,68 @@ fn cuda_memory_through_the_gpu_transport() {
     engine.read(&region, 1000, &mut back).unwrap();
     assert!(back == data);
 }
+
+// --- Device memory for RDMA NICs: allocation ids, dma-buf export, checksums --
+
+#[test]
+fn emulated_memory_exports_its_bytes_as_a_dmabuf_a_nic_can_map() {
+    let mem = HostDeviceMemory::new(10_000).unwrap();
+    let other = HostDeviceMemory::new(10_000).unwrap();
+    let (a, b) = (mem.allocation_id().unwrap(), other.allocation_id().unwrap());
+    assert_ne!(a, b, "every allocation has its own id");
+    assert_eq!(mem.allocation_id(), Some(a), "and keeps it");
+    let buf = mem.export_dmabuf().unwrap();
+    assert_eq!(buf.iova, mem.device_ptr(), "work requests name the bytes by device address");
+    assert!(buf.len >= mem.len() && buf.len % 4096 == 0, "{}", buf.len);
+    // What a software NIC does with it: map it, and reach the same bytes.
+    // SAFETY: the mapping is only read and written by this test, while `mem` lives.
+    let mut nic =
+        unsafe { memmap2::MmapOptions::new().len(buf.len as usize).map_mut(&std::fs::File::from(buf.fd)) }.unwrap();
+    mem.copy_from_host(100, b"from the host side").unwrap();
+    assert_eq!(&nic[100..118], b"from the host side");
+    nic[5000..5012].copy_from_slice(b"from the NIC");
+    let mut back = [0u8; 12];
+    mem.copy_to_host(5000, &mut back).unwrap();
+    assert_eq!(&back, b"from the NIC");
+    assert_eq!(&mem.to_vec()[5000..5012], b"from the NIC");
+    assert_eq!(mem.to_vec().len(), 10_000, "the page rounding is not part of the memory");
+}
+
+#[test]
+fn memory_without_an_export_says_so() {
+    // The trait's defaults: no allocation id (never registered with a NIC) and
+    // no dma-buf.
+    assert_eq!(EmptyMem.allocation_id(), None);
+    assert!(matches!(EmptyMem.export_dmabuf(), Err(GpuError::Unsupported(_))));
+    if !cuda_available() {
+        println!("skipped the CUDA dma-buf export: no GPU (never run on these machines)");
+    }
+}
+
+#[test]
+fn device_checksums_of_ranges_outside_the_memory_are_refused() {
+    let mem = HostDeviceMemory::new(5000).unwrap();
+    assert!(matches!(mem.crc32c(4000, 1001), Err(GpuError::OutOfBounds(_))));
+    assert!(matches!(mem.crc32c(u64::MAX, 2), Err(GpuError::OutOfBounds(_))));
+    assert_eq!(mem.crc32c(5000, 0).unwrap(), crc32c::crc32c(&[]));
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(24))]
+
+    /// The checksum of device bytes is the crc32c of the bytes, for ranges of one
+    /// to several staging chunks at any offset.
+    #[test]
+    fn device_checksum_is_the_crc32c_of_the_bytes(
+        seed in any::<u64>(),
+        offset in 0u64..5000,
+        len in prop_oneof![0u64..10_000, (DEFAULT_CHUNK as u64 - 3)..(2 * DEFAULT_CHUNK as u64 + 9)],
+    ) {
+        let cap = 2 * DEFAULT_CHUNK as u64 + 5000 + 16;
+        let mem = HostDeviceMemory::new(cap).unwrap();
+        let data = pattern(seed, cap as usize);
+        mem.copy_from_host(0, &data).unwrap();
+        let want = crc32c::crc32c(&data[offset as usize..(offset + len) as usize]);
+        prop_assert_eq!(mem.crc32c(offset, len).unwrap(), want);
+    }
+}

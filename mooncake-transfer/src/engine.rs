@@ -122,6 +122,7 @@ impl TransferEngineBuilder {
             None => None,
         };
         let mut transports = self.transports;
+        let mut rdma = None;
         if transports.is_empty() {
             transports.push(Arc::new(LocalTransport));
             if self.network {
@@ -137,7 +138,9 @@ impl TransferEngineBuilder {
                         Some(s) => TcpTransport::with_secret(s.clone()),
                         None => TcpTransport::new(),
                     };
-                    transports.push(Arc::new(RdmaTransport::on(nics.clone(), config.clone(), tcp)));
+                    let t = Arc::new(RdmaTransport::on(nics.clone(), config.clone(), tcp));
+                    rdma = Some(t.clone());
+                    transports.push(t);
                 }
                 transports.push(Arc::new(tcp));
             }
@@ -193,7 +196,7 @@ impl TransferEngineBuilder {
             )?),
             None => None,
         };
-        Ok(TransferEngine { regions, transports, _server: server })
+        Ok(TransferEngine { regions, transports, rdma, _server: server })
     }
 }
 
@@ -218,6 +221,8 @@ impl TransferEngineBuilder {
 pub struct TransferEngine {
     regions: Arc<RegionRegistry>,
     transports: Vec<Arc<dyn Transport>>,
+    /// The `Rdma` transport among `transports`, if the builder made one.
+    rdma: Option<Arc<RdmaTransport>>,
     _server: Option<TcpServer>,
 }
 
@@ -282,6 +287,14 @@ impl TransferEngine {
     /// How peers name region `id` of this engine.
     pub fn remote(&self, id: RegionId) -> RemoteRegion {
         RemoteRegion { endpoint: self.regions.endpoint().to_owned(), region: id }
+    }
+
+    /// The `Rdma` transport this engine made (with
+    /// [`TransferEngineBuilder::rdma`] and the default transports), for what only
+    /// it does: moving device memory with
+    /// [`transfer_device`](RdmaTransport::transfer_device).
+    pub fn rdma(&self) -> Option<&Arc<RdmaTransport>> {
+        self.rdma.as_ref()
     }
 
     /// Names of this engine's transports, in the order they are asked.

@@ -72,9 +72,9 @@ pub use handshake::host_id;
 #[cfg(feature = "rdma")]
 pub use rdma::VerbsRdma;
 pub use rdma::{
-    rdma_device_present, Completion, CompletionStatus, MemoryRegion, PortInfo, ProtectionDomain, QpAddress, QpState,
-    QueuePair, RdmaConfig, RdmaHandshake, RdmaProvider, RdmaRegionInfo, RdmaTransport, RegionPiece, SoftFaults,
-    SoftPortConfig, SoftRdma, WorkOp, WorkRequest,
+    rdma_device_present, Completion, CompletionStatus, DeviceRegion, DeviceTransfer, DmaBuf, MemoryRegion, PortInfo,
+    ProtectionDomain, QpAddress, QpState, QueuePair, RdmaConfig, RdmaHandshake, RdmaProvider, RdmaRegionInfo,
+    RdmaTransport, RegionPiece, SoftFaults, SoftPortConfig, SoftRdma, WorkOp, WorkRequest,
 };
 pub use region::{RegionId, RegisteredRegion, RemoteRegion};
 pub use transport::{

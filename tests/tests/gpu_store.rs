@@ -10,7 +10,7 @@ use mooncake_core::gpu::{
     allocate_or_emulate, cuda_available, DeviceBuffer, DeviceMemory, GpuError, GpuTransport, HostDeviceMemory,
     MemoryLocation,
 };
-use mooncake_core::{Error, Master, MasterConfig, ReplicateConfig, Store};
+use mooncake_core::{Error, Master, MasterConfig, Protocol, ReplicateConfig, Store};
 use mooncake_transfer::{TransferError, TransferRequest, Transport};
 
 fn pattern(seed: u64, len: usize) -> Vec<u8> {
@@ -54,6 +54,10 @@ fn kv_sizes_round_trip_through_device_memory() {
         assert!(all[dst_off as usize + len..].iter().all(|&b| b == 0), "{len}: bytes after the range");
         dst.with_bytes_mut(|b| b.fill(0));
     }
+    // An embedded store has no RDMA NIC: every byte was staged.
+    let total: u64 = [64u64 << 10, (256 << 10) + 1, 1 << 20, (4 << 20) + 3, 8 << 20].iter().sum();
+    let s = store.stats();
+    assert_eq!((s.device_direct_bytes, s.device_staged_bytes), (0, 2 * total));
 }
 
 #[test]
@@ -312,4 +316,27 @@ fn without_cuda_the_typed_error_maps_into_the_store_error() {
     let mut back = [0u8; 26];
     mem.copy_to_host(10, &mut back).unwrap();
     assert_eq!(&back, b"bytes for the emulated gpu");
+}
+
+#[test]
+fn over_tcp_device_memory_is_staged_as_before() {
+    // `Protocol::Tcp` reaches every peer over TCP, in-process ones too.
+    let master = Master::new(MasterConfig::default()).unwrap();
+    let tcp = |segment: u64| {
+        let b = Store::builder().master(&master).protocol(Protocol::Tcp).global_segment_size(segment);
+        if segment > 0 { b.listen("127.0.0.1:0") } else { b }.build().unwrap()
+    };
+    let (node, client) = (tcp(32 << 20), tcp(0));
+    let (src, dst) = (device(8 << 20), device(8 << 20));
+    let data = pattern(77, (3 << 20) + 5);
+    src.copy_from_host(11, &data).unwrap();
+    client.put_from_device("tcp/obj", &src, 11, data.len() as u64).unwrap();
+    assert!(node.get("tcp/obj").unwrap()[..] == data[..]);
+    assert_eq!(client.get_into_device("tcp/obj", &dst, 1 << 20).unwrap(), data.len());
+    assert!(dst.to_vec()[1 << 20..(1 << 20) + data.len()] == data[..]);
+    let s = client.stats();
+    assert_eq!((s.device_direct_bytes, s.device_staged_bytes), (0, 2 * data.len() as u64));
+    // A failed get moves (and counts) nothing.
+    assert!(matches!(client.get_into_device("tcp/none", &dst, 0), Err(Error::NotFound(_))));
+    assert_eq!(client.stats().device_staged_bytes, 2 * data.len() as u64);
 }

@@ -1,15 +1,17 @@
-//! `Protocol::Rdma` and the automatic choice, in process and across processes.
-//! Without an RDMA device, the cross-process tests run on the software seam
-//! (`MOONCAKE_SOFT_RDMA`: software NICs over loopback) and say so: nothing here is
-//! an RDMA result.
+//! `Protocol::Rdma` and the automatic choice, in process and across processes,
+//! and device memory moved straight to and from segments over RDMA. Without an
+//! RDMA device, the tests run on the software seam (software NICs over loopback;
+//! `MOONCAKE_SOFT_RDMA` for the binaries; emulated device memory whose memfd the
+//! software NICs import as a dma-buf) and say so: nothing here is an RDMA result.
 
 mod support;
 
 use std::process::Command;
 use std::sync::Arc;
 
-use mooncake_core::{Error, Protocol, Store};
-use mooncake_transfer::{rdma_device_present, SoftRdma, TransferError};
+use mooncake_core::gpu::{DeviceMemory, HostDeviceMemory};
+use mooncake_core::{Error, Protocol, ReplicateConfig, Store};
+use mooncake_transfer::{rdma_device_present, SoftRdma, TransferEngine, TransferError};
 use support::{bin, payload, unique_dir, Cluster};
 
 #[test]
@@ -89,4 +91,185 @@ fn clients_in_other_processes_put_and_get_over_soft_rdma_and_fall_back_to_tcp() 
     );
     assert_eq!(code, 0, "{err}");
     assert_eq!(std::fs::read(&out).unwrap(), data);
+}
+
+/// Storage nodes in other processes serving RDMA on two software NICs each (a
+/// node in this process would be reached by memory copy).
+fn soft_rdma_cluster(nodes: usize) -> Cluster {
+    Cluster::start_env(&[], nodes, &[("MOONCAKE_SOFT_RDMA", "2")])
+}
+
+/// A client of `cluster` whose transport is RDMA over `nics`; it gives `segment`
+/// bytes to the pool (and then listens for peers).
+fn rdma_client(cluster: &Cluster, nics: &Arc<SoftRdma>, segment: u64) -> Store {
+    let b = Store::builder().master_address(&cluster.master_addr).protocol(Protocol::Rdma).rdma_provider(nics.clone());
+    let b = if segment > 0 { b.listen("127.0.0.1:0") } else { b };
+    b.global_segment_size(segment).build().unwrap()
+}
+
+fn device(len: u64) -> HostDeviceMemory {
+    HostDeviceMemory::new(len).unwrap()
+}
+
+#[test]
+fn device_memory_goes_straight_to_and_from_segments_over_soft_rdma() {
+    println!("device memory over the soft RDMA seam (emulated GPU memory, not an RDMA result)");
+    let cluster = soft_rdma_cluster(1);
+    let nics = Arc::new(SoftRdma::new(2).unwrap());
+    let client = rdma_client(&cluster, &nics, 0);
+    let (src, dst) = (device(16 << 20), device(16 << 20));
+    let mut total = 0u64;
+    for (i, len) in [1usize, 65_537, 1 << 20, (5 << 20) + 3].into_iter().enumerate() {
+        let data = payload(i as u8, len);
+        let (src_off, dst_off) = (1000 * i as u64 + 7, (8 << 20) + 4096 * i as u64 + 1);
+        src.copy_from_host(src_off, &data).unwrap();
+        let key = format!("gpu/{len}");
+        client.put_from_device(&key, &src, src_off, len as u64).unwrap();
+        // What the segment holds is exactly the device bytes.
+        assert!(client.get(&key).unwrap()[..] == data[..], "{len}: stored bytes");
+        assert_eq!(client.get_into_device(&key, &dst, dst_off).unwrap(), len);
+        let all = dst.to_vec();
+        assert!(all[dst_off as usize..dst_off as usize + len] == data[..], "{len}: device bytes");
+        assert!(all[..dst_off as usize].iter().all(|&b| b == 0), "{len}: bytes before the range");
+        assert!(all[dst_off as usize + len..].iter().all(|&b| b == 0), "{len}: bytes after the range");
+        dst.with_bytes_mut(|b| b.fill(0));
+        total += len as u64;
+    }
+    let s = client.stats();
+    assert_eq!((s.device_direct_bytes, s.device_staged_bytes), (2 * total, 0), "every byte went straight");
+    assert_eq!((s.puts, s.gets), (4, 8));
+    // Each device allocation was registered once, on each of the two NICs.
+    assert_eq!(nics.dmabuf_registrations(), 4);
+    // The batch forms go straight too.
+    let a = payload(7, 300_000);
+    let b = payload(8, 200_001);
+    src.copy_from_host(0, &a).unwrap();
+    src.copy_from_host(1 << 20, &b).unwrap();
+    let puts = client.batch_put_from_device(
+        &[("batch/a", 0, a.len() as u64), ("batch/b", 1 << 20, b.len() as u64)],
+        &src,
+        &ReplicateConfig::default(),
+    );
+    assert!(puts.iter().all(|r| r.is_ok()), "{puts:?}");
+    let gets = client.batch_get_into_device(&[("batch/b", 10), ("batch/a", 4 << 20), ("batch/none", 0)], &dst);
+    assert_eq!(gets[0].as_ref().ok(), Some(&b.len()));
+    assert_eq!(gets[1].as_ref().ok(), Some(&a.len()));
+    assert!(matches!(gets[2], Err(Error::NotFound(_))), "{:?}", gets[2]);
+    let all = dst.to_vec();
+    assert!(all[10..10 + b.len()] == b[..] && all[4 << 20..(4 << 20) + a.len()] == a[..]);
+    let batch = 2 * (a.len() + b.len()) as u64;
+    assert_eq!(client.stats().device_direct_bytes, 2 * total + batch);
+    assert_eq!(nics.dmabuf_registrations(), 4, "no registration after the first of each allocation");
+}
+
+#[test]
+fn device_memory_and_a_replica_in_the_own_segment_is_staged_per_call() {
+    println!("device memory over the soft RDMA seam (emulated GPU memory, not an RDMA result)");
+    let cluster = soft_rdma_cluster(1);
+    let nics = Arc::new(SoftRdma::new(1).unwrap());
+    // This client gives memory too: a replica there is reached by memory copy.
+    let client = rdma_client(&cluster, &nics, 16 << 20);
+    let own =
+        ReplicateConfig { preferred_segments: vec![client.segment_name().unwrap().unwrap()], ..Default::default() };
+    let src = device(1 << 20);
+    let data = payload(3, 500_000);
+    src.copy_from_host(0, &data).unwrap();
+    client.put_from_device_with("mine", &src, 0, data.len() as u64, &own).unwrap();
+    let s = client.stats();
+    assert_eq!((s.device_direct_bytes, s.device_staged_bytes), (0, data.len() as u64));
+    let dst = device(1 << 20);
+    assert_eq!(client.get_into_device("mine", &dst, 0).unwrap(), data.len());
+    assert!(dst.to_vec()[..data.len()] == data[..]);
+    let s = client.stats();
+    assert_eq!((s.device_direct_bytes, s.device_staged_bytes), (0, 2 * data.len() as u64));
+    // The next call, to the node's segment, goes straight.
+    let node = ReplicateConfig { preferred_segments: node_segments(&client), ..Default::default() };
+    client.put_from_device_with("theirs", &src, 0, data.len() as u64, &node).unwrap();
+    assert_eq!(client.get_into_device("theirs", &dst, 100).unwrap(), data.len());
+    assert!(dst.to_vec()[100..100 + data.len()] == data[..]);
+    let s = client.stats();
+    assert_eq!((s.device_direct_bytes, s.device_staged_bytes), (2 * data.len() as u64, 2 * data.len() as u64));
+}
+
+/// The names of the segments that are not `client`'s.
+fn node_segments(client: &Store) -> Vec<String> {
+    let mine = client.segment_name().unwrap();
+    let m = client.master();
+    let ids: Vec<u64> = client.stats().master.segment_usage.iter().map(|u| u.segment).collect();
+    ids.into_iter().map(|id| m.segment_info(id).unwrap().name).filter(|n| Some(n) != mine.as_ref()).collect()
+}
+
+/// Writes `bytes` as object `key` of `client` on the segments the master picks,
+/// with the checksum of `claimed` (a replica's memory holding other bytes than
+/// its checksum was taken of, as after memory reuse under a stale list); `bad`
+/// replicas get `bytes`, the others `claimed`.
+fn put_raw(client: &Store, key: &str, replicas: usize, bad: usize, bytes: &[u8], claimed: &[u8]) {
+    let (m, me) = (client.master(), client.client_id());
+    let cfg = ReplicateConfig { replica_num: replicas, ..Default::default() };
+    let placed = m.put_start(me, key, bytes.len() as u64, &cfg).unwrap();
+    assert_eq!(placed.len(), replicas);
+    let writer = TransferEngine::builder().network().build().unwrap();
+    for (i, r) in placed.iter().enumerate() {
+        let route = m.segment_info(r.segment).unwrap().region;
+        writer.write(&route, r.offset, if i < bad { bytes } else { claimed }).unwrap();
+    }
+    m.put_end(me, key, crc_of(claimed)).unwrap();
+}
+
+/// crc32c of `bytes` (the store's checksum), taken on emulated device memory.
+fn crc_of(bytes: &[u8]) -> u32 {
+    let mem = device(bytes.len() as u64);
+    mem.copy_from_host(0, bytes).unwrap();
+    mem.crc32c(0, bytes.len() as u64).unwrap()
+}
+
+#[test]
+fn device_gets_over_soft_rdma_never_keep_bytes_that_fail_their_checksum() {
+    println!("device memory over the soft RDMA seam (emulated GPU memory, not an RDMA result)");
+    let cluster = soft_rdma_cluster(2);
+    let nics = Arc::new(SoftRdma::new(1).unwrap());
+    let client = rdma_client(&cluster, &nics, 0);
+    let right = payload(1, 100_000);
+    let mut wrong = right.clone();
+    wrong[77_777] ^= 1;
+    put_raw(&client, "bad", 1, 1, &wrong, &right);
+    let dst = device(1 << 20);
+    let err = client.get_into_device("bad", &dst, 0).unwrap_err();
+    assert!(matches!(err, Error::Corrupted(_)), "{err}");
+    let s = client.stats();
+    assert!(s.checksum_mismatches >= 1, "{s:?}");
+    assert_eq!((s.device_direct_bytes, s.device_staged_bytes, s.gets, s.get_errors), (0, 0, 0, 1));
+    // The same read of a good object goes straight.
+    put_raw(&client, "good", 1, 0, &right, &right);
+    assert_eq!(client.get_into_device("good", &dst, 4096).unwrap(), right.len());
+    assert!(dst.to_vec()[4096..4096 + right.len()] == right[..]);
+    assert_eq!(client.stats().device_direct_bytes, right.len() as u64);
+    // A bad replica and a good one: the get ends with the good bytes.
+    put_raw(&client, "mixed", 2, 1, &wrong, &right);
+    dst.with_bytes_mut(|b| b.fill(0));
+    assert_eq!(client.get_into_device("mixed", &dst, 0).unwrap(), right.len());
+    assert!(dst.to_vec()[..right.len()] == right[..]);
+    assert_eq!(client.stats().device_direct_bytes, 2 * right.len() as u64);
+}
+
+#[test]
+fn refused_device_registration_falls_back_to_staging() {
+    println!("device memory over the soft RDMA seam (emulated GPU memory, not an RDMA result)");
+    let cluster = soft_rdma_cluster(1);
+    let nics = Arc::new(SoftRdma::new(2).unwrap());
+    let client = rdma_client(&cluster, &nics, 0);
+    // The NICs cannot register GPU memory (no dma-buf support, no peer-to-peer path).
+    nics.faults().refuse_dmabuf(true);
+    let (src, dst) = (device(4 << 20), device(4 << 20));
+    let data = payload(5, 1_234_567);
+    src.copy_from_host(99, &data).unwrap();
+    client.put_from_device("staged", &src, 99, data.len() as u64).unwrap();
+    assert!(client.get("staged").unwrap()[..] == data[..]);
+    assert_eq!(client.get_into_device("staged", &dst, 5).unwrap(), data.len());
+    assert!(dst.to_vec()[5..5 + data.len()] == data[..]);
+    let s = client.stats();
+    assert_eq!((s.device_direct_bytes, s.device_staged_bytes), (0, 2 * data.len() as u64));
+    assert_eq!(nics.dmabuf_registrations(), 0);
+    // The staged host bytes still went over RDMA.
+    assert!(nics.doorbells() > 0);
 }

@@ -156,6 +156,17 @@ macro_rules! master_calls {
             /// Asks a client's SSD tier to offload what its segments hold that is on no SSD;
             /// returns how many such objects are left.
             FlushSegments => fn flush_segments(client: ClientId => ClientId) -> Result<u64>;
+            /// Cluster mode: mounts one extent of a node's memory for slot group `group`,
+            /// with the objects it holds (records of other groups' keys are skipped).
+            /// Fails with `Moved` unless this master leads the group. Returns the
+            /// extent's segment id and how many records were taken.
+            MountExtent => fn mount_extent(
+                client: ClientId => ClientId,
+                region: &RemoteRegion => WireRegion,
+                capacity: u64 => u64,
+                group: u32 => u32,
+                records: &[ObjectRecord] => Vec<ObjectRecord>
+            ) -> Result<(SegmentId, usize)>;
             /// Phase one of an upsert: reserves new replicas to write while the object's
             /// current ones stay readable (an absent key is put).
             UpsertStart => fn upsert_start(

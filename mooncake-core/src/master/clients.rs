@@ -58,6 +58,22 @@ impl MasterService {
 
     /// Mounts `capacity` bytes served at `region` as a segment of `client`.
     pub fn mount_segment(&self, client: ClientId, region: &RemoteRegion, capacity: u64) -> Result<SegmentId> {
+        if self.ownership.get().is_some() {
+            return Err(Error::InvalidArgument(
+                "this master is in a cluster: storage nodes mount one extent per slot group (mount_extent)".into(),
+            ));
+        }
+        self.mount_group_segment(client, region, capacity, None)
+    }
+
+    /// Mounts a segment, of `group` in cluster mode.
+    pub(crate) fn mount_group_segment(
+        &self,
+        client: ClientId,
+        region: &RemoteRegion,
+        capacity: u64,
+        group: Option<u32>,
+    ) -> Result<SegmentId> {
         if capacity == 0 {
             return Err(Error::InvalidArgument("segment of zero bytes".into()));
         }
@@ -67,7 +83,13 @@ impl MasterService {
         let mut clients = self.clients.write();
         let rec = clients.get_mut(&client).ok_or(Error::UnknownClient(client))?;
         rec.segments.push(id);
-        self.segments.write().insert(SegmentEntry { alloc, owner: client, region: region.clone(), suspect: false });
+        self.segments.write().insert(SegmentEntry {
+            alloc,
+            owner: client,
+            region: region.clone(),
+            suspect: false,
+            group,
+        });
         tracing::debug!(segment = id, client, capacity, "segment mounted");
         Ok(id)
     }
@@ -189,9 +211,14 @@ impl MasterService {
         self.segments.read().candidates.clone()
     }
 
-    /// Segments new replicas may go to (suspect ones excluded).
-    pub(crate) fn placeable(&self) -> Arc<Vec<Arc<SegmentAllocator>>> {
-        self.segments.read().placeable.clone()
+    /// Segments new replicas may go to (suspect ones excluded; in cluster mode, the
+    /// extents of `group`).
+    pub(crate) fn placeable(&self, group: Option<u32>) -> Arc<Vec<Arc<SegmentAllocator>>> {
+        let table = self.segments.read();
+        match group {
+            None => table.placeable.clone(),
+            Some(g) => table.placeable_by_group.get(&g).cloned().unwrap_or_default(),
+        }
     }
 
     /// A client could not write to `segment`: no new replica goes there until its owner

@@ -176,6 +176,7 @@ impl MasterService {
             .iter()
             .map(|&(key, len, checksum)| {
                 check_key(key)?;
+                self.fence(key)?;
                 crate::config::check_value_len(len)?;
                 if self.tombstones.contains(key) {
                     return Err(Error::AlreadyExists(format!("{key} (removed while its disk was away)")));
@@ -269,6 +270,7 @@ impl MasterService {
             .iter()
             .map(|&(key, len, checksum)| {
                 check_key(key)?;
+                self.fence(key)?;
                 let mut shard = self.index.shard(key).lock();
                 match shard.get_mut(key) {
                     Some(e) if e.complete && e.len == len && e.checksum == checksum => {
@@ -288,6 +290,7 @@ impl MasterService {
         keys.iter()
             .map(|&key| {
                 check_key(key)?;
+                self.fence(key)?;
                 let mut shard = self.index.shard(key).lock();
                 match shard.get_mut(key) {
                     Some(e) if e.disk == client => {

@@ -8,7 +8,9 @@
 //! Layout: [`types`](self) holds the values the master hands out; `service` the state
 //! and the [`Master`] handle; `api` the one table of calls ([`MasterApi`]); the other
 //! files are facets of [`MasterService`]: `clients`, `objects`, `disk` (the SSD tier's
-//! side), `eviction`, `records` (durable per-node records), `liveness`, `stats`, `upsert` (atomic replacement of an object). The
+//! side), `eviction`, `records` (durable per-node records), `ownership` (cluster mode:
+//! the slot groups this master leads), `liveness`, `stats`, `upsert` (atomic
+//! replacement of an object). The
 //! internal index and segment table live in `object` and `segment`.
 
 mod api;
@@ -18,6 +20,7 @@ mod eviction;
 mod liveness;
 mod object;
 mod objects;
+mod ownership;
 mod record_link;
 mod records;
 mod segment;
@@ -29,6 +32,7 @@ mod upsert;
 
 pub(crate) use api::master_calls;
 pub use api::MasterApi;
+pub use ownership::KeyOwnership;
 pub use record_link::{RecordConnector, RecordSink};
 pub use service::{Master, MasterService};
 pub(crate) use types::remote_region;

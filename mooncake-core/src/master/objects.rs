@@ -30,6 +30,7 @@ impl MasterService {
         cfg: &ReplicateConfig,
     ) -> Result<Vec<MemoryReplica>> {
         check_key(key)?;
+        self.fence(key)?;
         check_value_len(len)?;
         cfg.check()?;
         let now = self.now_ms();
@@ -45,7 +46,7 @@ impl MasterService {
                 self.counters.put_timeouts.fetch_add(1, Ordering::Relaxed);
             }
         }
-        let bufs = self.allocate(len, cfg, None)?;
+        let bufs = self.allocate(key, len, cfg, None)?;
         if bufs.len() < cfg.replica_num {
             if cfg.require_all_replicas {
                 return Err(Error::NoSpace {
@@ -62,6 +63,9 @@ impl MasterService {
             // Another put of the same key won the race; our buffers are freed on drop.
             return Err(Error::AlreadyExists(key.to_owned()));
         }
+        // Again under the shard lock: a group released meanwhile drops what it finds
+        // under these locks, so the entry is either refused here or dropped there.
+        self.fence(key)?;
         shard.insert(
             key.into(),
             ObjectEntry {
@@ -103,10 +107,11 @@ impl MasterService {
         !e.complete && now.saturating_sub(e.last_access_ms) >= self.config.put_timeout.as_millis() as u64
     }
 
-    /// Allocates buffers for `cfg`, excluding segments in `exclude`; on lack of space,
-    /// evicts and tries again.
+    /// Allocates buffers of `key` for `cfg`, excluding segments in `exclude`; on lack of
+    /// space, evicts and tries again.
     pub(crate) fn allocate(
         &self,
+        key: &str,
         len: u64,
         cfg: &ReplicateConfig,
         exclude: Option<&[SegmentId]>,
@@ -116,7 +121,7 @@ impl MasterService {
         loop {
             let all = self.candidates();
             // Segments whose writes failed are left out until their owner heartbeats again.
-            let mounted = self.placeable();
+            let mounted = self.placeable(self.placement_group(key));
             if let Some(unknown) = cfg.preferred_segments.iter().find(|p| !all.iter().any(|s| s.name() == p.as_str())) {
                 return Err(Error::InvalidArgument(format!(
                     "preferred segment {unknown:?} is not mounted (names are `endpoint#n`, see SegmentInfo::name)"
@@ -128,7 +133,7 @@ impl MasterService {
             };
             if candidates.is_empty() {
                 let reason = if exclude.is_some() { "no other segment is mounted" } else { "no segment is mounted" };
-                if self.recovering() {
+                if self.recovering_key(key) {
                     return Err(Error::Recovering(format!("{reason} yet: clients are re-mounting their segments")));
                 }
                 return Err(Error::NoSpace { needed: len, largest_free: 0, reason: reason.into() });
@@ -255,6 +260,8 @@ impl MasterService {
     pub(crate) fn put_end_queued(&self, client: ClientId, key: &str, checksum: u32) -> Result<RecordWait> {
         let now = self.now_ms();
         let mut shard = self.index.shard(key).lock();
+        // Under the shard lock (see `put_start`).
+        self.fence(key)?;
         match shard.get_mut(key) {
             Some(e) if !e.complete && e.owner == client => {
                 e.complete = true;
@@ -328,6 +335,7 @@ impl MasterService {
     /// removed, nor evicted, nor shrunk.
     pub fn get_replica_list(&self, key: &str) -> Result<ReplicaList> {
         check_key(key)?;
+        self.fence(key)?;
         let now = self.now_ms();
         let lease = self.config.default_lease;
         let mut shard = self.index.shard(key).lock();
@@ -343,7 +351,7 @@ impl MasterService {
                     disk: (e.disk != 0).then_some(e.disk),
                 })
             }
-            _ if self.recovering() => {
+            _ if self.recovering_key(key) => {
                 Err(Error::Recovering(format!("{key} not found yet: clients are re-mounting their segments")))
             }
             _ => Err(Error::NotFound(key.to_owned())),
@@ -358,7 +366,8 @@ impl MasterService {
     /// Ends one read lease of each key (one per replica-list answer the reader got):
     /// its read is over. Keys that are gone are skipped.
     pub fn release_leases(&self, keys: &[&str]) -> Result<()> {
-        for key in keys {
+        // Keys of groups led elsewhere are skipped like absent ones.
+        for key in keys.iter().filter(|k| self.fence(k).is_ok()) {
             if let Some(e) = self.index.shard(key).lock().get_mut(*key) {
                 e.release();
             }
@@ -369,6 +378,7 @@ impl MasterService {
     /// What the master knows of `key` (no lease is granted).
     pub fn object_info(&self, key: &str) -> Result<ObjectInfo> {
         check_key(key)?;
+        self.fence(key)?;
         let now = self.now_ms();
         match self.index.shard(key).lock().get(key) {
             Some(e) if e.complete => Ok(ObjectInfo {
@@ -385,6 +395,7 @@ impl MasterService {
     /// Whether a complete object is stored under `key`.
     pub fn exists(&self, key: &str) -> Result<bool> {
         check_key(key)?;
+        self.fence(key)?;
         Ok(self.index.shard(key).lock().get(key).is_some_and(|e| e.complete))
     }
 
@@ -440,6 +451,7 @@ impl MasterService {
     /// [`remove`](Self::remove) without waiting for the nodes' records.
     fn remove_queued(&self, key: &str) -> Result<RecordWait> {
         check_key(key)?;
+        self.fence(key)?;
         let now = self.now_ms();
         let mut shard = self.index.shard(key).lock();
         match shard.get(key) {
@@ -495,6 +507,7 @@ impl MasterService {
     /// reserves new ones on segments that hold none, for the caller to fill.
     pub fn replicate_start(&self, client: ClientId, key: &str, cfg: &ReplicateConfig) -> Result<ReplicatePlan> {
         check_key(key)?;
+        self.fence(key)?;
         cfg.check()?;
         let now = self.now_ms();
         let (have, held_on, len) = {
@@ -540,7 +553,7 @@ impl MasterService {
             (have, held, e.len)
         };
         let extra = ReplicateConfig { replica_num: cfg.replica_num - have, ..cfg.clone() };
-        let bufs = self.allocate(len, &extra, Some(&held_on))?;
+        let bufs = self.allocate(key, len, &extra, Some(&held_on))?;
         let mut shard = self.index.shard(key).lock();
         let e = match shard.get_mut(key) {
             Some(e) if e.complete => e,
@@ -559,6 +572,7 @@ impl MasterService {
     /// Ends a replicate: the targets become readable (`ok`) or are freed (`!ok`).
     pub fn replicate_end(&self, key: &str, targets: &[MemoryReplica], ok: bool) -> Result<()> {
         let mut shard = self.index.shard(key).lock();
+        self.fence(key)?;
         let e = shard.get_mut(key).ok_or_else(|| Error::NotFound(key.to_owned()))?;
         let is_target = |r: &StoredReplica| !r.complete && targets.contains(&MemoryReplica::of(&r.buf));
         let mut wait = RecordWait::default();

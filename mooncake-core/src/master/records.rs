@@ -163,9 +163,22 @@ impl MasterService {
         capacity: u64,
         records: &[ObjectRecord],
     ) -> Result<(SegmentId, usize)> {
+        self.mount_records_into(client, region, capacity, None, records)
+    }
+
+    /// Mounts a segment (of `group`, in cluster mode) and takes its records.
+    pub(crate) fn mount_records_into(
+        &self,
+        client: ClientId,
+        region: &RemoteRegion,
+        capacity: u64,
+        group: Option<u32>,
+        records: &[ObjectRecord],
+    ) -> Result<(SegmentId, usize)> {
         let mut records = records.to_vec();
-        let id = self.mount_segment(client, region, capacity)?;
-        if !records.is_empty() {
+        let id = self.mount_group_segment(client, region, capacity, group)?;
+        // In a cluster, taking a group over opens its own recovery window.
+        if !records.is_empty() && group.is_none() {
             self.note_recovery();
         }
         let Some(alloc) = self.segments.read().by_id.get(&id).map(|s| s.alloc.clone()) else {

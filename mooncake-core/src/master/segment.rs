@@ -16,6 +16,8 @@ pub(crate) struct SegmentEntry {
     pub(crate) region: RemoteRegion,
     /// A client could not write to it: no placement until its owner heartbeats again.
     pub(crate) suspect: bool,
+    /// Cluster mode: the slot group whose keys it holds (an extent of the node's memory).
+    pub(crate) group: Option<u32>,
 }
 
 /// A registered client.
@@ -82,6 +84,8 @@ pub(crate) struct SegmentTable {
     pub(crate) candidates: Arc<Vec<Arc<SegmentAllocator>>>,
     /// The candidates new replicas may go to: all but the suspect segments.
     pub(crate) placeable: Arc<Vec<Arc<SegmentAllocator>>>,
+    /// Cluster mode: the placeable segments of each slot group.
+    pub(crate) placeable_by_group: Arc<HashMap<u32, Arc<Vec<Arc<SegmentAllocator>>>>>,
 }
 
 impl SegmentTable {
@@ -115,6 +119,13 @@ impl SegmentTable {
         list.sort_by_key(|a| a.id());
         self.placeable =
             Arc::new(list.iter().filter(|a| self.by_id.get(&a.id()).is_some_and(|s| !s.suspect)).cloned().collect());
+        let mut by_group: HashMap<u32, Vec<Arc<SegmentAllocator>>> = HashMap::new();
+        for a in self.placeable.iter() {
+            if let Some(g) = self.by_id.get(&a.id()).and_then(|s| s.group) {
+                by_group.entry(g).or_default().push(a.clone());
+            }
+        }
+        self.placeable_by_group = Arc::new(by_group.into_iter().map(|(g, v)| (g, Arc::new(v))).collect());
         self.candidates = Arc::new(list);
     }
 

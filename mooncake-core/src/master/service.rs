@@ -57,6 +57,19 @@ pub struct MasterService {
     /// client re-mounts within it). Meanwhile a missing key or a lack of segments is
     /// `Error::Recovering`, which callers retry, not `NotFound` or `NoSpace`.
     pub(super) recovering_until_ms: AtomicU64,
+    /// Cluster mode: the slot groups this master leads (unset: it answers every key).
+    pub(super) ownership: std::sync::OnceLock<Arc<dyn crate::master::ownership::KeyOwnership>>,
+    /// Cluster mode: until when (ms) each group taken over waits for its extents.
+    pub(super) group_recovering: Mutex<ahash::HashMap<u32, u64>>,
+    /// Cluster mode: groups taken and given up.
+    pub(super) cluster_counters: ClusterCounters,
+}
+
+/// Counters of slot-group changes (cluster mode).
+#[derive(Default)]
+pub(crate) struct ClusterCounters {
+    pub(super) groups_acquired: AtomicU64,
+    pub(super) groups_released: AtomicU64,
 }
 
 /// A handle on a master service running in this process. Clones share it; the
@@ -110,6 +123,9 @@ impl Master {
             record_connector: std::sync::OnceLock::new(),
             tombstones: Default::default(),
             recovering_until_ms: AtomicU64::new(0),
+            ownership: std::sync::OnceLock::new(),
+            group_recovering: Default::default(),
+            cluster_counters: Default::default(),
         });
         spawn_monitor(&service)?;
         Ok(Self { service })

@@ -53,6 +53,7 @@ impl MasterService {
         cfg: &ReplicateConfig,
     ) -> Result<Vec<MemoryReplica>> {
         check_key(key)?;
+        self.fence(key)?;
         check_value_len(len)?;
         cfg.check()?;
         let mut round = 0;
@@ -75,6 +76,9 @@ impl MasterService {
     fn mark_upsert(&self, client: ClientId, key: &str, len: u64, cfg: &ReplicateConfig) -> Result<Found> {
         let now = self.now_ms();
         let mut shard = self.index.shard(key).lock();
+        // Under the shard lock, as in `put_start`: a group released meanwhile drops
+        // what it finds under these locks.
+        self.fence(key)?;
         let Some(e) = shard.get_mut(key) else { return Ok(Found::Absent) };
         if !e.complete {
             return if self.put_expired(e, now) {
@@ -104,7 +108,7 @@ impl MasterService {
     /// Places the new replicas of the upsert `id` (the object stays readable and
     /// leased meanwhile) and attaches them to it.
     fn place_upsert(&self, key: &str, len: u64, cfg: &ReplicateConfig, id: u64) -> Result<Vec<MemoryReplica>> {
-        let placed = self.allocate(len, cfg, None).and_then(|bufs| {
+        let placed = self.allocate(key, len, cfg, None).and_then(|bufs| {
             if bufs.len() < cfg.replica_num && cfg.require_all_replicas {
                 return Err(Error::NoSpace {
                     needed: len,
@@ -116,6 +120,7 @@ impl MasterService {
         });
         let now = self.now_ms();
         let mut shard = self.index.shard(key).lock();
+        self.fence(key)?;
         let Some(e) = shard.get_mut(key) else {
             // The object went with its segments (a node was lost) while we placed:
             // what is left to do is a put.
@@ -163,6 +168,8 @@ impl MasterService {
     fn upsert_end_queued(&self, client: ClientId, key: &str, checksum: u32) -> Result<RecordWait> {
         let now = self.now_ms();
         let mut shard = self.index.shard(key).lock();
+        // Under the shard lock (see `put_start`).
+        self.fence(key)?;
         let Some(e) = shard.get_mut(key) else { return Err(no_upsert(key)) };
         if !e.complete {
             // The key was absent: this upsert is a put.
@@ -216,6 +223,7 @@ impl MasterService {
     pub fn upsert_revoke(&self, client: ClientId, key: &str) -> Result<()> {
         let now = self.now_ms();
         let mut shard = self.index.shard(key).lock();
+        self.fence(key)?;
         let Some(e) = shard.get_mut(key) else { return Err(no_upsert(key)) };
         if !e.complete {
             drop(shard);

@@ -27,7 +27,7 @@ use mooncake_transfer::RemoteRegion;
 /// First bytes of every frame.
 pub const MAGIC: [u8; 4] = *b"MCRP";
 /// Protocol version spoken by this build.
-pub const VERSION: u8 = 5;
+pub const VERSION: u8 = 6;
 /// Bytes in a frame header.
 pub const HEADER_LEN: usize = 20;
 /// Default largest body accepted (64 MiB).
@@ -273,6 +273,13 @@ pub enum WireError {
     Storage(String),
     /// [`Error::Recovering`].
     Recovering(String),
+    /// [`Error::Moved`].
+    Moved {
+        /// The key's slot.
+        slot: u16,
+        /// The slot's leader, if known.
+        leader: Option<String>,
+    },
 }
 
 impl From<Error> for WireError {
@@ -283,6 +290,7 @@ impl From<Error> for WireError {
             Error::HasLease(m) => WireError::HasLease(m),
             Error::NoSpace { needed, largest_free, reason } => WireError::NoSpace { needed, largest_free, reason },
             Error::Recovering(m) => WireError::Recovering(m),
+            Error::Moved { slot, leader } => WireError::Moved { slot, leader },
             Error::BufferTooSmall { needed, capacity } => WireError::BufferTooSmall { needed, capacity },
             Error::InvalidArgument(m) => WireError::InvalidArgument(m),
             Error::UnknownClient(c) => WireError::UnknownClient(c),
@@ -300,6 +308,7 @@ impl From<WireError> for Error {
             WireError::HasLease(m) => Error::HasLease(m),
             WireError::NoSpace { needed, largest_free, reason } => Error::NoSpace { needed, largest_free, reason },
             WireError::Recovering(m) => Error::Recovering(m),
+            WireError::Moved { slot, leader } => Error::Moved { slot, leader },
             WireError::BufferTooSmall { needed, capacity } => Error::BufferTooSmall { needed, capacity },
             WireError::InvalidArgument(m) => Error::InvalidArgument(m),
             WireError::UnknownClient(c) => Error::UnknownClient(c),

@@ -346,12 +346,26 @@ impl StoreInner {
     fn put(&self, key: &str, value: &[u8], cfg: &ReplicateConfig) -> Result<()> {
         check_key(key)?;
         check_value_len(value.len() as u64)?;
-        let client = self.client();
         let checksum = crate::checksum::checksum(value);
+        self.put_placed(key, value.len() as u64, checksum, cfg, |replicas| self.write_replicas(replicas, value))
+    }
+
+    /// A put of `len` bytes whose crc32c is `checksum`, each placement's replicas
+    /// filled by `write` (which returns the segments that failed): placed, written,
+    /// ended, placed again without a failed segment.
+    fn put_placed(
+        &self,
+        key: &str,
+        len: u64,
+        checksum: u32,
+        cfg: &ReplicateConfig,
+        mut write: impl FnMut(&[MemoryReplica]) -> Vec<(SegmentId, Error)>,
+    ) -> Result<()> {
+        let client = self.client();
         let mut attempt = 1;
         loop {
-            let replicas = self.master.put_start(client, key, value.len() as u64, cfg)?;
-            let failed = self.write_replicas(&replicas, value);
+            let replicas = self.master.put_start(client, key, len, cfg)?;
+            let failed = write(&replicas);
             let Some((_, err)) = failed.first() else {
                 if replicas.len() < cfg.replica_num {
                     StoreCounters::inc(&self.counters.under_replicated_puts, 1);
@@ -730,6 +744,8 @@ impl Store {
             checksum_mismatches: c.checksum_mismatches.load(Ordering::Relaxed),
             removes: c.removes.load(Ordering::Relaxed),
             under_replicated_puts: c.under_replicated_puts.load(Ordering::Relaxed),
+            device_direct_bytes: c.device_direct_bytes.load(Ordering::Relaxed),
+            device_staged_bytes: c.device_staged_bytes.load(Ordering::Relaxed),
             ssd: self.ssd_stats(),
             disk_loads: inner.disk_peers.loads(),
             replica_cache_hits: inner.cache.hits(),

@@ -15,6 +15,8 @@ pub(super) struct StoreCounters {
     pub(super) checksum_mismatches: AtomicU64,
     pub(super) removes: AtomicU64,
     pub(super) under_replicated_puts: AtomicU64,
+    pub(super) device_direct_bytes: AtomicU64,
+    pub(super) device_staged_bytes: AtomicU64,
 }
 
 impl StoreCounters {
@@ -51,6 +53,15 @@ pub struct StoreStats {
     /// Puts stored with fewer replicas than asked (see
     /// [`ReplicateConfig::require_all_replicas`](crate::ReplicateConfig)).
     pub under_replicated_puts: u64,
+    /// Bytes of objects moved straight between device memory and the pool by
+    /// `get_into_device` / `put_from_device` (and their batch forms): one-sided
+    /// RDMA to and from GPU memory registered with the NICs, no host staging.
+    /// Counted once per object.
+    pub device_direct_bytes: u64,
+    /// Bytes of objects those calls staged through pinned host memory instead (no
+    /// RDMA transport, memory the NICs cannot register, a replica reached another
+    /// way). Counted once per object.
+    pub device_staged_bytes: u64,
     /// The SSD tier's counters, if this client has one.
     pub ssd: Option<super::SsdStats>,
     /// Objects this client pulled from other clients' SSDs.
@@ -66,7 +77,8 @@ pub struct StoreStats {
 ///
 /// ```text
 /// client 0x…: segment 1048576/4194304 bytes used
-///   puts 10 (…), gets 12 (…), removes 0, checksum retries 0, replica cache hits 3, disk loads 0
+///   puts 10 (…), gets 12 (…), removes 0, checksum retries 0, replica cache hits 3, disk loads 0,
+///     device bytes 0 direct / 0 staged
 ///   ssd (bucket, io …): 8 objects, 65536/… B used, 8 offloaded (65536 B, 0 failed), …
 ///   master (random): 10 objects (…), … evicted (… B), lease refusals 0, put timeouts 0, …
 /// ```
@@ -81,7 +93,7 @@ impl std::fmt::Display for StoreStats {
         writeln!(
             f,
             "  puts {} ({} B, {} failed), gets {} ({} B, {} failed), removes {}, checksum retries {}, \
-             replica cache hits {}, disk loads {}",
+             replica cache hits {}, disk loads {}, device bytes {} direct / {} staged",
             self.puts,
             self.put_bytes,
             self.put_errors,
@@ -91,7 +103,9 @@ impl std::fmt::Display for StoreStats {
             self.removes,
             self.checksum_mismatches,
             self.replica_cache_hits,
-            self.disk_loads
+            self.disk_loads,
+            self.device_direct_bytes,
+            self.device_staged_bytes
         )?;
         if let Some(s) = &self.ssd {
             let b = &s.backend;

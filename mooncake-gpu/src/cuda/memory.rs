@@ -4,10 +4,12 @@
 //! events as fences.
 
 use std::collections::VecDeque;
+use std::os::fd::{FromRawFd, OwnedFd};
 use std::ptr::NonNull;
 use std::sync::Arc;
 
 use cudarc::driver::{result as cu, sys, CudaContext};
+use mooncake_transfer::DmaBuf;
 use parking_lot::Mutex;
 
 use super::driver::{cuda_device_count, drv, guarded};
@@ -236,6 +238,73 @@ impl DeviceMemory for DeviceBuffer {
     fn open_stream(&self) -> Result<Box<dyn DeviceStream + '_>> {
         let slot = self.take_slot()?;
         Ok(Box::new(CudaCopyStream { buf: self, slot: Some(slot), pending: VecDeque::new(), next: 0 }))
+    }
+
+    /// `CU_POINTER_ATTRIBUTE_BUFFER_ID` of the allocation holding the buffer
+    /// (unique in the process; a borrowed buffer shares its allocation's id).
+    fn allocation_id(&self) -> Option<u64> {
+        let id = guarded("cuPointerGetAttribute", || {
+            drv("bind", self.ctx.bind_to_thread())?;
+            let mut id: u64 = 0;
+            // SAFETY: BUFFER_ID writes one unsigned long long into `id`; `ptr` is
+            // a device pointer of this context.
+            let r = unsafe {
+                sys::cuPointerGetAttribute(
+                    (&mut id as *mut u64).cast(),
+                    sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_BUFFER_ID,
+                    self.ptr,
+                )
+            };
+            drv("cuPointerGetAttribute", r.result())?;
+            Ok(id)
+        });
+        id.map_err(|e| tracing::debug!(error = %e, "no buffer id: device memory is staged")).ok()
+    }
+
+    /// The pages holding the buffer as a dma-buf (`cuMemGetHandleForAddressRange`,
+    /// CUDA 11.7+ on a device with `CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED`), for a
+    /// NIC to register with `ibv_reg_dmabuf_mr`. Built, never run here: the
+    /// machines this was written on have no GPU.
+    fn export_dmabuf(&self) -> Result<DmaBuf> {
+        // The range must be whole host pages; cuMemAlloc allocations start on
+        // large boundaries, and a range the driver will not export is refused.
+        // SAFETY: sysconf has no memory-safety requirement.
+        let page = match unsafe { libc::sysconf(libc::_SC_PAGESIZE) } {
+            p if p > 0 => p as u64,
+            _ => 4096,
+        };
+        let start = self.ptr & !(page - 1);
+        let end = (self.ptr + self.len.max(1) as u64).next_multiple_of(page);
+        guarded("cuMemGetHandleForAddressRange", || {
+            drv("bind", self.ctx.bind_to_thread())?;
+            let dev = drv("cuDeviceGet", cu::device::get(self.ordinal as i32))?;
+            // SAFETY: a plain attribute query of a valid device.
+            let supported = drv("cuDeviceGetAttribute", unsafe {
+                cu::device::get_attribute(dev, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED)
+            })?;
+            if supported == 0 {
+                return Err(GpuError::Unsupported(format!("CUDA device {} cannot export dma-bufs", self.ordinal)));
+            }
+            let mut fd: libc::c_int = -1;
+            // SAFETY: DMA_BUF_FD writes one int (the new file descriptor) into
+            // `fd`; the range lies in memory of this context (page-rounded).
+            let r = unsafe {
+                sys::cuMemGetHandleForAddressRange(
+                    (&mut fd as *mut libc::c_int).cast(),
+                    start,
+                    (end - start) as usize,
+                    sys::CUmemRangeHandleType::CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
+                    0,
+                )
+            };
+            drv("cuMemGetHandleForAddressRange", r.result())?;
+            if fd < 0 {
+                return Err(GpuError::Cuda { op: "cuMemGetHandleForAddressRange", msg: "no file descriptor".into() });
+            }
+            // SAFETY: the driver just created `fd` for us; nobody else owns it.
+            let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+            Ok(DmaBuf { fd, offset: 0, len: end - start, iova: start })
+        })
     }
 }
 

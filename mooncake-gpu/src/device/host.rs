@@ -1,13 +1,25 @@
 //! [`HostDeviceMemory`]: host memory standing in for a device allocation, with
-//! streams that defer their copies like a device would.
+//! streams that defer their copies like a device would, exportable as a "dma-buf"
+//! (its memfd) that software RDMA NICs import.
 
 use std::collections::VecDeque;
 use std::fmt;
+use std::fs::File;
+use std::os::fd::{FromRawFd, OwnedFd};
+use std::sync::atomic::{AtomicU64, Ordering};
 
+use memmap2::MmapMut;
+use mooncake_transfer::DmaBuf;
 use parking_lot::RwLock;
 
 use super::{check_range, DeviceMemory, DeviceStream, Fence, MemoryLocation, PinnedBuffer};
 use crate::error::{GpuError, Result};
+
+/// Allocation ids of emulated memory: the top bit set, so they never meet the
+/// small ids a CUDA driver hands out in the same process.
+static NEXT_ID: AtomicU64 = AtomicU64::new(1 << 63);
+
+const PAGE: u64 = 4096;
 
 /// Host memory standing in for a device allocation: the same API as device
 /// memory, for tests and for machines without a GPU.
@@ -15,9 +27,21 @@ use crate::error::{GpuError, Result};
 /// Its streams defer every copy until the stream is waited on (or dropped),
 /// in order, like a device that has not got to them yet: a caller that reads
 /// or reuses a staging buffer before waiting for its copy sees wrong bytes.
+///
+/// The bytes live in a memfd, which [`export_dmabuf`](DeviceMemory::export_dmabuf)
+/// hands out as the allocation's "dma-buf": a software RDMA NIC
+/// (`mooncake_transfer::SoftRdma`) imports it by mapping it and then reads and
+/// writes the memory itself, as a NIC does GPU memory, by device address, never
+/// through this value (so without its lock: bytes read while a NIC writes them are
+/// unspecified, as on a GPU). A real NIC refuses it (it is no dma-buf).
 pub struct HostDeviceMemory {
-    data: RwLock<Box<[u8]>>,
+    data: RwLock<MmapMut>,
+    len: u64,
     base: u64,
+    /// The memfd behind `data`, if one could be made (else anonymous memory,
+    /// which cannot be exported).
+    file: Option<File>,
+    id: u64,
 }
 
 impl fmt::Debug for HostDeviceMemory {
@@ -32,28 +56,51 @@ impl HostDeviceMemory {
         if len == 0 {
             return Err(GpuError::InvalidArgument("device memory of zero bytes".into()));
         }
-        let n = usize::try_from(len)
-            .map_err(|_| GpuError::InvalidArgument(format!("{len} bytes exceed the address space")))?;
-        let data: Box<[u8]> = vec![0u8; n].into_boxed_slice();
+        let too_large = || GpuError::InvalidArgument(format!("{len} bytes exceed the address space"));
+        let mapped =
+            usize::try_from(len.checked_next_multiple_of(PAGE).ok_or_else(too_large)?).map_err(|_| too_large())?;
+        let file = memfd(mapped);
+        let data = match &file {
+            // SAFETY: the memfd is private to this value (and to the NICs it is
+            // exported to, which only DMA into it, as a device's NICs do).
+            Some(f) => unsafe { MmapMut::map_mut(f) },
+            None => MmapMut::map_anon(mapped),
+        }
+        .map_err(|e| GpuError::InvalidArgument(format!("cannot map {len} bytes of emulated device memory: {e}")))?;
         let base = data.as_ptr() as u64;
-        Ok(Self { data: RwLock::new(data), base })
+        let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
+        Ok(Self { data: RwLock::new(data), len, base, file, id })
     }
 
     /// A copy of the whole memory (tests: what a kernel would see).
     pub fn to_vec(&self) -> Vec<u8> {
-        self.data.read().to_vec()
+        self.data.read()[..self.len as usize].to_vec()
     }
 
     /// Runs `f` on the memory's bytes (tests, and a producer "kernel" in the
     /// emulation writing device memory directly).
     pub fn with_bytes_mut<R>(&self, f: impl FnOnce(&mut [u8]) -> R) -> R {
-        f(&mut self.data.write())
+        f(&mut self.data.write()[..self.len as usize])
     }
+}
+
+/// A memfd of `len` bytes, or `None` if the kernel does not make one.
+fn memfd(len: usize) -> Option<File> {
+    // SAFETY: the name is a NUL-terminated string; memfd_create has no other
+    // memory-safety requirement.
+    let fd = unsafe { libc::memfd_create(c"mooncake-emulated-device".as_ptr(), libc::MFD_CLOEXEC) };
+    if fd < 0 {
+        return None;
+    }
+    // SAFETY: `fd` was just returned by memfd_create and is owned by nobody else.
+    let file = File::from(unsafe { OwnedFd::from_raw_fd(fd) });
+    file.set_len(len as u64).ok()?;
+    Some(file)
 }
 
 impl DeviceMemory for HostDeviceMemory {
     fn len(&self) -> u64 {
-        self.data.read().len() as u64
+        self.len
     }
 
     fn location(&self) -> MemoryLocation {
@@ -70,6 +117,20 @@ impl DeviceMemory for HostDeviceMemory {
 
     fn open_stream(&self) -> Result<Box<dyn DeviceStream + '_>> {
         Ok(Box::new(HostStream { mem: self, queue: VecDeque::new(), enqueued: 0, completed: 0 }))
+    }
+
+    fn allocation_id(&self) -> Option<u64> {
+        Some(self.id)
+    }
+
+    fn export_dmabuf(&self) -> Result<DmaBuf> {
+        let file = self
+            .file
+            .as_ref()
+            .ok_or_else(|| GpuError::Unsupported("emulated device memory without a memfd cannot be exported".into()))?;
+        let fd = file.try_clone().map_err(|e| GpuError::Unsupported(format!("duplicating the memfd: {e}")))?;
+        let len = self.data.read().len() as u64;
+        Ok(DmaBuf { fd: fd.into(), offset: 0, len, iova: self.base })
     }
 }
 

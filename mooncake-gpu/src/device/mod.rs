@@ -37,12 +37,15 @@
 //! # }
 //! ```
 
+mod checksum;
 mod host;
 mod pinned;
 mod pool;
 mod stager;
 
 use std::fmt;
+
+use mooncake_transfer::DmaBuf;
 
 pub use host::HostDeviceMemory;
 #[cfg_attr(not(feature = "cuda"), allow(unused_imports))]
@@ -170,6 +173,35 @@ pub trait DeviceMemory: Send + Sync + fmt::Debug {
     /// `OutOfBounds`.
     fn check_range(&self, offset: u64, len: u64) -> Result<()> {
         check_range(self.len(), offset, len)
+    }
+
+    /// An id of this allocation that the process never gives another one (CUDA's
+    /// `CU_POINTER_ATTRIBUTE_BUFFER_ID`), so that registrations of it with RDMA
+    /// NICs can be cached: memory freed and allocated again at the same address
+    /// has a new id. `None` (the default) when there is none: the memory is then
+    /// never registered with a NIC, and transfers stage through host memory.
+    fn allocation_id(&self) -> Option<u64> {
+        None
+    }
+
+    /// Exports the allocation as a dma-buf, so that an RDMA NIC can register it
+    /// and read and write it without host staging: `cuMemGetHandleForAddressRange`
+    /// for CUDA memory, the memfd behind [`HostDeviceMemory`] (which only software
+    /// NICs import). The dma-buf covers at least `[device_ptr, device_ptr + len)`;
+    /// its `iova` is a device address. `Unsupported` (the default) when the
+    /// memory cannot be exported.
+    fn export_dmabuf(&self) -> Result<DmaBuf> {
+        Err(GpuError::Unsupported(format!("{} cannot be exported as a dma-buf", self.location())))
+    }
+
+    /// crc32c (Castagnoli) of the `len` bytes at `offset`, to check what a NIC
+    /// wrote into the memory or to checksum what it will read. The default copies
+    /// them to pinned host buffers in chunks, double-buffered, and sums them on the
+    /// CPU (an implementation may sum on the device instead). `OutOfBounds` for a
+    /// range outside the allocation.
+    fn crc32c(&self, offset: u64, len: u64) -> Result<u32> {
+        self.check_range(offset, len)?;
+        checksum::crc32c_by_download(self, offset, len)
     }
 
     /// Copies `src` to `offset` (synchronous; staged through pinned buffers

@@ -9,6 +9,7 @@
 //! is never an RDMA result) and, with the `rdma` feature, `VerbsRdma` (libibverbs,
 //! loaded at run time).
 
+mod device;
 mod handshake;
 mod registration;
 mod server;
@@ -17,9 +18,11 @@ mod transport;
 #[cfg(feature = "rdma")]
 mod verbs;
 
+use std::os::fd::OwnedFd;
 use std::sync::Arc;
 use std::time::Duration;
 
+pub use device::{DeviceRegion, DeviceTransfer};
 pub use handshake::{RdmaHandshake, RdmaRegionInfo, RegionPiece};
 pub(crate) use server::RdmaResponder;
 pub use soft::{SoftFaults, SoftPortConfig, SoftRdma};
@@ -96,6 +99,23 @@ pub struct MemoryRegion {
     pub lkey: u32,
     /// Key peers name the region by.
     pub rkey: u32,
+}
+
+/// Device memory exported as a dma-buf, so that NICs can register it
+/// ([`ProtectionDomain::register_dmabuf`]) and move its bytes without host staging
+/// (a GPU driver exports one with `cuMemGetHandleForAddressRange`).
+#[derive(Debug)]
+pub struct DmaBuf {
+    /// The dma-buf. Closed when this value drops: a registration holds its own
+    /// reference to the buffer.
+    pub fd: OwnedFd,
+    /// Offset in the dma-buf of the first exported byte.
+    pub offset: u64,
+    /// Bytes exported.
+    pub len: u64,
+    /// The address work requests name the first exported byte by (the device
+    /// pointer), for [`RdmaTransport::transfer_device`].
+    pub iova: u64,
 }
 
 /// What a work request does.
@@ -181,13 +201,22 @@ pub trait ProtectionDomain: Send + Sync {
 
     /// Registers `len` bytes at `offset` of a dma-buf (device memory a GPU driver
     /// exported, so that the NIC reads and writes it without host staging), for
-    /// local access and peers' READ/WRITE, addressed from `iova` on. Devices or
+    /// local access and, with `remote_access`, peers' READ/WRITE. Work requests
+    /// name its bytes from `iova` on (the returned region's `addr`), not by a
+    /// host address: the CPU may not be able to reach them at all. Devices or
     /// implementations without dma-buf support refuse (the default).
     ///
     /// # Safety
     /// The dma-buf must stay allocated until [`deregister`](Self::deregister) returns.
-    unsafe fn register_dmabuf(&self, fd: i32, offset: u64, len: u64, iova: u64) -> Result<MemoryRegion> {
-        let _ = (fd, offset, len, iova);
+    unsafe fn register_dmabuf(
+        &self,
+        fd: i32,
+        offset: u64,
+        len: u64,
+        iova: u64,
+        remote_access: bool,
+    ) -> Result<MemoryRegion> {
+        let _ = (fd, offset, len, iova, remote_access);
         Err(crate::TransferError::Registration(format!("{}: no dma-buf registration", self.port().device)))
     }
 

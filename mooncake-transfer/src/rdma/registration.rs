@@ -3,12 +3,13 @@
 //! registrations are cached so that repeated transfers into one buffer register once.
 
 use std::collections::BTreeMap;
+use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use super::{MemoryRegion, ProtectionDomain, RdmaProvider};
+use super::{DmaBuf, MemoryRegion, ProtectionDomain, RdmaProvider};
 use crate::error::{Result, TransferError};
 
 const PAGE: u64 = 4096;
@@ -43,17 +44,45 @@ impl Nics {
     /// # Safety
     /// As [`ProtectionDomain::register`], for the whole range.
     pub(crate) unsafe fn register(&self, addr: *mut u8, len: u64, remote: bool) -> Result<Registration> {
+        self.register_pieces(addr as u64, len, |pd, done, n| {
+            // SAFETY: a sub-range of the caller's range, under the caller's contract.
+            unsafe { pd.register(addr.add(done as usize), n, remote) }
+        })
+    }
+
+    /// Registers the device memory of `buf` on every NIC, for local access only,
+    /// split as [`register`](Self::register) does; work requests name it from
+    /// `buf.iova` on.
+    ///
+    /// # Safety
+    /// As [`ProtectionDomain::register_dmabuf`]: the dma-buf stays allocated while
+    /// the registration lives (its file descriptor may be closed).
+    pub(crate) unsafe fn register_dmabuf(&self, buf: &DmaBuf) -> Result<Registration> {
+        let fd = buf.fd.as_raw_fd();
+        self.register_pieces(buf.iova, buf.len, |pd, done, n| {
+            // SAFETY: a sub-range of the dma-buf, under the caller's contract.
+            unsafe { pd.register_dmabuf(fd, buf.offset + done, n, buf.iova + done, false) }
+        })
+    }
+
+    /// Registers `len` bytes named from `start` on, in pieces of at most
+    /// `max_mr_size`, with `one(pd, offset, len)` per piece and NIC; on a failure
+    /// every piece registered so far is deregistered.
+    fn register_pieces(
+        &self,
+        start: u64,
+        len: u64,
+        mut one: impl FnMut(&dyn ProtectionDomain, u64, u64) -> Result<MemoryRegion>,
+    ) -> Result<Registration> {
         let step = self.max_mr_size();
         let mut pieces = Vec::new();
         let mut done = 0u64;
-        let mut registration = Registration { pds: self.pds.clone(), start: addr as u64, pieces: Vec::new() };
+        let mut registration = Registration { pds: self.pds.clone(), start, pieces: Vec::new() };
         while done < len {
             let n = step.min(len - done);
             let mut by_nic = Vec::with_capacity(self.pds.len());
             for pd in &self.pds {
-                // SAFETY: a sub-range of the caller's range, under the caller's contract.
-                let mr = unsafe { pd.register(addr.add(done as usize), n, remote) };
-                match mr {
+                match one(pd.as_ref(), done, n) {
                     Ok(mr) => by_nic.push(mr),
                     Err(e) => {
                         for (pd, mr) in self.pds.iter().zip(&by_nic) {

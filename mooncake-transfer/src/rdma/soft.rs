@@ -40,6 +40,9 @@ pub struct SoftFaults {
     served: Mutex<Vec<TcpStream>>,
     /// Posts that sent work (one write to the fabric each): the doorbells rung.
     doorbells: AtomicU64,
+    refuse_dmabuf: AtomicBool,
+    /// dma-buf memory regions registered so far.
+    dmabuf_registrations: AtomicU64,
 }
 
 impl SoftFaults {
@@ -69,6 +72,12 @@ impl SoftFaults {
         self.qp_errors.store(n, Ordering::SeqCst);
     }
 
+    /// With `refuse`, the NICs refuse every dma-buf registration, as a device
+    /// without dma-buf support (or without a peer-to-peer path to the GPU) does.
+    pub fn refuse_dmabuf(&self, refuse: bool) {
+        self.refuse_dmabuf.store(refuse, Ordering::SeqCst);
+    }
+
     fn take_qp_error(&self) -> bool {
         self.qp_errors.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)).is_ok()
     }
@@ -95,14 +104,23 @@ impl Default for SoftPortConfig {
 #[derive(Clone, Copy, Debug)]
 struct MrEntry {
     pd: u64,
+    /// First byte, as work requests name it (a host address, or a dma-buf's iova).
     addr: u64,
     len: u64,
     remote: bool,
+    /// Where the NIC reaches the first byte: `addr` itself for host memory, the
+    /// NIC's own mapping of a dma-buf.
+    host: u64,
 }
 
 impl MrEntry {
     fn covers(&self, addr: u64, len: u64) -> bool {
         addr >= self.addr && addr.checked_add(len).is_some_and(|end| end <= self.addr + self.len)
+    }
+
+    /// The host address of `addr` (inside the region).
+    fn translate(&self, addr: u64) -> u64 {
+        self.host + (addr - self.addr)
     }
 }
 
@@ -147,6 +165,9 @@ struct SoftNic {
     info: PortInfo,
     addr: SocketAddr,
     mrs: RwLock<HashMap<u32, MrEntry>>,
+    /// The NIC's mappings of registered dma-bufs, by lkey: what a device's DMA
+    /// engine reaches them through.
+    dmabufs: Mutex<HashMap<u32, memmap2::MmapRaw>>,
     qps: Mutex<HashMap<u32, Weak<QpShared>>>,
     next_key: AtomicU32,
     next_qpn: AtomicU32,
@@ -209,6 +230,7 @@ impl SoftRdma {
                 info,
                 addr,
                 mrs: RwLock::new(HashMap::new()),
+                dmabufs: Mutex::new(HashMap::new()),
                 qps: Mutex::new(HashMap::new()),
                 // Random bases: a restarted peer never honours a key or queue pair
                 // number handed out by its previous life.
@@ -238,6 +260,12 @@ impl SoftRdma {
     pub fn doorbells(&self) -> u64 {
         self.faults.doorbells.load(Ordering::Relaxed)
     }
+
+    /// dma-buf memory regions registered so far on these NICs (one per NIC and
+    /// piece of a registration).
+    pub fn dmabuf_registrations(&self) -> u64 {
+        self.faults.dmabuf_registrations.load(Ordering::Relaxed)
+    }
 }
 
 impl RdmaProvider for SoftRdma {
@@ -262,27 +290,66 @@ struct SoftPd {
     id: u64,
 }
 
-impl ProtectionDomain for SoftPd {
-    fn port(&self) -> &PortInfo {
-        &self.nic.info
-    }
-
-    unsafe fn register(&self, addr: *mut u8, len: u64, remote_access: bool) -> Result<MemoryRegion> {
+impl SoftPd {
+    fn check_len(&self, len: u64) -> Result<()> {
         if len == 0 || len > self.nic.info.max_mr_size {
             return Err(TransferError::Registration(format!(
                 "memory region of {len} bytes (the device registers 1..={})",
                 self.nic.info.max_mr_size
             )));
         }
+        Ok(())
+    }
+
+    /// Enters a region named from `addr` on, reached at `host`, into the NIC's table.
+    fn insert(&self, addr: u64, len: u64, remote_access: bool, host: u64) -> MemoryRegion {
         let key = self.nic.next_key.fetch_add(2, Ordering::Relaxed);
         let (lkey, rkey) = (key, if remote_access { key + 1 } else { 0 });
-        let addr = addr as u64;
         let mut mrs = self.nic.mrs.write();
-        mrs.insert(lkey, MrEntry { pd: self.id, addr, len, remote: false });
+        mrs.insert(lkey, MrEntry { pd: self.id, addr, len, remote: false, host });
         if remote_access {
-            mrs.insert(rkey, MrEntry { pd: self.id, addr, len, remote: true });
+            mrs.insert(rkey, MrEntry { pd: self.id, addr, len, remote: true, host });
         }
-        Ok(MemoryRegion { addr, len, lkey, rkey })
+        MemoryRegion { addr, len, lkey, rkey }
+    }
+}
+
+impl ProtectionDomain for SoftPd {
+    fn port(&self) -> &PortInfo {
+        &self.nic.info
+    }
+
+    unsafe fn register(&self, addr: *mut u8, len: u64, remote_access: bool) -> Result<MemoryRegion> {
+        self.check_len(len)?;
+        Ok(self.insert(addr as u64, len, remote_access, addr as u64))
+    }
+
+    /// The soft NIC imports a dma-buf by mapping it (a software device has no
+    /// other way to reach the memory): any file that can be mapped shared, such
+    /// as the memfd behind emulated device memory. Work requests name its bytes
+    /// from `iova` on, never by the mapping's address.
+    unsafe fn register_dmabuf(
+        &self,
+        fd: i32,
+        offset: u64,
+        len: u64,
+        iova: u64,
+        remote_access: bool,
+    ) -> Result<MemoryRegion> {
+        if self.nic.faults.refuse_dmabuf.load(Ordering::SeqCst) {
+            return Err(TransferError::Registration(format!("{}: dma-buf registration refused", self.nic.info.device)));
+        }
+        self.check_len(len)?;
+        if iova.checked_add(len).is_none() {
+            return Err(TransferError::Registration(format!("dma-buf iova {iova:#x}+{len} overflows")));
+        }
+        let map = memmap2::MmapOptions::new().offset(offset).len(len as usize).map_raw(fd).map_err(|e| {
+            TransferError::Registration(format!("{}: cannot import the dma-buf: {e}", self.nic.info.device))
+        })?;
+        let mr = self.insert(iova, len, remote_access, map.as_mut_ptr() as u64);
+        self.nic.dmabufs.lock().insert(mr.lkey, map);
+        self.nic.faults.dmabuf_registrations.fetch_add(1, Ordering::Relaxed);
+        Ok(mr)
     }
 
     fn deregister(&self, mr: &MemoryRegion) {
@@ -292,6 +359,9 @@ impl ProtectionDomain for SoftPd {
         if mr.rkey != 0 {
             mrs.remove(&mr.rkey);
         }
+        drop(mrs);
+        // No access names the keys any more: the dma-buf's mapping can go.
+        self.nic.dmabufs.lock().remove(&mr.lkey);
     }
 
     fn create_qp(&self, _depth: u32) -> Result<Box<dyn QueuePair>> {
@@ -359,13 +429,15 @@ impl SoftQp {
         Ok(())
     }
 
-    /// Whether `wr`'s local range lies in a local memory region of this protection domain.
-    fn local_ok(&self, wr: &WorkRequest) -> bool {
+    /// Where the NIC reaches `wr`'s local range, if it lies in a local memory
+    /// region of this protection domain.
+    fn local_host(&self, wr: &WorkRequest) -> Option<u64> {
         self.nic
             .mrs
             .read()
             .get(&wr.lkey)
-            .is_some_and(|mr| !mr.remote && mr.pd == self.shared.pd && mr.covers(wr.local_addr, u64::from(wr.len)))
+            .filter(|mr| !mr.remote && mr.pd == self.shared.pd && mr.covers(wr.local_addr, u64::from(wr.len)))
+            .map(|mr| mr.translate(wr.local_addr))
     }
 }
 
@@ -391,8 +463,10 @@ fn receive(stream: TcpStream, qp: &QpShared) {
         if wr.op == WorkOp::Read {
             // SAFETY: `post`'s contract keeps the local range writable and unused
             // by anything else until this completion is polled; the range was
-            // checked against a local memory region when posted; `to_error` joins
-            // this thread before the queue pair gives the range up.
+            // checked against a local memory region when posted and translated to
+            // where the NIC reaches it (a dma-buf's mapping lives as long as its
+            // registration, which outlives the request); `to_error` joins this
+            // thread before the queue pair gives the range up.
             let dst = unsafe { std::slice::from_raw_parts_mut(wr.local_addr as *mut u8, wr.len as usize) };
             if r.read_exact(dst).is_err() {
                 qp.outstanding.lock().push_front(wr);
@@ -475,11 +549,13 @@ impl QueuePair for SoftQp {
             return Ok(());
         }
         let mut frames = Vec::with_capacity(batch.len() * REQ_LEN);
-        let mut accepted = 0;
+        // The batch as the NIC executes it: local addresses translated to where
+        // it reaches them (a dma-buf's mapping for device memory).
+        let mut reached = Vec::with_capacity(batch.len());
         for wr in batch {
-            if !self.local_ok(wr) {
-                break;
-            }
+            let Some(host) = self.local_host(wr) else { break };
+            let wr = &WorkRequest { local_addr: host, ..*wr };
+            reached.push(*wr);
             frames.push(match wr.op {
                 WorkOp::Read => 1u8,
                 WorkOp::Write => 2u8,
@@ -490,18 +566,20 @@ impl QueuePair for SoftQp {
             frames.extend_from_slice(&wr.len.to_le_bytes());
             if wr.op == WorkOp::Write {
                 // SAFETY: the caller keeps the range readable until its completion
-                // (it is copied right here), and it lies in a local region (checked).
+                // (it is copied right here); it lies in a local region (checked) and
+                // `local_addr` is where the NIC reaches it: the host buffer itself, or
+                // the NIC's mapping of a dma-buf, kept while the region is registered.
                 frames.extend_from_slice(unsafe {
                     std::slice::from_raw_parts(wr.local_addr as *const u8, wr.len as usize)
                 });
             }
-            accepted += 1;
         }
+        let accepted = reached.len();
         if self.stream.is_none() && accepted > 0 && self.connect().is_err() {
-            self.shared.outstanding.lock().extend(batch[..accepted].iter().copied());
+            self.shared.outstanding.lock().extend(reached);
             self.shared.fail_outstanding();
         } else if accepted > 0 {
-            self.shared.outstanding.lock().extend(batch[..accepted].iter().copied());
+            self.shared.outstanding.lock().extend(reached);
             // One write of the whole batch: the doorbell.
             self.nic.faults.doorbells.fetch_add(1, Ordering::Relaxed);
             let sent = self.stream.as_ref().map(|mut s| s.write_all(&frames));
@@ -595,19 +673,22 @@ fn serve(conn: TcpStream, nic: &Weak<SoftNic>) {
         }
         // Held across the access: deregistration waits for it.
         let mrs = nic.mrs.read();
-        let ok = mrs.get(&rkey).is_some_and(|mr| mr.remote && mr.pd == pd && mr.covers(addr, len));
+        let host =
+            mrs.get(&rkey).filter(|mr| mr.remote && mr.pd == pd && mr.covers(addr, len)).map(|mr| mr.translate(addr));
+        let ok = host.is_some();
         let mut resp = [0u8; RESP_LEN];
         resp[0..8].copy_from_slice(&wr_id.to_le_bytes());
         resp[8] = u8::from(!ok);
-        let served = match (op, ok) {
-            (1, true) => {
-                // SAFETY: `[addr, addr + len)` lies in a registered remote-access
+        let served = match (op, host) {
+            (1, Some(addr)) => {
+                // SAFETY: the requested range lies in a registered remote-access
                 // region (checked under the read lock that deregistration waits
-                // for), which the registrant keeps mapped until it deregisters.
+                // for) and `addr` is where the NIC reaches it (the registrant keeps
+                // host memory mapped, the NIC its dma-buf mapping, until deregistered).
                 let src = unsafe { std::slice::from_raw_parts(addr as *const u8, len as usize) };
                 w.write_all(&resp).and_then(|()| w.write_all(src))
             }
-            (2, true) => {
+            (2, Some(addr)) => {
                 // SAFETY: as above; the region's owner lets peers write it.
                 let dst = unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len as usize) };
                 r.read_exact(dst).and_then(|()| w.write_all(&resp))

@@ -9,13 +9,15 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Mutex, RwLock};
 
+use super::device::{DeviceRegion, DeviceRegistrations, DeviceTransfer};
 use super::handshake::{RdmaHandshake, RdmaRegionInfo};
 use super::registration::{Nics, Registration, RegistrationCache};
-use super::{Completion, CompletionStatus, QueuePair, RdmaConfig, RdmaProvider, WorkOp, WorkRequest};
+use super::{Completion, CompletionStatus, DmaBuf, QueuePair, RdmaConfig, RdmaProvider, WorkOp, WorkRequest};
 use crate::auth::SharedSecret;
 use crate::error::{Result, TransferError};
 use crate::frame::{FrameOp, FrameStatus};
 use crate::handshake::ControlChannel;
+use crate::region::RemoteRegion;
 use crate::transport::{TcpTransport, TransferOp, TransferRequest, Transport, TransportStats};
 
 /// Longest a peer that could not be reached is left alone before the next try.
@@ -83,6 +85,7 @@ pub struct RdmaTransport {
     /// each doubles the cooldown before the next connection attempt.
     strikes: Mutex<HashMap<String, u32>>,
     cache: RegistrationCache,
+    devices: DeviceRegistrations,
     nic_bytes: Vec<AtomicU64>,
     next_qp: AtomicUsize,
     stats: TransportStats,
@@ -111,6 +114,7 @@ impl RdmaTransport {
 
     pub(crate) fn on(nics: Arc<Nics>, config: RdmaConfig, tcp: TcpTransport) -> Self {
         let cache = RegistrationCache::new(config.registration_cache);
+        let devices = DeviceRegistrations::new(config.registration_cache);
         let nic_bytes = nics.pds.iter().map(|_| AtomicU64::new(0)).collect();
         Self {
             nics,
@@ -119,6 +123,7 @@ impl RdmaTransport {
             peers: Mutex::new(HashMap::new()),
             strikes: Mutex::new(HashMap::new()),
             cache,
+            devices,
             nic_bytes,
             next_qp: AtomicUsize::new(0),
             stats: TransportStats::default(),
@@ -147,9 +152,11 @@ impl RdmaTransport {
     }
 
     /// Forgets every cached registration of local buffers (call it after freeing
-    /// buffers that were transferred, before their addresses are mapped again).
+    /// buffers that were transferred, before their addresses are mapped again),
+    /// and of device memory (registrations and refusals).
     pub fn forget_registrations(&self) {
         self.cache.clear();
+        self.devices.clear();
     }
 
     /// The path MTU of the link to `endpoint` (the smaller of both ports'), if an
@@ -302,9 +309,10 @@ impl RdmaTransport {
         Ok(info)
     }
 
-    /// Queue pairs of the NICs nearest `addr` (its NUMA node), or all.
-    fn near_qps(&self, link: &Link, addr: u64) -> Vec<usize> {
-        let node = numa_node_of(addr);
+    /// Queue pairs of the NICs nearest `addr` (its NUMA node, for a host
+    /// address), or all.
+    fn near_qps(&self, link: &Link, addr: u64, host: bool) -> Vec<usize> {
+        let node = if host { numa_node_of(addr) } else { None };
         let near: Vec<usize> = (0..link.qps.len())
             .filter(|&q| node.is_some() && self.nics.pds[link.local_nics[q]].port().numa_node == node)
             .collect();
@@ -315,13 +323,13 @@ impl RdmaTransport {
         }
     }
 
-    /// Cuts the requests `idx` of `batch` into work requests on `link`'s queue
-    /// pairs. A request that cannot go over RDMA gets its failure instead.
+    /// Cuts the jobs `idx` into work requests on `link`'s queue pairs. A job that
+    /// cannot go over RDMA gets its failure instead.
     fn plan(
         &self,
         endpoint: &str,
         link: &Link,
-        batch: &mut [TransferRequest<'_>],
+        jobs: &[Job<'_>],
         idx: &[usize],
         out: &mut Vec<Chunk>,
         keep: &mut Vec<Arc<Registration>>,
@@ -329,12 +337,9 @@ impl RdmaTransport {
         let mut failed = Vec::new();
         let mut wr_id = 0u64;
         for &i in idx {
-            let req = &mut batch[i];
-            let (op, ptr, len) = match &mut req.op {
-                TransferOp::Read(dst) => (WorkOp::Read, dst.as_mut_ptr() as u64, dst.len() as u64),
-                TransferOp::Write(src) => (WorkOp::Write, src.as_ptr() as u64, src.len() as u64),
-            };
-            let info = match self.region_info(endpoint, link, req.target.region) {
+            let job = &jobs[i];
+            let (op, ptr, len) = (job.op, job.addr, job.len);
+            let info = match self.region_info(endpoint, link, job.target.region) {
                 Ok(info) => info,
                 Err(e @ (TransferError::Io(_) | TransferError::Unreachable(_))) => {
                     failed.push((i, Failure::Broken(e)));
@@ -345,10 +350,10 @@ impl RdmaTransport {
                     continue;
                 }
             };
-            if req.offset.checked_add(len).is_none_or(|end| end > info.len) {
+            if job.offset.checked_add(len).is_none_or(|end| end > info.len) {
                 let e = TransferError::OutOfBounds {
-                    region: req.target.region,
-                    offset: req.offset,
+                    region: job.target.region,
+                    offset: job.offset,
                     len,
                     region_len: info.len,
                 };
@@ -358,19 +363,24 @@ impl RdmaTransport {
             if len == 0 {
                 continue;
             }
-            let local = match self.cache.get(&self.nics, ptr as *const u8, len) {
-                Ok(r) => r,
-                Err(e) => {
-                    failed.push((i, Failure::Final(e)));
-                    continue;
-                }
+            let local = match &job.device {
+                Some(reg) => reg.clone(),
+                None => match self.cache.get(&self.nics, ptr as *const u8, len) {
+                    Ok(r) => r,
+                    Err(e) => {
+                        failed.push((i, Failure::Final(e)));
+                        continue;
+                    }
+                },
             };
             let striped = len > self.config.stripe as u64;
-            let near = if striped { Vec::new() } else { self.near_qps(link, ptr) };
+            // Device memory has no NUMA node to ask the kernel for: its share goes
+            // over every NIC.
+            let near = if striped { Vec::new() } else { self.near_qps(link, ptr, job.device.is_none()) };
             let mut pos = 0u64;
             let mut k = 0usize;
             while pos < len {
-                let remote_off = req.offset + pos;
+                let remote_off = job.offset + pos;
                 let rp = info.pieces.partition_point(|p| p.offset + p.len <= remote_off);
                 let (Some(rpiece), Some((lpiece, local_left))) = (info.pieces.get(rp), local.piece_at(ptr + pos))
                 else {
@@ -489,17 +499,17 @@ impl RdmaTransport {
         results.into_iter().flatten().collect()
     }
 
-    /// One attempt of the requests `idx` on `link`.
+    /// One attempt of the jobs `idx` on `link`.
     fn attempt(
         &self,
         endpoint: &str,
         link: &Link,
-        batch: &mut [TransferRequest<'_>],
+        jobs: &[Job<'_>],
         idx: &[usize],
         deadline: Instant,
     ) -> Vec<(usize, Result<(), Failure>)> {
         let (mut chunks, mut keep) = (Vec::new(), Vec::new());
-        let failed = self.plan(endpoint, link, batch, idx, &mut chunks, &mut keep);
+        let failed = self.plan(endpoint, link, jobs, idx, &mut chunks, &mut keep);
         let statuses = self.execute(link, &chunks, deadline);
         drop(keep);
         let mut outcome: HashMap<usize, Result<(), Failure>> = idx.iter().map(|&i| (i, Ok(()))).collect();
@@ -514,16 +524,16 @@ impl RdmaTransport {
                     self.config.deadline
                 ))),
                 Some(CompletionStatus::LocalProtection) => {
-                    self.cache.clear();
+                    if jobs[c.req].device.is_none() {
+                        self.cache.clear();
+                    }
                     Failure::Final(TransferError::Registration("local protection error on an RDMA buffer".into()))
                 }
                 Some(CompletionStatus::RemoteAccess) => {
                     // Keys went stale (region unregistered, peer restarted): ask again.
-                    link.regions.write().remove(&batch[c.req].target.region);
-                    Failure::Broken(TransferError::UnknownRegion {
-                        endpoint: endpoint.to_owned(),
-                        region: batch[c.req].target.region,
-                    })
+                    let region = jobs[c.req].target.region;
+                    link.regions.write().remove(&region);
+                    Failure::Broken(TransferError::UnknownRegion { endpoint: endpoint.to_owned(), region })
                 }
                 Some(s) => Failure::Broken(TransferError::Io(format!("RDMA link to {endpoint}: {s:?}"))),
             };
@@ -537,58 +547,41 @@ impl RdmaTransport {
         out.sort_by_key(|(i, _)| *i);
         for (i, r) in &out {
             if r.is_ok() {
-                let n = batch[*i].op.len() as u64;
-                match batch[*i].op {
-                    TransferOp::Read(_) => self.stats.bytes_read.fetch_add(n, Ordering::Relaxed),
-                    TransferOp::Write(_) => self.stats.bytes_written.fetch_add(n, Ordering::Relaxed),
+                let counter = match jobs[*i].op {
+                    WorkOp::Read => &self.stats.bytes_read,
+                    WorkOp::Write => &self.stats.bytes_written,
                 };
+                counter.fetch_add(jobs[*i].len, Ordering::Relaxed);
             }
         }
         out
     }
 
-    /// Every request of `batch` (all to `endpoint`), with reconnections.
-    fn to_peer(&self, endpoint: &str, batch: &mut [TransferRequest<'_>]) -> Vec<Result<()>> {
+    /// The jobs `idx` (all to `endpoint`), with reconnections; each result goes
+    /// into `results`. Returns the jobs left to TCP: the peer turned out to offer
+    /// no RDMA.
+    fn to_peer(&self, endpoint: &str, jobs: &[Job<'_>], idx: &[usize], results: &mut [Result<()>]) -> Vec<usize> {
         let deadline = Instant::now() + self.config.deadline;
-        let mut results: Vec<Result<()>> = (0..batch.len()).map(|_| Ok(())).collect();
-        let mut pending: Vec<usize> = (0..batch.len()).collect();
+        let mut pending: Vec<usize> = idx.to_vec();
+        let mut to_tcp = Vec::new();
         let mut tries = 0u32;
         while !pending.is_empty() {
-            let link = match self.link(endpoint) {
-                Ok(Some(link)) => Ok(link),
-                Ok(None) => {
-                    // TCP serves this peer: move the pending requests there.
-                    let mut moved: Vec<TransferRequest<'_>> = pending
-                        .iter()
-                        .map(|&i| {
-                            let target = batch[i].target;
-                            std::mem::replace(
-                                &mut batch[i],
-                                TransferRequest { target, offset: 0, op: TransferOp::Write(&[]) },
-                            )
-                        })
-                        .collect();
-                    let out = self.tcp.transfer(&mut moved);
-                    for ((&i, req), r) in pending.iter().zip(moved).zip(out) {
-                        batch[i] = req;
-                        results[i] = r;
-                    }
-                    return results;
-                }
-                Err(e) => Err(e),
-            };
-            let retry: Vec<(usize, TransferError)> = match link {
-                Ok(link) => {
-                    let out = self.attempt(endpoint, &link, batch, &pending, deadline);
+            let retry: Vec<(usize, TransferError)> = match self.link(endpoint) {
+                Ok(Some(link)) => {
+                    let out = self.attempt(endpoint, &link, jobs, &pending, deadline);
                     let mut retry = Vec::new();
+                    let mut timed_out = false;
                     for (i, r) in out {
                         match r {
                             Ok(()) => results[i] = Ok(()),
-                            Err(Failure::Final(e)) => results[i] = Err(e),
+                            Err(Failure::Final(e)) => {
+                                timed_out |= matches!(e, TransferError::TimedOut(_));
+                                results[i] = Err(e);
+                            }
                             Err(Failure::Broken(e)) => retry.push((i, e)),
                         }
                     }
-                    if results.iter().any(|r| matches!(r, Err(TransferError::TimedOut(_)))) {
+                    if timed_out {
                         // Its queue pairs were stopped: the next request links anew.
                         let mut peers = self.peers.lock();
                         if matches!(peers.get(endpoint), Some(Peer::Linked(l)) if Arc::ptr_eq(l, &link)) {
@@ -601,6 +594,11 @@ impl RdmaTransport {
                         self.drop_link(endpoint, &link);
                     }
                     retry
+                }
+                Ok(None) => {
+                    // TCP serves this peer: the pending jobs go there.
+                    to_tcp = pending;
+                    break;
                 }
                 Err(e) => {
                     // The peer cannot be linked now (its failure is counted and
@@ -623,13 +621,113 @@ impl RdmaTransport {
             pending = retry.into_iter().map(|(i, _)| i).collect();
             std::thread::sleep(wait + jitter);
         }
-        for r in &results {
-            if r.is_err() {
+        for &i in idx {
+            if results[i].is_err() {
                 self.stats.errors.fetch_add(1, Ordering::Relaxed);
             }
         }
+        to_tcp
+    }
+
+    /// Every job, grouped by peer; one result per job, and the jobs whose peer
+    /// is served over TCP (their result is left as it was).
+    fn run_jobs(&self, jobs: &[Job<'_>], results: &mut [Result<()>]) -> Vec<usize> {
+        let mut by_peer: Vec<(&str, Vec<usize>)> = Vec::new();
+        for (i, j) in jobs.iter().enumerate() {
+            match by_peer.iter_mut().find(|(e, _)| *e == j.target.endpoint) {
+                Some((_, idx)) => idx.push(i),
+                None => by_peer.push((j.target.endpoint.as_str(), vec![i])),
+            }
+        }
+        let mut to_tcp = Vec::new();
+        for (endpoint, idx) in by_peer {
+            to_tcp.extend(self.to_peer(endpoint, jobs, &idx, results));
+        }
+        to_tcp
+    }
+
+    /// Registers the `len` bytes at device address `addr` of device allocation
+    /// `id` on every NIC, from the dma-buf `export` makes (called only when that
+    /// range is not registered yet, and which must cover it), for
+    /// [`transfer_device`](Self::transfer_device); a registration (or a refusal)
+    /// is kept for the next call, like host buffers' registrations.
+    ///
+    /// `id` must name one allocation for the life of the process, never reused
+    /// (CUDA's `CU_POINTER_ATTRIBUTE_BUFFER_ID` is such an id). A NIC or an
+    /// implementation that cannot register the dma-buf (no dma-buf support, no
+    /// peer-to-peer path to the GPU) fails with
+    /// [`TransferError::Registration`]: the caller stages through host memory.
+    pub fn register_device(
+        &self,
+        id: u64,
+        addr: u64,
+        len: u64,
+        export: impl FnOnce() -> Result<DmaBuf>,
+    ) -> Result<DeviceRegion> {
+        self.devices.get(&self.nics, (id, addr, len), export)
+    }
+
+    /// Moves bytes between peers' regions and device memory registered with
+    /// [`register_device`](Self::register_device), with one-sided READ and WRITE
+    /// straight to and from device memory, striped and retried as host transfers
+    /// are. One result per request, in order. A request whose local range lies
+    /// outside its device region fails with [`TransferError::Registration`]; one
+    /// to a peer that offers no RDMA fails with [`TransferError::Unreachable`]
+    /// (device memory cannot go over TCP: stage it through host memory).
+    ///
+    /// # Safety
+    /// Each request's device allocation must be alive, and its local range not
+    /// used by anything else (not read or written for a READ, not written for a
+    /// WRITE) until this call returns.
+    pub unsafe fn transfer_device(&self, requests: &[DeviceTransfer<'_>]) -> Vec<Result<()>> {
+        let mut results: Vec<Result<()>> = (0..requests.len()).map(|_| Ok(())).collect();
+        let mut jobs = Vec::with_capacity(requests.len());
+        let mut valid = Vec::with_capacity(requests.len());
+        for (i, r) in requests.iter().enumerate() {
+            if r.local.contains(r.local_addr, r.len) {
+                valid.push(i);
+                jobs.push(Job {
+                    target: r.target,
+                    offset: r.offset,
+                    op: r.op,
+                    addr: r.local_addr,
+                    len: r.len,
+                    device: Some(r.local.reg.clone()),
+                });
+            } else {
+                self.stats.errors.fetch_add(1, Ordering::Relaxed);
+                results[i] = Err(TransferError::Registration(format!(
+                    "device range {:#x}+{} outside its registration {:?}",
+                    r.local_addr, r.len, r.local
+                )));
+            }
+        }
+        let mut out: Vec<Result<()>> = (0..jobs.len()).map(|_| Ok(())).collect();
+        for j in self.run_jobs(&jobs, &mut out) {
+            out[j] = Err(TransferError::Unreachable(format!(
+                "{}: no RDMA link, device memory cannot be reached over TCP",
+                jobs[j].target.endpoint
+            )));
+        }
+        for (i, r) in valid.into_iter().zip(out) {
+            results[i] = r;
+        }
         results
     }
+}
+
+/// One request as the planner sees it: a local range (a host buffer, or device
+/// memory already registered) and the remote bytes it moves to or from.
+struct Job<'r> {
+    target: &'r RemoteRegion,
+    offset: u64,
+    op: WorkOp,
+    /// First local byte: a host address, or a device address inside `device`.
+    addr: u64,
+    len: u64,
+    /// The registration of device memory; `None` for a host buffer, registered
+    /// through the cache.
+    device: Option<Arc<Registration>>,
 }
 
 /// The protection domains of every port of `provider`; [`TransferError::NoDevice`] if none.
@@ -672,18 +770,22 @@ impl Transport for RdmaTransport {
 
     fn transfer(&self, requests: &mut [TransferRequest<'_>]) -> Vec<Result<()>> {
         let mut results: Vec<Result<()>> = (0..requests.len()).map(|_| Ok(())).collect();
-        let mut by_peer: Vec<(String, Vec<usize>)> = Vec::new();
-        for (i, r) in requests.iter().enumerate() {
-            match by_peer.iter_mut().find(|(e, _)| *e == r.target.endpoint) {
-                Some((_, idx)) => idx.push(i),
-                None => by_peer.push((r.target.endpoint.clone(), vec![i])),
-            }
-        }
-        if by_peer.len() == 1 {
-            return self.to_peer(&by_peer[0].0, requests);
-        }
-        for (endpoint, idx) in by_peer {
-            let mut batch: Vec<TransferRequest<'_>> = idx
+        let jobs: Vec<Job<'_>> = requests
+            .iter_mut()
+            .map(|r| {
+                let (op, addr, len) = match &mut r.op {
+                    TransferOp::Read(dst) => (WorkOp::Read, dst.as_mut_ptr() as u64, dst.len() as u64),
+                    TransferOp::Write(src) => (WorkOp::Write, src.as_ptr() as u64, src.len() as u64),
+                };
+                Job { target: r.target, offset: r.offset, op, addr, len, device: None }
+            })
+            .collect();
+        let to_tcp = self.run_jobs(&jobs, &mut results);
+        drop(jobs);
+        if !to_tcp.is_empty() {
+            // Move these requests into one TCP batch (leaving empty ones in their
+            // place), run it, and put them back.
+            let mut moved: Vec<TransferRequest<'_>> = to_tcp
                 .iter()
                 .map(|&i| {
                     let target = requests[i].target;
@@ -693,8 +795,8 @@ impl Transport for RdmaTransport {
                     )
                 })
                 .collect();
-            let out = self.to_peer(&endpoint, &mut batch);
-            for ((&i, req), r) in idx.iter().zip(batch).zip(out) {
+            let out = self.tcp.transfer(&mut moved);
+            for ((&i, req), r) in to_tcp.iter().zip(moved).zip(out) {
                 requests[i] = req;
                 results[i] = r;
             }

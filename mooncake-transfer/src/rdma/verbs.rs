@@ -475,12 +475,23 @@ impl ProtectionDomain for VerbsPd {
         Ok(MemoryRegion { addr: addr as u64, len, lkey, rkey: if remote_access { rkey } else { 0 } })
     }
 
-    unsafe fn register_dmabuf(&self, fd: i32, offset: u64, len: u64, iova: u64) -> Result<MemoryRegion> {
+    unsafe fn register_dmabuf(
+        &self,
+        fd: i32,
+        offset: u64,
+        len: u64,
+        iova: u64,
+        remote_access: bool,
+    ) -> Result<MemoryRegion> {
         let Some(reg) = self.ctx.lib.reg_dmabuf_mr else {
             return Err(TransferError::Registration("libibverbs has no ibv_reg_dmabuf_mr".into()));
         };
+        if len == 0 || len > self.info.max_mr_size {
+            return Err(TransferError::Registration(format!("dma-buf memory region of {len} bytes")));
+        }
+        let access = if remote_access { ACCESS_REMOTE } else { ACCESS_LOCAL };
         // SAFETY: the caller keeps the dma-buf allocated as the trait requires.
-        let mr = unsafe { reg(self.pd, offset, len as usize, iova, fd, ACCESS_REMOTE) };
+        let mr = unsafe { reg(self.pd, offset, len as usize, iova, fd, access) };
         if mr.is_null() {
             return Err(TransferError::Registration(format!(
                 "ibv_reg_dmabuf_mr of {len} bytes: {}",
@@ -491,7 +502,7 @@ impl ProtectionDomain for VerbsPd {
         let (lkey, rkey) =
             unsafe { (*mr.cast::<u8>().add(MR_LKEY).cast::<u32>(), *mr.cast::<u8>().add(MR_RKEY).cast::<u32>()) };
         self.mrs.lock().insert(lkey, mr as usize);
-        Ok(MemoryRegion { addr: iova, len, lkey, rkey })
+        Ok(MemoryRegion { addr: iova, len, lkey, rkey: if remote_access { rkey } else { 0 } })
     }
 
     fn deregister(&self, mr: &MemoryRegion) {

@@ -1,36 +1,24 @@
-//! GPU memory as a `get_into` target and a `put` source of the store.
+//! The staged way between device memory and the store: pinned host buffers.
 //!
-//! Built on the public `Store` API: a get reads the object into a pinned
-//! (page-locked) host staging buffer with [`Store::get_into`] and then copies
-//! it to the device asynchronously on a stream; a put copies device -> pinned
-//! and then [`Store::put`]s the staged bytes. Staging buffers come from a
-//! process-wide [`PinnedPool`] (pinned memory costs milliseconds per MiB to
-//! allocate; a 64 MiB KV block must not pay that on every call), so steady
-//! state allocates nothing.
+//! A get reads the object into a pinned (page-locked) host staging buffer with
+//! [`Store::get_into`] and then copies it to the device asynchronously on a
+//! stream; a put copies device -> pinned and then [`Store::put`]s the staged
+//! bytes. Staging buffers come from a process-wide [`PinnedPool`] (pinned memory
+//! costs milliseconds per MiB to allocate; a 64 MiB KV block must not pay that on
+//! every call), so steady state allocates nothing.
 //!
 //! The batch forms pipeline over two staging buffers: the DMA of one object
 //! overlaps the store read (or the store write) of the next.
-//!
-//! Device memory is anything implementing
-//! [`DeviceMemory`](mooncake_gpu::DeviceMemory): a CUDA
-//! [`DeviceBuffer`](mooncake_gpu::DeviceBuffer), or
-//! [`HostDeviceMemory`](mooncake_gpu::HostDeviceMemory) (host emulation,
-//! same API) on machines without a GPU.
-//!
-//! Errors of the device layer map into [`Error`]: ranges outside the device
-//! memory are `InvalidArgument`, an object larger than the room after the
-//! device offset is `BufferTooSmall`, device failures (no GPU, a CUDA error)
-//! are `Transport(TransferError::Io(..))` with the device error's text.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::LazyLock;
 
-use mooncake_gpu::{DeviceMemory, DeviceStream, Fence, GpuError, PinnedPool, PooledBuffer};
-use mooncake_transfer::TransferError;
+use mooncake_gpu::{DeviceMemory, DeviceStream, Fence, PinnedPool, PooledBuffer};
 
-use super::Store;
 use crate::config::{check_value_len, ReplicateConfig};
 use crate::error::{Error, Result};
+use crate::master::ReplicaList;
+use crate::store::Store;
 
 /// Idle pinned staging kept for device copies, per process (two 64 MiB
 /// objects: what a pipelined batch of the largest blocks uses).
@@ -46,20 +34,9 @@ static STAGING: LazyLock<PinnedPool> = LazyLock::new(|| PinnedPool::new(STAGING_
 /// one more `get_into`, which the store's stats count as a failed get).
 static SIZE_HINT: AtomicUsize = AtomicUsize::new(0);
 
-impl From<GpuError> for Error {
-    fn from(e: GpuError) -> Self {
-        match e {
-            GpuError::OutOfBounds(m) => Error::InvalidArgument(format!("device memory: {m}")),
-            GpuError::InvalidArgument(m) => Error::InvalidArgument(format!("device memory: {m}")),
-            GpuError::BufferTooSmall { need, got } => Error::BufferTooSmall { needed: need, capacity: got },
-            other => Error::Transport(TransferError::Io(format!("device memory: {other}"))),
-        }
-    }
-}
-
 /// Bytes of `mem` from `offset` to its end; `InvalidArgument` if the offset
 /// lies beyond it.
-fn room_after(mem: &dyn DeviceMemory, offset: u64) -> Result<usize> {
+pub(super) fn room_after(mem: &dyn DeviceMemory, offset: u64) -> Result<usize> {
     let len = mem.len();
     if offset > len {
         return Err(Error::InvalidArgument(format!(
@@ -79,41 +56,50 @@ fn ensure_staging(lane: &mut Option<PooledBuffer<'static>>, mem: &dyn DeviceMemo
     Ok(())
 }
 
+/// `len` bytes at `offset` of `src` (a range already checked) copied into a
+/// staging buffer; returns once the copy is done.
+pub(super) fn download(src: &dyn DeviceMemory, offset: u64, len: usize) -> Result<PooledBuffer<'static>> {
+    let mut lane = None;
+    ensure_staging(&mut lane, src, len)?;
+    let mut staged = lane.expect("ensured");
+    let mut stream = src.open_stream()?;
+    // SAFETY: `staged` has room for `len` bytes and is not touched until the
+    // synchronize below (or the stream's drop on error, which waits) returns.
+    unsafe { stream.copy_from_device_async(staged.as_mut_ptr(), len, offset)? };
+    stream.synchronize()?;
+    drop(stream);
+    Ok(staged)
+}
+
 impl Store {
-    /// Reads the object under `key` into device memory `dst` at byte `offset`
-    /// and returns its length, like [`get_into`](Self::get_into) for GPU
-    /// memory: the bytes are read (and checksum-verified) into a pinned
-    /// staging buffer, then copied to the device with an asynchronous DMA;
-    /// the call returns when they are in device memory.
-    ///
-    /// Errors: `NotFound`; `BufferTooSmall` if the object is larger than
-    /// `dst.len() - offset` (nothing is copied); `InvalidArgument` if `offset`
-    /// is beyond `dst`; `Transport` for a device failure.
-    ///
-    /// ```
-    /// use mooncake_core::gpu::{DeviceMemory, HostDeviceMemory};
-    /// use mooncake_core::Store;
-    ///
-    /// let store = Store::builder().global_segment_size(16 << 20).build()?;
-    /// store.put("kv/0", &[7u8; 100_000])?;
-    /// // A GPU buffer (`gpu::DeviceBuffer::new(0, len)?`), or its host emulation.
-    /// let gpu = HostDeviceMemory::new(1 << 20)?;
-    /// assert_eq!(store.get_into_device("kv/0", &gpu, 4096)?, 100_000);
-    /// assert!(gpu.to_vec()[4096..104_096].iter().all(|&b| b == 7));
-    /// # Ok::<(), Box<dyn std::error::Error>>(())
-    /// ```
-    pub fn get_into_device(&self, key: &str, dst: &dyn DeviceMemory, offset: u64) -> Result<usize> {
-        let room = room_after(dst, offset)?;
+    /// `get_into_device` through pinned staging: the object is read (and
+    /// checksum-verified) into a staging buffer, then copied to the device with
+    /// an asynchronous DMA; returns when the bytes are in device memory. `room`
+    /// is what `dst` holds from `offset` on.
+    pub(super) fn get_staged(&self, key: &str, dst: &dyn DeviceMemory, offset: u64, room: usize) -> Result<usize> {
         let mut lane = None;
         let n = self.stage_object(key, dst, room, &mut lane)?;
         let staged = lane.as_ref().expect("staged");
-        let mut stream = dst.open_stream()?;
-        // SAFETY: `staged` holds the object's `n` bytes and is neither written
-        // nor returned to the pool until the stream is synchronized (below) or
-        // dropped (on error: `stream` is declared after `lane`, so it drops, and
-        // synchronizes, first).
-        unsafe { stream.copy_to_device_async(staged.as_ptr(), n, offset)? };
-        stream.synchronize()?;
+        upload(dst, staged, n, offset)?;
+        Ok(n)
+    }
+
+    /// The object of `list` read through staging into `dst` at `offset` (which
+    /// has room for it): for a get whose list is known, when no replica can be
+    /// read straight into device memory. The caller counts the get.
+    pub(super) fn stage_list(
+        &self,
+        key: &str,
+        list: &ReplicaList,
+        dst: &dyn DeviceMemory,
+        offset: u64,
+    ) -> Result<usize> {
+        let n = list.len as usize;
+        let mut lane = None;
+        ensure_staging(&mut lane, dst, n)?;
+        let staged = lane.as_mut().expect("ensured");
+        self.inner.read_replicas(key, list, &mut staged[..n])?;
+        upload(dst, staged, n, offset)?;
         Ok(n)
     }
 
@@ -153,16 +139,10 @@ impl Store {
         Err(Error::Timeout(format!("{key} kept changing size while it was read into device memory")))
     }
 
-    /// Stores `len` bytes of device memory `src` at byte `offset` under
-    /// `key`, with the builder's default replication (like [`put`](Self::put)):
-    /// device -> pinned staging with an asynchronous DMA, then a `put` of the
-    /// staged bytes. `InvalidArgument` if the range is outside `src` or empty.
-    pub fn put_from_device(&self, key: &str, src: &dyn DeviceMemory, offset: u64, len: u64) -> Result<()> {
-        self.put_from_device_impl(key, src, offset, len, None)
-    }
-
-    /// [`put_from_device`](Self::put_from_device) with `cfg`'s replication.
-    pub fn put_from_device_with(
+    /// `put_from_device` through pinned staging: device -> pinned with an
+    /// asynchronous DMA, then a `put` of the staged bytes (a range already
+    /// checked).
+    pub(super) fn put_staged(
         &self,
         key: &str,
         src: &dyn DeviceMemory,
@@ -170,41 +150,14 @@ impl Store {
         len: u64,
         cfg: &ReplicateConfig,
     ) -> Result<()> {
-        self.put_from_device_impl(key, src, offset, len, Some(cfg))
-    }
-
-    fn put_from_device_impl(
-        &self,
-        key: &str,
-        src: &dyn DeviceMemory,
-        offset: u64,
-        len: u64,
-        cfg: Option<&ReplicateConfig>,
-    ) -> Result<()> {
-        check_value_len(len)?;
-        src.check_range(offset, len)?;
         let n = len as usize;
-        let mut lane = None;
-        ensure_staging(&mut lane, src, n)?;
-        let staged = lane.as_mut().expect("ensured");
-        {
-            let mut stream = src.open_stream()?;
-            // SAFETY: `staged` has room for `n` bytes and is not touched until
-            // the synchronize below (or the stream's drop on error) returns.
-            unsafe { stream.copy_from_device_async(staged.as_mut_ptr(), n, offset)? };
-            stream.synchronize()?;
-        }
-        match cfg {
-            Some(cfg) => self.put_with(key, &staged[..n], cfg),
-            None => self.put(key, &staged[..n]),
-        }
+        let staged = download(src, offset, n)?;
+        self.put_with(key, &staged[..n], cfg)
     }
 
-    /// Reads many objects into device memory `dst`, each `(key, offset)` at
-    /// its own offset; one result (object length) per item, in order. Two
-    /// staging buffers alternate, so the DMA of one object runs while the
-    /// next is read from the store.
-    pub fn batch_get_into_device(&self, items: &[(&str, u64)], dst: &dyn DeviceMemory) -> Vec<Result<usize>> {
+    /// `batch_get_into_device` through staging: two staging buffers alternate,
+    /// so the DMA of one object runs while the next is read from the store.
+    pub(super) fn batch_get_staged(&self, items: &[(&str, u64)], dst: &dyn DeviceMemory) -> Vec<Result<usize>> {
         let mut results: Vec<Result<usize>> = Vec::with_capacity(items.len());
         // Declared before the stream: dropped after it (the stream's drop waits
         // for outstanding copies out of these buffers).
@@ -248,10 +201,9 @@ impl Store {
         results
     }
 
-    /// Stores many device ranges, each `(key, offset, len)` of `src`, with
-    /// `cfg`'s replication; one result per item, in order. The DMA of the next
-    /// range overlaps the `put` of the current one.
-    pub fn batch_put_from_device(
+    /// `batch_put_from_device` through staging: the DMA of the next range
+    /// overlaps the `put` of the current one.
+    pub(super) fn batch_put_staged(
         &self,
         items: &[(&str, u64, u64)],
         src: &dyn DeviceMemory,
@@ -303,4 +255,15 @@ fn enqueue_download(
     // fence is waited on, or the stream dropped (it is dropped before the lanes).
     unsafe { stream.copy_from_device_async(buf.as_mut_ptr(), len as usize, offset)? };
     Ok(stream.fence()?)
+}
+
+/// Copies the first `n` bytes of `staged` to `offset` of `dst` and waits for it.
+fn upload(dst: &dyn DeviceMemory, staged: &PooledBuffer<'static>, n: usize, offset: u64) -> Result<()> {
+    let mut stream = dst.open_stream()?;
+    // SAFETY: `staged` holds `n` bytes and is neither written nor returned to the
+    // pool until the stream is synchronized (below) or dropped (on error: the
+    // stream's drop synchronizes, and it drops before the caller's buffer).
+    unsafe { stream.copy_to_device_async(staged.as_ptr(), n, offset)? };
+    stream.synchronize()?;
+    Ok(())
 }

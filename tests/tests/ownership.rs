@@ -1,0 +1,173 @@
+//! Cluster mode, master side: a master answers only for the slot groups it leads,
+//! places a key's replicas only in its group's extents, and gives a group up without
+//! touching the storage nodes' records (the next leader rebuilds from them).
+//!
+//! The ownership here is a plain in-process one (which groups are led is set by the
+//! test); the etcd-backed one is exercised in `cluster.rs`.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use mooncake_core::{
+    Error, KeyOwnership, Master, MasterConfig, ObjectRecord, RecordSink, RecordUpdate, ReplicateConfig,
+};
+use mooncake_transfer::RemoteRegion;
+use std::sync::Mutex;
+
+const GROUPS: u32 = 4;
+
+/// Groups by a stable hash of the key; led groups set by the test.
+struct TestOwnership {
+    led: Mutex<HashSet<u32>>,
+}
+
+impl KeyOwnership for TestOwnership {
+    fn group_of(&self, key: &str) -> u32 {
+        key.bytes().fold(7u32, |h, b| h.wrapping_mul(31).wrapping_add(b as u32)) % GROUPS
+    }
+    fn leads(&self, group: u32) -> bool {
+        self.led.lock().unwrap().contains(&group)
+    }
+    fn moved(&self, key: &str) -> Error {
+        Error::Moved { slot: self.group_of(key) as u16, leader: Some("elsewhere:1".into()) }
+    }
+    fn group_moved(&self, group: u32) -> Error {
+        Error::Moved { slot: group as u16, leader: None }
+    }
+}
+
+/// A node's record endpoint that remembers every update.
+#[derive(Default)]
+struct Recorder(Mutex<Vec<RecordUpdate>>);
+
+impl RecordSink for Recorder {
+    fn apply_records(&self, updates: &[RecordUpdate]) -> mooncake_core::Result<()> {
+        self.0.lock().unwrap().extend_from_slice(updates);
+        Ok(())
+    }
+}
+
+fn cluster_master(led: &[u32]) -> (Master, Arc<TestOwnership>) {
+    let config =
+        MasterConfig { track_records: true, client_ttl: Duration::from_millis(400), ..MasterConfig::default() };
+    let master = Master::new(config).unwrap();
+    let ownership = Arc::new(TestOwnership { led: Mutex::new(led.iter().copied().collect()) });
+    master.set_ownership(ownership.clone());
+    (master, ownership)
+}
+
+fn region(n: u64) -> RemoteRegion {
+    RemoteRegion { endpoint: "local://node".into(), region: n }
+}
+
+/// A key of `group`.
+fn key_in(own: &TestOwnership, group: u32, n: usize) -> String {
+    (0..).map(|i| format!("k{n}-{i}")).find(|k| own.group_of(k) == group).unwrap()
+}
+
+#[test]
+fn keys_of_groups_led_elsewhere_are_moved() {
+    let (master, own) = cluster_master(&[0]);
+    let client = master.register_client().unwrap().client;
+    master.mount_extent(client, &region(1), 1 << 20, 0, &[]).unwrap();
+    let here = key_in(&own, 0, 0);
+    let there = key_in(&own, 1, 0);
+    let cfg = ReplicateConfig::default();
+    master.put_start(client, &here, 10, &cfg).unwrap();
+    master.put_end(client, &here, 7).unwrap();
+    assert!(master.exists(&here).unwrap());
+    assert!(matches!(master.put_start(client, &there, 10, &cfg), Err(Error::Moved { .. })));
+    assert!(matches!(master.get_replica_list(&there), Err(Error::Moved { .. })));
+    assert!(matches!(master.exists(&there), Err(Error::Moved { .. })));
+    assert!(matches!(master.remove(&there), Err(Error::Moved { .. })));
+    let batch = master.batch_exists(&[here.as_str(), there.as_str()]);
+    assert!(matches!(batch[0], Ok(true)));
+    assert!(matches!(batch[1], Err(Error::Moved { .. })));
+    assert!(Error::Moved { slot: 1, leader: None }.is_retryable());
+}
+
+#[test]
+fn segments_are_mounted_per_group_and_replicas_stay_in_their_group() {
+    let (master, own) = cluster_master(&[0, 1]);
+    let client = master.register_client().unwrap().client;
+    assert!(matches!(master.mount_segment(client, &region(9), 1 << 20), Err(Error::InvalidArgument(_))));
+    assert!(matches!(master.mount_extent(client, &region(3), 1 << 20, 2, &[]), Err(Error::Moved { .. })));
+    let (e0, _) = master.mount_extent(client, &region(1), 1 << 20, 0, &[]).unwrap();
+    let (e1, _) = master.mount_extent(client, &region(2), 1 << 20, 1, &[]).unwrap();
+    for n in 0..40 {
+        let group = n as u32 % 2;
+        let key = key_in(&own, group, n);
+        let replicas = master.put_start(client, &key, 4096, &ReplicateConfig::default()).unwrap();
+        let want = if group == 0 { e0 } else { e1 };
+        assert!(replicas.iter().all(|r| r.segment == want), "{key} of group {group} placed in {replicas:?}");
+    }
+    // A group whose extents are full gets no room from another group's extent.
+    let big = key_in(&own, 0, 1000);
+    assert!(matches!(master.put_start(client, &big, 1 << 20, &ReplicateConfig::default()), Err(Error::NoSpace { .. })));
+}
+
+#[test]
+fn a_released_group_is_dropped_without_telling_the_nodes_and_comes_back_from_their_records() {
+    let (master, own) = cluster_master(&[0]);
+    let client = master.register_client().unwrap().client;
+    let recorder = Arc::new(Recorder::default());
+    master.attach_records(client, recorder.clone()).unwrap();
+    let (seg, _) = master.mount_extent(client, &region(1), 1 << 20, 0, &[]).unwrap();
+    let keys: Vec<String> = (0..5).map(|n| key_in(&own, 0, n)).collect();
+    for k in &keys {
+        master.put_start(client, k, 100, &ReplicateConfig::default()).unwrap();
+        master.put_end(client, k, 42).unwrap();
+    }
+    let records: Vec<ObjectRecord> = recorder
+        .0
+        .lock()
+        .unwrap()
+        .iter()
+        .filter_map(|u| match u {
+            RecordUpdate::Added { segment, record } if *segment == seg => Some(record.clone()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(records.len(), keys.len(), "every put reached the node's records before its ack");
+    let told = recorder.0.lock().unwrap().len();
+
+    // The group moves away: calls are refused, the objects and the extent go, the node
+    // hears nothing (its records are what the next leader rebuilds from).
+    own.led.lock().unwrap().remove(&0);
+    assert_eq!(master.release_group(0), keys.len());
+    assert_eq!(recorder.0.lock().unwrap().len(), told, "no record update on release");
+    assert_eq!(master.stats().objects, 0);
+    assert_eq!(master.stats().segments, 0);
+    assert!(matches!(master.get_replica_list(&keys[0]), Err(Error::Moved { .. })));
+
+    // It comes back: until the node re-mounts, a key of the group is Recovering.
+    own.led.lock().unwrap().insert(0);
+    master.acquire_group(0);
+    assert!(matches!(master.get_replica_list(&keys[0]), Err(Error::Recovering(_))));
+    // A record of another group's key in this extent is not taken.
+    let mut offered = records.clone();
+    let stray = key_in(&own, 3, 99);
+    offered.push(ObjectRecord { key: stray.clone(), offset: 900_000, len: 10, checksum: 1 });
+    let (_, taken) = master.mount_extent(client, &region(1), 1 << 20, 0, &offered).unwrap();
+    assert_eq!(taken, keys.len());
+    for k in &keys {
+        let list = master.get_replica_list(k).unwrap();
+        assert_eq!((list.len, list.checksum), (100, 42));
+    }
+    own.led.lock().unwrap().insert(3);
+    assert!(matches!(master.get_replica_list(&stray), Err(Error::NotFound(_))));
+}
+
+#[test]
+fn a_put_started_before_its_group_moved_cannot_end_after() {
+    let (master, own) = cluster_master(&[0]);
+    let client = master.register_client().unwrap().client;
+    master.mount_extent(client, &region(1), 1 << 20, 0, &[]).unwrap();
+    let key = key_in(&own, 0, 0);
+    master.put_start(client, &key, 100, &ReplicateConfig::default()).unwrap();
+    own.led.lock().unwrap().remove(&0);
+    assert!(matches!(master.put_end(client, &key, 1), Err(Error::Moved { .. })));
+    master.release_group(0);
+    assert_eq!(master.stats().pending_puts, 0);
+}
