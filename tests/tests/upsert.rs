@@ -397,3 +397,20 @@ fn acknowledged_upserts_survive_kill_9_of_the_master() {
         assert_eq!(store.master().object_info("doc").unwrap().replicas.len(), 2);
     }
 }
+
+/// A client that leaves in the middle of an upsert (its process died, or it
+/// unregistered) no longer holds the object: it can be removed at once, and the old
+/// value stays readable until then.
+#[test]
+fn an_upsert_whose_writer_left_no_longer_holds_the_object() {
+    let master = Master::new(MasterConfig::default()).unwrap();
+    let keeper = Store::builder().master(&master).global_segment_size(4 << 20).build().unwrap();
+    let writer = Store::builder().master(&master).global_segment_size(0).build().unwrap();
+    keeper.put("k", b"old").unwrap();
+    master.upsert_start(writer.client_id(), "k", 100, &ReplicateConfig::default()).unwrap();
+    assert!(matches!(keeper.remove("k"), Err(Error::HasLease(_))), "an upsert being written holds the object");
+    drop(writer);
+    assert_eq!(&keeper.get("k").unwrap()[..], b"old");
+    keeper.remove("k").unwrap();
+    assert_eq!(master.stats().used_bytes, 0, "the abandoned upsert's replicas were not freed");
+}

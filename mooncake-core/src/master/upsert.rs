@@ -266,6 +266,23 @@ impl MasterService {
     }
 }
 
+impl MasterService {
+    /// Drops the upserts `client` was writing (it is gone: they cannot end), so that
+    /// their objects are no longer held for them.
+    pub(crate) fn drop_upserts_of(&self, client: ClientId) {
+        let now = self.now_ms();
+        for shard in self.index.shards() {
+            for e in shard.lock().values_mut() {
+                let Some(u) = e.upsert.as_deref_mut() else { continue };
+                if u.staged.as_ref().is_some_and(|s| s.owner == client) {
+                    u.staged = None;
+                    e.tidy_upsert(now);
+                }
+            }
+        }
+    }
+}
+
 fn no_upsert(key: &str) -> Error {
     Error::NotFound(format!("{key} (no upsert in progress by this client)"))
 }

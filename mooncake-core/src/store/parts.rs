@@ -16,6 +16,10 @@ use super::stats::StoreCounters;
 use super::upsert::WriteKind;
 use super::{Store, StoreInner};
 
+/// Batches of at least this many bytes sum their checksums on a thread of their own
+/// while the master places them (below it, a thread costs more than it hides).
+const OVERLAP_SUMS_FROM: u64 = 1 << 20;
+
 /// Pieces of the caller's buffers, each with the offset in the object of its first byte.
 type Pieces<'a> = Vec<(u64, &'a mut [u8])>;
 
@@ -132,8 +136,21 @@ impl StoreInner {
                 Err(e) => results.push(Err(e)),
             }
         }
-        let starts =
-            kind.start(&*self.master, client, &valid.iter().map(|(_, k, l)| (*k, *l)).collect::<Vec<_>>(), cfg);
+        // The checksums depend only on the bytes: a large batch sums them on another
+        // thread while the master places it (this thread only waits for the answer).
+        let pieces: Vec<Vec<&[u8]>> = valid.iter().map(|(i, _, _)| items[*i].1.to_vec()).collect();
+        let start_items: Vec<(&str, u64)> = valid.iter().map(|(_, k, l)| (*k, *l)).collect();
+        let (starts, sums) = if lens.iter().sum::<u64>() >= OVERLAP_SUMS_FROM {
+            std::thread::scope(|s| {
+                let sums = s.spawn(|| crate::checksum::checksum_each(&pieces));
+                let starts = kind.start(&*self.master, client, &start_items, cfg);
+                // A summing thread that cannot be joined would be a bug in crc32c: sum here.
+                (starts, sums.join().unwrap_or_else(|_| crate::checksum::checksum_each(&pieces)))
+            })
+        } else {
+            (kind.start(&*self.master, client, &start_items, cfg), crate::checksum::checksum_each(&pieces))
+        };
+        let sum_of: HashMap<usize, u32> = valid.iter().map(|(i, _, _)| *i).zip(sums).collect();
         let mut plans = Vec::new();
         for ((i, _, _), start) in valid.iter().zip(starts) {
             match start.and_then(|reps| {
@@ -171,19 +188,15 @@ impl StoreInner {
             self.routes.write().remove(&segment);
             let _ = self.master.report_segment_failure(client, segment);
         }
-        let (mut written, mut pieces, mut revokes) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut ends, mut revokes) = (Vec::new(), Vec::new());
         for (i, _) in &plans {
-            let (key, parts) = items[*i];
+            let key = items[*i].0;
             if results[*i].is_ok() {
-                written.push((*i, key));
-                pieces.push(parts.to_vec());
+                ends.push((*i, key, sum_of[i]));
             } else {
                 revokes.push(key);
             }
         }
-        // Summed on several cores for a large batch (the peers are idle now).
-        let sums = crate::checksum::checksum_each(&pieces);
-        let ends: Vec<(usize, &str, u32)> = written.iter().zip(sums).map(|((i, k), c)| (*i, *k, c)).collect();
         kind.revoke(&*self.master, client, &revokes);
         let end_results = kind.end(&*self.master, client, &ends.iter().map(|(_, k, c)| (*k, *c)).collect::<Vec<_>>());
         for ((i, _, _), res) in ends.iter().zip(end_results) {
