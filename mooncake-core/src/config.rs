@@ -56,6 +56,10 @@ pub struct ReplicateConfig {
     /// millisecond precision, at most `u32::MAX` ms (about 49 days; longer is
     /// clamped); setting it without `soft_pin` is `InvalidArgument`.
     pub soft_pin_ttl: Option<Duration>,
+    /// For an upsert that replaces an object: keep the pin state (and TTL) the object
+    /// has, ignoring `soft_pin` and `soft_pin_ttl` (a new object takes those). Puts
+    /// ignore it. Default false: the upsert sets the pin as `soft_pin` says.
+    pub keep_soft_pin: bool,
     /// Fail a put (`NoSpace`) rather than store fewer than `replica_num` replicas
     /// (default false: best effort, counted in `under_replicated_puts`).
     pub require_all_replicas: bool,
@@ -68,6 +72,7 @@ impl Default for ReplicateConfig {
             preferred_segments: Vec::new(),
             soft_pin: false,
             soft_pin_ttl: None,
+            keep_soft_pin: false,
             require_all_replicas: false,
         }
     }

@@ -164,6 +164,8 @@ impl ReplicateConfig {
             preferred_segments: preferred,
             soft_pin: self.soft_pin_action == SoftPinAction::Enable,
             soft_pin_ttl: self.soft_pin_ttl_ms.map(std::time::Duration::from_millis),
+            // An upsert of an existing object keeps its pin under PRESERVE.
+            keep_soft_pin: self.soft_pin_action == SoftPinAction::Preserve,
             ..Default::default()
         })
     }

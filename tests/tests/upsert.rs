@@ -414,3 +414,26 @@ fn an_upsert_whose_writer_left_no_longer_holds_the_object() {
     keeper.remove("k").unwrap();
     assert_eq!(master.stats().used_bytes, 0, "the abandoned upsert's replicas were not freed");
 }
+
+/// An upsert sets the object's soft pin as its config says, or keeps the pin the
+/// replaced object had (`keep_soft_pin`, the binding's `PRESERVE`).
+#[test]
+fn an_upsert_sets_or_keeps_the_soft_pin() {
+    let master = Master::new(MasterConfig::default()).unwrap();
+    let store = Store::builder().master(&master).global_segment_size(4 << 20).build().unwrap();
+    let pin = ReplicateConfig { soft_pin: true, ..Default::default() };
+    let keep = ReplicateConfig { keep_soft_pin: true, ..Default::default() };
+    let pinned = |k: &str| master.object_info(k).unwrap().soft_pin;
+    store.upsert_with("k", b"1", &pin).unwrap();
+    assert!(pinned("k"));
+    store.upsert_with("k", b"2", &keep).unwrap();
+    assert!(pinned("k"), "keep_soft_pin dropped the pin");
+    store.upsert_with("k", b"3", &ReplicateConfig::default()).unwrap();
+    assert!(!pinned("k"), "an upsert without the pin kept it");
+    store.upsert_with("k", b"4", &keep).unwrap();
+    assert!(!pinned("k"), "keep_soft_pin pinned an unpinned object");
+    // A new object takes `soft_pin` whatever `keep_soft_pin` says.
+    store.upsert_with("new", b"x", &ReplicateConfig { keep_soft_pin: true, ..pin.clone() }).unwrap();
+    assert!(pinned("new"));
+    assert_eq!(&store.get("k").unwrap()[..], b"4");
+}

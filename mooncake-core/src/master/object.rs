@@ -79,8 +79,8 @@ pub(crate) struct StagedUpsert {
     /// Until when the writer may end it (`put_timeout` after it started); then it is
     /// abandoned and its replicas freed at the next occasion.
     pub(crate) until_ms: u64,
-    /// Pin state the object takes when the upsert ends.
-    pub(crate) soft_pin: bool,
+    /// Pin state the object takes when the upsert ends (`None`: the one it has).
+    pub(crate) soft_pin: Option<bool>,
     /// How long that pin outlives the last access (ms; 0: as long as the object lives).
     pub(crate) soft_pin_ttl_ms: u32,
     /// The new replicas (empty while they are being placed).

@@ -98,7 +98,7 @@ impl MasterService {
             id,
             len,
             until_ms: now + self.config.put_timeout.as_millis() as u64,
-            soft_pin: cfg.soft_pin,
+            soft_pin: (!cfg.keep_soft_pin).then_some(cfg.soft_pin),
             soft_pin_ttl_ms: cfg.soft_pin_ttl_ms(),
             replicas: Vec::new(),
         });
@@ -209,7 +209,9 @@ impl MasterService {
         e.checksum = checksum;
         e.owner = client;
         e.last_access_ms = now;
-        (e.soft_pin, e.soft_pin_ttl_ms) = (staged.soft_pin, staged.soft_pin_ttl_ms);
+        if let Some(pin) = staged.soft_pin {
+            (e.soft_pin, e.soft_pin_ttl_ms) = (pin, staged.soft_pin_ttl_ms);
+        }
         e.tidy_upsert(now);
         wait.merge(self.note_added(key, e, None));
         let first = e.replicas.first().map(|r| r.segment());
