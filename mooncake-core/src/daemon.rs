@@ -32,6 +32,9 @@ use crate::rpc::{RpcRecordConnector, RpcServer, RpcServerConfig, RpcServerStats}
 pub struct MasterDaemon {
     master: Master,
     server: RpcServer,
+    /// Cluster mode: the master's membership (dropped first: it leaves the cluster).
+    #[cfg(feature = "etcd")]
+    ownership: Option<Arc<crate::cluster::leadership::MemberOwnership>>,
 }
 
 impl std::fmt::Debug for MasterDaemon {
@@ -47,7 +50,21 @@ impl MasterDaemon {
             listen: listen.to_owned(),
             config: MasterConfig::served(),
             rpc: RpcServerConfig::default(),
+            #[cfg(feature = "etcd")]
+            cluster: None,
         }
+    }
+
+    /// Cluster mode: the membership's counters (None for a single master).
+    #[cfg(feature = "etcd")]
+    pub fn cluster_stats(&self) -> Option<crate::cluster::MemberStats> {
+        self.ownership.as_ref().and_then(|o| o.member()).map(|m| m.stats())
+    }
+
+    /// Cluster mode: the slot map as this master knows it.
+    #[cfg(feature = "etcd")]
+    pub fn slot_map(&self) -> Option<Arc<crate::cluster::SlotMap>> {
+        self.ownership.as_ref().and_then(|o| o.member()).map(|m| m.slot_map())
     }
 
     /// The address clients connect to.
@@ -72,6 +89,8 @@ pub struct MasterDaemonBuilder {
     listen: String,
     config: MasterConfig,
     rpc: RpcServerConfig,
+    #[cfg(feature = "etcd")]
+    cluster: Option<crate::cluster::MemberConfig>,
 }
 
 impl MasterDaemonBuilder {
@@ -116,13 +135,46 @@ impl MasterDaemonBuilder {
         self
     }
 
+    /// Cluster mode: joins the cluster `member` names (its etcd endpoints and cluster
+    /// name; `advertise` empty: the address served) and answers only for the slot
+    /// groups it is given.
+    #[cfg(feature = "etcd")]
+    pub fn cluster(mut self, member: crate::cluster::MemberConfig) -> Self {
+        self.cluster = Some(member);
+        self
+    }
+
     /// Starts the master and serves it on background threads.
     pub fn serve(self) -> Result<MasterDaemon> {
         let master = Master::new(self.config)?;
         // Puts and removes are acknowledged once the storage nodes recorded them.
         let timeout = master.config().record_timeout;
         master.set_record_connector(Arc::new(RpcRecordConnector::new(self.rpc.secret.clone(), timeout)));
+        #[cfg(feature = "etcd")]
+        let ownership = match &self.cluster {
+            // Fenced before the first request: a cluster master answers nothing until
+            // the membership says what it leads.
+            Some(member) => {
+                let ownership = crate::cluster::leadership::MemberOwnership::new(member.groups);
+                master.set_ownership(ownership.clone());
+                Some(ownership)
+            }
+            None => None,
+        };
         let server = RpcServer::serve_with(&self.listen, master.service().clone(), self.rpc)?;
-        Ok(MasterDaemon { master, server })
+        #[cfg(feature = "etcd")]
+        if let (Some(mut member), Some(ownership)) = (self.cluster, &ownership) {
+            if member.advertise.is_empty() {
+                member.advertise = server.local_addr().to_string();
+            }
+            let handler = Arc::new(crate::cluster::leadership::MasterGroups(Arc::downgrade(master.service())));
+            ownership.set_member(crate::cluster::ClusterMember::join(member, handler)?);
+        }
+        Ok(MasterDaemon {
+            master,
+            server,
+            #[cfg(feature = "etcd")]
+            ownership,
+        })
     }
 }

@@ -78,14 +78,20 @@ pub enum Error {
         /// The RPC address of the slot's leader, as the answering master knows it.
         leader: Option<String>,
     },
+    /// Cluster coordination failed: etcd could not be reached or answered an error, or
+    /// the cluster's state in etcd is not usable yet (e.g. no master created it).
+    /// Retry: etcd may come back, a master may join.
+    #[error("cluster coordination: {0}")]
+    Coordination(String),
 }
 
 impl Error {
     /// Whether the same call may succeed if made again a little later: the master
     /// could not be reached or is recovering, the call timed out, a transfer failed, a
-    /// read of the object was in flight (`HasLease`), or the master forgot this client
-    /// (a `Store` registers again by itself), or the key's slot moved to another master
-    /// (cluster mode; a `Store` follows it by itself). Not retryable: bad input, objects absent
+    /// read of the object was in flight (`HasLease`), the master forgot this client
+    /// (a `Store` registers again by itself), the key's slot moved to another master
+    /// (cluster mode; a `Store` follows it by itself), or cluster coordination failed
+    /// (etcd may come back). Not retryable: bad input, objects absent
     /// or present, `NoSpace` (room comes back only when objects are removed), storage
     /// and corruption errors.
     ///
@@ -104,6 +110,7 @@ impl Error {
                 | Error::HasLease(_)
                 | Error::UnknownClient(_)
                 | Error::Moved { .. }
+                | Error::Coordination(_)
         )
     }
 }

@@ -21,6 +21,7 @@
 #![deny(clippy::undocumented_unsafe_blocks)]
 
 mod checksum;
+pub mod cluster;
 mod config;
 mod daemon;
 mod error;
@@ -29,6 +30,9 @@ pub mod metrics;
 pub mod rpc;
 mod store;
 
+pub use cluster::{key_slot, EtcdAddress, GroupLeader, SlotMap};
+#[cfg(feature = "etcd")]
+pub use cluster::{ClusterMember, GroupHandler, MemberConfig, MemberStats, SlotMapWatcher};
 pub use config::{parse_size, MasterConfig, PersistPolicy, Protocol, ReplicateConfig, MAX_KEY_LEN, MAX_VALUE_LEN};
 pub use daemon::{MasterDaemon, MasterDaemonBuilder};
 pub use error::{Error, Result};

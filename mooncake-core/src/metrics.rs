@@ -54,6 +54,14 @@ pub fn prometheus_text(stats: &MasterStats, rpc: Option<&RpcServerStats>) -> Str
         stats.record_failures as f64,
     );
     gauge("stall_graces_total", "Grace periods granted after a master stall.", "counter", stats.stall_graces as f64);
+    gauge(
+        "slot_groups_acquired_total",
+        "Slot groups this master took the lead of.",
+        "counter",
+        stats.groups_acquired as f64,
+    );
+    gauge("slot_groups_released_total", "Slot groups this master gave up.", "counter", stats.groups_released as f64);
+    gauge("moved_answers_total", "Calls answered Moved (slot led elsewhere).", "counter", stats.moved_answers as f64);
     if let Some(rpc) = rpc {
         let _ = writeln!(out, "# HELP mooncake_ops_total Requests served, by kind.\n# TYPE mooncake_ops_total counter");
         for (i, kind) in REQUEST_KINDS.iter().enumerate() {
@@ -106,5 +114,39 @@ pub fn prometheus_text(stats: &MasterStats, rpc: Option<&RpcServerStats>) -> Str
             );
         }
     }
+    out
+}
+
+/// Renders a cluster member's counters (cluster mode) in the Prometheus text format,
+/// to append to [`prometheus_text`].
+#[cfg(feature = "etcd")]
+pub fn cluster_prometheus_text(stats: &crate::cluster::MemberStats) -> String {
+    let mut out = String::new();
+    let mut metric = |name: &str, help: &str, kind: &str, value: f64| {
+        let _ = writeln!(out, "# HELP mooncake_{name} {help}\n# TYPE mooncake_{name} {kind}\nmooncake_{name} {value}");
+    };
+    metric("cluster_groups_led", "Slot groups this master leads now.", "gauge", stats.groups_led as f64);
+    metric("cluster_slots_led", "Slots this master leads now.", "gauge", stats.slots_led as f64);
+    metric(
+        "cluster_failovers_total",
+        "Groups taken over from a leader whose lease lapsed.",
+        "counter",
+        stats.failovers as f64,
+    );
+    metric(
+        "cluster_groups_acquired_total",
+        "Groups this master took the lead of.",
+        "counter",
+        stats.acquired_total as f64,
+    );
+    metric("cluster_groups_released_total", "Groups this master gave up.", "counter", stats.released_total as f64);
+    metric("cluster_lease_renewals_total", "Lease renewals etcd acknowledged.", "counter", stats.lease_renewals as f64);
+    metric("cluster_lease_lapses_total", "Times this master's lease lapsed.", "counter", stats.lease_lapses as f64);
+    metric(
+        "cluster_is_scheduler",
+        "1 while this master runs the cluster's scheduler.",
+        "gauge",
+        u8::from(stats.is_scheduler) as f64,
+    );
     out
 }

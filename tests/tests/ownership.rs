@@ -171,3 +171,22 @@ fn a_put_started_before_its_group_moved_cannot_end_after() {
     master.release_group(0);
     assert_eq!(master.stats().pending_puts, 0);
 }
+
+#[test]
+fn uniform_keys_fill_every_groups_extents_with_eviction_making_room() {
+    let (master, _) = cluster_master(&[0, 1, 2, 3]);
+    let client = master.register_client().unwrap().client;
+    for g in 0..GROUPS {
+        master.mount_extent(client, &region(g as u64 + 1), 1 << 20, g, &[]).unwrap();
+    }
+    // Three times the memory in 4 KiB objects with uniform keys: every put finds room
+    // in its own group's extent, evicting that group's oldest objects when full.
+    for n in 0..3072 {
+        let key = format!("uniform/{n}");
+        master.put_start(client, &key, 4096, &ReplicateConfig::default()).unwrap();
+        master.put_end(client, &key, 1).unwrap();
+    }
+    let stats = master.stats();
+    let used = stats.used_bytes as f64 / stats.capacity_bytes as f64;
+    assert!(used >= 0.9, "DRAM use {used:.3} under uniform keys");
+}

@@ -18,7 +18,7 @@
 //! One-shot commands exit 0 on success and 1 with a one-line error on stderr.
 
 use clap::{Parser, Subcommand};
-use mooncake_core::{parse_size, Protocol, ReplicateConfig, SsdBackend, SsdOffloadConfig, Store};
+use mooncake_core::{parse_size, Error, Protocol, ReplicateConfig, SsdBackend, SsdOffloadConfig, Store};
 
 /// Mooncake Store client.
 #[derive(Parser, Debug)]
@@ -99,6 +99,15 @@ enum Command {
         master: String,
         /// Object key.
         key: String,
+    },
+    /// Print the slot map of a cluster: slot ranges -> leader, epoch.
+    Slots {
+        /// The cluster (`etcd://H:P[,H:P...]/NAME`).
+        #[arg(long)]
+        master: String,
+        /// Print JSON instead.
+        #[arg(long)]
+        json: bool,
     },
     /// List keys, one a line, escaped (`\n`, `\t`, `\"`, `\u{..}` as in Rust strings).
     Ls {
@@ -196,6 +205,36 @@ fn run(cmd: Command, protocol: Protocol) -> Result<(), String> {
                 info.checksum,
                 if info.soft_pin { ", soft-pinned" } else { "" }
             );
+            Ok(())
+        }
+        Command::Slots { master, json } => {
+            let addr: mooncake_core::cluster::EtcdAddress = master.parse().map_err(|e: Error| e.to_string())?;
+            let map = mooncake_core::cluster::SlotMapWatcher::connect(&addr).map_err(|e| e.to_string())?.map();
+            let ranges = map.ranges();
+            if json {
+                let rows: Vec<serde_json::Value> = ranges
+                    .iter()
+                    .map(|(r, l)| {
+                        serde_json::json!({
+                            "first": r.start(), "last": r.end(),
+                            "leader": l.as_ref().map(|l| &l.addr),
+                            "master": l.as_ref().map(|l| &l.master),
+                            "epoch": l.as_ref().map(|l| l.epoch),
+                        })
+                    })
+                    .collect();
+                println!("{}", serde_json::Value::Array(rows));
+            } else {
+                println!("{} slot groups", map.groups());
+                for (r, l) in ranges {
+                    match l {
+                        Some(l) => {
+                            println!("{}-{} -> {} (master {}, epoch {})", r.start(), r.end(), l.addr, l.master, l.epoch)
+                        }
+                        None => println!("{}-{} -> no leader", r.start(), r.end()),
+                    }
+                }
+            }
             Ok(())
         }
         Command::Ls { master, json } => {

@@ -8,6 +8,8 @@
 //!
 //! ```text
 //! mooncake-master --listen 127.0.0.1:50051 [--metrics-listen ADDR] [--insecure] [--max-connections N]
+//!                 [--etcd http://H:P[,H:P] --cluster-id NAME [--advertise ADDR] [--slot-groups 16]
+//!                  [--lease-ttl-ms 3000]]
 //!                 [--allocation-strategy random|free_ratio_first|ssd_free_ratio_first]
 //!                 [--default-lease-ms 5000] [--client-ttl-ms 10000] [--persist none|lazy|eager]
 //! ```
@@ -25,8 +27,8 @@ use std::time::Duration;
 
 use clap::Parser;
 use mooncake_core::metrics::prometheus_text;
-use mooncake_core::rpc::{RpcServerConfig, RpcServerStats};
-use mooncake_core::{Master, MasterConfig, MasterDaemon};
+use mooncake_core::rpc::RpcServerConfig;
+use mooncake_core::{MasterConfig, MasterDaemon};
 
 /// Mooncake Store master: object metadata, placement, leases, eviction.
 #[derive(Parser, Debug)]
@@ -58,6 +60,25 @@ struct Args {
     /// Most client connections open at once; more are refused with a message.
     #[arg(long, default_value_t = 65_536)]
     max_connections: usize,
+    /// Cluster mode: etcd endpoints (`http://H:P[,H:P...]`); the master joins the
+    /// cluster `--cluster-id` and answers only for the slot groups it leads.
+    #[arg(long, requires = "cluster_id")]
+    etcd: Option<String>,
+    /// Cluster mode: the cluster's name (clients use `etcd://H:P/NAME`).
+    #[arg(long)]
+    cluster_id: Option<String>,
+    /// Cluster mode: the address clients reach this master at (default: the one served;
+    /// give a routable one when listening on 0.0.0.0).
+    #[arg(long)]
+    advertise: Option<String>,
+    /// Cluster mode: slot groups, when this master creates the cluster (a divisor of
+    /// 16384; the first master fixes it).
+    #[arg(long, default_value_t = 16)]
+    slot_groups: u32,
+    /// Cluster mode: leadership lease (ms, rounded up to whole seconds; etcd's minimum
+    /// is 2 s); a master that cannot renew it stops answering for its slots.
+    #[arg(long, default_value_t = 3000)]
+    lease_ttl_ms: u64,
     /// Host of the RPC listener (with `--rpc_port`, instead of `--listen`).
     #[arg(long = "rpc_address", help_heading = "Reference master's spellings")]
     rpc_address: Option<String>,
@@ -134,8 +155,7 @@ fn metrics_allowed(req: &tiny_http::Request, secret: Option<&str>, insecure: boo
 
 fn serve_metrics(
     addr: &str,
-    master: Master,
-    rpc: Arc<RpcServerStats>,
+    daemon: Arc<MasterDaemon>,
     secret: Option<String>,
     insecure: bool,
 ) -> Result<String, String> {
@@ -154,10 +174,23 @@ fn serve_metrics(
                     let _ = req.respond(tiny_http::Response::from_string(why).with_status_code(code));
                     continue;
                 }
-                let stats = master.stats();
+                let stats = daemon.master().stats();
+                let cluster = daemon.cluster_stats();
                 let (body, ctype) = match req.url() {
-                    "/metrics" => (prometheus_text(&stats, Some(&rpc)), "text/plain; version=0.0.4"),
-                    "/status" | "/" => (serde_json::to_string_pretty(&stats).unwrap_or_default(), "application/json"),
+                    "/metrics" => {
+                        let mut text = prometheus_text(&stats, Some(daemon.rpc_stats()));
+                        if let Some(c) = &cluster {
+                            text.push_str(&mooncake_core::metrics::cluster_prometheus_text(c));
+                        }
+                        (text, "text/plain; version=0.0.4")
+                    }
+                    "/status" | "/" => {
+                        let mut status = serde_json::to_value(&stats).unwrap_or_default();
+                        if let (Some(c), Some(map)) = (&cluster, status.as_object_mut()) {
+                            map.insert("cluster".into(), serde_json::to_value(c).unwrap_or_default());
+                        }
+                        (serde_json::to_string_pretty(&status).unwrap_or_default(), "application/json")
+                    }
                     _ => {
                         let _ = req.respond(tiny_http::Response::from_string("not found").with_status_code(404));
                         continue;
@@ -197,12 +230,22 @@ fn run(args: Args) -> Result<(), String> {
         max_connections: args.max_connections,
         ..RpcServerConfig::default()
     };
-    let daemon = MasterDaemon::builder(&args.listen).config(config).rpc_config(rpc_config);
-    let daemon = daemon.serve().map_err(|e| e.to_string())?;
+    let mut daemon = MasterDaemon::builder(&args.listen).config(config).rpc_config(rpc_config);
+    if let Some(etcd) = &args.etcd {
+        let endpoints: Vec<String> = etcd.split(',').map(|e| e.trim().to_owned()).filter(|e| !e.is_empty()).collect();
+        let member = mooncake_core::cluster::MemberConfig {
+            endpoints,
+            cluster: args.cluster_id.clone().unwrap_or_default(),
+            advertise: args.advertise.clone().unwrap_or_default(),
+            lease_ttl: Duration::from_millis(args.lease_ttl_ms),
+            groups: args.slot_groups,
+            scan_interval: Duration::from_secs(1),
+        };
+        daemon = daemon.cluster(member);
+    }
+    let daemon = Arc::new(daemon.serve().map_err(|e| e.to_string())?);
     let metrics = match &args.metrics_listen {
-        Some(addr) => {
-            Some(serve_metrics(addr, daemon.master().clone(), daemon.rpc_stats().clone(), secret, args.insecure)?)
-        }
+        Some(addr) => Some(serve_metrics(addr, daemon.clone(), secret, args.insecure)?),
         None => None,
     };
     // First line: where RPC listens (scripts read it); second: where metrics are.

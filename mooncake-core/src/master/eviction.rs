@@ -36,6 +36,22 @@ impl MasterService {
         self.evict(bytes.max(excess), None)
     }
 
+    /// Evicts at least `bytes` from each of `segments` (cluster mode: the extents of
+    /// one slot group, where a put of that group needs room).
+    pub(crate) fn evict_in(
+        &self,
+        bytes: u64,
+        segments: &[std::sync::Arc<mooncake_alloc::SegmentAllocator>],
+    ) -> EvictionReport {
+        let _pass = self.eviction.lock();
+        let mut report = EvictionReport::default();
+        for seg in segments {
+            let excess = seg.used_bytes().saturating_sub((seg.capacity() as f64 * self.low_watermark()) as u64);
+            report.add(self.evict(bytes.max(excess), Some(seg.id())));
+        }
+        report
+    }
+
     /// Evicts where the pool or a segment is above the high watermark. Run by the
     /// monitor thread; callable directly.
     pub fn evict_if_needed(&self) -> EvictionReport {

@@ -155,7 +155,11 @@ impl MasterService {
                 // unlucky segment may need more than one round.
                 Err(AllocationError::NoSpace { .. }) if evictions < 8 => {
                     let want = len.saturating_mul(cfg.replica_num as u64);
-                    let report = self.evict_for(want);
+                    let report = match self.placement_group(key) {
+                        // In a cluster only the key's group's extents can take it.
+                        Some(_) => self.evict_in(want, &candidates),
+                        None => self.evict_for(want),
+                    };
                     if report.freed_bytes > 0 {
                         evictions += 1;
                         continue;

@@ -55,7 +55,10 @@ impl MasterService {
     #[inline]
     pub(crate) fn fence(&self, key: &str) -> Result<()> {
         match self.ownership.get() {
-            Some(o) if !o.leads(o.group_of(key)) => Err(o.moved(key)),
+            Some(o) if !o.leads(o.group_of(key)) => {
+                self.cluster_counters.moved_answers.fetch_add(1, Ordering::Relaxed);
+                Err(o.moved(key))
+            }
             _ => Ok(()),
         }
     }

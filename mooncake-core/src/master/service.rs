@@ -70,6 +70,7 @@ pub struct MasterService {
 pub(crate) struct ClusterCounters {
     pub(super) groups_acquired: AtomicU64,
     pub(super) groups_released: AtomicU64,
+    pub(super) moved_answers: AtomicU64,
 }
 
 /// A handle on a master service running in this process. Clones share it; the

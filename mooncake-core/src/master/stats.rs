@@ -67,6 +67,9 @@ impl MasterService {
             stall_graces: c.stall_graces.load(Ordering::Relaxed),
             allocation_strategy: self.config.allocation_strategy.name().to_owned(),
             segment_usage,
+            groups_acquired: self.cluster_counters.groups_acquired.load(Ordering::Relaxed),
+            groups_released: self.cluster_counters.groups_released.load(Ordering::Relaxed),
+            moved_answers: self.cluster_counters.moved_answers.load(Ordering::Relaxed),
         }
     }
 }

@@ -167,6 +167,51 @@ pub struct MasterStats {
     pub key_bytes: u64,
     /// Capacity and use of every mounted segment.
     pub segment_usage: Vec<SegmentUsage>,
+    /// Cluster mode: slot groups this master took the lead of since start.
+    pub groups_acquired: u64,
+    /// Cluster mode: slot groups this master gave up (moved, or its lease lapsed).
+    pub groups_released: u64,
+    /// Cluster mode: calls answered `Moved` (a key of a group led elsewhere).
+    pub moved_answers: u64,
+}
+
+impl MasterStats {
+    /// Adds `other`'s counts to these (the stats of a cluster: the sum over its
+    /// masters; the worst fragmentation; the segment lists joined).
+    pub fn merge(&mut self, other: &MasterStats) {
+        macro_rules! add {
+            ($($f:ident),*) => { $( self.$f += other.$f; )* };
+        }
+        add!(
+            objects,
+            pending_puts,
+            object_bytes,
+            replicas,
+            clients,
+            segments,
+            capacity_bytes,
+            used_bytes,
+            evicted_objects,
+            evicted_bytes,
+            lease_refusals,
+            put_timeouts,
+            expired_clients,
+            under_replicated_puts,
+            segment_failures,
+            record_failures,
+            stall_graces,
+            metadata_bytes,
+            key_bytes,
+            groups_acquired,
+            groups_released,
+            moved_answers
+        );
+        self.max_fragmentation = self.max_fragmentation.max(other.max_fragmentation);
+        if self.allocation_strategy.is_empty() {
+            self.allocation_strategy = other.allocation_strategy.clone();
+        }
+        self.segment_usage.extend(other.segment_usage.iter().cloned());
+    }
 }
 
 /// Capacity and use of one segment.

@@ -109,8 +109,10 @@ impl StoreBuilder {
         self
     }
 
-    /// Talks to a master daemon at `addr` (`host:port`) instead of an embedded one.
-    /// A client that gives memory must be reachable by the others: without
+    /// Talks to a master daemon at `addr` (`host:port`) instead of an embedded one, or
+    /// to a cluster of masters found through etcd (`etcd://H:P[,H:P...]/NAME`, with the
+    /// `etcd` feature): calls then go to the leader of each key's slot, and the memory
+    /// given is cut into one extent per slot group. A client that gives memory must be reachable by the others: without
     /// [`listen`](Self::listen) it serves its segment on the address by which this
     /// host reaches the master, port chosen by the system.
     pub fn master_address(mut self, addr: &str) -> Self {
@@ -232,12 +234,19 @@ impl StoreBuilder {
             return Err(Error::InvalidArgument("give master(..) or master_address(..), not both".into()));
         }
         if let Some(addr) = &self.master_address {
-            check_address("master_address", addr)?;
+            // A cluster's masters are found through etcd: route as to its first endpoint.
+            let route_to = match crate::cluster::EtcdAddress::is_etcd(addr) {
+                true => addr.parse::<crate::cluster::EtcdAddress>()?.endpoints[0].clone(),
+                false => {
+                    check_address("master_address", addr)?;
+                    addr.clone()
+                }
+            };
             if self.global_segment_size > 0 && self.listen.is_none() {
                 // Other clients must reach this segment: serve it on the address by
                 // which this host reaches the master (the route the master's peers
                 // share), rather than in-process only.
-                self.listen = Some(reachable_listen_address(addr).map_err(|e| {
+                self.listen = Some(reachable_listen_address(&route_to).map_err(|e| {
                     Error::InvalidArgument(format!(
                         "a client that gives memory (global_segment_size {}) to the master at {addr} must be \
                          reachable by the other clients, and no route to the master was found ({e}): set \
@@ -252,6 +261,17 @@ impl StoreBuilder {
         }
         if self.master_timeout.is_zero() || self.flush_timeout.is_zero() {
             return Err(Error::InvalidArgument("master_timeout and flush_timeout must be > 0".into()));
+        }
+        if let Some(addr) = self.master_address.clone().filter(|a| crate::cluster::EtcdAddress::is_etcd(a)) {
+            #[cfg(feature = "etcd")]
+            {
+                let engine = transfer_engine(&self)?;
+                return Store::connect_cluster(self, &addr, engine);
+            }
+            #[cfg(not(feature = "etcd"))]
+            return Err(Error::InvalidArgument(format!(
+                "{addr} names a cluster of masters: build mooncake-core with the `etcd` feature"
+            )));
         }
         let master: Arc<dyn MasterApi> = match (&self.master, &self.master_address) {
             (Some(m), _) => m.service().clone(),
@@ -269,7 +289,7 @@ impl StoreBuilder {
             }
         };
         let engine = transfer_engine(&self)?;
-        Store::connect(self, master, engine)
+        Store::connect(self, master, engine, Default::default())
     }
 }
 

@@ -3,6 +3,8 @@
 
 mod buffers;
 mod builder;
+#[cfg(feature = "etcd")]
+mod cluster;
 mod device;
 mod file_storage;
 mod leases;
@@ -127,9 +129,20 @@ struct StoreInner {
     record_endpoint: Option<RecordEndpoint>,
     /// Longest time `flush` waits for the SSD tier.
     flush_timeout: Duration,
+    /// Cluster mode: the cluster client (also `master`) and the record endpoint of our
+    /// extents.
+    #[cfg_attr(not(feature = "etcd"), allow(dead_code))]
+    cluster: ClusterPart,
     /// Dropping it stops the heartbeat thread.
     _heartbeat_stop: Sender<()>,
 }
+
+/// Cluster mode's part of a store (see `cluster`).
+#[cfg(feature = "etcd")]
+type ClusterPart = Option<(Arc<cluster::ClusterClient>, Option<RpcServer>)>;
+/// Without the `etcd` feature there is no cluster mode.
+#[cfg(not(feature = "etcd"))]
+type ClusterPart = Option<std::convert::Infallible>;
 
 impl Drop for StoreInner {
     fn drop(&mut self) {
@@ -154,7 +167,25 @@ impl StoreInner {
         if !updates.is_empty() {
             self.records.apply(updates);
         }
+        #[cfg(feature = "etcd")]
+        if let (Some((cluster, _)), Some(ssd)) = (&self.cluster, &self.ssd) {
+            // A new leader of some group: it learns of our SSD's objects again.
+            if cluster.take_remounted() {
+                ssd.announce(&*self.master, self.client())?;
+            }
+        }
         Ok(())
+    }
+
+    /// Our memory by segment id: the segment, or in a cluster the extents mounted.
+    fn segment_regions(&self) -> Vec<(SegmentId, Arc<RegisteredRegion>)> {
+        #[allow(unused_mut)]
+        let mut regions: Vec<_> = self.segment.lock().iter().map(|s| (s.id, s.region.clone())).collect();
+        #[cfg(feature = "etcd")]
+        if let Some((cluster, _)) = &self.cluster {
+            regions.extend(cluster.extent_regions());
+        }
+        regions
     }
 
     /// Tells the master where to send changes to our records (if we serve them).
@@ -427,7 +458,40 @@ impl Store {
         StoreBuilder::default()
     }
 
-    fn connect(cfg: StoreBuilder, master: Arc<dyn MasterApi>, engine: TransferEngine) -> Result<Store> {
+    /// Cluster mode: connects to the masters of the cluster at `address`
+    /// (`etcd://...`) and gives our memory as one extent per slot group.
+    #[cfg(feature = "etcd")]
+    fn connect_cluster(mut cfg: StoreBuilder, address: &str, engine: TransferEngine) -> Result<Store> {
+        let cluster = cluster::ClusterClient::connect(
+            address,
+            cfg.secret.as_deref(),
+            cfg.master_timeout,
+            &engine,
+            cfg.global_segment_size,
+        )?;
+        let server = if cluster.has_extents() {
+            let listen = format!("{}:0", file_storage::endpoint_host(engine.endpoint()));
+            let secret = cfg.secret.as_deref().map(mooncake_transfer::SharedSecret::new);
+            let handler: Arc<dyn crate::rpc::RpcHandler> = Arc::new(cluster::ClusterRecords(cluster.clone()));
+            let config = crate::rpc::RpcServerConfig { secret, insecure: cfg.insecure, ..Default::default() };
+            let server = RpcServer::serve_with(&listen, handler, config)?;
+            cluster.set_record_endpoint(server.local_addr().to_string());
+            Some(server)
+        } else {
+            None
+        };
+        // The extents are the cluster client's: no segment of the single-master kind.
+        cfg.global_segment_size = 0;
+        let master: Arc<dyn MasterApi> = cluster.clone();
+        Self::connect(cfg, master, engine, Some((cluster, server)))
+    }
+
+    fn connect(
+        cfg: StoreBuilder,
+        master: Arc<dyn MasterApi>,
+        engine: TransferEngine,
+        cluster: ClusterPart,
+    ) -> Result<Store> {
         let reg = master.register_client()?;
         let client = reg.client;
         let segment = if cfg.global_segment_size > 0 {
@@ -498,6 +562,7 @@ impl Store {
             records,
             record_endpoint,
             flush_timeout: cfg.flush_timeout,
+            cluster,
             _heartbeat_stop: stop_tx,
         });
         if let Err(e) = inner.announce_records(client) {
@@ -787,7 +852,13 @@ impl Store {
     /// The objects this client's segment holds, as the master last told it (empty
     /// with an embedded master, which does not track records).
     pub fn segment_records(&self) -> Vec<ObjectRecord> {
-        self.inner.records.snapshot()
+        #[allow(unused_mut)]
+        let mut records = self.inner.records.snapshot();
+        #[cfg(feature = "etcd")]
+        if let Some((cluster, _)) = &self.inner.cluster {
+            records.extend(cluster.records());
+        }
+        records
     }
 }
 
@@ -801,15 +872,15 @@ fn spawn_offloader(inner: &Arc<StoreInner>, idle: Duration) -> Result<()> {
         .spawn(move || loop {
             let Some(inner) = weak.upgrade() else { return };
             let Some(ssd) = &inner.ssd else { return };
-            let region = inner.segment.lock().as_ref().map(|s| (s.id, s.region.clone()));
-            let busy =
-                match ssd.offload_round(&*inner.master, inner.client(), region.as_ref().map(|(id, r)| (*id, &**r))) {
-                    Ok(n) => n > 0,
-                    Err(e) => {
-                        tracing::debug!(error = %e, "offload heartbeat failed");
-                        false
-                    }
-                };
+            let regions = inner.segment_regions();
+            let views: Vec<(u64, &RegisteredRegion)> = regions.iter().map(|(id, r)| (*id, &**r)).collect();
+            let busy = match ssd.offload_round(&*inner.master, inner.client(), &views) {
+                Ok(n) => n > 0,
+                Err(e) => {
+                    tracing::debug!(error = %e, "offload heartbeat failed");
+                    false
+                }
+            };
             if !busy {
                 ssd.retry_notifications();
             }

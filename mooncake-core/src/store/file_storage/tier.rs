@@ -152,13 +152,14 @@ impl FileStorage {
     }
 
     /// One offload heartbeat: deletes what the master discarded, writes what it asks
-    /// for (read from `segment`, checked against the checksum) and reports it.
+    /// for (read from our `segments` — one, or one extent per slot group in a cluster —
+    /// checked against the checksum) and reports it.
     /// Returns how many objects were asked for.
     pub(crate) fn offload_round(
         &self,
         master: &dyn MasterApi,
         client: ClientId,
-        segment: Option<(u64, &RegisteredRegion)>,
+        segments: &[(u64, &RegisteredRegion)],
     ) -> Result<usize> {
         let OffloadPlan { tasks, discard } = master.offload_heartbeat(client, self.batch)?;
         for key in &discard {
@@ -170,7 +171,7 @@ impl FileStorage {
             return Ok(0);
         }
         let asked = tasks.len();
-        let objects = self.read_tasks(tasks, segment);
+        let objects = self.read_tasks(tasks, segments);
         let views: Vec<(&str, &[u8])> = objects.iter().map(|(t, b)| (t.key.as_str(), &b[..])).collect();
         let mut written: Vec<&OffloadTask> = Vec::with_capacity(objects.len());
         for ((task, bytes), res) in objects.iter().zip(self.backend.batch_offload(&views)) {
@@ -215,20 +216,17 @@ impl FileStorage {
         tracing::warn!(key, error = %e, "offload to SSD failed");
     }
 
-    /// Copies each task's bytes out of our segment, keeping those whose bytes still
+    /// Copies each task's bytes out of our segments, keeping those whose bytes still
     /// match the checksum (the master leased them, so they should).
     fn read_tasks(
         &self,
         tasks: Vec<OffloadTask>,
-        segment: Option<(u64, &RegisteredRegion)>,
+        segments: &[(u64, &RegisteredRegion)],
     ) -> Vec<(OffloadTask, AlignedBuf)> {
-        let Some((own, region)) = segment else { return Vec::new() };
         tasks
             .into_iter()
             .filter_map(|t| {
-                if t.segment != own {
-                    return None;
-                }
+                let (_, region) = segments.iter().find(|(id, _)| *id == t.segment)?;
                 // Aligned, so that an `O_DIRECT` backend writes it without a bounce copy.
                 let mut buf = AlignedBuf::zeroed(t.len as usize);
                 if region.copy_out(t.offset, &mut buf).is_err() || crate::checksum::checksum(&buf) != t.checksum {
