@@ -50,6 +50,16 @@ pub struct ReplicateConfig {
     pub preferred_segments: Vec<String>,
     /// Soft-pinned objects are evicted only when nothing else can be.
     pub soft_pin: bool,
+    /// With `soft_pin`: how long the pin lasts after the object was last written or
+    /// read (each read renews it); then the object is evictable like any other.
+    /// `None` (the default): the pin lasts as long as the object. Kept with
+    /// millisecond precision, at most `u32::MAX` ms (about 49 days; longer is
+    /// clamped); setting it without `soft_pin` is `InvalidArgument`.
+    pub soft_pin_ttl: Option<Duration>,
+    /// For an upsert that replaces an object: keep the pin state (and TTL) the object
+    /// has, ignoring `soft_pin` and `soft_pin_ttl` (a new object takes those). Puts
+    /// ignore it. Default false: the upsert sets the pin as `soft_pin` says.
+    pub keep_soft_pin: bool,
     /// Fail a put (`NoSpace`) rather than store fewer than `replica_num` replicas
     /// (default false: best effort, counted in `under_replicated_puts`).
     pub require_all_replicas: bool,
@@ -57,7 +67,14 @@ pub struct ReplicateConfig {
 
 impl Default for ReplicateConfig {
     fn default() -> Self {
-        Self { replica_num: 1, preferred_segments: Vec::new(), soft_pin: false, require_all_replicas: false }
+        Self {
+            replica_num: 1,
+            preferred_segments: Vec::new(),
+            soft_pin: false,
+            soft_pin_ttl: None,
+            keep_soft_pin: false,
+            require_all_replicas: false,
+        }
     }
 }
 
@@ -71,7 +88,19 @@ impl ReplicateConfig {
         if self.replica_num == 0 {
             return Err(Error::InvalidArgument("replica_num must be at least 1".into()));
         }
+        if self.soft_pin_ttl.is_some() && !self.soft_pin {
+            return Err(Error::InvalidArgument("soft_pin_ttl is set but soft_pin is not".into()));
+        }
         Ok(())
+    }
+
+    /// The soft pin's TTL as the master keeps it: milliseconds, 0 for none (a zero
+    /// TTL becomes 1 ms: a pin that is already over).
+    pub(crate) fn soft_pin_ttl_ms(&self) -> u32 {
+        match self.soft_pin_ttl {
+            Some(ttl) if self.soft_pin => ttl.as_millis().clamp(1, u32::MAX as u128) as u32,
+            _ => 0,
+        }
     }
 }
 

@@ -54,3 +54,12 @@ impl BufferRegistry {
         }
     }
 }
+
+/// Whether the memory ranges `(start, len)` overlap nowhere. Destinations that the
+/// engine writes through `&mut` slices must not: two slices over the same bytes
+/// would alias. Empty ranges overlap nothing.
+pub fn disjoint(mut ranges: Vec<(usize, usize)>) -> bool {
+    ranges.retain(|&(_, len)| len > 0);
+    ranges.sort_unstable();
+    ranges.windows(2).all(|w| w[0].0.saturating_add(w[0].1) <= w[1].0)
+}

@@ -91,7 +91,8 @@ impl ReplicateConfig {
         Self::default()
     }
 
-    /// How long a soft pin lasts (ms), or `None` for the default.
+    /// How long a soft pin outlives the last access (ms), or `None`: as long as the
+    /// object lives (the reference defaults to its master's 30-minute TTL).
     #[getter]
     fn soft_pin_ttl_ms(&self) -> Option<u64> {
         self.soft_pin_ttl_ms
@@ -139,8 +140,9 @@ impl ReplicateConfig {
     /// The engine's configuration, or `INVALID_PARAMS` for a combination the reference
     /// refuses too (a soft-pin TTL on a write that does not enable the pin).
     ///
-    /// The engine keeps a soft pin until eviction has nothing else to take; a TTL is
-    /// accepted with `ENABLE` and does not shorten it.
+    /// With `ENABLE`, `soft_pin_ttl_ms` is how long the pin outlives the object's last
+    /// write or read (each read renews it); `None` keeps the pin as long as the
+    /// object lives. A pinned object is evicted only when nothing else can be.
     pub fn to_core(&self) -> Result<mooncake_core::ReplicateConfig, i32> {
         if self.soft_pin_ttl_ms.is_some() && self.soft_pin_action != SoftPinAction::Enable {
             return Err(INVALID_PARAMS);
@@ -161,6 +163,9 @@ impl ReplicateConfig {
             replica_num: self.replica_num,
             preferred_segments: preferred,
             soft_pin: self.soft_pin_action == SoftPinAction::Enable,
+            soft_pin_ttl: self.soft_pin_ttl_ms.map(std::time::Duration::from_millis),
+            // An upsert of an existing object keeps its pin under PRESERVE.
+            keep_soft_pin: self.soft_pin_action == SoftPinAction::Preserve,
             ..Default::default()
         })
     }

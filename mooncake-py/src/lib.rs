@@ -16,6 +16,7 @@ mod buffers;
 mod codes;
 mod config;
 mod handle;
+mod ranges;
 mod setup;
 mod store;
 

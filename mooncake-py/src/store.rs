@@ -1,5 +1,6 @@
 //! `MooncakeDistributedStore`: the reference's Python class over a [`Store`].
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -10,10 +11,11 @@ use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyBytes, PyDict, PyInt, PyString, PyTuple};
 
-use crate::buffers::BufferRegistry;
+use crate::buffers::{disjoint, BufferRegistry};
 use crate::codes::{self, code, put_status, status, INVALID_PARAMS};
 use crate::config::{resolve, ReplicateConfig};
 use crate::handle::BufferHandle;
+use crate::ranges::{self, Range};
 use crate::setup::SetupArgs;
 
 /// How long a forced remove waits for readers' leases to run out. The engine never
@@ -22,6 +24,15 @@ use crate::setup::SetupArgs;
 const FORCE_DEADLINE: Duration = Duration::from_secs(30);
 /// Poll period of a forced remove.
 const FORCE_POLL: Duration = Duration::from_millis(10);
+
+/// Which write a zero-copy call makes.
+#[derive(Clone, Copy)]
+enum WriteMode {
+    /// A put: a key that exists keeps its value (code 0, as in the reference).
+    Put,
+    /// An upsert: the value replaces the stored one.
+    Upsert,
+}
 
 /// A connected client and the name it reports.
 struct Session {
@@ -56,6 +67,15 @@ fn value_bytes<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyBytes>> {
         return Ok(PyBytes::new(obj.py(), &b.to_vec()));
     }
     obj.py().get_type::<PyBytes>().call1((obj,))?.cast_into::<PyBytes>().map_err(Into::into)
+}
+
+/// A read's answer as the reference gives it: the object's length, or a negative code
+/// (`BufferTooSmall` is `-600`, as there).
+fn length_or_code(res: &mooncake_core::Result<usize>) -> i64 {
+    match res {
+        Ok(n) => *n as i64,
+        Err(e) => code(e).into(),
+    }
 }
 
 /// Copies `data` to the raw address `dst`.
@@ -111,6 +131,55 @@ impl MooncakeDistributedStore {
             pending = leased;
             std::thread::sleep(FORCE_POLL);
         }
+    }
+
+    /// Writes the `sizes[i]` bytes at `buffer_ptrs[i]` (registered memory) under
+    /// `keys[i]` in one batch, as puts or upserts; one code each.
+    fn write_from(
+        &self,
+        py: Python<'_>,
+        mode: WriteMode,
+        keys: Vec<String>,
+        buffer_ptrs: Vec<usize>,
+        sizes: Vec<usize>,
+        config: Option<PyRef<'_, ReplicateConfig>>,
+    ) -> Vec<i32> {
+        let n = keys.len();
+        let Some(s) = self.session() else { return vec![INVALID_PARAMS; n] };
+        if !Self::same_len(n, buffer_ptrs.len(), sizes.len()) {
+            return vec![INVALID_PARAMS; n];
+        }
+        let cfg = match resolve(config) {
+            Ok(c) => c,
+            Err(c) => return vec![c; n],
+        };
+        let mut results = vec![0; n];
+        let mut valid = Vec::with_capacity(n);
+        for i in 0..n {
+            match self.buffers.check(buffer_ptrs[i], sizes[i]) {
+                Ok(()) => valid.push(i),
+                Err(c) => results[i] = c,
+            }
+        }
+        py.detach(|| {
+            let items: Vec<(&str, &[u8])> = valid
+                .iter()
+                .map(|&i| {
+                    // SAFETY: each range was checked against a registered region;
+                    // shared slices may overlap.
+                    let data = unsafe { std::slice::from_raw_parts(buffer_ptrs[i] as *const u8, sizes[i]) };
+                    (keys[i].as_str(), data)
+                })
+                .collect();
+            let answers = match mode {
+                WriteMode::Put => s.store.batch_put(&items, &cfg).iter().map(put_status).collect::<Vec<_>>(),
+                WriteMode::Upsert => s.store.batch_upsert(&items, &cfg).iter().map(status).collect(),
+            };
+            for (&i, c) in valid.iter().zip(answers) {
+                results[i] = c;
+            }
+        });
+        results
     }
 
     /// Puts `values` under `keys` in one batch; one code each.
@@ -251,6 +320,100 @@ impl MooncakeDistributedStore {
         Ok(codes.into_iter().find(|&c| c != 0).unwrap_or(0))
     }
 
+    /// Stores `value` (a bytes-like object) under `key`, replacing the object stored
+    /// there if any. The replacement is atomic: a reader gets the old or the new
+    /// bytes, never a mix, and never "not found" for a key that existed throughout.
+    /// Returns 0 or a negative code.
+    #[pyo3(signature = (key, value, config = None))]
+    fn upsert(
+        &self,
+        py: Python<'_>,
+        key: &str,
+        value: &Bound<'_, PyAny>,
+        config: Option<PyRef<'_, ReplicateConfig>>,
+    ) -> PyResult<i32> {
+        let value = value_bytes(value)?;
+        let Some(s) = self.session() else { return Ok(INVALID_PARAMS) };
+        let cfg = match resolve(config) {
+            Ok(c) => c,
+            Err(c) => return Ok(c),
+        };
+        let data = value.as_bytes();
+        Ok(py.detach(|| status(&s.store.upsert_with(key, data, &cfg))))
+    }
+
+    /// Upserts the concatenation of `parts` under `key`. Returns 0 or a negative code.
+    #[pyo3(signature = (key, *parts, config = None))]
+    fn upsert_parts(
+        &self,
+        py: Python<'_>,
+        key: &str,
+        parts: &Bound<'_, PyTuple>,
+        config: Option<PyRef<'_, ReplicateConfig>>,
+    ) -> PyResult<i32> {
+        let parts: Vec<Bound<'_, PyBytes>> = parts.iter().map(|p| value_bytes(&p)).collect::<PyResult<_>>()?;
+        let Some(s) = self.session() else { return Ok(INVALID_PARAMS) };
+        let cfg = match resolve(config) {
+            Ok(c) => c,
+            Err(c) => return Ok(c),
+        };
+        let slices: Vec<&[u8]> = parts.iter().map(|p| p.as_bytes()).collect();
+        Ok(py.detach(|| status(&s.store.batch_upsert_parts(&[(key, &slices)], &cfg).pop().unwrap_or(Ok(())))))
+    }
+
+    /// Upserts `values[i]` under `keys[i]` in one batch. Returns 0, or the first
+    /// failure's code.
+    #[pyo3(signature = (keys, values, config = None))]
+    fn upsert_batch(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+        values: Vec<Bound<'_, PyAny>>,
+        config: Option<PyRef<'_, ReplicateConfig>>,
+    ) -> PyResult<i32> {
+        let values: Vec<Bound<'_, PyBytes>> = values.iter().map(value_bytes).collect::<PyResult<_>>()?;
+        let Some(s) = self.session() else { return Ok(INVALID_PARAMS) };
+        if keys.len() != values.len() {
+            return Ok(INVALID_PARAMS);
+        }
+        let cfg = match resolve(config) {
+            Ok(c) => c,
+            Err(c) => return Ok(c),
+        };
+        let items: Vec<(&str, &[u8])> =
+            keys.iter().map(String::as_str).zip(values.iter().map(|v| v.as_bytes())).collect();
+        let codes: Vec<i32> = py.detach(|| s.store.batch_upsert(&items, &cfg).iter().map(status).collect());
+        Ok(codes.into_iter().find(|&c| c != 0).unwrap_or(0))
+    }
+
+    /// Upserts the `size` bytes at `buffer_ptr` (inside a registered buffer) under
+    /// `key`, without a copy. Returns 0 or a negative code.
+    #[pyo3(signature = (key, buffer_ptr, size, config = None))]
+    fn upsert_from(
+        &self,
+        py: Python<'_>,
+        key: &str,
+        buffer_ptr: usize,
+        size: usize,
+        config: Option<PyRef<'_, ReplicateConfig>>,
+    ) -> i32 {
+        self.batch_upsert_from(py, vec![key.to_owned()], vec![buffer_ptr], vec![size], config).pop().unwrap_or(0)
+    }
+
+    /// Upserts the `sizes[i]` bytes at `buffer_ptrs[i]` under `keys[i]`, in one batch
+    /// and without copies. One code per key.
+    #[pyo3(signature = (keys, buffer_ptrs, sizes, config = None))]
+    fn batch_upsert_from(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+        buffer_ptrs: Vec<usize>,
+        sizes: Vec<usize>,
+        config: Option<PyRef<'_, ReplicateConfig>>,
+    ) -> Vec<i32> {
+        self.write_from(py, WriteMode::Upsert, keys, buffer_ptrs, sizes, config)
+    }
+
     /// The bytes under `key`; `b""` when absent or on error.
     fn get<'py>(&self, py: Python<'py>, key: &str) -> Bound<'py, PyBytes> {
         let data = match self.session() {
@@ -383,43 +546,42 @@ impl MooncakeDistributedStore {
             return results;
         }
         let capacities: Vec<Option<usize>> = buffer_ptrs.iter().map(|&p| self.buffers.capacity(p)).collect();
-        py.detach(|| {
-            let mut unique: Vec<&str> = all_keys.iter().flatten().map(String::as_str).collect();
-            unique.sort_unstable();
-            unique.dedup();
-            // TODO(embedding-api): use Store::batch_get_into_parts to read each range
-            // straight into its destination.
-            let objects = s.store.batch_get(&unique);
-            for (i, keys) in all_keys.iter().enumerate() {
-                for (j, key) in keys.iter().enumerate() {
-                    let (dst, src, len) = (all_dst_offsets[i].get(j), all_src_offsets[i].get(j), all_sizes[i].get(j));
-                    let (Some(dst), Some(src), Some(len)) = (dst, src, len) else { continue };
-                    if src.len() != dst.len() || len.len() != dst.len() {
+        // The ranges that can be served (inside their buffer, non-empty); the others
+        // keep -600. Keys whose lists do not have matching lengths are read only to
+        // report a missing object.
+        let mut ranges: BTreeMap<&str, Vec<Range>> = BTreeMap::new();
+        let mut occurrences: Vec<(usize, usize, &str)> = Vec::new();
+        for (i, keys) in all_keys.iter().enumerate() {
+            for (j, key) in keys.iter().enumerate() {
+                let (dst, src, len) = (all_dst_offsets[i].get(j), all_src_offsets[i].get(j), all_sizes[i].get(j));
+                let (Some(dst), Some(src), Some(len)) = (dst, src, len) else { continue };
+                if src.len() != dst.len() || len.len() != dst.len() {
+                    continue;
+                }
+                occurrences.push((i, j, key.as_str()));
+                for k in 0..dst.len() {
+                    let (d, sr, l) = (dst[k], src[k], len[k]);
+                    let fits_dst = capacities[i].is_some_and(|cap| d.checked_add(l).is_some_and(|end| end <= cap));
+                    if l == 0 || !fits_dst || sr.checked_add(l).is_none() {
                         continue;
                     }
-                    let pos = unique.binary_search(&key.as_str()).expect("every key was collected");
-                    let object = match &objects[pos] {
-                        Ok(o) => o,
-                        Err(e) => {
-                            results[i][j].iter_mut().for_each(|r| *r = code(e).into());
-                            continue;
-                        }
-                    };
-                    for k in 0..dst.len() {
-                        let (d, sr, l) = (dst[k], src[k], len[k]);
-                        let fits_src = sr.checked_add(l).is_some_and(|end| end <= object.len());
-                        let fits_dst = capacities[i].is_some_and(|cap| d.checked_add(l).is_some_and(|end| end <= cap));
-                        if l == 0 || !fits_src || !fits_dst {
-                            continue;
-                        }
-                        // SAFETY: `[ptr + d, ptr + d + l)` lies inside the registered
-                        // region that contains `ptr` (checked against its capacity).
-                        unsafe { copy_out(&object[sr..sr + l], buffer_ptrs[i] + d) };
-                        results[i][j][k] = l as i64;
-                    }
+                    let r = Range { at: (i, j, k), dst: buffer_ptrs[i] + d, src: sr, len: l };
+                    ranges.entry(key.as_str()).or_default().push(r);
                 }
             }
-        });
+        }
+        let mut unique: Vec<&str> = all_keys.iter().flatten().map(String::as_str).collect();
+        unique.sort_unstable();
+        unique.dedup();
+        let answers = py.detach(|| ranges::read(&s.store, &unique, &ranges));
+        for ((i, j, k), v) in answers.ranges {
+            results[i][j][k] = v;
+        }
+        for (i, j, key) in occurrences {
+            if let Some(&c) = answers.failed.get(key) {
+                results[i][j].iter_mut().for_each(|r| *r = c);
+            }
+        }
         results
     }
 
@@ -434,35 +596,7 @@ impl MooncakeDistributedStore {
         sizes: Vec<usize>,
         config: Option<PyRef<'_, ReplicateConfig>>,
     ) -> Vec<i32> {
-        let n = keys.len();
-        let Some(s) = self.session() else { return vec![INVALID_PARAMS; n] };
-        if !Self::same_len(n, buffer_ptrs.len(), sizes.len()) {
-            return vec![INVALID_PARAMS; n];
-        }
-        let cfg = match resolve(config) {
-            Ok(c) => c,
-            Err(c) => return vec![c; n],
-        };
-        let mut results = vec![0; n];
-        let mut valid = Vec::with_capacity(n);
-        for i in 0..n {
-            match self.buffers.check(buffer_ptrs[i], sizes[i]) {
-                Ok(()) => valid.push(i),
-                Err(c) => results[i] = c,
-            }
-        }
-        py.detach(|| {
-            let keys: Vec<String> = valid.iter().map(|&i| keys[i].clone()).collect();
-            let values: Vec<&[u8]> = valid
-                .iter()
-                // SAFETY: each range was checked against a registered region.
-                .map(|&i| unsafe { std::slice::from_raw_parts(buffer_ptrs[i] as *const u8, sizes[i]) })
-                .collect();
-            for (&i, c) in valid.iter().zip(Self::put_many(&s.store, &keys, &values, &cfg)) {
-                results[i] = c;
-            }
-        });
-        results
+        self.write_from(py, WriteMode::Put, keys, buffer_ptrs, sizes, config)
     }
 
     /// Reads `keys[i]` into the registered memory at `buffer_ptrs[i]` (room:
@@ -481,27 +615,41 @@ impl MooncakeDistributedStore {
             return bad;
         }
         let checks: Vec<Result<(), i32>> = (0..n).map(|i| self.buffers.check(buffer_ptrs[i], sizes[i])).collect();
+        let wanted: Vec<usize> = (0..n).filter(|&i| checks[i].is_ok()).collect();
+        let direct = disjoint(wanted.iter().map(|&i| (buffer_ptrs[i], sizes[i])).collect());
         py.detach(|| {
-            let wanted: Vec<&str> = (0..n).filter(|&i| checks[i].is_ok()).map(|i| keys[i].as_str()).collect();
-            // TODO(embedding-api): use Store::batch_get_into, which reads straight into
-            // the destinations instead of through engine-owned buffers.
-            let mut found = s.store.batch_get(&wanted).into_iter();
-            (0..n)
-                .map(|i| {
-                    if let Err(c) = checks[i] {
-                        return c.into();
-                    }
-                    match found.next().expect("one answer per key asked") {
+            let keys: Vec<&str> = wanted.iter().map(|&i| keys[i].as_str()).collect();
+            let found: Vec<i64> = if direct {
+                let mut bufs: Vec<&mut [u8]> = wanted
+                    .iter()
+                    // SAFETY: each range lies inside a registered region (checked
+                    // above) and no two of them overlap (`disjoint`), so the slices
+                    // do not alias; Python promised the memory stays valid.
+                    .map(|&i| unsafe { std::slice::from_raw_parts_mut(buffer_ptrs[i] as *mut u8, sizes[i]) })
+                    .collect();
+                s.store.batch_get_into(&keys, &mut bufs).iter().map(length_or_code).collect()
+            } else {
+                // Destinations that overlap: read into the engine's buffers and copy.
+                s.store
+                    .batch_get(&keys)
+                    .iter()
+                    .zip(&wanted)
+                    .map(|(r, &i)| match r {
                         Ok(data) if data.len() <= sizes[i] => {
-                            // SAFETY: the destination was checked against a registered
-                            // region of at least `sizes[i]` bytes.
-                            unsafe { copy_out(&data, buffer_ptrs[i]) };
+                            // SAFETY: the destination lies in a registered region of at
+                            // least `sizes[i]` bytes; raw copies create no references.
+                            unsafe { copy_out(data, buffer_ptrs[i]) };
                             data.len() as i64
                         }
                         Ok(_) => INVALID_PARAMS.into(),
-                        Err(e) => code(&e).into(),
-                    }
-                })
+                        Err(e) => code(e).into(),
+                    })
+                    .collect()
+            };
+            let mut found = found.into_iter();
+            checks
+                .iter()
+                .map(|c| c.map_or_else(i64::from, |()| found.next().unwrap_or(INVALID_PARAMS.into())))
                 .collect()
         })
     }
@@ -586,33 +734,56 @@ impl MooncakeDistributedStore {
                 ptrs.len() == sizes.len() && ptrs.iter().zip(sizes).all(|(&p, &l)| self.buffers.check(p, l).is_ok())
             })
             .collect();
+        let wanted: Vec<usize> = (0..n).filter(|&i| ok[i]).collect();
+        let direct = disjoint(
+            wanted.iter().flat_map(|&i| all_buffer_ptrs[i].iter().copied().zip(all_sizes[i].iter().copied())).collect(),
+        );
         py.detach(|| {
-            let wanted: Vec<&str> = (0..n).filter(|&i| ok[i]).map(|i| keys[i].as_str()).collect();
-            // TODO(embedding-api): use Store::batch_get_into_parts, which scatters
-            // straight into the destinations.
-            let mut found = s.store.batch_get(&wanted).into_iter();
-            (0..n)
-                .map(|i| {
-                    if !ok[i] {
-                        return INVALID_PARAMS.into();
-                    }
-                    let data = match found.next().expect("one answer per key asked") {
-                        Ok(d) => d,
-                        Err(e) => return code(&e).into(),
-                    };
-                    if data.len() > all_sizes[i].iter().sum::<usize>() {
-                        return INVALID_PARAMS.into();
-                    }
-                    let mut rest: &[u8] = &data;
-                    for (&p, &l) in all_buffer_ptrs[i].iter().zip(&all_sizes[i]) {
-                        let (part, tail) = rest.split_at(l.min(rest.len()));
-                        // SAFETY: each destination was checked against a registered
-                        // region of at least `l >= part.len()` bytes.
-                        unsafe { copy_out(part, p) };
-                        rest = tail;
-                    }
-                    data.len() as i64
-                })
+            let keys: Vec<&str> = wanted.iter().map(|&i| keys[i].as_str()).collect();
+            let found: Vec<i64> = if direct {
+                let mut parts: Vec<Vec<&mut [u8]>> = wanted
+                    .iter()
+                    .map(|&i| {
+                        all_buffer_ptrs[i]
+                            .iter()
+                            .zip(&all_sizes[i])
+                            // SAFETY: each part lies inside a registered region and no
+                            // two parts of the call overlap (`disjoint`).
+                            .map(|(&p, &l)| unsafe { std::slice::from_raw_parts_mut(p as *mut u8, l) })
+                            .collect()
+                    })
+                    .collect();
+                let mut bufs: Vec<&mut [&mut [u8]]> = parts.iter_mut().map(Vec::as_mut_slice).collect();
+                s.store.batch_get_into_parts(&keys, &mut bufs).iter().map(length_or_code).collect()
+            } else {
+                // Destinations that overlap: read into the engine's buffers and copy.
+                s.store
+                    .batch_get(&keys)
+                    .iter()
+                    .zip(&wanted)
+                    .map(|(r, &i)| {
+                        let data = match r {
+                            Ok(d) => d,
+                            Err(e) => return code(e).into(),
+                        };
+                        if data.len() > all_sizes[i].iter().sum::<usize>() {
+                            return INVALID_PARAMS.into();
+                        }
+                        let mut rest: &[u8] = data;
+                        for (&p, &l) in all_buffer_ptrs[i].iter().zip(&all_sizes[i]) {
+                            let (part, tail) = rest.split_at(l.min(rest.len()));
+                            // SAFETY: each destination lies in a registered region of at
+                            // least `l >= part.len()` bytes; raw copies create no references.
+                            unsafe { copy_out(part, p) };
+                            rest = tail;
+                        }
+                        data.len() as i64
+                    })
+                    .collect()
+            };
+            let mut found = found.into_iter();
+            ok.iter()
+                .map(|&ok| if ok { found.next().unwrap_or(INVALID_PARAMS.into()) } else { INVALID_PARAMS.into() })
                 .collect()
         })
     }
@@ -631,9 +802,7 @@ impl MooncakeDistributedStore {
         let Some(s) = self.session() else { return vec![INVALID_PARAMS; keys.len()] };
         py.detach(|| {
             let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
-            // TODO(embedding-api): use Store::batch_exists.
             s.store
-                .master()
                 .batch_exists(&keys)
                 .iter()
                 .map(|r| match r {

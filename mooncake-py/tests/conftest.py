@@ -2,7 +2,6 @@
 
 import os
 import pathlib
-import socket
 import subprocess
 import time
 
@@ -26,27 +25,21 @@ def master_binary():
     return str(max(found, key=lambda p: p.stat().st_mtime))
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_master(*extra):
-    """Starts a master on a free loopback port; returns (process, "host:port")."""
-    for _ in range(5):
-        addr = f"127.0.0.1:{free_port()}"
-        proc = subprocess.Popen(
-            [master_binary(), "--listen", addr, "--default-lease-ms", str(LEASE_MS), *extra],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-        )
-        line = proc.stdout.readline()
-        if "listening on" in line:
-            return proc, addr
+    """Starts a master on a loopback port it chooses (port 0: no other process can
+    take it between choosing and binding); returns (process, "host:port")."""
+    proc = subprocess.Popen(
+        [master_binary(), "--listen", "127.0.0.1:0", "--default-lease-ms", str(LEASE_MS), *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    line = proc.stdout.readline()
+    if "listening on" not in line:
+        proc.kill()
         proc.wait(timeout=10)
-    pytest.fail("mooncake-master did not start")
+        pytest.fail(f"mooncake-master did not start: {line!r}")
+    return proc, line.split()[-1]
 
 
 def stop(proc):

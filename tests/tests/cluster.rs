@@ -362,3 +362,25 @@ fn masters_stop_serving_without_etcd_and_resume_when_it_returns() {
         assert_eq!(&store.get(&format!("e{i}")).unwrap()[..], &payload(i as u8, 1000)[..], "e{i}");
     }
 }
+
+#[test]
+fn upserts_are_routed_to_the_leader_of_each_key() {
+    let Some(c) = Cluster::start(2, 1) else { return };
+    let store = c.store();
+    let keys: Vec<String> = (0..40).map(|i| format!("up/{i}")).collect();
+    for (i, k) in keys.iter().enumerate() {
+        store.put(k, &vec![1u8; 1000 + i]).unwrap();
+    }
+    // Keys of both masters' groups, one at a time and in one batch.
+    for (i, k) in keys.iter().enumerate().take(20) {
+        store.upsert(k, &vec![2u8; 2000 + i]).unwrap();
+    }
+    let values: Vec<Vec<u8>> = (20..40).map(|i| vec![3u8; 3000 + i]).collect();
+    let items: Vec<(&str, &[u8])> =
+        keys[20..].iter().map(String::as_str).zip(values.iter().map(Vec::as_slice)).collect();
+    assert!(store.batch_upsert(&items, &ReplicateConfig::default()).iter().all(|r| r.is_ok()));
+    for (i, k) in keys.iter().enumerate() {
+        let want = if i < 20 { vec![2u8; 2000 + i] } else { vec![3u8; 3000 + i] };
+        assert_eq!(store.get(k).unwrap().to_vec(), want, "{k}");
+    }
+}

@@ -100,3 +100,39 @@ fn the_background_monitor_brings_a_full_segment_below_the_watermark() {
     }
     assert!(m.stats().used_bytes as f64 <= 0.90 * (4 << 20) as f64 + OBJ as f64);
 }
+
+#[test]
+fn a_soft_pin_with_a_ttl_ends_and_each_read_renews_it() {
+    let m = master(Duration::ZERO);
+    let store = Store::builder().master(&m).global_segment_size(4 << 20).build().unwrap();
+    let pin = |ttl: Option<Duration>| ReplicateConfig { soft_pin: true, soft_pin_ttl: ttl, ..Default::default() };
+    let ttl = Duration::from_millis(300);
+    // The oldest objects: eviction, approximately LRU, would take them first.
+    store.put_with("forever", &vec![1u8; OBJ], &pin(None)).unwrap();
+    store.put_with("expires", &vec![2u8; OBJ], &pin(Some(ttl))).unwrap();
+    store.put_with("renewed", &vec![3u8; OBJ], &pin(Some(ttl))).unwrap();
+    store.put_with("long", &vec![4u8; OBJ], &pin(Some(Duration::from_secs(600)))).unwrap();
+    std::thread::sleep(Duration::from_millis(2));
+    for i in 0..30 {
+        store.put(&format!("k{i}"), &vec![5u8; OBJ]).unwrap();
+    }
+    assert!(m.object_info("expires").unwrap().soft_pin);
+    // Past the TTL, with a read of "renewed" every 100 ms.
+    for _ in 0..5 {
+        std::thread::sleep(Duration::from_millis(100));
+        assert_eq!(&store.get("renewed").unwrap()[..], &vec![3u8; OBJ][..]);
+    }
+    assert!(!m.object_info("expires").unwrap().soft_pin, "the pin outlived its TTL");
+    assert!(m.object_info("renewed").unwrap().soft_pin, "reads did not renew the pin");
+    // The unpinned "expires" is now the least recently used object: it goes first;
+    // the pins still in force keep the others.
+    let report = m.evict_for(OBJ as u64);
+    assert!(report.evicted_objects >= 1);
+    assert!(!store.exists("expires").unwrap(), "an object whose pin ended was not evicted first");
+    for key in ["forever", "renewed", "long"] {
+        assert!(store.exists(key).unwrap(), "{key} is still pinned and was evicted");
+    }
+    // A TTL without a pin is refused.
+    let bad = ReplicateConfig { soft_pin_ttl: Some(ttl), ..Default::default() };
+    assert!(matches!(store.put_with("bad", b"x", &bad), Err(mooncake_core::Error::InvalidArgument(_))));
+}

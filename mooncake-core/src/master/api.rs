@@ -167,6 +167,33 @@ macro_rules! master_calls {
                 group: u32 => u32,
                 records: &[ObjectRecord] => Vec<ObjectRecord>
             ) -> Result<(SegmentId, usize)>;
+            /// Phase one of an upsert: reserves new replicas to write while the object's
+            /// current ones stay readable (an absent key is put).
+            UpsertStart => fn upsert_start(
+                client: ClientId => ClientId,
+                key: &str => String,
+                len: u64 => u64,
+                cfg: &ReplicateConfig => ReplicateConfig
+            ) -> Result<Vec<MemoryReplica>>;
+            /// Phase two of an upsert: the new replicas replace the old ones in one step.
+            UpsertEnd => fn upsert_end(client: ClientId => ClientId, key: &str => String, checksum: u32 => u32)
+                -> Result<()>;
+            /// Abandons an upsert; the object keeps its value.
+            UpsertRevoke => fn upsert_revoke(client: ClientId => ClientId, key: &str => String) -> Result<()>;
+            /// Batch [`upsert_start`](crate::MasterApi::upsert_start).
+            BatchUpsertStart => fn batch_upsert_start(
+                client: ClientId => ClientId,
+                items: &[(&str, u64)] => Vec<(String, u64)>,
+                cfg: &ReplicateConfig => ReplicateConfig
+            ) -> Vec<Result<Vec<MemoryReplica>>>;
+            /// Batch [`upsert_end`](crate::MasterApi::upsert_end).
+            BatchUpsertEnd => fn batch_upsert_end(
+                client: ClientId => ClientId,
+                items: &[(&str, u32)] => Vec<(String, u32)>
+            ) -> Vec<Result<()>>;
+            /// Batch [`upsert_revoke`](crate::MasterApi::upsert_revoke).
+            BatchUpsertRevoke => fn batch_upsert_revoke(client: ClientId => ClientId, keys: &[&str] => Vec<String>)
+                -> Vec<Result<()>>;
         }
     };
 }

@@ -138,6 +138,7 @@ impl MasterService {
         let removed = self.drop_replicas_on(&rec.segments) + self.drop_disk_replicas_of(client);
         // Puts the client started and never ended cannot end anymore.
         let removed_pending = self.retain_entries(|e| e.complete || e.owner != client, |_, _| {});
+        self.drop_upserts_of(client);
         removed + removed_pending
     }
 

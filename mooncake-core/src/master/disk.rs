@@ -198,6 +198,8 @@ impl MasterService {
                                 replicas: Vec::new(),
                                 disk: client,
                                 offload_deadline_ms: 0,
+                                soft_pin_ttl_ms: 0,
+                                upsert: None,
                             },
                         );
                         self.add_ssd_used(client, len as i64);

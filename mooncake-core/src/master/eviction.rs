@@ -96,7 +96,7 @@ impl MasterService {
             sample.extend(
                 shard
                     .values()
-                    .filter(|e| !e.soft_pin && Self::evictable(e, now, segment))
+                    .filter(|e| !e.pinned(now) && Self::evictable(e, now, segment))
                     .map(|e| (e.last_access_ms, e.memory_bytes(segment))),
             );
         }
@@ -144,7 +144,7 @@ impl MasterService {
                 shard.retain(|k, e| {
                     if report.freed_bytes + awaiting_bytes >= target
                         || e.last_access_ms > cutoff
-                        || (e.soft_pin && !include_pinned)
+                        || (e.pinned(now) && !include_pinned)
                         || (on_disk_only && e.disk == 0)
                         || !Self::evictable(e, now, segment)
                     {

@@ -9,7 +9,8 @@
 //! and the [`Master`] handle; `api` the one table of calls ([`MasterApi`]); the other
 //! files are facets of [`MasterService`]: `clients`, `objects`, `disk` (the SSD tier's
 //! side), `eviction`, `records` (durable per-node records), `ownership` (cluster mode:
-//! the slot groups this master leads), `liveness`, `stats`. The
+//! the slot groups this master leads), `liveness`, `stats`, `upsert` (atomic
+//! replacement of an object). The
 //! internal index and segment table live in `object` and `segment`.
 
 mod api;
@@ -27,6 +28,7 @@ mod service;
 mod stats;
 mod tombstones;
 mod types;
+mod upsert;
 
 pub(crate) use api::master_calls;
 pub use api::MasterApi;

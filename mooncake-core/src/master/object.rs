@@ -48,11 +48,50 @@ pub(crate) struct ObjectEntry {
     /// the master waits for it (0: none). Eviction skips the object meanwhile, and
     /// treats it as an ordinary (droppable) one once the deadline passed.
     pub(crate) offload_deadline_ms: u64,
+    /// With `soft_pin`: how long the pin outlives the last access (ms; 0: as long as
+    /// the object lives). Each read renews it, as `last_access_ms` moves.
+    pub(crate) soft_pin_ttl_ms: u32,
+    /// An upsert of the object in progress, and replicas an upsert replaced that
+    /// reads in flight may still be copying from (`None`: neither, the usual case).
+    pub(crate) upsert: Option<Box<UpsertState>>,
+}
+
+/// The replacement side of an object: the new replicas an upsert is filling, and
+/// the old ones it replaced, kept until the reads that may use them are over.
+#[derive(Default)]
+pub(crate) struct UpsertState {
+    /// The upsert being written, if any.
+    pub(crate) staged: Option<StagedUpsert>,
+    /// Replaced replicas, each with the time after which no read that was given it
+    /// can still hold a lease.
+    pub(crate) retired: Vec<(u64, StoredReplica)>,
+}
+
+/// An upsert between its start and its end: new replicas being written while the
+/// object's current ones stay readable.
+pub(crate) struct StagedUpsert {
+    /// The client writing it (it alone may end or revoke it).
+    pub(crate) owner: ClientId,
+    /// Tells this upsert from a later one of the same key.
+    pub(crate) id: u64,
+    /// Length of the new value.
+    pub(crate) len: u64,
+    /// Until when the writer may end it (`put_timeout` after it started); then it is
+    /// abandoned and its replicas freed at the next occasion.
+    pub(crate) until_ms: u64,
+    /// Pin state the object takes when the upsert ends (`None`: the one it has).
+    pub(crate) soft_pin: Option<bool>,
+    /// How long that pin outlives the last access (ms; 0: as long as the object lives).
+    pub(crate) soft_pin_ttl_ms: u32,
+    /// The new replicas (empty while they are being placed).
+    pub(crate) replicas: Vec<StoredReplica>,
 }
 
 impl ObjectEntry {
+    /// Held by a read in flight, or by an upsert being written (which will replace
+    /// the replicas and must find the object where it left it).
     pub(crate) fn leased(&self, now_ms: u64) -> bool {
-        self.readers > 0 && self.lease_until_ms > now_ms
+        (self.readers > 0 && self.lease_until_ms > now_ms) || self.staged(now_ms).is_some()
     }
 
     /// One more read in flight, for at most `ttl_ms`. Reads whose lease ran out were
@@ -61,6 +100,7 @@ impl ObjectEntry {
         if self.lease_until_ms <= now_ms {
             self.readers = 0;
         }
+        self.tidy_upsert(now_ms);
         self.readers = self.readers.saturating_add(1);
         self.lease_until_ms = self.lease_until_ms.max(now_ms + ttl_ms);
     }
@@ -68,6 +108,39 @@ impl ObjectEntry {
     /// One read in flight less.
     pub(crate) fn release(&mut self) {
         self.readers = self.readers.saturating_sub(1);
+        if self.readers == 0 {
+            self.tidy_upsert(0);
+        }
+    }
+
+    /// Frees what an upsert left behind that nothing can use anymore: replaced
+    /// replicas (all of them when no read is in flight, else those whose readers'
+    /// leases ran out by `now_ms`), and an upsert whose writer gave up (its time ran
+    /// out by `now_ms`).
+    pub(crate) fn tidy_upsert(&mut self, now_ms: u64) {
+        let Some(u) = self.upsert.as_deref_mut() else { return };
+        if self.readers == 0 {
+            u.retired.clear();
+        } else {
+            u.retired.retain(|(until, _)| *until > now_ms);
+        }
+        if u.staged.as_ref().is_some_and(|s| s.until_ms <= now_ms) {
+            u.staged = None;
+        }
+        if u.retired.is_empty() && u.staged.is_none() {
+            self.upsert = None;
+        }
+    }
+
+    /// The upsert in progress, if its writer's time has not run out at `now_ms`.
+    pub(crate) fn staged(&self, now_ms: u64) -> Option<&StagedUpsert> {
+        self.upsert.as_deref()?.staged.as_ref().filter(|s| s.until_ms > now_ms)
+    }
+
+    /// Soft-pinned at `now_ms`: a pin with a TTL ends that long after the last access.
+    pub(crate) fn pinned(&self, now_ms: u64) -> bool {
+        self.soft_pin
+            && (self.soft_pin_ttl_ms == 0 || now_ms < self.last_access_ms.saturating_add(self.soft_pin_ttl_ms.into()))
     }
 
     /// An offload was asked for and may still come.
@@ -125,5 +198,9 @@ pub(crate) fn table_bytes(shard: &Shard) -> u64 {
 pub(crate) fn entry_heap_bytes(e: &ObjectEntry) -> u64 {
     const ALLOCATOR_NODE: usize = 40;
     let replicas = e.replicas.capacity() * std::mem::size_of::<StoredReplica>();
-    (replicas + e.replicas.len() * ALLOCATOR_NODE) as u64
+    let upsert = e.upsert.as_deref().map_or(0, |u| {
+        let staged = u.staged.as_ref().map_or(0, |s| s.replicas.len());
+        std::mem::size_of::<UpsertState>() + (staged + u.retired.len()) * (std::mem::size_of::<StoredReplica>() + 8)
+    });
+    (replicas + upsert + e.replicas.len() * ALLOCATOR_NODE) as u64
 }

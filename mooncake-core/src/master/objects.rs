@@ -80,6 +80,8 @@ impl MasterService {
                 replicas: bufs.into_iter().map(|buf| StoredReplica { buf, complete: false }).collect(),
                 disk: 0,
                 offload_deadline_ms: 0,
+                soft_pin_ttl_ms: cfg.soft_pin_ttl_ms(),
+                upsert: None,
             },
         );
         self.counters.pending_puts.fetch_add(1, Ordering::Relaxed);
@@ -259,7 +261,7 @@ impl MasterService {
     }
 
     /// [`put_end`](Self::put_end) without waiting for the nodes' records.
-    fn put_end_queued(&self, client: ClientId, key: &str, checksum: u32) -> Result<RecordWait> {
+    pub(crate) fn put_end_queued(&self, client: ClientId, key: &str, checksum: u32) -> Result<RecordWait> {
         let now = self.now_ms();
         let mut shard = self.index.shard(key).lock();
         // Under the shard lock (see `put_start`).
@@ -387,8 +389,8 @@ impl MasterService {
                 len: e.len,
                 checksum: e.checksum,
                 replicas: e.replicas.iter().filter(|r| r.complete).map(|r| MemoryReplica::of(&r.buf)).collect(),
-                soft_pin: e.soft_pin,
-                lease_ms_left: if e.leased(now) { e.lease_until_ms - now } else { 0 },
+                soft_pin: e.pinned(now),
+                lease_ms_left: if e.leased(now) { e.lease_until_ms.saturating_sub(now) } else { 0 },
             }),
             _ => Err(Error::NotFound(key.to_owned())),
         }
@@ -533,14 +535,14 @@ impl MasterService {
                         dropped += 1;
                     }
                 }
-                e.soft_pin = cfg.soft_pin;
+                (e.soft_pin, e.soft_pin_ttl_ms) = (cfg.soft_pin, cfg.soft_pin_ttl_ms());
                 let plan =
                     ReplicatePlan { len: e.len, checksum: e.checksum, sources: vec![], targets: vec![], dropped };
                 drop(shard);
                 self.await_records(wait);
                 return Ok(plan);
             }
-            e.soft_pin = cfg.soft_pin;
+            (e.soft_pin, e.soft_pin_ttl_ms) = (cfg.soft_pin, cfg.soft_pin_ttl_ms());
             if have == cfg.replica_num || e.replicas.len() > have {
                 // Nothing to do, or another replicate is filling replicas right now.
                 return Ok(ReplicatePlan {

@@ -212,6 +212,8 @@ impl MasterService {
                             replicas: vec![StoredReplica { buf, complete: true }],
                             disk: 0,
                             offload_deadline_ms: 0,
+                            soft_pin_ttl_ms: 0,
+                            upsert: None,
                         },
                     );
                     taken += 1;

@@ -846,4 +846,59 @@ impl MasterApi for ClusterClient {
     ) -> Result<(SegmentId, usize)> {
         not_in_cluster("mount_extent")
     }
+
+    // Upserts route as puts do: to the leader of the key's group.
+
+    fn upsert_start(
+        &self,
+        _client: ClientId,
+        key: &str,
+        len: u64,
+        cfg: &ReplicateConfig,
+    ) -> Result<Vec<MemoryReplica>> {
+        self.on_key(key, |s, id| {
+            let replicas = s.rpc.upsert_start(id, key, len, cfg)?;
+            let mut homes = self.segment_home.write();
+            for r in &replicas {
+                homes.entry(r.segment).or_insert_with(|| s.addr.clone());
+            }
+            Ok(replicas)
+        })
+    }
+
+    fn upsert_end(&self, _client: ClientId, key: &str, checksum: u32) -> Result<()> {
+        self.on_key(key, |s, id| s.rpc.upsert_end(id, key, checksum))
+    }
+
+    fn upsert_revoke(&self, _client: ClientId, key: &str) -> Result<()> {
+        self.on_key(key, |s, id| s.rpc.upsert_revoke(id, key))
+    }
+
+    fn batch_upsert_start(
+        &self,
+        _client: ClientId,
+        items: &[(&str, u64)],
+        cfg: &ReplicateConfig,
+    ) -> Vec<Result<Vec<MemoryReplica>>> {
+        self.on_keys(
+            items,
+            |i| i.0,
+            |s, id, part| {
+                let answers = s.rpc.batch_upsert_start(id, part, cfg);
+                let mut homes = self.segment_home.write();
+                for r in answers.iter().flatten().flatten() {
+                    homes.entry(r.segment).or_insert_with(|| s.addr.clone());
+                }
+                answers
+            },
+        )
+    }
+
+    fn batch_upsert_end(&self, _client: ClientId, items: &[(&str, u32)]) -> Vec<Result<()>> {
+        self.on_keys(items, |i| i.0, |s, id, part| s.rpc.batch_upsert_end(id, part))
+    }
+
+    fn batch_upsert_revoke(&self, _client: ClientId, keys: &[&str]) -> Vec<Result<()>> {
+        self.on_keys(keys, |k| k, |s, id, part| s.rpc.batch_upsert_revoke(id, part))
+    }
 }

@@ -12,6 +12,7 @@ mod parts;
 mod records;
 mod replica_cache;
 mod stats;
+mod upsert;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};

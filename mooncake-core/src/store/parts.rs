@@ -13,7 +13,12 @@ use crate::error::{Error, Result};
 use crate::master::{ClientId, ReplicaList};
 
 use super::stats::StoreCounters;
+use super::upsert::WriteKind;
 use super::{Store, StoreInner};
+
+/// Batches of at least this many bytes sum their checksums on a thread of their own
+/// while the master places them (below it, a thread costs more than it hides).
+const OVERLAP_SUMS_FROM: u64 = 1 << 20;
 
 /// Pieces of the caller's buffers, each with the offset in the object of its first byte.
 type Pieces<'a> = Vec<(u64, &'a mut [u8])>;
@@ -91,6 +96,33 @@ impl StoreInner {
     /// Puts objects each made of several parts: one master round trip per phase and
     /// one transfer batch.
     pub(super) fn batch_put_parts(&self, items: &[(&str, &[&[u8]])], cfg: &ReplicateConfig) -> Vec<Result<()>> {
+        let results = self.write_parts(items, cfg, WriteKind::Put);
+        self.count_puts(items, &results);
+        results
+    }
+
+    /// Counts the puts of `items` (stored, or failed).
+    pub(super) fn count_puts(&self, items: &[(&str, &[&[u8]])], results: &[Result<()>]) {
+        let c = &self.counters;
+        for (res, (_, parts)) in results.iter().zip(items) {
+            match res {
+                Ok(()) => {
+                    StoreCounters::inc(&c.puts, 1);
+                    StoreCounters::inc(&c.put_bytes, parts.iter().map(|p| p.len() as u64).sum());
+                }
+                Err(_) => StoreCounters::inc(&c.put_errors, 1),
+            }
+        }
+    }
+
+    /// Writes objects each made of several parts, as puts or upserts (`kind`): one
+    /// master round trip per phase and one transfer batch. Not counted: callers count.
+    pub(super) fn write_parts(
+        &self,
+        items: &[(&str, &[&[u8]])],
+        cfg: &ReplicateConfig,
+        kind: WriteKind,
+    ) -> Vec<Result<()>> {
         let client = self.client();
         let lens: Vec<u64> = items.iter().map(|(_, parts)| parts.iter().map(|p| p.len() as u64).sum()).collect();
         let mut results: Vec<Result<()>> = Vec::with_capacity(items.len());
@@ -104,8 +136,21 @@ impl StoreInner {
                 Err(e) => results.push(Err(e)),
             }
         }
-        let starts =
-            self.master.batch_put_start(client, &valid.iter().map(|(_, k, l)| (*k, *l)).collect::<Vec<_>>(), cfg);
+        // The checksums depend only on the bytes: a large batch sums them on another
+        // thread while the master places it (this thread only waits for the answer).
+        let pieces: Vec<Vec<&[u8]>> = valid.iter().map(|(i, _, _)| items[*i].1.to_vec()).collect();
+        let start_items: Vec<(&str, u64)> = valid.iter().map(|(_, k, l)| (*k, *l)).collect();
+        let (starts, sums) = if lens.iter().sum::<u64>() >= OVERLAP_SUMS_FROM {
+            std::thread::scope(|s| {
+                let sums = s.spawn(|| crate::checksum::checksum_each(&pieces));
+                let starts = kind.start(&*self.master, client, &start_items, cfg);
+                // A summing thread that cannot be joined would be a bug in crc32c: sum here.
+                (starts, sums.join().unwrap_or_else(|_| crate::checksum::checksum_each(&pieces)))
+            })
+        } else {
+            (kind.start(&*self.master, client, &start_items, cfg), crate::checksum::checksum_each(&pieces))
+        };
+        let sum_of: HashMap<usize, u32> = valid.iter().map(|(i, _, _)| *i).zip(sums).collect();
         let mut plans = Vec::new();
         for ((i, _, _), start) in valid.iter().zip(starts) {
             match start.and_then(|reps| {
@@ -145,31 +190,21 @@ impl StoreInner {
         }
         let (mut ends, mut revokes) = (Vec::new(), Vec::new());
         for (i, _) in &plans {
-            let (key, parts) = items[*i];
+            let key = items[*i].0;
             if results[*i].is_ok() {
-                ends.push((*i, key, crate::checksum::checksum_parts(parts.iter().copied())));
+                ends.push((*i, key, sum_of[i]));
             } else {
                 revokes.push(key);
             }
         }
-        self.master.batch_put_revoke(client, &revokes);
-        let end_results = self.master.batch_put_end(client, &ends.iter().map(|(_, k, c)| (*k, *c)).collect::<Vec<_>>());
+        kind.revoke(&*self.master, client, &revokes);
+        let end_results = kind.end(&*self.master, client, &ends.iter().map(|(_, k, c)| (*k, *c)).collect::<Vec<_>>());
         for ((i, _, _), res) in ends.iter().zip(end_results) {
             results[*i] = res;
         }
-        let c = &self.counters;
         // As a single put counts it: stored, with fewer replicas than asked.
         let short = plans.iter().filter(|(i, p)| p.len() < cfg.replica_num && results[*i].is_ok()).count();
-        StoreCounters::inc(&c.under_replicated_puts, short as u64);
-        for (res, len) in results.iter().zip(&lens) {
-            match res {
-                Ok(()) => {
-                    StoreCounters::inc(&c.puts, 1);
-                    StoreCounters::inc(&c.put_bytes, *len);
-                }
-                Err(_) => StoreCounters::inc(&c.put_errors, 1),
-            }
-        }
+        StoreCounters::inc(&self.counters.under_replicated_puts, short as u64);
         results
     }
 
@@ -241,13 +276,25 @@ impl StoreInner {
         }
         // Every read of the batch is over (a key retried alone takes a lease of its own).
         self.leases.release(keys.iter().zip(&lists).filter(|(_, l)| l.is_ok()).map(|(k, _)| *k));
+        // The checksums of every object read, summed on several cores for a large batch.
+        let read: Vec<usize> = (0..keys.len()).filter(|&i| ok[i] && covers[i].is_ok()).collect();
+        let mut sums: Vec<Option<u32>> = vec![None; keys.len()];
+        {
+            let pieces: Vec<Vec<&[u8]>> = read
+                .iter()
+                .map(|&i| covers[i].as_ref().map(|c| c.iter().map(|(_, p)| &**p).collect()).unwrap_or_default())
+                .collect();
+            for (&i, sum) in read.iter().zip(crate::checksum::checksum_each(&pieces)) {
+                sums[i] = Some(sum);
+            }
+        }
         let mut retry = Vec::new();
         let mut results: Vec<Result<usize>> = Vec::with_capacity(keys.len());
         for (i, (list, c)) in lists.into_iter().zip(covers).enumerate() {
             results.push(match (list, c) {
                 (Err(e), _) | (_, Err(e)) => Err(e),
-                (Ok(l), Ok(parts)) => {
-                    if ok[i] && crate::checksum::checksum_parts(parts.iter().map(|(_, p)| &**p)) == l.checksum {
+                (Ok(l), Ok(_)) => {
+                    if sums[i] == Some(l.checksum) {
                         Ok(l.len as usize)
                     } else {
                         retry.push(i);

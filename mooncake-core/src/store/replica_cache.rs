@@ -12,7 +12,8 @@
 //! return is therefore only ever the object's own bytes; the one difference from an
 //! uncached get is that those bytes may be returned up to one lease period
 //! (`MasterConfig::default_lease`) after another client removed the object, while
-//! its memory was not yet reused. A client's own `remove` forgets the list at once.
+//! its memory was not yet reused. A client's own `remove` or `upsert` forgets the list
+//! at once, and a list asked for before that (by a get racing with it) is not kept.
 //! What no lease covers either (the owner of a replica dies, the master restarts) is
 //! caught the same way, by the checksum and the transport.
 
@@ -28,6 +29,9 @@ use crate::master::ReplicaList;
 /// Lists whose lease ends within this are not reused (slack for a read under way).
 const MIN_LEFT: Duration = Duration::from_millis(5);
 
+/// Slots that remember when keys hashing to them were last forgotten.
+const FORGET_SLOTS: usize = 256;
+
 /// A kept list and until when it may be used.
 type Leased = (Arc<ReplicaList>, Instant);
 
@@ -35,12 +39,35 @@ pub(super) struct ReplicaCache {
     capacity: usize,
     lists: Mutex<HashMap<Box<str>, Leased>>,
     hits: AtomicU64,
+    /// When the keys of each slot were last forgotten (ns since `base`): a list asked
+    /// for before that may predate the change that made us forget (a get racing with
+    /// this client's remove or upsert) and is not kept.
+    forgotten: Box<[AtomicU64]>,
+    base: Instant,
+    router: ahash::RandomState,
 }
 
 impl ReplicaCache {
     /// A cache of at most `capacity` lists (0: none is kept).
     pub(super) fn new(capacity: usize) -> Self {
-        Self { capacity, lists: Mutex::new(HashMap::new()), hits: AtomicU64::new(0) }
+        Self {
+            capacity,
+            lists: Mutex::new(HashMap::new()),
+            hits: AtomicU64::new(0),
+            forgotten: (0..FORGET_SLOTS).map(|_| AtomicU64::new(0)).collect(),
+            base: Instant::now(),
+            router: ahash::RandomState::new(),
+        }
+    }
+
+    /// The slot remembering when `key` was last forgotten.
+    fn forgotten_slot(&self, key: &str) -> &AtomicU64 {
+        &self.forgotten[(self.router.hash_one(key) as usize) % FORGET_SLOTS]
+    }
+
+    /// Nanoseconds from the cache's creation to `t` (0 before it).
+    fn since_base(&self, t: Instant) -> u64 {
+        t.saturating_duration_since(self.base).as_nanos() as u64
     }
 
     /// The list of `key`, if it is still young enough.
@@ -62,6 +89,11 @@ impl ReplicaCache {
         }
         let until = asked_at + list.lease;
         let mut lists = self.lists.lock();
+        // Checked under the lock `forget` takes: a forget is either seen here or
+        // removes what is inserted here.
+        if self.forgotten_slot(key).load(Ordering::Acquire) >= self.since_base(asked_at) {
+            return;
+        }
         if lists.len() >= self.capacity {
             let now = Instant::now();
             lists.retain(|_, (_, u)| *u > now);
@@ -75,16 +107,24 @@ impl ReplicaCache {
         lists.insert(key.into(), (Arc::new(list), until));
     }
 
-    /// Forgets `key` (a read through its list failed, or it was removed).
+    /// Forgets `key` (a read through its list failed, or it was removed or
+    /// replaced); lists of it asked for until now are not kept either.
     pub(super) fn forget(&self, key: &str) {
         if self.capacity > 0 {
-            self.lists.lock().remove(key);
+            let mut lists = self.lists.lock();
+            self.forgotten_slot(key).fetch_max(self.since_base(Instant::now()), Ordering::AcqRel);
+            lists.remove(key);
         }
     }
 
-    /// Forgets everything.
+    /// Forgets everything, and lists asked for until now.
     pub(super) fn clear(&self) {
-        self.lists.lock().clear();
+        let mut lists = self.lists.lock();
+        let now = self.since_base(Instant::now());
+        for slot in self.forgotten.iter() {
+            slot.fetch_max(now, Ordering::AcqRel);
+        }
+        lists.clear();
     }
 
     pub(super) fn hit(&self) {
@@ -128,6 +168,20 @@ mod tests {
         c.insert("b", list(1000, 1), Instant::now());
         c.forget("b");
         assert!(c.get("b").is_none());
+    }
+
+    #[test]
+    fn a_list_asked_for_before_a_forget_is_not_kept() {
+        let c = ReplicaCache::new(8);
+        let asked = Instant::now();
+        std::thread::sleep(Duration::from_millis(1));
+        // A remove or upsert of this client lands while the get is under way.
+        c.forget("k");
+        c.insert("k", list(1000, 1), asked);
+        assert!(c.get("k").is_none(), "a list older than the forget was kept");
+        // A list asked for after the forget is kept.
+        c.insert("k", list(1000, 1), Instant::now());
+        assert!(c.get("k").is_some());
     }
 
     #[test]

@@ -172,8 +172,13 @@ fn serve(
 ) -> Result<()> {
     let _ = conn.set_nodelay(true);
     // Buffered for headers; payloads larger than the buffer bypass it (`BufReader`
-    // reads big requests straight into the destination slice).
-    let mut r = BufReader::with_capacity(256 << 10, conn);
+    // reads big requests straight into the destination slice). Small, because a
+    // header read fills the buffer with whatever follows it, typically the start of
+    // a large write's payload, which then takes an extra copy out of the buffer:
+    // with 256 KiB this doubled the receiving side's copies for 256 KiB writes
+    // (measured: 7.3 ms of CPU per 16 MiB batch of puts, 3.5 ms after). 16 KiB still
+    // takes hundreds of pipelined read headers, or a few small writes, per call.
+    let mut r = BufReader::with_capacity(16 << 10, conn);
     let mut w = BufWriter::with_capacity(256 << 10, conn);
     let mut header = [0u8; REQUEST_HEADER_LEN];
     if !authenticated && !first_request_arrives(conn, &mut r, &mut header)? {
