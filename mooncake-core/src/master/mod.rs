@@ -25,6 +25,7 @@ mod record_link;
 mod records;
 mod segment;
 mod service;
+mod slot_groups;
 mod stats;
 mod tombstones;
 mod types;

@@ -1,0 +1,139 @@
+//! Cluster mode, the master's side: the facet of [`MasterService`] that fences calls
+//! by slot group, mounts extents per group and takes groups up and gives them up
+//! (see `ownership` for the rules).
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use mooncake_alloc::SegmentId;
+use mooncake_transfer::RemoteRegion;
+
+use crate::error::{Error, Result};
+use crate::master::ownership::KeyOwnership;
+use crate::master::service::MasterService;
+use crate::master::types::{ClientId, ObjectRecord};
+
+impl MasterService {
+    /// Makes this master a cluster member that answers only for the groups `ownership`
+    /// says it leads. Only the first call has an effect.
+    pub fn set_ownership(&self, ownership: Arc<dyn KeyOwnership>) {
+        let _ = self.ownership.set(ownership);
+    }
+
+    /// Fails with `Moved` unless this master answers for `key`.
+    #[inline]
+    pub(crate) fn fence(&self, key: &str) -> Result<()> {
+        match self.ownership.get() {
+            Some(o) if !o.leads(o.group_of(key)) => {
+                self.cluster_counters.moved_answers.fetch_add(1, Ordering::Relaxed);
+                Err(o.moved(key))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// The group whose extents `key`'s replicas go to (None: a single master).
+    pub(crate) fn placement_group(&self, key: &str) -> Option<u32> {
+        self.ownership.get().map(|o| o.group_of(key))
+    }
+
+    /// Whether a missing `key` may still come back with a re-mounting node: the master
+    /// restarted moments ago, or took the key's group over moments ago.
+    pub(crate) fn recovering_key(&self, key: &str) -> bool {
+        if self.recovering() {
+            return true;
+        }
+        let Some(group) = self.placement_group(key) else { return false };
+        self.group_recovering.lock().get(&group).is_some_and(|&until| self.now_ms() < until)
+    }
+
+    /// This master now leads `group`: storage nodes will re-mount its extents with the
+    /// objects they hold, within about one client TTL. Until then a missing key of the
+    /// group is `Recovering`.
+    pub fn acquire_group(&self, group: u32) {
+        // Whatever a call that raced the last release left of the group is stale.
+        self.drop_group_state(group);
+        let until = self.now_ms() + self.config.client_ttl.as_millis() as u64;
+        self.group_recovering.lock().insert(group, until);
+        self.cluster_counters.groups_acquired.fetch_add(1, Ordering::Relaxed);
+        tracing::info!(group, "slot group acquired: waiting for its extents");
+    }
+
+    /// This master no longer leads `group`: drops the group's objects and extents.
+    /// The nodes are not told (their records stay, for the next leader). Returns how
+    /// many objects were dropped.
+    pub fn release_group(&self, group: u32) -> usize {
+        self.group_recovering.lock().remove(&group);
+        let dropped = self.drop_group_state(group);
+        self.cluster_counters.groups_released.fetch_add(1, Ordering::Relaxed);
+        tracing::info!(group, dropped, "slot group released");
+        dropped
+    }
+
+    /// Drops the extents and objects of `group`; returns how many objects went.
+    fn drop_group_state(&self, group: u32) -> usize {
+        let segments: Vec<SegmentId> = {
+            let mut table = self.segments.write();
+            let ids: Vec<SegmentId> =
+                table.by_id.iter().filter(|(_, s)| s.group == Some(group)).map(|(&id, _)| id).collect();
+            for id in &ids {
+                table.remove(*id);
+            }
+            ids
+        };
+        if !segments.is_empty() {
+            for rec in self.clients.write().values_mut() {
+                rec.segments.retain(|s| !segments.contains(s));
+            }
+        }
+        let Some(ownership) = self.ownership.get() else { return 0 };
+        let mut dropped = 0;
+        for shard in self.index.shards() {
+            shard.lock().retain(|k, e| {
+                if ownership.group_of(k) != group {
+                    return true;
+                }
+                dropped += 1;
+                if !e.complete {
+                    self.counters.pending_puts.fetch_sub(1, Ordering::Relaxed);
+                }
+                if e.disk != 0 {
+                    // The file stays on the SSD (the next leader registers it again);
+                    // only this master's accounting of it goes.
+                    self.add_ssd_used(e.disk, -(e.len as i64));
+                }
+                false
+            });
+        }
+        dropped
+    }
+
+    /// Cluster mode: mounts one extent of a storage node's memory for `group`, with
+    /// the objects it holds (`records`, as in
+    /// [`remount_segment`](Self::remount_segment); records of keys of other groups are
+    /// skipped). Fails with `Moved` unless this master leads `group`. Returns the
+    /// extent's segment id and how many records were taken.
+    pub fn mount_extent(
+        &self,
+        client: ClientId,
+        region: &RemoteRegion,
+        capacity: u64,
+        group: u32,
+        records: &[ObjectRecord],
+    ) -> Result<(SegmentId, usize)> {
+        let Some(ownership) = self.ownership.get() else {
+            return Err(Error::InvalidArgument("mount_extent: this master is not in a cluster".into()));
+        };
+        if !ownership.leads(group) {
+            return Err(ownership.group_moved(group));
+        }
+        let own: Vec<ObjectRecord> = records.iter().filter(|r| ownership.group_of(&r.key) == group).cloned().collect();
+        let (id, taken) = self.mount_records_into(client, region, capacity, Some(group), &own)?;
+        // The group may have moved on while we mounted: then it must not keep the extent.
+        if !ownership.leads(group) {
+            self.release_group(group);
+            return Err(ownership.group_moved(group));
+        }
+        Ok((id, taken))
+    }
+}
