@@ -191,3 +191,28 @@ pub(crate) fn rss_bytes(pid: u32) -> Result<u64, String> {
         .map(|kib| kib * 1024)
         .ok_or_else(|| format!("no VmRSS in /proc/{pid}/status"))
 }
+
+/// Busy and total clock ticks of each CPU of the host so far (`/proc/stat`; busy is
+/// all but idle and iowait): sampled twice, the share of each core that was in use,
+/// by anyone.
+pub(crate) fn core_ticks() -> Result<Vec<(u64, u64)>, String> {
+    let stat = std::fs::read_to_string("/proc/stat").map_err(|e| format!("/proc/stat: {e}"))?;
+    Ok(stat
+        .lines()
+        .filter(|l| l.starts_with("cpu") && l.as_bytes().get(3).is_some_and(u8::is_ascii_digit))
+        .map(|l| {
+            let v: Vec<u64> = l.split_whitespace().skip(1).filter_map(|x| x.parse().ok()).collect();
+            let total: u64 = v.iter().take(8).sum();
+            let idle = v.get(3).copied().unwrap_or(0) + v.get(4).copied().unwrap_or(0);
+            (total - idle, total)
+        })
+        .collect())
+}
+
+/// The host's 1-minute load average (other work on a shared host shows here).
+pub(crate) fn load_average() -> f64 {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|s| s.split_whitespace().next().and_then(|v| v.parse().ok()))
+        .unwrap_or(f64::NAN)
+}

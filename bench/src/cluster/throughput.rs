@@ -12,7 +12,7 @@ use mooncake_core::cluster::{EtcdAddress, SlotMapWatcher};
 use mooncake_core::{ClientId, MasterApi, Store};
 use serde_json::{json, Value};
 
-use super::daemons::{cpu_seconds, Daemon, MasterSpec};
+use super::daemons::{core_ticks, cpu_seconds, load_average, Daemon, MasterSpec};
 use super::etcd::Etcd;
 use super::leaders::{balanced, wait_map};
 use super::workload::{key, put_batch, Rng};
@@ -85,6 +85,7 @@ pub(crate) fn throughput(a: &ThroughputArgs) -> Result<Value, String> {
     if a.batch == 0 || a.threads == 0 || a.keys == 0 {
         return Err("--batch, --threads and --keys must be positive".into());
     }
+    let load_before = load_average();
     let etcd = Etcd::start_or(a.etcd.as_deref())?;
     let mut runs = Vec::new();
     for &n in &counts {
@@ -111,6 +112,7 @@ pub(crate) fn throughput(a: &ThroughputArgs) -> Result<Value, String> {
     Ok(json!({
         "system": "mooncake-rs", "bench": "cluster-throughput",
         "host_cores": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
+        "load_average_before": load_before,
         "threads": a.threads, "batch": a.batch, "secs": a.secs, "keys": a.keys, "object_size": a.object_size,
         "runs": runs,
         "ratio": ratios,
@@ -209,8 +211,9 @@ fn phases(a: &ThroughputArgs, b: &Bench) -> Result<Vec<Value>, String> {
 }
 
 /// Runs `op` on every client thread for `secs`; `op` returns (items, RPC calls,
-/// failed items). One row: items/s, latency per op (one batch), and the CPU each
-/// process used meanwhile, in cores.
+/// failed items). One row: items/s, latency per op (one batch), the CPU each process
+/// used meanwhile, in cores, and how busy each core of the host was (a master using
+/// less than its core while that core was fully busy was starved, not idle).
 fn phase(
     api: &str,
     a: &ThroughputArgs,
@@ -220,6 +223,7 @@ fn phase(
     let me = std::process::id();
     let cpu_before: Vec<f64> =
         b.pids.masters.iter().chain([&b.pids.node, &me]).map(|&p| cpu_seconds(p)).collect::<Result<_, _>>()?;
+    let cores_before = core_ticks()?;
     let start = Instant::now();
     let deadline = start + Duration::from_secs_f64(a.secs);
     let per_thread: Vec<(Histogram<u64>, u64, u64, u64)> = std::thread::scope(|s| {
@@ -247,6 +251,11 @@ fn phase(
     let cpu_after: Vec<f64> =
         b.pids.masters.iter().chain([&b.pids.node, &me]).map(|&p| cpu_seconds(p)).collect::<Result<_, _>>()?;
     let used: Vec<f64> = cpu_before.iter().zip(&cpu_after).map(|(x, y)| (y - x) / wall).collect();
+    let core_busy: Vec<f64> = cores_before
+        .iter()
+        .zip(core_ticks()?)
+        .map(|((b0, t0), (b1, t1))| (b1 - b0) as f64 / (t1 - t0).max(1) as f64)
+        .collect();
     let n = b.pids.masters.len();
     let mut hist = Histogram::<u64>::new(3).map_err(|e| e.to_string())?;
     let (mut items, mut calls, mut fail) = (0, 0, 0);
@@ -259,10 +268,11 @@ fn phase(
     let ops = items as f64 / wall;
     let master_cpu: f64 = used[..n].iter().sum();
     eprintln!(
-        "  {api:<24} {:>10.0} ops/s  p50 {:>7.0} us/batch  masters' CPU {:?} cores, node {:.2}, clients {:.2}",
+        "  {api:<24} {:>10.0} ops/s  p50 {:>7.0} us/batch  masters' CPU {:?} cores (cores busy {:?}), node {:.2}, clients {:.2}",
         ops,
         hist.value_at_quantile(0.5) as f64 / 1000.0,
         used[..n].iter().map(|c| (c * 100.0).round() / 100.0).collect::<Vec<_>>(),
+        core_busy.iter().map(|c| (c * 100.0).round() / 100.0).collect::<Vec<_>>(),
         used[n],
         used[n + 1]
     );
@@ -271,7 +281,9 @@ fn phase(
         "ops_per_s": ops, "calls_per_s": calls as f64 / wall,
         "batch_p50_us": hist.value_at_quantile(0.5) as f64 / 1000.0,
         "batch_p99_us": hist.value_at_quantile(0.99) as f64 / 1000.0,
-        "master_cpu_cores": &used[..n], "node_cpu_cores": used[n], "client_cpu_cores": used[n + 1],
+        "master_cpu_cores": &used[..n], "host_core_busy": core_busy,
+        "node_cpu_cores": used[n], "client_cpu_cores": used[n + 1],
+        "load_average_after": load_average(),
         "ops_per_master_cpu_s": ops / master_cpu.max(1e-9),
     }))
 }
