@@ -10,7 +10,7 @@
 #
 #   bash bench/cluster.sh                      # all three
 #   bash bench/cluster.sh throughput failover  # some
-#   OBJECTS=5000000 KILLS=20 SECS=5 THREADS=8 BATCH=256 CORES=0,1 bash bench/cluster.sh
+#   OBJECTS=5000000 KILLS=20 SECS=5 ROUNDS=3 THREADS=8 BATCH=256 CORES=0,1 bash bench/cluster.sh
 #
 # Needs etcd (Debian: etcd-server) and taskset. etcd runs on loopback for the run, in a
 # temporary directory; each phase names its own cluster in it.
@@ -21,6 +21,7 @@ OUT=bench/results
 OBJECTS=${OBJECTS:-10000000}
 KILLS=${KILLS:-20}
 SECS=${SECS:-5}
+ROUNDS=${ROUNDS:-3}
 THREADS=${THREADS:-8}
 BATCH=${BATCH:-256}
 CORES=${CORES:-0,1}
@@ -40,8 +41,13 @@ mkdir -p "$OUT"
 ETCD_DIR=$(mktemp -d)
 ETCD_PID=
 cleanup() {
-    [ -n "$ETCD_PID" ] && kill "$ETCD_PID" 2>/dev/null && wait "$ETCD_PID" 2>/dev/null
+    local status=$?
+    if [ -n "$ETCD_PID" ]; then
+        kill "$ETCD_PID" 2>/dev/null || true
+        wait "$ETCD_PID" 2>/dev/null || true
+    fi
     rm -rf "$ETCD_DIR"
+    exit "$status"
 }
 trap cleanup EXIT
 ETCD=
@@ -75,7 +81,7 @@ for phase in "${PHASES[@]}"; do
     case "$phase" in
     throughput)
         "$B" cluster throughput --etcd "$ETCD" --masters 1,2 --cores "$CORES" --threads "$THREADS" \
-            --batch "$BATCH" --secs "$SECS" --out "$OUT/cluster-throughput.json"
+            --batch "$BATCH" --secs "$SECS" --rounds "$ROUNDS" --out "$OUT/cluster-throughput.json"
         ;;
     failover)
         "$B" cluster failover --etcd "$ETCD" --kills "$KILLS" --masters 3 --out "$OUT/cluster-failover.json"

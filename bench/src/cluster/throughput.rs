@@ -36,6 +36,10 @@ pub(crate) struct ThroughputArgs {
     /// Seconds per measured phase.
     #[arg(long, default_value_t = 5.0)]
     secs: f64,
+    /// Rounds: each starts a fresh cluster per master count; the summary takes the
+    /// median over them.
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
     /// Objects the lookups choose among (put before them, by the put phase and,
     /// if it put fewer, untimed puts after it).
     #[arg(long, default_value_t = 200_000)]
@@ -53,6 +57,9 @@ pub(crate) struct ThroughputArgs {
     #[arg(long)]
     pub(crate) out: Option<PathBuf>,
 }
+
+/// The calls measured, in the order of the phases.
+const APIS: [&str; 3] = ["put", "batch_get_replica_list", "batch_exists"];
 
 /// The processes whose CPU use a phase reports.
 struct Pids {
@@ -87,42 +94,62 @@ pub(crate) fn throughput(a: &ThroughputArgs) -> Result<Value, String> {
     }
     let load_before = load_average();
     let etcd = Etcd::start_or(a.etcd.as_deref())?;
+    // Counts alternate within each round, so that a drift of the host's other load
+    // weighs on every count alike.
     let mut runs = Vec::new();
-    for &n in &counts {
-        runs.push(one_cluster(a, &etcd, n, &cores)?);
+    for round in 0..a.rounds.max(1) {
+        for &n in &counts {
+            let mut run = one_cluster(a, &etcd, n, &cores, round)?;
+            run["round"] = json!(round);
+            runs.push(run);
+        }
     }
-    // Each count against the first (1 master in the default run).
-    let mut ratios = serde_json::Map::new();
-    let mut efficiency = serde_json::Map::new();
-    if let Some(base) = runs.first() {
-        for run in &runs[1..] {
-            for (r, b) in
-                run["rows"].as_array().into_iter().flatten().zip(base["rows"].as_array().into_iter().flatten())
-            {
-                let api = r["api"].as_str().unwrap_or_default();
-                let label = format!("{api}_{}_vs_{}", run["masters"], base["masters"]);
-                let ratio = r["ops_per_s"].as_f64().unwrap_or(0.0) / b["ops_per_s"].as_f64().unwrap_or(f64::NAN);
-                ratios.insert(label.clone(), json!(ratio));
-                let eff = r["ops_per_master_cpu_s"].as_f64().unwrap_or(0.0)
-                    / b["ops_per_master_cpu_s"].as_f64().unwrap_or(f64::NAN);
-                efficiency.insert(label, json!(eff));
-            }
+    // Per count and call: the median over the rounds; each count against the first.
+    let median_of = |n: usize, api: &str, field: &str| {
+        let mut v: Vec<f64> = runs
+            .iter()
+            .filter(|r| r["masters"].as_u64() == Some(n as u64))
+            .flat_map(|r| r["rows"].as_array().cloned().unwrap_or_default())
+            .filter(|row| row["api"].as_str() == Some(api))
+            .filter_map(|row| row[field].as_f64())
+            .collect();
+        v.sort_by(f64::total_cmp);
+        if v.is_empty() {
+            f64::NAN
+        } else {
+            v[v.len() / 2]
+        }
+    };
+    let mut summary = Vec::new();
+    for api in APIS {
+        for &n in &counts {
+            let base = counts[0];
+            let ops = median_of(n, api, "ops_per_s");
+            let per_cpu = median_of(n, api, "ops_per_master_cpu_s");
+            summary.push(json!({
+                "api": api, "masters": n,
+                "ops_per_s": ops,
+                "ops_per_master_cpu_s": per_cpu,
+                "master_cpu_cores_total": median_of(n, api, "master_cpu_cores_total"),
+                "ratio_vs_first": ops / median_of(base, api, "ops_per_s"),
+                "ops_per_master_cpu_s_ratio_vs_first": per_cpu / median_of(base, api, "ops_per_master_cpu_s"),
+            }));
         }
     }
     Ok(json!({
         "system": "mooncake-rs", "bench": "cluster-throughput",
         "host_cores": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
-        "load_average_before": load_before,
+        "load_average_before": load_before, "load_average_after": load_average(),
         "threads": a.threads, "batch": a.batch, "secs": a.secs, "keys": a.keys, "object_size": a.object_size,
+        "rounds": a.rounds.max(1),
+        "summary": summary,
         "runs": runs,
-        "ratio": ratios,
-        "ratio_of_ops_per_master_cpu_s": efficiency,
     }))
 }
 
 /// Starts a cluster of `n` masters, measures it, stops it.
-fn one_cluster(a: &ThroughputArgs, etcd: &Etcd, n: usize, cores: &[usize]) -> Result<Value, String> {
-    let name = format!("tput{}m{n}", std::process::id());
+fn one_cluster(a: &ThroughputArgs, etcd: &Etcd, n: usize, cores: &[usize], round: usize) -> Result<Value, String> {
+    let name = format!("tput{}m{n}r{round}", std::process::id());
     let address = etcd.cluster_address(&name);
     let mut masters = Vec::new();
     for i in 0..n {
@@ -183,7 +210,7 @@ fn phases(a: &ThroughputArgs, b: &Bench) -> Result<Vec<Value>, String> {
     for _ in 0..a.threads {
         put(0, &mut Rng::new(0));
     }
-    let mut rows = vec![phase("put", a, b, &put)?];
+    let mut rows = vec![phase(APIS[0], a, b, &put)?];
     // The lookups choose among `keys` objects: put the rest untimed.
     std::thread::scope(|s| {
         for _ in 0..a.threads {
@@ -195,13 +222,13 @@ fn phases(a: &ThroughputArgs, b: &Bench) -> Result<Vec<Value>, String> {
         }
     });
     let batch_keys = |rng: &mut Rng| -> Vec<String> { (0..a.batch).map(|_| key("cb", rng.below(a.keys))).collect() };
-    rows.push(phase("batch_get_replica_list", a, b, &|_, rng: &mut Rng| {
+    rows.push(phase(APIS[1], a, b, &|_, rng: &mut Rng| {
         let keys = batch_keys(rng);
         let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
         let fail = b.api.batch_get_replica_list(&refs).iter().filter(|r| r.is_err()).count();
         (a.batch as u64, 1, fail as u64)
     })?);
-    rows.push(phase("batch_exists", a, b, &|_, rng: &mut Rng| {
+    rows.push(phase(APIS[2], a, b, &|_, rng: &mut Rng| {
         let keys = batch_keys(rng);
         let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
         let fail = b.api.batch_exists(&refs).iter().filter(|r| !matches!(r, Ok(true))).count();
@@ -281,7 +308,7 @@ fn phase(
         "ops_per_s": ops, "calls_per_s": calls as f64 / wall,
         "batch_p50_us": hist.value_at_quantile(0.5) as f64 / 1000.0,
         "batch_p99_us": hist.value_at_quantile(0.99) as f64 / 1000.0,
-        "master_cpu_cores": &used[..n], "host_core_busy": core_busy,
+        "master_cpu_cores": &used[..n], "master_cpu_cores_total": master_cpu, "host_core_busy": core_busy,
         "node_cpu_cores": used[n], "client_cpu_cores": used[n + 1],
         "load_average_after": load_average(),
         "ops_per_master_cpu_s": ops / master_cpu.max(1e-9),
