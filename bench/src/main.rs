@@ -6,6 +6,7 @@
 //! mooncake-bench trace FILE [--bytes-per-token 128] [--time-scale 20] [--dram 256MiB] [--ssd-dir DIR] [--out FILE]
 //! mooncake-bench meta | plot --results DIR --out-dir DIR
 //! mooncake-bench ssd [--dir /var/tmp/mooncake-ssd-bench] [--total 2GiB] [--out FILE]
+//! mooncake-bench cluster throughput|failover|memory [--out FILE]
 //! ```
 //! `remote` starts a master and one storage node (the sibling `mooncake-master` and
 //! `mooncake-client` binaries) unless `--master` is given, then puts and gets objects
@@ -26,6 +27,7 @@ use hdrhistogram::Histogram;
 use mooncake_core::{parse_size, Store};
 use serde::Serialize;
 
+mod cluster;
 mod idle;
 mod lru_sim;
 mod micro;
@@ -119,6 +121,9 @@ enum Cmd {
     /// Many idle clients connected to one master (default 10,000): the master's RSS
     /// and threads, and the 4 KiB get p50, before and with them connected.
     Idle(idle::IdleArgs),
+    /// Cluster mode with real etcd, masters and nodes: metadata ops/s with 1 and 2
+    /// masters, failover time over repeated kills, master memory per object.
+    Cluster(cluster::ClusterArgs),
 }
 
 /// One measured phase, in the anchor's row format.
@@ -329,6 +334,7 @@ fn main() {
         }
         Cmd::Ssd(a) => ssd::ssd(&a).and_then(|json| write_json(&json, a.out.clone())),
         Cmd::Idle(a) => idle::idle(&a).and_then(|json| write_json(&json, a.out.clone())),
+        Cmd::Cluster(a) => cluster::run(&a).and_then(|(json, out)| write_json(&json, out)),
         Cmd::Memcpy { size } => memcpy(&size).map(|v| println!("{v}")),
         Cmd::Micro { transports, sizes, threads, batch, phase_bytes, out } => {
             micro::micro(&transports, &sizes, &threads, batch, &phase_bytes).and_then(|rows| {
