@@ -315,11 +315,11 @@ impl ClusterClient {
 
     /// Runs a batch call: items split by their keys' leaders, each part sent to its
     /// leader, answers put back in item order; items answered with a move are retried.
-    fn on_keys<I: Clone, T>(
+    fn on_keys<I: Clone + Sync, T: Send>(
         &self,
         items: &[I],
-        key: impl Fn(&I) -> &str,
-        call: impl Fn(&Session, ClientId, &[I]) -> Vec<Result<T>>,
+        key: impl Fn(&I) -> &str + Sync,
+        call: impl Fn(&Session, ClientId, &[I]) -> Vec<Result<T>> + Sync,
     ) -> Vec<Result<T>> {
         let deadline = Instant::now() + self.retry_for;
         let mut results: Vec<Option<Result<T>>> = (0..items.len()).map(|_| None).collect();
@@ -331,28 +331,36 @@ impl ClusterClient {
                 let leader = map.leader(map.group_of_key(key(&items[i]))).map(|l| l.addr.clone());
                 by_leader.entry(leader).or_default().push(i);
             }
+            let single = by_leader.len() == 1;
+            // Each leader's part in parallel: a batch costs one round trip, not one per
+            // leader.
+            let parts: Vec<(Vec<usize>, Vec<Result<T>>)> = std::thread::scope(|scope| {
+                let handles: Vec<_> = by_leader
+                    .into_iter()
+                    .map(|(leader, idx)| {
+                        let (key, call) = (&key, &call);
+                        let run = move || {
+                            let answers = self.call_part(items, &idx, leader.as_deref(), key, call);
+                            (idx, answers)
+                        };
+                        if single {
+                            Err(run)
+                        } else {
+                            Ok(scope.spawn(run))
+                        }
+                    })
+                    .collect();
+                handles
+                    .into_iter()
+                    .map(|h| match h {
+                        Ok(h) => h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)),
+                        Err(run) => run(),
+                    })
+                    .collect()
+            });
             let mut retry = Vec::new();
             let mut last_error = None;
-            for (leader, idx) in by_leader {
-                let part: Vec<I> = idx.iter().map(|&i| items[i].clone()).collect();
-                let answers: Vec<Result<T>> = match leader {
-                    None => idx
-                        .iter()
-                        .map(|&i| Err(Error::Moved { slot: crate::cluster::key_slot(key(&items[i])), leader: None }))
-                        .collect(),
-                    Some(addr) => match self.session(&addr).and_then(|s| self.id_at(&s).map(|id| (s, id))) {
-                        Ok((s, id)) => {
-                            let mut answers = call(&s, id, &part);
-                            if answers.iter().any(|r| matches!(r, Err(Error::UnknownClient(_)))) {
-                                if let Ok(id) = self.register_session(&s, id) {
-                                    answers = call(&s, id, &part);
-                                }
-                            }
-                            answers
-                        }
-                        Err(e) => idx.iter().map(|_| Err(e.clone())).collect(),
-                    },
-                };
+            for (idx, answers) in parts {
                 for (i, r) in idx.into_iter().zip(answers) {
                     match r {
                         Err(e) if follows(&e) && Instant::now() < deadline => {
@@ -372,6 +380,36 @@ impl ClusterClient {
             }
         }
         results.into_iter().map(|r| r.unwrap_or_else(|| Err(Error::Timeout("cluster routing".into())))).collect()
+    }
+
+    /// One leader's part of a batch call (`leader` None: the group has none yet).
+    fn call_part<I: Clone, T>(
+        &self,
+        items: &[I],
+        idx: &[usize],
+        leader: Option<&str>,
+        key: &impl Fn(&I) -> &str,
+        call: &impl Fn(&Session, ClientId, &[I]) -> Vec<Result<T>>,
+    ) -> Vec<Result<T>> {
+        let Some(addr) = leader else {
+            return idx
+                .iter()
+                .map(|&i| Err(Error::Moved { slot: crate::cluster::key_slot(key(&items[i])), leader: None }))
+                .collect();
+        };
+        let part: Vec<I> = idx.iter().map(|&i| items[i].clone()).collect();
+        match self.session(addr).and_then(|s| self.id_at(&s).map(|id| (s, id))) {
+            Ok((s, id)) => {
+                let mut answers = call(&s, id, &part);
+                if answers.iter().any(|r| matches!(r, Err(Error::UnknownClient(_)))) {
+                    if let Ok(id) = self.register_session(&s, id) {
+                        answers = call(&s, id, &part);
+                    }
+                }
+                answers
+            }
+            Err(e) => idx.iter().map(|_| Err(e.clone())).collect(),
+        }
     }
 
     /// Before retrying after `e`: a newer map (moves, dead leaders), or a short pause
