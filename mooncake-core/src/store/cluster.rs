@@ -86,11 +86,10 @@ pub(crate) struct ClusterClient {
     remounted: AtomicBool,
     /// The shortest client TTL of the masters registered with (ms).
     client_ttl_ms: AtomicU64,
-    /// Heartbeats answered by any master: the store's heartbeat fails while this
-    /// stays still (no master of the cluster answers).
-    heartbeats: AtomicU64,
-    /// `heartbeats` at the store's last heartbeat.
-    last_heartbeats: AtomicU64,
+    /// When a master of the cluster last answered a heartbeat (ms since `started`):
+    /// the store's heartbeat fails once none has for half a client TTL.
+    last_answer_ms: AtomicU64,
+    started: Instant,
     /// Record updates for a segment not (yet) known to be one of our extents.
     unrouted: Mutex<Vec<(Instant, RecordUpdate)>>,
 }
@@ -147,8 +146,8 @@ impl ClusterClient {
             record_endpoint: Mutex::new(None),
             remounted: AtomicBool::new(false),
             client_ttl_ms: AtomicU64::new(u64::MAX),
-            heartbeats: AtomicU64::new(0),
-            last_heartbeats: AtomicU64::new(u64::MAX),
+            last_answer_ms: AtomicU64::new(0),
+            started: Instant::now(),
             unrouted: Mutex::new(Vec::new()),
         }))
     }
@@ -221,12 +220,12 @@ impl ClusterClient {
                 let Ok(id) = me.id_at(&s) else { continue };
                 match s.rpc.heartbeat(id) {
                     Ok(updates) => {
-                        me.heartbeats.fetch_add(1, Ordering::Relaxed);
+                        me.note_answer();
                         me.apply_updates(updates);
                     }
                     Err(Error::UnknownClient(_)) => {
                         if me.register_session(&s, id).is_ok() {
-                            me.heartbeats.fetch_add(1, Ordering::Relaxed);
+                            me.note_answer();
                             // Its extents are mounted again on the store's next heartbeat.
                         }
                     }
@@ -235,6 +234,15 @@ impl ClusterClient {
             })
             .map(|_| ())
             .map_err(|e| Error::InvalidArgument(format!("cannot start a heartbeat thread: {e}")))
+    }
+
+    fn elapsed_ms(&self) -> u64 {
+        self.started.elapsed().as_millis() as u64
+    }
+
+    /// A master answered a heartbeat.
+    fn note_answer(&self) {
+        self.last_answer_ms.fetch_max(self.elapsed_ms(), Ordering::Relaxed);
     }
 
     /// Registers with one master, in place of the id `stale` it no longer knows (0:
@@ -248,6 +256,7 @@ impl ClusterClient {
             return Ok(current);
         }
         let reg = s.rpc.register_client()?;
+        self.note_answer();
         self.client_ttl_ms.fetch_min(reg.client_ttl_ms, Ordering::Relaxed);
         s.client.store(reg.client, Ordering::Release);
         if let Some(endpoint) = self.record_endpoint.lock().clone() {
@@ -614,14 +623,16 @@ impl MasterApi for ClusterClient {
 
     /// Follows the slot map: connects to new masters, mounts extents with new leaders.
     /// The masters themselves are heartbeaten by one thread per session; this fails only
-    /// when none of them answered since the last call.
+    /// when none of them answered for half a client TTL.
     fn heartbeat(&self, _client: ClientId) -> Result<Vec<RecordUpdate>> {
-        let before = self.heartbeats.load(Ordering::Relaxed);
         let sessions = self.all_sessions();
         self.place_extents();
-        let last = self.last_heartbeats.swap(before, Ordering::Relaxed);
-        if before == last && !sessions.is_empty() && self.registered.load(Ordering::Acquire) {
-            return Err(Error::MasterUnavailable("no master of the cluster answered a heartbeat lately".into()));
+        let ttl = self.client_ttl_ms.load(Ordering::Relaxed).min(10_000);
+        let silent = self.elapsed_ms().saturating_sub(self.last_answer_ms.load(Ordering::Relaxed));
+        if silent > ttl / 2 && !sessions.is_empty() && self.registered.load(Ordering::Acquire) {
+            return Err(Error::MasterUnavailable(format!(
+                "no master of the cluster answered a heartbeat for {silent} ms"
+            )));
         }
         Ok(Vec::new())
     }
