@@ -186,7 +186,7 @@ impl MasterService {
                     None => {
                         shard.insert(
                             key.into(),
-                            ObjectEntry {
+                            Box::new(ObjectEntry {
                                 len,
                                 checksum,
                                 soft_pin: false,
@@ -200,7 +200,7 @@ impl MasterService {
                                 offload_deadline_ms: 0,
                                 soft_pin_ttl_ms: 0,
                                 upsert: None,
-                            },
+                            }),
                         );
                         self.add_ssd_used(client, len as i64);
                         Ok(())

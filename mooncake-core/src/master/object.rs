@@ -154,7 +154,9 @@ impl ObjectEntry {
     }
 }
 
-pub(crate) type Shard = HashMap<Box<str>, ObjectEntry, ahash::RandomState>;
+/// Entries are boxed: a table keeps spare slots (up to half of them after it grows),
+/// so a slot of a key and a pointer wastes far less than one holding the whole entry.
+pub(crate) type Shard = HashMap<Box<str>, Box<ObjectEntry>, ahash::RandomState>;
 
 /// The sharded index.
 pub(crate) struct ObjectIndex {
@@ -188,13 +190,15 @@ impl ObjectIndex {
     }
 }
 
-/// Heap bytes a table spends on its slots (entries inline, plus a control byte each).
+/// Heap bytes a table spends on its slots (key and entry pointers, plus a control
+/// byte each).
 pub(crate) fn table_bytes(shard: &Shard) -> u64 {
-    (shard.capacity() * (std::mem::size_of::<(Box<str>, ObjectEntry)>() + 1)) as u64
+    (shard.capacity() * (std::mem::size_of::<(Box<str>, Box<ObjectEntry>)>() + 1)) as u64
 }
 
-/// Heap bytes behind one entry: its key, its replica list, and one allocator node per
-/// replica (the offset allocator keeps a node for every allocated block).
+/// Heap bytes behind one entry beyond its key: the entry, its replica list, and one
+/// allocator node per replica (the offset allocator keeps a node for every allocated
+/// block).
 pub(crate) fn entry_heap_bytes(e: &ObjectEntry) -> u64 {
     const ALLOCATOR_NODE: usize = 40;
     let replicas = e.replicas.capacity() * std::mem::size_of::<StoredReplica>();
@@ -202,5 +206,5 @@ pub(crate) fn entry_heap_bytes(e: &ObjectEntry) -> u64 {
         let staged = u.staged.as_ref().map_or(0, |s| s.replicas.len());
         std::mem::size_of::<UpsertState>() + (staged + u.retired.len()) * (std::mem::size_of::<StoredReplica>() + 8)
     });
-    (replicas + upsert + e.replicas.len() * ALLOCATOR_NODE) as u64
+    (std::mem::size_of::<ObjectEntry>() + replicas + upsert + e.replicas.len() * ALLOCATOR_NODE) as u64
 }

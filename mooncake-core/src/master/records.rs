@@ -200,7 +200,7 @@ impl MasterService {
                 None => {
                     shard.insert(
                         r.key.into_boxed_str(),
-                        ObjectEntry {
+                        Box::new(ObjectEntry {
                             len: r.len,
                             checksum: r.checksum,
                             soft_pin: false,
@@ -214,7 +214,7 @@ impl MasterService {
                             offload_deadline_ms: 0,
                             soft_pin_ttl_ms: 0,
                             upsert: None,
-                        },
+                        }),
                     );
                     taken += 1;
                 }
