@@ -4,6 +4,7 @@ use std::collections::HashMap;
 
 use mooncake_alloc::{AllocatedBuffer, SegmentId};
 use parking_lot::Mutex;
+use smallvec::SmallVec;
 
 use crate::master::types::ClientId;
 
@@ -23,6 +24,9 @@ impl StoredReplica {
     }
 }
 
+/// An object's replicas: the usual one inline, more on the heap.
+pub(crate) type Replicas = SmallVec<[StoredReplica; 1]>;
+
 /// Metadata of one object. Times are milliseconds of the master's clock.
 pub(crate) struct ObjectEntry {
     pub(crate) len: u64,
@@ -41,7 +45,7 @@ pub(crate) struct ObjectEntry {
     /// release takes one away. The object is leased while this is above zero and
     /// `lease_until_ms` has not passed.
     pub(crate) readers: u32,
-    pub(crate) replicas: Vec<StoredReplica>,
+    pub(crate) replicas: Replicas,
     /// The client whose SSD holds a `LocalDisk` replica (0: none).
     pub(crate) disk: ClientId,
     /// While an offload of the object is asked for and not yet reported: until when
@@ -84,7 +88,7 @@ pub(crate) struct StagedUpsert {
     /// How long that pin outlives the last access (ms; 0: as long as the object lives).
     pub(crate) soft_pin_ttl_ms: u32,
     /// The new replicas (empty while they are being placed).
-    pub(crate) replicas: Vec<StoredReplica>,
+    pub(crate) replicas: Replicas,
 }
 
 impl ObjectEntry {
@@ -201,7 +205,7 @@ pub(crate) fn table_bytes(shard: &Shard) -> u64 {
 /// block).
 pub(crate) fn entry_heap_bytes(e: &ObjectEntry) -> u64 {
     const ALLOCATOR_NODE: usize = 40;
-    let replicas = e.replicas.capacity() * std::mem::size_of::<StoredReplica>();
+    let replicas = if e.replicas.spilled() { e.replicas.capacity() * std::mem::size_of::<StoredReplica>() } else { 0 };
     let upsert = e.upsert.as_deref().map_or(0, |u| {
         let staged = u.staged.as_ref().map_or(0, |s| s.replicas.len());
         std::mem::size_of::<UpsertState>() + (staged + u.retired.len()) * (std::mem::size_of::<StoredReplica>() + 8)

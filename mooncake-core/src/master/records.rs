@@ -209,7 +209,7 @@ impl MasterService {
                             last_access_ms: now,
                             lease_until_ms: 0,
                             readers: 0,
-                            replicas: vec![StoredReplica { buf, complete: true }],
+                            replicas: smallvec::smallvec![StoredReplica { buf, complete: true }],
                             disk: 0,
                             offload_deadline_ms: 0,
                             soft_pin_ttl_ms: 0,
