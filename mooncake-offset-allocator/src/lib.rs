@@ -535,6 +535,14 @@ mod tests {
     use super::*;
 
     #[test]
+    fn allocations_stay_small() {
+        // A store keeps one allocation per object replica: 24 bytes, and `Option`
+        // costs nothing (the owner id is never 0).
+        assert_eq!(std::mem::size_of::<Allocation>(), 24);
+        assert_eq!(std::mem::size_of::<Option<Allocation>>(), 24);
+    }
+
+    #[test]
     fn bins_bracket_sizes() {
         for s in (1u64..5000).chain([1 << 20, (1 << 40) + 12345, u64::MAX >> 7]) {
             let d = bin_down(s);

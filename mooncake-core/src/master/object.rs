@@ -212,3 +212,27 @@ pub(crate) fn entry_heap_bytes(e: &ObjectEntry) -> u64 {
     });
     (std::mem::size_of::<ObjectEntry>() + replicas + upsert + e.replicas.len() * ALLOCATOR_NODE) as u64
 }
+
+#[cfg(test)]
+mod tests {
+    use mooncake_alloc::SegmentAllocator;
+
+    use super::*;
+
+    #[test]
+    fn entry_layout_stays_compact() {
+        // The index's memory per object (see the `memory` bench): a 128-byte entry is
+        // one 144-byte malloc chunk; a table slot is two pointers.
+        assert!(std::mem::size_of::<ObjectEntry>() <= 128, "{}", std::mem::size_of::<ObjectEntry>());
+        assert_eq!(std::mem::size_of::<(Box<str>, Box<ObjectEntry>)>(), 24);
+        let seg = SegmentAllocator::new(1, "s", 1 << 20);
+        let mut replicas = Replicas::new();
+        replicas.push(StoredReplica { buf: seg.allocate(4096).unwrap(), complete: true });
+        assert!(!replicas.spilled(), "one replica lives inline");
+        replicas.push(StoredReplica { buf: seg.allocate(4096).unwrap(), complete: false });
+        assert!(replicas.spilled());
+        assert_eq!(seg.used_bytes(), 8192);
+        drop(replicas);
+        assert_eq!(seg.used_bytes(), 0, "dropping the replicas frees their space");
+    }
+}
