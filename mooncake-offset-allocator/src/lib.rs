@@ -27,7 +27,8 @@
 #![deny(missing_docs)]
 #![deny(clippy::undocumented_unsafe_blocks)]
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::num::NonZeroU32;
+use std::sync::atomic::{AtomicU32, Ordering};
 
 /// Default alignment of offsets and sizes, in bytes.
 pub const DEFAULT_ALIGNMENT: u64 = 64;
@@ -42,7 +43,19 @@ const BINS: usize = TOP_BINS * LEAVES;
 /// Nodes of the fallback scan of a request's own bin.
 const FALLBACK_SCAN: usize = 64;
 
-static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+/// Ids tell allocators apart so a foreign allocation is refused. 32 bits keep an
+/// [`Allocation`] at 24 bytes (a store keeps one per object); after 2^32 allocators the
+/// ids wrap and the check becomes best effort.
+static NEXT_ID: AtomicU32 = AtomicU32::new(1);
+
+/// The next allocator id (never 0: the id doubles as `Option<Allocation>`'s niche).
+fn next_id() -> NonZeroU32 {
+    loop {
+        if let Some(id) = NonZeroU32::new(NEXT_ID.fetch_add(1, Ordering::Relaxed)) {
+            return id;
+        }
+    }
+}
 
 /// Why an allocator cannot be made.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -75,7 +88,7 @@ pub struct Allocation {
     offset: u64,
     size: u64,
     node: u32,
-    owner: u64,
+    owner: NonZeroU32,
 }
 
 impl Allocation {
@@ -142,7 +155,7 @@ impl Node {
 /// ```
 #[derive(Debug)]
 pub struct OffsetAllocator {
-    id: u64,
+    id: NonZeroU32,
     shift: u32,
     capacity_units: u64,
     used_units: u64,
@@ -212,7 +225,7 @@ impl OffsetAllocator {
             return Err(OffsetAllocatorError::ZeroCapacity);
         }
         let mut a = Self {
-            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+            id: next_id(),
             shift,
             capacity_units: units,
             used_units: 0,
@@ -520,6 +533,14 @@ impl OffsetAllocator {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn allocations_stay_small() {
+        // A store keeps one allocation per object replica: 24 bytes, and `Option`
+        // costs nothing (the owner id is never 0).
+        assert_eq!(std::mem::size_of::<Allocation>(), 24);
+        assert_eq!(std::mem::size_of::<Option<Allocation>>(), 24);
+    }
 
     #[test]
     fn bins_bracket_sizes() {

@@ -13,7 +13,7 @@ use mooncake_alloc::{SegmentId, SsdMetricsProvider};
 use crate::config::{check_key, PersistPolicy};
 use crate::error::{Error, Result};
 
-use crate::master::object::ObjectEntry;
+use crate::master::object::{ObjectEntry, Replicas};
 use crate::master::service::MasterService;
 use crate::master::types::{ClientId, OffloadPlan, OffloadTask};
 
@@ -186,7 +186,7 @@ impl MasterService {
                     None => {
                         shard.insert(
                             key.into(),
-                            ObjectEntry {
+                            Box::new(ObjectEntry {
                                 len,
                                 checksum,
                                 soft_pin: false,
@@ -195,12 +195,12 @@ impl MasterService {
                                 last_access_ms: now,
                                 lease_until_ms: 0,
                                 readers: 0,
-                                replicas: Vec::new(),
+                                replicas: Replicas::new(),
                                 disk: client,
                                 offload_deadline_ms: 0,
                                 soft_pin_ttl_ms: 0,
                                 upsert: None,
-                            },
+                            }),
                         );
                         self.add_ssd_used(client, len as i64);
                         Ok(())

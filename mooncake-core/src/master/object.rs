@@ -4,6 +4,7 @@ use std::collections::HashMap;
 
 use mooncake_alloc::{AllocatedBuffer, SegmentId};
 use parking_lot::Mutex;
+use smallvec::SmallVec;
 
 use crate::master::types::ClientId;
 
@@ -23,6 +24,9 @@ impl StoredReplica {
     }
 }
 
+/// An object's replicas: the usual one inline, more on the heap.
+pub(crate) type Replicas = SmallVec<[StoredReplica; 1]>;
+
 /// Metadata of one object. Times are milliseconds of the master's clock.
 pub(crate) struct ObjectEntry {
     pub(crate) len: u64,
@@ -41,7 +45,7 @@ pub(crate) struct ObjectEntry {
     /// release takes one away. The object is leased while this is above zero and
     /// `lease_until_ms` has not passed.
     pub(crate) readers: u32,
-    pub(crate) replicas: Vec<StoredReplica>,
+    pub(crate) replicas: Replicas,
     /// The client whose SSD holds a `LocalDisk` replica (0: none).
     pub(crate) disk: ClientId,
     /// While an offload of the object is asked for and not yet reported: until when
@@ -84,7 +88,7 @@ pub(crate) struct StagedUpsert {
     /// How long that pin outlives the last access (ms; 0: as long as the object lives).
     pub(crate) soft_pin_ttl_ms: u32,
     /// The new replicas (empty while they are being placed).
-    pub(crate) replicas: Vec<StoredReplica>,
+    pub(crate) replicas: Replicas,
 }
 
 impl ObjectEntry {
@@ -154,7 +158,9 @@ impl ObjectEntry {
     }
 }
 
-pub(crate) type Shard = HashMap<Box<str>, ObjectEntry, ahash::RandomState>;
+/// Entries are boxed: a table keeps spare slots (up to half of them after it grows),
+/// so a slot of a key and a pointer wastes far less than one holding the whole entry.
+pub(crate) type Shard = HashMap<Box<str>, Box<ObjectEntry>, ahash::RandomState>;
 
 /// The sharded index.
 pub(crate) struct ObjectIndex {
@@ -188,19 +194,45 @@ impl ObjectIndex {
     }
 }
 
-/// Heap bytes a table spends on its slots (entries inline, plus a control byte each).
+/// Heap bytes a table spends on its slots (key and entry pointers, plus a control
+/// byte each).
 pub(crate) fn table_bytes(shard: &Shard) -> u64 {
-    (shard.capacity() * (std::mem::size_of::<(Box<str>, ObjectEntry)>() + 1)) as u64
+    (shard.capacity() * (std::mem::size_of::<(Box<str>, Box<ObjectEntry>)>() + 1)) as u64
 }
 
-/// Heap bytes behind one entry: its key, its replica list, and one allocator node per
-/// replica (the offset allocator keeps a node for every allocated block).
+/// Heap bytes behind one entry beyond its key: the entry, its replica list, and one
+/// allocator node per replica (the offset allocator keeps a node for every allocated
+/// block).
 pub(crate) fn entry_heap_bytes(e: &ObjectEntry) -> u64 {
     const ALLOCATOR_NODE: usize = 40;
-    let replicas = e.replicas.capacity() * std::mem::size_of::<StoredReplica>();
+    let replicas = if e.replicas.spilled() { e.replicas.capacity() * std::mem::size_of::<StoredReplica>() } else { 0 };
     let upsert = e.upsert.as_deref().map_or(0, |u| {
         let staged = u.staged.as_ref().map_or(0, |s| s.replicas.len());
         std::mem::size_of::<UpsertState>() + (staged + u.retired.len()) * (std::mem::size_of::<StoredReplica>() + 8)
     });
-    (replicas + upsert + e.replicas.len() * ALLOCATOR_NODE) as u64
+    (std::mem::size_of::<ObjectEntry>() + replicas + upsert + e.replicas.len() * ALLOCATOR_NODE) as u64
+}
+
+#[cfg(test)]
+mod tests {
+    use mooncake_alloc::SegmentAllocator;
+
+    use super::*;
+
+    #[test]
+    fn entry_layout_stays_compact() {
+        // The index's memory per object (see the `memory` bench): a 128-byte entry is
+        // one 144-byte malloc chunk; a table slot is two pointers.
+        assert!(std::mem::size_of::<ObjectEntry>() <= 128, "{}", std::mem::size_of::<ObjectEntry>());
+        assert_eq!(std::mem::size_of::<(Box<str>, Box<ObjectEntry>)>(), 24);
+        let seg = SegmentAllocator::new(1, "s", 1 << 20);
+        let mut replicas = Replicas::new();
+        replicas.push(StoredReplica { buf: seg.allocate(4096).unwrap(), complete: true });
+        assert!(!replicas.spilled(), "one replica lives inline");
+        replicas.push(StoredReplica { buf: seg.allocate(4096).unwrap(), complete: false });
+        assert!(replicas.spilled());
+        assert_eq!(seg.used_bytes(), 8192);
+        drop(replicas);
+        assert_eq!(seg.used_bytes(), 0, "dropping the replicas frees their space");
+    }
 }

@@ -68,7 +68,7 @@ impl MasterService {
         self.fence(key)?;
         shard.insert(
             key.into(),
-            ObjectEntry {
+            Box::new(ObjectEntry {
                 len,
                 checksum: 0,
                 soft_pin: cfg.soft_pin,
@@ -82,7 +82,7 @@ impl MasterService {
                 offload_deadline_ms: 0,
                 soft_pin_ttl_ms: cfg.soft_pin_ttl_ms(),
                 upsert: None,
-            },
+            }),
         );
         self.counters.pending_puts.fetch_add(1, Ordering::Relaxed);
         Ok(replicas)

@@ -200,7 +200,7 @@ impl MasterService {
                 None => {
                     shard.insert(
                         r.key.into_boxed_str(),
-                        ObjectEntry {
+                        Box::new(ObjectEntry {
                             len: r.len,
                             checksum: r.checksum,
                             soft_pin: false,
@@ -209,12 +209,12 @@ impl MasterService {
                             last_access_ms: now,
                             lease_until_ms: 0,
                             readers: 0,
-                            replicas: vec![StoredReplica { buf, complete: true }],
+                            replicas: smallvec::smallvec![StoredReplica { buf, complete: true }],
                             disk: 0,
                             offload_deadline_ms: 0,
                             soft_pin_ttl_ms: 0,
                             upsert: None,
-                        },
+                        }),
                     );
                     taken += 1;
                 }

@@ -22,7 +22,7 @@ use std::sync::atomic::Ordering;
 
 use crate::config::{check_key, check_value_len, ReplicateConfig};
 use crate::error::{Error, Result};
-use crate::master::object::{StagedUpsert, StoredReplica};
+use crate::master::object::{Replicas, StagedUpsert, StoredReplica};
 use crate::master::record_link::RecordWait;
 use crate::master::service::MasterService;
 use crate::master::types::{ClientId, MemoryReplica};
@@ -100,7 +100,7 @@ impl MasterService {
             until_ms: now + self.config.put_timeout.as_millis() as u64,
             soft_pin: (!cfg.keep_soft_pin).then_some(cfg.soft_pin),
             soft_pin_ttl_ms: cfg.soft_pin_ttl_ms(),
-            replicas: Vec::new(),
+            replicas: Replicas::new(),
         });
         Ok(Found::Replacing(id))
     }

@@ -270,12 +270,34 @@ impl Cluster {
 /// the body.
 pub fn http_request(addr: &str, path: &str, bearer: Option<&str>) -> (u16, String) {
     use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect(addr).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     let auth = bearer.map(|t| format!("Authorization: Bearer {t}\r\n")).unwrap_or_default();
-    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n{auth}\r\n").unwrap();
+    // A loaded machine may reset or stall one exchange: try a few times before failing.
+    let attempt = || -> std::io::Result<String> {
+        let mut s = std::net::TcpStream::connect(addr)?;
+        s.set_read_timeout(Some(Duration::from_secs(10)))?;
+        write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n{auth}\r\n")?;
+        let mut text = String::new();
+        s.read_to_string(&mut text)?;
+        Ok(text)
+    };
+    let mut last = None;
     let mut text = String::new();
-    s.read_to_string(&mut text).unwrap();
+    for _ in 0..5 {
+        match attempt() {
+            Ok(t) => {
+                text = t;
+                last = None;
+                break;
+            }
+            Err(e) => {
+                last = Some(e);
+                std::thread::sleep(Duration::from_millis(200));
+            }
+        }
+    }
+    if let Some(e) = last {
+        panic!("GET http://{addr}{path} failed 5 times: {e}");
+    }
     let code = text.split(' ').nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
     (code, text.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or(text))
 }
