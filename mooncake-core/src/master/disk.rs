@@ -84,8 +84,9 @@ impl MasterService {
         if self.config.persist == PersistPolicy::None {
             return Default::default();
         }
-        let table = self.segments.read();
+        // Clients before segments, the order mounts take them in.
         let clients = self.clients.read();
+        let table = self.segments.read();
         table
             .by_id
             .iter()

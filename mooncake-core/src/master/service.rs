@@ -37,6 +37,8 @@ pub struct MasterService {
     pub(super) config: MasterConfig,
     pub(super) epoch: Instant,
     pub(super) index: ObjectIndex,
+    /// Lock order: a shard of `index`, then `clients`, then `segments` (a thread that
+    /// holds one may take those after it, never those before).
     pub(super) segments: RwLock<SegmentTable>,
     pub(super) clients: RwLock<ahash::HashMap<ClientId, ClientRecord>>,
     pub(super) next_segment: AtomicU64,

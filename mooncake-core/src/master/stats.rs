@@ -30,6 +30,9 @@ impl MasterService {
                 }
             }
         }
+        // Clients before segments: the order mounts take them in (clients, then
+        // segments); the other order deadlocks against a mount.
+        let clients = self.clients.read().len() as u64;
         let table = self.segments.read();
         // One allocator report per segment (each takes the segment's lock).
         let segment_usage: Vec<SegmentUsage> = table
@@ -51,7 +54,7 @@ impl MasterService {
             pending_puts: c.pending_puts.load(Ordering::Relaxed),
             object_bytes,
             replicas,
-            clients: self.clients.read().len() as u64,
+            clients,
             segments: table.by_id.len() as u64,
             capacity_bytes: table.capacity(),
             used_bytes: table.used(),
