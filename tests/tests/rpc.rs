@@ -5,9 +5,12 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::Duration;
 
-use mooncake_core::rpc::wire::{encode_frame, FrameHeader, FrameKind, Request, Response, HEADER_LEN};
-use mooncake_core::rpc::{read_frame, RpcServer};
-use mooncake_core::{Error, Master, MasterConfig, ReplicateConfig, Store};
+use mooncake_core::rpc::wire::{
+    decode_body, encode_frame, request_kind_of, FrameHeader, FrameKind, Request, Response, WireError, HEADER_LEN,
+    REQUEST_KINDS,
+};
+use mooncake_core::rpc::{read_frame, RpcHandler, RpcServer, RpcServerConfig};
+use mooncake_core::{Error, Master, MasterConfig, ObjectRecord, RecordUpdate, ReplicateConfig, Store};
 use proptest::prelude::*;
 
 fn server() -> (Master, RpcServer, String) {
@@ -131,7 +134,114 @@ fn requests_can_be_pipelined() {
     }
 }
 
+/// Answers `Exists` on the event-loop thread and everything else on a worker; every
+/// answer names the request's key (or the count of `keys`) and the thread that gave it.
+/// `ListKeys { limit }` answers `limit` keys of 1 KiB: a response larger than a socket
+/// buffer.
+struct WhereAnswered;
+
+impl RpcHandler for WhereAnswered {
+    fn handle(&self, request: Request) -> Response {
+        let thread = std::thread::current().name().unwrap_or_default().to_owned();
+        match request {
+            Request::Exists { key } | Request::GetReplicaList { key } => {
+                Response::Error(WireError::Other(format!("{key}@{thread}")))
+            }
+            Request::ListKeys { limit } => Response::ListKeys(Ok((0..limit).map(|i| format!("{i:01024}")).collect())),
+            _ => Response::Unit,
+        }
+    }
+
+    fn answers_inline(&self, kind: usize) -> bool {
+        REQUEST_KINDS[kind] == "exists"
+    }
+}
+
+fn answered_by(body: &[u8]) -> String {
+    match decode_body::<Response>(body).unwrap() {
+        Response::Error(WireError::Other(m)) => m,
+        other => panic!("unexpected answer {other:?}"),
+    }
+}
+
+#[test]
+fn requests_a_handler_answers_inline_are_answered_on_the_loop_thread_in_order() {
+    let server =
+        RpcServer::serve_with("127.0.0.1:0", std::sync::Arc::new(WhereAnswered), RpcServerConfig::default()).unwrap();
+    let mut s = TcpStream::connect(server.local_addr()).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    // Pipelined, inline and worker requests mixed: answered one at a time, in order.
+    let mut frames = Vec::new();
+    for id in 0..40u64 {
+        let key = format!("k{id}");
+        let req = if id % 3 == 0 { Request::GetReplicaList { key } } else { Request::Exists { key } };
+        frames.extend(encode_frame(FrameKind::Request, id, &req).unwrap());
+    }
+    s.write_all(&frames).unwrap();
+    for id in 0..40u64 {
+        let (h, body) = read_frame(&mut s, 1 << 20).unwrap();
+        assert_eq!(h.request_id, id);
+        let thread = if id % 3 == 0 { "mooncake-rpc-worker" } else { "mooncake-rpc-loop" };
+        assert_eq!(answered_by(&body), format!("k{id}@{thread}"));
+    }
+    let stats = server.stats();
+    assert_eq!(stats.requests.load(std::sync::atomic::Ordering::Relaxed), 40);
+}
+
+#[test]
+fn a_response_larger_than_the_socket_takes_is_written_whole_and_in_order() {
+    let server =
+        RpcServer::serve_with("127.0.0.1:0", std::sync::Arc::new(WhereAnswered), RpcServerConfig::default()).unwrap();
+    let mut s = TcpStream::connect(server.local_addr()).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    // 8 MiB answers: the worker's write fills the socket and the loop writes the rest
+    // as the client reads; an inline answer queued behind them waits its turn.
+    let mut frames = Vec::new();
+    for id in 0..3u64 {
+        frames.extend(encode_frame(FrameKind::Request, id, &Request::ListKeys { limit: 8192 }).unwrap());
+    }
+    frames.extend(encode_frame(FrameKind::Request, 3, &Request::Exists { key: "after".into() }).unwrap());
+    s.write_all(&frames).unwrap();
+    // Let the socket buffers fill before reading anything.
+    std::thread::sleep(Duration::from_millis(300));
+    for id in 0..3u64 {
+        let (h, body) = read_frame(&mut s, 64 << 20).unwrap();
+        assert_eq!(h.request_id, id);
+        match decode_body::<Response>(&body).unwrap() {
+            Response::ListKeys(Ok(keys)) => {
+                assert_eq!(keys.len(), 8192);
+                assert!(keys.iter().enumerate().all(|(i, k)| *k == format!("{i:01024}")));
+            }
+            other => panic!("unexpected answer {other:?}"),
+        }
+    }
+    let (h, body) = read_frame(&mut s, 1 << 20).unwrap();
+    assert_eq!((h.request_id, answered_by(&body)), (3, "after@mooncake-rpc-loop".to_owned()));
+}
+
 proptest! {
+    /// The kind the event loop reads from a body's first bytes is the kind the body
+    /// decodes as, for every body that decodes.
+    #[test]
+    fn the_kind_read_from_a_body_is_the_kind_it_decodes_as(
+        bytes in proptest::collection::vec(any::<u8>(), 0..64),
+        records in proptest::collection::vec((any::<u64>(), "[a-z]{1,8}", any::<u64>()), 0..4),
+    ) {
+        if let Ok(req) = decode_body::<Request>(&bytes) {
+            prop_assert_eq!(request_kind_of(&bytes), Some(req.kind_index()));
+        }
+        let updates = records
+            .into_iter()
+            .map(|(segment, key, offset)| RecordUpdate::Added {
+                segment,
+                record: ObjectRecord { key, offset, len: 1, checksum: 2 },
+            })
+            .collect();
+        let frame = encode_frame(FrameKind::Request, 1, &Request::ApplyRecords { updates }).unwrap();
+        prop_assert_eq!(request_kind_of(&frame[HEADER_LEN..]), Some(Request::APPLY_RECORDS_KIND));
+        prop_assert_eq!(REQUEST_KINDS[Request::APPLY_RECORDS_KIND], "apply_records");
+    }
+
     #[test]
     fn arbitrary_bytes_never_panic_the_decoder(bytes in proptest::collection::vec(any::<u8>(), 0..256)) {
         let _ = mooncake_core::rpc::wire::decode_request_frame(&bytes, 1 << 20);

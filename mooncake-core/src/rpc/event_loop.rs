@@ -1,23 +1,31 @@
 //! The RPC server's event loop: one thread polls the listener and every connection;
-//! complete requests go to a pool of workers, whose answers come back through a
-//! channel and a waker.
+//! complete requests go to a pool of workers, or are answered on the loop thread when
+//! the handler says they are answered at once ([`RpcHandler::answers_inline`]).
+//!
+//! Latency is thread hand-offs: on a virtual machine waking a thread on another core
+//! costs tens of microseconds, more than the loopback round trip itself. So a worker
+//! writes its response to the socket itself (the loop writes only what the socket did
+//! not take at once), and tells the loop through a channel and a waker only that the
+//! connection may go on: the client does not wait for that second hand-off.
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, VecDeque};
 use std::io::{ErrorKind, Read, Write};
 use std::net::SocketAddr;
+use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
 use mio::net::{TcpListener, TcpStream};
+use mio::unix::SourceFd;
 use mio::{Events, Interest, Poll, Token, Waker};
 use mooncake_transfer::{admits_peer, encode_refusal, AUTH_LEN, AUTH_MAGIC, PROTECTED_MODE_REFUSAL};
 
 use super::frame_reader::FrameReader;
 use super::handler::{RpcHandler, RpcServerConfig, RpcServerStats};
-use super::wire::{decode_body, encode_frame, FrameKind, Request};
+use super::wire::{decode_body, encode_frame, request_kind_of, FrameKind, Request};
 
 const LISTENER: Token = Token(0);
 const WAKER: Token = Token(1);
@@ -122,10 +130,14 @@ impl WorkerPool {
                 Err(crossbeam_channel::RecvTimeoutError::Disconnected) => return,
             };
             self.idle.fetch_sub(1, Ordering::AcqRel);
-            let (slot, generation) = (job.slot, job.generation);
-            let frame = answer(job, &*self.handler, &self.stats);
+            let (slot, generation, stream) = (job.slot, job.generation, job.stream.clone());
+            let outcome = match answer(job, &*self.handler, &self.stats, None) {
+                Some(frame) => write_now(&stream, frame),
+                None => Outcome::Malformed,
+            };
+            drop(stream);
             self.idle.fetch_add(1, Ordering::AcqRel);
-            if self.done.send(Done { slot, generation, frame }).is_err() {
+            if self.done.send(Done { slot, generation, outcome }).is_err() {
                 return;
             }
             let _ = self.waker.wake();
@@ -137,15 +149,46 @@ impl WorkerPool {
 struct Job {
     slot: usize,
     generation: u64,
+    /// The connection's socket, to write the response to: the loop writes nothing to
+    /// a connection while its request is at a worker.
+    stream: Arc<TcpStream>,
     request_id: u64,
     body: Vec<u8>,
 }
 
-/// A worker's answer: the response frame, or `None` if the body was malformed.
+/// A worker is done with a connection's request.
 struct Done {
     slot: usize,
     generation: u64,
-    frame: Option<Vec<u8>>,
+    outcome: Outcome,
+}
+
+/// What became of a worker's response.
+enum Outcome {
+    /// Written whole to the socket.
+    Sent,
+    /// The socket took only `frame[..pos]`; the loop writes the rest.
+    Unsent { frame: Vec<u8>, pos: usize },
+    /// The request body was malformed (or its answer could not be encoded).
+    Malformed,
+    /// The socket failed.
+    Broken,
+}
+
+/// Writes what the socket takes at once of a response: usually all of it, so that
+/// the response leaves without waiting for the event loop.
+fn write_now(stream: &TcpStream, frame: Vec<u8>) -> Outcome {
+    let mut pos = 0;
+    while pos < frame.len() {
+        match (&*stream).write(&frame[pos..]) {
+            Ok(0) => return Outcome::Broken,
+            Ok(n) => pos += n,
+            Err(e) if e.kind() == ErrorKind::WouldBlock => return Outcome::Unsent { frame, pos },
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(_) => return Outcome::Broken,
+        }
+    }
+    Outcome::Sent
 }
 
 impl EventLoop {
@@ -206,10 +249,12 @@ impl EventLoop {
     }
 }
 
-/// The response frame to one request, or `None` if its body is malformed.
-fn answer(job: Job, handler: &dyn RpcHandler, stats: &RpcServerStats) -> Option<Vec<u8>> {
+/// The response frame to one request, or `None` if its body is malformed. `inline`:
+/// the kind the loop read from the body's first bytes to answer it itself; a body
+/// that decodes as another kind is malformed.
+fn answer(job: Job, handler: &dyn RpcHandler, stats: &RpcServerStats, inline: Option<usize>) -> Option<Vec<u8>> {
     match decode_body::<Request>(&job.body) {
-        Ok(request) => {
+        Ok(request) if inline.is_none_or(|k| k == request.kind_index()) => {
             drop(job.body);
             let kind = request.kind_index();
             let response = handler.handle(request);
@@ -226,6 +271,13 @@ fn answer(job: Job, handler: &dyn RpcHandler, stats: &RpcServerStats) -> Option<
                     None
                 }
             }
+        }
+        Ok(_) => {
+            stats.bad_frames.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(
+                "closing an RPC connection: a request body that decodes as another kind than it starts with"
+            );
+            None
         }
         Err(e) => {
             stats.bad_frames.fetch_add(1, Ordering::Relaxed);
@@ -252,7 +304,9 @@ enum Phase {
 
 struct Conn {
     slot: usize,
-    stream: TcpStream,
+    /// Shared with the worker answering the connection's request, which writes the
+    /// response itself.
+    stream: Arc<TcpStream>,
     peer: SocketAddr,
     generation: u64,
     phase: Phase,
@@ -260,7 +314,8 @@ struct Conn {
     /// Bytes read from the socket and not consumed yet (kept only while the
     /// connection waits: a request in flight, a response unsent, no memory budget).
     pending: Vec<u8>,
-    /// A request of this connection is at a worker.
+    /// A request of this connection is at a worker (which may be writing to the
+    /// socket: the loop does not).
     busy: bool,
     /// Body bytes charged to the memory budget.
     charged: usize,
@@ -357,7 +412,7 @@ impl Loop {
     }
 
     fn close(&mut self, slot: usize, mut conn: Conn) {
-        let _ = self.poll.registry().deregister(&mut conn.stream);
+        let _ = self.poll.registry().deregister(&mut SourceFd(&conn.stream.as_raw_fd()));
         self.release(&mut conn);
         if matches!(conn.phase, Phase::Closing) {
             self.lingering -= 1;
@@ -426,10 +481,15 @@ impl Loop {
                 self.conns.push(None);
                 self.conns.len() - 1
             });
+            // Registered by descriptor: the stream itself is shared with workers.
             if self
                 .poll
                 .registry()
-                .register(&mut stream, Token(FIRST_CONN + slot), Interest::READABLE | Interest::WRITABLE)
+                .register(
+                    &mut SourceFd(&stream.as_raw_fd()),
+                    Token(FIRST_CONN + slot),
+                    Interest::READABLE | Interest::WRITABLE,
+                )
                 .is_err()
             {
                 self.free.push(slot);
@@ -446,7 +506,7 @@ impl Loop {
             self.stats.open_connections.fetch_add(1, Ordering::Relaxed);
             self.conns[slot] = Some(Conn {
                 slot,
-                stream,
+                stream: Arc::new(stream),
                 peer,
                 generation,
                 phase,
@@ -483,17 +543,20 @@ impl Loop {
         }
     }
 
-    /// A worker's answer: queue it for the client and go on with the connection.
+    /// A worker is done with a connection's request: write what the socket did not
+    /// take of its response, and go on with the connection.
     fn finish(&mut self, done: Done) {
         self.with_conn(done.slot, Some(done.generation), |l, c| {
             c.busy = false;
             l.release(c);
-            let Some(frame) = done.frame else { return Next::Close };
-            c.out = frame;
-            c.out_pos = 0;
-            match l.flush(c) {
-                Next::Keep => l.drive(c),
-                Next::Close => Next::Close,
+            match done.outcome {
+                Outcome::Sent => l.drive(c),
+                Outcome::Unsent { frame, pos } => {
+                    c.out = frame;
+                    c.out_pos = pos;
+                    l.drive(c)
+                }
+                Outcome::Malformed | Outcome::Broken => Next::Close,
             }
         });
         self.wake_starved();
@@ -514,32 +577,28 @@ impl Loop {
         }
     }
 
-    /// Writes what is pending of the response.
+    /// The socket can take bytes: writes what is pending of the response, and goes on
+    /// with the connection once it is written.
     fn flush(&mut self, c: &mut Conn) -> Next {
-        while c.out_pos < c.out.len() {
-            match c.stream.write(&c.out[c.out_pos..]) {
-                Ok(0) => return Next::Close,
-                Ok(n) => c.out_pos += n,
-                Err(e) if e.kind() == ErrorKind::WouldBlock => return Next::Keep,
-                Err(e) if e.kind() == ErrorKind::Interrupted => {}
-                Err(_) => return Next::Close,
-            }
+        match write_out(c) {
+            Wrote::Nothing | Wrote::Blocked => Next::Keep,
+            Wrote::All => self.drive(c),
+            Wrote::Failed => Next::Close,
         }
-        if !c.out.is_empty() {
-            // Keep no response memory while idle.
-            c.out = Vec::new();
-            c.out_pos = 0;
-            return self.drive(c);
-        }
-        Next::Keep
     }
 
-    /// Reads and handles what the client sent, as far as the connection may go now
-    /// (one request at a time, the previous response written, memory available).
+    /// Writes what is pending of the response, then reads and handles what the client
+    /// sent, as far as the connection may go now (one request at a time, the previous
+    /// response written, memory available).
     fn drive(&mut self, c: &mut Conn) -> Next {
         loop {
-            if c.busy || c.out_pos < c.out.len() || c.starved {
+            if c.busy || c.starved {
                 return Next::Keep;
+            }
+            match write_out(c) {
+                Wrote::Nothing | Wrote::All => {}
+                Wrote::Blocked => return Next::Keep,
+                Wrote::Failed => return Next::Close,
             }
             // Bytes kept from an earlier read first, then the socket.
             if !c.pending.is_empty() {
@@ -554,7 +613,7 @@ impl Loop {
                 continue;
             }
             let mut buf = std::mem::take(&mut self.scratch);
-            let read = c.stream.read(&mut buf);
+            let read = (&*c.stream).read(&mut buf);
             let next = match read {
                 Ok(0) => Some(Next::Close),
                 Ok(n) => {
@@ -579,7 +638,9 @@ impl Loop {
     /// for the connection to be ready again).
     fn consume(&mut self, c: &mut Conn, input: &[u8]) -> (usize, Next) {
         let mut used = 0;
-        while used < input.len() && !c.busy && !c.starved {
+        // A response waiting to be written (answered inline) ends it too: requests are
+        // answered one at a time, and the rest waits in `pending`.
+        while used < input.len() && !c.busy && !c.starved && c.out.is_empty() {
             let rest = &input[used..];
             match &mut c.phase {
                 Phase::Closing => return (input.len(), Next::Keep),
@@ -600,7 +661,7 @@ impl Loop {
                     answer.copy_from_slice(&got[4..]);
                     let secret = self.config.secret.as_ref().expect("the Auth phase exists only with a secret");
                     let ok = secret.verify(nonce, &answer);
-                    let _ = c.stream.write(&[u8::from(ok)]);
+                    let _ = (&*c.stream).write(&[u8::from(ok)]);
                     if !ok {
                         self.stats.auth_failures.fetch_add(1, Ordering::Relaxed);
                         tracing::warn!(peer = %c.peer, "RPC client proved a wrong shared secret");
@@ -620,7 +681,7 @@ impl Loop {
                     if first == AUTH_MAGIC {
                         self.stats.auth_failures.fetch_add(1, Ordering::Relaxed);
                         tracing::warn!(peer = %c.peer, "RPC client proves a shared secret this server does not have");
-                        let _ = c.stream.write(&encode_refusal(
+                        let _ = (&*c.stream).write(&encode_refusal(
                             "this server has no shared secret but the client proved one: set the same \
                              MOONCAKE_SECRET on every process",
                         ));
@@ -681,8 +742,24 @@ impl Loop {
                 self.buffered += extra;
                 c.charged += extra;
                 c.phase = Phase::Open { hello_done: true };
+                let job = Job {
+                    slot: c.slot,
+                    generation: c.generation,
+                    stream: c.stream.clone(),
+                    request_id: header.request_id,
+                    body,
+                };
+                let kind = request_kind_of(&job.body);
+                if let Some(kind) = kind.filter(|&k| self.pool.handler.answers_inline(k)) {
+                    // Answered here: `drive` writes the response before reading on.
+                    let frame = answer(job, &*self.pool.handler, &self.stats, Some(kind));
+                    self.release(c);
+                    let Some(frame) = frame else { return (n, Next::Close) };
+                    c.out = frame;
+                    c.out_pos = 0;
+                    return (n, Next::Keep);
+                }
                 c.busy = true;
-                let job = Job { slot: c.slot, generation: c.generation, request_id: header.request_id, body };
                 if self.pool.all_busy() {
                     if let Err(e) = self.pool.grow() {
                         tracing::warn!(error = %e, "cannot start an RPC worker");
@@ -715,4 +792,36 @@ impl Loop {
         self.timers.push(Reverse((Instant::now() + LINGER, c.slot, c.generation)));
         Next::Keep
     }
+}
+
+/// What writing a connection's pending response came to.
+enum Wrote {
+    /// Nothing was pending.
+    Nothing,
+    /// All of it is written (and its memory freed).
+    All,
+    /// The socket is full; the rest goes when it is writable again.
+    Blocked,
+    /// The socket failed.
+    Failed,
+}
+
+/// Writes what is pending of a connection's response.
+fn write_out(c: &mut Conn) -> Wrote {
+    if c.out.is_empty() {
+        return Wrote::Nothing;
+    }
+    while c.out_pos < c.out.len() {
+        match (&*c.stream).write(&c.out[c.out_pos..]) {
+            Ok(0) => return Wrote::Failed,
+            Ok(n) => c.out_pos += n,
+            Err(e) if e.kind() == ErrorKind::WouldBlock => return Wrote::Blocked,
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(_) => return Wrote::Failed,
+        }
+    }
+    // Keep no response memory while idle.
+    c.out = Vec::new();
+    c.out_pos = 0;
+    Wrote::All
 }
