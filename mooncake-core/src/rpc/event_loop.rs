@@ -1,23 +1,20 @@
-//! The RPC server's event loop: one thread polls the listener and every connection;
-//! complete requests go to a pool of workers, or are answered on the loop thread when
-//! the handler says they are answered at once ([`RpcHandler::answers_inline`]).
-//!
-//! Latency is thread hand-offs: on a virtual machine waking a thread on another core
-//! costs tens of microseconds, more than the loopback round trip itself. So a worker
-//! writes its response to the socket itself (the loop writes only what the socket did
-//! not take at once), and tells the loop through a channel and a waker only that the
-//! connection may go on: the client does not wait for that second hand-off.
+//! The RPC server's connections: the listener and every connection, polled one turn
+//! at a time by whichever server thread leads (see [`super::threads`]). A turn reads
+//! what clients sent, answers at once the requests the handler answers inline
+//! ([`RpcHandler::answers_inline`]), and queues the others as [`Job`]s; a thread
+//! answering a job writes the response to the socket itself and hands the connection
+//! back with a [`Done`].
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, VecDeque};
 use std::io::{ErrorKind, Read, Write};
 use std::net::SocketAddr;
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{Receiver, Sender};
+use crossbeam_channel::Receiver;
 use mio::net::{TcpListener, TcpStream};
 use mio::unix::SourceFd;
 use mio::{Events, Interest, Poll, Token, Waker};
@@ -39,131 +36,25 @@ const LINGER: Duration = Duration::from_millis(500);
 /// Most refused connections lingering at once (beyond it they are closed at once).
 const MAX_LINGERING: usize = 256;
 
-/// A running event loop and its workers; dropping it stops and joins them.
-pub(crate) struct EventLoop {
-    stop: Arc<AtomicBool>,
-    waker: Arc<Waker>,
-    thread: Option<std::thread::JoinHandle<()>>,
-    pool: Arc<WorkerPool>,
-}
-
-impl Drop for EventLoop {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        let _ = self.waker.wake();
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-        // The loop dropped the job queue's sender: the workers finish and exit.
-        let workers: Vec<_> = self.pool.handles.lock().drain(..).collect();
-        for w in workers {
-            let _ = w.join();
-        }
-    }
-}
-
-/// The workers: at least `min` threads; one more is started whenever a request
-/// finds none idle (a request may block, as a put waiting for an offload does),
-/// up to `max`; extra ones exit after a while idle.
-struct WorkerPool {
-    min: usize,
-    max: usize,
-    idle: AtomicUsize,
-    total: AtomicUsize,
-    handles: parking_lot::Mutex<Vec<std::thread::JoinHandle<()>>>,
-    jobs: Receiver<Job>,
-    done: Sender<Done>,
-    waker: Arc<Waker>,
-    handler: Arc<dyn RpcHandler>,
-    stats: Arc<RpcServerStats>,
-}
-
-/// How long a worker beyond the minimum stays idle before it exits.
-const WORKER_IDLE: Duration = Duration::from_secs(10);
-
-impl WorkerPool {
-    /// Starts a worker (if under the maximum).
-    fn grow(self: &Arc<Self>) -> std::io::Result<()> {
-        if self.total.fetch_add(1, Ordering::AcqRel) >= self.max {
-            self.total.fetch_sub(1, Ordering::AcqRel);
-            return Ok(());
-        }
-        self.idle.fetch_add(1, Ordering::AcqRel);
-        let pool = self.clone();
-        let spawned = std::thread::Builder::new().name("mooncake-rpc-worker".into()).spawn(move || pool.work());
-        match spawned {
-            Ok(h) => {
-                let mut handles = self.handles.lock();
-                // Forget workers that already exited.
-                handles.retain(|h| !h.is_finished());
-                handles.push(h);
-                Ok(())
-            }
-            Err(e) => {
-                self.total.fetch_sub(1, Ordering::AcqRel);
-                self.idle.fetch_sub(1, Ordering::AcqRel);
-                Err(e)
-            }
-        }
-    }
-
-    /// Whether a request queued now would wait for a worker.
-    fn all_busy(&self) -> bool {
-        self.idle.load(Ordering::Acquire) == 0
-    }
-
-    /// A worker: decodes, answers and encodes requests until the queue closes.
-    fn work(&self) {
-        loop {
-            let job = match self.jobs.recv_timeout(WORKER_IDLE) {
-                Ok(job) => job,
-                Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
-                    let total = self.total.load(Ordering::Acquire);
-                    if total > self.min
-                        && self.total.compare_exchange(total, total - 1, Ordering::AcqRel, Ordering::Acquire).is_ok()
-                    {
-                        self.idle.fetch_sub(1, Ordering::AcqRel);
-                        return;
-                    }
-                    continue;
-                }
-                Err(crossbeam_channel::RecvTimeoutError::Disconnected) => return,
-            };
-            self.idle.fetch_sub(1, Ordering::AcqRel);
-            let (slot, generation, stream) = (job.slot, job.generation, job.stream.clone());
-            let outcome = match answer(job, &*self.handler, &self.stats, None) {
-                Some(frame) => write_now(&stream, frame),
-                None => Outcome::Malformed,
-            };
-            drop(stream);
-            self.idle.fetch_add(1, Ordering::AcqRel);
-            if self.done.send(Done { slot, generation, outcome }).is_err() {
-                return;
-            }
-            let _ = self.waker.wake();
-        }
-    }
-}
-
-/// A complete request frame for a worker.
-struct Job {
+/// A complete request, to be answered by a server thread.
+pub(super) struct Job {
     slot: usize,
     generation: u64,
     /// The connection's socket, to write the response to: the loop writes nothing to
-    /// a connection while its request is at a worker.
+    /// a connection while its request is being answered.
     stream: Arc<TcpStream>,
     request_id: u64,
     body: Vec<u8>,
 }
 
-/// A worker is done with a connection's request.
-struct Done {
+/// A thread is done with a connection's request: the connection may go on.
+pub(super) struct Done {
     slot: usize,
     generation: u64,
     outcome: Outcome,
 }
 
-/// What became of a worker's response.
+/// What became of a response written by the thread that answered.
 enum Outcome {
     /// Written whole to the socket.
     Sent,
@@ -175,8 +66,20 @@ enum Outcome {
     Broken,
 }
 
+impl Job {
+    /// Answers the request and writes the response to the socket.
+    pub(super) fn answer(self, handler: &dyn RpcHandler, stats: &RpcServerStats) -> Done {
+        let (slot, generation, stream) = (self.slot, self.generation, self.stream.clone());
+        let outcome = match answer(self, handler, stats, None) {
+            Some(frame) => write_now(&stream, frame),
+            None => Outcome::Malformed,
+        };
+        Done { slot, generation, outcome }
+    }
+}
+
 /// Writes what the socket takes at once of a response: usually all of it, so that
-/// the response leaves without waiting for the event loop.
+/// the response leaves without waiting for the thread that polls.
 fn write_now(stream: &TcpStream, frame: Vec<u8>) -> Outcome {
     let mut pos = 0;
     while pos < frame.len() {
@@ -189,64 +92,6 @@ fn write_now(stream: &TcpStream, frame: Vec<u8>) -> Outcome {
         }
     }
     Outcome::Sent
-}
-
-impl EventLoop {
-    pub(crate) fn start(
-        listener: std::net::TcpListener,
-        handler: Arc<dyn RpcHandler>,
-        config: RpcServerConfig,
-        stats: Arc<RpcServerStats>,
-    ) -> std::io::Result<Self> {
-        listener.set_nonblocking(true)?;
-        let mut listener = TcpListener::from_std(listener);
-        let poll = Poll::new()?;
-        poll.registry().register(&mut listener, LISTENER, Interest::READABLE)?;
-        let waker = Arc::new(Waker::new(poll.registry(), WAKER)?);
-        let stop = Arc::new(AtomicBool::new(false));
-        let (job_tx, job_rx) = crossbeam_channel::unbounded::<Job>();
-        let (done_tx, done_rx) = crossbeam_channel::unbounded::<Done>();
-        let min = match config.workers {
-            0 => std::thread::available_parallelism().map_or(2, |n| n.get()).clamp(2, 16),
-            n => n,
-        };
-        let pool = Arc::new(WorkerPool {
-            min,
-            max: config.max_workers.max(min),
-            idle: AtomicUsize::new(0),
-            total: AtomicUsize::new(0),
-            handles: parking_lot::Mutex::new(Vec::new()),
-            jobs: job_rx,
-            done: done_tx,
-            waker: waker.clone(),
-            handler,
-            stats: stats.clone(),
-        });
-        for _ in 0..min {
-            pool.grow()?;
-        }
-        let state = Loop {
-            poll,
-            listener,
-            config,
-            stats,
-            stop: stop.clone(),
-            conns: Vec::new(),
-            free: Vec::new(),
-            timers: BinaryHeap::new(),
-            buffered: 0,
-            starved: VecDeque::new(),
-            lingering: 0,
-            accept_retry: None,
-            jobs: job_tx,
-            done: done_rx,
-            pool: pool.clone(),
-            scratch: vec![0; READ_CHUNK],
-            next_generation: 0,
-        };
-        let thread = std::thread::Builder::new().name("mooncake-rpc-loop".into()).spawn(move || state.run())?;
-        Ok(Self { stop, waker, thread: Some(thread), pool })
-    }
 }
 
 /// The response frame to one request, or `None` if its body is malformed. `inline`:
@@ -304,7 +149,7 @@ enum Phase {
 
 struct Conn {
     slot: usize,
-    /// Shared with the worker answering the connection's request, which writes the
+    /// Shared with the thread answering the connection's request, which writes the
     /// response itself.
     stream: Arc<TcpStream>,
     peer: SocketAddr,
@@ -314,7 +159,7 @@ struct Conn {
     /// Bytes read from the socket and not consumed yet (kept only while the
     /// connection waits: a request in flight, a response unsent, no memory budget).
     pending: Vec<u8>,
-    /// A request of this connection is at a worker (which may be writing to the
+    /// A request of this connection is being answered (by a thread that may be writing to the
     /// socket: the loop does not).
     busy: bool,
     /// Body bytes charged to the memory budget.
@@ -326,12 +171,15 @@ struct Conn {
     starved: bool,
 }
 
-struct Loop {
+/// The listener and every connection.
+pub(super) struct Loop {
     poll: Poll,
+    /// Taken while a turn walks it.
+    events: Option<Events>,
     listener: TcpListener,
     config: RpcServerConfig,
+    handler: Arc<dyn RpcHandler>,
     stats: Arc<RpcServerStats>,
-    stop: Arc<AtomicBool>,
     conns: Vec<Option<Conn>>,
     free: Vec<usize>,
     /// Hello deadlines and linger ends: (when, slot, generation).
@@ -341,9 +189,9 @@ struct Loop {
     starved: VecDeque<(usize, u64)>,
     lingering: usize,
     accept_retry: Option<Instant>,
-    jobs: Sender<Job>,
+    /// Complete requests waiting for a thread to answer them.
+    ready: VecDeque<Job>,
     done: Receiver<Done>,
-    pool: Arc<WorkerPool>,
     scratch: Vec<u8>,
     next_generation: u64,
 }
@@ -355,46 +203,89 @@ enum Next {
 }
 
 impl Loop {
-    fn run(mut self) {
-        let mut events = Events::with_capacity(1024);
-        loop {
-            if self.stop.load(Ordering::Relaxed) {
-                return;
-            }
-            let now = Instant::now();
-            let next_timer = self.timers.peek().map(|Reverse((at, _, _))| *at);
-            let wake = [next_timer, self.accept_retry].into_iter().flatten().min();
-            let timeout = wake.map(|at| at.saturating_duration_since(now));
-            if let Err(e) = self.poll.poll(&mut events, timeout) {
-                if e.kind() != ErrorKind::Interrupted {
-                    tracing::error!(error = %e, "RPC event loop failed");
-                    return;
-                }
-            }
-            for event in events.iter() {
-                match event.token() {
-                    LISTENER => self.accept(),
-                    WAKER => {}
-                    Token(t) => {
-                        let slot = t - FIRST_CONN;
-                        if event.is_writable() {
-                            self.with_conn(slot, None, |l, c| l.flush(c));
-                        }
-                        if event.is_readable() || event.is_read_closed() {
-                            self.with_conn(slot, None, |l, c| l.drive(c));
-                        }
+    /// Polls `listener` for connections (nonblocking); `done` brings back the
+    /// connections whose requests were answered.
+    pub(super) fn new(
+        listener: std::net::TcpListener,
+        handler: Arc<dyn RpcHandler>,
+        config: RpcServerConfig,
+        stats: Arc<RpcServerStats>,
+        done: Receiver<Done>,
+    ) -> std::io::Result<Self> {
+        listener.set_nonblocking(true)?;
+        let mut listener = TcpListener::from_std(listener);
+        let poll = Poll::new()?;
+        poll.registry().register(&mut listener, LISTENER, Interest::READABLE)?;
+        Ok(Loop {
+            poll,
+            events: Some(Events::with_capacity(1024)),
+            listener,
+            config,
+            handler,
+            stats,
+            conns: Vec::new(),
+            free: Vec::new(),
+            timers: BinaryHeap::new(),
+            buffered: 0,
+            starved: VecDeque::new(),
+            lingering: 0,
+            accept_retry: None,
+            ready: VecDeque::new(),
+            done,
+            scratch: vec![0; READ_CHUNK],
+            next_generation: 0,
+        })
+    }
+
+    /// A waker that ends the turn in progress (a [`Done`] was sent, or the server stops).
+    pub(super) fn waker(&self) -> std::io::Result<Waker> {
+        Waker::new(self.poll.registry(), WAKER)
+    }
+
+    /// The oldest request waiting for an answer.
+    pub(super) fn next_job(&mut self) -> Option<Job> {
+        self.ready.pop_front()
+    }
+
+    /// One turn: waits for events (or the next timer), then reads what clients sent,
+    /// takes back connections whose requests were answered, and fires timers. Fails
+    /// only if polling itself fails.
+    pub(super) fn turn(&mut self) -> std::io::Result<()> {
+        let now = Instant::now();
+        let next_timer = self.timers.peek().map(|Reverse((at, _, _))| *at);
+        let wake = [next_timer, self.accept_retry].into_iter().flatten().min();
+        let timeout = wake.map(|at| at.saturating_duration_since(now));
+        let mut events = self.events.take().unwrap_or_else(|| Events::with_capacity(1024));
+        let polled = self.poll.poll(&mut events, timeout);
+        if let Err(e) = polled {
+            self.events = Some(events);
+            return if e.kind() == ErrorKind::Interrupted { Ok(()) } else { Err(e) };
+        }
+        for event in events.iter() {
+            match event.token() {
+                LISTENER => self.accept(),
+                WAKER => {}
+                Token(t) => {
+                    let slot = t - FIRST_CONN;
+                    if event.is_writable() {
+                        self.with_conn(slot, None, |l, c| l.flush(c));
+                    }
+                    if event.is_readable() || event.is_read_closed() {
+                        self.with_conn(slot, None, |l, c| l.drive(c));
                     }
                 }
             }
-            while let Ok(done) = self.done.try_recv() {
-                self.finish(done);
-            }
-            self.fire_timers();
-            if self.accept_retry.is_some_and(|at| at <= Instant::now()) {
-                self.accept_retry = None;
-                self.accept();
-            }
         }
+        self.events = Some(events);
+        while let Ok(done) = self.done.try_recv() {
+            self.finish(done);
+        }
+        self.fire_timers();
+        if self.accept_retry.is_some_and(|at| at <= Instant::now()) {
+            self.accept_retry = None;
+            self.accept();
+        }
+        Ok(())
     }
 
     /// Runs `f` on the connection in `slot` (of `generation`, if given), closing it
@@ -481,7 +372,8 @@ impl Loop {
                 self.conns.push(None);
                 self.conns.len() - 1
             });
-            // Registered by descriptor: the stream itself is shared with workers.
+            // Registered by descriptor: the stream itself is shared with the threads
+            // answering requests.
             if self
                 .poll
                 .registry()
@@ -543,7 +435,7 @@ impl Loop {
         }
     }
 
-    /// A worker is done with a connection's request: write what the socket did not
+    /// A thread is done with a connection's request: write what the socket did not
     /// take of its response, and go on with the connection.
     fn finish(&mut self, done: Done) {
         self.with_conn(done.slot, Some(done.generation), |l, c| {
@@ -715,7 +607,7 @@ impl Loop {
     }
 
     /// Feeds the frame reader within the memory budget; a complete frame goes to a
-    /// worker. Returns the bytes taken.
+    /// thread (or is answered here, inline). Returns the bytes taken.
     fn feed_some(&mut self, c: &mut Conn, bytes: &[u8]) -> (usize, Next) {
         let allowance = self.config.memory_budget.saturating_sub(self.buffered);
         let before = c.reader.buffered();
@@ -750,9 +642,9 @@ impl Loop {
                     body,
                 };
                 let kind = request_kind_of(&job.body);
-                if let Some(kind) = kind.filter(|&k| self.pool.handler.answers_inline(k)) {
+                if let Some(kind) = kind.filter(|&k| self.handler.answers_inline(k)) {
                     // Answered here: `drive` writes the response before reading on.
-                    let frame = answer(job, &*self.pool.handler, &self.stats, Some(kind));
+                    let frame = answer(job, &*self.handler, &self.stats, Some(kind));
                     self.release(c);
                     let Some(frame) = frame else { return (n, Next::Close) };
                     c.out = frame;
@@ -760,14 +652,7 @@ impl Loop {
                     return (n, Next::Keep);
                 }
                 c.busy = true;
-                if self.pool.all_busy() {
-                    if let Err(e) = self.pool.grow() {
-                        tracing::warn!(error = %e, "cannot start an RPC worker");
-                    }
-                }
-                if self.jobs.send(job).is_err() {
-                    return (n, Next::Close);
-                }
+                self.ready.push_back(job);
             }
             None if n < bytes.len() => {
                 // Out of memory budget: wait for some to be freed.

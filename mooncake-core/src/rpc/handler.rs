@@ -1,5 +1,5 @@
-//! What serving the framed protocol needs, shared by the server and its event loop:
-//! the handler that answers requests, the server's limits and access rules, and its
+//! What serving the framed protocol needs, shared by the server, its threads and its
+//! connections: the handler that answers requests, the server's limits and access rules, and its
 //! counters.
 
 use std::sync::atomic::AtomicU64;
@@ -14,12 +14,12 @@ pub trait RpcHandler: Send + Sync + 'static {
     /// The response to one request.
     fn handle(&self, request: Request) -> Response;
 
-    /// Whether requests of this kind (an index into [`REQUEST_KINDS`]) are answered on
-    /// the event-loop thread itself instead of by a worker, saving two thread
-    /// hand-offs (to a worker and back), which cost tens of microseconds each when
-    /// the threads run on different cores. Only for requests answered at once from
-    /// memory (no I/O, no waiting, no lock held long): the loop serves every
-    /// connection, and while it answers one, the others wait. None by default.
+    /// Whether requests of this kind (an index into [`REQUEST_KINDS`]) are answered by
+    /// the thread polling the connections without handing the polling on to another
+    /// thread first, which saves waking that thread (tens of microseconds of a core
+    /// on a virtual machine). Only for requests answered at once from memory (no I/O,
+    /// no waiting, no lock held long): while one is answered, no connection is
+    /// polled. None by default.
     fn answers_inline(&self, kind: usize) -> bool {
         let _ = kind;
         false
@@ -91,7 +91,8 @@ pub struct RpcServerConfig {
     /// How long a new connection has to complete its hello: the shared-secret
     /// handshake, or (without a secret) its first request.
     pub hello_timeout: Duration,
-    /// Threads answering requests kept ready (0: one per core, at least 2, at most 16).
+    /// Threads serving requests kept ready, polling or answering (0: one per core, at
+    /// least 2, at most 16).
     pub workers: usize,
     /// Most threads answering requests: a request that blocks (a put waiting for an
     /// offload) holds one, and another is started when a request finds none free.
