@@ -278,7 +278,7 @@ impl Loop {
         }
         self.events = Some(events);
         while let Ok(done) = self.done.try_recv() {
-            self.finish(done);
+            self.take_back(done);
         }
         self.fire_timers();
         if self.accept_retry.is_some_and(|at| at <= Instant::now()) {
@@ -437,7 +437,7 @@ impl Loop {
 
     /// A thread is done with a connection's request: write what the socket did not
     /// take of its response, and go on with the connection.
-    fn finish(&mut self, done: Done) {
+    pub(super) fn take_back(&mut self, done: Done) {
         self.with_conn(done.slot, Some(done.generation), |l, c| {
             c.busy = false;
             l.release(c);

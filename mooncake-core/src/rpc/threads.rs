@@ -160,16 +160,23 @@ impl Shared {
     /// A thread: waits for the lead, polls until a request needs answering, hands
     /// the lead on and answers it; again until the server stops.
     fn serve(self: Arc<Self>) {
+        let mut held = None;
         loop {
-            let mut lead = loop {
-                if let Some(lead) = self.lead.try_lock_for(THREAD_IDLE) {
-                    break lead;
-                }
-                if self.retire() {
-                    return;
+            let mut lead = match held.take() {
+                Some(lead) => lead,
+                None => {
+                    let lead = loop {
+                        if let Some(lead) = self.lead.try_lock_for(THREAD_IDLE) {
+                            break lead;
+                        }
+                        if self.retire() {
+                            return;
+                        }
+                    };
+                    self.waiting.fetch_sub(1, Ordering::AcqRel);
+                    lead
                 }
             };
-            self.waiting.fetch_sub(1, Ordering::AcqRel);
             let job = loop {
                 if self.stop.load(Ordering::SeqCst) {
                     return;
@@ -193,9 +200,20 @@ impl Shared {
             }
             drop(lead);
             let done = job.answer(&*self.handler, &self.stats);
-            self.waiting.fetch_add(1, Ordering::AcqRel);
-            if self.done.send(done).is_ok() {
-                let _ = self.waker.wake();
+            match self.lead.try_lock() {
+                // Nobody took the lead meanwhile: take it back and go on with the
+                // connection here, waking no one.
+                Some(mut lead) => {
+                    lead.take_back(done);
+                    held = Some(lead);
+                }
+                // The leader polls: it takes the connection back when woken.
+                None => {
+                    self.waiting.fetch_add(1, Ordering::AcqRel);
+                    if self.done.send(done).is_ok() {
+                        let _ = self.waker.wake();
+                    }
+                }
             }
         }
     }
