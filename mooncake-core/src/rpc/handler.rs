@@ -94,8 +94,9 @@ pub struct RpcServerConfig {
     /// Threads serving requests kept ready, polling or answering (0: one per core, at
     /// least 2, at most 16).
     pub workers: usize,
-    /// Most threads answering requests: a request that blocks (a put waiting for an
-    /// offload) holds one, and another is started when a request finds none free.
+    /// Most threads: a request that blocks (a put waiting for an offload) holds one,
+    /// and another is started when none is left to poll the connections. With every
+    /// one answering a request, connections wait until one is free.
     pub max_workers: usize,
 }
 
