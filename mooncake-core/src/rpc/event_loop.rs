@@ -242,9 +242,19 @@ impl Loop {
         Waker::new(self.poll.registry(), WAKER)
     }
 
+    /// The descriptor of the poll: readable while events wait to be polled.
+    pub(super) fn poll_fd(&self) -> std::os::fd::RawFd {
+        self.poll.as_raw_fd()
+    }
+
     /// The oldest request waiting for an answer.
     pub(super) fn next_job(&mut self) -> Option<Job> {
         self.ready.pop_front()
+    }
+
+    /// Whether requests wait for an answer.
+    pub(super) fn has_jobs(&self) -> bool {
+        !self.ready.is_empty()
     }
 
     /// One turn: waits for events (or the next timer), then reads what clients sent,

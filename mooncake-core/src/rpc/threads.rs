@@ -1,30 +1,43 @@
 //! The RPC server's threads, leader/follower: one thread at a time (the leader) polls
 //! the listener and every connection ([`Loop`]). When a request needs answering, the
-//! leader hands the lead to a waiting thread and answers the request itself, writing
-//! the response straight to the client's socket.
+//! leader answers it itself, writing the response straight to the client's socket,
+//! and lets a follower take over the polling only if something happens meanwhile.
 //!
 //! Why: latency here is thread hand-offs. Waking a thread on another core costs tens
 //! of microseconds on a virtual machine, more than a loopback round trip. A request
 //! polled by one thread and answered by another, whose answer goes back through the
 //! first, pays two such hand-offs on the client's path; here the thread that read the
-//! request answers it, as a thread per connection would, while idle connections still
-//! cost no thread. The hand-offs left (waking the next leader, and telling it that
-//! the connection may go on) happen while the request is answered and after the
-//! client has its response, not in between.
+//! request answers it, as a thread per connection would, while an idle connection
+//! still costs no thread.
+//!
+//! How a follower learns that it must lead: one follower at a time (the deputy) waits
+//! on a second poll, the *watch*, in which the connections' poll is registered but
+//! disabled. A leader about to answer a request either enables it, once (so that the
+//! deputy wakes if a connection becomes ready while it answers), or, if more requests
+//! wait, wakes the deputy at once. When the answer is quick and nothing happened
+//! meanwhile, the leader takes the lead back and no other thread ever woke: a lone
+//! client's calls cost no hand-off at all. (Enabling and disabling is an
+//! `EPOLL_CTL_MOD`; registering the poll anew each time would cost an `EPOLL_CTL_ADD`,
+//! which walks every connection to rule out loops of polls in polls.)
 
+use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use crossbeam_channel::Sender;
-use mio::Waker;
-use parking_lot::Mutex;
+use mio::{Events, Poll, Token, Waker};
+use parking_lot::{Mutex, MutexGuard};
 
 use super::event_loop::{Done, Loop};
 use super::handler::{RpcHandler, RpcServerConfig, RpcServerStats};
 
-/// How long a thread beyond the minimum waits for the lead before it exits.
+/// How long a thread beyond the minimum follows idle before it exits.
 const THREAD_IDLE: Duration = Duration::from_secs(10);
+/// In the watch: the connections' poll has events.
+const CONNECTIONS: Token = Token(0);
+/// In the watch: the deputy must lead (requests wait, or the server stops).
+const KICK: Token = Token(1);
 
 /// The server's threads; dropping it stops and joins them, and closes the listener
 /// and every connection.
@@ -32,12 +45,33 @@ pub(crate) struct ServerThreads {
     shared: Arc<Shared>,
 }
 
+/// The connections and whether they are being watched.
+struct Lead {
+    conns: Loop,
+    /// The connections' poll is enabled in the watch.
+    armed: bool,
+}
+
+/// What the deputy polls.
+struct Watch {
+    poll: Poll,
+    events: Events,
+}
+
 /// What the threads share.
 struct Shared {
     /// The connections, polled by whichever thread holds this lock: the leader.
-    lead: Mutex<Loop>,
+    lead: Mutex<Lead>,
+    /// Held by the deputy while it waits for a reason to lead.
+    watch: Mutex<Watch>,
+    /// The watch's descriptor, in which a leader enables the connections' poll.
+    watch_fd: RawFd,
+    /// The connections' poll.
+    conns_fd: RawFd,
     /// Ends the leader's turn: a connection came back, or the server stops.
     waker: Waker,
+    /// Wakes the deputy.
+    kick: Waker,
     stop: AtomicBool,
     /// Connections whose requests were answered, back to the leader.
     done: Sender<Done>,
@@ -46,7 +80,7 @@ struct Shared {
     /// Threads kept (even idle), and most threads.
     min: usize,
     max: usize,
-    /// Threads running, and those waiting for the lead.
+    /// Threads running, and those following (neither leading nor answering).
     total: AtomicUsize,
     waiting: AtomicUsize,
     handles: Mutex<Vec<std::thread::JoinHandle<()>>>,
@@ -54,7 +88,7 @@ struct Shared {
 
 impl ServerThreads {
     /// Serves `listener` with `handler`: `config.workers` threads (0: one per core, 2
-    /// to 16), more when every one is busy answering (a request may block, as a put
+    /// to 16), more when none is left to follow (a request may block, as a put
     /// waiting for an offload does), up to `config.max_workers`.
     pub(crate) fn start(
         listener: std::net::TcpListener,
@@ -68,11 +102,21 @@ impl ServerThreads {
         };
         let max = config.max_workers.max(min);
         let (done_tx, done_rx) = crossbeam_channel::unbounded::<Done>();
-        let lead = Loop::new(listener, handler.clone(), config, stats.clone(), done_rx)?;
-        let waker = lead.waker()?;
+        let conns = Loop::new(listener, handler.clone(), config, stats.clone(), done_rx)?;
+        let waker = conns.waker()?;
+        let conns_fd = conns.poll_fd();
+        let watch = Poll::new()?;
+        let kick = Waker::new(watch.registry(), KICK)?;
+        let watch_fd = watch.as_raw_fd();
+        // Registered once, disabled: an empty poll, so the loop check is free.
+        epoll_ctl(watch_fd, libc::EPOLL_CTL_ADD, conns_fd, 0)?;
         let shared = Arc::new(Shared {
-            lead: Mutex::new(lead),
+            lead: Mutex::new(Lead { conns, armed: false }),
+            watch: Mutex::new(Watch { poll: watch, events: Events::with_capacity(4) }),
+            watch_fd,
+            conns_fd,
             waker,
+            kick,
             stop: AtomicBool::new(false),
             done: done_tx,
             handler,
@@ -97,6 +141,7 @@ impl Drop for ServerThreads {
     fn drop(&mut self) {
         self.shared.stop.store(true, Ordering::SeqCst);
         let _ = self.shared.waker.wake();
+        let _ = self.shared.kick.wake();
         // Threads started meanwhile are in the list before `stop` is seen (see `grow`).
         loop {
             let handles: Vec<_> = self.shared.handles.lock().drain(..).collect();
@@ -112,8 +157,8 @@ impl Drop for ServerThreads {
 }
 
 impl Shared {
-    /// Starts a thread (if under the maximum and not stopping), counted as waiting
-    /// for the lead from now on.
+    /// Starts a thread (if under the maximum and not stopping), counted as following
+    /// from now on.
     fn grow(self: &Arc<Self>) -> std::io::Result<()> {
         // Under the list's lock, so that `drop` joins every thread started before it
         // set `stop`.
@@ -141,8 +186,8 @@ impl Shared {
     }
 
     /// A thread idle for a while exits if there are more than the minimum, and if it
-    /// is not the last one waiting (a leader that saw it waiting counts on it to lead
-    /// next). Returns whether it exits.
+    /// is not the last one following (a leader that saw it following counts on it to
+    /// take over). Returns whether it exits.
     fn retire(&self) -> bool {
         if self.total.load(Ordering::Acquire) <= self.min {
             return false;
@@ -157,46 +202,110 @@ impl Shared {
         true
     }
 
-    /// A thread: waits for the lead, polls until a request needs answering, hands
-    /// the lead on and answers it; again until the server stops.
+    /// Enables the connections' poll in the watch, once: the deputy wakes when a
+    /// connection becomes ready (or is ready already).
+    fn arm(&self, lead: &mut Lead) {
+        let events = (libc::EPOLLIN | libc::EPOLLONESHOT) as u32;
+        match epoll_ctl(self.watch_fd, libc::EPOLL_CTL_MOD, self.conns_fd, events) {
+            Ok(()) => lead.armed = true,
+            Err(e) => {
+                // Then the deputy must lead at once.
+                tracing::warn!(error = %e, "cannot watch the RPC connections");
+                let _ = self.kick.wake();
+            }
+        }
+    }
+
+    /// The leader polls the connections itself: the deputy need not watch them.
+    fn disarm(&self, lead: &mut Lead) {
+        if lead.armed {
+            let _ = epoll_ctl(self.watch_fd, libc::EPOLL_CTL_MOD, self.conns_fd, 0);
+            lead.armed = false;
+        }
+    }
+
+    /// Follows until there is a reason to lead; returns the lead, or `None` if this
+    /// thread exits (the server stops, or it retired).
+    fn follow(&self) -> Option<MutexGuard<'_, Lead>> {
+        loop {
+            if self.stop.load(Ordering::SeqCst) {
+                return None;
+            }
+            // Nobody leads (the leader is answering, and nothing is ready): lead.
+            if let Some(lead) = self.lead.try_lock() {
+                return Some(lead);
+            }
+            let Some(mut watch) = self.watch.try_lock_for(THREAD_IDLE) else {
+                if self.retire() {
+                    return None;
+                }
+                continue;
+            };
+            if self.stop.load(Ordering::SeqCst) {
+                return None;
+            }
+            let Watch { poll, events } = &mut *watch;
+            let woke = match poll.poll(events, Some(THREAD_IDLE)) {
+                Ok(()) => !events.is_empty(),
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => false,
+                Err(e) => {
+                    // Without a watch, follow by waiting for the lead itself.
+                    tracing::warn!(error = %e, "cannot poll the RPC connections' watch");
+                    true
+                }
+            };
+            // Another follower may watch while this one waits for the lead.
+            drop(watch);
+            if woke {
+                // Connections became ready while the leader answers, or requests wait.
+                return Some(self.lead.lock());
+            }
+            if self.retire() {
+                return None;
+            }
+        }
+    }
+
+    /// A thread: follows until it leads, polls until a request needs answering,
+    /// answers it; again until the server stops.
     fn serve(self: Arc<Self>) {
         let mut held = None;
         loop {
             let mut lead = match held.take() {
                 Some(lead) => lead,
                 None => {
-                    let lead = loop {
-                        if let Some(lead) = self.lead.try_lock_for(THREAD_IDLE) {
-                            break lead;
-                        }
-                        if self.retire() {
-                            return;
-                        }
-                    };
+                    let Some(lead) = self.follow() else { return };
                     self.waiting.fetch_sub(1, Ordering::AcqRel);
                     lead
                 }
             };
+            self.disarm(&mut lead);
             let job = loop {
                 if self.stop.load(Ordering::SeqCst) {
                     return;
                 }
-                if let Some(job) = lead.next_job() {
+                if let Some(job) = lead.conns.next_job() {
                     break job;
                 }
-                if let Err(e) = lead.turn() {
+                if let Err(e) = lead.conns.turn() {
                     tracing::error!(error = %e, "RPC server cannot poll its connections; it stops");
                     self.stop.store(true, Ordering::SeqCst);
+                    let _ = self.kick.wake();
                     return;
                 }
             };
-            // Someone must lead while this thread answers. At the maximum nobody
-            // does until a thread is free again: new requests wait, as they would
-            // for a worker.
+            // Someone must be able to take over while this thread answers. At the
+            // maximum nobody can until a thread is free again: new requests wait, as
+            // they would for a worker.
             if self.waiting.load(Ordering::Acquire) == 0 {
                 if let Err(e) = self.grow() {
                     tracing::warn!(error = %e, "cannot start an RPC server thread");
                 }
+            }
+            if lead.conns.has_jobs() {
+                let _ = self.kick.wake();
+            } else {
+                self.arm(&mut lead);
             }
             drop(lead);
             let done = job.answer(&*self.handler, &self.stats);
@@ -204,10 +313,10 @@ impl Shared {
                 // Nobody took the lead meanwhile: take it back and go on with the
                 // connection here, waking no one.
                 Some(mut lead) => {
-                    lead.take_back(done);
+                    lead.conns.take_back(done);
                     held = Some(lead);
                 }
-                // The leader polls: it takes the connection back when woken.
+                // Another thread leads: it takes the connection back when woken.
                 None => {
                     self.waiting.fetch_add(1, Ordering::AcqRel);
                     if self.done.send(done).is_ok() {
@@ -217,4 +326,16 @@ impl Shared {
             }
         }
     }
+}
+
+/// `epoll_ctl(epfd, op, fd)` for events `events`, reported as [`CONNECTIONS`].
+fn epoll_ctl(epfd: RawFd, op: libc::c_int, fd: RawFd, events: u32) -> std::io::Result<()> {
+    let mut event = libc::epoll_event { events, u64: CONNECTIONS.0 as u64 };
+    // SAFETY: `event` is a valid epoll_event that lives across the call; the kernel
+    // only reads it. Both descriptors are owned by `Shared` (the watch and the
+    // connections' poll), open for as long as it lives.
+    if unsafe { libc::epoll_ctl(epfd, op, fd, &mut event) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
 }
