@@ -14,9 +14,10 @@ pub trait RpcHandler: Send + Sync + 'static {
     /// The response to one request.
     fn handle(&self, request: Request) -> Response;
 
-    /// Whether requests of this kind (an index into [`REQUEST_KINDS`]) are answered by
-    /// the thread polling the connections without handing the polling on to another
-    /// thread first, which saves waking that thread (tens of microseconds of a core
+    /// Whether requests of this kind (an index into [`REQUEST_KINDS`]) are answered
+    /// with no other thread ready to take over the polling meanwhile: this saves
+    /// preparing the hand-over (two system calls) and, when a connection becomes
+    /// ready during the answer, waking another thread (tens of microseconds of a core
     /// on a virtual machine). Only for requests answered at once from memory (no I/O,
     /// no waiting, no lock held long): while one is answered, no connection is
     /// polled. None by default.
