@@ -67,14 +67,29 @@ enum Outcome {
 }
 
 impl Job {
-    /// Answers the request and writes the response to the socket.
-    pub(super) fn answer(self, handler: &dyn RpcHandler, stats: &RpcServerStats) -> Done {
+    /// Answers the request; the response is written by [`Reply::send`].
+    pub(super) fn answer(self, handler: &dyn RpcHandler, stats: &RpcServerStats) -> Reply {
         let (slot, generation, stream) = (self.slot, self.generation, self.stream.clone());
-        let outcome = match answer(self, handler, stats, None) {
-            Some(frame) => write_now(&stream, frame),
+        Reply { slot, generation, stream, frame: answer(self, handler, stats, None) }
+    }
+}
+
+/// A response to write: the frame, or `None` if the request body was malformed.
+pub(super) struct Reply {
+    slot: usize,
+    generation: u64,
+    stream: Arc<TcpStream>,
+    frame: Option<Vec<u8>>,
+}
+
+impl Reply {
+    /// Writes the response to the socket (what it takes at once).
+    pub(super) fn send(self) -> Done {
+        let outcome = match self.frame {
+            Some(frame) => write_now(&self.stream, frame),
             None => Outcome::Malformed,
         };
-        Done { slot, generation, outcome }
+        Done { slot: self.slot, generation: self.generation, outcome }
     }
 }
 

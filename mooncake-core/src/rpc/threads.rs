@@ -308,16 +308,20 @@ impl Shared {
                 self.arm(&mut lead);
             }
             drop(lead);
-            let done = job.answer(&*self.handler, &self.stats);
+            let reply = job.answer(&*self.handler, &self.stats);
             match self.lead.try_lock() {
                 // Nobody took the lead meanwhile: take it back and go on with the
-                // connection here, waking no one.
+                // connection here, waking no one. The watch is disabled before the
+                // response leaves: the client's next request must not wake the deputy.
                 Some(mut lead) => {
+                    self.disarm(&mut lead);
+                    let done = reply.send();
                     lead.conns.take_back(done);
                     held = Some(lead);
                 }
                 // Another thread leads: it takes the connection back when woken.
                 None => {
+                    let done = reply.send();
                     self.waiting.fetch_add(1, Ordering::AcqRel);
                     if self.done.send(done).is_ok() {
                         let _ = self.waker.wake();
