@@ -3,11 +3,15 @@
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
+use std::sync::{mpsc, Arc, Mutex};
 use std::time::Duration;
 
-use mooncake_core::rpc::wire::{encode_frame, FrameHeader, FrameKind, Request, Response, HEADER_LEN};
-use mooncake_core::rpc::{read_frame, RpcServer};
-use mooncake_core::{Error, Master, MasterConfig, ReplicateConfig, Store};
+use mooncake_core::rpc::wire::{
+    decode_body, encode_frame, request_kind_of, FrameHeader, FrameKind, Request, Response, WireError, HEADER_LEN,
+    REQUEST_KINDS,
+};
+use mooncake_core::rpc::{read_frame, RpcHandler, RpcServer, RpcServerConfig};
+use mooncake_core::{Error, Master, MasterConfig, ObjectRecord, RecordUpdate, ReplicateConfig, Store};
 use proptest::prelude::*;
 
 fn server() -> (Master, RpcServer, String) {
@@ -131,7 +135,208 @@ fn requests_can_be_pipelined() {
     }
 }
 
+/// Answers `Exists` inline (by the thread polling the connections) and everything
+/// else after handing the polling on; every answer names the request's key and the
+/// thread that gave it. `GetReplicaList { key: "slow" }` blocks until `release` is
+/// dropped (after saying so on `started`). `ListKeys { limit }` answers `limit` keys of
+/// 1 KiB: a response larger than a socket buffer.
+struct WhereAnswered {
+    started: Mutex<Option<mpsc::Sender<()>>>,
+    release: Mutex<Option<mpsc::Receiver<()>>>,
+}
+
+impl WhereAnswered {
+    fn new() -> Arc<Self> {
+        Arc::new(Self { started: Mutex::new(None), release: Mutex::new(None) })
+    }
+}
+
+impl RpcHandler for WhereAnswered {
+    fn handle(&self, request: Request) -> Response {
+        let thread = std::thread::current().id();
+        match request {
+            Request::GetReplicaList { key } if key == "slow" => {
+                let release = self.release.lock().unwrap().take().unwrap();
+                let _ = self.started.lock().unwrap().take().unwrap().send(());
+                let _ = release.recv();
+                Response::Error(WireError::Other(format!("{key}@{thread:?}")))
+            }
+            Request::Exists { key } | Request::GetReplicaList { key } => {
+                Response::Error(WireError::Other(format!("{key}@{thread:?}")))
+            }
+            Request::ListKeys { limit } => Response::ListKeys(Ok((0..limit).map(|i| format!("{i:01024}")).collect())),
+            _ => Response::Unit,
+        }
+    }
+
+    fn answers_inline(&self, kind: usize) -> bool {
+        REQUEST_KINDS[kind] == "exists"
+    }
+}
+
+/// The key and the answering thread of a `WhereAnswered` answer.
+fn answered(body: &[u8]) -> (String, String) {
+    match decode_body::<Response>(body).unwrap() {
+        Response::Error(WireError::Other(m)) => {
+            let (key, thread) = m.split_once('@').unwrap();
+            (key.to_owned(), thread.to_owned())
+        }
+        other => panic!("unexpected answer {other:?}"),
+    }
+}
+
+fn serve(handler: Arc<WhereAnswered>, config: RpcServerConfig) -> (RpcServer, TcpStream) {
+    let server = RpcServer::serve_with("127.0.0.1:0", handler, config).unwrap();
+    let s = TcpStream::connect(server.local_addr()).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    (server, s)
+}
+
+fn ask(s: &mut TcpStream, id: u64, req: &Request) -> (String, String) {
+    s.write_all(&encode_frame(FrameKind::Request, id, req).unwrap()).unwrap();
+    let (h, body) = read_frame(s, 1 << 20).unwrap();
+    assert_eq!(h.request_id, id);
+    answered(&body)
+}
+
+#[test]
+fn pipelined_requests_are_answered_in_order_and_inline_ones_by_the_polling_thread() {
+    let (server, mut s) = serve(WhereAnswered::new(), RpcServerConfig::default());
+    // Inline requests only: the thread polling answers them all, never handing on.
+    let mut frames = Vec::new();
+    for id in 0..40u64 {
+        frames.extend(encode_frame(FrameKind::Request, id, &Request::Exists { key: format!("k{id}") }).unwrap());
+    }
+    s.write_all(&frames).unwrap();
+    let mut threads = std::collections::HashSet::new();
+    for id in 0..40u64 {
+        let (h, body) = read_frame(&mut s, 1 << 20).unwrap();
+        assert_eq!(h.request_id, id);
+        let (key, thread) = answered(&body);
+        assert_eq!(key, format!("k{id}"));
+        threads.insert(thread);
+    }
+    assert_eq!(threads.len(), 1, "inline answers came from {threads:?}");
+    // Inline and handed-on requests mixed: still one at a time, in order.
+    let mut frames = Vec::new();
+    for id in 40..100u64 {
+        let key = format!("k{id}");
+        let req = if id % 3 == 0 { Request::GetReplicaList { key } } else { Request::Exists { key } };
+        frames.extend(encode_frame(FrameKind::Request, id, &req).unwrap());
+    }
+    s.write_all(&frames).unwrap();
+    for id in 40..100u64 {
+        let (h, body) = read_frame(&mut s, 1 << 20).unwrap();
+        assert_eq!((h.request_id, answered(&body).0), (id, format!("k{id}")));
+    }
+    assert_eq!(server.stats().requests.load(std::sync::atomic::Ordering::Relaxed), 100);
+}
+
+#[test]
+fn a_request_that_blocks_holds_up_no_other_connection() {
+    let handler = WhereAnswered::new();
+    let (started_tx, started) = mpsc::channel();
+    let (release, release_rx) = mpsc::channel::<()>();
+    *handler.started.lock().unwrap() = Some(started_tx);
+    *handler.release.lock().unwrap() = Some(release_rx);
+    // Two threads kept: the one answering "slow" blocks; another must take over.
+    let config = RpcServerConfig { workers: 2, ..RpcServerConfig::default() };
+    let (server, mut slow) = serve(handler, config);
+    // Dropped before the server if the test fails, so that the server's drop does not
+    // wait for the blocked request forever.
+    let release = release;
+    slow.write_all(&encode_frame(FrameKind::Request, 1, &Request::GetReplicaList { key: "slow".into() }).unwrap())
+        .unwrap();
+    started.recv_timeout(Duration::from_secs(20)).unwrap();
+    let mut other = TcpStream::connect(server.local_addr()).unwrap();
+    other.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    for id in 0..20u64 {
+        let key = format!("fast{id}");
+        let req = if id % 2 == 0 {
+            Request::GetReplicaList { key: key.clone() }
+        } else {
+            Request::Exists { key: key.clone() }
+        };
+        assert_eq!(ask(&mut other, id, &req).0, key);
+    }
+    // All that while, "slow" was still being answered.
+    slow.set_nonblocking(true).unwrap();
+    let mut byte = [0u8; 1];
+    assert_eq!(slow.peek(&mut byte).unwrap_err().kind(), std::io::ErrorKind::WouldBlock);
+    slow.set_nonblocking(false).unwrap();
+    drop(release);
+    let (h, body) = read_frame(&mut slow, 1 << 20).unwrap();
+    assert_eq!((h.request_id, answered(&body).0), (1, "slow".to_owned()));
+    // And the connection goes on.
+    assert_eq!(ask(&mut slow, 2, &Request::Exists { key: "after".into() }).0, "after");
+}
+
+#[test]
+fn a_server_with_a_single_thread_still_answers_every_connection() {
+    let config = RpcServerConfig { workers: 1, max_workers: 1, ..RpcServerConfig::default() };
+    let (server, mut a) = serve(WhereAnswered::new(), config);
+    let mut b = TcpStream::connect(server.local_addr()).unwrap();
+    b.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    for id in 0..20u64 {
+        let s = if id % 2 == 0 { &mut a } else { &mut b };
+        let key = format!("k{id}");
+        assert_eq!(ask(s, id, &Request::GetReplicaList { key: key.clone() }).0, key);
+        assert_eq!(ask(s, id + 100, &Request::Exists { key: key.clone() }).0, key);
+    }
+}
+
+#[test]
+fn a_response_larger_than_the_socket_takes_is_written_whole_and_in_order() {
+    let (_server, mut s) = serve(WhereAnswered::new(), RpcServerConfig::default());
+    // 8 MiB answers: the answering thread's write fills the socket and the polling
+    // thread writes the rest as the client reads; an inline answer queued behind them
+    // waits its turn.
+    let mut frames = Vec::new();
+    for id in 0..3u64 {
+        frames.extend(encode_frame(FrameKind::Request, id, &Request::ListKeys { limit: 8192 }).unwrap());
+    }
+    frames.extend(encode_frame(FrameKind::Request, 3, &Request::Exists { key: "after".into() }).unwrap());
+    s.write_all(&frames).unwrap();
+    // Let the socket buffers fill before reading anything.
+    std::thread::sleep(Duration::from_millis(300));
+    for id in 0..3u64 {
+        let (h, body) = read_frame(&mut s, 64 << 20).unwrap();
+        assert_eq!(h.request_id, id);
+        match decode_body::<Response>(&body).unwrap() {
+            Response::ListKeys(Ok(keys)) => {
+                assert_eq!(keys.len(), 8192);
+                assert!(keys.iter().enumerate().all(|(i, k)| *k == format!("{i:01024}")));
+            }
+            other => panic!("unexpected answer {other:?}"),
+        }
+    }
+    let (h, body) = read_frame(&mut s, 1 << 20).unwrap();
+    assert_eq!((h.request_id, answered(&body).0), (3, "after".to_owned()));
+}
+
 proptest! {
+    /// The kind the event loop reads from a body's first bytes is the kind the body
+    /// decodes as, for every body that decodes.
+    #[test]
+    fn the_kind_read_from_a_body_is_the_kind_it_decodes_as(
+        bytes in proptest::collection::vec(any::<u8>(), 0..64),
+        records in proptest::collection::vec((any::<u64>(), "[a-z]{1,8}", any::<u64>()), 0..4),
+    ) {
+        if let Ok(req) = decode_body::<Request>(&bytes) {
+            prop_assert_eq!(request_kind_of(&bytes), Some(req.kind_index()));
+        }
+        let updates = records
+            .into_iter()
+            .map(|(segment, key, offset)| RecordUpdate::Added {
+                segment,
+                record: ObjectRecord { key, offset, len: 1, checksum: 2 },
+            })
+            .collect();
+        let frame = encode_frame(FrameKind::Request, 1, &Request::ApplyRecords { updates }).unwrap();
+        prop_assert_eq!(request_kind_of(&frame[HEADER_LEN..]), Some(Request::APPLY_RECORDS_KIND));
+        prop_assert_eq!(REQUEST_KINDS[Request::APPLY_RECORDS_KIND], "apply_records");
+    }
+
     #[test]
     fn arbitrary_bytes_never_panic_the_decoder(bytes in proptest::collection::vec(any::<u8>(), 0..256)) {
         let _ = mooncake_core::rpc::wire::decode_request_frame(&bytes, 1 << 20);

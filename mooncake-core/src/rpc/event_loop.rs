@@ -1,23 +1,28 @@
-//! The RPC server's event loop: one thread polls the listener and every connection;
-//! complete requests go to a pool of workers, whose answers come back through a
-//! channel and a waker.
+//! The RPC server's connections: the listener and every connection, polled one turn
+//! at a time by whichever server thread leads (see [`super::threads`]). A turn reads
+//! what clients sent, answers at once the requests the handler answers inline
+//! ([`RpcHandler::answers_inline`]), and queues the others as [`Job`]s; a thread
+//! answering a job writes the response to the socket itself and hands the connection
+//! back with a [`Done`].
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, VecDeque};
 use std::io::{ErrorKind, Read, Write};
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::os::fd::AsRawFd;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{Receiver, Sender};
+use crossbeam_channel::Receiver;
 use mio::net::{TcpListener, TcpStream};
+use mio::unix::SourceFd;
 use mio::{Events, Interest, Poll, Token, Waker};
 use mooncake_transfer::{admits_peer, encode_refusal, AUTH_LEN, AUTH_MAGIC, PROTECTED_MODE_REFUSAL};
 
 use super::frame_reader::FrameReader;
 use super::handler::{RpcHandler, RpcServerConfig, RpcServerStats};
-use super::wire::{decode_body, encode_frame, FrameKind, Request};
+use super::wire::{decode_body, encode_frame, request_kind_of, FrameKind, Request};
 
 const LISTENER: Token = Token(0);
 const WAKER: Token = Token(1);
@@ -31,185 +36,85 @@ const LINGER: Duration = Duration::from_millis(500);
 /// Most refused connections lingering at once (beyond it they are closed at once).
 const MAX_LINGERING: usize = 256;
 
-/// A running event loop and its workers; dropping it stops and joins them.
-pub(crate) struct EventLoop {
-    stop: Arc<AtomicBool>,
-    waker: Arc<Waker>,
-    thread: Option<std::thread::JoinHandle<()>>,
-    pool: Arc<WorkerPool>,
-}
-
-impl Drop for EventLoop {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        let _ = self.waker.wake();
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-        // The loop dropped the job queue's sender: the workers finish and exit.
-        let workers: Vec<_> = self.pool.handles.lock().drain(..).collect();
-        for w in workers {
-            let _ = w.join();
-        }
-    }
-}
-
-/// The workers: at least `min` threads; one more is started whenever a request
-/// finds none idle (a request may block, as a put waiting for an offload does),
-/// up to `max`; extra ones exit after a while idle.
-struct WorkerPool {
-    min: usize,
-    max: usize,
-    idle: AtomicUsize,
-    total: AtomicUsize,
-    handles: parking_lot::Mutex<Vec<std::thread::JoinHandle<()>>>,
-    jobs: Receiver<Job>,
-    done: Sender<Done>,
-    waker: Arc<Waker>,
-    handler: Arc<dyn RpcHandler>,
-    stats: Arc<RpcServerStats>,
-}
-
-/// How long a worker beyond the minimum stays idle before it exits.
-const WORKER_IDLE: Duration = Duration::from_secs(10);
-
-impl WorkerPool {
-    /// Starts a worker (if under the maximum).
-    fn grow(self: &Arc<Self>) -> std::io::Result<()> {
-        if self.total.fetch_add(1, Ordering::AcqRel) >= self.max {
-            self.total.fetch_sub(1, Ordering::AcqRel);
-            return Ok(());
-        }
-        self.idle.fetch_add(1, Ordering::AcqRel);
-        let pool = self.clone();
-        let spawned = std::thread::Builder::new().name("mooncake-rpc-worker".into()).spawn(move || pool.work());
-        match spawned {
-            Ok(h) => {
-                let mut handles = self.handles.lock();
-                // Forget workers that already exited.
-                handles.retain(|h| !h.is_finished());
-                handles.push(h);
-                Ok(())
-            }
-            Err(e) => {
-                self.total.fetch_sub(1, Ordering::AcqRel);
-                self.idle.fetch_sub(1, Ordering::AcqRel);
-                Err(e)
-            }
-        }
-    }
-
-    /// Whether a request queued now would wait for a worker.
-    fn all_busy(&self) -> bool {
-        self.idle.load(Ordering::Acquire) == 0
-    }
-
-    /// A worker: decodes, answers and encodes requests until the queue closes.
-    fn work(&self) {
-        loop {
-            let job = match self.jobs.recv_timeout(WORKER_IDLE) {
-                Ok(job) => job,
-                Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
-                    let total = self.total.load(Ordering::Acquire);
-                    if total > self.min
-                        && self.total.compare_exchange(total, total - 1, Ordering::AcqRel, Ordering::Acquire).is_ok()
-                    {
-                        self.idle.fetch_sub(1, Ordering::AcqRel);
-                        return;
-                    }
-                    continue;
-                }
-                Err(crossbeam_channel::RecvTimeoutError::Disconnected) => return,
-            };
-            self.idle.fetch_sub(1, Ordering::AcqRel);
-            let (slot, generation) = (job.slot, job.generation);
-            let frame = answer(job, &*self.handler, &self.stats);
-            self.idle.fetch_add(1, Ordering::AcqRel);
-            if self.done.send(Done { slot, generation, frame }).is_err() {
-                return;
-            }
-            let _ = self.waker.wake();
-        }
-    }
-}
-
-/// A complete request frame for a worker.
-struct Job {
+/// A complete request, to be answered by a server thread.
+pub(super) struct Job {
     slot: usize,
     generation: u64,
+    /// The connection's socket, to write the response to: the loop writes nothing to
+    /// a connection while its request is being answered.
+    stream: Arc<TcpStream>,
     request_id: u64,
     body: Vec<u8>,
 }
 
-/// A worker's answer: the response frame, or `None` if the body was malformed.
-struct Done {
+/// A thread is done with a connection's request: the connection may go on.
+pub(super) struct Done {
     slot: usize,
     generation: u64,
-    frame: Option<Vec<u8>>,
+    outcome: Outcome,
 }
 
-impl EventLoop {
-    pub(crate) fn start(
-        listener: std::net::TcpListener,
-        handler: Arc<dyn RpcHandler>,
-        config: RpcServerConfig,
-        stats: Arc<RpcServerStats>,
-    ) -> std::io::Result<Self> {
-        listener.set_nonblocking(true)?;
-        let mut listener = TcpListener::from_std(listener);
-        let poll = Poll::new()?;
-        poll.registry().register(&mut listener, LISTENER, Interest::READABLE)?;
-        let waker = Arc::new(Waker::new(poll.registry(), WAKER)?);
-        let stop = Arc::new(AtomicBool::new(false));
-        let (job_tx, job_rx) = crossbeam_channel::unbounded::<Job>();
-        let (done_tx, done_rx) = crossbeam_channel::unbounded::<Done>();
-        let min = match config.workers {
-            0 => std::thread::available_parallelism().map_or(2, |n| n.get()).clamp(2, 16),
-            n => n,
-        };
-        let pool = Arc::new(WorkerPool {
-            min,
-            max: config.max_workers.max(min),
-            idle: AtomicUsize::new(0),
-            total: AtomicUsize::new(0),
-            handles: parking_lot::Mutex::new(Vec::new()),
-            jobs: job_rx,
-            done: done_tx,
-            waker: waker.clone(),
-            handler,
-            stats: stats.clone(),
-        });
-        for _ in 0..min {
-            pool.grow()?;
-        }
-        let state = Loop {
-            poll,
-            listener,
-            config,
-            stats,
-            stop: stop.clone(),
-            conns: Vec::new(),
-            free: Vec::new(),
-            timers: BinaryHeap::new(),
-            buffered: 0,
-            starved: VecDeque::new(),
-            lingering: 0,
-            accept_retry: None,
-            jobs: job_tx,
-            done: done_rx,
-            pool: pool.clone(),
-            scratch: vec![0; READ_CHUNK],
-            next_generation: 0,
-        };
-        let thread = std::thread::Builder::new().name("mooncake-rpc-loop".into()).spawn(move || state.run())?;
-        Ok(Self { stop, waker, thread: Some(thread), pool })
+/// What became of a response written by the thread that answered.
+enum Outcome {
+    /// Written whole to the socket.
+    Sent,
+    /// The socket took only `frame[..pos]`; the loop writes the rest.
+    Unsent { frame: Vec<u8>, pos: usize },
+    /// The request body was malformed (or its answer could not be encoded).
+    Malformed,
+    /// The socket failed.
+    Broken,
+}
+
+impl Job {
+    /// Answers the request; the response is written by [`Reply::send`].
+    pub(super) fn answer(self, handler: &dyn RpcHandler, stats: &RpcServerStats) -> Reply {
+        let (slot, generation, stream) = (self.slot, self.generation, self.stream.clone());
+        Reply { slot, generation, stream, frame: answer(self, handler, stats, None) }
     }
 }
 
-/// The response frame to one request, or `None` if its body is malformed.
-fn answer(job: Job, handler: &dyn RpcHandler, stats: &RpcServerStats) -> Option<Vec<u8>> {
+/// A response to write: the frame, or `None` if the request body was malformed.
+pub(super) struct Reply {
+    slot: usize,
+    generation: u64,
+    stream: Arc<TcpStream>,
+    frame: Option<Vec<u8>>,
+}
+
+impl Reply {
+    /// Writes the response to the socket (what it takes at once).
+    pub(super) fn send(self) -> Done {
+        let outcome = match self.frame {
+            Some(frame) => write_now(&self.stream, frame),
+            None => Outcome::Malformed,
+        };
+        Done { slot: self.slot, generation: self.generation, outcome }
+    }
+}
+
+/// Writes what the socket takes at once of a response: usually all of it, so that
+/// the response leaves without waiting for the thread that polls.
+fn write_now(stream: &TcpStream, frame: Vec<u8>) -> Outcome {
+    let mut pos = 0;
+    while pos < frame.len() {
+        match (&*stream).write(&frame[pos..]) {
+            Ok(0) => return Outcome::Broken,
+            Ok(n) => pos += n,
+            Err(e) if e.kind() == ErrorKind::WouldBlock => return Outcome::Unsent { frame, pos },
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(_) => return Outcome::Broken,
+        }
+    }
+    Outcome::Sent
+}
+
+/// The response frame to one request, or `None` if its body is malformed. `inline`:
+/// the kind the loop read from the body's first bytes to answer it itself; a body
+/// that decodes as another kind is malformed.
+fn answer(job: Job, handler: &dyn RpcHandler, stats: &RpcServerStats, inline: Option<usize>) -> Option<Vec<u8>> {
     match decode_body::<Request>(&job.body) {
-        Ok(request) => {
+        Ok(request) if inline.is_none_or(|k| k == request.kind_index()) => {
             drop(job.body);
             let kind = request.kind_index();
             let response = handler.handle(request);
@@ -226,6 +131,13 @@ fn answer(job: Job, handler: &dyn RpcHandler, stats: &RpcServerStats) -> Option<
                     None
                 }
             }
+        }
+        Ok(_) => {
+            stats.bad_frames.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(
+                "closing an RPC connection: a request body that decodes as another kind than it starts with"
+            );
+            None
         }
         Err(e) => {
             stats.bad_frames.fetch_add(1, Ordering::Relaxed);
@@ -252,7 +164,9 @@ enum Phase {
 
 struct Conn {
     slot: usize,
-    stream: TcpStream,
+    /// Shared with the thread answering the connection's request, which writes the
+    /// response itself.
+    stream: Arc<TcpStream>,
     peer: SocketAddr,
     generation: u64,
     phase: Phase,
@@ -260,7 +174,8 @@ struct Conn {
     /// Bytes read from the socket and not consumed yet (kept only while the
     /// connection waits: a request in flight, a response unsent, no memory budget).
     pending: Vec<u8>,
-    /// A request of this connection is at a worker.
+    /// A request of this connection is being answered (by a thread that may be writing to the
+    /// socket: the loop does not).
     busy: bool,
     /// Body bytes charged to the memory budget.
     charged: usize,
@@ -271,12 +186,15 @@ struct Conn {
     starved: bool,
 }
 
-struct Loop {
+/// The listener and every connection.
+pub(super) struct Loop {
     poll: Poll,
+    /// Taken while a turn walks it.
+    events: Option<Events>,
     listener: TcpListener,
     config: RpcServerConfig,
+    handler: Arc<dyn RpcHandler>,
     stats: Arc<RpcServerStats>,
-    stop: Arc<AtomicBool>,
     conns: Vec<Option<Conn>>,
     free: Vec<usize>,
     /// Hello deadlines and linger ends: (when, slot, generation).
@@ -286,9 +204,9 @@ struct Loop {
     starved: VecDeque<(usize, u64)>,
     lingering: usize,
     accept_retry: Option<Instant>,
-    jobs: Sender<Job>,
+    /// Complete requests waiting for a thread to answer them.
+    ready: VecDeque<Job>,
     done: Receiver<Done>,
-    pool: Arc<WorkerPool>,
     scratch: Vec<u8>,
     next_generation: u64,
 }
@@ -300,46 +218,99 @@ enum Next {
 }
 
 impl Loop {
-    fn run(mut self) {
-        let mut events = Events::with_capacity(1024);
-        loop {
-            if self.stop.load(Ordering::Relaxed) {
-                return;
-            }
-            let now = Instant::now();
-            let next_timer = self.timers.peek().map(|Reverse((at, _, _))| *at);
-            let wake = [next_timer, self.accept_retry].into_iter().flatten().min();
-            let timeout = wake.map(|at| at.saturating_duration_since(now));
-            if let Err(e) = self.poll.poll(&mut events, timeout) {
-                if e.kind() != ErrorKind::Interrupted {
-                    tracing::error!(error = %e, "RPC event loop failed");
-                    return;
-                }
-            }
-            for event in events.iter() {
-                match event.token() {
-                    LISTENER => self.accept(),
-                    WAKER => {}
-                    Token(t) => {
-                        let slot = t - FIRST_CONN;
-                        if event.is_writable() {
-                            self.with_conn(slot, None, |l, c| l.flush(c));
-                        }
-                        if event.is_readable() || event.is_read_closed() {
-                            self.with_conn(slot, None, |l, c| l.drive(c));
-                        }
+    /// Polls `listener` for connections (nonblocking); `done` brings back the
+    /// connections whose requests were answered.
+    pub(super) fn new(
+        listener: std::net::TcpListener,
+        handler: Arc<dyn RpcHandler>,
+        config: RpcServerConfig,
+        stats: Arc<RpcServerStats>,
+        done: Receiver<Done>,
+    ) -> std::io::Result<Self> {
+        listener.set_nonblocking(true)?;
+        let mut listener = TcpListener::from_std(listener);
+        let poll = Poll::new()?;
+        poll.registry().register(&mut listener, LISTENER, Interest::READABLE)?;
+        Ok(Loop {
+            poll,
+            events: Some(Events::with_capacity(1024)),
+            listener,
+            config,
+            handler,
+            stats,
+            conns: Vec::new(),
+            free: Vec::new(),
+            timers: BinaryHeap::new(),
+            buffered: 0,
+            starved: VecDeque::new(),
+            lingering: 0,
+            accept_retry: None,
+            ready: VecDeque::new(),
+            done,
+            scratch: vec![0; READ_CHUNK],
+            next_generation: 0,
+        })
+    }
+
+    /// A waker that ends the turn in progress (a [`Done`] was sent, or the server stops).
+    pub(super) fn waker(&self) -> std::io::Result<Waker> {
+        Waker::new(self.poll.registry(), WAKER)
+    }
+
+    /// The descriptor of the poll: readable while events wait to be polled.
+    pub(super) fn poll_fd(&self) -> std::os::fd::RawFd {
+        self.poll.as_raw_fd()
+    }
+
+    /// The oldest request waiting for an answer.
+    pub(super) fn next_job(&mut self) -> Option<Job> {
+        self.ready.pop_front()
+    }
+
+    /// Whether requests wait for an answer.
+    pub(super) fn has_jobs(&self) -> bool {
+        !self.ready.is_empty()
+    }
+
+    /// One turn: waits for events (or the next timer), then reads what clients sent,
+    /// takes back connections whose requests were answered, and fires timers. Fails
+    /// only if polling itself fails.
+    pub(super) fn turn(&mut self) -> std::io::Result<()> {
+        let now = Instant::now();
+        let next_timer = self.timers.peek().map(|Reverse((at, _, _))| *at);
+        let wake = [next_timer, self.accept_retry].into_iter().flatten().min();
+        let timeout = wake.map(|at| at.saturating_duration_since(now));
+        let mut events = self.events.take().unwrap_or_else(|| Events::with_capacity(1024));
+        let polled = self.poll.poll(&mut events, timeout);
+        if let Err(e) = polled {
+            self.events = Some(events);
+            return if e.kind() == ErrorKind::Interrupted { Ok(()) } else { Err(e) };
+        }
+        for event in events.iter() {
+            match event.token() {
+                LISTENER => self.accept(),
+                WAKER => {}
+                Token(t) => {
+                    let slot = t - FIRST_CONN;
+                    if event.is_writable() {
+                        self.with_conn(slot, None, |l, c| l.flush(c));
+                    }
+                    if event.is_readable() || event.is_read_closed() {
+                        self.with_conn(slot, None, |l, c| l.drive(c));
                     }
                 }
             }
-            while let Ok(done) = self.done.try_recv() {
-                self.finish(done);
-            }
-            self.fire_timers();
-            if self.accept_retry.is_some_and(|at| at <= Instant::now()) {
-                self.accept_retry = None;
-                self.accept();
-            }
         }
+        self.events = Some(events);
+        while let Ok(done) = self.done.try_recv() {
+            self.take_back(done);
+        }
+        self.fire_timers();
+        if self.accept_retry.is_some_and(|at| at <= Instant::now()) {
+            self.accept_retry = None;
+            self.accept();
+        }
+        Ok(())
     }
 
     /// Runs `f` on the connection in `slot` (of `generation`, if given), closing it
@@ -357,7 +328,7 @@ impl Loop {
     }
 
     fn close(&mut self, slot: usize, mut conn: Conn) {
-        let _ = self.poll.registry().deregister(&mut conn.stream);
+        let _ = self.poll.registry().deregister(&mut SourceFd(&conn.stream.as_raw_fd()));
         self.release(&mut conn);
         if matches!(conn.phase, Phase::Closing) {
             self.lingering -= 1;
@@ -426,10 +397,16 @@ impl Loop {
                 self.conns.push(None);
                 self.conns.len() - 1
             });
+            // Registered by descriptor: the stream itself is shared with the threads
+            // answering requests.
             if self
                 .poll
                 .registry()
-                .register(&mut stream, Token(FIRST_CONN + slot), Interest::READABLE | Interest::WRITABLE)
+                .register(
+                    &mut SourceFd(&stream.as_raw_fd()),
+                    Token(FIRST_CONN + slot),
+                    Interest::READABLE | Interest::WRITABLE,
+                )
                 .is_err()
             {
                 self.free.push(slot);
@@ -446,7 +423,7 @@ impl Loop {
             self.stats.open_connections.fetch_add(1, Ordering::Relaxed);
             self.conns[slot] = Some(Conn {
                 slot,
-                stream,
+                stream: Arc::new(stream),
                 peer,
                 generation,
                 phase,
@@ -483,17 +460,20 @@ impl Loop {
         }
     }
 
-    /// A worker's answer: queue it for the client and go on with the connection.
-    fn finish(&mut self, done: Done) {
+    /// A thread is done with a connection's request: write what the socket did not
+    /// take of its response, and go on with the connection.
+    pub(super) fn take_back(&mut self, done: Done) {
         self.with_conn(done.slot, Some(done.generation), |l, c| {
             c.busy = false;
             l.release(c);
-            let Some(frame) = done.frame else { return Next::Close };
-            c.out = frame;
-            c.out_pos = 0;
-            match l.flush(c) {
-                Next::Keep => l.drive(c),
-                Next::Close => Next::Close,
+            match done.outcome {
+                Outcome::Sent => l.drive(c),
+                Outcome::Unsent { frame, pos } => {
+                    c.out = frame;
+                    c.out_pos = pos;
+                    l.drive(c)
+                }
+                Outcome::Malformed | Outcome::Broken => Next::Close,
             }
         });
         self.wake_starved();
@@ -514,32 +494,28 @@ impl Loop {
         }
     }
 
-    /// Writes what is pending of the response.
+    /// The socket can take bytes: writes what is pending of the response, and goes on
+    /// with the connection once it is written.
     fn flush(&mut self, c: &mut Conn) -> Next {
-        while c.out_pos < c.out.len() {
-            match c.stream.write(&c.out[c.out_pos..]) {
-                Ok(0) => return Next::Close,
-                Ok(n) => c.out_pos += n,
-                Err(e) if e.kind() == ErrorKind::WouldBlock => return Next::Keep,
-                Err(e) if e.kind() == ErrorKind::Interrupted => {}
-                Err(_) => return Next::Close,
-            }
+        match write_out(c) {
+            Wrote::Nothing | Wrote::Blocked => Next::Keep,
+            Wrote::All => self.drive(c),
+            Wrote::Failed => Next::Close,
         }
-        if !c.out.is_empty() {
-            // Keep no response memory while idle.
-            c.out = Vec::new();
-            c.out_pos = 0;
-            return self.drive(c);
-        }
-        Next::Keep
     }
 
-    /// Reads and handles what the client sent, as far as the connection may go now
-    /// (one request at a time, the previous response written, memory available).
+    /// Writes what is pending of the response, then reads and handles what the client
+    /// sent, as far as the connection may go now (one request at a time, the previous
+    /// response written, memory available).
     fn drive(&mut self, c: &mut Conn) -> Next {
         loop {
-            if c.busy || c.out_pos < c.out.len() || c.starved {
+            if c.busy || c.starved {
                 return Next::Keep;
+            }
+            match write_out(c) {
+                Wrote::Nothing | Wrote::All => {}
+                Wrote::Blocked => return Next::Keep,
+                Wrote::Failed => return Next::Close,
             }
             // Bytes kept from an earlier read first, then the socket.
             if !c.pending.is_empty() {
@@ -554,7 +530,7 @@ impl Loop {
                 continue;
             }
             let mut buf = std::mem::take(&mut self.scratch);
-            let read = c.stream.read(&mut buf);
+            let read = (&*c.stream).read(&mut buf);
             let next = match read {
                 Ok(0) => Some(Next::Close),
                 Ok(n) => {
@@ -579,7 +555,9 @@ impl Loop {
     /// for the connection to be ready again).
     fn consume(&mut self, c: &mut Conn, input: &[u8]) -> (usize, Next) {
         let mut used = 0;
-        while used < input.len() && !c.busy && !c.starved {
+        // A response waiting to be written (answered inline) ends it too: requests are
+        // answered one at a time, and the rest waits in `pending`.
+        while used < input.len() && !c.busy && !c.starved && c.out.is_empty() {
             let rest = &input[used..];
             match &mut c.phase {
                 Phase::Closing => return (input.len(), Next::Keep),
@@ -600,7 +578,7 @@ impl Loop {
                     answer.copy_from_slice(&got[4..]);
                     let secret = self.config.secret.as_ref().expect("the Auth phase exists only with a secret");
                     let ok = secret.verify(nonce, &answer);
-                    let _ = c.stream.write(&[u8::from(ok)]);
+                    let _ = (&*c.stream).write(&[u8::from(ok)]);
                     if !ok {
                         self.stats.auth_failures.fetch_add(1, Ordering::Relaxed);
                         tracing::warn!(peer = %c.peer, "RPC client proved a wrong shared secret");
@@ -620,7 +598,7 @@ impl Loop {
                     if first == AUTH_MAGIC {
                         self.stats.auth_failures.fetch_add(1, Ordering::Relaxed);
                         tracing::warn!(peer = %c.peer, "RPC client proves a shared secret this server does not have");
-                        let _ = c.stream.write(&encode_refusal(
+                        let _ = (&*c.stream).write(&encode_refusal(
                             "this server has no shared secret but the client proved one: set the same \
                              MOONCAKE_SECRET on every process",
                         ));
@@ -654,7 +632,7 @@ impl Loop {
     }
 
     /// Feeds the frame reader within the memory budget; a complete frame goes to a
-    /// worker. Returns the bytes taken.
+    /// thread (or is answered here, inline). Returns the bytes taken.
     fn feed_some(&mut self, c: &mut Conn, bytes: &[u8]) -> (usize, Next) {
         let allowance = self.config.memory_budget.saturating_sub(self.buffered);
         let before = c.reader.buffered();
@@ -681,16 +659,25 @@ impl Loop {
                 self.buffered += extra;
                 c.charged += extra;
                 c.phase = Phase::Open { hello_done: true };
+                let job = Job {
+                    slot: c.slot,
+                    generation: c.generation,
+                    stream: c.stream.clone(),
+                    request_id: header.request_id,
+                    body,
+                };
+                let kind = request_kind_of(&job.body);
+                if let Some(kind) = kind.filter(|&k| self.handler.answers_inline(k)) {
+                    // Answered here: `drive` writes the response before reading on.
+                    let frame = answer(job, &*self.handler, &self.stats, Some(kind));
+                    self.release(c);
+                    let Some(frame) = frame else { return (n, Next::Close) };
+                    c.out = frame;
+                    c.out_pos = 0;
+                    return (n, Next::Keep);
+                }
                 c.busy = true;
-                let job = Job { slot: c.slot, generation: c.generation, request_id: header.request_id, body };
-                if self.pool.all_busy() {
-                    if let Err(e) = self.pool.grow() {
-                        tracing::warn!(error = %e, "cannot start an RPC worker");
-                    }
-                }
-                if self.jobs.send(job).is_err() {
-                    return (n, Next::Close);
-                }
+                self.ready.push_back(job);
             }
             None if n < bytes.len() => {
                 // Out of memory budget: wait for some to be freed.
@@ -715,4 +702,36 @@ impl Loop {
         self.timers.push(Reverse((Instant::now() + LINGER, c.slot, c.generation)));
         Next::Keep
     }
+}
+
+/// What writing a connection's pending response came to.
+enum Wrote {
+    /// Nothing was pending.
+    Nothing,
+    /// All of it is written (and its memory freed).
+    All,
+    /// The socket is full; the rest goes when it is writable again.
+    Blocked,
+    /// The socket failed.
+    Failed,
+}
+
+/// Writes what is pending of a connection's response.
+fn write_out(c: &mut Conn) -> Wrote {
+    if c.out.is_empty() {
+        return Wrote::Nothing;
+    }
+    while c.out_pos < c.out.len() {
+        match (&*c.stream).write(&c.out[c.out_pos..]) {
+            Ok(0) => return Wrote::Failed,
+            Ok(n) => c.out_pos += n,
+            Err(e) if e.kind() == ErrorKind::WouldBlock => return Wrote::Blocked,
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(_) => return Wrote::Failed,
+        }
+    }
+    // Keep no response memory while idle.
+    c.out = Vec::new();
+    c.out_pos = 0;
+    Wrote::All
 }

@@ -10,6 +10,7 @@ mod event_loop;
 mod frame_reader;
 mod handler;
 mod server;
+mod threads;
 pub mod wire;
 
 pub use client::{RpcMasterClient, RpcRecordConnector};

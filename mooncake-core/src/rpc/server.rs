@@ -1,5 +1,5 @@
-//! The master's TCP server: an event loop holding every connection and a pool of
-//! workers answering their requests (each connection's requests in order).
+//! The master's TCP server: every connection polled by one thread at a time, each
+//! request answered by the thread that read it (each connection's requests in order).
 
 use std::io::Read;
 use std::net::SocketAddr;
@@ -10,17 +10,18 @@ use mooncake_transfer::SharedSecret;
 use crate::error::{Error, Result};
 use crate::master::{master_calls, MasterApi, MasterService};
 use crate::rpc::convert::{Arg, Lend};
-use crate::rpc::event_loop::EventLoop;
 use crate::rpc::frame_reader::RawFrame;
 use crate::rpc::handler::{RpcHandler, RpcServerConfig, RpcServerStats};
+use crate::rpc::threads::ServerThreads;
 use crate::rpc::wire::WireReturn;
 
 use super::wire::{FrameError, FrameHeader, Request, Response, WireError, DEFAULT_MAX_FRAME, HEADER_LEN};
 
 /// Serves a [`MasterService`] over TCP.
 ///
-/// One event-loop thread holds every connection (an idle one costs a socket and a
-/// few hundred bytes), and a pool of workers answers requests. Request bodies are
+/// A pool of threads serves every connection (an idle one costs a socket and a few
+/// hundred bytes): one polls them all while the others answer the requests it handed
+/// on, each writing its response itself (leader/follower). Request bodies are
 /// read into memory as their bytes arrive, within [`RpcServerConfig::max_frame`] per
 /// connection and [`RpcServerConfig::memory_budget`] over all of them: a header alone
 /// costs nothing. A connection that has not completed its hello within
@@ -43,7 +44,7 @@ use super::wire::{FrameError, FrameHeader, Request, Response, WireError, DEFAULT
 pub struct RpcServer {
     addr: SocketAddr,
     stats: Arc<RpcServerStats>,
-    event_loop: Option<EventLoop>,
+    threads: Option<ServerThreads>,
 }
 
 impl std::fmt::Debug for RpcServer {
@@ -92,10 +93,10 @@ impl RpcServer {
             .map_err(|e| Error::InvalidArgument(format!("cannot listen on {addr}: {e}")))?;
         let local = listener.local_addr().map_err(|e| Error::InvalidArgument(e.to_string()))?;
         let stats = Arc::new(RpcServerStats::default());
-        let event_loop = EventLoop::start(listener, service, config, stats.clone())
+        let threads = ServerThreads::start(listener, service, config, stats.clone())
             .map_err(|e| Error::InvalidArgument(format!("cannot start the RPC server: {e}")))?;
         tracing::info!(%local, "RPC listening");
-        Ok(Self { addr: local, stats, event_loop: Some(event_loop) })
+        Ok(Self { addr: local, stats, threads: Some(threads) })
     }
 
     /// The bound address.
@@ -110,10 +111,10 @@ impl RpcServer {
 }
 
 impl Drop for RpcServer {
-    /// Stops the event loop, closes the listener (the address is free again when this
-    /// returns) and every open connection, and joins the workers.
+    /// Stops and joins the server's threads, and closes the listener (the address is
+    /// free again when this returns) and every open connection.
     fn drop(&mut self) {
-        drop(self.event_loop.take());
+        drop(self.threads.take());
     }
 }
 

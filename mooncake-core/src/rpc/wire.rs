@@ -138,6 +138,23 @@ pub fn decode_body<'de, T: Deserialize<'de>>(body: &'de [u8]) -> Result<T, Frame
     postcard::from_bytes(body).map_err(|e| FrameError::Body(e.to_string()))
 }
 
+/// The kind of request (its index in [`REQUEST_KINDS`]) an encoded request body holds,
+/// read from its first bytes without decoding the rest: a server decides with it
+/// where the request is answered before paying for its decoding. `None` if those
+/// bytes name no kind; the body may still be malformed past them.
+pub fn request_kind_of(body: &[u8]) -> Option<usize> {
+    // postcard writes the variant index as a LEB128 varint of a u32 (at most 5 bytes)
+    // before the variant's fields.
+    let mut index: u64 = 0;
+    for (i, b) in body.iter().take(5).enumerate() {
+        index |= u64::from(b & 0x7f) << (7 * i);
+        if b & 0x80 == 0 {
+            return usize::try_from(index).ok().filter(|&k| k < REQUEST_KINDS.len());
+        }
+    }
+    None
+}
+
 /// Decodes a whole request frame held in `bytes` (what the fuzz target feeds).
 pub fn decode_request_frame(bytes: &[u8], max_body: u32) -> Result<(FrameHeader, Request), FrameError> {
     let header = FrameHeader::decode(bytes, max_body)?;
@@ -213,6 +230,9 @@ macro_rules! define_wire_messages {
             &[$( stringify!($name), )* "batch_get_offload_object", "release_offload_buffer", "apply_records"];
 
         impl Request {
+            /// Index of [`Request::ApplyRecords`] in [`REQUEST_KINDS`].
+            pub const APPLY_RECORDS_KIND: usize = RequestKind::ApplyRecords as usize;
+
             /// Index of this request's kind in [`REQUEST_KINDS`].
             pub fn kind_index(&self) -> usize {
                 let kind = match self {

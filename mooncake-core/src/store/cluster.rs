@@ -592,6 +592,12 @@ impl RpcHandler for ClusterRecords {
             )),
         }
     }
+
+    /// As a single node's record endpoint: a few map operations a put waits for,
+    /// answered on the polling thread.
+    fn answers_inline(&self, kind: usize) -> bool {
+        kind == Request::APPLY_RECORDS_KIND
+    }
 }
 
 /// Not used by a store in cluster mode (it mounts extents itself).

@@ -97,4 +97,10 @@ impl RpcHandler for SegmentRecords {
             )),
         }
     }
+
+    /// Applying updates is a few map operations under one lock, and a put waits for
+    /// it: answered on the event-loop thread, without a hop to a worker and back.
+    fn answers_inline(&self, kind: usize) -> bool {
+        kind == Request::APPLY_RECORDS_KIND
+    }
 }

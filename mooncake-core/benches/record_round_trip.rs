@@ -1,0 +1,115 @@
+//! What a durable acknowledgment costs, piece by piece, over loopback TCP:
+//!
+//! - `tcp_ping_pong`: the floor, one small message each way between two threads of
+//!   this process over a plain socket;
+//! - `apply_records`: one `ApplyRecords` round trip (one update) from the master's
+//!   record client to a record endpoint served by an `RpcServer`;
+//! - `put_start` and `put_start+put_end`: a put's two master calls (no bytes moved)
+//!   against a master daemon whose one storage node serves its records over TCP, so
+//!   `put_end` includes the round trip to the node; `remove` likewise.
+
+use std::collections::HashMap;
+use std::hint::black_box;
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::sync::Arc;
+use std::time::Duration;
+
+use criterion::{criterion_group, criterion_main, Criterion};
+use mooncake_core::rpc::wire::{Request, Response};
+use mooncake_core::rpc::{RpcHandler, RpcMasterClient, RpcRecordConnector, RpcServer, RpcServerConfig};
+use mooncake_core::{MasterApi, MasterDaemon, ObjectRecord, RecordConnector, RecordUpdate, ReplicateConfig, Store};
+use parking_lot::Mutex;
+
+/// A record endpoint keeping the records in a map, as a storage node does.
+#[derive(Default)]
+struct Records(Mutex<HashMap<u64, ObjectRecord>>);
+
+impl RpcHandler for Records {
+    fn handle(&self, request: Request) -> Response {
+        if let Request::ApplyRecords { updates } = request {
+            let mut map = self.0.lock();
+            for u in updates {
+                match u {
+                    RecordUpdate::Added { record, .. } => {
+                        map.insert(record.offset, record);
+                    }
+                    RecordUpdate::Removed { offset, .. } => {
+                        map.remove(&offset);
+                    }
+                }
+            }
+        }
+        Response::Unit
+    }
+}
+
+fn tcp_ping_pong(c: &mut Criterion) {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let echo = std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        s.set_nodelay(true).unwrap();
+        let mut b = [0u8; 64];
+        while s.read_exact(&mut b).is_ok() {
+            if s.write_all(&b).is_err() {
+                return;
+            }
+        }
+    });
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_nodelay(true).unwrap();
+    let mut b = [7u8; 64];
+    c.bench_function("records/tcp_ping_pong", |bench| {
+        bench.iter(|| {
+            s.write_all(&b).unwrap();
+            s.read_exact(&mut b).unwrap();
+        })
+    });
+    drop(s);
+    echo.join().unwrap();
+}
+
+fn apply_records(c: &mut Criterion) {
+    let server =
+        RpcServer::serve_with("127.0.0.1:0", Arc::new(Records::default()), RpcServerConfig::default()).unwrap();
+    let sink = RpcRecordConnector::new(None, Duration::from_secs(5)).connect(&server.local_addr().to_string()).unwrap();
+    let record = ObjectRecord { key: "bench/records/key".into(), offset: 4096, len: 1 << 20, checksum: 7 };
+    let updates = [RecordUpdate::Added { segment: 1, record }];
+    c.bench_function("records/apply_records", |b| b.iter(|| sink.apply_records(black_box(&updates)).unwrap()));
+}
+
+fn put_end(c: &mut Criterion) {
+    let daemon = MasterDaemon::builder("127.0.0.1:0").serve().unwrap();
+    let addr = daemon.local_addr().to_string();
+    // The storage node: serves its segment and its record endpoint over TCP.
+    let _node = Store::builder().master_address(&addr).global_segment_size(64 << 20).build().unwrap();
+    let client = RpcMasterClient::connect(&addr).unwrap();
+    let id = client.register_client().unwrap().client;
+    let cfg = ReplicateConfig::default();
+    let mut i = 0u64;
+    c.bench_function("records/put_start", |b| {
+        b.iter(|| {
+            let key = format!("bench/start/{i}");
+            i += 1;
+            black_box(client.put_start(id, &key, 4096, &cfg).unwrap());
+            client.put_revoke(id, &key).unwrap();
+        })
+    });
+    c.bench_function("records/put_start+put_end+remove", |b| {
+        b.iter(|| {
+            let key = format!("bench/end/{i}");
+            i += 1;
+            black_box(client.put_start(id, &key, 4096, &cfg).unwrap());
+            client.put_end(id, &key, 7).unwrap();
+            client.remove(&key).unwrap();
+        })
+    });
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default().measurement_time(Duration::from_secs(3)).warm_up_time(Duration::from_secs(1));
+    targets = tcp_ping_pong, apply_records, put_end
+}
+criterion_main!(benches);
