@@ -458,13 +458,17 @@ impl ClusterClient {
         Err(last)
     }
 
-    /// Remembers which master answered for the segments and disk owners of `list`.
-    fn note_homes(&self, addr: &str, list: &ReplicaList) {
+    /// Remembers that the master at `addr` placed `replicas` (their segments are its).
+    fn note_placed<'a>(&self, addr: &str, replicas: impl IntoIterator<Item = &'a MemoryReplica>) {
         let mut homes = self.segment_home.write();
-        for r in &list.replicas {
+        for r in replicas {
             homes.entry(r.segment).or_insert_with(|| addr.to_owned());
         }
-        drop(homes);
+    }
+
+    /// Remembers which master answered for the segments and disk owners of `list`.
+    fn note_homes(&self, addr: &str, list: &ReplicaList) {
+        self.note_placed(addr, &list.replicas);
         if let Some(owner) = list.disk {
             self.client_home.write().insert(owner, addr.to_owned());
         }
@@ -680,10 +684,7 @@ impl MasterApi for ClusterClient {
     fn put_start(&self, _client: ClientId, key: &str, len: u64, cfg: &ReplicateConfig) -> Result<Vec<MemoryReplica>> {
         self.on_key(key, |s, id| {
             let replicas = s.rpc.put_start(id, key, len, cfg)?;
-            let mut homes = self.segment_home.write();
-            for r in &replicas {
-                homes.entry(r.segment).or_insert_with(|| s.addr.clone());
-            }
+            self.note_placed(&s.addr, &replicas);
             Ok(replicas)
         })
     }
@@ -739,10 +740,7 @@ impl MasterApi for ClusterClient {
             |i| i.0,
             |s, id, part| {
                 let answers = s.rpc.batch_put_start(id, part, cfg);
-                let mut homes = self.segment_home.write();
-                for r in answers.iter().flatten().flatten() {
-                    homes.entry(r.segment).or_insert_with(|| s.addr.clone());
-                }
+                self.note_placed(&s.addr, answers.iter().flatten().flatten());
                 answers
             },
         )
@@ -913,10 +911,7 @@ impl MasterApi for ClusterClient {
     ) -> Result<Vec<MemoryReplica>> {
         self.on_key(key, |s, id| {
             let replicas = s.rpc.upsert_start(id, key, len, cfg)?;
-            let mut homes = self.segment_home.write();
-            for r in &replicas {
-                homes.entry(r.segment).or_insert_with(|| s.addr.clone());
-            }
+            self.note_placed(&s.addr, &replicas);
             Ok(replicas)
         })
     }
@@ -940,10 +935,7 @@ impl MasterApi for ClusterClient {
             |i| i.0,
             |s, id, part| {
                 let answers = s.rpc.batch_upsert_start(id, part, cfg);
-                let mut homes = self.segment_home.write();
-                for r in answers.iter().flatten().flatten() {
-                    homes.entry(r.segment).or_insert_with(|| s.addr.clone());
-                }
+                self.note_placed(&s.addr, answers.iter().flatten().flatten());
                 answers
             },
         )
