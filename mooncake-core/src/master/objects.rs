@@ -248,16 +248,37 @@ impl MasterService {
     /// if none is left.
     pub fn put_end(&self, client: ClientId, key: &str, checksum: u32) -> Result<()> {
         let wait = self.put_end_queued(client, key, checksum)?;
-        self.settle_put(key, wait)
+        self.settle("put", key, wait)
     }
 
-    /// After the record updates of `key`'s put: fails if a node could not record it and
-    /// the object lost every replica with that node.
-    fn settle_put(&self, key: &str, wait: RecordWait) -> Result<()> {
+    /// After the record updates of a `what` (put, upsert) of `key`: fails if a node
+    /// could not record it and the object lost every replica with that node.
+    pub(crate) fn settle(&self, what: &str, key: &str, wait: RecordWait) -> Result<()> {
         if self.await_records(wait) || self.exists(key).unwrap_or(false) {
             return Ok(());
         }
-        Err(Error::MasterUnavailable(format!("{key}: no storage node of the put could record it")))
+        Err(Error::MasterUnavailable(format!("{key}: no storage node of the {what} could record it")))
+    }
+
+    /// Ends each item of a batch of `what`s (put, upsert) with `end`, then awaits the
+    /// nodes' records of all of them together (one frame per node) and fails the items
+    /// [`settle`](Self::settle) would fail; one result per item.
+    pub(crate) fn end_batch(
+        &self,
+        what: &str,
+        items: &[(&str, u32)],
+        end: impl Fn(&str, u32) -> Result<RecordWait>,
+    ) -> Vec<Result<()>> {
+        let mut wait = RecordWait::default();
+        let mut results: Vec<Result<()>> = items.iter().map(|(k, c)| end(k, *c).map(|w| wait.merge(w))).collect();
+        if !self.await_records(wait) {
+            for (res, (k, _)) in results.iter_mut().zip(items) {
+                if res.is_ok() && !self.exists(k).unwrap_or(false) {
+                    *res = Err(Error::MasterUnavailable(format!("{k}: no storage node of the {what} could record it")));
+                }
+            }
+        }
+        results
     }
 
     /// [`put_end`](Self::put_end) without waiting for the nodes' records.
@@ -313,17 +334,7 @@ impl MasterService {
     /// [`put_end`](Self::put_end) for many keys; one result per key.
     /// The nodes' records of all of them are awaited together (one frame per node).
     pub fn batch_put_end(&self, client: ClientId, items: &[(&str, u32)]) -> Vec<Result<()>> {
-        let mut wait = RecordWait::default();
-        let mut results: Vec<Result<()>> =
-            items.iter().map(|(k, c)| self.put_end_queued(client, k, *c).map(|w| wait.merge(w))).collect();
-        if !self.await_records(wait) {
-            for (res, (k, _)) in results.iter_mut().zip(items) {
-                if res.is_ok() && !self.exists(k).unwrap_or(false) {
-                    *res = Err(Error::MasterUnavailable(format!("{k}: no storage node of the put could record it")));
-                }
-            }
-        }
-        results
+        self.end_batch("put", items, |k, c| self.put_end_queued(client, k, c))
     }
 
     /// [`put_revoke`](Self::put_revoke) for many keys; one result per key.

@@ -152,16 +152,7 @@ impl MasterService {
     /// the change (see [`put_end`](Self::put_end)).
     pub fn upsert_end(&self, client: ClientId, key: &str, checksum: u32) -> Result<()> {
         let wait = self.upsert_end_queued(client, key, checksum)?;
-        self.settle_upsert(key, wait)
-    }
-
-    /// Fails if a node could not record the upsert and the object lost every replica
-    /// with that node.
-    fn settle_upsert(&self, key: &str, wait: RecordWait) -> Result<()> {
-        if self.await_records(wait) || self.exists(key).unwrap_or(false) {
-            return Ok(());
-        }
-        Err(Error::MasterUnavailable(format!("{key}: no storage node of the upsert could record it")))
+        self.settle("upsert", key, wait)
     }
 
     /// [`upsert_end`](Self::upsert_end) without waiting for the nodes' records.
@@ -249,17 +240,7 @@ impl MasterService {
     /// [`upsert_end`](Self::upsert_end) for many keys; one result per key. The
     /// nodes' records of all of them are awaited together.
     pub fn batch_upsert_end(&self, client: ClientId, items: &[(&str, u32)]) -> Vec<Result<()>> {
-        let mut wait = RecordWait::default();
-        let mut results: Vec<Result<()>> =
-            items.iter().map(|(k, c)| self.upsert_end_queued(client, k, *c).map(|w| wait.merge(w))).collect();
-        if !self.await_records(wait) {
-            for (res, (k, _)) in results.iter_mut().zip(items) {
-                if res.is_ok() && !self.exists(k).unwrap_or(false) {
-                    *res = Err(Error::MasterUnavailable(format!("{k}: no storage node of the upsert could record it")));
-                }
-            }
-        }
-        results
+        self.end_batch("upsert", items, |k, c| self.upsert_end_queued(client, k, c))
     }
 
     /// [`upsert_revoke`](Self::upsert_revoke) for many keys; one result per key.
