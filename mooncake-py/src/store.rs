@@ -93,6 +93,16 @@ impl MooncakeDistributedStore {
         self.session.read().clone()
     }
 
+    /// The session and the store config a write needs, or the code to return: not
+    /// set up, or a bad `config`.
+    fn writer(
+        &self,
+        config: Option<PyRef<'_, ReplicateConfig>>,
+    ) -> Result<(Arc<Session>, mooncake_core::ReplicateConfig), i32> {
+        let s = self.session().ok_or(INVALID_PARAMS)?;
+        Ok((s, resolve(config)?))
+    }
+
     /// Lengths of two argument lists agree.
     fn same_len(a: usize, b: usize, c: usize) -> bool {
         a == b && b == c
@@ -265,10 +275,9 @@ impl MooncakeDistributedStore {
         config: Option<PyRef<'_, ReplicateConfig>>,
     ) -> PyResult<i32> {
         let value = value_bytes(value)?;
-        let Some(s) = self.session() else { return Ok(INVALID_PARAMS) };
-        let cfg = match resolve(config) {
-            Ok(c) => c,
-            Err(c) => return Ok(c),
+        let (s, cfg) = match self.writer(config) {
+            Ok(w) => w,
+            Err(code) => return Ok(code),
         };
         let data = value.as_bytes();
         Ok(py.detach(|| put_status(&s.store.put_with(key, data, &cfg))))
@@ -284,10 +293,9 @@ impl MooncakeDistributedStore {
         config: Option<PyRef<'_, ReplicateConfig>>,
     ) -> PyResult<i32> {
         let parts: Vec<Bound<'_, PyBytes>> = parts.iter().map(|p| value_bytes(&p)).collect::<PyResult<_>>()?;
-        let Some(s) = self.session() else { return Ok(INVALID_PARAMS) };
-        let cfg = match resolve(config) {
-            Ok(c) => c,
-            Err(c) => return Ok(c),
+        let (s, cfg) = match self.writer(config) {
+            Ok(w) => w,
+            Err(code) => return Ok(code),
         };
         let slices: Vec<&[u8]> = parts.iter().map(|p| p.as_bytes()).collect();
         Ok(py.detach(|| {
@@ -333,10 +341,9 @@ impl MooncakeDistributedStore {
         config: Option<PyRef<'_, ReplicateConfig>>,
     ) -> PyResult<i32> {
         let value = value_bytes(value)?;
-        let Some(s) = self.session() else { return Ok(INVALID_PARAMS) };
-        let cfg = match resolve(config) {
-            Ok(c) => c,
-            Err(c) => return Ok(c),
+        let (s, cfg) = match self.writer(config) {
+            Ok(w) => w,
+            Err(code) => return Ok(code),
         };
         let data = value.as_bytes();
         Ok(py.detach(|| status(&s.store.upsert_with(key, data, &cfg))))
@@ -352,10 +359,9 @@ impl MooncakeDistributedStore {
         config: Option<PyRef<'_, ReplicateConfig>>,
     ) -> PyResult<i32> {
         let parts: Vec<Bound<'_, PyBytes>> = parts.iter().map(|p| value_bytes(&p)).collect::<PyResult<_>>()?;
-        let Some(s) = self.session() else { return Ok(INVALID_PARAMS) };
-        let cfg = match resolve(config) {
-            Ok(c) => c,
-            Err(c) => return Ok(c),
+        let (s, cfg) = match self.writer(config) {
+            Ok(w) => w,
+            Err(code) => return Ok(code),
         };
         let slices: Vec<&[u8]> = parts.iter().map(|p| p.as_bytes()).collect();
         Ok(py.detach(|| status(&s.store.batch_upsert_parts(&[(key, &slices)], &cfg).pop().unwrap_or(Ok(())))))
