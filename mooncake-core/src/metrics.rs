@@ -12,9 +12,7 @@ use crate::rpc::RpcServerStats;
 /// exposition format.
 pub fn prometheus_text(stats: &MasterStats, rpc: Option<&RpcServerStats>) -> String {
     let mut out = String::new();
-    let mut gauge = |name: &str, help: &str, kind: &str, value: f64| {
-        let _ = writeln!(out, "# HELP mooncake_{name} {help}\n# TYPE mooncake_{name} {kind}\nmooncake_{name} {value}");
-    };
+    let mut gauge = |name: &str, help: &str, kind: &str, value: f64| write_metric(&mut out, name, help, kind, value);
     gauge("objects", "Complete objects.", "gauge", stats.objects as f64);
     gauge("object_bytes", "Logical bytes of complete objects.", "gauge", stats.object_bytes as f64);
     gauge("pending_puts", "Puts started and not ended.", "gauge", stats.pending_puts as f64);
@@ -122,9 +120,7 @@ pub fn prometheus_text(stats: &MasterStats, rpc: Option<&RpcServerStats>) -> Str
 #[cfg(feature = "etcd")]
 pub fn cluster_prometheus_text(stats: &crate::cluster::MemberStats) -> String {
     let mut out = String::new();
-    let mut metric = |name: &str, help: &str, kind: &str, value: f64| {
-        let _ = writeln!(out, "# HELP mooncake_{name} {help}\n# TYPE mooncake_{name} {kind}\nmooncake_{name} {value}");
-    };
+    let mut metric = |name: &str, help: &str, kind: &str, value: f64| write_metric(&mut out, name, help, kind, value);
     metric("cluster_groups_led", "Slot groups this master leads now.", "gauge", stats.groups_led as f64);
     metric("cluster_slots_led", "Slots this master leads now.", "gauge", stats.slots_led as f64);
     metric(
@@ -149,4 +145,9 @@ pub fn cluster_prometheus_text(stats: &crate::cluster::MemberStats) -> String {
         u8::from(stats.is_scheduler) as f64,
     );
     out
+}
+
+/// One metric in the Prometheus text format: help, type and value lines.
+fn write_metric(out: &mut String, name: &str, help: &str, kind: &str, value: f64) {
+    let _ = writeln!(out, "# HELP mooncake_{name} {help}\n# TYPE mooncake_{name} {kind}\nmooncake_{name} {value}");
 }
