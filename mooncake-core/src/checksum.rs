@@ -4,6 +4,8 @@
 //! on one thread would halve the bandwidth of a shared-memory get. Large buffers are
 //! split, the parts summed in parallel, and the parts' sums combined.
 
+use mooncake_transfer::checksum::{crc32c, crc32c_combine as combine};
+
 /// Objects at least this large are summed in parallel.
 const PARALLEL_FROM: usize = 2 << 20;
 
@@ -14,25 +16,25 @@ pub(crate) fn checksum_parts<'a>(parts: impl IntoIterator<Item = &'a [u8]>) -> u
         .fold(None, |acc: Option<u32>, p| {
             let crc = checksum(p);
             Some(match acc {
-                Some(a) => crc32c::crc32c_combine(a, crc, p.len()),
+                Some(a) => combine(a, crc, p.len()),
                 None => crc,
             })
         })
-        .unwrap_or_else(|| crc32c::crc32c(&[]))
+        .unwrap_or_else(|| crc32c(&[]))
 }
 
 /// crc32c of `data`.
 pub(crate) fn checksum(data: &[u8]) -> u32 {
     let threads = parallelism();
     if data.len() < PARALLEL_FROM || threads < 2 {
-        return crc32c::crc32c(data);
+        return crc32c(data);
     }
     let part = data.len().div_ceil(threads);
     let sums: Vec<(u32, usize)> = std::thread::scope(|s| {
         let mut parts = data.chunks(part);
         let first = parts.next().unwrap_or_default();
-        let handles: Vec<_> = parts.map(|p| s.spawn(move || (crc32c::crc32c(p), p.len()))).collect();
-        let mut sums = vec![(crc32c::crc32c(first), first.len())];
+        let handles: Vec<_> = parts.map(|p| s.spawn(move || (crc32c(p), p.len()))).collect();
+        let mut sums = vec![(crc32c(first), first.len())];
         // A thread that cannot be joined would be a bug in crc32c; fall back to the
         // sequential sum rather than fail the call.
         for h in handles {
@@ -44,9 +46,9 @@ pub(crate) fn checksum(data: &[u8]) -> u32 {
         sums
     });
     if sums.is_empty() {
-        return crc32c::crc32c(data);
+        return crc32c(data);
     }
-    sums.iter().skip(1).fold(sums[0].0, |acc, &(crc, len)| crc32c::crc32c_combine(acc, crc, len))
+    sums.iter().skip(1).fold(sums[0].0, |acc, &(crc, len)| combine(acc, crc, len))
 }
 
 /// The checksum of each item (the concatenation of its parts). A batch with many
@@ -86,27 +88,6 @@ pub(crate) fn checksum_each(items: &[Vec<&[u8]>]) -> Vec<u32> {
     })
 }
 
-/// Piece size of the fused copy-and-sum: a piece just copied is still in the core's
-/// cache when it is summed, so the bytes cross the memory bus once, not twice.
-const PIECE: usize = 256 << 10;
-
-/// Fills `dst` piece by piece with `fill(offset, piece)`, summing each piece right
-/// after it is filled; returns the crc32c of all of `dst`, or the first error of
-/// `fill`. For objects of a few MiB read by memory copy this beats a copy followed by
-/// a (parallel) sum of the whole (see `store::FUSED`); splitting it over threads did
-/// not pay on the 2-vCPU development VM (thread start-up, two busy cores).
-pub(crate) fn fill_and_sum<E>(
-    dst: &mut [u8],
-    mut fill: impl FnMut(usize, &mut [u8]) -> Result<(), E>,
-) -> Result<u32, E> {
-    let mut crc = 0;
-    for (i, piece) in dst.chunks_mut(PIECE).enumerate() {
-        fill(i * PIECE, piece)?;
-        crc = crc32c::crc32c_append(crc, piece);
-    }
-    Ok(crc)
-}
-
 fn parallelism() -> usize {
     static N: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *N.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()).min(4))
@@ -131,7 +112,7 @@ mod tests {
                 at = end;
             }
             let each = checksum_each(&items);
-            let one: Vec<u32> = items.iter().map(|p| crc32c::crc32c(&p.concat())).collect();
+            let one: Vec<u32> = items.iter().map(|p| ::crc32c::crc32c(&p.concat())).collect();
             assert_eq!(each, one, "{cut} items");
         }
         assert!(checksum_each(&[]).is_empty());
@@ -141,25 +122,9 @@ mod tests {
     proptest! {
         #![proptest_config(ProptestConfig { cases: 16, ..ProptestConfig::default() })]
         #[test]
-        fn fused_copies_are_exact_and_summed(len in 0usize..(3 << 20), seed in any::<u8>(), bad in any::<prop::sample::Index>()) {
-            let src: Vec<u8> = (0..len).map(|i| seed.wrapping_add((i * 13 % 251) as u8)).collect();
-            let mut dst = vec![0u8; len];
-            let crc = fill_and_sum(&mut dst, |off, piece| -> Result<(), ()> {
-                piece.copy_from_slice(&src[off..off + piece.len()]);
-                Ok(())
-            }).unwrap();
-            prop_assert!(dst == src);
-            prop_assert_eq!(crc, crc32c::crc32c(&src));
-            // A failing piece fails the whole copy with its error.
-            let bad = bad.index(len.div_ceil(PIECE).max(1)) * PIECE;
-            let res = fill_and_sum(&mut dst, |off, _| if off == bad { Err(off) } else { Ok(()) });
-            prop_assert_eq!(res, if len == 0 { Ok(0) } else { Err(bad) });
-        }
-
-        #[test]
         fn parallel_sum_equals_the_sequential_one(len in 0usize..(9 << 20), seed in any::<u8>()) {
             let data: Vec<u8> = (0..len).map(|i| seed.wrapping_add((i * 7 % 253) as u8)).collect();
-            prop_assert_eq!(checksum(&data), crc32c::crc32c(&data));
+            prop_assert_eq!(checksum(&data), ::crc32c::crc32c(&data));
         }
     }
 }

@@ -10,8 +10,7 @@ use crate::rdma::{RdmaConfig, RdmaProvider, RdmaResponder, RdmaTransport};
 use crate::region::{RegionId, RegisteredRegion, RemoteRegion};
 use crate::registry::{self, RegionRegistry};
 use crate::transport::{
-    LocalTransport, ShmTransport, TcpServer, TcpTransport, TransferOp, TransferRequest, TransferStats, Transport,
-    LOCAL_SCHEME,
+    LocalTransport, ShmTransport, TcpServer, TcpTransport, TransferRequest, TransferStats, Transport, LOCAL_SCHEME,
 };
 
 static NEXT_LOCAL_ENGINE: AtomicU64 = AtomicU64::new(1);
@@ -360,7 +359,7 @@ impl TransferEngine {
                 .iter()
                 .map(|&i| {
                     let target = requests[i].target;
-                    let empty = TransferRequest { target, offset: 0, op: TransferOp::Write(&[]) };
+                    let empty = TransferRequest::write(target, 0, &[]);
                     std::mem::replace(&mut requests[i], empty)
                 })
                 .collect();

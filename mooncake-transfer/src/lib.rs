@@ -49,6 +49,7 @@
 #![deny(clippy::undocumented_unsafe_blocks)]
 
 mod auth;
+pub mod checksum;
 mod engine;
 mod error;
 mod frame;

@@ -465,3 +465,61 @@ fn a_user_defined_transport_plugs_into_the_builder() {
     assert_eq!(counting.bytes.load(std::sync::atomic::Ordering::Relaxed), 2000, "the put and the get went through it");
     drop(node);
 }
+
+#[test]
+fn checksums_taken_by_tcp_on_the_way_are_the_objects_and_catch_bad_bytes() {
+    // TCP takes each object's crc32c chunk by chunk as it sends or receives it (a put's
+    // checksum comes from the bytes sent; a get's from the bytes received): the
+    // master must record the bytes' own crc32c, and a bad byte must never come back.
+    let master = Master::new(MasterConfig::default()).unwrap();
+    let engine = mooncake_transfer::TransferEngine::builder().tcp_listen("127.0.0.1:0").build().unwrap();
+    let region = engine.register_region(32 << 20).unwrap();
+    let node = master.register_client().unwrap().client;
+    master.mount_segment(node, &engine.remote(region.id()), region.len()).unwrap();
+    let tcp = std::sync::Arc::new(mooncake_transfer::TcpTransport::new());
+    let reader = Store::builder().master(&master).global_segment_size(0).transport(tcp.clone()).build().unwrap();
+    // Sizes around TCP's 1 MiB stripes, one object made of parts.
+    let values: Vec<Vec<u8>> =
+        [5usize, 300 << 10, 1 << 20, (2 << 20) + 3].iter().map(|&n| pattern(n as u8, n)).collect();
+    reader.put("single", &values[3]).unwrap();
+    let items: Vec<(&str, &[u8])> = [("b0", &values[0][..]), ("b1", &values[1][..]), ("b2", &values[2][..])].to_vec();
+    assert!(reader.batch_put(&items, &ReplicateConfig::default()).iter().all(Result::is_ok));
+    let halves: [&[u8]; 2] = [&values[3][..1000], &values[3][1000..]];
+    reader.put_parts("parts", &halves).unwrap();
+    let sent = tcp.stats().bytes_written.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(sent >= 2 * values[3].len() as u64, "the puts went over TCP ({sent} bytes)");
+    for (key, value) in [("single", &values[3]), ("b0", &values[0]), ("b1", &values[1]), ("b2", &values[2])]
+        .into_iter()
+        .chain([("parts", &values[3])])
+    {
+        assert_eq!(master.get_replica_list(key).unwrap().checksum, crc32c_of(value), "{key}");
+    }
+    // Reads back exact, every form.
+    let mut bufs: Vec<Vec<u8>> = values[..3].iter().map(|v| vec![0u8; v.len()]).collect();
+    let mut views: Vec<&mut [u8]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
+    let got = reader.batch_get_into(&["b0", "b1", "b2"], &mut views);
+    assert!(got.iter().zip(&values).all(|(g, v)| g.as_ref().ok() == Some(&v.len())), "{got:?}");
+    assert!(bufs.iter().zip(&values).all(|(b, v)| b == v));
+    assert_eq!(&reader.get("single").unwrap()[..], &values[3][..]);
+    // One bad byte in "b2" and in "parts" (beyond the first stripe): never returned.
+    for key in ["b2", "parts"] {
+        let list = master.get_replica_list(key).unwrap();
+        let at = list.replicas[0].offset + list.len - 2;
+        let mut byte = [0u8];
+        region.copy_out(at, &mut byte).unwrap();
+        region.copy_in(at, &[byte[0] ^ 0x40]).unwrap();
+    }
+    let mut bufs: Vec<Vec<u8>> = [values[1].len(), values[2].len()].iter().map(|&n| vec![0u8; n]).collect();
+    let mut views: Vec<&mut [u8]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
+    let got = reader.batch_get_into(&["b1", "b2"], &mut views);
+    assert_eq!(got[0].as_ref().ok(), Some(&values[1].len()));
+    assert!(matches!(got[1], Err(Error::Corrupted(_))), "{:?}", got[1]);
+    let (mut a, mut b) = (vec![0u8; 1000], vec![0u8; values[3].len() - 1000]);
+    let mut parts: Vec<&mut [u8]> = vec![&mut a[..], &mut b[..]];
+    assert!(matches!(reader.get_into_parts("parts", &mut parts), Err(Error::Corrupted(_))));
+    let mut one: Vec<&mut [u8]> = vec![&mut a[..], &mut b[..]];
+    let mut many: Vec<&mut [&mut [u8]]> = vec![&mut one[..]];
+    assert!(matches!(reader.batch_get_into_parts(&["parts"], &mut many)[0], Err(Error::Corrupted(_))));
+    assert!(matches!(reader.get("b2"), Err(Error::Corrupted(_))));
+    assert!(reader.stats().checksum_mismatches >= 4);
+}

@@ -51,7 +51,7 @@ const CHECKSUM_RETRIES: usize = 3;
 const PUT_ATTEMPTS: usize = 3;
 
 /// Objects of this many bytes, read by memory copy, are copied and summed piece by
-/// piece (see `checksum::fill_and_sum`). Measured on the 2-vCPU development VM
+/// piece (`TransferRequest::with_checksum`). Measured on the 2-vCPU development VM
 /// (in-process `get_into`, GB/s, three runs): 2 MiB 8.7–10.8 fused vs 5.7–8.0, 4 MiB
 /// 7.5–9.4 vs 5.1–7.9; but 16 MiB 3.9–5.6 vs 8.2–9.1, where summing the whole copy on
 /// both cores wins; below 2 MiB the object stays in cache either way.
@@ -377,18 +377,25 @@ impl StoreInner {
     fn put(&self, key: &str, value: &[u8], cfg: &ReplicateConfig) -> Result<()> {
         check_key(key)?;
         check_value_len(value.len() as u64)?;
-        let checksum = crate::checksum::checksum(value);
-        self.put_placed(key, value.len() as u64, checksum, cfg, |replicas| self.write_replicas(replicas, value))
+        // The checksum is taken as the first replica's bytes are sent where the
+        // transport can (see `write_replicas`), else summed here before the end.
+        let taken = std::cell::Cell::new(None);
+        let checksum = || taken.get().unwrap_or_else(|| crate::checksum::checksum(value));
+        self.put_placed(key, value.len() as u64, checksum, cfg, |replicas| {
+            let (failed, crc) = self.write_replicas(replicas, value);
+            taken.set(crc);
+            failed
+        })
     }
 
-    /// A put of `len` bytes whose crc32c is `checksum`, each placement's replicas
-    /// filled by `write` (which returns the segments that failed): placed, written,
-    /// ended, placed again without a failed segment.
+    /// A put of `len` bytes whose crc32c `checksum` gives once they are written, each
+    /// placement's replicas filled by `write` (which returns the segments that
+    /// failed): placed, written, ended, placed again without a failed segment.
     fn put_placed(
         &self,
         key: &str,
         len: u64,
-        checksum: u32,
+        checksum: impl Fn() -> u32,
         cfg: &ReplicateConfig,
         mut write: impl FnMut(&[MemoryReplica]) -> Vec<(SegmentId, Error)>,
     ) -> Result<()> {
@@ -401,7 +408,7 @@ impl StoreInner {
                 if replicas.len() < cfg.replica_num {
                     StoreCounters::inc(&self.counters.under_replicated_puts, 1);
                 }
-                return self.master.put_end(client, key, checksum);
+                return self.master.put_end(client, key, checksum());
             };
             let err = err.clone();
             let _ = self.master.put_revoke(client, key);
@@ -416,21 +423,36 @@ impl StoreInner {
         }
     }
 
-    /// Reads `dst.len()` bytes at `offset` of `route` and returns their crc32c. A large
-    /// object copied from memory (same process or host) is summed piece by piece
-    /// while each piece is in cache.
+    /// Reads `dst.len()` bytes at `offset` of `route` and returns their crc32c, taken
+    /// by the transport on the way where that pays (see `sums_in_flight`).
     fn read_summed(&self, route: &RemoteRegion, offset: u64, dst: &mut [u8]) -> Result<u32> {
-        let by_memcpy = || matches!(self.engine.transport_name(&route.endpoint), Some("local" | "shm"));
-        if FUSED.contains(&dst.len()) && by_memcpy() {
-            let fill = |at: usize, piece: &mut [u8]| self.engine.read(route, offset + at as u64, piece);
-            return Ok(crate::checksum::fill_and_sum(dst, fill)?);
+        let mut req = TransferRequest::read(route, offset, dst);
+        if self.sums_in_flight(route, req.op.len()) {
+            req = req.with_checksum();
         }
-        self.engine.read(route, offset, dst)?;
-        Ok(crate::checksum::checksum(dst))
+        let mut reqs = [req];
+        let res = self.engine.transfer(&mut reqs).pop().unwrap_or(Ok(()));
+        let [req] = reqs;
+        res?;
+        match req.checksum() {
+            Some(crc) => Ok(crc),
+            None => Ok(crate::checksum::checksum(dst)),
+        }
     }
 
-    /// Writes `value` to every replica; returns the segments that failed, with why.
-    fn write_replicas(&self, replicas: &[MemoryReplica], value: &[u8]) -> Vec<(SegmentId, Error)> {
+    /// Whether a transfer of `len` bytes to or from `route` should have its transport
+    /// take the checksum (`TransferRequest::with_checksum`): TCP sums each chunk on
+    /// the lane that moves it, in parallel, at every size; memory copies sum piece by
+    /// piece, which beats a parallel sum afterwards only for objects of a few MiB
+    /// (FUSED).
+    fn sums_in_flight(&self, route: &RemoteRegion, len: usize) -> bool {
+        let by_memcpy = matches!(self.engine.transport_name(&route.endpoint), Some("local" | "shm"));
+        !by_memcpy || FUSED.contains(&len)
+    }
+
+    /// Writes `value` to every replica; returns the segments that failed, with why,
+    /// and the crc32c of `value` if the transport took it on the way.
+    fn write_replicas(&self, replicas: &[MemoryReplica], value: &[u8]) -> (Vec<(SegmentId, Error)>, Option<u32>) {
         let mut failed = Vec::new();
         let mut routed = Vec::with_capacity(replicas.len());
         for r in replicas {
@@ -439,8 +461,18 @@ impl StoreInner {
                 Err(e) => failed.push((r.segment, e)),
             }
         }
-        let mut reqs: Vec<TransferRequest<'_>> =
-            routed.iter().map(|(r, route)| TransferRequest::write(route, r.offset, value)).collect();
+        let mut reqs: Vec<TransferRequest<'_>> = routed
+            .iter()
+            .enumerate()
+            .map(|(j, (r, route))| {
+                let req = TransferRequest::write(route, r.offset, value);
+                if j == 0 && self.sums_in_flight(route, value.len()) {
+                    req.with_checksum()
+                } else {
+                    req
+                }
+            })
+            .collect();
         for (res, (r, _)) in self.engine.transfer(&mut reqs).into_iter().zip(&routed) {
             if let Err(e) = res {
                 // The route may be stale; ask the master again next time.
@@ -448,7 +480,7 @@ impl StoreInner {
                 failed.push((r.segment, e.into()));
             }
         }
-        failed
+        (failed, reqs.first().and_then(TransferRequest::checksum))
     }
 }
 
@@ -771,7 +803,7 @@ impl Store {
         };
         let mut data = vec![0u8; plan.len as usize];
         let copied = inner.read_replicas(key, &list, &mut data).and_then(|_| {
-            match inner.write_replicas(&plan.targets, &data).into_iter().next() {
+            match inner.write_replicas(&plan.targets, &data).0.into_iter().next() {
                 Some((_, e)) => Err(e),
                 None => Ok(()),
             }

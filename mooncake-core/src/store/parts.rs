@@ -16,9 +16,12 @@ use super::stats::StoreCounters;
 use super::upsert::WriteKind;
 use super::{Store, StoreInner};
 
-/// Batches of at least this many bytes sum their checksums on a thread of their own
-/// while the master places them (below it, a thread costs more than it hides).
-const OVERLAP_SUMS_FROM: u64 = 1 << 20;
+/// The crc32c of the bytes of `reqs` laid end to end, if the transport took every
+/// request's (see `TransferRequest::with_checksum`).
+fn summed(reqs: &[TransferRequest<'_>]) -> Option<u32> {
+    let pieces: Option<Vec<(u32, usize)>> = reqs.iter().map(|r| Some((r.checksum()?, r.op.len()))).collect();
+    pieces.map(mooncake_transfer::checksum::crc32c_concat)
+}
 
 /// Pieces of the caller's buffers, each with the offset in the object of its first byte.
 type Pieces<'a> = Vec<(u64, &'a mut [u8])>;
@@ -60,14 +63,16 @@ impl StoreInner {
                     continue;
                 }
             };
-            let mut reqs: Vec<TransferRequest<'_>> =
-                parts.iter_mut().map(|(at, p)| TransferRequest::read(&route, r.offset + *at, p)).collect();
+            let mut reqs: Vec<TransferRequest<'_>> = parts
+                .iter_mut()
+                .map(|(at, p)| TransferRequest::read(&route, r.offset + *at, p).with_checksum())
+                .collect();
             let read: std::result::Result<Vec<()>, _> = self.engine.transfer(&mut reqs).into_iter().collect();
+            let taken = summed(&reqs);
             drop(reqs);
+            let sum = || taken.unwrap_or_else(|| crate::checksum::checksum_parts(parts.iter().map(|(_, p)| &**p)));
             match read {
-                Ok(_) if crate::checksum::checksum_parts(parts.iter().map(|(_, p)| &**p)) == list.checksum => {
-                    return Ok(())
-                }
+                Ok(_) if sum() == list.checksum => return Ok(()),
                 Ok(_) => {
                     self.routes.write().remove(&r.segment);
                     StoreCounters::inc(&self.counters.checksum_mismatches, 1);
@@ -136,21 +141,8 @@ impl StoreInner {
                 Err(e) => results.push(Err(e)),
             }
         }
-        // The checksums depend only on the bytes: a large batch sums them on another
-        // thread while the master places it (this thread only waits for the answer).
-        let pieces: Vec<Vec<&[u8]>> = valid.iter().map(|(i, _, _)| items[*i].1.to_vec()).collect();
         let start_items: Vec<(&str, u64)> = valid.iter().map(|(_, k, l)| (*k, *l)).collect();
-        let (starts, sums) = if lens.iter().sum::<u64>() >= OVERLAP_SUMS_FROM {
-            std::thread::scope(|s| {
-                let sums = s.spawn(|| crate::checksum::checksum_each(&pieces));
-                let starts = kind.start(&*self.master, client, &start_items, cfg);
-                // A summing thread that cannot be joined would be a bug in crc32c: sum here.
-                (starts, sums.join().unwrap_or_else(|_| crate::checksum::checksum_each(&pieces)))
-            })
-        } else {
-            (kind.start(&*self.master, client, &start_items, cfg), crate::checksum::checksum_each(&pieces))
-        };
-        let sum_of: HashMap<usize, u32> = valid.iter().map(|(i, _, _)| *i).zip(sums).collect();
+        let starts = kind.start(&*self.master, client, &start_items, cfg);
         let mut plans = Vec::new();
         for ((i, _, _), start) in valid.iter().zip(starts) {
             match start.and_then(|reps| {
@@ -160,20 +152,41 @@ impl StoreInner {
                 Err(e) => results[*i] = Err(e),
             }
         }
+        // Each item's checksum is taken from the writes of its first replica, as the
+        // transport sends them (see `TransferRequest::with_checksum`).
         let mut reqs: Vec<TransferRequest<'_>> = Vec::new();
         let mut owner: Vec<(usize, SegmentId)> = Vec::new();
+        let mut summing: Vec<std::ops::Range<usize>> = Vec::with_capacity(plans.len());
         for (i, plan) in &plans {
-            for (r, route) in plan {
+            let first = reqs.len();
+            for (j, (r, route)) in plan.iter().enumerate() {
                 let mut at = 0u64;
                 for part in items[*i].1.iter().filter(|p| !p.is_empty()) {
-                    reqs.push(TransferRequest::write(route, r.offset + at, part));
+                    let req = TransferRequest::write(route, r.offset + at, part);
+                    reqs.push(if j == 0 { req.with_checksum() } else { req });
                     owner.push((*i, r.segment));
                     at += part.len() as u64;
                 }
+                if j == 0 {
+                    summing.push(first..reqs.len());
+                }
+            }
+            if plan.is_empty() {
+                summing.push(first..first);
             }
         }
+        let transferred = self.engine.transfer(&mut reqs);
+        let taken: Vec<Option<u32>> = summing.iter().map(|range| summed(&reqs[range.clone()])).collect();
+        drop(reqs);
+        // What the transport did not sum (memory copies of large objects, RDMA) is
+        // summed here, on several cores for a large batch.
+        let missing: Vec<usize> = (0..plans.len()).filter(|&k| taken[k].is_none()).collect();
+        let missing_parts: Vec<Vec<&[u8]>> = missing.iter().map(|&k| items[plans[k].0].1.to_vec()).collect();
+        let mut sum_of: HashMap<usize, u32> =
+            plans.iter().zip(&taken).filter_map(|((i, _), t)| t.map(|crc| (*i, crc))).collect();
+        sum_of.extend(missing.iter().map(|&k| plans[k].0).zip(crate::checksum::checksum_each(&missing_parts)));
         let mut failed_segments: Vec<SegmentId> = Vec::new();
-        for (res, (i, segment)) in self.engine.transfer(&mut reqs).into_iter().zip(owner) {
+        for (res, (i, segment)) in transferred.into_iter().zip(owner) {
             if let Err(e) = res {
                 if !failed_segments.contains(&segment) {
                     failed_segments.push(segment);
@@ -232,20 +245,30 @@ impl StoreInner {
             })
             .collect();
         let mut ok = vec![false; keys.len()];
+        let mut taken: Vec<Option<u32>> = vec![None; keys.len()];
         {
             let mut reqs: Vec<TransferRequest<'_>> = Vec::new();
             let mut owner = Vec::new();
             for (i, (c, route)) in covers.iter_mut().zip(&routes).enumerate() {
                 if let (Ok(parts), Some((offset, route))) = (c, route) {
                     for (at, p) in parts.iter_mut() {
-                        reqs.push(TransferRequest::read(route, offset + *at, p));
+                        reqs.push(TransferRequest::read(route, offset + *at, p).with_checksum());
                         owner.push(i);
                     }
                     ok[i] = true;
                 }
             }
-            for (res, i) in self.engine.transfer(&mut reqs).into_iter().zip(owner) {
+            for (res, &i) in self.engine.transfer(&mut reqs).into_iter().zip(&owner) {
                 ok[i] &= res.is_ok();
+            }
+            // The checksums the transport took as the bytes arrived (an item's requests
+            // are consecutive, in the order of its bytes).
+            let mut at = 0;
+            while at < reqs.len() {
+                let i = owner[at];
+                let end = at + owner[at..].iter().take_while(|&&o| o == i).count();
+                taken[i] = summed(&reqs[at..end]);
+                at = end;
             }
         }
         // Objects only on an SSD: one batch per disk that holds some.
@@ -276,9 +299,11 @@ impl StoreInner {
         }
         // Every read of the batch is over (a key retried alone takes a lease of its own).
         self.leases.release(keys.iter().zip(&lists).filter(|(_, l)| l.is_ok()).map(|(k, _)| *k));
-        // The checksums of every object read, summed on several cores for a large batch.
-        let read: Vec<usize> = (0..keys.len()).filter(|&i| ok[i] && covers[i].is_ok()).collect();
-        let mut sums: Vec<Option<u32>> = vec![None; keys.len()];
+        // The checksums of every object read: those the transport did not take (read
+        // by memory copy or from a disk) are summed here, on several cores for a large
+        // batch.
+        let mut sums: Vec<Option<u32>> = (0..keys.len()).map(|i| taken[i].filter(|_| ok[i])).collect();
+        let read: Vec<usize> = (0..keys.len()).filter(|&i| ok[i] && covers[i].is_ok() && sums[i].is_none()).collect();
         {
             let pieces: Vec<Vec<&[u8]>> = read
                 .iter()

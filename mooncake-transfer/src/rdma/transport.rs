@@ -789,10 +789,7 @@ impl Transport for RdmaTransport {
                 .iter()
                 .map(|&i| {
                     let target = requests[i].target;
-                    std::mem::replace(
-                        &mut requests[i],
-                        TransferRequest { target, offset: 0, op: TransferOp::Write(&[]) },
-                    )
+                    std::mem::replace(&mut requests[i], TransferRequest::write(target, 0, &[]))
                 })
                 .collect();
             let out = self.tcp.transfer(&mut moved);

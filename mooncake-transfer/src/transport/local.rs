@@ -1,6 +1,6 @@
 //! The `Local` transport: peers in the same process, reached by `memcpy`.
 
-use super::{TransferOp, TransferRequest, Transport};
+use super::{copy_with_region, TransferRequest, Transport};
 use crate::error::Result;
 use crate::registry;
 
@@ -29,10 +29,7 @@ impl Transport for LocalTransport {
             .map(|req| {
                 let engine = registry::lookup(&req.target.endpoint)?;
                 let region = engine.region(req.target.region)?;
-                match &mut req.op {
-                    TransferOp::Read(dst) => region.copy_out(req.offset, dst),
-                    TransferOp::Write(src) => region.copy_in(req.offset, src),
-                }
+                copy_with_region(&region, req)
             })
             .collect()
     }

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use parking_lot::RwLock;
 
 use super::tcp::TcpTransport;
-use super::{TransferOp, TransferRequest, Transport, TransportStats};
+use super::{copy_with_region, TransferOp, TransferRequest, Transport, TransportStats};
 use crate::auth::SharedSecret;
 use crate::error::{Result, TransferError};
 use crate::handshake::{self, host_id};
@@ -163,14 +163,13 @@ impl Transport for ShmTransport {
             .iter_mut()
             .map(|req| {
                 let r = match self.mapping(&req.target.endpoint, req.target.region) {
-                    Ok(m) => match &mut req.op {
-                        TransferOp::Read(dst) => m.region.copy_out(req.offset, dst).inspect(|_| {
-                            self.stats.bytes_read.fetch_add(dst.len() as u64, Ordering::Relaxed);
-                        }),
-                        TransferOp::Write(src) => m.region.copy_in(req.offset, src).inspect(|_| {
-                            self.stats.bytes_written.fetch_add(src.len() as u64, Ordering::Relaxed);
-                        }),
-                    },
+                    Ok(m) => copy_with_region(&m.region, req).inspect(|_| {
+                        let (counter, len) = match &req.op {
+                            TransferOp::Read(dst) => (&self.stats.bytes_read, dst.len()),
+                            TransferOp::Write(src) => (&self.stats.bytes_written, src.len()),
+                        };
+                        counter.fetch_add(len as u64, Ordering::Relaxed);
+                    }),
                     // The region cannot be mapped (not shared, or /proc refused): TCP.
                     Err(TransferError::Unreachable(_)) | Err(TransferError::Protocol(_)) => {
                         self.tcp.transfer(std::slice::from_mut(req)).pop().unwrap_or(Ok(()))

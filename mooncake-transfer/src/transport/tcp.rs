@@ -292,12 +292,31 @@ pub struct TcpTransport {
     secret: Option<SharedSecret>,
 }
 
+/// How a chunk went: its result, and its crc32c if it was asked for and taken.
+type ChunkOutcome = (Result<()>, Option<u32>);
+
 /// A piece of a request moved on one connection.
 struct Chunk<'a> {
     req: usize,
     region: u64,
     offset: u64,
     op: TransferOp<'a>,
+    /// Whether to take the crc32c of the piece as it passes (into `crc`).
+    sum: bool,
+    crc: Option<u32>,
+}
+
+impl Chunk<'_> {
+    /// Takes the piece's crc32c if asked: right before its bytes are sent, or right
+    /// after they arrived, while they are in the cache.
+    fn take_sum(&mut self) {
+        if self.sum {
+            self.crc = Some(crate::checksum::crc32c(match &self.op {
+                TransferOp::Read(b) => b,
+                TransferOp::Write(b) => b,
+            }));
+        }
+    }
 }
 
 impl TcpTransport {
@@ -390,7 +409,10 @@ impl TcpTransport {
         let first_id = conn.next_id;
         {
             let mut w = BufWriter::with_capacity(64 << 10, &conn.stream);
-            for c in window.iter() {
+            for c in window.iter_mut() {
+                if matches!(c.op, TransferOp::Write(_)) {
+                    c.take_sum();
+                }
                 let (op, len, payload): (FrameOp, usize, Option<&[u8]>) = match &c.op {
                     TransferOp::Read(b) => (FrameOp::Read, b.len(), None),
                     TransferOp::Write(b) => (FrameOp::Write, b.len(), Some(b)),
@@ -422,6 +444,7 @@ impl TcpTransport {
                     }
                     (&conn.stream).read_exact(dst).map_err(io)?;
                     self.stats.bytes_read.fetch_add(h.len, Ordering::Relaxed);
+                    c.take_sum();
                     Ok(())
                 }
                 (FrameStatus::Ok, TransferOp::Write(src)) => {
@@ -529,26 +552,28 @@ impl Transport for TcpTransport {
                 results[i] = Err(TransferError::Protocol("request too large".into()));
                 continue;
             }
-            let (region, base) = (req.target.region, req.offset);
+            let (region, base, sum) = (req.target.region, req.offset, req.checksum_asked());
             let peer = by_peer.entry(req.target.endpoint.clone()).or_default();
             match &mut req.op {
                 TransferOp::Read(dst) => {
                     for (k, piece) in dst.chunks_mut(STRIPE).enumerate() {
                         let offset = base.saturating_add((k * STRIPE) as u64);
-                        peer.push(Chunk { req: i, region, offset, op: TransferOp::Read(piece) });
+                        peer.push(Chunk { req: i, region, offset, op: TransferOp::Read(piece), sum, crc: None });
                     }
                 }
                 TransferOp::Write(src) => {
                     for (k, piece) in src.chunks(STRIPE).enumerate() {
                         let offset = base.saturating_add((k * STRIPE) as u64);
-                        peer.push(Chunk { req: i, region, offset, op: TransferOp::Write(piece) });
+                        peer.push(Chunk { req: i, region, offset, op: TransferOp::Write(piece), sum, crc: None });
                     }
                 }
             }
         }
         // One task per (peer, lane): a peer's chunks are dealt round-robin to as many
         // lanes (connections) as its bytes warrant, and all peers' lanes run at once.
-        let mut owners: Vec<usize> = Vec::new();
+        // Which request each chunk belongs to, and its length (a request's chunks
+        // are consecutive here, in the order of their bytes).
+        let mut owners: Vec<(usize, usize)> = Vec::new();
         let mut tasks: Vec<(&str, Vec<usize>, Vec<Chunk<'_>>)> = Vec::new();
         for (endpoint, chunks) in &mut by_peer {
             let bytes: usize = chunks.iter().map(|c| c.op.len()).sum();
@@ -558,15 +583,16 @@ impl Transport for TcpTransport {
             for (k, c) in std::mem::take(chunks).into_iter().enumerate() {
                 let task = &mut tasks[first + k % lanes];
                 task.1.push(owners.len());
-                owners.push(c.req);
+                owners.push((c.req, c.op.len()));
                 task.2.push(c);
             }
         }
-        let mut outcome: Vec<Option<Result<()>>> = (0..owners.len()).map(|_| None).collect();
+        let mut outcome: Vec<Option<ChunkOutcome>> = (0..owners.len()).map(|_| None).collect();
         let run = |(endpoint, idx, mut chunks): (&str, Vec<usize>, Vec<Chunk<'_>>)| {
-            idx.into_iter().zip(self.run_lane(endpoint, &mut chunks)).collect::<Vec<_>>()
+            let results = self.run_lane(endpoint, &mut chunks);
+            idx.into_iter().zip(results.into_iter().zip(chunks.iter().map(|c| c.crc))).collect::<Vec<_>>()
         };
-        let done: Vec<Vec<(usize, Result<()>)>> = if tasks.len() == 1 {
+        let done: Vec<Vec<(usize, ChunkOutcome)>> = if tasks.len() == 1 {
             tasks.into_iter().map(run).collect()
         } else {
             std::thread::scope(|scope| {
@@ -581,12 +607,27 @@ impl Transport for TcpTransport {
         for (k, r) in done.into_iter().flatten() {
             outcome[k] = Some(r);
         }
+        // Each request's crc32c from its chunks' (all of them taken, in order).
+        let mut sums: Vec<Option<Vec<(u32, usize)>>> =
+            requests.iter().map(|r| r.checksum_asked().then(Vec::new)).collect();
         for (k, r) in outcome.into_iter().enumerate() {
-            if let Err(e) = r.unwrap_or_else(|| Err(TransferError::Io("lane lost".into()))) {
+            let (req, len) = owners[k];
+            let (res, crc) = r.unwrap_or_else(|| (Err(TransferError::Io("lane lost".into())), None));
+            match (crc, &mut sums[req]) {
+                (Some(crc), Some(pieces)) => pieces.push((crc, len)),
+                (None, sum) => *sum = None,
+                _ => {}
+            }
+            if let Err(e) = res {
                 self.stats.errors.fetch_add(1, Ordering::Relaxed);
-                if results[owners[k]].is_ok() {
-                    results[owners[k]] = Err(e);
+                if results[req].is_ok() {
+                    results[req] = Err(e);
                 }
+            }
+        }
+        for ((req, res), pieces) in requests.iter_mut().zip(&results).zip(sums) {
+            if let (Ok(()), Some(pieces)) = (res, pieces) {
+                req.set_checksum(crate::checksum::crc32c_concat(pieces));
             }
         }
         results

@@ -169,9 +169,13 @@ impl Store {
         let mut staged = false;
         let res = check_key(key).and_then(|()| {
             let checksum = src.crc32c(offset, len)?;
-            self.inner.put_placed(key, len, checksum, cfg, |replicas| {
-                self.write_replicas_from(replicas, src, offset, len, direct, &mut staged)
-            })
+            self.inner.put_placed(
+                key,
+                len,
+                || checksum,
+                cfg,
+                |replicas| self.write_replicas_from(replicas, src, offset, len, direct, &mut staged),
+            )
         });
         match &res {
             Ok(()) => {
@@ -228,7 +232,7 @@ impl Store {
         if !others.is_empty() {
             *staged = true;
             match download(src, offset, len as usize) {
-                Ok(copy) => failed.extend(inner.write_replicas(&others, &copy[..len as usize])),
+                Ok(copy) => failed.extend(inner.write_replicas(&others, &copy[..len as usize]).0),
                 Err(e) => failed.extend(others.iter().map(|r| (r.segment, e.clone()))),
             }
         }
