@@ -103,6 +103,34 @@ impl Allocation {
     }
 }
 
+/// An allocation reduced to its block's name: for owners that keep the offset
+/// themselves and want 4 bytes where an [`Allocation`] takes 24 (a store keeps one per
+/// object replica). Give it back with [`OffsetAllocator::try_free_block`]. Neither
+/// `Clone` nor `Copy`, so it cannot be freed twice; `Option<Block>` is 4 bytes too.
+///
+/// ```
+/// use mooncake_offset_allocator::OffsetAllocator;
+/// let mut a = OffsetAllocator::new(1 << 20);
+/// let x = a.allocate(1000).unwrap();
+/// let offset = x.offset();
+/// let block = x.into_block();
+/// assert_eq!(a.try_free_block(offset, block), Ok(1024)); // the bytes it reserved
+/// assert_eq!(a.used_bytes(), 0);
+/// ```
+#[must_use = "a block that is dropped without being freed leaks its space"]
+#[derive(Debug, PartialEq, Eq)]
+pub struct Block(NonZeroU32);
+
+impl Allocation {
+    /// The allocation's block, for [`OffsetAllocator::try_free_block`] with
+    /// [`offset`](Self::offset). The allocator id is not kept: the free checks instead
+    /// that a block in use starts at that offset.
+    pub fn into_block(self) -> Block {
+        // Node indices stay below `USED` (u32::MAX - 1), so `node + 1` is never 0.
+        Block(NonZeroU32::new(self.node + 1).expect("node index below u32::MAX"))
+    }
+}
+
 /// A snapshot of an allocator's space.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AllocatorReport {
@@ -463,7 +491,12 @@ impl OffsetAllocator {
         if allocation.owner != self.id {
             return Err(OffsetAllocatorError::ForeignAllocation);
         }
-        let mut i = allocation.node;
+        self.free_node(allocation.node);
+        Ok(())
+    }
+
+    /// Frees used node `i`, merging it with free neighbours.
+    fn free_node(&mut self, mut i: u32) {
         let n = self.nodes[i as usize];
         debug_assert!(!n.is_free(), "allocation freed twice");
         self.used_units -= n.size;
@@ -496,7 +529,35 @@ impl OffsetAllocator {
             self.spare.push(next);
         }
         self.insert_free(i);
-        Ok(())
+    }
+
+    /// Gives back the block of an allocation that started at `offset` (see
+    /// [`Allocation::into_block`]), merging it with free neighbours, and returns the
+    /// bytes it had reserved. O(1).
+    ///
+    /// Fails with [`ForeignAllocation`](OffsetAllocatorError::ForeignAllocation),
+    /// changing nothing, if no block in use of this allocator starts at `offset` under
+    /// that name (a wrong offset, or a block of another allocator: that one is caught
+    /// unless a block in use here happens to have the same name and offset, so keep
+    /// blocks next to their allocator, as [`Allocation`]'s own id is not kept).
+    ///
+    /// ```
+    /// use mooncake_offset_allocator::{OffsetAllocator, OffsetAllocatorError};
+    /// let mut a = OffsetAllocator::new(1 << 20);
+    /// let x = a.allocate(64).unwrap();
+    /// let _y = a.allocate(64).unwrap();
+    /// assert_eq!(a.try_free_block(64, x.into_block()), Err(OffsetAllocatorError::ForeignAllocation));
+    /// ```
+    pub fn try_free_block(&mut self, offset: u64, block: Block) -> Result<u64, OffsetAllocatorError> {
+        let node = block.0.get() - 1;
+        let n = self.nodes.get(node as usize).ok_or(OffsetAllocatorError::ForeignAllocation)?;
+        let aligned = offset & ((1 << self.shift) - 1) == 0;
+        if !aligned || n.is_free() || n.offset != offset >> self.shift {
+            return Err(OffsetAllocatorError::ForeignAllocation);
+        }
+        let size = n.size << self.shift;
+        self.free_node(node);
+        Ok(size)
     }
 
     /// Largest free block in bytes (exact: the highest non-empty bin is scanned).
@@ -586,6 +647,26 @@ mod tests {
         let mut b = OffsetAllocator::new(1 << 20);
         let x = a.allocate(100).unwrap();
         assert_eq!(b.try_free(x), Err(OffsetAllocatorError::ForeignAllocation));
+    }
+
+    #[test]
+    fn blocks_free_like_allocations() {
+        assert_eq!(std::mem::size_of::<Option<Block>>(), 4);
+        let mut a = OffsetAllocator::new(1 << 20);
+        let mut b = OffsetAllocator::new(1 << 20);
+        let x = a.allocate(100).unwrap();
+        let y = a.allocate(1000).unwrap();
+        let (xo, yo) = (x.offset(), y.offset());
+        // A block of another allocator where nothing is in use, or the wrong offset,
+        // is refused.
+        let xb = x.into_block();
+        assert_eq!(b.try_free_block(xo, Block(xb.0)), Err(OffsetAllocatorError::ForeignAllocation));
+        assert_eq!(a.try_free_block(yo, Block(xb.0)), Err(OffsetAllocatorError::ForeignAllocation));
+        assert_eq!(a.try_free_block(xo + 1, Block(xb.0)), Err(OffsetAllocatorError::ForeignAllocation));
+        assert_eq!(a.try_free_block(xo, xb), Ok(128));
+        assert_eq!(a.try_free_block(yo, y.into_block()), Ok(1024));
+        assert_eq!(a.used_bytes(), 0);
+        assert_eq!(a.report().largest_free_region, 1 << 20, "frees coalesce");
     }
 
     #[test]

@@ -138,19 +138,19 @@ impl MasterService {
         let mut tasks = Vec::with_capacity(keys.len());
         for key in keys {
             let mut shard = self.index.shard(&key).lock();
-            let Some(e) = shard.get_mut(&*key) else { continue };
+            let Some(e) = shard.get_mut(&key) else { continue };
             if !e.complete || e.disk == client {
                 e.offload_deadline_ms = 0;
                 continue;
             }
-            let Some(r) = e.replicas.iter().find(|r| r.complete && segments.contains(&r.segment())) else {
+            let Some(r) = e.replicas.iter().find(|r| r.complete() && segments.contains(&r.segment())) else {
                 e.offload_deadline_ms = 0;
                 continue;
             };
             let task = OffloadTask {
                 key: key.to_string(),
                 segment: r.segment(),
-                offset: r.buf.offset(),
+                offset: r.offset(),
                 len: e.len,
                 checksum: e.checksum,
             };
@@ -186,8 +186,8 @@ impl MasterService {
                 match shard.get_mut(key) {
                     None => {
                         shard.insert(
-                            key.into(),
-                            Box::new(ObjectEntry {
+                            key,
+                            ObjectEntry {
                                 len,
                                 checksum,
                                 soft_pin: false,
@@ -201,7 +201,7 @@ impl MasterService {
                                 offload_deadline_ms: 0,
                                 soft_pin_ttl_ms: 0,
                                 upsert: None,
-                            }),
+                            },
                         );
                         self.add_ssd_used(client, len as i64);
                         Ok(())

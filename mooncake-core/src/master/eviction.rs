@@ -158,7 +158,7 @@ impl MasterService {
                             }
                             if e.offload_deadline_ms == 0 {
                                 e.offload_deadline_ms = offload_until;
-                                to_offload.push((owner, k.clone()));
+                                to_offload.push((owner, Box::<str>::from(k)));
                                 report.awaiting_offload += 1;
                                 awaiting_bytes += e.memory_bytes(segment);
                                 return true;

@@ -67,8 +67,8 @@ impl MasterService {
         // under these locks, so the entry is either refused here or dropped there.
         self.fence(key)?;
         shard.insert(
-            key.into(),
-            Box::new(ObjectEntry {
+            key,
+            ObjectEntry {
                 len,
                 checksum: 0,
                 soft_pin: cfg.soft_pin,
@@ -77,12 +77,12 @@ impl MasterService {
                 last_access_ms: now,
                 lease_until_ms: 0,
                 readers: 0,
-                replicas: bufs.into_iter().map(|buf| StoredReplica { buf, complete: false }).collect(),
+                replicas: bufs.into_iter().map(|buf| StoredReplica::new(buf, false)).collect(),
                 disk: 0,
                 offload_deadline_ms: 0,
                 soft_pin_ttl_ms: cfg.soft_pin_ttl_ms(),
                 upsert: None,
-            }),
+            },
         );
         self.counters.pending_puts.fetch_add(1, Ordering::Relaxed);
         Ok(replicas)
@@ -293,7 +293,7 @@ impl MasterService {
                 e.checksum = checksum;
                 e.last_access_ms = now;
                 for r in &mut e.replicas {
-                    r.complete = true;
+                    r.set_complete();
                 }
                 self.counters.pending_puts.fetch_sub(1, Ordering::Relaxed);
                 let wait = self.note_added(key, e, None);
@@ -361,7 +361,7 @@ impl MasterService {
                 Ok(ReplicaList {
                     len: e.len,
                     checksum: e.checksum,
-                    replicas: e.replicas.iter().filter(|r| r.complete).map(|r| MemoryReplica::of(&r.buf)).collect(),
+                    replicas: e.replicas.iter().filter(|r| r.complete()).map(|r| r.memory(e.len)).collect(),
                     lease,
                     disk: (e.disk != 0).then_some(e.disk),
                 })
@@ -383,7 +383,7 @@ impl MasterService {
     pub fn release_leases(&self, keys: &[&str]) -> Result<()> {
         // Keys of groups led elsewhere are skipped like absent ones.
         for key in keys.iter().filter(|k| self.fence(k).is_ok()) {
-            if let Some(e) = self.index.shard(key).lock().get_mut(*key) {
+            if let Some(e) = self.index.shard(key).lock().get_mut(key) {
                 e.release();
             }
         }
@@ -399,7 +399,7 @@ impl MasterService {
             Some(e) if e.complete => Ok(ObjectInfo {
                 len: e.len,
                 checksum: e.checksum,
-                replicas: e.replicas.iter().filter(|r| r.complete).map(|r| MemoryReplica::of(&r.buf)).collect(),
+                replicas: e.replicas.iter().filter(|r| r.complete()).map(|r| r.memory(e.len)).collect(),
                 soft_pin: e.pinned(now),
                 lease_ms_left: if e.leased(now) { e.lease_until_ms.saturating_sub(now) } else { 0 },
             }),
@@ -436,14 +436,14 @@ impl MasterService {
             for (k, e) in shard.lock().iter_mut() {
                 if !e.complete
                     || e.disk != 0
-                    || !e.replicas.iter().any(|r| r.complete && segments.contains(&r.segment()))
+                    || !e.replicas.iter().any(|r| r.complete() && segments.contains(&r.segment()))
                 {
                     continue;
                 }
                 left += 1;
                 if !e.offload_pending(now) {
                     e.offload_deadline_ms = hold;
-                    ask.push(k.clone());
+                    ask.push(Box::<str>::from(k));
                 }
             }
         }
@@ -531,7 +531,7 @@ impl MasterService {
                 Some(e) if e.complete => e,
                 _ => return Err(Error::NotFound(key.to_owned())),
             };
-            let have = e.replicas.iter().filter(|r| r.complete).count();
+            let have = e.replicas.iter().filter(|r| r.complete()).count();
             if have > cfg.replica_num {
                 if e.leased(now) {
                     self.counters.lease_refusals.fetch_add(1, Ordering::Relaxed);
@@ -539,8 +539,8 @@ impl MasterService {
                 }
                 let mut dropped = 0;
                 let mut wait = RecordWait::default();
-                while e.replicas.iter().filter(|r| r.complete).count() > cfg.replica_num {
-                    if let Some(i) = e.replicas.iter().rposition(|r| r.complete) {
+                while e.replicas.iter().filter(|r| r.complete()).count() > cfg.replica_num {
+                    if let Some(i) = e.replicas.iter().rposition(|r| r.complete()) {
                         let gone = e.replicas.remove(i);
                         wait.merge(self.note_removed(key, [&gone]));
                         dropped += 1;
@@ -577,9 +577,9 @@ impl MasterService {
         // Sources must stay put while the client copies from them: the copy is a
         // read, released by `replicate_end`.
         e.lease(now, self.config.put_timeout.as_millis() as u64);
-        let sources = e.replicas.iter().filter(|r| r.complete).map(|r| MemoryReplica::of(&r.buf)).collect();
+        let sources = e.replicas.iter().filter(|r| r.complete()).map(|r| r.memory(e.len)).collect();
         let targets = bufs.iter().map(MemoryReplica::of).collect();
-        e.replicas.extend(bufs.into_iter().map(|buf| StoredReplica { buf, complete: false }));
+        e.replicas.extend(bufs.into_iter().map(|buf| StoredReplica::new(buf, false)));
         let _ = client;
         Ok(ReplicatePlan { len: e.len, checksum: e.checksum, sources, targets, dropped: 0 })
     }
@@ -589,11 +589,12 @@ impl MasterService {
         let mut shard = self.index.shard(key).lock();
         self.fence(key)?;
         let e = shard.get_mut(key).ok_or_else(|| Error::NotFound(key.to_owned()))?;
-        let is_target = |r: &StoredReplica| !r.complete && targets.contains(&MemoryReplica::of(&r.buf));
+        let len = e.len;
+        let is_target = |r: &StoredReplica| !r.complete() && targets.contains(&r.memory(len));
         let mut wait = RecordWait::default();
         if ok {
             for r in e.replicas.iter_mut().filter(|r| is_target(r)) {
-                r.complete = true;
+                r.set_complete();
             }
             wait = self.note_added(key, e, Some(targets));
         } else {

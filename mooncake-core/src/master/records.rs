@@ -123,8 +123,8 @@ impl MasterService {
         if !self.config.track_records {
             return wait;
         }
-        for r in e.replicas.iter().filter(|r| r.complete) {
-            let m = MemoryReplica::of(&r.buf);
+        for r in e.replicas.iter().filter(|r| r.complete()) {
+            let m = r.memory(e.len);
             if only.is_some_and(|o| !o.contains(&m)) {
                 continue;
             }
@@ -144,9 +144,9 @@ impl MasterService {
         if !self.config.track_records {
             return wait;
         }
-        for r in replicas.into_iter().filter(|r| r.complete) {
+        for r in replicas.into_iter().filter(|r| r.complete()) {
             let segment = r.segment();
-            let update = RecordUpdate::Removed { segment, key: key.to_owned(), offset: r.buf.offset() };
+            let update = RecordUpdate::Removed { segment, key: key.to_owned(), offset: r.offset() };
             self.push_update(segment, update, &mut wait);
         }
         wait
@@ -199,8 +199,8 @@ impl MasterService {
             match shard.get_mut(r.key.as_str()) {
                 None => {
                     shard.insert(
-                        r.key.into_boxed_str(),
-                        Box::new(ObjectEntry {
+                        &r.key,
+                        ObjectEntry {
                             len: r.len,
                             checksum: r.checksum,
                             soft_pin: false,
@@ -209,17 +209,17 @@ impl MasterService {
                             last_access_ms: now,
                             lease_until_ms: 0,
                             readers: 0,
-                            replicas: smallvec::smallvec![StoredReplica { buf, complete: true }],
+                            replicas: smallvec::smallvec![StoredReplica::new(buf, true)],
                             disk: 0,
                             offload_deadline_ms: 0,
                             soft_pin_ttl_ms: 0,
                             upsert: None,
-                        }),
+                        },
                     );
                     taken += 1;
                 }
                 Some(e) if e.complete && e.len == r.len && e.checksum == r.checksum => {
-                    e.replicas.push(StoredReplica { buf, complete: true });
+                    e.replicas.push(StoredReplica::new(buf, true));
                     taken += 1;
                 }
                 Some(_) => tracing::warn!(key = r.key, "record conflicts with the master's view; skipped"),

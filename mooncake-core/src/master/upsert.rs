@@ -143,7 +143,7 @@ impl MasterService {
             self.counters.under_replicated_puts.fetch_add(1, Ordering::Relaxed);
         }
         let replicas = bufs.iter().map(MemoryReplica::of).collect();
-        staged.replicas = bufs.into_iter().map(|buf| StoredReplica { buf, complete: false }).collect();
+        staged.replicas = bufs.into_iter().map(|buf| StoredReplica::new(buf, false)).collect();
         Ok(replicas)
     }
 
@@ -182,7 +182,7 @@ impl MasterService {
             return Err(Error::NotFound(format!("{key} (the segments of the upsert are gone)")));
         }
         for r in &mut new {
-            r.complete = true;
+            r.set_complete();
         }
         // The swap. Reads that were handed the old replicas may still be copying
         // from them: they are kept until those reads are over.

@@ -1,26 +1,44 @@
-//! The object index: 1024 shards of key -> metadata, each behind its own lock.
+//! What the master keeps per object: its entry and replicas.
 
-use std::collections::HashMap;
-
-use mooncake_alloc::{AllocatedBuffer, SegmentId};
-use parking_lot::Mutex;
+use mooncake_alloc::{AllocatedBuffer, CompactBuffer, SegmentId};
 use smallvec::SmallVec;
 
-use crate::master::types::ClientId;
+use crate::master::types::{ClientId, MemoryReplica};
 
-/// Number of index shards; metadata calls on different shards never contend.
-pub(crate) const SHARDS: usize = 1024;
-
-/// One replica as the master keeps it: the buffer (freed when dropped) and whether its
-/// bytes are all written.
+/// One replica as the master keeps it: the range (freed when dropped) and whether its
+/// bytes are all written (the buffer's `filled` flag). Its length is the object's
+/// (every replica of an object has it), so the replica does not keep it.
 pub(crate) struct StoredReplica {
-    pub(crate) buf: AllocatedBuffer,
-    pub(crate) complete: bool,
+    buf: CompactBuffer,
 }
 
 impl StoredReplica {
+    pub(crate) fn new(buf: AllocatedBuffer, complete: bool) -> Self {
+        let mut buf = CompactBuffer::from(buf);
+        buf.set_filled(complete);
+        Self { buf }
+    }
+
     pub(crate) fn segment(&self) -> SegmentId {
         self.buf.segment_id()
+    }
+
+    pub(crate) fn offset(&self) -> u64 {
+        self.buf.offset()
+    }
+
+    /// Its bytes are all written: readable.
+    pub(crate) fn complete(&self) -> bool {
+        self.buf.filled()
+    }
+
+    pub(crate) fn set_complete(&mut self) {
+        self.buf.set_filled(true);
+    }
+
+    /// Where its bytes are, for an object of `len` bytes.
+    pub(crate) fn memory(&self, len: u64) -> MemoryReplica {
+        MemoryReplica { segment: self.segment(), offset: self.offset(), len }
     }
 }
 
@@ -154,85 +172,6 @@ impl ObjectEntry {
 
     /// Bytes of memory this object holds (on every segment, or on one).
     pub(crate) fn memory_bytes(&self, segment: Option<SegmentId>) -> u64 {
-        self.replicas.iter().filter(|r| segment.is_none_or(|s| r.segment() == s)).map(|r| r.buf.len()).sum()
-    }
-}
-
-/// Entries are boxed: a table keeps spare slots (up to half of them after it grows),
-/// so a slot of a key and a pointer wastes far less than one holding the whole entry.
-pub(crate) type Shard = HashMap<Box<str>, Box<ObjectEntry>, ahash::RandomState>;
-
-/// The sharded index.
-pub(crate) struct ObjectIndex {
-    shards: Box<[Mutex<Shard>]>,
-    router: ahash::RandomState,
-}
-
-impl ObjectIndex {
-    pub(crate) fn new() -> Self {
-        Self {
-            shards: (0..SHARDS).map(|_| Mutex::new(Shard::default())).collect(),
-            // Fixed seeds: a key's shard must not depend on the process.
-            router: ahash::RandomState::with_seeds(0x6d6f6f6e, 0x63616b65, 0x2d72732d, 0x73686172),
-        }
-    }
-
-    pub(crate) fn shard_of(&self, key: &str) -> usize {
-        (self.router.hash_one(key) as usize) % SHARDS
-    }
-
-    pub(crate) fn shard(&self, key: &str) -> &Mutex<Shard> {
-        &self.shards[self.shard_of(key)]
-    }
-
-    pub(crate) fn shard_at(&self, i: usize) -> &Mutex<Shard> {
-        &self.shards[i]
-    }
-
-    pub(crate) fn shards(&self) -> impl Iterator<Item = &Mutex<Shard>> {
-        self.shards.iter()
-    }
-}
-
-/// Heap bytes a table spends on its slots (key and entry pointers, plus a control
-/// byte each).
-pub(crate) fn table_bytes(shard: &Shard) -> u64 {
-    (shard.capacity() * (std::mem::size_of::<(Box<str>, Box<ObjectEntry>)>() + 1)) as u64
-}
-
-/// Heap bytes behind one entry beyond its key: the entry, its replica list, and one
-/// allocator node per replica (the offset allocator keeps a node for every allocated
-/// block).
-pub(crate) fn entry_heap_bytes(e: &ObjectEntry) -> u64 {
-    const ALLOCATOR_NODE: usize = 40;
-    let replicas = if e.replicas.spilled() { e.replicas.capacity() * std::mem::size_of::<StoredReplica>() } else { 0 };
-    let upsert = e.upsert.as_deref().map_or(0, |u| {
-        let staged = u.staged.as_ref().map_or(0, |s| s.replicas.len());
-        std::mem::size_of::<UpsertState>() + (staged + u.retired.len()) * (std::mem::size_of::<StoredReplica>() + 8)
-    });
-    (std::mem::size_of::<ObjectEntry>() + replicas + upsert + e.replicas.len() * ALLOCATOR_NODE) as u64
-}
-
-#[cfg(test)]
-mod tests {
-    use mooncake_alloc::SegmentAllocator;
-
-    use super::*;
-
-    #[test]
-    fn entry_layout_stays_compact() {
-        // The index's memory per object (see the `memory` bench): a 128-byte entry is
-        // one 144-byte malloc chunk; a table slot is two pointers.
-        assert!(std::mem::size_of::<ObjectEntry>() <= 128, "{}", std::mem::size_of::<ObjectEntry>());
-        assert_eq!(std::mem::size_of::<(Box<str>, Box<ObjectEntry>)>(), 24);
-        let seg = SegmentAllocator::new(1, "s", 1 << 20);
-        let mut replicas = Replicas::new();
-        replicas.push(StoredReplica { buf: seg.allocate(4096).unwrap(), complete: true });
-        assert!(!replicas.spilled(), "one replica lives inline");
-        replicas.push(StoredReplica { buf: seg.allocate(4096).unwrap(), complete: false });
-        assert!(replicas.spilled());
-        assert_eq!(seg.used_bytes(), 8192);
-        drop(replicas);
-        assert_eq!(seg.used_bytes(), 0, "dropping the replicas frees their space");
+        self.replicas.iter().filter(|r| segment.is_none_or(|s| r.segment() == s)).count() as u64 * self.len
     }
 }
