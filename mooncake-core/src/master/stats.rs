@@ -24,9 +24,9 @@ impl MasterService {
                 key_bytes += k.len() as u64;
                 metadata_bytes += object::entry_heap_bytes(k, e);
                 replicas += e.replicas.len() as u64;
-                if e.complete {
+                if e.complete() {
                     objects += 1;
-                    object_bytes += e.len;
+                    object_bytes += e.len();
                 }
             }
         }

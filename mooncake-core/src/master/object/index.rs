@@ -2,7 +2,7 @@
 
 use parking_lot::Mutex;
 
-use crate::master::object::entry::{ObjectEntry, StoredReplica, UpsertState};
+use crate::master::object::entry::{Extra, ObjectEntry, StoredReplica};
 use crate::master::object::shard::Shard;
 
 /// Number of index shards; metadata calls on different shards never contend.
@@ -53,7 +53,8 @@ fn malloc_chunk(size: usize) -> usize {
 }
 
 /// Heap bytes behind one entry, its key included: the entry's allocation (with the
-/// key), its spilled replica list, its upsert state, and one allocator node per
+/// key), its spilled replica list, its side box (disk, offload, pin TTL, upsert), and
+/// one allocator node per
 /// replica (the offset allocator keeps a node for every allocated block).
 pub(crate) fn entry_heap_bytes(key: &str, e: &ObjectEntry) -> u64 {
     const ALLOCATOR_NODE: usize = 32;
@@ -62,12 +63,12 @@ pub(crate) fn entry_heap_bytes(key: &str, e: &ObjectEntry) -> u64 {
     } else {
         0
     };
-    let upsert = e.upsert.as_deref().map_or(0, |u| {
+    let extra = e.extra.as_deref().map_or(0, |u| {
         let staged = u.staged.as_ref().map_or(0, |s| s.replicas.len());
-        malloc_chunk(std::mem::size_of::<UpsertState>())
+        malloc_chunk(std::mem::size_of::<Extra>())
             + (staged + u.retired.len()) * (std::mem::size_of::<StoredReplica>() + 8 + ALLOCATOR_NODE)
     });
-    (malloc_chunk(Shard::entry_alloc_bytes(key)) + replicas + upsert + e.replicas.len() * ALLOCATOR_NODE) as u64
+    (malloc_chunk(Shard::entry_alloc_bytes(key)) + replicas + extra + e.replicas.len() * ALLOCATOR_NODE) as u64
 }
 
 #[cfg(test)]
@@ -81,9 +82,10 @@ mod tests {
     #[test]
     fn entry_layout_stays_compact() {
         // The index's memory per object (see the `memory` bench): a table slot is one
-        // pointer; the entry (104 bytes), a one-byte key length and a 31-byte key take
-        // one 144-byte malloc chunk; a replica is 24 bytes.
-        assert_eq!(std::mem::size_of::<ObjectEntry>(), 104);
+        // pointer; the entry (72 bytes), a one-byte key length and a 31-byte key take
+        // one 112-byte malloc chunk; a replica is 24 bytes.
+        assert_eq!(std::mem::size_of::<ObjectEntry>(), 72);
+        assert_eq!(malloc_chunk(Shard::entry_alloc_bytes(&"k".repeat(31))), 112);
         assert_eq!(std::mem::size_of::<StoredReplica>(), 24);
         assert_eq!(std::mem::size_of::<crate::master::object::shard::EntryBox>(), 8);
         assert_eq!(Shard::entry_alloc_bytes(&"k".repeat(31)), std::mem::size_of::<ObjectEntry>() + 32);

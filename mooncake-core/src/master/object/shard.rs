@@ -254,35 +254,20 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
-    use crate::master::object::entry::Replicas;
 
-    /// An entry told apart by `len` (the only field the model tracks).
-    fn entry(len: u64) -> ObjectEntry {
-        ObjectEntry {
-            len,
-            checksum: 0,
-            soft_pin: false,
-            complete: true,
-            owner: 1,
-            last_access_ms: 0,
-            lease_until_ms: 0,
-            readers: 0,
-            replicas: Replicas::new(),
-            disk: 0,
-            offload_deadline_ms: 0,
-            soft_pin_ttl_ms: 0,
-            upsert: None,
-        }
+    /// An entry told apart by `checksum` (the only field the model tracks).
+    fn entry(value: u32) -> ObjectEntry {
+        ObjectEntry::new_complete(4096, value, 0)
     }
 
     #[derive(Clone, Debug)]
     enum Op {
-        Insert(String, u64),
+        Insert(String, u32),
         Remove(String),
         Get(String),
         Bump(String),
         /// Drops the entries whose value is divisible by this.
-        Retain(u64),
+        Retain(u32),
         /// Adds one to every value (through `iter_mut`).
         BumpAll,
         /// Adds two to every value (through `values_mut`).
@@ -297,11 +282,11 @@ mod tests {
 
     fn op() -> impl Strategy<Value = Op> {
         prop_oneof![
-            4 => (key(), any::<u64>()).prop_map(|(k, v)| Op::Insert(k, v)),
+            4 => (key(), any::<u32>()).prop_map(|(k, v)| Op::Insert(k, v)),
             2 => key().prop_map(Op::Remove),
             2 => key().prop_map(Op::Get),
             1 => key().prop_map(Op::Bump),
-            1 => (2u64..5).prop_map(Op::Retain),
+            1 => (2u32..5).prop_map(Op::Retain),
             1 => Just(Op::BumpAll),
             1 => Just(Op::BumpValues),
         ]
@@ -311,24 +296,24 @@ mod tests {
         #[test]
         fn shard_behaves_like_a_hash_map(ops in prop::collection::vec(op(), 1..200)) {
             let mut shard = Shard::default();
-            let mut model: HashMap<String, u64> = HashMap::new();
+            let mut model: HashMap<String, u32> = HashMap::new();
             for op in ops {
                 match op {
                     Op::Insert(k, v) => {
-                        let old = shard.insert(&k, entry(v)).map(|e| e.len);
+                        let old = shard.insert(&k, entry(v)).map(|e| e.checksum);
                         prop_assert_eq!(old, model.insert(k, v));
                     }
                     Op::Remove(k) => {
-                        let got = shard.remove(&k).map(|e| (e.key().to_owned(), e.len));
+                        let got = shard.remove(&k).map(|e| (e.key().to_owned(), e.checksum));
                         prop_assert_eq!(got, model.remove(&k).map(|v| (k.clone(), v)));
                     }
                     Op::Get(k) => {
-                        prop_assert_eq!(shard.get(&k).map(|e| e.len), model.get(&k).copied());
+                        prop_assert_eq!(shard.get(&k).map(|e| e.checksum), model.get(&k).copied());
                         prop_assert_eq!(shard.contains_key(&k), model.contains_key(&k));
                     }
                     Op::Bump(k) => {
                         if let Some(e) = shard.get_mut(&k) {
-                            e.len = e.len.wrapping_add(1);
+                            e.checksum = e.checksum.wrapping_add(1);
                         }
                         if let Some(v) = model.get_mut(&k) {
                             *v = v.wrapping_add(1);
@@ -336,15 +321,15 @@ mod tests {
                     }
                     Op::Retain(d) => {
                         shard.retain(|k, e| {
-                            assert_eq!(model.get(k), Some(&e.len), "retain sees each key with its entry");
-                            e.len % d != 0
+                            assert_eq!(model.get(k), Some(&e.checksum), "retain sees each key with its entry");
+                            e.checksum % d != 0
                         });
                         model.retain(|_, v| *v % d != 0);
                     }
                     Op::BumpAll => {
                         for (k, e) in shard.iter_mut() {
                             assert!(model.contains_key(k));
-                            e.len = e.len.wrapping_add(1);
+                            e.checksum = e.checksum.wrapping_add(1);
                         }
                         for v in model.values_mut() {
                             *v = v.wrapping_add(1);
@@ -352,7 +337,7 @@ mod tests {
                     }
                     Op::BumpValues => {
                         for e in shard.values_mut() {
-                            e.len = e.len.wrapping_add(2);
+                            e.checksum = e.checksum.wrapping_add(2);
                         }
                         for v in model.values_mut() {
                             *v = v.wrapping_add(2);
@@ -361,14 +346,14 @@ mod tests {
                 }
                 prop_assert_eq!(shard.len(), model.len());
             }
-            let mut seen: Vec<(String, u64)> = shard.iter().map(|(k, e)| (k.to_owned(), e.len)).collect();
-            let mut want: Vec<(String, u64)> = model.into_iter().collect();
+            let mut seen: Vec<(String, u32)> = shard.iter().map(|(k, e)| (k.to_owned(), e.checksum)).collect();
+            let mut want: Vec<(String, u32)> = model.into_iter().collect();
             seen.sort();
             want.sort();
             prop_assert_eq!(&seen, &want);
-            let mut values: Vec<u64> = shard.values().map(|e| e.len).collect();
+            let mut values: Vec<u32> = shard.values().map(|e| e.checksum).collect();
             values.sort();
-            let mut from_iter: Vec<u64> = seen.iter().map(|(_, v)| *v).collect();
+            let mut from_iter: Vec<u32> = seen.iter().map(|(_, v)| *v).collect();
             from_iter.sort();
             prop_assert_eq!(values, from_iter);
         }
@@ -380,13 +365,13 @@ mod tests {
         let mut shard = Shard::default();
         for n in [0, 1, 127, 128, 300, 16_383, 16_384, 70_000] {
             let k = "x".repeat(n);
-            assert!(shard.insert(&k, entry(n as u64)).is_none());
+            assert!(shard.insert(&k, entry(n as u32)).is_none());
         }
         for n in [0, 1, 127, 128, 300, 16_383, 16_384, 70_000] {
             let k = "x".repeat(n);
-            assert_eq!(shard.get(&k).map(|e| e.len), Some(n as u64));
+            assert_eq!(shard.get(&k).map(|e| e.checksum), Some(n as u32));
             let e = shard.remove(&k).unwrap();
-            assert_eq!((e.key().len(), e.len), (n, n as u64));
+            assert_eq!((e.key().len(), e.checksum), (n, n as u32));
         }
         assert_eq!(shard.len(), 0);
     }
