@@ -57,7 +57,7 @@ fn malloc_chunk(size: usize) -> usize {
 /// one allocator node per
 /// replica (the offset allocator keeps a node for every allocated block).
 pub(crate) fn entry_heap_bytes(key: &str, e: &ObjectEntry) -> u64 {
-    const ALLOCATOR_NODE: usize = 32;
+    const ALLOCATOR_NODE: usize = 24;
     let replicas = if e.replicas.spilled() {
         malloc_chunk(e.replicas.capacity() * std::mem::size_of::<StoredReplica>())
     } else {
