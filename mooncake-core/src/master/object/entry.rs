@@ -316,3 +316,55 @@ impl ObjectEntry {
         self.replicas.iter().filter(|r| segment.is_none_or(|s| r.segment() == s)).count() as u64 * self.len()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn owner_and_lease_share_a_field_without_mixing() {
+        let mut e = ObjectEntry::new(4096, 7, 100);
+        assert_eq!((e.owner(), e.lease_until_ms(), e.complete()), (Some(7), 0, false));
+        assert!(!e.leased(100), "a put in progress is not leased by its owner's id");
+        e.mark_complete();
+        assert_eq!((e.owner(), e.lease_until_ms()), (None, 0));
+        assert!(!e.leased(100));
+        e.lease(100, 50);
+        assert_eq!((e.readers, e.lease_until_ms()), (1, 150));
+        assert!(e.leased(149) && !e.leased(150));
+        e.release();
+        assert!(!e.leased(120));
+    }
+
+    #[test]
+    fn lengths_take_32_bits() {
+        for len in [1, 4096, (1 << 32) - 1, 1 << 32] {
+            let mut e = ObjectEntry::new_complete(len, 0, 0);
+            assert_eq!(e.len(), len);
+            e.set_len(3);
+            assert_eq!(e.len(), 3);
+        }
+    }
+
+    #[test]
+    fn the_side_box_exists_only_while_something_is_in_it() {
+        let mut e = ObjectEntry::new_complete(10, 0, 0);
+        assert!(e.extra.is_none());
+        e.set_disk(0);
+        e.set_offload_deadline_ms(0);
+        e.set_soft_pin(true, 0);
+        assert!(e.extra.is_none(), "defaults make no box");
+        e.set_disk(9);
+        e.set_offload_deadline_ms(500);
+        e.set_soft_pin(true, 1000);
+        assert_eq!((e.disk(), e.offload_deadline_ms(), e.soft_pin_ttl_ms()), (9, 500, 1000));
+        assert!(e.offload_pending(499) && !e.offload_pending(500));
+        assert!(e.pinned(999) && !e.pinned(1000), "the TTL runs from the last access");
+        e.set_disk(0);
+        e.set_offload_deadline_ms(0);
+        assert!(e.extra.is_some(), "the pin's TTL is still in it");
+        e.set_soft_pin(false, 0);
+        assert!(e.extra.is_none(), "dropped once empty");
+        assert_eq!((e.disk(), e.offload_deadline_ms(), e.soft_pin_ttl_ms()), (0, 0, 0));
+    }
+}
