@@ -54,8 +54,8 @@ fn malloc_chunk(size: usize) -> usize {
 
 /// Heap bytes behind one entry, its key included: the entry's allocation (with the
 /// key), its spilled replica list, its side box (disk, offload, pin TTL, upsert), and
-/// one allocator node per
-/// replica (the offset allocator keeps a node for every allocated block).
+/// one offset-allocator node per replica (the allocator keeps one for every allocated
+/// block).
 pub(crate) fn entry_heap_bytes(key: &str, e: &ObjectEntry) -> u64 {
     const ALLOCATOR_NODE: usize = 24;
     let replicas = if e.replicas.spilled() {
@@ -63,10 +63,10 @@ pub(crate) fn entry_heap_bytes(key: &str, e: &ObjectEntry) -> u64 {
     } else {
         0
     };
-    let extra = e.extra.as_deref().map_or(0, |u| {
-        let staged = u.staged.as_ref().map_or(0, |s| s.replicas.len());
+    let extra = e.extra.as_deref().map_or(0, |x| {
+        let staged = x.staged.as_ref().map_or(0, |s| s.replicas.len());
         malloc_chunk(std::mem::size_of::<Extra>())
-            + (staged + u.retired.len()) * (std::mem::size_of::<StoredReplica>() + 8 + ALLOCATOR_NODE)
+            + (staged + x.retired.len()) * (std::mem::size_of::<StoredReplica>() + 8 + ALLOCATOR_NODE)
     });
     (malloc_chunk(Shard::entry_alloc_bytes(key)) + replicas + extra + e.replicas.len() * ALLOCATOR_NODE) as u64
 }
