@@ -36,7 +36,7 @@ pub use error::AllocationError;
 pub use mooncake_offset_allocator::{
     Allocation, AllocatorReport, OffsetAllocator, OffsetAllocatorError, DEFAULT_ALIGNMENT,
 };
-pub use segment::{AllocatedBuffer, SegmentAllocator, SegmentId};
+pub use segment::{AllocatedBuffer, CompactBuffer, SegmentAllocator, SegmentId};
 pub use strategy::{
     strategy_from_name, AllocationRequest, AllocationStrategy, FreeRatioFirst, Random, SsdFreeRatioFirst,
     SsdMetricsProvider,

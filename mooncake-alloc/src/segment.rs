@@ -3,7 +3,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use mooncake_offset_allocator::{Allocation, AllocatorReport, OffsetAllocator, DEFAULT_ALIGNMENT};
+use mooncake_offset_allocator::{Allocation, AllocatorReport, Block, OffsetAllocator, DEFAULT_ALIGNMENT};
 use parking_lot::Mutex;
 
 use crate::error::AllocationError;
@@ -227,5 +227,103 @@ impl Drop for AllocatedBuffer {
             self.segment.used.fetch_sub(a.size(), Ordering::Relaxed);
             self.segment.inner.lock().free(a);
         }
+    }
+}
+
+/// A reserved range whose length its owner keeps elsewhere (the master keeps one per
+/// replica, and every replica of an object has the object's length): 24 bytes where
+/// an [`AllocatedBuffer`] takes 40. The space returns to the segment when dropped.
+/// It carries one flag for its owner, [`filled`](Self::filled), in bytes that would
+/// otherwise be padding.
+///
+/// ```
+/// use mooncake_alloc::{CompactBuffer, SegmentAllocator};
+/// let seg = SegmentAllocator::new(3, "node-a", 1 << 20);
+/// let mut buf = CompactBuffer::from(seg.allocate(1000).unwrap());
+/// assert_eq!((buf.segment_id(), buf.offset(), buf.filled()), (3, 0, false));
+/// buf.set_filled(true);
+/// assert!(buf.filled());
+/// assert_eq!(seg.used_bytes(), 1024);
+/// drop(buf);
+/// assert_eq!(seg.used_bytes(), 0);
+/// ```
+#[derive(Debug)]
+pub struct CompactBuffer {
+    segment: Arc<SegmentAllocator>,
+    offset: u64,
+    /// `None` only for a buffer made from an already emptied one (never in practice).
+    block: Option<Block>,
+    filled: bool,
+}
+
+impl CompactBuffer {
+    /// Id of the segment holding the range.
+    pub fn segment_id(&self) -> SegmentId {
+        self.segment.id
+    }
+
+    /// The segment holding the range.
+    pub fn segment(&self) -> &Arc<SegmentAllocator> {
+        &self.segment
+    }
+
+    /// First byte of the range.
+    pub fn offset(&self) -> u64 {
+        self.offset
+    }
+
+    /// The owner's flag (false when made): the master sets it once the range's bytes
+    /// are all written.
+    pub fn filled(&self) -> bool {
+        self.filled
+    }
+
+    /// Sets the owner's flag.
+    pub fn set_filled(&mut self, filled: bool) {
+        self.filled = filled;
+    }
+}
+
+impl From<AllocatedBuffer> for CompactBuffer {
+    fn from(mut buf: AllocatedBuffer) -> Self {
+        let offset = buf.offset();
+        // Taking the allocation leaves `buf`'s drop nothing to free: the range now
+        // belongs to the compact buffer.
+        let block = buf.allocation.take().map(Allocation::into_block);
+        Self { segment: buf.segment.clone(), offset, block, filled: false }
+    }
+}
+
+impl Drop for CompactBuffer {
+    fn drop(&mut self) {
+        if let Some(block) = self.block.take() {
+            let freed = self.segment.inner.lock().try_free_block(self.offset, block);
+            debug_assert!(freed.is_ok(), "{freed:?}");
+            if let Ok(bytes) = freed {
+                self.segment.used.fetch_sub(bytes, Ordering::Relaxed);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn compact_buffers_are_small_and_free_their_space() {
+        assert_eq!(std::mem::size_of::<CompactBuffer>(), 24);
+        let seg = SegmentAllocator::new(1, "s", 1 << 20);
+        let a = CompactBuffer::from(seg.allocate(1000).unwrap());
+        let b = CompactBuffer::from(seg.allocate(64).unwrap());
+        assert_eq!((a.offset(), b.offset()), (0, 1024));
+        assert_eq!(seg.used_bytes(), 1088);
+        drop(a);
+        assert_eq!(seg.used_bytes(), 64);
+        let c = seg.allocate(2048).unwrap();
+        drop(b);
+        drop(c);
+        assert_eq!(seg.used_bytes(), 0);
+        assert_eq!(seg.report().largest_free_region, 1 << 20, "the frees coalesce");
     }
 }

@@ -103,6 +103,34 @@ impl Allocation {
     }
 }
 
+/// An allocation reduced to its block's name: for owners that keep the offset
+/// themselves and want 4 bytes where an [`Allocation`] takes 24 (a store keeps one per
+/// object replica). Give it back with [`OffsetAllocator::try_free_block`]. Neither
+/// `Clone` nor `Copy`, so it cannot be freed twice; `Option<Block>` is 4 bytes too.
+///
+/// ```
+/// use mooncake_offset_allocator::OffsetAllocator;
+/// let mut a = OffsetAllocator::new(1 << 20);
+/// let x = a.allocate(1000).unwrap();
+/// let offset = x.offset();
+/// let block = x.into_block();
+/// assert_eq!(a.try_free_block(offset, block), Ok(1024)); // the bytes it reserved
+/// assert_eq!(a.used_bytes(), 0);
+/// ```
+#[must_use = "a block that is dropped without being freed leaks its space"]
+#[derive(Debug, PartialEq, Eq)]
+pub struct Block(NonZeroU32);
+
+impl Allocation {
+    /// The allocation's block, for [`OffsetAllocator::try_free_block`] with
+    /// [`offset`](Self::offset). The allocator id is not kept: the free checks instead
+    /// that a block in use starts at that offset.
+    pub fn into_block(self) -> Block {
+        // Node indices stay below `USED` (u32::MAX - 1), so `node + 1` is never 0.
+        Block(NonZeroU32::new(self.node + 1).expect("node index below u32::MAX"))
+    }
+}
+
 /// A snapshot of an allocator's space.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AllocatorReport {
@@ -121,11 +149,12 @@ pub struct AllocatorReport {
     pub fragmentation: f64,
 }
 
-/// A block, free or used: 32 bytes, two per cache line.
+/// A block, free or used: 24 bytes (a store keeps one per object replica). Blocks
+/// tile the range, so a block's size is not kept: it ends where the next one starts
+/// (or at the capacity).
 #[derive(Clone, Copy, Debug)]
 struct Node {
     offset: u64, // units
-    size: u64,   // units
     /// Previous node of the same bin (free), `NONE` at the head, `USED` in use.
     bin_prev: u32,
     bin_next: u32,
@@ -237,7 +266,7 @@ impl OffsetAllocator {
             free_blocks: 0,
             last: 0,
         };
-        let n = a.new_node(0, units, NONE, NONE);
+        let n = a.new_node(0, NONE, NONE);
         a.insert_free(n);
         Ok(a)
     }
@@ -270,8 +299,16 @@ impl OffsetAllocator {
         Some(bytes.checked_add(align - 1)? >> self.shift)
     }
 
-    fn new_node(&mut self, offset: u64, size: u64, prev: u32, next: u32) -> u32 {
-        let node = Node { offset, size, bin_prev: USED, bin_next: NONE, prev, next };
+    /// Size of node `i` in units: up to the next block's offset (or the capacity).
+    /// Callers change the links only after they have read the sizes they need.
+    fn size(&self, i: u32) -> u64 {
+        let n = &self.nodes[i as usize];
+        let end = if n.next == NONE { self.capacity_units } else { self.nodes[n.next as usize].offset };
+        end - n.offset
+    }
+
+    fn new_node(&mut self, offset: u64, prev: u32, next: u32) -> u32 {
+        let node = Node { offset, bin_prev: USED, bin_next: NONE, prev, next };
         match self.spare.pop() {
             Some(i) => {
                 self.nodes[i as usize] = node;
@@ -285,7 +322,7 @@ impl OffsetAllocator {
     }
 
     fn insert_free(&mut self, i: u32) {
-        let bin = bin_down(self.nodes[i as usize].size);
+        let bin = bin_down(self.size(i));
         let head = self.heads[bin];
         {
             let n = &mut self.nodes[i as usize];
@@ -306,7 +343,7 @@ impl OffsetAllocator {
         if n.bin_prev != NONE {
             self.nodes[n.bin_prev as usize].bin_next = n.bin_next;
         } else {
-            let bin = bin_down(n.size);
+            let bin = bin_down(self.size(i));
             self.heads[bin] = n.bin_next;
             if n.bin_next == NONE {
                 let top = bin >> MANTISSA_BITS;
@@ -363,7 +400,7 @@ impl OffsetAllocator {
             if i == NONE {
                 return None;
             }
-            if self.nodes[i as usize].size >= units {
+            if self.size(i) >= units {
                 return Some(i);
             }
             i = self.nodes[i as usize].bin_next;
@@ -375,15 +412,14 @@ impl OffsetAllocator {
     fn take(&mut self, i: u32, units: u64) -> Allocation {
         self.remove_free(i);
         let n = self.nodes[i as usize];
-        if n.size > units {
-            let rest = self.new_node(n.offset + units, n.size - units, i, n.next);
+        if self.size(i) > units {
+            let rest = self.new_node(n.offset + units, i, n.next);
             if n.next != NONE {
                 self.nodes[n.next as usize].prev = rest;
             } else {
                 self.last = rest;
             }
             self.nodes[i as usize].next = rest;
-            self.nodes[i as usize].size = units;
             self.insert_free(rest);
         }
         self.used_units += units;
@@ -414,20 +450,19 @@ impl OffsetAllocator {
             return None;
         }
         let n = self.nodes[i as usize];
-        if !n.is_free() || n.offset + n.size < end {
+        if !n.is_free() || n.offset + self.size(i) < end {
             return None;
         }
         // Split off the free head [n.offset, start) and keep it free.
         let target = if n.offset < start {
             self.remove_free(i);
-            let t = self.new_node(start, n.offset + n.size - start, i, n.next);
+            let t = self.new_node(start, i, n.next);
             if n.next != NONE {
                 self.nodes[n.next as usize].prev = t;
             } else {
                 self.last = t;
             }
             self.nodes[i as usize].next = t;
-            self.nodes[i as usize].size = start - n.offset;
             self.insert_free(i);
             self.insert_free(t);
             t
@@ -463,15 +498,19 @@ impl OffsetAllocator {
         if allocation.owner != self.id {
             return Err(OffsetAllocatorError::ForeignAllocation);
         }
-        let mut i = allocation.node;
+        self.free_node(allocation.node);
+        Ok(())
+    }
+
+    /// Frees used node `i`, merging it with free neighbours.
+    fn free_node(&mut self, mut i: u32) {
         let n = self.nodes[i as usize];
         debug_assert!(!n.is_free(), "allocation freed twice");
-        self.used_units -= n.size;
+        self.used_units -= self.size(i);
         // Merge with the previous block: it absorbs us.
         if n.prev != NONE && self.nodes[n.prev as usize].is_free() {
             let p = n.prev;
             self.remove_free(p);
-            self.nodes[p as usize].size += n.size;
             self.nodes[p as usize].next = n.next;
             if n.next != NONE {
                 self.nodes[n.next as usize].prev = p;
@@ -486,7 +525,6 @@ impl OffsetAllocator {
         if next != NONE && self.nodes[next as usize].is_free() {
             let m = self.nodes[next as usize];
             self.remove_free(next);
-            self.nodes[i as usize].size += m.size;
             self.nodes[i as usize].next = m.next;
             if m.next != NONE {
                 self.nodes[m.next as usize].prev = i;
@@ -496,7 +534,35 @@ impl OffsetAllocator {
             self.spare.push(next);
         }
         self.insert_free(i);
-        Ok(())
+    }
+
+    /// Gives back the block of an allocation that started at `offset` (see
+    /// [`Allocation::into_block`]), merging it with free neighbours, and returns the
+    /// bytes it had reserved. O(1).
+    ///
+    /// Fails with [`ForeignAllocation`](OffsetAllocatorError::ForeignAllocation),
+    /// changing nothing, if no block in use of this allocator starts at `offset` under
+    /// that name (a wrong offset, or a block of another allocator: that one is caught
+    /// unless a block in use here happens to have the same name and offset, so keep
+    /// blocks next to their allocator, as [`Allocation`]'s own id is not kept).
+    ///
+    /// ```
+    /// use mooncake_offset_allocator::{OffsetAllocator, OffsetAllocatorError};
+    /// let mut a = OffsetAllocator::new(1 << 20);
+    /// let x = a.allocate(64).unwrap();
+    /// let _y = a.allocate(64).unwrap();
+    /// assert_eq!(a.try_free_block(64, x.into_block()), Err(OffsetAllocatorError::ForeignAllocation));
+    /// ```
+    pub fn try_free_block(&mut self, offset: u64, block: Block) -> Result<u64, OffsetAllocatorError> {
+        let node = block.0.get() - 1;
+        let n = self.nodes.get(node as usize).ok_or(OffsetAllocatorError::ForeignAllocation)?;
+        let aligned = offset & ((1 << self.shift) - 1) == 0;
+        if !aligned || n.is_free() || n.offset != offset >> self.shift {
+            return Err(OffsetAllocatorError::ForeignAllocation);
+        }
+        let size = self.size(node) << self.shift;
+        self.free_node(node);
+        Ok(size)
     }
 
     /// Largest free block in bytes (exact: the highest non-empty bin is scanned).
@@ -509,7 +575,7 @@ impl OffsetAllocator {
         let mut i = self.heads[(top << MANTISSA_BITS) | leaf];
         let mut best = 0;
         while i != NONE {
-            best = best.max(self.nodes[i as usize].size);
+            best = best.max(self.size(i));
             i = self.nodes[i as usize].bin_next;
         }
         best << self.shift
@@ -540,6 +606,12 @@ mod tests {
         // costs nothing (the owner id is never 0).
         assert_eq!(std::mem::size_of::<Allocation>(), 24);
         assert_eq!(std::mem::size_of::<Option<Allocation>>(), 24);
+    }
+
+    #[test]
+    fn nodes_stay_small() {
+        // One node per allocated block: the master's memory per object counts it.
+        assert_eq!(std::mem::size_of::<Node>(), 24);
     }
 
     #[test]
@@ -586,6 +658,26 @@ mod tests {
         let mut b = OffsetAllocator::new(1 << 20);
         let x = a.allocate(100).unwrap();
         assert_eq!(b.try_free(x), Err(OffsetAllocatorError::ForeignAllocation));
+    }
+
+    #[test]
+    fn blocks_free_like_allocations() {
+        assert_eq!(std::mem::size_of::<Option<Block>>(), 4);
+        let mut a = OffsetAllocator::new(1 << 20);
+        let mut b = OffsetAllocator::new(1 << 20);
+        let x = a.allocate(100).unwrap();
+        let y = a.allocate(1000).unwrap();
+        let (xo, yo) = (x.offset(), y.offset());
+        // A block of another allocator where nothing is in use, or the wrong offset,
+        // is refused.
+        let xb = x.into_block();
+        assert_eq!(b.try_free_block(xo, Block(xb.0)), Err(OffsetAllocatorError::ForeignAllocation));
+        assert_eq!(a.try_free_block(yo, Block(xb.0)), Err(OffsetAllocatorError::ForeignAllocation));
+        assert_eq!(a.try_free_block(xo + 1, Block(xb.0)), Err(OffsetAllocatorError::ForeignAllocation));
+        assert_eq!(a.try_free_block(xo, xb), Ok(128));
+        assert_eq!(a.try_free_block(yo, y.into_block()), Ok(1024));
+        assert_eq!(a.used_bytes(), 0);
+        assert_eq!(a.report().largest_free_region, 1 << 20, "frees coalesce");
     }
 
     #[test]

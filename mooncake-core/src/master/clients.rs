@@ -137,7 +137,7 @@ impl MasterService {
         }
         let removed = self.drop_replicas_on(&rec.segments) + self.drop_disk_replicas_of(client);
         // Puts the client started and never ended cannot end anymore.
-        let removed_pending = self.retain_entries(|e| e.complete || e.owner != client, |_, _| {});
+        let removed_pending = self.retain_entries(|e| e.owner() != Some(client), |_, _| {});
         self.drop_upserts_of(client);
         removed + removed_pending
     }
@@ -155,10 +155,10 @@ impl MasterService {
                 let before = e.replicas.len();
                 e.replicas.retain(|r| !segments.contains(&r.segment()));
                 // An object offloaded to an SSD lives on through its disk replica.
-                let keep = !e.replicas.is_empty() || before == 0 || e.disk != 0;
+                let keep = !e.replicas.is_empty() || before == 0 || e.disk() != 0;
                 if !keep {
                     removed += 1;
-                    if !e.complete {
+                    if !e.complete() {
                         self.counters.pending_puts.fetch_sub(1, Ordering::Relaxed);
                     }
                 }
@@ -182,7 +182,7 @@ impl MasterService {
                     return true;
                 }
                 removed += 1;
-                if !e.complete {
+                if !e.complete() {
                     self.counters.pending_puts.fetch_sub(1, Ordering::Relaxed);
                 }
                 on_removed(k, e);

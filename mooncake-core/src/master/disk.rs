@@ -13,7 +13,7 @@ use mooncake_alloc::{SegmentId, SsdMetricsProvider};
 use crate::config::{check_key, PersistPolicy};
 use crate::error::{Error, Result};
 
-use crate::master::object::{ObjectEntry, Replicas};
+use crate::master::object::ObjectEntry;
 use crate::master::service::MasterService;
 use crate::master::types::{ClientId, OffloadPlan, OffloadTask};
 
@@ -112,7 +112,7 @@ impl MasterService {
         {
             let mut shard = self.index.shard(key).lock();
             match shard.get_mut(key) {
-                Some(e) if e.complete && e.disk == 0 => e.offload_deadline_ms = deadline,
+                Some(e) if e.complete() && e.disk() == 0 => e.set_offload_deadline_ms(deadline),
                 _ => return,
             }
         }
@@ -138,26 +138,26 @@ impl MasterService {
         let mut tasks = Vec::with_capacity(keys.len());
         for key in keys {
             let mut shard = self.index.shard(&key).lock();
-            let Some(e) = shard.get_mut(&*key) else { continue };
-            if !e.complete || e.disk == client {
-                e.offload_deadline_ms = 0;
+            let Some(e) = shard.get_mut(&key) else { continue };
+            if !e.complete() || e.disk() == client {
+                e.set_offload_deadline_ms(0);
                 continue;
             }
-            let Some(r) = e.replicas.iter().find(|r| r.complete && segments.contains(&r.segment())) else {
-                e.offload_deadline_ms = 0;
+            let Some(r) = e.replicas.iter().find(|r| r.complete() && segments.contains(&r.segment())) else {
+                e.set_offload_deadline_ms(0);
                 continue;
             };
             let task = OffloadTask {
                 key: key.to_string(),
                 segment: r.segment(),
-                offset: r.buf.offset(),
-                len: e.len,
+                offset: r.offset(),
+                len: e.len(),
                 checksum: e.checksum,
             };
             // Eviction skips the object until it is reported (or the deadline
             // passes). A remove may still free the memory under the client's read;
             // the client then sees a checksum mismatch and skips the object.
-            e.offload_deadline_ms = e.offload_deadline_ms.max(hold);
+            e.set_offload_deadline_ms(e.offload_deadline_ms().max(hold));
             tasks.push(task);
         }
         Ok(OffloadPlan { tasks, discard })
@@ -185,28 +185,15 @@ impl MasterService {
                 let mut shard = self.index.shard(key).lock();
                 match shard.get_mut(key) {
                     None => {
-                        shard.insert(
-                            key.into(),
-                            Box::new(ObjectEntry {
-                                len,
-                                checksum,
-                                soft_pin: false,
-                                complete: true,
-                                owner: client,
-                                last_access_ms: now,
-                                lease_until_ms: 0,
-                                readers: 0,
-                                replicas: Replicas::new(),
-                                disk: client,
-                                offload_deadline_ms: 0,
-                                soft_pin_ttl_ms: 0,
-                                upsert: None,
-                            }),
-                        );
+                        shard.insert(key, {
+                            let mut e = ObjectEntry::new_complete(len, checksum, now);
+                            e.set_disk(client);
+                            e
+                        });
                         self.add_ssd_used(client, len as i64);
                         Ok(())
                     }
-                    Some(e) if e.complete && e.len == len && e.checksum == checksum => {
+                    Some(e) if e.complete() && e.len() == len && e.checksum == checksum => {
                         self.attach_disk(e, client);
                         Ok(())
                     }
@@ -232,22 +219,22 @@ impl MasterService {
 
     /// Records `e`'s disk replica on `client` (moving the usage from a previous one).
     pub(crate) fn attach_disk(&self, e: &mut ObjectEntry, client: ClientId) {
-        if e.disk != client {
-            if e.disk != 0 {
-                self.add_ssd_used(e.disk, -(e.len as i64));
+        if e.disk() != client {
+            if e.disk() != 0 {
+                self.add_ssd_used(e.disk(), -(e.len() as i64));
             }
-            e.disk = client;
-            self.add_ssd_used(client, e.len as i64);
+            e.set_disk(client);
+            self.add_ssd_used(client, e.len() as i64);
         }
     }
 
     /// Gives back the SSD usage of `e`'s disk replica (the entry is leaving) and
     /// tells its client to delete the file.
     pub(crate) fn release_disk(&self, key: &str, e: &ObjectEntry) {
-        if e.disk != 0 {
+        if e.disk() != 0 {
             self.tombstones.insert(key);
-            self.add_ssd_used(e.disk, -(e.len as i64));
-            if let Some(rec) = self.clients.read().get(&e.disk) {
+            self.add_ssd_used(e.disk(), -(e.len() as i64));
+            if let Some(rec) = self.clients.read().get(&e.disk()) {
                 rec.offload.lock().discard.push(key.to_owned());
             }
         }
@@ -274,8 +261,8 @@ impl MasterService {
                 self.fence(key)?;
                 let mut shard = self.index.shard(key).lock();
                 match shard.get_mut(key) {
-                    Some(e) if e.complete && e.len == len && e.checksum == checksum => {
-                        e.offload_deadline_ms = 0;
+                    Some(e) if e.complete() && e.len() == len && e.checksum == checksum => {
+                        e.set_offload_deadline_ms(0);
                         self.attach_disk(e, client);
                         Ok(())
                     }
@@ -294,10 +281,10 @@ impl MasterService {
                 self.fence(key)?;
                 let mut shard = self.index.shard(key).lock();
                 match shard.get_mut(key) {
-                    Some(e) if e.disk == client => {
+                    Some(e) if e.disk() == client => {
                         // The client evicted the file itself: nothing to discard.
-                        self.add_ssd_used(client, -(e.len as i64));
-                        e.disk = 0;
+                        self.add_ssd_used(client, -(e.len() as i64));
+                        e.set_disk(0);
                         if e.replicas.is_empty() {
                             shard.remove(key);
                         }
@@ -315,10 +302,10 @@ impl MasterService {
         let mut removed = 0;
         for shard in self.index.shards() {
             shard.lock().retain(|_, e| {
-                if e.disk != client {
+                if e.disk() != client {
                     return true;
                 }
-                e.disk = 0;
+                e.set_disk(0);
                 let keep = !e.replicas.is_empty();
                 removed += usize::from(!keep);
                 keep

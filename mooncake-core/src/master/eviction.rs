@@ -74,7 +74,7 @@ impl MasterService {
     }
 
     pub(crate) fn evictable(e: &ObjectEntry, now: u64, segment: Option<SegmentId>) -> bool {
-        e.complete && !e.leased(now) && e.memory_bytes(segment) > 0
+        e.complete() && !e.leased(now) && e.memory_bytes(segment) > 0
     }
 
     /// Frees at least `target` bytes (on `segment`, or anywhere) if it can.
@@ -124,7 +124,7 @@ impl MasterService {
         if !offload_owners.is_empty() {
             for shard in self.index.shards() {
                 for e in shard.lock().values() {
-                    if e.disk == 0 && e.offload_pending(now) && Self::evictable(e, now, segment) {
+                    if e.disk() == 0 && e.offload_pending(now) && Self::evictable(e, now, segment) {
                         awaiting_bytes += e.memory_bytes(segment);
                         report.awaiting_offload += 1;
                     }
@@ -145,20 +145,20 @@ impl MasterService {
                     if report.freed_bytes + awaiting_bytes >= target
                         || e.last_access_ms > cutoff
                         || (e.pinned(now) && !include_pinned)
-                        || (on_disk_only && e.disk == 0)
+                        || (on_disk_only && e.disk() == 0)
                         || !Self::evictable(e, now, segment)
                     {
                         return true;
                     }
-                    if e.disk == 0 && !offload_owners.is_empty() {
+                    if e.disk() == 0 && !offload_owners.is_empty() {
                         let owner = e.replicas.first().and_then(|r| offload_owners.get(&r.segment()));
                         if let Some(&owner) = owner {
                             if e.offload_pending(now) {
                                 return true; // counted above
                             }
-                            if e.offload_deadline_ms == 0 {
-                                e.offload_deadline_ms = offload_until;
-                                to_offload.push((owner, k.clone()));
+                            if e.offload_deadline_ms() == 0 {
+                                e.set_offload_deadline_ms(offload_until);
+                                to_offload.push((owner, Box::<str>::from(k)));
                                 report.awaiting_offload += 1;
                                 awaiting_bytes += e.memory_bytes(segment);
                                 return true;
@@ -174,7 +174,7 @@ impl MasterService {
                     // what it evicted), and the update precedes, on the node's link,
                     // any later record of the space it frees.
                     let _ = self.note_removed(k, &e.replicas);
-                    if e.disk != 0 {
+                    if e.disk() != 0 {
                         // Offloaded: the memory goes, the object stays on its SSD.
                         e.replicas.clear();
                         return true;

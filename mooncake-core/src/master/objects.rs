@@ -37,7 +37,7 @@ impl MasterService {
         {
             let mut shard = self.index.shard(key).lock();
             if let Some(e) = shard.get(key) {
-                if e.complete || !self.put_expired(e, now) {
+                if e.complete() || !self.put_expired(e, now) {
                     return Err(Error::AlreadyExists(key.to_owned()));
                 }
                 // A put that never ended: reclaim it and go on.
@@ -66,24 +66,12 @@ impl MasterService {
         // Again under the shard lock: a group released meanwhile drops what it finds
         // under these locks, so the entry is either refused here or dropped there.
         self.fence(key)?;
-        shard.insert(
-            key.into(),
-            Box::new(ObjectEntry {
-                len,
-                checksum: 0,
-                soft_pin: cfg.soft_pin,
-                complete: false,
-                owner: client,
-                last_access_ms: now,
-                lease_until_ms: 0,
-                readers: 0,
-                replicas: bufs.into_iter().map(|buf| StoredReplica { buf, complete: false }).collect(),
-                disk: 0,
-                offload_deadline_ms: 0,
-                soft_pin_ttl_ms: cfg.soft_pin_ttl_ms(),
-                upsert: None,
-            }),
-        );
+        shard.insert(key, {
+            let mut e = ObjectEntry::new(len, client, now);
+            e.set_soft_pin(cfg.soft_pin, cfg.soft_pin_ttl_ms());
+            e.replicas = bufs.into_iter().map(|buf| StoredReplica::new(buf, false)).collect();
+            e
+        });
         self.counters.pending_puts.fetch_add(1, Ordering::Relaxed);
         Ok(replicas)
     }
@@ -104,7 +92,7 @@ impl MasterService {
     }
 
     pub(crate) fn put_expired(&self, e: &ObjectEntry, now: u64) -> bool {
-        !e.complete && now.saturating_sub(e.last_access_ms) >= self.config.put_timeout.as_millis() as u64
+        !e.complete() && now.saturating_sub(e.last_access_ms) >= self.config.put_timeout.as_millis() as u64
     }
 
     /// Allocates buffers of `key` for `cfg`, excluding segments in `exclude`; on lack of
@@ -288,12 +276,12 @@ impl MasterService {
         // Under the shard lock (see `put_start`).
         self.fence(key)?;
         match shard.get_mut(key) {
-            Some(e) if !e.complete && e.owner == client => {
-                e.complete = true;
+            Some(e) if e.owner() == Some(client) => {
+                e.mark_complete();
                 e.checksum = checksum;
                 e.last_access_ms = now;
                 for r in &mut e.replicas {
-                    r.complete = true;
+                    r.set_complete();
                 }
                 self.counters.pending_puts.fetch_sub(1, Ordering::Relaxed);
                 let wait = self.note_added(key, e, None);
@@ -303,7 +291,7 @@ impl MasterService {
                 self.offload_on_put(key, first);
                 Ok(wait)
             }
-            Some(e) if e.complete => Err(Error::AlreadyExists(key.to_owned())),
+            Some(e) if e.complete() => Err(Error::AlreadyExists(key.to_owned())),
             _ => Err(Error::NotFound(format!("{key} (no put in progress by this client)"))),
         }
     }
@@ -312,7 +300,7 @@ impl MasterService {
     pub fn put_revoke(&self, client: ClientId, key: &str) -> Result<()> {
         let mut shard = self.index.shard(key).lock();
         match shard.get(key) {
-            Some(e) if !e.complete && e.owner == client => {
+            Some(e) if e.owner() == Some(client) => {
                 shard.remove(key);
                 self.counters.pending_puts.fetch_sub(1, Ordering::Relaxed);
                 Ok(())
@@ -355,15 +343,15 @@ impl MasterService {
         let lease = self.config.default_lease;
         let mut shard = self.index.shard(key).lock();
         match shard.get_mut(key) {
-            Some(e) if e.complete => {
+            Some(e) if e.complete() => {
                 e.lease(now, lease.as_millis() as u64);
                 e.last_access_ms = now;
                 Ok(ReplicaList {
-                    len: e.len,
+                    len: e.len(),
                     checksum: e.checksum,
-                    replicas: e.replicas.iter().filter(|r| r.complete).map(|r| MemoryReplica::of(&r.buf)).collect(),
+                    replicas: e.replicas.iter().filter(|r| r.complete()).map(|r| r.memory(e.len())).collect(),
                     lease,
-                    disk: (e.disk != 0).then_some(e.disk),
+                    disk: (e.disk() != 0).then_some(e.disk()),
                 })
             }
             _ if self.recovering_key(key) => {
@@ -383,7 +371,7 @@ impl MasterService {
     pub fn release_leases(&self, keys: &[&str]) -> Result<()> {
         // Keys of groups led elsewhere are skipped like absent ones.
         for key in keys.iter().filter(|k| self.fence(k).is_ok()) {
-            if let Some(e) = self.index.shard(key).lock().get_mut(*key) {
+            if let Some(e) = self.index.shard(key).lock().get_mut(key) {
                 e.release();
             }
         }
@@ -396,12 +384,12 @@ impl MasterService {
         self.fence(key)?;
         let now = self.now_ms();
         match self.index.shard(key).lock().get(key) {
-            Some(e) if e.complete => Ok(ObjectInfo {
-                len: e.len,
+            Some(e) if e.complete() => Ok(ObjectInfo {
+                len: e.len(),
                 checksum: e.checksum,
-                replicas: e.replicas.iter().filter(|r| r.complete).map(|r| MemoryReplica::of(&r.buf)).collect(),
+                replicas: e.replicas.iter().filter(|r| r.complete()).map(|r| r.memory(e.len())).collect(),
                 soft_pin: e.pinned(now),
-                lease_ms_left: if e.leased(now) { e.lease_until_ms.saturating_sub(now) } else { 0 },
+                lease_ms_left: if e.leased(now) { e.lease_until_ms().saturating_sub(now) } else { 0 },
             }),
             _ => Err(Error::NotFound(key.to_owned())),
         }
@@ -411,7 +399,7 @@ impl MasterService {
     pub fn exists(&self, key: &str) -> Result<bool> {
         check_key(key)?;
         self.fence(key)?;
-        Ok(self.index.shard(key).lock().get(key).is_some_and(|e| e.complete))
+        Ok(self.index.shard(key).lock().get(key).is_some_and(|e| e.complete()))
     }
 
     /// [`exists`](Self::exists) for many keys.
@@ -434,16 +422,16 @@ impl MasterService {
         let (mut left, mut ask) = (0u64, Vec::new());
         for shard in self.index.shards() {
             for (k, e) in shard.lock().iter_mut() {
-                if !e.complete
-                    || e.disk != 0
-                    || !e.replicas.iter().any(|r| r.complete && segments.contains(&r.segment()))
+                if !e.complete()
+                    || e.disk() != 0
+                    || !e.replicas.iter().any(|r| r.complete() && segments.contains(&r.segment()))
                 {
                     continue;
                 }
                 left += 1;
                 if !e.offload_pending(now) {
-                    e.offload_deadline_ms = hold;
-                    ask.push(k.clone());
+                    e.set_offload_deadline_ms(hold);
+                    ask.push(Box::<str>::from(k));
                 }
             }
         }
@@ -470,11 +458,11 @@ impl MasterService {
         let now = self.now_ms();
         let mut shard = self.index.shard(key).lock();
         match shard.get(key) {
-            Some(e) if e.complete && e.leased(now) => {
+            Some(e) if e.complete() && e.leased(now) => {
                 self.counters.lease_refusals.fetch_add(1, Ordering::Relaxed);
                 Err(Error::HasLease(key.to_owned()))
             }
-            Some(e) if e.complete => {
+            Some(e) if e.complete() => {
                 let mut wait = RecordWait::default();
                 if let Some(e) = shard.remove(key) {
                     wait = self.note_removed(key, &e.replicas);
@@ -501,9 +489,9 @@ impl MasterService {
         let mut wait = RecordWait::default();
         let removed = self.retain_entries(
             |e| {
-                let leased = e.complete && e.leased(now);
+                let leased = e.complete() && e.leased(now);
                 refused.set(refused.get() + u64::from(leased));
-                !e.complete || leased
+                !e.complete() || leased
             },
             |k, e| {
                 wait.merge(self.note_removed(k, &e.replicas));
@@ -528,10 +516,10 @@ impl MasterService {
         let (have, held_on, len) = {
             let mut shard = self.index.shard(key).lock();
             let e = match shard.get_mut(key) {
-                Some(e) if e.complete => e,
+                Some(e) if e.complete() => e,
                 _ => return Err(Error::NotFound(key.to_owned())),
             };
-            let have = e.replicas.iter().filter(|r| r.complete).count();
+            let have = e.replicas.iter().filter(|r| r.complete()).count();
             if have > cfg.replica_num {
                 if e.leased(now) {
                     self.counters.lease_refusals.fetch_add(1, Ordering::Relaxed);
@@ -539,25 +527,25 @@ impl MasterService {
                 }
                 let mut dropped = 0;
                 let mut wait = RecordWait::default();
-                while e.replicas.iter().filter(|r| r.complete).count() > cfg.replica_num {
-                    if let Some(i) = e.replicas.iter().rposition(|r| r.complete) {
+                while e.replicas.iter().filter(|r| r.complete()).count() > cfg.replica_num {
+                    if let Some(i) = e.replicas.iter().rposition(|r| r.complete()) {
                         let gone = e.replicas.remove(i);
                         wait.merge(self.note_removed(key, [&gone]));
                         dropped += 1;
                     }
                 }
-                (e.soft_pin, e.soft_pin_ttl_ms) = (cfg.soft_pin, cfg.soft_pin_ttl_ms());
+                e.set_soft_pin(cfg.soft_pin, cfg.soft_pin_ttl_ms());
                 let plan =
-                    ReplicatePlan { len: e.len, checksum: e.checksum, sources: vec![], targets: vec![], dropped };
+                    ReplicatePlan { len: e.len(), checksum: e.checksum, sources: vec![], targets: vec![], dropped };
                 drop(shard);
                 self.await_records(wait);
                 return Ok(plan);
             }
-            (e.soft_pin, e.soft_pin_ttl_ms) = (cfg.soft_pin, cfg.soft_pin_ttl_ms());
+            e.set_soft_pin(cfg.soft_pin, cfg.soft_pin_ttl_ms());
             if have == cfg.replica_num || e.replicas.len() > have {
                 // Nothing to do, or another replicate is filling replicas right now.
                 return Ok(ReplicatePlan {
-                    len: e.len,
+                    len: e.len(),
                     checksum: e.checksum,
                     sources: vec![],
                     targets: vec![],
@@ -565,23 +553,23 @@ impl MasterService {
                 });
             }
             let held: Vec<SegmentId> = e.replicas.iter().map(|r| r.segment()).collect();
-            (have, held, e.len)
+            (have, held, e.len())
         };
         let extra = ReplicateConfig { replica_num: cfg.replica_num - have, ..cfg.clone() };
         let bufs = self.allocate(key, len, &extra, Some(&held_on))?;
         let mut shard = self.index.shard(key).lock();
         let e = match shard.get_mut(key) {
-            Some(e) if e.complete => e,
+            Some(e) if e.complete() => e,
             _ => return Err(Error::NotFound(key.to_owned())),
         };
         // Sources must stay put while the client copies from them: the copy is a
         // read, released by `replicate_end`.
         e.lease(now, self.config.put_timeout.as_millis() as u64);
-        let sources = e.replicas.iter().filter(|r| r.complete).map(|r| MemoryReplica::of(&r.buf)).collect();
+        let sources = e.replicas.iter().filter(|r| r.complete()).map(|r| r.memory(e.len())).collect();
         let targets = bufs.iter().map(MemoryReplica::of).collect();
-        e.replicas.extend(bufs.into_iter().map(|buf| StoredReplica { buf, complete: false }));
+        e.replicas.extend(bufs.into_iter().map(|buf| StoredReplica::new(buf, false)));
         let _ = client;
-        Ok(ReplicatePlan { len: e.len, checksum: e.checksum, sources, targets, dropped: 0 })
+        Ok(ReplicatePlan { len: e.len(), checksum: e.checksum, sources, targets, dropped: 0 })
     }
 
     /// Ends a replicate: the targets become readable (`ok`) or are freed (`!ok`).
@@ -589,11 +577,12 @@ impl MasterService {
         let mut shard = self.index.shard(key).lock();
         self.fence(key)?;
         let e = shard.get_mut(key).ok_or_else(|| Error::NotFound(key.to_owned()))?;
-        let is_target = |r: &StoredReplica| !r.complete && targets.contains(&MemoryReplica::of(&r.buf));
+        let len = e.len();
+        let is_target = |r: &StoredReplica| !r.complete() && targets.contains(&r.memory(len));
         let mut wait = RecordWait::default();
         if ok {
             for r in e.replicas.iter_mut().filter(|r| is_target(r)) {
-                r.complete = true;
+                r.set_complete();
             }
             wait = self.note_added(key, e, Some(targets));
         } else {

@@ -123,12 +123,12 @@ impl MasterService {
         if !self.config.track_records {
             return wait;
         }
-        for r in e.replicas.iter().filter(|r| r.complete) {
-            let m = MemoryReplica::of(&r.buf);
+        for r in e.replicas.iter().filter(|r| r.complete()) {
+            let m = r.memory(e.len());
             if only.is_some_and(|o| !o.contains(&m)) {
                 continue;
             }
-            let record = ObjectRecord { key: key.to_owned(), offset: m.offset, len: e.len, checksum: e.checksum };
+            let record = ObjectRecord { key: key.to_owned(), offset: m.offset, len: e.len(), checksum: e.checksum };
             self.push_update(m.segment, RecordUpdate::Added { segment: m.segment, record }, &mut wait);
         }
         wait
@@ -144,9 +144,9 @@ impl MasterService {
         if !self.config.track_records {
             return wait;
         }
-        for r in replicas.into_iter().filter(|r| r.complete) {
+        for r in replicas.into_iter().filter(|r| r.complete()) {
             let segment = r.segment();
-            let update = RecordUpdate::Removed { segment, key: key.to_owned(), offset: r.buf.offset() };
+            let update = RecordUpdate::Removed { segment, key: key.to_owned(), offset: r.offset() };
             self.push_update(segment, update, &mut wait);
         }
         wait
@@ -188,7 +188,7 @@ impl MasterService {
         let now = self.now_ms();
         let mut taken = 0;
         for r in records {
-            if check_key(&r.key).is_err() || r.len == 0 {
+            if check_key(&r.key).is_err() || crate::config::check_value_len(r.len).is_err() {
                 continue;
             }
             let Some(buf) = alloc.allocate_at(r.offset, r.len) else {
@@ -198,28 +198,15 @@ impl MasterService {
             let mut shard = self.index.shard(&r.key).lock();
             match shard.get_mut(r.key.as_str()) {
                 None => {
-                    shard.insert(
-                        r.key.into_boxed_str(),
-                        Box::new(ObjectEntry {
-                            len: r.len,
-                            checksum: r.checksum,
-                            soft_pin: false,
-                            complete: true,
-                            owner: client,
-                            last_access_ms: now,
-                            lease_until_ms: 0,
-                            readers: 0,
-                            replicas: smallvec::smallvec![StoredReplica { buf, complete: true }],
-                            disk: 0,
-                            offload_deadline_ms: 0,
-                            soft_pin_ttl_ms: 0,
-                            upsert: None,
-                        }),
-                    );
+                    shard.insert(&r.key, {
+                        let mut e = ObjectEntry::new_complete(r.len, r.checksum, now);
+                        e.replicas.push(StoredReplica::new(buf, true));
+                        e
+                    });
                     taken += 1;
                 }
-                Some(e) if e.complete && e.len == r.len && e.checksum == r.checksum => {
-                    e.replicas.push(StoredReplica { buf, complete: true });
+                Some(e) if e.complete() && e.len() == r.len && e.checksum == r.checksum => {
+                    e.replicas.push(StoredReplica::new(buf, true));
                     taken += 1;
                 }
                 Some(_) => tracing::warn!(key = r.key, "record conflicts with the master's view; skipped"),
@@ -237,7 +224,7 @@ impl MasterService {
                 if keys.len() >= limit {
                     return Ok(keys);
                 }
-                if e.complete {
+                if e.complete() {
                     keys.push(k.to_string());
                 }
             }

@@ -94,13 +94,13 @@ impl MasterService {
                     return true;
                 }
                 dropped += 1;
-                if !e.complete {
+                if !e.complete() {
                     self.counters.pending_puts.fetch_sub(1, Ordering::Relaxed);
                 }
-                if e.disk != 0 {
+                if e.disk() != 0 {
                     // The file stays on the SSD (the next leader registers it again);
                     // only this master's accounting of it goes.
-                    self.add_ssd_used(e.disk, -(e.len as i64));
+                    self.add_ssd_used(e.disk(), -(e.len() as i64));
                 }
                 false
             });

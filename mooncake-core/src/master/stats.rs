@@ -22,11 +22,11 @@ impl MasterService {
             metadata_bytes += object::table_bytes(&shard);
             for (k, e) in shard.iter() {
                 key_bytes += k.len() as u64;
-                metadata_bytes += k.len() as u64 + object::entry_heap_bytes(e);
+                metadata_bytes += object::entry_heap_bytes(k, e);
                 replicas += e.replicas.len() as u64;
-                if e.complete {
+                if e.complete() {
                     objects += 1;
-                    object_bytes += e.len;
+                    object_bytes += e.len();
                 }
             }
         }

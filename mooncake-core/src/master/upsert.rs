@@ -80,7 +80,7 @@ impl MasterService {
         // what it finds under these locks.
         self.fence(key)?;
         let Some(e) = shard.get_mut(key) else { return Ok(Found::Absent) };
-        if !e.complete {
+        if !e.complete() {
             return if self.put_expired(e, now) {
                 Ok(Found::Absent)
             } else {
@@ -93,7 +93,7 @@ impl MasterService {
         // An upsert whose writer gave up leaves its replicas to be freed here.
         e.tidy_upsert(now);
         let id = rand::random::<u64>();
-        e.upsert.get_or_insert_with(Default::default).staged = Some(StagedUpsert {
+        e.extra.get_or_insert_with(Default::default).staged = Some(StagedUpsert {
             owner: client,
             id,
             len,
@@ -126,13 +126,13 @@ impl MasterService {
             // what is left to do is a put.
             return Err(Error::NotFound(key.to_owned()));
         };
-        let Some(staged) = e.upsert.as_deref_mut().and_then(|u| u.staged.as_mut()).filter(|s| s.id == id) else {
+        let Some(staged) = e.extra.as_deref_mut().and_then(|u| u.staged.as_mut()).filter(|s| s.id == id) else {
             return Err(Error::AlreadyExists(format!("{key} (changed while the upsert was placed)")));
         };
         let bufs = match placed {
             Ok(bufs) => bufs,
             Err(err) => {
-                if let Some(u) = e.upsert.as_deref_mut() {
+                if let Some(u) = e.extra.as_deref_mut() {
                     u.staged = None;
                 }
                 e.tidy_upsert(now);
@@ -143,7 +143,7 @@ impl MasterService {
             self.counters.under_replicated_puts.fetch_add(1, Ordering::Relaxed);
         }
         let replicas = bufs.iter().map(MemoryReplica::of).collect();
-        staged.replicas = bufs.into_iter().map(|buf| StoredReplica { buf, complete: false }).collect();
+        staged.replicas = bufs.into_iter().map(|buf| StoredReplica::new(buf, false)).collect();
         Ok(replicas)
     }
 
@@ -162,12 +162,12 @@ impl MasterService {
         // Under the shard lock (see `put_start`).
         self.fence(key)?;
         let Some(e) = shard.get_mut(key) else { return Err(no_upsert(key)) };
-        if !e.complete {
+        if !e.complete() {
             // The key was absent: this upsert is a put.
             drop(shard);
             return self.put_end_queued(client, key, checksum);
         }
-        let Some(u) = e.upsert.as_deref_mut() else { return Err(no_upsert(key)) };
+        let Some(u) = e.extra.as_deref_mut() else { return Err(no_upsert(key)) };
         let Some(staged) = u.staged.take_if(|s| s.owner == client && s.until_ms > now && !s.replicas.is_empty()) else {
             return Err(no_upsert(key));
         };
@@ -182,7 +182,7 @@ impl MasterService {
             return Err(Error::NotFound(format!("{key} (the segments of the upsert are gone)")));
         }
         for r in &mut new {
-            r.complete = true;
+            r.set_complete();
         }
         // The swap. Reads that were handed the old replicas may still be copying
         // from them: they are kept until those reads are over.
@@ -190,18 +190,17 @@ impl MasterService {
         let old = std::mem::replace(&mut e.replicas, new);
         let retire_until = now + self.config.default_lease.as_millis() as u64;
         u.retired.extend(old.into_iter().map(|r| (retire_until, r)));
-        if e.disk != 0 {
+        if e.disk() != 0 {
             // The file on the SSD holds the old bytes.
             self.release_disk(key, e);
-            e.disk = 0;
+            e.set_disk(0);
         }
-        e.offload_deadline_ms = 0;
-        e.len = staged.len;
+        e.set_offload_deadline_ms(0);
+        e.set_len(staged.len);
         e.checksum = checksum;
-        e.owner = client;
         e.last_access_ms = now;
         if let Some(pin) = staged.soft_pin {
-            (e.soft_pin, e.soft_pin_ttl_ms) = (pin, staged.soft_pin_ttl_ms);
+            e.set_soft_pin(pin, staged.soft_pin_ttl_ms);
         }
         e.tidy_upsert(now);
         wait.merge(self.note_added(key, e, None));
@@ -218,11 +217,11 @@ impl MasterService {
         let mut shard = self.index.shard(key).lock();
         self.fence(key)?;
         let Some(e) = shard.get_mut(key) else { return Err(no_upsert(key)) };
-        if !e.complete {
+        if !e.complete() {
             drop(shard);
             return self.put_revoke(client, key);
         }
-        let staged = e.upsert.as_deref_mut().and_then(|u| u.staged.take_if(|s| s.owner == client));
+        let staged = e.extra.as_deref_mut().and_then(|u| u.staged.take_if(|s| s.owner == client));
         e.tidy_upsert(now);
         staged.map(drop).ok_or_else(|| no_upsert(key))
     }
@@ -256,7 +255,7 @@ impl MasterService {
         let now = self.now_ms();
         for shard in self.index.shards() {
             for e in shard.lock().values_mut() {
-                let Some(u) = e.upsert.as_deref_mut() else { continue };
+                let Some(u) = e.extra.as_deref_mut() else { continue };
                 if u.staged.as_ref().is_some_and(|s| s.owner == client) {
                     u.staged = None;
                     e.tidy_upsert(now);
