@@ -10,6 +10,13 @@ BATCH objects of SIZE bytes (fresh keys every round), checking the bytes read ba
     python batch_tcp.py run --ours-master target/release/mooncake-master \\
         [--ref-python /path/to/venv/bin/python] [--rounds 30] [--repeat 3] [--out result.json]
 
+Each repeat also measures the floor of the machine for the same traffic: plain TCP
+sockets between two Python processes ("tcp-floor"), the same bytes over as many
+connections as our client uses (two on a 2-core host), written and read straight
+between the processes' buffers, one byte answered per connection per call, no store
+at all. An implementation's speed as a share of that floor says how much of the
+loopback's capacity it leaves unused.
+
 `MOONCAKE_BENCH_PROTOCOL=shm` runs ours over same-host shared memory instead of TCP
 (the reference always uses TCP). `--ref-python` names an interpreter with `mooncake-transfer-engine-non-cuda` installed
 (its `mooncake_master` is used); without it only ours runs. Reported per call: p50 and
@@ -27,6 +34,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 KiB, MiB = 1024, 1024 * 1024
@@ -108,16 +116,127 @@ def role_client(a):
         if r >= a.warmup:
             put_t.append(t1 - t0)
             get_t.append(t2 - t1)
-    out = {}
-    for api, ts in (("batch_put_from", put_t), ("batch_get_into", get_t)):
-        out[api] = {
+    print(json.dumps(summary(put_t, get_t, n * size)))
+    s.close()
+
+
+def floor_lanes():
+    # As many connections as our TCP transport uses: one per core, 2..=4.
+    return max(2, min(4, os.cpu_count() or 2))
+
+
+def role_floor_owner(a):
+    lanes, share = floor_lanes(), a.batch * a.size // floor_lanes()
+    with socket.socket() as ls:
+        ls.bind(("127.0.0.1", 0))
+        ls.listen(lanes)
+        pathlib.Path(a.ready).write_text(str(ls.getsockname()[1]))
+        conns = [ls.accept()[0] for _ in range(lanes)]
+
+    def serve(c):
+        buf = bytearray(share)
+        view, one = memoryview(buf), bytearray(1)
+        while True:
+            if c.recv_into(one, 1) != 1:
+                return
+            if one[0] == ord("p"):  # the client writes `share` bytes: read them, answer
+                got = 0
+                while got < share:
+                    n = c.recv_into(view[got:], share - got)
+                    if n == 0:
+                        return
+                    got += n
+                c.sendall(b"k")
+            else:  # "g": send `share` bytes
+                c.sendall(view)
+
+    threads = [threading.Thread(target=serve, args=(c,)) for c in conns]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def role_floor_client(a):
+    lanes, n, size = floor_lanes(), a.batch, a.size
+    share = n * size // lanes
+    port = int(pathlib.Path(a.ready).read_text())
+    conns = [socket.create_connection(("127.0.0.1", port)) for _ in range(lanes)]
+    for c in conns:
+        c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    src, dst = bytearray(os.urandom(n * size)), bytearray(n * size)
+
+    def put(k):
+        c, part, one = conns[k], memoryview(src)[k * share : (k + 1) * share], bytearray(1)
+        c.sendall(b"p")
+        for j in range(0, share, size):  # one send per object, as a store sends them
+            c.sendall(part[j : j + size])
+        c.recv_into(one, 1)
+
+    def get(k):
+        c, part = conns[k], memoryview(dst)[k * share : (k + 1) * share]
+        c.sendall(b"g")
+        got = 0
+        while got < share:
+            got += c.recv_into(part[got:], share - got)
+
+    def timed(fn):
+        t0 = time.perf_counter()
+        threads = [threading.Thread(target=fn, args=(k,)) for k in range(1, lanes)]
+        for t in threads:
+            t.start()
+        fn(0)
+        for t in threads:
+            t.join()
+        return time.perf_counter() - t0
+
+    put_t, get_t = [], []
+    for r in range(a.warmup + a.rounds):
+        tp, tg = timed(put), timed(get)
+        if r >= a.warmup:
+            put_t.append(tp)
+            get_t.append(tg)
+    if src[: n * size] != dst:
+        raise SystemExit("tcp-floor: bytes differ")
+    print(json.dumps(summary(put_t, get_t, n * size)))
+    for c in conns:
+        c.close()
+
+
+def summary(put_t, get_t, nbytes):
+    return {
+        api: {
             "calls": len(ts),
             "p50_us": round(statistics.median(ts) * 1e6, 1),
             "mean_us": round(statistics.fmean(ts) * 1e6, 1),
-            "GB_per_s": round(n * size * len(ts) / sum(ts) / 1e9, 3),
+            "GB_per_s": round(nbytes * len(ts) / sum(ts) / 1e9, 3),
         }
-    print(json.dumps(out))
-    s.close()
+        for api, ts in (("batch_put_from", put_t), ("batch_get_into", get_t))
+    }
+
+
+def run_floor(a, work):
+    ready = work / "floor.port"
+    ready.unlink(missing_ok=True)
+    common = ["--batch", str(a.batch), "--size", str(a.size), "--ready", str(ready)]
+    owner = subprocess.Popen([sys.executable, __file__, "floor-owner", *common], stderr=open(work / "floor-owner.log", "w"))
+    try:
+        while not ready.exists() or not ready.read_text():
+            if owner.poll() is not None:
+                raise SystemExit(f"tcp-floor owner died: see {work}")
+            time.sleep(0.05)
+        client = subprocess.run(
+            [sys.executable, __file__, "floor-client", *common, "--rounds", str(a.rounds), "--warmup", str(a.warmup)],
+            capture_output=True, text=True, timeout=600,
+        )
+        if client.returncode != 0:
+            raise SystemExit(f"tcp-floor client failed: {client.stderr[-2000:]}")
+        return json.loads(client.stdout.strip().splitlines()[-1])
+    finally:
+        try:
+            owner.wait(timeout=30)  # it ends when the client closes its connections
+        except subprocess.TimeoutExpired:
+            owner.kill()
 
 
 # ---------------------------------------------------------------- driver
@@ -196,6 +315,7 @@ def drive(a):
         ).stdout.strip()
         impls.append(("ref", a.ref_python, ref_master))
     results = {impl: [] for impl, _, _ in impls}
+    results["tcp-floor"] = []
     with tempfile.TemporaryDirectory() as tmp:
         work = pathlib.Path(tmp)
         for rep in range(a.repeat):
@@ -205,6 +325,9 @@ def drive(a):
                 r = run_one(impl, python, master, a, work)
                 log(f"repeat {rep} {impl}: " + ", ".join(f"{k} p50 {v['p50_us']} us {v['GB_per_s']} GB/s" for k, v in r.items()))
                 results[impl].append(r)
+            r = run_floor(a, work)
+            log(f"repeat {rep} tcp-floor: " + ", ".join(f"{k} p50 {v['p50_us']} us {v['GB_per_s']} GB/s" for k, v in r.items()))
+            results["tcp-floor"].append(r)
     table = {}
     for impl, runs in results.items():
         table[impl] = {
@@ -215,11 +338,13 @@ def drive(a):
             for api in ("batch_put_from", "batch_get_into")
         }
     print(f"{a.batch} x {a.size // KiB} KiB over TCP between processes, median of {a.repeat} runs x {a.rounds} calls")
-    print(f"{'api':16} {'impl':5} {'p50 us':>10} {'GB/s':>8}")
+    print(f"{'api':16} {'impl':9} {'p50 us':>10} {'GB/s':>8} {'of floor':>9}")
     for api in ("batch_put_from", "batch_get_into"):
         for impl in table:
             v = table[impl][api]
-            print(f"{api:16} {impl:5} {v['p50_us']:>10.1f} {v['GB_per_s']:>8.3f}")
+            share = table["tcp-floor"][api]["p50_us"] / v["p50_us"]
+            v["share_of_floor"] = round(share, 3)
+            print(f"{api:16} {impl:9} {v['p50_us']:>10.1f} {v['GB_per_s']:>8.3f} {share:>8.0%}")
         if "ref" in table:
             print(f"{api:16} ratio ours/ref speed: {table['ref'][api]['p50_us'] / table['ours'][api]['p50_us']:.2f}x")
     if a.out:
@@ -234,6 +359,9 @@ def main():
     r.add_argument("--ref-python")
     r.add_argument("--out")
     r.add_argument("--repeat", type=int, default=3)
+    fo, fc = sub.add_parser("floor-owner"), sub.add_parser("floor-client")
+    for p in (fo, fc):
+        p.add_argument("--ready", required=True)
     o = sub.add_parser("owner")
     o.add_argument("--ready", required=True)
     o.add_argument("--stop", required=True)
@@ -244,13 +372,16 @@ def main():
         p.add_argument("--master", required=True)
     for p in (r, o):
         p.add_argument("--segment", type=int, default=1536 * MiB)
-    for p in (r, c):
+    for p in (r, c, fo, fc):
         p.add_argument("--batch", type=int, default=64)
         p.add_argument("--size", type=int, default=256 * KiB)
+    for p in (r, c, fc):
         p.add_argument("--rounds", type=int, default=30)
         p.add_argument("--warmup", type=int, default=3)
     a = ap.parse_args()
-    {"run": drive, "owner": role_owner, "client": role_client}[a.role](a)
+    roles = {"run": drive, "owner": role_owner, "client": role_client}
+    roles.update({"floor-owner": role_floor_owner, "floor-client": role_floor_client})
+    roles[a.role](a)
 
 
 if __name__ == "__main__":
