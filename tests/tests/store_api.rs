@@ -429,8 +429,9 @@ fn master_memory_per_object_is_reported_and_bounded() {
     let per_object = (s.metadata_bytes - s.key_bytes) as f64 / n as f64;
     println!("master metadata: {per_object:.0} bytes per object beyond the key ({} objects)", s.objects);
     assert!(s.key_bytes >= n * 28);
-    // The target is 128 bytes per object beyond the key (ARCHITECTURE.md); this pins where we are so that a regression shows.
-    assert!(per_object < 256.0, "{per_object} bytes per object");
+    // The target: at most 128 bytes per object beyond the key (ARCHITECTURE.md). The
+    // estimate counts the table slots, the entry's malloc chunk and the allocator node.
+    assert!(per_object <= 128.0, "{per_object} bytes per object");
 }
 
 /// A user-written transport: counts bytes, then lets the memcpy transport move them.
