@@ -189,12 +189,18 @@ impl RegisteredRegion {
         reader.read_exact(dst).map_err(|e| TransferError::Io(e.to_string()))
     }
 
-    /// Sends `[offset, offset + len)` straight to `writer` (bounds-checked first).
-    pub(crate) fn drain_to(&self, offset: u64, len: u64, writer: &mut impl std::io::Write) -> Result<()> {
+    /// Hands `[offset, offset + len)` to `send` (bounds-checked first), which writes
+    /// it out without a copy of its own.
+    pub(crate) fn drain_to(
+        &self,
+        offset: u64,
+        len: u64,
+        send: &mut impl FnMut(&[u8]) -> std::io::Result<()>,
+    ) -> Result<()> {
         self.check_bounds(offset, len)?;
         // SAFETY: bounds checked above; the shared slice lives only for this call.
         let src = unsafe { std::slice::from_raw_parts(self.ptr.add(offset as usize), len as usize) };
-        writer.write_all(src).map_err(|e| TransferError::Io(e.to_string()))
+        send(src).map_err(|e| TransferError::Io(e.to_string()))
     }
 
     /// Start of the region's memory in this process, for code that must hand the

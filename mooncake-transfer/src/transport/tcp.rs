@@ -157,6 +157,23 @@ fn respond(w: &mut impl Write, status: FrameStatus, request_id: u64, len: u64) -
     w.write_all(&ResponseHeader { status, request_id, len }.encode()).map_err(io)
 }
 
+/// Writes a frame's header and its payload with one `writev` where the payload is
+/// large (through a `BufWriter`, whatever it holds goes first): two sends would put
+/// the header in a segment of its own and wake the peer for it alone.
+fn write_frame(w: &mut impl Write, header: &[u8], payload: &[u8]) -> std::io::Result<()> {
+    let mut bufs = [std::io::IoSlice::new(header), std::io::IoSlice::new(payload)];
+    let mut bufs = &mut bufs[..];
+    while !bufs.is_empty() {
+        match w.write_vectored(bufs) {
+            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+            Ok(n) => std::io::IoSlice::advance_slices(&mut bufs, n),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
 /// How long a new connection may take to send its first request.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -200,8 +217,8 @@ fn serve(
         let region = regions.region(h.region).and_then(|reg| reg.check_bounds(h.offset, h.len).map(|_| reg));
         match (h.op, region) {
             (FrameOp::Read, Ok(reg)) => {
-                respond(&mut w, FrameStatus::Ok, h.request_id, h.len)?;
-                reg.drain_to(h.offset, h.len, &mut w)?;
+                let header = ResponseHeader { status: FrameStatus::Ok, request_id: h.request_id, len: h.len }.encode();
+                reg.drain_to(h.offset, h.len, &mut |payload: &[u8]| write_frame(&mut w, &header, payload))?;
             }
             (FrameOp::Write, Ok(reg)) => {
                 reg.fill_from(h.offset, h.len, &mut r)?;
@@ -420,9 +437,9 @@ impl TcpTransport {
                 let h =
                     RequestHeader { op, request_id: conn.next_id, region: c.region, offset: c.offset, len: len as u64 };
                 conn.next_id += 1;
-                w.write_all(&h.encode()).map_err(io)?;
-                if let Some(p) = payload {
-                    w.write_all(p).map_err(io)?;
+                match payload {
+                    Some(p) => write_frame(&mut w, &h.encode(), p).map_err(io)?,
+                    None => w.write_all(&h.encode()).map_err(io)?,
                 }
             }
             w.flush().map_err(io)?;
