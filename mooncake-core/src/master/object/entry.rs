@@ -206,6 +206,15 @@ impl ObjectEntry {
         }
     }
 
+    /// Sets one field of the side box (chosen by `field`): a zero value creates no box,
+    /// and a box left with nothing set is dropped.
+    fn set_extra<T: Default + PartialEq>(&mut self, value: T, field: impl FnOnce(&mut Extra) -> &mut T) {
+        if value != T::default() || self.extra.is_some() {
+            *field(self.extra_mut()) = value;
+            self.tidy_extra();
+        }
+    }
+
     /// The client whose SSD holds a `LocalDisk` replica (0: none).
     pub(crate) fn disk(&self) -> ClientId {
         self.extra.as_deref().map_or(0, |x| x.disk)
@@ -213,10 +222,7 @@ impl ObjectEntry {
 
     /// Sets the client whose SSD holds a `LocalDisk` replica (0: none).
     pub(crate) fn set_disk(&mut self, client: ClientId) {
-        if client != 0 || self.extra.is_some() {
-            self.extra_mut().disk = client;
-            self.tidy_extra();
-        }
+        self.set_extra(client, |x| &mut x.disk);
     }
 
     /// Until when an asked-for offload is waited for (0: none).
@@ -226,10 +232,7 @@ impl ObjectEntry {
 
     /// Sets until when an asked-for offload is waited for (0: none).
     pub(crate) fn set_offload_deadline_ms(&mut self, until_ms: u64) {
-        if until_ms != 0 || self.extra.is_some() {
-            self.extra_mut().offload_deadline_ms = until_ms;
-            self.tidy_extra();
-        }
+        self.set_extra(until_ms, |x| &mut x.offload_deadline_ms);
     }
 
     /// With `soft_pin`: how long the pin outlives the last access (ms; 0: as long as
@@ -241,10 +244,7 @@ impl ObjectEntry {
     /// Sets the pin and its TTL (ms; 0: as long as the object lives).
     pub(crate) fn set_soft_pin(&mut self, pin: bool, ttl_ms: u32) {
         self.soft_pin = pin;
-        if ttl_ms != 0 || self.extra.is_some() {
-            self.extra_mut().soft_pin_ttl_ms = ttl_ms;
-            self.tidy_extra();
-        }
+        self.set_extra(ttl_ms, |x| &mut x.soft_pin_ttl_ms);
     }
 
     /// Held by a read in flight, or by an upsert being written (which will replace
