@@ -11,7 +11,11 @@ use mooncake_core::{Master, MasterConfig, ReplicateConfig, Store};
 use mooncake_transfer::RemoteRegion;
 
 fn metadata_round_trip(c: &mut Criterion) {
-    let master = Master::new(MasterConfig { default_lease: Duration::ZERO, ..Default::default() }).unwrap();
+    // The bench's client sends no heartbeats: a client TTL longer than the whole run
+    // keeps its segments (and so its objects) mounted throughout.
+    let config =
+        MasterConfig { default_lease: Duration::ZERO, client_ttl: Duration::from_secs(3600), ..Default::default() };
+    let master = Master::new(config).unwrap();
     let client = master.register_client().unwrap().client;
     for i in 0..16 {
         let region = RemoteRegion { endpoint: format!("bench://{i}"), region: 1 };
