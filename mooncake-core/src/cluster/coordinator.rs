@@ -25,6 +25,7 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use super::client::{is_lease_not_found, Etcd};
+use super::failures::FailureLog;
 use super::fence::Fence;
 use super::layout::{Layout, LeaderValue, MasterValue};
 use super::member_config::{GroupHandler, MemberConfig, MemberStats};
@@ -200,6 +201,8 @@ pub(crate) struct Coordinator {
     /// The `led` count last written to `masters/<id>`.
     published_led: Option<u32>,
     handler: HandlerThread,
+    /// Failures to reach etcd, logged without repeating themselves.
+    failures: FailureLog,
 }
 
 impl Coordinator {
@@ -225,6 +228,7 @@ impl Coordinator {
             scheduler_seen: 0,
             published_led: None,
             handler: HandlerThread::spawn(handler)?,
+            failures: FailureLog::default(),
             config,
         };
         c.register().await?;
@@ -284,7 +288,7 @@ impl Coordinator {
                 changed = self.mirror.next(), if watching => match changed {
                     Ok(true) => self.publish_map(),
                     Ok(false) => {}
-                    Err(e) => tracing::warn!(member = %self.shared.id, "cluster watch: {e}"),
+                    Err(e) => self.failures.failed(&self.shared.id, "cluster watch", &e),
                 },
                 _ = tokio::time::sleep_until(wake) => {}
             }
@@ -299,7 +303,7 @@ impl Coordinator {
         }
         if self.session.is_none() {
             if let Err(e) = self.register().await {
-                tracing::warn!(member = %self.shared.id, "cannot register: {e}");
+                self.failures.failed(&self.shared.id, "cannot register", &e);
                 return false;
             }
         }
@@ -311,7 +315,7 @@ impl Coordinator {
                     }
                 }
                 Err(e) => {
-                    tracing::warn!(member = %self.shared.id, "cannot load the cluster: {e}");
+                    self.failures.failed(&self.shared.id, "cannot load the cluster", &e);
                     return false;
                 }
             }
@@ -319,7 +323,11 @@ impl Coordinator {
         let groups_ok = self.reconcile().await;
         let scheduler_ok = self.schedule().await;
         let published = self.publish_led().await;
-        groups_ok && scheduler_ok && published
+        let worked = groups_ok && scheduler_ok && published;
+        if worked {
+            self.failures.worked(&self.shared.id);
+        }
+        worked
     }
 
     /// Grants a lease, registers under it and starts renewing it.
@@ -453,7 +461,7 @@ impl Coordinator {
             }
             Ok(_) => true, // someone holds it, or it was reassigned: the watch will tell
             Err(e) => {
-                tracing::warn!(member = %self.shared.id, group, "cannot take the group: {e}");
+                self.failures.failed(&self.shared.id, &format!("cannot take group {group}"), &e);
                 false
             }
         }
@@ -469,7 +477,7 @@ impl Coordinator {
         match self.etcd.call("hand a group over", kv.txn(txn)).await {
             Ok(_) => true,
             Err(e) => {
-                tracing::warn!(member = %self.shared.id, group, "cannot delete the leader key: {e}");
+                self.failures.failed(&self.shared.id, &format!("cannot delete the leader key of group {group}"), &e);
                 false
             }
         }
@@ -507,7 +515,7 @@ impl Coordinator {
                 }
                 Ok(_) => return true,
                 Err(e) => {
-                    tracing::warn!(member = %self.shared.id, "cannot run for scheduler: {e}");
+                    self.failures.failed(&self.shared.id, "cannot run for scheduler", &e);
                     return false;
                 }
             }
@@ -535,7 +543,7 @@ impl Coordinator {
                     return true;
                 }
                 Err(e) => {
-                    tracing::warn!(member = %self.shared.id, "cannot write assignments: {e}");
+                    self.failures.failed(&self.shared.id, "cannot write assignments", &e);
                     return false;
                 }
             }
@@ -563,7 +571,7 @@ impl Coordinator {
                 true
             }
             Err(e) => {
-                tracing::warn!(member = %self.shared.id, "cannot update the registration: {e}");
+                self.failures.failed(&self.shared.id, "cannot update the registration", &e);
                 false
             }
         }

@@ -26,6 +26,8 @@ mod address;
 mod client;
 #[cfg(feature = "etcd")]
 mod coordinator;
+#[cfg(feature = "etcd")]
+mod failures;
 #[cfg(any(feature = "etcd", test))]
 mod fence;
 #[cfg(any(feature = "etcd", test))]
