@@ -34,6 +34,43 @@ enum WriteMode {
     Upsert,
 }
 
+impl WriteMode {
+    /// The code of one write's result.
+    fn code(self, res: &mooncake_core::Result<()>) -> i32 {
+        match self {
+            WriteMode::Put => put_status(res),
+            WriteMode::Upsert => status(res),
+        }
+    }
+
+    /// Writes `data` under `key` (a single put retries on a failed segment).
+    fn one(self, store: &Store, key: &str, data: &[u8], cfg: &mooncake_core::ReplicateConfig) -> i32 {
+        self.code(&match self {
+            WriteMode::Put => store.put_with(key, data, cfg),
+            WriteMode::Upsert => store.upsert_with(key, data, cfg),
+        })
+    }
+
+    /// Writes each object of `items` (the concatenation of its parts) in one batch;
+    /// one code each.
+    fn parts(self, store: &Store, items: &[(&str, &[&[u8]])], cfg: &mooncake_core::ReplicateConfig) -> Vec<i32> {
+        let results = match self {
+            WriteMode::Put => store.batch_put_parts(items, cfg),
+            WriteMode::Upsert => store.batch_upsert_parts(items, cfg),
+        };
+        results.iter().map(|r| self.code(r)).collect()
+    }
+
+    /// Writes `items` in one batch; one code each.
+    fn many(self, store: &Store, items: &[(&str, &[u8])], cfg: &mooncake_core::ReplicateConfig) -> Vec<i32> {
+        let results = match self {
+            WriteMode::Put => store.batch_put(items, cfg),
+            WriteMode::Upsert => store.batch_upsert(items, cfg),
+        };
+        results.iter().map(|r| self.code(r)).collect()
+    }
+}
+
 /// A connected client and the name it reports.
 struct Session {
     store: Store,
@@ -181,10 +218,7 @@ impl MooncakeDistributedStore {
                     (keys[i].as_str(), data)
                 })
                 .collect();
-            let answers = match mode {
-                WriteMode::Put => s.store.batch_put(&items, &cfg).iter().map(put_status).collect::<Vec<_>>(),
-                WriteMode::Upsert => s.store.batch_upsert(&items, &cfg).iter().map(status).collect(),
-            };
+            let answers = mode.many(&s.store, &items, &cfg);
             for (&i, c) in valid.iter().zip(answers) {
                 results[i] = c;
             }
@@ -192,10 +226,64 @@ impl MooncakeDistributedStore {
         results
     }
 
-    /// Puts `values` under `keys` in one batch; one code each.
-    fn put_many(store: &Store, keys: &[String], values: &[&[u8]], cfg: &mooncake_core::ReplicateConfig) -> Vec<i32> {
-        let items: Vec<(&str, &[u8])> = keys.iter().map(String::as_str).zip(values.iter().copied()).collect();
-        store.batch_put(&items, cfg).iter().map(put_status).collect()
+    /// `put` and `upsert`: one bytes-like value.
+    fn write_value(
+        &self,
+        py: Python<'_>,
+        mode: WriteMode,
+        key: &str,
+        value: &Bound<'_, PyAny>,
+        config: Option<PyRef<'_, ReplicateConfig>>,
+    ) -> PyResult<i32> {
+        let value = value_bytes(value)?;
+        let (s, cfg) = match self.writer(config) {
+            Ok(w) => w,
+            Err(code) => return Ok(code),
+        };
+        let data = value.as_bytes();
+        Ok(py.detach(|| mode.one(&s.store, key, data, &cfg)))
+    }
+
+    /// `put_parts` and `upsert_parts`: one object from several bytes-like parts.
+    fn write_parts(
+        &self,
+        py: Python<'_>,
+        mode: WriteMode,
+        key: &str,
+        parts: &Bound<'_, PyTuple>,
+        config: Option<PyRef<'_, ReplicateConfig>>,
+    ) -> PyResult<i32> {
+        let parts: Vec<Bound<'_, PyBytes>> = parts.iter().map(|p| value_bytes(&p)).collect::<PyResult<_>>()?;
+        let (s, cfg) = match self.writer(config) {
+            Ok(w) => w,
+            Err(code) => return Ok(code),
+        };
+        let slices: Vec<&[u8]> = parts.iter().map(|p| p.as_bytes()).collect();
+        Ok(py.detach(|| mode.parts(&s.store, &[(key, &slices)], &cfg).pop().unwrap_or(0)))
+    }
+
+    /// `put_batch` and `upsert_batch`: 0, or the first failure's code.
+    fn write_batch(
+        &self,
+        py: Python<'_>,
+        mode: WriteMode,
+        keys: Vec<String>,
+        values: Vec<Bound<'_, PyAny>>,
+        config: Option<PyRef<'_, ReplicateConfig>>,
+    ) -> PyResult<i32> {
+        let values: Vec<Bound<'_, PyBytes>> = values.iter().map(value_bytes).collect::<PyResult<_>>()?;
+        let Some(s) = self.session() else { return Ok(INVALID_PARAMS) };
+        if keys.len() != values.len() {
+            return Ok(INVALID_PARAMS);
+        }
+        let cfg = match resolve(config) {
+            Ok(c) => c,
+            Err(c) => return Ok(c),
+        };
+        let items: Vec<(&str, &[u8])> =
+            keys.iter().map(String::as_str).zip(values.iter().map(|v| v.as_bytes())).collect();
+        let codes = py.detach(|| mode.many(&s.store, &items, &cfg));
+        Ok(codes.into_iter().find(|&c| c != 0).unwrap_or(0))
     }
 }
 
@@ -274,13 +362,7 @@ impl MooncakeDistributedStore {
         value: &Bound<'_, PyAny>,
         config: Option<PyRef<'_, ReplicateConfig>>,
     ) -> PyResult<i32> {
-        let value = value_bytes(value)?;
-        let (s, cfg) = match self.writer(config) {
-            Ok(w) => w,
-            Err(code) => return Ok(code),
-        };
-        let data = value.as_bytes();
-        Ok(py.detach(|| put_status(&s.store.put_with(key, data, &cfg))))
+        self.write_value(py, WriteMode::Put, key, value, config)
     }
 
     /// Stores the concatenation of `parts` under `key`. Returns 0 or a negative code.
@@ -292,16 +374,7 @@ impl MooncakeDistributedStore {
         parts: &Bound<'_, PyTuple>,
         config: Option<PyRef<'_, ReplicateConfig>>,
     ) -> PyResult<i32> {
-        let parts: Vec<Bound<'_, PyBytes>> = parts.iter().map(|p| value_bytes(&p)).collect::<PyResult<_>>()?;
-        let (s, cfg) = match self.writer(config) {
-            Ok(w) => w,
-            Err(code) => return Ok(code),
-        };
-        let slices: Vec<&[u8]> = parts.iter().map(|p| p.as_bytes()).collect();
-        Ok(py.detach(|| {
-            let res = s.store.batch_put_parts(&[(key, &slices)], &cfg).pop().unwrap_or(Ok(()));
-            put_status(&res)
-        }))
+        self.write_parts(py, WriteMode::Put, key, parts, config)
     }
 
     /// Stores `values[i]` under `keys[i]` in one batch. Returns 0, or the first
@@ -314,18 +387,7 @@ impl MooncakeDistributedStore {
         values: Vec<Bound<'_, PyAny>>,
         config: Option<PyRef<'_, ReplicateConfig>>,
     ) -> PyResult<i32> {
-        let values: Vec<Bound<'_, PyBytes>> = values.iter().map(value_bytes).collect::<PyResult<_>>()?;
-        let Some(s) = self.session() else { return Ok(INVALID_PARAMS) };
-        if keys.len() != values.len() {
-            return Ok(INVALID_PARAMS);
-        }
-        let cfg = match resolve(config) {
-            Ok(c) => c,
-            Err(c) => return Ok(c),
-        };
-        let slices: Vec<&[u8]> = values.iter().map(|v| v.as_bytes()).collect();
-        let codes = py.detach(|| Self::put_many(&s.store, &keys, &slices, &cfg));
-        Ok(codes.into_iter().find(|&c| c != 0).unwrap_or(0))
+        self.write_batch(py, WriteMode::Put, keys, values, config)
     }
 
     /// Stores `value` (a bytes-like object) under `key`, replacing the object stored
@@ -340,13 +402,7 @@ impl MooncakeDistributedStore {
         value: &Bound<'_, PyAny>,
         config: Option<PyRef<'_, ReplicateConfig>>,
     ) -> PyResult<i32> {
-        let value = value_bytes(value)?;
-        let (s, cfg) = match self.writer(config) {
-            Ok(w) => w,
-            Err(code) => return Ok(code),
-        };
-        let data = value.as_bytes();
-        Ok(py.detach(|| status(&s.store.upsert_with(key, data, &cfg))))
+        self.write_value(py, WriteMode::Upsert, key, value, config)
     }
 
     /// Upserts the concatenation of `parts` under `key`. Returns 0 or a negative code.
@@ -358,13 +414,7 @@ impl MooncakeDistributedStore {
         parts: &Bound<'_, PyTuple>,
         config: Option<PyRef<'_, ReplicateConfig>>,
     ) -> PyResult<i32> {
-        let parts: Vec<Bound<'_, PyBytes>> = parts.iter().map(|p| value_bytes(&p)).collect::<PyResult<_>>()?;
-        let (s, cfg) = match self.writer(config) {
-            Ok(w) => w,
-            Err(code) => return Ok(code),
-        };
-        let slices: Vec<&[u8]> = parts.iter().map(|p| p.as_bytes()).collect();
-        Ok(py.detach(|| status(&s.store.batch_upsert_parts(&[(key, &slices)], &cfg).pop().unwrap_or(Ok(())))))
+        self.write_parts(py, WriteMode::Upsert, key, parts, config)
     }
 
     /// Upserts `values[i]` under `keys[i]` in one batch. Returns 0, or the first
@@ -377,19 +427,7 @@ impl MooncakeDistributedStore {
         values: Vec<Bound<'_, PyAny>>,
         config: Option<PyRef<'_, ReplicateConfig>>,
     ) -> PyResult<i32> {
-        let values: Vec<Bound<'_, PyBytes>> = values.iter().map(value_bytes).collect::<PyResult<_>>()?;
-        let Some(s) = self.session() else { return Ok(INVALID_PARAMS) };
-        if keys.len() != values.len() {
-            return Ok(INVALID_PARAMS);
-        }
-        let cfg = match resolve(config) {
-            Ok(c) => c,
-            Err(c) => return Ok(c),
-        };
-        let items: Vec<(&str, &[u8])> =
-            keys.iter().map(String::as_str).zip(values.iter().map(|v| v.as_bytes())).collect();
-        let codes: Vec<i32> = py.detach(|| s.store.batch_upsert(&items, &cfg).iter().map(status).collect());
-        Ok(codes.into_iter().find(|&c| c != 0).unwrap_or(0))
+        self.write_batch(py, WriteMode::Upsert, keys, values, config)
     }
 
     /// Upserts the `size` bytes at `buffer_ptr` (inside a registered buffer) under
