@@ -7,7 +7,7 @@ mod support;
 
 use std::time::{Duration, Instant};
 
-use support::{bin, payload, unique_dir, wait_until, Cluster, Proc};
+use support::{payload, ssd_node, unique_dir, wait_until, Cluster};
 
 /// A number in the master's JSON status, e.g. `"segments": 2`.
 fn status_number(c: &Cluster, field: &str) -> Option<u64> {
@@ -83,28 +83,6 @@ fn acknowledged_removes_survive_kill_9_of_the_master() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
-fn ssd_node(master: &str, dir: &std::path::Path) -> Proc {
-    let node = Proc::spawn(
-        &[],
-        &bin("mooncake-client"),
-        &[
-            "serve",
-            "--master",
-            master,
-            "--listen",
-            "127.0.0.1:0",
-            "--segment-size",
-            "16MiB",
-            "--ssd-dir",
-            dir.to_str().unwrap(),
-            "--ssd-capacity",
-            "256MiB",
-        ],
-    );
-    assert!(node.first_line.starts_with("mooncake-client serving segment"), "{}", node.first_line);
-    node
-}
-
 /// Files the bucket backend committed (one meta file per bucket).
 fn committed_buckets(dir: &std::path::Path) -> usize {
     std::fs::read_dir(dir)
@@ -117,7 +95,7 @@ fn an_object_removed_while_its_ssd_was_down_stays_removed() {
     let c = Cluster::start(&["--client-ttl-ms", "60000", "--persist", "eager", "--default-lease-ms", "1"], 0);
     let ssd = unique_dir("durable-ssd");
     let dir = unique_dir("durable-ssd-io");
-    let mut node = ssd_node(&c.master_addr, &ssd);
+    let mut node = ssd_node(&c.master_addr, &ssd, "256MiB");
     c.put_bytes(&dir, "gone", &payload(1, 100_000), 1);
     c.put_bytes(&dir, "kept", &payload(2, 100_000), 1);
     // Eager persistence: both reach the SSD (one bucket each offload round at most).
@@ -132,7 +110,7 @@ fn an_object_removed_while_its_ssd_was_down_stays_removed() {
     node.kill9();
     // Removed while the node (and its SSD) is down: acknowledged.
     c.client_ok(&["rm", "--master", &c.master_addr, "gone"]);
-    node = ssd_node(&c.master_addr, &ssd);
+    node = ssd_node(&c.master_addr, &ssd, "256MiB");
     wait_until(Duration::from_secs(10), || status_number(&c, "segments") == Some(1));
     // The node announced its disk when it started: "kept" is back, "gone" is not.
     assert_eq!(c.get_bytes(&dir, "kept").unwrap(), payload(2, 100_000));
@@ -141,7 +119,7 @@ fn an_object_removed_while_its_ssd_was_down_stays_removed() {
     // Also after a second restart of the node: its file was deleted, not just refused.
     node.kill9();
     wait_until(Duration::from_secs(10), || !disk_holds("gone"));
-    let _node = ssd_node(&c.master_addr, &ssd);
+    let _node = ssd_node(&c.master_addr, &ssd, "256MiB");
     assert_eq!(c.get_bytes(&dir, "gone"), Err("not found: gone".to_owned()));
     std::fs::remove_dir_all(&ssd).ok();
     std::fs::remove_dir_all(&dir).ok();

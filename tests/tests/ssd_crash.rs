@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use mooncake_core::{Error, Store};
-use support::{bin, unique_dir, wait_until, Cluster, Proc};
+use support::{ssd_node, unique_dir, wait_until, Cluster};
 
 const MIB: usize = 1 << 20;
 
@@ -19,33 +19,11 @@ fn block(i: usize) -> Vec<u8> {
     v
 }
 
-fn ssd_node(master: &str, dir: &std::path::Path) -> Proc {
-    let node = Proc::spawn(
-        &[],
-        &bin("mooncake-client"),
-        &[
-            "serve",
-            "--master",
-            master,
-            "--listen",
-            "127.0.0.1:0",
-            "--segment-size",
-            "16MiB",
-            "--ssd-dir",
-            dir.to_str().unwrap(),
-            "--ssd-capacity",
-            "1GiB",
-        ],
-    );
-    assert!(node.first_line.starts_with("mooncake-client serving segment"), "{}", node.first_line);
-    node
-}
-
 #[test]
 fn kill_9_during_offload_leaves_objects_intact_or_absent() {
     let dir = unique_dir("ssd-crash");
     let cluster = Cluster::start(&["--client-ttl-ms", "1000"], 0);
-    let mut node = ssd_node(&cluster.master_addr, &dir);
+    let mut node = ssd_node(&cluster.master_addr, &dir, "1GiB");
     let writer = Store::builder().master_address(&cluster.master_addr).global_segment_size(0).build().unwrap();
 
     // Write 1 MiB objects through the node's 16 MiB segment: everything past the
@@ -72,7 +50,7 @@ fn kill_9_during_offload_leaves_objects_intact_or_absent() {
     let acked = acked.lock().unwrap().clone();
 
     // Restart on the same directory; wait until the dead node's segment is dropped.
-    let node2 = ssd_node(&cluster.master_addr, &dir);
+    let node2 = ssd_node(&cluster.master_addr, &dir, "1GiB");
     std::thread::sleep(Duration::from_millis(2500));
     let mut buf = vec![0u8; MIB];
     let (mut intact, mut absent) = (0, 0);

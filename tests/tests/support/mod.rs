@@ -7,6 +7,31 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdout, Command, Stdio};
 use std::time::{Duration, Instant};
 
+/// Starts a storage node of `master` with a 16 MiB segment and an SSD tier of
+/// `capacity` (e.g. "256MiB") in `dir`, listening on a free loopback port.
+pub fn ssd_node(master: &str, dir: &Path, capacity: &str) -> Proc {
+    let dir = dir.to_str().expect("a UTF-8 test directory");
+    let node = Proc::spawn(
+        &[],
+        &bin("mooncake-client"),
+        &[
+            "serve",
+            "--master",
+            master,
+            "--listen",
+            "127.0.0.1:0",
+            "--segment-size",
+            "16MiB",
+            "--ssd-dir",
+            dir,
+            "--ssd-capacity",
+            capacity,
+        ],
+    );
+    assert!(node.first_line.starts_with("mooncake-client serving segment"), "{}", node.first_line);
+    node
+}
+
 /// Path of a binary of this workspace, next to the test executable's directory.
 pub fn bin(name: &str) -> PathBuf {
     let exe = std::env::current_exe().unwrap();
