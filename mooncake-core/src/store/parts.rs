@@ -65,7 +65,14 @@ impl StoreInner {
             };
             let mut reqs: Vec<TransferRequest<'_>> = parts
                 .iter_mut()
-                .map(|(at, p)| TransferRequest::read(&route, r.offset + *at, p).with_checksum())
+                .map(|(at, p)| {
+                    let req = TransferRequest::read(&route, r.offset + *at, p);
+                    if self.sums_in_flight(&route, list.len as usize) {
+                        req.with_checksum()
+                    } else {
+                        req
+                    }
+                })
                 .collect();
             let read: std::result::Result<Vec<()>, _> = self.engine.transfer(&mut reqs).into_iter().collect();
             let taken = summed(&reqs);
@@ -163,7 +170,8 @@ impl StoreInner {
                 let mut at = 0u64;
                 for part in items[*i].1.iter().filter(|p| !p.is_empty()) {
                     let req = TransferRequest::write(route, r.offset + at, part);
-                    reqs.push(if j == 0 { req.with_checksum() } else { req });
+                    let sum = j == 0 && self.sums_in_flight(route, lens[*i] as usize);
+                    reqs.push(if sum { req.with_checksum() } else { req });
                     owner.push((*i, r.segment));
                     at += part.len() as u64;
                 }
@@ -251,8 +259,10 @@ impl StoreInner {
             let mut owner = Vec::new();
             for (i, (c, route)) in covers.iter_mut().zip(&routes).enumerate() {
                 if let (Ok(parts), Some((offset, route))) = (c, route) {
+                    let sum = self.sums_in_flight(route, lists[i].as_ref().map_or(0, |l| l.len as usize));
                     for (at, p) in parts.iter_mut() {
-                        reqs.push(TransferRequest::read(route, offset + *at, p).with_checksum());
+                        let req = TransferRequest::read(route, offset + *at, p);
+                        reqs.push(if sum { req.with_checksum() } else { req });
                         owner.push(i);
                     }
                     ok[i] = true;
