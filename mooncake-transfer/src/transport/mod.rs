@@ -89,7 +89,9 @@ impl<'a> TransferRequest<'a> {
     }
 
     /// Records the crc32c of the local bytes (for transport implementations: after a
-    /// read has filled them, or of the bytes a write sent).
+    /// read has filled them, or of the bytes a write sent). It must be the sum of
+    /// exactly those bytes: the store checks reads against it instead of summing them
+    /// again, and records it as a written object's checksum.
     pub fn set_checksum(&mut self, crc: u32) {
         self.checksum = Checksum::Taken(crc);
     }
