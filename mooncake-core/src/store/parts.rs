@@ -163,8 +163,9 @@ impl StoreInner {
         // transport sends them (see `TransferRequest::with_checksum`).
         let mut reqs: Vec<TransferRequest<'_>> = Vec::new();
         let mut owner: Vec<(usize, SegmentId)> = Vec::new();
-        let mut summing: Vec<std::ops::Range<usize>> = Vec::with_capacity(plans.len());
-        for (i, plan) in &plans {
+        // Per plan, the requests of its first replica (`None`: no replica placed).
+        let mut summing: Vec<Option<std::ops::Range<usize>>> = vec![None; plans.len()];
+        for (k, (i, plan)) in plans.iter().enumerate() {
             let first = reqs.len();
             for (j, (r, route)) in plan.iter().enumerate() {
                 let mut at = 0u64;
@@ -176,15 +177,12 @@ impl StoreInner {
                     at += part.len() as u64;
                 }
                 if j == 0 {
-                    summing.push(first..reqs.len());
+                    summing[k] = Some(first..reqs.len());
                 }
-            }
-            if plan.is_empty() {
-                summing.push(first..first);
             }
         }
         let transferred = self.engine.transfer(&mut reqs);
-        let taken: Vec<Option<u32>> = summing.iter().map(|range| summed(&reqs[range.clone()])).collect();
+        let taken: Vec<Option<u32>> = summing.iter().map(|range| summed(&reqs[range.clone()?])).collect();
         drop(reqs);
         // What the transport did not sum (memory copies of large objects, RDMA) is
         // summed here, on several cores for a large batch.
