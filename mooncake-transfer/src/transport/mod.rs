@@ -108,9 +108,9 @@ impl<'a> TransferRequest<'a> {
 }
 
 /// Moves `req`'s bytes between its local buffer and `region` by memcpy (the `local`
-/// and `shm` transports). A request that asks for its checksum is copied piece by
-/// piece, each piece summed while it is in the cache: a write's piece before it is
-/// copied (the sum brings it in), a read's right after.
+/// and `shm` transports). A read that asks for its checksum is copied piece by piece,
+/// each piece summed right after its copy while it is in the cache; a write is summed
+/// before its copy.
 pub(crate) fn copy_with_region(region: &RegisteredRegion, req: &mut TransferRequest<'_>) -> Result<()> {
     /// Small enough to stay in a core's L2 cache between the copy and the sum.
     const PIECE: usize = 256 << 10;
@@ -132,10 +132,11 @@ pub(crate) fn copy_with_region(region: &RegisteredRegion, req: &mut TransferRequ
             }
         }
         TransferOp::Write(src) => {
-            for (i, piece) in src.chunks(PIECE).enumerate() {
-                pieces.push((crate::checksum::crc32c(piece), piece.len()));
-                region.copy_in(base + (i * PIECE) as u64, piece)?;
-            }
+            // Summed whole, then copied in one piece: cut into pieces, a large copy
+            // into cold memory loses memcpy's non-temporal stores (measured: 1 MiB
+            // shm puts 3.5 -> 2.9 GB/s, 4 MiB 5.9 -> 4.8 GB/s).
+            pieces.push((crate::checksum::crc32c(src), src.len()));
+            region.copy_in(base, src)?;
         }
     }
     req.set_checksum(crate::checksum::crc32c_concat(pieces));
