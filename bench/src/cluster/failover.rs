@@ -14,7 +14,7 @@ use serde_json::{json, Value};
 use super::daemons::{Daemon, MasterSpec};
 use super::etcd::Etcd;
 use super::leaders::{all_led_by, balanced, led_counts, wait_map};
-use super::workload::key;
+use super::workload::{client_store, key, wait_extents};
 use crate::payload;
 
 /// Arguments of `mooncake-bench cluster failover`.
@@ -77,14 +77,7 @@ pub(crate) fn failover(a: &FailoverArgs) -> Result<Value, String> {
     wait_map(&watcher, Duration::from_secs(60), "groups balanced", |m| balanced(m, &addrs))?;
     let groups = watcher.map().groups() as u64;
     let _node = Daemon::node(&address, &a.segment_size)?;
-    // No replica cache: every get asks its group's leader.
-    let store = Store::builder()
-        .master_address(&address)
-        .global_segment_size(0)
-        .replica_cache(0)
-        .build()
-        .map_err(|e| e.to_string())?;
-    wait_extents(&store, groups)?;
+    let store = client_store(&address, groups)?;
     for i in 0..a.objects {
         store.put(&key("fo", i), &value(i, a.object_size)).map_err(|e| format!("put {i}: {e}"))?;
     }
@@ -181,18 +174,6 @@ fn get_until_ok(store: &Store, key: &str, expected: &[u8], t0: Instant) -> Resul
             Err(e) => return Err(format!("{key} not readable 60 s after the kill: {e}")),
         }
     }
-}
-
-/// Waits until the node has an extent mounted for every group.
-fn wait_extents(store: &Store, groups: u64) -> Result<(), String> {
-    let start = Instant::now();
-    while store.master().stats().map(|s| s.segments).unwrap_or(0) != groups {
-        if start.elapsed() > Duration::from_secs(60) {
-            return Err(format!("the node's {groups} extents were not all mounted in 60 s"));
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    Ok(())
 }
 
 /// Reads every object back: (missing, wrong bytes).

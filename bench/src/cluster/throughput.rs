@@ -9,13 +9,13 @@ use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
 use mooncake_core::cluster::{EtcdAddress, SlotMapWatcher};
-use mooncake_core::{ClientId, MasterApi, Store};
+use mooncake_core::{ClientId, MasterApi};
 use serde_json::{json, Value};
 
 use super::daemons::{core_ticks, cpu_seconds, load_average, Daemon, MasterSpec};
 use super::etcd::Etcd;
 use super::leaders::{balanced, wait_map};
-use super::workload::{key, put_batch, Rng};
+use super::workload::{client_store, key, put_batch, Rng};
 
 /// Arguments of `mooncake-bench cluster throughput`.
 #[derive(clap::Args, Debug)]
@@ -164,21 +164,9 @@ fn one_cluster(a: &ThroughputArgs, etcd: &Etcd, n: usize, cores: &[usize], round
     wait_map(&watcher, Duration::from_secs(60), "groups balanced over the masters", |m| balanced(m, &live))?;
     let groups = watcher.map().groups() as u64;
     let node = Daemon::node(&address, &a.segment_size)?;
-    let store = Store::builder()
-        .master_address(&address)
-        .global_segment_size(0)
-        .replica_cache(0)
-        .build()
-        .map_err(|e| e.to_string())?;
-    let api = store.master().clone();
     // Every extent of the node mounted with its group's leader.
-    let start = Instant::now();
-    while api.stats().map(|s| s.segments).unwrap_or(0) < groups {
-        if start.elapsed() > Duration::from_secs(60) {
-            return Err(format!("the node's {groups} extents were not all mounted in 60 s"));
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let store = client_store(&address, groups)?;
+    let api = store.master().clone();
     let bench = Bench {
         api,
         client: store.client_id(),

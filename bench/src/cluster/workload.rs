@@ -4,12 +4,39 @@
 //! master's client).
 
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
-use mooncake_core::{ClientId, MasterApi, ReplicateConfig};
+use mooncake_core::{ClientId, MasterApi, ReplicateConfig, Store};
 
 /// The key of object `i` in the throughput and failover runs.
 pub(crate) fn key(prefix: &str, i: u64) -> String {
     format!("{prefix}/{i:012}")
+}
+
+/// A client of the cluster at `address` giving no memory and keeping no replica
+/// lists (every get asks its group's leader), returned once the node's extents of
+/// all `groups` are mounted.
+pub(crate) fn client_store(address: &str, groups: u64) -> Result<Store, String> {
+    let store = Store::builder()
+        .master_address(address)
+        .global_segment_size(0)
+        .replica_cache(0)
+        .build()
+        .map_err(|e| e.to_string())?;
+    wait_extents(&store, groups)?;
+    Ok(store)
+}
+
+/// Waits until the node has an extent mounted for every group.
+pub(crate) fn wait_extents(store: &Store, groups: u64) -> Result<(), String> {
+    let start = Instant::now();
+    while store.master().stats().map(|s| s.segments).unwrap_or(0) != groups {
+        if start.elapsed() > Duration::from_secs(60) {
+            return Err(format!("the node's {groups} extents were not all mounted in 60 s"));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Ok(())
 }
 
 /// Puts `keys` (metadata only: placement, then the end of the put; no bytes are
