@@ -63,11 +63,12 @@ impl StoreInner {
                     continue;
                 }
             };
+            let sum = self.sums_in_flight(&route, list.len as usize);
             let mut reqs: Vec<TransferRequest<'_>> = parts
                 .iter_mut()
                 .map(|(at, p)| {
                     let req = TransferRequest::read(&route, r.offset + *at, p);
-                    if self.sums_in_flight(&route, list.len as usize) {
+                    if sum {
                         req.with_checksum()
                     } else {
                         req
@@ -169,9 +170,9 @@ impl StoreInner {
             let first = reqs.len();
             for (j, (r, route)) in plan.iter().enumerate() {
                 let mut at = 0u64;
+                let sum = j == 0 && self.sums_in_flight(route, lens[*i] as usize);
                 for part in items[*i].1.iter().filter(|p| !p.is_empty()) {
                     let req = TransferRequest::write(route, r.offset + at, part);
-                    let sum = j == 0 && self.sums_in_flight(route, lens[*i] as usize);
                     reqs.push(if sum { req.with_checksum() } else { req });
                     owner.push((*i, r.segment));
                     at += part.len() as u64;
