@@ -4,23 +4,14 @@
 //! on one thread would halve the bandwidth of a shared-memory get. Large buffers are
 //! split, the parts summed in parallel, and the parts' sums combined.
 
-use mooncake_transfer::checksum::{crc32c, crc32c_combine as combine};
+use mooncake_transfer::checksum::{crc32c, crc32c_concat};
 
 /// Objects at least this large are summed in parallel.
 const PARALLEL_FROM: usize = 2 << 20;
 
 /// crc32c of the concatenation of `parts`.
 pub(crate) fn checksum_parts<'a>(parts: impl IntoIterator<Item = &'a [u8]>) -> u32 {
-    parts
-        .into_iter()
-        .fold(None, |acc: Option<u32>, p| {
-            let crc = checksum(p);
-            Some(match acc {
-                Some(a) => combine(a, crc, p.len()),
-                None => crc,
-            })
-        })
-        .unwrap_or_else(|| crc32c(&[]))
+    crc32c_concat(parts.into_iter().map(|p| (checksum(p), p.len())))
 }
 
 /// crc32c of `data`.
@@ -48,7 +39,7 @@ pub(crate) fn checksum(data: &[u8]) -> u32 {
     if sums.is_empty() {
         return crc32c(data);
     }
-    sums.iter().skip(1).fold(sums[0].0, |acc, &(crc, len)| combine(acc, crc, len))
+    crc32c_concat(sums)
 }
 
 /// The checksum of each item (the concatenation of its parts). A batch with many
