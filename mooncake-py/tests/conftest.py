@@ -1,5 +1,7 @@
-"""Fixtures: a `mooncake-master` daemon per test session, and clients of it."""
+"""Fixtures: a `mooncake-master` daemon per test session, clients of it, and registered
+buffers."""
 
+import ctypes
 import os
 import pathlib
 import subprocess
@@ -76,3 +78,25 @@ def store(master):
 def wait_lease():
     """Lets the read leases taken so far run out."""
     time.sleep(LEASE_MS / 1000 * 1.5)
+
+
+class Registered:
+    """A ctypes buffer registered with a store; unregistered on exit."""
+
+    def __init__(self, store, size):
+        self.store, self.size = store, size
+        self.buf = (ctypes.c_ubyte * size)()
+        self.ptr = ctypes.addressof(self.buf)
+
+    def __enter__(self):
+        assert self.store.register_buffer(self.ptr, self.size) == 0
+        return self
+
+    def __exit__(self, *exc):
+        assert self.store.unregister_buffer(self.ptr) == 0
+
+    def write(self, offset, data):
+        ctypes.memmove(self.ptr + offset, data, len(data))
+
+    def read(self, offset, n):
+        return ctypes.string_at(self.ptr + offset, n)

@@ -12,7 +12,7 @@ import urllib.request
 
 import pytest
 
-from conftest import connect, master_binary, stop
+from conftest import Registered, connect, master_binary, stop
 from mooncake_rs.store import BufferHandle, MooncakeDistributedStore, ReplicateConfig, SoftPinAction
 
 INVALID_PARAMS = -600
@@ -31,28 +31,6 @@ def removed_soon(remove, timeout=2.0):
 
 def payload(n, seed):
     return random.Random(seed).randbytes(n)
-
-
-class Registered:
-    """A ctypes buffer registered with a store; unregistered on exit."""
-
-    def __init__(self, store, size):
-        self.store, self.size = store, size
-        self.buf = (ctypes.c_ubyte * size)()
-        self.ptr = ctypes.addressof(self.buf)
-
-    def __enter__(self):
-        assert self.store.register_buffer(self.ptr, self.size) == 0
-        return self
-
-    def __exit__(self, *exc):
-        assert self.store.unregister_buffer(self.ptr) == 0
-
-    def write(self, offset, data):
-        ctypes.memmove(self.ptr + offset, data, len(data))
-
-    def read(self, offset, n):
-        return ctypes.string_at(self.ptr + offset, n)
 
 
 # ---------------------------------------------------------------- configuration

@@ -1,7 +1,6 @@
 """The upsert family, soft-pin TTLs, and upserts under concurrent readers (threads of
 this process and a second process) against a real master daemon."""
 
-import ctypes
 import struct
 import subprocess
 import sys
@@ -11,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import connect, start_master, stop
+from conftest import Registered, connect, start_master, stop
 from mooncake_rs.store import MooncakeDistributedStore, ReplicateConfig, SoftPinAction
 
 INVALID_PARAMS = -600
@@ -32,28 +31,6 @@ def generation(data):
         return None
     gen = struct.unpack("<Q", data[:8])[0]
     return gen if value(gen, len(data)) == data else None
-
-
-class Registered:
-    """A ctypes buffer registered with a store; unregistered on exit."""
-
-    def __init__(self, store, size):
-        self.store, self.size = store, size
-        self.buf = (ctypes.c_ubyte * size)()
-        self.ptr = ctypes.addressof(self.buf)
-
-    def __enter__(self):
-        assert self.store.register_buffer(self.ptr, self.size) == 0
-        return self
-
-    def __exit__(self, *exc):
-        assert self.store.unregister_buffer(self.ptr) == 0
-
-    def write(self, offset, data):
-        ctypes.memmove(self.ptr + offset, data, len(data))
-
-    def read(self, offset, n):
-        return ctypes.string_at(self.ptr + offset, n)
 
 
 # ---------------------------------------------------------------- every form
