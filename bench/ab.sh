@@ -8,7 +8,7 @@
 #   bash bench/ab.sh before=/tmp/before-bin after=target/release
 #
 # Each directory holds `mooncake-bench`, `mooncake-master` and `mooncake-client` of one
-# build (`cargo build --release --bins -p mooncake-core -p mooncake-bench`; an older
+# build (`cargo build --release -p mooncake-cli -p mooncake-bench`; an older
 # commit: `git archive <commit> | tar -x -C DIR` and build there).
 # Knobs: ROUNDS (3), SIZES (64K,1M), TRANSPORTS (shm,tcp), OUT (bench/results/ab.json),
 # NICE (e.g. -20, as root: shields the runs from other work on the machine),

@@ -32,7 +32,7 @@ for tool in etcd taskset curl; do
     command -v "$tool" >/dev/null || { echo "cluster.sh: $tool is not installed" >&2; exit 1; }
 done
 
-cargo build --release --bins -p mooncake-core -p mooncake-bench
+cargo build --release -p mooncake-cli -p mooncake-bench
 B=${CARGO_TARGET_DIR:-target}/release/mooncake-bench
 mkdir -p "$OUT"
 

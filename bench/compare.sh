@@ -62,7 +62,7 @@ if [ -z "${SKIP_ANCHOR:-}" ]; then
 fi
 
 phase "building (release)"
-(cd "$ROOT" && cargo build --release -q --bins -p mooncake-core -p mooncake-bench)
+(cd "$ROOT" && cargo build --release -q -p mooncake-cli -p mooncake-bench)
 
 # ---------------------------------------------------------------- physical limits
 phase "memcpy"

@@ -11,7 +11,7 @@ OUT="${OUT:-$ROOT/bench/out}"
 ANCHOR="${ANCHOR:-$ROOT/../shared/anchors/mooncake}"
 mkdir -p "$OUT"
 cd "$ROOT"
-cargo build --release -q --bins -p mooncake-core -p mooncake-bench
+cargo build --release -q -p mooncake-cli -p mooncake-bench
 BIN="$ROOT/target/release"
 SIZES="${SIZES:-4K,64K,1M,4M}"
 

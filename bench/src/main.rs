@@ -191,7 +191,10 @@ pub(crate) fn sibling(name: &str) -> PathBuf {
 pub(crate) fn spawn(program: PathBuf, args: &[&str]) -> Result<Child2, String> {
     let mut child =
         Command::new(&program).args(args).stdout(Stdio::piped()).stderr(Stdio::inherit()).spawn().map_err(|e| {
-            format!("cannot start {}: {e} (build with `cargo build --release --bins`)", program.display())
+            format!(
+                "cannot start {}: {e} (build with `cargo build --release -p mooncake-cli -p mooncake-bench`)",
+                program.display()
+            )
         })?;
     let mut line = String::new();
     BufReader::new(child.stdout.take().expect("piped")).read_line(&mut line).map_err(|e| e.to_string())?;

@@ -113,7 +113,7 @@ def start_master():
         target = pathlib.Path(os.environ.get("CARGO_TARGET_DIR", root / "target"))
         found = [p for p in (target / "release" / "mooncake-master", target / "debug" / "mooncake-master") if p.exists()]
         if not found:
-            raise SystemExit("no mooncake-master: cargo build --release --bins, or pass --master")
+            raise SystemExit("no mooncake-master: cargo build --release -p mooncake-cli, or pass --master")
         binary = str(max(found, key=lambda p: p.stat().st_mtime))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -26,13 +26,9 @@ mod config;
 mod daemon;
 mod error;
 mod master;
-pub mod metrics;
 pub mod rpc;
 mod store;
 
-pub use cluster::{key_slot, EtcdAddress, GroupLeader, SlotMap};
-#[cfg(feature = "etcd")]
-pub use cluster::{ClusterMember, GroupHandler, MemberConfig, MemberStats, SlotMapWatcher};
 pub use config::{parse_size, MasterConfig, PersistPolicy, Protocol, ReplicateConfig, MAX_KEY_LEN, MAX_VALUE_LEN};
 pub use daemon::{MasterDaemon, MasterDaemonBuilder};
 pub use error::{Error, Result};

@@ -14,7 +14,10 @@ use std::sync::{mpsc, Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use mooncake_core::{ClusterMember, Error, EtcdAddress, GroupHandler, MemberConfig, SlotMap, SlotMapWatcher};
+use mooncake_core::cluster::{
+    ClusterMember, EtcdAddress, GroupHandler, GroupLeader, MemberConfig, SlotMap, SlotMapWatcher,
+};
+use mooncake_core::Error;
 
 const ETCD: &str = "/usr/bin/etcd";
 const GROUPS: u32 = 16;
@@ -273,7 +276,7 @@ impl Cluster {
         let mut map = SlotMap::new(GROUPS).unwrap();
         for n in nodes.iter() {
             for (g, epoch) in n.recorder.held() {
-                let leader = mooncake_core::GroupLeader { master: n.member.id().into(), addr: n.addr.clone(), epoch };
+                let leader = GroupLeader { master: n.member.id().into(), addr: n.addr.clone(), epoch };
                 map.set_leader(g, Some(leader));
             }
         }

@@ -39,8 +39,6 @@ pub struct SetupArgs {
     pub local_hostname: String,
     /// Bytes given to the pool.
     pub global_segment_size: u64,
-    /// Staging buffer of the networked transports.
-    pub local_buffer_size: u64,
     /// `tcp`, or anything else for shared memory to same-host peers and TCP beyond.
     pub protocol: String,
     /// `host:port` of the master daemon.
@@ -98,10 +96,13 @@ impl SetupArgs {
         if offload && ssd_path.is_empty() {
             return Err(INVALID_PARAMS);
         }
+        // The reference's staging buffer size is checked like the reference checks it,
+        // then unused: this engine moves bytes straight between the caller's memory
+        // and the segments, and recycles read buffers by size class on demand.
+        size("local_buffer_size")?;
         Ok(Self {
             local_hostname,
             global_segment_size: size("global_segment_size")?,
-            local_buffer_size: size("local_buffer_size")?,
             protocol: text("protocol", "tcp")?,
             master_server_addr: text("master_server_addr", "127.0.0.1:50051")?,
             ssd_offload_path: offload.then_some(ssd_path),
@@ -135,7 +136,6 @@ impl SetupArgs {
         let mut b = Store::builder()
             .master_address(&self.master_server_addr)
             .global_segment_size(self.global_segment_size)
-            .local_buffer_size(self.local_buffer_size)
             .protocol(protocol)
             .listen(&self.listen_address());
         if let Ok(secret) = std::env::var("MOONCAKE_SECRET") {

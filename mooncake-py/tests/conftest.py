@@ -23,7 +23,7 @@ def master_binary():
     target = pathlib.Path(os.environ.get("CARGO_TARGET_DIR", REPO / "target"))
     found = [p for p in (target / "release" / "mooncake-master", target / "debug" / "mooncake-master") if p.exists()]
     if not found:
-        pytest.exit("no mooncake-master binary: cargo build -p mooncake-core --bin mooncake-master", 2)
+        pytest.exit("no mooncake-master binary: cargo build -p mooncake-cli --bin mooncake-master", 2)
     return str(max(found, key=lambda p: p.stat().st_mtime))
 
 

@@ -118,10 +118,12 @@ fn spawn(program: &Path, core: Option<usize>, args: &[&str], lines: usize) -> Re
     if std::env::var_os("RUST_LOG").is_none() {
         cmd.env("RUST_LOG", "warn");
     }
-    let mut child =
-        cmd.args(args).stdout(Stdio::piped()).stderr(Stdio::inherit()).spawn().map_err(|e| {
-            format!("cannot start {}: {e} (build with `cargo build --release --bins`)", program.display())
-        })?;
+    let mut child = cmd.args(args).stdout(Stdio::piped()).stderr(Stdio::inherit()).spawn().map_err(|e| {
+        format!(
+            "cannot start {}: {e} (build with `cargo build --release -p mooncake-cli -p mooncake-bench`)",
+            program.display()
+        )
+    })?;
     let out = child.stdout.take().ok_or("no stdout")?;
     let rx = read_lines(out);
     let mut got = Vec::new();

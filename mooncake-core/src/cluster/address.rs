@@ -15,7 +15,7 @@ pub const MAX_CLUSTER_NAME: usize = 64;
 /// from `etcd://H:P[,H:P...]/NAME`.
 ///
 /// ```
-/// use mooncake_core::EtcdAddress;
+/// use mooncake_core::cluster::EtcdAddress;
 /// let a: EtcdAddress = "etcd://10.0.0.1:2379,10.0.0.2:2379/prod".parse()?;
 /// assert_eq!(a.endpoints, ["10.0.0.1:2379", "10.0.0.2:2379"]);
 /// assert_eq!(a.cluster, "prod");

@@ -32,7 +32,7 @@ const CRC16: crc::Crc<u16> = crc::Crc::<u16>::new(&crc::CRC_16_XMODEM);
 /// tag (`foo{}{bar}`) hashes the whole key.
 ///
 /// ```
-/// use mooncake_core::key_slot;
+/// use mooncake_core::cluster::key_slot;
 /// assert_eq!(key_slot("123456789"), 12739);
 /// assert_eq!(key_slot("{user1000}.following"), key_slot("{user1000}.followers"));
 /// ```
@@ -81,7 +81,7 @@ pub struct GroupLeader {
 /// The slot map: `G` slot groups and the leader of each, as of one etcd revision.
 ///
 /// ```
-/// use mooncake_core::{key_slot, SlotMap};
+/// use mooncake_core::cluster::{key_slot, SlotMap};
 /// let map = SlotMap::new(16)?;
 /// let group = map.group_of_key("layer0/block7");
 /// assert!(map.slots_of(group).contains(&key_slot("layer0/block7")));

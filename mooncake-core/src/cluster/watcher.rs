@@ -34,7 +34,7 @@ struct Shared {
 ///
 /// ```no_run
 /// use std::time::Duration;
-/// use mooncake_core::{EtcdAddress, SlotMapWatcher};
+/// use mooncake_core::cluster::{EtcdAddress, SlotMapWatcher};
 /// let watcher = SlotMapWatcher::connect(&"etcd://127.0.0.1:2379/prod".parse()?)?;
 /// let map = watcher.map();
 /// if let Some(leader) = map.leader_of_key("layer0/block7") {

@@ -43,6 +43,7 @@ impl FrameReader {
     }
 
     /// Whether no byte of a next frame has arrived yet.
+    #[cfg(any(test, feature = "fuzzing"))]
     pub fn is_idle(&self) -> bool {
         self.header_filled == 0 && self.current.is_none()
     }

@@ -9,8 +9,10 @@ use mooncake_transfer::SharedSecret;
 
 use crate::rpc::wire::{Request, Response, DEFAULT_MAX_FRAME, REQUEST_KINDS};
 
-/// Answers requests of the framed protocol.
-pub trait RpcHandler: Send + Sync + 'static {
+/// Answers requests of the framed protocol (public with the `fuzzing` feature only,
+/// like the wire format it speaks).
+#[cfg_attr(feature = "fuzzing", visibility::make(pub))]
+pub(crate) trait RpcHandler: Send + Sync + 'static {
     /// The response to one request.
     fn handle(&self, request: Request) -> Response;
 

@@ -2,7 +2,9 @@
 //!
 //! [`RpcServer`] serves a [`MasterService`](crate::master::MasterService);
 //! [`RpcMasterClient`] is the [`MasterApi`](crate::master::MasterApi) a remote
-//! [`Store`](crate::Store) uses. The frame layout is documented in [`wire`].
+//! [`Store`](crate::Store) uses. The frame layout is documented in `wire`, which is
+//! crate-private: the `fuzzing` feature exposes it (with `read_frame` and
+//! `FrameReader`) to fuzz targets and protocol tests, as no stable API.
 
 mod client;
 mod convert;
@@ -11,9 +13,20 @@ mod frame_reader;
 mod handler;
 mod server;
 mod threads;
+#[cfg(feature = "fuzzing")]
 pub mod wire;
+#[cfg(not(feature = "fuzzing"))]
+pub(crate) mod wire;
 
 pub use client::{RpcMasterClient, RpcRecordConnector};
+#[cfg(feature = "fuzzing")]
 pub use frame_reader::{FrameReader, RawFrame};
-pub use handler::{RpcHandler, RpcServerConfig, RpcServerStats};
-pub use server::{dispatch, read_frame, RpcServer};
+#[cfg(feature = "fuzzing")]
+pub use handler::RpcHandler;
+#[cfg(not(feature = "fuzzing"))]
+pub(crate) use handler::RpcHandler;
+pub use handler::{RpcServerConfig, RpcServerStats};
+#[cfg(feature = "fuzzing")]
+pub use server::read_frame;
+pub use server::RpcServer;
+pub use wire::REQUEST_KINDS;

@@ -1,7 +1,6 @@
 //! The master's TCP server: every connection polled by one thread at a time, each
 //! request answered by the thread that read it (each connection's requests in order).
 
-use std::io::Read;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
@@ -10,12 +9,11 @@ use mooncake_transfer::SharedSecret;
 use crate::error::{Error, Result};
 use crate::master::{master_calls, MasterApi, MasterService};
 use crate::rpc::convert::{Arg, Lend};
-use crate::rpc::frame_reader::RawFrame;
 use crate::rpc::handler::{RpcHandler, RpcServerConfig, RpcServerStats};
 use crate::rpc::threads::ServerThreads;
 use crate::rpc::wire::WireReturn;
 
-use super::wire::{FrameError, FrameHeader, Request, Response, WireError, DEFAULT_MAX_FRAME, HEADER_LEN};
+use super::wire::{Request, Response, WireError, DEFAULT_MAX_FRAME};
 
 /// Serves a [`MasterService`] over TCP.
 ///
@@ -78,7 +76,8 @@ impl RpcServer {
 
     /// Serves any [`RpcHandler`] (the master, or a storage node answering loads from
     /// its SSD) with the same framing, limits and authentication.
-    pub fn serve(
+    #[cfg_attr(feature = "fuzzing", visibility::make(pub))]
+    pub(crate) fn serve(
         addr: &str,
         service: Arc<dyn RpcHandler>,
         max_frame: u32,
@@ -88,7 +87,8 @@ impl RpcServer {
     }
 
     /// Serves `service` with every limit and access rule of `config`.
-    pub fn serve_with(addr: &str, service: Arc<dyn RpcHandler>, config: RpcServerConfig) -> Result<Self> {
+    #[cfg_attr(feature = "fuzzing", visibility::make(pub))]
+    pub(crate) fn serve_with(addr: &str, service: Arc<dyn RpcHandler>, config: RpcServerConfig) -> Result<Self> {
         let listener = std::net::TcpListener::bind(addr)
             .map_err(|e| Error::InvalidArgument(format!("cannot listen on {addr}: {e}")))?;
         let local = listener.local_addr().map_err(|e| Error::InvalidArgument(e.to_string()))?;
@@ -126,7 +126,7 @@ impl RpcHandler for MasterService {
 
 /// Answers one request with a master: the server's dispatch over any
 /// [`MasterApi`] (the service itself, or anything that wraps one).
-pub fn dispatch(api: &dyn MasterApi, request: Request) -> Response {
+pub(crate) fn dispatch(api: &dyn MasterApi, request: Request) -> Response {
     macro_rules! dispatch_calls {
         ($( $(#[$doc:meta])* $variant:ident => fn $name:ident ( $( $arg:ident : $ty:ty => $wire:ty ),* $(,)? ) -> $ret:ty; )*) => {
             match request {
@@ -149,7 +149,12 @@ pub fn dispatch(api: &dyn MasterApi, request: Request) -> Response {
 
 /// Reads one frame body of at most `max` bytes (helper for tests and tools; a
 /// blocking reader that trusts its peer).
-pub fn read_frame(r: &mut impl Read, max: u32) -> std::result::Result<RawFrame, FrameError> {
+#[cfg(any(test, feature = "fuzzing"))]
+pub fn read_frame(
+    r: &mut impl std::io::Read,
+    max: u32,
+) -> std::result::Result<crate::rpc::frame_reader::RawFrame, crate::rpc::wire::FrameError> {
+    use crate::rpc::wire::{FrameError, FrameHeader, HEADER_LEN};
     let mut header = [0u8; HEADER_LEN];
     r.read_exact(&mut header).map_err(|e| FrameError::Truncated(e.to_string()))?;
     let h = FrameHeader::decode(&header, max)?;

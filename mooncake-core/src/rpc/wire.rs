@@ -156,6 +156,7 @@ pub fn request_kind_of(body: &[u8]) -> Option<usize> {
 }
 
 /// Decodes a whole request frame held in `bytes` (what the fuzz target feeds).
+#[cfg(any(test, feature = "fuzzing"))]
 pub fn decode_request_frame(bytes: &[u8], max_body: u32) -> Result<(FrameHeader, Request), FrameError> {
     let header = FrameHeader::decode(bytes, max_body)?;
     if header.kind != FrameKind::Request {

@@ -21,7 +21,6 @@ use super::Store;
 ///
 /// let store = Store::builder()
 ///     .global_segment_size(64 << 20)
-///     .local_buffer_size(16 << 20)
 ///     .allocation_strategy(FreeRatioFirst)
 ///     .default_replicate_config(ReplicateConfig::replicas(1))
 ///     .build()?;
@@ -31,7 +30,6 @@ use super::Store;
 #[derive(Clone)]
 pub struct StoreBuilder {
     pub(super) global_segment_size: u64,
-    pub(super) local_buffer_size: u64,
     pub(super) master: Option<Master>,
     pub(super) master_address: Option<String>,
     pub(super) listen: Option<String>,
@@ -53,7 +51,6 @@ impl std::fmt::Debug for StoreBuilder {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("StoreBuilder")
             .field("global_segment_size", &self.global_segment_size)
-            .field("local_buffer_size", &self.local_buffer_size)
             .field("shared_master", &self.master.is_some())
             .field("protocol", &self.protocol)
             .field("replicate", &self.replicate)
@@ -66,7 +63,6 @@ impl Default for StoreBuilder {
     fn default() -> Self {
         Self {
             global_segment_size: 256 << 20,
-            local_buffer_size: 64 << 20,
             master: None,
             master_address: None,
             listen: None,
@@ -92,14 +88,6 @@ impl StoreBuilder {
     /// write.
     pub fn global_segment_size(mut self, bytes: u64) -> Self {
         self.global_segment_size = bytes;
-        self
-    }
-
-    /// Size of the registered staging buffer that networked transports copy through
-    /// (default 64 MiB). The in-process transport copies straight between the
-    /// caller's memory and the segment and does not use it.
-    pub fn local_buffer_size(mut self, bytes: u64) -> Self {
-        self.local_buffer_size = bytes;
         self
     }
 

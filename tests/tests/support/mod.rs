@@ -38,7 +38,11 @@ pub fn bin(name: &str) -> PathBuf {
     // target/<profile>/deps/<test> -> target/<profile>/<name>
     let dir = exe.parent().and_then(Path::parent).unwrap();
     let path = dir.join(name);
-    assert!(path.exists(), "{} not built: run `cargo build --bins` (cargo test --workspace builds it)", path.display());
+    assert!(
+        path.exists(),
+        "{} not built: run `cargo build -p mooncake-cli` (cargo test --workspace builds it)",
+        path.display()
+    );
     path
 }
 

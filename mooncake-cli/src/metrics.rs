@@ -4,9 +4,8 @@
 use std::fmt::Write;
 use std::sync::atomic::Ordering;
 
-use crate::master::MasterStats;
-use crate::rpc::wire::REQUEST_KINDS;
-use crate::rpc::RpcServerStats;
+use mooncake_core::rpc::{RpcServerStats, REQUEST_KINDS};
+use mooncake_core::MasterStats;
 
 /// Renders the master's stats (and its RPC counters, if any) in the Prometheus text
 /// exposition format.
@@ -117,8 +116,7 @@ pub fn prometheus_text(stats: &MasterStats, rpc: Option<&RpcServerStats>) -> Str
 
 /// Renders a cluster member's counters (cluster mode) in the Prometheus text format,
 /// to append to [`prometheus_text`].
-#[cfg(feature = "etcd")]
-pub fn cluster_prometheus_text(stats: &crate::cluster::MemberStats) -> String {
+pub fn cluster_prometheus_text(stats: &mooncake_core::cluster::MemberStats) -> String {
     let mut out = String::new();
     let mut metric = |name: &str, help: &str, kind: &str, value: f64| write_metric(&mut out, name, help, kind, value);
     metric("cluster_groups_led", "Slot groups this master leads now.", "gauge", stats.groups_led as f64);

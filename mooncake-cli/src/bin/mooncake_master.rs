@@ -26,7 +26,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Parser;
-use mooncake_core::metrics::prometheus_text;
+use mooncake_cli::metrics::prometheus_text;
 use mooncake_core::rpc::RpcServerConfig;
 use mooncake_core::{MasterConfig, MasterDaemon};
 
@@ -180,7 +180,7 @@ fn serve_metrics(
                     "/metrics" => {
                         let mut text = prometheus_text(&stats, Some(daemon.rpc_stats()));
                         if let Some(c) = &cluster {
-                            text.push_str(&mooncake_core::metrics::cluster_prometheus_text(c));
+                            text.push_str(&mooncake_cli::metrics::cluster_prometheus_text(c));
                         }
                         (text, "text/plain; version=0.0.4")
                     }
