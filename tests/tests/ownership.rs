@@ -182,6 +182,10 @@ fn uniform_keys_fill_every_groups_extents_with_eviction_making_room() {
     // Three times the memory in 4 KiB objects with uniform keys: every put finds room
     // in its own group's extent, evicting that group's oldest objects when full.
     for n in 0..3072 {
+        if n % 64 == 0 {
+            // The client TTL is 400 ms: on a loaded machine the loop outlasts it.
+            master.heartbeat(client).unwrap();
+        }
         let key = format!("uniform/{n}");
         master.put_start(client, &key, 4096, &ReplicateConfig::default()).unwrap();
         master.put_end(client, &key, 1).unwrap();
