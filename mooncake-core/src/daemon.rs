@@ -145,7 +145,15 @@ impl MasterDaemonBuilder {
     }
 
     /// Starts the master and serves it on background threads.
-    pub fn serve(self) -> Result<MasterDaemon> {
+    pub fn serve(mut self) -> Result<MasterDaemon> {
+        #[cfg(feature = "etcd")]
+        if let Some(member) = &self.cluster {
+            // Clients dial the address published in etcd: the master proves the secret
+            // for it too (it may reach this host through an address translation).
+            if !member.advertise.is_empty() && !self.rpc.names.contains(&member.advertise) {
+                self.rpc.names.push(member.advertise.clone());
+            }
+        }
         let master = Master::new(self.config)?;
         // Puts and removes are acknowledged once the storage nodes recorded them.
         let timeout = master.config().record_timeout;
