@@ -157,7 +157,7 @@ impl MasterDaemonBuilder {
         let master = Master::new(self.config)?;
         // Puts and removes are acknowledged once the storage nodes recorded them.
         let timeout = master.config().record_timeout;
-        master.set_record_connector(Arc::new(RpcRecordConnector::new(self.rpc.secret.clone(), timeout)));
+        master.set_record_connector(Arc::new(RpcRecordConnector::new(timeout)));
         #[cfg(feature = "etcd")]
         let ownership = match &self.cluster {
             // Fenced before the first request: a cluster master answers nothing until

@@ -236,7 +236,7 @@ impl SharedSecret {
         c.read_exact(&mut proof).map_err(io)?;
         let expected = self.mac(LISTENER_TAG, &listener, &nonce, &names);
         if blake3::Hash::from_bytes(expected) != blake3::Hash::from_bytes(proof) {
-            return Err(format!("{peer} could not prove the shared secret: refusing it (another secret, or an impostor)"));
+            return Err(format!("{peer}: wrong secret: the listener proved another shared secret (or is an impostor)"));
         }
         let dialed = conn.peer_addr().ok().map(canonical);
         let names_str = String::from_utf8_lossy(&names);
@@ -349,7 +349,7 @@ mod tests {
         let (addr, t) = listen_once(SharedSecret::new(b"not k"));
         let c = TcpStream::connect(addr).unwrap();
         let e = SharedSecret::new(b"k").prove(&c, &addr.to_string()).unwrap_err();
-        assert!(e.contains("could not prove the shared secret"), "{e}");
+        assert!(e.contains("wrong secret: the listener proved another"), "{e}");
         drop(c);
         assert_eq!(t.join().unwrap(), Err(AuthFailure::Io));
     }

@@ -536,7 +536,14 @@ impl Loop {
             let mut buf = std::mem::take(&mut self.scratch);
             let read = (&*c.stream).read(&mut buf);
             let next = match read {
-                Ok(0) => Some(Next::Close),
+                Ok(0) => {
+                    if matches!(c.phase, Phase::Auth { .. }) {
+                        // A client that closes during the handshake refused our proof
+                        // (another secret) or proved nothing: a failed authentication.
+                        self.stats.auth_failures.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Some(Next::Close)
+                }
                 Ok(n) => {
                     let (used, next) = self.consume(c, &buf[..n]);
                     if used < n {

@@ -13,7 +13,7 @@ mod server;
 mod threads;
 pub mod wire;
 
-pub use client::{RpcMasterClient, RpcRecordConnector};
+pub use client::{record_endpoint_secret, RpcMasterClient, RpcRecordConnector, RECORD_KEY_LEN};
 pub use frame_reader::{FrameReader, RawFrame};
 pub use handler::{RpcHandler, RpcServerConfig, RpcServerStats};
 pub use server::{dispatch, read_frame, RpcServer};

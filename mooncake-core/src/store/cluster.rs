@@ -80,7 +80,8 @@ pub(crate) struct ClusterClient {
     client_home: RwLock<HashMap<ClientId, String>>,
     extents: Vec<Extent>,
     /// Where masters tell us of changes to our extents' records.
-    record_endpoint: Mutex<Option<String>>,
+    /// Our record endpoint and the key a master proves there.
+    record_endpoint: Mutex<Option<(String, Vec<u8>)>>,
     /// An extent was mounted with a new leader: the SSD tier should announce its
     /// objects again (the store takes it after a heartbeat).
     remounted: AtomicBool,
@@ -154,8 +155,8 @@ impl ClusterClient {
 
     /// Where masters send changes to our extents' records (set once the store serves
     /// them); sessions registered from now on announce it.
-    pub(crate) fn set_record_endpoint(&self, endpoint: String) {
-        *self.record_endpoint.lock() = Some(endpoint);
+    pub(crate) fn set_record_endpoint(&self, endpoint: String, key: Vec<u8>) {
+        *self.record_endpoint.lock() = Some((endpoint, key));
     }
 
     /// Whether this node gives memory to the cluster.
@@ -259,8 +260,8 @@ impl ClusterClient {
         self.note_answer();
         self.client_ttl_ms.fetch_min(reg.client_ttl_ms, Ordering::Relaxed);
         s.client.store(reg.client, Ordering::Release);
-        if let Some(endpoint) = self.record_endpoint.lock().clone() {
-            if let Err(e) = s.rpc.mount_records(reg.client, &endpoint) {
+        if let Some((endpoint, key)) = self.record_endpoint.lock().clone() {
+            if let Err(e) = s.rpc.mount_records(reg.client, &endpoint, &key) {
                 tracing::warn!(master = s.addr, error = %e, "the master cannot reach our record endpoint");
             }
         }
@@ -855,11 +856,11 @@ impl MasterApi for ClusterClient {
         self.on_keys(items, |i| i.0, |s, id, part| s.rpc.register_disk_objects(id, part))
     }
 
-    fn mount_records(&self, _client: ClientId, endpoint: &str) -> Result<()> {
-        self.set_record_endpoint(endpoint.to_owned());
+    fn mount_records(&self, _client: ClientId, endpoint: &str, key: &[u8]) -> Result<()> {
+        self.set_record_endpoint(endpoint.to_owned(), key.to_vec());
         for s in self.all_sessions() {
             let id = self.id_at(&s)?;
-            s.rpc.mount_records(id, endpoint)?;
+            s.rpc.mount_records(id, endpoint, key)?;
         }
         Ok(())
     }
