@@ -100,13 +100,14 @@ impl ClusterClient {
     /// `segment_size > 0`, registers one extent per slot group with `engine`.
     pub(crate) fn connect(
         address: &str,
+        credentials: &crate::cluster::EtcdCredentials,
         secret: Option<&[u8]>,
         timeout: Duration,
         engine: &TransferEngine,
         segment_size: u64,
     ) -> Result<Arc<Self>> {
         let addr: crate::cluster::EtcdAddress = address.parse()?;
-        let watcher = SlotMapWatcher::connect(&addr)?;
+        let watcher = SlotMapWatcher::connect_with(&addr, credentials)?;
         let groups = watcher.map().groups();
         let mut extents = Vec::new();
         if segment_size > 0 {

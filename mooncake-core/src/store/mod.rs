@@ -512,6 +512,7 @@ impl Store {
     fn connect_cluster(mut cfg: StoreBuilder, address: &str, engine: TransferEngine) -> Result<Store> {
         let cluster = cluster::ClusterClient::connect(
             address,
+            &cfg.etcd_credentials,
             cfg.secret.as_deref(),
             cfg.master_timeout,
             &engine,
