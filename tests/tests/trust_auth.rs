@@ -335,3 +335,266 @@ fn a_flood_of_unauthenticated_sockets_is_bounded_and_quiet() {
     assert!(warnings <= 10, "{warnings} warning lines for 600 refused sockets:\n{text}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+// ---------------------------------------------------------------------------------
+// With a real etcd.
+
+/// A real etcd on free loopback ports, killed when dropped.
+struct Etcd {
+    child: Child,
+    dir: std::path::PathBuf,
+    port: u16,
+}
+
+impl Etcd {
+    /// None (test skipped) when etcd is not installed and CI is not set.
+    fn start() -> Option<Etcd> {
+        let installed = std::env::var_os("PATH")
+            .is_some_and(|p| std::env::split_paths(&p).any(|d| d.join("etcd").exists()));
+        if !installed {
+            assert!(std::env::var_os("CI").is_none(), "etcd is not installed (apt-get install etcd-server)");
+            eprintln!("SKIPPED: etcd is not installed");
+            return None;
+        }
+        let dir = unique_dir("etcd-auth");
+        let free = || TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        for _ in 0..10 {
+            let (port, peer_port) = (free(), free());
+            let (client, peer) = (format!("http://127.0.0.1:{port}"), format!("http://127.0.0.1:{peer_port}"));
+            let mut child = Command::new("etcd")
+                .args(["--name", "t", "--data-dir", dir.join("data").to_str().unwrap()])
+                .args(["--listen-client-urls", &client, "--advertise-client-urls", &client])
+                .args(["--listen-peer-urls", &peer, "--initial-advertise-peer-urls", &peer])
+                .args(["--initial-cluster", &format!("t={peer}")])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("cannot start etcd");
+            let start = Instant::now();
+            while start.elapsed() < Duration::from_secs(10) {
+                if let Ok(Some(_)) = child.try_wait() {
+                    break;
+                }
+                if TcpStream::connect(("127.0.0.1", port)).is_ok() {
+                    let etcd = Etcd { child, dir, port };
+                    etcd.wait_ready();
+                    return Some(etcd);
+                }
+                thread::sleep(Duration::from_millis(50));
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        panic!("etcd did not start");
+    }
+
+    fn endpoint(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    /// Waits until etcd answers a read (it listens before it has elected itself).
+    fn wait_ready(&self) {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        rt.block_on(async {
+            let start = Instant::now();
+            loop {
+                let ok = async {
+                    let mut c = etcd_client::Client::connect([self.endpoint()], None).await?;
+                    c.get("ready", None).await
+                };
+                match tokio::time::timeout(Duration::from_secs(2), ok).await {
+                    Ok(Ok(_)) => return,
+                    _ if start.elapsed() > Duration::from_secs(20) => panic!("etcd does not answer"),
+                    _ => tokio::time::sleep(Duration::from_millis(50)).await,
+                }
+            }
+        })
+    }
+
+    /// Runs `f` with an etcd client (authenticated as `user`, if given).
+    fn with_client<T>(
+        &self,
+        user: Option<(&str, &str)>,
+        f: impl AsyncFnOnce(&mut etcd_client::Client) -> Result<T, etcd_client::Error>,
+    ) -> T {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        rt.block_on(async {
+            let options = user.map(|(u, p)| etcd_client::ConnectOptions::new().with_user(u, p));
+            let mut c = etcd_client::Client::connect([self.endpoint()], options).await.unwrap();
+            f(&mut c).await.unwrap()
+        })
+    }
+}
+
+impl Drop for Etcd {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Runs `program args` with `env` for at most `limit`: (exit code or None if it was
+/// still running and got killed, stdout, stderr).
+fn run_for(program: &Path, args: &[&str], env: &[(&str, &str)], limit: Duration) -> (Option<i32>, String) {
+    let mut child = Command::new(program)
+        .args(args)
+        .envs(env.iter().copied())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let start = Instant::now();
+    let code = loop {
+        if let Ok(Some(status)) = child.try_wait() {
+            break status.code();
+        }
+        if start.elapsed() > limit {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        thread::sleep(Duration::from_millis(20));
+    };
+    let mut err = String::new();
+    let _ = child.stderr.take().unwrap().read_to_string(&mut err);
+    (code, err)
+}
+
+/// Masters, nodes and clients authenticate to an etcd that asks: with the user and
+/// password a master and a node join and objects go through; without the password, or
+/// with a wrong one, each fails at once with one line that says so.
+#[test]
+fn etcd_authentication_admits_members_with_the_password_only() {
+    let Some(etcd) = Etcd::start() else { return };
+    etcd.with_client(None, async |c| {
+        c.role_add("root").await?;
+        c.user_add("root", "etcd-pw", None).await?;
+        c.user_grant_role("root", "root").await?;
+        c.auth_enable().await
+    });
+    let cluster = format!("auth{}", std::process::id());
+    let endpoint = etcd.endpoint();
+    let master_args = ["--listen", "127.0.0.1:0", "--etcd", &endpoint, "--cluster-id", &cluster, "--lease-ttl-ms", "2000"];
+    let with_user: Vec<&str> = master_args.iter().copied().chain(["--etcd-user", "root"]).collect();
+    let address = format!("etcd://127.0.0.1:{}/{cluster}", etcd.port);
+    let node_args = ["serve", "--master", &address, "--listen", "127.0.0.1:0", "--segment-size", "16MiB"];
+    let node_with_user: Vec<&str> = node_args.iter().copied().chain(["--etcd-user", "root"]).collect();
+
+    // Without credentials, with a wrong password, and with a user but no password:
+    // a clear error, no hang.
+    let wrong = [("MOONCAKE_ETCD_PASSWORD", "guess")];
+    for (args, env, expect) in [
+        (&master_args[..], &[][..], "user name is empty"),
+        (&with_user[..], &wrong[..], "invalid user ID or password"),
+        (&with_user[..], &[][..], "MOONCAKE_ETCD_PASSWORD"),
+    ] {
+        let (code, err) = run_for(&bin("mooncake-master"), args, env, Duration::from_secs(15));
+        assert_eq!(code, Some(1), "the master must fail: {err}");
+        assert!(err.contains(expect), "expected {expect:?} in {err:?}");
+    }
+
+    // With the password: a master joins, then a node, and a client's objects go through.
+    let pw = [("MOONCAKE_ETCD_PASSWORD", "etcd-pw")];
+    let master = Proc::spawn_env(&[], &bin("mooncake-master"), &with_user, &pw);
+    assert!(master.first_line.contains("listening on"), "{}", master.first_line);
+    let (code, err) = run_for(&bin("mooncake-client"), &node_args, &[], Duration::from_secs(15));
+    assert_eq!(code, Some(1), "a node without credentials must fail: {err}");
+    assert!(err.contains("etcd") && err.contains("user name is empty"), "{err}");
+    let node = Proc::spawn_env(&[], &bin("mooncake-client"), &node_with_user, &pw);
+    assert!(node.first_line.starts_with("mooncake-client serving segment"), "{}", node.first_line);
+    let store = Store::builder()
+        .master_address(&address)
+        .global_segment_size(0)
+        .etcd_credentials(mooncake_core::cluster::EtcdCredentials {
+            user: Some(("root".into(), "etcd-pw".into())),
+            tls: None,
+        })
+        .build()
+        .unwrap();
+    let data = payload(4, 10_000);
+    store.put("k", &data).unwrap();
+    assert_eq!(store.get("k").unwrap(), data);
+    let (code, err) = run_for(
+        &bin("mooncake-client"),
+        &["slots", "--master", &address, "--etcd-user", "root"],
+        &pw,
+        Duration::from_secs(15),
+    );
+    assert_eq!(code, Some(0), "{err}");
+    drop(store);
+    drop(node);
+    drop(master);
+}
+
+/// Finding 5 as reported: whoever can write to etcd points every group's leader key
+/// at a relay to the real master. Clients follow the key, dial the relay, get the
+/// master's proof for the master's own address, and refuse; nothing is removed.
+#[test]
+fn a_rewritten_leader_key_leads_clients_to_a_relay_they_refuse() {
+    let Some(etcd) = Etcd::start() else { return };
+    let env = [("MOONCAKE_SECRET", SECRET)];
+    let cluster = format!("relay{}", std::process::id());
+    let endpoint = etcd.endpoint();
+    let m = Proc::spawn_env(
+        &[],
+        &bin("mooncake-master"),
+        &["--listen", "127.0.0.1:0", "--etcd", &endpoint, "--cluster-id", &cluster, "--lease-ttl-ms", "2000"],
+        &env,
+    );
+    let addr = m.first_line.rsplit(' ').next().unwrap().to_owned();
+    let address = format!("etcd://127.0.0.1:{}/{cluster}", etcd.port);
+    let parsed: mooncake_core::cluster::EtcdAddress = address.parse().unwrap();
+    wait_until(Duration::from_secs(10), || {
+        mooncake_core::cluster::SlotMapWatcher::connect(&parsed).is_ok_and(|w| {
+            let map = w.map();
+            (0..map.groups()).all(|g| map.leader(g).is_some_and(|l| l.addr == addr))
+        })
+    });
+    let node = Proc::spawn_env(
+        &[],
+        &bin("mooncake-client"),
+        &["serve", "--master", &address, "--listen", "127.0.0.1:0", "--segment-size", "16MiB"],
+        &env,
+    );
+    assert!(node.first_line.starts_with("mooncake-client serving segment"), "{}", node.first_line);
+    let store = || {
+        Store::builder().master_address(&address).global_segment_size(0).shared_secret(SECRET.as_bytes()).build()
+    };
+    let writer = store().unwrap();
+    for i in 0..20 {
+        writer.put(&format!("k{i}"), &payload(i, 1000)).unwrap();
+    }
+    drop(writer);
+
+    // The attacker rewrites every leader key (keeping the master's id) to its relay.
+    let (relay, log) = start_relay(addr.clone(), 64);
+    let prefix = format!("/mooncake/{cluster}/leaders/");
+    let rewritten = etcd.with_client(None, async |c| {
+        let got = c.get(prefix.as_str(), Some(etcd_client::GetOptions::new().with_prefix())).await?;
+        let mut n = 0;
+        for kv in got.kvs() {
+            let value = kv.value_str()?.replace(&format!("\"addr\":\"{addr}\""), &format!("\"addr\":\"{relay}\""));
+            c.put(kv.key(), value, None).await?;
+            n += 1;
+        }
+        Ok(n)
+    });
+    assert!(rewritten > 0, "no leader keys under {prefix}");
+    let start = Instant::now();
+    let e = store().err().expect("a client must not take the relay for the master");
+    assert!(e.to_string().contains("refusing a relay"), "{e}");
+    let (code, _, err) = client(&["ls", "--master", &address], &env);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("refusing a relay"), "{err}");
+    eprintln!("refused through a rewritten leader key in {:?}", start.elapsed());
+    // The relay relayed hellos only, and its injected RemoveAll removed nothing.
+    assert!(log.sessions.load(Ordering::Relaxed) > 0);
+    assert_eq!(log.from_client.load(Ordering::Relaxed) % 36, 0, "only hellos crossed the relay");
+    thread::sleep(Duration::from_millis(300));
+    assert_eq!(log.answered_injections.load(Ordering::Relaxed), 0);
+    let direct = RpcMasterClient::connect_with(&addr, Some(SharedSecret::new(SECRET.as_bytes()))).unwrap();
+    assert_eq!(direct.list_keys(1000).unwrap().len(), 20, "the relay removed nothing");
+    drop(node);
+    drop(m);
+}

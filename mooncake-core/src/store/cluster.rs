@@ -296,6 +296,24 @@ impl ClusterClient {
         self.sessions.read().values().filter(|s| live.contains(&s.addr)).cloned().collect()
     }
 
+    /// Why the masters the slot map names cannot be reached (": " and their errors,
+    /// or nothing if the map names none): a refused impostor or a wrong secret must
+    /// not read as "is any running?".
+    fn why_unreachable(&self) -> String {
+        let errors: Vec<String> = self
+            .watcher
+            .map()
+            .masters()
+            .into_iter()
+            .filter_map(|(_, addr)| self.session(&addr).err().map(|e| e.to_string()))
+            .collect();
+        if errors.is_empty() {
+            String::new()
+        } else {
+            format!(": {}", errors.join("; "))
+        }
+    }
+
     // ---- routing ---------------------------------------------------------------------
 
     /// Runs `call` at the leader of `key`'s group, following moves (see module docs).
@@ -618,7 +636,10 @@ impl MasterApi for ClusterClient {
         self.registered.store(true, Ordering::Release);
         let sessions = self.all_sessions();
         if sessions.is_empty() {
-            return Err(Error::MasterUnavailable("no master of the cluster is reachable (is any running?)".into()));
+            return Err(Error::MasterUnavailable(format!(
+                "no master of the cluster is reachable (is any running?){}",
+                self.why_unreachable()
+            )));
         }
         for s in sessions {
             if let Err(e) = self.id_at(&s) {
