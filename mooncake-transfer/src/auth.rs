@@ -130,7 +130,8 @@ impl Acceptor {
     pub fn on_proof(&self, secret: &SharedSecret, proof: &[u8; AUTH_LEN]) -> bool {
         let Some(peer) = &self.peer_nonce else { return false };
         // `blake3::Hash` compares in constant time.
-        blake3::Hash::from_bytes(secret.mac(PEER_TAG, &self.nonce, peer, &self.names)) == blake3::Hash::from_bytes(*proof)
+        blake3::Hash::from_bytes(secret.mac(PEER_TAG, &self.nonce, peer, &self.names))
+            == blake3::Hash::from_bytes(*proof)
     }
 }
 
@@ -222,7 +223,9 @@ impl SharedSecret {
         let mut len = [0u8; 2];
         c.read_exact(&mut len).map_err(|e| match e.kind() {
             std::io::ErrorKind::UnexpectedEof => {
-                format!("{peer} closed the connection instead of proving the secret (an older version, or another secret)")
+                format!(
+                    "{peer} closed the connection instead of proving the secret (an older version, or another secret)"
+                )
             }
             _ => io(e),
         })?;

@@ -62,8 +62,8 @@ mod transport;
 mod warn_limit;
 
 pub use auth::{
-    admits_peer, decode_refusal, encode_refusal, read_up_to, Acceptor, AuthFailure, SharedSecret, AUTH_HELLO_LEN, AUTH_LEN,
-    PROTECTED_MODE_REFUSAL,
+    admits_peer, decode_refusal, encode_refusal, read_up_to, Acceptor, AuthFailure, SharedSecret, AUTH_HELLO_LEN,
+    AUTH_LEN, PROTECTED_MODE_REFUSAL,
 };
 pub use engine::{TransferEngine, TransferEngineBuilder};
 pub use error::{Result, TransferError};
@@ -80,8 +80,8 @@ pub use rdma::{
     RdmaTransport, RegionPiece, SoftFaults, SoftPortConfig, SoftRdma, WorkOp, WorkRequest,
 };
 pub use region::{RegionId, RegisteredRegion, RemoteRegion};
-pub use warn_limit::{WarnLimiter, WARN_EVERY};
 pub use transport::{
     LocalTransport, ShmTransport, TcpTransport, TransferOp, TransferRequest, TransferStats, Transport, TransportStats,
     LOCAL_SCHEME,
 };
+pub use warn_limit::{WarnLimiter, WARN_EVERY};

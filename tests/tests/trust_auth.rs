@@ -242,11 +242,8 @@ fn forged_record_changes_are_refused_counted_and_change_nothing() {
 fn fds_and_threads(pid: u32) -> (usize, usize) {
     let fds = std::fs::read_dir(format!("/proc/{pid}/fd")).map(|d| d.count()).unwrap_or(0);
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    let threads = status
-        .lines()
-        .find_map(|l| l.strip_prefix("Threads:"))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(0);
+    let threads =
+        status.lines().find_map(|l| l.strip_prefix("Threads:")).and_then(|v| v.trim().parse().ok()).unwrap_or(0);
     (fds, threads)
 }
 
@@ -349,8 +346,8 @@ struct Etcd {
 impl Etcd {
     /// None (test skipped) when etcd is not installed and CI is not set.
     fn start() -> Option<Etcd> {
-        let installed = std::env::var_os("PATH")
-            .is_some_and(|p| std::env::split_paths(&p).any(|d| d.join("etcd").exists()));
+        let installed =
+            std::env::var_os("PATH").is_some_and(|p| std::env::split_paths(&p).any(|d| d.join("etcd").exists()));
         if !installed {
             assert!(std::env::var_os("CI").is_none(), "etcd is not installed (apt-get install etcd-server)");
             eprintln!("SKIPPED: etcd is not installed");
@@ -475,7 +472,8 @@ fn etcd_authentication_admits_members_with_the_password_only() {
     });
     let cluster = format!("auth{}", std::process::id());
     let endpoint = etcd.endpoint();
-    let master_args = ["--listen", "127.0.0.1:0", "--etcd", &endpoint, "--cluster-id", &cluster, "--lease-ttl-ms", "2000"];
+    let master_args =
+        ["--listen", "127.0.0.1:0", "--etcd", &endpoint, "--cluster-id", &cluster, "--lease-ttl-ms", "2000"];
     let with_user: Vec<&str> = master_args.iter().copied().chain(["--etcd-user", "root"]).collect();
     let address = format!("etcd://127.0.0.1:{}/{cluster}", etcd.port);
     let node_args = ["serve", "--master", &address, "--listen", "127.0.0.1:0", "--segment-size", "16MiB"];
@@ -558,9 +556,8 @@ fn a_rewritten_leader_key_leads_clients_to_a_relay_they_refuse() {
         &env,
     );
     assert!(node.first_line.starts_with("mooncake-client serving segment"), "{}", node.first_line);
-    let store = || {
-        Store::builder().master_address(&address).global_segment_size(0).shared_secret(SECRET.as_bytes()).build()
-    };
+    let store =
+        || Store::builder().master_address(&address).global_segment_size(0).shared_secret(SECRET.as_bytes()).build();
     let writer = store().unwrap();
     for i in 0..20 {
         writer.put(&format!("k{i}"), &payload(i, 1000)).unwrap();
@@ -582,7 +579,7 @@ fn a_rewritten_leader_key_leads_clients_to_a_relay_they_refuse() {
     });
     assert!(rewritten > 0, "no leader keys under {prefix}");
     let start = Instant::now();
-    let e = store().err().expect("a client must not take the relay for the master");
+    let e = store().expect_err("a client must not take the relay for the master");
     assert!(e.to_string().contains("refusing a relay"), "{e}");
     let (code, _, err) = client(&["ls", "--master", &address], &env);
     assert_eq!(code, 1, "{err}");

@@ -228,7 +228,8 @@ fn run(cmd: Command, protocol: Protocol) -> Result<(), String> {
         Command::Slots { master, json } => {
             let addr: mooncake_core::cluster::EtcdAddress = master.parse().map_err(|e: Error| e.to_string())?;
             let etcd = ETCD_CREDENTIALS.get().cloned().unwrap_or_default();
-            let map = mooncake_core::cluster::SlotMapWatcher::connect_with(&addr, &etcd).map_err(|e| e.to_string())?.map();
+            let map =
+                mooncake_core::cluster::SlotMapWatcher::connect_with(&addr, &etcd).map_err(|e| e.to_string())?.map();
             let ranges = map.ranges();
             if json {
                 let rows: Vec<serde_json::Value> = ranges

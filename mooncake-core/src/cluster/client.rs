@@ -118,7 +118,9 @@ mod tests {
             Err(e) => e,
         };
         assert!(e.to_string().contains("https://127.0.0.1:1"), "{e}");
-        let e = match Etcd::connect(&["127.0.0.1:1".into()], Duration::from_millis(500), &EtcdCredentials::default()).await {
+        let e = match Etcd::connect(&["127.0.0.1:1".into()], Duration::from_millis(500), &EtcdCredentials::default())
+            .await
+        {
             Ok(etcd) => etcd.error("probe", "connected lazily"),
             Err(e) => e,
         };

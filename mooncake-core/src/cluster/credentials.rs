@@ -54,7 +54,7 @@ impl EtcdCredentials {
     ) -> Result<Self> {
         let user = match user {
             None => None,
-            Some(u) if u.is_empty() => return Err(Error::InvalidArgument("--etcd-user is empty".into())),
+            Some("") => return Err(Error::InvalidArgument("--etcd-user is empty".into())),
             Some(u) => match std::env::var(ETCD_PASSWORD_ENV) {
                 Ok(p) if !p.is_empty() => Some((u.to_owned(), p)),
                 _ => {

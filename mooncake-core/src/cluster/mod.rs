@@ -23,11 +23,11 @@
 //! `leadership` (a master's `KeyOwnership` from its membership).
 
 mod address;
-mod credentials;
 #[cfg(feature = "etcd")]
 mod client;
 #[cfg(feature = "etcd")]
 mod coordinator;
+mod credentials;
 #[cfg(feature = "etcd")]
 mod failures;
 #[cfg(any(feature = "etcd", test))]
