@@ -71,9 +71,12 @@ fn tcp_ping_pong(c: &mut Criterion) {
 }
 
 fn apply_records(c: &mut Criterion) {
-    let server =
-        RpcServer::serve_with("127.0.0.1:0", Arc::new(Records::default()), RpcServerConfig::default()).unwrap();
-    let sink = RpcRecordConnector::new(None, Duration::from_secs(5)).connect(&server.local_addr().to_string()).unwrap();
+    // As a storage node serves it: to whoever proves its record key.
+    let key = [5u8; mooncake_core::rpc::RECORD_KEY_LEN];
+    let config =
+        RpcServerConfig { secret: Some(mooncake_core::rpc::record_endpoint_secret(&key)), ..Default::default() };
+    let server = RpcServer::serve_with("127.0.0.1:0", Arc::new(Records::default()), config).unwrap();
+    let sink = RpcRecordConnector::new(Duration::from_secs(5)).connect(&server.local_addr().to_string(), &key).unwrap();
     let record = ObjectRecord { key: "bench/records/key".into(), offset: 4096, len: 1 << 20, checksum: 7 };
     let updates = [RecordUpdate::Added { segment: 1, record }];
     c.bench_function("records/apply_records", |b| b.iter(|| sink.apply_records(black_box(&updates)).unwrap()));

@@ -146,10 +146,24 @@ impl MasterDaemonBuilder {
 
     /// Starts the master and serves it on background threads.
     pub fn serve(self) -> Result<MasterDaemon> {
+        #[cfg(feature = "etcd")]
+        let rpc = {
+            let mut rpc = self.rpc;
+            // Clients dial the address published in etcd: the master proves the secret
+            // for it too (it may reach this host through an address translation).
+            if let Some(member) = self.cluster.as_ref().filter(|m| !m.advertise.is_empty()) {
+                if !rpc.names.contains(&member.advertise) {
+                    rpc.names.push(member.advertise.clone());
+                }
+            }
+            rpc
+        };
+        #[cfg(not(feature = "etcd"))]
+        let rpc = self.rpc;
         let master = Master::new(self.config)?;
         // Puts and removes are acknowledged once the storage nodes recorded them.
         let timeout = master.config().record_timeout;
-        master.set_record_connector(Arc::new(RpcRecordConnector::new(self.rpc.secret.clone(), timeout)));
+        master.set_record_connector(Arc::new(RpcRecordConnector::new(timeout)));
         #[cfg(feature = "etcd")]
         let ownership = match &self.cluster {
             // Fenced before the first request: a cluster master answers nothing until
@@ -161,7 +175,7 @@ impl MasterDaemonBuilder {
             }
             None => None,
         };
-        let server = RpcServer::serve_with(&self.listen, master.service().clone(), self.rpc)?;
+        let server = RpcServer::serve_with(&self.listen, master.service().clone(), rpc)?;
         #[cfg(feature = "etcd")]
         if let (Some(mut member), Some(ownership)) = (self.cluster, &ownership) {
             if member.advertise.is_empty() {

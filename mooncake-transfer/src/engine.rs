@@ -172,6 +172,9 @@ impl TransferEngineBuilder {
                 format!("{LOCAL_SCHEME}{}/{n}", std::process::id())
             }
         };
+        // The listener proves the secret for its socket address and for the endpoint
+        // peers are told (an advertised host may be reached through a translation).
+        let names = vec![endpoint.clone()];
         let regions = Arc::new(RegionRegistry::new(endpoint, self.shared_memory));
         registry::publish(&regions);
         let responder = nics.map(|nics| Arc::new(RdmaResponder::new(nics)));
@@ -192,6 +195,7 @@ impl TransferEngineBuilder {
                 self.secret.clone(),
                 self.insecure,
                 responder,
+                names,
             )?),
             None => None,
         };

@@ -41,7 +41,8 @@
 //! anything malformed is a [`FrameError`] and the server closes that connection.
 //!
 //! A listener that requires a shared secret runs the handshake of [`SharedSecret`]
-//! (both sides send [`AUTH_MAGIC`], then the challenge, then one verdict byte) before
+//! (both sides send [`AUTH_MAGIC`] and a nonce, the listener proves the secret for its
+//! address, then the peer, then one verdict byte) before
 //! it reads any request. A listener that will not serve a connection (protected
 //! mode, a peer proving a secret this listener does not have) sends a refusal
 //! ([`encode_refusal`]) and closes it.
@@ -58,10 +59,11 @@ mod rdma;
 mod region;
 mod registry;
 mod transport;
+mod warn_limit;
 
 pub use auth::{
-    admits_peer, decode_refusal, encode_refusal, read_up_to, AuthFailure, SharedSecret, AUTH_LEN,
-    PROTECTED_MODE_REFUSAL,
+    admits_peer, decode_refusal, encode_refusal, read_up_to, Acceptor, AuthFailure, SharedSecret, AUTH_HELLO_LEN,
+    AUTH_LEN, PROTECTED_MODE_REFUSAL,
 };
 pub use engine::{TransferEngine, TransferEngineBuilder};
 pub use error::{Result, TransferError};
@@ -82,3 +84,4 @@ pub use transport::{
     LocalTransport, ShmTransport, TcpTransport, TransferOp, TransferRequest, TransferStats, Transport, TransportStats,
     LOCAL_SCHEME,
 };
+pub use warn_limit::{WarnLimiter, WARN_EVERY};

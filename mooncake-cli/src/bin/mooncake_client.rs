@@ -12,6 +12,8 @@
 //! (default `auto`: shared memory on this host, RDMA where both ends have a
 //! device, else TCP; `rdma` without a device is an error).
 //! Set `MOONCAKE_SECRET` to prove a shared secret to the master and the nodes.
+//! A cluster's etcd that asks for credentials gets `--etcd-user USER` (password in
+//! `MOONCAKE_ETCD_PASSWORD`) and `--etcd-ca PEM [--etcd-cert PEM --etcd-key PEM]`.
 //! Without it a node serves loopback peers only, unless started `serve --insecure`.
 //! `MOONCAKE_SOFT_RDMA=N` replaces the RDMA devices by N software NICs that reach
 //! peers over loopback (for testing the RDMA path on one host; not RDMA).
@@ -27,6 +29,18 @@ struct Args {
     /// How segments are reached: auto, tcp, shm or rdma.
     #[arg(long, global = true, default_value = "auto", value_parser = ["auto", "tcp", "shm", "rdma"])]
     protocol: String,
+    /// Cluster mode: etcd user (its password in `MOONCAKE_ETCD_PASSWORD`).
+    #[arg(long, global = true)]
+    etcd_user: Option<String>,
+    /// Cluster mode: reach etcd over TLS, trusting this CA (PEM).
+    #[arg(long, global = true)]
+    etcd_ca: Option<std::path::PathBuf>,
+    /// Cluster mode: client certificate (PEM) for etcd, with `--etcd-key`.
+    #[arg(long, global = true)]
+    etcd_cert: Option<std::path::PathBuf>,
+    /// Cluster mode: the private key (PEM) of `--etcd-cert`.
+    #[arg(long, global = true)]
+    etcd_key: Option<std::path::PathBuf>,
     #[command(subcommand)]
     command: Command,
 }
@@ -127,7 +141,8 @@ fn size(s: &str) -> Result<u64, String> {
 /// A builder with the chosen protocol that proves `MOONCAKE_SECRET` when it is set
 /// (an empty one is an error).
 fn builder(master: &str, protocol: Protocol) -> Result<mooncake_core::StoreBuilder, String> {
-    let mut b = Store::builder().master_address(master).protocol(protocol);
+    let etcd = ETCD_CREDENTIALS.get().cloned().unwrap_or_default();
+    let mut b = Store::builder().master_address(master).protocol(protocol).etcd_credentials(etcd);
     if let Some(nics) = std::env::var("MOONCAKE_SOFT_RDMA").ok().and_then(|n| n.parse::<usize>().ok()) {
         match mooncake_transfer::SoftRdma::new(nics) {
             Ok(soft) => {
@@ -143,6 +158,9 @@ fn builder(master: &str, protocol: Protocol) -> Result<mooncake_core::StoreBuild
         Err(_) => Ok(b),
     }
 }
+
+/// How cluster commands authenticate to etcd (from the flags, set once in `main`).
+static ETCD_CREDENTIALS: std::sync::OnceLock<mooncake_core::cluster::EtcdCredentials> = std::sync::OnceLock::new();
 
 fn client(master: &str, protocol: Protocol) -> Result<Store, String> {
     builder(master, protocol)?.global_segment_size(0).build().map_err(|e| e.to_string())
@@ -209,7 +227,9 @@ fn run(cmd: Command, protocol: Protocol) -> Result<(), String> {
         }
         Command::Slots { master, json } => {
             let addr: mooncake_core::cluster::EtcdAddress = master.parse().map_err(|e: Error| e.to_string())?;
-            let map = mooncake_core::cluster::SlotMapWatcher::connect(&addr).map_err(|e| e.to_string())?.map();
+            let etcd = ETCD_CREDENTIALS.get().cloned().unwrap_or_default();
+            let map =
+                mooncake_core::cluster::SlotMapWatcher::connect_with(&addr, &etcd).map_err(|e| e.to_string())?.map();
             let ranges = map.ranges();
             if json {
                 let rows: Vec<serde_json::Value> = ranges
@@ -259,7 +279,17 @@ fn main() {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let args = Args::parse();
-    let outcome = args.protocol.parse::<Protocol>().and_then(|protocol| run(args.command, protocol));
+    let etcd = mooncake_core::cluster::EtcdCredentials::from_flags(
+        args.etcd_user.as_deref(),
+        args.etcd_ca.clone(),
+        args.etcd_cert.clone(),
+        args.etcd_key.clone(),
+    );
+    let outcome = etcd
+        .map_err(|e| e.to_string())
+        .map(|c| ETCD_CREDENTIALS.get_or_init(|| c))
+        .and_then(|_| args.protocol.parse::<Protocol>())
+        .and_then(|protocol| run(args.command, protocol));
     if let Err(e) = outcome {
         eprintln!("{e}");
         std::process::exit(1);

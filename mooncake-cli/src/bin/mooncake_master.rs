@@ -5,11 +5,13 @@
 //! Set `MOONCAKE_SECRET` to require clients to prove a shared secret (and HTTP
 //! clients of `/metrics` and `/status` to send `Authorization: Bearer <secret>`).
 //! Without it the master serves loopback clients only, unless started `--insecure`.
+//! In cluster mode, `--etcd-user` (password in `MOONCAKE_ETCD_PASSWORD`) and
+//! `--etcd-ca`/`--etcd-cert`/`--etcd-key` authenticate to etcd.
 //!
 //! ```text
 //! mooncake-master --listen 127.0.0.1:50051 [--metrics-listen ADDR] [--insecure] [--max-connections N]
 //!                 [--etcd http://H:P[,H:P] --cluster-id NAME [--advertise ADDR] [--slot-groups 16]
-//!                  [--lease-ttl-ms 3000]]
+//!                  [--lease-ttl-ms 3000] [--etcd-user USER] [--etcd-ca PEM [--etcd-cert PEM --etcd-key PEM]]]
 //!                 [--allocation-strategy random|free_ratio_first|ssd_free_ratio_first]
 //!                 [--default-lease-ms 5000] [--client-ttl-ms 10000] [--persist none|lazy|eager]
 //! ```
@@ -79,6 +81,18 @@ struct Args {
     /// is 2 s); a master that cannot renew it stops answering for its slots.
     #[arg(long, default_value_t = 3000)]
     lease_ttl_ms: u64,
+    /// Cluster mode: etcd user (its password in `MOONCAKE_ETCD_PASSWORD`).
+    #[arg(long)]
+    etcd_user: Option<String>,
+    /// Cluster mode: reach etcd over TLS, trusting this CA (PEM).
+    #[arg(long)]
+    etcd_ca: Option<std::path::PathBuf>,
+    /// Cluster mode: client certificate (PEM) for etcd, with `--etcd-key`.
+    #[arg(long)]
+    etcd_cert: Option<std::path::PathBuf>,
+    /// Cluster mode: the private key (PEM) of `--etcd-cert`.
+    #[arg(long)]
+    etcd_key: Option<std::path::PathBuf>,
     /// Host of the RPC listener (with `--rpc_port`, instead of `--listen`).
     #[arg(long = "rpc_address", help_heading = "Reference master's spellings")]
     rpc_address: Option<String>,
@@ -240,6 +254,13 @@ fn run(args: Args) -> Result<(), String> {
             lease_ttl: Duration::from_millis(args.lease_ttl_ms),
             groups: args.slot_groups,
             scan_interval: Duration::from_secs(1),
+            credentials: mooncake_core::cluster::EtcdCredentials::from_flags(
+                args.etcd_user.as_deref(),
+                args.etcd_ca.clone(),
+                args.etcd_cert.clone(),
+                args.etcd_key.clone(),
+            )
+            .map_err(|e| e.to_string())?,
         };
         daemon = daemon.cluster(member);
     }

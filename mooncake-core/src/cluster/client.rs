@@ -4,8 +4,9 @@
 use std::future::Future;
 use std::time::Duration;
 
-use etcd_client::{Client, ConnectOptions};
+use etcd_client::{Certificate, Client, ConnectOptions, Identity, TlsOptions};
 
+use super::credentials::{EtcdCredentials, EtcdTls};
 use crate::error::{Error, Result};
 
 /// An etcd client with the request deadline of its owner.
@@ -18,17 +19,30 @@ pub(crate) struct Etcd {
 }
 
 impl Etcd {
-    /// A client of `endpoints` (`host:port` or URLs). etcd-client connects lazily, so
-    /// this succeeds while etcd is down; the first request tells.
-    pub(crate) async fn connect(endpoints: &[String], timeout: Duration) -> Result<Etcd> {
+    /// A client of `endpoints` (`host:port` or URLs; bare ones get `https://` with
+    /// TLS, else `http://`), authenticating with `credentials` (a wrong user or
+    /// password fails here). etcd-client connects lazily, so without a user this
+    /// succeeds while etcd is down; the first request tells.
+    pub(crate) async fn connect(
+        endpoints: &[String],
+        timeout: Duration,
+        credentials: &EtcdCredentials,
+    ) -> Result<Etcd> {
+        let scheme = if credentials.uses_tls() { "https" } else { "http" };
         let urls: Vec<String> =
-            endpoints.iter().map(|e| if e.contains("://") { e.clone() } else { format!("http://{e}") }).collect();
+            endpoints.iter().map(|e| if e.contains("://") { e.clone() } else { format!("{scheme}://{e}") }).collect();
         let joined = urls.join(",");
-        let options = ConnectOptions::new()
+        let mut options = ConnectOptions::new()
             .with_connect_timeout(timeout)
             // HTTP/2 pings find a dead or frozen etcd on an idle watch stream.
             .with_keep_alive(timeout, timeout)
             .with_keep_alive_while_idle(true);
+        if let Some((user, password)) = &credentials.user {
+            options = options.with_user(user.clone(), password.clone());
+        }
+        if let Some(tls) = &credentials.tls {
+            options = options.with_tls(tls_options(tls).map_err(|e| unreachable(&joined, "TLS", e))?);
+        }
         let client = tokio::time::timeout(timeout, Client::connect(&urls, Some(options)))
             .await
             .map_err(|_| unreachable(&joined, "connect", "timed out"))?
@@ -54,6 +68,19 @@ impl Etcd {
     }
 }
 
+/// The TLS options of `tls`: its PEM files read now (an error names the file).
+pub(crate) fn tls_options(tls: &EtcdTls) -> std::result::Result<TlsOptions, String> {
+    let read = |p: &std::path::Path| std::fs::read(p).map_err(|e| format!("cannot read {}: {e}", p.display()));
+    let mut options = TlsOptions::new().ca_certificate(Certificate::from_pem(read(&tls.ca)?));
+    if let Some((cert, key)) = &tls.identity {
+        options = options.identity(Identity::from_pem(read(cert)?, read(key)?));
+    }
+    if let Some(domain) = &tls.domain {
+        options = options.domain_name(domain.clone());
+    }
+    Ok(options)
+}
+
 fn unreachable(endpoints: &str, what: &str, why: impl std::fmt::Display) -> Error {
     Error::Coordination(format!("etcd at {endpoints}: {what}: {why}"))
 }
@@ -61,4 +88,42 @@ fn unreachable(endpoints: &str, what: &str, why: impl std::fmt::Display) -> Erro
 /// Whether an etcd error says the lease does not exist (it expired or was revoked).
 pub(crate) fn is_lease_not_found(e: &Error) -> bool {
     matches!(e, Error::Coordination(m) if m.contains("requested lease not found"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tls_options_read_their_files_and_name_a_missing_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let ca = dir.path().join("ca.pem");
+        std::fs::write(&ca, "-----BEGIN CERTIFICATE-----\n-----END CERTIFICATE-----\n").unwrap();
+        let mut tls = EtcdTls { ca: ca.clone(), identity: None, domain: Some("etcd.local".into()) };
+        assert!(tls_options(&tls).is_ok());
+        tls.identity = Some((ca.clone(), dir.path().join("missing-key.pem")));
+        let e = tls_options(&tls).unwrap_err();
+        assert!(e.contains("missing-key.pem"), "{e}");
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn tls_credentials_reach_bare_endpoints_over_https() {
+        // Nothing listens on port 1: the error shows the URL the client was built for.
+        let dir = tempfile::tempdir().unwrap();
+        let ca = dir.path().join("ca.pem");
+        std::fs::write(&ca, "-----BEGIN CERTIFICATE-----\n-----END CERTIFICATE-----\n").unwrap();
+        let creds = EtcdCredentials { user: None, tls: Some(EtcdTls { ca, identity: None, domain: None }) };
+        let e = match Etcd::connect(&["127.0.0.1:1".into()], Duration::from_millis(500), &creds).await {
+            Ok(etcd) => etcd.error("probe", "connected lazily"),
+            Err(e) => e,
+        };
+        assert!(e.to_string().contains("https://127.0.0.1:1"), "{e}");
+        let e = match Etcd::connect(&["127.0.0.1:1".into()], Duration::from_millis(500), &EtcdCredentials::default())
+            .await
+        {
+            Ok(etcd) => etcd.error("probe", "connected lazily"),
+            Err(e) => e,
+        };
+        assert!(e.to_string().contains("http://127.0.0.1:1"), "{e}");
+    }
 }

@@ -208,7 +208,7 @@ pub(crate) struct Coordinator {
 impl Coordinator {
     /// Connects, creates or reads the cluster config, registers and loads the cluster.
     pub(crate) async fn start(config: MemberConfig, handler: Arc<dyn GroupHandler>) -> Result<Coordinator> {
-        let etcd = Etcd::connect(&config.endpoints, config.request_timeout()).await?;
+        let etcd = Etcd::connect(&config.endpoints, config.request_timeout(), &config.credentials).await?;
         let layout = Layout::new(&config.cluster);
         let groups = ensure_config(&etcd, &layout, config.groups).await?;
         if groups != config.groups {

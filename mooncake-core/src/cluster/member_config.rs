@@ -6,6 +6,7 @@ use std::time::Duration;
 use serde::Serialize;
 
 use super::address::{validate_cluster_name, validate_endpoint, EtcdAddress};
+use super::credentials::EtcdCredentials;
 use super::slots::{validate_groups, DEFAULT_GROUPS};
 use crate::error::{Error, Result};
 
@@ -29,6 +30,8 @@ pub struct MemberConfig {
     /// How often the scheduler re-checks every group besides reacting to changes.
     /// Default 1 s.
     pub scan_interval: Duration,
+    /// How the member authenticates to etcd (default: not at all).
+    pub credentials: EtcdCredentials,
 }
 
 impl MemberConfig {
@@ -42,6 +45,7 @@ impl MemberConfig {
             lease_ttl: Duration::from_secs(3),
             groups: DEFAULT_GROUPS,
             scan_interval: Duration::from_secs(1),
+            credentials: EtcdCredentials::default(),
         }
     }
 
@@ -51,7 +55,7 @@ impl MemberConfig {
             return Err(Error::InvalidArgument("member config: no etcd endpoint".into()));
         }
         for e in &self.endpoints {
-            let bare = e.strip_prefix("http://").unwrap_or(e);
+            let bare = e.strip_prefix("http://").or_else(|| e.strip_prefix("https://")).unwrap_or(e);
             validate_endpoint(bare)?;
         }
         validate_cluster_name(&self.cluster)?;

@@ -13,7 +13,8 @@
 //! [`SlotMapWatcher`] keeps a client's slot map current. Each runs its etcd client on
 //! one coordination thread of its own; the API is blocking.
 //!
-//! Layout: `slots` (key slots, [`SlotMap`]), `address` ([`EtcdAddress`]), `layout` (etcd
+//! Layout: `slots` (key slots, [`SlotMap`]), `address` ([`EtcdAddress`]), `credentials`
+//! ([`EtcdCredentials`]: user, password and TLS for etcd), `layout` (etcd
 //! keys and values), `view` (a copy of the cluster's state, kept by applying a watch),
 //! `scheduler` (its pure assignment plan), `fence` (the lease deadline `leads` checks);
 //! with `etcd`: `client` (requests with deadlines), `mirror` (loading and watching a
@@ -26,6 +27,7 @@ mod address;
 mod client;
 #[cfg(feature = "etcd")]
 mod coordinator;
+mod credentials;
 #[cfg(feature = "etcd")]
 mod failures;
 #[cfg(any(feature = "etcd", test))]
@@ -49,6 +51,7 @@ mod view;
 mod watcher;
 
 pub use address::{validate_cluster_name, EtcdAddress, MAX_CLUSTER_NAME};
+pub use credentials::{EtcdCredentials, EtcdTls, ETCD_PASSWORD_ENV};
 #[cfg(feature = "etcd")]
 pub use member::ClusterMember;
 #[cfg(feature = "etcd")]

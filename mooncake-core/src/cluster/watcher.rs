@@ -9,6 +9,7 @@ use tokio::sync::mpsc;
 
 use super::address::EtcdAddress;
 use super::client::Etcd;
+use super::credentials::EtcdCredentials;
 use super::layout::Layout;
 use super::mirror::{read_config, Mirror};
 use super::slots::SlotMap;
@@ -53,9 +54,15 @@ impl SlotMapWatcher {
     /// Connects and loads the map. Fails with [`Error::Coordination`] (retryable) when
     /// etcd cannot be reached or no master has created the cluster yet.
     pub fn connect(addr: &EtcdAddress) -> Result<SlotMapWatcher> {
+        Self::connect_with(addr, &EtcdCredentials::default())
+    }
+
+    /// [`connect`](Self::connect) to an etcd that asks for `credentials`.
+    pub fn connect_with(addr: &EtcdAddress, credentials: &EtcdCredentials) -> Result<SlotMapWatcher> {
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();
         let (stop, mut stop_rx) = mpsc::unbounded_channel::<()>();
         let addr = addr.clone();
+        let credentials = credentials.clone();
         let thread = std::thread::Builder::new()
             .name("mooncake-slot-watch".into())
             .spawn(move || {
@@ -67,7 +74,7 @@ impl SlotMapWatcher {
                     }
                 };
                 runtime.block_on(async move {
-                    let (etcd, mut mirror) = match load(&addr).await {
+                    let (etcd, mut mirror) = match load(&addr, &credentials).await {
                         Ok(loaded) => loaded,
                         Err(e) => {
                             let _ = ready_tx.send(Err(e));
@@ -153,8 +160,8 @@ impl std::fmt::Debug for SlotMapWatcher {
 }
 
 /// Connects, reads the config and loads the cluster.
-async fn load(addr: &EtcdAddress) -> Result<(Etcd, Mirror)> {
-    let etcd = Etcd::connect(&addr.endpoints, REQUEST_TIMEOUT).await?;
+async fn load(addr: &EtcdAddress, credentials: &EtcdCredentials) -> Result<(Etcd, Mirror)> {
+    let etcd = Etcd::connect(&addr.endpoints, REQUEST_TIMEOUT, credentials).await?;
     let layout = Layout::new(&addr.cluster);
     let groups = read_config(&etcd, &layout).await?.ok_or_else(|| {
         Error::Coordination(format!("cluster {addr}: no master has created it yet (no config in etcd)"))

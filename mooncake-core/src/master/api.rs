@@ -143,8 +143,12 @@ macro_rules! master_calls {
                 items: &[(&str, u64, u32)] => Vec<(String, u64, u32)>
             ) -> Vec<Result<()>>;
             /// A storage node serves the records of its segments at `endpoint`: the master
-            /// tells it of every change there before acknowledging the put or remove.
-            MountRecords => fn mount_records(client: ClientId => ClientId, endpoint: &str => String) -> Result<()>;
+            /// tells it of every change there before acknowledging the put or remove. `key`
+            /// (32 random bytes of the node) is what the master proves on that endpoint
+            /// (see [`record_endpoint_secret`](crate::rpc::record_endpoint_secret)): only
+            /// a master the node mounted on may change its records.
+            MountRecords => fn mount_records(client: ClientId => ClientId, endpoint: &str => String, key: &[u8] => Vec<u8>)
+                -> Result<()>;
             /// A client could not write to `segment`: the master places nothing there until
             /// its owner heartbeats again.
             ReportSegmentFailure => fn report_segment_failure(

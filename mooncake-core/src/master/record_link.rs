@@ -21,8 +21,9 @@ pub trait RecordSink: Send + Sync {
 /// Opens a [`RecordSink`] for the record endpoint a storage node announced with
 /// `mount_records`. The master daemon uses the RPC one (`rpc::RpcRecordConnector`).
 pub trait RecordConnector: Send + Sync {
-    /// Connects to the node's record endpoint (fails if it cannot be reached).
-    fn connect(&self, endpoint: &str) -> Result<Arc<dyn RecordSink>>;
+    /// Connects to the node's record endpoint, proving the node's record `key` (fails
+    /// if it cannot be reached or refuses the key).
+    fn connect(&self, endpoint: &str, key: &[u8]) -> Result<Arc<dyn RecordSink>>;
 }
 
 /// Most updates sent to a node in one frame.

@@ -41,18 +41,26 @@ impl MasterService {
         self.link_records(client, sink)
     }
 
-    /// A storage node serves the records of its segments at `endpoint`. From now on
-    /// every change to them reaches it before the call that made the change returns.
-    /// Ignored by a master that does not track records or has no connector.
-    pub fn mount_records(&self, client: ClientId, endpoint: &str) -> Result<()> {
+    /// A storage node serves the records of its segments at `endpoint`, to whoever
+    /// proves its record `key`. From now on every change to them reaches it before
+    /// the call that made the change returns. Ignored by a master that does not track
+    /// records or has no connector.
+    pub fn mount_records(&self, client: ClientId, endpoint: &str, key: &[u8]) -> Result<()> {
         if !self.config.track_records {
             return Ok(());
         }
         let Some(connector) = self.record_connector.get() else { return Ok(()) };
+        if key.len() != crate::rpc::RECORD_KEY_LEN {
+            return Err(Error::InvalidArgument(format!(
+                "a record key has {} bytes, not {}",
+                crate::rpc::RECORD_KEY_LEN,
+                key.len()
+            )));
+        }
         if !self.clients.read().contains_key(&client) {
             return Err(Error::UnknownClient(client));
         }
-        self.link_records(client, connector.connect(endpoint)?)
+        self.link_records(client, connector.connect(endpoint, key)?)
     }
 
     /// From now on, changes to `client`'s records go to `sink` (after those queued).

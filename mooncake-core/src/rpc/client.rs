@@ -150,25 +150,36 @@ impl RecordSink for RpcMasterClient {
     }
 }
 
+/// Bytes of a storage node's record key (see [`record_endpoint_secret`]).
+pub const RECORD_KEY_LEN: usize = 32;
+
+/// The secret a storage node's record endpoint requires: derived from the random
+/// record key the node gave the masters it mounted on (`mount_records`), and from
+/// nothing else. So only those masters can change the node's records; a client, or
+/// any other process holding the cluster's shared secret, cannot.
+pub fn record_endpoint_secret(key: &[u8]) -> SharedSecret {
+    SharedSecret::new(&[&b"mooncake-rs record endpoint\0"[..], key].concat())
+}
+
 /// How a master daemon reaches storage nodes' record endpoints: one connection pool
-/// per node, proving the shared secret if one is set; a node silent for `timeout`
-/// fails the call.
+/// per node, proving the node's record key ([`record_endpoint_secret`]); a node
+/// silent for `timeout` fails the call.
 #[derive(Clone)]
 pub struct RpcRecordConnector {
-    secret: Option<SharedSecret>,
     timeout: Duration,
 }
 
 impl RpcRecordConnector {
-    /// A connector proving `secret` (if any); calls time out after `timeout`.
-    pub fn new(secret: Option<SharedSecret>, timeout: Duration) -> Self {
-        Self { secret, timeout }
+    /// A connector whose calls time out after `timeout`.
+    pub fn new(timeout: Duration) -> Self {
+        Self { timeout }
     }
 }
 
 impl RecordConnector for RpcRecordConnector {
-    fn connect(&self, endpoint: &str) -> Result<Arc<dyn RecordSink>> {
-        Ok(Arc::new(RpcMasterClient::connect_with_timeout(endpoint, self.secret.clone(), self.timeout)?))
+    fn connect(&self, endpoint: &str, key: &[u8]) -> Result<Arc<dyn RecordSink>> {
+        let secret = record_endpoint_secret(key);
+        Ok(Arc::new(RpcMasterClient::connect_with_timeout(endpoint, Some(secret), self.timeout)?))
     }
 }
 

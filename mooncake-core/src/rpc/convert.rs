@@ -150,7 +150,7 @@ impl<A: Copy, B: Copy> LendItem for (String, A, B) {
 macro_rules! lend_item_clone {
     ($($t:ty),*) => { $( impl LendItem for $t { type Lent<'a> = $t; fn lend_item(&self) -> $t { self.clone() } } )* };
 }
-lend_item_clone!(crate::master::ObjectRecord, crate::master::MemoryReplica);
+lend_item_clone!(crate::master::ObjectRecord, crate::master::MemoryReplica, u8);
 
 /// A lent field passed to the trait method: plain values and references as they are,
 /// a lent `Vec` as a slice.

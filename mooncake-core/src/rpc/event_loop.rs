@@ -18,7 +18,9 @@ use crossbeam_channel::Receiver;
 use mio::net::{TcpListener, TcpStream};
 use mio::unix::SourceFd;
 use mio::{Events, Interest, Poll, Token, Waker};
-use mooncake_transfer::{admits_peer, encode_refusal, AUTH_LEN, AUTH_MAGIC, PROTECTED_MODE_REFUSAL};
+use mooncake_transfer::{
+    admits_peer, encode_refusal, Acceptor, AUTH_HELLO_LEN, AUTH_LEN, AUTH_MAGIC, PROTECTED_MODE_REFUSAL,
+};
 
 use super::frame_reader::FrameReader;
 use super::handler::{RpcHandler, RpcServerConfig, RpcServerStats};
@@ -150,8 +152,9 @@ fn answer(job: Job, handler: &dyn RpcHandler, stats: &RpcServerStats, inline: Op
 /// Where a connection is in its life.
 enum Phase {
     /// A server with a secret sent its challenge; the client's `AUTH_MAGIC` and
-    /// answer are arriving.
-    Auth { nonce: [u8; AUTH_LEN], got: [u8; 4 + AUTH_LEN], filled: usize },
+    /// nonce are arriving (`proving`: false), then, after the server proved the
+    /// secret, the client's proof (`proving`: true).
+    Auth { acceptor: Box<Acceptor>, got: [u8; AUTH_HELLO_LEN], filled: usize, proving: bool },
     /// A server without a secret: the first bytes tell a frame from a client that
     /// tries to prove a secret.
     Hello { got: [u8; 4], filled: usize },
@@ -382,8 +385,9 @@ impl Loop {
             let (phase, greeting) = match (&refusal, &self.config.secret) {
                 (Some(_), _) => (Phase::Closing, None),
                 (None, Some(_)) => {
-                    let nonce: [u8; AUTH_LEN] = rand::random();
-                    (Phase::Auth { nonce, got: [0; 4 + AUTH_LEN], filled: 0 }, Some([&AUTH_MAGIC[..], &nonce].concat()))
+                    let (acceptor, greeting) = Acceptor::new(stream.local_addr().ok(), &self.config.names);
+                    let acceptor = Box::new(acceptor);
+                    (Phase::Auth { acceptor, got: [0; AUTH_HELLO_LEN], filled: 0, proving: false }, Some(greeting))
                 }
                 (None, None) => (Phase::Hello { got: [0; 4], filled: 0 }, None),
             };
@@ -532,7 +536,14 @@ impl Loop {
             let mut buf = std::mem::take(&mut self.scratch);
             let read = (&*c.stream).read(&mut buf);
             let next = match read {
-                Ok(0) => Some(Next::Close),
+                Ok(0) => {
+                    if matches!(c.phase, Phase::Auth { .. }) {
+                        // A client that closes during the handshake refused our proof
+                        // (another secret) or proved nothing: a failed authentication.
+                        self.stats.auth_failures.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Some(Next::Close)
+                }
                 Ok(n) => {
                     let (used, next) = self.consume(c, &buf[..n]);
                     if used < n {
@@ -561,23 +572,39 @@ impl Loop {
             let rest = &input[used..];
             match &mut c.phase {
                 Phase::Closing => return (input.len(), Next::Keep),
-                Phase::Auth { nonce, got, filled } => {
-                    let take = (got.len() - *filled).min(rest.len());
+                Phase::Auth { acceptor, got, filled, proving } => {
+                    let want = if *proving { AUTH_LEN } else { AUTH_HELLO_LEN };
+                    let take = (want - *filled).min(rest.len());
                     got[*filled..*filled + take].copy_from_slice(&rest[..take]);
                     *filled += take;
                     used += take;
-                    if *filled >= 4 && got[..4] != AUTH_MAGIC {
+                    if !*proving && *filled >= 4 && got[..4] != AUTH_MAGIC {
                         self.stats.auth_failures.fetch_add(1, Ordering::Relaxed);
                         tracing::warn!(peer = %c.peer, "RPC client sent no shared secret; closing");
                         return (used, self.linger(c));
                     }
-                    if *filled < got.len() {
+                    if *filled < want {
+                        continue;
+                    }
+                    let secret = self.config.secret.as_ref().expect("the Auth phase exists only with a secret");
+                    if !*proving {
+                        // The client's nonce: the server proves the secret first, for its
+                        // address, and the client checks it before it proves anything.
+                        let proof = match acceptor.on_hello(secret, got) {
+                            Ok(p) => p,
+                            Err(_) => return (used, self.linger(c)),
+                        };
+                        // A few dozen bytes, after 36 sent: the fresh socket's buffer takes them.
+                        if (&*c.stream).write(&proof).map_or(true, |n| n < proof.len()) {
+                            return (used, Next::Close);
+                        }
+                        *proving = true;
+                        *filled = 0;
                         continue;
                     }
                     let mut answer = [0u8; AUTH_LEN];
-                    answer.copy_from_slice(&got[4..]);
-                    let secret = self.config.secret.as_ref().expect("the Auth phase exists only with a secret");
-                    let ok = secret.verify(nonce, &answer);
+                    answer.copy_from_slice(&got[..AUTH_LEN]);
+                    let ok = acceptor.on_proof(secret, &answer);
                     let _ = (&*c.stream).write(&[u8::from(ok)]);
                     if !ok {
                         self.stats.auth_failures.fetch_add(1, Ordering::Relaxed);

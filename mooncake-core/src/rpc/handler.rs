@@ -81,8 +81,12 @@ impl Default for RpcServerStats {
 pub struct RpcServerConfig {
     /// Largest frame body accepted; also the most request bytes one connection holds.
     pub max_frame: u32,
-    /// Secret every client must prove before its first request.
+    /// Secret every client must prove before its first request; the server proves
+    /// it first (mutual authentication, see [`SharedSecret`]).
     pub secret: Option<SharedSecret>,
+    /// Names the server proves the secret for besides the address a client connected
+    /// to (the address it advertises, when clients reach it through a translation).
+    pub names: Vec<String>,
     /// Serve clients on any address without a secret. Off by default (protected
     /// mode): without a secret, only loopback clients are served.
     pub insecure: bool,
@@ -108,6 +112,7 @@ impl Default for RpcServerConfig {
         Self {
             max_frame: DEFAULT_MAX_FRAME,
             secret: None,
+            names: Vec::new(),
             insecure: false,
             max_connections: 65_536,
             memory_budget: 1 << 30,

@@ -18,7 +18,7 @@ pub mod wire;
 #[cfg(not(feature = "fuzzing"))]
 pub(crate) mod wire;
 
-pub use client::{RpcMasterClient, RpcRecordConnector};
+pub use client::{record_endpoint_secret, RpcMasterClient, RpcRecordConnector, RECORD_KEY_LEN};
 #[cfg(feature = "fuzzing")]
 pub use frame_reader::{FrameReader, RawFrame};
 #[cfg(feature = "fuzzing")]

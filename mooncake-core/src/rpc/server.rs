@@ -149,7 +149,7 @@ pub(crate) fn dispatch(api: &dyn MasterApi, request: Request) -> Response {
 
 /// Reads one frame body of at most `max` bytes (helper for tests and tools; a
 /// blocking reader that trusts its peer).
-#[cfg(any(test, feature = "fuzzing"))]
+#[cfg(feature = "fuzzing")]
 pub fn read_frame(
     r: &mut impl std::io::Read,
     max: u32,

@@ -45,6 +45,7 @@ pub struct StoreBuilder {
     pub(super) replica_cache: usize,
     pub(super) master_timeout: Duration,
     pub(super) flush_timeout: Duration,
+    pub(super) etcd_credentials: crate::cluster::EtcdCredentials,
 }
 
 impl std::fmt::Debug for StoreBuilder {
@@ -78,6 +79,7 @@ impl Default for StoreBuilder {
             replica_cache: 1 << 16,
             master_timeout: Duration::from_secs(30),
             flush_timeout: Duration::from_secs(60),
+            etcd_credentials: crate::cluster::EtcdCredentials::default(),
         }
     }
 }
@@ -105,6 +107,13 @@ impl StoreBuilder {
     /// host reaches the master, port chosen by the system.
     pub fn master_address(mut self, addr: &str) -> Self {
         self.master_address = Some(addr.to_owned());
+        self
+    }
+
+    /// Cluster mode: how to authenticate to the cluster's etcd when it asks (user and
+    /// password, TLS with a CA and optionally a client certificate). Default: none.
+    pub fn etcd_credentials(mut self, credentials: crate::cluster::EtcdCredentials) -> Self {
+        self.etcd_credentials = credentials;
         self
     }
 

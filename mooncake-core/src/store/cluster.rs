@@ -80,7 +80,8 @@ pub(crate) struct ClusterClient {
     client_home: RwLock<HashMap<ClientId, String>>,
     extents: Vec<Extent>,
     /// Where masters tell us of changes to our extents' records.
-    record_endpoint: Mutex<Option<String>>,
+    /// Our record endpoint and the key a master proves there.
+    record_endpoint: Mutex<Option<(String, Vec<u8>)>>,
     /// An extent was mounted with a new leader: the SSD tier should announce its
     /// objects again (the store takes it after a heartbeat).
     remounted: AtomicBool,
@@ -99,13 +100,14 @@ impl ClusterClient {
     /// `segment_size > 0`, registers one extent per slot group with `engine`.
     pub(crate) fn connect(
         address: &str,
+        credentials: &crate::cluster::EtcdCredentials,
         secret: Option<&[u8]>,
         timeout: Duration,
         engine: &TransferEngine,
         segment_size: u64,
     ) -> Result<Arc<Self>> {
         let addr: crate::cluster::EtcdAddress = address.parse()?;
-        let watcher = SlotMapWatcher::connect(&addr)?;
+        let watcher = SlotMapWatcher::connect_with(&addr, credentials)?;
         let groups = watcher.map().groups();
         let mut extents = Vec::new();
         if segment_size > 0 {
@@ -154,8 +156,8 @@ impl ClusterClient {
 
     /// Where masters send changes to our extents' records (set once the store serves
     /// them); sessions registered from now on announce it.
-    pub(crate) fn set_record_endpoint(&self, endpoint: String) {
-        *self.record_endpoint.lock() = Some(endpoint);
+    pub(crate) fn set_record_endpoint(&self, endpoint: String, key: Vec<u8>) {
+        *self.record_endpoint.lock() = Some((endpoint, key));
     }
 
     /// Whether this node gives memory to the cluster.
@@ -259,8 +261,8 @@ impl ClusterClient {
         self.note_answer();
         self.client_ttl_ms.fetch_min(reg.client_ttl_ms, Ordering::Relaxed);
         s.client.store(reg.client, Ordering::Release);
-        if let Some(endpoint) = self.record_endpoint.lock().clone() {
-            if let Err(e) = s.rpc.mount_records(reg.client, &endpoint) {
+        if let Some((endpoint, key)) = self.record_endpoint.lock().clone() {
+            if let Err(e) = s.rpc.mount_records(reg.client, &endpoint, &key) {
                 tracing::warn!(master = s.addr, error = %e, "the master cannot reach our record endpoint");
             }
         }
@@ -292,6 +294,24 @@ impl ClusterClient {
         }
         let live: Vec<String> = map.masters().into_iter().map(|(_, a)| a).collect();
         self.sessions.read().values().filter(|s| live.contains(&s.addr)).cloned().collect()
+    }
+
+    /// Why the masters the slot map names cannot be reached (": " and their errors,
+    /// or nothing if the map names none): a refused impostor or a wrong secret must
+    /// not read as "is any running?".
+    fn why_unreachable(&self) -> String {
+        let errors: Vec<String> = self
+            .watcher
+            .map()
+            .masters()
+            .into_iter()
+            .filter_map(|(_, addr)| self.session(&addr).err().map(|e| e.to_string()))
+            .collect();
+        if errors.is_empty() {
+            String::new()
+        } else {
+            format!(": {}", errors.join("; "))
+        }
     }
 
     // ---- routing ---------------------------------------------------------------------
@@ -616,7 +636,10 @@ impl MasterApi for ClusterClient {
         self.registered.store(true, Ordering::Release);
         let sessions = self.all_sessions();
         if sessions.is_empty() {
-            return Err(Error::MasterUnavailable("no master of the cluster is reachable (is any running?)".into()));
+            return Err(Error::MasterUnavailable(format!(
+                "no master of the cluster is reachable (is any running?){}",
+                self.why_unreachable()
+            )));
         }
         for s in sessions {
             if let Err(e) = self.id_at(&s) {
@@ -855,11 +878,11 @@ impl MasterApi for ClusterClient {
         self.on_keys(items, |i| i.0, |s, id, part| s.rpc.register_disk_objects(id, part))
     }
 
-    fn mount_records(&self, _client: ClientId, endpoint: &str) -> Result<()> {
-        self.set_record_endpoint(endpoint.to_owned());
+    fn mount_records(&self, _client: ClientId, endpoint: &str, key: &[u8]) -> Result<()> {
+        self.set_record_endpoint(endpoint.to_owned(), key.to_vec());
         for s in self.all_sessions() {
             let id = self.id_at(&s)?;
-            s.rpc.mount_records(id, endpoint)?;
+            s.rpc.mount_records(id, endpoint, key)?;
         }
         Ok(())
     }

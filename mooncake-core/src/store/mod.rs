@@ -91,10 +91,22 @@ impl std::fmt::Debug for Store {
     }
 }
 
+/// A new record key and the config of the record endpoint that requires it: only a
+/// master we tell the key (by mounting on it) can change our records, whatever the
+/// cluster's shared secret; anything else is refused and counted. With the key as
+/// its secret the endpoint serves masters on any address.
+fn record_endpoint_config() -> ([u8; crate::rpc::RECORD_KEY_LEN], crate::rpc::RpcServerConfig) {
+    let key: [u8; crate::rpc::RECORD_KEY_LEN] = rand::random();
+    let config =
+        crate::rpc::RpcServerConfig { secret: Some(crate::rpc::record_endpoint_secret(&key)), ..Default::default() };
+    (key, config)
+}
+
 /// Where this client serves the records of its segment to the master.
 enum RecordEndpoint {
-    /// A master in another process: an RPC endpoint of ours.
-    Rpc(RpcServer),
+    /// A master in another process: an RPC endpoint of ours, served to whoever
+    /// proves `key` (the masters we mounted on: we tell them).
+    Rpc { server: RpcServer, key: [u8; crate::rpc::RECORD_KEY_LEN] },
     /// A master in this process: it calls our records directly.
     InProcess(Master),
 }
@@ -193,7 +205,9 @@ impl StoreInner {
     /// Tells the master where to send changes to our records (if we serve them).
     fn announce_records(&self, client: ClientId) -> Result<()> {
         match &self.record_endpoint {
-            Some(RecordEndpoint::Rpc(server)) => self.master.mount_records(client, &server.local_addr().to_string()),
+            Some(RecordEndpoint::Rpc { server, key }) => {
+                self.master.mount_records(client, &server.local_addr().to_string(), key)
+            }
             Some(RecordEndpoint::InProcess(master)) => master.attach_records(client, self.records.clone()),
             None => Ok(()),
         }
@@ -498,6 +512,7 @@ impl Store {
     fn connect_cluster(mut cfg: StoreBuilder, address: &str, engine: TransferEngine) -> Result<Store> {
         let cluster = cluster::ClusterClient::connect(
             address,
+            &cfg.etcd_credentials,
             cfg.secret.as_deref(),
             cfg.master_timeout,
             &engine,
@@ -505,11 +520,10 @@ impl Store {
         )?;
         let server = if cluster.has_extents() {
             let listen = format!("{}:0", file_storage::endpoint_host(engine.endpoint()));
-            let secret = cfg.secret.as_deref().map(mooncake_transfer::SharedSecret::new);
             let handler: Arc<dyn crate::rpc::RpcHandler> = Arc::new(cluster::ClusterRecords(cluster.clone()));
-            let config = crate::rpc::RpcServerConfig { secret, insecure: cfg.insecure, ..Default::default() };
+            let (key, config) = record_endpoint_config();
             let server = RpcServer::serve_with(&listen, handler, config)?;
-            cluster.set_record_endpoint(server.local_addr().to_string());
+            cluster.set_record_endpoint(server.local_addr().to_string(), key.to_vec());
             Some(server)
         } else {
             None
@@ -567,11 +581,10 @@ impl Store {
             (Some(_), Some(m), _) => Some(RecordEndpoint::InProcess(m.clone())),
             (Some(_), None, Some(_)) => {
                 let listen = format!("{}:0", file_storage::endpoint_host(engine.endpoint()));
-                let secret = cfg.secret.as_deref().map(mooncake_transfer::SharedSecret::new);
                 let handler: Arc<dyn crate::rpc::RpcHandler> = records.clone();
-                let config = crate::rpc::RpcServerConfig { secret, insecure: cfg.insecure, ..Default::default() };
+                let (key, config) = record_endpoint_config();
                 match RpcServer::serve_with(&listen, handler, config) {
-                    Ok(server) => Some(RecordEndpoint::Rpc(server)),
+                    Ok(server) => Some(RecordEndpoint::Rpc { server, key }),
                     Err(e) => {
                         let _ = master.unregister_client(client);
                         return Err(e);
@@ -848,8 +861,32 @@ impl Store {
             ssd: self.ssd_stats(),
             disk_loads: inner.disk_peers.loads(),
             replica_cache_hits: inner.cache.hits(),
+            record_refusals: self.record_server().map_or(0, |s| {
+                let st = s.stats();
+                st.auth_failures.load(Ordering::Relaxed) + st.refused_connections.load(Ordering::Relaxed)
+            }),
             master,
         }
+    }
+
+    /// The RPC server of our record endpoint, if we serve one.
+    fn record_server(&self) -> Option<&RpcServer> {
+        if let Some(RecordEndpoint::Rpc { server, .. }) = &self.inner.record_endpoint {
+            return Some(server);
+        }
+        #[cfg(feature = "etcd")]
+        if let Some((_, Some(server))) = &self.inner.cluster {
+            return Some(server);
+        }
+        None
+    }
+
+    /// The address of the endpoint where masters change this storage node's records
+    /// (`None` without one: no segment, or a master in this process). Only the
+    /// masters it mounted on can use it; the refusals are counted in
+    /// [`StoreStats::record_refusals`].
+    pub fn record_endpoint(&self) -> Option<String> {
+        self.record_server().map(|s| s.local_addr().to_string())
     }
 
     /// This client's id at the master.

@@ -62,6 +62,10 @@ pub struct StoreStats {
     /// RDMA transport, memory the NICs cannot register, a replica reached another
     /// way). Counted once per object.
     pub device_staged_bytes: u64,
+    /// Connections to this storage node's record endpoint that were refused: they
+    /// could not prove the record key only the masters it mounted on know (a forged
+    /// record change, say). See [`Store::record_endpoint`](crate::Store::record_endpoint).
+    pub record_refusals: u64,
     /// The SSD tier's counters, if this client has one.
     pub ssd: Option<super::SsdStats>,
     /// Objects this client pulled from other clients' SSDs.
@@ -93,7 +97,7 @@ impl std::fmt::Display for StoreStats {
         writeln!(
             f,
             "  puts {} ({} B, {} failed), gets {} ({} B, {} failed), removes {}, checksum retries {}, \
-             replica cache hits {}, disk loads {}, device bytes {} direct / {} staged",
+             replica cache hits {}, disk loads {}, device bytes {} direct / {} staged, record refusals {}",
             self.puts,
             self.put_bytes,
             self.put_errors,
@@ -105,7 +109,8 @@ impl std::fmt::Display for StoreStats {
             self.replica_cache_hits,
             self.disk_loads,
             self.device_direct_bytes,
-            self.device_staged_bytes
+            self.device_staged_bytes,
+            self.record_refusals
         )?;
         if let Some(s) = &self.ssd {
             let b = &s.backend;

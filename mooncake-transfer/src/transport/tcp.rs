@@ -19,6 +19,7 @@ use crate::frame::{
 };
 use crate::handshake::{ControlChannel, ControlResponder, ShmInfo};
 use crate::registry::RegionRegistry;
+use crate::warn_limit::WarnLimiter;
 
 /// Requests larger than this are cut into chunks spread over several connections.
 const STRIPE: usize = 1 << 20;
@@ -33,6 +34,12 @@ fn lanes() -> usize {
 }
 /// Requests in flight on one connection before responses are read.
 const WINDOW: usize = 128;
+
+/// Most connections that have not authenticated yet (or, without a secret, not sent
+/// their first request), each with its thread. Beyond it the oldest is closed to make
+/// room: a flood of idle sockets costs a bounded number of threads and descriptors,
+/// and a real peer, whose handshake takes a round trip, still gets in.
+pub(crate) const MAX_UNAUTHENTICATED: usize = 64;
 
 /// Serves an engine's regions to TCP peers; stops when the engine is dropped (its
 /// listener is woken and closed, and every open connection is shut down).
@@ -53,9 +60,24 @@ impl Drop for TcpServer {
     }
 }
 
+/// Connections not authenticated yet, oldest first (their ids; the streams are in
+/// the server's connection table).
+type Pending = Arc<Mutex<std::collections::VecDeque<u64>>>;
+
+/// The listener's warnings, each held back while it repeats.
+#[derive(Default)]
+struct Warnings {
+    protected: WarnLimiter,
+    auth: WarnLimiter,
+    crowded: WarnLimiter,
+    closed: WarnLimiter,
+}
+
 impl TcpServer {
     /// Binds `listener` and serves `regions` on background threads. Without a
     /// secret, and unless `insecure`, only loopback peers are served (protected mode).
+    /// `names`: what the listener proves it is called besides its socket address
+    /// (the engine's endpoint).
     pub(crate) fn start(
         listener: TcpListener,
         regions: Weak<RegionRegistry>,
@@ -63,12 +85,16 @@ impl TcpServer {
         secret: Option<SharedSecret>,
         insecure: bool,
         responder: Option<Arc<dyn ControlResponder>>,
+        names: Vec<String>,
     ) -> Result<Self> {
         let addr = listener.local_addr().map_err(|e| TransferError::Io(e.to_string()))?;
         let stop = Arc::new(AtomicBool::new(false));
         let conns: Arc<Mutex<HashMap<u64, TcpStream>>> = Arc::default();
         let (stop2, conns2) = (stop.clone(), conns.clone());
         let host_id: Arc<str> = host_id.into();
+        let names: Arc<[String]> = names.into();
+        let pending: Pending = Arc::default();
+        let warnings = Arc::new(Warnings::default());
         std::thread::Builder::new()
             .name("mooncake-tcp-accept".into())
             .spawn(move || {
@@ -81,40 +107,76 @@ impl TcpServer {
                         Ok(c) => c,
                         Err(e) => {
                             // Out of descriptors and the like: don't spin.
-                            tracing::warn!(error = %e, "accepting a transfer connection");
+                            warnings.crowded.warn(format_args!("accepting a transfer connection: {e}"));
                             std::thread::sleep(Duration::from_millis(10));
                             continue;
                         }
                     };
                     let peer = conn.peer_addr().ok();
                     if peer.is_some_and(|p| !admits_peer(p.ip(), secret.is_some(), insecure)) {
-                        tracing::warn!(?peer, "protected mode: refusing a non-loopback transfer peer");
-                        let _ = (&conn).write_all(&encode_refusal(PROTECTED_MODE_REFUSAL));
+                        warnings
+                            .protected
+                            .warn(format_args!("protected mode: refusing a non-loopback transfer peer ({peer:?})"));
+                        let _ = conn.set_nonblocking(true);
+                        let _ = (&conn).write(&encode_refusal(PROTECTED_MODE_REFUSAL));
                         continue;
                     }
                     next_conn += 1;
                     let id = next_conn;
-                    if let Ok(c) = conn.try_clone() {
-                        conns2.lock().insert(id, c);
+                    {
+                        // Room for one more unauthenticated connection: the oldest goes.
+                        let mut waiting = pending.lock();
+                        while waiting.len() >= MAX_UNAUTHENTICATED {
+                            let Some(oldest) = waiting.pop_front() else { break };
+                            if let Some(c) = conns2.lock().remove(&oldest) {
+                                let _ = c.shutdown(std::net::Shutdown::Both);
+                            }
+                            warnings.crowded.warn(format_args!(
+                                "{MAX_UNAUTHENTICATED} transfer connections wait to authenticate: closing the oldest"
+                            ));
+                        }
+                        match conn.try_clone() {
+                            Ok(c) => {
+                                conns2.lock().insert(id, c);
+                                waiting.push_back(id);
+                            }
+                            // Out of descriptors: this one cannot be tracked, so not served.
+                            Err(_) => continue,
+                        }
                     }
                     let (regions, stop, host_id) = (regions.clone(), stop2.clone(), host_id.clone());
                     let (secret, conns, responder) = (secret.clone(), conns2.clone(), responder.clone());
+                    let (names, waiting, warned) = (names.clone(), pending.clone(), warnings.clone());
                     let spawned = std::thread::Builder::new().name("mooncake-tcp-conn".into()).spawn(move || {
+                        let (pending, warnings) = (waiting, warned);
+                        let authenticated = || pending.lock().retain(|&p| p != id);
                         let admitted = match &secret {
-                            Some(s) => admit(s, &conn),
+                            Some(s) => admit(s, &conn, &names, &warnings),
                             None => true,
                         };
                         if admitted {
-                            if let Err(e) =
-                                serve(&conn, &regions, &stop, &host_id, secret.is_some(), responder.as_deref())
-                            {
-                                tracing::warn!(?peer, error = %e, "closing transfer connection");
+                            if secret.is_some() {
+                                authenticated();
+                            }
+                            let result = serve(
+                                &conn,
+                                &regions,
+                                &stop,
+                                &host_id,
+                                secret.is_some(),
+                                responder.as_deref(),
+                                &authenticated,
+                            );
+                            if let Err(e) = result {
+                                warnings.closed.warn(format_args!("closing transfer connection ({peer:?}): {e}"));
                             }
                         }
+                        pending.lock().retain(|&p| p != id);
                         conns.lock().remove(&id);
                     });
                     if spawned.is_err() {
-                        tracing::warn!("cannot start a transfer connection thread");
+                        warnings.crowded.warn(format_args!("cannot start a transfer connection thread"));
+                        pending.lock().retain(|&p| p != id);
                         conns2.lock().remove(&id);
                     }
                 }
@@ -127,12 +189,12 @@ impl TcpServer {
 /// Accepting side of the handshake ([`SharedSecret::admit`]). A refused peer's
 /// pending bytes are drained briefly before the close so that it reads the verdict
 /// rather than a reset.
-fn admit(secret: &SharedSecret, conn: &TcpStream) -> bool {
+fn admit(secret: &SharedSecret, conn: &TcpStream, names: &[String], warnings: &Warnings) -> bool {
     let peer = conn.peer_addr().ok();
-    match secret.admit(conn) {
+    match secret.admit(conn, names) {
         Ok(()) => true,
         Err(why) => {
-            tracing::warn!(?peer, ?why, "transfer peer failed the shared-secret handshake");
+            warnings.auth.warn(format_args!("transfer peer {peer:?} failed the shared-secret handshake: {why:?}"));
             let _ = conn.shutdown(std::net::Shutdown::Write);
             let _ = conn.set_read_timeout(Some(Duration::from_millis(200)));
             let _ = std::io::copy(&mut (&mut &*conn).take(1 << 20), &mut std::io::sink());
@@ -186,6 +248,7 @@ fn serve(
     host_id: &str,
     authenticated: bool,
     responder: Option<&dyn ControlResponder>,
+    first_request: &dyn Fn(),
 ) -> Result<()> {
     let _ = conn.set_nodelay(true);
     // Buffered for headers; payloads larger than the buffer bypass it (`BufReader`
@@ -198,8 +261,11 @@ fn serve(
     let mut r = BufReader::with_capacity(16 << 10, conn);
     let mut w = BufWriter::with_capacity(256 << 10, conn);
     let mut header = [0u8; REQUEST_HEADER_LEN];
-    if !authenticated && !first_request_arrives(conn, &mut r, &mut header)? {
-        return Ok(());
+    if !authenticated {
+        if !first_request_arrives(conn, &mut r, &mut header)? {
+            return Ok(());
+        }
+        first_request();
     }
     let mut have_header = !authenticated;
     loop {
