@@ -10,7 +10,7 @@
 //! The master is found where the storage process published it
 //! (`mooncake-client serve` writes `client-<port>.attach`, lines `key=value`:
 //! `master`, `endpoint`, `pid`, into `$XDG_RUNTIME_DIR/mooncake`, or
-//! `/tmp/mooncake-<uid>` without it), else in `$MOONCAKE_MASTER`.
+//! `/tmp/mooncake-<uid>` without it), else in `$MOONCAKE_MASTER` (a `host:port`).
 
 use std::net::{TcpStream, ToSocketAddrs};
 use std::os::unix::fs::MetadataExt;
@@ -62,7 +62,9 @@ pub fn attach(server: &str) -> Result<Session, i32> {
         return Err(RPC_FAIL);
     }
     let master = published_master(port)
-        .or_else(|| std::env::var("MOONCAKE_MASTER").ok().filter(|m| !m.is_empty()))
+        // SGLang's variable for the master's address (only an address: a path, as
+        // some scripts keep there for the master binary, is not one).
+        .or_else(|| std::env::var("MOONCAKE_MASTER").ok().filter(|m| m.contains(':') && !m.contains('/')))
         .ok_or(INVALID_PARAMS)?;
     let mut b =
         Store::builder().master_address(&master).global_segment_size(0).protocol(Protocol::Shm).listen("127.0.0.1:0");
