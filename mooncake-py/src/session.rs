@@ -61,7 +61,7 @@ impl Session {
     /// The engine's placement for a write of `n` keys with `config`, or the code to
     /// return: the reference's checks (`group_ids` gives one group per key,
     /// `prefer_alloc_in_same_node` wants one replica), preferred segments named as
-    /// the reference names them resolved to segment names, and
+    /// the reference names them resolved to segment names (unknown ones skipped), and
     /// `prefer_alloc_in_same_node` placing on this node's segments first.
     pub fn write_config(
         &self,
@@ -77,13 +77,19 @@ impl Session {
             return Err(INVALID_PARAMS);
         }
         let mut cfg = c.to_core()?;
-        for p in cfg.preferred_segments.iter_mut() {
-            if !p.contains('#') {
-                // A name the master does not know is refused by it (-600), as an
-                // unknown preferred segment is.
-                if let Some(name) = self.resolve_segment(p) {
-                    *p = name;
+        if !cfg.preferred_segments.is_empty() {
+            // As in the reference, a preferred segment that is not mounted is skipped
+            // (placement goes on with the others), not an error.
+            if let Ok(names) = self.segment_names() {
+                let mut resolved: Vec<String> = Vec::with_capacity(cfg.preferred_segments.len());
+                for p in &cfg.preferred_segments {
+                    if let Some(name) = resolve_in(&names, p) {
+                        if !resolved.contains(&name) {
+                            resolved.push(name);
+                        }
+                    }
                 }
+                cfg.preferred_segments = resolved;
             }
         }
         if c.prefer_alloc_in_same_node {

@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from conftest import connect
+from conftest import connect, wait_lease
 from mooncake_rs.store import (
     Descriptor,
     MooncakeDistributedStore,
@@ -95,6 +95,7 @@ def test_batch_replica_clear(trio):
     assert a.batch_replica_clear(["c1", "c2", "missing"], seg_a) == ["c1", "c2"]
     assert len(segment_of(a, "c1")) == 1 and seg_a not in segment_of(a, "c1")
     assert c.get("c1") == b"c1" * 100
+    wait_lease()
     # Named as the reference names segments (host:port).
     assert a.batch_replica_clear(["c3"], a.get_hostname()) == ["c3"]
     # Nothing of them is there any more; an unknown segment clears nothing.
@@ -125,6 +126,7 @@ def test_copy_task(trio):
     for s in (a, b):
         assert a.batch_replica_clear(["copied"], s.get_hostname()) == ["copied"]
         assert c.get("copied") == data
+        wait_lease()  # a read's lease keeps its replicas (clear skips leased objects)
     # Copying to where it already is: nothing to do.
     task_id, rc = a.create_copy_task("copied", [c.get_hostname()])
     assert rc == 0 and wait_task(a, task_id).status == TaskStatus.SUCCESS
