@@ -257,7 +257,8 @@ def free_port():
 def main():
     master = f"127.0.0.1:{free_port()}"
     proc = subprocess.Popen(
-        [find_binary("mooncake-master"), "--listen", master, "--metrics-listen", "127.0.0.1:0"],
+        # Short read leases: `clear` (remove_all) skips objects a read still holds.
+        [find_binary("mooncake-master"), "--listen", master, "--metrics-listen", "127.0.0.1:0", "--default-lease-ms", "100"],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
@@ -319,6 +320,7 @@ def main():
         mla_layer_first_round_trip(a.store, "example")
         print("standalone backup, layer-first MLA pages: every byte checked")
 
+        time.sleep(0.2)  # the reads' leases run out
         a.clear()
         assert a.batch_exists(keys) == 0
         for backend, pool in ((a, pool_a), (b, pool_b)):

@@ -23,6 +23,7 @@ use crate::session::Session;
 use crate::setup::{SetupArgs, SetupError};
 use crate::tasks::{self, QueryTaskResponse};
 use crate::tensor;
+use crate::tensor_api::Split;
 
 /// How long a forced remove waits for readers' leases to run out. The engine never
 /// frees memory a reader may still be copying from, so `force` waits out the lease
@@ -1043,7 +1044,7 @@ impl MooncakeDistributedStore {
     /// shape (the reference's layout). Returns 0 or a negative code (-600 for what is
     /// not a tensor); a tensor on a GPU raises `ValueError` (not supported yet).
     fn put_tensor(&self, py: Python<'_>, key: String, tensor: Bound<'_, PyAny>) -> PyResult<i32> {
-        Ok(self.write_tensors(py, WriteMode::Put, &[key], &[tensor], None, 1, 0)?[0])
+        Ok(self.write_tensors(py, WriteMode::Put, &[key], &[tensor], None, Split::NONE)?[0])
     }
 
     /// `put_tensor` for many keys in one batch; one code per key.
@@ -1053,7 +1054,7 @@ impl MooncakeDistributedStore {
         keys: Vec<String>,
         tensors_list: Vec<Bound<'_, PyAny>>,
     ) -> PyResult<Vec<i32>> {
-        self.write_tensors(py, WriteMode::Put, &keys, &tensors_list, None, 1, 0)
+        self.write_tensors(py, WriteMode::Put, &keys, &tensors_list, None, Split::NONE)
     }
 
     /// `put_tensor` with a placement config.
@@ -1068,7 +1069,7 @@ impl MooncakeDistributedStore {
         if let Some(Err(c)) = config.as_deref().map(ReplicateConfig::check_pub) {
             return Ok(c);
         }
-        Ok(self.write_tensors(py, WriteMode::Put, &[key], &[tensor], config.as_deref(), 1, 0)?[0])
+        Ok(self.write_tensors(py, WriteMode::Put, &[key], &[tensor], config.as_deref(), Split::NONE)?[0])
     }
 
     /// `batch_put_tensor` with a placement config.
@@ -1083,7 +1084,7 @@ impl MooncakeDistributedStore {
         if let Some(Err(c)) = config.as_deref().map(ReplicateConfig::check_pub) {
             return Ok(vec![c; keys.len()]);
         }
-        self.write_tensors(py, WriteMode::Put, &keys, &tensors_list, config.as_deref(), 1, 0)
+        self.write_tensors(py, WriteMode::Put, &keys, &tensors_list, config.as_deref(), Split::NONE)
     }
 
     /// Stores `tensor` as `tp_size` shards split evenly on `split_dim`, under
@@ -1101,7 +1102,7 @@ impl MooncakeDistributedStore {
         split_dim: i32,
     ) -> PyResult<i32> {
         let _ = tp_rank;
-        Ok(self.write_tensors(py, WriteMode::Put, &[key], &[tensor], None, tp_size, split_dim)?[0])
+        Ok(self.write_tensors(py, WriteMode::Put, &[key], &[tensor], None, Split { size: tp_size, dim: split_dim })?[0])
     }
 
     /// `put_tensor_with_tp` for many keys in one batch; one code per base key.
@@ -1116,7 +1117,7 @@ impl MooncakeDistributedStore {
         split_dim: i32,
     ) -> PyResult<Vec<i32>> {
         let _ = tp_rank;
-        self.write_tensors(py, WriteMode::Put, &base_keys, &tensors_list, None, tp_size, split_dim)
+        self.write_tensors(py, WriteMode::Put, &base_keys, &tensors_list, None, Split { size: tp_size, dim: split_dim })
     }
 
     /// `put_tensor_with_tp` with a placement config.
@@ -1136,7 +1137,14 @@ impl MooncakeDistributedStore {
         if let Some(Err(c)) = config.as_deref().map(ReplicateConfig::check_pub) {
             return Ok(c);
         }
-        Ok(self.write_tensors(py, WriteMode::Put, &[key], &[tensor], config.as_deref(), tp_size, split_dim)?[0])
+        Ok(self.write_tensors(
+            py,
+            WriteMode::Put,
+            &[key],
+            &[tensor],
+            config.as_deref(),
+            Split { size: tp_size, dim: split_dim },
+        )?[0])
     }
 
     /// `batch_put_tensor_with_tp` with a placement config.
@@ -1156,12 +1164,19 @@ impl MooncakeDistributedStore {
         if let Some(Err(c)) = config.as_deref().map(ReplicateConfig::check_pub) {
             return Ok(vec![c; base_keys.len()]);
         }
-        self.write_tensors(py, WriteMode::Put, &base_keys, &tensors_list, config.as_deref(), tp_size, split_dim)
+        self.write_tensors(
+            py,
+            WriteMode::Put,
+            &base_keys,
+            &tensors_list,
+            config.as_deref(),
+            Split { size: tp_size, dim: split_dim },
+        )
     }
 
     /// Stores `tensor` under `key`, replacing the object there if any.
     fn upsert_tensor(&self, py: Python<'_>, key: String, tensor: Bound<'_, PyAny>) -> PyResult<i32> {
-        Ok(self.write_tensors(py, WriteMode::Upsert, &[key], &[tensor], None, 1, 0)?[0])
+        Ok(self.write_tensors(py, WriteMode::Upsert, &[key], &[tensor], None, Split::NONE)?[0])
     }
 
     /// `upsert_tensor` for many keys in one batch; one code per key.
@@ -1171,7 +1186,7 @@ impl MooncakeDistributedStore {
         keys: Vec<String>,
         tensors_list: Vec<Bound<'_, PyAny>>,
     ) -> PyResult<Vec<i32>> {
-        self.write_tensors(py, WriteMode::Upsert, &keys, &tensors_list, None, 1, 0)
+        self.write_tensors(py, WriteMode::Upsert, &keys, &tensors_list, None, Split::NONE)
     }
 
     /// `upsert_tensor` with a placement config.
@@ -1186,7 +1201,7 @@ impl MooncakeDistributedStore {
         if let Some(Err(c)) = config.as_deref().map(ReplicateConfig::check_pub) {
             return Ok(c);
         }
-        Ok(self.write_tensors(py, WriteMode::Upsert, &[key], &[tensor], config.as_deref(), 1, 0)?[0])
+        Ok(self.write_tensors(py, WriteMode::Upsert, &[key], &[tensor], config.as_deref(), Split::NONE)?[0])
     }
 
     /// `batch_upsert_tensor` with a placement config.
@@ -1201,7 +1216,7 @@ impl MooncakeDistributedStore {
         if let Some(Err(c)) = config.as_deref().map(ReplicateConfig::check_pub) {
             return Ok(vec![c; keys.len()]);
         }
-        self.write_tensors(py, WriteMode::Upsert, &keys, &tensors_list, config.as_deref(), 1, 0)
+        self.write_tensors(py, WriteMode::Upsert, &keys, &tensors_list, config.as_deref(), Split::NONE)
     }
 
     /// The tensor stored under `key` (torch when it imports, else numpy), or `None`.
@@ -1311,7 +1326,7 @@ impl MooncakeDistributedStore {
     /// them) in the registered buffer `[buffer_ptr, buffer_ptr + size)` under `key`,
     /// without a copy. Returns 0 or a negative code (-600 if it holds no tensor).
     fn put_tensor_from(&self, py: Python<'_>, key: String, buffer_ptr: usize, size: usize) -> i32 {
-        self.write_tensors_from(py, WriteMode::Put, &[key], &[buffer_ptr], &[size], 1, 0)[0]
+        self.write_tensors_from(py, WriteMode::Put, &[key], &[buffer_ptr], &[size], Split::NONE)[0]
     }
 
     /// `put_tensor_from` for many keys in one batch; any bad buffer makes every code
@@ -1323,7 +1338,7 @@ impl MooncakeDistributedStore {
         buffer_ptrs: Vec<usize>,
         sizes: Vec<usize>,
     ) -> Vec<i32> {
-        self.write_tensors_from(py, WriteMode::Put, &keys, &buffer_ptrs, &sizes, 1, 0)
+        self.write_tensors_from(py, WriteMode::Put, &keys, &buffer_ptrs, &sizes, Split::NONE)
     }
 
     /// `put_tensor_with_tp` of the tensor object in a registered buffer.
@@ -1340,7 +1355,14 @@ impl MooncakeDistributedStore {
         split_dim: i32,
     ) -> i32 {
         let _ = tp_rank;
-        self.write_tensors_from(py, WriteMode::Put, &[key], &[buffer_ptr], &[size], tp_size, split_dim)[0]
+        self.write_tensors_from(
+            py,
+            WriteMode::Put,
+            &[key],
+            &[buffer_ptr],
+            &[size],
+            Split { size: tp_size, dim: split_dim },
+        )[0]
     }
 
     /// `put_tensor_with_tp_from` for many base keys in one batch.
@@ -1357,12 +1379,19 @@ impl MooncakeDistributedStore {
         split_dim: i32,
     ) -> Vec<i32> {
         let _ = tp_rank;
-        self.write_tensors_from(py, WriteMode::Put, &base_keys, &buffer_ptrs, &sizes, tp_size, split_dim)
+        self.write_tensors_from(
+            py,
+            WriteMode::Put,
+            &base_keys,
+            &buffer_ptrs,
+            &sizes,
+            Split { size: tp_size, dim: split_dim },
+        )
     }
 
     /// `put_tensor_from`, replacing the object under `key` if any.
     fn upsert_tensor_from(&self, py: Python<'_>, key: String, buffer_ptr: usize, size: usize) -> i32 {
-        self.write_tensors_from(py, WriteMode::Upsert, &[key], &[buffer_ptr], &[size], 1, 0)[0]
+        self.write_tensors_from(py, WriteMode::Upsert, &[key], &[buffer_ptr], &[size], Split::NONE)[0]
     }
 
     /// `batch_put_tensor_from`, replacing the objects there.
@@ -1373,7 +1402,7 @@ impl MooncakeDistributedStore {
         buffer_ptrs: Vec<usize>,
         sizes: Vec<usize>,
     ) -> Vec<i32> {
-        self.write_tensors_from(py, WriteMode::Upsert, &keys, &buffer_ptrs, &sizes, 1, 0)
+        self.write_tensors_from(py, WriteMode::Upsert, &keys, &buffer_ptrs, &sizes, Split::NONE)
     }
 
     /// Reads into a CUDA tensor: not supported by this build yet (it needs the GPU

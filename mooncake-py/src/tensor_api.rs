@@ -10,6 +10,21 @@ use crate::config::ReplicateConfig;
 use crate::store::{MooncakeDistributedStore, WriteMode};
 use crate::tensor::{self, device_error, tp_key, Input, Meta, Refusal, META_LEN};
 
+/// How a write splits its tensors: into `size` shards on dimension `dim`
+/// (`size <= 1`: whole).
+#[derive(Clone, Copy)]
+pub struct Split {
+    /// Number of shards (the reference's `tp_size`).
+    pub size: i32,
+    /// Dimension split (the reference's `split_dim`).
+    pub dim: i32,
+}
+
+impl Split {
+    /// Whole tensors.
+    pub const NONE: Split = Split { size: 1, dim: 0 };
+}
+
 /// The elements of one object to write.
 enum Data {
     /// Ranges `(address, length)` of memory the caller keeps alive: a tensor's
@@ -30,7 +45,8 @@ struct Write {
 /// The objects of `meta`'s tensor (elements at `base`), whole (`tp_size <= 1`) or as
 /// `tp_size` shards split on `split_dim` under `key_tp_<rank>`; `None` if it cannot be
 /// split so.
-fn plan(of: usize, key: &str, meta: &Meta, base: usize, tp_size: i32, split_dim: i32) -> Option<Vec<Write>> {
+fn plan(of: usize, key: &str, meta: &Meta, base: usize, split: Split) -> Option<Vec<Write>> {
+    let (tp_size, split_dim) = (split.size, split.dim);
     if tp_size <= 1 {
         let data = if meta.data_bytes == 0 { vec![] } else { vec![(base, meta.data_bytes)] };
         return Some(vec![Write { of, key: key.to_owned(), header: meta.encode(), data: Data::Borrowed(data) }]);
@@ -115,8 +131,7 @@ impl MooncakeDistributedStore {
         keys: &[String],
         tensors: &[Bound<'_, PyAny>],
         config: Option<&ReplicateConfig>,
-        tp_size: i32,
-        split_dim: i32,
+        split: Split,
     ) -> PyResult<Vec<i32>> {
         let n = keys.len();
         if self.session().is_none() || tensors.len() != n {
@@ -128,7 +143,7 @@ impl MooncakeDistributedStore {
         for (i, (key, t)) in keys.iter().zip(tensors).enumerate() {
             match tensor::input(t) {
                 Ok(input) => {
-                    match plan(i, key, &input.meta, input.ptr, tp_size, split_dim) {
+                    match plan(i, key, &input.meta, input.ptr, split) {
                         Some(w) => writes.extend(w),
                         None => results[i] = INVALID_PARAMS,
                     }
@@ -155,8 +170,7 @@ impl MooncakeDistributedStore {
         keys: &[String],
         buffer_ptrs: &[usize],
         sizes: &[usize],
-        tp_size: i32,
-        split_dim: i32,
+        split: Split,
     ) -> Vec<i32> {
         let n = keys.len();
         if self.session().is_none() || buffer_ptrs.len() != n || sizes.len() != n {
@@ -167,7 +181,7 @@ impl MooncakeDistributedStore {
         for i in 0..n {
             let meta = self.buffer_meta(buffer_ptrs[i], sizes[i]);
             let planned = meta.and_then(|m| {
-                if tp_size <= 1 {
+                if split.size <= 1 {
                     // As stored: the buffer is the object.
                     let mut header = [0u8; META_LEN];
                     // SAFETY: `buffer_meta` checked `sizes[i] >= META_LEN` bytes of
@@ -178,12 +192,12 @@ impl MooncakeDistributedStore {
                     let data = if rest == 0 { vec![] } else { vec![(buffer_ptrs[i] + META_LEN, rest)] };
                     Some(vec![Write { of: i, key: keys[i].clone(), header, data: Data::Borrowed(data) }])
                 } else {
-                    plan(i, &keys[i], &m, buffer_ptrs[i] + m.data_offset, tp_size, split_dim)
+                    plan(i, &keys[i], &m, buffer_ptrs[i] + m.data_offset, split)
                 }
             });
             match planned {
                 Some(w) => writes.extend(w),
-                None if tp_size <= 1 => return vec![INVALID_PARAMS; n],
+                None if split.size <= 1 => return vec![INVALID_PARAMS; n],
                 None => results[i] = INVALID_PARAMS,
             }
         }
