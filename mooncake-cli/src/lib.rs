@@ -1,5 +1,6 @@
 //! What the `mooncake-master` and `mooncake-client` binaries share: the master's
-//! Prometheus text ([`metrics`]).
+//! Prometheus text ([`metrics`]), its segment list ([`segments`]), and a storage
+//! node's attach file ([`attach`]).
 //!
 //! This crate exists so that the library (`mooncake-core`) carries no CLI, HTTP or
 //! logging-subscriber dependency: the binaries and what only they use live here, with
@@ -7,4 +8,6 @@
 //! `mooncake_core::MasterDaemon` instead.
 #![deny(missing_docs)]
 
+pub mod attach;
 pub mod metrics;
+pub mod segments;

@@ -8,6 +8,8 @@ use mooncake_core::Error;
 
 /// Internal error.
 pub const INTERNAL_ERROR: i32 = -1;
+/// No mounted segment has that name.
+pub const SEGMENT_NOT_FOUND: i32 = -101;
 /// The master knows no such client.
 pub const CLIENT_NOT_FOUND: i32 = -103;
 /// No segment has room for the object.
@@ -28,6 +30,9 @@ pub const CHECKSUM_MISMATCH: i32 = -801;
 pub const RPC_FAIL: i32 = -900;
 /// A call to the master timed out.
 pub const RPC_TIMEOUT: i32 = -901;
+
+/// No copy or move task has that id.
+pub const TASK_NOT_FOUND: i32 = -1400;
 
 /// `health_check`: connected and the master answers.
 pub const HEALTHY: i32 = 0;

@@ -60,10 +60,17 @@ pub struct ReplicateConfig {
     /// Accepted for compatibility; this engine has no NoF tier.
     #[pyo3(get, set)]
     pub preferred_nof_segments: Vec<String>,
-    /// Accepted for compatibility: placement already prefers the writer's host
-    /// through the allocation strategy of the master.
+    /// Place the (single) replica on this node's segment when it has room: the
+    /// client's own, or the storage process a dummy client attached to. Like the
+    /// reference, a write with it and `replica_num != 1` is refused (-600).
     #[pyo3(get, set)]
     pub prefer_alloc_in_same_node: bool,
+    /// One group id per key of the write (a batch call's list must have one per key,
+    /// else -600), or `None`. The reference's master keeps the objects of a group on
+    /// one metadata shard; this engine's objects need no such grouping, so the ids
+    /// are checked and then not used.
+    #[pyo3(get, set)]
+    pub group_ids: Option<Vec<String>>,
 }
 
 impl Default for ReplicateConfig {
@@ -79,6 +86,7 @@ impl Default for ReplicateConfig {
             preferred_segments: Vec::new(),
             preferred_nof_segments: Vec::new(),
             prefer_alloc_in_same_node: false,
+            group_ids: None,
         }
     }
 }
@@ -119,7 +127,7 @@ impl ReplicateConfig {
         format!(
             "ReplicateConfig: {{ replica_num: {}, nof_replica_num: {}, dfs_replica_num: {}, soft_pin_action: {}, \
              soft_pin_ttl_ms: {ttl}, with_hard_pin: {}, preferred_segments: {:?}, preferred_nof_segments: {:?}, \
-             prefer_alloc_in_same_node: {} }}",
+             prefer_alloc_in_same_node: {}, group_ids: {:?} }}",
             self.replica_num,
             self.nof_replica_num,
             self.dfs_replica_num,
@@ -128,6 +136,7 @@ impl ReplicateConfig {
             self.preferred_segments,
             self.preferred_nof_segments,
             u8::from(self.prefer_alloc_in_same_node),
+            self.group_ids,
         )
     }
 
@@ -169,12 +178,13 @@ impl ReplicateConfig {
             ..Default::default()
         })
     }
-}
 
-/// The engine configuration of an optional Python config (`None`: the defaults).
-pub fn resolve(config: Option<PyRef<'_, ReplicateConfig>>) -> Result<mooncake_core::ReplicateConfig, i32> {
-    match config {
-        Some(c) => c.to_core(),
-        None => ReplicateConfig::default().to_core(),
+    /// The reference's extra check of the `pub_tensor` family: preferred segments, when
+    /// given, name one segment per replica.
+    pub fn check_pub(&self) -> Result<(), i32> {
+        if !self.preferred_segments.is_empty() && self.preferred_segments.len() != self.replica_num {
+            return Err(INVALID_PARAMS);
+        }
+        Ok(())
     }
 }

@@ -32,6 +32,22 @@ const PORT_RANGE: (u16, u16) = (12300, 14300);
 /// SSD tier size when `enable_ssd_offload` is set and `MOONCAKE_SSD_CAPACITY` is not.
 const DEFAULT_SSD_CAPACITY: u64 = 16 << 30;
 
+/// Why `setup`'s arguments were refused.
+#[derive(Debug)]
+pub enum SetupError {
+    /// An argument `setup` does not take (raised as `TypeError`, as the reference's
+    /// binding does: SGLang retries without the keywords a build lacks).
+    Type(String),
+    /// A value it refuses: the code `setup` returns.
+    Code(i32),
+}
+
+impl From<i32> for SetupError {
+    fn from(code: i32) -> Self {
+        SetupError::Code(code)
+    }
+}
+
 /// What `setup` was asked for.
 #[derive(Debug)]
 pub struct SetupArgs {
@@ -51,7 +67,7 @@ impl SetupArgs {
     /// Reads `setup(*args, **kwargs)`: either the 7 positional arguments (and the
     /// optional ones after them, by position or name), or one dict (positional or
     /// `config=`) whose values may be strings, with sizes like `"16 MB"`.
-    pub fn parse(args: &Bound<'_, PyTuple>, kwargs: Option<&Bound<'_, PyDict>>) -> Result<Self, i32> {
+    pub fn parse(args: &Bound<'_, PyTuple>, kwargs: Option<&Bound<'_, PyDict>>) -> Result<Self, SetupError> {
         let mut values: HashMap<String, Bound<'_, PyAny>> = HashMap::new();
         let dict = match (args.len(), kwargs) {
             (1, None) => args.get_item(0).ok().and_then(|a| a.cast_into::<PyDict>().ok()),
@@ -66,7 +82,11 @@ impl SetupArgs {
             }
         } else {
             if args.len() > POSITIONAL.len() {
-                return Err(INVALID_PARAMS);
+                return Err(SetupError::Type(format!(
+                    "setup() takes at most {} positional arguments ({} given)",
+                    POSITIONAL.len(),
+                    args.len()
+                )));
             }
             for (name, v) in POSITIONAL.iter().zip(args.iter()) {
                 values.insert((*name).to_owned(), v);
@@ -74,9 +94,13 @@ impl SetupArgs {
             if let Some(kw) = kwargs {
                 for (k, v) in kw.iter() {
                     let k = k.str().map_err(|_| INVALID_PARAMS)?.to_string();
-                    if !POSITIONAL.contains(&k.as_str()) || values.insert(k, v).is_some() {
-                        return Err(INVALID_PARAMS);
+                    if !POSITIONAL.contains(&k.as_str()) {
+                        return Err(SetupError::Type(format!("setup() got an unexpected keyword argument '{k}'")));
                     }
+                    if values.contains_key(&k) {
+                        return Err(SetupError::Type(format!("setup() got multiple values for argument '{k}'")));
+                    }
+                    values.insert(k, v);
                 }
             }
         }
@@ -89,12 +113,12 @@ impl SetupArgs {
         let size = |name: &str| -> Result<u64, i32> { parse_size(&text(name, "16MB")?).map_err(|_| INVALID_PARAMS) };
         let local_hostname = text("local_hostname", "")?;
         if local_hostname.is_empty() {
-            return Err(INVALID_PARAMS);
+            return Err(INVALID_PARAMS.into());
         }
         let offload = matches!(text("enable_ssd_offload", "false")?.to_ascii_lowercase().as_str(), "true" | "1");
         let ssd_path = text("ssd_offload_path", "")?;
         if offload && ssd_path.is_empty() {
-            return Err(INVALID_PARAMS);
+            return Err(INVALID_PARAMS.into());
         }
         // The reference's staging buffer size is checked like the reference checks it,
         // then unused: this engine moves bytes straight between the caller's memory

@@ -7,27 +7,37 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use mooncake_core::{Error, Store};
 use parking_lot::RwLock;
-use pyo3::exceptions::PyTypeError;
+use pyo3::exceptions::{PyNotImplementedError, PyTypeError};
 use pyo3::prelude::*;
-use pyo3::types::{PyByteArray, PyBytes, PyDict, PyInt, PyString, PyTuple};
+use pyo3::types::{PyByteArray, PyBytes, PyDict, PyInt, PyList, PyString, PyTuple};
+
+use std::collections::HashMap;
 
 use crate::buffers::{disjoint, BufferRegistry};
 use crate::codes::{self, code, put_status, status, INVALID_PARAMS};
-use crate::config::{resolve, ReplicateConfig};
-use crate::handle::BufferHandle;
+use crate::config::ReplicateConfig;
+use crate::handle::buffer_handle;
 use crate::ranges::{self, Range};
-use crate::setup::SetupArgs;
+use crate::replicas::{self, ReplicaDescriptor};
+use crate::session::Session;
+use crate::setup::{SetupArgs, SetupError};
+use crate::tasks::{self, QueryTaskResponse};
+use crate::tensor;
+use crate::tensor_api::Split;
 
 /// How long a forced remove waits for readers' leases to run out. The engine never
 /// frees memory a reader may still be copying from, so `force` waits out the lease
 /// (the master's lease TTL, 5 s by default) instead of skipping it.
 const FORCE_DEADLINE: Duration = Duration::from_secs(30);
+/// Why the CUDA reads raise.
+const CUDA_READS: &str = "reading into CUDA tensors needs the GPU path of the Python binding, which this \
+                          build does not have yet: read with get_tensor_into into host memory and copy";
 /// Poll period of a forced remove.
 const FORCE_POLL: Duration = Duration::from_millis(10);
 
 /// Which write a zero-copy call makes.
 #[derive(Clone, Copy)]
-enum WriteMode {
+pub enum WriteMode {
     /// A put: a key that exists keeps its value (code 0, as in the reference).
     Put,
     /// An upsert: the value replaces the stored one.
@@ -53,7 +63,7 @@ impl WriteMode {
 
     /// Writes each object of `items` (the concatenation of its parts) in one batch;
     /// one code each.
-    fn parts(self, store: &Store, items: &[(&str, &[&[u8]])], cfg: &mooncake_core::ReplicateConfig) -> Vec<i32> {
+    pub fn parts(self, store: &Store, items: &[(&str, &[&[u8]])], cfg: &mooncake_core::ReplicateConfig) -> Vec<i32> {
         let results = match self {
             WriteMode::Put => store.batch_put_parts(items, cfg),
             WriteMode::Upsert => store.batch_upsert_parts(items, cfg),
@@ -71,12 +81,6 @@ impl WriteMode {
     }
 }
 
-/// A connected client and the name it reports.
-struct Session {
-    store: Store,
-    hostname: String,
-}
-
 /// A Mooncake Store client, with the reference's methods, arguments and return codes.
 ///
 /// Every method returns `0` or a negative code where the reference does (`-704` not
@@ -84,7 +88,7 @@ struct Session {
 /// GIL is released while the engine works. Raw pointers (`put_from`, `get_into`,
 /// ...) must lie inside a buffer given to `register_buffer`; anything else is refused
 /// with `-600`.
-#[pyclass(name = "MooncakeDistributedStore", module = "mooncake_rs.store", frozen)]
+#[pyclass(name = "MooncakeDistributedStore", module = "mooncake_rs.store", frozen, subclass)]
 pub struct MooncakeDistributedStore {
     session: RwLock<Option<Arc<Session>>>,
     buffers: BufferRegistry,
@@ -126,18 +130,25 @@ unsafe fn copy_out(data: &[u8], dst: usize) {
 }
 
 impl MooncakeDistributedStore {
-    fn session(&self) -> Option<Arc<Session>> {
+    /// The connected client, if `setup` succeeded and `close` was not called.
+    pub fn session(&self) -> Option<Arc<Session>> {
         self.session.read().clone()
     }
 
-    /// The session and the store config a write needs, or the code to return: not
-    /// set up, or a bad `config`.
+    /// The registered buffers.
+    pub fn buffers(&self) -> &BufferRegistry {
+        &self.buffers
+    }
+
+    /// The session and the store config a write of one key needs, or the code to
+    /// return: not set up, or a bad `config`.
     fn writer(
         &self,
         config: Option<PyRef<'_, ReplicateConfig>>,
     ) -> Result<(Arc<Session>, mooncake_core::ReplicateConfig), i32> {
         let s = self.session().ok_or(INVALID_PARAMS)?;
-        Ok((s, resolve(config)?))
+        let cfg = s.write_config(config.as_deref(), 1)?;
+        Ok((s, cfg))
     }
 
     /// Lengths of two argument lists agree.
@@ -196,7 +207,7 @@ impl MooncakeDistributedStore {
         if !Self::same_len(n, buffer_ptrs.len(), sizes.len()) {
             return vec![INVALID_PARAMS; n];
         }
-        let cfg = match resolve(config) {
+        let cfg = match s.write_config(config.as_deref(), n) {
             Ok(c) => c,
             Err(c) => return vec![c; n],
         };
@@ -276,7 +287,7 @@ impl MooncakeDistributedStore {
         if keys.len() != values.len() {
             return Ok(INVALID_PARAMS);
         }
-        let cfg = match resolve(config) {
+        let cfg = match s.write_config(config.as_deref(), keys.len()) {
             Ok(c) => c,
             Err(c) => return Ok(c),
         };
@@ -304,25 +315,56 @@ impl MooncakeDistributedStore {
     /// The metadata server, RDMA devices, engine, tenant and HTTP server are accepted
     /// and not needed. Returns 0 or a negative code.
     #[pyo3(signature = (*args, **kwargs))]
-    fn setup(&self, py: Python<'_>, args: &Bound<'_, PyTuple>, kwargs: Option<&Bound<'_, PyDict>>) -> i32 {
+    fn setup(&self, py: Python<'_>, args: &Bound<'_, PyTuple>, kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<i32> {
         let parsed = match SetupArgs::parse(args, kwargs) {
             Ok(p) => p,
-            Err(c) => return c,
+            // Like the reference's binding: an argument it does not know is a
+            // TypeError (frameworks retry without the keywords a build lacks).
+            Err(SetupError::Type(why)) => return Err(PyTypeError::new_err(why)),
+            Err(SetupError::Code(c)) => return Ok(c),
         };
         let builder = match parsed.builder() {
             Ok(b) => b,
-            Err(c) => return c,
+            Err(c) => return Ok(c),
         };
         let old = self.session.write().take();
-        py.detach(move || {
+        Ok(py.detach(move || {
             drop(old);
             match builder.build() {
                 Ok(store) => {
                     let hostname = parsed.hostname(store.endpoint());
-                    *self.session.write() = Some(Arc::new(Session { store, hostname }));
+                    let local = store.segment_name().ok().flatten().into_iter().collect();
+                    *self.session.write() = Some(Arc::new(Session::new(store, hostname, local)));
                     0
                 }
                 Err(e) => code(&e),
+            }
+        }))
+    }
+
+    /// Attaches to a storage process on this host (the reference's "dummy client"):
+    /// `server_address` is where it serves its segment (`mooncake-client serve
+    /// --listen`). This client gives no memory to the pool; it reaches the storage
+    /// process's segment through shared memory (mapping it) and other segments over
+    /// TCP, and `prefer_alloc_in_same_node` places objects there. The master is the
+    /// storage process's, which it publishes on this host (see `mooncake-client
+    /// serve`), or `$MOONCAKE_MASTER`. `mem_pool_size` and `local_buffer_size` are
+    /// checked and not needed: this process copies between its own buffers and the
+    /// mapped segment itself. Returns 0, -900 if nothing listens at
+    /// `server_address`, -101 if no segment is served there, -600 for bad arguments.
+    #[pyo3(signature = (mem_pool_size, local_buffer_size, server_address))]
+    fn setup_dummy(&self, py: Python<'_>, mem_pool_size: u64, local_buffer_size: u64, server_address: &str) -> i32 {
+        let _ = (mem_pool_size, local_buffer_size);
+        let old = self.session.write().take();
+        let server = server_address.to_owned();
+        py.detach(move || {
+            drop(old);
+            match crate::dummy::attach(&server) {
+                Ok(session) => {
+                    *self.session.write() = Some(Arc::new(session));
+                    0
+                }
+                Err(c) => c,
             }
         })
     }
@@ -479,20 +521,25 @@ impl MooncakeDistributedStore {
         found.iter().map(|b| PyBytes::new(py, b)).collect()
     }
 
-    /// The object under `key` as a `BufferHandle`, or `None`.
-    fn get_buffer(&self, py: Python<'_>, key: &str) -> Option<BufferHandle> {
-        let s = self.session()?;
-        py.detach(|| s.store.get(key).ok()).map(BufferHandle::new)
+    /// The object under `key` as a `BufferHandle` (a `bytes` with `ptr()` and
+    /// `size()`, and the buffer protocol: `memoryview(h)`, `torch.frombuffer(h)`), or
+    /// `None`.
+    fn get_buffer<'py>(&self, py: Python<'py>, key: &str) -> PyResult<Option<Bound<'py, PyAny>>> {
+        let Some(s) = self.session() else { return Ok(None) };
+        match py.detach(|| s.store.get(key).ok()) {
+            Some(data) => buffer_handle(py, &data).map(Some),
+            None => Ok(None),
+        }
     }
 
     /// One `BufferHandle` (or `None`) per key.
-    fn batch_get_buffer(&self, py: Python<'_>, keys: Vec<String>) -> Vec<Option<BufferHandle>> {
-        let Some(s) = self.session() else { return keys.iter().map(|_| None).collect() };
+    fn batch_get_buffer<'py>(&self, py: Python<'py>, keys: Vec<String>) -> PyResult<Vec<Option<Bound<'py, PyAny>>>> {
+        let Some(s) = self.session() else { return Ok(keys.iter().map(|_| None).collect()) };
         let found = py.detach(|| {
             let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
             s.store.batch_get(&keys)
         });
-        found.into_iter().map(|r| r.ok().map(BufferHandle::new)).collect()
+        found.into_iter().map(|r| r.ok().map(|d| buffer_handle(py, &d)).transpose()).collect()
     }
 
     /// Declares `[buffer_ptr, buffer_ptr + size)` as memory the zero-copy calls may
@@ -527,7 +574,7 @@ impl MooncakeDistributedStore {
         if let Err(c) = self.buffers.check(buffer_ptr, size) {
             return c;
         }
-        let cfg = match resolve(config) {
+        let cfg = match s.write_config(config.as_deref(), 1) {
             Ok(c) => c,
             Err(c) => return c,
         };
@@ -645,7 +692,7 @@ impl MooncakeDistributedStore {
 
     /// Reads `keys[i]` into the registered memory at `buffer_ptrs[i]` (room:
     /// `sizes[i]`). One result per key: the object's length or a negative code.
-    fn batch_get_into(
+    pub(crate) fn batch_get_into(
         &self,
         py: Python<'_>,
         keys: Vec<String>,
@@ -714,7 +761,7 @@ impl MooncakeDistributedStore {
         if !Self::same_len(n, all_buffer_ptrs.len(), all_sizes.len()) {
             return vec![INVALID_PARAMS; n];
         }
-        let cfg = match resolve(config) {
+        let cfg = match s.write_config(config.as_deref(), n) {
             Ok(c) => c,
             Err(c) => return vec![c; n],
         };
@@ -924,5 +971,450 @@ impl MooncakeDistributedStore {
             let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
             Self::remove_many(&s.store, &keys, force)
         })
+    }
+
+    // ------------------------------------------------------------ replicas and tasks
+
+    /// The replicas of `key` (`ReplicaDescriptor`s; empty if it is not stored).
+    fn get_replica_desc(&self, py: Python<'_>, key: &str) -> Vec<ReplicaDescriptor> {
+        let Some(s) = self.session() else { return Vec::new() };
+        py.detach(|| replicas::describe(&s, &[key]).pop().flatten().unwrap_or_default())
+    }
+
+    /// `{key: [ReplicaDescriptor, ...]}` for the keys that are stored.
+    fn batch_get_replica_desc(&self, py: Python<'_>, keys: Vec<String>) -> HashMap<String, Vec<ReplicaDescriptor>> {
+        let Some(s) = self.session() else { return HashMap::new() };
+        py.detach(|| {
+            let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+            let found = replicas::describe(&s, &refs);
+            keys.iter().zip(found).filter_map(|(k, d)| Some((k.clone(), d?))).collect()
+        })
+    }
+
+    /// Clears the replicas of `keys` and returns the keys cleared: with
+    /// `segment_name` "" the objects are removed, else only their replicas on that
+    /// segment (an object left with none is removed). Objects being read are skipped.
+    /// The reference also skips objects another client wrote; this engine does not
+    /// record writers, so any client may clear any object.
+    #[pyo3(signature = (keys, segment_name = ""))]
+    fn batch_replica_clear(&self, py: Python<'_>, keys: Vec<String>, segment_name: &str) -> Vec<String> {
+        let Some(s) = self.session() else { return Vec::new() };
+        py.detach(|| {
+            let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+            replicas::clear(&s, &refs, segment_name)
+        })
+    }
+
+    /// Starts copying `key` to each of the segments `targets` (names as
+    /// `get_replica_desc` gives them, or `host:port`). Returns `(task_id, 0)`, or
+    /// `((0, 0), code)`: -600 (no targets, or one is not mounted), -704 (no such
+    /// object). The task runs on this client; `query_task` follows it.
+    fn create_copy_task(&self, py: Python<'_>, key: &str, targets: Vec<String>) -> ((u64, u64), i32) {
+        let Some(s) = self.session() else { return ((0, 0), INVALID_PARAMS) };
+        match py.detach(|| tasks::create_copy(&s, key, &targets)) {
+            Ok(id) => (id, 0),
+            Err(c) => ((0, 0), c),
+        }
+    }
+
+    /// Starts moving `key`'s replica from segment `source` to segment `target`: a copy
+    /// to `target`, then the replica on `source` is dropped (once no read holds it).
+    /// Returns `(task_id, 0)` or `((0, 0), code)`: -704 (no such object), -600 (same
+    /// segments, an unknown one, or `source` holds no replica of it).
+    fn create_move_task(&self, py: Python<'_>, key: &str, source: &str, target: &str) -> ((u64, u64), i32) {
+        let Some(s) = self.session() else { return ((0, 0), INVALID_PARAMS) };
+        match py.detach(|| tasks::create_move(&s, key, source, target)) {
+            Ok(id) => (id, 0),
+            Err(c) => ((0, 0), c),
+        }
+    }
+
+    /// `(QueryTaskResponse, 0)` for a task this client created, else `(None, -1400)`.
+    fn query_task(&self, task_id: (u64, u64)) -> (Option<QueryTaskResponse>, i32) {
+        let found = self.session().and_then(|s| s.tasks.query(task_id));
+        match found {
+            Some(t) => (Some(t), 0),
+            None => (None, codes::TASK_NOT_FOUND),
+        }
+    }
+
+    // ------------------------------------------------------------------ tensors
+
+    /// Stores a numpy array or a CPU torch tensor under `key`, with its dtype and
+    /// shape (the reference's layout). Returns 0 or a negative code (-600 for what is
+    /// not a tensor); a tensor on a GPU raises `ValueError` (not supported yet).
+    fn put_tensor(&self, py: Python<'_>, key: String, tensor: Bound<'_, PyAny>) -> PyResult<i32> {
+        Ok(self.write_tensors(py, WriteMode::Put, &[key], &[tensor], None, Split::NONE)?[0])
+    }
+
+    /// `put_tensor` for many keys in one batch; one code per key.
+    fn batch_put_tensor(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+        tensors_list: Vec<Bound<'_, PyAny>>,
+    ) -> PyResult<Vec<i32>> {
+        self.write_tensors(py, WriteMode::Put, &keys, &tensors_list, None, Split::NONE)
+    }
+
+    /// `put_tensor` with a placement config.
+    #[pyo3(signature = (key, tensor, config = None))]
+    fn pub_tensor(
+        &self,
+        py: Python<'_>,
+        key: String,
+        tensor: Bound<'_, PyAny>,
+        config: Option<PyRef<'_, ReplicateConfig>>,
+    ) -> PyResult<i32> {
+        if let Some(Err(c)) = config.as_deref().map(ReplicateConfig::check_pub) {
+            return Ok(c);
+        }
+        Ok(self.write_tensors(py, WriteMode::Put, &[key], &[tensor], config.as_deref(), Split::NONE)?[0])
+    }
+
+    /// `batch_put_tensor` with a placement config.
+    #[pyo3(signature = (keys, tensors_list, config = None))]
+    fn batch_pub_tensor(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+        tensors_list: Vec<Bound<'_, PyAny>>,
+        config: Option<PyRef<'_, ReplicateConfig>>,
+    ) -> PyResult<Vec<i32>> {
+        if let Some(Err(c)) = config.as_deref().map(ReplicateConfig::check_pub) {
+            return Ok(vec![c; keys.len()]);
+        }
+        self.write_tensors(py, WriteMode::Put, &keys, &tensors_list, config.as_deref(), Split::NONE)
+    }
+
+    /// Stores `tensor` as `tp_size` shards split evenly on `split_dim`, under
+    /// `key_tp_0` .. `key_tp_<tp_size-1>` (all of them: `tp_rank` names the caller,
+    /// as in the reference). `tp_size <= 1` stores it whole under `key`. Returns 0 or
+    /// the first failure (-600 when `split_dim` is no dimension `tp_size` divides).
+    #[pyo3(signature = (key, tensor, tp_rank = 0, tp_size = 1, split_dim = 0))]
+    fn put_tensor_with_tp(
+        &self,
+        py: Python<'_>,
+        key: String,
+        tensor: Bound<'_, PyAny>,
+        tp_rank: i32,
+        tp_size: i32,
+        split_dim: i32,
+    ) -> PyResult<i32> {
+        let _ = tp_rank;
+        Ok(self.write_tensors(py, WriteMode::Put, &[key], &[tensor], None, Split { size: tp_size, dim: split_dim })?[0])
+    }
+
+    /// `put_tensor_with_tp` for many keys in one batch; one code per base key.
+    #[pyo3(signature = (base_keys, tensors_list, tp_rank = 0, tp_size = 1, split_dim = 0))]
+    fn batch_put_tensor_with_tp(
+        &self,
+        py: Python<'_>,
+        base_keys: Vec<String>,
+        tensors_list: Vec<Bound<'_, PyAny>>,
+        tp_rank: i32,
+        tp_size: i32,
+        split_dim: i32,
+    ) -> PyResult<Vec<i32>> {
+        let _ = tp_rank;
+        self.write_tensors(py, WriteMode::Put, &base_keys, &tensors_list, None, Split { size: tp_size, dim: split_dim })
+    }
+
+    /// `put_tensor_with_tp` with a placement config.
+    #[pyo3(signature = (key, tensor, config = None, tp_rank = 0, tp_size = 1, split_dim = 0))]
+    #[allow(clippy::too_many_arguments)]
+    fn pub_tensor_with_tp(
+        &self,
+        py: Python<'_>,
+        key: String,
+        tensor: Bound<'_, PyAny>,
+        config: Option<PyRef<'_, ReplicateConfig>>,
+        tp_rank: i32,
+        tp_size: i32,
+        split_dim: i32,
+    ) -> PyResult<i32> {
+        let _ = tp_rank;
+        if let Some(Err(c)) = config.as_deref().map(ReplicateConfig::check_pub) {
+            return Ok(c);
+        }
+        Ok(self.write_tensors(
+            py,
+            WriteMode::Put,
+            &[key],
+            &[tensor],
+            config.as_deref(),
+            Split { size: tp_size, dim: split_dim },
+        )?[0])
+    }
+
+    /// `batch_put_tensor_with_tp` with a placement config.
+    #[pyo3(signature = (base_keys, tensors_list, config = None, tp_rank = 0, tp_size = 1, split_dim = 0))]
+    #[allow(clippy::too_many_arguments)]
+    fn batch_pub_tensor_with_tp(
+        &self,
+        py: Python<'_>,
+        base_keys: Vec<String>,
+        tensors_list: Vec<Bound<'_, PyAny>>,
+        config: Option<PyRef<'_, ReplicateConfig>>,
+        tp_rank: i32,
+        tp_size: i32,
+        split_dim: i32,
+    ) -> PyResult<Vec<i32>> {
+        let _ = tp_rank;
+        if let Some(Err(c)) = config.as_deref().map(ReplicateConfig::check_pub) {
+            return Ok(vec![c; base_keys.len()]);
+        }
+        self.write_tensors(
+            py,
+            WriteMode::Put,
+            &base_keys,
+            &tensors_list,
+            config.as_deref(),
+            Split { size: tp_size, dim: split_dim },
+        )
+    }
+
+    /// Stores `tensor` under `key`, replacing the object there if any.
+    fn upsert_tensor(&self, py: Python<'_>, key: String, tensor: Bound<'_, PyAny>) -> PyResult<i32> {
+        Ok(self.write_tensors(py, WriteMode::Upsert, &[key], &[tensor], None, Split::NONE)?[0])
+    }
+
+    /// `upsert_tensor` for many keys in one batch; one code per key.
+    fn batch_upsert_tensor(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+        tensors_list: Vec<Bound<'_, PyAny>>,
+    ) -> PyResult<Vec<i32>> {
+        self.write_tensors(py, WriteMode::Upsert, &keys, &tensors_list, None, Split::NONE)
+    }
+
+    /// `upsert_tensor` with a placement config.
+    #[pyo3(signature = (key, tensor, config = None))]
+    fn upsert_pub_tensor(
+        &self,
+        py: Python<'_>,
+        key: String,
+        tensor: Bound<'_, PyAny>,
+        config: Option<PyRef<'_, ReplicateConfig>>,
+    ) -> PyResult<i32> {
+        if let Some(Err(c)) = config.as_deref().map(ReplicateConfig::check_pub) {
+            return Ok(c);
+        }
+        Ok(self.write_tensors(py, WriteMode::Upsert, &[key], &[tensor], config.as_deref(), Split::NONE)?[0])
+    }
+
+    /// `batch_upsert_tensor` with a placement config.
+    #[pyo3(signature = (keys, tensors_list, config = None))]
+    fn batch_upsert_pub_tensor(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+        tensors_list: Vec<Bound<'_, PyAny>>,
+        config: Option<PyRef<'_, ReplicateConfig>>,
+    ) -> PyResult<Vec<i32>> {
+        if let Some(Err(c)) = config.as_deref().map(ReplicateConfig::check_pub) {
+            return Ok(vec![c; keys.len()]);
+        }
+        self.write_tensors(py, WriteMode::Upsert, &keys, &tensors_list, config.as_deref(), Split::NONE)
+    }
+
+    /// The tensor stored under `key` (torch when it imports, else numpy), or `None`.
+    fn get_tensor<'py>(&self, py: Python<'py>, key: String) -> PyResult<Option<Bound<'py, PyAny>>> {
+        Ok(self.read_tensors(py, &[key])?.pop().flatten())
+    }
+
+    /// `get_tensor` for many keys in one batch (`None` for the missing ones).
+    fn batch_get_tensor<'py>(&self, py: Python<'py>, keys: Vec<String>) -> PyResult<Vec<Option<Bound<'py, PyAny>>>> {
+        self.read_tensors(py, &keys)
+    }
+
+    /// Shard `tp_rank` of the tensor stored by `put_tensor_with_tp` (`key_tp_<rank>`),
+    /// or with `tp_size <= 1` the tensor under `key`; `None` if absent.
+    #[pyo3(signature = (key, tp_rank = 0, tp_size = 1, split_dim = 0))]
+    fn get_tensor_with_tp<'py>(
+        &self,
+        py: Python<'py>,
+        key: String,
+        tp_rank: i32,
+        tp_size: i32,
+        split_dim: i32,
+    ) -> PyResult<Option<Bound<'py, PyAny>>> {
+        let _ = split_dim;
+        let key = if tp_size <= 1 { key } else { tensor::tp_key(&key, tp_rank) };
+        self.get_tensor(py, key)
+    }
+
+    /// `get_tensor_with_tp` for many base keys in one batch.
+    #[pyo3(signature = (base_keys, tp_rank = 0, tp_size = 1))]
+    fn batch_get_tensor_with_tp<'py>(
+        &self,
+        py: Python<'py>,
+        base_keys: Vec<String>,
+        tp_rank: i32,
+        tp_size: i32,
+    ) -> PyResult<Vec<Option<Bound<'py, PyAny>>>> {
+        let keys: Vec<String> =
+            if tp_size <= 1 { base_keys } else { base_keys.iter().map(|k| tensor::tp_key(k, tp_rank)).collect() };
+        self.read_tensors(py, &keys)
+    }
+
+    /// Reads the tensor under `key` into the registered buffer `[buffer_ptr,
+    /// buffer_ptr + size)` and returns a tensor over its elements there (not a copy:
+    /// valid while the buffer is), or `None`.
+    fn get_tensor_into<'py>(
+        &self,
+        py: Python<'py>,
+        key: String,
+        buffer_ptr: usize,
+        size: usize,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let got = self.read_tensors_into(py, vec![key], vec![buffer_ptr], vec![size])?;
+        let first = got.get_item(0)?;
+        // Bad arguments give -600 in the batch form and None here, as in the reference.
+        Ok(if first.is_instance_of::<pyo3::types::PyInt>() { py.None().into_bound(py) } else { first })
+    }
+
+    /// `get_tensor_into` for many keys in one batch: a tensor or `None` each, or a
+    /// list of -600 for bad arguments (as the reference).
+    fn batch_get_tensor_into<'py>(
+        &self,
+        py: Python<'py>,
+        keys: Vec<String>,
+        buffer_ptrs: Vec<usize>,
+        sizes: Vec<usize>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        self.read_tensors_into(py, keys, buffer_ptrs, sizes)
+    }
+
+    /// `get_tensor_into` of shard `tp_rank` (`key_tp_<rank>`; `key` itself with
+    /// `tp_size <= 1`).
+    #[pyo3(signature = (key, buffer_ptr, size, tp_rank = 0, tp_size = 1, split_dim = 0))]
+    #[allow(clippy::too_many_arguments)]
+    fn get_tensor_with_tp_into<'py>(
+        &self,
+        py: Python<'py>,
+        key: String,
+        buffer_ptr: usize,
+        size: usize,
+        tp_rank: i32,
+        tp_size: i32,
+        split_dim: i32,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let _ = split_dim;
+        let key = if tp_size <= 1 { key } else { tensor::tp_key(&key, tp_rank) };
+        self.get_tensor_into(py, key, buffer_ptr, size)
+    }
+
+    /// `batch_get_tensor_into` of shard `tp_rank` of each base key.
+    #[pyo3(signature = (base_keys, buffer_ptrs, sizes, tp_rank = 0, tp_size = 1))]
+    fn batch_get_tensor_with_tp_into<'py>(
+        &self,
+        py: Python<'py>,
+        base_keys: Vec<String>,
+        buffer_ptrs: Vec<usize>,
+        sizes: Vec<usize>,
+        tp_rank: i32,
+        tp_size: i32,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let keys: Vec<String> =
+            if tp_size <= 1 { base_keys } else { base_keys.iter().map(|k| tensor::tp_key(k, tp_rank)).collect() };
+        self.read_tensors_into(py, keys, buffer_ptrs, sizes)
+    }
+
+    /// Stores the tensor object (header and elements, as `get_tensor_into` leaves
+    /// them) in the registered buffer `[buffer_ptr, buffer_ptr + size)` under `key`,
+    /// without a copy. Returns 0 or a negative code (-600 if it holds no tensor).
+    fn put_tensor_from(&self, py: Python<'_>, key: String, buffer_ptr: usize, size: usize) -> i32 {
+        self.write_tensors_from(py, WriteMode::Put, &[key], &[buffer_ptr], &[size], Split::NONE)[0]
+    }
+
+    /// `put_tensor_from` for many keys in one batch; any bad buffer makes every code
+    /// -600, as in the reference.
+    fn batch_put_tensor_from(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+        buffer_ptrs: Vec<usize>,
+        sizes: Vec<usize>,
+    ) -> Vec<i32> {
+        self.write_tensors_from(py, WriteMode::Put, &keys, &buffer_ptrs, &sizes, Split::NONE)
+    }
+
+    /// `put_tensor_with_tp` of the tensor object in a registered buffer.
+    #[pyo3(signature = (key, buffer_ptr, size, tp_rank = 0, tp_size = 1, split_dim = 0))]
+    #[allow(clippy::too_many_arguments)]
+    fn put_tensor_with_tp_from(
+        &self,
+        py: Python<'_>,
+        key: String,
+        buffer_ptr: usize,
+        size: usize,
+        tp_rank: i32,
+        tp_size: i32,
+        split_dim: i32,
+    ) -> i32 {
+        let _ = tp_rank;
+        self.write_tensors_from(
+            py,
+            WriteMode::Put,
+            &[key],
+            &[buffer_ptr],
+            &[size],
+            Split { size: tp_size, dim: split_dim },
+        )[0]
+    }
+
+    /// `put_tensor_with_tp_from` for many base keys in one batch.
+    #[pyo3(signature = (base_keys, buffer_ptrs, sizes, tp_rank = 0, tp_size = 1, split_dim = 0))]
+    #[allow(clippy::too_many_arguments)]
+    fn batch_put_tensor_with_tp_from(
+        &self,
+        py: Python<'_>,
+        base_keys: Vec<String>,
+        buffer_ptrs: Vec<usize>,
+        sizes: Vec<usize>,
+        tp_rank: i32,
+        tp_size: i32,
+        split_dim: i32,
+    ) -> Vec<i32> {
+        let _ = tp_rank;
+        self.write_tensors_from(
+            py,
+            WriteMode::Put,
+            &base_keys,
+            &buffer_ptrs,
+            &sizes,
+            Split { size: tp_size, dim: split_dim },
+        )
+    }
+
+    /// `put_tensor_from`, replacing the object under `key` if any.
+    fn upsert_tensor_from(&self, py: Python<'_>, key: String, buffer_ptr: usize, size: usize) -> i32 {
+        self.write_tensors_from(py, WriteMode::Upsert, &[key], &[buffer_ptr], &[size], Split::NONE)[0]
+    }
+
+    /// `batch_put_tensor_from`, replacing the objects there.
+    fn batch_upsert_tensor_from(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+        buffer_ptrs: Vec<usize>,
+        sizes: Vec<usize>,
+    ) -> Vec<i32> {
+        self.write_tensors_from(py, WriteMode::Upsert, &keys, &buffer_ptrs, &sizes, Split::NONE)
+    }
+
+    /// Reads into a CUDA tensor: not supported by this build yet (it needs the GPU
+    /// path of the binding); raises `NotImplementedError`, never touches the tensor.
+    fn get_tensor_into_cuda(&self, key: String, tensor: Bound<'_, PyAny>) -> PyResult<i64> {
+        let _ = (key, tensor);
+        Err(PyNotImplementedError::new_err(CUDA_READS))
+    }
+
+    /// The batch form of `get_tensor_into_cuda`: raises `NotImplementedError` as it does.
+    fn batch_get_tensor_into_cuda(&self, keys: Vec<String>, tensors_list: Vec<Bound<'_, PyAny>>) -> PyResult<Vec<i64>> {
+        let _ = (keys, tensors_list);
+        Err(PyNotImplementedError::new_err(CUDA_READS))
     }
 }

@@ -16,10 +16,15 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 LEASE_MS = 300
 
 
+# $MOONCAKE_MASTER as the tests started (tests change the variable: it is also the
+# master address the binding reads).
+MASTER_ENV = os.environ.get("MOONCAKE_MASTER")
+
+
 def master_binary():
     """The `mooncake-master` to test against: $MOONCAKE_MASTER, else the newest build."""
-    if os.environ.get("MOONCAKE_MASTER"):
-        return os.environ["MOONCAKE_MASTER"]
+    if MASTER_ENV:
+        return MASTER_ENV
     target = pathlib.Path(os.environ.get("CARGO_TARGET_DIR", REPO / "target"))
     found = [p for p in (target / "release" / "mooncake-master", target / "debug" / "mooncake-master") if p.exists()]
     if not found:
@@ -100,3 +105,39 @@ class Registered:
 
     def read(self, offset, n):
         return ctypes.string_at(self.ptr + offset, n)
+
+
+def client_binary():
+    """The `mooncake-client` built next to the master under test."""
+    path = pathlib.Path(master_binary()).with_name("mooncake-client")
+    if not path.exists():
+        pytest.exit(f"no {path}: cargo build -p mooncake-cli", 2)
+    return str(path)
+
+
+def start_master_with_metrics(*extra):
+    """A master with its metrics listener on a free loopback port; returns (process,
+    "host:port" of RPC, "host:port" of metrics)."""
+    proc, addr = start_master("--metrics-listen", "127.0.0.1:0", *extra)
+    line = proc.stdout.readline()
+    if "metrics on" not in line:
+        stop(proc)
+        pytest.fail(f"mooncake-master printed no metrics address: {line!r}")
+    return proc, addr, line.split()[-1]
+
+
+def start_storage_node(master, segment=32 << 20, env=None):
+    """A `mooncake-client serve` storage process; returns (process, "host:port" it
+    serves its segment at)."""
+    proc = subprocess.Popen(
+        [client_binary(), "serve", "--master", master, "--listen", "127.0.0.1:0", "--segment-size", str(segment)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
+    )
+    line = proc.stdout.readline()
+    if "serving segment" not in line:
+        stop(proc)
+        pytest.fail(f"mooncake-client serve did not start: {line!r}")
+    return proc, line.split()[-1]

@@ -184,6 +184,47 @@ fn replicate_adds_and_drops_copies() {
 }
 
 #[test]
+fn drop_replicas_moves_a_replica_off_a_named_segment() {
+    let master = Master::new(MasterConfig { default_lease: Duration::ZERO, ..Default::default() }).unwrap();
+    let a = store_on(&master, 4 << 20);
+    let b = store_on(&master, 4 << 20);
+    let (seg_a, seg_b) = (a.segment_name().unwrap().unwrap(), b.segment_name().unwrap().unwrap());
+    let v = pattern(3, 100_000);
+    let to_a = ReplicateConfig { preferred_segments: vec![seg_a.clone()], ..Default::default() };
+    a.put_with("m", &v, &to_a).unwrap();
+    // A move: copy to b's segment, then drop the replica on a's.
+    let both = ReplicateConfig { replica_num: 2, preferred_segments: vec![seg_b.clone()], ..Default::default() };
+    a.replicate("m", &both).unwrap();
+    assert_eq!(master.stats().replicas, 2);
+    assert!(a.drop_replicas(&["m"], &seg_a)[0].is_ok());
+    let left = master.object_info("m").unwrap().replicas;
+    assert_eq!(left.len(), 1);
+    assert_eq!(left[0].segment, b.segment_id().unwrap());
+    assert_eq!(&a.get("m").unwrap()[..], &v[..]);
+    // Nothing of it is on a's segment any more; an absent key; an unknown segment.
+    assert!(matches!(a.drop_replicas(&["m"], &seg_a)[0], Err(Error::NotFound(_))));
+    assert!(matches!(a.drop_replicas(&["nope"], &seg_b)[0], Err(Error::NotFound(_))));
+    assert!(matches!(a.drop_replicas(&["m"], "nowhere#0")[0], Err(Error::InvalidArgument(_))));
+    // Dropping the last replica removes the object.
+    assert!(b.drop_replicas(&["m"], &seg_b)[0].is_ok());
+    assert!(matches!(a.get("m"), Err(Error::NotFound(_))));
+    assert_eq!(master.stats().used_bytes, 0);
+}
+
+#[test]
+fn drop_replicas_waits_out_a_reader() {
+    let master = Master::new(MasterConfig { default_lease: Duration::from_secs(30), ..Default::default() }).unwrap();
+    let a = store_on(&master, 4 << 20);
+    a.put("r", b"leased").unwrap();
+    let seg = a.segment_name().unwrap().unwrap();
+    // A reader's lease (not given back yet) keeps the memory.
+    let _list = master.get_replica_list("r").unwrap();
+    assert!(matches!(a.drop_replicas(&["r"], &seg)[0], Err(Error::HasLease(_))));
+    master.release_leases(&["r"]).unwrap();
+    assert!(a.drop_replicas(&["r"], &seg)[0].is_ok());
+}
+
+#[test]
 fn two_replicas_survive_a_lost_client_and_one_replica_does_not() {
     let master = Master::new(MasterConfig::default()).unwrap();
     let a = store_on(&master, 4 << 20);

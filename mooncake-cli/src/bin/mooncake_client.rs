@@ -191,6 +191,10 @@ fn run(cmd: Command, protocol: Protocol) -> Result<(), String> {
                 b = b.ssd_offload(SsdOffloadConfig::new(dir, capacity).backend(backend).eviction(eviction));
             }
             let store = b.build().map_err(|e| e.to_string())?;
+            // Lets processes of this host attach to this node (`setup_dummy`).
+            let _attach = mooncake_cli::attach::publish(&master, store.endpoint())
+                .map_err(|e| tracing::warn!(error = %e, "cannot publish the attach file"))
+                .ok();
             println!(
                 "mooncake-client serving segment {} ({} bytes) at {}",
                 store.segment_id().unwrap_or(0),

@@ -198,6 +198,9 @@ fn serve_metrics(
                         }
                         (text, "text/plain; version=0.0.4")
                     }
+                    "/get_all_segments" => {
+                        (mooncake_cli::segments::all_segments_text(&stats), mooncake_cli::segments::CONTENT_TYPE)
+                    }
                     "/status" | "/" => {
                         let mut status = serde_json::to_value(&stats).unwrap_or_default();
                         if let (Some(c), Some(map)) = (&cluster, status.as_object_mut()) {

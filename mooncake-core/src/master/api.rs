@@ -198,6 +198,13 @@ macro_rules! master_calls {
             /// Batch [`upsert_revoke`](crate::MasterApi::upsert_revoke).
             BatchUpsertRevoke => fn batch_upsert_revoke(client: ClientId => ClientId, keys: &[&str] => Vec<String>)
                 -> Vec<Result<()>>;
+            /// Drops the complete memory replicas that the segment named `segment`
+            /// (`endpoint#n`) holds of each key; an object left with no replica at all
+            /// is removed. `NotFound` when the object is absent or has no replica there,
+            /// `HasLease` while a read or a copy holds it, `InvalidArgument` when no
+            /// such segment is mounted.
+            BatchDropReplicas => fn batch_drop_replicas(keys: &[&str] => Vec<String>, segment: &str => String)
+                -> Vec<Result<()>>;
         }
     };
 }

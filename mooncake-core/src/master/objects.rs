@@ -594,4 +594,54 @@ impl MasterService {
         self.await_records(wait);
         Ok(())
     }
+
+    // ---- dropping replicas -----------------------------------------------------------
+
+    /// Drops the complete memory replicas that the segment named `segment` holds of
+    /// each key (a move's last step, or a client clearing what one segment holds). An
+    /// object left with no replica (memory or disk) is removed. Refused with
+    /// `HasLease` while a read, a copy or an upsert holds the object: its memory may
+    /// be in use. `NotFound` when the object is absent or has no replica there.
+    pub fn batch_drop_replicas(&self, keys: &[&str], segment: &str) -> Vec<Result<()>> {
+        let Some(seg) = self.candidates().iter().find(|s| s.name() == segment).map(|s| s.id()) else {
+            let e = Error::InvalidArgument(format!("segment {segment:?} is not mounted"));
+            return keys.iter().map(|_| Err(e.clone())).collect();
+        };
+        let mut wait = RecordWait::default();
+        let results = keys.iter().map(|k| self.drop_replica_queued(k, seg).map(|w| wait.merge(w))).collect();
+        self.await_records(wait);
+        results
+    }
+
+    /// Drops `key`'s replica on `seg`, without waiting for the nodes' records.
+    fn drop_replica_queued(&self, key: &str, seg: SegmentId) -> Result<RecordWait> {
+        check_key(key)?;
+        self.fence(key)?;
+        let now = self.now_ms();
+        let mut shard = self.index.shard(key).lock();
+        let e = match shard.get_mut(key) {
+            Some(e) if e.complete() => e,
+            _ => return Err(Error::NotFound(key.to_owned())),
+        };
+        let on_seg = |r: &StoredReplica| r.complete() && r.segment() == seg;
+        if !e.replicas.iter().any(on_seg) {
+            return Err(Error::NotFound(format!("{key} has no replica on segment {seg}")));
+        }
+        if e.leased(now) {
+            self.counters.lease_refusals.fetch_add(1, Ordering::Relaxed);
+            return Err(Error::HasLease(key.to_owned()));
+        }
+        let (gone, kept): (Vec<StoredReplica>, Vec<StoredReplica>) = e.replicas.drain(..).partition(|r| on_seg(r));
+        e.replicas.extend(kept);
+        let mut wait = self.note_removed(key, &gone);
+        // The freed memory may be reused at once: nothing reads it (not leased).
+        drop(gone);
+        if e.replicas.is_empty() && e.disk() == 0 {
+            if let Some(e) = shard.remove(key) {
+                wait.merge(self.note_removed(key, &e.replicas));
+                self.release_disk(key, &e);
+            }
+        }
+        Ok(wait)
+    }
 }

@@ -971,4 +971,8 @@ impl MasterApi for ClusterClient {
     fn batch_upsert_revoke(&self, _client: ClientId, keys: &[&str]) -> Vec<Result<()>> {
         self.on_keys(keys, |k| k, |s, id, part| s.rpc.batch_upsert_revoke(id, part))
     }
+
+    fn batch_drop_replicas(&self, keys: &[&str], segment: &str) -> Vec<Result<()>> {
+        self.on_keys(keys, |k| k, |s, _, part| s.rpc.batch_drop_replicas(part, segment))
+    }
 }

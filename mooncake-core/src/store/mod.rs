@@ -827,6 +827,22 @@ impl Store {
         copied.and(ended)
     }
 
+    /// Drops the replicas that the segment named `segment` (`endpoint#n`, as
+    /// [`segment_name`](Self::segment_name) and the master's stats name them) holds of
+    /// each key; an object left with no replica is removed. One result per key:
+    /// `NotFound` (absent, or no replica there), `HasLease` (being read or copied),
+    /// `InvalidArgument` (no such segment). With [`replicate`](Self::replicate) to a
+    /// preferred segment first, this moves a replica.
+    pub fn drop_replicas(&self, keys: &[&str], segment: &str) -> Vec<Result<()>> {
+        let results = self.inner.master.batch_drop_replicas(keys, segment);
+        for (key, res) in keys.iter().zip(&results) {
+            if res.is_ok() {
+                self.inner.cache.forget(key);
+            }
+        }
+        results
+    }
+
     /// Counters of this client's SSD tier, if it has one.
     pub fn ssd_stats(&self) -> Option<SsdStats> {
         self.inner.ssd.as_ref().map(FileStorage::stats)

@@ -1,0 +1,266 @@
+//! The tensor methods of `MooncakeDistributedStore` (their Python wrappers are in
+//! `store.rs`): writes of numpy arrays and torch tensors, whole or as tensor-parallel
+//! shards, reads into new tensors or views of registered buffers.
+
+use pyo3::prelude::*;
+use pyo3::types::PyList;
+
+use crate::codes::INVALID_PARAMS;
+use crate::config::ReplicateConfig;
+use crate::store::{MooncakeDistributedStore, WriteMode};
+use crate::tensor::{self, device_error, tp_key, Input, Meta, Refusal, META_LEN};
+
+/// How a write splits its tensors: into `size` shards on dimension `dim`
+/// (`size <= 1`: whole).
+#[derive(Clone, Copy)]
+pub struct Split {
+    /// Number of shards (the reference's `tp_size`).
+    pub size: i32,
+    /// Dimension split (the reference's `split_dim`).
+    pub dim: i32,
+}
+
+impl Split {
+    /// Whole tensors.
+    pub const NONE: Split = Split { size: 1, dim: 0 };
+}
+
+/// The elements of one object to write.
+enum Data {
+    /// Ranges `(address, length)` of memory the caller keeps alive: a tensor's
+    /// elements, or a registered buffer.
+    Borrowed(Vec<(usize, usize)>),
+    /// A copy (the shards of a split along an inner dimension are not contiguous).
+    Owned(Vec<u8>),
+}
+
+/// One object to write: the key's index in the call, its key, header and elements.
+struct Write {
+    of: usize,
+    key: String,
+    header: [u8; META_LEN],
+    data: Data,
+}
+
+/// The objects of `meta`'s tensor (elements at `base`), whole (`tp_size <= 1`) or as
+/// `tp_size` shards split on `split_dim` under `key_tp_<rank>`; `None` if it cannot be
+/// split so.
+fn plan(of: usize, key: &str, meta: &Meta, base: usize, split: Split) -> Option<Vec<Write>> {
+    let (tp_size, split_dim) = (split.size, split.dim);
+    if tp_size <= 1 {
+        let data = if meta.data_bytes == 0 { vec![] } else { vec![(base, meta.data_bytes)] };
+        return Some(vec![Write { of, key: key.to_owned(), header: meta.encode(), data: Data::Borrowed(data) }]);
+    }
+    let mut out = Vec::with_capacity(tp_size as usize);
+    for rank in 0..tp_size {
+        let (shard, ranges) = meta.shard(split_dim, rank, tp_size)?;
+        let data = if ranges.len() <= 1 {
+            Data::Borrowed(ranges.iter().map(|&(off, len)| (base + off, len)).collect())
+        } else {
+            let mut v = Vec::with_capacity(shard.data_bytes);
+            for &(off, len) in &ranges {
+                // SAFETY: each range lies inside the tensor's `data_bytes` bytes at
+                // `base` (Meta::shard computes them from its shape), kept alive by the
+                // caller.
+                v.extend_from_slice(unsafe { std::slice::from_raw_parts((base + off) as *const u8, len) });
+            }
+            Data::Owned(v)
+        };
+        out.push(Write { of, key: tp_key(key, rank), header: shard.encode(), data });
+    }
+    Some(out)
+}
+
+impl MooncakeDistributedStore {
+    /// Writes the plans' objects in one batch and folds the codes per key of the call
+    /// (`n` keys; a key whose plan failed keeps the code already in `results`).
+    fn run_writes(
+        &self,
+        py: Python<'_>,
+        mode: WriteMode,
+        writes: &[Write],
+        config: Option<&ReplicateConfig>,
+        mut results: Vec<i32>,
+    ) -> Vec<i32> {
+        let Some(s) = self.session() else { return vec![INVALID_PARAMS; results.len()] };
+        let cfg = match s.write_config(config, results.len()) {
+            Ok(c) => c,
+            Err(c) => return vec![c; results.len()],
+        };
+        if writes.is_empty() {
+            return results;
+        }
+        let codes = py.detach(|| {
+            let parts: Vec<Vec<&[u8]>> = writes
+                .iter()
+                .map(|w| {
+                    let mut p: Vec<&[u8]> = vec![&w.header];
+                    match &w.data {
+                        Data::Borrowed(ranges) => {
+                            for &(ptr, len) in ranges {
+                                // SAFETY: the ranges are a tensor's elements or a checked
+                                // registered buffer, alive for the whole call.
+                                p.push(unsafe { std::slice::from_raw_parts(ptr as *const u8, len) });
+                            }
+                        }
+                        Data::Owned(v) => p.push(v),
+                    }
+                    p
+                })
+                .collect();
+            let items: Vec<(&str, &[&[u8]])> =
+                writes.iter().zip(&parts).map(|(w, p)| (w.key.as_str(), p.as_slice())).collect();
+            mode.parts(&s.store, &items, &cfg)
+        });
+        // A key's code: the first failure of its objects, else 0.
+        for (w, c) in writes.iter().zip(codes) {
+            if c != 0 && results[w.of] == 0 {
+                results[w.of] = c;
+            }
+        }
+        results
+    }
+
+    /// Writes `tensors[i]` under `keys[i]` (numpy arrays or CPU torch tensors), whole
+    /// or as `tp_size` shards; one code per key (-600 for what is not a tensor, or a
+    /// split the shape does not allow). A tensor on a device raises `ValueError`.
+    pub(crate) fn write_tensors(
+        &self,
+        py: Python<'_>,
+        mode: WriteMode,
+        keys: &[String],
+        tensors: &[Bound<'_, PyAny>],
+        config: Option<&ReplicateConfig>,
+        split: Split,
+    ) -> PyResult<Vec<i32>> {
+        let n = keys.len();
+        if self.session().is_none() || tensors.len() != n {
+            return Ok(vec![INVALID_PARAMS; n]);
+        }
+        let mut results = vec![0; n];
+        let mut inputs: Vec<Input<'_>> = Vec::with_capacity(n);
+        let mut writes = Vec::new();
+        for (i, (key, t)) in keys.iter().zip(tensors).enumerate() {
+            match tensor::input(t) {
+                Ok(input) => {
+                    match plan(i, key, &input.meta, input.ptr, split) {
+                        Some(w) => writes.extend(w),
+                        None => results[i] = INVALID_PARAMS,
+                    }
+                    inputs.push(input);
+                }
+                Err(Refusal::Invalid) => results[i] = INVALID_PARAMS,
+                Err(Refusal::Device(d)) => return Err(device_error(&d)),
+            }
+        }
+        // `inputs` keep the tensors (or their contiguous copies) alive until here.
+        let out = self.run_writes(py, mode, &writes, config, results);
+        drop(inputs);
+        Ok(out)
+    }
+
+    /// Writes the tensor objects at `buffer_ptrs[i]` (registered memory holding a
+    /// header and its elements, `sizes[i]` bytes) under `keys[i]`, whole or as
+    /// shards. Whole: any bad buffer makes every code -600 (the reference's rule);
+    /// split: only that key's.
+    pub(crate) fn write_tensors_from(
+        &self,
+        py: Python<'_>,
+        mode: WriteMode,
+        keys: &[String],
+        buffer_ptrs: &[usize],
+        sizes: &[usize],
+        split: Split,
+    ) -> Vec<i32> {
+        let n = keys.len();
+        if self.session().is_none() || buffer_ptrs.len() != n || sizes.len() != n {
+            return vec![INVALID_PARAMS; n];
+        }
+        let mut results = vec![0; n];
+        let mut writes = Vec::new();
+        for i in 0..n {
+            let meta = self.buffer_meta(buffer_ptrs[i], sizes[i]);
+            let planned = meta.and_then(|m| {
+                if split.size <= 1 {
+                    // As stored: the buffer is the object.
+                    let mut header = [0u8; META_LEN];
+                    // SAFETY: `buffer_meta` checked `sizes[i] >= META_LEN` bytes of
+                    // registered memory at the pointer.
+                    header
+                        .copy_from_slice(unsafe { std::slice::from_raw_parts(buffer_ptrs[i] as *const u8, META_LEN) });
+                    let rest = sizes[i] - META_LEN;
+                    let data = if rest == 0 { vec![] } else { vec![(buffer_ptrs[i] + META_LEN, rest)] };
+                    Some(vec![Write { of: i, key: keys[i].clone(), header, data: Data::Borrowed(data) }])
+                } else {
+                    plan(i, &keys[i], &m, buffer_ptrs[i] + m.data_offset, split)
+                }
+            });
+            match planned {
+                Some(w) => writes.extend(w),
+                None if split.size <= 1 => return vec![INVALID_PARAMS; n],
+                None => results[i] = INVALID_PARAMS,
+            }
+        }
+        self.run_writes(py, mode, &writes, None, results)
+    }
+
+    /// The tensor header of the registered buffer `[ptr, ptr + size)`, if it holds a
+    /// whole tensor object.
+    fn buffer_meta(&self, ptr: usize, size: usize) -> Option<Meta> {
+        if size < META_LEN || self.buffers().check(ptr, size).is_err() {
+            return None;
+        }
+        // SAFETY: `[ptr, ptr + size)` lies inside a registered buffer (checked above),
+        // and `size >= META_LEN`.
+        let head = unsafe { std::slice::from_raw_parts(ptr as *const u8, META_LEN) };
+        Meta::parse(head, size)
+    }
+
+    /// New tensors holding the objects under `keys` (`None` for a missing key or an
+    /// object that is not a tensor).
+    pub(crate) fn read_tensors<'py>(
+        &self,
+        py: Python<'py>,
+        keys: &[String],
+    ) -> PyResult<Vec<Option<Bound<'py, PyAny>>>> {
+        let Some(s) = self.session() else { return Ok(keys.iter().map(|_| None).collect()) };
+        let found = py.detach(|| {
+            let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+            s.store.batch_get(&keys)
+        });
+        found
+            .into_iter()
+            .map(|r| match r {
+                Ok(data) => tensor::from_object(py, &data),
+                Err(_) => Ok(None),
+            })
+            .collect()
+    }
+
+    /// Reads `keys[i]` into the registered buffer at `buffer_ptrs[i]` and returns a
+    /// tensor over its elements there (a view, not a copy), or `None`. Bad arguments
+    /// (not set up, lists of different lengths, a null pointer) give a list of -600,
+    /// as the reference's does.
+    pub(crate) fn read_tensors_into<'py>(
+        &self,
+        py: Python<'py>,
+        keys: Vec<String>,
+        buffer_ptrs: Vec<usize>,
+        sizes: Vec<usize>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let n = keys.len();
+        if self.session().is_none() || buffer_ptrs.len() != n || sizes.len() != n || buffer_ptrs.contains(&0) {
+            return PyList::new(py, vec![INVALID_PARAMS; n]);
+        }
+        let lengths = self.batch_get_into(py, keys, buffer_ptrs.clone(), sizes);
+        let out = PyList::empty(py);
+        for (i, len) in lengths.into_iter().enumerate() {
+            let t = usize::try_from(len).ok().and_then(|len| self.buffer_meta(buffer_ptrs[i], len));
+            match t {
+                Some(meta) => out.append(tensor::view(py, &meta, buffer_ptrs[i] + meta.data_offset)?)?,
+                None => out.append(py.None())?,
+            }
+        }
+        Ok(out)
+    }
+}
