@@ -15,8 +15,19 @@ use crate::error::StoreError;
 /// frees memory a reader may still be copying from, so `force` waits out the lease
 /// (the master's lease TTL, 5 s by default) instead of skipping it.
 const FORCE_DEADLINE: Duration = Duration::from_secs(30);
-/// Poll period of a forced remove.
+/// How long a remove without `force` retries an object under lease. This client's
+/// own reads give their leases back right after the read, but asynchronously (one
+/// batched message to the master), so a remove that follows a get of the same key
+/// may find the lease still there for a moment; an object another reader holds is
+/// reported `-706` after this grace.
+const OWN_LEASE_GRACE: Duration = Duration::from_millis(100);
+/// Poll period of a remove that waits for a lease.
 const FORCE_POLL: Duration = Duration::from_millis(10);
+
+/// Until when a remove retries objects under lease.
+fn lease_deadline(force: bool) -> Instant {
+    Instant::now() + if force { FORCE_DEADLINE } else { OWN_LEASE_GRACE }
+}
 
 // ---------------------------------------------------------------------------
 // ReplicateConfig
@@ -41,29 +52,48 @@ pub struct ReplicateConfig {
     /// soft-pinned instead, the strongest protection it has (evicted only when
     /// nothing else can be).
     pub with_hard_pin: bool,
-    /// Segments (by name, as [`MooncakeStore::get_hostname`] reports them) to try
-    /// first, in order; names of no segment are skipped.
+    /// Segments to try first, in order. The reference names a segment by its
+    /// client's hostname; here [`MooncakeStore::get_hostname`] of the writing client
+    /// names its own segment (the usual "write locally" preference), and this
+    /// engine's segment names (`endpoint#n`, from [`mooncake_core::Store::segment_name`])
+    /// pass through. Other names are skipped, as the reference skips names of no
+    /// segment: this layer cannot tell which other client a hostname belongs to.
     pub preferred_segments: Vec<String>,
 }
 
 impl ReplicateConfig {
-    /// The engine's configuration for these settings.
-    fn to_core(&self) -> Result<mooncake_core::ReplicateConfig, StoreError> {
-        for segment in &self.preferred_segments {
-            check_str(segment)?;
+    /// Refuses what the reference refuses before it reaches the engine: segment
+    /// names with an interior NUL.
+    fn check(&self) -> Result<(), StoreError> {
+        self.preferred_segments.iter().try_for_each(|s| check_str(s))
+    }
+
+    /// The engine's configuration for these settings, written by the client of
+    /// `session` (which names its own segment by its hostname).
+    fn to_core(&self, session: &Session) -> mooncake_core::ReplicateConfig {
+        let mut preferred: Vec<String> = Vec::with_capacity(self.preferred_segments.len());
+        for name in &self.preferred_segments {
+            let segment = match &session.segment {
+                Some(own) if *name == session.hostname || name == own => Some(own),
+                _ if name.contains('#') => Some(name),
+                _ => None,
+            };
+            if let Some(segment) = segment.filter(|s| !preferred.contains(s)) {
+                preferred.push(segment.clone());
+            }
         }
-        Ok(mooncake_core::ReplicateConfig {
+        mooncake_core::ReplicateConfig {
             replica_num: self.replica_num.max(1),
-            preferred_segments: self.preferred_segments.clone(),
+            preferred_segments: preferred,
             soft_pin: self.with_soft_pin || self.with_hard_pin,
             ..Default::default()
-        })
+        }
     }
 }
 
 /// The engine's configuration for an optional config (`None`: the defaults).
-fn core_config(config: Option<&ReplicateConfig>) -> Result<mooncake_core::ReplicateConfig, StoreError> {
-    config.map_or_else(|| Ok(mooncake_core::ReplicateConfig::default()), ReplicateConfig::to_core)
+fn core_config(config: Option<&ReplicateConfig>, session: &Session) -> mooncake_core::ReplicateConfig {
+    config.map_or_else(mooncake_core::ReplicateConfig::default, |c| c.to_core(session))
 }
 
 /// Refuses a string with an interior NUL as the reference does (its C layer builds a
@@ -96,7 +126,10 @@ fn code_of(res: mooncake_core::Result<()>) -> i32 {
 /// A connected client and the name it reports.
 struct Session {
     store: Store,
+    /// `host:port`, as `get_hostname` reports it.
     hostname: String,
+    /// The name of this client's segment at the master, if it gives memory.
+    segment: Option<String>,
 }
 
 /// A handle to a Mooncake distributed KV-cache store: the reference's
@@ -168,7 +201,9 @@ impl MooncakeStore {
     ///
     /// With `MOONCAKE_SECRET` set in the environment, it is the secret shared with
     /// the master and the other clients. Calling `setup` again leaves the master
-    /// first and joins anew.
+    /// first and joins anew. A setup refused for a string with a NUL, its protocol,
+    /// an `etcd://` address without the feature or an empty hostname changes
+    /// nothing; any other failure leaves the store not set up.
     #[allow(clippy::too_many_arguments)] // the reference's signature
     pub fn setup(
         &self,
@@ -215,7 +250,8 @@ impl MooncakeStore {
             Some((_, port)) => format!("{host}:{port}"),
             None => local_hostname.to_owned(),
         };
-        *self.session.write() = Some(Arc::new(Session { store, hostname }));
+        let segment = store.segment_name()?;
+        *self.session.write() = Some(Arc::new(Session { store, hostname, segment }));
         Ok(())
     }
 
@@ -243,9 +279,9 @@ impl MooncakeStore {
     /// [`Store::put`] says `AlreadyExists`, and [`Store::upsert`] replaces).
     pub fn put(&self, key: &str, value: &[u8], config: Option<&ReplicateConfig>) -> Result<(), StoreError> {
         check_str(key)?;
-        let cfg = core_config(config)?;
+        config.map(ReplicateConfig::check).transpose()?;
         let s = self.session()?;
-        put_result(s.store.put_with(key, value, &cfg))
+        put_result(s.store.put_with(key, value, &core_config(config, &s)))
     }
 
     /// Stores the `size` bytes at `buffer` under `key`, without an intermediate copy.
@@ -267,13 +303,13 @@ impl MooncakeStore {
         config: Option<&ReplicateConfig>,
     ) -> Result<(), StoreError> {
         check_str(key)?;
-        let cfg = core_config(config)?;
+        config.map(ReplicateConfig::check).transpose()?;
         let s = self.session()?;
         self.buffers.check(buffer as usize, size)?;
         // SAFETY: the range lies inside a registered buffer, which the caller
         // promised is valid memory of at least `size` bytes, unchanged during the call.
         let data = unsafe { std::slice::from_raw_parts(buffer as *const u8, size) };
-        put_result(s.store.put_with(key, data, &cfg))
+        put_result(s.store.put_with(key, data, &core_config(config, &s)))
     }
 
     // -----------------------------------------------------------------------
@@ -346,17 +382,20 @@ impl MooncakeStore {
     /// Removes `key`; a missing key is `OperationFailed(-704)`.
     ///
     /// While a reader holds a lease on the object, the remove fails with
-    /// `OperationFailed(-706)`; with `force`, it waits for the lease to run out (at
-    /// most the master's lease TTL, 5 s by default; it gives up after 30 s) and then
-    /// removes: this engine never frees memory a reader may still copy from, where
-    /// the reference's `force` removes at once.
+    /// `OperationFailed(-706)` (after a grace of 100 ms: this client's own reads
+    /// give their leases back right after the read, asynchronously). With `force`,
+    /// it waits for the lease to run out (at most the master's lease TTL, 5 s by
+    /// default; it gives up after 30 s) and then removes: this engine never frees
+    /// memory a reader may still copy from, where the reference's `force` removes at
+    /// once. (The reference keeps every read's lease for its whole TTL, 5 s, so a
+    /// remove right after a get fails there; here it succeeds.)
     pub fn remove(&self, key: &str, force: bool) -> Result<(), StoreError> {
         check_str(key)?;
         let s = self.session()?;
-        let deadline = Instant::now() + FORCE_DEADLINE;
+        let deadline = lease_deadline(force);
         loop {
             match s.store.remove(key) {
-                Err(Error::HasLease(_)) if force && Instant::now() < deadline => std::thread::sleep(FORCE_POLL),
+                Err(Error::HasLease(_)) if Instant::now() < deadline => std::thread::sleep(FORCE_POLL),
                 res => return Ok(res?),
             }
         }
@@ -365,14 +404,15 @@ impl MooncakeStore {
     /// Removes every key that matches the regular expression `pattern` (searched
     /// anywhere in the key, as `std::regex_search` does in the reference) and returns
     /// how many were removed. A bad expression is `InvalidArgument`. `force` as in
-    /// [`remove`](Self::remove); leased objects are otherwise skipped.
+    /// [`remove`](Self::remove); objects under a lease are otherwise skipped (after
+    /// its grace).
     pub fn remove_by_regex(&self, pattern: &str, force: bool) -> Result<i64, StoreError> {
         check_str(pattern)?;
         let s = self.session()?;
         let re = regex::Regex::new(pattern).map_err(|e| StoreError::InvalidArgument(e.to_string()))?;
         let keys = s.store.master().list_keys(usize::MAX)?;
         let mut pending: Vec<&str> = keys.iter().map(String::as_str).filter(|k| re.is_match(k)).collect();
-        let deadline = Instant::now() + FORCE_DEADLINE;
+        let deadline = lease_deadline(force);
         let mut removed = 0;
         loop {
             let answers = s.store.master().batch_remove(&pending);
@@ -383,7 +423,7 @@ impl MooncakeStore {
                 .filter(|(_, r)| matches!(r, Err(Error::HasLease(_))))
                 .map(|(k, _)| *k)
                 .collect();
-            if !force || leased.is_empty() || Instant::now() >= deadline {
+            if leased.is_empty() || Instant::now() >= deadline {
                 return Ok(removed);
             }
             pending = leased;
@@ -391,16 +431,16 @@ impl MooncakeStore {
         }
     }
 
-    /// Removes every object and returns how many were removed. Leased objects are
-    /// skipped, unless `force`: then it waits for their leases to run out (see
-    /// [`remove`](Self::remove)).
+    /// Removes every object and returns how many were removed. Objects under a
+    /// reader's lease are skipped (after the grace of [`remove`](Self::remove)),
+    /// unless `force`: then it waits for their leases to run out.
     pub fn remove_all(&self, force: bool) -> Result<i64, StoreError> {
         let s = self.session()?;
-        let deadline = Instant::now() + FORCE_DEADLINE;
+        let deadline = lease_deadline(force);
         let mut removed = 0;
         loop {
             removed += s.store.remove_all()? as i64;
-            if !force || Instant::now() >= deadline || s.store.master().list_keys(1)?.is_empty() {
+            if Instant::now() >= deadline || s.store.master().list_keys(1)?.is_empty() {
                 return Ok(removed);
             }
             std::thread::sleep(FORCE_POLL);
@@ -472,8 +512,9 @@ impl MooncakeStore {
         for key in keys {
             check_str(key)?;
         }
-        let cfg = core_config(config)?;
+        config.map(ReplicateConfig::check).transpose()?;
         let Ok(s) = self.session() else { return Ok(vec![codes::INVALID_PARAMS; count]) };
+        let cfg = core_config(config, &s);
         let mut results = vec![0; count];
         let mut valid = Vec::with_capacity(count);
         for i in 0..count {
@@ -631,22 +672,27 @@ mod tests {
 
     #[test]
     fn replicate_config_maps_to_the_engine() {
-        let cfg = ReplicateConfig::default().to_core().unwrap();
+        // An embedded master: the session's own segment is real.
+        let store = Store::builder().global_segment_size(1 << 20).build().unwrap();
+        let segment = store.segment_name().unwrap();
+        let own = segment.clone().unwrap();
+        let session = Session { store, hostname: "node-a:1234".into(), segment };
+        let cfg = ReplicateConfig::default().to_core(&session);
         assert_eq!(cfg.replica_num, 1, "0 means the default, one replica");
         assert!(!cfg.soft_pin);
         let cfg = ReplicateConfig {
             replica_num: 3,
             with_soft_pin: false,
             with_hard_pin: true,
-            preferred_segments: vec!["a:1".into(), "b:2".into()],
+            // Own hostname, unknown names, a native name, the own segment again.
+            preferred_segments: vec!["node-a:1234".into(), "seg-0".into(), "10.0.0.9:17000#2".into(), own.clone()],
         }
-        .to_core()
-        .unwrap();
+        .to_core(&session);
         assert_eq!(cfg.replica_num, 3);
         assert!(cfg.soft_pin, "a hard pin is a soft pin here");
-        assert_eq!(cfg.preferred_segments, ["a:1", "b:2"]);
+        assert_eq!(cfg.preferred_segments, [own.as_str(), "10.0.0.9:17000#2"]);
         let bad = ReplicateConfig { preferred_segments: vec!["bad\0segment".into()], ..Default::default() };
-        assert!(matches!(bad.to_core(), Err(StoreError::InvalidString(_))));
+        assert!(matches!(bad.check(), Err(StoreError::InvalidString(_))));
     }
 
     #[test]
