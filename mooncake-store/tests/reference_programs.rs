@@ -145,30 +145,45 @@ fn succeeded(what: &str, out: Output) -> (String, String) {
     (stdout, stderr)
 }
 
+/// The newest `target/<profile>/deps/{name}-{hash}{ext}`.
+fn newest_in_deps(name: &str, ext: &str) -> Option<PathBuf> {
+    std::fs::read_dir(target_dir().join("deps"))
+        .ok()?
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .filter(|p| {
+            let file = p.file_name().and_then(|f| f.to_str()).unwrap_or("");
+            let hash = file.strip_prefix(name).and_then(|r| r.strip_prefix('-'));
+            let hash = hash.and_then(|r| r.strip_suffix(ext));
+            hash.is_some_and(|h| h.len() == 16 && h.bytes().all(|b| b.is_ascii_hexdigit()))
+        })
+        .max_by_key(|p| modified(p))
+}
+
+fn modified(path: &Path) -> Option<SystemTime> {
+    path.metadata().and_then(|m| m.modified()).ok()
+}
+
 /// A program cargo built for this package: an example (`cargo test` builds them) or
 /// the newest build of another test target.
 fn built(kind: &str, name: &str) -> PathBuf {
     let path = match kind {
         "example" => target_dir().join("examples").join(name),
-        _ => std::fs::read_dir(target_dir().join("deps"))
-            .expect("target/<profile>/deps")
-            .filter_map(Result::ok)
-            .map(|e| e.path())
-            .filter(|p| {
-                let file = p.file_name().and_then(|f| f.to_str()).unwrap_or("");
-                file.strip_prefix(name)
-                    .and_then(|r| r.strip_prefix('-'))
-                    .is_some_and(|hash| {
-                        hash.len() == 16 && hash.bytes().all(|b| b.is_ascii_hexdigit())
-                    })
-            })
-            .max_by_key(|p| p.metadata().and_then(|m| m.modified()).ok())
-            .unwrap_or_default(),
+        _ => newest_in_deps(name, "").unwrap_or_default(),
     };
     assert!(
         path.is_file(),
-        "the reference's {name} is not built next to this test: run `cargo test -p mooncake_store` (it builds \
-         the examples and the test targets)"
+        "the reference's {name} is not built next to this test: run `cargo test -p mooncake_store` \
+         (it builds the examples and the test targets)"
+    );
+    // `cargo test --test reference_programs` alone does not rebuild the examples: a
+    // program older than this crate's library would test old code.
+    let lib = newest_in_deps("libmooncake_store", ".rlib");
+    assert!(
+        modified(&path) >= lib.as_deref().and_then(modified),
+        "{} is older than the mooncake_store library: run `cargo test -p mooncake_store` \
+         (it rebuilds it)",
+        path.display()
     );
     path
 }
