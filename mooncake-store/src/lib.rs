@@ -68,7 +68,7 @@
 //!   found through etcd (building needs `protoc`).
 //! - `link`, `dlopen`: the reference's backend features, accepted so that its
 //!   dependency lines resolve; they change nothing (there is nothing to link or
-//!   load). With `dlopen`, [`load_library`] exists, as in the reference.
+//!   load). With `dlopen`, `load_library` exists, as in the reference (and does nothing).
 #![deny(missing_docs)]
 #![deny(clippy::undocumented_unsafe_blocks)]
 #![deny(unsafe_op_in_unsafe_fn)]

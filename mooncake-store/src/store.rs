@@ -56,8 +56,9 @@ pub struct ReplicateConfig {
     /// client's hostname; here [`MooncakeStore::get_hostname`] of the writing client
     /// names its own segment (the usual "write locally" preference), and this
     /// engine's segment names (`endpoint#n`, from [`mooncake_core::Store::segment_name`])
-    /// pass through. Other names are skipped, as the reference skips names of no
-    /// segment: this layer cannot tell which other client a hostname belongs to.
+    /// pass through (the engine refuses one that is not mounted with
+    /// `InvalidArgument`). Other names are skipped, as the reference skips names of
+    /// no segment: this layer cannot tell which other client a hostname belongs to.
     pub preferred_segments: Vec<String>,
 }
 
