@@ -20,6 +20,7 @@
 #![deny(missing_docs)]
 #![deny(clippy::undocumented_unsafe_blocks)]
 
+mod buffer_registry;
 mod checksum;
 pub mod cluster;
 mod config;
@@ -29,6 +30,7 @@ mod master;
 pub mod rpc;
 mod store;
 
+pub use buffer_registry::BufferRegistry;
 pub use config::{parse_size, MasterConfig, PersistPolicy, Protocol, ReplicateConfig, MAX_KEY_LEN, MAX_VALUE_LEN};
 pub use daemon::{MasterDaemon, MasterDaemonBuilder};
 pub use error::{Error, Result};

@@ -12,7 +12,6 @@
 
 use pyo3::prelude::*;
 
-mod buffers;
 mod codes;
 mod config;
 mod dummy;

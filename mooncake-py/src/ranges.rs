@@ -11,9 +11,8 @@
 
 use std::collections::BTreeMap;
 
-use mooncake_core::{Error, Store};
+use mooncake_core::{BufferRegistry, Error, Store};
 
-use crate::buffers::disjoint;
 use crate::codes::{code, INVALID_PARAMS};
 
 /// One range to read: bytes `[src, src + len)` of an object into the registered
@@ -69,7 +68,7 @@ pub struct Answers {
 /// Reads `ranges` (grouped by key) through `store`. `keys` lists every key asked
 /// for, also those without a valid range (their failure still has to be reported).
 pub fn read(store: &Store, keys: &[&str], ranges: &BTreeMap<&str, Vec<Range>>) -> Answers {
-    let all_disjoint = disjoint(ranges.values().flatten().map(|r| (r.dst, r.len)).collect());
+    let all_disjoint = BufferRegistry::disjoint(ranges.values().flatten().map(|r| (r.dst, r.len)).collect());
     let plans: Vec<Plan<'_>> = keys
         .iter()
         .map(|&key| {

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use mooncake_core::{Error, Store};
+use mooncake_core::{BufferRegistry, Error, Store};
 use parking_lot::RwLock;
 use pyo3::exceptions::{PyNotImplementedError, PyTypeError};
 use pyo3::prelude::*;
@@ -13,7 +13,6 @@ use pyo3::types::{PyByteArray, PyBytes, PyDict, PyInt, PyList, PyString, PyTuple
 
 use std::collections::HashMap;
 
-use crate::buffers::{disjoint, BufferRegistry};
 use crate::codes::{self, code, put_status, status, INVALID_PARAMS};
 use crate::config::ReplicateConfig;
 use crate::handle::buffer_handle;
@@ -216,7 +215,7 @@ impl MooncakeDistributedStore {
         for i in 0..n {
             match self.buffers.check(buffer_ptrs[i], sizes[i]) {
                 Ok(()) => valid.push(i),
-                Err(c) => results[i] = c,
+                Err(e) => results[i] = code(&e),
             }
         }
         py.detach(|| {
@@ -548,7 +547,7 @@ impl MooncakeDistributedStore {
         if self.session().is_none() {
             return INVALID_PARAMS;
         }
-        self.buffers.register(buffer_ptr, size)
+        status(&self.buffers.register(buffer_ptr, size))
     }
 
     /// Forgets the buffer registered at `buffer_ptr`. Returns 0, or -600 if none is.
@@ -556,7 +555,7 @@ impl MooncakeDistributedStore {
         if self.session().is_none() {
             return INVALID_PARAMS;
         }
-        self.buffers.unregister(buffer_ptr)
+        status(&self.buffers.unregister(buffer_ptr))
     }
 
     /// Stores the `size` bytes at `buffer_ptr` (inside a registered buffer) under
@@ -571,8 +570,8 @@ impl MooncakeDistributedStore {
         config: Option<PyRef<'_, ReplicateConfig>>,
     ) -> i32 {
         let Some(s) = self.session() else { return INVALID_PARAMS };
-        if let Err(c) = self.buffers.check(buffer_ptr, size) {
-            return c;
+        if let Err(e) = self.buffers.check(buffer_ptr, size) {
+            return code(&e);
         }
         let cfg = match s.write_config(config.as_deref(), 1) {
             Ok(c) => c,
@@ -590,8 +589,8 @@ impl MooncakeDistributedStore {
     /// `size` bytes). Returns its length, or a negative code (-600 if it does not fit).
     fn get_into(&self, py: Python<'_>, key: &str, buffer_ptr: usize, size: usize) -> i64 {
         let Some(s) = self.session() else { return INVALID_PARAMS.into() };
-        if let Err(c) = self.buffers.check(buffer_ptr, size) {
-            return c.into();
+        if let Err(e) = self.buffers.check(buffer_ptr, size) {
+            return code(&e).into();
         }
         py.detach(|| {
             // SAFETY: `check` found the range inside a registered region; nothing else
@@ -705,9 +704,10 @@ impl MooncakeDistributedStore {
         if !Self::same_len(n, buffer_ptrs.len(), sizes.len()) {
             return bad;
         }
-        let checks: Vec<Result<(), i32>> = (0..n).map(|i| self.buffers.check(buffer_ptrs[i], sizes[i])).collect();
+        let checks: Vec<Result<(), i32>> =
+            (0..n).map(|i| self.buffers.check(buffer_ptrs[i], sizes[i]).map_err(|e| code(&e))).collect();
         let wanted: Vec<usize> = (0..n).filter(|&i| checks[i].is_ok()).collect();
-        let direct = disjoint(wanted.iter().map(|&i| (buffer_ptrs[i], sizes[i])).collect());
+        let direct = BufferRegistry::disjoint(wanted.iter().map(|&i| (buffer_ptrs[i], sizes[i])).collect());
         py.detach(|| {
             let keys: Vec<&str> = wanted.iter().map(|&i| keys[i].as_str()).collect();
             let found: Vec<i64> = if direct {
@@ -826,7 +826,7 @@ impl MooncakeDistributedStore {
             })
             .collect();
         let wanted: Vec<usize> = (0..n).filter(|&i| ok[i]).collect();
-        let direct = disjoint(
+        let direct = BufferRegistry::disjoint(
             wanted.iter().flat_map(|&i| all_buffer_ptrs[i].iter().copied().zip(all_sizes[i].iter().copied())).collect(),
         );
         py.detach(|| {
