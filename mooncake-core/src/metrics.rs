@@ -624,8 +624,8 @@ mod server {
                 let accepted = self.listener.accept();
                 let done = accepted.is_err();
                 if let Ok((stream, _)) = accepted {
-                    drop(stream);
                     self.stats.shed.fetch_add(1, Ordering::Relaxed);
+                    drop(stream);
                 }
                 self.spare = spare_descriptor();
                 if done {
@@ -639,8 +639,8 @@ mod server {
             self.stats.accepted.fetch_add(1, Ordering::Relaxed);
             while self.conns.len() >= self.bounds.max_connections {
                 let Some((_, oldest)) = self.conns.pop_first() else { break };
-                self.close(oldest);
                 self.stats.evicted.fetch_add(1, Ordering::Relaxed);
+                self.close(oldest);
             }
             let token = self.next_token;
             self.next_token += 1;
@@ -673,8 +673,9 @@ mod server {
                     break;
                 }
                 let conn = entry.remove();
-                self.close(conn);
+                // Counted before the close, which a client may be waiting for.
                 self.stats.timeouts.fetch_add(1, Ordering::Relaxed);
+                self.close(conn);
             }
         }
 
@@ -729,6 +730,14 @@ mod server {
                 Err(_) => return Next::Close,
             }
         }
+        if conn.request.len() > bounds.max_request_bytes {
+            // Refused whether or not its end came in the same reads.
+            stats.bad_requests.fetch_add(1, Ordering::Relaxed);
+            stats.served.fetch_add(1, Ordering::Relaxed);
+            conn.request = Vec::new();
+            conn.answer = Some((HttpResponse::text(431, "request too large\n").encode(false), 0));
+            return Next::Keep;
+        }
         let mut headers = [httparse::EMPTY_HEADER; 32];
         let mut req = httparse::Request::new(&mut headers);
         let answer = match req.parse(&conn.request) {
@@ -750,10 +759,6 @@ mod server {
                         .unwrap_or_else(|| HttpResponse::text(404, "not found\n"))
                 };
                 answer.encode(method == "HEAD")
-            }
-            Ok(httparse::Status::Partial) if conn.request.len() > bounds.max_request_bytes => {
-                stats.bad_requests.fetch_add(1, Ordering::Relaxed);
-                HttpResponse::text(431, "request too large\n").encode(false)
             }
             Ok(httparse::Status::Partial) => return if ended { Next::Close } else { Next::Keep },
             Err(_) => {
