@@ -1,5 +1,5 @@
 //! What the `mooncake-master` and `mooncake-client` binaries share: the master's
-//! Prometheus text ([`metrics`]), its segment list ([`segments`]), and a storage
+//! Prometheus text ([`metrics`]) and the bounded HTTP server that serves it ([`http`]), its segment list ([`segments`]), and a storage
 //! node's attach file ([`attach`]).
 //!
 //! This crate exists so that the library (`mooncake-core`) carries no CLI, HTTP or
@@ -9,5 +9,6 @@
 #![deny(missing_docs)]
 
 pub mod attach;
+pub mod http;
 pub mod metrics;
 pub mod segments;

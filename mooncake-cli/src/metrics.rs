@@ -1,11 +1,23 @@
 //! Prometheus text and JSON status of a master (served by `mooncake-master
-//! --metrics-listen`).
+//! --metrics-listen`), and the bounded HTTP server that serves them.
+//!
+//! The server ([`HttpServer`], in the `http` module) is one thread over one `mio`
+//! poll. It holds at most [`HttpBounds::max_connections`] connections (one more
+//! closes the oldest), gives each [`HttpBounds::request_timeout`] to send its request
+//! and take its answer, reads at most [`HttpBounds::max_request_bytes`] of it, and
+//! when the process is out of descriptors it sheds the connections queued on its
+//! listener and backs off instead of failing: whatever clients do, it costs the
+//! process a bounded number of descriptors and bytes, and the RPC listener beside it
+//! keeps its own. Answers come from counters the master keeps up to date
+//! ([`MasterStats`]), so rendering one does not grow with the number of objects.
 
 use std::fmt::Write;
 use std::sync::atomic::Ordering;
 
 use mooncake_core::rpc::{RpcServerStats, REQUEST_KINDS};
 use mooncake_core::MasterStats;
+
+use crate::http::{HttpAccess, HttpBounds, HttpResponse, HttpServer, HttpServerStats};
 
 /// Renders the master's stats (and its RPC counters, if any) in the Prometheus text
 /// exposition format.
@@ -148,4 +160,208 @@ pub fn cluster_prometheus_text(stats: &mooncake_core::cluster::MemberStats) -> S
 /// One metric in the Prometheus text format: help, type and value lines.
 fn write_metric(out: &mut String, name: &str, help: &str, kind: &str, value: f64) {
     let _ = writeln!(out, "# HELP mooncake_{name} {help}\n# TYPE mooncake_{name} {kind}\nmooncake_{name} {value}");
+}
+
+/// Renders an HTTP server's own counters in the Prometheus text format.
+pub fn http_prometheus_text(stats: &HttpServerStats) -> String {
+    let mut out = String::new();
+    let mut metric = |name: &str, help: &str, kind: &str, value: &std::sync::atomic::AtomicU64| {
+        write_metric(&mut out, name, help, kind, value.load(Ordering::Relaxed) as f64)
+    };
+    metric("http_open_connections", "Connections to the metrics listener open now.", "gauge", &stats.open);
+    metric("http_accepted_total", "Connections the metrics listener accepted.", "counter", &stats.accepted);
+    metric("http_served_total", "Requests the metrics listener answered.", "counter", &stats.served);
+    metric(
+        "http_evicted_total",
+        "Connections closed to make room for a newer one (the connection cap).",
+        "counter",
+        &stats.evicted,
+    );
+    metric(
+        "http_timeouts_total",
+        "Connections closed for not sending their request (or taking the answer) in time.",
+        "counter",
+        &stats.timeouts,
+    );
+    metric("http_bad_requests_total", "Requests malformed or too large.", "counter", &stats.bad_requests);
+    metric(
+        "http_denied_total",
+        "Requests refused for lack of the secret or a loopback peer.",
+        "counter",
+        &stats.denied,
+    );
+    metric(
+        "http_accept_failures_total",
+        "Accepts that failed (out of descriptors or memory); the listener backed off.",
+        "counter",
+        &stats.accept_failures,
+    );
+    metric(
+        "http_shed_total",
+        "Queued connections closed unserved while the process was out of descriptors.",
+        "counter",
+        &stats.shed,
+    );
+    out
+}
+
+/// The answer of the master's metrics listener to a `GET` of `path`: Prometheus text
+/// at `/metrics`, JSON at `/status` (and `/`), `None` (404) elsewhere.
+pub fn render_master(daemon: &mooncake_core::MasterDaemon, path: &str, http: &HttpServerStats) -> Option<HttpResponse> {
+    let stats = || daemon.master().stats();
+    match path {
+        "/metrics" => {
+            let mut text = prometheus_text(&stats(), Some(daemon.rpc_stats()));
+            if let Some(c) = &daemon.cluster_stats() {
+                text.push_str(&cluster_prometheus_text(c));
+            }
+            text.push_str(&http_prometheus_text(http));
+            Some(HttpResponse::ok("text/plain; version=0.0.4", text))
+        }
+        "/get_all_segments" => {
+            Some(HttpResponse::ok(crate::segments::CONTENT_TYPE, crate::segments::all_segments_text(&stats())))
+        }
+        "/status" | "/" => {
+            let mut status = serde_json::to_value(stats()).unwrap_or_default();
+            if let (Some(c), Some(map)) = (&daemon.cluster_stats(), status.as_object_mut()) {
+                map.insert("cluster".into(), serde_json::to_value(c).unwrap_or_default());
+            }
+            Some(HttpResponse::ok("application/json", serde_json::to_string_pretty(&status).unwrap_or_default()))
+        }
+        _ => None,
+    }
+}
+
+/// Serves `daemon`'s `/metrics` and `/status` on `addr` (`host:port`; port 0 picks
+/// one, see [`HttpServer::local_addr`]) until the returned server is dropped.
+pub fn serve_master(
+    addr: &str,
+    daemon: std::sync::Arc<mooncake_core::MasterDaemon>,
+    access: HttpAccess,
+    bounds: HttpBounds,
+) -> std::io::Result<HttpServer> {
+    HttpServer::bind(addr, bounds, access, move |path, http| render_master(&daemon, path, http))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::{Read, Write};
+    use std::net::TcpStream;
+    use std::sync::atomic::Ordering;
+    use std::time::{Duration, Instant};
+
+    use super::*;
+
+    /// A server answering `/ok` with "fine" (and panicking at `/panic`).
+    fn server(bounds: HttpBounds, access: HttpAccess) -> HttpServer {
+        HttpServer::bind("127.0.0.1:0", bounds, access, |path, _| match path {
+            "/ok" => Some(HttpResponse::ok("text/plain", "fine".into())),
+            "/panic" => panic!("a renderer that panics"),
+            _ => None,
+        })
+        .unwrap()
+    }
+
+    /// Sends `request` and reads the answer to its end (status code, body).
+    fn exchange(s: &HttpServer, request: &str) -> (u16, String) {
+        let mut c = TcpStream::connect(s.local_addr()).unwrap();
+        c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        c.write_all(request.as_bytes()).unwrap();
+        let mut text = String::new();
+        c.read_to_string(&mut text).unwrap();
+        let code = text.split(' ').nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+        (code, text.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or_default())
+    }
+
+    fn get(s: &HttpServer, path: &str, extra: &str) -> (u16, String) {
+        exchange(s, &format!("GET {path} HTTP/1.1\r\nHost: x\r\n{extra}\r\n"))
+    }
+
+    /// Polls `cond` for up to 5 s.
+    fn eventually(mut cond: impl FnMut() -> bool) -> bool {
+        let start = Instant::now();
+        while start.elapsed() < Duration::from_secs(5) {
+            if cond() {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        false
+    }
+
+    #[test]
+    fn answers_routes_and_refuses_what_it_should() {
+        let s = server(HttpBounds::default(), HttpAccess::default());
+        assert_eq!(get(&s, "/ok", ""), (200, "fine".into()));
+        assert_eq!(get(&s, "/ok?x=1", "").0, 200, "the query is not part of the path");
+        assert_eq!(get(&s, "/nothing", "").0, 404);
+        assert_eq!(exchange(&s, "POST /ok HTTP/1.1\r\nContent-Length: 0\r\n\r\n").0, 405);
+        assert_eq!(exchange(&s, "\x01\x02 garbage\r\n\r\n").0, 400);
+        let (code, body) = exchange(&s, "HEAD /ok HTTP/1.1\r\n\r\n");
+        assert_eq!((code, body.as_str()), (200, ""), "HEAD has no body");
+        // Just over the 8 KiB bound (all of it read, so closing sends no reset).
+        let huge = format!("GET /ok HTTP/1.1\r\nX: {}\r\n\r\n", "a".repeat(8400));
+        assert_eq!(exchange(&s, &huge).0, 431);
+        // A renderer's panic is a 500, and the server goes on.
+        assert_eq!(get(&s, "/panic", "").0, 500);
+        assert_eq!(get(&s, "/ok", "").0, 200);
+        assert_eq!(s.stats().served.load(Ordering::Relaxed), 9);
+    }
+
+    #[test]
+    fn with_a_secret_only_its_bearer_is_answered() {
+        let s = server(HttpBounds::default(), HttpAccess { secret: Some("sesame".into()), insecure: false });
+        assert_eq!(get(&s, "/ok", "").0, 401);
+        assert_eq!(get(&s, "/ok", "Authorization: Bearer other\r\n").0, 401);
+        assert_eq!(get(&s, "/ok", "authorization: Bearer sesame\r\n"), (200, "fine".into()));
+        assert_eq!(s.stats().denied.load(Ordering::Relaxed), 2);
+    }
+
+    #[test]
+    fn half_a_request_is_dropped_after_the_timeout() {
+        let bounds = HttpBounds { request_timeout: Duration::from_millis(300), ..Default::default() };
+        let s = server(bounds, HttpAccess::default());
+        let mut c = TcpStream::connect(s.local_addr()).unwrap();
+        c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        c.write_all(b"GET /ok HTTP/1.1\r\nHost: x\r\n").unwrap();
+        let start = Instant::now();
+        let mut buf = [0u8; 64];
+        // Closed without an answer (end of stream, or a reset).
+        assert_eq!(c.read(&mut buf).unwrap_or(0), 0);
+        let waited = start.elapsed();
+        assert!(waited >= Duration::from_millis(250) && waited < Duration::from_secs(3), "{waited:?}");
+        assert_eq!(s.stats().timeouts.load(Ordering::Relaxed), 1);
+        assert!(eventually(|| s.stats().open.load(Ordering::Relaxed) == 0));
+    }
+
+    #[test]
+    fn a_crowd_of_idle_connections_holds_no_more_than_the_cap_and_a_scraper_gets_in() {
+        let bounds = HttpBounds { max_connections: 8, request_timeout: Duration::from_secs(30), ..Default::default() };
+        let s = server(bounds, HttpAccess::default());
+        let idle: Vec<TcpStream> = (0..100)
+            .map(|_| {
+                let mut c = TcpStream::connect(s.local_addr()).unwrap();
+                let _ = c.write_all(b"GET /ok HTTP/1.1\r\n");
+                c
+            })
+            .collect();
+        assert!(eventually(|| s.stats().accepted.load(Ordering::Relaxed) == 100));
+        assert_eq!(s.stats().open.load(Ordering::Relaxed), 8);
+        assert_eq!(s.stats().evicted.load(Ordering::Relaxed), 92);
+        // A whole request gets its answer at once, long before the idle ones time out.
+        let start = Instant::now();
+        assert_eq!(get(&s, "/ok", ""), (200, "fine".into()));
+        assert!(start.elapsed() < Duration::from_secs(2));
+        drop(idle);
+        assert!(eventually(|| s.stats().open.load(Ordering::Relaxed) == 0), "closed by their peers");
+    }
+
+    #[test]
+    fn dropping_the_server_stops_it() {
+        let s = server(HttpBounds::default(), HttpAccess::default());
+        let addr = s.local_addr();
+        let _idle = TcpStream::connect(addr).unwrap();
+        drop(s);
+        assert!(TcpStream::connect(addr).is_err(), "the listener is closed");
+    }
 }

@@ -28,7 +28,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Parser;
-use mooncake_cli::metrics::prometheus_text;
+use mooncake_cli::{http, metrics};
 use mooncake_core::rpc::RpcServerConfig;
 use mooncake_core::{MasterConfig, MasterDaemon};
 
@@ -150,75 +150,17 @@ fn secret_from_env() -> Result<Option<String>, String> {
     }
 }
 
-/// Whether an HTTP request may read the metrics: with a secret, it must carry it as
-/// a bearer token; without one, it must come from loopback (unless insecure).
-fn metrics_allowed(req: &tiny_http::Request, secret: Option<&str>, insecure: bool) -> bool {
-    match secret {
-        Some(secret) => req.headers().iter().any(|h| {
-            h.field.equiv("Authorization")
-                && h.value.as_str().strip_prefix("Bearer ").is_some_and(|token| {
-                    // Compare keyed digests, not the strings: the time taken tells
-                    // nothing of the secret.
-                    let digest = |s: &str| mooncake_transfer::SharedSecret::new(s.as_bytes()).answer(&[0; 32]);
-                    digest(token) == digest(secret)
-                })
-        }),
-        None => insecure || req.remote_addr().is_some_and(|a| a.ip().to_canonical().is_loopback()),
-    }
-}
-
+/// Serves `/metrics` and `/status` on `addr` (a bounded server: see
+/// `mooncake_cli::http`) until the returned server is dropped.
 fn serve_metrics(
     addr: &str,
     daemon: Arc<MasterDaemon>,
     secret: Option<String>,
     insecure: bool,
-) -> Result<String, String> {
-    let server = tiny_http::Server::http(addr).map_err(|e| format!("cannot listen on {addr} for metrics: {e}"))?;
-    // Port 0 picks a free port; the caller prints the one bound.
-    let bound = server.server_addr().to_string();
-    std::thread::Builder::new()
-        .name("mooncake-metrics".into())
-        .spawn(move || {
-            for req in server.incoming_requests() {
-                if !metrics_allowed(&req, secret.as_deref(), insecure) {
-                    let (code, why) = match secret {
-                        Some(_) => (401, "send the shared secret: Authorization: Bearer <secret>\n"),
-                        None => (403, "protected mode: metrics are served to loopback clients only\n"),
-                    };
-                    let _ = req.respond(tiny_http::Response::from_string(why).with_status_code(code));
-                    continue;
-                }
-                let stats = daemon.master().stats();
-                let cluster = daemon.cluster_stats();
-                let (body, ctype) = match req.url() {
-                    "/metrics" => {
-                        let mut text = prometheus_text(&stats, Some(daemon.rpc_stats()));
-                        if let Some(c) = &cluster {
-                            text.push_str(&mooncake_cli::metrics::cluster_prometheus_text(c));
-                        }
-                        (text, "text/plain; version=0.0.4")
-                    }
-                    "/get_all_segments" => {
-                        (mooncake_cli::segments::all_segments_text(&stats), mooncake_cli::segments::CONTENT_TYPE)
-                    }
-                    "/status" | "/" => {
-                        let mut status = serde_json::to_value(&stats).unwrap_or_default();
-                        if let (Some(c), Some(map)) = (&cluster, status.as_object_mut()) {
-                            map.insert("cluster".into(), serde_json::to_value(c).unwrap_or_default());
-                        }
-                        (serde_json::to_string_pretty(&status).unwrap_or_default(), "application/json")
-                    }
-                    _ => {
-                        let _ = req.respond(tiny_http::Response::from_string("not found").with_status_code(404));
-                        continue;
-                    }
-                };
-                let header = tiny_http::Header::from_bytes("Content-Type", ctype).expect("static header is valid");
-                let _ = req.respond(tiny_http::Response::from_string(body).with_header(header));
-            }
-        })
-        .map_err(|e| e.to_string())?;
-    Ok(bound)
+) -> Result<http::HttpServer, String> {
+    let access = http::HttpAccess { secret, insecure };
+    metrics::serve_master(addr, daemon, access, http::HttpBounds::default())
+        .map_err(|e| format!("cannot listen on {addr} for metrics: {e}"))
 }
 
 fn run(args: Args) -> Result<(), String> {
@@ -274,8 +216,8 @@ fn run(args: Args) -> Result<(), String> {
     };
     // First line: where RPC listens (scripts read it); second: where metrics are.
     println!("mooncake-master listening on {}", daemon.local_addr());
-    if let Some(metrics) = metrics {
-        println!("mooncake-master metrics on {metrics}");
+    if let Some(metrics) = &metrics {
+        println!("mooncake-master metrics on {}", metrics.local_addr());
     }
     if let Some(sig) = signals.forever().next() {
         tracing::info!(sig, "shutting down");

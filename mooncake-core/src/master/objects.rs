@@ -421,19 +421,19 @@ impl MasterService {
         let hold = now + self.config.put_timeout.as_millis() as u64;
         let (mut left, mut ask) = (0u64, Vec::new());
         for shard in self.index.shards() {
-            for (k, e) in shard.lock().iter_mut() {
+            shard.lock().for_each_mut(|k, e| {
                 if !e.complete()
                     || e.disk() != 0
                     || !e.replicas.iter().any(|r| r.complete() && segments.contains(&r.segment()))
                 {
-                    continue;
+                    return;
                 }
                 left += 1;
                 if !e.offload_pending(now) {
                     e.set_offload_deadline_ms(hold);
                     ask.push(Box::<str>::from(k));
                 }
-            }
+            });
         }
         self.queue_offloads(client, ask);
         Ok(left)

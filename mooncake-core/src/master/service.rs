@@ -134,7 +134,7 @@ impl Master {
         Ok(Self { service })
     }
 
-    /// Counters and gauges of the master (walks the index: not for hot paths).
+    /// Counters and gauges of the master (kept up to date: cheap at any size).
     pub fn stats(&self) -> crate::master::types::MasterStats {
         self.service.collect_stats()
     }

@@ -254,13 +254,13 @@ impl MasterService {
     pub(crate) fn drop_upserts_of(&self, client: ClientId) {
         let now = self.now_ms();
         for shard in self.index.shards() {
-            for e in shard.lock().values_mut() {
-                let Some(u) = e.extra.as_deref_mut() else { continue };
+            shard.lock().for_each_mut(|_, e| {
+                let Some(u) = e.extra.as_deref_mut() else { return };
                 if u.staged.as_ref().is_some_and(|s| s.owner == client) {
                     u.staged = None;
                     e.tidy_upsert(now);
                 }
-            }
+            });
         }
     }
 }

@@ -57,6 +57,18 @@ fn malloc_chunk(size: usize) -> usize {
 /// one offset-allocator node per replica (the allocator keeps one for every allocated
 /// block).
 pub(crate) fn entry_heap_bytes(key: &str, e: &ObjectEntry) -> u64 {
+    key_heap_bytes(key) + entry_variable_heap_bytes(e)
+}
+
+/// The part of [`entry_heap_bytes`] fixed by the key for as long as the entry lives:
+/// the allocation holding the entry and its key.
+pub(crate) fn key_heap_bytes(key: &str) -> u64 {
+    malloc_chunk(Shard::entry_alloc_bytes(key)) as u64
+}
+
+/// The part of [`entry_heap_bytes`] that changes with the entry: its spilled replica
+/// list, its side box and the allocator nodes of its replicas.
+pub(crate) fn entry_variable_heap_bytes(e: &ObjectEntry) -> u64 {
     const ALLOCATOR_NODE: usize = 24;
     let replicas = if e.replicas.spilled() {
         malloc_chunk(e.replicas.capacity() * std::mem::size_of::<StoredReplica>())
@@ -68,7 +80,7 @@ pub(crate) fn entry_heap_bytes(key: &str, e: &ObjectEntry) -> u64 {
         malloc_chunk(std::mem::size_of::<Extra>())
             + (staged + x.retired.len()) * (std::mem::size_of::<StoredReplica>() + 8 + ALLOCATOR_NODE)
     });
-    (malloc_chunk(Shard::entry_alloc_bytes(key)) + replicas + extra + e.replicas.len() * ALLOCATOR_NODE) as u64
+    (replicas + extra + e.replicas.len() * ALLOCATOR_NODE) as u64
 }
 
 #[cfg(test)]

@@ -5,6 +5,14 @@
 //! with malloc's 8-byte header and rounding to 16 bytes) and a 16-byte slot on the
 //! key's fat pointer. Here the key lives in the entry's allocation, after a varint
 //! of its length, and a slot is one thin pointer (plus hashbrown's control byte).
+//!
+//! Each shard also keeps the totals of its entries ([`Totals`]: objects, bytes,
+//! replicas, memory), so that the master's stats add up 1024 shards instead of
+//! walking every object. Every change to an entry goes through a `&mut self` call of
+//! the shard, which accounts for it: at once for inserts, removes and the
+//! closure-based walks, and for the one entry [`Shard::get_mut`] lends out at the
+//! shard's next `&mut self` call (by then the borrow has ended, and the entry is
+//! final until the next one).
 
 use std::alloc::{alloc, dealloc, handle_alloc_error, Layout};
 use std::ptr::NonNull;
@@ -12,6 +20,7 @@ use std::ptr::NonNull;
 use hashbrown::HashTable;
 
 use crate::master::object::entry::ObjectEntry;
+use crate::master::object::index::{entry_variable_heap_bytes, key_heap_bytes};
 
 /// Bytes of the LEB128 varint of `n`.
 fn varint_len(mut n: usize) -> usize {
@@ -104,6 +113,11 @@ impl EntryBox {
         unsafe { std::str::from_utf8_unchecked(std::slice::from_raw_parts(p, n)) }
     }
 
+    /// The allocation's address: tells this entry from every other one alive.
+    fn addr(&self) -> usize {
+        self.0.as_ptr() as usize
+    }
+
     /// The key and a mutable entry at once (they do not overlap).
     pub(crate) fn parts_mut(&mut self) -> (&str, &mut ObjectEntry) {
         let (p, n) = self.key_raw();
@@ -146,16 +160,103 @@ impl Drop for EntryBox {
     }
 }
 
+/// What a set of entries adds up to: the counts the master's stats report. Sums are
+/// taken with wrapping arithmetic (an entry's part is added, later taken away
+/// again), so they are exact whatever the order.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Totals {
+    /// Entries (complete or not).
+    pub(crate) entries: u64,
+    /// Complete objects.
+    pub(crate) objects: u64,
+    /// Logical bytes of the complete objects.
+    pub(crate) object_bytes: u64,
+    /// Memory replicas (complete or not).
+    pub(crate) replicas: u64,
+    /// Bytes of keys.
+    pub(crate) key_bytes: u64,
+    /// Heap bytes behind the entries, keys included (`entry_heap_bytes`).
+    pub(crate) heap_bytes: u64,
+}
+
+impl Totals {
+    /// The part of an entry that changes with it (everything but its key's).
+    fn of_entry(e: &ObjectEntry) -> Self {
+        let complete = e.complete();
+        Self {
+            entries: 0,
+            objects: u64::from(complete),
+            object_bytes: if complete { e.len() } else { 0 },
+            replicas: e.replicas.len() as u64,
+            key_bytes: 0,
+            heap_bytes: entry_variable_heap_bytes(e),
+        }
+    }
+
+    /// The part of an entry fixed by its key while it lives (its allocation).
+    fn of_key(key: &str) -> Self {
+        Self { entries: 1, key_bytes: key.len() as u64, heap_bytes: key_heap_bytes(key), ..Self::default() }
+    }
+
+    /// Everything an entry adds.
+    fn of(key: &str, e: &ObjectEntry) -> Self {
+        let mut t = Self::of_key(key);
+        t.add(Self::of_entry(e));
+        t
+    }
+
+    /// Adds `o`.
+    pub(crate) fn add(&mut self, o: Self) {
+        self.entries = self.entries.wrapping_add(o.entries);
+        self.objects = self.objects.wrapping_add(o.objects);
+        self.object_bytes = self.object_bytes.wrapping_add(o.object_bytes);
+        self.replicas = self.replicas.wrapping_add(o.replicas);
+        self.key_bytes = self.key_bytes.wrapping_add(o.key_bytes);
+        self.heap_bytes = self.heap_bytes.wrapping_add(o.heap_bytes);
+    }
+
+    /// Takes `o` away (it was added before).
+    fn sub(&mut self, o: Self) {
+        self.entries = self.entries.wrapping_sub(o.entries);
+        self.objects = self.objects.wrapping_sub(o.objects);
+        self.object_bytes = self.object_bytes.wrapping_sub(o.object_bytes);
+        self.replicas = self.replicas.wrapping_sub(o.replicas);
+        self.key_bytes = self.key_bytes.wrapping_sub(o.key_bytes);
+        self.heap_bytes = self.heap_bytes.wrapping_sub(o.heap_bytes);
+    }
+
+    /// Takes `before` away and adds `after` (one entry changed).
+    fn replace(&mut self, before: Self, after: Self) {
+        if before != after {
+            self.sub(before);
+            self.add(after);
+        }
+    }
+}
+
+/// The entry [`Shard::get_mut`] lent out, found again by its hash and address, and
+/// what it added to the totals when lent.
+struct Lent {
+    hash: u64,
+    addr: usize,
+    before: Totals,
+}
+
 /// One shard of the index: key -> entry, with the `HashMap`-like calls the master's
-/// facets use.
+/// facets use, and the totals of its entries.
 pub(crate) struct Shard {
     table: HashTable<EntryBox>,
     hasher: ahash::RandomState,
+    /// The entries' totals, but for the changes to `lent` not yet settled.
+    totals: Totals,
+    /// The entry last handed out by `get_mut`, until the next `&mut self` call
+    /// accounts for what the borrower changed.
+    lent: Option<Lent>,
 }
 
 impl Default for Shard {
     fn default() -> Self {
-        Self { table: HashTable::new(), hasher: ahash::RandomState::new() }
+        Self { table: HashTable::new(), hasher: ahash::RandomState::new(), totals: Totals::default(), lent: None }
     }
 }
 
@@ -164,15 +265,36 @@ impl Shard {
         self.hasher.hash_one(key)
     }
 
+    /// Accounts for the changes made to the entry `get_mut` lent out. Every `&mut
+    /// self` call begins with it: by then that borrow has ended, and the entry is
+    /// still in the table (only `&mut self` calls take entries out).
+    fn settle(&mut self) {
+        let Some(lent) = self.lent.take() else { return };
+        match self.table.find(lent.hash, |e| e.addr() == lent.addr) {
+            Some(e) => self.totals.replace(lent.before, Totals::of_entry(e)),
+            None => debug_assert!(false, "a lent entry left the table unaccounted"),
+        }
+    }
+
+    /// The totals of every entry.
+    pub(crate) fn totals(&mut self) -> Totals {
+        self.settle();
+        self.totals
+    }
+
     /// The entry of `key`.
     pub(crate) fn get(&self, key: &str) -> Option<&ObjectEntry> {
         self.table.find(self.hash(key), |e| e.key() == key).map(|e| &**e)
     }
 
-    /// The entry of `key`, to change.
+    /// The entry of `key`, to change (accounted for at the shard's next `&mut self`
+    /// call).
     pub(crate) fn get_mut(&mut self, key: &str) -> Option<&mut ObjectEntry> {
+        self.settle();
         let hash = self.hash(key);
-        self.table.find_mut(hash, |e| e.key() == key).map(|e| &mut **e)
+        let e = self.table.find_mut(hash, |e| e.key() == key)?;
+        self.lent = Some(Lent { hash, addr: e.addr(), before: Totals::of_entry(e) });
+        Some(&mut **e)
     }
 
     /// Whether `key` has an entry.
@@ -182,9 +304,11 @@ impl Shard {
 
     /// Sets the entry of `key`, returning the one it replaces.
     pub(crate) fn insert(&mut self, key: &str, entry: ObjectEntry) -> Option<EntryBox> {
+        self.settle();
+        self.totals.add(Totals::of(key, &entry));
         let hash = self.hash(key);
         let hasher = &self.hasher;
-        match self.table.entry(hash, |e| e.key() == key, |e| hasher.hash_one(e.key())) {
+        let old = match self.table.entry(hash, |e| e.key() == key, |e| hasher.hash_one(e.key())) {
             hashbrown::hash_table::Entry::Occupied(mut o) => {
                 Some(std::mem::replace(o.get_mut(), EntryBox::new(key, entry)))
             }
@@ -192,20 +316,37 @@ impl Shard {
                 v.insert(EntryBox::new(key, entry));
                 None
             }
+        };
+        if let Some(old) = &old {
+            self.totals.sub(Totals::of(old.key(), old));
         }
+        old
     }
 
     /// Takes the entry of `key` out.
     pub(crate) fn remove(&mut self, key: &str) -> Option<EntryBox> {
+        self.settle();
         let hash = self.hash(key);
-        self.table.find_entry(hash, |e| e.key() == key).ok().map(|o| o.remove().0)
+        let old = self.table.find_entry(hash, |e| e.key() == key).ok().map(|o| o.remove().0)?;
+        self.totals.sub(Totals::of(old.key(), &old));
+        Some(old)
     }
 
     /// Keeps the entries for which `keep` says so (the others are dropped).
     pub(crate) fn retain(&mut self, mut keep: impl FnMut(&str, &mut ObjectEntry) -> bool) {
+        self.settle();
+        let totals = &mut self.totals;
         self.table.retain(|e| {
             let (k, e) = e.parts_mut();
-            keep(k, e)
+            let before = Totals::of_entry(e);
+            if keep(k, e) {
+                totals.replace(before, Totals::of_entry(e));
+                true
+            } else {
+                totals.sub(before);
+                totals.sub(Totals::of_key(k));
+                false
+            }
         });
     }
 
@@ -214,19 +355,20 @@ impl Shard {
         self.table.iter().map(|e| (e.key(), &**e))
     }
 
-    /// Every key and entry, to change.
-    pub(crate) fn iter_mut(&mut self) -> impl Iterator<Item = (&str, &mut ObjectEntry)> {
-        self.table.iter_mut().map(EntryBox::parts_mut)
+    /// Calls `f` with every key and entry, to change.
+    pub(crate) fn for_each_mut(&mut self, mut f: impl FnMut(&str, &mut ObjectEntry)) {
+        self.settle();
+        for e in self.table.iter_mut() {
+            let (k, e) = e.parts_mut();
+            let before = Totals::of_entry(e);
+            f(k, e);
+            self.totals.replace(before, Totals::of_entry(e));
+        }
     }
 
     /// Every entry.
     pub(crate) fn values(&self) -> impl Iterator<Item = &ObjectEntry> {
         self.table.iter().map(|e| &**e)
-    }
-
-    /// Every entry, to change.
-    pub(crate) fn values_mut(&mut self) -> impl Iterator<Item = &mut ObjectEntry> {
-        self.table.iter_mut().map(|e| &mut **e)
     }
 
     /// Number of entries.
@@ -258,6 +400,43 @@ mod tests {
     /// An entry told apart by `checksum` (the only field the model tracks).
     fn entry(value: u32) -> ObjectEntry {
         ObjectEntry::new_complete(4096, value, 0)
+    }
+
+    /// An entry whose length, completeness and side box follow from `value`, for the
+    /// totals to see all kinds.
+    fn varied_entry(value: u32) -> ObjectEntry {
+        let mut e = if value % 3 == 0 {
+            ObjectEntry::new(u64::from(value % 5000) + 1, 7, 0)
+        } else {
+            ObjectEntry::new_complete(u64::from(value % 7000) + 1, 0, 0)
+        };
+        e.checksum = value;
+        e.set_disk(u64::from(value % 2));
+        e
+    }
+
+    /// Changes what the totals count of `e`: completes it, gives it another length,
+    /// a replica (from `seg`) or a side box.
+    fn reshape(e: &mut ObjectEntry, seg: &std::sync::Arc<mooncake_alloc::SegmentAllocator>) {
+        match e.checksum % 4 {
+            0 => e.mark_complete(),
+            1 => e.set_len(u64::from(e.checksum % 9000) + 1),
+            2 => {
+                if let Some(buf) = seg.allocate(64) {
+                    e.replicas.push(crate::master::object::entry::StoredReplica::new(buf, true));
+                }
+            }
+            _ => e.set_disk(if e.disk() == 0 { 3 } else { 0 }),
+        }
+    }
+
+    /// The totals of `shard`'s entries, counted one by one.
+    fn recount(shard: &Shard) -> Totals {
+        let mut t = Totals::default();
+        for (k, e) in shard.iter() {
+            t.add(Totals::of(k, e));
+        }
+        t
     }
 
     #[derive(Clone, Debug)]
@@ -295,12 +474,13 @@ mod tests {
     proptest! {
         #[test]
         fn shard_behaves_like_a_hash_map(ops in prop::collection::vec(op(), 1..200)) {
+            let seg = mooncake_alloc::SegmentAllocator::new(1, "s", 1 << 20);
             let mut shard = Shard::default();
             let mut model: HashMap<String, u32> = HashMap::new();
             for op in ops {
                 match op {
                     Op::Insert(k, v) => {
-                        let old = shard.insert(&k, entry(v)).map(|e| e.checksum);
+                        let old = shard.insert(&k, varied_entry(v)).map(|e| e.checksum);
                         prop_assert_eq!(old, model.insert(k, v));
                     }
                     Op::Remove(k) => {
@@ -313,6 +493,7 @@ mod tests {
                     }
                     Op::Bump(k) => {
                         if let Some(e) = shard.get_mut(&k) {
+                            reshape(e, &seg);
                             e.checksum = e.checksum.wrapping_add(1);
                         }
                         if let Some(v) = model.get_mut(&k) {
@@ -327,24 +508,26 @@ mod tests {
                         model.retain(|_, v| *v % d != 0);
                     }
                     Op::BumpAll => {
-                        for (k, e) in shard.iter_mut() {
+                        shard.for_each_mut(|k, e| {
                             assert!(model.contains_key(k));
+                            reshape(e, &seg);
                             e.checksum = e.checksum.wrapping_add(1);
-                        }
+                        });
                         for v in model.values_mut() {
                             *v = v.wrapping_add(1);
                         }
                     }
                     Op::BumpValues => {
-                        for e in shard.values_mut() {
-                            e.checksum = e.checksum.wrapping_add(2);
-                        }
+                        shard.for_each_mut(|_, e| e.checksum = e.checksum.wrapping_add(2));
                         for v in model.values_mut() {
                             *v = v.wrapping_add(2);
                         }
                     }
                 }
                 prop_assert_eq!(shard.len(), model.len());
+                let counted = recount(&shard);
+                prop_assert_eq!(shard.totals(), counted, "the kept totals are the counted ones");
+                prop_assert_eq!(counted.entries as usize, model.len());
             }
             let mut seen: Vec<(String, u32)> = shard.iter().map(|(k, e)| (k.to_owned(), e.checksum)).collect();
             let mut want: Vec<(String, u32)> = model.into_iter().collect();

@@ -1,0 +1,536 @@
+//! The bounded HTTP server of the master's metrics listener: one thread over one
+//! `mio` poll, a connection cap, a deadline per request, a request-size limit, and
+//! back-off (never a panic) when the process is out of descriptors.
+
+use std::collections::BTreeMap;
+use std::io::{ErrorKind, Read, Write};
+use std::net::{Shutdown, SocketAddr};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use mio::net::{TcpListener, TcpStream};
+use mio::{Events, Interest, Poll, Token, Waker};
+
+/// What the server lets clients take of the process.
+#[derive(Clone, Copy, Debug)]
+pub struct HttpBounds {
+    /// Most connections open at once. One more closes the oldest (which has not
+    /// been answered yet: answered ones are closed at once), so a crowd of idle
+    /// connections cannot keep a scraper out, and never holds more than this many
+    /// descriptors.
+    pub max_connections: usize,
+    /// How long a connection may take from its accept to the end of its answer
+    /// (a client that sends half a request is dropped after it).
+    pub request_timeout: Duration,
+    /// Largest request head read (a larger one is answered 431).
+    pub max_request_bytes: usize,
+    /// How long the listener rests after an accept failed for lack of
+    /// descriptors or memory.
+    pub accept_backoff: Duration,
+}
+
+impl Default for HttpBounds {
+    /// 64 connections, 3 s each, 8 KiB of request, 100 ms of back-off.
+    fn default() -> Self {
+        Self {
+            max_connections: 64,
+            request_timeout: Duration::from_secs(3),
+            max_request_bytes: 8 << 10,
+            accept_backoff: Duration::from_millis(100),
+        }
+    }
+}
+
+/// Who may read the answers.
+#[derive(Clone, Debug, Default)]
+pub struct HttpAccess {
+    /// With a secret: only requests carrying `Authorization: Bearer <secret>`
+    /// (others are answered 401).
+    pub secret: Option<String>,
+    /// Without a secret: any peer (otherwise loopback peers only; others are
+    /// answered 403).
+    pub insecure: bool,
+}
+
+impl HttpAccess {
+    /// Whether a request from `peer` with `authorization` (the header's value)
+    /// may be answered; the refusal's status and text otherwise.
+    fn check(&self, peer: SocketAddr, authorization: Option<&[u8]>) -> Result<(), (u16, &'static str)> {
+        match &self.secret {
+            Some(secret) => {
+                let token = authorization.and_then(|v| v.strip_prefix(b"Bearer "));
+                // Compare keyed digests, not the strings: the time taken tells
+                // nothing of the secret.
+                let digest = |s: &[u8]| mooncake_transfer::SharedSecret::new(s).answer(&[0; 32]);
+                match token {
+                    Some(t) if digest(t) == digest(secret.as_bytes()) => Ok(()),
+                    _ => Err((401, "send the shared secret: Authorization: Bearer <secret>\n")),
+                }
+            }
+            None if self.insecure || peer.ip().to_canonical().is_loopback() => Ok(()),
+            None => Err((403, "protected mode: metrics are served to loopback clients only\n")),
+        }
+    }
+}
+
+/// Counters of an [`HttpServer`].
+#[derive(Debug, Default)]
+pub struct HttpServerStats {
+    /// Connections open now.
+    pub open: AtomicU64,
+    /// Connections accepted.
+    pub accepted: AtomicU64,
+    /// Requests answered (any status).
+    pub served: AtomicU64,
+    /// Connections closed unanswered to make room for a newer one.
+    pub evicted: AtomicU64,
+    /// Connections closed for running past the request timeout.
+    pub timeouts: AtomicU64,
+    /// Requests malformed, too large, or not `GET`/`HEAD`.
+    pub bad_requests: AtomicU64,
+    /// Requests refused (401, 403).
+    pub denied: AtomicU64,
+    /// Accepts that failed for lack of descriptors or memory.
+    pub accept_failures: AtomicU64,
+    /// Queued connections closed unserved while out of descriptors.
+    pub shed: AtomicU64,
+}
+
+/// An answer: status, content type and body.
+#[derive(Clone, Debug)]
+pub struct HttpResponse {
+    /// HTTP status code.
+    pub status: u16,
+    /// `Content-Type` header.
+    pub content_type: &'static str,
+    /// The body.
+    pub body: String,
+}
+
+impl HttpResponse {
+    /// A 200 answer.
+    pub fn ok(content_type: &'static str, body: String) -> Self {
+        Self { status: 200, content_type, body }
+    }
+
+    fn text(status: u16, body: &str) -> Self {
+        Self { status, content_type: "text/plain", body: body.to_owned() }
+    }
+
+    /// The bytes on the wire (`Connection: close`: one request per connection).
+    fn encode(&self, head_only: bool) -> Vec<u8> {
+        let reason = match self.status {
+            200 => "OK",
+            400 => "Bad Request",
+            401 => "Unauthorized",
+            403 => "Forbidden",
+            404 => "Not Found",
+            405 => "Method Not Allowed",
+            431 => "Request Header Fields Too Large",
+            _ => "Internal Server Error",
+        };
+        let mut out = format!(
+            "HTTP/1.1 {} {reason}\r\nContent-Type: {}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+            self.status,
+            self.content_type,
+            self.body.len()
+        )
+        .into_bytes();
+        if !head_only {
+            out.extend_from_slice(self.body.as_bytes());
+        }
+        out
+    }
+}
+
+/// The handler: the answer to a `GET` of a path (`None`: 404).
+type Handler = dyn Fn(&str, &HttpServerStats) -> Option<HttpResponse> + Send;
+
+const LISTENER: Token = Token(0);
+const WAKER: Token = Token(1);
+/// Tokens of connections start here and only grow: their order is the order of
+/// accepts, hence of deadlines.
+const FIRST_CONNECTION: usize = 2;
+
+/// A bounded HTTP/1 server on its own thread; stops when dropped.
+pub struct HttpServer {
+    addr: SocketAddr,
+    stats: Arc<HttpServerStats>,
+    stop: Arc<AtomicBool>,
+    waker: Arc<Waker>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for HttpServer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HttpServer").field("addr", &self.addr).finish()
+    }
+}
+
+impl HttpServer {
+    /// Listens on `addr` (`host:port`; port 0 picks one) and answers each `GET`
+    /// or `HEAD` that `access` allows with `handler(path, counters)` (the path
+    /// without its query).
+    pub fn bind(
+        addr: &str,
+        bounds: HttpBounds,
+        access: HttpAccess,
+        handler: impl Fn(&str, &HttpServerStats) -> Option<HttpResponse> + Send + 'static,
+    ) -> std::io::Result<Self> {
+        let listener = std::net::TcpListener::bind(addr)?;
+        listener.set_nonblocking(true)?;
+        let mut listener = TcpListener::from_std(listener);
+        let addr = listener.local_addr()?;
+        let poll = Poll::new()?;
+        poll.registry().register(&mut listener, LISTENER, Interest::READABLE)?;
+        let waker = Arc::new(Waker::new(poll.registry(), WAKER)?);
+        let stats = Arc::new(HttpServerStats::default());
+        let stop = Arc::new(AtomicBool::new(false));
+        let mut event_loop = EventLoop {
+            poll,
+            listener,
+            bounds: HttpBounds { max_connections: bounds.max_connections.max(1), ..bounds },
+            access,
+            handler: Box::new(handler),
+            stats: stats.clone(),
+            conns: BTreeMap::new(),
+            next_token: FIRST_CONNECTION,
+            accept_ready: true,
+            paused_until: None,
+            spare: spare_descriptor(),
+            warnings: Warnings::default(),
+        };
+        let thread_stop = stop.clone();
+        let thread =
+            std::thread::Builder::new().name("mooncake-metrics".into()).spawn(move || event_loop.run(&thread_stop))?;
+        Ok(Self { addr, stats, stop, waker, thread: Some(thread) })
+    }
+
+    /// The address it listens on.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Its counters.
+    pub fn stats(&self) -> &Arc<HttpServerStats> {
+        &self.stats
+    }
+}
+
+impl Drop for HttpServer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        let _ = self.waker.wake();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// A descriptor kept in reserve: closing it makes room to accept one queued
+/// connection and close it at once, so that clients queued while the process is
+/// out of descriptors are told so instead of waiting for a timeout.
+fn spare_descriptor() -> Option<std::fs::File> {
+    std::fs::File::open("/dev/null").ok()
+}
+
+/// One connection: its request as read so far, then its answer as written.
+struct Conn {
+    stream: TcpStream,
+    peer: SocketAddr,
+    deadline: Instant,
+    request: Vec<u8>,
+    /// The answer and how much of it is written (`None`: still reading).
+    answer: Option<(Vec<u8>, usize)>,
+}
+
+/// What to do with a connection after it made progress.
+enum Next {
+    Keep,
+    Close,
+}
+
+/// Warnings of one kind, at most one per interval (a flood of failures must not
+/// flood the log), each saying how many were left out.
+#[derive(Default)]
+struct Warnings {
+    last: Option<Instant>,
+    left_out: u64,
+}
+
+impl Warnings {
+    const INTERVAL: Duration = Duration::from_secs(10);
+
+    fn warn(&mut self, what: &str, e: &std::io::Error) {
+        let now = Instant::now();
+        if self.last.is_some_and(|t| now.duration_since(t) < Self::INTERVAL) {
+            self.left_out += 1;
+            return;
+        }
+        tracing::warn!(error = %e, left_out = self.left_out, "metrics listener: {what}");
+        self.last = Some(now);
+        self.left_out = 0;
+    }
+}
+
+struct EventLoop {
+    poll: Poll,
+    listener: TcpListener,
+    bounds: HttpBounds,
+    access: HttpAccess,
+    handler: Box<Handler>,
+    stats: Arc<HttpServerStats>,
+    /// Open connections by token: the first is the oldest.
+    conns: BTreeMap<usize, Conn>,
+    next_token: usize,
+    /// The listener may have connections queued (its readiness is edge-triggered:
+    /// no new event comes for those left after a pause).
+    accept_ready: bool,
+    /// Accepting rests until then after running out of descriptors.
+    paused_until: Option<Instant>,
+    spare: Option<std::fs::File>,
+    warnings: Warnings,
+}
+
+impl EventLoop {
+    fn run(&mut self, stop: &AtomicBool) {
+        let mut events = Events::with_capacity(256);
+        while !stop.load(Ordering::Acquire) {
+            let timeout = self.next_wakeup().map(|t| t.saturating_duration_since(Instant::now()));
+            if let Err(e) = self.poll.poll(&mut events, timeout) {
+                if e.kind() != ErrorKind::Interrupted {
+                    // Not expected of epoll_wait; rest rather than spin.
+                    self.warnings.warn("poll failed", &e);
+                    std::thread::sleep(self.bounds.accept_backoff);
+                }
+                continue;
+            }
+            for event in events.iter() {
+                match event.token() {
+                    LISTENER => self.accept_ready = true,
+                    WAKER => {}
+                    Token(token) => self.drive(token),
+                }
+            }
+            self.accept();
+            self.expire(Instant::now());
+        }
+    }
+
+    /// When the loop must wake without an event: the oldest connection's
+    /// deadline, and the end of an accept pause (at once if accepts are due).
+    fn next_wakeup(&self) -> Option<Instant> {
+        let deadline = self.conns.values().next().map(|c| c.deadline);
+        let accept = self.accept_ready.then(|| self.paused_until.unwrap_or_else(Instant::now));
+        match (deadline, accept) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    /// Accepts what the listener holds (a batch per turn, so that the
+    /// connections in hand are served too), resting after running out of
+    /// descriptors.
+    fn accept(&mut self) {
+        if !self.accept_ready || self.paused_until.is_some_and(|t| Instant::now() < t) {
+            return;
+        }
+        self.paused_until = None;
+        for _ in 0..256 {
+            match self.listener.accept() {
+                Ok((stream, peer)) => self.admit(stream, peer),
+                Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                    self.accept_ready = false;
+                    return;
+                }
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        ErrorKind::Interrupted | ErrorKind::ConnectionAborted | ErrorKind::ConnectionReset
+                    ) =>
+                {
+                    continue
+                }
+                Err(e) => {
+                    // EMFILE, ENFILE, ENOBUFS, ENOMEM: the connection stays
+                    // queued. Tell the queued clients, rest, try again.
+                    self.stats.accept_failures.fetch_add(1, Ordering::Relaxed);
+                    self.warnings.warn("cannot accept (backing off)", &e);
+                    if matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE)) {
+                        self.shed();
+                    }
+                    self.paused_until = Some(Instant::now() + self.bounds.accept_backoff);
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Out of descriptors: closes up to a batch of queued connections through the
+    /// spare descriptor.
+    fn shed(&mut self) {
+        for _ in 0..64 {
+            let Some(spare) = self.spare.take().or_else(spare_descriptor) else { return };
+            drop(spare);
+            let accepted = self.listener.accept();
+            let done = accepted.is_err();
+            if let Ok((stream, _)) = accepted {
+                self.stats.shed.fetch_add(1, Ordering::Relaxed);
+                drop(stream);
+            }
+            self.spare = spare_descriptor();
+            if done {
+                return;
+            }
+        }
+    }
+
+    /// Takes a new connection in, closing the oldest if at the cap.
+    fn admit(&mut self, mut stream: TcpStream, peer: SocketAddr) {
+        self.stats.accepted.fetch_add(1, Ordering::Relaxed);
+        while self.conns.len() >= self.bounds.max_connections {
+            let Some((_, oldest)) = self.conns.pop_first() else { break };
+            self.stats.evicted.fetch_add(1, Ordering::Relaxed);
+            self.close(oldest);
+        }
+        let token = self.next_token;
+        self.next_token += 1;
+        if self.poll.registry().register(&mut stream, Token(token), Interest::READABLE | Interest::WRITABLE).is_err() {
+            return; // Dropped: closed.
+        }
+        let conn = Conn {
+            stream,
+            peer,
+            deadline: Instant::now() + self.bounds.request_timeout,
+            request: Vec::new(),
+            answer: None,
+        };
+        self.conns.insert(token, conn);
+        self.stats.open.store(self.conns.len() as u64, Ordering::Relaxed);
+        // The request often came with the connection: no event will say so
+        // (edge-triggered readiness was taken before registering).
+        self.drive(token);
+    }
+
+    /// Closes the connections past their deadline (the oldest come first).
+    fn expire(&mut self, now: Instant) {
+        while let Some(entry) = self.conns.first_entry() {
+            if entry.get().deadline > now {
+                break;
+            }
+            let conn = entry.remove();
+            // Counted before the close, which a client may be waiting for.
+            self.stats.timeouts.fetch_add(1, Ordering::Relaxed);
+            self.close(conn);
+        }
+    }
+
+    fn close(&self, mut conn: Conn) {
+        let _ = self.poll.registry().deregister(&mut conn.stream);
+        self.stats.open.store(self.conns.len() as u64, Ordering::Relaxed);
+    }
+
+    /// Reads what connection `token` sent and answers once its request is whole;
+    /// writes what it can of the answer; closes it when done.
+    fn drive(&mut self, token: usize) {
+        let Some(conn) = self.conns.get_mut(&token) else { return };
+        let mut next = Next::Keep;
+        if conn.answer.is_none() {
+            next = read_request(conn, &self.bounds, &self.access, &*self.handler, &self.stats);
+        }
+        if matches!(next, Next::Keep) && conn.answer.is_some() {
+            next = write_answer(conn);
+        }
+        if let Next::Close = next {
+            if let Some(conn) = self.conns.remove(&token) {
+                self.close(conn);
+            }
+        }
+    }
+}
+
+/// Reads until the socket has no more; answers a whole request.
+fn read_request(
+    conn: &mut Conn,
+    bounds: &HttpBounds,
+    access: &HttpAccess,
+    handler: &Handler,
+    stats: &HttpServerStats,
+) -> Next {
+    let mut buf = [0u8; 4096];
+    let mut ended = false;
+    loop {
+        match conn.stream.read(&mut buf) {
+            Ok(0) => {
+                ended = true;
+                break;
+            }
+            Ok(n) => {
+                conn.request.extend_from_slice(&buf[..n]);
+                if conn.request.len() > bounds.max_request_bytes {
+                    break;
+                }
+            }
+            Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+            Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+            Err(_) => return Next::Close,
+        }
+    }
+    if conn.request.len() > bounds.max_request_bytes {
+        // Refused whether or not its end came in the same reads.
+        stats.bad_requests.fetch_add(1, Ordering::Relaxed);
+        stats.served.fetch_add(1, Ordering::Relaxed);
+        conn.request = Vec::new();
+        conn.answer = Some((HttpResponse::text(431, "request too large\n").encode(false), 0));
+        return Next::Keep;
+    }
+    let mut headers = [httparse::EMPTY_HEADER; 32];
+    let mut req = httparse::Request::new(&mut headers);
+    let answer = match req.parse(&conn.request) {
+        Ok(httparse::Status::Complete(_)) => {
+            let (method, target) = (req.method.unwrap_or(""), req.path.unwrap_or(""));
+            let authorization =
+                req.headers.iter().find(|h| h.name.eq_ignore_ascii_case("authorization")).map(|h| h.value);
+            let path = target.split(['?', '#']).next().unwrap_or("");
+            let answer = if method != "GET" && method != "HEAD" {
+                stats.bad_requests.fetch_add(1, Ordering::Relaxed);
+                HttpResponse::text(405, "only GET and HEAD\n")
+            } else if let Err((status, why)) = access.check(conn.peer, authorization) {
+                stats.denied.fetch_add(1, Ordering::Relaxed);
+                HttpResponse::text(status, why)
+            } else {
+                // A panic in rendering must not take the listener down with it.
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| handler(path, stats)))
+                    .unwrap_or_else(|_| Some(HttpResponse::text(500, "internal error\n")))
+                    .unwrap_or_else(|| HttpResponse::text(404, "not found\n"))
+            };
+            answer.encode(method == "HEAD")
+        }
+        Ok(httparse::Status::Partial) => return if ended { Next::Close } else { Next::Keep },
+        Err(_) => {
+            stats.bad_requests.fetch_add(1, Ordering::Relaxed);
+            HttpResponse::text(400, "bad request\n").encode(false)
+        }
+    };
+    stats.served.fetch_add(1, Ordering::Relaxed);
+    conn.request = Vec::new();
+    conn.answer = Some((answer, 0));
+    Next::Keep
+}
+
+/// Writes what the socket takes of the answer; done once it is all written.
+fn write_answer(conn: &mut Conn) -> Next {
+    let Some((answer, written)) = &mut conn.answer else { return Next::Keep };
+    while *written < answer.len() {
+        match conn.stream.write(&answer[*written..]) {
+            Ok(0) => return Next::Close,
+            Ok(n) => *written += n,
+            Err(e) if e.kind() == ErrorKind::WouldBlock => return Next::Keep,
+            Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+            Err(_) => return Next::Close,
+        }
+    }
+    let _ = conn.stream.shutdown(Shutdown::Write);
+    Next::Close
+}
