@@ -13,7 +13,7 @@ mod support;
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use mooncake_core::{Error, ReplicateConfig, Store};
+use mooncake_core::{Error, Store};
 use support::{payload, ssd_node, unique_dir, wait_until, Cluster, Proc};
 
 /// A client of the master at `addr` that gives no memory.

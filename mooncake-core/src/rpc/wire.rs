@@ -27,7 +27,7 @@ use mooncake_transfer::RemoteRegion;
 /// First bytes of every frame.
 pub const MAGIC: [u8; 4] = *b"MCRP";
 /// Protocol version spoken by this build.
-pub const VERSION: u8 = 6;
+pub const VERSION: u8 = 7;
 /// Bytes in a frame header.
 pub const HEADER_LEN: usize = 20;
 /// Default largest body accepted (64 MiB).
