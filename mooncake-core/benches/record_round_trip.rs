@@ -75,7 +75,8 @@ fn apply_records(c: &mut Criterion) {
     let server =
         RpcServer::serve_with("127.0.0.1:0", Arc::new(Records::default()), RpcServerConfig::default()).unwrap();
     let sink = RpcRecordConnector::new(None, Duration::from_secs(5)).connect(&server.local_addr().to_string()).unwrap();
-    let record = ObjectRecord { key: "bench/records/key".into(), offset: 4096, len: 1 << 20, checksum: 7, generation: 1 };
+    let record =
+        ObjectRecord { key: "bench/records/key".into(), offset: 4096, len: 1 << 20, checksum: 7, generation: 1 };
     let updates = [RecordUpdate::Added { segment: 1, record }];
     c.bench_function("records/apply_records", |b| b.iter(|| sink.apply_records(black_box(&updates)).unwrap()));
 }

@@ -350,7 +350,10 @@ mod tests {
     fn meta_strategy() -> impl Strategy<Value = BucketMeta> {
         (
             any::<u64>(),
-            proptest::collection::vec(("[a-z0-9/é]{1,40}", 1u64..100_000, any::<u32>(), 0u64..5000, any::<u64>()), 0..20),
+            proptest::collection::vec(
+                ("[a-z0-9/é]{1,40}", 1u64..100_000, any::<u32>(), 0u64..5000, any::<u64>()),
+                0..20,
+            ),
         )
             .prop_map(|(bucket_id, raw)| {
                 let mut offset = 0;

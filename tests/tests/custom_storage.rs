@@ -89,7 +89,8 @@ impl FlatFiles {
                 continue;
             };
             let value = std::fs::read(&path)?;
-            let meta = ObjectMeta { key: key.clone(), len: value.len() as u64, checksum: crc32c(&value), generation: 0 };
+            let meta =
+                ObjectMeta { key: key.clone(), len: value.len() as u64, checksum: crc32c(&value), generation: 0 };
             state.insert(meta);
         }
         Ok(FlatFiles {

@@ -226,3 +226,68 @@ impl RecordWait {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::Error;
+
+    /// A node that refuses the first `fail` frames (paused, or slow), then applies
+    /// them; `gone` says whether it is gone for good.
+    struct Flaky {
+        fail: Mutex<usize>,
+        gone: bool,
+        applied: Mutex<Vec<u64>>,
+    }
+
+    impl RecordSink for Flaky {
+        fn apply_records(&self, updates: &[RecordUpdate]) -> Result<()> {
+            let mut fail = self.fail.lock();
+            if *fail > 0 {
+                *fail -= 1;
+                return Err(Error::Timeout("paused".into()));
+            }
+            self.applied.lock().extend(updates.iter().map(RecordUpdate::generation));
+            Ok(())
+        }
+
+        fn gone(&self) -> bool {
+            self.gone
+        }
+    }
+
+    fn discard(generation: u64) -> RecordUpdate {
+        RecordUpdate::Discard { key: "k".into(), generation }
+    }
+
+    #[test]
+    fn a_failed_send_keeps_its_updates_and_they_are_delivered_once_in_order() {
+        let clock = GenClock::default();
+        let sink = Arc::new(Flaky { fail: Mutex::new(3), gone: false, applied: Mutex::default() });
+        let link = NodeLink::new(1, sink.clone());
+        let tickets: Vec<u64> = (0..5).map(|_| link.push(&clock, discard)).collect();
+        // The node does not answer the first sends: nothing is lost, nothing forgotten.
+        assert_eq!(link.wait(tickets[4], Duration::ZERO), Delivery::Pending);
+        assert!(link.failing_for() > Duration::ZERO);
+        assert!(link.has_queued());
+        // Later calls add theirs; the retries deliver everything, in queue order.
+        let last = link.push(&clock, discard);
+        assert_eq!(link.wait(last, Duration::from_secs(5)), Delivery::Done);
+        let applied = sink.applied.lock().clone();
+        assert_eq!(applied.len(), 6, "each update delivered once");
+        assert!(applied.windows(2).all(|w| w[0] < w[1]), "in the order queued, generations increasing");
+        assert_eq!(link.failing_for(), Duration::ZERO);
+    }
+
+    #[test]
+    fn a_gone_node_is_reported_and_a_closed_link_gives_back_what_it_never_delivered() {
+        let clock = GenClock::default();
+        let link =
+            NodeLink::new(1, Arc::new(Flaky { fail: Mutex::new(usize::MAX), gone: true, applied: Mutex::default() }));
+        let t = link.push(&clock, discard);
+        assert_eq!(link.wait(t, Duration::from_secs(5)), Delivery::Gone);
+        let left = link.close();
+        assert_eq!(left.len(), 1);
+        assert_eq!(link.wait(t, Duration::from_secs(5)), Delivery::Closed);
+    }
+}

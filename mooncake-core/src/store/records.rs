@@ -67,18 +67,13 @@ impl Applied {
         let generation = u.generation();
         let (offset, record) = match u {
             RecordUpdate::Added { record, .. } => (record.offset, Some(record)),
-            RecordUpdate::Removed { key, offset, .. } => {
-                // A removal names the object it removes: another one now at the
-                // offset (placed after it) stays.
-                if self.by_offset.get(&offset).is_some_and(|s| s.record.as_ref().is_some_and(|r| r.key != key)) {
-                    return;
-                }
-                (offset, None)
-            }
+            // Whatever the offset holds with an older generation predates the removal
+            // (the master frees space only after queueing its removal).
+            RecordUpdate::Removed { offset, .. } => (offset, None),
             RecordUpdate::Discard { .. } => return,
         };
         let slot = self.by_offset.entry(offset).or_insert(Slot { generation: 0, record: None });
-        if generation <= slot.generation && slot.generation != 0 {
+        if generation <= slot.generation {
             return;
         }
         let was_cleared = slot.generation != 0 && slot.record.is_none();
@@ -96,8 +91,7 @@ impl Applied {
 
     /// Forgets the older half of the emptied offsets.
     fn forget_oldest_cleared(&mut self) {
-        let mut gens: Vec<u64> =
-            self.by_offset.values().filter(|s| s.record.is_none()).map(|s| s.generation).collect();
+        let mut gens: Vec<u64> = self.by_offset.values().filter(|s| s.record.is_none()).map(|s| s.generation).collect();
         let mid = gens.len() / 2;
         let (_, &mut cut, _) = gens.select_nth_unstable(mid);
         self.by_offset.retain(|_, s| s.record.is_some() || s.generation > cut);
@@ -197,5 +191,79 @@ impl RpcHandler for SegmentRecords {
     /// it: answered on the event-loop thread, without a hop to a worker and back.
     fn answers_inline(&self, kind: usize) -> bool {
         kind == Request::APPLY_RECORDS_KIND
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// A change the master makes at one of a few offsets, in its order.
+    fn changes() -> impl Strategy<Value = Vec<(bool, u8, u8)>> {
+        proptest::collection::vec((any::<bool>(), 0u8..3, 0u8..4), 1..40)
+    }
+
+    /// The updates a master sends for `changes` (an add where the offset is free, a
+    /// removal of what it holds), with increasing generations.
+    fn updates_of(segment: SegmentId, changes: &[(bool, u8, u8)]) -> Vec<RecordUpdate> {
+        let mut held: HashMap<u64, String> = HashMap::new();
+        let mut out = Vec::new();
+        for (i, &(add, slot, key)) in changes.iter().enumerate() {
+            let (offset, generation) = (u64::from(slot) * 64, 100 + i as u64);
+            match (add, held.get(&offset)) {
+                (true, None) => {
+                    let key = format!("k{key}-{i}");
+                    held.insert(offset, key.clone());
+                    let record = ObjectRecord { key, offset, len: 1, checksum: 0, generation };
+                    out.push(RecordUpdate::Added { segment, record });
+                }
+                (false, Some(_)) => {
+                    let key = held.remove(&offset).unwrap();
+                    out.push(RecordUpdate::Removed { segment, key, offset, generation });
+                }
+                _ => {}
+            }
+        }
+        out
+    }
+
+    fn state(r: &SegmentRecords) -> Vec<(u64, String)> {
+        let mut v: Vec<(u64, String)> = r.snapshot().into_iter().map(|r| (r.offset, r.key)).collect();
+        v.sort();
+        v
+    }
+
+    proptest! {
+        /// Whatever the order updates arrive in, however often each arrives (a frame
+        /// sent again after a timeout, a late copy, heartbeat answers overtaken by the
+        /// record endpoint), the records end as the master's order leaves them.
+        #[test]
+        fn records_end_as_the_masters_order_leaves_them(
+            changes in changes(),
+            order in proptest::collection::vec(any::<u16>(), 0..80),
+            foreign in any::<bool>(),
+        ) {
+            let updates = updates_of(7, &changes);
+            let in_order = SegmentRecords::new(7);
+            in_order.apply(updates.clone());
+            // Every update at least once, then the `order` picks in any order.
+            let mut arrivals: Vec<RecordUpdate> = updates.clone();
+            for pick in &order {
+                if !updates.is_empty() {
+                    let u = updates[*pick as usize % updates.len()].clone();
+                    arrivals.insert(*pick as usize % (arrivals.len() + 1), u);
+                }
+            }
+            if foreign {
+                // Changes of another segment (an old mount) change nothing.
+                arrivals.extend(updates_of(8, &changes));
+            }
+            let shuffled = SegmentRecords::new(7);
+            for chunk in arrivals.chunks(3) {
+                shuffled.apply(chunk.to_vec());
+            }
+            prop_assert_eq!(state(&shuffled), state(&in_order));
+        }
     }
 }

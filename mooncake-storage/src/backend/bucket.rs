@@ -9,8 +9,8 @@ use parking_lot::{Mutex, RwLock};
 
 use super::files::{remove_file_quiet, write_file_atomic};
 use super::skeleton::{
-    batch_results, bytes_over, checked_load, split_generations, validate_batch, BackendCore, CachedFile, Layout, Pinned, Pins, ReadPin,
-    Usage, Victims,
+    batch_results, bytes_over, checked_load, split_generations, validate_batch, BackendCore, CachedFile, Layout,
+    Pinned, Pins, ReadPin, Usage, Victims,
 };
 use super::{BackendOptions, BackendStats, DiskEvictionReport, ObjectMeta, StorageBackend};
 use crate::error::{Result, StorageError};
@@ -697,7 +697,13 @@ impl<'o, 'a> BucketWriter<'o, 'a> {
     }
 
     fn entry(&mut self, key: &str, len: usize, checksum: u32) {
-        self.entries.push(BucketEntry { key: key.to_owned(), offset: self.off, len: len as u64, checksum, generation: 0 });
+        self.entries.push(BucketEntry {
+            key: key.to_owned(),
+            offset: self.off,
+            len: len as u64,
+            checksum,
+            generation: 0,
+        });
         self.off += align_up(len as u64);
     }
 

@@ -10,9 +10,8 @@ use xxhash_rust::xxh64::xxh64;
 
 use super::files::{remove_file_quiet, sync_dir};
 use super::skeleton::{
-    split_generations,
-    batch_results, bytes_over, checked_load, validate_batch, BackendCore, CachedFile, Layout, Pinned, Pins, ReadPin,
-    Usage, Victims,
+    batch_results, bytes_over, checked_load, split_generations, validate_batch, BackendCore, CachedFile, Layout,
+    Pinned, Pins, ReadPin, Usage, Victims,
 };
 use super::{BackendOptions, BackendStats, DiskEvictionReport, ObjectMeta, StorageBackend};
 use crate::error::{Result, StorageError};

@@ -12,8 +12,8 @@ use xxhash_rust::xxh64::xxh64;
 
 use super::files::sync_dir;
 use super::skeleton::{
-    split_generations,
-    batch_results, checked_load, validate_batch, BackendCore, Layout, Pinned, Pins, ReadPin, Usage, Victims,
+    batch_results, checked_load, split_generations, validate_batch, BackendCore, Layout, Pinned, Pins, ReadPin, Usage,
+    Victims,
 };
 use super::{BackendOptions, BackendStats, DiskEvictionReport, ObjectMeta, StorageBackend};
 use crate::error::{Result, StorageError};
@@ -458,8 +458,7 @@ impl StorageBackend for OffsetAllocatorBackend {
                 continue;
             }
             let unit = self.next_unit.fetch_add(1, Ordering::Relaxed);
-            let meta =
-                ObjectMeta { key: h.key.clone(), len: h.value_len, checksum: h.value_crc, generation: gens[i] };
+            let meta = ObjectMeta { key: h.key.clone(), len: h.value_len, checksum: h.value_crc, generation: gens[i] };
             let rec = Rec {
                 unit,
                 meta: meta.clone(),
