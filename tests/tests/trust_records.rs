@@ -6,7 +6,9 @@
 //! - a remove acknowledged with eager persistence stays removed through an immediate
 //!   `kill -9` of the master (the node deleted the file before the acknowledgment);
 //! - an SSD node forgotten and returning after its keys were put again and removed
-//!   serves none of its old bytes (generations).
+//!   serves none of its old bytes (generations);
+//! - a node paused past its TTL re-joins with the objects it holds, except those put
+//!   again or removed meanwhile.
 
 mod support;
 
@@ -119,6 +121,41 @@ fn a_node_paused_for_3_s_with_removes_in_flight_loses_nothing() {
     c.restart_master();
     wait_until(Duration::from_secs(10), || status_number(&c, "segments") == Some(2));
     check(&client(&c.master_addr), "after kill -9 of the master");
+}
+
+#[test]
+fn a_node_paused_past_its_ttl_rejoins_with_what_nothing_superseded() {
+    let mut c = Cluster::start(&["--client-ttl-ms", "1000", "--default-lease-ms", "1"], 1);
+    let store = client(&c.master_addr);
+    let len = 4096;
+    let n = 30;
+    // Everything on node 0, then a second node joins.
+    for i in 0..n {
+        store.put(&format!("p/{i}"), &value(i, 1, len)).unwrap();
+    }
+    c.add_node(&[], "127.0.0.1:0");
+    c.nodes[0].signal("STOP");
+    // Forgotten by its TTL: its objects are gone from the master.
+    wait_until(Duration::from_secs(10), || !store.exists("p/0").unwrap_or(true));
+    // Meanwhile p/0..10 are put again (on node 1), and p/5..10 removed after that.
+    for i in 0..10 {
+        store.put(&format!("p/{i}"), &value(i, 2, len)).unwrap();
+    }
+    for i in 5..10 {
+        store.remove(&format!("p/{i}")).unwrap();
+    }
+    c.nodes[0].signal("CONT");
+    // Node 0 re-joins with its records: what nothing superseded comes back.
+    wait_until(Duration::from_secs(10), || (10..n).all(|i| store.exists(&format!("p/{i}")).unwrap_or(false)));
+    for i in 0..n {
+        let got = get_settled(&store, &format!("p/{i}"));
+        match i {
+            0..5 => assert!(got.unwrap() == value(i, 2, len), "p/{i}: not the later put's bytes"),
+            5..10 => assert!(got.is_none(), "p/{i}: removed, back with its old bytes"),
+            _ => assert!(got.unwrap() == value(i, 1, len), "p/{i}: wrong bytes"),
+        }
+    }
+    assert!(status_number(&c, "stale_copies").unwrap() >= 5, "{}", c.status());
 }
 
 #[test]

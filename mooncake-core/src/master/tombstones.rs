@@ -13,15 +13,16 @@
 //!   *lingering*: such copies are good until the key is put or removed again, which
 //!   turns the tombstone into a removal's.
 //!
-//! At most [`MAX_TOMBSTONES`] are kept, oldest first out; forgetting one raises its
-//! shard's *floor* to the current generation: an offered copy of a key without a
-//! tombstone is admitted only if it is newer than the floor. So forgetting errs on the
-//! safe side: an old copy whose key's history was forgotten is refused (its node
-//! deletes it), never taken for the current object.
+//! At most [`MAX_TOMBSTONES`] are kept (each key once, plus 8 bytes of order), oldest
+//! first out; forgetting one raises its shard's *floor* to the current generation: an
+//! offered copy of a key without a tombstone is admitted only if it is newer than the
+//! floor. So forgetting errs on the safe side: an old copy whose key's history was
+//! forgotten is refused (its node deletes it), never taken for the current object.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
 
+use hashbrown::HashTable;
 use parking_lot::Mutex;
 
 use crate::master::generations::GenClock;
@@ -40,13 +41,20 @@ const LINGERING: u64 = 0;
 /// The tombstones of one shard of keys.
 #[derive(Default)]
 struct Shard {
-    /// Key -> generation of its last removal or put after it lingered (or [`LINGERING`]).
-    marks: ahash::HashMap<Box<str>, u64>,
-    /// Insertion order, to forget the oldest beyond [`PER_SHARD`].
-    order: VecDeque<Box<str>>,
+    /// (key, generation of its last removal or put after it lingered, or
+    /// [`LINGERING`]), found by the key's hash: the key is kept once.
+    marks: HashTable<(Box<str>, u64)>,
+    /// Hashes of the keys in insertion order, to forget the oldest beyond [`PER_SHARD`].
+    order: VecDeque<u64>,
     /// Copies of keys without a mark are admitted only if newer than this (0: no mark
     /// was ever forgotten here).
     floor: u64,
+}
+
+impl Shard {
+    fn get_mut(&mut self, hash: u64, key: &str) -> Option<&mut u64> {
+        self.marks.find_mut(hash, |(k, _)| &**k == key).map(|(_, m)| m)
+    }
 }
 
 /// The tombstones of a master (see the module docs).
@@ -68,24 +76,32 @@ impl Default for Tombstones {
 }
 
 impl Tombstones {
-    fn shard(&self, key: &str) -> &Mutex<Shard> {
-        &self.shards[(self.router.hash_one(key) as usize) % SHARDS]
+    /// The key's hash and its shard (the shard from the hash's high bits, the table
+    /// slot from the low ones).
+    fn shard(&self, key: &str) -> (u64, &Mutex<Shard>) {
+        let hash = self.router.hash_one(key);
+        (hash, &self.shards[((hash >> 48) as usize) % SHARDS])
     }
 
     /// Sets `key`'s mark with `update` (given the current one, if any), making room.
     fn mark(&self, key: &str, clock: &GenClock, update: impl FnOnce(Option<u64>) -> u64) {
-        let mut shard = self.shard(key).lock();
-        match shard.marks.get_mut(key) {
+        let (hash, shard) = self.shard(key);
+        let mut shard = shard.lock();
+        match shard.get_mut(hash, key) {
             Some(m) => *m = update(Some(*m)),
             None => {
                 let value = update(None);
-                shard.marks.insert(key.into(), value);
-                shard.order.push_back(key.into());
+                let router = &self.router;
+                shard.marks.insert_unique(hash, (key.into(), value), |(k, _)| router.hash_one(&**k));
+                shard.order.push_back(hash);
                 while shard.order.len() > PER_SHARD {
-                    if let Some(old) = shard.order.pop_front() {
-                        shard.marks.remove(&old);
-                        shard.floor = clock.next();
+                    let Some(old) = shard.order.pop_front() else { break };
+                    // The oldest key of that hash (two keys sharing 64 bits of hash
+                    // would only make one forgotten early: the floor covers it).
+                    if let Ok(entry) = shard.marks.find_entry(old, |(k, _)| router.hash_one(&**k) == old) {
+                        entry.remove();
                     }
+                    shard.floor = clock.next();
                 }
             }
         }
@@ -108,7 +124,8 @@ impl Tombstones {
     /// linger, they are refused from now on (nothing to remember otherwise).
     pub(crate) fn supersede_if_marked(&self, key: &str, generation: u64) {
         if self.any.load(Ordering::Acquire) {
-            if let Some(m) = self.shard(key).lock().marks.get_mut(key) {
+            let (hash, shard) = self.shard(key);
+            if let Some(m) = shard.lock().get_mut(hash, key) {
                 *m = (*m).max(generation);
             }
         }
@@ -120,10 +137,11 @@ impl Tombstones {
         if !self.any.load(Ordering::Acquire) {
             return true;
         }
-        let shard = self.shard(key).lock();
-        match shard.marks.get(key) {
-            Some(&LINGERING) => true,
-            Some(&removed) => generation > removed,
+        let (hash, shard) = self.shard(key);
+        let mut shard = shard.lock();
+        match shard.get_mut(hash, key).copied() {
+            Some(LINGERING) => true,
+            Some(removed) => generation > removed,
             // A file of a version without generations (0) is taken by a master that
             // never forgot a mark here, as before generations existed.
             None => shard.floor == 0 || generation > shard.floor,
@@ -217,7 +235,7 @@ mod tests {
         let old = clock.next();
         assert!(t.admits("k", old) && t.admits("k", 0), "nothing known: everything admitted");
         // Fill one shard past its bound: its oldest marks are forgotten.
-        let shard_of = |k: &str| (t.router.hash_one(k) as usize) % SHARDS;
+        let shard_of = |k: &str| ((t.router.hash_one(k) >> 48) as usize) % SHARDS;
         let target = shard_of("k");
         let mut n = 0;
         let mut i = 0u64;
