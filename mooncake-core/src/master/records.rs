@@ -67,19 +67,17 @@ impl MasterService {
             link.close();
             return Err(Error::UnknownClient(client));
         };
-        // Updates queued for the heartbeats go first, in order (their generations are
-        // older than any the link stamps).
+        // Under the heartbeat queue's lock, which every update takes first: none is
+        // queued while the link changes.
         let mut updates = rec.updates.lock();
-        for u in updates.drain(..) {
+        let old = rec.link.lock().take();
+        // What an earlier endpoint of the node did not deliver goes first, then what
+        // waited for the heartbeats, in order (their generations are older than any the
+        // new link stamps).
+        for u in old.map(|old| old.close()).unwrap_or_default().into_iter().chain(updates.drain(..)) {
             let _ = link.push(&self.gens, |_| u);
         }
-        if let Some(old) = rec.link.lock().replace(link) {
-            // The node announced a new endpoint: what the old one did not deliver goes
-            // through the new one.
-            for u in old.close() {
-                let _ = rec.link.lock().as_ref().map(|l| l.push(&self.gens, |_| u));
-            }
-        }
+        *rec.link.lock() = Some(link);
         Ok(())
     }
 
@@ -298,5 +296,47 @@ impl MasterService {
             }
         }
         Ok(keys)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use parking_lot::Mutex;
+
+    use super::*;
+    use crate::config::{MasterConfig, ReplicateConfig};
+    use crate::master::Master;
+
+    /// A node's records, as the master tells them.
+    #[derive(Default)]
+    struct Seen(Mutex<Vec<RecordUpdate>>);
+
+    impl RecordSink for Seen {
+        fn apply_records(&self, updates: &[RecordUpdate]) -> Result<()> {
+            self.0.lock().extend_from_slice(updates);
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_node_announcing_a_new_endpoint_gets_its_changes_there() {
+        let master = Master::new(MasterConfig { track_records: true, ..Default::default() }).unwrap();
+        let c = master.register_client().unwrap().client;
+        let region = RemoteRegion { endpoint: "local://n".into(), region: 1 };
+        master.mount_segment(c, &region, 1 << 20).unwrap();
+        let (first, second) = (Arc::new(Seen::default()), Arc::new(Seen::default()));
+        master.attach_records(c, first.clone()).unwrap();
+        master.put_start(c, "a", 10, &ReplicateConfig::default()).unwrap();
+        master.put_end(c, "a", 1).unwrap();
+        master.attach_records(c, second.clone()).unwrap();
+        master.put_start(c, "b", 10, &ReplicateConfig::default()).unwrap();
+        master.put_end(c, "b", 2).unwrap();
+        master.remove("a").unwrap();
+        let keys = |s: &Seen| s.0.lock().iter().map(|u| u.key().to_owned()).collect::<Vec<_>>();
+        assert_eq!(keys(&first), ["a"]);
+        assert_eq!(keys(&second), ["b", "a"]);
+        let gens: Vec<u64> =
+            first.0.lock().iter().chain(second.0.lock().iter()).map(RecordUpdate::generation).collect();
+        assert!(gens.windows(2).all(|w| w[0] < w[1]), "generations increase in the order changes were queued");
     }
 }

@@ -243,9 +243,10 @@ pub struct ClientRegistration {
     pub client: ClientId,
     /// The master expires clients silent for this long (ms); heartbeat well within it.
     pub client_ttl_ms: u64,
-    /// Random for each start of a master. A client that must register again with the
-    /// same incarnation was forgotten by a master that kept running (its records are
-    /// stale); with another one, the master restarted and wants its records back.
+    /// Random for each start of a master: a client that must register again with the
+    /// same incarnation was forgotten by a master that kept running, with another one
+    /// the master restarted. Either way the client offers its records back (the master
+    /// refuses those a later removal or put superseded, by their generations).
     pub incarnation: u64,
 }
 
