@@ -125,7 +125,7 @@ fn a_node_paused_for_3_s_with_removes_in_flight_loses_nothing() {
 
 #[test]
 fn a_node_paused_past_its_ttl_rejoins_with_what_nothing_superseded() {
-    let mut c = Cluster::start(&["--client-ttl-ms", "1000", "--default-lease-ms", "1"], 1);
+    let mut c = Cluster::start(&["--client-ttl-ms", "2000", "--default-lease-ms", "1"], 1);
     let store = client(&c.master_addr);
     let len = 4096;
     let n = 30;
@@ -202,7 +202,7 @@ fn removes_acknowledged_with_eager_persistence_survive_kill_9_of_the_master() {
 
 #[test]
 fn a_forgotten_ssd_node_returning_after_a_reput_and_remove_serves_no_old_bytes() {
-    let c = Cluster::start(&["--persist", "eager", "--client-ttl-ms", "1000", "--default-lease-ms", "1"], 0);
+    let c = Cluster::start(&["--persist", "eager", "--client-ttl-ms", "2000", "--default-lease-ms", "1"], 0);
     let ssd = unique_dir("trust-generations");
     let ssd2 = unique_dir("trust-generations-2");
     let mut node1 = ssd_node(&c.master_addr, &ssd, "256MiB");
