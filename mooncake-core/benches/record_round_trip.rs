@@ -37,6 +37,7 @@ impl RpcHandler for Records {
                     RecordUpdate::Removed { offset, .. } => {
                         map.remove(&offset);
                     }
+                    RecordUpdate::Discard { .. } => {}
                 }
             }
         }
@@ -77,7 +78,8 @@ fn apply_records(c: &mut Criterion) {
         RpcServerConfig { secret: Some(mooncake_core::rpc::record_endpoint_secret(&key)), ..Default::default() };
     let server = RpcServer::serve_with("127.0.0.1:0", Arc::new(Records::default()), config).unwrap();
     let sink = RpcRecordConnector::new(Duration::from_secs(5)).connect(&server.local_addr().to_string(), &key).unwrap();
-    let record = ObjectRecord { key: "bench/records/key".into(), offset: 4096, len: 1 << 20, checksum: 7 };
+    let record =
+        ObjectRecord { key: "bench/records/key".into(), offset: 4096, len: 1 << 20, checksum: 7, generation: 1 };
     let updates = [RecordUpdate::Added { segment: 1, record }];
     c.bench_function("records/apply_records", |b| b.iter(|| sink.apply_records(black_box(&updates)).unwrap()));
 }

@@ -176,9 +176,11 @@ pub struct MasterConfig {
     /// Longest time a put waits for offloads to make room in memory, when every
     /// object that could be evicted is still waiting to reach an SSD (default 10 s).
     pub offload_wait: Duration,
-    /// Longest time a put or remove waits for a storage node to record the change
-    /// (when the node serves a record endpoint); a node that does not answer in time is
-    /// forgotten, as on expiry (default 2 s).
+    /// Longest wait for one delivery of record changes to a storage node (when the
+    /// node serves a record endpoint); a delivery that does not answer in time is sent
+    /// again, and the put or remove keeps waiting. A node is forgotten only by liveness:
+    /// gone (its endpoint refuses connections), silent for `client_ttl`, or its
+    /// deliveries failing for `client_ttl` (default 2 s).
     pub record_timeout: Duration,
 }
 

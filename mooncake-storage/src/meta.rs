@@ -14,14 +14,22 @@ pub const MAX_KEY_LEN: usize = 4096;
 pub(crate) const DISK_ALIGN: u64 = 4096;
 
 const BUCKET_MAGIC: &[u8; 8] = b"MCBKMETA";
-const BUCKET_VERSION: u32 = 1;
+/// The version written. Version 1 (no generations) is still read: its entries have
+/// generation 0, older than any the store hands out.
+const BUCKET_VERSION: u32 = 2;
 const BUCKET_FIXED: usize = 8 + 4 + 4 + 8 + 8 + 4;
+/// Bytes of the smallest entry of a version-1 meta (a one-byte key); version 2 adds
+/// 8 (the generation).
 const ENTRY_MIN: usize = 4 + 1 + 8 + 8 + 4;
 
 const HEADER_MAGIC: &[u8; 4] = b"MCOH";
-const HEADER_VERSION: u16 = 1;
-/// Bytes of the fixed part of a [`RecordHeader`] (before the key).
-pub(crate) const RECORD_HEADER_FIXED: usize = 36;
+/// Version 1: no generation; version 2: a generation before the header checksum.
+const HEADER_VERSION_1: u16 = 1;
+const HEADER_VERSION_2: u16 = 2;
+/// Bytes of the fixed part of a version-1 [`RecordHeader`] (before the key).
+pub(crate) const RECORD_HEADER_FIXED_V1: usize = 36;
+/// Bytes of the fixed part of a version-2 [`RecordHeader`] (before the key).
+pub(crate) const RECORD_HEADER_FIXED: usize = 44;
 
 /// `x` rounded up to a multiple of [`DISK_ALIGN`].
 pub(crate) fn align_up(x: u64) -> u64 {
@@ -47,6 +55,9 @@ pub struct BucketEntry {
     pub len: u64,
     /// crc32c of the value.
     pub checksum: u32,
+    /// The object's generation, as the writer handed it (0: none; every entry of a
+    /// version-1 meta file). See [`ObjectMeta::generation`](crate::ObjectMeta::generation).
+    pub generation: u64,
 }
 
 /// The content of a bucket's `.meta` file.
@@ -55,7 +66,7 @@ pub struct BucketEntry {
 ///
 /// ```text
 /// magic      8 B   "MCBKMETA"
-/// version    u32   1
+/// version    u32   2 (1 is still read)
 /// flags      u32   0 (anything else is rejected)
 /// bucket_id  u64
 /// data_len   u64   length of the data the `.bucket` file must hold
@@ -66,11 +77,12 @@ pub struct BucketEntry {
 ///   offset   u64   of the value in the `.bucket` file
 ///   len      u64   of the value (>= 1)
 ///   checksum u32   crc32c of the value
+///   generation u64 the object's generation (version 2 only; version 1 reads as 0)
 /// }
 /// crc        u32   crc32c of every byte before it
 /// ```
 /// Entries are sorted by offset, do not overlap, lie within `data_len`, and have
-/// distinct keys.
+/// distinct keys. [`encode`](Self::encode) always writes version 2.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BucketMeta {
     /// The bucket's id (also its file name).
@@ -85,7 +97,7 @@ impl BucketMeta {
     /// Serializes to the meta-file format (see [`BucketMeta`]).
     pub fn encode(&self) -> Vec<u8> {
         let mut out = Vec::with_capacity(
-            BUCKET_FIXED + 4 + self.entries.iter().map(|e| ENTRY_MIN - 1 + e.key.len()).sum::<usize>(),
+            BUCKET_FIXED + 4 + self.entries.iter().map(|e| ENTRY_MIN + 8 - 1 + e.key.len()).sum::<usize>(),
         );
         out.extend_from_slice(BUCKET_MAGIC);
         out.extend_from_slice(&BUCKET_VERSION.to_le_bytes());
@@ -99,6 +111,7 @@ impl BucketMeta {
             out.extend_from_slice(&e.offset.to_le_bytes());
             out.extend_from_slice(&e.len.to_le_bytes());
             out.extend_from_slice(&e.checksum.to_le_bytes());
+            out.extend_from_slice(&e.generation.to_le_bytes());
         }
         let crc = crc32c::crc32c(&out);
         out.extend_from_slice(&crc.to_le_bytes());
@@ -163,9 +176,10 @@ pub fn parse_bucket_meta(bytes: &[u8]) -> Result<BucketMeta> {
         return Err(StorageError::corrupted(WHAT, "bad magic"));
     }
     let version = c.u32()?;
-    if version != BUCKET_VERSION {
-        return Err(StorageError::corrupted(WHAT, format!("unknown version {version}")));
+    if version != 1 && version != BUCKET_VERSION {
+        return Err(StorageError::corrupted(WHAT, format!("unknown version {version} (this build reads 1 and 2)")));
     }
+    let entry_min = if version == 1 { ENTRY_MIN } else { ENTRY_MIN + 8 };
     let flags = c.u32()?;
     if flags != 0 {
         return Err(StorageError::corrupted(WHAT, format!("unknown flags {flags:#x}")));
@@ -173,7 +187,7 @@ pub fn parse_bucket_meta(bytes: &[u8]) -> Result<BucketMeta> {
     let bucket_id = c.u64()?;
     let data_len = c.u64()?;
     let count = c.u32()? as usize;
-    if count > (body.len() - c.pos) / ENTRY_MIN {
+    if count > (body.len() - c.pos) / entry_min {
         return Err(StorageError::corrupted(WHAT, format!("{count} entries cannot fit")));
     }
     let mut entries = Vec::with_capacity(count);
@@ -185,6 +199,7 @@ pub fn parse_bucket_meta(bytes: &[u8]) -> Result<BucketMeta> {
         let offset = c.u64()?;
         let len = c.u64()?;
         let checksum = c.u32()?;
+        let generation = if version == 1 { 0 } else { c.u64()? };
         let end = offset.checked_add(len).ok_or_else(|| StorageError::corrupted(WHAT, "offset overflow"))?;
         if len == 0 || offset < end_prev || end > data_len {
             return Err(StorageError::corrupted(WHAT, format!("entry {key:?} at {offset}+{len} out of place")));
@@ -193,7 +208,7 @@ pub fn parse_bucket_meta(bytes: &[u8]) -> Result<BucketMeta> {
             return Err(StorageError::corrupted(WHAT, format!("duplicate key {key:?}")));
         }
         end_prev = end;
-        entries.push(BucketEntry { key, offset, len, checksum });
+        entries.push(BucketEntry { key, offset, len, checksum, generation });
     }
     if c.pos != body.len() {
         return Err(StorageError::corrupted(WHAT, "trailing bytes"));
@@ -208,13 +223,14 @@ pub fn parse_bucket_meta(bytes: &[u8]) -> Result<BucketMeta> {
 ///
 /// ```text
 /// magic      4 B   "MCOH"
-/// version    u16   1
+/// version    u16   2 (1 is still read)
 /// flags      u16   0 (anything else is rejected)
 /// key_len    u32   1..=4096
 /// value_crc  u32   crc32c of the value
 /// value_len  u64   >= 1
 /// seq        u64   write sequence number (newer wins on recovery)
-/// header_crc u32   crc32c of the 32 bytes above followed by the key
+/// generation u64   the object's generation (version 2 only)
+/// header_crc u32   crc32c of the bytes above followed by the key
 /// key        key_len bytes, UTF-8
 /// padding    zeros up to the next 4 KiB boundary (value_offset)
 /// value      value_len bytes
@@ -231,12 +247,24 @@ pub struct RecordHeader {
     pub value_crc: u32,
     /// Write sequence number: of two records of one key, the higher wins.
     pub seq: u64,
+    /// The object's generation (see [`ObjectMeta::generation`](crate::ObjectMeta::generation));
+    /// `None` for a version-1 header, which has no such field (and encodes without it).
+    pub generation: Option<u64>,
 }
 
 impl RecordHeader {
     /// Bytes of the header and key, before padding.
     pub fn encoded_len(&self) -> usize {
-        RECORD_HEADER_FIXED + self.key.len()
+        self.fixed_len() + self.key.len()
+    }
+
+    /// Bytes of the fixed part (before the key) in this header's version.
+    fn fixed_len(&self) -> usize {
+        if self.generation.is_some() {
+            RECORD_HEADER_FIXED
+        } else {
+            RECORD_HEADER_FIXED_V1
+        }
     }
 
     /// Offset of the value from the start of the header: the header and key rounded
@@ -254,12 +282,16 @@ impl RecordHeader {
     pub fn encode(&self) -> Vec<u8> {
         let mut out = Vec::with_capacity(self.encoded_len());
         out.extend_from_slice(HEADER_MAGIC);
-        out.extend_from_slice(&HEADER_VERSION.to_le_bytes());
+        let version = if self.generation.is_some() { HEADER_VERSION_2 } else { HEADER_VERSION_1 };
+        out.extend_from_slice(&version.to_le_bytes());
         out.extend_from_slice(&0u16.to_le_bytes());
         out.extend_from_slice(&(self.key.len() as u32).to_le_bytes());
         out.extend_from_slice(&self.value_crc.to_le_bytes());
         out.extend_from_slice(&self.value_len.to_le_bytes());
         out.extend_from_slice(&self.seq.to_le_bytes());
+        if let Some(g) = self.generation {
+            out.extend_from_slice(&g.to_le_bytes());
+        }
         let crc = crc32c::crc32c_append(crc32c::crc32c(&out), self.key.as_bytes());
         out.extend_from_slice(&crc.to_le_bytes());
         out.extend_from_slice(self.key.as_bytes());
@@ -281,8 +313,8 @@ pub fn parse_record_header(bytes: &[u8]) -> Result<RecordHeader> {
         return Err(StorageError::corrupted(WHAT, "bad magic"));
     }
     let version = c.u16()?;
-    if version != HEADER_VERSION {
-        return Err(StorageError::corrupted(WHAT, format!("unknown version {version}")));
+    if version != HEADER_VERSION_1 && version != HEADER_VERSION_2 {
+        return Err(StorageError::corrupted(WHAT, format!("unknown version {version} (this build reads 1 and 2)")));
     }
     let flags = c.u16()?;
     if flags != 0 {
@@ -292,12 +324,14 @@ pub fn parse_record_header(bytes: &[u8]) -> Result<RecordHeader> {
     let value_crc = c.u32()?;
     let value_len = c.u64()?;
     let seq = c.u64()?;
+    let generation = if version == HEADER_VERSION_2 { Some(c.u64()?) } else { None };
+    let fixed = c.pos + 4;
     let stored = c.u32()?;
     if key_len == 0 || key_len as usize > MAX_KEY_LEN {
         return Err(StorageError::corrupted(WHAT, format!("key length {key_len}")));
     }
     let key_bytes = c.take(key_len as usize)?;
-    let actual = crc32c::crc32c_append(crc32c::crc32c(&bytes[..RECORD_HEADER_FIXED - 4]), key_bytes);
+    let actual = crc32c::crc32c_append(crc32c::crc32c(&bytes[..fixed - 4]), key_bytes);
     if stored != actual {
         return Err(StorageError::corrupted(WHAT, format!("checksum {stored:#010x} != {actual:#010x}")));
     }
@@ -305,7 +339,7 @@ pub fn parse_record_header(bytes: &[u8]) -> Result<RecordHeader> {
         return Err(StorageError::corrupted(WHAT, format!("value length {value_len}")));
     }
     let key = String::from_utf8(key_bytes.to_vec()).map_err(|_| StorageError::corrupted(WHAT, "key is not UTF-8"))?;
-    Ok(RecordHeader { key, value_len, value_crc, seq })
+    Ok(RecordHeader { key, value_len, value_crc, seq, generation })
 }
 
 #[cfg(test)]
@@ -314,17 +348,23 @@ mod tests {
     use proptest::prelude::*;
 
     fn meta_strategy() -> impl Strategy<Value = BucketMeta> {
-        (any::<u64>(), proptest::collection::vec(("[a-z0-9/é]{1,40}", 1u64..100_000, any::<u32>(), 0u64..5000), 0..20))
+        (
+            any::<u64>(),
+            proptest::collection::vec(
+                ("[a-z0-9/é]{1,40}", 1u64..100_000, any::<u32>(), 0u64..5000, any::<u64>()),
+                0..20,
+            ),
+        )
             .prop_map(|(bucket_id, raw)| {
                 let mut offset = 0;
                 let mut seen = std::collections::HashSet::new();
                 let mut entries = Vec::new();
-                for (key, len, checksum, gap) in raw {
+                for (key, len, checksum, gap, generation) in raw {
                     if !seen.insert(key.clone()) {
                         continue;
                     }
                     offset += gap;
-                    entries.push(BucketEntry { key, offset, len, checksum });
+                    entries.push(BucketEntry { key, offset, len, checksum, generation });
                     offset += len;
                 }
                 BucketMeta { bucket_id, data_len: offset, entries }
@@ -360,8 +400,8 @@ mod tests {
         }
 
         #[test]
-        fn record_header_roundtrip(key in "[a-zA-Z0-9_]{1,300}", value_len in 1u64..(1 << 40), value_crc in any::<u32>(), seq in any::<u64>(), flip_at in any::<usize>(), flip in 1u8..=255) {
-            let h = RecordHeader { key, value_len, value_crc, seq };
+        fn record_header_roundtrip(key in "[a-zA-Z0-9_]{1,300}", value_len in 1u64..(1 << 40), value_crc in any::<u32>(), seq in any::<u64>(), generation in proptest::option::of(any::<u64>()), flip_at in any::<usize>(), flip in 1u8..=255) {
+            let h = RecordHeader { key, value_len, value_crc, seq, generation };
             let mut bytes = h.encode();
             bytes.resize(h.value_offset() as usize, 0);
             prop_assert_eq!(parse_record_header(&bytes).unwrap(), h.clone());
@@ -378,25 +418,82 @@ mod tests {
             bucket_id: 1,
             data_len: 100,
             entries: vec![
-                BucketEntry { key: "a".into(), offset: 0, len: 60, checksum: 0 },
-                BucketEntry { key: "b".into(), offset: 50, len: 10, checksum: 0 },
+                BucketEntry { key: "a".into(), offset: 0, len: 60, checksum: 0, generation: 0 },
+                BucketEntry { key: "b".into(), offset: 50, len: 10, checksum: 0, generation: 0 },
             ],
         };
         assert!(parse_bucket_meta(&meta.encode()).is_err());
         let meta = BucketMeta {
             bucket_id: 1,
             data_len: 10,
-            entries: vec![BucketEntry { key: "a".into(), offset: 0, len: 60, checksum: 0 }],
+            entries: vec![BucketEntry { key: "a".into(), offset: 0, len: 60, checksum: 0, generation: 0 }],
         };
         assert!(parse_bucket_meta(&meta.encode()).is_err());
         let meta = BucketMeta {
             bucket_id: 1,
             data_len: 100,
             entries: vec![
-                BucketEntry { key: "a".into(), offset: 0, len: 1, checksum: 0 },
-                BucketEntry { key: "a".into(), offset: 1, len: 1, checksum: 0 },
+                BucketEntry { key: "a".into(), offset: 0, len: 1, checksum: 0, generation: 0 },
+                BucketEntry { key: "a".into(), offset: 1, len: 1, checksum: 0, generation: 0 },
             ],
         };
         assert!(parse_bucket_meta(&meta.encode()).is_err());
+    }
+
+    /// A version-1 meta file (written before generations existed), byte for byte.
+    fn bucket_meta_v1(meta: &BucketMeta) -> Vec<u8> {
+        let mut out = Vec::new();
+        out.extend_from_slice(BUCKET_MAGIC);
+        out.extend_from_slice(&1u32.to_le_bytes());
+        out.extend_from_slice(&0u32.to_le_bytes());
+        out.extend_from_slice(&meta.bucket_id.to_le_bytes());
+        out.extend_from_slice(&meta.data_len.to_le_bytes());
+        out.extend_from_slice(&(meta.entries.len() as u32).to_le_bytes());
+        for e in &meta.entries {
+            out.extend_from_slice(&(e.key.len() as u32).to_le_bytes());
+            out.extend_from_slice(e.key.as_bytes());
+            out.extend_from_slice(&e.offset.to_le_bytes());
+            out.extend_from_slice(&e.len.to_le_bytes());
+            out.extend_from_slice(&e.checksum.to_le_bytes());
+        }
+        let crc = crc32c::crc32c(&out);
+        out.extend_from_slice(&crc.to_le_bytes());
+        out
+    }
+
+    #[test]
+    fn version_1_files_read_with_generation_0() {
+        let meta = BucketMeta {
+            bucket_id: 7,
+            data_len: 8192,
+            entries: vec![
+                BucketEntry { key: "a".into(), offset: 0, len: 10, checksum: 1, generation: 0 },
+                BucketEntry { key: "b".into(), offset: 4096, len: 20, checksum: 2, generation: 0 },
+            ],
+        };
+        let v1 = bucket_meta_v1(&meta);
+        assert_eq!(parse_bucket_meta(&v1).unwrap(), meta);
+        // Re-encoded, it becomes version 2 with the same content.
+        let v2 = meta.encode();
+        assert_eq!(u32::from_le_bytes(v2[8..12].try_into().unwrap()), 2);
+        assert_eq!(parse_bucket_meta(&v2).unwrap(), meta);
+        // A version this build does not know is an error that says so, not a panic.
+        let mut v9 = v1.clone();
+        v9[8..12].copy_from_slice(&9u32.to_le_bytes());
+        let n = v9.len() - 4;
+        let crc = crc32c::crc32c(&v9[..n]);
+        v9[n..].copy_from_slice(&crc.to_le_bytes());
+        let err = parse_bucket_meta(&v9).unwrap_err().to_string();
+        assert!(err.contains("unknown version 9"), "{err}");
+
+        let h1 = RecordHeader { key: "k".into(), value_len: 5, value_crc: 3, seq: 4, generation: None };
+        let bytes = h1.encode();
+        assert_eq!(bytes.len(), RECORD_HEADER_FIXED_V1 + 1);
+        assert_eq!(u16::from_le_bytes([bytes[4], bytes[5]]), 1);
+        assert_eq!(parse_record_header(&bytes).unwrap(), h1);
+        let h2 = RecordHeader { generation: Some(99), ..h1 };
+        let bytes = h2.encode();
+        assert_eq!(bytes.len(), RECORD_HEADER_FIXED + 1);
+        assert_eq!(parse_record_header(&bytes).unwrap(), h2);
     }
 }

@@ -89,7 +89,8 @@ impl FlatFiles {
                 continue;
             };
             let value = std::fs::read(&path)?;
-            let meta = ObjectMeta { key: key.clone(), len: value.len() as u64, checksum: crc32c(&value) };
+            let meta =
+                ObjectMeta { key: key.clone(), len: value.len() as u64, checksum: crc32c(&value), generation: 0 };
             state.insert(meta);
         }
         Ok(FlatFiles {
@@ -131,7 +132,7 @@ impl FlatFiles {
         s.writing.remove(key);
         s.used -= len;
         written?;
-        let meta = ObjectMeta { key: key.to_owned(), len, checksum: crc32c(value) };
+        let meta = ObjectMeta { key: key.to_owned(), len, checksum: crc32c(value), generation: 0 };
         s.insert(meta.clone());
         Ok(meta)
     }

@@ -284,7 +284,7 @@ fn a_restarted_master_answers_retryable_errors_while_clients_come_back() {
     // A client comes back with the objects of its segment: the master restarted.
     let back = master.register_client().unwrap().client;
     let region = mooncake_transfer::RemoteRegion { endpoint: "tcp://10.0.0.9:1".into(), region: 1 };
-    let records = [mooncake_core::ObjectRecord { key: "kept".into(), offset: 0, len: 5, checksum: 6 }];
+    let records = [mooncake_core::ObjectRecord { key: "kept".into(), offset: 0, len: 5, checksum: 6, generation: 1 }];
     master.remount_segment(back, &region, 1 << 20, &records).unwrap();
     assert!(master.exists("kept").unwrap());
     let missing = master.get_replica_list("not-back-yet").unwrap_err();

@@ -148,7 +148,7 @@ fn a_released_group_is_dropped_without_telling_the_nodes_and_comes_back_from_the
     // A record of another group's key in this extent is not taken.
     let mut offered = records.clone();
     let stray = key_in(&own, 3, 99);
-    offered.push(ObjectRecord { key: stray.clone(), offset: 900_000, len: 10, checksum: 1 });
+    offered.push(ObjectRecord { key: stray.clone(), offset: 900_000, len: 10, checksum: 1, generation: 1 });
     let (_, taken) = master.mount_extent(client, &region(1), 1 << 20, 0, &offered).unwrap();
     assert_eq!(taken, keys.len());
     for k in &keys {

@@ -329,7 +329,7 @@ proptest! {
             .into_iter()
             .map(|(segment, key, offset)| RecordUpdate::Added {
                 segment,
-                record: ObjectRecord { key, offset, len: 1, checksum: 2 },
+                record: ObjectRecord { key, offset, len: 1, checksum: 2, generation: 3 },
             })
             .collect();
         let frame = encode_frame(FrameKind::Request, 1, &Request::ApplyRecords { updates }).unwrap();
@@ -370,7 +370,7 @@ fn wire_format_changes_bump_the_version() {
             client: 1,
             region: WireRegion(RemoteRegion { endpoint: "h:1".into(), region: 2 }),
             capacity: 3,
-            records: vec![ObjectRecord { key: "k".into(), offset: 64, len: 5, checksum: 6 }],
+            records: vec![ObjectRecord { key: "k".into(), offset: 64, len: 5, checksum: 6, generation: 7 }],
         },
     ];
     let resps = [
@@ -381,7 +381,10 @@ fn wire_format_changes_bump_the_version() {
             lease: Duration::from_millis(5000),
             disk: Some(9),
         })),
-        Response::Heartbeat(Ok(vec![RecordUpdate::Removed { segment: 1, key: "k".into(), offset: 64 }])),
+        Response::Heartbeat(Ok(vec![
+            RecordUpdate::Removed { segment: 1, key: "k".into(), offset: 64, generation: 8 },
+            RecordUpdate::Discard { key: "k".into(), generation: 9 },
+        ])),
         Response::Error(mooncake_core::rpc::wire::WireError::NotFound("k".into())),
     ];
     let mut all = Vec::new();
@@ -394,7 +397,7 @@ fn wire_format_changes_bump_the_version() {
     let sum = all.iter().fold(0u32, |h, &b| h.wrapping_mul(31).wrapping_add(b as u32));
     assert_eq!(
         (mooncake_core::rpc::wire::VERSION, sum),
-        (7, 3626143006),
+        (8, 622341358),
         "the wire format changed: bump wire::VERSION and update this pin"
     );
 }

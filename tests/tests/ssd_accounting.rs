@@ -128,7 +128,7 @@ fn ssd_calls_travel_over_rpc() {
 fn objects_found_on_disk_are_registered_and_stale_copies_refused() {
     let m = master();
     let c = client_with(&m, "a", &[("known", 100)]);
-    let res = m.register_disk_objects(c, &[("fresh", 300, 9), ("known", 100, 7), ("known2", 0, 1)]);
+    let res = m.register_disk_objects(c, &[("fresh", 300, 9, 0), ("known", 100, 7, 0), ("known2", 0, 1, 0)]);
     assert!(res[0].is_ok(), "an object only on disk is created");
     assert!(res[1].is_ok(), "the same object gains its disk replica");
     assert!(matches!(res[2], Err(Error::InvalidArgument(_))), "empty values are refused");
@@ -136,9 +136,46 @@ fn objects_found_on_disk_are_registered_and_stale_copies_refused() {
     assert!(list.replicas.is_empty());
     assert_eq!((list.len, list.checksum, list.disk), (300, 9, Some(c)));
     assert_eq!(m.ssd_usage(c).unwrap().1, 400);
-    let res = m.register_disk_objects(c, &[("known", 100, 8)]);
+    let res = m.register_disk_objects(c, &[("known", 100, 8, 0)]);
     assert!(matches!(res[0], Err(Error::AlreadyExists(_))), "a different object under the key makes the copy stale");
-    assert!(matches!(m.register_disk_objects(424242, &[("x", 1, 1)])[0], Err(Error::UnknownClient(_))));
+    assert!(matches!(m.register_disk_objects(424242, &[("x", 1, 1, 0)])[0], Err(Error::UnknownClient(_))));
+}
+
+/// Nanoseconds since the epoch: the scale of the master's generations.
+fn unix_ns() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64
+}
+
+/// The generation rule on disk copies: a file older than its key's last removal or
+/// put is refused (and counted), whether the master saw the removal or the put after
+/// the file's node was forgotten; a copy nothing superseded is taken back.
+#[test]
+fn disk_copies_older_than_their_keys_last_removal_or_put_are_refused() {
+    let m = master();
+    let written = unix_ns() - 1_000_000_000;
+    let a = m.register_client().unwrap().client;
+    let res = m.register_disk_objects(a, &[("k", 10, 1, written), ("kept", 10, 2, written)]);
+    assert!(res.iter().all(|r| r.is_ok()), "{res:?}");
+    // Node a is forgotten: its files are out of sight.
+    m.unregister_client(a).unwrap();
+    assert!(!m.exists("k").unwrap());
+    // k is put again (another object) and then removed, both acknowledged.
+    let b = client_with(&m, "b", &[("k", 20)]);
+    let c = m.register_client().unwrap().client;
+    let refused = m.register_disk_objects(c, &[("k", 10, 1, written)]);
+    assert!(matches!(refused[0], Err(Error::AlreadyExists(_))), "another object holds the key: {refused:?}");
+    m.remove("k").unwrap();
+    // Node a's disk comes back: k's file is older than its removal, kept's is fine.
+    let res = m.register_disk_objects(c, &[("k", 10, 1, written), ("kept", 10, 2, written)]);
+    assert!(matches!(res[0], Err(Error::AlreadyExists(_))), "an old generation came back: {res:?}");
+    assert!(res[1].is_ok(), "a copy nothing superseded is taken back: {res:?}");
+    assert!(!m.exists("k").unwrap());
+    assert_eq!(m.get_replica_list("kept").unwrap().checksum, 2);
+    assert_eq!(m.stats().stale_copies, 1);
+    // A copy written after the removal (a later put's) is taken.
+    assert!(m.register_disk_objects(c, &[("k", 30, 3, unix_ns() + 1_000_000_000)])[0].is_ok());
+    assert_eq!(m.get_replica_list("k").unwrap().checksum, 3);
+    let _ = b;
 }
 
 /// Lazy persistence: memory is freed only through the disk. A put that needs room

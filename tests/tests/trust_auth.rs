@@ -204,12 +204,19 @@ fn forged_record_changes_are_refused_counted_and_change_nothing() {
         let (ia, ib) = (master_client.object_info("a").unwrap(), master_client.object_info("b").unwrap());
         let (ra, rb) = (&ia.replicas[0], &ib.replicas[0]);
         let forged = [
-            RecordUpdate::Removed { segment: ra.segment, key: "a".into(), offset: ra.offset },
+            RecordUpdate::Removed { segment: ra.segment, key: "a".into(), offset: ra.offset, generation: u64::MAX },
             RecordUpdate::Added {
                 segment: rb.segment,
-                record: ObjectRecord { key: "a".into(), offset: rb.offset, len: ib.len, checksum: ib.checksum },
+                record: ObjectRecord {
+                    key: "a".into(),
+                    offset: rb.offset,
+                    len: ib.len,
+                    checksum: ib.checksum,
+                    // A forger claims the newest generation there is.
+                    generation: u64::MAX,
+                },
             },
-            RecordUpdate::Removed { segment: rb.segment, key: "b".into(), offset: rb.offset },
+            RecordUpdate::Removed { segment: rb.segment, key: "b".into(), offset: rb.offset, generation: u64::MAX },
         ];
         // A local process without any secret, and a holder of the cluster's secret.
         let mut forgers = vec![None];

@@ -137,10 +137,10 @@ macro_rules! master_calls {
             DiskEndpoint => fn disk_endpoint(client: ClientId => ClientId) -> Result<String>;
             /// What a client's SSD tier should offload (at most `max` objects) and discard.
             OffloadHeartbeat => fn offload_heartbeat(client: ClientId => ClientId, max: usize => usize) -> Result<OffloadPlan>;
-            /// Objects (key, length, checksum) a client found on its SSD at start.
+            /// Objects (key, length, checksum, generation) a client found on its SSD at start.
             RegisterDiskObjects => fn register_disk_objects(
                 client: ClientId => ClientId,
-                items: &[(&str, u64, u32)] => Vec<(String, u64, u32)>
+                items: &[(&str, u64, u32, u64)] => Vec<(String, u64, u32, u64)>
             ) -> Vec<Result<()>>;
             /// A storage node serves the records of its segments at `endpoint`: the master
             /// tells it of every change there before acknowledging the put or remove. `key`

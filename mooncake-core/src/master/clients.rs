@@ -115,7 +115,7 @@ impl MasterService {
             table.remove(segment)
         };
         drop(seg);
-        Ok(self.drop_replicas_on(&[segment]))
+        Ok(self.drop_replicas_on(&[segment], false))
     }
 
     /// Unregisters a client and unmounts all its segments (a clean shutdown).
@@ -123,11 +123,21 @@ impl MasterService {
         Ok(self.forget_client(client))
     }
 
+    /// Forgets a client: its segments are unmounted, its replicas and disk replicas
+    /// dropped. What it holds (records, files) is out of the master's sight from now
+    /// on, so the keys concerned get lingering tombstones: the node may offer them
+    /// again when it comes back, and they are taken back unless superseded meanwhile.
     pub(crate) fn forget_client(&self, client: ClientId) -> usize {
         let rec = self.clients.write().remove(&client);
         let Some(rec) = rec else { return 0 };
         if let Some(link) = rec.link.lock().take() {
-            link.close();
+            // Changes the node was never told of: its records of these keys are stale.
+            for u in link.close() {
+                self.tombstones.linger(u.key(), &self.gens);
+            }
+        }
+        for u in rec.updates.lock().drain(..) {
+            self.tombstones.linger(u.key(), &self.gens);
         }
         {
             let mut table = self.segments.write();
@@ -135,7 +145,7 @@ impl MasterService {
                 table.remove(*s);
             }
         }
-        let removed = self.drop_replicas_on(&rec.segments) + self.drop_disk_replicas_of(client);
+        let removed = self.drop_replicas_on(&rec.segments, true) + self.drop_disk_replicas_of(client);
         // Puts the client started and never ended cannot end anymore.
         let removed_pending = self.retain_entries(|e| e.owner() != Some(client), |_, _| {});
         self.drop_upserts_of(client);
@@ -143,17 +153,26 @@ impl MasterService {
     }
 
     /// Drops every replica on `segments`; removes objects left with none. Returns the
-    /// number of objects removed.
-    pub(crate) fn drop_replicas_on(&self, segments: &[SegmentId]) -> usize {
+    /// number of objects removed. With `linger`, the keys of complete replicas dropped
+    /// get lingering tombstones (their holder was forgotten, not told).
+    pub(crate) fn drop_replicas_on(&self, segments: &[SegmentId], linger: bool) -> usize {
         if segments.is_empty() {
             return 0;
         }
         let mut removed = 0;
         for shard in self.index.shards() {
             let mut shard = shard.lock();
-            shard.retain(|_, e| {
+            shard.retain(|k, e| {
                 let before = e.replicas.len();
-                e.replicas.retain(|r| !segments.contains(&r.segment()));
+                let mut dropped_complete = false;
+                e.replicas.retain(|r| {
+                    let keep = !segments.contains(&r.segment());
+                    dropped_complete |= !keep && r.complete();
+                    keep
+                });
+                if linger && dropped_complete {
+                    self.tombstones.linger(k, &self.gens);
+                }
                 // An object offloaded to an SSD lives on through its disk replica.
                 let keep = !e.replicas.is_empty() || before == 0 || e.disk() != 0;
                 if !keep {

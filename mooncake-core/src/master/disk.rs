@@ -14,8 +14,9 @@ use crate::config::{check_key, PersistPolicy};
 use crate::error::{Error, Result};
 
 use crate::master::object::ObjectEntry;
+use crate::master::record_link::RecordWait;
 use crate::master::service::MasterService;
-use crate::master::types::{ClientId, OffloadPlan, OffloadTask};
+use crate::master::types::{ClientId, OffloadPlan, OffloadTask, RecordUpdate};
 
 /// The master's view of each segment owner's SSD.
 pub(crate) struct MasterSsdMetrics<'a>(pub(super) &'a MasterService);
@@ -147,12 +148,15 @@ impl MasterService {
                 e.set_offload_deadline_ms(0);
                 continue;
             };
+            // Stamped while the object exists (under its shard lock): later than its
+            // put, earlier than its removal.
             let task = OffloadTask {
                 key: key.to_string(),
                 segment: r.segment(),
                 offset: r.offset(),
                 len: e.len(),
                 checksum: e.checksum,
+                generation: self.gens.next(),
             };
             // Eviction skips the object until it is reported (or the deadline
             // passes). A remove may still free the memory under the client's read;
@@ -163,27 +167,31 @@ impl MasterService {
         Ok(OffloadPlan { tasks, discard })
     }
 
-    /// Re-registers objects a client found on its SSD when it started (or after the
-    /// master restarted): an object the master does not know is created with only
-    /// its disk replica; a known one with the same length and checksum gains the
-    /// disk replica; one that differs is refused with `AlreadyExists` (the disk copy
-    /// is stale and should be deleted).
-    pub fn register_disk_objects(&self, client: ClientId, items: &[(&str, u64, u32)]) -> Vec<Result<()>> {
+    /// Re-registers objects (key, length, checksum, generation) a client found on its
+    /// SSD when it started (or after the master restarted): an object the master does
+    /// not know is created with only its disk replica, unless its key was removed or
+    /// put again after the file was written (its tombstone is newer: refused with
+    /// `AlreadyExists`); a known one with the same length and checksum gains the disk
+    /// replica; one that differs is refused with `AlreadyExists` (the disk copy is
+    /// stale and should be deleted).
+    pub fn register_disk_objects(&self, client: ClientId, items: &[(&str, u64, u32, u64)]) -> Vec<Result<()>> {
         if !self.clients.read().contains_key(&client) {
             return items.iter().map(|_| Err(Error::UnknownClient(client))).collect();
         }
         let now = self.now_ms();
         items
             .iter()
-            .map(|&(key, len, checksum)| {
+            .map(|&(key, len, checksum, generation)| {
                 check_key(key)?;
                 self.fence(key)?;
                 crate::config::check_value_len(len)?;
-                if self.tombstones.contains(key) {
-                    return Err(Error::AlreadyExists(format!("{key} (removed while its disk was away)")));
-                }
+                self.gens.observe(generation);
                 let mut shard = self.index.shard(key).lock();
                 match shard.get_mut(key) {
+                    None if !self.tombstones.admits(key, generation) => {
+                        self.counters.stale_copies.fetch_add(1, Ordering::Relaxed);
+                        Err(Error::AlreadyExists(format!("{key} (removed or put again after this copy was written)")))
+                    }
                     None => {
                         shard.insert(key, {
                             let mut e = ObjectEntry::new_complete(len, checksum, now);
@@ -228,22 +236,46 @@ impl MasterService {
         }
     }
 
-    /// Gives back the SSD usage of `e`'s disk replica (the entry is leaving) and
-    /// tells its client to delete the file.
-    pub(crate) fn release_disk(&self, key: &str, e: &ObjectEntry) {
+    /// `e`, the object under `key`, is removed or replaced: its tombstone records the
+    /// removal's generation, its disk replica's usage is given back, and every SSD
+    /// that holds (or may be writing) a file of it is told to delete it, on the node's
+    /// record endpoint when it has one (the call then waits for it in `wait`: a
+    /// removal is as durable as a put), else with its next offload heartbeat.
+    pub(crate) fn release_disk(&self, key: &str, e: &ObjectEntry, wait: &mut RecordWait) {
+        let generation = self.gens.next();
+        self.tombstones.supersede(key, generation, &self.gens);
+        let mut holders: smallvec::SmallVec<[ClientId; 2]> = smallvec::SmallVec::new();
         if e.disk() != 0 {
-            self.tombstones.insert(key);
             self.add_ssd_used(e.disk(), -(e.len() as i64));
-            if let Some(rec) = self.clients.read().get(&e.disk()) {
+            holders.push(e.disk());
+        }
+        if e.offload_deadline_ms() != 0 {
+            // An offload was asked of the owner of a memory replica: its file may be
+            // written (or being written) without the master knowing yet.
+            let table = self.segments.read();
+            let owners: smallvec::SmallVec<[ClientId; 2]> =
+                e.replicas.iter().filter_map(|r| table.by_id.get(&r.segment()).map(|s| s.owner)).collect();
+            drop(table);
+            for owner in owners {
+                if !holders.contains(&owner) {
+                    holders.push(owner);
+                }
+            }
+        }
+        for client in holders {
+            if self.has_record_link(client) {
+                let discard = |_| RecordUpdate::Discard { key: key.to_owned(), generation };
+                self.push_to_client(client, discard, wait);
+            } else if let Some(rec) = self.clients.read().get(&client) {
                 rec.offload.lock().discard.push(key.to_owned());
             }
         }
     }
 
-    /// A new put of `key` ended: a file of the removed object under that key may be
-    /// registered again only if it holds the same bytes (see [`Tombstones`]).
-    pub(crate) fn clear_tombstone(&self, key: &str) {
-        self.tombstones.remove(key);
+    /// A new put of `key` ended at `generation`: copies of an earlier object under the
+    /// key that may linger are refused from now on (see `Tombstones`).
+    pub(crate) fn supersede_tombstone(&self, key: &str, generation: u64) {
+        self.tombstones.supersede_if_marked(key, generation);
     }
 
     /// A client wrote these objects (key, length, checksum) to its SSD: each gets a
@@ -301,10 +333,12 @@ impl MasterService {
     pub(crate) fn drop_disk_replicas_of(&self, client: ClientId) -> usize {
         let mut removed = 0;
         for shard in self.index.shards() {
-            shard.lock().retain(|_, e| {
+            shard.lock().retain(|k, e| {
                 if e.disk() != client {
                     return true;
                 }
+                // The file stays on the lost client's disk, out of our sight.
+                self.tombstones.linger(k, &self.gens);
                 e.set_disk(0);
                 let keep = !e.replicas.is_empty();
                 removed += usize::from(!keep);

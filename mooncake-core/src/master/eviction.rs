@@ -179,6 +179,10 @@ impl MasterService {
                         e.replicas.clear();
                         return true;
                     }
+                    if e.offload_deadline_ms() != 0 {
+                        // Its offload may still be written, unknown to us.
+                        self.tombstones.linger(k, &self.gens);
+                    }
                     false
                 });
             }

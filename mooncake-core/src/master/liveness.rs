@@ -1,4 +1,5 @@
-//! The monitor thread: client TTLs, the stall grace period, put timeouts, eviction.
+//! The monitor thread: client TTLs (and of record endpoints), the stall grace period,
+//! put timeouts, eviction.
 
 use std::sync::atomic::Ordering;
 
@@ -33,6 +34,18 @@ impl MasterService {
             let removed = self.forget_client(client);
             self.counters.expired_clients.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(client = format!("{client:#x}"), removed, "client expired; its segments are unmounted");
+        }
+        // A node that heartbeats but whose record endpoint has refused every update
+        // for a whole TTL is not alive as a storage node either.
+        let unreachable: Vec<ClientId> = self
+            .clients
+            .read()
+            .iter()
+            .filter(|(_, rec)| rec.link.lock().as_ref().is_some_and(|l| l.failing_for().as_millis() as u64 > ttl))
+            .map(|(id, _)| *id)
+            .collect();
+        for client in unreachable {
+            self.forget_unreachable(client, "its records could not be delivered for a client TTL");
         }
         if self.counters.pending_puts.load(Ordering::Relaxed) > 0 {
             let timed_out = self.retain_entries(|e| !self.put_expired(e, now), |_, _| {});

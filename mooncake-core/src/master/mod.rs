@@ -17,6 +17,7 @@ mod api;
 mod clients;
 mod disk;
 mod eviction;
+mod generations;
 mod liveness;
 mod object;
 mod objects;

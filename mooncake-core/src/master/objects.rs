@@ -284,10 +284,11 @@ impl MasterService {
                     r.set_complete();
                 }
                 self.counters.pending_puts.fetch_sub(1, Ordering::Relaxed);
+                // The put's generation, before its records are stamped (later).
+                self.supersede_tombstone(key, self.gens.next());
                 let wait = self.note_added(key, e, None);
                 let first = e.replicas.first().map(|r| r.segment());
                 drop(shard);
-                self.clear_tombstone(key);
                 self.offload_on_put(key, first);
                 Ok(wait)
             }
@@ -466,7 +467,7 @@ impl MasterService {
                 let mut wait = RecordWait::default();
                 if let Some(e) = shard.remove(key) {
                     wait = self.note_removed(key, &e.replicas);
-                    self.release_disk(key, &e);
+                    self.release_disk(key, &e, &mut wait);
                 }
                 Ok(wait)
             }
@@ -495,7 +496,7 @@ impl MasterService {
             },
             |k, e| {
                 wait.merge(self.note_removed(k, &e.replicas));
-                self.release_disk(k, e);
+                self.release_disk(k, e, &mut wait);
             },
         );
         self.await_records(wait);
@@ -639,7 +640,7 @@ impl MasterService {
         if e.replicas.is_empty() && e.disk() == 0 {
             if let Some(e) = shard.remove(key) {
                 wait.merge(self.note_removed(key, &e.replicas));
-                self.release_disk(key, &e);
+                self.release_disk(key, &e, &mut wait);
             }
         }
         Ok(wait)

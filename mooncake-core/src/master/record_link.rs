@@ -4,18 +4,29 @@
 
 use std::collections::VecDeque;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
 use crate::error::Result;
+use crate::master::generations::GenClock;
 use crate::master::types::{ClientId, RecordUpdate};
 
 /// Where a storage node's records live, as the master sees it: it applies changes to
 /// the records of the node's segments and returns once they are applied.
 pub trait RecordSink: Send + Sync {
-    /// Applies `updates`, in order; returns once they are applied.
+    /// Applies `updates`, in order; returns once they are applied. Applying a batch
+    /// twice, or a late copy of it after later ones, changes nothing more (updates are
+    /// ordered by their generations).
     fn apply_records(&self, updates: &[RecordUpdate]) -> Result<()>;
+
+    /// After a failed [`apply_records`](Self::apply_records): whether the node is
+    /// certainly gone (nothing listens at its endpoint any more), as opposed to slow or
+    /// paused. Only a gone node is forgotten at once; a silent one is forgotten by its
+    /// TTL. `false` unless the sink can tell.
+    fn gone(&self) -> bool {
+        false
+    }
 }
 
 /// Opens a [`RecordSink`] for the record endpoint a storage node announced with
@@ -28,11 +39,18 @@ pub trait RecordConnector: Send + Sync {
 
 /// Most updates sent to a node in one frame.
 const MAX_UPDATES_PER_FRAME: usize = 65_536;
+/// Pause before the first retry of a failed send; it doubles up to [`MAX_BACKOFF`].
+const FIRST_BACKOFF: Duration = Duration::from_millis(20);
+const MAX_BACKOFF: Duration = Duration::from_millis(500);
 
 /// The queue of record updates for one storage node. There is no sender thread: a
 /// caller that waits for its updates sends, itself, everything queued so far in one
 /// frame when no send is in flight (it leads), or waits for the send in flight and
 /// then for the next, which carries what queued meanwhile (group commit).
+///
+/// A send that fails (the node is slow, paused, or unreachable) puts its updates back
+/// at the front of the queue; the next waiter (or heartbeat) sends them again after a
+/// backoff. Nothing is dropped until the node is forgotten ([`close`](Self::close)).
 pub(crate) struct NodeLink {
     client: ClientId,
     sink: Arc<dyn RecordSink>,
@@ -50,8 +68,29 @@ struct LinkState {
     delivered: u64,
     /// A send is in flight (its leader releases the lock meanwhile).
     sending: bool,
-    /// The node could not be told, or it was forgotten: nothing more is delivered.
-    failed: bool,
+    /// The node was forgotten: nothing more is delivered.
+    closed: bool,
+    /// The node is certainly gone (its endpoint refuses connections).
+    gone: bool,
+    /// Since when sends have been failing (`None`: the last one worked).
+    failing_since: Option<Instant>,
+    /// No new send before this (after a failure).
+    retry_at: Option<Instant>,
+    /// Failed sends in a row (for the backoff).
+    failures: u32,
+}
+
+/// How a wait for a ticket ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Delivery {
+    /// The node applied every update up to the ticket.
+    Done,
+    /// Not yet, within the limit: the node is slow or paused (the updates stay queued).
+    Pending,
+    /// The node is certainly gone: it should be forgotten.
+    Gone,
+    /// The node was forgotten: the updates will never be delivered.
+    Closed,
 }
 
 impl NodeLink {
@@ -59,56 +98,87 @@ impl NodeLink {
         Arc::new(NodeLink { client, sink, state: Mutex::new(LinkState::default()), cond: Condvar::new() })
     }
 
-    /// Queues `update`; returns the ticket to wait for.
-    pub(crate) fn push(&self, update: RecordUpdate) -> u64 {
+    /// Queues the update `make` builds from a new generation of `clock` (taken under
+    /// the queue's lock, so generations increase in queue order); returns the ticket
+    /// to wait for.
+    pub(crate) fn push(&self, clock: &GenClock, make: impl FnOnce(u64) -> RecordUpdate) -> u64 {
         let mut st = self.state.lock();
-        st.queue.push_back(update);
+        st.queue.push_back(make(clock.next()));
         st.queued += 1;
         st.queued
     }
 
     /// Waits until every update up to `ticket` is delivered, sending them if no one
-    /// else is; false if the node failed or did not answer within `limit`.
-    pub(crate) fn wait(&self, ticket: u64, limit: Duration) -> bool {
-        let deadline = std::time::Instant::now() + limit;
+    /// else is, for at most `limit`.
+    pub(crate) fn wait(&self, ticket: u64, limit: Duration) -> Delivery {
+        let deadline = Instant::now() + limit;
         let mut st = self.state.lock();
         loop {
             if st.delivered >= ticket {
-                return true;
+                return Delivery::Done;
             }
-            if st.failed {
-                return false;
+            if st.closed {
+                return Delivery::Closed;
             }
-            if !st.sending && !st.queue.is_empty() {
+            if st.gone {
+                return Delivery::Gone;
+            }
+            let now = Instant::now();
+            let may_send = st.retry_at.is_none_or(|t| now >= t);
+            if !st.sending && !st.queue.is_empty() && may_send {
                 let n = st.queue.len().min(MAX_UPDATES_PER_FRAME);
                 let batch: Vec<RecordUpdate> = st.queue.drain(..n).collect();
                 st.sending = true;
                 drop(st);
                 let res = self.sink.apply_records(&batch);
+                // Only a failed send asks whether the node is gone (a connection attempt).
+                let gone = res.is_err() && self.sink.gone();
                 st = self.state.lock();
                 st.sending = false;
                 match res {
-                    Ok(()) => st.delivered += batch.len() as u64,
+                    Ok(()) => {
+                        st.delivered += batch.len() as u64;
+                        st.failing_since = None;
+                        st.retry_at = None;
+                        st.failures = 0;
+                    }
                     Err(e) => {
-                        tracing::warn!(
-                            client = format!("{:#x}", self.client),
-                            error = %e,
-                            "a storage node cannot be told of its records"
-                        );
-                        st.failed = true;
+                        // Back at the front, in order: sent again after a pause.
+                        for u in batch.into_iter().rev() {
+                            st.queue.push_front(u);
+                        }
+                        st.failing_since.get_or_insert(now);
+                        let backoff = FIRST_BACKOFF.saturating_mul(1 << st.failures.min(8)).min(MAX_BACKOFF);
+                        st.failures = st.failures.saturating_add(1);
+                        st.retry_at = Some(Instant::now() + backoff);
+                        st.gone |= gone;
+                        if st.failures == 1 || gone {
+                            tracing::warn!(
+                                client = format!("{:#x}", self.client),
+                                error = %e,
+                                gone,
+                                "a storage node cannot be told of its records{}",
+                                if gone { ": it is gone" } else { " yet: retrying" }
+                            );
+                        }
                     }
                 }
                 self.cond.notify_all();
                 continue;
             }
-            if self.cond.wait_until(&mut st, deadline).timed_out() {
-                return st.delivered >= ticket;
+            // Wait for the send in flight, or the end of a backoff, within the limit.
+            let until = match st.retry_at {
+                Some(t) if !st.sending && t < deadline => t,
+                _ => deadline,
+            };
+            if self.cond.wait_until(&mut st, until).timed_out() && Instant::now() >= deadline {
+                return if st.delivered >= ticket { Delivery::Done } else { Delivery::Pending };
             }
         }
     }
 
     /// Sends whatever is queued (updates nobody waits for, e.g. eviction's).
-    pub(crate) fn flush(&self, limit: Duration) -> bool {
+    pub(crate) fn flush(&self, limit: Duration) -> Delivery {
         let ticket = self.state.lock().queued;
         self.wait(ticket, limit)
     }
@@ -118,10 +188,20 @@ impl NodeLink {
         !self.state.lock().queue.is_empty()
     }
 
-    /// Delivers nothing more; waiters see the node as failed.
-    pub(crate) fn close(&self) {
-        self.state.lock().failed = true;
+    /// For how long sends to the node have been failing (zero: the last one worked).
+    pub(crate) fn failing_for(&self) -> Duration {
+        self.state.lock().failing_since.map_or(Duration::ZERO, |t| t.elapsed())
+    }
+
+    /// Delivers nothing more; waiters see the link closed. Returns the updates never
+    /// delivered (their keys may have copies the node still lists).
+    pub(crate) fn close(&self) -> Vec<RecordUpdate> {
+        let mut st = self.state.lock();
+        st.closed = true;
+        let left = st.queue.drain(..).collect();
+        drop(st);
         self.cond.notify_all();
+        left
     }
 }
 
@@ -145,5 +225,70 @@ impl RecordWait {
         for (c, l, t) in other.tickets {
             self.add(c, l, t);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::Error;
+
+    /// A node that refuses the first `fail` frames (paused, or slow), then applies
+    /// them; `gone` says whether it is gone for good.
+    struct Flaky {
+        fail: Mutex<usize>,
+        gone: bool,
+        applied: Mutex<Vec<u64>>,
+    }
+
+    impl RecordSink for Flaky {
+        fn apply_records(&self, updates: &[RecordUpdate]) -> Result<()> {
+            let mut fail = self.fail.lock();
+            if *fail > 0 {
+                *fail -= 1;
+                return Err(Error::Timeout("paused".into()));
+            }
+            self.applied.lock().extend(updates.iter().map(RecordUpdate::generation));
+            Ok(())
+        }
+
+        fn gone(&self) -> bool {
+            self.gone
+        }
+    }
+
+    fn discard(generation: u64) -> RecordUpdate {
+        RecordUpdate::Discard { key: "k".into(), generation }
+    }
+
+    #[test]
+    fn a_failed_send_keeps_its_updates_and_they_are_delivered_once_in_order() {
+        let clock = GenClock::default();
+        let sink = Arc::new(Flaky { fail: Mutex::new(3), gone: false, applied: Mutex::default() });
+        let link = NodeLink::new(1, sink.clone());
+        let tickets: Vec<u64> = (0..5).map(|_| link.push(&clock, discard)).collect();
+        // The node does not answer the first sends: nothing is lost, nothing forgotten.
+        assert_eq!(link.wait(tickets[4], Duration::ZERO), Delivery::Pending);
+        assert!(link.failing_for() > Duration::ZERO);
+        assert!(link.has_queued());
+        // Later calls add theirs; the retries deliver everything, in queue order.
+        let last = link.push(&clock, discard);
+        assert_eq!(link.wait(last, Duration::from_secs(5)), Delivery::Done);
+        let applied = sink.applied.lock().clone();
+        assert_eq!(applied.len(), 6, "each update delivered once");
+        assert!(applied.windows(2).all(|w| w[0] < w[1]), "in the order queued, generations increasing");
+        assert_eq!(link.failing_for(), Duration::ZERO);
+    }
+
+    #[test]
+    fn a_gone_node_is_reported_and_a_closed_link_gives_back_what_it_never_delivered() {
+        let clock = GenClock::default();
+        let link =
+            NodeLink::new(1, Arc::new(Flaky { fail: Mutex::new(usize::MAX), gone: true, applied: Mutex::default() }));
+        let t = link.push(&clock, discard);
+        assert_eq!(link.wait(t, Duration::from_secs(5)), Delivery::Gone);
+        let left = link.close();
+        assert_eq!(left.len(), 1);
+        assert_eq!(link.wait(t, Duration::from_secs(5)), Delivery::Closed);
     }
 }

@@ -6,9 +6,13 @@
 //! [`NodeLink`], the first waiting caller sends everything queued in one frame (group
 //! commit), and the put or remove that made the change is acknowledged only once every
 //! node it touched has answered. A node without a record endpoint gets its changes with
-//! the answers to its heartbeats (best effort). A node that cannot be told in time is
-//! forgotten, as if it had expired: its replicas are dropped, and when it comes back it
-//! registers again and re-mounts with no records.
+//! the answers to its heartbeats (best effort). A node that cannot be told yet (slow,
+//! paused) keeps its updates queued and retried; the call waits, and is acknowledged
+//! once they are delivered. A node is forgotten only when it is certainly gone (its
+//! endpoint refuses connections), by its TTL, or when its records could not be
+//! delivered for a whole TTL; when it comes back it re-mounts with the records it
+//! holds, and the master takes back those no later removal or put superseded
+//! (ARCHITECTURE.md, "Generations").
 
 use std::sync::Arc;
 
@@ -19,7 +23,7 @@ use crate::config::check_key;
 use crate::error::{Error, Result};
 
 use crate::master::object::{ObjectEntry, StoredReplica};
-use crate::master::record_link::{NodeLink, RecordConnector, RecordSink, RecordWait};
+use crate::master::record_link::{Delivery, NodeLink, RecordConnector, RecordSink, RecordWait};
 use crate::master::service::MasterService;
 use crate::master::types::{ClientId, MemoryReplica, ObjectRecord, RecordUpdate};
 
@@ -71,58 +75,108 @@ impl MasterService {
             link.close();
             return Err(Error::UnknownClient(client));
         };
-        // Updates queued for the heartbeats go first, in order.
+        // Under the heartbeat queue's lock, which every update takes first: none is
+        // queued while the link changes.
         let mut updates = rec.updates.lock();
-        for u in updates.drain(..) {
-            let _ = link.push(u);
+        let old = rec.link.lock().take();
+        // What an earlier endpoint of the node did not deliver goes first, then what
+        // waited for the heartbeats, in order (their generations are older than any the
+        // new link stamps).
+        for u in old.map(|old| old.close()).unwrap_or_default().into_iter().chain(updates.drain(..)) {
+            let _ = link.push(&self.gens, |_| u);
         }
-        if let Some(old) = rec.link.lock().replace(link) {
-            old.close();
-        }
+        *rec.link.lock() = Some(link);
         Ok(())
     }
 
-    /// Queues `update` for the owner of `segment`: on its link, or for its heartbeats.
-    pub(crate) fn push_update(&self, segment: SegmentId, update: RecordUpdate, wait: &mut RecordWait) {
+    /// Queues the update `make` builds (given its generation) for the owner of
+    /// `segment`: on its link, or for its heartbeats.
+    pub(crate) fn push_update(
+        &self,
+        segment: SegmentId,
+        make: impl FnOnce(u64) -> RecordUpdate,
+        wait: &mut RecordWait,
+    ) {
         let owner = match self.segments.read().by_id.get(&segment) {
             Some(s) => s.owner,
             None => return,
         };
-        if let Some(rec) = self.clients.read().get(&owner) {
-            // Under the heartbeat queue's lock, so that `mount_records` moving the
-            // queue onto the link cannot reorder updates.
-            let mut updates = rec.updates.lock();
-            match rec.link.lock().clone() {
-                Some(link) => {
-                    let ticket = link.push(update);
-                    wait.add(owner, link, ticket);
-                }
-                None => updates.push(update),
-            }
-        }
+        self.push_to_client(owner, make, wait);
     }
 
-    /// Waits until the storage nodes got the updates of `wait`. A node that could not
-    /// be told in time is forgotten (its replicas dropped, as on expiry). Returns
-    /// whether every node got them.
+    /// Queues the update `make` builds for `client`: on its link, or for its
+    /// heartbeats. Returns whether the client is known.
+    pub(crate) fn push_to_client(
+        &self,
+        client: ClientId,
+        make: impl FnOnce(u64) -> RecordUpdate,
+        wait: &mut RecordWait,
+    ) -> bool {
+        let clients = self.clients.read();
+        let Some(rec) = clients.get(&client) else { return false };
+        // Under the heartbeat queue's lock, so that `mount_records` moving the queue
+        // onto the link cannot reorder updates (their generations increase in order).
+        let mut updates = rec.updates.lock();
+        match rec.link.lock().clone() {
+            Some(link) => {
+                let ticket = link.push(&self.gens, make);
+                wait.add(client, link, ticket);
+            }
+            None => updates.push(make(self.gens.next())),
+        }
+        true
+    }
+
+    /// Whether `client` gets its updates on a record endpoint (which a call can wait for).
+    pub(crate) fn has_record_link(&self, client: ClientId) -> bool {
+        self.clients.read().get(&client).is_some_and(|rec| rec.link.lock().is_some())
+    }
+
+    /// Waits until the storage nodes got the updates of `wait`: a node slow or paused
+    /// is waited for (its updates stay queued and are sent again) for as long as it is
+    /// registered. A node is given up on only when it is certainly gone (forgotten at
+    /// once), when it was forgotten meanwhile (by its TTL), or when sends to it have
+    /// failed for a whole client TTL (forgotten then). Returns whether every node got
+    /// them.
     pub(crate) fn await_records(&self, wait: RecordWait) -> bool {
         let mut all = true;
         for (client, link, ticket) in wait.tickets {
-            if !link.wait(ticket, self.config.record_timeout) {
-                all = false;
-                link.close();
-                if self.clients.read().contains_key(&client) {
-                    self.counters.record_failures.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    let removed = self.forget_client(client);
-                    tracing::warn!(
-                        client = format!("{client:#x}"),
-                        removed,
-                        "storage node could not be told of its records: forgotten"
-                    );
+            loop {
+                match link.wait(ticket, self.config.record_timeout) {
+                    Delivery::Done => break,
+                    Delivery::Closed => {
+                        all = false;
+                        break;
+                    }
+                    Delivery::Gone => {
+                        all = false;
+                        self.forget_unreachable(client, "it is gone");
+                        break;
+                    }
+                    Delivery::Pending if link.failing_for() > self.config.client_ttl => {
+                        all = false;
+                        self.forget_unreachable(client, "its records could not be delivered for a client TTL");
+                        break;
+                    }
+                    Delivery::Pending => {
+                        if !self.clients.read().contains_key(&client) {
+                            all = false;
+                            break;
+                        }
+                    }
                 }
             }
         }
         all
+    }
+
+    /// Forgets a node whose records cannot be delivered (`why`), if it is still known.
+    pub(crate) fn forget_unreachable(&self, client: ClientId, why: &str) {
+        if self.clients.read().contains_key(&client) {
+            self.counters.record_failures.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let removed = self.forget_client(client);
+            tracing::warn!(client = format!("{client:#x}"), removed, "storage node forgotten: {why}");
+        }
     }
 
     /// Tells the owners of `key`'s complete replicas (or of `only` those) that they hold it.
@@ -136,8 +190,12 @@ impl MasterService {
             if only.is_some_and(|o| !o.contains(&m)) {
                 continue;
             }
-            let record = ObjectRecord { key: key.to_owned(), offset: m.offset, len: e.len(), checksum: e.checksum };
-            self.push_update(m.segment, RecordUpdate::Added { segment: m.segment, record }, &mut wait);
+            let (len, checksum) = (e.len(), e.checksum);
+            let added = |generation| RecordUpdate::Added {
+                segment: m.segment,
+                record: ObjectRecord { key: key.to_owned(), offset: m.offset, len, checksum, generation },
+            };
+            self.push_update(m.segment, added, &mut wait);
         }
         wait
     }
@@ -153,9 +211,9 @@ impl MasterService {
             return wait;
         }
         for r in replicas.into_iter().filter(|r| r.complete()) {
-            let segment = r.segment();
-            let update = RecordUpdate::Removed { segment, key: key.to_owned(), offset: r.offset() };
-            self.push_update(segment, update, &mut wait);
+            let (segment, offset) = (r.segment(), r.offset());
+            let removed = |generation| RecordUpdate::Removed { segment, key: key.to_owned(), offset, generation };
+            self.push_update(segment, removed, &mut wait);
         }
         wait
     }
@@ -195,16 +253,20 @@ impl MasterService {
         records.sort_by_key(|r| r.offset);
         let now = self.now_ms();
         let mut taken = 0;
+        let mut stale = 0u64;
         for r in records {
             if check_key(&r.key).is_err() || crate::config::check_value_len(r.len).is_err() {
                 continue;
             }
+            self.gens.observe(r.generation);
             let Some(buf) = alloc.allocate_at(r.offset, r.len) else {
                 tracing::warn!(key = r.key, offset = r.offset, "record does not fit the segment; skipped");
                 continue;
             };
             let mut shard = self.index.shard(&r.key).lock();
             match shard.get_mut(r.key.as_str()) {
+                // Removed or put again after this copy was made: not taken back.
+                None if !self.tombstones.admits(&r.key, r.generation) => stale += 1,
                 None => {
                     shard.insert(&r.key, {
                         let mut e = ObjectEntry::new_complete(r.len, r.checksum, now);
@@ -219,6 +281,10 @@ impl MasterService {
                 }
                 Some(_) => tracing::warn!(key = r.key, "record conflicts with the master's view; skipped"),
             }
+        }
+        if stale > 0 {
+            self.counters.stale_copies.fetch_add(stale, std::sync::atomic::Ordering::Relaxed);
+            tracing::info!(segment = id, stale, "records older than their keys' last removal or put: not taken back");
         }
         tracing::info!(segment = id, taken, "segment re-mounted with its objects");
         Ok((id, taken))
@@ -238,5 +304,47 @@ impl MasterService {
             }
         }
         Ok(keys)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use parking_lot::Mutex;
+
+    use super::*;
+    use crate::config::{MasterConfig, ReplicateConfig};
+    use crate::master::Master;
+
+    /// A node's records, as the master tells them.
+    #[derive(Default)]
+    struct Seen(Mutex<Vec<RecordUpdate>>);
+
+    impl RecordSink for Seen {
+        fn apply_records(&self, updates: &[RecordUpdate]) -> Result<()> {
+            self.0.lock().extend_from_slice(updates);
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_node_announcing_a_new_endpoint_gets_its_changes_there() {
+        let master = Master::new(MasterConfig { track_records: true, ..Default::default() }).unwrap();
+        let c = master.register_client().unwrap().client;
+        let region = RemoteRegion { endpoint: "local://n".into(), region: 1 };
+        master.mount_segment(c, &region, 1 << 20).unwrap();
+        let (first, second) = (Arc::new(Seen::default()), Arc::new(Seen::default()));
+        master.attach_records(c, first.clone()).unwrap();
+        master.put_start(c, "a", 10, &ReplicateConfig::default()).unwrap();
+        master.put_end(c, "a", 1).unwrap();
+        master.attach_records(c, second.clone()).unwrap();
+        master.put_start(c, "b", 10, &ReplicateConfig::default()).unwrap();
+        master.put_end(c, "b", 2).unwrap();
+        master.remove("a").unwrap();
+        let keys = |s: &Seen| s.0.lock().iter().map(|u| u.key().to_owned()).collect::<Vec<_>>();
+        assert_eq!(keys(&first), ["a"]);
+        assert_eq!(keys(&second), ["b", "a"]);
+        let gens: Vec<u64> =
+            first.0.lock().iter().chain(second.0.lock().iter()).map(RecordUpdate::generation).collect();
+        assert!(gens.windows(2).all(|w| w[0] < w[1]), "generations increase in the order changes were queued");
     }
 }

@@ -30,6 +30,7 @@ pub(crate) struct MasterCounters {
     pub(super) under_replicated_puts: AtomicU64,
     pub(super) segment_failures: AtomicU64,
     pub(super) record_failures: AtomicU64,
+    pub(super) stale_copies: AtomicU64,
 }
 
 /// The master service: an in-process object. Use it through [`Master`].
@@ -51,8 +52,10 @@ pub struct MasterService {
     pub(super) incarnation: u64,
     /// How to reach storage nodes' record endpoints (unset: heartbeats only).
     pub(super) record_connector: std::sync::OnceLock<Arc<dyn crate::master::record_link::RecordConnector>>,
-    /// Keys removed while they had a disk replica: an SSD that comes back with one of
-    /// them does not register it again.
+    /// Hands out the generations that order every change of a key.
+    pub(super) gens: crate::master::generations::GenClock,
+    /// Generation high-water marks of keys whose old copies may still be offered: a
+    /// record or file older than its key's last removal is refused.
     pub(super) tombstones: crate::master::tombstones::Tombstones,
     /// Until when (ms) the master counts as recovering from a restart: set by each
     /// segment re-mounted with its objects, for one client TTL (every surviving
@@ -124,6 +127,7 @@ impl Master {
             last_tick_ms: AtomicU64::new(0),
             incarnation: rand::random::<u64>() | 1,
             record_connector: std::sync::OnceLock::new(),
+            gens: Default::default(),
             tombstones: Default::default(),
             recovering_until_ms: AtomicU64::new(0),
             ownership: std::sync::OnceLock::new(),

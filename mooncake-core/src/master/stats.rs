@@ -93,6 +93,7 @@ impl MasterService {
             under_replicated_puts: c.under_replicated_puts.load(Ordering::Relaxed),
             segment_failures: c.segment_failures.load(Ordering::Relaxed),
             record_failures: c.record_failures.load(Ordering::Relaxed),
+            stale_copies: c.stale_copies.load(Ordering::Relaxed),
             stall_graces: c.stall_graces.load(Ordering::Relaxed),
             allocation_strategy: self.config.allocation_strategy.name().to_owned(),
             segment_usage,

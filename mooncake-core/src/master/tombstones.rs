@@ -1,55 +1,256 @@
-//! Tombstones of keys removed while they had a disk replica.
+//! Tombstones: the generation high-water marks of keys whose old copies may still be
+//! offered to the master (ARCHITECTURE.md, "Generations").
+//!
+//! A copy of an object (a node's record of it, or a file on an SSD) carries the
+//! generation it was stamped with while the object existed. It is offered again when
+//! a node re-mounts or an SSD announces its files; the master must then refuse it if
+//! its key was removed or put again since. Remembering every key ever removed or put
+//! would grow without bound, so the master remembers only keys whose copies may be
+//! out of its sight:
+//! - every removed (or replaced) key, with the generation of the removal;
+//! - every key whose replica or disk replica the master dropped without the holder
+//!   being told (a node forgotten, an offload that may have been written), as
+//!   *lingering*: such copies are good until the key is put or removed again, which
+//!   turns the tombstone into a removal's.
+//!
+//! At most [`MAX_TOMBSTONES`] are kept (each key once, plus 8 bytes of order), oldest
+//! first out; forgetting one raises its shard's *floor* to the current generation: an
+//! offered copy of a key without a tombstone is admitted only if it is newer than the
+//! floor. So forgetting errs on the safe side: an old copy whose key's history was
+//! forgotten is refused (its node deletes it), never taken for the current object.
 
-use std::sync::atomic::Ordering;
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use hashbrown::HashTable;
+use parking_lot::Mutex;
+
+use crate::master::generations::GenClock;
 
 /// Most tombstones kept; the oldest go first beyond it.
 const MAX_TOMBSTONES: usize = 1 << 20;
+/// Shards of the tombstones (each its own lock, taken last: no lock is taken under it).
+const SHARDS: usize = 256;
+/// Most tombstones of one shard.
+const PER_SHARD: usize = MAX_TOMBSTONES / SHARDS;
 
-/// Keys removed while they had a disk replica. The SSD holding it may be away (its
-/// node down) and miss the order to delete the file; when it comes back and
-/// announces the file, the key is refused (and the node deletes it) instead of the
-/// object returning. A new put of the key clears its tombstone.
+/// The mark of a key whose copies may linger where the master cannot see them, and
+/// that nothing superseded since.
+const LINGERING: u64 = 0;
+
+/// The tombstones of one shard of keys.
 #[derive(Default)]
-pub(crate) struct Tombstones {
-    set: parking_lot::Mutex<TombstoneSet>,
-    /// Whether `set` may hold anything: puts skip its lock while it is empty.
-    any: std::sync::atomic::AtomicBool,
+struct Shard {
+    /// (key, generation of its last removal or put after it lingered, or
+    /// [`LINGERING`]), found by the key's hash: the key is kept once.
+    marks: HashTable<(Box<str>, u64)>,
+    /// Hashes of the keys in insertion order, to forget the oldest beyond [`PER_SHARD`].
+    order: VecDeque<u64>,
+    /// Copies of keys without a mark are admitted only if newer than this (0: no mark
+    /// was ever forgotten here).
+    floor: u64,
 }
 
-#[derive(Default)]
-struct TombstoneSet {
-    keys: ahash::HashSet<Box<str>>,
-    /// Insertion order, to forget the oldest beyond [`MAX_TOMBSTONES`] (may name keys
-    /// since cleared: they just age out).
-    order: std::collections::VecDeque<Box<str>>,
+impl Shard {
+    fn get_mut(&mut self, hash: u64, key: &str) -> Option<&mut u64> {
+        self.marks.find_mut(hash, |(k, _)| &**k == key).map(|(_, m)| m)
+    }
+}
+
+/// The tombstones of a master (see the module docs).
+pub(crate) struct Tombstones {
+    shards: Box<[Mutex<Shard>]>,
+    router: ahash::RandomState,
+    /// Whether any shard may hold anything: puts skip the locks while none does.
+    any: AtomicBool,
+}
+
+impl Default for Tombstones {
+    fn default() -> Self {
+        Self {
+            shards: (0..SHARDS).map(|_| Mutex::new(Shard::default())).collect(),
+            router: ahash::RandomState::with_seeds(0x746f6d62, 0x73746f6e, 0x65732d6d, 0x61726b73),
+            any: AtomicBool::new(false),
+        }
+    }
 }
 
 impl Tombstones {
-    pub(crate) fn insert(&self, key: &str) {
-        let mut set = self.set.lock();
-        if set.keys.insert(key.into()) {
-            set.order.push_back(key.into());
-        }
-        while set.order.len() > MAX_TOMBSTONES {
-            if let Some(old) = set.order.pop_front() {
-                set.keys.remove(&old);
+    /// The key's hash and its shard (the shard from the hash's high bits, the table
+    /// slot from the low ones).
+    fn shard(&self, key: &str) -> (u64, &Mutex<Shard>) {
+        let hash = self.router.hash_one(key);
+        (hash, &self.shards[((hash >> 48) as usize) % SHARDS])
+    }
+
+    /// Sets `key`'s mark with `update` (given the current one, if any), making room.
+    fn mark(&self, key: &str, clock: &GenClock, update: impl FnOnce(Option<u64>) -> u64) {
+        let (hash, shard) = self.shard(key);
+        let mut shard = shard.lock();
+        match shard.get_mut(hash, key) {
+            Some(m) => *m = update(Some(*m)),
+            None => {
+                let value = update(None);
+                let router = &self.router;
+                shard.marks.insert_unique(hash, (key.into(), value), |(k, _)| router.hash_one(&**k));
+                shard.order.push_back(hash);
+                while shard.order.len() > PER_SHARD {
+                    let Some(old) = shard.order.pop_front() else { break };
+                    // The oldest key of that hash (two keys sharing 64 bits of hash
+                    // would only make one forgotten early: the floor covers it).
+                    if let Ok(entry) = shard.marks.find_entry(old, |(k, _)| router.hash_one(&**k) == old) {
+                        entry.remove();
+                    }
+                    shard.floor = clock.next();
+                }
             }
         }
         self.any.store(true, Ordering::Release);
     }
 
-    pub(crate) fn remove(&self, key: &str) {
+    /// Copies of `key` may linger where the master does not see them (their holder was
+    /// forgotten): they stay admissible until the key is put or removed again.
+    pub(crate) fn linger(&self, key: &str, clock: &GenClock) {
+        self.mark(key, clock, |m| m.unwrap_or(LINGERING));
+    }
+
+    /// `key` was removed (or replaced) at `generation`: copies older than it are
+    /// refused from now on.
+    pub(crate) fn supersede(&self, key: &str, generation: u64, clock: &GenClock) {
+        self.mark(key, clock, |m| m.unwrap_or(LINGERING).max(generation));
+    }
+
+    /// `key` was put at `generation`: if copies of an earlier object of the key may
+    /// linger, they are refused from now on (nothing to remember otherwise).
+    pub(crate) fn supersede_if_marked(&self, key: &str, generation: u64) {
         if self.any.load(Ordering::Acquire) {
-            let mut set = self.set.lock();
-            set.keys.remove(key);
-            if set.keys.is_empty() {
-                set.order.clear();
-                self.any.store(false, Ordering::Release);
+            let (hash, shard) = self.shard(key);
+            if let Some(m) = shard.lock().get_mut(hash, key) {
+                *m = (*m).max(generation);
             }
         }
     }
 
-    pub(crate) fn contains(&self, key: &str) -> bool {
-        self.any.load(Ordering::Acquire) && self.set.lock().keys.contains(key)
+    /// Whether a copy of `key` stamped `generation` may be taken back while the
+    /// master holds no object under the key.
+    pub(crate) fn admits(&self, key: &str, generation: u64) -> bool {
+        if !self.any.load(Ordering::Acquire) {
+            return true;
+        }
+        let (hash, shard) = self.shard(key);
+        let mut shard = shard.lock();
+        match shard.get_mut(hash, key).copied() {
+            Some(LINGERING) => true,
+            Some(removed) => generation > removed,
+            // A file of a version without generations (0) is taken by a master that
+            // never forgot a mark here, as before generations existed.
+            None => shard.floor == 0 || generation > shard.floor,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// The rule without a bound: a key's last supersession, or lingering.
+    #[derive(Default)]
+    struct Model(std::collections::HashMap<String, u64>);
+
+    impl Model {
+        fn admits(&self, key: &str, generation: u64) -> bool {
+            match self.0.get(key) {
+                None | Some(&LINGERING) => true,
+                Some(&g) => generation > g,
+            }
+        }
+    }
+
+    #[derive(Clone, Debug)]
+    enum Op {
+        Linger(u8),
+        Remove(u8),
+        Put(u8),
+        Offer(u8, u8),
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            any::<u8>().prop_map(Op::Linger),
+            any::<u8>().prop_map(Op::Remove),
+            any::<u8>().prop_map(Op::Put),
+            (any::<u8>(), any::<u8>()).prop_map(|(k, back)| Op::Offer(k, back)),
+        ]
+    }
+
+    proptest! {
+        /// Within the bound the tombstones answer exactly as the unbounded rule; an
+        /// old copy is never admitted where the rule refuses it.
+        #[test]
+        fn tombstones_follow_the_generation_rule(ops in proptest::collection::vec(op(), 1..300)) {
+            let clock = GenClock::default();
+            let t = Tombstones::default();
+            let mut model = Model::default();
+            // Generations handed out so far, to offer copies of old ones.
+            let mut stamps: Vec<u64> = vec![clock.next()];
+            for op in ops {
+                match op {
+                    Op::Linger(k) => {
+                        let key = k.to_string();
+                        t.linger(&key, &clock);
+                        model.0.entry(key).or_insert(LINGERING);
+                    }
+                    Op::Remove(k) => {
+                        let key = k.to_string();
+                        let g = clock.next();
+                        stamps.push(g);
+                        t.supersede(&key, g, &clock);
+                        let m = model.0.entry(key).or_insert(LINGERING);
+                        *m = (*m).max(g);
+                    }
+                    Op::Put(k) => {
+                        let key = k.to_string();
+                        let g = clock.next();
+                        stamps.push(g);
+                        t.supersede_if_marked(&key, g);
+                        if let Some(m) = model.0.get_mut(&key) {
+                            *m = (*m).max(g);
+                        }
+                    }
+                    Op::Offer(k, back) => {
+                        let key = k.to_string();
+                        let g = stamps[stamps.len() - 1 - (back as usize % stamps.len())];
+                        prop_assert_eq!(t.admits(&key, g), model.admits(&key, g), "{} at {}", key, g);
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn forgetting_a_tombstone_refuses_old_copies_of_unmarked_keys() {
+        let clock = GenClock::default();
+        let t = Tombstones::default();
+        let old = clock.next();
+        assert!(t.admits("k", old) && t.admits("k", 0), "nothing known: everything admitted");
+        // Fill one shard past its bound: its oldest marks are forgotten.
+        let shard_of = |k: &str| ((t.router.hash_one(k) >> 48) as usize) % SHARDS;
+        let target = shard_of("k");
+        let mut n = 0;
+        let mut i = 0u64;
+        while n <= PER_SHARD {
+            let key = format!("other-{i}");
+            i += 1;
+            if shard_of(&key) == target && key != "k" {
+                t.supersede(&key, clock.next(), &clock);
+                n += 1;
+            }
+        }
+        // "k" has no mark and its shard forgot one: a copy from before is refused, a
+        // later one admitted.
+        assert!(!t.admits("k", old));
+        assert!(!t.admits("k", 0));
+        assert!(t.admits("k", clock.next()));
     }
 }

@@ -72,6 +72,8 @@ pub struct OffloadTask {
     pub len: u64,
     /// crc32c of the object's bytes.
     pub checksum: u32,
+    /// The object's generation, written with the file (see [`ObjectRecord::generation`]).
+    pub generation: u64,
 }
 
 /// The answer to an offload heartbeat.
@@ -153,9 +155,13 @@ pub struct MasterStats {
     /// Segments a client reported it could not write to (placement skips them until
     /// their owner heartbeats again).
     pub segment_failures: u64,
-    /// Storage nodes forgotten because they could not be told of a change to their
-    /// records in time.
+    /// Storage nodes forgotten because their records could not be delivered: the node
+    /// was certainly gone (its endpoint refused connections), or deliveries failed for
+    /// a whole client TTL while it heartbeated.
     pub record_failures: u64,
+    /// Records and disk files a node offered back and the master refused: their key
+    /// was removed or put again after they were written (their generation is older).
+    pub stale_copies: u64,
     /// Times the master noticed it had itself been stalled and granted a grace period.
     pub stall_graces: u64,
     /// Allocation strategy in use.
@@ -199,6 +205,7 @@ impl MasterStats {
             under_replicated_puts,
             segment_failures,
             record_failures,
+            stale_copies,
             stall_graces,
             metadata_bytes,
             key_bytes,
@@ -236,9 +243,10 @@ pub struct ClientRegistration {
     pub client: ClientId,
     /// The master expires clients silent for this long (ms); heartbeat well within it.
     pub client_ttl_ms: u64,
-    /// Random for each start of a master. A client that must register again with the
-    /// same incarnation was forgotten by a master that kept running (its records are
-    /// stale); with another one, the master restarted and wants its records back.
+    /// Random for each start of a master: a client that must register again with the
+    /// same incarnation was forgotten by a master that kept running, with another one
+    /// the master restarted. Either way the client offers its records back (the master
+    /// refuses those a later removal or put superseded, by their generations).
     pub incarnation: u64,
 }
 
@@ -254,12 +262,20 @@ pub struct ObjectRecord {
     pub len: u64,
     /// crc32c of the bytes.
     pub checksum: u32,
+    /// The generation the master stamped the record with: later than the key's last
+    /// put or remove before it, earlier than any after it (ARCHITECTURE.md,
+    /// "Generations"). A record older than what the master knows of its key is
+    /// refused when it is offered again.
+    pub generation: u64,
 }
 
-/// A change to the objects of one of a client's segments, delivered with heartbeats.
+/// A change to the objects a storage node holds, delivered on its record endpoint (or
+/// with the answers to its heartbeats). Each carries a generation, increasing in the
+/// order a node's changes are queued: a node applies a change of a segment only if it
+/// is newer than the last one applied there, so a late duplicate frame changes nothing.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum RecordUpdate {
-    /// A complete replica now lives in `segment`.
+    /// A complete replica now lives in `segment` (the record's generation orders it).
     Added {
         /// The segment (owned by the heartbeating client).
         segment: SegmentId,
@@ -274,7 +290,44 @@ pub enum RecordUpdate {
         key: String,
         /// Offset the replica had.
         offset: u64,
+        /// When (the master's generation clock) it left.
+        generation: u64,
     },
+    /// The object under `key` was removed or replaced: a file of it on the node's SSD
+    /// tier written with generation `generation` or older is deleted before the node
+    /// answers (a newer one, of a later put, stays).
+    Discard {
+        /// Object key.
+        key: String,
+        /// The generation of the removal.
+        generation: u64,
+    },
+}
+
+impl RecordUpdate {
+    /// The generation that orders the update.
+    pub fn generation(&self) -> u64 {
+        match self {
+            RecordUpdate::Added { record, .. } => record.generation,
+            RecordUpdate::Removed { generation, .. } | RecordUpdate::Discard { generation, .. } => *generation,
+        }
+    }
+
+    /// The key the update is about.
+    pub fn key(&self) -> &str {
+        match self {
+            RecordUpdate::Added { record, .. } => &record.key,
+            RecordUpdate::Removed { key, .. } | RecordUpdate::Discard { key, .. } => key,
+        }
+    }
+
+    /// The segment the update is about (`None`: the node's SSD tier).
+    pub fn segment(&self) -> Option<SegmentId> {
+        match self {
+            RecordUpdate::Added { segment, .. } | RecordUpdate::Removed { segment, .. } => Some(*segment),
+            RecordUpdate::Discard { .. } => None,
+        }
+    }
 }
 
 /// What an eviction pass did.

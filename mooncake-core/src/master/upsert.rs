@@ -187,14 +187,14 @@ impl MasterService {
         // The swap. Reads that were handed the old replicas may still be copying
         // from them: they are kept until those reads are over.
         let mut wait = self.note_removed(key, &e.replicas);
+        // The old value is superseded (its tombstone is older than the new records'
+        // stamps, taken below), and a file of it on an SSD holds the old bytes.
+        self.release_disk(key, e, &mut wait);
+        let Some(u) = e.extra.as_deref_mut() else { return Err(no_upsert(key)) };
         let old = std::mem::replace(&mut e.replicas, new);
         let retire_until = now + self.config.default_lease.as_millis() as u64;
         u.retired.extend(old.into_iter().map(|r| (retire_until, r)));
-        if e.disk() != 0 {
-            // The file on the SSD holds the old bytes.
-            self.release_disk(key, e);
-            e.set_disk(0);
-        }
+        e.set_disk(0);
         e.set_offload_deadline_ms(0);
         e.set_len(staged.len);
         e.checksum = checksum;
@@ -206,7 +206,6 @@ impl MasterService {
         wait.merge(self.note_added(key, e, None));
         let first = e.replicas.first().map(|r| r.segment());
         drop(shard);
-        self.clear_tombstone(key);
         self.offload_on_put(key, first);
         Ok(wait)
     }

@@ -148,6 +148,16 @@ impl RecordSink for RpcMasterClient {
             other => Err(unexpected(other)),
         }
     }
+
+    /// Nothing listens at the node's endpoint any more (connections are refused): its
+    /// process ended. A paused or slow node accepts connections (its kernel does).
+    fn gone(&self) -> bool {
+        let Ok(mut addrs) = self.addr.to_socket_addrs() else { return false };
+        addrs.next().is_some_and(|a| {
+            matches!(TcpStream::connect_timeout(&a, Duration::from_millis(500)),
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused)
+        })
+    }
 }
 
 /// Bytes of a storage node's record key (see [`record_endpoint_secret`]).

@@ -58,6 +58,12 @@ impl<A: Copy, B: Copy> IntoWire<Vec<(String, A, B)>> for &[(&str, A, B)] {
     }
 }
 
+impl<A: Copy, B: Copy, C: Copy> IntoWire<Vec<(String, A, B, C)>> for &[(&str, A, B, C)] {
+    fn into_wire(self) -> Vec<(String, A, B, C)> {
+        self.iter().map(|(k, a, b, c)| ((*k).to_owned(), *a, *b, *c)).collect()
+    }
+}
+
 /// A decoded request field, lent in the shape the trait method borrows it in
 /// (`String` as `&str`, `Vec<String>` as a `Vec<&str>` to take a slice of, ...).
 pub trait Lend {
@@ -144,6 +150,18 @@ impl<A: Copy, B: Copy> LendItem for (String, A, B) {
         B: 'a;
     fn lend_item(&self) -> (&str, A, B) {
         (&self.0, self.1, self.2)
+    }
+}
+
+impl<A: Copy, B: Copy, C: Copy> LendItem for (String, A, B, C) {
+    type Lent<'a>
+        = (&'a str, A, B, C)
+    where
+        A: 'a,
+        B: 'a,
+        C: 'a;
+    fn lend_item(&self) -> (&str, A, B, C) {
+        (&self.0, self.1, self.2, self.3)
     }
 }
 

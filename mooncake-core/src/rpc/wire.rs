@@ -26,8 +26,9 @@ use mooncake_transfer::RemoteRegion;
 
 /// First bytes of every frame.
 pub const MAGIC: [u8; 4] = *b"MCRP";
-/// Protocol version spoken by this build (7: `MountRecords` carries the record key).
-pub const VERSION: u8 = 7;
+/// Protocol version spoken by this build (7: `MountRecords` carries the record key;
+/// 8: records carry generations, `RecordUpdate::Discard`).
+pub const VERSION: u8 = 8;
 /// Bytes in a frame header.
 pub const HEADER_LEN: usize = 20;
 /// Default largest body accepted (64 MiB).

@@ -93,6 +93,8 @@ pub(crate) struct ClusterClient {
     started: Instant,
     /// Record updates for a segment not (yet) known to be one of our extents.
     unrouted: Mutex<Vec<(Instant, RecordUpdate)>>,
+    /// This node's SSD tier, which `Discard` updates are for.
+    disk: std::sync::OnceLock<Arc<dyn crate::store::records::DiskDiscard>>,
 }
 
 impl ClusterClient {
@@ -126,7 +128,7 @@ impl ClusterClient {
                     group,
                     region,
                     remote,
-                    records: SegmentRecords::new(0, 0),
+                    records: SegmentRecords::new(0),
                     mount: Mutex::new(None),
                 });
             }
@@ -151,6 +153,7 @@ impl ClusterClient {
             last_answer_ms: AtomicU64::new(0),
             started: Instant::now(),
             unrouted: Mutex::new(Vec::new()),
+            disk: std::sync::OnceLock::new(),
         }))
     }
 
@@ -515,9 +518,10 @@ impl ClusterClient {
     fn mount_extent_at(&self, x: &Extent, addr: &str, epoch: u64) -> Result<()> {
         let s = self.session(addr)?;
         let id = self.id_at(&s)?;
-        // The same leader (same epoch) forgot us: what we hold for it is stale. A new
-        // leader wants the records back (a restarted master does, as in single mode).
-        let records = x.records.rejoin(epoch, |r| {
+        // A new leader wants the records back (a restarted master does, as in single
+        // mode); so does the same leader if it forgot us: it takes back only what no
+        // removal or put superseded meanwhile.
+        let records = x.records.rejoin(|r| {
             let mut buf = vec![0u8; r.len as usize];
             x.region.copy_out(r.offset, &mut buf).is_ok() && crate::checksum::checksum(&buf) == r.checksum
         });
@@ -528,7 +532,7 @@ impl ClusterClient {
             let mut unrouted = self.unrouted.lock();
             x.records.set_segment(segment);
             *x.mount.lock() = Some((addr.to_owned(), segment, epoch));
-            let (ours, rest): (Vec<_>, Vec<_>) = unrouted.drain(..).partition(|(_, u)| update_segment(u) == segment);
+            let (ours, rest): (Vec<_>, Vec<_>) = unrouted.drain(..).partition(|(_, u)| u.segment() == Some(segment));
             *unrouted = rest;
             x.records.apply(ours.into_iter().map(|(_, u)| u).collect());
         }
@@ -550,8 +554,12 @@ impl ClusterClient {
         let mut by_extent: Vec<Vec<RecordUpdate>> = self.extents.iter().map(|_| Vec::new()).collect();
         let mounted: Vec<Option<SegmentId>> =
             self.extents.iter().map(|x| x.mount.lock().as_ref().map(|(_, segment, _)| *segment)).collect();
+        let mut discards = Vec::new();
         for u in updates {
-            let segment = update_segment(&u);
+            let Some(segment) = u.segment() else {
+                discards.push(u);
+                continue;
+            };
             match mounted.iter().position(|m| *m == Some(segment)) {
                 Some(i) => by_extent[i].push(u),
                 // For an extent whose mount answer is still on its way to us: kept
@@ -573,6 +581,20 @@ impl ClusterClient {
                 x.records.apply(updates);
             }
         }
+        // File deletions (I/O) without the lock.
+        drop(unrouted);
+        if let Some(disk) = self.disk.get() {
+            for u in discards {
+                if let RecordUpdate::Discard { key, generation } = u {
+                    disk.discard(&key, generation);
+                }
+            }
+        }
+    }
+
+    /// `Discard` updates delete files of `disk` (this node's SSD tier) from now on.
+    pub(crate) fn set_disk(&self, disk: Arc<dyn crate::store::records::DiskDiscard>) {
+        let _ = self.disk.set(disk);
     }
 
     /// The extents mounted now, by their segment ids (the SSD tier reads offloads there).
@@ -586,13 +608,6 @@ impl ClusterClient {
     /// The records of every extent (what this node would offer new leaders).
     pub(crate) fn records(&self) -> Vec<ObjectRecord> {
         self.extents.iter().flat_map(|x| x.records.snapshot()).collect()
-    }
-}
-
-/// The segment a record update is about.
-fn update_segment(u: &RecordUpdate) -> SegmentId {
-    match u {
-        RecordUpdate::Added { segment, .. } | RecordUpdate::Removed { segment, .. } => *segment,
     }
 }
 
@@ -874,7 +889,7 @@ impl MasterApi for ClusterClient {
         Ok(plan)
     }
 
-    fn register_disk_objects(&self, _client: ClientId, items: &[(&str, u64, u32)]) -> Vec<Result<()>> {
+    fn register_disk_objects(&self, _client: ClientId, items: &[(&str, u64, u32, u64)]) -> Vec<Result<()>> {
         self.on_keys(items, |i| i.0, |s, id, part| s.rpc.register_disk_objects(id, part))
     }
 

@@ -222,7 +222,7 @@ impl StoreInner {
         let mut seg = self.segment.lock();
         if let Some(s) = seg.as_mut() {
             let region = &s.region;
-            let records = self.records.rejoin(reg.incarnation, |r| {
+            let records = self.records.rejoin(|r| {
                 let mut buf = vec![0u8; r.len as usize];
                 region.copy_out(r.offset, &mut buf).is_ok() && crate::checksum::checksum(&buf) == r.checksum
             });
@@ -575,7 +575,14 @@ impl Store {
         let leases = LeaseReleaser::new(master.clone(), cfg.master_address.is_some())?;
         let (stop_tx, stop_rx) = bounded::<()>(0);
         let own = segment.as_ref().map_or(0, |s| s.id);
-        let records = Arc::new(SegmentRecords::new(own, reg.incarnation));
+        let records = Arc::new(SegmentRecords::new(own));
+        if let Some(ssd) = &ssd {
+            records.set_disk(ssd.discarder());
+        }
+        #[cfg(feature = "etcd")]
+        if let (Some((cluster, _)), Some(ssd)) = (&cluster, &ssd) {
+            cluster.set_disk(ssd.discarder());
+        }
         let record_endpoint = match (&segment, &cfg.master, &cfg.master_address) {
             (None, _, _) => None,
             (Some(_), Some(m), _) => Some(RecordEndpoint::InProcess(m.clone())),

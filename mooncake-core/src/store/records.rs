@@ -8,6 +8,7 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
 
 use mooncake_alloc::SegmentId;
 use parking_lot::Mutex;
@@ -17,52 +18,140 @@ use crate::master::{ObjectRecord, RecordSink, RecordUpdate};
 use crate::rpc::wire::{Request, Response, WireError};
 use crate::rpc::RpcHandler;
 
+/// Deletes files of removed objects from this node's SSD tier (the SSD tier
+/// implements it; a node without one has none).
+pub(crate) trait DiskDiscard: Send + Sync {
+    /// Deletes the file of `key` if it was written with `generation` or an older one
+    /// (a newer one holds a later put), before returning.
+    fn discard(&self, key: &str, generation: u64);
+}
+
 /// The objects of this node's segment, by offset.
 #[derive(Default)]
 pub(super) struct SegmentRecords {
     /// The segment the records describe (its id changes when it is re-mounted).
     segment: AtomicU64,
-    /// Master incarnation the records are in step with (0: none yet).
-    incarnation: AtomicU64,
-    records: Mutex<HashMap<u64, ObjectRecord>>,
+    records: Mutex<Applied>,
+    /// The SSD tier that `Discard` updates are for.
+    disk: OnceLock<Arc<dyn DiskDiscard>>,
+}
+
+/// Most offsets remembered as emptied (with the generation that emptied them) before
+/// the oldest are forgotten.
+const MAX_CLEARED: usize = 1 << 16;
+
+/// The records by offset, each offset with the generation of its last change.
+///
+/// Changes may arrive twice (a frame sent again after a timeout, whose first copy the
+/// node still applies), late (a copy on a connection the master gave up on), or out
+/// of order between the heartbeat answers and the record endpoint: a change of an
+/// offset applies only if it is newer than the last one applied there, so the result
+/// is the newest change of each offset whatever the arrival order. Emptied offsets are
+/// remembered (bounded by [`MAX_CLEARED`]: a late copy arrives within seconds).
+#[derive(Default)]
+struct Applied {
+    by_offset: HashMap<u64, Slot>,
+    /// Offsets whose last change was a removal.
+    cleared: usize,
+}
+
+/// One offset of the segment.
+struct Slot {
+    generation: u64,
+    record: Option<ObjectRecord>,
+}
+
+impl Applied {
+    /// Applies one change of the segment, unless a newer one of its offset was.
+    fn apply(&mut self, u: RecordUpdate) {
+        let generation = u.generation();
+        let (offset, record) = match u {
+            RecordUpdate::Added { record, .. } => (record.offset, Some(record)),
+            // Whatever the offset holds with an older generation predates the removal
+            // (the master frees space only after queueing its removal).
+            RecordUpdate::Removed { offset, .. } => (offset, None),
+            RecordUpdate::Discard { .. } => return,
+        };
+        let slot = self.by_offset.entry(offset).or_insert(Slot { generation: 0, record: None });
+        if generation <= slot.generation {
+            return;
+        }
+        let was_cleared = slot.generation != 0 && slot.record.is_none();
+        slot.generation = generation;
+        slot.record = record;
+        match (was_cleared, slot.record.is_none()) {
+            (false, true) => self.cleared += 1,
+            (true, false) => self.cleared -= 1,
+            _ => {}
+        }
+        if self.cleared > MAX_CLEARED {
+            self.forget_oldest_cleared();
+        }
+    }
+
+    /// Forgets the older half of the emptied offsets.
+    fn forget_oldest_cleared(&mut self) {
+        let mut gens: Vec<u64> = self.by_offset.values().filter(|s| s.record.is_none()).map(|s| s.generation).collect();
+        let mid = gens.len() / 2;
+        let (_, &mut cut, _) = gens.select_nth_unstable(mid);
+        self.by_offset.retain(|_, s| s.record.is_some() || s.generation > cut);
+        self.cleared = self.by_offset.values().filter(|s| s.record.is_none()).count();
+    }
+
+    fn records(&self) -> impl Iterator<Item = &ObjectRecord> {
+        self.by_offset.values().filter_map(|s| s.record.as_ref())
+    }
 }
 
 impl SegmentRecords {
-    /// Records of `segment`, in step with the master of `incarnation`.
-    pub(super) fn new(segment: SegmentId, incarnation: u64) -> Self {
-        Self { segment: AtomicU64::new(segment), incarnation: AtomicU64::new(incarnation), records: Mutex::default() }
+    /// Records of `segment` (none yet).
+    pub(super) fn new(segment: SegmentId) -> Self {
+        Self { segment: AtomicU64::new(segment), ..Default::default() }
     }
 
-    /// Applies the master's changes, in order; changes to other segments are ignored.
+    /// `Discard` updates delete files of `disk` from now on.
+    pub(super) fn set_disk(&self, disk: Arc<dyn DiskDiscard>) {
+        let _ = self.disk.set(disk);
+    }
+
+    /// Applies the master's changes; changes to other segments, and changes of an
+    /// offset older than the last one applied there, are ignored. Files of removed
+    /// objects are deleted from the SSD tier before this returns.
     pub(super) fn apply(&self, updates: Vec<RecordUpdate>) {
         let own = self.segment.load(Ordering::Acquire);
-        let mut records = self.records.lock();
-        for u in updates {
-            match u {
-                RecordUpdate::Added { segment, record } if segment == own => {
-                    records.insert(record.offset, record);
+        let mut discards = Vec::new();
+        {
+            let mut applied = self.records.lock();
+            for u in updates {
+                match u {
+                    RecordUpdate::Discard { key, generation } => discards.push((key, generation)),
+                    u if u.segment() == Some(own) => applied.apply(u),
+                    _ => {}
                 }
-                RecordUpdate::Removed { segment, key, offset }
-                    if segment == own && records.get(&offset).is_some_and(|r| r.key == key) =>
-                {
-                    records.remove(&offset);
-                }
-                _ => {}
+            }
+        }
+        if let Some(disk) = self.disk.get() {
+            for (key, generation) in discards {
+                disk.discard(&key, generation);
             }
         }
     }
 
-    /// After registering again with a master of `incarnation`: the records to offer it.
-    /// The same incarnation means the master kept running and forgot us (expiry, or
-    /// it could not tell us of a change): what we hold is stale, and is dropped.
-    /// Records for which `intact` is false (their bytes changed) are dropped too.
-    pub(super) fn rejoin(&self, incarnation: u64, intact: impl Fn(&ObjectRecord) -> bool) -> Vec<ObjectRecord> {
-        let mut records = self.records.lock();
-        if self.incarnation.swap(incarnation, Ordering::AcqRel) == incarnation {
-            records.clear();
+    /// After registering again (the master restarted, or it forgot us: we expired or
+    /// were out of reach): the records to offer it, all of them, for the master takes
+    /// back only those no removal or put superseded meanwhile (their generations tell).
+    /// Records for which `intact` is false (their bytes changed) are dropped.
+    pub(super) fn rejoin(&self, intact: impl Fn(&ObjectRecord) -> bool) -> Vec<ObjectRecord> {
+        let mut applied = self.records.lock();
+        // The segment is mounted under a new id: changes of the old one (late copies)
+        // are ignored by their segment, and the new master's generations start afresh
+        // here (its clock may be behind the old one's).
+        applied.by_offset.retain(|_, s| s.record.as_ref().is_some_and(&intact));
+        for s in applied.by_offset.values_mut() {
+            s.generation = 0;
         }
-        records.retain(|_, r| intact(r));
-        records.values().cloned().collect()
+        applied.cleared = 0;
+        applied.records().cloned().collect()
     }
 
     /// The segment was mounted again under a new id.
@@ -72,7 +161,7 @@ impl SegmentRecords {
 
     /// A copy of the records.
     pub(super) fn snapshot(&self) -> Vec<ObjectRecord> {
-        self.records.lock().values().cloned().collect()
+        self.records.lock().records().cloned().collect()
     }
 }
 
@@ -102,5 +191,79 @@ impl RpcHandler for SegmentRecords {
     /// it: answered on the event-loop thread, without a hop to a worker and back.
     fn answers_inline(&self, kind: usize) -> bool {
         kind == Request::APPLY_RECORDS_KIND
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// A change the master makes at one of a few offsets, in its order.
+    fn changes() -> impl Strategy<Value = Vec<(bool, u8, u8)>> {
+        proptest::collection::vec((any::<bool>(), 0u8..3, 0u8..4), 1..40)
+    }
+
+    /// The updates a master sends for `changes` (an add where the offset is free, a
+    /// removal of what it holds), with increasing generations.
+    fn updates_of(segment: SegmentId, changes: &[(bool, u8, u8)]) -> Vec<RecordUpdate> {
+        let mut held: HashMap<u64, String> = HashMap::new();
+        let mut out = Vec::new();
+        for (i, &(add, slot, key)) in changes.iter().enumerate() {
+            let (offset, generation) = (u64::from(slot) * 64, 100 + i as u64);
+            match (add, held.get(&offset)) {
+                (true, None) => {
+                    let key = format!("k{key}-{i}");
+                    held.insert(offset, key.clone());
+                    let record = ObjectRecord { key, offset, len: 1, checksum: 0, generation };
+                    out.push(RecordUpdate::Added { segment, record });
+                }
+                (false, Some(_)) => {
+                    let key = held.remove(&offset).unwrap();
+                    out.push(RecordUpdate::Removed { segment, key, offset, generation });
+                }
+                _ => {}
+            }
+        }
+        out
+    }
+
+    fn state(r: &SegmentRecords) -> Vec<(u64, String)> {
+        let mut v: Vec<(u64, String)> = r.snapshot().into_iter().map(|r| (r.offset, r.key)).collect();
+        v.sort();
+        v
+    }
+
+    proptest! {
+        /// Whatever the order updates arrive in, however often each arrives (a frame
+        /// sent again after a timeout, a late copy, heartbeat answers overtaken by the
+        /// record endpoint), the records end as the master's order leaves them.
+        #[test]
+        fn records_end_as_the_masters_order_leaves_them(
+            changes in changes(),
+            order in proptest::collection::vec(any::<u16>(), 0..80),
+            foreign in any::<bool>(),
+        ) {
+            let updates = updates_of(7, &changes);
+            let in_order = SegmentRecords::new(7);
+            in_order.apply(updates.clone());
+            // Every update at least once, then the `order` picks in any order.
+            let mut arrivals: Vec<RecordUpdate> = updates.clone();
+            for pick in &order {
+                if !updates.is_empty() {
+                    let u = updates[*pick as usize % updates.len()].clone();
+                    arrivals.insert(*pick as usize % (arrivals.len() + 1), u);
+                }
+            }
+            if foreign {
+                // Changes of another segment (an old mount) change nothing.
+                arrivals.extend(updates_of(8, &changes));
+            }
+            let shuffled = SegmentRecords::new(7);
+            for chunk in arrivals.chunks(3) {
+                shuffled.apply(chunk.to_vec());
+            }
+            prop_assert_eq!(state(&shuffled), state(&in_order));
+        }
     }
 }

@@ -9,8 +9,8 @@ use parking_lot::{Mutex, RwLock};
 
 use super::files::{remove_file_quiet, write_file_atomic};
 use super::skeleton::{
-    batch_results, bytes_over, checked_load, validate_batch, BackendCore, CachedFile, Layout, Pinned, Pins, ReadPin,
-    Usage, Victims,
+    batch_results, bytes_over, checked_load, split_generations, validate_batch, BackendCore, CachedFile, Layout,
+    Pinned, Pins, ReadPin, Usage, Victims,
 };
 use super::{BackendOptions, BackendStats, DiskEvictionReport, ObjectMeta, StorageBackend};
 use crate::error::{Result, StorageError};
@@ -31,6 +31,13 @@ pub struct BucketConfig {
 impl Default for BucketConfig {
     fn default() -> Self {
         BucketConfig { bucket_size_limit: 256 << 20, bucket_keys_limit: 500 }
+    }
+}
+
+impl BucketEntry {
+    /// What the backend reports of the entry.
+    fn meta(&self) -> ObjectMeta {
+        ObjectMeta { key: self.key.clone(), len: self.len, checksum: self.checksum, generation: self.generation }
     }
 }
 
@@ -349,7 +356,7 @@ impl BucketBackend {
     /// values are streamed into it with up to `QUEUE_DEPTH` writes in flight while the
     /// checksums are computed ([`BucketWriter`]), then the data file is synced and only
     /// then the meta file written: a crash leaves no meta file naming unsynced data.
-    fn write_bucket(&self, id: u64, objects: &[(&str, &[u8])]) -> Result<(Vec<BucketEntry>, u64)> {
+    fn write_bucket(&self, id: u64, objects: &[(&str, &[u8])], gens: &[u64]) -> Result<(Vec<BucketEntry>, u64)> {
         let path = data_path(&self.dir, id);
         let io = &self.core.io;
         let file = io.open(&path, OpenMode::Create)?;
@@ -357,7 +364,10 @@ impl BucketBackend {
         file.allocate(total)?;
         let mut writer = BucketWriter::new(objects);
         io.write_stream(&file, &mut writer)?;
-        let (entries, off) = writer.finish()?;
+        let (mut entries, off) = writer.finish()?;
+        for (e, g) in entries.iter_mut().zip(gens) {
+            e.generation = *g;
+        }
         if file.len()? < off {
             file.set_len(off)?;
         }
@@ -393,6 +403,13 @@ impl StorageBackend for BucketBackend {
     }
 
     fn batch_offload(&self, objects: &[(&str, &[u8])]) -> Vec<Result<ObjectMeta>> {
+        let items: Vec<(&str, &[u8], u64)> = objects.iter().map(|&(k, v)| (k, v, 0)).collect();
+        self.batch_offload_generations(&items)
+    }
+
+    fn batch_offload_generations(&self, items: &[(&str, &[u8], u64)]) -> Vec<Result<ObjectMeta>> {
+        let (objects, gens) = split_generations(items);
+        let objects = &objects[..];
         let mut results: Vec<Option<Result<ObjectMeta>>> =
             validate_batch(objects).into_iter().map(|e| e.map(Err)).collect();
         // reserve keys
@@ -412,7 +429,7 @@ impl StorageBackend for BucketBackend {
         }
         for group in self.group(objects, &accepted) {
             let size: u64 = group.iter().map(|&i| align_up(objects[i].1.len() as u64)).sum();
-            let res = self.write_group(objects, &group, size);
+            let res = self.write_group(objects, &gens, &group, size);
             let mut idx = self.index.write();
             for &i in &group {
                 idx.writing.remove(objects[i].0);
@@ -422,7 +439,7 @@ impl StorageBackend for BucketBackend {
                     for (j, &i) in group.iter().enumerate() {
                         idx.objects.insert(objects[i].0.to_owned(), Loc { bucket: bucket.clone(), entry: j });
                         let e = &bucket.entries[j];
-                        results[i] = Some(Ok(ObjectMeta { key: e.key.clone(), len: e.len, checksum: e.checksum }));
+                        results[i] = Some(Ok(e.meta()));
                     }
                     idx.buckets.insert(bucket.id, bucket.clone());
                     let keys: Vec<&str> = group.iter().map(|&i| objects[i].0).collect();
@@ -445,8 +462,7 @@ impl StorageBackend for BucketBackend {
     fn object_meta(&self, key: &str) -> Option<ObjectMeta> {
         let idx = self.index.read();
         let loc = idx.objects.get(key)?;
-        let e = &loc.bucket.entries[loc.entry];
-        Some(ObjectMeta { key: e.key.clone(), len: e.len, checksum: e.checksum })
+        Some(loc.bucket.entries[loc.entry].meta())
     }
 
     fn load(&self, key: &str, buf: &mut [u8]) -> Result<usize> {
@@ -534,7 +550,7 @@ impl StorageBackend for BucketBackend {
         for bucket in idx.buckets.values() {
             let state = bucket.state.lock();
             for (e, _) in bucket.entries.iter().zip(&state.live).filter(|(_, &l)| l) {
-                visitor(&ObjectMeta { key: e.key.clone(), len: e.len, checksum: e.checksum });
+                visitor(&e.meta());
                 n += 1;
             }
         }
@@ -584,7 +600,7 @@ impl Layout for BucketBackend {
 
 impl BucketBackend {
     /// Reserves space (evicting as needed) and writes one group as a new bucket.
-    fn write_group(&self, objects: &[(&str, &[u8])], group: &[usize], size: u64) -> Result<Arc<Bucket>> {
+    fn write_group(&self, objects: &[(&str, &[u8])], gens: &[u64], group: &[usize], size: u64) -> Result<Arc<Bucket>> {
         let capacity = self.core.capacity;
         if let Some(cap) = capacity {
             if size > cap {
@@ -610,7 +626,8 @@ impl BucketBackend {
         }
         let id = self.next_id();
         let items: Vec<(&str, &[u8])> = group.iter().map(|&i| objects[i]).collect();
-        match self.write_bucket(id, &items) {
+        let item_gens: Vec<u64> = group.iter().map(|&i| gens[i]).collect();
+        match self.write_bucket(id, &items, &item_gens) {
             Ok((entries, data_len)) => {
                 let mut idx = self.index.write();
                 idx.used = idx.used - size + data_len;
@@ -680,7 +697,13 @@ impl<'o, 'a> BucketWriter<'o, 'a> {
     }
 
     fn entry(&mut self, key: &str, len: usize, checksum: u32) {
-        self.entries.push(BucketEntry { key: key.to_owned(), offset: self.off, len: len as u64, checksum });
+        self.entries.push(BucketEntry {
+            key: key.to_owned(),
+            offset: self.off,
+            len: len as u64,
+            checksum,
+            generation: 0,
+        });
         self.off += align_up(len as u64);
     }
 

@@ -10,8 +10,8 @@ use xxhash_rust::xxh64::xxh64;
 
 use super::files::{remove_file_quiet, sync_dir};
 use super::skeleton::{
-    batch_results, bytes_over, checked_load, validate_batch, BackendCore, CachedFile, Layout, Pinned, Pins, ReadPin,
-    Usage, Victims,
+    batch_results, bytes_over, checked_load, split_generations, validate_batch, BackendCore, CachedFile, Layout,
+    Pinned, Pins, ReadPin, Usage, Victims,
 };
 use super::{BackendOptions, BackendStats, DiskEvictionReport, ObjectMeta, StorageBackend};
 use crate::error::{Result, StorageError};
@@ -140,7 +140,12 @@ impl FilePerKeyBackend {
             let unit = self.next_unit.fetch_add(1, Ordering::Relaxed);
             let obj = Obj {
                 unit,
-                meta: ObjectMeta { key: h.key.clone(), len: h.value_len, checksum: h.value_crc },
+                meta: ObjectMeta {
+                    key: h.key.clone(),
+                    len: h.value_len,
+                    checksum: h.value_crc,
+                    generation: h.generation.unwrap_or(0),
+                },
                 path,
                 value_offset: h.value_offset(),
                 disk_len: file_len.max(disk_len(&h.key, h.value_len)),
@@ -207,7 +212,7 @@ impl FilePerKeyBackend {
 
     /// Writes one object durably under its final name (the directory is synced by
     /// the caller); returns the object.
-    fn write_object(&self, key: &str, value: &[u8]) -> Result<Obj> {
+    fn write_object(&self, key: &str, value: &[u8], generation: u64) -> Result<Obj> {
         let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
         let path = self.path_for(key);
         let parent = path.parent().expect("sharded path has a parent");
@@ -218,8 +223,13 @@ impl FilePerKeyBackend {
                 sync_dir(&self.dir)?;
             }
         }
-        let h =
-            RecordHeader { key: key.to_owned(), value_len: value.len() as u64, value_crc: crc32c::crc32c(value), seq };
+        let h = RecordHeader {
+            key: key.to_owned(),
+            value_len: value.len() as u64,
+            value_crc: crc32c::crc32c(value),
+            seq,
+            generation: Some(generation),
+        };
         let tmp = path.with_extension(format!("obj.tmp.{seq}"));
         let io = &self.core.io;
         let res = (|| {
@@ -239,7 +249,7 @@ impl FilePerKeyBackend {
         }
         Ok(Obj {
             unit: self.next_unit.fetch_add(1, Ordering::Relaxed),
-            meta: ObjectMeta { key: key.to_owned(), len: h.value_len, checksum: h.value_crc },
+            meta: ObjectMeta { key: key.to_owned(), len: h.value_len, checksum: h.value_crc, generation },
             path,
             value_offset: h.value_offset(),
             disk_len: disk_len(key, h.value_len),
@@ -255,6 +265,13 @@ impl StorageBackend for FilePerKeyBackend {
     }
 
     fn batch_offload(&self, objects: &[(&str, &[u8])]) -> Vec<Result<ObjectMeta>> {
+        let items: Vec<(&str, &[u8], u64)> = objects.iter().map(|&(k, v)| (k, v, 0)).collect();
+        self.batch_offload_generations(&items)
+    }
+
+    fn batch_offload_generations(&self, items: &[(&str, &[u8], u64)]) -> Vec<Result<ObjectMeta>> {
+        let (objects, gens) = split_generations(items);
+        let objects = &objects[..];
         let mut results: Vec<Option<Result<ObjectMeta>>> =
             validate_batch(objects).into_iter().map(|e| e.map(Err)).collect();
         let mut accepted = Vec::new();
@@ -302,7 +319,7 @@ impl StorageBackend for FilePerKeyBackend {
         let mut dirs = AHashSet::new();
         for &i in &accepted {
             let (k, v) = objects[i];
-            match self.write_object(k, v) {
+            match self.write_object(k, v, gens[i]) {
                 Ok(o) => {
                     dirs.insert(o.path.parent().map(Path::to_owned).unwrap_or_default());
                     written.push((i, o));

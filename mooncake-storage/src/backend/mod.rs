@@ -33,6 +33,12 @@ pub struct ObjectMeta {
     pub len: u64,
     /// crc32c of the value.
     pub checksum: u32,
+    /// The object's generation: a number its writer handed with it
+    /// ([`StorageBackend::batch_offload_generations`]), kept on disk beside the value,
+    /// so that after a restart a store can tell an old copy of a key from a newer one.
+    /// 0: none (written by [`StorageBackend::batch_offload`], by a backend that keeps
+    /// none, or read from a file of a version without generations).
+    pub generation: u64,
 }
 
 /// The error a listener returns.
@@ -207,6 +213,17 @@ pub trait StorageBackend: Send + Sync {
     /// Writes `objects` durably (synced before returning), evicting if a capacity
     /// limit is set. One result per object, in order.
     fn batch_offload(&self, objects: &[(&str, &[u8])]) -> Vec<Result<ObjectMeta>>;
+
+    /// [`batch_offload`](Self::batch_offload), each object with its generation
+    /// (`(key, value, generation)`), which is kept on disk with the value and reported
+    /// by [`object_meta`](Self::object_meta) and [`scan_meta`](Self::scan_meta). The
+    /// built-in backends keep it; the default writes with `batch_offload` and keeps
+    /// none (reports 0, the oldest generation: a store then re-registers such an object
+    /// after a restart only where nothing newer of its key is known).
+    fn batch_offload_generations(&self, objects: &[(&str, &[u8], u64)]) -> Vec<Result<ObjectMeta>> {
+        let plain: Vec<(&str, &[u8])> = objects.iter().map(|&(k, v, _)| (k, v)).collect();
+        self.batch_offload(&plain)
+    }
 
     /// Writes one object; see [`batch_offload`](Self::batch_offload).
     fn offload(&self, key: &str, value: &[u8]) -> Result<ObjectMeta> {

@@ -12,7 +12,8 @@ use xxhash_rust::xxh64::xxh64;
 
 use super::files::sync_dir;
 use super::skeleton::{
-    batch_results, checked_load, validate_batch, BackendCore, Layout, Pinned, Pins, ReadPin, Usage, Victims,
+    batch_results, checked_load, split_generations, validate_batch, BackendCore, Layout, Pinned, Pins, ReadPin, Usage,
+    Victims,
 };
 use super::{BackendOptions, BackendStats, DiskEvictionReport, ObjectMeta, StorageBackend};
 use crate::error::{Result, StorageError};
@@ -72,7 +73,7 @@ struct Control {
 ///
 /// ```text
 /// [ RecordHeader: magic "MCOH" | version u16 | flags u16 | key_len u32 | value_crc u32
-///                 | value_len u64 | seq u64 | header_crc u32 | key ]
+///                 | value_len u64 | seq u64 | generation u64 (version 2) | header_crc u32 | key ]
 /// [ zero padding to the next 4 KiB boundary ]
 /// [ value (value_len bytes) ]
 /// ```
@@ -280,7 +281,12 @@ impl OffsetAllocatorBackend {
             let unit = self.next_unit.fetch_add(1, Ordering::Relaxed);
             let rec = Rec {
                 unit,
-                meta: ObjectMeta { key: h.key.clone(), len: h.value_len, checksum: h.value_crc },
+                meta: ObjectMeta {
+                    key: h.key.clone(),
+                    len: h.value_len,
+                    checksum: h.value_crc,
+                    generation: h.generation.unwrap_or(0),
+                },
                 offset: off,
                 value_offset: off + h.value_offset(),
                 alloc: Mutex::new(Some(a)),
@@ -373,9 +379,14 @@ impl OffsetAllocatorBackend {
         }
     }
 
-    fn write_record(&self, key: &str, value: &[u8], off: u64, seq: u64) -> Result<RecordHeader> {
-        let h =
-            RecordHeader { key: key.to_owned(), value_len: value.len() as u64, value_crc: crc32c::crc32c(value), seq };
+    fn write_record(&self, key: &str, value: &[u8], off: u64, seq: u64, generation: u64) -> Result<RecordHeader> {
+        let h = RecordHeader {
+            key: key.to_owned(),
+            value_len: value.len() as u64,
+            value_crc: crc32c::crc32c(value),
+            seq,
+            generation: Some(generation),
+        };
         let mut head = AlignedBuf::zeroed(h.value_offset() as usize);
         let enc = h.encode();
         head[..enc.len()].copy_from_slice(&enc);
@@ -391,6 +402,13 @@ impl StorageBackend for OffsetAllocatorBackend {
     }
 
     fn batch_offload(&self, objects: &[(&str, &[u8])]) -> Vec<Result<ObjectMeta>> {
+        let items: Vec<(&str, &[u8], u64)> = objects.iter().map(|&(k, v)| (k, v, 0)).collect();
+        self.batch_offload_generations(&items)
+    }
+
+    fn batch_offload_generations(&self, items: &[(&str, &[u8], u64)]) -> Vec<Result<ObjectMeta>> {
+        let (objects, gens) = split_generations(items);
+        let objects = &objects[..];
         let mut results: Vec<Option<Result<ObjectMeta>>> =
             validate_batch(objects).into_iter().map(|e| e.map(Err)).collect();
         let mut accepted = Vec::new();
@@ -419,7 +437,7 @@ impl StorageBackend for OffsetAllocatorBackend {
                 }
             };
             let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
-            match self.write_record(k, v, a.offset(), seq) {
+            match self.write_record(k, v, a.offset(), seq, gens[i]) {
                 Ok(h) => written.push((i, h, a)),
                 Err(e) => {
                     self.alloc.lock().free(a);
@@ -440,7 +458,7 @@ impl StorageBackend for OffsetAllocatorBackend {
                 continue;
             }
             let unit = self.next_unit.fetch_add(1, Ordering::Relaxed);
-            let meta = ObjectMeta { key: h.key.clone(), len: h.value_len, checksum: h.value_crc };
+            let meta = ObjectMeta { key: h.key.clone(), len: h.value_len, checksum: h.value_crc, generation: gens[i] };
             let rec = Rec {
                 unit,
                 meta: meta.clone(),

@@ -362,3 +362,8 @@ fn verify(key: &str, data: &[u8], checksum: u32) -> Result<()> {
     }
     Ok(())
 }
+
+/// Splits `(key, value, generation)` items into `(key, value)` pairs and generations.
+pub(super) fn split_generations<'a>(items: &[(&'a str, &'a [u8], u64)]) -> (Vec<(&'a str, &'a [u8])>, Vec<u64>) {
+    items.iter().map(|&(k, v, g)| ((k, v), g)).unzip()
+}

@@ -10,6 +10,7 @@ use mooncake_storage::{
     NotifyError, ObjectMeta, StorageBackend, StorageError,
 };
 use mooncake_transfer::{RegisteredRegion, SharedSecret, TransferEngine};
+use parking_lot::Mutex;
 
 use super::config::SsdOffloadConfig;
 use super::load_server::{endpoint_host, LoadServer};
@@ -21,9 +22,76 @@ use crate::rpc::{RpcServer, RpcServerConfig};
 /// Objects registered with the master per call when a disk is scanned.
 const REGISTER_CHUNK: usize = 1024;
 
+/// Discards remembered, so that a file written after its discard arrived (an offload
+/// already under way when its object was removed) goes too.
+const RECENT_DISCARDS: usize = 4096;
+/// Locks serializing, per key, deleting an old file and writing a new one.
+const KEY_LOCKS: usize = 64;
+
+/// Deletes files of removed objects (`Discard` record updates, answered once done).
+pub(crate) struct Discarder {
+    backend: Arc<dyn StorageBackend>,
+    counters: Arc<SsdCounters>,
+    /// Recent discards: key -> generation, and their order.
+    recent: Mutex<(ahash::HashMap<String, u64>, std::collections::VecDeque<String>)>,
+    key_locks: Box<[Mutex<()>]>,
+}
+
+impl Discarder {
+    fn key_lock(&self, key: &str) -> parking_lot::MutexGuard<'_, ()> {
+        let h = std::hash::BuildHasher::hash_one(&ahash::RandomState::with_seeds(1, 2, 3, 4), key) as usize;
+        self.key_locks[h % KEY_LOCKS].lock()
+    }
+
+    /// Deletes `key`'s file if its generation is `generation` or older; returns whether
+    /// it did. The caller holds the key's lock.
+    fn delete_older(&self, key: &str, generation: u64) -> bool {
+        match self.backend.object_meta(key) {
+            Some(m) if m.generation <= generation => {
+                let deleted = self.backend.remove(key).is_ok();
+                if deleted {
+                    inc(&self.counters.discarded, 1);
+                }
+                deleted
+            }
+            _ => false,
+        }
+    }
+
+    /// The newest discard of `key` remembered, if any.
+    fn discarded(&self, key: &str) -> Option<u64> {
+        self.recent.lock().0.get(key).copied()
+    }
+}
+
+impl crate::store::records::DiskDiscard for Discarder {
+    fn discard(&self, key: &str, generation: u64) {
+        {
+            // Remembered first: an offload finishing meanwhile checks it after writing.
+            let mut recent = self.recent.lock();
+            let (map, order) = &mut *recent;
+            match map.get_mut(key) {
+                Some(g) => *g = (*g).max(generation),
+                None => {
+                    map.insert(key.to_owned(), generation);
+                    order.push_back(key.to_owned());
+                    if order.len() > RECENT_DISCARDS {
+                        if let Some(old) = order.pop_front() {
+                            map.remove(&old);
+                        }
+                    }
+                }
+            }
+        }
+        let _guard = self.key_lock(key);
+        self.delete_older(key, generation);
+    }
+}
+
 /// The SSD tier of one client.
 pub(crate) struct FileStorage {
     backend: Arc<dyn StorageBackend>,
+    discarder: Arc<Discarder>,
     staging: Arc<ClientBuffer>,
     /// The load server (stops when dropped).
     server: RpcServer,
@@ -105,8 +173,15 @@ impl FileStorage {
         let config = RpcServerConfig { secret: secret.map(SharedSecret::new), insecure, ..RpcServerConfig::default() };
         let server = RpcServer::serve_with(&listen, handler, config)?;
         tracing::info!(dir = %cfg.dir.display(), backend = backend.name(), direct, server = %server.local_addr(), "SSD tier open");
+        let discarder = Arc::new(Discarder {
+            backend: backend.clone(),
+            counters: counters.clone(),
+            recent: Mutex::new(Default::default()),
+            key_locks: (0..KEY_LOCKS).map(|_| Mutex::new(())).collect(),
+        });
         Ok(Self {
             backend,
+            discarder,
             staging,
             server,
             capacity: cfg.capacity,
@@ -115,6 +190,11 @@ impl FileStorage {
             counters,
             _gc: gc,
         })
+    }
+
+    /// What deletes files of removed objects when the master says so.
+    pub(crate) fn discarder(&self) -> Arc<dyn crate::store::records::DiskDiscard> {
+        self.discarder.clone()
     }
 
     /// Pause between idle offload heartbeats.
@@ -130,7 +210,8 @@ impl FileStorage {
         self.backend.scan_meta(&mut |m| found.push(m.clone()));
         let mut registered = 0;
         for chunk in found.chunks(REGISTER_CHUNK) {
-            let items: Vec<(&str, u64, u32)> = chunk.iter().map(|m| (m.key.as_str(), m.len, m.checksum)).collect();
+            let items: Vec<(&str, u64, u32, u64)> =
+                chunk.iter().map(|m| (m.key.as_str(), m.len, m.checksum, m.generation)).collect();
             for (m, r) in chunk.iter().zip(master.register_disk_objects(client, &items)) {
                 match r {
                     Ok(()) => registered += 1,
@@ -172,21 +253,26 @@ impl FileStorage {
         }
         let asked = tasks.len();
         let objects = self.read_tasks(tasks, segments);
-        let views: Vec<(&str, &[u8])> = objects.iter().map(|(t, b)| (t.key.as_str(), &b[..])).collect();
+        let views: Vec<(&str, &[u8], u64)> =
+            objects.iter().map(|(t, b)| (t.key.as_str(), &b[..], t.generation)).collect();
         let mut written: Vec<&OffloadTask> = Vec::with_capacity(objects.len());
-        for ((task, bytes), res) in objects.iter().zip(self.backend.batch_offload(&views)) {
+        for ((task, bytes), res) in objects.iter().zip(self.backend.batch_offload_generations(&views)) {
             match res {
                 Ok(_) => written.push(task),
                 Err(StorageError::AlreadyExists(_)) => {
                     // Written before (a report that got lost), or a stale copy of an
                     // older object under the same key.
+                    let _guard = self.discarder.key_lock(&task.key);
                     match self.backend.object_meta(&task.key) {
                         Some(m) if m.len == task.len && m.checksum == task.checksum => written.push(task),
+                        Some(m) if m.generation > task.generation => {}
                         _ => {
                             let _ = self.backend.remove(&task.key);
-                            match self.backend.offload(&task.key, bytes) {
-                                Ok(_) => written.push(task),
-                                Err(e) => self.offload_failed(&task.key, e),
+                            let item = [(task.key.as_str(), &bytes[..], task.generation)];
+                            match self.backend.batch_offload_generations(&item).pop() {
+                                Some(Ok(_)) => written.push(task),
+                                Some(Err(e)) => self.offload_failed(&task.key, e),
+                                None => {}
                             }
                         }
                     }
@@ -194,6 +280,16 @@ impl FileStorage {
                 Err(e) => self.offload_failed(&task.key, e),
             }
         }
+        // The object was removed while we wrote it, and the node told already: the
+        // file goes now (the discard found nothing to delete then).
+        written.retain(|task| match self.discarder.discarded(&task.key) {
+            Some(d) if d >= task.generation => {
+                let _guard = self.discarder.key_lock(&task.key);
+                self.discarder.delete_older(&task.key, d);
+                false
+            }
+            _ => true,
+        });
         let items: Vec<(&str, u64, u32)> = written.iter().map(|t| (t.key.as_str(), t.len, t.checksum)).collect();
         for (task, r) in written.iter().zip(master.notify_offload_success(client, &items)) {
             match r {

@@ -1,0 +1,251 @@
+//! Acknowledged data is never lost and removed data never comes back (issue 21,
+//! findings 1-3), with the real binaries, SIGSTOP/SIGCONT and `kill -9`:
+//! - a storage node paused for 3 s while removes are in flight loses nothing (the
+//!   master forgets a node only through its TTL, never because a record delivery
+//!   failed);
+//! - a remove acknowledged with eager persistence stays removed through an immediate
+//!   `kill -9` of the master (the node deleted the file before the acknowledgment);
+//! - an SSD node forgotten and returning after its keys were put again and removed
+//!   serves none of its old bytes (generations);
+//! - a node paused past its TTL re-joins with the objects it holds, except those put
+//!   again or removed meanwhile.
+
+mod support;
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use mooncake_core::{Error, Store};
+use support::{payload, ssd_node, unique_dir, wait_until, Cluster, Proc};
+
+/// A client of the master at `addr` that gives no memory.
+fn client(addr: &str) -> Store {
+    Store::builder().master_address(addr).global_segment_size(0).build().unwrap()
+}
+
+/// A number in the master's JSON status, e.g. `"segments": 2`.
+fn status_number(c: &Cluster, field: &str) -> Option<u64> {
+    let status = std::panic::catch_unwind(|| c.status()).ok()?;
+    let at = status.find(&format!("\"{field}\": "))? + field.len() + 4;
+    status[at..].split(|ch: char| !ch.is_ascii_digit()).next()?.parse().ok()
+}
+
+/// The bytes of object `i`, distinct per object and per version.
+fn value(i: usize, version: u8, len: usize) -> Vec<u8> {
+    let mut v = payload(i as u8 ^ version.wrapping_mul(101), len);
+    v[..8].copy_from_slice(&(i as u64).to_le_bytes());
+    v[8] = version;
+    v
+}
+
+/// `get` with retries of what a master restart makes retryable; `None` for NotFound.
+fn get_settled(store: &Store, key: &str) -> Option<Vec<u8>> {
+    let start = Instant::now();
+    loop {
+        match store.get(key) {
+            Ok(b) => return Some(b.to_vec()),
+            Err(Error::NotFound(_)) => return None,
+            Err(e) if start.elapsed() < Duration::from_secs(10) => {
+                let _ = e;
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            Err(e) => panic!("get {key}: {e}"),
+        }
+    }
+}
+
+#[test]
+fn a_node_paused_for_3_s_with_removes_in_flight_loses_nothing() {
+    let mut c = Cluster::start(&["--client-ttl-ms", "10000", "--default-lease-ms", "1"], 2);
+    let store = client(&c.master_addr);
+    let n = 300;
+    let len = 4096;
+    for i in 0..n {
+        store.put(&format!("obj/{i}"), &value(i, 1, len)).unwrap();
+    }
+    // Which node holds what: both must hold a good share for the test to mean anything.
+    let mut by_segment: HashMap<u64, usize> = HashMap::new();
+    for i in 0..n {
+        let info = store.master().object_info(&format!("obj/{i}")).unwrap();
+        *by_segment.entry(info.replicas[0].segment).or_default() += 1;
+    }
+    assert_eq!(by_segment.len(), 2, "{by_segment:?}");
+    assert!(by_segment.values().all(|&k| k >= 60), "{by_segment:?}");
+
+    // Node 0 stops; removes of every 5th object run meanwhile, from 4 threads.
+    c.nodes[0].signal("STOP");
+    let paused = Instant::now();
+    let removers: Vec<_> = (0..4)
+        .map(|t| {
+            let addr = c.master_addr.clone();
+            std::thread::spawn(move || {
+                let store = client(&addr);
+                let mut acked = Vec::new();
+                for i in (0..n).filter(|i| i % 5 == 0 && (i / 5) % 4 == t) {
+                    match store.remove(&format!("obj/{i}")) {
+                        Ok(()) => acked.push(i),
+                        Err(e) => eprintln!("remove obj/{i} during the pause: {e} (not acknowledged)"),
+                    }
+                }
+                acked
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(3000).saturating_sub(paused.elapsed()));
+    c.nodes[0].signal("CONT");
+    let removed: Vec<usize> = removers.into_iter().flat_map(|h| h.join().unwrap()).collect();
+    eprintln!("paused {:?}; {} removes acknowledged", paused.elapsed(), removed.len());
+    assert!(removed.len() >= n / 5 / 2, "only {} of {} removes were acknowledged", removed.len(), n / 5);
+
+    let check = |store: &Store, when: &str| {
+        let mut lost = 0;
+        let mut back = 0;
+        for i in 0..n {
+            let key = format!("obj/{i}");
+            match (get_settled(store, &key), removed.contains(&i)) {
+                (Some(b), false) => assert!(b == value(i, 1, len), "{key}: wrong bytes {when}"),
+                (None, false) if i % 5 == 0 => {} // a remove that failed may still have happened
+                (None, false) => lost += 1,
+                (Some(_), true) => back += 1,
+                (None, true) => {}
+            }
+        }
+        assert_eq!((lost, back), (0, 0), "{when}: {lost} acknowledged objects lost, {back} removed ones back");
+    };
+    check(&store, "after the pause");
+    assert_eq!(status_number(&c, "record_failures"), Some(0), "{}", c.status());
+    assert_eq!(status_number(&c, "expired_clients"), Some(0), "{}", c.status());
+
+    // And what was acknowledged during the pause is what a restarted master rebuilds.
+    c.master.kill9();
+    c.restart_master();
+    wait_until(Duration::from_secs(10), || status_number(&c, "segments") == Some(2));
+    check(&client(&c.master_addr), "after kill -9 of the master");
+}
+
+#[test]
+fn a_node_paused_past_its_ttl_rejoins_with_what_nothing_superseded() {
+    let mut c = Cluster::start(&["--client-ttl-ms", "2000", "--default-lease-ms", "1"], 1);
+    let store = client(&c.master_addr);
+    let len = 4096;
+    let n = 30;
+    // Everything on node 0, then a second node joins.
+    for i in 0..n {
+        store.put(&format!("p/{i}"), &value(i, 1, len)).unwrap();
+    }
+    c.add_node(&[], "127.0.0.1:0");
+    c.nodes[0].signal("STOP");
+    // Forgotten by its TTL: its objects are gone from the master.
+    wait_until(Duration::from_secs(10), || !store.exists("p/0").unwrap_or(true));
+    // Meanwhile p/0..10 are put again (on node 1), and p/5..10 removed after that.
+    for i in 0..10 {
+        store.put(&format!("p/{i}"), &value(i, 2, len)).unwrap();
+    }
+    for i in 5..10 {
+        store.remove(&format!("p/{i}")).unwrap();
+    }
+    c.nodes[0].signal("CONT");
+    // Node 0 re-joins with its records: what nothing superseded comes back.
+    wait_until(Duration::from_secs(10), || (10..n).all(|i| store.exists(&format!("p/{i}")).unwrap_or(false)));
+    for i in 0..n {
+        let got = get_settled(&store, &format!("p/{i}"));
+        match i {
+            0..5 => assert!(got.unwrap() == value(i, 2, len), "p/{i}: not the later put's bytes"),
+            5..10 => assert!(got.is_none(), "p/{i}: removed, back with its old bytes"),
+            _ => assert!(got.unwrap() == value(i, 1, len), "p/{i}: wrong bytes"),
+        }
+    }
+    assert!(status_number(&c, "stale_copies").unwrap() >= 5, "{}", c.status());
+}
+
+#[test]
+fn removes_acknowledged_with_eager_persistence_survive_kill_9_of_the_master() {
+    let mut c = Cluster::start(&["--persist", "eager", "--client-ttl-ms", "2000", "--default-lease-ms", "1"], 0);
+    let ssd = unique_dir("trust-eager");
+    let _node = ssd_node(&c.master_addr, &ssd, "256MiB");
+    let len = 16 << 10;
+    let mut back_total = 0;
+    for run in 0..10 {
+        let store = client(&c.master_addr);
+        let keys: Vec<String> = (0..12).map(|i| format!("run{run}/{i}")).collect();
+        for (i, k) in keys.iter().enumerate() {
+            store.put(k, &value(i, run as u8, len)).unwrap();
+        }
+        // Eager persistence: every object gets its disk replica.
+        wait_until(Duration::from_secs(10), || {
+            keys.iter().all(|k| store.master().get_replica_list(k).is_ok_and(|l| l.disk.is_some()))
+        });
+        store.master().release_leases(&keys.iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
+        // Remove ten of them (acknowledged), and kill the master at once.
+        for k in &keys[..10] {
+            store.remove(k).unwrap();
+        }
+        c.master.kill9();
+        drop(store);
+        c.restart_master();
+        let store = client(&c.master_addr);
+        // The node re-mounts and announces its disk: the two kept objects are back
+        // with their disk replicas, so the announcement is over.
+        wait_until(Duration::from_secs(15), || {
+            keys[10..].iter().all(|k| store.master().get_replica_list(k).is_ok_and(|l| l.disk.is_some()))
+        });
+        let back: Vec<&String> = keys[..10].iter().filter(|k| store.exists(k).unwrap_or(true)).collect();
+        back_total += back.len();
+        assert!(back.is_empty(), "run {run}: removed objects back after kill -9 of the master: {back:?}");
+        for (i, k) in keys.iter().enumerate().skip(10) {
+            assert!(get_settled(&store, k).unwrap() == value(i, run as u8, len), "{k}: wrong bytes");
+        }
+    }
+    assert_eq!(back_total, 0);
+    std::fs::remove_dir_all(&ssd).ok();
+}
+
+#[test]
+fn a_forgotten_ssd_node_returning_after_a_reput_and_remove_serves_no_old_bytes() {
+    let c = Cluster::start(&["--persist", "eager", "--client-ttl-ms", "2000", "--default-lease-ms", "1"], 0);
+    let ssd = unique_dir("trust-generations");
+    let ssd2 = unique_dir("trust-generations-2");
+    let mut node1 = ssd_node(&c.master_addr, &ssd, "256MiB");
+    let store = client(&c.master_addr);
+    let len = 8 << 10;
+    let n = 20;
+    // v1 of the `k/` keys and of the control keys `keep/`, all on node 1's SSD.
+    let keys: Vec<String> = (0..n).map(|i| format!("k/{i}")).chain((0..4).map(|i| format!("keep/{i}"))).collect();
+    for (i, k) in keys.iter().enumerate() {
+        store.put(k, &value(i, 1, len)).unwrap();
+    }
+    wait_until(Duration::from_secs(10), || {
+        keys.iter().all(|k| store.master().get_replica_list(k).is_ok_and(|l| l.disk.is_some()))
+    });
+    // Node 1 dies and is forgotten (its TTL); node 2 takes its place.
+    node1.kill9();
+    let _node2: Proc = ssd_node(&c.master_addr, &ssd2, "256MiB");
+    wait_until(Duration::from_secs(10), || !store.exists("keep/0").unwrap_or(true));
+    assert_eq!(status_number(&c, "segments"), Some(1));
+    // v2 of the `k/` keys (acknowledged), then removed (acknowledged).
+    for (i, k) in keys[..n].iter().enumerate() {
+        store.put(k, &value(i, 2, len)).unwrap();
+    }
+    for k in &keys[..n] {
+        store.remove(k).unwrap();
+    }
+    // Node 1 comes back on its directory: the control keys it alone holds are back,
+    // none of the removed keys is, and no v1 byte is served.
+    let _node1 = ssd_node(&c.master_addr, &ssd, "256MiB");
+    wait_until(Duration::from_secs(10), || keys[n..].iter().all(|k| store.exists(k).unwrap_or(false)));
+    let mut old = 0;
+    for (i, k) in keys.iter().enumerate() {
+        match (get_settled(&store, k), i < n) {
+            (None, true) => {}
+            (Some(b), true) => {
+                assert!(b == value(i, 1, len), "{k}: unexpected bytes");
+                old += 1;
+            }
+            (Some(b), false) => assert!(b == value(i, 1, len), "{k}: wrong bytes"),
+            (None, false) => panic!("{k} was not recovered from node 1's SSD"),
+        }
+    }
+    assert_eq!(old, 0, "{old} of {n} removed keys serve their old bytes again");
+    std::fs::remove_dir_all(&ssd).ok();
+    std::fs::remove_dir_all(&ssd2).ok();
+}
