@@ -58,9 +58,15 @@ pub fn prometheus_text(stats: &MasterStats, rpc: Option<&RpcServerStats>) -> Str
     );
     gauge(
         "record_failures_total",
-        "Storage nodes forgotten because they could not be told of a change to their records.",
+        "Storage nodes forgotten because their record endpoint was gone or failed for a whole client TTL.",
         "counter",
         stats.record_failures as f64,
+    );
+    gauge(
+        "stale_copies_total",
+        "Records and disk files nodes offered back that were refused as older than the key's last put or remove.",
+        "counter",
+        stats.stale_copies as f64,
     );
     gauge("stall_graces_total", "Grace periods granted after a master stall.", "counter", stats.stall_graces as f64);
     gauge(
