@@ -2,8 +2,10 @@
 //!
 //! [`RpcServer`] serves a [`MasterService`](crate::master::MasterService);
 //! [`RpcMasterClient`] is the [`MasterApi`](crate::master::MasterApi) a remote
-//! [`Store`](crate::Store) uses. The frame layout is documented in [`wire`].
+//! [`Store`](crate::Store) uses. The frame layout is documented in [`wire`], what
+//! decoding a body may allocate in [`budget`].
 
+pub mod budget;
 mod client;
 mod convert;
 mod event_loop;
