@@ -702,7 +702,9 @@ impl Loop {
                 return (0, Next::Close);
             }
         };
-        let grown = c.reader.buffered() - before;
+        // A frame that completes takes its body out of the reader (which then holds
+        // none): its bytes are charged below, from the body itself.
+        let grown = c.reader.buffered().saturating_sub(before);
         self.buffered += grown;
         c.charged += grown;
         match frame {
