@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use mooncake_core::rpc::budget::{decode, heap_block, DecodeError, DecodeLimits, DecodePool, Exceeded, PoolAccess};
 use mooncake_core::rpc::wire::{decode_request, encode_frame, FrameKind, Request, Response, WireError};
+use mooncake_core::rpc::{RpcHandler, RpcServer, RpcServerConfig};
 use mooncake_core::{
     Master, MasterConfig, MemoryReplica, ObjectRecord, RecordUpdate, ReplicaList, ReplicateConfig, Store,
 };
@@ -397,5 +398,133 @@ proptest! {
             }
             prop_assert_eq!(pool.in_use(), 0);
         }
+    }
+}
+
+/// A handler that holds every `BatchExists` until its gate opens (its request's
+/// bytes stay in the pool meanwhile), and answers `ApplyRecords` inline.
+#[derive(Default)]
+struct Holding {
+    open: parking_lot::Mutex<bool>,
+    opened: parking_lot::Condvar,
+    entered: std::sync::atomic::AtomicUsize,
+}
+
+impl Holding {
+    fn open(&self) {
+        *self.open.lock() = true;
+        self.opened.notify_all();
+    }
+}
+
+impl RpcHandler for Holding {
+    fn handle(&self, request: Request) -> Response {
+        match request {
+            Request::BatchExists { keys } => {
+                self.entered.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                let mut open = self.open.lock();
+                let deadline = Instant::now() + Duration::from_secs(30);
+                while !*open && !self.opened.wait_until(&mut open, deadline).timed_out() {}
+                Response::BatchExists(keys.iter().map(|_| Ok(false)).collect())
+            }
+            Request::ApplyRecords { .. } => Response::Unit,
+            _ => Response::Error(WireError::InvalidArgument("not served".into())),
+        }
+    }
+
+    fn answers_inline(&self, kind: usize) -> bool {
+        kind == Request::APPLY_RECORDS_KIND
+    }
+}
+
+fn exchange(s: &mut std::net::TcpStream, id: u64, request: &Request) -> Response {
+    use std::io::Write;
+    s.write_all(&encode_frame(FrameKind::Request, id, request).unwrap()).unwrap();
+    let (h, body) = mooncake_core::rpc::read_frame(s, u32::MAX).unwrap();
+    assert_eq!(h.request_id, id);
+    mooncake_core::rpc::wire::decode_body(&body).unwrap()
+}
+
+fn connect(addr: std::net::SocketAddr) -> std::net::TcpStream {
+    let s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    s
+}
+
+#[test]
+fn a_server_answers_requests_over_their_budget_or_its_pool_with_errors_and_goes_on() {
+    let handler = Arc::new(Holding::default());
+    let config = RpcServerConfig {
+        decode_limits: DecodeLimits { max_items: 50_000, max_bytes: 6 << 20 },
+        decode_budget: 8 << 20,
+        decode_wait: Duration::from_millis(500),
+        ..RpcServerConfig::default()
+    };
+    let server = RpcServer::serve_with("127.0.0.1:0", handler.clone(), config).unwrap();
+    let addr = server.local_addr();
+    let stats = server.stats().clone();
+    let small = Request::ApplyRecords { updates: vec![] };
+    let updates = |n: u64| Request::ApplyRecords {
+        updates: (0..n).map(|i| RecordUpdate::Removed { segment: 1, key: format!("{i:08}"), offset: i }).collect(),
+    };
+
+    // Over the bounds of one request: an error answer, and the connection goes on.
+    let mut c = connect(addr);
+    for (id, over) in [(1, Request::BatchExists { keys: keys(50_001, 1) }), (2, updates(30_000))] {
+        match exchange(&mut c, id, &over) {
+            Response::Error(WireError::InvalidArgument(m)) => assert!(m.contains("decoding budget"), "{m}"),
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!(exchange(&mut c, 3, &small), Response::Unit);
+    assert_eq!(stats.over_budget.load(std::sync::atomic::Ordering::Relaxed), 2);
+
+    // A request held while answered keeps its bytes in the pool (about 4 of 8 MiB).
+    let held = Request::BatchExists { keys: keys(10_000, 8) };
+    let mut a = connect(addr);
+    let answer_a = {
+        let held = held.clone();
+        std::thread::spawn(move || exchange(&mut a, 1, &held))
+    };
+    let start = Instant::now();
+    while handler.entered.load(std::sync::atomic::Ordering::SeqCst) == 0 {
+        assert!(start.elapsed() < Duration::from_secs(20), "the first request never reached the handler");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(stats.decoding_bytes.load(std::sync::atomic::Ordering::Relaxed) >= 4 << 20);
+    // Another as large finds no room, waits, then is answered "busy"; its connection
+    // goes on.
+    let mut b = connect(addr);
+    let start = Instant::now();
+    match exchange(&mut b, 1, &held) {
+        Response::Error(WireError::Other(m)) => assert!(m.contains("busy"), "{m}"),
+        other => panic!("{other:?}"),
+    }
+    assert!(start.elapsed() >= Duration::from_millis(450), "{:?}", start.elapsed());
+    assert_eq!(exchange(&mut b, 2, &small), Response::Unit);
+
+    // A request answered inline that finds no room goes to a thread, which waits
+    // for room instead of refusing it: here until the held request is answered.
+    let opener = {
+        let handler = handler.clone();
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(200));
+            handler.open();
+        })
+    };
+    let start = Instant::now();
+    assert_eq!(exchange(&mut b, 3, &updates(20_000)), Response::Unit);
+    assert!(start.elapsed() >= Duration::from_millis(150), "{:?}", start.elapsed());
+    opener.join().unwrap();
+    match answer_a.join().unwrap() {
+        Response::BatchExists(r) => assert_eq!(r.len(), 10_000),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(stats.over_budget.load(std::sync::atomic::Ordering::Relaxed), 3);
+    // Every byte went back.
+    let start = Instant::now();
+    while stats.decoding_bytes.load(std::sync::atomic::Ordering::Relaxed) != 0 {
+        assert!(start.elapsed() < Duration::from_secs(5));
+        std::thread::sleep(Duration::from_millis(5));
     }
 }

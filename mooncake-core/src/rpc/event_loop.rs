@@ -284,7 +284,7 @@ impl Loop {
         let poll = Poll::new()?;
         poll.registry().register(&mut listener, LISTENER, Interest::READABLE)?;
         let decoding = Arc::new(Decoding {
-            limits: config.decode_limits,
+            limits: handler.decode_limits().unwrap_or(config.decode_limits),
             pool: DecodePool::new(config.decode_budget),
             wait: config.decode_wait,
         });

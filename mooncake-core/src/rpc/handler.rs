@@ -26,6 +26,14 @@ pub trait RpcHandler: Send + Sync + 'static {
         let _ = kind;
         false
     }
+
+    /// What decoding one request to this handler may allocate, if it serves only
+    /// requests smaller than [`RpcServerConfig::decode_limits`] allow: a request over
+    /// them is refused before it is decoded whole. `None` (the default): the
+    /// server's.
+    fn decode_limits(&self) -> Option<DecodeLimits> {
+        None
+    }
 }
 
 /// Counters of the RPC server.
