@@ -58,8 +58,9 @@ pub struct DecodeLimits {
 
 impl DecodeLimits {
     /// A request to a server: 2 Mi items and 256 MiB. A remount of 1 M records with
-    /// keys of 20 bytes (40 MB on the wire) is charged 200 MiB; a `BatchExists` of
-    /// one-byte keys stops at 2 M keys (4 MiB on the wire) whatever the frame holds.
+    /// keys of 20 bytes (32 MB on the wire) is charged 240 MB; a `BatchExists` of
+    /// one-byte keys is charged 424 bytes a key and stops at about 630 k keys, and a
+    /// 64 MiB frame of them (32 Mi keys) is refused from its announced length.
     pub const REQUEST: Self = Self { max_items: 2 << 20, max_bytes: 256 << 20 };
     /// A response to a client: the same bounds. A response comes from the server the
     /// client chose, and no larger answer is legitimate (a list of keys is cut by
