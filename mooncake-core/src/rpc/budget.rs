@@ -62,10 +62,12 @@ impl DecodeLimits {
     /// one-byte keys is charged 424 bytes a key and stops at about 630 k keys, and a
     /// 64 MiB frame of them (32 Mi keys) is refused from its announced length.
     pub const REQUEST: Self = Self { max_items: 2 << 20, max_bytes: 256 << 20 };
-    /// A response to a client: the same bounds. A response comes from the server the
-    /// client chose, and no larger answer is legitimate (a list of keys is cut by
-    /// the frame limit first).
-    pub const RESPONSE: Self = Self::REQUEST;
+    /// A response to a client: 4 Mi items and 512 MiB. A client decodes one response
+    /// a call, from the server it chose, so it may afford more than a server does for
+    /// each of its many clients: a heartbeat's 2 M record updates, or any answer to a
+    /// request the server accepted; a 64 MiB frame of one-byte keys is still refused
+    /// from its length.
+    pub const RESPONSE: Self = Self { max_items: 4 << 20, max_bytes: 512 << 20 };
 }
 
 impl Default for DecodeLimits {

@@ -283,11 +283,11 @@ impl Loop {
         let mut listener = TcpListener::from_std(listener);
         let poll = Poll::new()?;
         poll.registry().register(&mut listener, LISTENER, Interest::READABLE)?;
-        let decoding = Arc::new(Decoding {
-            limits: handler.decode_limits().unwrap_or(config.decode_limits),
-            pool: DecodePool::new(config.decode_budget),
-            wait: config.decode_wait,
-        });
+        let mut limits = handler.decode_limits().unwrap_or(config.decode_limits);
+        // A request the whole pool cannot hold is over its budget, not "busy".
+        limits.max_bytes = limits.max_bytes.min(config.decode_budget);
+        let decoding =
+            Arc::new(Decoding { limits, pool: DecodePool::new(config.decode_budget), wait: config.decode_wait });
         Ok(Loop {
             poll,
             events: Some(Events::with_capacity(1024)),

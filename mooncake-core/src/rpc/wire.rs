@@ -147,12 +147,11 @@ pub fn encode_frame<T: Serialize>(kind: FrameKind, request_id: u64, msg: &T) -> 
     Ok(out)
 }
 
-/// Decodes a message body within [`DecodeLimits::REQUEST`] (requests and responses
-/// alike): what it allocates is bounded, whatever the body holds. A server decodes
-/// with [`budget::decode`](super::budget::decode) itself, to hold the bytes of what it
-/// decoded in its pool until it has answered.
+/// Decodes a message body as a client does, within [`DecodeLimits::RESPONSE`]: what
+/// it allocates is bounded, whatever the body holds. A server decodes requests with
+/// [`decode_request`] instead, within its own bounds and pool.
 pub fn decode_body<'de, T: Deserialize<'de>>(body: &'de [u8]) -> Result<T, FrameError> {
-    Ok(decode(body, DecodeLimits::REQUEST, None)?.0)
+    Ok(decode(body, DecodeLimits::RESPONSE, None)?.0)
 }
 
 /// The kind of request (its index in [`REQUEST_KINDS`]) an encoded request body holds,
