@@ -8,7 +8,9 @@
 //!
 //! - **items**: the elements of every sequence and map, at every depth, counted from
 //!   the length a sequence announces *before* its elements are decoded (a sequence
-//!   announcing more than is left is refused before anything is allocated for it);
+//!   announcing more items than are left is refused before anything is allocated for
+//!   it; one announcing more than its body's bytes could hold, which postcard passes
+//!   on as no length at all, is counted element by element);
 //! - **bytes**: an estimate of what the decoded message holds and what answering it
 //!   costs: each element three times the size of its slot (a growing `Vec` holds up
 //!   to twice its length, and the call may copy it once) plus [`ITEM_RESERVE`], each
@@ -18,7 +20,7 @@
 //!
 //! Both are bounded per message by [`DecodeLimits`]; a server also charges the
 //! bytes to a [`DecodePool`] shared by every request it is decoding or answering at
-//! once, and holds them (a [`Reservation`]) until the answer is written. A message
+//! once, and holds them (a [`Reservation`]) until the answer is encoded. A message
 //! over its limits, or one that cannot get its bytes from the pool in time, is
 //! refused with a [`DecodeError`] that tells which, and what it had allocated is
 //! freed; nothing is allocated past the limits but, at most, the 1 MiB serde
