@@ -120,6 +120,18 @@ pub fn prometheus_text(stats: &MasterStats, rpc: Option<&RpcServerStats>) -> Str
                 &rpc.auth_failures,
             ),
             ("rpc_buffered_bytes", "Bytes of request bodies held in memory now.", "gauge", &rpc.buffered_bytes),
+            (
+                "rpc_over_budget_total",
+                "Requests refused with an error for what decoding them would allocate.",
+                "counter",
+                &rpc.over_budget,
+            ),
+            (
+                "rpc_decoding_bytes",
+                "Bytes charged for decoded requests being answered now.",
+                "gauge",
+                &rpc.decoding_bytes,
+            ),
         ];
         for (name, help, kind, value) in connection_metrics {
             let _ = writeln!(

@@ -115,7 +115,8 @@ impl<T: LendItem> Lend for Vec<T> {
     }
 }
 
-/// An element of a lent `Vec`: keys become `&str`, other values are copied.
+/// An element of a lent `Vec`: keys become `&str`, and the numbers beside them are
+/// copied.
 pub trait LendItem {
     /// The lent element.
     type Lent<'a>
@@ -165,10 +166,20 @@ impl<A: Copy, B: Copy, C: Copy> LendItem for (String, A, B, C) {
     }
 }
 
-macro_rules! lend_item_clone {
-    ($($t:ty),*) => { $( impl LendItem for $t { type Lent<'a> = $t; fn lend_item(&self) -> $t { self.clone() } } )* };
+/// Vectors of values the call takes as they are (records, replicas) are lent as
+/// slices of the decoded vector, not copied: a remount's records would otherwise be
+/// held twice while the master takes them.
+macro_rules! lend_slice {
+    ($($t:ty),*) => { $(
+        impl Lend for Vec<$t> {
+            type Lent<'a> = &'a [$t];
+            fn lend(&self) -> &[$t] {
+                self
+            }
+        }
+    )* };
 }
-lend_item_clone!(crate::master::ObjectRecord, crate::master::MemoryReplica, u8);
+lend_slice!(crate::master::ObjectRecord, crate::master::MemoryReplica, u8);
 
 /// A lent field passed to the trait method: plain values and references as they are,
 /// a lent `Vec` as a slice.

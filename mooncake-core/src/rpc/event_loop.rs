@@ -10,7 +10,7 @@ use std::collections::{BinaryHeap, VecDeque};
 use std::io::{ErrorKind, Read, Write};
 use std::net::SocketAddr;
 use std::os::fd::AsRawFd;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -22,9 +22,10 @@ use mooncake_transfer::{
     admits_peer, encode_refusal, Acceptor, AUTH_HELLO_LEN, AUTH_LEN, AUTH_MAGIC, PROTECTED_MODE_REFUSAL,
 };
 
+use super::budget::{DecodeError, DecodeLimits, DecodePool, PoolAccess};
 use super::frame_reader::FrameReader;
 use super::handler::{RpcHandler, RpcServerConfig, RpcServerStats};
-use super::wire::{decode_body, encode_frame, request_kind_of, FrameKind, Request};
+use super::wire::{decode_request, encode_frame, request_kind_of, FrameKind, Request, Response, WireError};
 
 const LISTENER: Token = Token(0);
 const WAKER: Token = Token(1);
@@ -47,6 +48,15 @@ pub(super) struct Job {
     stream: Arc<TcpStream>,
     request_id: u64,
     body: Vec<u8>,
+    decoding: Arc<Decoding>,
+}
+
+/// How a server decodes requests: the bounds of one, and the pool of bytes every
+/// request being answered draws from.
+pub(super) struct Decoding {
+    limits: DecodeLimits,
+    pool: DecodePool,
+    wait: Duration,
 }
 
 /// A thread is done with a connection's request: the connection may go on.
@@ -72,7 +82,9 @@ impl Job {
     /// Answers the request; the response is written by [`Reply::send`].
     pub(super) fn answer(self, handler: &dyn RpcHandler, stats: &RpcServerStats) -> Reply {
         let (slot, generation, stream) = (self.slot, self.generation, self.stream.clone());
-        Reply { slot, generation, stream, frame: answer(self, handler, stats, None) }
+        // A thread may wait for room in the pool: no `Err` comes back.
+        let frame = answer(self, handler, stats, None).unwrap_or(None);
+        Reply { slot, generation, stream, frame }
     }
 }
 
@@ -113,11 +125,24 @@ fn write_now(stream: &TcpStream, frame: Vec<u8>) -> Outcome {
 
 /// The response frame to one request, or `None` if its body is malformed. `inline`:
 /// the kind the loop read from the body's first bytes to answer it itself; a body
-/// that decodes as another kind is malformed.
-fn answer(job: Job, handler: &dyn RpcHandler, stats: &RpcServerStats, inline: Option<usize>) -> Option<Vec<u8>> {
-    match decode_body::<Request>(&job.body) {
-        Ok(request) if inline.is_none_or(|k| k == request.kind_index()) => {
-            drop(job.body);
+/// that decodes as another kind is malformed. The request is decoded within the
+/// server's [`Decoding`] bounds and pool; one over its bounds is answered with an
+/// error (the connection goes on). Answered inline, it does not wait for room in the
+/// pool: `Err(job)` gives it back, to be answered by a thread that may.
+fn answer(
+    mut job: Job,
+    handler: &dyn RpcHandler,
+    stats: &RpcServerStats,
+    inline: Option<usize>,
+) -> Result<Option<Vec<u8>>, Job> {
+    let decoding = job.decoding.clone();
+    let access = PoolAccess { pool: &decoding.pool, wait: inline.is_none().then_some(decoding.wait) };
+    let decoded = decode_request(&job.body, decoding.limits, Some(access));
+    let response = match decoded {
+        Ok((request, held)) if inline.is_none_or(|k| k == request.kind_index()) => {
+            // Decoded: the body's bytes are not needed while answering.
+            job.body = Vec::new();
+            stats.decoding_bytes.store(decoding.pool.in_use() as u64, Ordering::Relaxed);
             let kind = request.kind_index();
             let response = handler.handle(request);
             stats.requests.fetch_add(1, Ordering::Relaxed);
@@ -126,26 +151,52 @@ fn answer(job: Job, handler: &dyn RpcHandler, stats: &RpcServerStats, inline: Op
                 stats.errors.fetch_add(1, Ordering::Relaxed);
                 stats.errors_by_kind[kind].fetch_add(1, Ordering::Relaxed);
             }
-            match encode_frame(FrameKind::Response, job.request_id, &response) {
-                Ok(f) => Some(f),
-                Err(e) => {
-                    tracing::warn!(error = %e, "cannot encode a response");
-                    None
-                }
-            }
+            let frame = encode_frame(FrameKind::Response, job.request_id, &response);
+            // The request is answered: its bytes go back to the pool.
+            drop((response, held));
+            stats.decoding_bytes.store(decoding.pool.in_use() as u64, Ordering::Relaxed);
+            return Ok(frame.map_err(|e| tracing::warn!(error = %e, "cannot encode a response")).ok());
         }
         Ok(_) => {
             stats.bad_frames.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(
                 "closing an RPC connection: a request body that decodes as another kind than it starts with"
             );
-            None
+            return Ok(None);
         }
-        Err(e) => {
+        Err(DecodeError::Malformed(e)) => {
             stats.bad_frames.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(error = %e, "closing an RPC connection: malformed request body");
-            None
+            return Ok(None);
         }
+        Err(DecodeError::Busy { .. }) if inline.is_some() => return Err(job),
+        Err(e) => {
+            // Over its bounds, or no room in time: an error answer, and the
+            // connection goes on (the frame was read whole, the stream is in step).
+            let refused = stats.over_budget.fetch_add(1, Ordering::Relaxed) + 1;
+            stats.requests.fetch_add(1, Ordering::Relaxed);
+            stats.errors.fetch_add(1, Ordering::Relaxed);
+            if let Some(kind) = request_kind_of(&job.body) {
+                stats.ops_by_kind[kind].fetch_add(1, Ordering::Relaxed);
+                stats.errors_by_kind[kind].fetch_add(1, Ordering::Relaxed);
+            }
+            warn_over_budget(&e, refused);
+            match e {
+                DecodeError::OverBudget(_) => Response::Error(WireError::InvalidArgument(e.to_string())),
+                _ => Response::Error(WireError::Other(e.to_string())),
+            }
+        }
+    };
+    Ok(encode_frame(FrameKind::Response, job.request_id, &response).ok())
+}
+
+/// Logs a request refused for its decoding budget, at most once a second: an
+/// attacker's stream of them must not become a stream of log lines.
+fn warn_over_budget(e: &DecodeError, refused: u64) {
+    static LAST: AtomicU64 = AtomicU64::new(0);
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    if LAST.swap(now, Ordering::Relaxed) != now {
+        tracing::warn!(error = %e, refused, "refusing an RPC request over its decoding budget");
     }
 }
 
@@ -209,6 +260,7 @@ pub(super) struct Loop {
     accept_retry: Option<Instant>,
     /// Complete requests waiting for a thread to answer them.
     ready: VecDeque<Job>,
+    decoding: Arc<Decoding>,
     done: Receiver<Done>,
     scratch: Vec<u8>,
     next_generation: u64,
@@ -234,6 +286,11 @@ impl Loop {
         let mut listener = TcpListener::from_std(listener);
         let poll = Poll::new()?;
         poll.registry().register(&mut listener, LISTENER, Interest::READABLE)?;
+        let mut limits = handler.decode_limits().unwrap_or(config.decode_limits);
+        // A request the whole pool cannot hold is over its budget, not "busy".
+        limits.max_bytes = limits.max_bytes.min(config.decode_budget);
+        let decoding =
+            Arc::new(Decoding { limits, pool: DecodePool::new(config.decode_budget), wait: config.decode_wait });
         Ok(Loop {
             poll,
             events: Some(Events::with_capacity(1024)),
@@ -249,6 +306,7 @@ impl Loop {
             lingering: 0,
             accept_retry: None,
             ready: VecDeque::new(),
+            decoding,
             done,
             scratch: vec![0; READ_CHUNK],
             next_generation: 0,
@@ -671,7 +729,9 @@ impl Loop {
                 return (0, Next::Close);
             }
         };
-        let grown = c.reader.buffered() - before;
+        // A frame that completes takes its body out of the reader (which then holds
+        // none): its bytes are charged below, from the body itself.
+        let grown = c.reader.buffered().saturating_sub(before);
         self.buffered += grown;
         c.charged += grown;
         match frame {
@@ -692,17 +752,24 @@ impl Loop {
                     stream: c.stream.clone(),
                     request_id: header.request_id,
                     body,
+                    decoding: self.decoding.clone(),
                 };
                 let kind = request_kind_of(&job.body);
-                if let Some(kind) = kind.filter(|&k| self.handler.answers_inline(k)) {
+                let job = match kind.filter(|&k| self.handler.answers_inline(k)) {
                     // Answered here: `drive` writes the response before reading on.
-                    let frame = answer(job, &*self.handler, &self.stats, Some(kind));
-                    self.release(c);
-                    let Some(frame) = frame else { return (n, Next::Close) };
-                    c.out = frame;
-                    c.out_pos = 0;
-                    return (n, Next::Keep);
-                }
+                    Some(kind) => match answer(job, &*self.handler, &self.stats, Some(kind)) {
+                        Ok(frame) => {
+                            self.release(c);
+                            let Some(frame) = frame else { return (n, Next::Close) };
+                            c.out = frame;
+                            c.out_pos = 0;
+                            return (n, Next::Keep);
+                        }
+                        // No room to decode it now: a thread waits for some.
+                        Err(job) => job,
+                    },
+                    None => job,
+                };
                 c.busy = true;
                 self.ready.push_back(job);
             }

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use mooncake_transfer::SharedSecret;
 
+use crate::rpc::budget::DecodeLimits;
 use crate::rpc::wire::{Request, Response, DEFAULT_MAX_FRAME, REQUEST_KINDS};
 
 /// Answers requests of the framed protocol (public with the `fuzzing` feature only,
@@ -26,6 +27,14 @@ pub(crate) trait RpcHandler: Send + Sync + 'static {
     fn answers_inline(&self, kind: usize) -> bool {
         let _ = kind;
         false
+    }
+
+    /// What decoding one request to this handler may allocate, if it serves only
+    /// requests smaller than [`RpcServerConfig::decode_limits`] allow: a request over
+    /// them is refused before it is decoded whole. `None` (the default): the
+    /// server's.
+    fn decode_limits(&self) -> Option<DecodeLimits> {
+        None
     }
 }
 
@@ -56,6 +65,13 @@ pub struct RpcServerStats {
     /// Bytes of request bodies held in memory now (within
     /// [`RpcServerConfig::memory_budget`]).
     pub buffered_bytes: AtomicU64,
+    /// Requests answered with an error, unanswered, because decoding them would
+    /// allocate more than [`RpcServerConfig::decode_limits`] allow, or the
+    /// [`RpcServerConfig::decode_budget`] had no room for them in time.
+    pub over_budget: AtomicU64,
+    /// Bytes held now for decoded requests being answered (within
+    /// [`RpcServerConfig::decode_budget`]).
+    pub decoding_bytes: AtomicU64,
 }
 
 impl Default for RpcServerStats {
@@ -72,6 +88,8 @@ impl Default for RpcServerStats {
             hello_timeouts: AtomicU64::new(0),
             auth_failures: AtomicU64::new(0),
             buffered_bytes: AtomicU64::new(0),
+            over_budget: AtomicU64::new(0),
+            decoding_bytes: AtomicU64::new(0),
         }
     }
 }
@@ -95,6 +113,16 @@ pub struct RpcServerConfig {
     /// Most bytes of request bodies held in memory over all connections; a
     /// connection whose body would exceed it waits until memory is freed.
     pub memory_budget: usize,
+    /// What decoding one request may allocate (items, and bytes charged: see
+    /// [`budget`](crate::rpc::budget)); a request over them is answered with an
+    /// `InvalidArgument` error, and the connection goes on.
+    pub decode_limits: DecodeLimits,
+    /// Most bytes charged for decoded requests over all those being answered at once;
+    /// a request that finds no room waits up to [`decode_wait`](Self::decode_wait),
+    /// then is answered with a "server busy" error.
+    pub decode_budget: usize,
+    /// How long a request waits for room in [`decode_budget`](Self::decode_budget).
+    pub decode_wait: Duration,
     /// How long a new connection has to complete its hello: the shared-secret
     /// handshake, or (without a secret) its first request.
     pub hello_timeout: Duration,
@@ -116,6 +144,9 @@ impl Default for RpcServerConfig {
             insecure: false,
             max_connections: 65_536,
             memory_budget: 1 << 30,
+            decode_limits: DecodeLimits::REQUEST,
+            decode_budget: 512 << 20,
+            decode_wait: Duration::from_secs(1),
             hello_timeout: Duration::from_secs(5),
             workers: 0,
             max_workers: 256,

@@ -4,8 +4,9 @@
 //! [`RpcMasterClient`] is the [`MasterApi`](crate::master::MasterApi) a remote
 //! [`Store`](crate::Store) uses. The frame layout is documented in `wire`, which is
 //! crate-private: the `fuzzing` feature exposes it (with `read_frame` and
-//! `FrameReader`) to fuzz targets and protocol tests, as no stable API.
+//! `FrameReader`) to fuzz targets and protocol tests, as no stable API. What decoding a body may allocate is bounded by [`budget`].
 
+pub mod budget;
 mod client;
 mod convert;
 mod event_loop;
@@ -26,7 +27,7 @@ pub use handler::RpcHandler;
 #[cfg(not(feature = "fuzzing"))]
 pub(crate) use handler::RpcHandler;
 pub use handler::{RpcServerConfig, RpcServerStats};
-#[cfg(feature = "fuzzing")]
-pub use server::read_frame;
 pub use server::RpcServer;
+#[cfg(feature = "fuzzing")]
+pub use server::{dispatch, read_frame};
 pub use wire::REQUEST_KINDS;

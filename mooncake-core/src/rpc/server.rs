@@ -126,6 +126,7 @@ impl RpcHandler for MasterService {
 
 /// Answers one request with a master: the server's dispatch over any
 /// [`MasterApi`] (the service itself, or anything that wraps one).
+#[cfg_attr(feature = "fuzzing", visibility::make(pub))]
 pub(crate) fn dispatch(api: &dyn MasterApi, request: Request) -> Response {
     macro_rules! dispatch_calls {
         ($( $(#[$doc:meta])* $variant:ident => fn $name:ident ( $( $arg:ident : $ty:ty => $wire:ty ),* $(,)? ) -> $ret:ty; )*) => {

@@ -10,11 +10,13 @@
 //! Integers are little-endian. `kind` is 1 for a request, 2 for a response; the
 //! response carries the request's id, so a client may pipeline requests. Bodies are
 //! [`Request`]/[`Response`] encoded with `postcard` (serde). Decoders never panic;
-//! every malformed input is a [`FrameError`].
+//! every malformed input is a [`FrameError`]; bodies are decoded within a budget of
+//! what they allocate ([`super::budget`]), not only of their bytes.
 
 use mooncake_alloc::SegmentId;
 use serde::{Deserialize, Serialize};
 
+use super::budget::{decode, DecodeError, DecodeLimits, PoolAccess, Reservation, ANSWER_RESERVE};
 use crate::config::ReplicateConfig;
 use crate::error::Error;
 use crate::error::Result;
@@ -80,6 +82,18 @@ pub enum FrameError {
     /// The body does not decode as a message.
     #[error("malformed body: {0}")]
     Body(String),
+    /// The body would decode to more than its budget allows (see [`budget`](super::budget)).
+    #[error("{0}")]
+    Budget(DecodeError),
+}
+
+impl From<DecodeError> for FrameError {
+    fn from(e: DecodeError) -> Self {
+        match e {
+            DecodeError::Malformed(m) => FrameError::Body(m),
+            other => FrameError::Budget(other),
+        }
+    }
 }
 
 impl FrameHeader {
@@ -134,9 +148,11 @@ pub fn encode_frame<T: Serialize>(kind: FrameKind, request_id: u64, msg: &T) -> 
     Ok(out)
 }
 
-/// Decodes a message body.
+/// Decodes a message body as a client does, within [`DecodeLimits::RESPONSE`]: what
+/// it allocates is bounded, whatever the body holds. A server decodes requests with
+/// [`decode_request`] instead, within its own bounds and pool.
 pub fn decode_body<'de, T: Deserialize<'de>>(body: &'de [u8]) -> Result<T, FrameError> {
-    postcard::from_bytes(body).map_err(|e| FrameError::Body(e.to_string()))
+    Ok(decode(body, DecodeLimits::RESPONSE, None)?.0)
 }
 
 /// The kind of request (its index in [`REQUEST_KINDS`]) an encoded request body holds,
@@ -156,6 +172,21 @@ pub fn request_kind_of(body: &[u8]) -> Option<usize> {
     None
 }
 
+/// Decodes a request body as a server does: within `limits`, taking its bytes from
+/// `pool`, and, for a call answered per item, [`ANSWER_RESERVE`] bytes more for each
+/// item, held until the request is answered. See [`super::budget`].
+pub fn decode_request<'p>(
+    body: &[u8],
+    limits: DecodeLimits,
+    pool: Option<PoolAccess<'p>>,
+) -> Result<(Request, Reservation<'p>), DecodeError> {
+    let (request, mut held) = decode::<Request>(body, limits, pool)?;
+    if request.answers_per_item() {
+        held.reserve(held.items().saturating_mul(ANSWER_RESERVE), limits, pool.and_then(|p| p.wait))?;
+    }
+    Ok((request, held))
+}
+
 /// Decodes a whole request frame held in `bytes` (what the fuzz target feeds).
 #[cfg(feature = "fuzzing")]
 pub fn decode_request_frame(bytes: &[u8], max_body: u32) -> Result<(FrameHeader, Request), FrameError> {
@@ -166,7 +197,7 @@ pub fn decode_request_frame(bytes: &[u8], max_body: u32) -> Result<(FrameHeader,
     let body = bytes
         .get(HEADER_LEN..HEADER_LEN + header.body_len as usize)
         .ok_or_else(|| FrameError::Truncated(format!("body of {} bytes announced", header.body_len)))?;
-    Ok((header, decode_body(body)?))
+    Ok((header, decode_request(body, DecodeLimits::REQUEST, None)?.0))
 }
 
 /// Declares the wire messages from the table of master calls.
@@ -244,6 +275,16 @@ macro_rules! define_wire_messages {
                     Request::ApplyRecords { .. } => RequestKind::ApplyRecords,
                 };
                 kind as usize
+            }
+
+            /// Whether the answer holds one result per item of the request (a batch
+            /// call): what answering it costs grows with its items.
+            pub fn answers_per_item(&self) -> bool {
+                match self {
+                    $( Request::$variant { .. } => <$ret as WireReturn>::BATCH, )*
+                    Request::BatchGetOffloadObject { .. } => true,
+                    Request::ReleaseOffloadBuffer { .. } | Request::ApplyRecords { .. } => false,
+                }
             }
 
             /// Whether the answer to this request carries an error (for metrics).

@@ -341,3 +341,120 @@ pub fn http_get(addr: &str, path: &str) -> String {
     s.read_to_string(&mut body).unwrap();
     body.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or(body)
 }
+
+/// Resident memory of a process (`VmRSS` of `/proc/PID/status`), in bytes; 0 once
+/// it is gone.
+pub fn rss(pid: u32) -> u64 {
+    let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) else { return 0 };
+    status
+        .lines()
+        .find(|l| l.starts_with("VmRSS:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|kb| kb.parse::<u64>().ok())
+        .map_or(0, |kb| kb * 1024)
+}
+
+/// Samples a process's resident memory every 10 ms until stopped; the most seen.
+pub struct RssWatch {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    handle: std::thread::JoinHandle<u64>,
+}
+
+impl RssWatch {
+    /// Starts sampling `pid`.
+    pub fn start(pid: u32) -> Self {
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let flag = stop.clone();
+        let handle = std::thread::spawn(move || {
+            let mut most = rss(pid);
+            while !flag.load(std::sync::atomic::Ordering::Relaxed) {
+                most = most.max(rss(pid));
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            most.max(rss(pid))
+        });
+        Self { stop, handle }
+    }
+
+    /// Stops sampling; the most resident memory seen, in bytes.
+    pub fn most(self) -> u64 {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.handle.join().unwrap()
+    }
+}
+
+/// TCP ports process `pid` listens on (IPv4), from `/proc/PID/net/tcp` and the
+/// socket descriptors the process holds.
+pub fn listening_ports(pid: u32) -> Vec<u16> {
+    let inodes: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .map(|d| {
+            d.flatten()
+                .filter_map(|e| std::fs::read_link(e.path()).ok())
+                .filter_map(|l| {
+                    let l = l.to_string_lossy().into_owned();
+                    l.strip_prefix("socket:[").and_then(|r| r.strip_suffix(']')).map(str::to_owned)
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    let table = std::fs::read_to_string(format!("/proc/{pid}/net/tcp")).unwrap_or_default();
+    let mut ports: Vec<u16> = table
+        .lines()
+        .skip(1)
+        .filter_map(|line| {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            // local_address rem_address st ... inode (field 9); 0A is LISTEN.
+            (f.len() > 9 && f[3] == "0A" && inodes.iter().any(|i| i == f[9]))
+                .then(|| f[1].rsplit(':').next().and_then(|p| u16::from_str_radix(p, 16).ok()))
+                .flatten()
+        })
+        .collect();
+    ports.sort_unstable();
+    ports.dedup();
+    ports
+}
+
+/// The postcard body of `with_one` with its one-element sequence repeated `n`
+/// times: `empty` must be the same message with that sequence empty (the bodies
+/// differ only there). Builds frames of millions of items without building the
+/// items.
+pub fn repeated_body<T: serde::Serialize>(empty: &T, with_one: &T, n: usize) -> Vec<u8> {
+    let a = postcard::to_allocvec(empty).unwrap();
+    let b = postcard::to_allocvec(with_one).unwrap();
+    let at = a.iter().zip(&b).position(|(x, y)| x != y).expect("the messages differ");
+    assert_eq!((a[at], b[at]), (0, 1), "the sequence's length, 0 then 1");
+    let element = &b[at + 1..at + 1 + (b.len() - a.len())];
+    let mut body = a[..at].to_vec();
+    let mut len = n;
+    while len >= 0x80 {
+        body.push((len as u8) | 0x80);
+        len >>= 7;
+    }
+    body.push(len as u8);
+    body.reserve(element.len() * n + a.len() - at);
+    for _ in 0..n {
+        body.extend_from_slice(element);
+    }
+    body.extend_from_slice(&a[at + 1..]);
+    body
+}
+
+/// Sends one request frame with `body` on `stream` and reads the answer: the
+/// decoded response, or why none came (`Err`: the connection closed, or the
+/// answer is not a response).
+pub fn rpc_exchange(
+    stream: &mut std::net::TcpStream,
+    request_id: u64,
+    body: &[u8],
+) -> Result<mooncake_core::rpc::wire::Response, String> {
+    use mooncake_core::rpc::wire::{decode_body, FrameHeader, FrameKind};
+    use std::io::Write;
+    let header = FrameHeader { kind: FrameKind::Request, request_id, body_len: body.len() as u32 }.encode();
+    stream.write_all(&header).map_err(|e| format!("sending: {e}"))?;
+    stream.write_all(body).map_err(|e| format!("sending: {e}"))?;
+    let (h, body) = mooncake_core::rpc::read_frame(stream, u32::MAX).map_err(|e| format!("no answer: {e}"))?;
+    if h.kind != FrameKind::Response || h.request_id != request_id {
+        return Err(format!("answer {h:?} is not the response to request {request_id}"));
+    }
+    decode_body(&body).map_err(|e| format!("answer does not decode: {e}"))
+}

@@ -8,11 +8,17 @@ use mooncake_storage::{load_into_staging, ClientBuffer, StorageBackend};
 use mooncake_transfer::RemoteRegion;
 
 use super::stats::{inc, SsdCounters};
+use crate::rpc::budget::DecodeLimits;
 use crate::rpc::wire::{OffloadBatch, Request, Response, WireError};
 use crate::rpc::RpcHandler;
 
 /// Most keys one `batch_get_offload_object` may ask for.
 const MAX_LOAD_BATCH: usize = 4096;
+
+/// What decoding one request to the load server may allocate: no more keys than a
+/// batch holds (a larger one is refused from its announced length), and 64 MiB
+/// (4,096 keys of the longest length are charged 35 MiB; see `rpc::budget`).
+const DECODE_LIMITS: DecodeLimits = DecodeLimits { max_items: MAX_LOAD_BATCH, max_bytes: 64 << 20 };
 
 /// Answers other clients' loads from this client's disk.
 pub(super) struct LoadServer {
@@ -34,6 +40,10 @@ impl RpcHandler for LoadServer {
                 "this is a storage node's load server: it answers only SSD loads".into(),
             )),
         }
+    }
+
+    fn decode_limits(&self) -> Option<DecodeLimits> {
+        Some(DECODE_LIMITS)
     }
 }
 
