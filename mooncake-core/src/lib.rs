@@ -27,6 +27,7 @@ mod config;
 mod daemon;
 mod error;
 mod master;
+pub mod reference_code;
 pub mod rpc;
 mod store;
 

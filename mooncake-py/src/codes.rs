@@ -2,37 +2,13 @@
 //!
 //! Python callers compare return values with these numbers (`-704` for a missing
 //! object, `-706` for a leased one, ...), so they are part of the interface and must
-//! keep the reference's values.
+//! keep the reference's values: the table and the mapping are `mooncake-core`'s
+//! (`mooncake_core::reference_code`, shared with the `mooncake_store` crate).
 
+pub use mooncake_core::reference_code::{
+    INVALID_PARAMS, OBJECT_NOT_FOUND, RPC_FAIL, SEGMENT_NOT_FOUND, TASK_NOT_FOUND,
+};
 use mooncake_core::Error;
-
-/// Internal error.
-pub const INTERNAL_ERROR: i32 = -1;
-/// No mounted segment has that name.
-pub const SEGMENT_NOT_FOUND: i32 = -101;
-/// The master knows no such client.
-pub const CLIENT_NOT_FOUND: i32 = -103;
-/// No segment has room for the object.
-pub const NO_AVAILABLE_HANDLE: i32 = -200;
-/// Bad input: key, size, pointer, configuration, or a store that is not set up.
-pub const INVALID_PARAMS: i32 = -600;
-/// No object under this key.
-pub const OBJECT_NOT_FOUND: i32 = -704;
-/// A put of a key that exists (the put forms answer 0 for it, see [`put_status`]).
-pub const OBJECT_ALREADY_EXISTS: i32 = -705;
-/// A remove of an object a reader holds a lease on.
-pub const OBJECT_HAS_LEASE: i32 = -706;
-/// Moving bytes failed.
-pub const TRANSFER_FAIL: i32 = -800;
-/// Every replica failed its checksum.
-pub const CHECKSUM_MISMATCH: i32 = -801;
-/// The master cannot be reached.
-pub const RPC_FAIL: i32 = -900;
-/// A call to the master timed out.
-pub const RPC_TIMEOUT: i32 = -901;
-
-/// No copy or move task has that id.
-pub const TASK_NOT_FOUND: i32 = -1400;
 
 /// `health_check`: connected and the master answers.
 pub const HEALTHY: i32 = 0;
@@ -43,20 +19,7 @@ pub const MASTER_UNREACHABLE: i32 = 2;
 
 /// The reference's code for an error of ours.
 pub fn code(e: &Error) -> i32 {
-    match e {
-        Error::NotFound(_) => OBJECT_NOT_FOUND,
-        Error::AlreadyExists(_) => OBJECT_ALREADY_EXISTS,
-        Error::HasLease(_) => OBJECT_HAS_LEASE,
-        Error::NoSpace { .. } => NO_AVAILABLE_HANDLE,
-        // The reference answers a too-small buffer with INVALID_PARAMS too.
-        Error::BufferTooSmall { .. } | Error::InvalidArgument(_) => INVALID_PARAMS,
-        Error::MasterUnavailable(_) => RPC_FAIL,
-        Error::UnknownClient(_) => CLIENT_NOT_FOUND,
-        Error::Timeout(_) => RPC_TIMEOUT,
-        Error::Transport(_) => TRANSFER_FAIL,
-        Error::Corrupted(_) => CHECKSUM_MISMATCH,
-        _ => INTERNAL_ERROR,
-    }
+    mooncake_core::reference_code::of(e)
 }
 
 /// A put's code: like [`status`], except that a key that already exists is a success,

@@ -88,20 +88,10 @@ pub enum StoreError {
 impl From<mooncake_core::Error> for StoreError {
     fn from(e: mooncake_core::Error) -> Self {
         use mooncake_core::Error as E;
-        let code = match &e {
-            E::InvalidArgument(msg) => return StoreError::InvalidArgument(msg.clone()),
-            E::NotFound(_) => codes::OBJECT_NOT_FOUND,
-            E::AlreadyExists(_) => codes::OBJECT_ALREADY_EXISTS,
-            E::HasLease(_) => codes::OBJECT_HAS_LEASE,
-            E::NoSpace { .. } => codes::NO_AVAILABLE_HANDLE,
-            E::BufferTooSmall { .. } => codes::INVALID_PARAMS,
-            E::UnknownClient(_) => codes::CLIENT_NOT_FOUND,
-            E::MasterUnavailable(_) => codes::RPC_FAIL,
-            E::Timeout(_) => codes::RPC_TIMEOUT,
-            E::Transport(_) => codes::TRANSFER_FAIL,
-            E::Corrupted(_) => codes::CHECKSUM_MISMATCH,
-            _ => codes::INTERNAL_ERROR,
-        };
+        if let E::InvalidArgument(msg) = &e {
+            return StoreError::InvalidArgument(msg.clone());
+        }
+        let code = mooncake_core::reference_code::of(&e);
         tracing::debug!(error = %e, code, "mooncake_store: operation failed");
         StoreError::OperationFailed(code)
     }
