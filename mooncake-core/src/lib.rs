@@ -22,6 +22,8 @@
 
 mod checksum;
 pub mod cluster;
+#[cfg(feature = "etcd")]
+mod cluster_client;
 mod config;
 mod daemon;
 mod error;

@@ -81,9 +81,9 @@ impl RpcMasterClient {
         Err(last)
     }
 
-    fn round_trip(&self, conn: &mut TcpStream, frame: &[u8], id: u64) -> std::io::Result<Response> {
-        conn.write_all(frame)?;
-        // Read with the socket's own errors, so that a timeout stays a timeout.
+    /// Reads the answer to request `id` from `conn`, with the socket's own errors (so
+    /// that a timeout stays a timeout).
+    fn read_answer(conn: &mut TcpStream, id: u64) -> std::io::Result<Response> {
         let mut header = [0u8; HEADER_LEN];
         let n = read_up_to(&*conn, &mut header)?;
         if n >= 4 && header[..4] == AUTH_MAGIC {
@@ -108,35 +108,99 @@ impl RpcMasterClient {
         decode_body(&body).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))
     }
 
-    /// Sends `req` and returns the master's response.
+    /// Sends `req` and returns the master's response: [`send`](Self::send), then
+    /// [`receive`](Self::receive).
     pub fn call(&self, req: &Request) -> Result<Response> {
+        self.receive(self.send(req)?)
+    }
+
+    /// The first half of a call: writes `req` on a connection of the pool (a fresh one
+    /// if none is idle) and returns without waiting for the answer, so that a caller
+    /// may have requests to several masters in flight from one thread. A connection
+    /// that breaks while writing is dropped and the request written on a fresh one,
+    /// once.
+    pub(crate) fn send(&self, req: &Request) -> Result<Sent> {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let frame = encode_frame(FrameKind::Request, id, req).map_err(|e| Error::InvalidArgument(e.to_string()))?;
-        for attempt in 0..2 {
+        self.write(frame, id, false)
+    }
+
+    /// Writes `frame` (request `id`) on a pooled or fresh connection; `retried`: this
+    /// request already lost a connection (no second retry).
+    fn write(&self, frame: Vec<u8>, id: u64, mut retried: bool) -> Result<Sent> {
+        loop {
             let mut conn = match self.pool.lock().pop() {
                 Some(c) => c,
                 None => self.dial()?,
             };
-            match self.round_trip(&mut conn, &frame, id) {
-                Ok(resp) => {
-                    self.pool.lock().push(conn);
-                    return Ok(resp);
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => {
-                    return Err(Error::MasterUnavailable(format!("{}: {e}", self.addr)));
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock || e.kind() == std::io::ErrorKind::TimedOut => {
-                    return Err(Error::Timeout(format!("master {} did not answer: {e}", self.addr)));
-                }
-                Err(e) if attempt == 0 => {
-                    tracing::debug!(error = %e, "master connection broken; retrying on a new one");
-                    // Every pooled connection may be stale (the master restarted).
-                    self.pool.lock().clear();
-                }
-                Err(e) => return Err(Error::MasterUnavailable(format!("{}: {e}", self.addr))),
+            match conn.write_all(&frame) {
+                Ok(()) => return Ok(Sent { conn, frame, id, retried }),
+                Err(e) => match self.classify(e, retried) {
+                    Some(e) => return Err(e),
+                    None => retried = true,
+                },
             }
         }
-        Err(Error::MasterUnavailable(self.addr.clone()))
+    }
+
+    /// The second half of a call: waits for the answer to `sent` (up to the client's
+    /// timeout) and puts its connection back in the pool. A connection that broke (the
+    /// master restarted since it was opened) is dropped and the request sent again on
+    /// a fresh one, once.
+    pub(crate) fn receive(&self, sent: Sent) -> Result<Response> {
+        let Sent { mut conn, frame, id, retried } = sent;
+        match Self::read_answer(&mut conn, id) {
+            Ok(resp) => {
+                self.pool.lock().push(conn);
+                Ok(resp)
+            }
+            Err(e) => match self.classify(e, retried) {
+                Some(e) => Err(e),
+                None => {
+                    drop(conn);
+                    self.receive(self.write(frame, id, true)?)
+                }
+            },
+        }
+    }
+
+    /// What an I/O error on a connection means: `Some(error)` to report, or `None` to
+    /// try again on a fresh connection (the first time a connection broke).
+    fn classify(&self, e: std::io::Error, retried: bool) -> Option<Error> {
+        match e.kind() {
+            std::io::ErrorKind::PermissionDenied => Some(Error::MasterUnavailable(format!("{}: {e}", self.addr))),
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
+                Some(Error::Timeout(format!("master {} did not answer: {e}", self.addr)))
+            }
+            _ if !retried => {
+                tracing::debug!(error = %e, "master connection broken; retrying on a new one");
+                // Every pooled connection may be stale (the master restarted).
+                self.pool.lock().clear();
+                None
+            }
+            _ => Some(Error::MasterUnavailable(format!("{}: {e}", self.addr))),
+        }
+    }
+}
+
+/// A request written to a master and not answered yet: the first half of a call
+/// ([`RpcMasterClient::send`]), finished by [`RpcMasterClient::receive`]. Dropping it
+/// closes its connection (the answer is never read).
+#[derive(Debug)]
+pub(crate) struct Sent {
+    conn: TcpStream,
+    /// The whole frame, to send again if the connection turns out to be broken.
+    frame: Vec<u8>,
+    id: u64,
+    retried: bool,
+}
+
+#[cfg(feature = "etcd")]
+impl Sent {
+    /// The connection the answer comes on (to wait for several with `poll`).
+    pub(crate) fn fd(&self) -> std::os::fd::RawFd {
+        use std::os::fd::AsRawFd;
+        self.conn.as_raw_fd()
     }
 }
 
@@ -178,7 +242,7 @@ fn refused(message: &str) -> std::io::Error {
 }
 
 /// The error a response that is not the expected one stands for.
-fn unexpected(r: Response) -> Error {
+pub(crate) fn unexpected(r: Response) -> Error {
     match r {
         Response::Error(e) => e.into(),
         other => Error::MasterUnavailable(format!("unexpected response {other:?}")),
@@ -187,7 +251,8 @@ fn unexpected(r: Response) -> Error {
 
 /// Implements every master call as one round trip.
 macro_rules! impl_rpc_client {
-    ($( $(#[$doc:meta])* $variant:ident => fn $name:ident ( $( $arg:ident : $ty:ty => $wire:ty ),* $(,)? ) -> $ret:ty; )*) => {
+    ($( $(#[$doc:meta])* $variant:ident => fn $name:ident ( $( $arg:ident : $ty:ty => $wire:ty ),* $(,)? ) -> $ret:ty
+        => $route:ident $( ( $($how:tt)* ) )? $( + $hook:ident )?; )*) => {
         impl MasterApi for RpcMasterClient {
             $(
                 fn $name(&self $(, $arg: $ty)*) -> $ret {

@@ -7,7 +7,7 @@
 //! `FrameReader`) to fuzz targets and protocol tests, as no stable API.
 
 mod client;
-mod convert;
+pub(crate) mod convert;
 mod event_loop;
 mod frame_reader;
 mod handler;
@@ -18,6 +18,8 @@ pub mod wire;
 #[cfg(not(feature = "fuzzing"))]
 pub(crate) mod wire;
 
+#[cfg(feature = "etcd")]
+pub(crate) use client::{unexpected, Sent};
 pub use client::{RpcMasterClient, RpcRecordConnector};
 #[cfg(feature = "fuzzing")]
 pub use frame_reader::{FrameReader, RawFrame};

@@ -170,7 +170,8 @@ pub fn decode_request_frame(bytes: &[u8], max_body: u32) -> Result<(FrameHeader,
 
 /// Declares the wire messages from the table of master calls.
 macro_rules! define_wire_messages {
-    ($( $(#[$doc:meta])* $variant:ident => fn $name:ident ( $( $arg:ident : $ty:ty => $wire:ty ),* $(,)? ) -> $ret:ty; )*) => {
+    ($( $(#[$doc:meta])* $variant:ident => fn $name:ident ( $( $arg:ident : $ty:ty => $wire:ty ),* $(,)? ) -> $ret:ty
+        => $route:ident $( ( $($how:tt)* ) )? $( + $hook:ident )?; )*) => {
         /// A request: one variant per [`MasterApi`](crate::master::MasterApi) call (fields
         /// as the call's arguments), then the calls a storage node answers.
         #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

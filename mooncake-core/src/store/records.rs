@@ -19,7 +19,7 @@ use crate::rpc::RpcHandler;
 
 /// The objects of this node's segment, by offset.
 #[derive(Default)]
-pub(super) struct SegmentRecords {
+pub(crate) struct SegmentRecords {
     /// The segment the records describe (its id changes when it is re-mounted).
     segment: AtomicU64,
     /// Master incarnation the records are in step with (0: none yet).
@@ -29,12 +29,12 @@ pub(super) struct SegmentRecords {
 
 impl SegmentRecords {
     /// Records of `segment`, in step with the master of `incarnation`.
-    pub(super) fn new(segment: SegmentId, incarnation: u64) -> Self {
+    pub(crate) fn new(segment: SegmentId, incarnation: u64) -> Self {
         Self { segment: AtomicU64::new(segment), incarnation: AtomicU64::new(incarnation), records: Mutex::default() }
     }
 
     /// Applies the master's changes, in order; changes to other segments are ignored.
-    pub(super) fn apply(&self, updates: Vec<RecordUpdate>) {
+    pub(crate) fn apply(&self, updates: Vec<RecordUpdate>) {
         let own = self.segment.load(Ordering::Acquire);
         let mut records = self.records.lock();
         for u in updates {
@@ -56,7 +56,7 @@ impl SegmentRecords {
     /// The same incarnation means the master kept running and forgot us (expiry, or
     /// it could not tell us of a change): what we hold is stale, and is dropped.
     /// Records for which `intact` is false (their bytes changed) are dropped too.
-    pub(super) fn rejoin(&self, incarnation: u64, intact: impl Fn(&ObjectRecord) -> bool) -> Vec<ObjectRecord> {
+    pub(crate) fn rejoin(&self, incarnation: u64, intact: impl Fn(&ObjectRecord) -> bool) -> Vec<ObjectRecord> {
         let mut records = self.records.lock();
         if self.incarnation.swap(incarnation, Ordering::AcqRel) == incarnation {
             records.clear();
@@ -66,12 +66,12 @@ impl SegmentRecords {
     }
 
     /// The segment was mounted again under a new id.
-    pub(super) fn set_segment(&self, segment: SegmentId) {
+    pub(crate) fn set_segment(&self, segment: SegmentId) {
         self.segment.store(segment, Ordering::Release);
     }
 
     /// A copy of the records.
-    pub(super) fn snapshot(&self) -> Vec<ObjectRecord> {
+    pub(crate) fn snapshot(&self) -> Vec<ObjectRecord> {
         self.records.lock().values().cloned().collect()
     }
 }
