@@ -92,6 +92,20 @@ macro_rules! cluster_call {
                     other => <$ret as WireReturn>::failed(unexpected(other), Some(n)),
                 },
                 |addr, answers| { $( for v in answers.iter().flatten() { self.$hook(addr, v) } )? },
+                // Combining: the batches of two requests of this call, one after the
+                // other; a combined answer cut back into its parts' answers.
+                &|acc, more| {
+                    if let (Request::$variant { $items: all, .. }, Request::$variant { $items: tail, .. }) = (acc, more) {
+                        all.extend(tail);
+                    }
+                },
+                &|response, lens| match response {
+                    Response::$variant(all) => {
+                        let mut all = all.into_iter();
+                        lens.iter().map(|&n| Response::$variant(all.by_ref().take(n).collect())).collect()
+                    }
+                    other => lens.iter().map(|_| other.clone()).collect(),
+                },
             )
         }
     };

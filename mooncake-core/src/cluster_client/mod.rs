@@ -25,6 +25,7 @@
 //!   (`store::cluster`).
 
 mod api;
+mod combine;
 mod extents;
 mod own;
 mod routing;

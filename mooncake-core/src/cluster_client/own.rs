@@ -130,6 +130,13 @@ impl ClusterClient {
                 (0..n).map(|_| r.clone()).collect()
             },
             |_, _| {},
+            &|acc, more| {
+                if let (Request::ReleaseLeases { keys: all }, Request::ReleaseLeases { keys: tail }) = (acc, more) {
+                    all.extend(tail);
+                }
+            },
+            // One answer for a whole request: each part gets it.
+            &|response, lens| lens.iter().map(|_| response.clone()).collect(),
         );
         answers.into_iter().find(|r| r.is_err()).unwrap_or(Ok(()))
     }

@@ -4,8 +4,9 @@
 //! slot map is turned once per map into a table from slot group to leader index
 //! ([`Routes`]), a batch is split with a counting sort of its item indices by leader
 //! ([`split`]: no allocation per key), every leader's part is written on a connection
-//! of its session before any answer is read, and one thread waits for all the answers
-//! with `poll`, taking each as it arrives ([`ClusterClient::gather`]).
+//! of its session before any answer is read (or joins the same call's request to that
+//! master in flight: `combine`), and one thread waits for all the answers with `poll`,
+//! taking each as it arrives ([`ClusterClient::gather`]).
 
 use std::borrow::Cow;
 use std::sync::Arc;
@@ -13,6 +14,7 @@ use std::time::{Duration, Instant};
 
 use mooncake_alloc::SegmentId;
 
+use super::combine::{Call, Cut, Entry, Merge};
 use super::sessions::Session;
 use super::ClusterClient;
 use crate::cluster::{key_slot, SlotMap};
@@ -141,12 +143,11 @@ pub(crate) fn follows(e: &Error) -> bool {
     matches!(e, Error::Moved { .. } | Error::MasterUnavailable(_) | Error::Recovering(_) | Error::Timeout(_))
 }
 
-/// One leader's part of a batch, in flight.
-struct Part<'a, I: Clone> {
+/// One leader's part of a batch.
+struct Part {
     bucket: usize,
-    items: Cow<'a, [I]>,
     session: Arc<Session>,
-    /// The client id the request carried (0: the call names none).
+    /// Our id at that master (0: the call names none).
     id: ClientId,
 }
 
@@ -217,12 +218,15 @@ impl ClusterClient {
         }
     }
 
-    /// Runs a batch call: the items split by their keys' leaders, every part written to
-    /// its leader before any answer is awaited, the answers put back in item order as
-    /// they arrive; the items answered with a move (or whose leader did not answer) are
+    /// Runs a batch call: the items split by their keys' leaders, every part sent
+    /// (combined with the same call's parts of concurrent callers, see `combine`)
+    /// before any answer is awaited, the answers put back in item order as they
+    /// arrive; the items answered with a move (or whose leader did not answer) are
     /// routed again as the map changes. `request` builds a part's request for a client
     /// id, `answer` reads a part's answer (one result per item), `learn` sees each
-    /// part's answers and who gave them.
+    /// part's answers and who gave them; `merge` and `cut` combine requests of the call
+    /// and cut their answer.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn on_keys<I: KeyOf + Clone, T>(
         &self,
         items: &[I],
@@ -230,6 +234,8 @@ impl ClusterClient {
         request: impl Fn(ClientId, &[I]) -> Request,
         answer: impl Fn(Response, usize) -> Vec<Result<T>>,
         learn: impl Fn(&str, &[Result<T>]),
+        merge: Merge<'_>,
+        cut: Cut<'_>,
     ) -> Vec<Result<T>> {
         if items.is_empty() {
             return Vec::new();
@@ -248,7 +254,7 @@ impl ClusterClient {
                 let late = Instant::now() >= deadline;
                 for (&i, r) in idx.iter().zip(answers) {
                     match r {
-                        Err(e) if !late && follows(&e) => {
+                        Err(e) if !late && (follows(&e) || matches!(e, Error::UnknownClient(_))) => {
                             last_error = Some(e);
                             retry.push(i);
                         }
@@ -261,53 +267,65 @@ impl ClusterClient {
                 let moved = |&i: &u32| Err(Error::Moved { slot: key_slot(items[i as usize].key_of()), leader: None });
                 settle(leaderless, leaderless.iter().map(moved).collect());
             }
-            // Every leader's part goes out before any answer is read.
-            let mut parts: Vec<Part<'_, I>> = Vec::new();
-            let mut sent: Vec<(Arc<Session>, Sent)> = Vec::new();
+            // The leaders to ask: each with our id there.
+            let mut parts: Vec<Part> = Vec::new();
             for (bucket, addr) in routes.leaders.iter().enumerate() {
                 let idx = split.part(bucket);
                 if idx.is_empty() {
                     continue;
                 }
-                // The whole batch to one leader (one master, or a batch of one group's
-                // keys) goes as it is.
-                let part_items = match idx.len() == items.len() {
-                    true => Cow::Borrowed(items),
-                    false => Cow::Owned(idx.iter().map(|&i| items[i as usize].clone()).collect()),
-                };
-                let out = self.session(addr).and_then(|s| {
-                    let id = self.id_for(&s, needs_id)?;
-                    let req = s.rpc.send(&request(id, &part_items))?;
-                    Ok((s, id, req))
-                });
-                match out {
-                    Ok((session, id, req)) => {
-                        sent.push((session.clone(), req));
-                        parts.push(Part { bucket, items: part_items, session, id });
-                    }
+                match self.session(addr).and_then(|s| Ok((self.id_for(&s, needs_id)?, s))) {
+                    Ok((id, session)) => parts.push(Part { bucket, session, id }),
                     Err(e) => settle(idx, idx.iter().map(|_| Err(e.clone())).collect()),
                 }
             }
-            self.gather(sent, |k, response| {
-                let part = &parts[k];
-                let n = part.items.len();
-                let mut answers = match response {
-                    Ok(resp) => answer(resp, n),
-                    Err(e) => (0..n).map(|_| Err(e.clone())).collect(),
+            // Every part goes out (or joins a request in flight) before any answer is
+            // read.
+            let call = Call::new(parts.len());
+            let mut flights = Vec::new();
+            for (k, p) in parts.iter().enumerate() {
+                let idx = split.part(p.bucket);
+                // The whole batch to one leader (one master, or a batch of one group's
+                // keys) goes as it is.
+                let part_items: Cow<'_, [I]> = match idx.len() == items.len() {
+                    true => Cow::Borrowed(items),
+                    false => Cow::Owned(idx.iter().map(|&i| items[i as usize].clone()).collect()),
                 };
-                if answers.iter().any(|r| matches!(r, Err(Error::UnknownClient(_)))) {
-                    // The master restarted and forgot us: register and ask again.
-                    if let Ok(id) = self.register_session(&part.session, part.id) {
-                        answers = match part.session.rpc.call(&request(id, &part.items)) {
-                            Ok(resp) => answer(resp, n),
-                            Err(e) => (0..n).map(|_| Err(e.clone())).collect(),
-                        };
+                let shape = request(p.id, &[]);
+                let entry =
+                    Entry { request: request(p.id, &part_items), items: idx.len(), call: call.clone(), part: k };
+                if let Some(entries) = p.session.lanes.join(&shape, entry) {
+                    match self.launch(&p.session, shape, entries, merge) {
+                        Ok(f) => flights.push(f),
+                        Err((shape, slots, e)) => {
+                            self.land(&p.session, shape, slots, Err(e), &call, merge, cut, &mut flights)
+                        }
                     }
                 }
-                learn(&part.session.addr, &answers);
-                settle(split.part(part.bucket), answers);
-            });
+            }
+            self.fly(flights, &call, merge, cut);
+            self.wait_call(&call, Instant::now() + self.timeout * 3, merge, cut);
+            for (p, got) in parts.iter().zip(call.take()) {
+                let idx = split.part(p.bucket);
+                let n = idx.len();
+                let answers = match got {
+                    Some(Ok(resp)) => answer(resp, n),
+                    Some(Err(e)) => (0..n).map(|_| Err(e.clone())).collect(),
+                    None => {
+                        let e = Error::Timeout(format!("master {} did not answer in time", p.session.addr));
+                        (0..n).map(|_| Err(e.clone())).collect()
+                    }
+                };
+                if answers.iter().any(|r| matches!(r, Err(Error::UnknownClient(_)))) {
+                    // The master restarted and forgot us: register again; the items
+                    // are asked again with the new id.
+                    let _ = self.register_session(&p.session, p.id);
+                }
+                learn(&p.session.addr, &answers);
+                settle(idx, answers);
+            }
             match last_error {
+                Some(Error::UnknownClient(_)) if !retry.is_empty() => pending = retry,
                 Some(e) if !retry.is_empty() => {
                     self.wait_for_map(&routes.map, &e);
                     pending = retry;

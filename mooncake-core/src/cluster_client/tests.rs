@@ -64,8 +64,15 @@ impl KeyOwnership for Led {
 
 struct TestMaster {
     master: Master,
-    _server: RpcServer,
+    server: RpcServer,
     addr: String,
+}
+
+impl TestMaster {
+    /// Requests this master answered.
+    fn requests(&self) -> u64 {
+        self.server.stats().requests.load(Ordering::Relaxed)
+    }
 }
 
 fn master(led: Range<u32>) -> TestMaster {
@@ -73,7 +80,7 @@ fn master(led: Range<u32>) -> TestMaster {
     master.set_ownership(Arc::new(Led(led)));
     let server = RpcServer::bind("127.0.0.1:0", master.service().clone()).unwrap();
     let addr = server.local_addr().to_string();
-    TestMaster { master, _server: server, addr }
+    TestMaster { master, server, addr }
 }
 
 /// A map at `version` where the groups of each range are led by the address given
@@ -198,4 +205,42 @@ fn a_leader_that_does_not_answer_times_out_and_the_others_answer() {
         }
     }
     drop(silent);
+}
+
+#[test]
+fn concurrent_batches_to_the_same_masters_are_combined_and_each_gets_its_own_answers() {
+    let (a, b) = (master(0..8), master(8..16));
+    let maps = Arc::new(TestMaps::default());
+    *maps.map.lock() = Some(map(1, &[(0..8, Some(&a.addr)), (8..16, Some(&b.addr))]));
+    let c = client(&maps);
+    c.register_client().unwrap();
+    let (threads, calls) = (16, 40);
+    let requests_before = a.requests() + b.requests();
+    let started = std::time::Instant::now();
+    std::thread::scope(|s| {
+        for t in 0..threads {
+            let c = &c;
+            s.spawn(move || {
+                for n in 0..calls {
+                    // Each thread's own keys, and a different batch size each time.
+                    let keys: Vec<String> = (0..1 + (t * 7 + n) % 97).map(|i| format!("t{t}/c{n}/k{i}")).collect();
+                    let items: Vec<(&str, u32)> = keys.iter().map(|k| (k.as_str(), 1)).collect();
+                    let answers = c.batch_put_end(0, &items);
+                    assert_eq!(answers.len(), items.len());
+                    for ((key, _), r) in items.iter().zip(&answers) {
+                        assert!(
+                            matches!(r, Err(Error::NotFound(m)) if m.starts_with(&format!("{key} "))),
+                            "{key}: {r:?}"
+                        );
+                    }
+                }
+            });
+        }
+    });
+    assert!(started.elapsed() < Duration::from_secs(30), "took {:?}", started.elapsed());
+    // Every call had a part for each master; the masters answered fewer requests.
+    let parts = (threads * calls * 2) as u64;
+    let requests = a.requests() + b.requests() - requests_before;
+    eprintln!("{parts} parts in {requests} requests");
+    assert!(requests < parts, "{parts} parts in {requests} requests: nothing combined");
 }
