@@ -8,8 +8,9 @@
 //!
 //! How: per session, a *lane* per request *shape* (the request with an empty batch:
 //! the call, the caller's id at that master, the other arguments) has at most one
-//! request in flight. A part that finds its lane idle opens it and leads: it sends
-//! itself at once. A part that finds it busy queues. When the answer comes back, the
+//! request in flight. A part that finds its lane idle opens it and leads: once every
+//! part of its call has joined its lane, it goes out with what queued there meanwhile.
+//! A part that finds its lane busy queues. When the answer comes back, the
 //! leader splits it among the parts it carried and, while its own call still waits for
 //! parts of its own, sends what queued meanwhile as the next combined request; once
 //! its call is complete it hands the lane to the call of a queued part, whose thread
@@ -18,20 +19,24 @@
 //! another while holding a request in flight, so no two wait for each other.
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
 use super::sessions::Session;
-use super::ClusterClient;
+use super::{ClusterClient, SESSION_TIMEOUT};
 use crate::error::{Error, Result};
 use crate::rpc::wire::{Request, Response};
 use crate::rpc::Sent;
 
 /// Most parts one combined request carries (the others wait for the next).
 const MAX_PARTS: usize = 64;
-/// Most items one combined request carries, unless its first part alone has more.
+/// Most items one combined request carries, unless its first part alone has more:
+/// with keys of at most `MAX_KEY_LEN` (4 KiB), at most half a frame (64 MiB).
 const MAX_ITEMS: usize = 8192;
+/// A lane whose request has been in flight this long is taken over by the next part
+/// that joins it (its leader died or hangs: its parts time out and are retried).
+const STUCK: Duration = Duration::from_secs(2 * SESSION_TIMEOUT.as_secs());
 
 /// Appends the batch of the second request to the first (same call and shape).
 pub(crate) type Merge<'a> = &'a (dyn Fn(&mut Request, Request) + Sync);
@@ -45,6 +50,8 @@ pub(crate) struct Lanes(Mutex<Vec<Lane>>);
 struct Lane {
     shape: Request,
     queue: Vec<Entry>,
+    /// When its current request was sent.
+    since: Instant,
 }
 
 /// One part of a batch call, not sent yet.
@@ -140,14 +147,34 @@ impl Lanes {
     pub(crate) fn join(&self, shape: &Request, entry: Entry) -> Option<Vec<Entry>> {
         let mut lanes = self.0.lock();
         match lanes.iter_mut().find(|l| l.shape == *shape) {
+            Some(lane) if lane.since.elapsed() > STUCK => {
+                lane.since = Instant::now();
+                lane.queue.push(entry);
+                Some(take_some(&mut lane.queue))
+            }
             Some(lane) => {
                 lane.queue.push(entry);
                 None
             }
             None => {
-                lanes.push(Lane { shape: shape.clone(), queue: Vec::new() });
+                lanes.push(Lane { shape: shape.clone(), queue: Vec::new(), since: Instant::now() });
                 Some(vec![entry])
             }
+        }
+    }
+
+    /// Adds to `entries`, led by the caller on the lane of `shape`, what queued there
+    /// since it opened the lane (within the bounds of one request).
+    pub(crate) fn grab(&self, shape: &Request, entries: &mut Vec<Entry>) {
+        let mut lanes = self.0.lock();
+        if let Some(lane) = lanes.iter_mut().find(|l| l.shape == *shape) {
+            let mut items: usize = entries.iter().map(|e| e.items).sum();
+            let mut n = 0;
+            while n < lane.queue.len() && entries.len() + n < MAX_PARTS && items + lane.queue[n].items <= MAX_ITEMS {
+                items += lane.queue[n].items;
+                n += 1;
+            }
+            entries.extend(lane.queue.drain(..n));
         }
     }
 
@@ -164,6 +191,7 @@ impl Lanes {
         if own.complete() && lanes[i].queue.iter().any(|e| e.call.hand(session, shape)) {
             return None;
         }
+        lanes[i].since = Instant::now();
         Some(take_some(&mut lanes[i].queue))
     }
 
@@ -176,6 +204,7 @@ impl Lanes {
             lanes.swap_remove(i);
             return Vec::new();
         }
+        lanes[i].since = Instant::now();
         take_some(&mut lanes[i].queue)
     }
 }

@@ -283,6 +283,9 @@ impl ClusterClient {
             // read.
             let call = Call::new(parts.len());
             let mut flights = Vec::new();
+            // The lanes this call opened: sent once every part joined its lane, with
+            // what other calls queued on them meanwhile.
+            let mut opened = Vec::new();
             for (k, p) in parts.iter().enumerate() {
                 let idx = split.part(p.bucket);
                 // The whole batch to one leader (one master, or a batch of one group's
@@ -295,12 +298,14 @@ impl ClusterClient {
                 let entry =
                     Entry { request: request(p.id, &part_items), items: idx.len(), call: call.clone(), part: k };
                 if let Some(entries) = p.session.lanes.join(&shape, entry) {
-                    match self.launch(&p.session, shape, entries, merge) {
-                        Ok(f) => flights.push(f),
-                        Err((shape, slots, e)) => {
-                            self.land(&p.session, shape, slots, Err(e), &call, merge, cut, &mut flights)
-                        }
-                    }
+                    opened.push((&p.session, shape, entries));
+                }
+            }
+            for (session, shape, mut entries) in opened {
+                session.lanes.grab(&shape, &mut entries);
+                match self.launch(session, shape, entries, merge) {
+                    Ok(f) => flights.push(f),
+                    Err((shape, slots, e)) => self.land(session, shape, slots, Err(e), &call, merge, cut, &mut flights),
                 }
             }
             self.fly(flights, &call, merge, cut);
