@@ -23,6 +23,8 @@
 mod buffer_registry;
 mod checksum;
 pub mod cluster;
+#[cfg(feature = "etcd")]
+mod cluster_client;
 mod config;
 mod daemon;
 mod error;

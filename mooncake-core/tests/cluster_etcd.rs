@@ -611,3 +611,66 @@ fn unreachable_etcd_and_missing_cluster_are_clear_errors() {
     bad.groups = 3;
     assert!(matches!(ClusterMember::join(bad, Arc::new(Recorder::default())), Err(Error::InvalidArgument(_))));
 }
+
+/// Every WARN or ERROR event of this test binary, as text (fields included), from the
+/// first call on: a global subscriber, as the watcher logs from a thread of its own.
+fn warnings() -> &'static Mutex<Vec<String>> {
+    static LOG: std::sync::OnceLock<&'static Mutex<Vec<String>>> = std::sync::OnceLock::new();
+    LOG.get_or_init(|| {
+        let log: &'static Mutex<Vec<String>> = Box::leak(Box::new(Mutex::new(Vec::new())));
+        tracing::subscriber::set_global_default(Warnings(log)).expect("no other subscriber in this test binary");
+        log
+    })
+}
+
+/// The subscriber of [`warnings`].
+struct Warnings(&'static Mutex<Vec<String>>);
+
+impl tracing::Subscriber for Warnings {
+    fn enabled(&self, metadata: &tracing::Metadata<'_>) -> bool {
+        *metadata.level() <= tracing::Level::WARN
+    }
+    fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+        tracing::span::Id::from_u64(1)
+    }
+    fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+    fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+    fn event(&self, event: &tracing::Event<'_>) {
+        struct Text(String);
+        impl tracing::field::Visit for Text {
+            fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+                self.0.push_str(&format!(" {}={value:?}", field.name()));
+            }
+        }
+        let mut text = Text(format!("{} {}:", event.metadata().level(), event.metadata().target()));
+        event.record(&mut text);
+        self.0.lock().unwrap().push(text.0);
+    }
+    fn enter(&self, _: &tracing::span::Id) {}
+    fn exit(&self, _: &tracing::span::Id) {}
+}
+
+#[test]
+fn an_idle_watch_stays_open_and_a_clean_shutdown_warns_nothing() {
+    let log = warnings();
+    let Some(etcd) = EtcdServer::start() else { return };
+    // A cluster of its own name: the other tests' warnings are not this one's.
+    let mut config = MemberConfig::new(&etcd.address("quiet"), "q.test:1");
+    config.lease_ttl = TTL;
+    config.groups = GROUPS;
+    let member = ClusterMember::join(config, Arc::new(Recorder::default())).expect("join");
+    let id = member.id().to_string();
+    let watcher = SlotMapWatcher::connect(&etcd.address("quiet")).expect("watcher");
+    assert!(wait_until(Duration::from_secs(10), || watcher.map().is_complete()));
+    // Nothing changes: the watch stream is idle. etcd closes a connection that pings
+    // it more often than its --grpc-keepalive-min-time (5 s) allows, after three
+    // such pings: a watcher pinging every 2 s lost its watch (and warned) after
+    // about 8 s.
+    thread::sleep(Duration::from_secs(11));
+    assert!(watcher.map().is_complete());
+    drop(watcher);
+    drop(member);
+    let ours: Vec<String> =
+        log.lock().unwrap().iter().filter(|l| l.contains("cluster=quiet") || l.contains(&id)).cloned().collect();
+    assert!(ours.is_empty(), "warnings: {ours:#?}");
+}

@@ -57,7 +57,8 @@ pub struct SetupArgs {
     pub global_segment_size: u64,
     /// `tcp`, or anything else for shared memory to same-host peers and TCP beyond.
     pub protocol: String,
-    /// `host:port` of the master daemon.
+    /// `host:port` of the master daemon, or `etcd://H:P[,H:P]/CLUSTER` for a cluster
+    /// of masters found through etcd.
     pub master_server_addr: String,
     /// SSD tier directory, when offload is on.
     pub ssd_offload_path: Option<String>,

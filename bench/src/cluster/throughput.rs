@@ -1,6 +1,8 @@
 //! Metadata ops/s of a cluster with 1, 2, ... masters, each master pinned to its own
 //! core, driven by pipelined batch clients: several threads of this process, each
 //! with its own batch calls in flight, through the cluster's router (`Store::master`).
+//! Each row also reports the client's CPU time per object (`client_cpu_us_per_op`):
+//! the router's cost, which must not grow with the number of masters.
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -126,13 +128,16 @@ pub(crate) fn throughput(a: &ThroughputArgs) -> Result<Value, String> {
             let base = counts[0];
             let ops = median_of(n, api, "ops_per_s");
             let per_cpu = median_of(n, api, "ops_per_master_cpu_s");
+            let client_us = median_of(n, api, "client_cpu_us_per_op");
             summary.push(json!({
                 "api": api, "masters": n,
                 "ops_per_s": ops,
                 "ops_per_master_cpu_s": per_cpu,
                 "master_cpu_cores_total": median_of(n, api, "master_cpu_cores_total"),
+                "client_cpu_us_per_op": client_us,
                 "ratio_vs_first": ops / median_of(base, api, "ops_per_s"),
                 "ops_per_master_cpu_s_ratio_vs_first": per_cpu / median_of(base, api, "ops_per_master_cpu_s"),
+                "client_cpu_us_per_op_ratio_vs_first": client_us / median_of(base, api, "client_cpu_us_per_op"),
             }));
         }
     }
@@ -282,14 +287,18 @@ fn phase(
     }
     let ops = items as f64 / wall;
     let master_cpu: f64 = used[..n].iter().sum();
+    // What the client (this process: the router and the RPC client) spends per
+    // object: the figure that must not grow with the number of masters.
+    let client_us_per_op = used[n + 1] * 1e6 / ops.max(1e-9);
     eprintln!(
-        "  {api:<24} {:>10.0} ops/s  p50 {:>7.0} us/batch  masters' CPU {:?} cores (cores busy {:?}), node {:.2}, clients {:.2}",
+        "  {api:<24} {:>10.0} ops/s  p50 {:>7.0} us/batch  masters' CPU {:?} cores (cores busy {:?}), node {:.2}, clients {:.2} ({:.2} us/op)",
         ops,
         hist.value_at_quantile(0.5) as f64 / 1000.0,
         used[..n].iter().map(|c| (c * 100.0).round() / 100.0).collect::<Vec<_>>(),
         core_busy.iter().map(|c| (c * 100.0).round() / 100.0).collect::<Vec<_>>(),
         used[n],
-        used[n + 1]
+        used[n + 1],
+        client_us_per_op
     );
     Ok(json!({
         "api": api, "items": items, "calls": calls, "fail": fail, "wall_s": wall,
@@ -297,7 +306,7 @@ fn phase(
         "batch_p50_us": hist.value_at_quantile(0.5) as f64 / 1000.0,
         "batch_p99_us": hist.value_at_quantile(0.99) as f64 / 1000.0,
         "master_cpu_cores": &used[..n], "master_cpu_cores_total": master_cpu, "host_core_busy": core_busy,
-        "node_cpu_cores": used[n], "client_cpu_cores": used[n + 1],
+        "node_cpu_cores": used[n], "client_cpu_cores": used[n + 1], "client_cpu_us_per_op": client_us_per_op,
         "load_average_after": load_average(),
         "ops_per_master_cpu_s": ops / master_cpu.max(1e-9),
     }))

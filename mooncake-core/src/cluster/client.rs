@@ -9,6 +9,10 @@ use etcd_client::{Certificate, Client, ConnectOptions, Identity, TlsOptions};
 use super::credentials::{EtcdCredentials, EtcdTls};
 use crate::error::{Error, Result};
 
+/// Shortest interval between two HTTP/2 pings to etcd: twice etcd's default
+/// `--grpc-keepalive-min-time`, so that no delay of a ping makes two look too close.
+const MIN_PING_INTERVAL: Duration = Duration::from_secs(10);
+
 /// An etcd client with the request deadline of its owner.
 #[derive(Clone)]
 pub(crate) struct Etcd {
@@ -34,8 +38,12 @@ impl Etcd {
         let joined = urls.join(",");
         let mut options = ConnectOptions::new()
             .with_connect_timeout(timeout)
-            // HTTP/2 pings find a dead or frozen etcd on an idle watch stream.
-            .with_keep_alive(timeout, timeout)
+            // HTTP/2 pings find a dead or frozen etcd on an idle watch stream, but no
+            // more often than etcd allows: it answers a client that pings an idle
+            // connection more often than every `--grpc-keepalive-min-time` (5 s) with
+            // GOAWAY "too_many_pings" and closes the connection, which broke every
+            // idle watch after about 8 s.
+            .with_keep_alive(timeout.max(MIN_PING_INTERVAL), timeout)
             .with_keep_alive_while_idle(true);
         if let Some((user, password)) = &credentials.user {
             options = options.with_user(user.clone(), password.clone());

@@ -8,10 +8,12 @@
 //! - the wire messages, one `Request` and one `Response` variant per call
 //!   (`rpc::wire`),
 //! - the RPC client (`rpc::client`) and the server's dispatch over `&dyn MasterApi`
-//!   (`rpc::server`).
+//!   (`rpc::server`),
+//! - the cluster client's routing of each call (`cluster_client::api`), from the
+//!   entry's route tag.
 //!
-//! Adding a call means one line in the table and one method on `MasterService` (see
-//! ARCHITECTURE.md, "How to add a master call").
+//! Adding a call means one entry in the table (with its route) and one method on
+//! `MasterService` (see ARCHITECTURE.md, "How to add a master call").
 
 use mooncake_alloc::SegmentId;
 use mooncake_transfer::RemoteRegion;
@@ -27,7 +29,7 @@ use crate::master::types::{
 /// The table of master calls. Calls `$m! { .. }` with one entry per call:
 ///
 /// ```text
-/// Variant => fn name(arg: ArgType => WireType, ..) -> ReturnType;
+/// Variant => fn name(arg: ArgType => WireType, ..) -> ReturnType => route;
 /// ```
 ///
 /// `ArgType` is what the trait method takes, `WireType` what the request carries
@@ -35,19 +37,36 @@ use crate::master::types::{
 /// `ReturnType` is `Result<T>` for a call on one object, `Vec<Result<T>>` for a batch
 /// call (one result per item, in order). The order of the entries is the order of the
 /// variants on the wire: append, never reorder.
+///
+/// `route` says where the client of a cluster of masters (`cluster_client`) sends the
+/// call; everything else ignores it:
+/// - `by_key(arg)`: to the leader of the slot group of the key `arg`;
+/// - `by_keys(arg)`: a batch call whose items `arg` (keys, or tuples that start with
+///   the key) are split by their groups' leaders, one part to each, the answers put
+///   back in item order;
+/// - `by_segment(arg)`: to the master that handed out the segment `arg`;
+/// - `to_all(fold)`: to every master, the answers folded with `fold` (`add`, `merge`,
+///   `each`: see `cluster_client::api`);
+/// - `refused`: not a call a client of a cluster makes (it fails);
+/// - `own`: a hand-written method of the cluster client (`cluster_client::own`).
+///
+/// `by_key` and `by_keys` may add `+ hook`: a method of the cluster client shown each
+/// answer with the master that gave it (`note_placed`, `note_homes`). An argument named
+/// `client` is the caller's id; a cluster client sends the id the master it goes to
+/// knows it by.
 macro_rules! master_calls {
     ($m:ident) => {
         $m! {
             /// Registers a new client.
-            RegisterClient => fn register_client() -> Result<ClientRegistration>;
+            RegisterClient => fn register_client() -> Result<ClientRegistration> => own;
             /// Records a heartbeat; returns changes to the client's segments since the last one.
-            Heartbeat => fn heartbeat(client: ClientId => ClientId) -> Result<Vec<RecordUpdate>>;
+            Heartbeat => fn heartbeat(client: ClientId => ClientId) -> Result<Vec<RecordUpdate>> => own;
             /// Mounts a segment served at `region`.
             MountSegment => fn mount_segment(
                 client: ClientId => ClientId,
                 region: &RemoteRegion => WireRegion,
                 capacity: u64 => u64
-            ) -> Result<SegmentId>;
+            ) -> Result<SegmentId> => refused;
             /// Mounts a segment that already holds objects (after a master restart); records
             /// that conflict with what the master knows are skipped. Returns the segment id
             /// and how many records were taken.
@@ -56,110 +75,110 @@ macro_rules! master_calls {
                 region: &RemoteRegion => WireRegion,
                 capacity: u64 => u64,
                 records: &[ObjectRecord] => Vec<ObjectRecord>
-            ) -> Result<(SegmentId, usize)>;
+            ) -> Result<(SegmentId, usize)> => refused;
             /// Unmounts a segment; returns how many objects lost their last replica.
             UnmountSegment => fn unmount_segment(client: ClientId => ClientId, segment: SegmentId => SegmentId)
-                -> Result<usize>;
+                -> Result<usize> => by_segment(segment);
             /// Unregisters a client and unmounts its segments; returns how many objects went.
-            UnregisterClient => fn unregister_client(client: ClientId => ClientId) -> Result<usize>;
+            UnregisterClient => fn unregister_client(client: ClientId => ClientId) -> Result<usize> => own;
             /// Where a segment is served.
-            SegmentInfo => fn segment_info(segment: SegmentId => SegmentId) -> Result<SegmentInfo>;
+            SegmentInfo => fn segment_info(segment: SegmentId => SegmentId) -> Result<SegmentInfo> => by_segment(segment);
             /// Phase one of a put: reserves replicas to write.
             PutStart => fn put_start(
                 client: ClientId => ClientId,
                 key: &str => String,
                 len: u64 => u64,
                 cfg: &ReplicateConfig => ReplicateConfig
-            ) -> Result<Vec<MemoryReplica>>;
+            ) -> Result<Vec<MemoryReplica>> => by_key(key) + note_placed;
             /// Phase two of a put: the object becomes readable.
-            PutEnd => fn put_end(client: ClientId => ClientId, key: &str => String, checksum: u32 => u32) -> Result<()>;
+            PutEnd => fn put_end(client: ClientId => ClientId, key: &str => String, checksum: u32 => u32) -> Result<()> => by_key(key);
             /// Abandons a put.
-            PutRevoke => fn put_revoke(client: ClientId => ClientId, key: &str => String) -> Result<()>;
+            PutRevoke => fn put_revoke(client: ClientId => ClientId, key: &str => String) -> Result<()> => by_key(key);
             /// Complete replicas and a read lease.
-            GetReplicaList => fn get_replica_list(key: &str => String) -> Result<ReplicaList>;
+            GetReplicaList => fn get_replica_list(key: &str => String) -> Result<ReplicaList> => by_key(key) + note_homes;
             /// Whether a complete object exists.
-            Exists => fn exists(key: &str => String) -> Result<bool>;
+            Exists => fn exists(key: &str => String) -> Result<bool> => by_key(key);
             /// Removes an object.
-            Remove => fn remove(key: &str => String) -> Result<()>;
+            Remove => fn remove(key: &str => String) -> Result<()> => by_key(key);
             /// Removes every unleased object; returns how many.
-            RemoveAll => fn remove_all() -> Result<usize>;
+            RemoveAll => fn remove_all() -> Result<usize> => to_all(add);
             /// Starts a replica-count change.
             ReplicateStart => fn replicate_start(
                 client: ClientId => ClientId,
                 key: &str => String,
                 cfg: &ReplicateConfig => ReplicateConfig
-            ) -> Result<ReplicatePlan>;
+            ) -> Result<ReplicatePlan> => by_key(key);
             /// Ends a replica-count change.
             ReplicateEnd => fn replicate_end(
                 key: &str => String,
                 targets: &[MemoryReplica] => Vec<MemoryReplica>,
                 ok: bool => bool
-            ) -> Result<()>;
+            ) -> Result<()> => by_key(key);
             /// Batch [`put_start`](crate::MasterApi::put_start).
             BatchPutStart => fn batch_put_start(
                 client: ClientId => ClientId,
                 items: &[(&str, u64)] => Vec<(String, u64)>,
                 cfg: &ReplicateConfig => ReplicateConfig
-            ) -> Vec<Result<Vec<MemoryReplica>>>;
+            ) -> Vec<Result<Vec<MemoryReplica>>> => by_keys(items) + note_placed;
             /// Batch [`put_end`](crate::MasterApi::put_end).
             BatchPutEnd => fn batch_put_end(client: ClientId => ClientId, items: &[(&str, u32)] => Vec<(String, u32)>)
-                -> Vec<Result<()>>;
+                -> Vec<Result<()>> => by_keys(items);
             /// Batch [`put_revoke`](crate::MasterApi::put_revoke).
             BatchPutRevoke => fn batch_put_revoke(client: ClientId => ClientId, keys: &[&str] => Vec<String>)
-                -> Vec<Result<()>>;
+                -> Vec<Result<()>> => by_keys(keys);
             /// Batch [`get_replica_list`](crate::MasterApi::get_replica_list).
-            BatchGetReplicaList => fn batch_get_replica_list(keys: &[&str] => Vec<String>) -> Vec<Result<ReplicaList>>;
+            BatchGetReplicaList => fn batch_get_replica_list(keys: &[&str] => Vec<String>) -> Vec<Result<ReplicaList>> => by_keys(keys) + note_homes;
             /// Batch [`exists`](crate::MasterApi::exists).
-            BatchExists => fn batch_exists(keys: &[&str] => Vec<String>) -> Vec<Result<bool>>;
+            BatchExists => fn batch_exists(keys: &[&str] => Vec<String>) -> Vec<Result<bool>> => by_keys(keys);
             /// Batch [`remove`](crate::MasterApi::remove).
-            BatchRemove => fn batch_remove(keys: &[&str] => Vec<String>) -> Vec<Result<()>>;
+            BatchRemove => fn batch_remove(keys: &[&str] => Vec<String>) -> Vec<Result<()>> => by_keys(keys);
             /// Keys of complete objects, at most `limit`.
-            ListKeys => fn list_keys(limit: usize => usize) -> Result<Vec<String>>;
+            ListKeys => fn list_keys(limit: usize => usize) -> Result<Vec<String>> => own;
             /// Counters and gauges.
-            Stats => fn stats() -> Result<MasterStats>;
+            Stats => fn stats() -> Result<MasterStats> => to_all(merge);
             /// What the master knows of one object, without granting a lease.
-            ObjectInfo => fn object_info(key: &str => String) -> Result<ObjectInfo>;
+            ObjectInfo => fn object_info(key: &str => String) -> Result<ObjectInfo> => by_key(key);
             /// Records the SSD capacity of a client.
             ReportSsdCapacity => fn report_ssd_capacity(client: ClientId => ClientId, capacity_bytes: i64 => i64)
-                -> Result<()>;
+                -> Result<()> => to_all(each);
             /// Objects (key, length, checksum) a client wrote to its SSD: `LocalDisk` replicas.
             NotifyOffloadSuccess => fn notify_offload_success(
                 client: ClientId => ClientId,
                 items: &[(&str, u64, u32)] => Vec<(String, u64, u32)>
-            ) -> Vec<Result<()>>;
+            ) -> Vec<Result<()>> => by_keys(items);
             /// Objects a client evicted from its SSD: their `LocalDisk` replicas go.
             BatchEvictDiskReplica => fn batch_evict_disk_replica(client: ClientId => ClientId, keys: &[&str] => Vec<String>)
-                -> Vec<Result<()>>;
+                -> Vec<Result<()>> => by_keys(keys);
             /// A client offers an SSD tier, serving loads at `endpoint`.
             MountSsd => fn mount_ssd(client: ClientId => ClientId, capacity_bytes: i64 => i64, endpoint: &str => String)
-                -> Result<()>;
+                -> Result<()> => to_all(each);
             /// Where a client serves loads from its SSD.
-            DiskEndpoint => fn disk_endpoint(client: ClientId => ClientId) -> Result<String>;
+            DiskEndpoint => fn disk_endpoint(client: ClientId => ClientId) -> Result<String> => own;
             /// What a client's SSD tier should offload (at most `max` objects) and discard.
-            OffloadHeartbeat => fn offload_heartbeat(client: ClientId => ClientId, max: usize => usize) -> Result<OffloadPlan>;
+            OffloadHeartbeat => fn offload_heartbeat(client: ClientId => ClientId, max: usize => usize) -> Result<OffloadPlan> => own;
             /// Objects (key, length, checksum, generation) a client found on its SSD at start.
             RegisterDiskObjects => fn register_disk_objects(
                 client: ClientId => ClientId,
                 items: &[(&str, u64, u32, u64)] => Vec<(String, u64, u32, u64)>
-            ) -> Vec<Result<()>>;
+            ) -> Vec<Result<()>> => by_keys(items);
             /// A storage node serves the records of its segments at `endpoint`: the master
             /// tells it of every change there before acknowledging the put or remove. `key`
             /// (32 random bytes of the node) is what the master proves on that endpoint
             /// (see [`record_endpoint_secret`](crate::rpc::record_endpoint_secret)): only
             /// a master the node mounted on may change its records.
             MountRecords => fn mount_records(client: ClientId => ClientId, endpoint: &str => String, key: &[u8] => Vec<u8>)
-                -> Result<()>;
+                -> Result<()> => own;
             /// A client could not write to `segment`: the master places nothing there until
             /// its owner heartbeats again.
             ReportSegmentFailure => fn report_segment_failure(
                 client: ClientId => ClientId,
                 segment: SegmentId => SegmentId
-            ) -> Result<()>;
+            ) -> Result<()> => by_segment(segment);
             /// Ends one read lease of each key: the reads those replica lists served are over.
-            ReleaseLeases => fn release_leases(keys: &[&str] => Vec<String>) -> Result<()>;
+            ReleaseLeases => fn release_leases(keys: &[&str] => Vec<String>) -> Result<()> => own;
             /// Asks a client's SSD tier to offload what its segments hold that is on no SSD;
             /// returns how many such objects are left.
-            FlushSegments => fn flush_segments(client: ClientId => ClientId) -> Result<u64>;
+            FlushSegments => fn flush_segments(client: ClientId => ClientId) -> Result<u64> => to_all(add);
             /// Cluster mode: mounts one extent of a node's memory for slot group `group`,
             /// with the objects it holds (records of other groups' keys are skipped).
             /// Fails with `Moved` unless this master leads the group. Returns the
@@ -170,7 +189,7 @@ macro_rules! master_calls {
                 capacity: u64 => u64,
                 group: u32 => u32,
                 records: &[ObjectRecord] => Vec<ObjectRecord>
-            ) -> Result<(SegmentId, usize)>;
+            ) -> Result<(SegmentId, usize)> => refused;
             /// Phase one of an upsert: reserves new replicas to write while the object's
             /// current ones stay readable (an absent key is put).
             UpsertStart => fn upsert_start(
@@ -178,33 +197,33 @@ macro_rules! master_calls {
                 key: &str => String,
                 len: u64 => u64,
                 cfg: &ReplicateConfig => ReplicateConfig
-            ) -> Result<Vec<MemoryReplica>>;
+            ) -> Result<Vec<MemoryReplica>> => by_key(key) + note_placed;
             /// Phase two of an upsert: the new replicas replace the old ones in one step.
             UpsertEnd => fn upsert_end(client: ClientId => ClientId, key: &str => String, checksum: u32 => u32)
-                -> Result<()>;
+                -> Result<()> => by_key(key);
             /// Abandons an upsert; the object keeps its value.
-            UpsertRevoke => fn upsert_revoke(client: ClientId => ClientId, key: &str => String) -> Result<()>;
+            UpsertRevoke => fn upsert_revoke(client: ClientId => ClientId, key: &str => String) -> Result<()> => by_key(key);
             /// Batch [`upsert_start`](crate::MasterApi::upsert_start).
             BatchUpsertStart => fn batch_upsert_start(
                 client: ClientId => ClientId,
                 items: &[(&str, u64)] => Vec<(String, u64)>,
                 cfg: &ReplicateConfig => ReplicateConfig
-            ) -> Vec<Result<Vec<MemoryReplica>>>;
+            ) -> Vec<Result<Vec<MemoryReplica>>> => by_keys(items) + note_placed;
             /// Batch [`upsert_end`](crate::MasterApi::upsert_end).
             BatchUpsertEnd => fn batch_upsert_end(
                 client: ClientId => ClientId,
                 items: &[(&str, u32)] => Vec<(String, u32)>
-            ) -> Vec<Result<()>>;
+            ) -> Vec<Result<()>> => by_keys(items);
             /// Batch [`upsert_revoke`](crate::MasterApi::upsert_revoke).
             BatchUpsertRevoke => fn batch_upsert_revoke(client: ClientId => ClientId, keys: &[&str] => Vec<String>)
-                -> Vec<Result<()>>;
+                -> Vec<Result<()>> => by_keys(keys);
             /// Drops the complete memory replicas that the segment named `segment`
             /// (`endpoint#n`) holds of each key; an object left with no replica at all
             /// is removed. `NotFound` when the object is absent or has no replica there,
             /// `HasLease` while a read or a copy holds it, `InvalidArgument` when no
             /// such segment is mounted.
             BatchDropReplicas => fn batch_drop_replicas(keys: &[&str] => Vec<String>, segment: &str => String)
-                -> Vec<Result<()>>;
+                -> Vec<Result<()>> => by_keys(keys);
         }
     };
 }
@@ -212,7 +231,8 @@ pub(crate) use master_calls;
 
 /// Declares the trait and its in-process implementation from the table.
 macro_rules! define_master_api {
-    ($( $(#[$doc:meta])* $variant:ident => fn $name:ident ( $( $arg:ident : $ty:ty => $wire:ty ),* $(,)? ) -> $ret:ty; )*) => {
+    ($( $(#[$doc:meta])* $variant:ident => fn $name:ident ( $( $arg:ident : $ty:ty => $wire:ty ),* $(,)? ) -> $ret:ty
+        => $route:ident $( ( $($how:tt)* ) )? $( + $hook:ident )?; )*) => {
         /// The calls a client makes to a master. [`MasterService`] implements it in
         /// process; `rpc::RpcMasterClient` implements it over TCP. Every per-key call has a
         /// batch form (one round trip over the network).

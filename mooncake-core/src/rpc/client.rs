@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use mooncake_alloc::SegmentId;
-use mooncake_transfer::{decode_refusal, read_up_to, RemoteRegion, SharedSecret, AUTH_MAGIC, REFUSE_MAGIC};
+use mooncake_transfer::{decode_refusal, RemoteRegion, SharedSecret, AUTH_MAGIC, REFUSE_MAGIC};
 use parking_lot::Mutex;
 
 use crate::config::ReplicateConfig;
@@ -27,7 +27,7 @@ use crate::rpc::wire::{
 /// a fresh one (so a restarted master is picked up).
 pub struct RpcMasterClient {
     addr: String,
-    pool: Mutex<Vec<TcpStream>>,
+    pool: Mutex<Vec<Conn>>,
     next_id: AtomicU64,
     timeout: Duration,
     secret: Option<SharedSecret>,
@@ -61,7 +61,7 @@ impl RpcMasterClient {
         Ok(client)
     }
 
-    fn dial(&self) -> Result<TcpStream> {
+    fn dial(&self) -> Result<Conn> {
         let unavailable = |e: std::io::Error| Error::MasterUnavailable(format!("{}: {e}", self.addr));
         let addrs: Vec<_> = self.addr.to_socket_addrs().map_err(unavailable)?.collect();
         let mut last = Error::MasterUnavailable(format!("{}: no address", self.addr));
@@ -73,7 +73,7 @@ impl RpcMasterClient {
                     if let Some(secret) = &self.secret {
                         secret.prove(&s, &self.addr).map_err(Error::MasterUnavailable)?;
                     }
-                    return Ok(s);
+                    return Ok(Conn { stream: s, buf: Vec::new() });
                 }
                 Err(e) => last = unavailable(e),
             }
@@ -81,62 +81,160 @@ impl RpcMasterClient {
         Err(last)
     }
 
-    fn round_trip(&self, conn: &mut TcpStream, frame: &[u8], id: u64) -> std::io::Result<Response> {
-        conn.write_all(frame)?;
-        // Read with the socket's own errors, so that a timeout stays a timeout.
-        let mut header = [0u8; HEADER_LEN];
-        let n = read_up_to(&*conn, &mut header)?;
-        if n >= 4 && header[..4] == AUTH_MAGIC {
+    /// Reads the answer to request `id` from `conn`, with the socket's own errors (so
+    /// that a timeout stays a timeout). One `read` takes the whole answer when it
+    /// fits the connection's buffer (the header and the body together).
+    fn read_answer(conn: &mut Conn, id: u64) -> std::io::Result<Response> {
+        let Conn { stream, buf } = conn;
+        if buf.len() < READ_BUFFER {
+            buf.resize(READ_BUFFER, 0);
+        }
+        let mut n = 0;
+        while n < HEADER_LEN {
+            match stream.read(&mut buf[n..]) {
+                Ok(0) => break,
+                Ok(k) => n += k,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        if n >= 4 && buf[..4] == AUTH_MAGIC {
             return Err(refused("the master requires a shared secret and this client has none: set MOONCAKE_SECRET"));
         }
-        if n >= 4 && header[..4] == REFUSE_MAGIC {
+        if n >= 4 && buf[..4] == REFUSE_MAGIC {
             return Err(refused(&format!(
                 "the master refused the connection: {}",
-                decode_refusal(&header[4..n], &*conn)
+                decode_refusal(&buf[4..n], &*stream)
             )));
         }
         if n < HEADER_LEN {
             return Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "the master closed the connection"));
         }
-        let h = FrameHeader::decode(&header, DEFAULT_MAX_FRAME)
+        let h = FrameHeader::decode(&buf[..HEADER_LEN], DEFAULT_MAX_FRAME)
             .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
-        let mut body = vec![0u8; h.body_len as usize];
-        conn.read_exact(&mut body)?;
+        let end = HEADER_LEN + h.body_len as usize;
+        if n > end {
+            // One request in flight per connection: nothing may follow its answer.
+            return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, "bytes after the answer"));
+        }
+        if end > buf.len() {
+            // A large answer (bounded by `DEFAULT_MAX_FRAME`); the buffer shrinks back
+            // when the connection returns to the pool.
+            buf.resize(end, 0);
+        }
+        stream.read_exact(&mut buf[n..end])?;
         if h.kind != FrameKind::Response || h.request_id != id {
             return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, "response does not match the request"));
         }
-        decode_body(&body).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))
+        decode_body(&buf[HEADER_LEN..end]).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))
     }
 
-    /// Sends `req` and returns the master's response.
+    /// Sends `req` and returns the master's response: [`send`](Self::send), then
+    /// [`receive`](Self::receive).
     pub fn call(&self, req: &Request) -> Result<Response> {
+        self.receive(self.send(req)?)
+    }
+
+    /// The first half of a call: writes `req` on a connection of the pool (a fresh one
+    /// if none is idle) and returns without waiting for the answer, so that a caller
+    /// may have requests to several masters in flight from one thread. A connection
+    /// that breaks while writing is dropped and the request written on a fresh one,
+    /// once.
+    pub(crate) fn send(&self, req: &Request) -> Result<Sent> {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let frame = encode_frame(FrameKind::Request, id, req).map_err(|e| Error::InvalidArgument(e.to_string()))?;
-        for attempt in 0..2 {
+        self.write(frame, id, false)
+    }
+
+    /// Writes `frame` (request `id`) on a pooled or fresh connection; `retried`: this
+    /// request already lost a connection (no second retry).
+    fn write(&self, frame: Vec<u8>, id: u64, mut retried: bool) -> Result<Sent> {
+        loop {
             let mut conn = match self.pool.lock().pop() {
                 Some(c) => c,
                 None => self.dial()?,
             };
-            match self.round_trip(&mut conn, &frame, id) {
-                Ok(resp) => {
-                    self.pool.lock().push(conn);
-                    return Ok(resp);
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => {
-                    return Err(Error::MasterUnavailable(format!("{}: {e}", self.addr)));
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock || e.kind() == std::io::ErrorKind::TimedOut => {
-                    return Err(Error::Timeout(format!("master {} did not answer: {e}", self.addr)));
-                }
-                Err(e) if attempt == 0 => {
-                    tracing::debug!(error = %e, "master connection broken; retrying on a new one");
-                    // Every pooled connection may be stale (the master restarted).
-                    self.pool.lock().clear();
-                }
-                Err(e) => return Err(Error::MasterUnavailable(format!("{}: {e}", self.addr))),
+            match conn.stream.write_all(&frame) {
+                Ok(()) => return Ok(Sent { conn, frame, id, retried }),
+                Err(e) => match self.classify(e, retried) {
+                    Some(e) => return Err(e),
+                    None => retried = true,
+                },
             }
         }
-        Err(Error::MasterUnavailable(self.addr.clone()))
+    }
+
+    /// The second half of a call: waits for the answer to `sent` (up to the client's
+    /// timeout) and puts its connection back in the pool. A connection that broke (the
+    /// master restarted since it was opened) is dropped and the request sent again on
+    /// a fresh one, once.
+    pub(crate) fn receive(&self, sent: Sent) -> Result<Response> {
+        let Sent { mut conn, frame, id, retried } = sent;
+        match Self::read_answer(&mut conn, id) {
+            Ok(resp) => {
+                if conn.buf.len() > READ_BUFFER {
+                    conn.buf = Vec::new();
+                }
+                self.pool.lock().push(conn);
+                Ok(resp)
+            }
+            Err(e) => match self.classify(e, retried) {
+                Some(e) => Err(e),
+                None => {
+                    drop(conn);
+                    self.receive(self.write(frame, id, true)?)
+                }
+            },
+        }
+    }
+
+    /// What an I/O error on a connection means: `Some(error)` to report, or `None` to
+    /// try again on a fresh connection (the first time a connection broke).
+    fn classify(&self, e: std::io::Error, retried: bool) -> Option<Error> {
+        match e.kind() {
+            std::io::ErrorKind::PermissionDenied => Some(Error::MasterUnavailable(format!("{}: {e}", self.addr))),
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
+                Some(Error::Timeout(format!("master {} did not answer: {e}", self.addr)))
+            }
+            _ if !retried => {
+                tracing::debug!(error = %e, "master connection broken; retrying on a new one");
+                // Every pooled connection may be stale (the master restarted).
+                self.pool.lock().clear();
+                None
+            }
+            _ => Some(Error::MasterUnavailable(format!("{}: {e}", self.addr))),
+        }
+    }
+}
+
+/// Bytes a connection reads at once: most answers whole, in one system call.
+const READ_BUFFER: usize = 16 << 10;
+
+/// A connection to the master and the buffer its answers are read into.
+#[derive(Debug)]
+struct Conn {
+    stream: TcpStream,
+    buf: Vec<u8>,
+}
+
+/// A request written to a master and not answered yet: the first half of a call
+/// ([`RpcMasterClient::send`]), finished by [`RpcMasterClient::receive`]. Dropping it
+/// closes its connection (the answer is never read).
+#[derive(Debug)]
+pub(crate) struct Sent {
+    conn: Conn,
+    /// The whole frame, to send again if the connection turns out to be broken.
+    frame: Vec<u8>,
+    id: u64,
+    retried: bool,
+}
+
+#[cfg(feature = "etcd")]
+impl Sent {
+    /// The connection the answer comes on (to wait for several with `poll`).
+    pub(crate) fn fd(&self) -> std::os::fd::RawFd {
+        use std::os::fd::AsRawFd;
+        self.conn.stream.as_raw_fd()
     }
 }
 
@@ -199,7 +297,7 @@ fn refused(message: &str) -> std::io::Error {
 }
 
 /// The error a response that is not the expected one stands for.
-fn unexpected(r: Response) -> Error {
+pub(crate) fn unexpected(r: Response) -> Error {
     match r {
         Response::Error(e) => e.into(),
         other => Error::MasterUnavailable(format!("unexpected response {other:?}")),
@@ -208,7 +306,8 @@ fn unexpected(r: Response) -> Error {
 
 /// Implements every master call as one round trip.
 macro_rules! impl_rpc_client {
-    ($( $(#[$doc:meta])* $variant:ident => fn $name:ident ( $( $arg:ident : $ty:ty => $wire:ty ),* $(,)? ) -> $ret:ty; )*) => {
+    ($( $(#[$doc:meta])* $variant:ident => fn $name:ident ( $( $arg:ident : $ty:ty => $wire:ty ),* $(,)? ) -> $ret:ty
+        => $route:ident $( ( $($how:tt)* ) )? $( + $hook:ident )?; )*) => {
         impl MasterApi for RpcMasterClient {
             $(
                 fn $name(&self $(, $arg: $ty)*) -> $ret {

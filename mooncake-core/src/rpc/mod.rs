@@ -8,7 +8,7 @@
 
 pub mod budget;
 mod client;
-mod convert;
+pub(crate) mod convert;
 mod event_loop;
 mod frame_reader;
 mod handler;
@@ -20,6 +20,8 @@ pub mod wire;
 pub(crate) mod wire;
 
 pub use client::{record_endpoint_secret, RpcMasterClient, RpcRecordConnector, RECORD_KEY_LEN};
+#[cfg(feature = "etcd")]
+pub(crate) use client::{unexpected, Sent};
 #[cfg(feature = "fuzzing")]
 pub use frame_reader::{FrameReader, RawFrame};
 #[cfg(feature = "fuzzing")]

@@ -129,7 +129,8 @@ impl RpcHandler for MasterService {
 #[cfg_attr(feature = "fuzzing", visibility::make(pub))]
 pub(crate) fn dispatch(api: &dyn MasterApi, request: Request) -> Response {
     macro_rules! dispatch_calls {
-        ($( $(#[$doc:meta])* $variant:ident => fn $name:ident ( $( $arg:ident : $ty:ty => $wire:ty ),* $(,)? ) -> $ret:ty; )*) => {
+        ($( $(#[$doc:meta])* $variant:ident => fn $name:ident ( $( $arg:ident : $ty:ty => $wire:ty ),* $(,)? ) -> $ret:ty
+        => $route:ident $( ( $($how:tt)* ) )? $( + $hook:ident )?; )*) => {
             match request {
                 $(
                     Request::$variant { $($arg),* } => {

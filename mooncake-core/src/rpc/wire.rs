@@ -140,8 +140,13 @@ impl FrameHeader {
 
 /// Encodes a message into a whole frame (header + body).
 pub fn encode_frame<T: Serialize>(kind: FrameKind, request_id: u64, msg: &T) -> Result<Vec<u8>, FrameError> {
-    let mut out = vec![0u8; HEADER_LEN];
-    let mut out = postcard::to_extend(msg, std::mem::take(&mut out)).map_err(|e| FrameError::Body(e.to_string()))?;
+    // Measured first, so that the frame is allocated once rather than grown a doubling
+    // at a time (a batch's frame would be copied a dozen times).
+    let size = postcard::serialize_with_flavor(msg, postcard::ser_flavors::Size::default())
+        .map_err(|e| FrameError::Body(e.to_string()))?;
+    let mut out = Vec::with_capacity(HEADER_LEN + size);
+    out.resize(HEADER_LEN, 0);
+    let mut out = postcard::to_extend(msg, out).map_err(|e| FrameError::Body(e.to_string()))?;
     let body_len = u32::try_from(out.len() - HEADER_LEN)
         .map_err(|_| FrameError::TooLarge { len: u32::MAX, max: DEFAULT_MAX_FRAME })?;
     out[..HEADER_LEN].copy_from_slice(&FrameHeader { kind, request_id, body_len }.encode());
@@ -202,7 +207,8 @@ pub fn decode_request_frame(bytes: &[u8], max_body: u32) -> Result<(FrameHeader,
 
 /// Declares the wire messages from the table of master calls.
 macro_rules! define_wire_messages {
-    ($( $(#[$doc:meta])* $variant:ident => fn $name:ident ( $( $arg:ident : $ty:ty => $wire:ty ),* $(,)? ) -> $ret:ty; )*) => {
+    ($( $(#[$doc:meta])* $variant:ident => fn $name:ident ( $( $arg:ident : $ty:ty => $wire:ty ),* $(,)? ) -> $ret:ty
+        => $route:ident $( ( $($how:tt)* ) )? $( + $hook:ident )?; )*) => {
         /// A request: one variant per [`MasterApi`](crate::master::MasterApi) call (fields
         /// as the call's arguments), then the calls a storage node answers.
         #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

@@ -4,12 +4,12 @@
 mod buffers;
 mod builder;
 #[cfg(feature = "etcd")]
-mod cluster;
+pub(crate) mod cluster;
 mod device;
 mod file_storage;
 mod leases;
 mod parts;
-mod records;
+pub(crate) mod records;
 mod replica_cache;
 mod stats;
 mod upsert;
@@ -153,7 +153,7 @@ struct StoreInner {
 
 /// Cluster mode's part of a store (see `cluster`).
 #[cfg(feature = "etcd")]
-type ClusterPart = Option<(Arc<cluster::ClusterClient>, Option<RpcServer>)>;
+type ClusterPart = Option<(Arc<crate::cluster_client::ClusterClient>, Option<RpcServer>)>;
 /// Without the `etcd` feature there is no cluster mode.
 #[cfg(not(feature = "etcd"))]
 type ClusterPart = Option<std::convert::Infallible>;
@@ -510,7 +510,7 @@ impl Store {
     /// (`etcd://...`) and gives our memory as one extent per slot group.
     #[cfg(feature = "etcd")]
     fn connect_cluster(mut cfg: StoreBuilder, address: &str, engine: TransferEngine) -> Result<Store> {
-        let cluster = cluster::ClusterClient::connect(
+        let cluster = crate::cluster_client::ClusterClient::connect(
             address,
             &cfg.etcd_credentials,
             cfg.secret.as_deref(),

@@ -28,7 +28,7 @@ pub(crate) trait DiskDiscard: Send + Sync {
 
 /// The objects of this node's segment, by offset.
 #[derive(Default)]
-pub(super) struct SegmentRecords {
+pub(crate) struct SegmentRecords {
     /// The segment the records describe (its id changes when it is re-mounted).
     segment: AtomicU64,
     records: Mutex<Applied>,
@@ -105,19 +105,19 @@ impl Applied {
 
 impl SegmentRecords {
     /// Records of `segment` (none yet).
-    pub(super) fn new(segment: SegmentId) -> Self {
+    pub(crate) fn new(segment: SegmentId) -> Self {
         Self { segment: AtomicU64::new(segment), ..Default::default() }
     }
 
     /// `Discard` updates delete files of `disk` from now on.
-    pub(super) fn set_disk(&self, disk: Arc<dyn DiskDiscard>) {
+    pub(crate) fn set_disk(&self, disk: Arc<dyn DiskDiscard>) {
         let _ = self.disk.set(disk);
     }
 
     /// Applies the master's changes; changes to other segments, and changes of an
     /// offset older than the last one applied there, are ignored. Files of removed
     /// objects are deleted from the SSD tier before this returns.
-    pub(super) fn apply(&self, updates: Vec<RecordUpdate>) {
+    pub(crate) fn apply(&self, updates: Vec<RecordUpdate>) {
         let own = self.segment.load(Ordering::Acquire);
         let mut discards = Vec::new();
         {
@@ -141,7 +141,7 @@ impl SegmentRecords {
     /// were out of reach): the records to offer it, all of them, for the master takes
     /// back only those no removal or put superseded meanwhile (their generations tell).
     /// Records for which `intact` is false (their bytes changed) are dropped.
-    pub(super) fn rejoin(&self, intact: impl Fn(&ObjectRecord) -> bool) -> Vec<ObjectRecord> {
+    pub(crate) fn rejoin(&self, intact: impl Fn(&ObjectRecord) -> bool) -> Vec<ObjectRecord> {
         let mut applied = self.records.lock();
         // The segment is mounted under a new id: changes of the old one (late copies)
         // are ignored by their segment, and the new master's generations start afresh
@@ -155,12 +155,12 @@ impl SegmentRecords {
     }
 
     /// The segment was mounted again under a new id.
-    pub(super) fn set_segment(&self, segment: SegmentId) {
+    pub(crate) fn set_segment(&self, segment: SegmentId) {
         self.segment.store(segment, Ordering::Release);
     }
 
     /// A copy of the records.
-    pub(super) fn snapshot(&self) -> Vec<ObjectRecord> {
+    pub(crate) fn snapshot(&self) -> Vec<ObjectRecord> {
         self.records.lock().records().cloned().collect()
     }
 }
