@@ -11,6 +11,7 @@ import socket
 import subprocess
 import tempfile
 import time
+import urllib.request
 
 import pytest
 
@@ -52,32 +53,36 @@ def start_etcd(data):
             stderr=subprocess.DEVNULL,
         )
         host_port = client.removeprefix("http://")
-        host, port = host_port.split(":")
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 20
         while proc.poll() is None and time.monotonic() < deadline:
+            # Listening is not serving: etcd is ready once it reports itself healthy.
             try:
-                socket.create_connection((host, int(port)), timeout=0.2).close()
-                return proc, host_port
+                with urllib.request.urlopen(f"{client}/health", timeout=1) as r:
+                    if b'"true"' in r.read():
+                        return proc, host_port
             except OSError:
-                time.sleep(0.05)
+                pass
+            time.sleep(0.05)
         stop(proc)  # a port was taken (it exited) or it hung: try other ports
     pytest.fail("etcd did not start")
 
 
-def start_master(etcd, cluster):
-    """A cluster member; returns (process, its RPC address)."""
-    proc = subprocess.Popen(
-        [master_binary(), "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"]
-        + ["--etcd", f"http://{etcd}", "--cluster-id", cluster]
-        + ["--lease-ttl-ms", str(LEASE_MS), "--client-ttl-ms", str(CLIENT_TTL_MS)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
+def start_master(etcd, cluster, log):
+    """A cluster member logging to the file `log`; returns (process, its RPC address)."""
+    with open(log, "w") as err:
+        proc = subprocess.Popen(
+            [master_binary(), "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"]
+            + ["--etcd", f"http://{etcd}", "--cluster-id", cluster]
+            + ["--lease-ttl-ms", str(LEASE_MS), "--client-ttl-ms", str(CLIENT_TTL_MS)],
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+        )
     line = proc.stdout.readline()
     if "listening on" not in line:
         stop(proc)
-        pytest.fail(f"mooncake-master did not start: {line!r}")
+        with open(log) as err:
+            pytest.fail(f"mooncake-master did not start: {line!r}\n{err.read()[-2000:]}")
     return proc, line.split()[-1]
 
 
@@ -117,7 +122,7 @@ def cluster():
         procs.append(etcd)
         name = f"py{os.getpid()}"
         address = f"etcd://{endpoint}/{name}"
-        masters = [start_master(endpoint, name) for _ in range(2)]
+        masters = [start_master(endpoint, name, os.path.join(data, f"master{i}.log")) for i in range(2)]
         procs.extend(p for p, _ in masters)
         wait_led_by(address, [a for _, a in masters])
         node = subprocess.Popen(
