@@ -24,7 +24,7 @@ use mooncake_core::rpc::wire::{encode_frame, FrameKind, Request, HEADER_LEN};
 use mooncake_core::rpc::RpcMasterClient;
 use mooncake_core::{MasterApi, ObjectRecord, Protocol, RecordSink, RecordUpdate, Store};
 use mooncake_transfer::SharedSecret;
-use support::{bin, payload, unique_dir, wait_until, Proc};
+use support::{bin, payload, unique_dir, wait_until, Etcd, Proc};
 
 const SECRET: &str = "trust-auth secret";
 
@@ -343,60 +343,19 @@ fn a_flood_of_unauthenticated_sockets_is_bounded_and_quiet() {
 // ---------------------------------------------------------------------------------
 // With a real etcd.
 
-/// A real etcd on free loopback ports, killed when dropped.
-struct Etcd {
-    child: Child,
-    dir: std::path::PathBuf,
-    port: u16,
+/// What these tests do with their etcd beyond starting it (`support::Etcd`).
+trait EtcdClient {
+    /// Waits until etcd answers a read (it listens before it has elected itself).
+    fn wait_ready(&self);
+    /// Runs `f` with an etcd client (authenticated as `user`, if given).
+    fn with_client<T>(
+        &self,
+        user: Option<(&str, &str)>,
+        f: impl AsyncFnOnce(&mut etcd_client::Client) -> Result<T, etcd_client::Error>,
+    ) -> T;
 }
 
-impl Etcd {
-    /// None (test skipped) when etcd is not installed and CI is not set.
-    fn start() -> Option<Etcd> {
-        let installed =
-            std::env::var_os("PATH").is_some_and(|p| std::env::split_paths(&p).any(|d| d.join("etcd").exists()));
-        if !installed {
-            assert!(std::env::var_os("CI").is_none(), "etcd is not installed (apt-get install etcd-server)");
-            eprintln!("SKIPPED: etcd is not installed");
-            return None;
-        }
-        let dir = unique_dir("etcd-auth");
-        let free = || TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        for _ in 0..10 {
-            let (port, peer_port) = (free(), free());
-            let (client, peer) = (format!("http://127.0.0.1:{port}"), format!("http://127.0.0.1:{peer_port}"));
-            let mut child = Command::new("etcd")
-                .args(["--name", "t", "--data-dir", dir.join("data").to_str().unwrap()])
-                .args(["--listen-client-urls", &client, "--advertise-client-urls", &client])
-                .args(["--listen-peer-urls", &peer, "--initial-advertise-peer-urls", &peer])
-                .args(["--initial-cluster", &format!("t={peer}")])
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .expect("cannot start etcd");
-            let start = Instant::now();
-            while start.elapsed() < Duration::from_secs(10) {
-                if let Ok(Some(_)) = child.try_wait() {
-                    break;
-                }
-                if TcpStream::connect(("127.0.0.1", port)).is_ok() {
-                    let etcd = Etcd { child, dir, port };
-                    etcd.wait_ready();
-                    return Some(etcd);
-                }
-                thread::sleep(Duration::from_millis(50));
-            }
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-        panic!("etcd did not start");
-    }
-
-    fn endpoint(&self) -> String {
-        format!("http://127.0.0.1:{}", self.port)
-    }
-
-    /// Waits until etcd answers a read (it listens before it has elected itself).
+impl EtcdClient for Etcd {
     fn wait_ready(&self) {
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
         rt.block_on(async {
@@ -415,7 +374,6 @@ impl Etcd {
         })
     }
 
-    /// Runs `f` with an etcd client (authenticated as `user`, if given).
     fn with_client<T>(
         &self,
         user: Option<(&str, &str)>,
@@ -427,14 +385,6 @@ impl Etcd {
             let mut c = etcd_client::Client::connect([self.endpoint()], options).await.unwrap();
             f(&mut c).await.unwrap()
         })
-    }
-}
-
-impl Drop for Etcd {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 
@@ -471,6 +421,7 @@ fn run_for(program: &Path, args: &[&str], env: &[(&str, &str)], limit: Duration)
 #[test]
 fn etcd_authentication_admits_members_with_the_password_only() {
     let Some(etcd) = Etcd::start() else { return };
+    etcd.wait_ready();
     etcd.with_client(None, async |c| {
         c.role_add("root").await?;
         c.user_add("root", "etcd-pw", None).await?;
@@ -482,7 +433,7 @@ fn etcd_authentication_admits_members_with_the_password_only() {
     let master_args =
         ["--listen", "127.0.0.1:0", "--etcd", &endpoint, "--cluster-id", &cluster, "--lease-ttl-ms", "2000"];
     let with_user: Vec<&str> = master_args.iter().copied().chain(["--etcd-user", "root"]).collect();
-    let address = format!("etcd://127.0.0.1:{}/{cluster}", etcd.port);
+    let address = format!("etcd://127.0.0.1:{}/{cluster}", etcd.client_port);
     let node_args = ["serve", "--master", &address, "--listen", "127.0.0.1:0", "--segment-size", "16MiB"];
     let node_with_user: Vec<&str> = node_args.iter().copied().chain(["--etcd-user", "root"]).collect();
 
@@ -538,6 +489,7 @@ fn etcd_authentication_admits_members_with_the_password_only() {
 #[test]
 fn a_rewritten_leader_key_leads_clients_to_a_relay_they_refuse() {
     let Some(etcd) = Etcd::start() else { return };
+    etcd.wait_ready();
     let env = [("MOONCAKE_SECRET", SECRET)];
     let cluster = format!("relay{}", std::process::id());
     let endpoint = etcd.endpoint();
@@ -548,7 +500,7 @@ fn a_rewritten_leader_key_leads_clients_to_a_relay_they_refuse() {
         &env,
     );
     let addr = m.first_line.rsplit(' ').next().unwrap().to_owned();
-    let address = format!("etcd://127.0.0.1:{}/{cluster}", etcd.port);
+    let address = format!("etcd://127.0.0.1:{}/{cluster}", etcd.client_port);
     let parsed: mooncake_core::cluster::EtcdAddress = address.parse().unwrap();
     wait_until(Duration::from_secs(10), || {
         mooncake_core::cluster::SlotMapWatcher::connect(&parsed).is_ok_and(|w| {

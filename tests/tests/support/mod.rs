@@ -458,3 +458,91 @@ pub fn rpc_exchange(
     }
     decode_body(&body).map_err(|e| format!("answer does not decode: {e}"))
 }
+
+/// A real etcd on loopback, killed when dropped.
+pub struct Etcd {
+    child: Child,
+    dir: PathBuf,
+    /// Its client port on 127.0.0.1.
+    pub client_port: u16,
+    peer_port: u16,
+}
+
+impl Etcd {
+    /// Starts etcd on free loopback ports (tries again on other ports if it cannot
+    /// bind). None (test skipped) when etcd is not installed and CI is not set.
+    pub fn start() -> Option<Etcd> {
+        if which("etcd").is_none() {
+            assert!(std::env::var_os("CI").is_none(), "etcd is not installed (apt-get install etcd-server)");
+            eprintln!("SKIPPED: etcd is not installed");
+            return None;
+        }
+        let dir = unique_dir("etcd");
+        for _ in 0..10 {
+            let (client_port, peer_port) = (free_port(), free_port());
+            if let Some(child) = Self::spawn(&dir, client_port, peer_port) {
+                return Some(Etcd { child, dir, client_port, peer_port });
+            }
+        }
+        panic!("etcd did not start");
+    }
+
+    fn spawn(dir: &Path, client_port: u16, peer_port: u16) -> Option<Child> {
+        let client = format!("http://127.0.0.1:{client_port}");
+        let peer = format!("http://127.0.0.1:{peer_port}");
+        let mut child = Command::new("etcd")
+            .args(["--name", "t", "--data-dir", dir.join("data").to_str().unwrap()])
+            .args(["--listen-client-urls", &client, "--advertise-client-urls", &client])
+            .args(["--listen-peer-urls", &peer, "--initial-advertise-peer-urls", &peer])
+            .args(["--initial-cluster", &format!("t={peer}")])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("cannot start etcd");
+        let start = Instant::now();
+        while start.elapsed() < Duration::from_secs(10) {
+            if let Ok(Some(_)) = child.try_wait() {
+                return None;
+            }
+            if std::net::TcpStream::connect(("127.0.0.1", client_port)).is_ok() {
+                return Some(child);
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+        None
+    }
+
+    /// `http://127.0.0.1:PORT`, what `--etcd` and etcd clients take.
+    pub fn endpoint(&self) -> String {
+        format!("http://127.0.0.1:{}", self.client_port)
+    }
+
+    /// Stops it (`kill -9`).
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Starts it again on the same ports and data.
+    pub fn restart(&mut self) {
+        self.child = Self::spawn(&self.dir, self.client_port, self.peer_port).expect("etcd did not restart");
+    }
+}
+
+impl Drop for Etcd {
+    fn drop(&mut self) {
+        self.kill();
+        // Its write-ahead log preallocates tens of MiB.
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn which(program: &str) -> Option<PathBuf> {
+    std::env::var_os("PATH")?.to_str()?.split(':').map(|d| Path::new(d).join(program)).find(|p| p.exists())
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
