@@ -106,6 +106,14 @@ fn check_str(s: &str) -> Result<(), StoreError> {
     CString::new(s).map(drop).map_err(StoreError::from)
 }
 
+/// A raw batch's shape: one buffer and one size per key, every key valid.
+fn check_batch(keys: &[&str], buffers: &[*mut c_void], sizes: &[usize]) -> Result<(), StoreError> {
+    if buffers.len() != keys.len() || sizes.len() != keys.len() {
+        return Err(StoreError::InvalidArgument("keys, buffers, and sizes must have the same length".into()));
+    }
+    keys.iter().try_for_each(|key| check_str(key))
+}
+
 /// A put's result as the reference reports it: a key that exists is a success
 /// (objects are immutable; the first value stays).
 fn put_result(res: mooncake_core::Result<()>) -> Result<(), StoreError> {
@@ -507,12 +515,7 @@ impl MooncakeStore {
         if count == 0 {
             return Ok(Vec::new());
         }
-        if buffers.len() != count || sizes.len() != count {
-            return Err(StoreError::InvalidArgument("keys, buffers, and sizes must have the same length".into()));
-        }
-        for key in keys {
-            check_str(key)?;
-        }
+        check_batch(keys, buffers, sizes)?;
         config.map(ReplicateConfig::check).transpose()?;
         let Ok(s) = self.session() else { return Ok(vec![codes::INVALID_PARAMS; count]) };
         let cfg = core_config(config, &s);
@@ -563,12 +566,7 @@ impl MooncakeStore {
         if count == 0 {
             return Ok(Vec::new());
         }
-        if buffers.len() != count || sizes.len() != count {
-            return Err(StoreError::InvalidArgument("keys, buffers, and sizes must have the same length".into()));
-        }
-        for key in keys {
-            check_str(key)?;
-        }
+        check_batch(keys, buffers, sizes)?;
         let Ok(s) = self.session() else { return Ok(vec![codes::INVALID_PARAMS.into(); count]) };
         let mut results = vec![0i64; count];
         let mut wanted = Vec::with_capacity(count);
