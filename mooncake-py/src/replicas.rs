@@ -230,7 +230,7 @@ pub fn describe(s: &Session, keys: &[&str]) -> Vec<Option<Vec<ReplicaDescriptor>
 /// left with none is removed). Leased objects are skipped, as in the reference.
 pub fn clear(s: &Session, keys: &[&str], segment_name: &str) -> Vec<String> {
     let results = if segment_name.is_empty() {
-        s.store.master().batch_remove(keys)
+        s.store.batch_remove(keys)
     } else {
         match s.resolve_segment(segment_name) {
             Some(name) => s.store.drop_replicas(keys, &name),

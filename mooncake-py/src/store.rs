@@ -174,7 +174,7 @@ impl MooncakeDistributedStore {
         let mut pending: Vec<usize> = (0..keys.len()).collect();
         loop {
             let batch: Vec<&str> = pending.iter().map(|&i| keys[i]).collect();
-            let answers = store.master().batch_remove(&batch);
+            let answers = store.batch_remove(&batch);
             let mut leased = Vec::new();
             for (&i, res) in pending.iter().zip(&answers) {
                 results[i] = status(res);

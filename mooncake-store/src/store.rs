@@ -424,7 +424,7 @@ impl MooncakeStore {
         let deadline = lease_deadline(force);
         let mut removed = 0;
         loop {
-            let answers = s.store.master().batch_remove(&pending);
+            let answers = s.store.batch_remove(&pending);
             removed += answers.iter().filter(|r| r.is_ok()).count() as i64;
             let leased: Vec<&str> = pending
                 .iter()

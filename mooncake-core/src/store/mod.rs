@@ -800,6 +800,20 @@ impl Store {
         res
     }
 
+    /// Removes each key with one master round trip (per master in a cluster), as
+    /// [`remove`](Self::remove) does one: `HasLease` while a reader's lease is live,
+    /// `NotFound` if absent; this client's cached replica lists of the keys are
+    /// forgotten. One result per key, in order.
+    pub fn batch_remove(&self, keys: &[&str]) -> Vec<Result<()>> {
+        let results = self.inner.master.batch_remove(keys);
+        for key in keys {
+            self.inner.cache.forget(key);
+        }
+        let removed = results.iter().filter(|r| r.is_ok()).count();
+        StoreCounters::inc(&self.inner.counters.removes, removed as u64);
+        results
+    }
+
     /// Removes every object without a live lease; returns how many were removed.
     pub fn remove_all(&self) -> Result<usize> {
         let n = self.inner.master.remove_all()?;
