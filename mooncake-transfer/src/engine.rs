@@ -10,7 +10,8 @@ use crate::rdma::{RdmaConfig, RdmaProvider, RdmaResponder, RdmaTransport};
 use crate::region::{RegionId, RegisteredRegion, RemoteRegion};
 use crate::registry::{self, RegionRegistry};
 use crate::transport::{
-    LocalTransport, ShmTransport, TcpServer, TcpTransport, TransferRequest, TransferStats, Transport, LOCAL_SCHEME,
+    Capabilities, LocalTransport, ShmTransport, TcpServer, TcpTransport, TransferRequest, TransferStats, Transport,
+    LOCAL_SCHEME,
 };
 
 static NEXT_LOCAL_ENGINE: AtomicU64 = AtomicU64::new(1);
@@ -308,6 +309,12 @@ impl TransferEngine {
     /// Name of the transport that serves `endpoint` (`local`, `shm`, `tcp`, …).
     pub fn transport_name(&self, endpoint: &str) -> Option<&str> {
         self.transport_for(endpoint).map(|t| t.name())
+    }
+
+    /// What the transport that serves `endpoint` can do (see [`Capabilities`]);
+    /// `None` if no transport of this engine reaches it.
+    pub fn capabilities(&self, endpoint: &str) -> Option<Capabilities> {
+        self.transport_for(endpoint).map(|t| t.capabilities(endpoint))
     }
 
     fn transport_for(&self, endpoint: &str) -> Option<&Arc<dyn Transport>> {

@@ -83,7 +83,7 @@ impl ReplicaCache {
     /// Keeps `list`, answered to a call sent at `asked_at`, for its lease period.
     /// Lists with memory replicas only (a disk-only object is read from its owner's
     /// SSD, which checks it anyway).
-    pub(super) fn insert(&self, key: &str, list: ReplicaList, asked_at: Instant) {
+    pub(super) fn insert(&self, key: &str, list: Arc<ReplicaList>, asked_at: Instant) {
         if self.capacity == 0 || list.lease <= MIN_LEFT || list.replicas.is_empty() {
             return;
         }
@@ -104,7 +104,7 @@ impl ReplicaCache {
                 }
             }
         }
-        lists.insert(key.into(), (Arc::new(list), until));
+        lists.insert(key.into(), (list, until));
     }
 
     /// Forgets `key` (a read through its list failed, or it was removed or
@@ -153,19 +153,25 @@ mod tests {
         }
     }
 
+    impl ReplicaCache {
+        fn insert_owned(&self, key: &str, list: ReplicaList, asked_at: Instant) {
+            self.insert(key, Arc::new(list), asked_at)
+        }
+    }
+
     #[test]
     fn lists_live_exactly_as_long_as_their_lease() {
         let c = ReplicaCache::new(8);
         let asked = Instant::now();
-        c.insert("a", list(60, 1), asked);
-        c.insert("disk-only", list(60, 0), asked);
-        c.insert("no-lease", list(0, 1), asked);
+        c.insert_owned("a", list(60, 1), asked);
+        c.insert_owned("disk-only", list(60, 0), asked);
+        c.insert_owned("no-lease", list(0, 1), asked);
         assert!(c.get("a").is_some());
         assert!(c.get("disk-only").is_none(), "disk replicas are not lease-protected");
         assert!(c.get("no-lease").is_none());
         std::thread::sleep(Duration::from_millis(60));
         assert!(c.get("a").is_none(), "expired with its lease");
-        c.insert("b", list(1000, 1), Instant::now());
+        c.insert_owned("b", list(1000, 1), Instant::now());
         c.forget("b");
         assert!(c.get("b").is_none());
     }
@@ -177,10 +183,10 @@ mod tests {
         std::thread::sleep(Duration::from_millis(1));
         // A remove or upsert of this client lands while the get is under way.
         c.forget("k");
-        c.insert("k", list(1000, 1), asked);
+        c.insert_owned("k", list(1000, 1), asked);
         assert!(c.get("k").is_none(), "a list older than the forget was kept");
         // A list asked for after the forget is kept.
-        c.insert("k", list(1000, 1), Instant::now());
+        c.insert_owned("k", list(1000, 1), Instant::now());
         assert!(c.get("k").is_some());
     }
 
@@ -188,12 +194,12 @@ mod tests {
     fn capacity_is_a_bound_and_zero_disables() {
         let c = ReplicaCache::new(4);
         for i in 0..20 {
-            c.insert(&format!("k{i}"), list(10_000, 1), Instant::now());
+            c.insert_owned(&format!("k{i}"), list(10_000, 1), Instant::now());
         }
         assert!(c.lists.lock().len() <= 4);
         assert!(c.get("k19").is_some(), "the newest is kept");
         let off = ReplicaCache::new(0);
-        off.insert("k", list(10_000, 1), Instant::now());
+        off.insert_owned("k", list(10_000, 1), Instant::now());
         assert!(off.get("k").is_none());
     }
 }

@@ -18,7 +18,7 @@ use crate::error::{Result, TransferError};
 use crate::frame::{FrameOp, FrameStatus};
 use crate::handshake::ControlChannel;
 use crate::region::RemoteRegion;
-use crate::transport::{TcpTransport, TransferOp, TransferRequest, Transport, TransportStats};
+use crate::transport::{Capabilities, TcpTransport, TransferOp, TransferRequest, Transport, TransportStats};
 
 /// Longest a peer that could not be reached is left alone before the next try.
 const MAX_COOLDOWN: Duration = Duration::from_secs(5);
@@ -758,6 +758,16 @@ fn numa_node_of(addr: u64) -> Option<u32> {
 impl Transport for RdmaTransport {
     fn name(&self) -> &str {
         "rdma"
+    }
+
+    fn capabilities(&self, endpoint: &str) -> Capabilities {
+        if self.falls_back_to_tcp(endpoint) {
+            // Served by the TCP transport inside: its capabilities.
+            return self.tcp.capabilities(endpoint);
+        }
+        // One-sided READ/WRITE do not sum; a peer not connected yet is tried over
+        // RDMA first.
+        Capabilities { maps_peer_memory: false, sums_in_flight: false, moves_device_memory: true }
     }
 
     fn stats(&self) -> Option<&TransportStats> {

@@ -1,6 +1,6 @@
 //! The `Local` transport: peers in the same process, reached by `memcpy`.
 
-use super::{copy_with_region, TransferRequest, Transport};
+use super::{copy_with_region, Capabilities, TransferRequest, Transport};
 use crate::error::Result;
 use crate::registry;
 
@@ -15,6 +15,10 @@ pub struct LocalTransport;
 impl Transport for LocalTransport {
     fn name(&self) -> &str {
         "local"
+    }
+
+    fn capabilities(&self, _endpoint: &str) -> Capabilities {
+        Capabilities { maps_peer_memory: true, sums_in_flight: true, moves_device_memory: false }
     }
 
     fn can_reach(&self, endpoint: &str) -> bool {

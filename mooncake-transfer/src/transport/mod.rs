@@ -184,11 +184,36 @@ pub trait Transport: Send + Sync {
     /// one result per request, in order.
     fn transfer(&self, requests: &mut [TransferRequest<'_>]) -> Vec<Result<()>>;
 
+    /// What this transport can do for requests to `endpoint` beyond moving bytes;
+    /// callers choose how to use it from this, never from its name. The default
+    /// claims nothing (a caller then sums the bytes itself and stages device memory).
+    fn capabilities(&self, endpoint: &str) -> Capabilities {
+        let _ = endpoint;
+        Capabilities::default()
+    }
+
     /// Byte and error counters, for transports that keep them (reported by
     /// [`TransferEngine::stats`](crate::TransferEngine::stats)).
     fn stats(&self) -> Option<&TransportStats> {
         None
     }
+}
+
+/// What a [`Transport`] can do for requests to one endpoint, besides moving bytes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Capabilities {
+    /// The calling thread moves the bytes itself, copying through a mapping of the
+    /// peer's memory (`local`, `shm`): a checksum asked for is taken piece by piece
+    /// on that thread, which for a large object is slower than one parallel sum
+    /// afterwards.
+    pub maps_peer_memory: bool,
+    /// A request asked for its checksum ([`TransferRequest::with_checksum`]) gets
+    /// it, taken as the bytes move (on the lane that moves them, for `tcp`).
+    pub sums_in_flight: bool,
+    /// Device memory moves to and from this peer directly
+    /// ([`RdmaTransport::transfer_device`](crate::RdmaTransport::transfer_device)),
+    /// with no host copy.
+    pub moves_device_memory: bool,
 }
 
 /// Counters of a transport (bytes it moved itself: a transport that hands a request

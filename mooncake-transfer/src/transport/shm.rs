@@ -8,7 +8,7 @@ use std::sync::Arc;
 use parking_lot::RwLock;
 
 use super::tcp::TcpTransport;
-use super::{copy_with_region, TransferOp, TransferRequest, Transport, TransportStats};
+use super::{copy_with_region, Capabilities, TransferOp, TransferRequest, Transport, TransportStats};
 use crate::auth::SharedSecret;
 use crate::error::{Result, TransferError};
 use crate::handshake::{self, host_id};
@@ -140,6 +140,10 @@ impl ShmTransport {
 impl Transport for ShmTransport {
     fn name(&self) -> &str {
         "shm"
+    }
+
+    fn capabilities(&self, _endpoint: &str) -> Capabilities {
+        Capabilities { maps_peer_memory: true, sums_in_flight: true, moves_device_memory: false }
     }
 
     fn stats(&self) -> Option<&TransportStats> {

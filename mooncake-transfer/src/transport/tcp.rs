@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
-use super::{TransferOp, TransferRequest, Transport, TransportStats};
+use super::{Capabilities, TransferOp, TransferRequest, Transport, TransportStats};
 use crate::auth::{admits_peer, decode_refusal, encode_refusal, read_up_to, SharedSecret, PROTECTED_MODE_REFUSAL};
 use crate::error::{Result, TransferError};
 use crate::frame::{
@@ -615,6 +615,10 @@ fn windows<'c, 'a>(chunks: &'c mut [Chunk<'a>]) -> impl Iterator<Item = &'c mut 
 impl Transport for TcpTransport {
     fn name(&self) -> &str {
         "tcp"
+    }
+
+    fn capabilities(&self, _endpoint: &str) -> Capabilities {
+        Capabilities { maps_peer_memory: false, sums_in_flight: true, moves_device_memory: false }
     }
 
     fn stats(&self) -> Option<&TransportStats> {

@@ -9,10 +9,10 @@
 use mooncake_gpu::{DeviceMemory, GpuError};
 use mooncake_transfer::TransferError;
 
-use super::staging::room_after;
-use crate::config::{check_value_len, ReplicateConfig};
+use crate::config::ReplicateConfig;
 use crate::error::{Error, Result};
-use crate::store::stats::StoreCounters;
+use crate::store::read::{Dest, Got};
+use crate::store::write::{Source, WriteItem, WriteMode};
 use crate::store::Store;
 
 impl From<GpuError> for Error {
@@ -32,10 +32,11 @@ impl Store {
     /// memory; the call returns when the bytes are in device memory, verified
     /// against the object's checksum.
     ///
-    /// Over RDMA, with memory the NICs can register (a dma-buf export), the
-    /// replica is READ straight into device memory; otherwise the bytes are read
-    /// into a pinned staging buffer and copied to the device with an
-    /// asynchronous DMA ([`StoreStats`](crate::StoreStats) counts which).
+    /// A replica whose transport moves device memory (RDMA, with memory the NICs
+    /// can register: a dma-buf export) is READ straight into device memory;
+    /// otherwise the bytes are read into a pinned staging buffer and copied to
+    /// the device with an asynchronous DMA ([`StoreStats`](crate::StoreStats)
+    /// counts which).
     ///
     /// Errors: `NotFound`; `BufferTooSmall` if the object is larger than
     /// `dst.len() - offset` (nothing is copied); `InvalidArgument` if `offset`
@@ -57,21 +58,15 @@ impl Store {
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn get_into_device(&self, key: &str, dst: &dyn DeviceMemory, offset: u64) -> Result<usize> {
-        let room = room_after(dst, offset)?;
-        if let Some(direct) = self.direct(dst) {
-            return self.get_direct(key, dst, offset, room, &direct);
-        }
-        let n = self.get_staged(key, dst, offset, room)?;
-        StoreCounters::inc(&self.inner.counters.device_staged_bytes, n as u64);
-        Ok(n)
+        self.batch_get_into_device(&[(key, offset)], dst).pop().unwrap_or_else(|| Err(Error::NotFound(key.to_owned())))
     }
 
     /// Stores `len` bytes of device memory `src` at byte `offset` under
     /// `key`, with the builder's default replication (like [`put`](Self::put)):
-    /// over RDMA, with memory the NICs can register, WRITEs every replica
-    /// straight from device memory; otherwise copies device -> pinned staging
-    /// with an asynchronous DMA and puts the staged bytes. `InvalidArgument` if
-    /// the range is outside `src` or empty.
+    /// every replica whose transport moves device memory is WRITTEN straight
+    /// from it; the others from a pinned copy (device -> pinned with an
+    /// asynchronous DMA). `InvalidArgument` if the range is outside `src` or
+    /// empty.
     pub fn put_from_device(&self, key: &str, src: &dyn DeviceMemory, offset: u64, len: u64) -> Result<()> {
         self.put_from_device_with(key, src, offset, len, &self.inner.replicate)
     }
@@ -85,52 +80,32 @@ impl Store {
         len: u64,
         cfg: &ReplicateConfig,
     ) -> Result<()> {
-        check_value_len(len)?;
-        src.check_range(offset, len)?;
-        if let Some(direct) = self.direct(src) {
-            return self.put_direct(key, src, offset, len, cfg, &direct);
-        }
-        self.put_staged(key, src, offset, len, cfg)?;
-        StoreCounters::inc(&self.inner.counters.device_staged_bytes, len);
-        Ok(())
+        self.batch_put_from_device(&[(key, offset, len)], src, cfg).pop().unwrap_or(Ok(()))
     }
 
     /// Reads many objects into device memory `dst`, each `(key, offset)` at
-    /// its own offset; one result (object length) per item, in order. Staged,
-    /// two staging buffers alternate, so the DMA of one object runs while the
-    /// next is read from the store; direct (as
-    /// [`get_into_device`](Self::get_into_device)), each object is READ into
-    /// device memory in turn.
+    /// its own offset, with one master round trip and one transfer batch (as
+    /// [`get_into_device`](Self::get_into_device) for each); one result (object
+    /// length) per item, in order.
     pub fn batch_get_into_device(&self, items: &[(&str, u64)], dst: &dyn DeviceMemory) -> Vec<Result<usize>> {
-        if self.direct(dst).is_some() {
-            return items.iter().map(|&(key, offset)| self.get_into_device(key, dst, offset)).collect();
-        }
-        let results = self.batch_get_staged(items, dst);
-        let staged: usize = results.iter().flatten().sum();
-        StoreCounters::inc(&self.inner.counters.device_staged_bytes, staged as u64);
-        results
+        let items = items.iter().map(|&(key, offset)| (key, Dest::Device { mem: dst, offset })).collect();
+        self.inner.read(items, None).into_iter().map(|r| r.map(|g: Got| g.len())).collect()
     }
 
     /// Stores many device ranges, each `(key, offset, len)` of `src`, with
-    /// `cfg`'s replication; one result per item, in order. Staged, the DMA of
-    /// the next range overlaps the `put` of the current one; direct (as
-    /// [`put_from_device`](Self::put_from_device)), each range is written from
-    /// device memory in turn.
+    /// `cfg`'s replication, with one master round trip per phase (as
+    /// [`put_from_device`](Self::put_from_device) for each); one result per
+    /// item, in order.
     pub fn batch_put_from_device(
         &self,
         items: &[(&str, u64, u64)],
         src: &dyn DeviceMemory,
         cfg: &ReplicateConfig,
     ) -> Vec<Result<()>> {
-        if self.direct(src).is_some() {
-            return items
-                .iter()
-                .map(|&(key, offset, len)| self.put_from_device_with(key, src, offset, len, cfg))
-                .collect();
-        }
-        let results = self.batch_put_staged(items, src, cfg);
-        let staged: u64 = items.iter().zip(&results).filter(|(_, r)| r.is_ok()).map(|(&(_, _, len), _)| len).sum();
-        StoreCounters::inc(&self.inner.counters.device_staged_bytes, staged);
-        results
+        let items: Vec<WriteItem<'_>> = items
+            .iter()
+            .map(|&(key, offset, len)| WriteItem { key, source: Source::Device { mem: src, offset, len } })
+            .collect();
+        self.inner.write(&items, cfg, WriteMode::Put)
     }
 }

@@ -1,0 +1,640 @@
+//! The read engine: every get form (single, batch, parts, owned buffers, device)
+//! is an adapter over [`StoreInner::read`].
+//!
+//! A call runs in rounds. The first takes each key's replica list from the replica
+//! cache or, for the others, from the master (one round trip for all). Each round
+//! then reads every pending object from its next replica in read order (this
+//! client's own segment, then memory mapped from this process or host, then the
+//! network, then the object's disk replica): device memory straight from replicas
+//! whose transport moves it, everything else in one transfer batch, disk replicas
+//! in one batch per disk. Each object's crc32c is checked (taken in flight where
+//! the transport sums, else on several cores); an object that fails its checksum
+//! or its transfer goes on to its next replica in the next round. An object whose
+//! replicas all failed asks the master again (its list may be stale: memory freed
+//! and reused, a segment gone), up to [`CHECKSUM_RETRIES`] times. Read leases go
+//! back once the object's list is done with.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use bytes::Bytes;
+use mooncake_gpu::{DeviceMemory, PooledBuffer};
+use mooncake_transfer::{TransferError, TransferRequest, WorkOp};
+
+use super::buffers;
+use super::device::{move_device, room_after, staging, DeviceMove, Direct, Uploads};
+use super::routes::Route;
+use super::stats::StoreCounters;
+use super::write::summed;
+use super::StoreInner;
+use crate::config::check_key;
+use crate::error::{Error, Result};
+use crate::master::{ClientId, MemoryReplica, ReplicaList};
+
+/// How many times a get re-asks the master after every replica failed its checksum
+/// or its transfer (the list was stale).
+const CHECKSUM_RETRIES: usize = 3;
+
+/// Where an object read goes.
+pub(super) enum Dest<'a> {
+    /// A buffer the engine takes from the pool and hands out (`get`).
+    Owned,
+    /// The caller's host buffers, filled in order.
+    Host(Vec<&'a mut [u8]>),
+    /// Device memory from `offset` on.
+    Device { mem: &'a dyn DeviceMemory, offset: u64 },
+}
+
+/// What reading one object gave.
+pub(super) enum Got {
+    /// The object's length (it is in the caller's buffers).
+    Len(usize),
+    /// The object, in a buffer of the engine's.
+    Owned(Bytes),
+}
+
+impl Got {
+    pub(super) fn len(&self) -> usize {
+        match self {
+            Got::Len(n) => *n,
+            Got::Owned(b) => b.len(),
+        }
+    }
+}
+
+/// Where an object's replica list came from.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum ListFrom {
+    /// The replica cache: no lease; on failure, forgotten and asked again.
+    Cache,
+    /// The master, at this moment: its lease is ours to give back.
+    Master(Instant),
+    /// The caller (a replica copy): read as given, never asked again.
+    Given,
+}
+
+/// A host buffer the engine reads into for a destination that is not the
+/// caller's host memory.
+enum Scratch {
+    None,
+    Owned(Vec<u8>),
+    Pinned(PooledBuffer<'static>),
+}
+
+/// One object of a call, as read so far.
+struct Reading<'a> {
+    key: &'a str,
+    dest: Dest<'a>,
+    list: Option<(Arc<ReplicaList>, ListFrom)>,
+    /// The replicas in read order, with their routes.
+    order: Vec<(MemoryReplica, Result<Arc<Route>>)>,
+    next: usize,
+    disk_tried: bool,
+    asked: usize,
+    last_err: Option<Error>,
+    done: Option<Result<usize>>,
+    scratch: Scratch,
+    /// The registration of a device destination with the NICs.
+    direct: Option<usize>,
+    /// Whether the object went to device memory straight from its replica.
+    moved_direct: bool,
+}
+
+/// What a round does for one object.
+#[derive(Clone, Copy)]
+enum Attempt {
+    /// Read replica `order[n]` with the transport, into host memory.
+    Memory(usize),
+    /// Read replica `order[n]` straight into device memory.
+    Device(usize),
+    /// Read the disk replica on this client's SSD.
+    Disk(ClientId),
+}
+
+impl Reading<'_> {
+    fn len(&self) -> usize {
+        self.list.as_ref().map_or(0, |(l, _)| l.len as usize)
+    }
+
+    /// The host memory the object is read into: the caller's buffers (each piece
+    /// with the object offset of its first byte) or the engine's scratch buffer.
+    fn pieces(&mut self) -> Vec<(u64, &mut [u8])> {
+        let len = self.len();
+        match (&mut self.dest, &mut self.scratch) {
+            (Dest::Host(bufs), _) => {
+                let mut at = 0usize;
+                let mut out = Vec::with_capacity(bufs.len());
+                for b in bufs.iter_mut() {
+                    if at == len {
+                        break;
+                    }
+                    let n = (len - at).min(b.len());
+                    out.push((at as u64, &mut b[..n]));
+                    at += n;
+                }
+                out
+            }
+            (_, Scratch::Owned(buf)) => vec![(0, &mut buf[..len])],
+            (_, Scratch::Pinned(buf)) => vec![(0, &mut buf[..len])],
+            (_, Scratch::None) => Vec::new(),
+        }
+    }
+
+    /// Fails the object unless its destination holds `len` bytes, and takes the
+    /// scratch buffer it needs.
+    fn prepare(&mut self, len: u64) -> Result<()> {
+        match &self.dest {
+            Dest::Owned => {
+                if !matches!(&self.scratch, Scratch::Owned(b) if b.len() >= len as usize) {
+                    self.scratch = Scratch::Owned(buffers::take(len as usize));
+                }
+            }
+            Dest::Host(bufs) => {
+                let capacity: u64 = bufs.iter().map(|b| b.len() as u64).sum();
+                if capacity < len {
+                    return Err(Error::BufferTooSmall { needed: len, capacity });
+                }
+            }
+            Dest::Device { mem, offset } => {
+                let room = room_after(*mem, *offset)? as u64;
+                if len > room {
+                    return Err(Error::BufferTooSmall { needed: len, capacity: room });
+                }
+                if self.direct.is_none() && !matches!(&self.scratch, Scratch::Pinned(b) if b.len() >= len as usize) {
+                    self.scratch = Scratch::Pinned(staging(*mem, len as usize)?);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// A pinned buffer for a device destination read through host memory.
+    fn ensure_pinned(&mut self) -> Result<()> {
+        if let (Dest::Device { mem, .. }, Scratch::None) = (&self.dest, &self.scratch) {
+            self.scratch = Scratch::Pinned(staging(*mem, self.len())?);
+        }
+        Ok(())
+    }
+}
+
+impl StoreInner {
+    /// Reads each `(key, destination)`; `given` lists, if any, are read as they
+    /// are (a replica copy: no cache, no lease, not counted as gets). One result
+    /// per item, in order.
+    pub(super) fn read(&self, items: Vec<(&str, Dest<'_>)>, given: Option<Vec<ReplicaList>>) -> Vec<Result<Got>> {
+        let count = given.is_none();
+        let mut given = given.map(Vec::into_iter);
+        let mut directs: Vec<Direct<'_>> = Vec::new();
+        let mut direct_of: Vec<(u64, u64, usize)> = Vec::new();
+        let mut reading: Vec<Reading<'_>> = Vec::with_capacity(items.len());
+        for (key, dest) in items {
+            let mut r = Reading {
+                key,
+                direct: None,
+                dest,
+                list: None,
+                order: Vec::new(),
+                next: 0,
+                disk_tried: false,
+                asked: 0,
+                last_err: None,
+                done: None,
+                scratch: Scratch::None,
+                moved_direct: false,
+            };
+            if let Err(e) = check_key(key) {
+                r.done = Some(Err(e));
+            } else if let Some(list) = given.as_mut().and_then(Iterator::next) {
+                self.set_list(&mut r, Arc::new(list), ListFrom::Given);
+            } else if let Some(list) = self.cache.get(key) {
+                self.set_list(&mut r, list, ListFrom::Cache);
+            }
+            if let Dest::Device { mem, .. } = &r.dest {
+                let id = (mem.device_ptr(), mem.len());
+                r.direct = match direct_of.iter().find(|d| (d.0, d.1) == id) {
+                    Some(d) => Some(d.2),
+                    None => self.direct(*mem).map(|d| {
+                        directs.push(d);
+                        direct_of.push((id.0, id.1, directs.len() - 1));
+                        directs.len() - 1
+                    }),
+                };
+            }
+            reading.push(r);
+        }
+        loop {
+            self.ask_lists(&mut reading);
+            if reading.iter().all(|r| r.done.is_some()) {
+                break;
+            }
+            // Each object either gets an attempt, or is finished, or waits for a
+            // new list (at most CHECKSUM_RETRIES + 1 times): this ends.
+            let attempts = self.pick(&mut reading);
+            if attempts.iter().any(Option::is_some) {
+                self.read_round(&mut reading, &attempts, &directs);
+            }
+        }
+        let mut uploads = Uploads::default();
+        for (k, r) in reading.iter_mut().enumerate() {
+            if let (Some(Ok(n)), Dest::Device { mem, offset }) = (&r.done, &r.dest) {
+                if !r.moved_direct {
+                    if let Scratch::Pinned(buf) = std::mem::replace(&mut r.scratch, Scratch::None) {
+                        if let Err(e) = uploads.push(k, *mem, buf, *n, *offset) {
+                            r.done = Some(Err(e));
+                        }
+                    }
+                }
+            }
+        }
+        for (k, e) in uploads.finish() {
+            reading[k].done = Some(Err(e));
+        }
+        let results: Vec<Result<Got>> = reading
+            .into_iter()
+            .map(|r| {
+                let res = r.done.unwrap_or_else(|| Err(Error::NotFound(r.key.to_owned())));
+                if count {
+                    self.count_read(&res, &r.dest, r.moved_direct);
+                }
+                res.map(|n| match (r.dest, r.scratch) {
+                    (Dest::Owned, Scratch::Owned(buf)) => Got::Owned(buffers::freeze(buf, n)),
+                    _ => Got::Len(n),
+                })
+            })
+            .collect();
+        results
+    }
+
+    /// Gives `r` its replica list, with the replicas in read order.
+    fn set_list(&self, r: &mut Reading<'_>, list: Arc<ReplicaList>, from: ListFrom) {
+        let own = self.own_segment.load(std::sync::atomic::Ordering::Acquire);
+        let mut order: Vec<(MemoryReplica, Result<Arc<Route>>)> =
+            list.replicas.iter().map(|rep| (*rep, self.routes.get(&*self.master, &self.engine, rep.segment))).collect();
+        order.sort_by_key(|(rep, route)| route.as_ref().map_or(3, |route| route.distance(rep.segment, own)));
+        r.order = order;
+        r.next = 0;
+        r.disk_tried = false;
+        r.list = Some((list, from));
+    }
+
+    /// Asks the master for the lists of the objects that need one: one round trip.
+    fn ask_lists(&self, reading: &mut [Reading<'_>]) {
+        let ask: Vec<usize> =
+            (0..reading.len()).filter(|&k| reading[k].done.is_none() && reading[k].list.is_none()).collect();
+        if ask.is_empty() {
+            return;
+        }
+        let asked_at = Instant::now();
+        let lists = match ask.as_slice() {
+            [one] => vec![self.master.get_replica_list(reading[*one].key)],
+            _ => {
+                let keys: Vec<&str> = ask.iter().map(|&k| reading[k].key).collect();
+                self.master.batch_get_replica_list(&keys)
+            }
+        };
+        for (&k, list) in ask.iter().zip(lists) {
+            match list {
+                Ok(list) => self.set_list(&mut reading[k], Arc::new(list), ListFrom::Master(asked_at)),
+                Err(e) => reading[k].done = Some(Err(e)),
+            }
+        }
+    }
+
+    /// What this round does for each object (`None`: nothing, it is done or waits
+    /// for a new list). Objects out of replicas are finished or sent back to the
+    /// master here.
+    fn pick(&self, reading: &mut [Reading<'_>]) -> Vec<Option<Attempt>> {
+        let mut release: Vec<&str> = Vec::new();
+        let mut attempts = Vec::with_capacity(reading.len());
+        for r in reading.iter_mut() {
+            let Some((list, from)) = r.list.clone() else {
+                attempts.push(None);
+                continue;
+            };
+            if r.done.is_some() {
+                attempts.push(None);
+                continue;
+            }
+            if let Err(e) = r.prepare(list.len) {
+                // The destination cannot take it: no other replica helps.
+                r.done = Some(Err(e));
+                if matches!(from, ListFrom::Master(_)) {
+                    release.push(r.key);
+                }
+                attempts.push(None);
+                continue;
+            }
+            let mut attempt = None;
+            while r.next < r.order.len() {
+                match &r.order[r.next].1 {
+                    Ok(route) => {
+                        attempt = Some(if r.direct.is_some() && route.caps.moves_device_memory {
+                            Attempt::Device(r.next)
+                        } else {
+                            Attempt::Memory(r.next)
+                        });
+                        break;
+                    }
+                    Err(e) => {
+                        r.last_err = Some(e.clone());
+                        r.next += 1;
+                    }
+                }
+            }
+            if attempt.is_none() && !r.disk_tried {
+                attempt = list.disk.map(Attempt::Disk);
+            }
+            if let Some(Attempt::Memory(_) | Attempt::Disk(_)) = attempt {
+                if let Err(e) = r.ensure_pinned() {
+                    r.last_err = Some(e);
+                    attempt = None;
+                }
+            }
+            if attempt.is_none() {
+                // Every replica of this list failed.
+                let err = r.last_err.take().unwrap_or_else(|| Error::NotFound(r.key.to_owned()));
+                let stale = matches!(err, Error::Corrupted(_) | Error::Transport(_));
+                match from {
+                    ListFrom::Cache => {
+                        // Whatever failed, the master knows better now.
+                        self.cache.forget(r.key);
+                        r.list = None;
+                    }
+                    ListFrom::Master(_) => {
+                        release.push(r.key);
+                        if stale && r.asked < CHECKSUM_RETRIES {
+                            r.asked += 1;
+                            r.list = None;
+                        } else {
+                            r.done = Some(Err(err));
+                        }
+                    }
+                    ListFrom::Given => r.done = Some(Err(err)),
+                }
+            }
+            attempts.push(attempt);
+        }
+        self.leases.release(release);
+        attempts
+    }
+
+    /// Runs one round's attempts and checks what they read.
+    fn read_round(&self, reading: &mut [Reading<'_>], attempts: &[Option<Attempt>], directs: &[Direct<'_>]) {
+        let mut ok: Vec<Option<Result<()>>> = vec![None; reading.len()];
+        // Straight into device memory.
+        {
+            let mut moves = Vec::new();
+            let mut owner = Vec::new();
+            for (k, r) in reading.iter().enumerate() {
+                let (Some(Attempt::Device(n)), Dest::Device { mem, offset }, Some(d)) =
+                    (attempts[k], &r.dest, r.direct)
+                else {
+                    continue;
+                };
+                let (rep, Ok(route)) = &r.order[n] else { continue };
+                moves.push(DeviceMove {
+                    direct: &directs[d],
+                    route: &route.region,
+                    remote_offset: rep.offset,
+                    mem: *mem,
+                    offset: *offset,
+                    len: r.len() as u64,
+                });
+                owner.push(k);
+            }
+            // SAFETY: each device range is the caller's destination, written only
+            // by this read (as `get_into` writes its buffer) during the call.
+            let moved = unsafe { move_device(WorkOp::Read, &moves) };
+            drop(moves);
+            for (res, k) in moved.into_iter().zip(owner) {
+                ok[k] = Some(res.map_err(Error::from));
+            }
+        }
+        // Memory replicas with the transport: one batch.
+        let mut taken: Vec<Option<u32>> = vec![None; reading.len()];
+        {
+            let routes: Vec<Option<(u64, Arc<Route>)>> = reading
+                .iter()
+                .enumerate()
+                .map(|(k, r)| match attempts[k] {
+                    Some(Attempt::Memory(n)) => {
+                        r.order[n].1.as_ref().ok().map(|route| (r.order[n].0.offset, route.clone()))
+                    }
+                    _ => None,
+                })
+                .collect();
+            let mut reqs: Vec<TransferRequest<'_>> = Vec::new();
+            let mut owner: Vec<usize> = Vec::new();
+            for (k, r) in reading.iter_mut().enumerate() {
+                let Some((offset, route)) = &routes[k] else { continue };
+                let sum = route.sums_in_flight(r.len());
+                for (at, piece) in r.pieces() {
+                    let req = TransferRequest::read(&route.region, offset + at, piece);
+                    reqs.push(if sum { req.with_checksum() } else { req });
+                    owner.push(k);
+                }
+                ok[k] = Some(Ok(()));
+            }
+            for (res, &k) in self.engine.transfer(&mut reqs).into_iter().zip(&owner) {
+                if let (Err(e), Some(Ok(()))) = (res, &ok[k]) {
+                    ok[k] = Some(Err(e.into()));
+                }
+            }
+            // An object's requests are consecutive, in the order of its bytes.
+            let mut at = 0;
+            while at < reqs.len() {
+                let k = owner[at];
+                let end = at + owner[at..].iter().take_while(|&&o| o == k).count();
+                taken[k] = summed(&reqs[at..end]);
+                at = end;
+            }
+        }
+        // Disk replicas: one batch per disk.
+        let mut by_disk: HashMap<ClientId, Vec<usize>> = HashMap::new();
+        for (k, a) in attempts.iter().enumerate() {
+            if let Some(Attempt::Disk(owner)) = a {
+                by_disk.entry(*owner).or_default().push(k);
+            }
+        }
+        for (disk, ks) in by_disk {
+            let mut wholes: Vec<Option<Vec<u8>>> = Vec::with_capacity(ks.len());
+            let mut mask = vec![false; reading.len()];
+            ks.iter().for_each(|&k| mask[k] = true);
+            let mut reqs: Vec<(&str, &mut [u8])> = Vec::with_capacity(ks.len());
+            // Several caller buffers: read whole, then spread.
+            for &k in &ks {
+                let r = &reading[k];
+                let parts = if let Dest::Host(b) = &r.dest { b.len() } else { 1 };
+                wholes.push((parts > 1).then(|| vec![0u8; r.len()]));
+            }
+            let mut wholes_iter = wholes.iter_mut();
+            for (k, r) in reading.iter_mut().enumerate() {
+                if !mask[k] {
+                    continue;
+                }
+                r.disk_tried = true;
+                let whole = wholes_iter.next().and_then(Option::as_mut);
+                let key = r.key;
+                match whole {
+                    Some(w) => reqs.push((key, &mut w[..])),
+                    None => {
+                        if let Some((_, p)) = r.pieces().into_iter().next() {
+                            reqs.push((key, p));
+                        }
+                    }
+                }
+            }
+            let loaded = self.read_disk_many(disk, &mut reqs);
+            drop(reqs);
+            for ((res, &k), whole) in loaded.into_iter().zip(&ks).zip(&wholes) {
+                if let (Ok(()), Some(whole)) = (&res, whole) {
+                    for (at, p) in reading[k].pieces() {
+                        let at = at as usize;
+                        p.copy_from_slice(&whole[at..at + p.len()]);
+                    }
+                }
+                ok[k] = Some(res);
+            }
+        }
+        self.check_round(reading, attempts, ok, taken);
+    }
+
+    /// Checks the checksum of every object read this round, and moves each on:
+    /// done, or on to its next replica.
+    fn check_round(
+        &self,
+        reading: &mut [Reading<'_>],
+        attempts: &[Option<Attempt>],
+        ok: Vec<Option<Result<()>>>,
+        taken: Vec<Option<u32>>,
+    ) {
+        // What the transport did not sum, summed here, on several cores.
+        let mut sums: Vec<Option<u32>> = taken;
+        let to_sum: Vec<usize> = (0..reading.len())
+            .filter(|&k| matches!(ok[k], Some(Ok(()))) && sums[k].is_none())
+            .filter(|&k| !matches!(attempts[k], Some(Attempt::Device(_))))
+            .collect();
+        {
+            let pieces: Vec<Vec<&[u8]>> = to_sum
+                .iter()
+                .map(|&k| {
+                    let r = &reading[k];
+                    let len = r.len();
+                    match (&r.dest, &r.scratch) {
+                        (Dest::Host(bufs), _) => {
+                            let mut left = len;
+                            bufs.iter()
+                                .map(|b| {
+                                    let n = left.min(b.len());
+                                    left -= n;
+                                    &b[..n]
+                                })
+                                .filter(|p| !p.is_empty())
+                                .collect()
+                        }
+                        (_, Scratch::Owned(b)) => vec![&b[..len]],
+                        (_, Scratch::Pinned(b)) => vec![&b[..len]],
+                        (_, Scratch::None) => Vec::new(),
+                    }
+                })
+                .collect();
+            for (&k, crc) in to_sum.iter().zip(crate::checksum::checksum_each(&pieces)) {
+                sums[k] = Some(crc);
+            }
+        }
+        let mut release: Vec<&str> = Vec::new();
+        for (k, r) in reading.iter_mut().enumerate() {
+            let (Some(attempt), Some(res)) = (attempts[k], &ok[k]) else { continue };
+            let Some((list, from)) = r.list.clone() else { continue };
+            let segment = match attempt {
+                Attempt::Memory(n) | Attempt::Device(n) => Some(r.order[n].0.segment),
+                Attempt::Disk(_) => None,
+            };
+            let verdict = match (res, attempt) {
+                (Ok(()), Attempt::Device(_)) => match &r.dest {
+                    Dest::Device { mem, offset } => mem.crc32c(*offset, list.len).map_err(Error::from),
+                    _ => Err(Error::NotFound(r.key.to_owned())),
+                },
+                (Ok(()), _) => sums[k].ok_or_else(|| Error::NotFound(r.key.to_owned())),
+                (Err(e), _) => Err(e.clone()),
+            };
+            match verdict {
+                Ok(crc) if crc == list.checksum => {
+                    r.done = Some(Ok(list.len as usize));
+                    r.moved_direct = matches!(attempt, Attempt::Device(_));
+                    match from {
+                        ListFrom::Cache => self.cache.hit(),
+                        ListFrom::Master(asked_at) => {
+                            release.push(r.key);
+                            self.cache.insert(r.key, list.clone(), asked_at);
+                        }
+                        ListFrom::Given => {}
+                    }
+                }
+                Ok(_) => {
+                    StoreCounters::inc(&self.counters.checksum_mismatches, 1);
+                    if let Some(segment) = segment {
+                        // The route may be stale (segment gone, master restarted).
+                        self.routes.forget(segment);
+                        tracing::warn!(key = r.key, segment, "replica failed its checksum");
+                    }
+                    r.last_err = Some(Error::Corrupted(r.key.to_owned()));
+                    r.next += usize::from(segment.is_some());
+                }
+                Err(e) => {
+                    if let Some(segment) = segment {
+                        self.routes.forget(segment);
+                    }
+                    if let (Attempt::Device(n), Error::Transport(TransferError::Unreachable(_))) = (attempt, &e) {
+                        if let Some(route) = self.relinked(&r.order[n].1) {
+                            // No RDMA link to this peer after all: the same
+                            // replica, through host memory, next round.
+                            r.order[n].1 = Ok(route);
+                            continue;
+                        }
+                    }
+                    r.last_err = Some(e);
+                    r.next += usize::from(segment.is_some());
+                }
+            }
+        }
+        self.leases.release(release);
+    }
+
+    /// `route` with its transport's capabilities asked again, if they no longer
+    /// say it moves device memory (a peer found to have no RDMA link).
+    fn relinked(&self, route: &Result<Arc<Route>>) -> Option<Arc<Route>> {
+        let route = route.as_ref().ok()?;
+        let caps = self.engine.capabilities(&route.region.endpoint).unwrap_or_default();
+        (!caps.moves_device_memory).then(|| Arc::new(Route { region: route.region.clone(), caps }))
+    }
+
+    /// Reads objects from the SSD of `owner` (ours, or another client's), each into a
+    /// destination of exactly its length; checksums are the caller's to check.
+    fn read_disk_many(&self, owner: ClientId, requests: &mut [(&str, &mut [u8])]) -> Vec<Result<()>> {
+        match &self.ssd {
+            Some(ssd) if owner == self.client() => ssd.load_local_many(requests),
+            _ => self
+                .disk_peers
+                .load_many(&*self.master, &self.engine, owner, requests)
+                .unwrap_or_else(|e| vec![Err(e); requests.len()]),
+        }
+    }
+
+    /// Counts one object read by a get form.
+    fn count_read(&self, res: &Result<usize>, dest: &Dest<'_>, direct: bool) {
+        let c = &self.counters;
+        match res {
+            Ok(n) => {
+                StoreCounters::inc(&c.gets, 1);
+                StoreCounters::inc(&c.get_bytes, *n as u64);
+                if matches!(dest, Dest::Device { .. }) {
+                    let way = if direct { &c.device_direct_bytes } else { &c.device_staged_bytes };
+                    StoreCounters::inc(way, *n as u64);
+                }
+            }
+            Err(_) => StoreCounters::inc(&c.get_errors, 1),
+        }
+    }
+}

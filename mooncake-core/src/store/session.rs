@@ -1,0 +1,342 @@
+//! A client's session with the master: connecting (segment, SSD tier, record
+//! endpoint), heartbeats, re-registering after the master forgot us, the SSD
+//! tier's offload thread, and leaving (`flush`, `close`, drop).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{bounded, RecvTimeoutError};
+use mooncake_transfer::{RegisteredRegion, TransferEngine};
+use parking_lot::Mutex;
+
+use super::builder::StoreBuilder;
+use super::file_storage::{self, DiskPeers, FileStorage};
+use super::leases::LeaseReleaser;
+use super::records::SegmentRecords;
+use super::replica_cache::ReplicaCache;
+use super::routes::Routes;
+use super::stats::StoreCounters;
+use super::{ClusterPart, OwnSegment, RecordEndpoint, Store, StoreInner, CLOSED};
+use crate::error::{Error, Result};
+use crate::master::{ClientId, MasterApi};
+use crate::rpc::RpcServer;
+use mooncake_alloc::SegmentId;
+
+/// A new record key and the config of the record endpoint that requires it: only a
+/// master we tell the key (by mounting on it) can change our records, whatever the
+/// cluster's shared secret; anything else is refused and counted. With the key as
+/// its secret the endpoint serves masters on any address.
+fn record_endpoint_config() -> ([u8; crate::rpc::RECORD_KEY_LEN], crate::rpc::RpcServerConfig) {
+    let key: [u8; crate::rpc::RECORD_KEY_LEN] = rand::random();
+    let config =
+        crate::rpc::RpcServerConfig { secret: Some(crate::rpc::record_endpoint_secret(&key)), ..Default::default() };
+    (key, config)
+}
+
+impl Drop for StoreInner {
+    fn drop(&mut self) {
+        if self.client() == CLOSED {
+            return;
+        }
+        match self.master.unregister_client(self.client()) {
+            Ok(removed) => tracing::debug!(removed, "client unregistered; segment unmounted"),
+            Err(e) => tracing::warn!(error = %e, "could not unregister from the master"),
+        }
+    }
+}
+
+impl StoreInner {
+    pub(super) fn client(&self) -> ClientId {
+        self.client.load(Ordering::Acquire)
+    }
+
+    /// One heartbeat: applies the master's record updates for our segment.
+    fn heartbeat(&self) -> Result<()> {
+        let updates = self.master.heartbeat(self.client())?;
+        if !updates.is_empty() {
+            self.records.apply(updates);
+        }
+        #[cfg(feature = "etcd")]
+        if let (Some((cluster, _)), Some(ssd)) = (&self.cluster, &self.ssd) {
+            // A new leader of some group: it learns of our SSD's objects again.
+            if cluster.take_remounted() {
+                ssd.announce(&*self.master, self.client())?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Our memory by segment id: the segment, or in a cluster the extents mounted.
+    fn segment_regions(&self) -> Vec<(SegmentId, Arc<RegisteredRegion>)> {
+        #[allow(unused_mut)]
+        let mut regions: Vec<_> = self.segment.lock().iter().map(|s| (s.id, s.region.clone())).collect();
+        #[cfg(feature = "etcd")]
+        if let Some((cluster, _)) = &self.cluster {
+            regions.extend(cluster.extent_regions());
+        }
+        regions
+    }
+
+    /// Tells the master where to send changes to our records (if we serve them).
+    fn announce_records(&self, client: ClientId) -> Result<()> {
+        match &self.record_endpoint {
+            Some(RecordEndpoint::Rpc { server, key }) => {
+                self.master.mount_records(client, &server.local_addr().to_string(), key)
+            }
+            Some(RecordEndpoint::InProcess(master)) => master.attach_records(client, self.records.clone()),
+            None => Ok(()),
+        }
+    }
+
+    /// Registers again after the master forgot us (we expired, or it restarted) and
+    /// re-mounts the same memory with the objects it still holds. Records whose bytes
+    /// no longer match their checksum are not offered.
+    fn rejoin(&self) -> Result<()> {
+        let reg = self.master.register_client()?;
+        let client = reg.client;
+        let mut seg = self.segment.lock();
+        if let Some(s) = seg.as_mut() {
+            let region = &s.region;
+            let records = self.records.rejoin(|r| {
+                let mut buf = vec![0u8; r.len as usize];
+                region.copy_out(r.offset, &mut buf).is_ok() && crate::checksum::checksum(&buf) == r.checksum
+            });
+            let (id, taken) =
+                self.master.remount_segment(client, &self.engine.remote(s.region.id()), s.region.len(), &records)?;
+            s.id = id;
+            self.own_segment.store(id, Ordering::Release);
+            self.records.set_segment(id);
+            tracing::warn!(segment = id, objects = taken, "segment re-mounted");
+        }
+        drop(seg);
+        self.client.store(client, Ordering::Release);
+        if let Err(e) = self.announce_records(client) {
+            // Without it, the records come with the heartbeats.
+            tracing::warn!(error = %e, "the master cannot reach our record endpoint");
+        }
+        if let Some(ssd) = &self.ssd {
+            ssd.announce(&*self.master, client)?;
+        }
+        tracing::warn!(client = format!("{client:#x}"), "client re-registered with the master");
+        Ok(())
+    }
+}
+
+impl Store {
+    /// Cluster mode: connects to the masters of the cluster at `address`
+    /// (`etcd://...`) and gives our memory as one extent per slot group.
+    #[cfg(feature = "etcd")]
+    pub(super) fn connect_cluster(mut cfg: StoreBuilder, address: &str, engine: TransferEngine) -> Result<Store> {
+        let cluster = crate::cluster_client::ClusterClient::connect(
+            address,
+            &cfg.etcd_credentials,
+            cfg.secret.as_deref(),
+            cfg.master_timeout,
+            &engine,
+            cfg.global_segment_size,
+        )?;
+        let server = if cluster.has_extents() {
+            let listen = format!("{}:0", file_storage::endpoint_host(engine.endpoint()));
+            let handler: Arc<dyn crate::rpc::RpcHandler> = Arc::new(super::cluster::ClusterRecords(cluster.clone()));
+            let (key, config) = record_endpoint_config();
+            let server = RpcServer::serve_with(&listen, handler, config)?;
+            cluster.set_record_endpoint(server.local_addr().to_string(), key.to_vec());
+            Some(server)
+        } else {
+            None
+        };
+        // The extents are the cluster client's: no segment of the single-master kind.
+        cfg.global_segment_size = 0;
+        let master: Arc<dyn MasterApi> = cluster.clone();
+        Self::connect(cfg, master, engine, Some((cluster, server)))
+    }
+
+    pub(super) fn connect(
+        cfg: StoreBuilder,
+        master: Arc<dyn MasterApi>,
+        engine: TransferEngine,
+        cluster: ClusterPart,
+    ) -> Result<Store> {
+        let reg = master.register_client()?;
+        let client = reg.client;
+        let segment = if cfg.global_segment_size > 0 {
+            let region = engine.register_region(cfg.global_segment_size)?;
+            match master.mount_segment(client, &engine.remote(region.id()), region.len()) {
+                Ok(id) => Some(OwnSegment { region, id }),
+                Err(e) => {
+                    let _ = master.unregister_client(client);
+                    return Err(e);
+                }
+            }
+        } else {
+            None
+        };
+        let client_id = Arc::new(AtomicU64::new(client));
+        let ssd = match &cfg.ssd {
+            Some(c) => match FileStorage::open(
+                c,
+                master.clone(),
+                client_id.clone(),
+                &engine,
+                cfg.secret.as_deref(),
+                cfg.insecure,
+            ) {
+                Ok(f) => Some(f),
+                Err(e) => {
+                    let _ = master.unregister_client(client);
+                    return Err(e);
+                }
+            },
+            None => None,
+        };
+        let leases = LeaseReleaser::new(master.clone(), cfg.master_address.is_some())?;
+        let (stop_tx, stop_rx) = bounded::<()>(0);
+        let own = segment.as_ref().map_or(0, |s| s.id);
+        let records = Arc::new(SegmentRecords::new(own));
+        if let Some(ssd) = &ssd {
+            records.set_disk(ssd.discarder());
+        }
+        #[cfg(feature = "etcd")]
+        if let (Some((cluster, _)), Some(ssd)) = (&cluster, &ssd) {
+            cluster.set_disk(ssd.discarder());
+        }
+        let record_endpoint = match (&segment, &cfg.master, &cfg.master_address) {
+            (None, _, _) => None,
+            (Some(_), Some(m), _) => Some(RecordEndpoint::InProcess(m.clone())),
+            (Some(_), None, Some(_)) => {
+                let listen = format!("{}:0", file_storage::endpoint_host(engine.endpoint()));
+                let handler: Arc<dyn crate::rpc::RpcHandler> = records.clone();
+                let (key, config) = record_endpoint_config();
+                match RpcServer::serve_with(&listen, handler, config) {
+                    Ok(server) => Some(RecordEndpoint::Rpc { server, key }),
+                    Err(e) => {
+                        let _ = master.unregister_client(client);
+                        return Err(e);
+                    }
+                }
+            }
+            (Some(_), None, None) => None,
+        };
+        let inner = Arc::new(StoreInner {
+            master,
+            client: client_id,
+            engine,
+            ssd,
+            disk_peers: DiskPeers::new(cfg.secret.as_deref()),
+            cache: ReplicaCache::new(cfg.replica_cache),
+            leases,
+            segment: Mutex::new(segment),
+            own_segment: AtomicU64::new(own),
+            routes: Routes::default(),
+            replicate: cfg.replicate,
+            counters: StoreCounters::default(),
+            records,
+            record_endpoint,
+            flush_timeout: cfg.flush_timeout,
+            cluster,
+            _heartbeat_stop: stop_tx,
+        });
+        if let Err(e) = inner.announce_records(client) {
+            // Without it, the node still learns its records with its heartbeats.
+            tracing::warn!(error = %e, "the master cannot reach our record endpoint");
+        }
+        // Heartbeats get their own thread so that no amount of I/O delays them.
+        let weak: Weak<StoreInner> = Arc::downgrade(&inner);
+        // Well within the TTL, and often enough that segment records stay fresh.
+        let period = Duration::from_millis((reg.client_ttl_ms / 4).clamp(1, 250));
+        std::thread::Builder::new()
+            .name("mooncake-heartbeat".into())
+            .spawn(move || loop {
+                match stop_rx.recv_timeout(period) {
+                    Err(RecvTimeoutError::Timeout) => {}
+                    _ => return,
+                }
+                let Some(inner) = weak.upgrade() else { return };
+                if inner.client() == CLOSED {
+                    return;
+                }
+                match inner.heartbeat() {
+                    Ok(()) => {}
+                    Err(Error::UnknownClient(_)) => {
+                        if let Err(e) = inner.rejoin() {
+                            tracing::error!(error = %e, "cannot re-register with the master");
+                        }
+                    }
+                    // Unreachable master: keep our identity and try again next period.
+                    Err(e) => tracing::warn!(error = %e, "heartbeat failed"),
+                }
+            })
+            .map_err(|e| Error::InvalidArgument(format!("cannot start the heartbeat thread: {e}")))?;
+        if let Some(ssd) = &inner.ssd {
+            ssd.announce(&*inner.master, client)?;
+            spawn_offloader(&inner, ssd.interval())?;
+        }
+        Ok(Store { inner })
+    }
+
+    /// Returns once every object this client's segment holds is on its SSD tier, so
+    /// that dropping the store loses nothing (under `PersistPolicy::Lazy` objects
+    /// otherwise live only in memory until eviction needs their room).
+    /// `InvalidArgument` without an SSD tier; `Timeout` after the builder's
+    /// [`flush_timeout`](super::StoreBuilder::flush_timeout).
+    pub fn flush(&self) -> Result<()> {
+        let inner = &self.inner;
+        if inner.ssd.is_none() {
+            return Err(Error::InvalidArgument("flush needs an SSD tier: build the store with ssd_offload(..)".into()));
+        }
+        let deadline = Instant::now() + inner.flush_timeout;
+        loop {
+            let left = inner.master.flush_segments(inner.client())?;
+            if left == 0 {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                return Err(Error::Timeout(format!("flush: {left} objects still not on the SSD tier")));
+            }
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+    }
+
+    /// Flushes (with an SSD tier) and leaves the master: the segment is unmounted
+    /// now rather than when the last handle drops. Other handles of this store fail
+    /// afterwards.
+    pub fn close(self) -> Result<()> {
+        if self.inner.ssd.is_some() {
+            self.flush()?;
+        }
+        let client = self.inner.client.swap(super::CLOSED, std::sync::atomic::Ordering::AcqRel);
+        self.inner.master.unregister_client(client).map(|_| ())
+    }
+}
+
+/// Starts the offload thread of the SSD tier: it runs offload heartbeats back to back
+/// while the master has work, and every `idle` otherwise. It holds only a weak
+/// reference and exits with the store.
+fn spawn_offloader(inner: &Arc<StoreInner>, idle: Duration) -> Result<()> {
+    let weak: Weak<StoreInner> = Arc::downgrade(inner);
+    std::thread::Builder::new()
+        .name("mooncake-offload".into())
+        .spawn(move || loop {
+            let Some(inner) = weak.upgrade() else { return };
+            let Some(ssd) = &inner.ssd else { return };
+            let regions = inner.segment_regions();
+            let views: Vec<(u64, &RegisteredRegion)> = regions.iter().map(|(id, r)| (*id, &**r)).collect();
+            let busy = match ssd.offload_round(&*inner.master, inner.client(), &views) {
+                Ok(n) => n > 0,
+                Err(e) => {
+                    tracing::debug!(error = %e, "offload heartbeat failed");
+                    false
+                }
+            };
+            if !busy {
+                ssd.retry_notifications();
+            }
+            drop(inner);
+            if !busy {
+                std::thread::sleep(idle);
+            }
+        })
+        .map(|_| ())
+        .map_err(|e| Error::InvalidArgument(format!("cannot start the offload thread: {e}")))
+}

@@ -1,0 +1,530 @@
+//! The write engine: every put form (single, batch, parts, upsert, device) is an
+//! adapter over [`StoreInner::write`].
+//!
+//! A call runs in rounds. A round places every pending item (one master round
+//! trip), writes every replica of every item (device memory moved directly where
+//! the transport can, the rest in one transfer batch from host memory or a pinned
+//! copy), takes each item's crc32c (in flight where the transport sums, else on
+//! several cores), then ends the items written and revokes the others (one round
+//! trip each). An item a replica of which could not be written is placed again
+//! without the failed segment (the master is told of it), up to
+//! [`PUT_ATTEMPTS`] times; an upsert of a key that another write holds waits for
+//! it (up to [`BUSY_WAIT`]).
+
+use std::time::{Duration, Instant};
+
+use mooncake_alloc::SegmentId;
+use mooncake_gpu::{DeviceMemory, PooledBuffer};
+use mooncake_transfer::{TransferRequest, WorkOp};
+
+use super::device::{download, move_device, DeviceMove, Direct};
+use super::routes::Route;
+use super::stats::StoreCounters;
+use super::StoreInner;
+use crate::config::{check_key, check_value_len, ReplicateConfig};
+use crate::error::{Error, Result};
+use crate::master::{ClientId, MasterApi, MemoryReplica};
+
+/// How many times an item is placed again after writing to a segment failed.
+const PUT_ATTEMPTS: usize = 3;
+/// How long an upsert waits for another write of the same key (put or upsert) to
+/// finish before giving up with `AlreadyExists`.
+const BUSY_WAIT: Duration = Duration::from_secs(5);
+/// First pause between two tries of a key another write holds (doubled up to
+/// [`BUSY_PAUSE_MAX`]).
+const BUSY_PAUSE: Duration = Duration::from_micros(200);
+/// Longest pause between two tries of a busy key.
+const BUSY_PAUSE_MAX: Duration = Duration::from_millis(20);
+
+/// Where an object's bytes come from.
+pub(super) enum Source<'a> {
+    /// Host memory: the object is these slices laid end to end.
+    Host(&'a [&'a [u8]]),
+    /// `len` bytes of device memory at `offset`.
+    Device { mem: &'a dyn DeviceMemory, offset: u64, len: u64 },
+}
+
+impl Source<'_> {
+    fn len(&self) -> u64 {
+        match self {
+            Source::Host(parts) => parts.iter().map(|p| p.len() as u64).sum(),
+            Source::Device { len, .. } => *len,
+        }
+    }
+}
+
+/// One object to write.
+pub(super) struct WriteItem<'a> {
+    pub(super) key: &'a str,
+    pub(super) source: Source<'a>,
+}
+
+/// Which two-phase write runs: the master calls differ, the data path is the same.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum WriteMode {
+    /// An object that must not exist yet.
+    Put,
+    /// An object that may exist: replaced atomically (the master keeps the old
+    /// replicas readable while the new ones are written and swaps them in one step).
+    Upsert,
+}
+
+impl WriteMode {
+    fn start(
+        self,
+        master: &dyn MasterApi,
+        client: ClientId,
+        items: &[(&str, u64)],
+        cfg: &ReplicateConfig,
+    ) -> Vec<Result<Vec<MemoryReplica>>> {
+        match self {
+            WriteMode::Put => master.batch_put_start(client, items, cfg),
+            WriteMode::Upsert => master.batch_upsert_start(client, items, cfg),
+        }
+    }
+
+    fn end(self, master: &dyn MasterApi, client: ClientId, items: &[(&str, u32)]) -> Vec<Result<()>> {
+        match self {
+            WriteMode::Put => master.batch_put_end(client, items),
+            WriteMode::Upsert => master.batch_upsert_end(client, items),
+        }
+    }
+
+    fn revoke(self, master: &dyn MasterApi, client: ClientId, keys: &[&str]) {
+        if keys.is_empty() {
+            return;
+        }
+        let _ = match self {
+            WriteMode::Put => master.batch_put_revoke(client, keys),
+            WriteMode::Upsert => master.batch_upsert_revoke(client, keys),
+        };
+    }
+}
+
+/// An item's bytes as the engine holds them.
+enum Bytes<'a> {
+    /// Host slices (empty ones left out).
+    Host(Vec<&'a [u8]>),
+    /// Device memory; `direct` its registration when the NICs took it, `staged`
+    /// a pinned copy once a replica needs one.
+    Device { mem: &'a dyn DeviceMemory, offset: u64, direct: Option<usize>, staged: Option<PooledBuffer<'static>> },
+}
+
+impl Bytes<'_> {
+    /// The host copy of the bytes, if there is one.
+    fn host(&self, len: u64) -> Option<Vec<&[u8]>> {
+        match self {
+            Bytes::Host(parts) => Some(parts.clone()),
+            Bytes::Device { staged: Some(s), .. } => Some(vec![&s[..len as usize]]),
+            Bytes::Device { .. } => None,
+        }
+    }
+}
+
+/// An item of a call, as written so far.
+pub(super) struct Writing<'a> {
+    key: &'a str,
+    len: u64,
+    bytes: Bytes<'a>,
+    /// Where this round placed it, with the route to each replica.
+    placed: Vec<(MemoryReplica, std::sync::Arc<Route>)>,
+    /// Why a replica of this round could not be written.
+    failed: Option<Error>,
+    /// Whether any replica of this item was written from a staged copy.
+    staged: bool,
+    /// The crc32c of the bytes, once known (taken on the device for memory moved
+    /// directly, by the transport on the way, or summed here).
+    crc: Option<u32>,
+}
+
+impl<'a> Writing<'a> {
+    /// An item of `len` host bytes, to be written to `placed` (a replica copy).
+    pub(super) fn host(key: &'a str, parts: &[&'a [u8]], placed: Vec<(MemoryReplica, std::sync::Arc<Route>)>) -> Self {
+        let parts: Vec<&[u8]> = parts.iter().copied().filter(|p| !p.is_empty()).collect();
+        let len = parts.iter().map(|p| p.len() as u64).sum();
+        Writing { key, len, bytes: Bytes::Host(parts), placed, failed: None, staged: false, crc: None }
+    }
+
+    /// Why writing its replicas failed, if it did.
+    pub(super) fn failure(&self) -> Option<&Error> {
+        self.failed.as_ref()
+    }
+}
+
+impl StoreInner {
+    /// Writes every item (a put or an upsert of each, as `mode`), with `cfg`'s
+    /// replication, and counts them; one result per item, in order.
+    pub(super) fn write(&self, items: &[WriteItem<'_>], cfg: &ReplicateConfig, mode: WriteMode) -> Vec<Result<()>> {
+        let mut results: Vec<Result<()>> = Vec::with_capacity(items.len());
+        let mut directs: Vec<Direct<'_>> = Vec::new();
+        let mut direct_of: Vec<(u64, u64, usize)> = Vec::new();
+        let mut writing: Vec<Option<Writing<'_>>> = Vec::with_capacity(items.len());
+        for item in items {
+            let len = item.source.len();
+            let checked = check_key(item.key).and_then(|()| check_value_len(len)).and_then(|()| cfg.check());
+            let bytes = checked.and_then(|()| match &item.source {
+                Source::Host(parts) => {
+                    Ok((Bytes::Host(parts.iter().copied().filter(|p| !p.is_empty()).collect()), None))
+                }
+                Source::Device { mem, offset, len } => {
+                    mem.check_range(*offset, *len)?;
+                    self.device_bytes(*mem, *offset, *len, &mut directs, &mut direct_of)
+                }
+            });
+            match bytes {
+                Ok((bytes, crc)) => {
+                    writing.push(Some(Writing {
+                        key: item.key,
+                        len,
+                        bytes,
+                        placed: Vec::new(),
+                        failed: None,
+                        staged: false,
+                        crc,
+                    }));
+                    results.push(Ok(()));
+                }
+                Err(e) => {
+                    writing.push(None);
+                    results.push(Err(e));
+                }
+            }
+        }
+        let mut pending: Vec<usize> = (0..items.len()).filter(|&i| writing[i].is_some()).collect();
+        let (busy_until, mut pause, mut attempt) = (Instant::now() + BUSY_WAIT, BUSY_PAUSE, 1);
+        let mut short = vec![false; items.len()];
+        while !pending.is_empty() {
+            let again =
+                self.write_round(&pending, &mut writing, &directs, &mut results, &mut short, cfg, mode, attempt);
+            // A busy key waits; anything else (a failed write, an upsert whose old
+            // object's segments left) is another attempt.
+            let failed_write = again.iter().any(|&i| !matches!(results[i], Err(Error::AlreadyExists(_))));
+            let mut retry = Vec::new();
+            for i in again {
+                let busy = matches!(results[i], Err(Error::AlreadyExists(_)));
+                if (busy && Instant::now() < busy_until) || (!busy && attempt < PUT_ATTEMPTS) {
+                    retry.push(i);
+                }
+            }
+            if failed_write {
+                attempt += 1;
+            } else if !retry.is_empty() {
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(BUSY_PAUSE_MAX);
+            }
+            retry.sort_unstable();
+            pending = retry;
+        }
+        if mode == WriteMode::Upsert {
+            // This client's cached lists of the old objects are stale now.
+            for item in items {
+                self.cache.forget(item.key);
+            }
+        }
+        self.count_writes(&writing, &results, &short);
+        results
+    }
+
+    /// The bytes of a device item: registered for direct moves when the NICs take
+    /// the memory (once per memory per call), else copied to pinned staging now.
+    fn device_bytes<'m>(
+        &'m self,
+        mem: &'m dyn DeviceMemory,
+        offset: u64,
+        len: u64,
+        directs: &mut Vec<Direct<'m>>,
+        direct_of: &mut Vec<(u64, u64, usize)>,
+    ) -> Result<(Bytes<'m>, Option<u32>)> {
+        let key = (mem.device_ptr(), mem.len());
+        let direct = match direct_of.iter().find(|d| (d.0, d.1) == key) {
+            Some(d) => Some(d.2),
+            None => self.direct(mem).map(|d| {
+                directs.push(d);
+                direct_of.push((key.0, key.1, directs.len() - 1));
+                directs.len() - 1
+            }),
+        };
+        match direct {
+            Some(d) => {
+                Ok((Bytes::Device { mem, offset, direct: Some(d), staged: None }, Some(mem.crc32c(offset, len)?)))
+            }
+            None => {
+                let staged = download(mem, offset, len as usize)?;
+                Ok((Bytes::Device { mem, offset, direct: None, staged: Some(staged) }, None))
+            }
+        }
+    }
+
+    /// One round over the `pending` items: place, write, end or revoke. Returns the
+    /// items to try again (a failed write, a busy key, or an upsert whose old
+    /// object's segments left).
+    #[allow(clippy::too_many_arguments)]
+    fn write_round(
+        &self,
+        pending: &[usize],
+        writing: &mut [Option<Writing<'_>>],
+        directs: &[Direct<'_>],
+        results: &mut [Result<()>],
+        short: &mut [bool],
+        cfg: &ReplicateConfig,
+        mode: WriteMode,
+        attempt: usize,
+    ) -> Vec<usize> {
+        let client = self.client();
+        let starts = {
+            let items: Vec<(&str, u64)> =
+                pending.iter().filter_map(|&i| writing[i].as_ref().map(|w| (w.key, w.len))).collect();
+            mode.start(&*self.master, client, &items, cfg)
+        };
+        let mut again = Vec::new();
+        let mut placed = Vec::with_capacity(pending.len());
+        for (&i, start) in pending.iter().zip(starts) {
+            let Some(w) = writing[i].as_mut() else { continue };
+            w.failed = None;
+            w.placed.clear();
+            match start {
+                Ok(replicas) => {
+                    short[i] = replicas.len() < cfg.replica_num;
+                    for r in replicas {
+                        match self.routes.get(&*self.master, &self.engine, r.segment) {
+                            Ok(route) => w.placed.push((r, route)),
+                            Err(e) => {
+                                // A segment whose route the master cannot give:
+                                // placed again without it, like a failed write.
+                                self.report_failed_segment(r.segment, &e);
+                                w.failed.get_or_insert(e);
+                            }
+                        }
+                    }
+                    placed.push(i);
+                }
+                Err(e) => {
+                    if matches!(e, Error::AlreadyExists(_)) && mode == WriteMode::Upsert {
+                        again.push(i);
+                    }
+                    results[i] = Err(e);
+                }
+            }
+        }
+        // `pending` is in item order, so `placed` is too.
+        let mut is_placed = vec![false; writing.len()];
+        placed.iter().for_each(|&i| is_placed[i] = true);
+        let mut round: Vec<&mut Writing<'_>> =
+            writing.iter_mut().enumerate().filter_map(|(i, w)| if is_placed[i] { w.as_mut() } else { None }).collect();
+        let failed_segments = self.write_replicas(&mut round, directs);
+        for (segment, e) in &failed_segments {
+            self.report_failed_segment(*segment, e);
+        }
+        let sums = item_checksums(&mut round);
+        let mut ends: Vec<(&str, u32)> = Vec::new();
+        let mut ended: Vec<usize> = Vec::new();
+        let mut revokes: Vec<&str> = Vec::new();
+        for ((w, &i), crc) in round.iter().zip(&placed).zip(sums) {
+            match &w.failed {
+                None => {
+                    ends.push((w.key, crc));
+                    ended.push(i);
+                }
+                Some(e) => {
+                    results[i] = Err(e.clone());
+                    revokes.push(w.key);
+                    again.push(i);
+                }
+            }
+        }
+        mode.revoke(&*self.master, client, &revokes);
+        for (i, res) in ended.iter().zip(mode.end(&*self.master, client, &ends)) {
+            // An upsert whose old object's segments left meanwhile: once more.
+            if matches!(res, Err(Error::NotFound(_))) && mode == WriteMode::Upsert && attempt < PUT_ATTEMPTS {
+                again.push(*i);
+            }
+            results[*i] = res;
+        }
+        again
+    }
+
+    /// Counts the items of a call: stored (with fewer replicas than asked, and
+    /// which way device bytes went), or failed.
+    fn count_writes(&self, writing: &[Option<Writing<'_>>], results: &[Result<()>], short: &[bool]) {
+        let c = &self.counters;
+        for (i, res) in results.iter().enumerate() {
+            match (res, &writing[i]) {
+                (Ok(()), Some(w)) => {
+                    StoreCounters::inc(&c.puts, 1);
+                    StoreCounters::inc(&c.put_bytes, w.len);
+                    if short[i] {
+                        StoreCounters::inc(&c.under_replicated_puts, 1);
+                    }
+                    if matches!(w.bytes, Bytes::Device { .. }) {
+                        let way = if w.staged { &c.device_staged_bytes } else { &c.device_direct_bytes };
+                        StoreCounters::inc(way, w.len);
+                    }
+                }
+                _ => StoreCounters::inc(&c.put_errors, 1),
+            }
+        }
+    }
+
+    /// Writes `value` to `targets`, replicas the master placed for a copy of `key`
+    /// (`replicate`): the engine's replica writer, with no placing or ending.
+    pub(super) fn write_copy(&self, key: &str, value: &[u8], targets: &[MemoryReplica]) -> Result<()> {
+        let placed = targets
+            .iter()
+            .map(|r| self.routes.get(&*self.master, &self.engine, r.segment).map(|route| (*r, route)))
+            .collect::<Result<Vec<_>>>()?;
+        let parts = [value];
+        let mut copy = Writing::host(key, &parts, placed);
+        for (segment, _) in self.write_replicas(&mut [&mut copy], &[]) {
+            self.routes.forget(segment);
+        }
+        copy.failure().map_or(Ok(()), |e| Err(e.clone()))
+    }
+
+    /// Tells the master that `segment` cannot be written to (it stops placing
+    /// there) and forgets its route.
+    fn report_failed_segment(&self, segment: SegmentId, e: &Error) {
+        tracing::warn!(segment, error = %e, "cannot write a replica; placing the put again");
+        self.routes.forget(segment);
+        let _ = self.master.report_segment_failure(self.client(), segment);
+    }
+
+    /// Writes every replica of every item in `round` to where it was placed:
+    /// device memory directly where the route moves it, everything else in one
+    /// transfer batch. Sets each item's `failed`; returns the segments that failed.
+    pub(super) fn write_replicas(
+        &self,
+        round: &mut [&mut Writing<'_>],
+        directs: &[Direct<'_>],
+    ) -> Vec<(SegmentId, Error)> {
+        let mut failed_segments: Vec<(SegmentId, Error)> = Vec::new();
+        // Device memory first: a replica whose peer turns out to have no RDMA link
+        // is written from a staged copy below.
+        let mut by_host: Vec<Vec<usize>> = vec![Vec::new(); round.len()];
+        {
+            let mut moves = Vec::new();
+            let mut owner = Vec::new();
+            for (k, w) in round.iter().enumerate() {
+                for (j, (r, route)) in w.placed.iter().enumerate() {
+                    match &w.bytes {
+                        Bytes::Device { mem, offset, direct: Some(d), .. } if route.caps.moves_device_memory => {
+                            moves.push(DeviceMove {
+                                direct: &directs[*d],
+                                route: &route.region,
+                                remote_offset: r.offset,
+                                mem: *mem,
+                                offset: *offset,
+                                len: w.len,
+                            });
+                            owner.push((k, j));
+                        }
+                        _ => by_host[k].push(j),
+                    }
+                }
+            }
+            // SAFETY: each item's device range is the caller's to put from and is
+            // not written during the call (as `put` borrows its value).
+            let moved = unsafe { move_device(WorkOp::Write, &moves) };
+            drop(moves);
+            for (res, (k, j)) in moved.into_iter().zip(owner) {
+                let Err(e) = res else { continue };
+                let (r, route) = &round[k].placed[j];
+                if matches!(e, mooncake_transfer::TransferError::Unreachable(_))
+                    && !self.engine.capabilities(&route.region.endpoint).is_some_and(|c| c.moves_device_memory)
+                {
+                    // No RDMA link to this peer after all: staged, over TCP.
+                    self.routes.forget(r.segment);
+                    by_host[k].push(j);
+                } else {
+                    failed_segments.push((r.segment, e.clone().into()));
+                    round[k].failed.get_or_insert(e.into());
+                }
+            }
+        }
+        // Device items with a replica to write from host memory: a pinned copy.
+        for (k, w) in round.iter_mut().enumerate() {
+            if by_host[k].is_empty() {
+                continue;
+            }
+            if let Bytes::Device { mem, offset, staged, .. } = &mut w.bytes {
+                w.staged = true;
+                if staged.is_none() {
+                    match download(*mem, *offset, w.len as usize) {
+                        Ok(copy) => *staged = Some(copy),
+                        Err(e) => {
+                            w.failed.get_or_insert(e);
+                            by_host[k].clear();
+                        }
+                    }
+                }
+            }
+        }
+        // Everything else in one batch; each item's checksum is taken from the
+        // writes of its first replica where the transport sums them.
+        let hosts: Vec<Option<Vec<&[u8]>>> = round.iter().map(|w| w.bytes.host(w.len)).collect();
+        let mut reqs: Vec<TransferRequest<'_>> = Vec::new();
+        let mut owner: Vec<(usize, usize)> = Vec::new();
+        for (k, w) in round.iter().enumerate() {
+            let Some(parts) = &hosts[k] else { continue };
+            for (n, &j) in by_host[k].iter().enumerate() {
+                let (r, route) = &w.placed[j];
+                let sum = n == 0 && route.sums_in_flight(w.len as usize);
+                let mut at = 0u64;
+                for part in parts {
+                    let req = TransferRequest::write(&route.region, r.offset + at, part);
+                    reqs.push(if sum { req.with_checksum() } else { req });
+                    owner.push((k, j));
+                    at += part.len() as u64;
+                }
+            }
+        }
+        let transferred = self.engine.transfer(&mut reqs);
+        let mut taken: Vec<Option<u32>> = vec![None; round.len()];
+        let mut at = 0;
+        while at < reqs.len() {
+            let (k, j) = owner[at];
+            let end = at + owner[at..].iter().take_while(|&&o| o == (k, j)).count();
+            if by_host[k].first() == Some(&j) {
+                taken[k] = summed(&reqs[at..end]);
+            }
+            at = end;
+        }
+        drop(reqs);
+        for (res, (k, j)) in transferred.into_iter().zip(owner) {
+            if let Err(e) = res {
+                let segment = round[k].placed[j].0.segment;
+                if !failed_segments.iter().any(|(s, _)| *s == segment) {
+                    failed_segments.push((segment, e.clone().into()));
+                }
+                round[k].failed.get_or_insert(e.into());
+            }
+        }
+        for (w, crc) in round.iter_mut().zip(taken) {
+            w.crc = w.crc.or(crc);
+        }
+        failed_segments
+    }
+}
+
+/// The crc32c of each item written: what the device or the transport took, the
+/// rest summed here, on several cores for a large batch (0 for an item that
+/// failed: it is revoked, not ended).
+fn item_checksums(round: &mut [&mut Writing<'_>]) -> Vec<u32> {
+    let missing: Vec<usize> =
+        (0..round.len()).filter(|&k| round[k].crc.is_none() && round[k].failed.is_none()).collect();
+    let sums = {
+        let parts: Vec<Vec<&[u8]>> =
+            missing.iter().map(|&k| round[k].bytes.host(round[k].len).unwrap_or_default()).collect();
+        crate::checksum::checksum_each(&parts)
+    };
+    for (&k, crc) in missing.iter().zip(sums) {
+        round[k].crc = Some(crc);
+    }
+    round.iter().map(|w| w.crc.unwrap_or(0)).collect()
+}
+
+/// The crc32c of the bytes of `reqs` laid end to end, if the transport took every
+/// request's (see `TransferRequest::with_checksum`).
+pub(super) fn summed(reqs: &[TransferRequest<'_>]) -> Option<u32> {
+    let pieces: Option<Vec<(u32, usize)>> = reqs.iter().map(|r| Some((r.checksum()?, r.op.len()))).collect();
+    pieces.map(mooncake_transfer::checksum::crc32c_concat)
+}
