@@ -369,7 +369,8 @@ enum Op {
         key: usize,
         pick: usize,
     },
-    /// The raw storage node dies (its segment stays listed); a new one starts.
+    /// The raw storage node dies (its segment stays listed); a new one starts. At
+    /// most two die per case.
     KillNode,
     /// A store is dropped (its segment unmounted) and a new one joins.
     LoseClient {
@@ -388,7 +389,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (0..KEYS, any::<bool>(), 0..STORES).prop_map(|(key, batch, via)| Op::Remove { key, batch, via }),
         1 => (0..STORES, any::<bool>()).prop_map(|(via, long)| Op::BadKey { via, long }),
         2 => (0..KEYS, any::<usize>()).prop_map(|(key, pick)| Op::Corrupt { key, pick }),
-        1 => Just(Op::KillNode),
+        2 => Just(Op::KillNode),
         1 => (0..STORES).prop_map(|which| Op::LoseClient { which }),
     ]
 }
@@ -421,8 +422,9 @@ struct World {
     net: Net,
     daemon: MasterDaemon,
     stores: Vec<Store>,
-    /// Per store, the transport it was given (Shm, Tcp), to show the bytes went there.
-    transports: Vec<Option<Arc<dyn Transport>>>,
+    /// The transports (Shm, Tcp) given to every store so far, to show the bytes went
+    /// there.
+    transports: Vec<Arc<dyn Transport>>,
     node: RawNode,
     dead: HashSet<u64>,
     poke: TransferEngine,
@@ -459,7 +461,7 @@ impl World {
         for _ in 0..STORES {
             let (s, t) = w.new_store();
             w.stores.push(s);
-            w.transports.push(t);
+            w.transports.extend(t);
         }
         w
     }
@@ -683,6 +685,11 @@ impl World {
                 self.model.get_mut(&key).unwrap().corrupt.insert(segment);
             }
             Op::KillNode => {
+                // A put is placed at most three times: with two segments dead but not
+                // yet reported, the third placement still finds a live one.
+                if self.dead.len() >= 2 {
+                    return Ok(());
+                }
                 let fresh = raw_node(self.master(), 4 << 20);
                 let old = std::mem::replace(&mut self.node, fresh);
                 self.dead.insert(old.segment);
@@ -692,7 +699,7 @@ impl World {
                 let segments = self.master().stats().segments;
                 let (s, t) = self.new_store();
                 let old = std::mem::replace(&mut self.stores[which], s);
-                self.transports[which] = t;
+                self.transports.extend(t);
                 drop(old);
                 // The last handle may be a heartbeat under way: wait for the unmount.
                 let master = self.master();
@@ -721,7 +728,6 @@ fn run(net: Net, ops: Vec<Op>) -> Result<(), TestCaseError> {
         let moved: u64 = world
             .transports
             .iter()
-            .flatten()
             .filter_map(|t| t.stats())
             .map(|s| {
                 s.bytes_written.load(std::sync::atomic::Ordering::Relaxed)
@@ -742,17 +748,17 @@ fn config() -> ProptestConfig {
 proptest! {
     #![proptest_config(config())]
     #[test]
-    fn every_form_matches_a_hashmap_model_over_local(ops in proptest::collection::vec(op(), 1..24)) {
+    fn every_form_matches_a_hashmap_model_over_local(ops in proptest::collection::vec(op(), 4..40)) {
         run(Net::Local, ops)?;
     }
 
     #[test]
-    fn every_form_matches_a_hashmap_model_over_shm(ops in proptest::collection::vec(op(), 1..24)) {
+    fn every_form_matches_a_hashmap_model_over_shm(ops in proptest::collection::vec(op(), 4..40)) {
         run(Net::Shm, ops)?;
     }
 
     #[test]
-    fn every_form_matches_a_hashmap_model_over_tcp(ops in proptest::collection::vec(op(), 1..24)) {
+    fn every_form_matches_a_hashmap_model_over_tcp(ops in proptest::collection::vec(op(), 4..40)) {
         run(Net::Tcp, ops)?;
     }
 }
