@@ -1,0 +1,948 @@
+//! One data path (issue 23): every put form and every get form of `Store` behave as
+//! one, through the public API only.
+//!
+//! - A model test drives random sequences of every put form (single, batch, parts,
+//!   upsert, device over the host emulation) and every get form against a `HashMap`,
+//!   over the Local, Shm and Tcp transports (Shm and Tcp through a master daemon),
+//!   with storage nodes killed (their endpoint gone while the master still lists
+//!   their segment), clients lost (segment unmounted) and replicas corrupted (a byte
+//!   flipped in a storage node's memory) at random points. Properties: a read returns
+//!   the model's bytes or an error, never other bytes; a corrupted replica is never
+//!   returned; a put succeeds while a live segment has room; every form reports the
+//!   same outcome for the same situation (missing key, buffer too small, bad key).
+//! - Plain tests: `put_parts`, `batch_put`, `batch_put_parts` and `batch_upsert`
+//!   re-place an object after a dead segment as `put` does; `batch_get` detects a
+//!   flipped byte; `Store::batch_remove` forgets this client's cached replica lists.
+//!
+//! Bytes are flipped through a transfer engine of this process (the local transport
+//! reaches every registered region of the process), at offsets the master gives:
+//! `Store` has no public way to touch its segment's memory, and needs none.
+
+mod support;
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use mooncake_core::gpu::{DeviceMemory, HostDeviceMemory};
+use mooncake_core::{Error, Master, MasterConfig, MasterDaemon, Protocol, ReplicateConfig, Store, MAX_KEY_LEN};
+use mooncake_transfer::{RegisteredRegion, ShmTransport, TcpTransport, TransferEngine, Transport};
+use proptest::prelude::*;
+use support::{payload, wait_until};
+
+/// Keys of the model test.
+const KEYS: usize = 6;
+/// Stores (each with a segment) of the model test.
+const STORES: usize = 3;
+/// Largest object of the model test; read buffers have this many bytes.
+const MAX_LEN: usize = 40_000;
+/// Where the device forms put object `i` of a batch (`i * SLOT`) in device memory.
+const SLOT: u64 = 64 << 10;
+/// Bytes of each emulated device memory.
+const DEV: u64 = 1 << 20;
+
+// --- Helpers ----------------------------------------------------------------------
+
+/// A storage node reduced to its parts: a registered region mounted at the master
+/// by a client that never heartbeats. Dropping it kills the node: its endpoint and
+/// memory are gone, but the master still lists its segment (as after `kill -9`,
+/// until the client's time to live runs out).
+struct RawNode {
+    _engine: TransferEngine,
+    _region: Arc<RegisteredRegion>,
+    segment: u64,
+}
+
+fn raw_node(master: &Master, len: u64) -> RawNode {
+    // Listening, with shareable memory: reachable over Local, Shm and Tcp alike.
+    let engine = TransferEngine::builder().shared_memory(true).tcp_listen("127.0.0.1:0").build().unwrap();
+    let region = engine.register_region(len).unwrap();
+    let client = master.register_client().unwrap().client;
+    let segment = master.mount_segment(client, &engine.remote(region.id()), region.len()).unwrap();
+    RawNode { _engine: engine, _region: region, segment }
+}
+
+/// The name (`endpoint#n`) of a segment the master lists whose node is dead.
+fn dead_segment(master: &Master) -> String {
+    let node = raw_node(master, 4 << 20);
+    let name = master.segment_info(node.segment).unwrap().name;
+    drop(node);
+    name
+}
+
+/// Flips one byte (`at` bytes into the object) of the replica of `key` that lives on
+/// `segment`, through `poke` (an engine of this process).
+fn flip_byte(poke: &TransferEngine, master: &Master, key: &str, segment: u64, at: u64) {
+    let info = master.object_info(key).unwrap();
+    let r = info.replicas.iter().find(|r| r.segment == segment).expect("a replica on that segment");
+    let region = master.segment_info(segment).unwrap().region;
+    let mut byte = [0u8];
+    poke.read(&region, r.offset + at, &mut byte).unwrap();
+    poke.write(&region, r.offset + at, &[byte[0] ^ 0x5a]).unwrap();
+}
+
+/// The variant of an error: the "same error" of the properties.
+fn kind(e: &Error) -> String {
+    let debug = format!("{e:?}");
+    debug.split(['(', ' ', '{']).next().unwrap_or_default().to_owned()
+}
+
+/// A read's outcome, comparable across forms.
+fn outcome(r: &Result<Vec<u8>, Error>) -> Result<&[u8], String> {
+    r.as_ref().map(Vec::as_slice).map_err(kind)
+}
+
+/// `buf` cut into up to three non-empty pieces at points picked by `split`.
+fn cut(buf: &mut [u8], split: usize) -> Vec<&mut [u8]> {
+    let n = buf.len();
+    if n < 3 {
+        return vec![buf];
+    }
+    let a = 1 + split % (n - 2);
+    let b = a + 1 + (split / 7) % (n - a - 1);
+    let (first, rest) = buf.split_at_mut(a);
+    let (second, third) = rest.split_at_mut(b - a);
+    vec![first, second, third]
+}
+
+/// `value` as up to three non-empty parts.
+fn parts_of(value: &[u8], split: usize) -> Vec<&[u8]> {
+    let n = value.len();
+    if n < 3 {
+        return vec![value];
+    }
+    let a = 1 + split % (n - 2);
+    let b = a + 1 + (split / 7) % (n - a - 1);
+    vec![&value[..a], &value[a..b], &value[b..]]
+}
+
+// --- The forms --------------------------------------------------------------------
+
+/// Every put form of `Store`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum PutForm {
+    Put,
+    PutWith,
+    PutParts,
+    BatchPut,
+    BatchPutParts,
+    Upsert,
+    UpsertWith,
+    UpsertParts,
+    BatchUpsert,
+    BatchUpsertParts,
+    PutFromDevice,
+    PutFromDeviceWith,
+    BatchPutFromDevice,
+}
+
+const PUT_FORMS: [PutForm; 13] = [
+    PutForm::Put,
+    PutForm::PutWith,
+    PutForm::PutParts,
+    PutForm::BatchPut,
+    PutForm::BatchPutParts,
+    PutForm::Upsert,
+    PutForm::UpsertWith,
+    PutForm::UpsertParts,
+    PutForm::BatchUpsert,
+    PutForm::BatchUpsertParts,
+    PutForm::PutFromDevice,
+    PutForm::PutFromDeviceWith,
+    PutForm::BatchPutFromDevice,
+];
+
+impl PutForm {
+    fn is_upsert(self) -> bool {
+        matches!(self, Self::Upsert | Self::UpsertWith | Self::UpsertParts | Self::BatchUpsert | Self::BatchUpsertParts)
+    }
+
+    fn is_batch(self) -> bool {
+        matches!(
+            self,
+            Self::BatchPut
+                | Self::BatchPutParts
+                | Self::BatchUpsert
+                | Self::BatchUpsertParts
+                | Self::BatchPutFromDevice
+        )
+    }
+
+    /// Writes `items` (all of them for a batch form, the first otherwise) with this
+    /// form; one result per item written. Forms without a config use the store's
+    /// default (one replica).
+    fn write(
+        self,
+        store: &Store,
+        src: &HostDeviceMemory,
+        items: &[(&str, &[u8])],
+        cfg: &ReplicateConfig,
+        split: usize,
+    ) -> Vec<Result<(), Error>> {
+        let (key, value) = items[0];
+        let parted: Vec<Vec<&[u8]>> = items.iter().map(|(_, v)| parts_of(v, split)).collect();
+        let parted_items: Vec<(&str, &[&[u8]])> = items.iter().zip(&parted).map(|((k, _), p)| (*k, &p[..])).collect();
+        let on_device = |i: usize| {
+            src.copy_from_host(i as u64 * SLOT, items[i].1).unwrap();
+            (i as u64 * SLOT, items[i].1.len() as u64)
+        };
+        match self {
+            Self::Put => vec![store.put(key, value)],
+            Self::PutWith => vec![store.put_with(key, value, cfg)],
+            Self::PutParts => vec![store.put_parts(key, &parted[0])],
+            Self::BatchPut => store.batch_put(items, cfg),
+            Self::BatchPutParts => store.batch_put_parts(&parted_items, cfg),
+            Self::Upsert => vec![store.upsert(key, value)],
+            Self::UpsertWith => vec![store.upsert_with(key, value, cfg)],
+            Self::UpsertParts => vec![store.upsert_parts(key, &parted[0])],
+            Self::BatchUpsert => store.batch_upsert(items, cfg),
+            Self::BatchUpsertParts => store.batch_upsert_parts(&parted_items, cfg),
+            Self::PutFromDevice => {
+                let (off, len) = on_device(0);
+                vec![store.put_from_device(key, src, off, len)]
+            }
+            Self::PutFromDeviceWith => {
+                let (off, len) = on_device(0);
+                vec![store.put_from_device_with(key, src, off, len, cfg)]
+            }
+            Self::BatchPutFromDevice => {
+                let placed: Vec<(u64, u64)> = (0..items.len()).map(on_device).collect();
+                let batch: Vec<(&str, u64, u64)> =
+                    items.iter().zip(&placed).map(|((k, _), (off, len))| (*k, *off, *len)).collect();
+                store.batch_put_from_device(&batch, src, cfg)
+            }
+        }
+    }
+}
+
+/// Every get form of `Store`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum GetForm {
+    Get,
+    GetInto,
+    GetIntoParts,
+    BatchGet,
+    BatchGetInto,
+    BatchGetIntoParts,
+    GetIntoDevice,
+    BatchGetIntoDevice,
+}
+
+const GET_FORMS: [GetForm; 8] = [
+    GetForm::Get,
+    GetForm::GetInto,
+    GetForm::GetIntoParts,
+    GetForm::BatchGet,
+    GetForm::BatchGetInto,
+    GetForm::BatchGetIntoParts,
+    GetForm::GetIntoDevice,
+    GetForm::BatchGetIntoDevice,
+];
+
+impl GetForm {
+    /// Whether the caller gives the destination (so it can be too small).
+    fn has_buffer(self) -> bool {
+        !matches!(self, Self::Get | Self::BatchGet)
+    }
+
+    fn is_batch(self) -> bool {
+        matches!(self, Self::BatchGet | Self::BatchGetInto | Self::BatchGetIntoParts | Self::BatchGetIntoDevice)
+    }
+
+    /// Reads `keys` (all of them for a batch form, the first otherwise) with this
+    /// form, each into a destination of `size` bytes (cut in parts by `split`); the
+    /// bytes read or the error, per key.
+    fn read(
+        self,
+        store: &Store,
+        dev: &HostDeviceMemory,
+        keys: &[&str],
+        size: usize,
+        split: usize,
+    ) -> Vec<Result<Vec<u8>, Error>> {
+        let keys = if self.is_batch() { keys } else { &keys[..1] };
+        let mut bufs: Vec<Vec<u8>> = keys.iter().map(|_| vec![0u8; size]).collect();
+        let took = |bufs: &[Vec<u8>], res: Vec<Result<usize, Error>>| -> Vec<Result<Vec<u8>, Error>> {
+            res.into_iter().zip(bufs).map(|(r, b)| r.map(|n| b[..n].to_vec())).collect()
+        };
+        // Device destinations: each key at its own slot, `size` bytes of room (the
+        // last slot ends at the end of the device memory).
+        let at = |i: usize| if keys.len() == 1 { DEV - size as u64 } else { i as u64 * SLOT };
+        let from_device = |res: Vec<Result<usize, Error>>| -> Vec<Result<Vec<u8>, Error>> {
+            res.into_iter()
+                .enumerate()
+                .map(|(i, r)| {
+                    r.map(|n| {
+                        let mut out = vec![0u8; n];
+                        dev.copy_to_host(at(i), &mut out).unwrap();
+                        out
+                    })
+                })
+                .collect()
+        };
+        match self {
+            Self::Get => vec![store.get(keys[0]).map(|b| b.to_vec())],
+            Self::GetInto => {
+                let r = store.get_into(keys[0], &mut bufs[0]);
+                took(&bufs, vec![r])
+            }
+            Self::GetIntoParts => {
+                let r = {
+                    let mut parts = cut(&mut bufs[0], split);
+                    store.get_into_parts(keys[0], &mut parts)
+                };
+                took(&bufs, vec![r])
+            }
+            Self::BatchGet => store.batch_get(keys).into_iter().map(|r| r.map(|b| b.to_vec())).collect(),
+            Self::BatchGetInto => {
+                let r = {
+                    let mut views: Vec<&mut [u8]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
+                    store.batch_get_into(keys, &mut views)
+                };
+                took(&bufs, r)
+            }
+            Self::BatchGetIntoParts => {
+                let r = {
+                    let mut parted: Vec<Vec<&mut [u8]>> = bufs.iter_mut().map(|b| cut(b, split)).collect();
+                    let mut views: Vec<&mut [&mut [u8]]> = parted.iter_mut().map(|p| &mut p[..]).collect();
+                    store.batch_get_into_parts(keys, &mut views)
+                };
+                took(&bufs, r)
+            }
+            Self::GetIntoDevice => from_device(vec![store.get_into_device(keys[0], dev, at(0))]),
+            Self::BatchGetIntoDevice => {
+                let items: Vec<(&str, u64)> = keys.iter().enumerate().map(|(i, k)| (*k, at(i))).collect();
+                from_device(store.batch_get_into_device(&items, dev))
+            }
+        }
+    }
+}
+
+// --- The model test ---------------------------------------------------------------
+
+#[derive(Clone, Copy, Debug)]
+enum Net {
+    Local,
+    Shm,
+    Tcp,
+}
+
+#[derive(Clone, Debug)]
+enum Op {
+    /// A put form; batch forms also write `(key + 1) % KEYS`.
+    Write {
+        form: usize,
+        key: usize,
+        seed: u8,
+        len: usize,
+        replicas: usize,
+        via: usize,
+        split: usize,
+    },
+    /// A get form; batch forms read every key.
+    Read {
+        form: usize,
+        key: usize,
+        via: usize,
+        split: usize,
+    },
+    /// Every get form on one key at the same moment, with buffers of exactly the
+    /// object's length (`short`: one byte less).
+    ReadAll {
+        key: usize,
+        via: usize,
+        short: bool,
+        split: usize,
+    },
+    Remove {
+        key: usize,
+        batch: bool,
+        via: usize,
+    },
+    /// Every put, get and remove form with a bad key.
+    BadKey {
+        via: usize,
+        long: bool,
+    },
+    /// Flips a byte of one live replica of the key.
+    Corrupt {
+        key: usize,
+        pick: usize,
+    },
+    /// The raw storage node dies (its segment stays listed); a new one starts. At
+    /// most two die per case.
+    KillNode,
+    /// A store is dropped (its segment unmounted) and a new one joins.
+    LoseClient {
+        which: usize,
+    },
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        6 => (0..PUT_FORMS.len(), 0..KEYS, any::<u8>(), 2..MAX_LEN, 1usize..=3, 0..STORES, any::<usize>())
+            .prop_map(|(form, key, seed, len, replicas, via, split)| Op::Write { form, key, seed, len, replicas, via, split }),
+        4 => (0..GET_FORMS.len(), 0..KEYS, 0..STORES, any::<usize>())
+            .prop_map(|(form, key, via, split)| Op::Read { form, key, via, split }),
+        3 => (0..KEYS, 0..STORES, any::<bool>(), any::<usize>())
+            .prop_map(|(key, via, short, split)| Op::ReadAll { key, via, short, split }),
+        1 => (0..KEYS, any::<bool>(), 0..STORES).prop_map(|(key, batch, via)| Op::Remove { key, batch, via }),
+        1 => (0..STORES, any::<bool>()).prop_map(|(via, long)| Op::BadKey { via, long }),
+        2 => (0..KEYS, any::<usize>()).prop_map(|(key, pick)| Op::Corrupt { key, pick }),
+        2 => Just(Op::KillNode),
+        1 => (0..STORES).prop_map(|which| Op::LoseClient { which }),
+    ]
+}
+
+fn key_name(k: usize) -> String {
+    format!("data-path/{k}")
+}
+
+/// What the model knows of a stored key.
+#[derive(Clone, Debug)]
+struct Entry {
+    value: Vec<u8>,
+    /// Segments holding a replica of this object with a flipped byte.
+    corrupt: HashSet<u64>,
+}
+
+/// What a read of a key must give.
+#[derive(Debug)]
+enum Expect {
+    /// Exactly these bytes (a replica is intact and reachable).
+    Bytes(Vec<u8>),
+    /// `NotFound`.
+    Missing,
+    /// No intact reachable replica: these bytes (a dead node's memory still mapped)
+    /// or `Corrupted` / `Transport`; only `Corrupted` when every replica is corrupt.
+    Degraded { value: Vec<u8>, all_corrupt: bool },
+}
+
+struct World {
+    net: Net,
+    daemon: MasterDaemon,
+    stores: Vec<Store>,
+    /// The transports (Shm, Tcp) given to every store so far, to show the bytes went
+    /// there.
+    transports: Vec<Arc<dyn Transport>>,
+    node: RawNode,
+    dead: HashSet<u64>,
+    poke: TransferEngine,
+    src: HostDeviceMemory,
+    dst: HostDeviceMemory,
+    model: HashMap<usize, Entry>,
+    wrote: bool,
+}
+
+impl World {
+    fn new(net: Net) -> World {
+        // No read leases (removal would depend on timing, and no replica list is kept
+        // between gets), and clients outlive the case (a killed node stays listed).
+        let config = MasterConfig {
+            default_lease: Duration::ZERO,
+            client_ttl: Duration::from_secs(120),
+            ..MasterConfig::served()
+        };
+        let daemon = MasterDaemon::builder("127.0.0.1:0").config(config).serve().unwrap();
+        let node = raw_node(daemon.master(), 4 << 20);
+        let mut w = World {
+            net,
+            daemon,
+            stores: Vec::new(),
+            transports: Vec::new(),
+            node,
+            dead: HashSet::new(),
+            poke: TransferEngine::new(),
+            src: HostDeviceMemory::new(DEV).unwrap(),
+            dst: HostDeviceMemory::new(DEV).unwrap(),
+            model: HashMap::new(),
+            wrote: false,
+        };
+        for _ in 0..STORES {
+            let (s, t) = w.new_store();
+            w.stores.push(s);
+            w.transports.extend(t);
+        }
+        w
+    }
+
+    fn master(&self) -> &Master {
+        self.daemon.master()
+    }
+
+    fn new_store(&self) -> (Store, Option<Arc<dyn Transport>>) {
+        let addr = self.daemon.local_addr().to_string();
+        let b = Store::builder().global_segment_size(4 << 20);
+        match self.net {
+            Net::Local => (b.master(self.master()).build().unwrap(), None),
+            Net::Shm => {
+                // Ahead of the local transport, which would take in-process peers.
+                let shm: Arc<dyn Transport> = Arc::new(ShmTransport::new());
+                let b = b.master_address(&addr).listen("127.0.0.1:0").protocol(Protocol::Shm);
+                (b.transport(shm.clone()).build().unwrap(), Some(shm))
+            }
+            Net::Tcp => {
+                let tcp: Arc<dyn Transport> = Arc::new(TcpTransport::new());
+                let b = b.master_address(&addr).listen("127.0.0.1:0").protocol(Protocol::Tcp);
+                (b.transport(tcp.clone()).build().unwrap(), Some(tcp))
+            }
+        }
+    }
+
+    fn expect(&self, key: usize) -> Expect {
+        let Some(e) = self.model.get(&key) else { return Expect::Missing };
+        let info = self.master().object_info(&key_name(key)).expect("the model holds it, so must the master");
+        let intact = |s: &u64| !self.dead.contains(s) && !e.corrupt.contains(s);
+        if info.replicas.iter().any(|r| intact(&r.segment)) {
+            return Expect::Bytes(e.value.clone());
+        }
+        let all_corrupt =
+            info.replicas.iter().all(|r| e.corrupt.contains(&r.segment) && !self.dead.contains(&r.segment));
+        Expect::Degraded { value: e.value.clone(), all_corrupt }
+    }
+
+    fn check_read(&self, key: usize, what: &str, got: &Result<Vec<u8>, Error>) -> Result<(), TestCaseError> {
+        match (self.expect(key), got) {
+            (Expect::Bytes(v), Ok(b)) => {
+                prop_assert!(*b == v, "{}: key {} returned bytes that are not the model's", what, key)
+            }
+            (Expect::Bytes(_), Err(e)) => {
+                prop_assert!(false, "{}: key {} has an intact replica, got {:?}", what, key, e)
+            }
+            (Expect::Missing, Err(Error::NotFound(_))) => {}
+            (Expect::Missing, other) => prop_assert!(false, "{}: absent key {} gave {:?}", what, key, outcome(other)),
+            (Expect::Degraded { value, all_corrupt }, Ok(b)) => {
+                prop_assert!(!all_corrupt, "{}: key {} returned a corrupted replica's bytes", what, key);
+                prop_assert!(*b == value, "{}: key {} returned bytes that are not the model's", what, key);
+            }
+            (Expect::Degraded { all_corrupt: true, .. }, Err(Error::Corrupted(_))) => {}
+            (Expect::Degraded { all_corrupt: false, .. }, Err(Error::Corrupted(_) | Error::Transport(_))) => {}
+            (Expect::Degraded { all_corrupt, .. }, Err(e)) => {
+                prop_assert!(
+                    false,
+                    "{}: key {} without an intact replica (all corrupt: {}) gave {:?}",
+                    what,
+                    key,
+                    all_corrupt,
+                    e
+                )
+            }
+        }
+        Ok(())
+    }
+
+    fn apply(&mut self, op: Op) -> Result<(), TestCaseError> {
+        match op {
+            Op::Write { form, key, seed, len, replicas, via, split } => {
+                let form = PUT_FORMS[form];
+                let keys = if form.is_batch() { vec![key, (key + 1) % KEYS] } else { vec![key] };
+                let names: Vec<String> = keys.iter().map(|&k| key_name(k)).collect();
+                let values: Vec<Vec<u8>> =
+                    keys.iter().map(|&k| payload(seed.wrapping_add(k as u8), len - (k * 13) % (len / 2))).collect();
+                let items: Vec<(&str, &[u8])> =
+                    names.iter().map(String::as_str).zip(values.iter().map(Vec::as_slice)).collect();
+                let res = form.write(&self.stores[via], &self.src, &items, &ReplicateConfig::replicas(replicas), split);
+                prop_assert_eq!(res.len(), keys.len());
+                for ((k, v), r) in keys.iter().zip(values).zip(res) {
+                    let present = self.model.contains_key(k);
+                    match (form.is_upsert(), present, r) {
+                        // A live segment always has room: every put form must store it,
+                        // re-placing what a dead segment refused.
+                        (_, _, Ok(())) if form.is_upsert() || !present => {
+                            self.model.insert(*k, Entry { value: v, corrupt: HashSet::new() });
+                            self.wrote = true;
+                        }
+                        (false, true, Err(Error::AlreadyExists(_))) => {}
+                        (_, _, r) => prop_assert!(
+                            false,
+                            "{:?} of key {} (present: {}, dead segments: {}) gave {:?}",
+                            form,
+                            k,
+                            present,
+                            self.dead.len(),
+                            r
+                        ),
+                    }
+                }
+            }
+            Op::Read { form, key, via, split } => {
+                let form = GET_FORMS[form];
+                let keys: Vec<usize> = if form.is_batch() { (0..KEYS).collect() } else { vec![key] };
+                let names: Vec<String> = keys.iter().map(|&k| key_name(k)).collect();
+                let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+                let got = form.read(&self.stores[via], &self.dst, &refs, MAX_LEN, split);
+                prop_assert_eq!(got.len(), keys.len());
+                for (k, g) in keys.iter().zip(&got) {
+                    self.check_read(*k, &format!("{form:?}"), g)?;
+                }
+            }
+            Op::ReadAll { key, via, short, split } => {
+                let name = key_name(key);
+                let len = self.model.get(&key).map_or(1000, |e| e.value.len());
+                let size = if short { len - 1 } else { len };
+                let mut seen: Vec<(GetForm, Result<Vec<u8>, Error>)> = Vec::new();
+                for form in GET_FORMS.into_iter().filter(|f| !short || f.has_buffer()) {
+                    let got = form.read(&self.stores[via], &self.dst, &[&name], size, split).pop().unwrap();
+                    if short && self.model.contains_key(&key) {
+                        prop_assert!(
+                            matches!(got, Err(Error::BufferTooSmall { .. })),
+                            "{:?} of key {} into {} bytes of {} gave {:?}",
+                            form,
+                            key,
+                            size,
+                            len,
+                            outcome(&got)
+                        );
+                    } else {
+                        self.check_read(key, &format!("{form:?}"), &got)?;
+                    }
+                    seen.push((form, got));
+                }
+                let (first, first_got) = &seen[0];
+                for (form, got) in &seen[1..] {
+                    prop_assert!(
+                        outcome(got) == outcome(first_got),
+                        "key {}: {:?} gave {:?} but {:?} gave {:?}",
+                        key,
+                        first,
+                        outcome(first_got).map(<[u8]>::len),
+                        form,
+                        outcome(got).map(<[u8]>::len)
+                    );
+                }
+            }
+            Op::Remove { key, batch, via } => {
+                let name = key_name(key);
+                let store = &self.stores[via];
+                let res = if batch { store.batch_remove(&[&name]).pop().unwrap() } else { store.remove(&name) };
+                match (self.model.remove(&key), res) {
+                    (Some(_), Ok(())) | (None, Err(Error::NotFound(_))) => {}
+                    (known, res) => {
+                        prop_assert!(false, "remove of key {} (model {:?}) gave {:?}", key, known.is_some(), res)
+                    }
+                }
+            }
+            Op::BadKey { via, long } => {
+                let bad = if long { "k".repeat(MAX_KEY_LEN + 1) } else { String::new() };
+                let store = &self.stores[via];
+                let fine = key_name(KEYS); // never stored
+                for form in PUT_FORMS {
+                    let items: Vec<(&str, &[u8])> =
+                        vec![(bad.as_str(), b"bytes of a bad key"), (fine.as_str(), b"fine")];
+                    let res = form.write(store, &self.src, &items, &ReplicateConfig::default(), 5);
+                    prop_assert!(
+                        matches!(res[0], Err(Error::InvalidArgument(_))),
+                        "{:?} with a bad key gave {:?}",
+                        form,
+                        res[0]
+                    );
+                    if form.is_batch() {
+                        prop_assert!(
+                            res[1].is_ok(),
+                            "{:?}: the good item of a batch with a bad key gave {:?}",
+                            form,
+                            res[1]
+                        );
+                        store.remove(&fine).unwrap();
+                    }
+                }
+                for form in GET_FORMS {
+                    let got = form.read(store, &self.dst, &[&bad, &fine], 64, 5);
+                    prop_assert!(
+                        matches!(got[0], Err(Error::InvalidArgument(_))),
+                        "{:?} with a bad key gave {:?}",
+                        form,
+                        outcome(&got[0])
+                    );
+                    if form.is_batch() {
+                        prop_assert!(
+                            matches!(got[1], Err(Error::NotFound(_))),
+                            "{:?}: absent key beside a bad one gave {:?}",
+                            form,
+                            outcome(&got[1])
+                        );
+                    }
+                }
+                prop_assert!(matches!(store.remove(&bad), Err(Error::InvalidArgument(_))));
+                let res = store.batch_remove(&[&bad]);
+                prop_assert!(
+                    matches!(res[0], Err(Error::InvalidArgument(_))),
+                    "batch_remove with a bad key gave {:?}",
+                    res[0]
+                );
+            }
+            Op::Corrupt { key, pick } => {
+                let Some(entry) = self.model.get(&key) else { return Ok(()) };
+                let len = entry.value.len() as u64;
+                let info = self.master().object_info(&key_name(key)).unwrap();
+                let live: Vec<u64> =
+                    info.replicas.iter().map(|r| r.segment).filter(|s| !self.dead.contains(s)).collect();
+                if live.is_empty() {
+                    return Ok(());
+                }
+                let segment = live[pick % live.len()];
+                flip_byte(&self.poke, self.master(), &key_name(key), segment, (pick as u64 / 3) % len);
+                self.model.get_mut(&key).unwrap().corrupt.insert(segment);
+            }
+            Op::KillNode => {
+                // A put is placed at most three times: with two segments dead but not
+                // yet reported, the third placement still finds a live one.
+                if self.dead.len() >= 2 {
+                    return Ok(());
+                }
+                let fresh = raw_node(self.master(), 4 << 20);
+                let old = std::mem::replace(&mut self.node, fresh);
+                self.dead.insert(old.segment);
+                drop(old);
+            }
+            Op::LoseClient { which } => {
+                let segments = self.master().stats().segments;
+                let (s, t) = self.new_store();
+                let old = std::mem::replace(&mut self.stores[which], s);
+                self.transports.extend(t);
+                drop(old);
+                // The last handle may be a heartbeat under way: wait for the unmount.
+                let master = self.master();
+                wait_until(Duration::from_secs(10), || master.stats().segments == segments);
+                // Objects whose only replicas were there are gone with it.
+                let master = self.daemon.master();
+                self.model.retain(|k, _| !matches!(master.object_info(&key_name(*k)), Err(Error::NotFound(_))));
+            }
+        }
+        Ok(())
+    }
+}
+
+fn run(net: Net, ops: Vec<Op>) -> Result<(), TestCaseError> {
+    let mut world = World::new(net);
+    for op in ops {
+        world.apply(op)?;
+    }
+    // Final sweep: every key through the plainest form.
+    for key in 0..KEYS {
+        let got = GetForm::Get.read(&world.stores[0], &world.dst, &[&key_name(key)], MAX_LEN, 0).pop().unwrap();
+        world.check_read(key, "final get", &got)?;
+    }
+    // The bytes went through the transport under test.
+    if world.wrote {
+        let moved: u64 = world
+            .transports
+            .iter()
+            .filter_map(|t| t.stats())
+            .map(|s| {
+                s.bytes_written.load(std::sync::atomic::Ordering::Relaxed)
+                    + s.bytes_read.load(std::sync::atomic::Ordering::Relaxed)
+            })
+            .sum();
+        prop_assert!(matches!(world.net, Net::Local) || moved > 0, "nothing moved over {:?}", world.net);
+    }
+    Ok(())
+}
+
+fn config() -> ProptestConfig {
+    // A handful of cases per transport, each a short sequence: the whole file stays
+    // well under a minute on two cores in a debug build; shrinking is bounded too.
+    ProptestConfig { cases: 8, max_shrink_iters: 64, max_shrink_time: 30_000, ..ProptestConfig::default() }
+}
+
+proptest! {
+    #![proptest_config(config())]
+    #[test]
+    fn every_form_matches_a_hashmap_model_over_local(ops in proptest::collection::vec(op(), 4..40)) {
+        run(Net::Local, ops)?;
+    }
+
+    #[test]
+    fn every_form_matches_a_hashmap_model_over_shm(ops in proptest::collection::vec(op(), 4..40)) {
+        run(Net::Shm, ops)?;
+    }
+
+    #[test]
+    fn every_form_matches_a_hashmap_model_over_tcp(ops in proptest::collection::vec(op(), 4..40)) {
+        run(Net::Tcp, ops)?;
+    }
+}
+
+// --- Re-placing after a dead segment ----------------------------------------------
+
+/// A master with one live storage node, and a writer giving no memory whose default
+/// (and given) config prefers the segment of a node that just died: the first
+/// placement goes there, the write fails, and the put must be placed again on the
+/// live node.
+struct DeadSegmentSetup {
+    master: Master,
+    live: Store,
+    writer: Store,
+    dead: String,
+    cfg: ReplicateConfig,
+}
+
+fn dead_segment_setup() -> DeadSegmentSetup {
+    let master = Master::new(MasterConfig { default_lease: Duration::ZERO, ..Default::default() }).unwrap();
+    let live = Store::builder().master(&master).global_segment_size(4 << 20).build().unwrap();
+    let dead = dead_segment(&master);
+    let cfg = ReplicateConfig { preferred_segments: vec![dead.clone()], ..Default::default() };
+    let writer =
+        Store::builder().master(&master).global_segment_size(0).default_replicate_config(cfg.clone()).build().unwrap();
+    DeadSegmentSetup { master, live, writer, dead, cfg }
+}
+
+impl DeadSegmentSetup {
+    /// Each key reads back its bytes, from a replica on the live node only.
+    fn assert_stored_on_live(&self, items: &[(&str, &[u8])]) {
+        let live = self.live.segment_id().unwrap();
+        for (key, value) in items {
+            let info = self.master.object_info(key).unwrap_or_else(|e| panic!("{key}: {e}"));
+            assert!(info.replicas.iter().all(|r| r.segment == live), "{key}: {:?}", info.replicas);
+            assert_eq!(&self.live.get(key).unwrap()[..], *value, "{key}");
+        }
+        assert!(self.master.stats().segment_failures >= 1, "the dead segment was reported");
+    }
+}
+
+#[test]
+fn put_parts_re_places_after_a_dead_segment() {
+    let s = dead_segment_setup();
+    let value = payload(1, 30_000);
+    let parts = parts_of(&value, 12_345);
+    s.writer.put_parts("parts", &parts).unwrap_or_else(|e| panic!("put_parts onto {} did not re-place: {e:?}", s.dead));
+    s.assert_stored_on_live(&[("parts", &value)]);
+}
+
+#[test]
+fn batch_put_re_places_after_a_dead_segment() {
+    let s = dead_segment_setup();
+    let (a, b) = (payload(2, 10_000), payload(3, 20_000));
+    let items: Vec<(&str, &[u8])> = vec![("batch/a", &a), ("batch/b", &b)];
+    let res = s.writer.batch_put(&items, &s.cfg);
+    assert!(res.iter().all(Result::is_ok), "batch_put onto {} did not re-place: {res:?}", s.dead);
+    s.assert_stored_on_live(&items);
+}
+
+#[test]
+fn batch_put_parts_re_places_after_a_dead_segment() {
+    let s = dead_segment_setup();
+    let (a, b) = (payload(4, 10_000), payload(5, 20_000));
+    let (pa, pb) = (parts_of(&a, 77), parts_of(&b, 999));
+    let res = s.writer.batch_put_parts(&[("bparts/a", &pa[..]), ("bparts/b", &pb[..])], &s.cfg);
+    assert!(res.iter().all(Result::is_ok), "batch_put_parts onto {} did not re-place: {res:?}", s.dead);
+    s.assert_stored_on_live(&[("bparts/a", &a), ("bparts/b", &b)]);
+}
+
+#[test]
+fn batch_upsert_re_places_after_a_dead_segment() {
+    let s = dead_segment_setup();
+    let (a, b) = (payload(6, 10_000), payload(7, 20_000));
+    // One key new, one replacing an object.
+    s.live.put("bupsert/b", b"old bytes").unwrap();
+    let items: Vec<(&str, &[u8])> = vec![("bupsert/a", &a), ("bupsert/b", &b)];
+    let res = s.writer.batch_upsert(&items, &s.cfg);
+    assert!(res.iter().all(Result::is_ok), "batch_upsert onto {} did not re-place: {res:?}", s.dead);
+    s.assert_stored_on_live(&items);
+}
+
+#[test]
+fn every_other_put_form_re_places_after_a_dead_segment() {
+    let dev = HostDeviceMemory::new(DEV).unwrap();
+    for form in PUT_FORMS {
+        if matches!(form, PutForm::PutParts | PutForm::BatchPut | PutForm::BatchPutParts | PutForm::BatchUpsert) {
+            continue; // each has its own test above
+        }
+        let s = dead_segment_setup();
+        let (a, b) = (payload(8, 12_000), payload(9, 7_000));
+        let (ka, kb) = (format!("{form:?}/a"), format!("{form:?}/b"));
+        let items: Vec<(&str, &[u8])> = vec![(&ka, &a), (&kb, &b)];
+        let res = form.write(&s.writer, &dev, &items, &s.cfg, 321);
+        assert!(res.iter().all(Result::is_ok), "{form:?} onto {} did not re-place: {res:?}", s.dead);
+        s.assert_stored_on_live(&items[..res.len()]);
+    }
+}
+
+// --- batch_get and a flipped byte -------------------------------------------------
+
+#[test]
+fn batch_get_detects_a_flipped_byte_and_never_returns_a_corrupted_replica() {
+    for tcp in [false, true] {
+        let master = Master::new(MasterConfig { default_lease: Duration::ZERO, ..Default::default() }).unwrap();
+        let node = |tcp: bool| {
+            let b = Store::builder().master(&master).global_segment_size(8 << 20);
+            if tcp { b.protocol(Protocol::Tcp).listen("127.0.0.1:0") } else { b }.build().unwrap()
+        };
+        let (a, b, reader) = (node(tcp), node(tcp), node(tcp));
+        let on = |s: &Store| ReplicateConfig {
+            preferred_segments: vec![master.segment_info(s.segment_id().unwrap()).unwrap().name],
+            ..Default::default()
+        };
+        let values: Vec<Vec<u8>> = [5usize, 70_000, 300_000, 2 << 20].iter().map(|&n| payload(n as u8, n)).collect();
+        let keys = ["one", "bad", "two", "big-bad"];
+        for (key, v) in keys.iter().zip(&values) {
+            a.put_with(key, v, &on(&a)).unwrap();
+        }
+        // Two replicas, the one on `a` corrupt: the other's bytes come back.
+        let both = ReplicateConfig { replica_num: 2, ..on(&a) };
+        let twice = payload(99, 100_000);
+        b.put_with("twice", &twice, &both).unwrap();
+        assert_eq!(master.object_info("twice").unwrap().replicas.len(), 2);
+        let poke = TransferEngine::new();
+        let seg_a = a.segment_id().unwrap();
+        flip_byte(&poke, &master, "bad", seg_a, 69_999);
+        flip_byte(&poke, &master, "big-bad", seg_a, (1 << 20) + 3);
+        flip_byte(&poke, &master, "twice", seg_a, 4_096);
+        let got = reader.batch_get(&["one", "bad", "two", "big-bad", "twice"]);
+        assert_eq!(&got[0].as_ref().unwrap()[..], &values[0][..], "tcp: {tcp}");
+        assert!(matches!(got[1], Err(Error::Corrupted(_))), "tcp: {tcp}: {:?}", got[1].as_ref().map(|b| b.len()));
+        assert_eq!(&got[2].as_ref().unwrap()[..], &values[2][..], "tcp: {tcp}");
+        assert!(matches!(got[3], Err(Error::Corrupted(_))), "tcp: {tcp}: {:?}", got[3].as_ref().map(|b| b.len()));
+        assert_eq!(&got[4].as_ref().unwrap()[..], &twice[..], "tcp: {tcp}: the intact replica");
+        assert!(reader.stats().checksum_mismatches >= 3, "tcp: {tcp}: {:?}", reader.stats().checksum_mismatches);
+    }
+}
+
+// --- Store::batch_remove and the replica cache --------------------------------------
+
+#[test]
+fn batch_remove_forgets_cached_replica_lists() {
+    // Long leases: a kept list is reused for seconds (the gets give their lease back
+    // as soon as they are over, so removal is not blocked).
+    let master = Master::new(MasterConfig { default_lease: Duration::from_secs(30), ..Default::default() }).unwrap();
+    let (b, c) = (
+        Store::builder().master(&master).global_segment_size(4 << 20).build().unwrap(),
+        Store::builder().master(&master).global_segment_size(4 << 20).build().unwrap(),
+    );
+    let reader = Store::builder().master(&master).global_segment_size(0).replica_cache(1024).build().unwrap();
+    let on = |s: &Store| ReplicateConfig {
+        preferred_segments: vec![master.segment_info(s.segment_id().unwrap()).unwrap().name],
+        ..Default::default()
+    };
+    let old: Vec<Vec<u8>> = (0..3).map(|i| payload(i, 50_000)).collect();
+    let new: Vec<Vec<u8>> = (0..3).map(|i| payload(100 + i, 50_000)).collect();
+    let keys = ["cached/0", "cached/1", "cached/2"];
+    // The setup can show a stale list: removed behind the reader's back (by the
+    // master, as another client would), the old memory untouched and the new object
+    // elsewhere, the kept list still gives the old bytes.
+    b.put_with("probe", &old[0], &on(&b)).unwrap();
+    assert_eq!(&reader.get("probe").unwrap()[..], &old[0][..]);
+    assert_eq!(&reader.get("probe").unwrap()[..], &old[0][..]);
+    let hits = reader.stats().replica_cache_hits;
+    assert!(hits >= 1, "the reader keeps lists");
+    master.batch_remove(&["probe"]).pop().unwrap().unwrap();
+    c.put_with("probe", &new[0], &on(&c)).unwrap();
+    assert_eq!(&reader.get("probe").unwrap()[..], &old[0][..], "a kept list is reused (this test could fail)");
+    // The same through the reader's own Store::batch_remove: forgotten at once.
+    for (key, v) in keys.iter().zip(&old) {
+        b.put_with(key, v, &on(&b)).unwrap();
+        assert_eq!(&reader.get(key).unwrap()[..], &v[..]);
+    }
+    let res = reader.batch_remove(&keys);
+    assert!(res.iter().all(Result::is_ok), "{res:?}");
+    for (key, v) in keys.iter().zip(&new) {
+        c.put_with(key, v, &on(&c)).unwrap();
+    }
+    for (key, v) in keys.iter().zip(&new) {
+        assert_eq!(&reader.get(key).unwrap()[..], &v[..], "{key}: a removed key's cached list was used");
+    }
+    let got = reader.batch_get(&keys);
+    for ((key, v), g) in keys.iter().zip(&new).zip(got) {
+        assert_eq!(&g.unwrap()[..], &v[..], "{key}");
+    }
+}
