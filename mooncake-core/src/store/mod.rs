@@ -9,6 +9,7 @@ mod buffers;
 mod builder;
 #[cfg(feature = "etcd")]
 pub(crate) mod cluster;
+mod destination;
 mod device;
 mod file_storage;
 mod leases;
@@ -36,10 +37,10 @@ use crate::master::{ClientId, Master, MasterApi, ObjectRecord, ReplicaList};
 use crate::rpc::RpcServer;
 
 pub use builder::StoreBuilder;
+use destination::{Dest, Got};
 use file_storage::{DiskPeers, FileStorage};
 pub use file_storage::{SsdBackend, SsdOffloadConfig, SsdStats};
 use leases::LeaseReleaser;
-use read::{Dest, Got};
 use records::SegmentRecords;
 use replica_cache::ReplicaCache;
 use routes::Routes;

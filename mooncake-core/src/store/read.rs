@@ -18,12 +18,10 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
-use bytes::Bytes;
-use mooncake_gpu::{DeviceMemory, PooledBuffer};
 use mooncake_transfer::{TransferError, TransferRequest, WorkOp};
 
-use super::buffers;
-use super::device::{move_device, room_after, staging, DeviceMove, Direct, Uploads};
+use super::destination::{Dest, Destination, Got};
+use super::device::{move_device, DeviceMove, Directs, Uploads};
 use super::routes::Route;
 use super::stats::StoreCounters;
 use super::write::summed;
@@ -36,33 +34,6 @@ use crate::master::{ClientId, MemoryReplica, ReplicaList};
 /// or its transfer (the list was stale).
 const CHECKSUM_RETRIES: usize = 3;
 
-/// Where an object read goes.
-pub(super) enum Dest<'a> {
-    /// A buffer the engine takes from the pool and hands out (`get`).
-    Owned,
-    /// The caller's host buffers, filled in order.
-    Host(Vec<&'a mut [u8]>),
-    /// Device memory from `offset` on.
-    Device { mem: &'a dyn DeviceMemory, offset: u64 },
-}
-
-/// What reading one object gave.
-pub(super) enum Got {
-    /// The object's length (it is in the caller's buffers).
-    Len(usize),
-    /// The object, in a buffer of the engine's.
-    Owned(Bytes),
-}
-
-impl Got {
-    pub(super) fn len(&self) -> usize {
-        match self {
-            Got::Len(n) => *n,
-            Got::Owned(b) => b.len(),
-        }
-    }
-}
-
 /// Where an object's replica list came from.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum ListFrom {
@@ -74,18 +45,10 @@ enum ListFrom {
     Given,
 }
 
-/// A host buffer the engine reads into for a destination that is not the
-/// caller's host memory.
-enum Scratch {
-    None,
-    Owned(Vec<u8>),
-    Pinned(PooledBuffer<'static>),
-}
-
 /// One object of a call, as read so far.
 struct Reading<'a> {
     key: &'a str,
-    dest: Dest<'a>,
+    target: Destination<'a>,
     list: Option<(Arc<ReplicaList>, ListFrom)>,
     /// The replicas in read order, with their routes.
     order: Vec<(MemoryReplica, Result<Arc<Route>>)>,
@@ -94,7 +57,6 @@ struct Reading<'a> {
     asked: usize,
     last_err: Option<Error>,
     done: Option<Result<usize>>,
-    scratch: Scratch,
     /// The registration of a device destination with the NICs.
     direct: Option<usize>,
     /// Whether the object went to device memory straight from its replica.
@@ -116,66 +78,6 @@ impl Reading<'_> {
     fn len(&self) -> usize {
         self.list.as_ref().map_or(0, |(l, _)| l.len as usize)
     }
-
-    /// The host memory the object is read into: the caller's buffers (each piece
-    /// with the object offset of its first byte) or the engine's scratch buffer.
-    fn pieces(&mut self) -> Vec<(u64, &mut [u8])> {
-        let len = self.len();
-        match (&mut self.dest, &mut self.scratch) {
-            (Dest::Host(bufs), _) => {
-                let mut at = 0usize;
-                let mut out = Vec::with_capacity(bufs.len());
-                for b in bufs.iter_mut() {
-                    if at == len {
-                        break;
-                    }
-                    let n = (len - at).min(b.len());
-                    out.push((at as u64, &mut b[..n]));
-                    at += n;
-                }
-                out
-            }
-            (_, Scratch::Owned(buf)) => vec![(0, &mut buf[..len])],
-            (_, Scratch::Pinned(buf)) => vec![(0, &mut buf[..len])],
-            (_, Scratch::None) => Vec::new(),
-        }
-    }
-
-    /// Fails the object unless its destination holds `len` bytes, and takes the
-    /// scratch buffer it needs.
-    fn prepare(&mut self, len: u64) -> Result<()> {
-        match &self.dest {
-            Dest::Owned => {
-                if !matches!(&self.scratch, Scratch::Owned(b) if b.len() >= len as usize) {
-                    self.scratch = Scratch::Owned(buffers::take(len as usize));
-                }
-            }
-            Dest::Host(bufs) => {
-                let capacity: u64 = bufs.iter().map(|b| b.len() as u64).sum();
-                if capacity < len {
-                    return Err(Error::BufferTooSmall { needed: len, capacity });
-                }
-            }
-            Dest::Device { mem, offset } => {
-                let room = room_after(*mem, *offset)? as u64;
-                if len > room {
-                    return Err(Error::BufferTooSmall { needed: len, capacity: room });
-                }
-                if self.direct.is_none() && !matches!(&self.scratch, Scratch::Pinned(b) if b.len() >= len as usize) {
-                    self.scratch = Scratch::Pinned(staging(*mem, len as usize)?);
-                }
-            }
-        }
-        Ok(())
-    }
-
-    /// A pinned buffer for a device destination read through host memory.
-    fn ensure_pinned(&mut self) -> Result<()> {
-        if let (Dest::Device { mem, .. }, Scratch::None) = (&self.dest, &self.scratch) {
-            self.scratch = Scratch::Pinned(staging(*mem, self.len())?);
-        }
-        Ok(())
-    }
 }
 
 impl StoreInner {
@@ -185,14 +87,17 @@ impl StoreInner {
     pub(super) fn read(&self, items: Vec<(&str, Dest<'_>)>, given: Option<Vec<ReplicaList>>) -> Vec<Result<Got>> {
         let count = given.is_none();
         let mut given = given.map(Vec::into_iter);
-        let mut directs: Vec<Direct<'_>> = Vec::new();
-        let mut direct_of: Vec<(u64, u64, usize)> = Vec::new();
+        let mut directs = Directs::default();
         let mut reading: Vec<Reading<'_>> = Vec::with_capacity(items.len());
         for (key, dest) in items {
+            let direct = match &dest {
+                Dest::Device { mem, .. } => directs.register(self, *mem),
+                _ => None,
+            };
             let mut r = Reading {
                 key,
-                direct: None,
-                dest,
+                direct,
+                target: Destination::new(dest),
                 list: None,
                 order: Vec::new(),
                 next: 0,
@@ -200,7 +105,6 @@ impl StoreInner {
                 asked: 0,
                 last_err: None,
                 done: None,
-                scratch: Scratch::None,
                 moved_direct: false,
             };
             if let Err(e) = check_key(key) {
@@ -209,17 +113,6 @@ impl StoreInner {
                 self.set_list(&mut r, Arc::new(list), ListFrom::Given);
             } else if let Some(list) = self.cache.get(key) {
                 self.set_list(&mut r, list, ListFrom::Cache);
-            }
-            if let Dest::Device { mem, .. } = &r.dest {
-                let id = (mem.device_ptr(), mem.len());
-                r.direct = match direct_of.iter().find(|d| (d.0, d.1) == id) {
-                    Some(d) => Some(d.2),
-                    None => self.direct(*mem).map(|d| {
-                        directs.push(d);
-                        direct_of.push((id.0, id.1, directs.len() - 1));
-                        directs.len() - 1
-                    }),
-                };
             }
             reading.push(r);
         }
@@ -237,33 +130,25 @@ impl StoreInner {
         }
         let mut uploads = Uploads::default();
         for (k, r) in reading.iter_mut().enumerate() {
-            if let (Some(Ok(n)), Dest::Device { mem, offset }) = (&r.done, &r.dest) {
-                if !r.moved_direct {
-                    if let Scratch::Pinned(buf) = std::mem::replace(&mut r.scratch, Scratch::None) {
-                        if let Err(e) = uploads.push(k, *mem, buf, *n, *offset) {
-                            r.done = Some(Err(e));
-                        }
-                    }
+            if let Some(Ok(n)) = r.done {
+                if let Err(e) = r.target.upload(k, n, &mut uploads) {
+                    r.done = Some(Err(e));
                 }
             }
         }
         for (k, e) in uploads.finish() {
             reading[k].done = Some(Err(e));
         }
-        let results: Vec<Result<Got>> = reading
+        reading
             .into_iter()
             .map(|r| {
                 let res = r.done.unwrap_or_else(|| Err(Error::NotFound(r.key.to_owned())));
                 if count {
-                    self.count_read(&res, &r.dest, r.moved_direct);
+                    self.count_read(&res, &r.target.dest, r.moved_direct);
                 }
-                res.map(|n| match (r.dest, r.scratch) {
-                    (Dest::Owned, Scratch::Owned(buf)) => Got::Owned(buffers::freeze(buf, n)),
-                    _ => Got::Len(n),
-                })
+                res.map(|n| r.target.into_got(n))
             })
-            .collect();
-        results
+            .collect()
     }
 
     /// Gives `r` its replica list, with the replicas in read order.
@@ -316,7 +201,8 @@ impl StoreInner {
                 attempts.push(None);
                 continue;
             }
-            if let Err(e) = r.prepare(list.len) {
+            let staged = r.direct.is_none();
+            if let Err(e) = r.target.prepare(list.len as usize, staged) {
                 // The destination cannot take it: no other replica helps.
                 r.done = Some(Err(e));
                 if matches!(from, ListFrom::Master(_)) {
@@ -345,8 +231,9 @@ impl StoreInner {
             if attempt.is_none() && !r.disk_tried {
                 attempt = list.disk.map(Attempt::Disk);
             }
-            if let Some(Attempt::Memory(_) | Attempt::Disk(_)) = attempt {
-                if let Err(e) = r.ensure_pinned() {
+            if let (Some(Attempt::Memory(_) | Attempt::Disk(_)), false) = (attempt, staged) {
+                // A device destination read through host memory after all.
+                if let Err(e) = r.target.prepare(list.len as usize, true) {
                     r.last_err = Some(e);
                     attempt = None;
                 }
@@ -380,21 +267,21 @@ impl StoreInner {
     }
 
     /// Runs one round's attempts and checks what they read.
-    fn read_round(&self, reading: &mut [Reading<'_>], attempts: &[Option<Attempt>], directs: &[Direct<'_>]) {
+    fn read_round(&self, reading: &mut [Reading<'_>], attempts: &[Option<Attempt>], directs: &Directs<'_>) {
         let mut ok: Vec<Option<Result<()>>> = vec![None; reading.len()];
         // Straight into device memory.
         {
             let mut moves = Vec::new();
             let mut owner = Vec::new();
             for (k, r) in reading.iter().enumerate() {
-                let (Some(Attempt::Device(n)), Dest::Device { mem, offset }, Some(d)) =
-                    (attempts[k], &r.dest, r.direct)
+                let (Some(Attempt::Device(n)), Dest::Device { mem, offset }, Some(direct)) =
+                    (attempts[k], &r.target.dest, r.direct.and_then(|d| directs.get(d)))
                 else {
                     continue;
                 };
                 let (rep, Ok(route)) = &r.order[n] else { continue };
                 moves.push(DeviceMove {
-                    direct: &directs[d],
+                    direct,
                     route: &route.region,
                     remote_offset: rep.offset,
                     mem: *mem,
@@ -428,8 +315,9 @@ impl StoreInner {
             let mut owner: Vec<usize> = Vec::new();
             for (k, r) in reading.iter_mut().enumerate() {
                 let Some((offset, route)) = &routes[k] else { continue };
-                let sum = route.sums_in_flight(r.len());
-                for (at, piece) in r.pieces() {
+                let len = r.len();
+                let sum = route.sums_in_flight(len);
+                for (at, piece) in r.target.pieces(len) {
                     let req = TransferRequest::read(&route.region, offset + at, piece);
                     reqs.push(if sum { req.with_checksum() } else { req });
                     owner.push(k);
@@ -458,41 +346,24 @@ impl StoreInner {
             }
         }
         for (disk, ks) in by_disk {
-            let mut wholes: Vec<Option<Vec<u8>>> = Vec::with_capacity(ks.len());
-            let mut mask = vec![false; reading.len()];
-            ks.iter().for_each(|&k| mask[k] = true);
-            let mut reqs: Vec<(&str, &mut [u8])> = Vec::with_capacity(ks.len());
-            // Several caller buffers: read whole, then spread.
-            for &k in &ks {
-                let r = &reading[k];
-                let parts = if let Dest::Host(b) = &r.dest { b.len() } else { 1 };
-                wholes.push((parts > 1).then(|| vec![0u8; r.len()]));
-            }
-            let mut wholes_iter = wholes.iter_mut();
-            for (k, r) in reading.iter_mut().enumerate() {
-                if !mask[k] {
-                    continue;
-                }
-                r.disk_tried = true;
-                let whole = wholes_iter.next().and_then(Option::as_mut);
-                let key = r.key;
-                match whole {
-                    Some(w) => reqs.push((key, &mut w[..])),
-                    None => {
-                        if let Some((_, p)) = r.pieces().into_iter().next() {
-                            reqs.push((key, p));
-                        }
-                    }
-                }
-            }
+            let mut wanted = vec![false; reading.len()];
+            ks.iter().for_each(|&k| wanted[k] = true);
+            let mut reqs: Vec<(&str, &mut [u8])> = reading
+                .iter_mut()
+                .enumerate()
+                .filter(|(k, _)| wanted[*k])
+                .map(|(_, r)| {
+                    r.disk_tried = true;
+                    let len = r.len();
+                    (r.key, r.target.whole(len))
+                })
+                .collect();
             let loaded = self.read_disk_many(disk, &mut reqs);
             drop(reqs);
-            for ((res, &k), whole) in loaded.into_iter().zip(&ks).zip(&wholes) {
-                if let (Ok(()), Some(whole)) = (&res, whole) {
-                    for (at, p) in reading[k].pieces() {
-                        let at = at as usize;
-                        p.copy_from_slice(&whole[at..at + p.len()]);
-                    }
+            for (res, &k) in loaded.into_iter().zip(&ks) {
+                if res.is_ok() {
+                    let len = reading[k].len();
+                    reading[k].target.spread(len);
                 }
                 ok[k] = Some(res);
             }
@@ -515,34 +386,11 @@ impl StoreInner {
             .filter(|&k| matches!(ok[k], Some(Ok(()))) && sums[k].is_none())
             .filter(|&k| !matches!(attempts[k], Some(Attempt::Device(_))))
             .collect();
-        {
-            let pieces: Vec<Vec<&[u8]>> = to_sum
-                .iter()
-                .map(|&k| {
-                    let r = &reading[k];
-                    let len = r.len();
-                    match (&r.dest, &r.scratch) {
-                        (Dest::Host(bufs), _) => {
-                            let mut left = len;
-                            bufs.iter()
-                                .map(|b| {
-                                    let n = left.min(b.len());
-                                    left -= n;
-                                    &b[..n]
-                                })
-                                .filter(|p| !p.is_empty())
-                                .collect()
-                        }
-                        (_, Scratch::Owned(b)) => vec![&b[..len]],
-                        (_, Scratch::Pinned(b)) => vec![&b[..len]],
-                        (_, Scratch::None) => Vec::new(),
-                    }
-                })
-                .collect();
-            for (&k, crc) in to_sum.iter().zip(crate::checksum::checksum_each(&pieces)) {
-                sums[k] = Some(crc);
-            }
+        let pieces: Vec<Vec<&[u8]>> = to_sum.iter().map(|&k| reading[k].target.filled(reading[k].len())).collect();
+        for (&k, crc) in to_sum.iter().zip(crate::checksum::checksum_each(&pieces)) {
+            sums[k] = Some(crc);
         }
+        drop(pieces);
         let mut release: Vec<&str> = Vec::new();
         for (k, r) in reading.iter_mut().enumerate() {
             let (Some(attempt), Some(res)) = (attempts[k], &ok[k]) else { continue };
@@ -552,7 +400,7 @@ impl StoreInner {
                 Attempt::Disk(_) => None,
             };
             let verdict = match (res, attempt) {
-                (Ok(()), Attempt::Device(_)) => match &r.dest {
+                (Ok(()), Attempt::Device(_)) => match &r.target.dest {
                     Dest::Device { mem, offset } => mem.crc32c(*offset, list.len).map_err(Error::from),
                     _ => Err(Error::NotFound(r.key.to_owned())),
                 },

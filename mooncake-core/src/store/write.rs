@@ -17,7 +17,7 @@ use mooncake_alloc::SegmentId;
 use mooncake_gpu::{DeviceMemory, PooledBuffer};
 use mooncake_transfer::{TransferRequest, WorkOp};
 
-use super::device::{download, move_device, DeviceMove, Direct};
+use super::device::{download, move_device, DeviceMove, Directs};
 use super::routes::Route;
 use super::stats::StoreCounters;
 use super::StoreInner;
@@ -69,6 +69,7 @@ pub(super) enum WriteMode {
     Upsert,
 }
 
+/// A batch of one goes as the single-key call (what the master counts a put as).
 impl WriteMode {
     fn start(
         self,
@@ -77,26 +78,31 @@ impl WriteMode {
         items: &[(&str, u64)],
         cfg: &ReplicateConfig,
     ) -> Vec<Result<Vec<MemoryReplica>>> {
-        match self {
-            WriteMode::Put => master.batch_put_start(client, items, cfg),
-            WriteMode::Upsert => master.batch_upsert_start(client, items, cfg),
+        match (self, items) {
+            (WriteMode::Put, [(key, len)]) => vec![master.put_start(client, key, *len, cfg)],
+            (WriteMode::Upsert, [(key, len)]) => vec![master.upsert_start(client, key, *len, cfg)],
+            (WriteMode::Put, _) => master.batch_put_start(client, items, cfg),
+            (WriteMode::Upsert, _) => master.batch_upsert_start(client, items, cfg),
         }
     }
 
     fn end(self, master: &dyn MasterApi, client: ClientId, items: &[(&str, u32)]) -> Vec<Result<()>> {
-        match self {
-            WriteMode::Put => master.batch_put_end(client, items),
-            WriteMode::Upsert => master.batch_upsert_end(client, items),
+        match (self, items) {
+            (_, []) => Vec::new(),
+            (WriteMode::Put, [(key, crc)]) => vec![master.put_end(client, key, *crc)],
+            (WriteMode::Upsert, [(key, crc)]) => vec![master.upsert_end(client, key, *crc)],
+            (WriteMode::Put, _) => master.batch_put_end(client, items),
+            (WriteMode::Upsert, _) => master.batch_upsert_end(client, items),
         }
     }
 
     fn revoke(self, master: &dyn MasterApi, client: ClientId, keys: &[&str]) {
-        if keys.is_empty() {
-            return;
-        }
-        let _ = match self {
-            WriteMode::Put => master.batch_put_revoke(client, keys),
-            WriteMode::Upsert => master.batch_upsert_revoke(client, keys),
+        let _ = match (self, keys) {
+            (_, []) => return,
+            (WriteMode::Put, [key]) => master.put_revoke(client, key),
+            (WriteMode::Upsert, [key]) => master.upsert_revoke(client, key),
+            (WriteMode::Put, _) => master.batch_put_revoke(client, keys).into_iter().collect(),
+            (WriteMode::Upsert, _) => master.batch_upsert_revoke(client, keys).into_iter().collect(),
         };
     }
 }
@@ -142,7 +148,11 @@ impl<'a> Writing<'a> {
     pub(super) fn host(key: &'a str, parts: &[&'a [u8]], placed: Vec<(MemoryReplica, std::sync::Arc<Route>)>) -> Self {
         let parts: Vec<&[u8]> = parts.iter().copied().filter(|p| !p.is_empty()).collect();
         let len = parts.iter().map(|p| p.len() as u64).sum();
-        Writing { key, len, bytes: Bytes::Host(parts), placed, failed: None, staged: false, crc: None }
+        Writing { placed, ..Writing::new(key, len, Bytes::Host(parts), None) }
+    }
+
+    fn new(key: &'a str, len: u64, bytes: Bytes<'a>, crc: Option<u32>) -> Self {
+        Writing { key, len, bytes, placed: Vec::new(), failed: None, staged: false, crc }
     }
 
     /// Why writing its replicas failed, if it did.
@@ -156,39 +166,26 @@ impl StoreInner {
     /// replication, and counts them; one result per item, in order.
     pub(super) fn write(&self, items: &[WriteItem<'_>], cfg: &ReplicateConfig, mode: WriteMode) -> Vec<Result<()>> {
         let mut results: Vec<Result<()>> = Vec::with_capacity(items.len());
-        let mut directs: Vec<Direct<'_>> = Vec::new();
-        let mut direct_of: Vec<(u64, u64, usize)> = Vec::new();
+        let mut directs = Directs::default();
         let mut writing: Vec<Option<Writing<'_>>> = Vec::with_capacity(items.len());
         for item in items {
             let len = item.source.len();
             let checked = check_key(item.key).and_then(|()| check_value_len(len)).and_then(|()| cfg.check());
-            let bytes = checked.and_then(|()| match &item.source {
-                Source::Host(parts) => {
-                    Ok((Bytes::Host(parts.iter().copied().filter(|p| !p.is_empty()).collect()), None))
-                }
+            let prepared = checked.and_then(|()| match &item.source {
+                Source::Host(parts) => Ok(Writing::new(
+                    item.key,
+                    len,
+                    Bytes::Host(parts.iter().copied().filter(|p| !p.is_empty()).collect()),
+                    None,
+                )),
                 Source::Device { mem, offset, len } => {
                     mem.check_range(*offset, *len)?;
-                    self.device_bytes(*mem, *offset, *len, &mut directs, &mut direct_of)
+                    let direct = directs.register(self, *mem);
+                    device_item(item.key, *mem, *offset, *len, direct)
                 }
             });
-            match bytes {
-                Ok((bytes, crc)) => {
-                    writing.push(Some(Writing {
-                        key: item.key,
-                        len,
-                        bytes,
-                        placed: Vec::new(),
-                        failed: None,
-                        staged: false,
-                        crc,
-                    }));
-                    results.push(Ok(()));
-                }
-                Err(e) => {
-                    writing.push(None);
-                    results.push(Err(e));
-                }
-            }
+            results.push(prepared.as_ref().map(|_| ()).map_err(Error::clone));
+            writing.push(prepared.ok());
         }
         let mut pending: Vec<usize> = (0..items.len()).filter(|&i| writing[i].is_some()).collect();
         let (busy_until, mut pause, mut attempt) = (Instant::now() + BUSY_WAIT, BUSY_PAUSE, 1);
@@ -225,36 +222,6 @@ impl StoreInner {
         results
     }
 
-    /// The bytes of a device item: registered for direct moves when the NICs take
-    /// the memory (once per memory per call), else copied to pinned staging now.
-    fn device_bytes<'m>(
-        &'m self,
-        mem: &'m dyn DeviceMemory,
-        offset: u64,
-        len: u64,
-        directs: &mut Vec<Direct<'m>>,
-        direct_of: &mut Vec<(u64, u64, usize)>,
-    ) -> Result<(Bytes<'m>, Option<u32>)> {
-        let key = (mem.device_ptr(), mem.len());
-        let direct = match direct_of.iter().find(|d| (d.0, d.1) == key) {
-            Some(d) => Some(d.2),
-            None => self.direct(mem).map(|d| {
-                directs.push(d);
-                direct_of.push((key.0, key.1, directs.len() - 1));
-                directs.len() - 1
-            }),
-        };
-        match direct {
-            Some(d) => {
-                Ok((Bytes::Device { mem, offset, direct: Some(d), staged: None }, Some(mem.crc32c(offset, len)?)))
-            }
-            None => {
-                let staged = download(mem, offset, len as usize)?;
-                Ok((Bytes::Device { mem, offset, direct: None, staged: Some(staged) }, None))
-            }
-        }
-    }
-
     /// One round over the `pending` items: place, write, end or revoke. Returns the
     /// items to try again (a failed write, a busy key, or an upsert whose old
     /// object's segments left).
@@ -263,7 +230,7 @@ impl StoreInner {
         &self,
         pending: &[usize],
         writing: &mut [Option<Writing<'_>>],
-        directs: &[Direct<'_>],
+        directs: &Directs<'_>,
         results: &mut [Result<()>],
         short: &mut [bool],
         cfg: &ReplicateConfig,
@@ -374,7 +341,7 @@ impl StoreInner {
             .collect::<Result<Vec<_>>>()?;
         let parts = [value];
         let mut copy = Writing::host(key, &parts, placed);
-        for (segment, _) in self.write_replicas(&mut [&mut copy], &[]) {
+        for (segment, _) in self.write_replicas(&mut [&mut copy], &Directs::default()) {
             self.routes.forget(segment);
         }
         copy.failure().map_or(Ok(()), |e| Err(e.clone()))
@@ -394,7 +361,7 @@ impl StoreInner {
     pub(super) fn write_replicas(
         &self,
         round: &mut [&mut Writing<'_>],
-        directs: &[Direct<'_>],
+        directs: &Directs<'_>,
     ) -> Vec<(SegmentId, Error)> {
         let mut failed_segments: Vec<(SegmentId, Error)> = Vec::new();
         // Device memory first: a replica whose peer turns out to have no RDMA link
@@ -405,19 +372,25 @@ impl StoreInner {
             let mut owner = Vec::new();
             for (k, w) in round.iter().enumerate() {
                 for (j, (r, route)) in w.placed.iter().enumerate() {
-                    match &w.bytes {
+                    let direct = match &w.bytes {
                         Bytes::Device { mem, offset, direct: Some(d), .. } if route.caps.moves_device_memory => {
+                            directs.get(*d).map(|direct| (direct, *mem, *offset))
+                        }
+                        _ => None,
+                    };
+                    match direct {
+                        Some((direct, mem, offset)) => {
                             moves.push(DeviceMove {
-                                direct: &directs[*d],
+                                direct,
                                 route: &route.region,
                                 remote_offset: r.offset,
-                                mem: *mem,
-                                offset: *offset,
+                                mem,
+                                offset,
                                 len: w.len,
                             });
                             owner.push((k, j));
                         }
-                        _ => by_host[k].push(j),
+                        None => by_host[k].push(j),
                     }
                 }
             }
@@ -503,6 +476,26 @@ impl StoreInner {
         }
         failed_segments
     }
+}
+
+/// A device item: moved directly where it can be (`direct`, its registration;
+/// its crc32c taken on the device), else copied to pinned staging now.
+fn device_item<'a>(
+    key: &'a str,
+    mem: &'a dyn DeviceMemory,
+    offset: u64,
+    len: u64,
+    direct: Option<usize>,
+) -> Result<Writing<'a>> {
+    Ok(match direct {
+        Some(_) => {
+            Writing::new(key, len, Bytes::Device { mem, offset, direct, staged: None }, Some(mem.crc32c(offset, len)?))
+        }
+        None => {
+            let staged = Some(download(mem, offset, len as usize)?);
+            Writing::new(key, len, Bytes::Device { mem, offset, direct, staged }, None)
+        }
+    })
 }
 
 /// The crc32c of each item written: what the device or the transport took, the

@@ -11,7 +11,7 @@ use mooncake_transfer::TransferError;
 
 use crate::config::ReplicateConfig;
 use crate::error::{Error, Result};
-use crate::store::read::{Dest, Got};
+use crate::store::destination::{Dest, Got};
 use crate::store::write::{Source, WriteItem, WriteMode};
 use crate::store::Store;
 

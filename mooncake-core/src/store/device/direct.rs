@@ -28,21 +28,40 @@ pub(in crate::store) struct DeviceMove<'a> {
     pub(in crate::store) len: u64,
 }
 
-impl StoreInner {
-    /// `mem` registered with this store's RDMA NICs, if the store moves bytes
-    /// over RDMA and they can register it (registrations and refusals are
-    /// cached by the transport); `None`: stage.
-    pub(in crate::store) fn direct(&self, mem: &dyn DeviceMemory) -> Option<Direct<'_>> {
-        let rdma = self.engine.rdma()?;
-        let id = mem.allocation_id()?;
-        let export = || mem.export_dmabuf().map_err(|e| TransferError::Registration(e.to_string()));
-        match rdma.register_device(id, mem.device_ptr(), mem.len(), export) {
-            Ok(region) => Some(Direct { rdma, region }),
-            Err(e) => {
-                tracing::debug!(error = %e, "the RDMA NICs cannot register this device memory: it is staged");
-                None
-            }
+/// The device memories of one call that the NICs registered, each asked once.
+#[derive(Default)]
+pub(in crate::store) struct Directs<'a> {
+    by_memory: Vec<((u64, u64), Option<Direct<'a>>)>,
+}
+
+impl<'a> Directs<'a> {
+    /// `mem` registered with `inner`'s RDMA NICs, if the store moves bytes over
+    /// RDMA and they can register it (registrations and refusals are cached by
+    /// the transport); `None`: stage. Returns an index for [`get`](Self::get).
+    pub(in crate::store) fn register(&mut self, inner: &'a StoreInner, mem: &dyn DeviceMemory) -> Option<usize> {
+        let key = (mem.device_ptr(), mem.len());
+        if let Some(at) = self.by_memory.iter().position(|(k, _)| *k == key) {
+            return self.by_memory[at].1.is_some().then_some(at);
         }
+        let direct = inner.engine.rdma().and_then(|rdma| {
+            let id = mem.allocation_id()?;
+            let export = || mem.export_dmabuf().map_err(|e| TransferError::Registration(e.to_string()));
+            match rdma.register_device(id, mem.device_ptr(), mem.len(), export) {
+                Ok(region) => Some(Direct { rdma, region }),
+                Err(e) => {
+                    tracing::debug!(error = %e, "the RDMA NICs cannot register this device memory: it is staged");
+                    None
+                }
+            }
+        });
+        let registered = direct.is_some();
+        self.by_memory.push((key, direct));
+        registered.then_some(self.by_memory.len() - 1)
+    }
+
+    /// The registration [`register`](Self::register) numbered `at`.
+    pub(in crate::store) fn get(&self, at: usize) -> Option<&Direct<'a>> {
+        self.by_memory.get(at).and_then(|(_, d)| d.as_ref())
     }
 }
 

@@ -25,5 +25,5 @@ mod api;
 mod direct;
 mod staging;
 
-pub(super) use direct::{move_device, DeviceMove, Direct};
+pub(super) use direct::{move_device, DeviceMove, Directs};
 pub(super) use staging::{download, room_after, staging, Uploads};
