@@ -35,6 +35,28 @@ pub fn cuda_available() -> bool {
     false
 }
 
+/// No device memory is known in a build without the `cuda` feature.
+pub(crate) fn device_allocation(ptr: u64) -> Option<crate::pointer::DeviceAllocation> {
+    let _ = ptr;
+    None
+}
+
+/// Page-locking host memory: [`GpuError::NoGpu`] in this build.
+///
+/// # Safety
+///
+/// None needed (nothing is done); the signature is the CUDA build's.
+pub(crate) unsafe fn host_register(ptr: *mut u8, len: usize) -> Result<()> {
+    let _ = (ptr, len);
+    Err(not_built())
+}
+
+/// Nothing was page-locked in this build.
+pub(crate) fn host_unregister(ptr: *mut u8) -> Result<()> {
+    let _ = ptr;
+    Err(not_built())
+}
+
 /// Whether the NVRTC library can be loaded: never in a build without the
 /// `cuda` feature.
 pub fn nvrtc_available() -> bool {
