@@ -644,10 +644,12 @@ impl MooncakeDistributedStore {
     /// Test hook: the store's device byte counters, `(direct, staged)`: bytes moved
     /// between GPU memory and the pool straight, or through pinned staging.
     fn _device_bytes(&self) -> (u64, u64) {
-        self.session().map(|s| {
-            let st = s.store.stats();
-            (st.device_direct_bytes, st.device_staged_bytes)
-        }).unwrap_or((0, 0))
+        self.session()
+            .map(|s| {
+                let st = s.store.stats();
+                (st.device_direct_bytes, st.device_staged_bytes)
+            })
+            .unwrap_or((0, 0))
     }
 
     /// Stores the `size` bytes at `buffer_ptr` (inside a registered buffer) under
@@ -853,7 +855,9 @@ impl MooncakeDistributedStore {
                 match self.devices.resolve(&self.buffers, buffer_ptrs[i], sizes[i]) {
                     Ok(Target::Host) => wanted.push(i),
                     // GPU memory: one device read each, its room the caller's size.
-                    Ok(Target::Device(mem)) => results[i] = length_or_code(&s.store.get_into_device(&keys[i], &*mem, 0)),
+                    Ok(Target::Device(mem)) => {
+                        results[i] = length_or_code(&s.store.get_into_device(&keys[i], &*mem, 0))
+                    }
                     Err(c) => results[i] = c.into(),
                 }
             }
