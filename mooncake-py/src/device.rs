@@ -129,7 +129,7 @@ impl DevicePointers {
     /// The device memory from `ptr` to the end of its registered device buffer
     /// (or of its device allocation), for `get_into_ranges`; `None` if `ptr` is
     /// no device memory.
-    pub fn from_address(&self, ptr: usize) -> Option<Arc<dyn DeviceMemory>> {
+    pub fn range_from(&self, ptr: usize) -> Option<Arc<dyn DeviceMemory>> {
         let p = ptr as u64;
         let end = {
             let regions = self.regions.read();

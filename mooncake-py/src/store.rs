@@ -171,6 +171,10 @@ fn write_device(
     }
 }
 
+/// A range of `get_into_ranges` into GPU memory: where the answer goes (buffer, key,
+/// range), the offset in the buffer, the offset in the object, the length.
+type DeviceRange = ((usize, usize, usize), usize, usize, usize);
+
 /// Copies `data` to the raw address `dst`.
 ///
 /// # Safety
@@ -737,7 +741,7 @@ impl MooncakeDistributedStore {
             buffer_ptrs
                 .iter()
                 .zip(&host_caps)
-                .map(|(&p, cap)| if cap.is_none() { self.devices.from_address(p) } else { None })
+                .map(|(&p, cap)| if cap.is_none() { self.devices.range_from(p) } else { None })
                 .collect()
         });
         let capacities: Vec<Option<usize>> = host_caps
@@ -745,9 +749,8 @@ impl MooncakeDistributedStore {
             .zip(&device_bufs)
             .map(|(cap, dev)| cap.or_else(|| dev.as_ref().map(|m| m.len() as usize)))
             .collect();
-        // Ranges into GPU memory, by key: (where the answer goes, destination offset,
-        // source offset, length).
-        let mut device_ranges: BTreeMap<&str, Vec<((usize, usize, usize), usize, usize, usize)>> = BTreeMap::new();
+        // Ranges into GPU memory, by key.
+        let mut device_ranges: BTreeMap<&str, Vec<DeviceRange>> = BTreeMap::new();
         // The ranges that can be served (inside their buffer, non-empty); the others
         // keep -600. Keys whose lists do not have matching lengths are read only to
         // report a missing object.
