@@ -502,14 +502,19 @@ impl DeviceHeap for CudaDeviceHeap {
             // Everything before `state`, then everything after `reader_refcnt`.
             let tail = header_offsets::READER_REFCNT + 4;
             // SAFETY: both ranges lie inside this slot's 128-byte header; the
-            // host buffers outlive the synchronous copies (synced below).
+            // host buffer `b` outlives the copies: it lives to the end of this
+            // function, after the state store below synchronized the stream.
             unsafe {
                 drv("cuMemcpyHtoD", cu::memcpy_htod_async(hdr, &b[..header_offsets::STATE], self.stream.cu_stream()))?;
                 drv("cuMemcpyHtoD", cu::memcpy_htod_async(hdr + tail as u64, &b[tail..], self.stream.cu_stream()))?;
             }
-            self.sync()
+            Ok(())
         })?;
         // State last, SeqCst store (fence.sc.sys: release for the copies above).
+        // No synchronization between the copies and this kernel: it runs after
+        // them on the same stream, and `hdr_op` synchronizes the stream before it
+        // returns, so one host round trip covers the whole header write (it was
+        // two: a sync after the copies, then the kernel's).
         self.hdr_op(hdr + header_offsets::STATE as u64, op::ST32_SEQCST, u64::from(h.state), 0)?;
         Ok(())
     }
