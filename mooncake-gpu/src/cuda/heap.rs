@@ -334,22 +334,30 @@ impl CudaDeviceHeap {
             if !publish {
                 return self.sync();
             }
-            let mut l = self.stream.launch_builder(&self.k.publish);
-            l.arg(&hdr).arg(&plan.epoch).arg(&now_ns).arg(&out);
-            // SAFETY: types match (u64, u32, u64, u32*); `hdr` is in bounds.
-            drv("launch nk_publish", unsafe { l.launch(cfg1()) })?;
-            let mut r = [0u32; 1];
-            // SAFETY: `out` is our live scratch allocation.
-            drv("cuMemcpyDtoH", unsafe { cu::memcpy_dtoh_async(&mut r, out, self.stream.cu_stream()) })?;
-            self.sync()?;
-            let writing = ObjectState::Writing.as_u32();
-            let ready = ObjectState::Ready.as_u32();
-            if r[0] == writing || r[0] == ready {
-                Ok(())
-            } else {
-                Err(GpuError::Stale)
-            }
+            self.publish_kernel(out, hdr, plan.epoch, now_ns)
         })
+    }
+
+    /// `nk_publish` of the header at `hdr` on the heap's stream (after whatever
+    /// was enqueued before), its answer read back through the scratch word `out`
+    /// (the caller holds the scratch lock): one host round trip.
+    fn publish_kernel(&self, out: u64, hdr: sys::CUdeviceptr, epoch: u32, now_ns: u64) -> Result<()> {
+        let mut l = self.stream.launch_builder(&self.k.publish);
+        l.arg(&hdr).arg(&epoch).arg(&now_ns).arg(&out);
+        // SAFETY: types match (u64, u32, u64, u32*); `hdr` is in bounds (the
+        // callers got it from `hdr`).
+        drv("launch nk_publish", unsafe { l.launch(cfg1()) })?;
+        let mut r = [0u32; 1];
+        // SAFETY: `out` is our live scratch allocation.
+        drv("cuMemcpyDtoH", unsafe { cu::memcpy_dtoh_async(&mut r, out, self.stream.cu_stream()) })?;
+        self.sync()?;
+        let writing = ObjectState::Writing.as_u32();
+        let ready = ObjectState::Ready.as_u32();
+        if r[0] == writing || r[0] == ready {
+            Ok(())
+        } else {
+            Err(GpuError::Stale)
+        }
     }
 
     /// Reader path: copies the object at `meta` into the device buffer `dst`
@@ -490,6 +498,22 @@ impl DeviceHeap for CudaDeviceHeap {
             let mut h = HeaderSnapshot::from_bytes(&b);
             h.state = state;
             Ok(h)
+        })
+    }
+
+    /// The publish protocol of [`DeviceHeap::publish`] in one kernel
+    /// (`nk_publish`: epoch check, system fence, `CAS WRITING -> READY`,
+    /// `state_ts` stamp) and one host round trip, instead of the provided
+    /// method's three or four (epoch load, CAS, `state_ts` store, each a kernel
+    /// and a synchronization). Same answers: Ok when it published or the object
+    /// was READY already with this epoch, `Stale` otherwise.
+    fn publish(&self, slot: u32, epoch: u32, now_ns: u64) -> Result<()> {
+        let hdr = self.hdr(slot)?;
+        guarded("publish", || {
+            let scratch = self.scratch.lock();
+            let out: u64 = *scratch;
+            drv("bind", self.ctx.bind_to_thread())?;
+            self.publish_kernel(out, hdr, epoch, now_ns)
         })
     }
 
