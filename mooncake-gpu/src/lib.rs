@@ -120,6 +120,7 @@ pub use header::{
 pub use heap::{DeviceHeap, HostHeap, PageSpan, ReadExpect, RetireOutcome, HOST_WORD};
 pub use key::{route, KeyId};
 pub use pointer::{
-    CudaPointers, DeviceAllocation, EmulatedPin, EmulatedPointers, HostPinning, PinnedRanges, PointerClassifier,
+    CudaPointers, DeviceAllocation, EmulatedPin, EmulatedPointers, HostPinning, KeepCurrentContext, PinnedRanges,
+    PointerClassifier,
 };
 pub use transport::{gpu_to_transfer, GpuTransport, GPU_SCHEME};

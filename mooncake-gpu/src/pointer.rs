@@ -174,6 +174,42 @@ impl PointerClassifier for EmulatedPointers {
     }
 }
 
+/// Puts the calling thread's current CUDA context back when dropped.
+///
+/// The device calls bind the context of the memory they copy; a framework
+/// (PyTorch) reads its "current device" from the thread's current context, so
+/// a call made for it on its thread must leave that context as it found it.
+/// Without a usable driver it does nothing (no driver call). Not `Send`: a
+/// current context belongs to one thread.
+#[derive(Debug)]
+pub struct KeepCurrentContext {
+    saved: Option<usize>,
+    _thread: std::marker::PhantomData<*const ()>,
+}
+
+impl KeepCurrentContext {
+    /// Remembers the calling thread's current context.
+    pub fn new() -> Self {
+        Self { saved: crate::cuda::current_context(), _thread: std::marker::PhantomData }
+    }
+}
+
+impl Default for KeepCurrentContext {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Drop for KeepCurrentContext {
+    fn drop(&mut self) {
+        if let Some(ctx) = self.saved {
+            if crate::cuda::current_context() != Some(ctx) {
+                crate::cuda::set_current_context(ctx);
+            }
+        }
+    }
+}
+
 /// Host memory allocated elsewhere (a store's segment, a peer's mapped
 /// segment), page-locked with CUDA while this value lives so that copies
 /// between it and a device run as one DMA straight from or into it
@@ -300,6 +336,10 @@ mod tests {
         // The driver's classifier on a machine without a GPU knows no device
         // memory: a host address stays host memory.
         if !crate::cuda_available() {
+            // Without a driver the context guard calls nothing and keeps nothing.
+            let keep = KeepCurrentContext::new();
+            assert!(keep.saved.is_none());
+            drop(keep);
             assert_eq!(CudaPointers.device_allocation(base), None);
             assert!(CudaPointers.borrow(base, 10).is_err());
         }

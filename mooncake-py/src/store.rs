@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use mooncake_core::gpu::DeviceMemory;
+use mooncake_core::gpu::{DeviceMemory, KeepCurrentContext};
 use mooncake_core::{BufferRegistry, Error, Store};
 use parking_lot::RwLock;
 use pyo3::exceptions::{PyNotImplementedError, PyTypeError};
@@ -268,6 +268,8 @@ impl MooncakeDistributedStore {
             Err(c) => return vec![c; n],
         };
         let mut results = vec![0; n];
+        // Device calls bind their memory's CUDA context: give the framework's back.
+        let _ctx = KeepCurrentContext::new();
         py.detach(|| {
             let mut valid = Vec::with_capacity(n);
             let mut on_device = Vec::new();
@@ -615,6 +617,8 @@ impl MooncakeDistributedStore {
         if self.session().is_none() || size == 0 {
             return INVALID_PARAMS;
         }
+        // Device calls bind their memory's CUDA context: give the framework's back.
+        let _ctx = KeepCurrentContext::new();
         if let Some(c) = py.detach(|| self.devices.register(buffer_ptr, size)) {
             return c;
         }
@@ -668,6 +672,8 @@ impl MooncakeDistributedStore {
         config: Option<PyRef<'_, ReplicateConfig>>,
     ) -> i32 {
         let Some(s) = self.session() else { return INVALID_PARAMS };
+        // Device calls bind their memory's CUDA context: give the framework's back.
+        let _ctx = KeepCurrentContext::new();
         let target = match py.detach(|| self.devices.resolve(&self.buffers, buffer_ptr, size)) {
             Ok(t) => t,
             Err(c) => return c,
@@ -691,6 +697,8 @@ impl MooncakeDistributedStore {
     /// `size` bytes). Returns its length, or a negative code (-600 if it does not fit).
     fn get_into(&self, py: Python<'_>, key: &str, buffer_ptr: usize, size: usize) -> i64 {
         let Some(s) = self.session() else { return INVALID_PARAMS.into() };
+        // Device calls bind their memory's CUDA context: give the framework's back.
+        let _ctx = KeepCurrentContext::new();
         py.detach(|| match self.devices.resolve(&self.buffers, buffer_ptr, size) {
             Err(c) => c.into(),
             Ok(Target::Device(mem)) => length_or_code(&s.store.get_into_device(key, &*mem, 0)),
@@ -735,6 +743,8 @@ impl MooncakeDistributedStore {
         if ![all_keys.len(), all_dst_offsets.len(), all_src_offsets.len(), all_sizes.len()].iter().all(|&l| l == n) {
             return results;
         }
+        // Device calls bind their memory's CUDA context: give the framework's back.
+        let _ctx = KeepCurrentContext::new();
         let host_caps: Vec<Option<usize>> = buffer_ptrs.iter().map(|&p| self.buffers.capacity(p)).collect();
         // Buffers in GPU memory: the device memory from their address on.
         let device_bufs: Vec<Option<Arc<dyn DeviceMemory>>> = py.detach(|| {
@@ -851,6 +861,8 @@ impl MooncakeDistributedStore {
         if !Self::same_len(n, buffer_ptrs.len(), sizes.len()) {
             return bad;
         }
+        // Device calls bind their memory's CUDA context: give the framework's back.
+        let _ctx = KeepCurrentContext::new();
         py.detach(|| {
             let mut results = bad.clone();
             let mut wanted = Vec::with_capacity(n);
@@ -921,6 +933,8 @@ impl MooncakeDistributedStore {
             Err(c) => return vec![c; n],
         };
         let mut results = vec![0; n];
+        // Device calls bind their memory's CUDA context: give the framework's back.
+        let _ctx = KeepCurrentContext::new();
         py.detach(|| {
             let mut valid = Vec::with_capacity(n);
             let mut on_device: Vec<(usize, Arc<dyn DeviceMemory>)> = Vec::new();
@@ -980,6 +994,8 @@ impl MooncakeDistributedStore {
         if !Self::same_len(n, all_buffer_ptrs.len(), all_sizes.len()) {
             return bad;
         }
+        // Device calls bind their memory's CUDA context: give the framework's back.
+        let _ctx = KeepCurrentContext::new();
         py.detach(|| {
             let mut results = bad.clone();
             let mut wanted = Vec::with_capacity(n);

@@ -54,8 +54,8 @@ pub use ipc::IpcHeapHandle;
 #[cfg(feature = "cuda")]
 pub use memory::DeviceBuffer;
 #[cfg(feature = "cuda")]
-pub(crate) use pointer::{device_allocation, host_register, host_unregister};
+pub(crate) use pointer::{current_context, device_allocation, host_register, host_unregister, set_current_context};
 #[cfg(not(feature = "cuda"))]
 pub use unavailable::{cuda_available, cuda_device_count, nvrtc_available, CudaDeviceHeap, DeviceBuffer};
 #[cfg(not(feature = "cuda"))]
-pub(crate) use unavailable::{device_allocation, host_register, host_unregister};
+pub(crate) use unavailable::{current_context, device_allocation, host_register, host_unregister, set_current_context};

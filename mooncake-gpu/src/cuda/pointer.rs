@@ -7,7 +7,7 @@ use cudarc::driver::{sys, CudaContext};
 
 use super::driver::{cuda_device_count, drv, guarded};
 use crate::error::Result;
-use crate::pointer::DeviceAllocation;
+use crate::pointer::{DeviceAllocation, KeepCurrentContext};
 
 /// Device 0's primary context, retained once per process (a context must be
 /// current for the calls below; which one does not matter to them).
@@ -24,10 +24,15 @@ fn primary0() -> Result<Arc<CudaContext>> {
 pub(crate) fn device_allocation(ptr: u64) -> Option<DeviceAllocation> {
     // No driver, no device memory: nothing to ask (and nothing loaded).
     cuda_device_count().ok()?;
+    // The attributes need no particular context, but the driver wants one
+    // current on the thread: the caller's if it has one (a framework's), else
+    // device 0's primary context, bound only for the query (the guard puts the
+    // thread's context back).
+    let _keep = KeepCurrentContext::new();
     let r = guarded("cuPointerGetAttributes", || {
-        // The attributes need no particular context, but the driver wants one
-        // current on the thread: device 0's primary context.
-        drv("bind", primary0()?.bind_to_thread())?;
+        if current_context().is_none_or(|c| c == 0) {
+            drv("bind", primary0()?.bind_to_thread())?;
+        }
         let mut mem_type: u32 = 0;
         let mut ordinal: i32 = -1;
         let mut start: sys::CUdeviceptr = 0;
@@ -72,6 +77,30 @@ pub(crate) fn device_allocation(ptr: u64) -> Option<DeviceAllocation> {
         return None;
     }
     Some(DeviceAllocation { ordinal: ordinal as usize, base: start, len: size as u64 })
+}
+
+/// The calling thread's current CUDA context (0: none), or `None` without a
+/// usable driver. Never panics.
+pub(crate) fn current_context() -> Option<usize> {
+    cuda_device_count().ok()?;
+    guarded("cuCtxGetCurrent", || {
+        let mut c: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: `c` is a valid out-pointer for one context handle.
+        drv("cuCtxGetCurrent", unsafe { sys::cuCtxGetCurrent(&mut c) }.result())?;
+        Ok(c as usize)
+    })
+    .ok()
+}
+
+/// Makes `ctx` (a value [`current_context`] returned, 0 for none) the calling
+/// thread's current context again.
+pub(crate) fn set_current_context(ctx: usize) {
+    let _ = guarded("cuCtxSetCurrent", || {
+        // SAFETY: `ctx` is a context handle this thread had current (or null,
+        // which unbinds); the primary contexts it can name stay retained by
+        // their users.
+        drv("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(ctx as sys::CUcontext) }.result())
+    });
 }
 
 /// Page-locks `[ptr, ptr + len)` of host memory allocated elsewhere

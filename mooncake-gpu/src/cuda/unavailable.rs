@@ -41,6 +41,16 @@ pub(crate) fn device_allocation(ptr: u64) -> Option<crate::pointer::DeviceAlloca
     None
 }
 
+/// No driver in this build: no current context to keep.
+pub(crate) fn current_context() -> Option<usize> {
+    None
+}
+
+/// Never called in this build (there is no context to restore).
+pub(crate) fn set_current_context(ctx: usize) {
+    let _ = ctx;
+}
+
 /// Page-locking host memory: [`GpuError::NoGpu`] in this build.
 ///
 /// # Safety
