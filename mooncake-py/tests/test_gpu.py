@@ -183,6 +183,10 @@ def test_unknown_and_straddling_pointers_are_refused(gpu_store):
         assert store.batch_put_from_multi_buffers(["u/bad"], [[gpu.ptr, ptr]], [[8, size]]) == [INVALID_PARAMS]
         assert store.upsert_from("u/bad", ptr, size) == INVALID_PARAMS
     assert store.is_exist("u/bad") == 0
+    # The tensor calls read tensor headers on the host: GPU memory is refused there
+    # (it used to be dereferenced), never a crash.
+    assert store.put_tensor_from("u/tensor", gpu.ptr, 4096) == INVALID_PARAMS
+    assert store.get_tensor_into("u/t", gpu.ptr, 4096) is None
     # A registration running past the device allocation is refused.
     assert store.register_buffer(gpu.ptr + 4096, 8192) == INVALID_PARAMS
     assert store.register_buffer(gpu.ptr, 8192) == 0
