@@ -286,6 +286,25 @@ impl CudaDeviceHeap {
         })
     }
 
+    /// Runs `nk_hdr_op` for a store (whose result nobody reads): the kernel,
+    /// then one stream synchronization, without the read-back copy `hdr_op`
+    /// makes (one device-to-host copy less per store).
+    fn hdr_store(&self, addr: sys::CUdeviceptr, code: u32, v: u64) -> Result<()> {
+        guarded("hdr_store", || {
+            let scratch = self.scratch.lock();
+            let out: u64 = *scratch;
+            let zero = 0u64;
+            let mut l = self.stream.launch_builder(&self.k.hdr_op);
+            l.arg(&addr).arg(&code).arg(&v).arg(&zero).arg(&out);
+            // SAFETY: as in `hdr_op`: argument types match the kernel signature
+            // (u64, u32, u64, u64, u64*); `addr` is a header word inside this
+            // heap (checked by `hdr`), `out` is our 64-byte scratch (held locked
+            // until the kernel completed: synchronized below).
+            drv("launch nk_hdr_op", unsafe { l.launch(cfg1()) })?;
+            self.sync()
+        })
+    }
+
     fn check_span(&self, span: &PageSpan) -> Result<()> {
         match span.payload_base.checked_add(span.alloc_bytes()) {
             Some(e) if e <= self.capacity => Ok(()),
@@ -536,11 +555,10 @@ impl DeviceHeap for CudaDeviceHeap {
         })?;
         // State last, SeqCst store (fence.sc.sys: release for the copies above).
         // No synchronization between the copies and this kernel: it runs after
-        // them on the same stream, and `hdr_op` synchronizes the stream before it
+        // them on the same stream, and `hdr_store` synchronizes the stream before it
         // returns, so one host round trip covers the whole header write (it was
         // two: a sync after the copies, then the kernel's).
-        self.hdr_op(hdr + header_offsets::STATE as u64, op::ST32_SEQCST, u64::from(h.state), 0)?;
-        Ok(())
+        self.hdr_store(hdr + header_offsets::STATE as u64, op::ST32_SEQCST, u64::from(h.state))
     }
 
     fn load_u32(&self, slot: u32, f: HeaderU32Field, order: Ordering) -> Result<u32> {
@@ -552,7 +570,7 @@ impl DeviceHeap for CudaDeviceHeap {
     fn store_u32(&self, slot: u32, f: HeaderU32Field, v: u32, order: Ordering) -> Result<()> {
         let a = self.hdr(slot)? + f.offset() as u64;
         let code = st_code(order, op::ST32_RELAXED, op::ST32_RELEASE, op::ST32_SEQCST);
-        self.hdr_op(a, code, u64::from(v), 0).map(|_| ())
+        self.hdr_store(a, code, u64::from(v))
     }
 
     fn compare_exchange_u32(
@@ -581,7 +599,7 @@ impl DeviceHeap for CudaDeviceHeap {
     fn store_u64(&self, slot: u32, f: HeaderU64Field, v: u64, order: Ordering) -> Result<()> {
         let a = self.hdr(slot)? + f.offset() as u64;
         let code = st_code(order, op::ST64_RELAXED, op::ST64_RELEASE, op::ST64_SEQCST);
-        self.hdr_op(a, code, v, 0).map(|_| ())
+        self.hdr_store(a, code, v)
     }
 
     fn write_pages(&self, span: &PageSpan, first_page: u32, src: &[u8]) -> Result<u32> {
