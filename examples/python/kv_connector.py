@@ -76,7 +76,8 @@ class CudaLayers:
         self.ptrs = [t.data_ptr() for t in self.tensors]
 
     def _view(self, ptr, n):
-        i = max(i for i, p in enumerate(self.ptrs) if p <= ptr)
+        # The tensor holding `ptr`: the one starting last at or before it.
+        i = max((p, i) for i, p in enumerate(self.ptrs) if p <= ptr)[1]
         off = ptr - self.ptrs[i]
         return self.tensors[i][off : off + n]
 
