@@ -10,12 +10,16 @@
 //!
 //! Run: `cargo run --release --example gpu_store`
 //!
-//! Bench mode (needs a GPU; exits 2 with a message without one): times the
-//! store -> GPU path (`get_into_device`, `batch_get_into_device`) against a
-//! plain `cuMemcpyHtoD` from pageable memory and an async HtoD from pinned
-//! memory (the PCIe ceiling), per object size, and prints one JSON document:
+//! Bench mode (needs a GPU; exits 2 with a message without one): for replicas
+//! in the client's own segment (`local`), in a same-host peer's segment mapped
+//! through shared memory (`shm_peer`) and in a peer's segment over TCP
+//! (`tcp_peer`), and objects of 64 KiB .. 64 MiB (`--max-size`), times
+//! `get_into_device`, `put_from_device` and their batch forms against pinned
+//! host <-> device DMA (the PCIe ceiling) and against the same transport's host
+//! `get_into` / `put`, and prints one JSON document. `--emulate` runs it over
+//! the host emulation, to test the bench itself (its figures are no GPU result):
 //!
-//! `cargo run --release --example gpu_store -- --bench [--iters N] [--device D]`
+//! `cargo run --release --example gpu_store -- --bench [--iters N] [--device D] [--max-size B] [--emulate]`
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -23,7 +27,7 @@ use std::time::Instant;
 use mooncake_core::gpu::{
     allocate_or_emulate, DeviceBuffer, DeviceMemory, GpuError, GpuTransport, HostDeviceMemory, MemoryLocation,
 };
-use mooncake_core::{Error, ReplicateConfig, Store};
+use mooncake_core::{Error, MasterDaemon, Protocol, ReplicateConfig, Store};
 
 fn kv_block(layer: usize, block: usize, len: usize) -> Vec<u8> {
     (0..len).map(|i| (layer * 131 + block * 17 + i / 7) as u8).collect()
@@ -33,10 +37,14 @@ struct Args {
     bench: bool,
     iters: usize,
     device: usize,
+    /// Largest object size of the bench (from 64 KiB, times 4).
+    max_size: usize,
+    /// Bench over the host emulation (to test the bench itself without a GPU).
+    emulate: bool,
 }
 
 fn parse_args() -> Args {
-    let mut a = Args { bench: false, iters: 20, device: 0 };
+    let mut a = Args { bench: false, iters: 20, device: 0, max_size: 64 << 20, emulate: false };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         let mut num = |name: &str| -> usize {
@@ -49,8 +57,10 @@ fn parse_args() -> Args {
             "--bench" => a.bench = true,
             "--iters" => a.iters = num("--iters").max(1),
             "--device" => a.device = num("--device"),
+            "--max-size" => a.max_size = num("--max-size"),
+            "--emulate" => a.emulate = true,
             "-h" | "--help" => {
-                eprintln!("usage: gpu_store [--bench [--iters N] [--device D]]");
+                eprintln!("usage: gpu_store [--bench [--iters N] [--device D] [--max-size BYTES] [--emulate]]");
                 std::process::exit(0);
             }
             other => {
@@ -152,84 +162,180 @@ fn demo(device: usize) -> Result<(), Box<dyn std::error::Error>> {
 }
 
 fn gbps(bytes: usize, secs: f64) -> f64 {
-    bytes as f64 / secs / 1e9
+    bytes as f64 / secs.max(1e-9) / 1e9
+}
+
+/// Where the replicas a bench row reads and writes live.
+struct Replicas {
+    name: &'static str,
+    /// The client the calls are made on (no segment of its own for the peers).
+    client: Store,
+    /// The store holding the peers' segment (kept alive by one row).
+    _node: Option<Store>,
+}
+
+/// The three placements: the client's own segment, a same-host peer's segment
+/// mapped through shared memory, the same peer's segment over TCP. The peer runs
+/// in this process (a served master, a node store serving its segment on
+/// loopback), and the two peer clients reach it only through their transport.
+fn placements(segment: u64) -> Result<(Vec<Replicas>, MasterDaemon), Box<dyn std::error::Error>> {
+    let local = Store::builder().global_segment_size(segment).build()?;
+    let daemon = MasterDaemon::builder("127.0.0.1:0").serve()?;
+    let addr = daemon.local_addr().to_string();
+    let node = Store::builder().master_address(&addr).global_segment_size(segment).build()?;
+    let client =
+        |protocol: Protocol| Store::builder().master_address(&addr).protocol(protocol).global_segment_size(0).build();
+    let out = vec![
+        Replicas { name: "local", client: local, _node: None },
+        Replicas { name: "shm_peer", client: client(Protocol::Shm)?, _node: None },
+        Replicas { name: "tcp_peer", client: client(Protocol::Tcp)?, _node: Some(node) },
+    ];
+    Ok((out, daemon))
+}
+
+/// Mean seconds of `f` over `iters` calls, `undo` run after each outside the clock.
+fn timed(
+    iters: usize,
+    mut f: impl FnMut(usize) -> Result<(), Box<dyn std::error::Error>>,
+    mut undo: impl FnMut(usize),
+) -> Result<f64, Box<dyn std::error::Error>> {
+    f(usize::MAX)?; // warm-up (staging pool, streams, page faults)
+    undo(usize::MAX);
+    let mut total = 0.0;
+    for i in 0..iters {
+        let t = Instant::now();
+        f(i)?;
+        total += t.elapsed().as_secs_f64();
+        undo(i);
+    }
+    Ok(total / iters as f64)
 }
 
 fn bench(a: &Args) -> Result<String, Box<dyn std::error::Error>> {
-    let sizes: [usize; 4] = [1 << 20, 4 << 20, 16 << 20, 64 << 20];
-    let max = *sizes.iter().max().expect("sizes");
+    let sizes: Vec<usize> =
+        (0..).map(|i| (64usize << 10) << (2 * i)).take_while(|&s| s <= a.max_size.max(64 << 10)).collect();
+    let max = *sizes.last().expect("sizes");
     let batch = 8;
-    let dst = DeviceBuffer::new(a.device, max * batch)?;
-    let store = Store::builder().global_segment_size((max * batch * 2) as u64 + (256 << 20)).build()?;
+    let dev: Box<dyn DeviceMemory> = if a.emulate {
+        Box::new(HostDeviceMemory::new((max * batch) as u64)?)
+    } else {
+        Box::new(DeviceBuffer::new(a.device, max * batch)?)
+    };
+    let dst = &*dev;
+    let segment = (max * batch * 3) as u64 + (64 << 20);
+    let (rows_of, _daemon) = placements(segment)?;
+    let cfg = ReplicateConfig::default();
     let mut rows = Vec::new();
     for &size in &sizes {
-        let keys: Vec<String> = (0..batch).map(|i| format!("bench/{size}/{i}")).collect();
-        for (i, k) in keys.iter().enumerate() {
-            store.put(k, &kv_block(i, size, size))?;
-        }
-        // Warm-up (staging pool, streams, page faults of the segment).
-        store.get_into_device(&keys[0], &dst, 0)?;
-
-        let t = Instant::now();
-        for i in 0..a.iters {
-            store.get_into_device(&keys[i % batch], &dst, 0)?;
-        }
-        let single = gbps(size * a.iters, t.elapsed().as_secs_f64());
-
-        let items: Vec<(&str, u64)> = keys.iter().enumerate().map(|(i, k)| (k.as_str(), (i * size) as u64)).collect();
-        let rounds = a.iters.div_ceil(batch).max(1);
-        let t = Instant::now();
-        for _ in 0..rounds {
-            for r in store.batch_get_into_device(&items, &dst) {
-                r?;
-            }
-        }
-        let batched = gbps(size * batch * rounds, t.elapsed().as_secs_f64());
-
-        // Host-only part of the path: the store read into host memory.
-        let mut host = vec![0u8; size];
-        let t = Instant::now();
-        for i in 0..a.iters {
-            store.get_into(&keys[i % batch], &mut host)?;
-        }
-        let host_get = gbps(size * a.iters, t.elapsed().as_secs_f64());
-
-        // References: cuMemcpyHtoD from pageable memory, and an async HtoD
-        // from pinned memory (what the DMA engine can do).
-        dst.upload(&host)?;
-        let t = Instant::now();
-        for _ in 0..a.iters {
-            dst.upload(&host)?;
-        }
-        let pageable = gbps(size * a.iters, t.elapsed().as_secs_f64());
+        // References: pinned host <-> device DMA (the PCIe ceiling).
         let pinned = dst.alloc_pinned(size)?;
         let mut stream = dst.open_stream()?;
-        let t = Instant::now();
-        for _ in 0..a.iters {
-            // SAFETY: `pinned` outlives the stream and is not written while
-            // the copies run (synchronized right after).
-            unsafe { stream.copy_to_device_async(pinned.as_ptr(), size, 0)? };
-            stream.synchronize()?;
-        }
-        let pinned_gbps = gbps(size * a.iters, t.elapsed().as_secs_f64());
-        drop(stream);
-
-        rows.push(format!(
-            "{{\"object_bytes\":{size},\"iters\":{},\"get_into_device_gbps\":{single:.3},\
-             \"batch_get_into_device_gbps\":{batched:.3},\"store_get_into_host_gbps\":{host_get:.3},\
-             \"htod_pageable_gbps\":{pageable:.3},\"htod_pinned_gbps\":{pinned_gbps:.3},\
-             \"get_into_device_vs_pinned\":{:.3},\"batch_vs_pinned\":{:.3}}}",
+        let htod = timed(
             a.iters,
-            single / pinned_gbps,
-            batched / pinned_gbps,
-        ));
-        for k in &keys {
-            let _ = store.remove(k);
+            |_| {
+                // SAFETY: `pinned` outlives the stream and is not written while the
+                // copy runs (synchronized right after).
+                unsafe { stream.copy_to_device_async(pinned.as_ptr(), size, 0)? };
+                Ok(stream.synchronize()?)
+            },
+            |_| {},
+        )?;
+        let mut pinned_back = dst.alloc_pinned(size)?;
+        let dtoh = timed(
+            a.iters,
+            |_| {
+                // SAFETY: as above, for the copy into `pinned_back`.
+                unsafe { stream.copy_from_device_async(pinned_back.as_mut_ptr(), size, 0)? };
+                Ok(stream.synchronize()?)
+            },
+            |_| {},
+        )?;
+        drop(stream);
+        let (htod, dtoh) = (gbps(size, htod), gbps(size, dtoh));
+        for r in &rows_of {
+            let store = &r.client;
+            let keys: Vec<String> = (0..batch).map(|i| format!("bench/{}/{size}/{i}", r.name)).collect();
+            for (i, k) in keys.iter().enumerate() {
+                store.put(k, &kv_block(i, size, size))?;
+            }
+            let mut host = vec![0u8; size];
+            let get_host = timed(a.iters, |i| Ok(store.get_into(&keys[i % batch], &mut host).map(|_| ())?), |_| {})?;
+            let get_dev = timed(a.iters, |i| Ok(store.get_into_device(&keys[i % batch], dst, 0).map(|_| ())?), |_| {})?;
+            let items: Vec<(&str, u64)> =
+                keys.iter().enumerate().map(|(i, k)| (k.as_str(), (i * size) as u64)).collect();
+            let batch_get = timed(
+                a.iters.div_ceil(batch),
+                |_| {
+                    for res in store.batch_get_into_device(&items, dst) {
+                        res?;
+                    }
+                    Ok(())
+                },
+                |_| {},
+            )?;
+            let put_key = |i: usize| format!("bench/{}/{size}/put/{i}", r.name);
+            let put_host = timed(
+                a.iters,
+                |i| Ok(store.put_with(&put_key(i), &host, &cfg)?),
+                |i| {
+                    let _ = store.remove(&put_key(i));
+                },
+            )?;
+            let put_dev = timed(
+                a.iters,
+                |i| Ok(store.put_from_device_with(&put_key(i), dst, 0, size as u64, &cfg)?),
+                |i| {
+                    let _ = store.remove(&put_key(i));
+                },
+            )?;
+            let bkeys = |i: usize| -> Vec<String> { (0..batch).map(|j| format!("{}/{j}", put_key(i))).collect() };
+            let batch_put = timed(
+                a.iters.div_ceil(batch),
+                |i| {
+                    let ks = bkeys(i);
+                    let items: Vec<(&str, u64, u64)> =
+                        ks.iter().enumerate().map(|(j, k)| (k.as_str(), (j * size) as u64, size as u64)).collect();
+                    for res in store.batch_put_from_device(&items, dst, &cfg) {
+                        res?;
+                    }
+                    Ok(())
+                },
+                |i| {
+                    for k in bkeys(i) {
+                        let _ = store.remove(&k);
+                    }
+                },
+            )?;
+            for k in &keys {
+                let _ = store.remove(k);
+            }
+            let (get_host, get_dev, put_host, put_dev) =
+                (gbps(size, get_host), gbps(size, get_dev), gbps(size, put_host), gbps(size, put_dev));
+            let (batch_get, batch_put) = (gbps(size * batch, batch_get), gbps(size * batch, batch_put));
+            rows.push(format!(
+                "{{\"replica\":\"{}\",\"object_bytes\":{size},\"iters\":{},\
+                 \"get_into_device_gbps\":{get_dev:.3},\"batch_get_into_device_gbps\":{batch_get:.3},\
+                 \"put_from_device_gbps\":{put_dev:.3},\"batch_put_from_device_gbps\":{batch_put:.3},\
+                 \"host_get_into_gbps\":{get_host:.3},\"host_put_gbps\":{put_host:.3},\
+                 \"htod_pinned_gbps\":{htod:.3},\"dtoh_pinned_gbps\":{dtoh:.3},\
+                 \"get_into_device_vs_pinned_htod\":{:.3},\"put_from_device_vs_pinned_dtoh\":{:.3},\
+                 \"get_into_device_vs_host_get_into\":{:.3},\"put_from_device_vs_host_put\":{:.3}}}",
+                r.name,
+                a.iters,
+                get_dev / htod,
+                put_dev / dtoh,
+                get_dev / get_host,
+                put_dev / put_host,
+            ));
         }
     }
+    let device = if a.emulate {
+        "\"host emulation (no GPU): a test of the bench, not a GPU result\"".to_owned()
+    } else {
+        format!("\"{}\"", dst.location())
+    };
     Ok(format!(
-        "{{\"bench\":\"gpu_store\",\"device\":{},\"batch\":{batch},\"rows\":[\n  {}\n]}}",
-        a.device,
+        "{{\"bench\":\"gpu_store\",\"device\":{device},\"batch\":{batch},\"rows\":[\n  {}\n]}}",
         rows.join(",\n  ")
     ))
 }

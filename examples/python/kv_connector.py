@@ -13,8 +13,15 @@ Here a "producer" engine saves two requests, and a "consumer" engine in another 
 (no segment of its own, so every byte crosses TCP) reloads them into different block
 ids and checks every byte.
 
+GPU mode (`--gpu`): the per-layer KV tensors are CUDA tensors (torch), registered by
+`data_ptr()` as vLLM does; the same calls move their blocks with device copies. It
+needs torch and a CUDA device, and says it skipped GPU mode where there is none.
+`--emulate-gpu` runs the same device path over host memory declared to the store as
+GPU memory (a test of the binding's logic, not a GPU result).
+
     python examples/python/kv_connector.py                  # starts its own mooncake-master
     python examples/python/kv_connector.py --master HOST:PORT
+    python examples/python/kv_connector.py --gpu            # CUDA tensors, if present
 """
 
 import argparse
@@ -35,18 +42,77 @@ BLOCK_BYTES = 2 * 8 * 128 * BLOCK_TOKENS  # K and V, 8 heads of 128 bytes per to
 NUM_BLOCKS = 64
 
 
+class HostLayers:
+    """KV tensors in host memory."""
+
+    def __init__(self, store):
+        self.bufs = [(ctypes.c_ubyte * (NUM_BLOCKS * BLOCK_BYTES))() for _ in range(LAYERS)]
+        self.ptrs = [ctypes.addressof(b) for b in self.bufs]
+
+    def write(self, ptr, data):
+        ctypes.memmove(ptr, data, len(data))
+
+    def read(self, ptr, n):
+        return ctypes.string_at(ptr, n)
+
+
+class EmulatedGpuLayers(HostLayers):
+    """Host memory declared to the store as GPU memory: moved by the device path."""
+
+    def __init__(self, store):
+        super().__init__(store)
+        for ptr in self.ptrs:
+            assert store._emulate_device_memory(ptr, NUM_BLOCKS * BLOCK_BYTES, 0) == 0
+
+
+class CudaLayers:
+    """KV tensors on the GPU (torch CUDA tensors, addressed by `data_ptr()`)."""
+
+    def __init__(self, store):
+        import torch
+
+        self.torch = torch
+        self.tensors = [torch.zeros(NUM_BLOCKS * BLOCK_BYTES, dtype=torch.uint8, device="cuda") for _ in range(LAYERS)]
+        self.ptrs = [t.data_ptr() for t in self.tensors]
+
+    def _view(self, ptr, n):
+        # The tensor holding `ptr`: the one starting last at or before it.
+        i = max((p, i) for i, p in enumerate(self.ptrs) if p <= ptr)[1]
+        off = ptr - self.ptrs[i]
+        return self.tensors[i][off : off + n]
+
+    def write(self, ptr, data):
+        self._view(ptr, len(data)).copy_(self.torch.frombuffer(bytearray(data), dtype=self.torch.uint8))
+        self.torch.cuda.synchronize()
+
+    def read(self, ptr, n):
+        self.torch.cuda.synchronize()
+        return self._view(ptr, n).cpu().numpy().tobytes()
+
+
+def cuda_missing():
+    """Why CUDA tensors cannot be used here, or None."""
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    if not torch.cuda.is_available():
+        return "torch finds no CUDA device"
+    return None
+
+
 class Engine:
     """One inference engine's KV cache (a registered tensor per layer) and its client."""
 
-    def __init__(self, name, master, segment):
+    def __init__(self, name, master, segment, memory=HostLayers):
         self.name = name
         self.store = MooncakeDistributedStore()
         rc = self.store.setup("localhost", "P2PHANDSHAKE", segment, 16 << 20, "tcp", "", master)
         if rc != 0:
             raise SystemExit(f"{name}: setup failed with {rc}")
-        self.layers = [(ctypes.c_ubyte * (NUM_BLOCKS * BLOCK_BYTES))() for _ in range(LAYERS)]
-        for layer in self.layers:
-            assert self.store.register_buffer(ctypes.addressof(layer), len(layer)) == 0
+        self.memory = memory(self.store)
+        for ptr in self.memory.ptrs:
+            assert self.store.register_buffer(ptr, NUM_BLOCKS * BLOCK_BYTES) == 0
         self.free = list(range(NUM_BLOCKS))
 
     def allocate(self, n):
@@ -55,15 +121,15 @@ class Engine:
 
     def block_ptrs(self, block):
         """Where `block` lives in every layer: the multi-buffer list of one key."""
-        return [ctypes.addressof(layer) + block * BLOCK_BYTES for layer in self.layers]
+        return [ptr + block * BLOCK_BYTES for ptr in self.memory.ptrs]
 
     def fill(self, block, seed):
         """Computes (here: makes up) the KV of one block in every layer."""
-        for ptr in self.block_ptrs(block):
-            ctypes.memmove(ptr, random.Random(f"{seed}/{ptr % 7919}").randbytes(BLOCK_BYTES), BLOCK_BYTES)
+        for layer, ptr in enumerate(self.block_ptrs(block)):
+            self.memory.write(ptr, random.Random(f"{seed}/{layer}").randbytes(BLOCK_BYTES))
 
     def block_bytes(self, block):
-        return [ctypes.string_at(p, BLOCK_BYTES) for p in self.block_ptrs(block)]
+        return [self.memory.read(p, BLOCK_BYTES) for p in self.block_ptrs(block)]
 
     # ------------------------------------------------------------ connector calls
 
@@ -91,8 +157,8 @@ class Engine:
             raise SystemExit(f"{self.name}: load failed: {got}")
 
     def close(self):
-        for layer in self.layers:
-            self.store.unregister_buffer(ctypes.addressof(layer))
+        for ptr in self.memory.ptrs:
+            self.store.unregister_buffer(ptr)
         self.store.close()
 
 
@@ -127,11 +193,24 @@ def start_master():
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--master", help="host:port of a running mooncake-master (default: start one)")
+    ap.add_argument("--gpu", action="store_true", help="KV tensors on the GPU (needs torch and a CUDA device)")
+    ap.add_argument(
+        "--emulate-gpu", action="store_true", help="the GPU mode's calls over host memory declared as GPU memory"
+    )
     args = ap.parse_args()
+    memory, mode = HostLayers, "host memory"
+    if args.gpu:
+        why = cuda_missing()
+        if why is not None:
+            print(f"GPU mode skipped: {why}")
+            return 0
+        memory, mode = CudaLayers, "CUDA tensors"
+    elif args.emulate_gpu:
+        memory, mode = EmulatedGpuLayers, "emulated GPU memory (not a GPU result)"
     proc, master = (None, args.master) if args.master else start_master()
     try:
-        producer = Engine("producer", master, segment=64 << 20)
-        consumer = Engine("consumer", master, segment=0)
+        producer = Engine("producer", master, segment=64 << 20, memory=memory)
+        consumer = Engine("consumer", master, segment=0, memory=memory)
 
         # Request A: nothing stored yet; compute its 12 blocks and save them.
         tokens_a = list(range(12 * BLOCK_TOKENS))
@@ -163,7 +242,13 @@ def main():
             consumer.load(keys, blocks)
             for src, dst in zip(source_blocks, blocks):
                 assert consumer.block_bytes(dst) == producer.block_bytes(src), f"request {name}: bytes differ"
-            print(f"request {name}: {len(keys)} chunks x {LAYERS} layers x {BLOCK_BYTES} B reloaded, every byte checked")
+            print(
+                f"request {name}: {len(keys)} chunks x {LAYERS} layers x {BLOCK_BYTES} B reloaded "
+                f"in {mode}, every byte checked"
+            )
+            if memory is not HostLayers:
+                direct, staged = consumer.store._device_bytes()
+                assert direct + staged >= len(keys) * LAYERS * BLOCK_BYTES, "the device path was not taken"
 
         consumer.close()
         producer.close()  # its segment, and the objects on it, leave the pool

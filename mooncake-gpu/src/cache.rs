@@ -260,6 +260,11 @@ struct Inner {
     oom_count: u64,
     stuck_put_reclaimed: u64,
     puts: u64,
+    /// Each slot's epoch as last written to its header by this cache (`None`:
+    /// unknown, after a header write that failed): the cache is the only writer
+    /// of epochs (kernels and readers only compare them), so a reservation
+    /// needs no device round trip to learn the next one.
+    epochs: Vec<Option<u32>>,
 }
 
 impl Inner {
@@ -345,8 +350,10 @@ impl<H: DeviceHeap + ?Sized> NanoKvCache<H> {
     pub fn new(heap: Arc<H>, cfg: CacheConfig) -> Result<Self> {
         cfg.validate()?;
         let n = heap.header_slots();
+        let mut epochs = Vec::with_capacity(n as usize);
         for slot in 0..n {
             let epoch = heap.load_u32(slot, HeaderU32Field::Epoch, Ordering::Relaxed)?;
+            epochs.push(Some(epoch));
             let h = HeaderSnapshot {
                 epoch,
                 state: ObjectState::Dead.as_u32(),
@@ -371,6 +378,7 @@ impl<H: DeviceHeap + ?Sized> NanoKvCache<H> {
             oom_count: 0,
             stuck_put_reclaimed: 0,
             puts: 0,
+            epochs,
         };
         Ok(Self {
             heap,
@@ -406,8 +414,9 @@ impl<H: DeviceHeap + ?Sized> NanoKvCache<H> {
     }
 
     /// Reserves space and a header for `key` (`bytes_total` bytes) and returns
-    /// the plan a producer writes through. The header is initialised
-    /// (RESERVED), then set WRITING with Release.
+    /// the plan a producer writes through. The header is written in one
+    /// `write_header`, its state WRITING stored last (Release): one device round
+    /// trip on a CUDA heap, the epoch coming from the cache's own record.
     ///
     /// If the reservation would push usage above the high watermark, the FIFO
     /// evictor first brings usage (including the new object) down to the low
@@ -456,8 +465,15 @@ impl<H: DeviceHeap + ?Sized> NanoKvCache<H> {
         span.payload_base = off;
         let id = KeyId::of(key);
         let now = self.now_ns();
+        let known = inner.epochs[slot as usize].take();
         let init = (|| -> Result<u32> {
-            let epoch = self.heap.load_u32(slot, HeaderU32Field::Epoch, Ordering::Acquire)?.wrapping_add(1);
+            // The next epoch, from this cache's own record of the header (no
+            // device round trip) unless a failed write left it unknown.
+            let epoch = match known {
+                Some(e) => e,
+                None => self.heap.load_u32(slot, HeaderU32Field::Epoch, Ordering::Acquire)?,
+            }
+            .wrapping_add(1);
             let h = HeaderSnapshot {
                 key_hash: id.hash,
                 key_fp_hi: id.fp_hi,
@@ -469,7 +485,12 @@ impl<H: DeviceHeap + ?Sized> NanoKvCache<H> {
                 n_pages: span.n_pages,
                 last_page_bytes: span.last_page_bytes,
                 epoch,
-                state: ObjectState::Reserved.as_u32(),
+                // Straight to WRITING: RESERVED and WRITING are treated alike by
+                // every reader and by the watchdog, `write` accepts only WRITING,
+                // and no one holds the plan yet; writing the state once, last and
+                // with Release (for the header before it) in `write_header`,
+                // saves a second device round trip per put.
+                state: ObjectState::Writing.as_u32(),
                 reader_refcnt: 0,
                 state_ts: now,
                 last_access: now,
@@ -478,11 +499,13 @@ impl<H: DeviceHeap + ?Sized> NanoKvCache<H> {
                 _reserved: [0; 5],
             };
             self.heap.write_header(slot, &h)?;
-            self.heap.store_u32(slot, HeaderU32Field::State, ObjectState::Writing.as_u32(), Ordering::Release)?;
             Ok(epoch)
         })();
         let epoch = match init {
-            Ok(e) => e,
+            Ok(e) => {
+                inner.epochs[slot as usize] = Some(e);
+                e
+            }
             Err(e) => {
                 inner.alloc.free(off, need);
                 inner.free_slots.push(slot);

@@ -31,6 +31,11 @@
 //!   staging), [`HostDeviceMemory`] (its host emulation) and [`DeviceBuffer`]
 //!   (CUDA; [`allocate_or_emulate`] picks one), the double-buffered chunked
 //!   [`Stager`] and the [`PinnedPool`] of reusable staging buffers.
+//! * Addresses handed over by callers: [`PointerClassifier`] tells device
+//!   memory from host memory ([`CudaPointers`], the driver's answer;
+//!   [`EmulatedPointers`], declared host ranges) and lends device ranges as
+//!   `DeviceMemory`; [`DeviceScatter`] sees several ranges as one memory;
+//!   [`HostPinning`] page-locks host memory allocated elsewhere.
 //! * [`GpuTransport`]: a `mooncake_transfer::Transport` whose regions are
 //!   device memory, so the transfer engine (and a store built with it) moves
 //!   bytes between host memory and GPU buffers of this process.
@@ -93,6 +98,7 @@ mod error;
 mod header;
 mod heap;
 mod key;
+mod pointer;
 mod transport;
 
 pub use cache::{
@@ -103,8 +109,8 @@ pub use cuda::{
     IpcHeapHandle,
 };
 pub use device::{
-    DeviceMemory, DeviceStream, Fence, HostDeviceMemory, MemoryLocation, PinnedBuffer, PinnedPool, PooledBuffer,
-    Stager, DEFAULT_CHUNK, DEFAULT_LANES,
+    DeviceMemory, DeviceScatter, DeviceStream, Fence, HostDeviceMemory, MemoryLocation, PinnedBuffer, PinnedPool,
+    PooledBuffer, Stager, DEFAULT_CHUNK, DEFAULT_LANES,
 };
 pub use error::{GpuError, Result};
 pub use header::{
@@ -113,4 +119,8 @@ pub use header::{
 };
 pub use heap::{DeviceHeap, HostHeap, PageSpan, ReadExpect, RetireOutcome, HOST_WORD};
 pub use key::{route, KeyId};
+pub use pointer::{
+    CudaPointers, DeviceAllocation, EmulatedPin, EmulatedPointers, HostPinning, KeepCurrentContext, PinnedRanges,
+    PointerClassifier,
+};
 pub use transport::{gpu_to_transfer, GpuTransport, GPU_SCHEME};

@@ -14,6 +14,7 @@ use pyo3::prelude::*;
 
 mod codes;
 mod config;
+mod device;
 mod dummy;
 mod handle;
 mod hostmem;

@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use mooncake_core::gpu::{DeviceMemory, KeepCurrentContext};
 use mooncake_core::{BufferRegistry, Error, Store};
 use parking_lot::RwLock;
 use pyo3::exceptions::{PyNotImplementedError, PyTypeError};
@@ -15,6 +16,7 @@ use std::collections::HashMap;
 
 use crate::codes::{self, code, put_status, status, INVALID_PARAMS};
 use crate::config::ReplicateConfig;
+use crate::device::{self, DevicePointers, Target};
 use crate::handle::buffer_handle;
 use crate::ranges::{self, Range};
 use crate::replicas::{self, ReplicaDescriptor};
@@ -87,10 +89,15 @@ impl WriteMode {
 /// GIL is released while the engine works. Raw pointers (`put_from`, `get_into`,
 /// ...) must lie inside a buffer given to `register_buffer`; anything else is refused
 /// with `-600`.
+///
+/// GPU memory (a CUDA tensor's `data_ptr()`, registered or not) is recognised by
+/// asking the CUDA driver, and moved with device copies, never dereferenced on the
+/// host: see `device.rs`.
 #[pyclass(name = "MooncakeDistributedStore", module = "mooncake_rs.store", frozen, subclass)]
 pub struct MooncakeDistributedStore {
     session: RwLock<Option<Arc<Session>>>,
     buffers: BufferRegistry,
+    devices: DevicePointers,
 }
 
 /// A value given by Python: `bytes` are read in place; other buffer-protocol objects
@@ -117,6 +124,56 @@ fn length_or_code(res: &mooncake_core::Result<usize>) -> i64 {
         Err(e) => code(e).into(),
     }
 }
+
+/// Writes objects whose bytes are in device memory (one `DeviceMemory` each, the
+/// whole of it), as puts or upserts; one code each. Puts go through the store's
+/// device API in one batch (the ranges seen as one scatter). The store has no device
+/// form of upserts yet: their bytes are copied to host memory with the device copy
+/// API (pinned staging) and upserted from there.
+fn write_device(
+    mode: WriteMode,
+    store: &Store,
+    items: &[(&str, Arc<dyn DeviceMemory>)],
+    cfg: &mooncake_core::ReplicateConfig,
+) -> Vec<i32> {
+    match mode {
+        WriteMode::Put => {
+            let scatter = match device::scatter(items.iter().map(|(_, m)| m.clone()).collect()) {
+                Ok(sc) => sc,
+                Err(c) => return vec![c; items.len()],
+            };
+            let mut at = 0;
+            let ranges: Vec<(&str, u64, u64)> = items
+                .iter()
+                .map(|(k, m)| {
+                    at += m.len();
+                    (*k, at - m.len(), m.len())
+                })
+                .collect();
+            store.batch_put_from_device(&ranges, &scatter, cfg).iter().map(put_status).collect()
+        }
+        WriteMode::Upsert => {
+            let mut out = vec![0; items.len()];
+            let mut staged: Vec<(usize, Vec<u8>)> = Vec::with_capacity(items.len());
+            for (i, (_, m)) in items.iter().enumerate() {
+                let mut v = vec![0u8; m.len() as usize];
+                match m.copy_to_host(0, &mut v) {
+                    Ok(()) => staged.push((i, v)),
+                    Err(e) => out[i] = code(&Error::from(e)),
+                }
+            }
+            let batch: Vec<(&str, &[u8])> = staged.iter().map(|(i, v)| (items[*i].0, v.as_slice())).collect();
+            for ((i, _), c) in staged.iter().zip(mode.many(store, &batch, cfg)) {
+                out[*i] = c;
+            }
+            out
+        }
+    }
+}
+
+/// A range of `get_into_ranges` into GPU memory: where the answer goes (buffer, key,
+/// range), the offset in the buffer, the offset in the object, the length.
+type DeviceRange = ((usize, usize, usize), usize, usize, usize);
 
 /// Copies `data` to the raw address `dst`.
 ///
@@ -211,14 +268,25 @@ impl MooncakeDistributedStore {
             Err(c) => return vec![c; n],
         };
         let mut results = vec![0; n];
-        let mut valid = Vec::with_capacity(n);
-        for i in 0..n {
-            match self.buffers.check(buffer_ptrs[i], sizes[i]) {
-                Ok(()) => valid.push(i),
-                Err(e) => results[i] = code(&e),
-            }
-        }
+        // Device calls bind their memory's CUDA context: give the framework's back.
+        let _ctx = KeepCurrentContext::new();
         py.detach(|| {
+            let mut valid = Vec::with_capacity(n);
+            let mut on_device = Vec::new();
+            for i in 0..n {
+                match self.devices.resolve(&self.buffers, buffer_ptrs[i], sizes[i]) {
+                    Ok(Target::Host) => valid.push(i),
+                    Ok(Target::Device(mem)) => on_device.push((i, mem)),
+                    Err(c) => results[i] = c,
+                }
+            }
+            if !on_device.is_empty() {
+                let items: Vec<(&str, Arc<dyn DeviceMemory>)> =
+                    on_device.iter().map(|(i, m)| (keys[*i].as_str(), m.clone())).collect();
+                for ((i, _), c) in on_device.iter().zip(write_device(mode, &s.store, &items, &cfg)) {
+                    results[*i] = c;
+                }
+            }
             let items: Vec<(&str, &[u8])> = valid
                 .iter()
                 .map(|&i| {
@@ -302,7 +370,7 @@ impl MooncakeDistributedStore {
     /// A store that is not connected yet: call `setup`.
     #[new]
     fn new() -> Self {
-        Self { session: RwLock::new(None), buffers: BufferRegistry::default() }
+        Self { session: RwLock::new(None), buffers: BufferRegistry::default(), devices: DevicePointers::default() }
     }
 
     /// Connects to the master and gives `global_segment_size` bytes to the pool.
@@ -373,6 +441,7 @@ impl MooncakeDistributedStore {
     fn close(&self, py: Python<'_>) -> i32 {
         let old = self.session.write().take();
         self.buffers.clear();
+        self.devices.clear();
         py.detach(move || drop(old));
         0
     }
@@ -542,10 +611,16 @@ impl MooncakeDistributedStore {
     }
 
     /// Declares `[buffer_ptr, buffer_ptr + size)` as memory the zero-copy calls may
-    /// read and write. Returns 0 or -600.
-    fn register_buffer(&self, buffer_ptr: usize, size: usize) -> i32 {
-        if self.session().is_none() {
+    /// read and write: host memory, or GPU memory (the driver says which; a GPU range
+    /// must lie inside one device allocation). Returns 0 or -600.
+    fn register_buffer(&self, py: Python<'_>, buffer_ptr: usize, size: usize) -> i32 {
+        if self.session().is_none() || size == 0 {
             return INVALID_PARAMS;
+        }
+        // Device calls bind their memory's CUDA context: give the framework's back.
+        let _ctx = KeepCurrentContext::new();
+        if let Some(c) = py.detach(|| self.devices.register(buffer_ptr, size)) {
+            return c;
         }
         status(&self.buffers.register(buffer_ptr, size))
     }
@@ -555,7 +630,34 @@ impl MooncakeDistributedStore {
         if self.session().is_none() {
             return INVALID_PARAMS;
         }
+        if self.devices.unregister(buffer_ptr) {
+            return 0;
+        }
         status(&self.buffers.unregister(buffer_ptr))
+    }
+
+    /// Test hook (machines without a GPU): from now on this store treats the host
+    /// memory `[buffer_ptr, buffer_ptr + size)` as memory of GPU `ordinal`, and only
+    /// declared ranges as GPU memory (the CUDA driver is no longer asked). Its bytes
+    /// are then moved only by the store's device API, as a GPU's would be. The range
+    /// must stay valid until the store is closed. Returns 0, or -600 (empty, or
+    /// overlapping a range declared before).
+    #[pyo3(signature = (buffer_ptr, size, ordinal = 0))]
+    fn _emulate_device_memory(&self, buffer_ptr: usize, size: usize, ordinal: usize) -> i32 {
+        // SAFETY: the caller (a test) keeps the range valid while the store lives
+        // and does not touch it during calls, as documented.
+        unsafe { self.devices.emulate(buffer_ptr, size, ordinal) }
+    }
+
+    /// Test hook: the store's device byte counters, `(direct, staged)`: bytes moved
+    /// between GPU memory and the pool straight, or through pinned staging.
+    fn _device_bytes(&self) -> (u64, u64) {
+        self.session()
+            .map(|s| {
+                let st = s.store.stats();
+                (st.device_direct_bytes, st.device_staged_bytes)
+            })
+            .unwrap_or((0, 0))
     }
 
     /// Stores the `size` bytes at `buffer_ptr` (inside a registered buffer) under
@@ -570,18 +672,24 @@ impl MooncakeDistributedStore {
         config: Option<PyRef<'_, ReplicateConfig>>,
     ) -> i32 {
         let Some(s) = self.session() else { return INVALID_PARAMS };
-        if let Err(e) = self.buffers.check(buffer_ptr, size) {
-            return code(&e);
-        }
+        // Device calls bind their memory's CUDA context: give the framework's back.
+        let _ctx = KeepCurrentContext::new();
+        let target = match py.detach(|| self.devices.resolve(&self.buffers, buffer_ptr, size)) {
+            Ok(t) => t,
+            Err(c) => return c,
+        };
         let cfg = match s.write_config(config.as_deref(), 1) {
             Ok(c) => c,
             Err(c) => return c,
         };
-        py.detach(|| {
-            // SAFETY: `check` found `[buffer_ptr, buffer_ptr + size)` inside a region
-            // Python registered as valid memory.
-            let data = unsafe { std::slice::from_raw_parts(buffer_ptr as *const u8, size) };
-            put_status(&s.store.put_with(key, data, &cfg))
+        py.detach(|| match target {
+            Target::Device(mem) => put_status(&s.store.put_from_device_with(key, &*mem, 0, size as u64, &cfg)),
+            Target::Host => {
+                // SAFETY: `resolve` found `[buffer_ptr, buffer_ptr + size)` inside a
+                // region Python registered as valid host memory.
+                let data = unsafe { std::slice::from_raw_parts(buffer_ptr as *const u8, size) };
+                put_status(&s.store.put_with(key, data, &cfg))
+            }
         })
     }
 
@@ -589,16 +697,16 @@ impl MooncakeDistributedStore {
     /// `size` bytes). Returns its length, or a negative code (-600 if it does not fit).
     fn get_into(&self, py: Python<'_>, key: &str, buffer_ptr: usize, size: usize) -> i64 {
         let Some(s) = self.session() else { return INVALID_PARAMS.into() };
-        if let Err(e) = self.buffers.check(buffer_ptr, size) {
-            return code(&e).into();
-        }
-        py.detach(|| {
-            // SAFETY: `check` found the range inside a registered region; nothing else
-            // in this process holds a Rust reference to it.
-            let buf = unsafe { std::slice::from_raw_parts_mut(buffer_ptr as *mut u8, size) };
-            match s.store.get_into(key, buf) {
-                Ok(n) => n as i64,
-                Err(e) => code(&e).into(),
+        // Device calls bind their memory's CUDA context: give the framework's back.
+        let _ctx = KeepCurrentContext::new();
+        py.detach(|| match self.devices.resolve(&self.buffers, buffer_ptr, size) {
+            Err(c) => c.into(),
+            Ok(Target::Device(mem)) => length_or_code(&s.store.get_into_device(key, &*mem, 0)),
+            Ok(Target::Host) => {
+                // SAFETY: `resolve` found the range inside a registered host region;
+                // nothing else in this process holds a Rust reference to it.
+                let buf = unsafe { std::slice::from_raw_parts_mut(buffer_ptr as *mut u8, size) };
+                length_or_code(&s.store.get_into(key, buf))
             }
         })
     }
@@ -635,7 +743,24 @@ impl MooncakeDistributedStore {
         if ![all_keys.len(), all_dst_offsets.len(), all_src_offsets.len(), all_sizes.len()].iter().all(|&l| l == n) {
             return results;
         }
-        let capacities: Vec<Option<usize>> = buffer_ptrs.iter().map(|&p| self.buffers.capacity(p)).collect();
+        // Device calls bind their memory's CUDA context: give the framework's back.
+        let _ctx = KeepCurrentContext::new();
+        let host_caps: Vec<Option<usize>> = buffer_ptrs.iter().map(|&p| self.buffers.capacity(p)).collect();
+        // Buffers in GPU memory: the device memory from their address on.
+        let device_bufs: Vec<Option<Arc<dyn DeviceMemory>>> = py.detach(|| {
+            buffer_ptrs
+                .iter()
+                .zip(&host_caps)
+                .map(|(&p, cap)| if cap.is_none() { self.devices.range_from(p) } else { None })
+                .collect()
+        });
+        let capacities: Vec<Option<usize>> = host_caps
+            .iter()
+            .zip(&device_bufs)
+            .map(|(cap, dev)| cap.or_else(|| dev.as_ref().map(|m| m.len() as usize)))
+            .collect();
+        // Ranges into GPU memory, by key.
+        let mut device_ranges: BTreeMap<&str, Vec<DeviceRange>> = BTreeMap::new();
         // The ranges that can be served (inside their buffer, non-empty); the others
         // keep -600. Keys whose lists do not have matching lengths are read only to
         // report a missing object.
@@ -655,6 +780,10 @@ impl MooncakeDistributedStore {
                     if l == 0 || !fits_dst || sr.checked_add(l).is_none() {
                         continue;
                     }
+                    if device_bufs[i].is_some() {
+                        device_ranges.entry(key.as_str()).or_default().push(((i, j, k), d, sr, l));
+                        continue;
+                    }
                     let r = Range { at: (i, j, k), dst: buffer_ptrs[i] + d, src: sr, len: l };
                     ranges.entry(key.as_str()).or_default().push(r);
                 }
@@ -666,6 +795,34 @@ impl MooncakeDistributedStore {
         let answers = py.detach(|| ranges::read(&s.store, &unique, &ranges));
         for ((i, j, k), v) in answers.ranges {
             results[i][j][k] = v;
+        }
+        if !device_ranges.is_empty() {
+            // GPU destinations: each object read whole into host memory (its checksum
+            // covers all of it), its ranges copied to the device with the device copy
+            // API. (The one-DMA path is the store's device engine's, still to come.)
+            let got = py.detach(|| {
+                let keys: Vec<&str> = device_ranges.keys().copied().collect();
+                let objects = s.store.batch_get(&keys);
+                let mut out = Vec::new();
+                for (key, obj) in keys.iter().zip(objects) {
+                    let Ok(data) = obj else { continue }; // reported through `failed`
+                    for &(at, d, sr, l) in &device_ranges[key] {
+                        let mem = device_bufs[at.0].as_ref().expect("a device buffer");
+                        let v = match data.get(sr..sr + l) {
+                            None => INVALID_PARAMS.into(),
+                            Some(bytes) => match mem.copy_from_host(d as u64, bytes) {
+                                Ok(()) => l as i64,
+                                Err(e) => code(&Error::from(e)).into(),
+                            },
+                        };
+                        out.push((at, v));
+                    }
+                }
+                out
+            });
+            for ((i, j, k), v) in got {
+                results[i][j][k] = v;
+            }
         }
         for (i, j, key) in occurrences {
             if let Some(&c) = answers.failed.get(key) {
@@ -704,11 +861,22 @@ impl MooncakeDistributedStore {
         if !Self::same_len(n, buffer_ptrs.len(), sizes.len()) {
             return bad;
         }
-        let checks: Vec<Result<(), i32>> =
-            (0..n).map(|i| self.buffers.check(buffer_ptrs[i], sizes[i]).map_err(|e| code(&e))).collect();
-        let wanted: Vec<usize> = (0..n).filter(|&i| checks[i].is_ok()).collect();
-        let direct = BufferRegistry::disjoint(wanted.iter().map(|&i| (buffer_ptrs[i], sizes[i])).collect());
+        // Device calls bind their memory's CUDA context: give the framework's back.
+        let _ctx = KeepCurrentContext::new();
         py.detach(|| {
+            let mut results = bad.clone();
+            let mut wanted = Vec::with_capacity(n);
+            for i in 0..n {
+                match self.devices.resolve(&self.buffers, buffer_ptrs[i], sizes[i]) {
+                    Ok(Target::Host) => wanted.push(i),
+                    // GPU memory: one device read each, its room the caller's size.
+                    Ok(Target::Device(mem)) => {
+                        results[i] = length_or_code(&s.store.get_into_device(&keys[i], &*mem, 0))
+                    }
+                    Err(c) => results[i] = c.into(),
+                }
+            }
+            let direct = BufferRegistry::disjoint(wanted.iter().map(|&i| (buffer_ptrs[i], sizes[i])).collect());
             let keys: Vec<&str> = wanted.iter().map(|&i| keys[i].as_str()).collect();
             let found: Vec<i64> = if direct {
                 let mut bufs: Vec<&mut [u8]> = wanted
@@ -737,11 +905,10 @@ impl MooncakeDistributedStore {
                     })
                     .collect()
             };
-            let mut found = found.into_iter();
-            checks
-                .iter()
-                .map(|c| c.map_or_else(i64::from, |()| found.next().unwrap_or(INVALID_PARAMS.into())))
-                .collect()
+            for (&i, v) in wanted.iter().zip(found) {
+                results[i] = v;
+            }
+            results
         })
     }
 
@@ -766,19 +933,27 @@ impl MooncakeDistributedStore {
             Err(c) => return vec![c; n],
         };
         let mut results = vec![0; n];
-        let mut valid = Vec::with_capacity(n);
-        for i in 0..n {
-            let (ptrs, sizes) = (&all_buffer_ptrs[i], &all_sizes[i]);
-            let ok = !ptrs.is_empty()
-                && ptrs.len() == sizes.len()
-                && ptrs.iter().zip(sizes).all(|(&p, &l)| self.buffers.check(p, l).is_ok());
-            if ok {
-                valid.push(i);
-            } else {
-                results[i] = INVALID_PARAMS;
-            }
-        }
+        // Device calls bind their memory's CUDA context: give the framework's back.
+        let _ctx = KeepCurrentContext::new();
         py.detach(|| {
+            let mut valid = Vec::with_capacity(n);
+            let mut on_device: Vec<(usize, Arc<dyn DeviceMemory>)> = Vec::new();
+            for i in 0..n {
+                let (ptrs, sizes) = (&all_buffer_ptrs[i], &all_sizes[i]);
+                match self.devices.resolve_parts(&self.buffers, ptrs, sizes) {
+                    _ if ptrs.is_empty() => results[i] = INVALID_PARAMS,
+                    Ok(None) => valid.push(i),
+                    Ok(Some(mem)) => on_device.push((i, mem)),
+                    Err(c) => results[i] = c,
+                }
+            }
+            if !on_device.is_empty() {
+                let items: Vec<(&str, Arc<dyn DeviceMemory>)> =
+                    on_device.iter().map(|(i, m)| (keys[*i].as_str(), m.clone())).collect();
+                for ((i, _), c) in on_device.iter().zip(write_device(WriteMode::Put, &s.store, &items, &cfg)) {
+                    results[*i] = c;
+                }
+            }
             let parts: Vec<Vec<&[u8]>> = valid
                 .iter()
                 .map(|&i| {
@@ -819,17 +994,26 @@ impl MooncakeDistributedStore {
         if !Self::same_len(n, all_buffer_ptrs.len(), all_sizes.len()) {
             return bad;
         }
-        let ok: Vec<bool> = (0..n)
-            .map(|i| {
-                let (ptrs, sizes) = (&all_buffer_ptrs[i], &all_sizes[i]);
-                ptrs.len() == sizes.len() && ptrs.iter().zip(sizes).all(|(&p, &l)| self.buffers.check(p, l).is_ok())
-            })
-            .collect();
-        let wanted: Vec<usize> = (0..n).filter(|&i| ok[i]).collect();
-        let direct = BufferRegistry::disjoint(
-            wanted.iter().flat_map(|&i| all_buffer_ptrs[i].iter().copied().zip(all_sizes[i].iter().copied())).collect(),
-        );
+        // Device calls bind their memory's CUDA context: give the framework's back.
+        let _ctx = KeepCurrentContext::new();
         py.detach(|| {
+            let mut results = bad.clone();
+            let mut wanted = Vec::with_capacity(n);
+            for i in 0..n {
+                match self.devices.resolve_parts(&self.buffers, &all_buffer_ptrs[i], &all_sizes[i]) {
+                    Ok(None) => wanted.push(i),
+                    // GPU memory: one device read each, into its parts seen as one
+                    // memory (an object larger than their sum is refused, -600).
+                    Ok(Some(mem)) => results[i] = length_or_code(&s.store.get_into_device(&keys[i], &*mem, 0)),
+                    Err(c) => results[i] = c.into(),
+                }
+            }
+            let direct = BufferRegistry::disjoint(
+                wanted
+                    .iter()
+                    .flat_map(|&i| all_buffer_ptrs[i].iter().copied().zip(all_sizes[i].iter().copied()))
+                    .collect(),
+            );
             let keys: Vec<&str> = wanted.iter().map(|&i| keys[i].as_str()).collect();
             let found: Vec<i64> = if direct {
                 let mut parts: Vec<Vec<&mut [u8]>> = wanted
@@ -872,10 +1056,10 @@ impl MooncakeDistributedStore {
                     })
                     .collect()
             };
-            let mut found = found.into_iter();
-            ok.iter()
-                .map(|&ok| if ok { found.next().unwrap_or(INVALID_PARAMS.into()) } else { INVALID_PARAMS.into() })
-                .collect()
+            for (&i, v) in wanted.iter().zip(found) {
+                results[i] = v;
+            }
+            results
         })
     }
 

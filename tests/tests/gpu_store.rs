@@ -340,3 +340,50 @@ fn over_tcp_device_memory_is_staged_as_before() {
     assert!(matches!(client.get_into_device("tcp/none", &dst, 0), Err(Error::NotFound(_))));
     assert_eq!(client.stats().device_staged_bytes, 2 * data.len() as u64);
 }
+
+/// What the Python binding does with a framework's per-layer KV tensors: the layers
+/// of one block, borrowed ranges of device memory (emulated here), seen as one
+/// `DeviceScatter` by the store's device API: one object in, one object out, and an
+/// object larger than the parts refused without a byte written.
+#[test]
+fn per_layer_ranges_as_one_scatter_through_the_device_api() {
+    use mooncake_core::gpu::{DeviceScatter, EmulatedPointers, PointerClassifier};
+    let store = store(16 << 20);
+    let layers = 4;
+    let block = 10_000;
+    // Two "tensors" of `layers` blocks each: the source and the destination.
+    let mut src_t = vec![0u8; layers * 2 * block];
+    let mut dst_t = vec![0u8; layers * 2 * block];
+    let want: Vec<u8> = (0..layers).flat_map(|l| pattern(l as u64, block)).collect();
+    for l in 0..layers {
+        src_t[l * 2 * block..][..block].copy_from_slice(&want[l * block..][..block]);
+    }
+    let pointers = EmulatedPointers::default();
+    // SAFETY: both vectors outlive `pointers` and every borrow below, and are read
+    // here only after the store's calls returned.
+    unsafe {
+        pointers.declare(src_t.as_mut_ptr() as u64, src_t.len() as u64, 0).unwrap();
+        pointers.declare(dst_t.as_mut_ptr() as u64, dst_t.len() as u64, 0).unwrap();
+    }
+    let parts = |base: u64, n: usize, len: u64| -> DeviceScatter {
+        let ranges = (0..n).map(|l| (pointers.borrow(base + (l * 2 * block) as u64, len).unwrap(), 0, len)).collect();
+        DeviceScatter::new(ranges).unwrap()
+    };
+    let src = parts(src_t.as_ptr() as u64, layers, block as u64);
+    store.put_from_device("req/block0", &src, 0, (layers * block) as u64).unwrap();
+    assert_eq!(store.get("req/block0").unwrap()[..], want[..]);
+    assert_eq!(store.stats().device_staged_bytes, (layers * block) as u64);
+
+    // Three parts are too few: BufferTooSmall, nothing written.
+    let short = parts(dst_t.as_ptr() as u64, layers - 1, block as u64);
+    assert!(matches!(store.get_into_device("req/block0", &short, 0), Err(Error::BufferTooSmall { .. })));
+    drop(short);
+    let dst = parts(dst_t.as_ptr() as u64, layers, block as u64);
+    assert_eq!(store.get_into_device("req/block0", &dst, 0).unwrap(), layers * block);
+    drop((dst, src));
+    assert!(pointers.forget(src_t.as_ptr() as u64) && pointers.forget(dst_t.as_ptr() as u64));
+    for l in 0..layers {
+        assert_eq!(dst_t[l * 2 * block..][..block], want[l * block..][..block], "layer {l}");
+        assert!(dst_t[l * 2 * block + block..][..block].iter().all(|&b| b == 0), "gap after layer {l} written");
+    }
+}

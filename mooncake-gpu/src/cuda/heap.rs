@@ -286,6 +286,25 @@ impl CudaDeviceHeap {
         })
     }
 
+    /// Runs `nk_hdr_op` for a store (whose result nobody reads): the kernel,
+    /// then one stream synchronization, without the read-back copy `hdr_op`
+    /// makes (one device-to-host copy less per store).
+    fn hdr_store(&self, addr: sys::CUdeviceptr, code: u32, v: u64) -> Result<()> {
+        guarded("hdr_store", || {
+            let scratch = self.scratch.lock();
+            let out: u64 = *scratch;
+            let zero = 0u64;
+            let mut l = self.stream.launch_builder(&self.k.hdr_op);
+            l.arg(&addr).arg(&code).arg(&v).arg(&zero).arg(&out);
+            // SAFETY: as in `hdr_op`: argument types match the kernel signature
+            // (u64, u32, u64, u64, u64*); `addr` is a header word inside this
+            // heap (checked by `hdr`), `out` is our 64-byte scratch (held locked
+            // until the kernel completed: synchronized below).
+            drv("launch nk_hdr_op", unsafe { l.launch(cfg1()) })?;
+            self.sync()
+        })
+    }
+
     fn check_span(&self, span: &PageSpan) -> Result<()> {
         match span.payload_base.checked_add(span.alloc_bytes()) {
             Some(e) if e <= self.capacity => Ok(()),
@@ -334,22 +353,30 @@ impl CudaDeviceHeap {
             if !publish {
                 return self.sync();
             }
-            let mut l = self.stream.launch_builder(&self.k.publish);
-            l.arg(&hdr).arg(&plan.epoch).arg(&now_ns).arg(&out);
-            // SAFETY: types match (u64, u32, u64, u32*); `hdr` is in bounds.
-            drv("launch nk_publish", unsafe { l.launch(cfg1()) })?;
-            let mut r = [0u32; 1];
-            // SAFETY: `out` is our live scratch allocation.
-            drv("cuMemcpyDtoH", unsafe { cu::memcpy_dtoh_async(&mut r, out, self.stream.cu_stream()) })?;
-            self.sync()?;
-            let writing = ObjectState::Writing.as_u32();
-            let ready = ObjectState::Ready.as_u32();
-            if r[0] == writing || r[0] == ready {
-                Ok(())
-            } else {
-                Err(GpuError::Stale)
-            }
+            self.publish_kernel(out, hdr, plan.epoch, now_ns)
         })
+    }
+
+    /// `nk_publish` of the header at `hdr` on the heap's stream (after whatever
+    /// was enqueued before), its answer read back through the scratch word `out`
+    /// (the caller holds the scratch lock): one host round trip.
+    fn publish_kernel(&self, out: u64, hdr: sys::CUdeviceptr, epoch: u32, now_ns: u64) -> Result<()> {
+        let mut l = self.stream.launch_builder(&self.k.publish);
+        l.arg(&hdr).arg(&epoch).arg(&now_ns).arg(&out);
+        // SAFETY: types match (u64, u32, u64, u32*); `hdr` is in bounds (the
+        // callers got it from `hdr`).
+        drv("launch nk_publish", unsafe { l.launch(cfg1()) })?;
+        let mut r = [0u32; 1];
+        // SAFETY: `out` is our live scratch allocation.
+        drv("cuMemcpyDtoH", unsafe { cu::memcpy_dtoh_async(&mut r, out, self.stream.cu_stream()) })?;
+        self.sync()?;
+        let writing = ObjectState::Writing.as_u32();
+        let ready = ObjectState::Ready.as_u32();
+        if r[0] == writing || r[0] == ready {
+            Ok(())
+        } else {
+            Err(GpuError::Stale)
+        }
     }
 
     /// Reader path: copies the object at `meta` into the device buffer `dst`
@@ -493,6 +520,22 @@ impl DeviceHeap for CudaDeviceHeap {
         })
     }
 
+    /// The publish protocol of [`DeviceHeap::publish`] in one kernel
+    /// (`nk_publish`: epoch check, system fence, `CAS WRITING -> READY`,
+    /// `state_ts` stamp) and one host round trip, instead of the provided
+    /// method's three or four (epoch load, CAS, `state_ts` store, each a kernel
+    /// and a synchronization). Same answers: Ok when it published or the object
+    /// was READY already with this epoch, `Stale` otherwise.
+    fn publish(&self, slot: u32, epoch: u32, now_ns: u64) -> Result<()> {
+        let hdr = self.hdr(slot)?;
+        guarded("publish", || {
+            let scratch = self.scratch.lock();
+            let out: u64 = *scratch;
+            drv("bind", self.ctx.bind_to_thread())?;
+            self.publish_kernel(out, hdr, epoch, now_ns)
+        })
+    }
+
     fn write_header(&self, slot: u32, h: &HeaderSnapshot) -> Result<()> {
         let hdr = self.hdr(slot)?;
         let b = h.to_bytes();
@@ -502,16 +545,20 @@ impl DeviceHeap for CudaDeviceHeap {
             // Everything before `state`, then everything after `reader_refcnt`.
             let tail = header_offsets::READER_REFCNT + 4;
             // SAFETY: both ranges lie inside this slot's 128-byte header; the
-            // host buffers outlive the synchronous copies (synced below).
+            // host buffer `b` outlives the copies: it lives to the end of this
+            // function, after the state store below synchronized the stream.
             unsafe {
                 drv("cuMemcpyHtoD", cu::memcpy_htod_async(hdr, &b[..header_offsets::STATE], self.stream.cu_stream()))?;
                 drv("cuMemcpyHtoD", cu::memcpy_htod_async(hdr + tail as u64, &b[tail..], self.stream.cu_stream()))?;
             }
-            self.sync()
+            Ok(())
         })?;
         // State last, SeqCst store (fence.sc.sys: release for the copies above).
-        self.hdr_op(hdr + header_offsets::STATE as u64, op::ST32_SEQCST, u64::from(h.state), 0)?;
-        Ok(())
+        // No synchronization between the copies and this kernel: it runs after
+        // them on the same stream, and `hdr_store` synchronizes the stream before it
+        // returns, so one host round trip covers the whole header write (it was
+        // two: a sync after the copies, then the kernel's).
+        self.hdr_store(hdr + header_offsets::STATE as u64, op::ST32_SEQCST, u64::from(h.state))
     }
 
     fn load_u32(&self, slot: u32, f: HeaderU32Field, order: Ordering) -> Result<u32> {
@@ -523,7 +570,7 @@ impl DeviceHeap for CudaDeviceHeap {
     fn store_u32(&self, slot: u32, f: HeaderU32Field, v: u32, order: Ordering) -> Result<()> {
         let a = self.hdr(slot)? + f.offset() as u64;
         let code = st_code(order, op::ST32_RELAXED, op::ST32_RELEASE, op::ST32_SEQCST);
-        self.hdr_op(a, code, u64::from(v), 0).map(|_| ())
+        self.hdr_store(a, code, u64::from(v))
     }
 
     fn compare_exchange_u32(
@@ -552,7 +599,7 @@ impl DeviceHeap for CudaDeviceHeap {
     fn store_u64(&self, slot: u32, f: HeaderU64Field, v: u64, order: Ordering) -> Result<()> {
         let a = self.hdr(slot)? + f.offset() as u64;
         let code = st_code(order, op::ST64_RELAXED, op::ST64_RELEASE, op::ST64_SEQCST);
-        self.hdr_op(a, code, v, 0).map(|_| ())
+        self.hdr_store(a, code, v)
     }
 
     fn write_pages(&self, span: &PageSpan, first_page: u32, src: &[u8]) -> Result<u32> {

@@ -40,6 +40,8 @@ mod ipc;
 mod kernels;
 #[cfg(feature = "cuda")]
 mod memory;
+#[cfg(feature = "cuda")]
+mod pointer;
 #[cfg(not(feature = "cuda"))]
 mod unavailable;
 
@@ -51,5 +53,9 @@ pub use heap::CudaDeviceHeap;
 pub use ipc::IpcHeapHandle;
 #[cfg(feature = "cuda")]
 pub use memory::DeviceBuffer;
+#[cfg(feature = "cuda")]
+pub(crate) use pointer::{current_context, device_allocation, host_register, host_unregister, set_current_context};
 #[cfg(not(feature = "cuda"))]
 pub use unavailable::{cuda_available, cuda_device_count, nvrtc_available, CudaDeviceHeap, DeviceBuffer};
+#[cfg(not(feature = "cuda"))]
+pub(crate) use unavailable::{current_context, device_allocation, host_register, host_unregister, set_current_context};

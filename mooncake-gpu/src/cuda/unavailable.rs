@@ -35,6 +35,38 @@ pub fn cuda_available() -> bool {
     false
 }
 
+/// No device memory is known in a build without the `cuda` feature.
+pub(crate) fn device_allocation(ptr: u64) -> Option<crate::pointer::DeviceAllocation> {
+    let _ = ptr;
+    None
+}
+
+/// No driver in this build: no current context to keep.
+pub(crate) fn current_context() -> Option<usize> {
+    None
+}
+
+/// Never called in this build (there is no context to restore).
+pub(crate) fn set_current_context(ctx: usize) {
+    let _ = ctx;
+}
+
+/// Page-locking host memory: [`GpuError::NoGpu`] in this build.
+///
+/// # Safety
+///
+/// None needed (nothing is done); the signature is the CUDA build's.
+pub(crate) unsafe fn host_register(ptr: *mut u8, len: usize) -> Result<()> {
+    let _ = (ptr, len);
+    Err(not_built())
+}
+
+/// Nothing was page-locked in this build.
+pub(crate) fn host_unregister(ptr: *mut u8) -> Result<()> {
+    let _ = ptr;
+    Err(not_built())
+}
+
 /// Whether the NVRTC library can be loaded: never in a build without the
 /// `cuda` feature.
 pub fn nvrtc_available() -> bool {

@@ -35,7 +35,7 @@ const PAGE: u64 = 4096;
 /// through this value (so without its lock: bytes read while a NIC writes them are
 /// unspecified, as on a GPU). A real NIC refuses it (it is no dma-buf).
 pub struct HostDeviceMemory {
-    data: RwLock<MmapMut>,
+    data: RwLock<Backing>,
     len: u64,
     base: u64,
     /// The memfd behind `data`, if one could be made (else anonymous memory,
@@ -50,7 +50,71 @@ impl fmt::Debug for HostDeviceMemory {
     }
 }
 
+/// The bytes behind a [`HostDeviceMemory`].
+enum Backing {
+    /// Memory it mapped and owns.
+    Mapped(MmapMut),
+    /// Host memory someone else owns ([`HostDeviceMemory::borrowed`]).
+    Borrowed { ptr: *mut u8, len: usize },
+}
+
+// SAFETY: a borrowed range is memory its lender keeps valid for the value's life
+// (the contract of `HostDeviceMemory::borrowed`), reached only through the lock
+// around the backing, like the owned mapping.
+unsafe impl Send for Backing {}
+// SAFETY: as for `Send`: shared access goes through the `RwLock`.
+unsafe impl Sync for Backing {}
+
+impl std::ops::Deref for Backing {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match self {
+            Backing::Mapped(m) => m,
+            // SAFETY: `borrowed`'s caller keeps `ptr..ptr + len` valid and unused
+            // by anyone else while this value lives.
+            Backing::Borrowed { ptr, len } => unsafe { std::slice::from_raw_parts(*ptr, *len) },
+        }
+    }
+}
+
+impl std::ops::DerefMut for Backing {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        match self {
+            Backing::Mapped(m) => m,
+            // SAFETY: as in `deref`; `&mut self` is the lock's write guard.
+            Backing::Borrowed { ptr, len } => unsafe { std::slice::from_raw_parts_mut(*ptr, *len) },
+        }
+    }
+}
+
 impl HostDeviceMemory {
+    /// Host memory owned by someone else, `[ptr, ptr + len)`, standing in for a
+    /// range of device memory (the emulation of a framework's GPU tensor that a
+    /// caller hands over by address): its streams defer copies exactly as
+    /// [`new`](Self::new)'s do. It cannot be exported as a dma-buf.
+    ///
+    /// # Safety
+    ///
+    /// `ptr .. ptr + len` must be valid for reads and writes for as long as the
+    /// returned value lives, and not be accessed by anyone else while one of its
+    /// copies runs (as device memory would not be).
+    pub unsafe fn borrowed(ptr: *mut u8, len: usize) -> Result<Self> {
+        if len == 0 || ptr.is_null() {
+            return Err(GpuError::InvalidArgument("borrowed device memory must be a non-empty range".into()));
+        }
+        (ptr as usize)
+            .checked_add(len)
+            .ok_or_else(|| GpuError::InvalidArgument("borrowed range wraps the address space".into()))?;
+        let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
+        Ok(Self {
+            data: RwLock::new(Backing::Borrowed { ptr, len }),
+            len: len as u64,
+            base: ptr as u64,
+            file: None,
+            id,
+        })
+    }
+
     /// `len` zeroed bytes of emulated device memory (`len >= 1`).
     pub fn new(len: u64) -> Result<Self> {
         if len == 0 {
@@ -69,7 +133,7 @@ impl HostDeviceMemory {
         .map_err(|e| GpuError::InvalidArgument(format!("cannot map {len} bytes of emulated device memory: {e}")))?;
         let base = data.as_ptr() as u64;
         let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
-        Ok(Self { data: RwLock::new(data), len, base, file, id })
+        Ok(Self { data: RwLock::new(Backing::Mapped(data)), len, base, file, id })
     }
 
     /// A copy of the whole memory (tests: what a kernel would see).

@@ -41,6 +41,7 @@ mod checksum;
 mod host;
 mod pinned;
 mod pool;
+mod scatter;
 mod stager;
 
 use std::fmt;
@@ -52,6 +53,7 @@ pub use host::HostDeviceMemory;
 pub(crate) use pinned::PageLockedAlloc;
 pub use pinned::PinnedBuffer;
 pub use pool::{PinnedPool, PooledBuffer};
+pub use scatter::DeviceScatter;
 pub use stager::{Stager, DEFAULT_CHUNK, DEFAULT_LANES};
 
 use crate::error::{GpuError, Result};

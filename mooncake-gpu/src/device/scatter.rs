@@ -1,0 +1,242 @@
+//! [`DeviceScatter`]: several ranges of device memory seen as one contiguous
+//! [`DeviceMemory`], so that one object can be copied into (or out of) a list
+//! of buffers — the per-layer KV blocks of a framework — or a range narrower
+//! than its allocation can be handed to an API that takes a whole memory.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::sync::Arc;
+
+use super::{check_range, DeviceMemory, DeviceStream, Fence, MemoryLocation, PinnedBuffer};
+use crate::error::{GpuError, Result};
+
+/// One range of a [`DeviceScatter`].
+struct Part {
+    mem: Arc<dyn DeviceMemory>,
+    /// Offset of the range in `mem`.
+    offset: u64,
+    len: u64,
+    /// Offset of the range in the scatter.
+    at: u64,
+}
+
+/// Ranges of device memory (each `(memory, offset, len)`, any allocation, any
+/// device) laid end to end as one [`DeviceMemory`]: byte `x` of the scatter is
+/// byte `x - at_i + offset_i` of part `i`. A copy that spans parts is split into
+/// one copy per part, each on a stream of that part's memory; fences cover all
+/// of them.
+///
+/// It has no allocation id and cannot be exported as a dma-buf: the store
+/// stages it (a NIC registers one allocation, not a list of ranges).
+///
+/// ```
+/// use std::sync::Arc;
+/// use mooncake_gpu::{DeviceMemory, DeviceScatter, HostDeviceMemory};
+///
+/// # fn main() -> mooncake_gpu::Result<()> {
+/// let a: Arc<dyn DeviceMemory> = Arc::new(HostDeviceMemory::new(8)?);
+/// let b: Arc<dyn DeviceMemory> = Arc::new(HostDeviceMemory::new(8)?);
+/// // Bytes 2..6 of `a`, then 0..8 of `b`: 12 bytes.
+/// let s = DeviceScatter::new(vec![(a.clone(), 2, 4), (b.clone(), 0, 8)])?;
+/// s.copy_from_host(0, b"0123456789AB")?;
+/// let mut back = [0u8; 12];
+/// s.copy_to_host(0, &mut back)?;
+/// assert_eq!(&back, b"0123456789AB");
+/// assert!(DeviceScatter::new(vec![(a, 6, 4)]).is_err()); // past the end of `a`
+/// # Ok(())
+/// # }
+/// ```
+pub struct DeviceScatter {
+    parts: Vec<Part>,
+    len: u64,
+}
+
+impl fmt::Debug for DeviceScatter {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DeviceScatter").field("parts", &self.parts.len()).field("len", &self.len).finish()
+    }
+}
+
+impl DeviceScatter {
+    /// The ranges `(memory, offset, len)` in order. `InvalidArgument` for no
+    /// range or an empty one, `OutOfBounds` for a range outside its memory.
+    pub fn new(ranges: Vec<(Arc<dyn DeviceMemory>, u64, u64)>) -> Result<Self> {
+        if ranges.is_empty() {
+            return Err(GpuError::InvalidArgument("a scatter of no range".into()));
+        }
+        let mut parts = Vec::with_capacity(ranges.len());
+        let mut at = 0u64;
+        for (mem, offset, len) in ranges {
+            if len == 0 {
+                return Err(GpuError::InvalidArgument("an empty range in a scatter".into()));
+            }
+            mem.check_range(offset, len)?;
+            parts.push(Part { mem, offset, len, at });
+            at = at.checked_add(len).ok_or_else(|| GpuError::InvalidArgument("scatter longer than 2^64".into()))?;
+        }
+        Ok(Self { parts, len: at })
+    }
+
+    /// The part holding scatter byte `x` (`x < len`).
+    fn part_at(&self, x: u64) -> usize {
+        self.parts.partition_point(|p| p.at + p.len <= x)
+    }
+}
+
+impl DeviceMemory for DeviceScatter {
+    fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// The first part's location (the parts of one call are normally on one device).
+    fn location(&self) -> MemoryLocation {
+        self.parts[0].mem.location()
+    }
+
+    fn device_ptr(&self) -> u64 {
+        self.parts[0].mem.device_ptr() + self.parts[0].offset
+    }
+
+    fn alloc_pinned(&self, len: usize) -> Result<PinnedBuffer> {
+        // Pinned buffers of a CUDA memory are portable: usable with every part.
+        self.parts[0].mem.alloc_pinned(len)
+    }
+
+    fn open_stream(&self) -> Result<Box<dyn DeviceStream + '_>> {
+        Ok(Box::new(ScatterStream {
+            scatter: self,
+            streams: (0..self.parts.len()).map(|_| None).collect(),
+            fences: BTreeMap::new(),
+            next: 0,
+        }))
+    }
+}
+
+/// Copies of a [`DeviceScatter`]: one stream per part, opened when first used.
+struct ScatterStream<'a> {
+    scatter: &'a DeviceScatter,
+    streams: Vec<Option<Box<dyn DeviceStream + 'a>>>,
+    /// Per ticket, the fence taken on each open stream.
+    fences: BTreeMap<u64, Vec<(usize, Fence)>>,
+    next: u64,
+}
+
+impl<'a> ScatterStream<'a> {
+    fn stream(&mut self, i: usize) -> Result<&mut Box<dyn DeviceStream + 'a>> {
+        if self.streams[i].is_none() {
+            self.streams[i] = Some(self.scatter.parts[i].mem.open_stream()?);
+        }
+        Ok(self.streams[i].as_mut().expect("just opened"))
+    }
+
+    /// Calls `f(stream, host offset, len, offset in the part)` for each piece of
+    /// `[offset, offset + len)` of the scatter.
+    fn split(
+        &mut self,
+        offset: u64,
+        len: usize,
+        mut f: impl FnMut(&mut Box<dyn DeviceStream + 'a>, usize, usize, u64) -> Result<()>,
+    ) -> Result<()> {
+        check_range(self.scatter.len, offset, len as u64)?;
+        let mut done = 0usize;
+        let mut i = self.scatter.part_at(offset);
+        while done < len {
+            let part = &self.scatter.parts[i];
+            let x = offset + done as u64;
+            let within = x - part.at;
+            let n = (part.len - within).min((len - done) as u64) as usize;
+            let dev = part.offset + within;
+            f(self.stream(i)?, done, n, dev)?;
+            done += n;
+            i += 1;
+        }
+        Ok(())
+    }
+}
+
+impl DeviceStream for ScatterStream<'_> {
+    unsafe fn copy_to_device_async(&mut self, src: *const u8, len: usize, dst_offset: u64) -> Result<()> {
+        self.split(dst_offset, len, |s, host, n, dev| {
+            // SAFETY: `src + host .. + n` lies inside the caller's `src .. src + len`,
+            // which the caller keeps readable until the copy completes; every part's
+            // copy completes by the fences of this stream (see `fence`).
+            unsafe { s.copy_to_device_async(src.add(host), n, dev) }
+        })
+    }
+
+    unsafe fn copy_from_device_async(&mut self, dst: *mut u8, len: usize, src_offset: u64) -> Result<()> {
+        self.split(src_offset, len, |s, host, n, dev| {
+            // SAFETY: as in `copy_to_device_async`, for writes into the caller's range.
+            unsafe { s.copy_from_device_async(dst.add(host), n, dev) }
+        })
+    }
+
+    fn fence(&mut self) -> Result<Fence> {
+        let mut taken = Vec::new();
+        for (i, s) in self.streams.iter_mut().enumerate() {
+            if let Some(s) = s {
+                taken.push((i, s.fence()?));
+            }
+        }
+        self.next += 1;
+        self.fences.insert(self.next, taken);
+        Ok(Fence(self.next))
+    }
+
+    fn wait(&mut self, fence: Fence) -> Result<()> {
+        // The newest ticket at or before the fence covers the older ones on each stream.
+        let covered: Vec<u64> = self.fences.range(..=fence.0).map(|(&t, _)| t).collect();
+        let Some(&last) = covered.last() else { return Ok(()) };
+        let mut newest: BTreeMap<usize, Fence> = BTreeMap::new();
+        for t in &covered {
+            for &(i, f) in &self.fences[t] {
+                newest.insert(i, f);
+            }
+        }
+        for (i, f) in newest {
+            self.streams[i].as_mut().expect("a fence was taken on it").wait(f)?;
+        }
+        self.fences.retain(|&t, _| t > last);
+        Ok(())
+    }
+
+    fn synchronize(&mut self) -> Result<()> {
+        for s in self.streams.iter_mut().flatten() {
+            s.synchronize()?;
+        }
+        self.fences.clear();
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::HostDeviceMemory;
+
+    #[test]
+    fn copies_split_across_parts_and_wait_on_all_of_them() {
+        let a = Arc::new(HostDeviceMemory::new(16).unwrap());
+        let b = Arc::new(HostDeviceMemory::new(16).unwrap());
+        let s = DeviceScatter::new(vec![(a.clone() as Arc<dyn DeviceMemory>, 10, 6), (b.clone(), 3, 5)]).unwrap();
+        assert_eq!(s.len(), 11);
+        let data: Vec<u8> = (1..=11).collect();
+        let mut st = s.open_stream().unwrap();
+        // SAFETY: `data` outlives the stream and is not written.
+        unsafe { st.copy_to_device_async(data.as_ptr(), 11, 0).unwrap() };
+        let f = st.fence().unwrap();
+        assert_eq!(a.to_vec()[10..], [0; 6], "deferred until waited on");
+        st.wait(f).unwrap();
+        assert_eq!(a.to_vec()[10..], [1, 2, 3, 4, 5, 6]);
+        assert_eq!(b.to_vec()[3..8], [7, 8, 9, 10, 11]);
+        // A read in the middle, across the boundary.
+        let mut back = [0u8; 4];
+        // SAFETY: `back` outlives the copy (synchronized below) and is not touched.
+        unsafe { st.copy_from_device_async(back.as_mut_ptr(), 4, 4).unwrap() };
+        st.synchronize().unwrap();
+        assert_eq!(back, [5, 6, 7, 8]);
+        // SAFETY: refused before anything is enqueued.
+        let r = unsafe { st.copy_to_device_async(data.as_ptr(), 2, 10) };
+        assert!(matches!(r, Err(GpuError::OutOfBounds(_))));
+    }
+}

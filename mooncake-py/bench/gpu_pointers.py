@@ -1,0 +1,159 @@
+#!/usr/bin/env python3
+"""The Python drop-in with GPU pointers: `put_from` / `get_into` and the multi-buffer
+batch forms on CUDA tensors (registered by `data_ptr()`, as vLLM does), timed per
+object size, one JSON document out.
+
+The replicas are in the client's own segment, as in the `local` rows of
+`cargo run --release --example gpu_store -- --bench`, which the figures are compared
+with (target: within 10 % of the Rust device API).
+
+    python gpu_pointers.py [--master-bin target/release/mooncake-master] [--iters 20]
+        [--max-size BYTES] [--emulate]
+
+Without torch and a CUDA device it exits 2 and says so. `--emulate` runs the same
+calls over host memory declared to the store as GPU memory (a test of this script and
+of the binding's device path, not a GPU result).
+"""
+
+import argparse
+import ctypes
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+from mooncake_rs.store import MooncakeDistributedStore
+
+MiB = 1 << 20
+
+
+def start_master(binary):
+    proc = subprocess.Popen([binary, "--listen", "127.0.0.1:0"], stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    if "listening on" not in line:
+        proc.kill()
+        raise SystemExit(f"mooncake-master did not start: {line!r}")
+    return proc, line.split()[-1]
+
+
+class Cuda:
+    """Device buffers as CUDA tensors."""
+
+    def __init__(self, store, n, size):
+        import torch
+
+        self.torch = torch
+        self.tensors = [torch.randint(0, 256, (size,), dtype=torch.uint8, device="cuda") for _ in range(n)]
+        self.ptrs = [t.data_ptr() for t in self.tensors]
+        torch.cuda.synchronize()
+
+    def sync(self):
+        self.torch.cuda.synchronize()
+
+
+class Emulated:
+    """Host buffers declared to the store as GPU memory."""
+
+    def __init__(self, store, n, size):
+        self.bufs = [(ctypes.c_ubyte * size)() for _ in range(n)]
+        self.ptrs = [ctypes.addressof(b) for b in self.bufs]
+        for p in self.ptrs:
+            assert store._emulate_device_memory(p, size, 0) == 0
+
+    def sync(self):
+        pass
+
+
+def timed(iters, call, undo=lambda i: None):
+    call(-1)
+    undo(-1)
+    total = 0.0
+    for i in range(iters):
+        t = time.perf_counter()
+        call(i)
+        total += time.perf_counter() - t
+        undo(i)
+    return total / iters
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    root = pathlib.Path(__file__).resolve().parents[2]
+    target = pathlib.Path(os.environ.get("CARGO_TARGET_DIR", root / "target"))
+    ap.add_argument("--master-bin", default=str(target / "release" / "mooncake-master"))
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--max-size", type=int, default=64 * MiB)
+    ap.add_argument("--emulate", action="store_true")
+    a = ap.parse_args()
+    if a.emulate:
+        kind, device = Emulated, "host emulation (no GPU): a test of the script, not a GPU result"
+    else:
+        try:
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ImportError("torch finds no CUDA device")
+        except ImportError as e:
+            print(f"gpu_pointers: {e}; nothing to measure (exit 2)", file=sys.stderr)
+            return 2
+        kind, device = Cuda, torch.cuda.get_device_name()
+    sizes = [s for s in (MiB, 4 * MiB, 16 * MiB, 64 * MiB) if s <= a.max_size] or [a.max_size]
+    layers = 4
+    proc, master = start_master(a.master_bin)
+    try:
+        store = MooncakeDistributedStore()
+        segment = 6 * layers * max(sizes) + 64 * MiB
+        assert store.setup("localhost", "P2PHANDSHAKE", segment, 16 * MiB, "tcp", "", master) == 0
+        rows = []
+        keep = []  # emulated ranges stay declared until the store closes
+        for size in sizes:
+            mem = kind(store, 2 * layers, size)
+            keep.append(mem)
+            for p in mem.ptrs:
+                assert store.register_buffer(p, size) == 0
+            src, dst = mem.ptrs[:layers], mem.ptrs[layers:]
+            key = lambda i: f"gpu/{size}/{i}"  # noqa: E731
+            put = timed(a.iters, lambda i: store.put_from(key(i), src[0], size), lambda i: store.remove(key(i)))
+            assert store.put_from("gpu/read", src[0], size) == 0
+            get = timed(a.iters, lambda i: store.get_into("gpu/read", dst[0], size) == size or sys.exit(1))
+            sizes_l = [[size] * layers]
+            mput = timed(
+                a.iters,
+                lambda i: store.batch_put_from_multi_buffers([key(i)], [src], sizes_l) == [0] or sys.exit(1),
+                lambda i: store.remove(key(i)),
+            )
+            assert store.batch_put_from_multi_buffers(["gpu/multi"], [src], sizes_l) == [0]
+            mget = timed(
+                a.iters,
+                lambda i: store.batch_get_into_multi_buffers(["gpu/multi"], [dst], sizes_l) == [layers * size]
+                or sys.exit(1),
+            )
+            mem.sync()
+            store.remove_all(True)
+            for p in mem.ptrs:
+                store.unregister_buffer(p)
+            gb = lambda n, s: round(n / s / 1e9, 3)  # noqa: E731
+            rows.append(
+                {
+                    "object_bytes": size,
+                    "put_from_gbps": gb(size, put),
+                    "get_into_gbps": gb(size, get),
+                    "multi_put_gbps": gb(layers * size, mput),
+                    "multi_get_gbps": gb(layers * size, mget),
+                    "layers": layers,
+                }
+            )
+        direct, staged = store._device_bytes()
+        print(json.dumps({"bench": "gpu_pointers", "device": device, "iters": a.iters, "rows": rows,
+                          "device_direct_bytes": direct, "device_staged_bytes": staged}, indent=1))
+        store.close()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

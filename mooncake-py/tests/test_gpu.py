@@ -1,0 +1,229 @@
+"""GPU pointers in the pointer methods.
+
+On a machine without a GPU the store is switched to the emulation
+(`_emulate_device_memory`): declared host ranges are "device memory of device N",
+and the binding must move them only through the store's device API, exactly as it
+moves a CUDA tensor's memory (the store's device byte counters say it did). These
+runs are emulation results, not GPU results. `test_torch_cuda_tensors` runs the same
+calls on real CUDA tensors where torch and a GPU are present, and skips otherwise.
+"""
+
+import ctypes
+import random
+
+import pytest
+
+from conftest import Registered
+
+INVALID_PARAMS = -600
+OBJECT_NOT_FOUND = -704
+
+
+def payload(n, seed):
+    return random.Random(seed).randbytes(n)
+
+
+class EmulatedGpu:
+    """Host memory declared to a store as memory of GPU `ordinal` (kept alive by this
+    object for the store's life: the fixture closes the store first)."""
+
+    def __init__(self, store, size, ordinal=0, register=True):
+        self.size = size
+        self.buf = (ctypes.c_ubyte * size)()
+        self.ptr = ctypes.addressof(self.buf)
+        assert store._emulate_device_memory(self.ptr, size, ordinal) == 0
+        if register:
+            assert store.register_buffer(self.ptr, size) == 0
+
+    def write(self, offset, data):
+        ctypes.memmove(self.ptr + offset, data, len(data))
+
+    def read(self, offset, n):
+        return ctypes.string_at(self.ptr + offset, n)
+
+
+@pytest.fixture()
+def gpu_store(store):
+    """A store and the emulated GPU buffers made for it, closed in the right order."""
+    keep = []
+    yield store, keep
+    store.remove_all(True)
+    store.close()
+    keep.clear()
+
+
+def staged(store):
+    return store._device_bytes()[1]
+
+
+def test_put_from_and_get_into_move_device_memory_through_the_device_api(gpu_store):
+    store, keep = gpu_store
+    gpu = EmulatedGpu(store, 1 << 20)
+    keep.append(gpu)
+    data = payload(300_000, 1)
+    gpu.write(4096, data)
+    before = staged(store)
+    assert store.put_from("g/put", gpu.ptr + 4096, len(data)) == 0
+    assert store.get("g/put") == data
+    assert staged(store) - before == len(data), "the put went through put_from_device"
+    # A read into device memory: exact bytes, nothing written past the object.
+    other = payload(200_000, 2)
+    assert store.put("g/host", other) == 0
+    gpu.write(500_000, b"\xee" * 210_000)
+    before = staged(store)
+    assert store.get_into("g/host", gpu.ptr + 500_000, 210_000) == len(other)
+    assert gpu.read(500_000, len(other)) == other
+    assert gpu.read(500_000 + len(other), 10_000) == b"\xee" * 10_000
+    assert staged(store) - before == len(other), "the read went through get_into_device"
+    # Too small a room: refused with -600, the device memory untouched.
+    assert store.get_into("g/host", gpu.ptr, 1000) == INVALID_PARAMS
+    assert gpu.read(0, 1000) == bytes(1000)
+    assert store.get_into("g/missing", gpu.ptr, 1000) == OBJECT_NOT_FOUND
+
+
+def test_batches_and_upserts_with_device_memory(gpu_store):
+    store, keep = gpu_store
+    gpu = EmulatedGpu(store, 1 << 20)
+    keep.append(gpu)
+    with Registered(store, 64 << 10) as host:
+        a, b, h = payload(70_000, 3), payload(5_000, 4), payload(9_000, 5)
+        gpu.write(0, a)
+        gpu.write(100_000, b)
+        host.write(0, h)
+        before = staged(store)
+        # A batch mixing device memory, host memory and a bad pointer.
+        codes = store.batch_put_from(
+            ["b/a", "b/b", "b/h", "b/bad"], [gpu.ptr, gpu.ptr + 100_000, host.ptr, 12345], [len(a), len(b), len(h), 16]
+        )
+        assert codes == [0, 0, 0, INVALID_PARAMS]
+        assert staged(store) - before == len(a) + len(b)
+        assert [store.get(k) for k in ("b/a", "b/b", "b/h")] == [a, b, h]
+        assert store.is_exist("b/bad") == 0
+        # Read back into other device ranges (one too small).
+        res = store.batch_get_into(
+            ["b/a", "b/b", "b/h", "b/a"], [gpu.ptr + 200_000, gpu.ptr + 300_000, gpu.ptr + 400_000, gpu.ptr + 500_000],
+            [len(a), len(b), len(h), 10],
+        )
+        assert res == [len(a), len(b), len(h), INVALID_PARAMS]
+        assert gpu.read(200_000, len(a)) == a and gpu.read(300_000, len(b)) == b and gpu.read(400_000, len(h)) == h
+        assert gpu.read(500_000, 10) == bytes(10)
+        # Upserts from device memory replace the value (staged in the binding).
+        new = payload(70_000, 6)
+        gpu.write(600_000, new)
+        assert store.upsert_from("b/a", gpu.ptr + 600_000, len(new)) == 0
+        assert store.get("b/a") == new
+        n1, n2 = payload(1234, 7), payload(4321, 8)
+        gpu.write(700_000, n1)
+        gpu.write(710_000, n2)
+        assert store.batch_upsert_from(["b/b", "b/h", "b/x"], [gpu.ptr + 700_000, gpu.ptr + 710_000, 0], [1234, 4321, 1]) == [
+            0,
+            0,
+            INVALID_PARAMS,
+        ]
+        assert store.get("b/b") == n1 and store.get("b/h") == n2
+
+
+def test_multi_buffers_with_device_memory(gpu_store):
+    store, keep = gpu_store
+    gpu = EmulatedGpu(store, 1 << 20)
+    keep.append(gpu)
+    layers = [payload(16_384, 10 + i) for i in range(4)]
+    for i, layer in enumerate(layers):
+        gpu.write(i * 65_536, layer)
+    with Registered(store, 8192) as host:
+        host.write(0, b"host-tail")
+        before = staged(store)
+        ptrs = [gpu.ptr + i * 65_536 for i in range(4)]
+        codes = store.batch_put_from_multi_buffers(
+            ["m/0", "m/1", "m/bad"], [ptrs, ptrs[:2] + [host.ptr], [gpu.ptr, 99]], [[16_384] * 4, [16_384, 16_384, 9], [8, 8]]
+        )
+        assert codes == [0, 0, INVALID_PARAMS]
+        assert store.get("m/0") == b"".join(layers)
+        assert store.get("m/1") == layers[0] + layers[1] + b"host-tail"
+        assert staged(store) - before == 4 * 16_384 + 2 * 16_384 + 9
+        # Read "m/0" back into four other device blocks, and "m/1" into a list too short.
+        dst = [gpu.ptr + 300_000 + i * 20_000 for i in range(4)]
+        res = store.batch_get_into_multi_buffers(
+            ["m/0", "m/1", "m/none"], [dst, [gpu.ptr + 600_000], [gpu.ptr + 700_000]], [[16_384] * 4, [100], [100]]
+        )
+        assert res == [4 * 16_384, INVALID_PARAMS, OBJECT_NOT_FOUND]
+        assert all(gpu.read(300_000 + i * 20_000, 16_384) == layers[i] for i in range(4))
+        assert gpu.read(600_000, 100) == bytes(100)
+
+
+def test_get_into_ranges_into_device_memory(gpu_store):
+    store, keep = gpu_store
+    gpu = EmulatedGpu(store, 4096)
+    keep.append(gpu)
+    data = b"0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+    assert store.put("r/1", data) == 0
+    res = store.get_into_ranges(
+        [gpu.ptr], [["r/1", "r/none"]], [[[0, 100, 4090], [0]]], [[[1, 30, 0], [0]]], [[[5, 6, 10], [4]]]
+    )
+    # The third range runs past the buffer: refused; the missing key: not found.
+    assert res == [[[5, 6, INVALID_PARAMS], [OBJECT_NOT_FOUND]]]
+    assert gpu.read(0, 5) == data[1:6] and gpu.read(100, 6) == data[30:36]
+
+
+def test_unknown_and_straddling_pointers_are_refused(gpu_store):
+    store, keep = gpu_store
+    gpu = EmulatedGpu(store, 8192, register=False)
+    keep.append(gpu)
+    assert store.put("u/t", b"x" * 100) == 0
+    # Declared but not registered: device memory the "driver" knows, accepted.
+    assert store.put_from("u/ok", gpu.ptr, 100) == 0
+    assert store.get_into("u/t", gpu.ptr + 200, 100) == 100
+    end = gpu.ptr + gpu.size
+    for ptr, size in [(end - 8, 16), (end, 8), (gpu.ptr - 8, 16), (12345, 16), (0, 8), (gpu.ptr, 0)]:
+        assert store.put_from("u/bad", ptr, size) == INVALID_PARAMS, (ptr, size)
+        assert store.get_into("u/t", ptr, size) == INVALID_PARAMS, (ptr, size)
+        assert store.batch_get_into(["u/t"], [ptr], [size]) == [INVALID_PARAMS]
+        assert store.batch_put_from(["u/bad"], [ptr], [size]) == [INVALID_PARAMS]
+        assert store.batch_get_into_multi_buffers(["u/t"], [[gpu.ptr, ptr]], [[8, size]]) == [INVALID_PARAMS]
+        assert store.batch_put_from_multi_buffers(["u/bad"], [[gpu.ptr, ptr]], [[8, size]]) == [INVALID_PARAMS]
+        assert store.upsert_from("u/bad", ptr, size) == INVALID_PARAMS
+    assert store.is_exist("u/bad") == 0
+    # The tensor calls read tensor headers on the host: GPU memory is refused there
+    # (it used to be dereferenced), never a crash.
+    assert store.put_tensor_from("u/tensor", gpu.ptr, 4096) == INVALID_PARAMS
+    assert store.get_tensor_into("u/t", gpu.ptr, 4096) is None
+    # A registration running past the device allocation is refused.
+    assert store.register_buffer(gpu.ptr + 4096, 8192) == INVALID_PARAMS
+    assert store.register_buffer(gpu.ptr, 8192) == 0
+    assert store.unregister_buffer(gpu.ptr) == 0
+    assert store.unregister_buffer(gpu.ptr) == INVALID_PARAMS
+
+
+def test_host_pointers_do_not_touch_the_device_path(store):
+    data = payload(50_000, 20)
+    with Registered(store, 64 << 10) as buf:
+        buf.write(0, data)
+        assert store.put_from("h/1", buf.ptr, len(data)) == 0
+        assert store.get_into("h/1", buf.ptr + 8192, 55_000) == len(data)
+        assert store.batch_put_from_multi_buffers(["h/2"], [[buf.ptr, buf.ptr + 100]], [[10, 10]]) == [0]
+    assert store._device_bytes() == (0, 0)
+
+
+def test_torch_cuda_tensors(store):
+    torch = pytest.importorskip("torch", reason="torch is not installed: CUDA tensor test skipped")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device: CUDA tensor test skipped (the emulated tests cover the logic)")
+    layers = [torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, device="cuda") for _ in range(4)]
+    out = [torch.zeros(1 << 20, dtype=torch.uint8, device="cuda") for _ in range(4)]
+    for t in layers + out:
+        assert store.register_buffer(t.data_ptr(), t.numel()) == 0
+    torch.cuda.synchronize()
+    assert store.put_from("cuda/0", layers[0].data_ptr(), 1 << 20) == 0
+    assert store.get("cuda/0") == layers[0].cpu().numpy().tobytes()
+    assert store.get_into("cuda/0", out[0].data_ptr(), 1 << 20) == 1 << 20
+    assert torch.equal(out[0], layers[0])
+    ptrs = [t.data_ptr() for t in layers]
+    assert store.batch_put_from_multi_buffers(["cuda/m"], [ptrs], [[1 << 20] * 4]) == [0]
+    res = store.batch_get_into_multi_buffers(["cuda/m"], [[t.data_ptr() for t in out]], [[1 << 20] * 4])
+    assert res == [4 << 20]
+    assert all(torch.equal(a, b) for a, b in zip(layers, out))
+    assert store.upsert_from("cuda/0", layers[1].data_ptr(), 1 << 20) == 0
+    assert store.get("cuda/0") == layers[1].cpu().numpy().tobytes()
+    assert store._device_bytes()[0] + store._device_bytes()[1] >= 6 << 20
+    for t in layers + out:
+        assert store.unregister_buffer(t.data_ptr()) == 0
