@@ -16,7 +16,7 @@ use std::collections::HashMap;
 
 use crate::codes::{self, code, put_status, status, INVALID_PARAMS};
 use crate::config::ReplicateConfig;
-use crate::device::{self, DevicePointers, Target};
+use crate::device::{DevicePointers, Target};
 use crate::handle::buffer_handle;
 use crate::ranges::{self, Range};
 use crate::replicas::{self, ReplicaDescriptor};
@@ -126,48 +126,37 @@ fn length_or_code(res: &mooncake_core::Result<usize>) -> i64 {
 }
 
 /// Writes objects whose bytes are in device memory (one `DeviceMemory` each, the
-/// whole of it), as puts or upserts; one code each. Puts go through the store's
-/// device API in one batch (the ranges seen as one scatter). The store has no device
-/// form of upserts yet: their bytes are copied to host memory with the device copy
-/// API (pinned staging) and upserted from there.
+/// whole of it), as puts or upserts, through the store's device forms: one batch,
+/// one master round trip per phase; one code each.
 fn write_device(
     mode: WriteMode,
     store: &Store,
     items: &[(&str, Arc<dyn DeviceMemory>)],
     cfg: &mooncake_core::ReplicateConfig,
 ) -> Vec<i32> {
-    match mode {
-        WriteMode::Put => {
-            let scatter = match device::scatter(items.iter().map(|(_, m)| m.clone()).collect()) {
-                Ok(sc) => sc,
-                Err(c) => return vec![c; items.len()],
-            };
-            let mut at = 0;
-            let ranges: Vec<(&str, u64, u64)> = items
-                .iter()
-                .map(|(k, m)| {
-                    at += m.len();
-                    (*k, at - m.len(), m.len())
-                })
-                .collect();
-            store.batch_put_from_device(&ranges, &scatter, cfg).iter().map(put_status).collect()
-        }
-        WriteMode::Upsert => {
-            let mut out = vec![0; items.len()];
-            let mut staged: Vec<(usize, Vec<u8>)> = Vec::with_capacity(items.len());
-            for (i, (_, m)) in items.iter().enumerate() {
-                let mut v = vec![0u8; m.len() as usize];
-                match m.copy_to_host(0, &mut v) {
-                    Ok(()) => staged.push((i, v)),
-                    Err(e) => out[i] = code(&Error::from(e)),
-                }
-            }
-            let batch: Vec<(&str, &[u8])> = staged.iter().map(|(i, v)| (items[*i].0, v.as_slice())).collect();
-            for ((i, _), c) in staged.iter().zip(mode.many(store, &batch, cfg)) {
-                out[*i] = c;
-            }
-            out
-        }
+    let ranges: Vec<(&str, &dyn DeviceMemory, u64, u64)> = items.iter().map(|(k, m)| (*k, &**m, 0, m.len())).collect();
+    let results = match mode {
+        WriteMode::Put => store.batch_put_from_devices(&ranges, cfg),
+        WriteMode::Upsert => store.batch_upsert_from_devices(&ranges, cfg),
+    };
+    results.iter().map(put_status).collect()
+}
+
+/// Reads `keys[i]` into device memory `mem` for each `(i, mem)` of `on_device`, in
+/// one batch (one master round trip), and puts each length or code in `results[i]`.
+fn read_device<M: std::ops::Deref<Target = dyn DeviceMemory>>(
+    store: &Store,
+    keys: &[String],
+    on_device: &[(usize, M)],
+    results: &mut [i64],
+) {
+    if on_device.is_empty() {
+        return;
+    }
+    let items: Vec<(&str, &dyn DeviceMemory, u64)> =
+        on_device.iter().map(|(i, mem)| (keys[*i].as_str(), &**mem, 0)).collect();
+    for ((i, _), res) in on_device.iter().zip(store.batch_get_into_devices(&items)) {
+        results[*i] = length_or_code(&res);
     }
 }
 
@@ -866,16 +855,16 @@ impl MooncakeDistributedStore {
         py.detach(|| {
             let mut results = bad.clone();
             let mut wanted = Vec::with_capacity(n);
+            let mut on_device = Vec::new();
             for i in 0..n {
                 match self.devices.resolve(&self.buffers, buffer_ptrs[i], sizes[i]) {
                     Ok(Target::Host) => wanted.push(i),
-                    // GPU memory: one device read each, its room the caller's size.
-                    Ok(Target::Device(mem)) => {
-                        results[i] = length_or_code(&s.store.get_into_device(&keys[i], &*mem, 0))
-                    }
+                    // GPU memory, its room the caller's size.
+                    Ok(Target::Device(mem)) => on_device.push((i, mem)),
                     Err(c) => results[i] = c.into(),
                 }
             }
+            read_device(&s.store, &keys, &on_device, &mut results);
             let direct = BufferRegistry::disjoint(wanted.iter().map(|&i| (buffer_ptrs[i], sizes[i])).collect());
             let keys: Vec<&str> = wanted.iter().map(|&i| keys[i].as_str()).collect();
             let found: Vec<i64> = if direct {
@@ -999,15 +988,17 @@ impl MooncakeDistributedStore {
         py.detach(|| {
             let mut results = bad.clone();
             let mut wanted = Vec::with_capacity(n);
+            let mut on_device = Vec::new();
             for i in 0..n {
                 match self.devices.resolve_parts(&self.buffers, &all_buffer_ptrs[i], &all_sizes[i]) {
                     Ok(None) => wanted.push(i),
-                    // GPU memory: one device read each, into its parts seen as one
-                    // memory (an object larger than their sum is refused, -600).
-                    Ok(Some(mem)) => results[i] = length_or_code(&s.store.get_into_device(&keys[i], &*mem, 0)),
+                    // GPU memory: its parts seen as one memory (an object larger
+                    // than their sum is refused, -600).
+                    Ok(Some(mem)) => on_device.push((i, mem)),
                     Err(c) => results[i] = c.into(),
                 }
             }
+            read_device(&s.store, &keys, &on_device, &mut results);
             let direct = BufferRegistry::disjoint(
                 wanted
                     .iter()

@@ -88,7 +88,16 @@ impl Store {
     /// [`get_into_device`](Self::get_into_device) for each); one result (object
     /// length) per item, in order.
     pub fn batch_get_into_device(&self, items: &[(&str, u64)], dst: &dyn DeviceMemory) -> Vec<Result<usize>> {
-        let items = items.iter().map(|&(key, offset)| (key, Dest::Device { mem: dst, offset })).collect();
+        let items: Vec<(&str, &dyn DeviceMemory, u64)> =
+            items.iter().map(|&(key, offset)| (key, dst, offset)).collect();
+        self.batch_get_into_devices(&items)
+    }
+
+    /// [`batch_get_into_device`](Self::batch_get_into_device) with a device memory
+    /// of its own for each object: `(key, memory, offset)`, the object read to
+    /// `offset` of `memory` (which must have room for it from there).
+    pub fn batch_get_into_devices(&self, items: &[(&str, &dyn DeviceMemory, u64)]) -> Vec<Result<usize>> {
+        let items = items.iter().map(|&(key, mem, offset)| (key, Dest::Device { mem, offset })).collect();
         self.inner.read(items, None).into_iter().map(|r| r.map(|g: Got| g.len())).collect()
     }
 
@@ -102,10 +111,43 @@ impl Store {
         src: &dyn DeviceMemory,
         cfg: &ReplicateConfig,
     ) -> Vec<Result<()>> {
+        let items: Vec<(&str, &dyn DeviceMemory, u64, u64)> =
+            items.iter().map(|&(key, offset, len)| (key, src, offset, len)).collect();
+        self.batch_put_from_devices(&items, cfg)
+    }
+
+    /// [`batch_put_from_device`](Self::batch_put_from_device) with a device memory
+    /// of its own for each object: `(key, memory, offset, len)`.
+    pub fn batch_put_from_devices(
+        &self,
+        items: &[(&str, &dyn DeviceMemory, u64, u64)],
+        cfg: &ReplicateConfig,
+    ) -> Vec<Result<()>> {
+        self.write_devices(items, cfg, WriteMode::Put)
+    }
+
+    /// Upserts device ranges, `(key, memory, offset, len)` each: as
+    /// [`batch_upsert_parts`](Self::batch_upsert_parts) (the object stored under the
+    /// key, if any, replaced atomically) with the bytes moved as
+    /// [`put_from_device`](Self::put_from_device) moves them. One result per item.
+    pub fn batch_upsert_from_devices(
+        &self,
+        items: &[(&str, &dyn DeviceMemory, u64, u64)],
+        cfg: &ReplicateConfig,
+    ) -> Vec<Result<()>> {
+        self.write_devices(items, cfg, WriteMode::Upsert)
+    }
+
+    fn write_devices(
+        &self,
+        items: &[(&str, &dyn DeviceMemory, u64, u64)],
+        cfg: &ReplicateConfig,
+        mode: WriteMode,
+    ) -> Vec<Result<()>> {
         let items: Vec<WriteItem<'_>> = items
             .iter()
-            .map(|&(key, offset, len)| WriteItem { key, source: Source::Device { mem: src, offset, len } })
+            .map(|&(key, mem, offset, len)| WriteItem { key, source: Source::Device { mem, offset, len } })
             .collect();
-        self.inner.write(&items, cfg, WriteMode::Put)
+        self.inner.write(&items, cfg, mode)
     }
 }
