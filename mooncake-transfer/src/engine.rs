@@ -10,8 +10,8 @@ use crate::rdma::{RdmaConfig, RdmaProvider, RdmaResponder, RdmaTransport};
 use crate::region::{RegionId, RegisteredRegion, RemoteRegion};
 use crate::registry::{self, RegionRegistry};
 use crate::transport::{
-    Capabilities, LocalTransport, ShmTransport, TcpServer, TcpTransport, TransferRequest, TransferStats, Transport,
-    LOCAL_SCHEME,
+    Capabilities, LocalTransport, MappedRegion, ShmTransport, TcpServer, TcpTransport, TransferRequest, TransferStats,
+    Transport, LOCAL_SCHEME,
 };
 
 static NEXT_LOCAL_ENGINE: AtomicU64 = AtomicU64::new(1);
@@ -315,6 +315,12 @@ impl TransferEngine {
     /// `None` if no transport of this engine reaches it.
     pub fn capabilities(&self, endpoint: &str) -> Option<Capabilities> {
         self.transport_for(endpoint).map(|t| t.capabilities(endpoint))
+    }
+
+    /// `target` mapped into this process by the transport that reaches it, if that
+    /// transport maps peers' memory (see [`Transport::map_region`]).
+    pub fn map_region(&self, target: &RemoteRegion) -> Option<Result<MappedRegion>> {
+        self.transport_for(&target.endpoint)?.map_region(target)
     }
 
     fn transport_for(&self, endpoint: &str) -> Option<&Arc<dyn Transport>> {

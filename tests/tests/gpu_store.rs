@@ -54,10 +54,11 @@ fn kv_sizes_round_trip_through_device_memory() {
         assert!(all[dst_off as usize + len..].iter().all(|&b| b == 0), "{len}: bytes after the range");
         dst.with_bytes_mut(|b| b.fill(0));
     }
-    // An embedded store has no RDMA NIC: every byte was staged.
+    // An embedded store maps its own segment: every object went in one DMA into
+    // it (put) and out of it (get), page-locked once, with no staging copy.
     let total: u64 = [64u64 << 10, (256 << 10) + 1, 1 << 20, (4 << 20) + 3, 8 << 20].iter().sum();
     let s = store.stats();
-    assert_eq!((s.device_direct_bytes, s.device_staged_bytes), (0, 2 * total));
+    assert_eq!((s.device_direct_bytes, s.device_staged_bytes), (2 * total, 0));
 }
 
 #[test]
@@ -341,6 +342,44 @@ fn over_tcp_device_memory_is_staged_as_before() {
     assert_eq!(client.stats().device_staged_bytes, 2 * data.len() as u64);
 }
 
+#[test]
+fn a_replica_in_a_mapped_segment_moves_in_one_dma_and_a_tcp_one_is_staged() {
+    // Same host, other store: its segment is reached by shared memory (mapped into
+    // this process), so a device put or get is one DMA into or out of it; over TCP
+    // the same calls stage through pinned buffers. The decision is the store's,
+    // per replica, whichever way the device memory is (emulated here).
+    let daemon = mooncake_core::MasterDaemon::builder("127.0.0.1:0").serve().unwrap();
+    let addr = daemon.local_addr().to_string();
+    let shm = |segment: u64| {
+        let shm: Arc<dyn Transport> = Arc::new(mooncake_transfer::ShmTransport::new());
+        let b = Store::builder().master_address(&addr).protocol(Protocol::Shm).transport(shm);
+        b.global_segment_size(segment).listen("127.0.0.1:0").build().unwrap()
+    };
+    let (node, client) = (shm(32 << 20), shm(0));
+    let (src, dst) = (device(8 << 20), device(8 << 20));
+    let data = pattern(91, (2 << 20) + 9);
+    src.copy_from_host(5, &data).unwrap();
+    client.put_from_device("shm/obj", &src, 5, data.len() as u64).unwrap();
+    assert!(node.get("shm/obj").unwrap()[..] == data[..], "the DMA wrote the node's segment");
+    assert_eq!(client.get_into_device("shm/obj", &dst, 64).unwrap(), data.len());
+    assert!(dst.to_vec()[64..64 + data.len()] == data[..]);
+    let s = client.stats();
+    assert_eq!((s.device_direct_bytes, s.device_staged_bytes), (2 * data.len() as u64, 0));
+    // A corrupted replica in the mapped segment fails its checksum on the device
+    // bytes: never returned.
+    let info = client.master().object_info("shm/obj").unwrap();
+    let r = info.replicas[0];
+    let region = client.master().segment_info(r.segment).unwrap().region;
+    let shm_t = mooncake_transfer::ShmTransport::new();
+    let mut flip = [0u8; 1];
+    let mut reqs = [TransferRequest::read(&region, r.offset + 1000, &mut flip)];
+    assert!(shm_t.transfer(&mut reqs).into_iter().all(|x| x.is_ok()));
+    flip[0] ^= 0xff;
+    let mut reqs = [TransferRequest::write(&region, r.offset + 1000, &flip)];
+    assert!(shm_t.transfer(&mut reqs).into_iter().all(|x| x.is_ok()));
+    assert!(matches!(client.get_into_device("shm/obj", &dst, 0), Err(Error::Corrupted(_))));
+}
+
 /// What the Python binding does with a framework's per-layer KV tensors: the layers
 /// of one block, borrowed ranges of device memory (emulated here), seen as one
 /// `DeviceScatter` by the store's device API: one object in, one object out, and an
@@ -372,7 +411,8 @@ fn per_layer_ranges_as_one_scatter_through_the_device_api() {
     let src = parts(src_t.as_ptr() as u64, layers, block as u64);
     store.put_from_device("req/block0", &src, 0, (layers * block) as u64).unwrap();
     assert_eq!(store.get("req/block0").unwrap()[..], want[..]);
-    assert_eq!(store.stats().device_staged_bytes, (layers * block) as u64);
+    // One DMA into the store's own segment.
+    assert_eq!(store.stats().device_direct_bytes, (layers * block) as u64);
 
     // Three parts are too few: BufferTooSmall, nothing written.
     let short = parts(dst_t.as_ptr() as u64, layers - 1, block as u64);

@@ -6,7 +6,7 @@ use bytes::Bytes;
 use mooncake_gpu::{DeviceMemory, PooledBuffer};
 
 use super::buffers;
-use super::device::{room_after, staging, Uploads};
+use super::device::{room_after, staging, Copies, Keep};
 use crate::error::{Error, Result};
 
 /// Where an object read goes, as the caller asks.
@@ -173,11 +173,14 @@ impl<'a> Destination<'a> {
 
     /// Enqueues the copy of a staged read of `len` bytes to device memory (item
     /// `item` of `uploads`); nothing for other destinations.
-    pub(super) fn upload(&mut self, item: usize, len: usize, uploads: &mut Uploads<'a>) -> Result<()> {
+    pub(super) fn upload(&mut self, item: usize, len: usize, copies: &mut Copies<'a>) -> Result<()> {
         if let (Dest::Device { mem, offset }, Scratch::Pinned(_)) = (&self.dest, &self.scratch) {
             let (mem, offset) = (*mem, *offset);
             if let Scratch::Pinned(buf) = std::mem::replace(&mut self.scratch, Scratch::None) {
-                return uploads.push(item, mem, buf, len, offset);
+                let src = buf.as_ptr();
+                // SAFETY: `buf` holds the `len` bytes read (`prepare` sized it), is
+                // kept with the copy and written by no one until it is done.
+                return unsafe { copies.enqueue_upload(item, mem, src, len, offset, Keep::Staged(buf)) };
             }
         }
         Ok(())

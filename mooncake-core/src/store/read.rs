@@ -21,7 +21,7 @@ use std::time::Instant;
 use mooncake_transfer::{TransferError, TransferRequest, WorkOp};
 
 use super::destination::{Dest, Destination, Got};
-use super::device::{move_device, DeviceMove, Directs, Uploads};
+use super::device::{move_device, pinned, Copies, DeviceMove, Directs, Keep, PinnedRegion};
 use super::routes::Route;
 use super::stats::StoreCounters;
 use super::write::summed;
@@ -61,6 +61,8 @@ struct Reading<'a> {
     direct: Option<usize>,
     /// Whether the object went to device memory straight from its replica.
     moved_direct: bool,
+    /// The replica's segment, mapped and page-locked, for a `Dma` attempt.
+    pinned: Option<Arc<PinnedRegion>>,
 }
 
 /// What a round does for one object.
@@ -68,8 +70,11 @@ struct Reading<'a> {
 enum Attempt {
     /// Read replica `order[n]` with the transport, into host memory.
     Memory(usize),
-    /// Read replica `order[n]` straight into device memory.
+    /// Read replica `order[n]` straight into device memory (RDMA).
     Device(usize),
+    /// Copy replica `order[n]` to device memory in one DMA from its mapped,
+    /// page-locked segment (`pinned`).
+    Dma(usize),
     /// Read the disk replica on this client's SSD.
     Disk(ClientId),
 }
@@ -106,6 +111,7 @@ impl StoreInner {
                 last_err: None,
                 done: None,
                 moved_direct: false,
+                pinned: None,
             };
             if let Err(e) = check_key(key) {
                 r.done = Some(Err(e));
@@ -128,9 +134,10 @@ impl StoreInner {
                 self.read_round(&mut reading, &attempts, &directs);
             }
         }
-        let mut uploads = Uploads::default();
+        let mut uploads = Copies::default();
         for (k, r) in reading.iter_mut().enumerate() {
-            if let Some(Ok(n)) = r.done {
+            if let (Some(Ok(n)), false) = (&r.done, r.moved_direct) {
+                let n = *n;
                 if let Err(e) = r.target.upload(k, n, &mut uploads) {
                     r.done = Some(Err(e));
                 }
@@ -201,8 +208,7 @@ impl StoreInner {
                 attempts.push(None);
                 continue;
             }
-            let staged = r.direct.is_none();
-            if let Err(e) = r.target.prepare(list.len as usize, staged) {
+            if let Err(e) = r.target.prepare(list.len as usize, false) {
                 // The destination cannot take it: no other replica helps.
                 r.done = Some(Err(e));
                 if matches!(from, ListFrom::Master(_)) {
@@ -215,8 +221,16 @@ impl StoreInner {
             while r.next < r.order.len() {
                 match &r.order[r.next].1 {
                     Ok(route) => {
+                        r.pinned = match &r.target.dest {
+                            Dest::Device { mem, .. } if route.caps.maps_peer_memory => {
+                                pinned().get(&self.engine, &route.region, mem.location().is_emulated())
+                            }
+                            _ => None,
+                        };
                         attempt = Some(if r.direct.is_some() && route.caps.moves_device_memory {
                             Attempt::Device(r.next)
+                        } else if r.pinned.is_some() {
+                            Attempt::Dma(r.next)
                         } else {
                             Attempt::Memory(r.next)
                         });
@@ -231,8 +245,8 @@ impl StoreInner {
             if attempt.is_none() && !r.disk_tried {
                 attempt = list.disk.map(Attempt::Disk);
             }
-            if let (Some(Attempt::Memory(_) | Attempt::Disk(_)), false) = (attempt, staged) {
-                // A device destination read through host memory after all.
+            if let Some(Attempt::Memory(_) | Attempt::Disk(_)) = attempt {
+                // Through host memory: a device destination needs a pinned buffer.
                 if let Err(e) = r.target.prepare(list.len as usize, true) {
                     r.last_err = Some(e);
                     attempt = None;
@@ -296,6 +310,34 @@ impl StoreInner {
             drop(moves);
             for (res, k) in moved.into_iter().zip(owner) {
                 ok[k] = Some(res.map_err(Error::from));
+            }
+        }
+        // One DMA each from mapped, page-locked segments.
+        {
+            let mut copies = Copies::default();
+            for (k, r) in reading.iter().enumerate() {
+                let (Some(Attempt::Dma(n)), Dest::Device { mem, offset }, Some(pinned)) =
+                    (attempts[k], &r.target.dest, &r.pinned)
+                else {
+                    continue;
+                };
+                let (rep, len) = (&r.order[n].0, r.len());
+                let Some(src) = pinned.range(rep.offset, len as u64) else {
+                    let region = r.order[n].1.as_ref().map_or(0, |route| route.region.region);
+                    let (offset, len, region_len) = (rep.offset, len as u64, pinned.len());
+                    let e = TransferError::OutOfBounds { region, offset, len, region_len };
+                    ok[k] = Some(Err(e.into()));
+                    continue;
+                };
+                // SAFETY: `src` lies in the mapped segment, which `Keep::Mapped`
+                // keeps mapped until the copy is done; a writer of that range in
+                // the meantime (the object freed and reused) can only make the
+                // device bytes fail their checksum below.
+                let queued = unsafe { copies.enqueue_upload(k, *mem, src, len, *offset, Keep::Mapped(pinned.clone())) };
+                ok[k] = Some(queued);
+            }
+            for (k, e) in copies.finish() {
+                ok[k] = Some(Err(e));
             }
         }
         // Memory replicas with the transport: one batch.
@@ -384,7 +426,7 @@ impl StoreInner {
         let mut sums: Vec<Option<u32>> = taken;
         let to_sum: Vec<usize> = (0..reading.len())
             .filter(|&k| matches!(ok[k], Some(Ok(()))) && sums[k].is_none())
-            .filter(|&k| !matches!(attempts[k], Some(Attempt::Device(_))))
+            .filter(|&k| !matches!(attempts[k], Some(Attempt::Device(_) | Attempt::Dma(_))))
             .collect();
         let pieces: Vec<Vec<&[u8]>> = to_sum.iter().map(|&k| reading[k].target.filled(reading[k].len())).collect();
         for (&k, crc) in to_sum.iter().zip(crate::checksum::checksum_each(&pieces)) {
@@ -396,11 +438,11 @@ impl StoreInner {
             let (Some(attempt), Some(res)) = (attempts[k], &ok[k]) else { continue };
             let Some((list, from)) = r.list.clone() else { continue };
             let segment = match attempt {
-                Attempt::Memory(n) | Attempt::Device(n) => Some(r.order[n].0.segment),
+                Attempt::Memory(n) | Attempt::Device(n) | Attempt::Dma(n) => Some(r.order[n].0.segment),
                 Attempt::Disk(_) => None,
             };
             let verdict = match (res, attempt) {
-                (Ok(()), Attempt::Device(_)) => match &r.target.dest {
+                (Ok(()), Attempt::Device(_) | Attempt::Dma(_)) => match &r.target.dest {
                     Dest::Device { mem, offset } => mem.crc32c(*offset, list.len).map_err(Error::from),
                     _ => Err(Error::NotFound(r.key.to_owned())),
                 },
@@ -410,7 +452,7 @@ impl StoreInner {
             match verdict {
                 Ok(crc) if crc == list.checksum => {
                     r.done = Some(Ok(list.len as usize));
-                    r.moved_direct = matches!(attempt, Attempt::Device(_));
+                    r.moved_direct = matches!(attempt, Attempt::Device(_) | Attempt::Dma(_));
                     match from {
                         ListFrom::Cache => self.cache.hit(),
                         ListFrom::Master(asked_at) => {

@@ -54,13 +54,14 @@ pub struct StoreStats {
     /// [`ReplicateConfig::require_all_replicas`](crate::ReplicateConfig)).
     pub under_replicated_puts: u64,
     /// Bytes of objects moved straight between device memory and the pool by
-    /// `get_into_device` / `put_from_device` (and their batch forms): one-sided
-    /// RDMA to and from GPU memory registered with the NICs, no host staging.
-    /// Counted once per object.
+    /// `get_into_device` / `put_from_device` (and their batch forms), with no host
+    /// copy: one-sided RDMA to and from GPU memory registered with the NICs, or one
+    /// DMA from or into a replica in a segment this process maps (its own, a
+    /// same-host peer's), page-locked. Counted once per object.
     pub device_direct_bytes: u64,
-    /// Bytes of objects those calls staged through pinned host memory instead (no
-    /// RDMA transport, memory the NICs cannot register, a replica reached another
-    /// way). Counted once per object.
+    /// Bytes of objects those calls staged through pinned host memory instead (a
+    /// replica over TCP, on a disk, or in memory that could not be page-locked or
+    /// registered). Counted once per object.
     pub device_staged_bytes: u64,
     /// Connections to this storage node's record endpoint that were refused: they
     /// could not prove the record key only the masters it mounted on know (a forged

@@ -17,7 +17,7 @@ use mooncake_alloc::SegmentId;
 use mooncake_gpu::{DeviceMemory, PooledBuffer};
 use mooncake_transfer::{TransferRequest, WorkOp};
 
-use super::device::{download, move_device, DeviceMove, Directs};
+use super::device::{download, move_device, pinned, Copies, DeviceMove, Directs, Keep};
 use super::routes::Route;
 use super::stats::StoreCounters;
 use super::StoreInner;
@@ -181,7 +181,7 @@ impl StoreInner {
                 Source::Device { mem, offset, len } => {
                     mem.check_range(*offset, *len)?;
                     let direct = directs.register(self, *mem);
-                    device_item(item.key, *mem, *offset, *len, direct)
+                    Ok(device_item(item.key, *mem, *offset, *len, direct))
                 }
             });
             results.push(prepared.as_ref().map(|_| ()).map_err(Error::clone));
@@ -413,6 +413,38 @@ impl StoreInner {
                 }
             }
         }
+        // One DMA each into replicas in mapped, page-locked segments.
+        {
+            let mut copies = Copies::default();
+            for (k, w) in round.iter_mut().enumerate() {
+                let Bytes::Device { mem, offset, .. } = &w.bytes else { continue };
+                let (mem, offset, len) = (*mem, *offset, w.len);
+                by_host[k].retain(|&j| {
+                    let (r, route) = &w.placed[j];
+                    if !route.caps.maps_peer_memory {
+                        return true;
+                    }
+                    let Some(pinned) = pinned().get(&self.engine, &route.region, mem.location().is_emulated()) else {
+                        return true;
+                    };
+                    let Some(dst) = pinned.range(r.offset, len) else { return true };
+                    // SAFETY: `dst` is the replica the master placed for this put
+                    // (no one else writes or reads it before `put_end`), in a
+                    // segment `Keep::Mapped` keeps mapped until the copy is done;
+                    // `offset..offset + len` of `mem` was checked.
+                    let queued =
+                        unsafe { copies.enqueue_download(k, mem, dst, len as usize, offset, Keep::Mapped(pinned.clone())) };
+                    if let Err(e) = queued {
+                        w.failed.get_or_insert(e);
+                    }
+                    false
+                });
+            }
+            // A failed DMA is the device's, not the segment's: the item fails.
+            for (k, e) in copies.finish() {
+                round[k].failed.get_or_insert(e);
+            }
+        }
         // Device items with a replica to write from host memory: a pinned copy.
         for (k, w) in round.iter_mut().enumerate() {
             if by_host[k].is_empty() {
@@ -478,24 +510,17 @@ impl StoreInner {
     }
 }
 
-/// A device item: moved directly where it can be (`direct`, its registration;
-/// its crc32c taken on the device), else copied to pinned staging now.
+/// A device item: moved by RDMA where it can be (`direct`, its registration), by
+/// one DMA into replicas in mapped segments, else from a pinned copy taken when a
+/// replica needs one.
 fn device_item<'a>(
     key: &'a str,
     mem: &'a dyn DeviceMemory,
     offset: u64,
     len: u64,
     direct: Option<usize>,
-) -> Result<Writing<'a>> {
-    Ok(match direct {
-        Some(_) => {
-            Writing::new(key, len, Bytes::Device { mem, offset, direct, staged: None }, Some(mem.crc32c(offset, len)?))
-        }
-        None => {
-            let staged = Some(download(mem, offset, len as usize)?);
-            Writing::new(key, len, Bytes::Device { mem, offset, direct, staged }, None)
-        }
-    })
+) -> Writing<'a> {
+    Writing::new(key, len, Bytes::Device { mem, offset, direct, staged: None }, None)
 }
 
 /// The crc32c of each item written: what the device or the transport took, the
@@ -504,6 +529,17 @@ fn device_item<'a>(
 fn item_checksums(round: &mut [&mut Writing<'_>]) -> Vec<u32> {
     let missing: Vec<usize> =
         (0..round.len()).filter(|&k| round[k].crc.is_none() && round[k].failed.is_none()).collect();
+    // Device bytes with no host copy are summed on the device.
+    for &k in &missing {
+        if let (None, Bytes::Device { mem, offset, .. }) = (round[k].bytes.host(round[k].len), &round[k].bytes) {
+            match mem.crc32c(*offset, round[k].len) {
+                Ok(crc) => round[k].crc = Some(crc),
+                Err(e) => round[k].failed = Some(e.into()),
+            }
+        }
+    }
+    let missing: Vec<usize> =
+        missing.into_iter().filter(|&k| round[k].crc.is_none() && round[k].failed.is_none()).collect();
     let sums = {
         let parts: Vec<Vec<&[u8]>> =
             missing.iter().map(|&k| round[k].bytes.host(round[k].len).unwrap_or_default()).collect();

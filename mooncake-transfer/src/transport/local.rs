@@ -1,7 +1,8 @@
 //! The `Local` transport: peers in the same process, reached by `memcpy`.
 
-use super::{copy_with_region, Capabilities, TransferRequest, Transport};
+use super::{copy_with_region, Capabilities, MappedRegion, TransferRequest, Transport};
 use crate::error::Result;
+use crate::region::RemoteRegion;
 use crate::registry;
 
 /// Prefix of the endpoints of in-process engines.
@@ -25,6 +26,14 @@ impl Transport for LocalTransport {
         // Any engine of this process, whatever its endpoint (a listening engine is
         // still reached by memcpy from inside its own process).
         registry::lookup(endpoint).is_ok()
+    }
+
+    fn map_region(&self, target: &RemoteRegion) -> Option<Result<MappedRegion>> {
+        let region = registry::lookup(&target.endpoint).and_then(|engine| engine.region(target.region));
+        Some(region.map(|r| {
+            let (ptr, len) = (r.as_mut_ptr(), r.len());
+            MappedRegion::new(r, ptr, len)
+        }))
     }
 
     fn transfer(&self, requests: &mut [TransferRequest<'_>]) -> Vec<Result<()>> {

@@ -192,6 +192,14 @@ pub trait Transport: Send + Sync {
         Capabilities::default()
     }
 
+    /// `target` mapped into this process, for a caller that moves its bytes with
+    /// something other than this transport (a DMA engine). `None` if this transport
+    /// does not map peers' memory ([`Capabilities::maps_peer_memory`]).
+    fn map_region(&self, target: &RemoteRegion) -> Option<Result<MappedRegion>> {
+        let _ = target;
+        None
+    }
+
     /// Byte and error counters, for transports that keep them (reported by
     /// [`TransferEngine::stats`](crate::TransferEngine::stats)).
     fn stats(&self) -> Option<&TransportStats> {
@@ -214,6 +222,53 @@ pub struct Capabilities {
     /// ([`RdmaTransport::transfer_device`](crate::RdmaTransport::transfer_device)),
     /// with no host copy.
     pub moves_device_memory: bool,
+}
+
+/// A peer's region mapped into this process ([`Transport::map_region`]): it stays
+/// mapped while this value lives.
+pub struct MappedRegion {
+    keep: std::sync::Arc<dyn Send + Sync>,
+    ptr: *mut u8,
+    len: u64,
+}
+
+// SAFETY: the value only names memory that `keep` keeps mapped; it hands out no
+// reference, and every access through the pointer is the caller's to make sound.
+unsafe impl Send for MappedRegion {}
+// SAFETY: as `Send`.
+unsafe impl Sync for MappedRegion {}
+
+impl MappedRegion {
+    /// A mapping of `len` bytes at `ptr`, valid while `keep` lives.
+    pub(crate) fn new(keep: std::sync::Arc<dyn Send + Sync>, ptr: *mut u8, len: u64) -> Self {
+        Self { keep, ptr, len }
+    }
+
+    /// The address of byte `offset` of the region, if `offset + len` bytes fit in
+    /// it. Valid while this value lives; the bytes may be written by others (the
+    /// peer, other clients) at any time, so a reader checks what it read.
+    pub fn range(&self, offset: u64, len: u64) -> Option<*mut u8> {
+        let end = offset.checked_add(len)?;
+        // SAFETY: `offset <= end <= self.len`: inside the mapping.
+        (end <= self.len).then(|| unsafe { self.ptr.add(offset as usize) })
+    }
+
+    /// The region's length.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Whether the region is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl std::fmt::Debug for MappedRegion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let _ = &self.keep;
+        f.debug_struct("MappedRegion").field("len", &self.len).finish()
+    }
 }
 
 /// Counters of a transport (bytes it moved itself: a transport that hands a request

@@ -8,11 +8,11 @@ use std::sync::Arc;
 use parking_lot::RwLock;
 
 use super::tcp::TcpTransport;
-use super::{copy_with_region, Capabilities, TransferOp, TransferRequest, Transport, TransportStats};
+use super::{copy_with_region, Capabilities, MappedRegion, TransferOp, TransferRequest, Transport, TransportStats};
 use crate::auth::SharedSecret;
 use crate::error::{Result, TransferError};
 use crate::handshake::{self, host_id};
-use crate::region::{shared_file_len, RegisteredRegion};
+use crate::region::{shared_file_len, RegisteredRegion, RemoteRegion};
 
 /// A peer's region mapped into this process, and how to tell that it is still the
 /// peer's: the region's revocation word (set by the owner when it unregisters the
@@ -148,6 +148,13 @@ impl Transport for ShmTransport {
 
     fn stats(&self) -> Option<&TransportStats> {
         Some(&self.stats)
+    }
+
+    fn map_region(&self, target: &RemoteRegion) -> Option<Result<MappedRegion>> {
+        Some(self.mapping(&target.endpoint, target.region).map(|m| {
+            let (ptr, len) = (m.region.as_mut_ptr(), m.region.len());
+            MappedRegion::new(m, ptr, len)
+        }))
     }
 
     fn can_reach(&self, endpoint: &str) -> bool {

@@ -33,10 +33,11 @@ impl Store {
     /// against the object's checksum.
     ///
     /// A replica whose transport moves device memory (RDMA, with memory the NICs
-    /// can register: a dma-buf export) is READ straight into device memory;
-    /// otherwise the bytes are read into a pinned staging buffer and copied to
-    /// the device with an asynchronous DMA ([`StoreStats`](crate::StoreStats)
-    /// counts which).
+    /// can register: a dma-buf export) is READ straight into device memory; one
+    /// in a segment this process maps (its own, a same-host peer's) is copied in
+    /// one DMA from that segment, page-locked on first use; otherwise the bytes are
+    /// read into a pinned staging buffer and copied to the device with an
+    /// asynchronous DMA ([`StoreStats`](crate::StoreStats) counts which).
     ///
     /// Errors: `NotFound`; `BufferTooSmall` if the object is larger than
     /// `dst.len() - offset` (nothing is copied); `InvalidArgument` if `offset`
@@ -53,8 +54,8 @@ impl Store {
     /// let gpu = HostDeviceMemory::new(1 << 20)?;
     /// assert_eq!(store.get_into_device("kv/0", &gpu, 4096)?, 100_000);
     /// assert!(gpu.to_vec()[4096..104_096].iter().all(|&b| b == 7));
-    /// // An in-process store has no RDMA NIC: the bytes were staged.
-    /// assert_eq!(store.stats().device_staged_bytes, 100_000);
+    /// // The replica is in this process's own segment: one DMA from it, no staging.
+    /// assert_eq!(store.stats().device_direct_bytes, 100_000);
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn get_into_device(&self, key: &str, dst: &dyn DeviceMemory, offset: u64) -> Result<usize> {
@@ -64,7 +65,8 @@ impl Store {
     /// Stores `len` bytes of device memory `src` at byte `offset` under
     /// `key`, with the builder's default replication (like [`put`](Self::put)):
     /// every replica whose transport moves device memory is WRITTEN straight
-    /// from it; the others from a pinned copy (device -> pinned with an
+    /// from it, every replica in a segment this process maps gets one DMA into
+    /// it; the others are written from a pinned copy (device -> pinned with an
     /// asynchronous DMA). `InvalidArgument` if the range is outside `src` or
     /// empty.
     pub fn put_from_device(&self, key: &str, src: &dyn DeviceMemory, offset: u64, len: u64) -> Result<()> {

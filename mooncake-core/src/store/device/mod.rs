@@ -14,8 +14,14 @@
 //!   allocation). The replica is READ straight into device memory, or WRITTEN
 //!   straight from it; the checksum is taken of the device bytes
 //!   ([`DeviceMemory::crc32c`](mooncake_gpu::DeviceMemory::crc32c)).
-//! * **Staged** (`staging.rs`): everything else goes through pinned host buffers,
-//!   copied to or from the device asynchronously.
+//! * **One DMA** (`pinned.rs`): the replica's transport maps its memory into this
+//!   process (this client's own segment, a same-host peer's): the mapped segment
+//!   is page-locked with CUDA once, and the replica moves to or from device memory
+//!   in one DMA straight from or into it. The checksum is taken of the device
+//!   bytes.
+//! * **Staged** (`staging.rs`): everything else (TCP peers, disk replicas, memory
+//!   that cannot be pinned) goes through pinned host buffers, copied to or from the
+//!   device asynchronously.
 //!
 //! [`StoreStats::device_direct_bytes`](crate::StoreStats::device_direct_bytes) and
 //! [`device_staged_bytes`](crate::StoreStats::device_staged_bytes) say which way
@@ -23,7 +29,9 @@
 
 mod api;
 mod direct;
+mod pinned;
 mod staging;
 
 pub(super) use direct::{move_device, DeviceMove, Directs};
-pub(super) use staging::{download, room_after, staging, Uploads};
+pub(super) use pinned::{pinned, PinnedRegion};
+pub(super) use staging::{download, room_after, staging, Copies, Keep};

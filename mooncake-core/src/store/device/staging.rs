@@ -7,10 +7,11 @@
 //! (pinned memory costs milliseconds per MiB to allocate; a 64 MiB KV block must
 //! not pay that on every call), so steady state allocates nothing.
 
-use std::sync::LazyLock;
+use std::sync::{Arc, LazyLock};
 
 use mooncake_gpu::{DeviceMemory, DeviceStream, PinnedPool, PooledBuffer};
 
+use super::pinned::PinnedRegion;
 use crate::error::{Error, Result};
 
 /// Idle pinned staging kept for device copies, per process (two 64 MiB
@@ -49,41 +50,79 @@ pub(in crate::store) fn download(src: &dyn DeviceMemory, offset: u64, len: usize
     Ok(staged)
 }
 
-/// Staged objects on their way to device memory: every copy is enqueued at once
-/// (one stream per device memory) and waited for once, in [`Uploads::finish`].
-#[derive(Default)]
-pub(in crate::store) struct Uploads<'a> {
-    /// One stream per device memory written (by its device address).
-    streams: Vec<(u64, Box<dyn DeviceStream + 'a>)>,
-    /// The buffers being copied out of, with the item each belongs to and its
-    /// stream: kept until the copies are done.
-    pending: Vec<(usize, usize, PooledBuffer<'static>)>,
+/// What a device copy reads from or writes to on the host, kept until the copy is
+/// done (held, never read).
+#[allow(dead_code)]
+pub(in crate::store) enum Keep {
+    /// A pinned staging buffer.
+    Staged(PooledBuffer<'static>),
+    /// A replica's region, mapped and page-locked.
+    Mapped(Arc<PinnedRegion>),
 }
 
-impl<'a> Uploads<'a> {
-    /// Enqueues the copy of the first `len` bytes of `staged` to `offset` of `dst`
-    /// (which has room for them), for item `item`.
-    pub(in crate::store) fn push(
+/// Copies between host and device memory, enqueued at once (one stream per
+/// device memory) and waited for once, in [`Copies::finish`].
+#[derive(Default)]
+pub(in crate::store) struct Copies<'a> {
+    /// One stream per device memory (by its device address).
+    streams: Vec<(u64, Box<dyn DeviceStream + 'a>)>,
+    /// What each copy needs alive, with the item it belongs to and its stream.
+    /// Declared after `streams`, so dropped after them (a stream's drop waits
+    /// for its copies).
+    pending: Vec<(usize, usize, Keep)>,
+}
+
+impl<'a> Copies<'a> {
+    fn stream(&mut self, mem: &'a dyn DeviceMemory) -> Result<usize> {
+        if let Some(at) = self.streams.iter().position(|(ptr, _)| *ptr == mem.device_ptr()) {
+            return Ok(at);
+        }
+        self.streams.push((mem.device_ptr(), mem.open_stream()?));
+        Ok(self.streams.len() - 1)
+    }
+
+    /// Enqueues the copy of `len` bytes at `src` to `offset` of `dst` (which has
+    /// room for them), for item `item`.
+    ///
+    /// # Safety
+    /// `src` is valid for reads of `len` bytes while `keep` lives, and is not
+    /// written until [`finish`](Self::finish) returns.
+    pub(in crate::store) unsafe fn enqueue_upload(
         &mut self,
         item: usize,
         dst: &'a dyn DeviceMemory,
-        staged: PooledBuffer<'static>,
+        src: *const u8,
         len: usize,
         offset: u64,
+        keep: Keep,
     ) -> Result<()> {
-        let at = match self.streams.iter().position(|(ptr, _)| *ptr == dst.device_ptr()) {
-            Some(at) => at,
-            None => {
-                self.streams.push((dst.device_ptr(), dst.open_stream()?));
-                self.streams.len() - 1
-            }
-        };
-        // SAFETY: `staged` holds `len` bytes and is kept in `pending`, neither
-        // written nor returned to the pool, until `finish` has synchronized the
-        // stream (or the stream is dropped: its drop waits for the copy, and
-        // `streams` is declared, so dropped, before `pending`).
-        unsafe { self.streams[at].1.copy_to_device_async(staged.as_ptr(), len, offset)? };
-        self.pending.push((item, at, staged));
+        let at = self.stream(dst)?;
+        // SAFETY: the caller's contract; `keep` is held in `pending` until the
+        // stream is synchronized (`finish`) or dropped (which waits).
+        unsafe { self.streams[at].1.copy_to_device_async(src, len, offset)? };
+        self.pending.push((item, at, keep));
+        Ok(())
+    }
+
+    /// Enqueues the copy of `len` bytes at `offset` of `src` (a checked range) to
+    /// `dst`, for item `item`.
+    ///
+    /// # Safety
+    /// `dst` is valid for writes of `len` bytes while `keep` lives, and nothing
+    /// else reads or writes it until [`finish`](Self::finish) returns.
+    pub(in crate::store) unsafe fn enqueue_download(
+        &mut self,
+        item: usize,
+        src: &'a dyn DeviceMemory,
+        dst: *mut u8,
+        len: usize,
+        offset: u64,
+        keep: Keep,
+    ) -> Result<()> {
+        let at = self.stream(src)?;
+        // SAFETY: as `enqueue_upload`.
+        unsafe { self.streams[at].1.copy_from_device_async(dst, len, offset)? };
+        self.pending.push((item, at, keep));
         Ok(())
     }
 
