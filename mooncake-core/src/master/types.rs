@@ -302,6 +302,14 @@ pub enum RecordUpdate {
         /// The generation of the removal.
         generation: u64,
     },
+    /// The node is asked to drain (`drain_segment`): move its objects away within
+    /// `grace_ms`, then report. Ordered like any update; about no key.
+    Drain {
+        /// The grace period the drain was asked with (ms).
+        grace_ms: u64,
+        /// When (the master's generation clock) it was asked.
+        generation: u64,
+    },
 }
 
 impl RecordUpdate {
@@ -309,7 +317,9 @@ impl RecordUpdate {
     pub fn generation(&self) -> u64 {
         match self {
             RecordUpdate::Added { record, .. } => record.generation,
-            RecordUpdate::Removed { generation, .. } | RecordUpdate::Discard { generation, .. } => *generation,
+            RecordUpdate::Removed { generation, .. }
+            | RecordUpdate::Discard { generation, .. }
+            | RecordUpdate::Drain { generation, .. } => *generation,
         }
     }
 
@@ -318,6 +328,7 @@ impl RecordUpdate {
         match self {
             RecordUpdate::Added { record, .. } => &record.key,
             RecordUpdate::Removed { key, .. } | RecordUpdate::Discard { key, .. } => key,
+            RecordUpdate::Drain { .. } => "",
         }
     }
 
@@ -325,7 +336,7 @@ impl RecordUpdate {
     pub fn segment(&self) -> Option<SegmentId> {
         match self {
             RecordUpdate::Added { segment, .. } | RecordUpdate::Removed { segment, .. } => Some(*segment),
-            RecordUpdate::Discard { .. } => None,
+            RecordUpdate::Discard { .. } | RecordUpdate::Drain { .. } => None,
         }
     }
 }

@@ -6,6 +6,7 @@ mod builder;
 #[cfg(feature = "etcd")]
 pub(crate) mod cluster;
 mod device;
+pub(crate) mod drain;
 mod file_storage;
 mod leases;
 mod parts;
@@ -648,6 +649,7 @@ impl Store {
                     // Unreachable master: keep our identity and try again next period.
                     Err(e) => tracing::warn!(error = %e, "heartbeat failed"),
                 }
+                drain::poll(&inner);
             })
             .map_err(|e| Error::InvalidArgument(format!("cannot start the heartbeat thread: {e}")))?;
         if let Some(ssd) = &inner.ssd {
