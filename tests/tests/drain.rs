@@ -218,3 +218,55 @@ fn sigterm_drains_within_the_grace_period_and_a_second_one_stops_at_once() {
     assert!(start.elapsed() < Duration::from_secs(6), "the drain ends with its grace period");
     assert!(short.next_line().contains("1 lost"));
 }
+
+/// A `POST` with an optional bearer token; returns the status code and the body.
+fn http_post(addr: &str, target: &str, bearer: Option<&str>) -> (u16, String) {
+    use std::io::{Read, Write};
+    let auth = bearer.map(|t| format!("Authorization: Bearer {t}\r\n")).unwrap_or_default();
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(s, "POST {target} HTTP/1.0\r\nHost: {addr}\r\n{auth}Content-Length: 0\r\n\r\n").unwrap();
+    let mut text = String::new();
+    s.read_to_string(&mut text).unwrap();
+    let code = text.split(' ').nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    (code, text.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or(text))
+}
+
+#[test]
+fn post_drain_on_the_masters_listener_needs_the_secret_and_drains_the_node() {
+    let secret = "drain sesame";
+    let c = Cluster::start_env(&["--client-ttl-ms", "2000"], 2, &[("MOONCAKE_SECRET", secret)]);
+    let store = Store::builder()
+        .master_address(&c.master_addr)
+        .global_segment_size(0)
+        .shared_secret(secret.as_bytes())
+        .build()
+        .unwrap();
+    let a_seg = segment_id(&c.nodes[0]);
+    let a_name = store.master().segment_info(a_seg).unwrap().name;
+    let cfg = ReplicateConfig { preferred_segments: vec![a_name.clone()], ..Default::default() };
+    for i in 0..50 {
+        store.put_with(&format!("post/{i}"), &value(i), &cfg).unwrap();
+    }
+    let target = format!("/drain?segment={}&grace=20", a_name.replace('#', "%23"));
+    assert_eq!(http_post(&c.metrics_addr, &target, None).0, 401, "the listener's secret guards /drain");
+    assert_eq!(http_post(&c.metrics_addr, "/drain", Some(secret)).0, 400, "no segment named");
+    assert_eq!(http_post(&c.metrics_addr, "/drain?segment=nowhere%231", Some(secret)).0, 404);
+    assert_eq!(http_post(&c.metrics_addr, "/metrics", Some(secret)).0, 404, "only /drain takes a POST");
+    let (code, body) = http_post(&c.metrics_addr, &target, Some(secret));
+    assert_eq!(code, 200, "{body}");
+    assert!(body.contains("\"segments\": 1"), "{body}");
+    // The node hears of it from the master and drains itself.
+    support::wait_until(Duration::from_secs(20), || {
+        store.master().drain_status(&a_name).map(|p| p.started && p.done).unwrap_or(false)
+    });
+    let status = store.master().drain_status(&a_name).unwrap();
+    assert_eq!((status.objects_copied, status.objects_lost), (50, 0), "{status:?}");
+    for i in 0..50 {
+        let key = format!("post/{i}");
+        assert!(!homes(&store, &key).contains(&a_seg), "{key}");
+        assert_eq!(&store.get(&key).unwrap()[..], &value(i)[..]);
+    }
+    let metrics = c.metrics();
+    assert!(metrics.contains("mooncake_drain_done{node=\""), "{metrics}");
+}
