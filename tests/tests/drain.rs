@@ -270,3 +270,38 @@ fn post_drain_on_the_masters_listener_needs_the_secret_and_drains_the_node() {
     let metrics = c.metrics();
     assert!(metrics.contains("mooncake_drain_done{node=\""), "{metrics}");
 }
+
+#[test]
+fn two_nodes_draining_at_once_do_not_count_on_each_other() {
+    let mut c = Cluster::start(&["--client-ttl-ms", "2000"], 3);
+    let store = client(&c.master_addr);
+    let name = |i: usize| store.master().segment_info(segment_id(&c.nodes[i])).unwrap().name;
+    // Every object has its two replicas on the two nodes that will drain.
+    let cfg = ReplicateConfig { replica_num: 2, preferred_segments: vec![name(0), name(1)], ..Default::default() };
+    let values: Vec<(String, Vec<u8>)> = (0..100).map(|i| (format!("pair/{i}"), value(i))).collect();
+    for (k, v) in &values {
+        store.put_with(k, v, &cfg).unwrap();
+        assert_eq!(homes(&store, k).len(), 2);
+    }
+    let drains: Vec<std::process::Child> = [0, 1]
+        .iter()
+        .map(|&i| {
+            std::process::Command::new(bin("mooncake-client"))
+                .args(["drain", "--master", &c.master_addr, &endpoint(&c.nodes[i]), "--grace", "20"])
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for d in drains {
+        let out = d.wait_with_output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    }
+    c.nodes[0].kill9();
+    c.nodes[1].kill9();
+    let fresh = client(&c.master_addr);
+    for (k, v) in &values {
+        assert_eq!(&fresh.get(k).unwrap_or_else(|e| panic!("{k}: {e}"))[..], &v[..], "{k}");
+    }
+}

@@ -190,12 +190,10 @@ fn drain_line(p: &mooncake_core::DrainProgress) -> String {
 fn stop_serving(store: Store, mut signals: signal_hook::iterator::Signals, grace: f64) {
     if grace > 0.0 {
         tracing::warn!(grace, "stopping: draining first (a second signal stops at once)");
-        let (tx, rx) = std::sync::mpsc::channel();
         let draining = store.clone();
         let grace = std::time::Duration::from_secs_f64(grace);
-        std::thread::spawn(move || {
-            let _ = tx.send(draining.drain(grace));
-        });
+        // On its own thread: this one waits for it, the signal thread may not.
+        let drain = std::thread::spawn(move || draining.drain(grace));
         // A second signal ends the process whatever the drain is doing.
         std::thread::spawn(move || {
             if let Some(sig) = signals.forever().next() {
@@ -203,10 +201,10 @@ fn stop_serving(store: Store, mut signals: signal_hook::iterator::Signals, grace
                 std::process::exit(128 + sig);
             }
         });
-        match rx.recv() {
+        match drain.join() {
             Ok(Ok(p)) => println!("drained: {}", drain_line(&p)),
             Ok(Err(e)) => eprintln!("drain failed: {e}"),
-            Err(_) => eprintln!("drain failed: its thread ended"),
+            Err(_) => eprintln!("drain failed: its thread panicked"),
         }
     }
     tracing::info!("stopping; unmounting the segment");

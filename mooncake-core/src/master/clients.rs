@@ -225,6 +225,7 @@ impl MasterService {
                 owner: s.owner,
                 region: s.region.clone(),
                 capacity: s.alloc.capacity(),
+                draining: s.draining,
             })
             .ok_or_else(|| Error::NotFound(format!("segment {id} is not mounted")))
     }

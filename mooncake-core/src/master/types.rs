@@ -99,6 +99,9 @@ pub struct SegmentInfo {
     pub region: RemoteRegion,
     /// Bytes in the segment.
     pub capacity: u64,
+    /// Its node is draining: no new replica goes there, and what it holds is on its
+    /// way elsewhere.
+    pub draining: bool,
 }
 
 /// What a client must do to change an object's replica count: copy the object from a

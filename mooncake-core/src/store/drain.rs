@@ -148,16 +148,25 @@ impl Store {
             return Ok(p);
         }
         tracing::info!(node, grace_ms, "draining: moving this node's objects away");
+        inner.master.drain_segment(&node, grace_ms)?;
+        let mut round = 0u64;
         let mut seen: HashMap<String, u64> = HashMap::new();
         let mut copied: HashSet<String> = HashSet::new();
         let mut names: HashMap<SegmentId, String> = HashMap::new();
         let mut on_disk: HashSet<String> = HashSet::new();
         let mut last_report = Instant::now();
         loop {
-            // Marked again each round: a segment re-mounted meanwhile (the master
+            // Marked again now and then: a segment re-mounted meanwhile (the master
             // restarted) starts out placeable.
-            inner.master.drain_segment(&node, grace_ms)?;
+            round += 1;
+            if round % 8 == 0 {
+                if let Err(e) = inner.master.drain_segment(&node, grace_ms) {
+                    tracing::warn!(error = %e, "drain: cannot mark our segments draining again");
+                }
+            }
             let ours: Vec<SegmentId> = inner.segment_regions().iter().map(|(id, _)| *id).collect();
+            // Replicas on other draining nodes do not count: they are leaving too.
+            let mut draining: HashMap<SegmentId, bool> = HashMap::new();
             let mut drop: Vec<(String, SegmentId)> = Vec::new();
             let mut copy: Vec<(String, usize)> = Vec::new();
             let mut stuck = 0u64;
@@ -168,7 +177,7 @@ impl Store {
                     p.objects_total += 1;
                     p.bytes_total += r.len;
                 }
-                match self.look(&r.key, &ours) {
+                match self.look(&r.key, &ours, &mut draining) {
                     Ok(Found::NotHere) => continue,
                     Ok(Found::Elsewhere { segment }) => drop.push((r.key, segment)),
                     Ok(Found::OnlyHere { segment, .. }) if on_disk.contains(&r.key) => drop.push((r.key, segment)),
@@ -227,8 +236,9 @@ impl Store {
         if p.objects_left > 0 {
             let ours: Vec<SegmentId> = inner.segment_regions().iter().map(|(id, _)| *id).collect();
             let (mut lost, mut lost_bytes) = (0u64, 0u64);
+            let mut draining = HashMap::new();
             for r in self.segment_records() {
-                if let Ok(Found::OnlyHere { .. }) = self.look(&r.key, &ours) {
+                if let Ok(Found::OnlyHere { .. }) = self.look(&r.key, &ours, &mut draining) {
                     if !on_disk.contains(&r.key) {
                         lost += 1;
                         lost_bytes += r.len;
@@ -265,8 +275,9 @@ impl Store {
         Ok(summary)
     }
 
-    /// Where `key`'s replicas are, as far as our segments `ours` go.
-    fn look(&self, key: &str, ours: &[SegmentId]) -> Result<Found> {
+    /// Where `key`'s replicas are, as far as our segments `ours` go; a replica on
+    /// another draining node (`draining`: what we know of segments) does not count.
+    fn look(&self, key: &str, ours: &[SegmentId], draining: &mut HashMap<SegmentId, bool>) -> Result<Found> {
         let info = match self.inner.master.object_info(key) {
             Ok(info) => info,
             Err(Error::NotFound(_)) => return Ok(Found::NotHere),
@@ -275,7 +286,17 @@ impl Store {
         let Some(here) = info.replicas.iter().find(|r| ours.contains(&r.segment)) else {
             return Ok(Found::NotHere);
         };
-        if info.replicas.iter().any(|r| !ours.contains(&r.segment)) {
+        let mut staying = |segment: SegmentId| -> bool {
+            if ours.contains(&segment) {
+                return false;
+            }
+            let leaving = *draining.entry(segment).or_insert_with(|| {
+                // Unknown: not counted as a place the object stays.
+                self.inner.master.segment_info(segment).map_or(true, |s| s.draining)
+            });
+            !leaving
+        };
+        if info.replicas.iter().any(|r| staying(r.segment)) {
             Ok(Found::Elsewhere { segment: here.segment })
         } else {
             Ok(Found::OnlyHere { segment: here.segment, replicas: info.replicas.len() })
