@@ -258,7 +258,8 @@ pub fn drain_prometheus_text(drains: &[mooncake_core::DrainProgress]) -> String 
     if drains.is_empty() {
         return out;
     }
-    let series: [(&str, &str, fn(&mooncake_core::DrainProgress) -> u64); 7] = [
+    type Series = (&'static str, &'static str, fn(&mooncake_core::DrainProgress) -> u64);
+    let series: [Series; 7] = [
         (
             "drain_objects_moved",
             "Objects a draining node moved away (copied, dropped as replicated elsewhere, or to its SSD tier).",
