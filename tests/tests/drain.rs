@@ -305,3 +305,38 @@ fn two_nodes_draining_at_once_do_not_count_on_each_other() {
         assert_eq!(&fresh.get(k).unwrap_or_else(|e| panic!("{k}: {e}"))[..], &v[..], "{k}");
     }
 }
+
+#[test]
+fn store_drain_in_process_keeps_soft_pins_and_reports_a_summary() {
+    use mooncake_core::{Master, MasterConfig};
+    // A master that tracks records: a node then knows what its segment holds.
+    let master = Master::new(MasterConfig::served()).unwrap();
+    let a = Store::builder().master(&master).global_segment_size(8 << 20).build().unwrap();
+    let b = Store::builder().master(&master).global_segment_size(8 << 20).build().unwrap();
+    let a_name = a.segment_name().unwrap().unwrap();
+    let pinned = ReplicateConfig { soft_pin: true, preferred_segments: vec![a_name.clone()], ..Default::default() };
+    let plain = ReplicateConfig { preferred_segments: vec![a_name], ..Default::default() };
+    for i in 0..20 {
+        a.put_with(&format!("pin/{i}"), &value(i), if i % 2 == 0 { &pinned } else { &plain }).unwrap();
+    }
+    let summary = a.drain(Duration::from_secs(10)).unwrap();
+    assert!(summary.done && summary.started, "{summary:?}");
+    assert_eq!((summary.objects_total, summary.objects_copied, summary.objects_lost), (20, 20, 0), "{summary:?}");
+    assert_eq!(summary.objects_left, 0);
+    assert_eq!(summary.bytes_copied, (0..20).map(|i| value(i).len() as u64).sum::<u64>());
+    let b_seg = b.segment_id().unwrap();
+    for i in 0..20 {
+        let info = b.master().object_info(&format!("pin/{i}")).unwrap();
+        assert_eq!(info.replicas.iter().map(|r| r.segment).collect::<Vec<_>>(), [b_seg]);
+        assert_eq!(info.soft_pin, i % 2 == 0, "pin/{i}: the copy keeps the object's pin");
+    }
+    // The drained segment takes no new replica, even when asked for by name.
+    a.put_with("after", b"x", &plain).unwrap();
+    assert_eq!(homes(&a, "after"), [b_seg]);
+    // close_draining: nothing left to move, then the segment leaves.
+    let again = a.close_draining(Duration::from_secs(5)).unwrap();
+    assert_eq!((again.objects_total, again.objects_lost), (0, 0), "{again:?}");
+    for i in 0..20 {
+        assert_eq!(&b.get(&format!("pin/{i}")).unwrap()[..], &value(i)[..]);
+    }
+}
