@@ -416,6 +416,40 @@ mod tests {
     }
 
     #[test]
+    fn a_post_reaches_the_post_handler_behind_the_access_check() {
+        let access = HttpAccess { secret: Some("sesame".into()), insecure: false };
+        let s = HttpServer::bind_with_post(
+            "127.0.0.1:0",
+            HttpBounds::default(),
+            access,
+            |_, _| None,
+            Box::new(|path, query| (path == "/act").then(|| HttpResponse::ok("text/plain", format!("{path} {query}")))),
+        )
+        .unwrap();
+        let post = |target: &str, auth: &str| {
+            exchange(&s, &format!("POST {target} HTTP/1.1\r\n{auth}Content-Length: 0\r\n\r\n"))
+        };
+        assert_eq!(post("/act?x=1", "").0, 401, "the secret guards POSTs too");
+        let bearer = "Authorization: Bearer sesame\r\n";
+        assert_eq!(post("/act?x=1#frag", bearer), (200, "/act x=1".into()));
+        assert_eq!(post("/other", bearer).0, 404);
+        assert_eq!(exchange(&s, "PUT /act HTTP/1.1\r\nAuthorization: Bearer sesame\r\n\r\n").0, 405);
+    }
+
+    #[test]
+    fn query_values_are_percent_decoded_and_bad_ones_refused() {
+        assert_eq!(query_value("segment=127.0.0.1%3A5000%231&grace=3", "segment").as_deref(), Some("127.0.0.1:5000#1"));
+        assert_eq!(query_value("segment=a+b", "segment").as_deref(), Some("a b"));
+        assert_eq!(query_value("grace=3", "segment"), None);
+        assert_eq!(query_value("segment=%zz", "segment"), None);
+        assert_eq!(query_value("segment=%4", "segment").as_deref(), Some("%4"));
+        assert_eq!(query_value("segment=%ff", "segment"), None, "not UTF-8");
+        let p = mooncake_core::DrainProgress { node: "h:\"1".into(), objects_left: 3, ..Default::default() };
+        let text = drain_prometheus_text(&[p]);
+        assert!(text.contains("mooncake_drain_objects_left{node=\"h:\\\"1\"} 3"), "{text}");
+    }
+
+    #[test]
     fn with_a_secret_only_its_bearer_is_answered() {
         let s = server(HttpBounds::default(), HttpAccess { secret: Some("sesame".into()), insecure: false });
         assert_eq!(get(&s, "/ok", "").0, 401);
