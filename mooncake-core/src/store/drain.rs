@@ -99,6 +99,21 @@ pub(super) fn poll(inner: &Arc<StoreInner>) {
     }
 }
 
+/// `f` of each item, in order, on up to [`COPY_THREADS`] threads.
+fn par_map<T: Sync, R: Send>(items: &[T], f: impl Fn(&T) -> R + Sync) -> Vec<R> {
+    let threads = COPY_THREADS.min(items.len());
+    if threads <= 1 {
+        return items.iter().map(f).collect();
+    }
+    let chunk = items.len().div_ceil(threads);
+    std::thread::scope(|s| {
+        let parts: Vec<_> =
+            items.chunks(chunk).map(|part| s.spawn(|| part.iter().map(&f).collect::<Vec<R>>())).collect();
+        // A panic goes on up: results must stay in the items' order.
+        parts.into_iter().flat_map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e))).collect()
+    })
+}
+
 /// Clears `running` when the drain ends, however it ends.
 struct Running<'a>(&'a AtomicBool);
 
@@ -166,18 +181,21 @@ impl Store {
             }
             let ours: Vec<SegmentId> = inner.segment_regions().iter().map(|(id, _)| *id).collect();
             // Replicas on other draining nodes do not count: they are leaving too.
-            let mut draining: HashMap<SegmentId, bool> = HashMap::new();
+            let draining = Mutex::new(HashMap::new());
             let mut drop: Vec<(String, SegmentId)> = Vec::new();
             let mut copy: Vec<(String, usize)> = Vec::new();
             let mut stuck = 0u64;
             let (mut left, mut left_bytes) = (0u64, 0u64);
-            for r in self.segment_records() {
+            let records = self.segment_records();
+            // One master round trip per object: several in flight.
+            let found = par_map(&records, |r| self.look(&r.key, &ours, &draining));
+            for (r, found) in records.into_iter().zip(found) {
                 if !seen.contains_key(&r.key) {
                     seen.insert(r.key.clone(), r.len);
                     p.objects_total += 1;
                     p.bytes_total += r.len;
                 }
-                match self.look(&r.key, &ours, &mut draining) {
+                match found {
                     Ok(Found::NotHere) => continue,
                     Ok(Found::Elsewhere { segment }) => drop.push((r.key, segment)),
                     Ok(Found::OnlyHere { segment, .. }) if on_disk.contains(&r.key) => drop.push((r.key, segment)),
@@ -236,9 +254,9 @@ impl Store {
         if p.objects_left > 0 {
             let ours: Vec<SegmentId> = inner.segment_regions().iter().map(|(id, _)| *id).collect();
             let (mut lost, mut lost_bytes) = (0u64, 0u64);
-            let mut draining = HashMap::new();
+            let draining = Mutex::new(HashMap::new());
             for r in self.segment_records() {
-                if let Ok(Found::OnlyHere { .. }) = self.look(&r.key, &ours, &mut draining) {
+                if let Ok(Found::OnlyHere { .. }) = self.look(&r.key, &ours, &draining) {
                     if !on_disk.contains(&r.key) {
                         lost += 1;
                         lost_bytes += r.len;
@@ -277,7 +295,7 @@ impl Store {
 
     /// Where `key`'s replicas are, as far as our segments `ours` go; a replica on
     /// another draining node (`draining`: what we know of segments) does not count.
-    fn look(&self, key: &str, ours: &[SegmentId], draining: &mut HashMap<SegmentId, bool>) -> Result<Found> {
+    fn look(&self, key: &str, ours: &[SegmentId], draining: &Mutex<HashMap<SegmentId, bool>>) -> Result<Found> {
         let info = match self.inner.master.object_info(key) {
             Ok(info) => info,
             Err(Error::NotFound(_)) => return Ok(Found::NotHere),
@@ -286,14 +304,16 @@ impl Store {
         let Some(here) = info.replicas.iter().find(|r| ours.contains(&r.segment)) else {
             return Ok(Found::NotHere);
         };
-        let mut staying = |segment: SegmentId| -> bool {
+        let staying = |segment: SegmentId| -> bool {
             if ours.contains(&segment) {
                 return false;
             }
-            let leaving = *draining.entry(segment).or_insert_with(|| {
-                // Unknown: not counted as a place the object stays.
-                self.inner.master.segment_info(segment).map_or(true, |s| s.draining)
-            });
+            if let Some(leaving) = draining.lock().get(&segment) {
+                return !leaving;
+            }
+            // Unknown: not counted as a place the object stays.
+            let leaving = self.inner.master.segment_info(segment).map_or(true, |s| s.draining);
+            draining.lock().insert(segment, leaving);
             !leaving
         };
         if info.replicas.iter().any(|r| staying(r.segment)) {
