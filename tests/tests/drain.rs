@@ -340,3 +340,22 @@ fn store_drain_in_process_keeps_soft_pins_and_reports_a_summary() {
         assert_eq!(&b.get(&format!("pin/{i}")).unwrap()[..], &value(i)[..]);
     }
 }
+
+#[test]
+fn an_embedded_master_without_records_still_drains() {
+    use mooncake_core::{Master, MasterConfig};
+    let master = Master::new(MasterConfig::default()).unwrap();
+    let a = Store::builder().master(&master).global_segment_size(4 << 20).build().unwrap();
+    let b = Store::builder().master(&master).global_segment_size(4 << 20).build().unwrap();
+    let cfg = ReplicateConfig { preferred_segments: vec![a.segment_name().unwrap().unwrap()], ..Default::default() };
+    for i in 0..10 {
+        a.put_with(&format!("e/{i}"), &value(i), &cfg).unwrap();
+    }
+    let on_b = ReplicateConfig { preferred_segments: vec![b.segment_name().unwrap().unwrap()], ..Default::default() };
+    b.put_with("on-b", b"stays", &on_b).unwrap();
+    let summary = a.close_draining(Duration::from_secs(10)).unwrap();
+    assert_eq!((summary.objects_total, summary.objects_copied, summary.objects_lost), (10, 10, 0), "{summary:?}");
+    for i in 0..10 {
+        assert_eq!(&b.get(&format!("e/{i}")).unwrap()[..], &value(i)[..]);
+    }
+}

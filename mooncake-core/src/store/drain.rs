@@ -29,10 +29,10 @@ use std::time::{Duration, Instant};
 use mooncake_alloc::SegmentId;
 use parking_lot::Mutex;
 
-use super::{Store, StoreInner};
+use super::{RecordEndpoint, Store, StoreInner};
 use crate::config::ReplicateConfig;
 use crate::error::{Error, Result};
-use crate::master::DrainProgress;
+use crate::master::{DrainProgress, ObjectRecord};
 
 /// Copies in flight at once: enough to keep a TCP link and the master busy, few
 /// enough not to starve the node's other work.
@@ -144,9 +144,8 @@ impl Store {
     ///
     /// The segment stays mounted, empty and draining, until the store is closed or
     /// dropped. Objects kept on the SSD tier are readable while the node runs, and
-    /// again after it restarts on the same directory. Needs a master that tracks
-    /// records (a daemon, or `MasterConfig::served()`): an embedded master's node
-    /// does not know what its segment holds.
+    /// again after it restarts on the same directory. With an embedded master that
+    /// does not track records, the objects are found by a walk of its keys.
     pub fn drain(&self, grace: Duration) -> Result<DrainProgress> {
         let inner = &self.inner;
         let signal = &inner.records.drain;
@@ -186,7 +185,7 @@ impl Store {
             let mut copy: Vec<(String, usize)> = Vec::new();
             let mut stuck = 0u64;
             let (mut left, mut left_bytes) = (0u64, 0u64);
-            let records = self.segment_records();
+            let records = self.held(&ours);
             // One master round trip per object: several in flight.
             let found = par_map(&records, |r| self.look(&r.key, &ours, &draining));
             for (r, found) in records.into_iter().zip(found) {
@@ -255,7 +254,7 @@ impl Store {
             let ours: Vec<SegmentId> = inner.segment_regions().iter().map(|(id, _)| *id).collect();
             let (mut lost, mut lost_bytes) = (0u64, 0u64);
             let draining = Mutex::new(HashMap::new());
-            for r in self.segment_records() {
+            for r in self.held(&ours) {
                 if let Ok(Found::OnlyHere { .. }) = self.look(&r.key, &ours, &draining) {
                     if !on_disk.contains(&r.key) {
                         lost += 1;
@@ -291,6 +290,30 @@ impl Store {
         let summary = self.drain(grace)?;
         self.close()?;
         Ok(summary)
+    }
+
+    /// The objects our segments `ours` hold: our records, as the master keeps them
+    /// up to date; with an embedded master that does not track them, from its keys
+    /// (a walk of every object, in process).
+    fn held(&self, ours: &[SegmentId]) -> Vec<ObjectRecord> {
+        let untracked = match &self.inner.record_endpoint {
+            Some(RecordEndpoint::InProcess(m)) => !m.config().track_records,
+            Some(RecordEndpoint::Rpc { .. }) => false,
+            None => self.inner.cluster.is_none(),
+        };
+        if !untracked {
+            return self.segment_records();
+        }
+        let master = &self.inner.master;
+        let keys = master.list_keys(usize::MAX).unwrap_or_default();
+        keys.into_iter()
+            .filter_map(|key| {
+                let info = master.object_info(&key).ok()?;
+                let r = info.replicas.iter().find(|r| ours.contains(&r.segment))?;
+                let (offset, len, checksum) = (r.offset, info.len, info.checksum);
+                Some(ObjectRecord { key, offset, len, checksum, generation: 0 })
+            })
+            .collect()
     }
 
     /// Where `key`'s replicas are, as far as our segments `ours` go; a replica on
