@@ -359,3 +359,26 @@ fn an_embedded_master_without_records_still_drains() {
         assert_eq!(&b.get(&format!("e/{i}")).unwrap()[..], &value(i)[..]);
     }
 }
+
+#[test]
+fn a_put_placed_before_the_drain_and_ended_during_it_is_moved_too() {
+    use mooncake_core::{Master, MasterConfig};
+    let master = Master::new(MasterConfig::served()).unwrap();
+    let a = Store::builder().master(&master).global_segment_size(4 << 20).build().unwrap();
+    let b = Store::builder().master(&master).global_segment_size(4 << 20).build().unwrap();
+    let w = Store::builder().master(&master).global_segment_size(0).build().unwrap();
+    let cfg = ReplicateConfig { preferred_segments: vec![a.segment_name().unwrap().unwrap()], ..Default::default() };
+    // Placed on A before the drain; its bytes are the zeros A's fresh memory holds.
+    let zeros = [0u8; 4096];
+    let placed = w.master().put_start(w.client_id(), "late", zeros.len() as u64, &cfg).unwrap();
+    assert_eq!(placed[0].segment, a.segment_id().unwrap());
+    let draining = a.clone();
+    let drain = std::thread::spawn(move || draining.drain(Duration::from_secs(10)).unwrap());
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(!drain.is_finished(), "the drain waits for the put still writing on the node");
+    w.master().put_end(w.client_id(), "late", mooncake_transfer::checksum::crc32c(&zeros)).unwrap();
+    let summary = drain.join().unwrap();
+    assert_eq!((summary.objects_copied, summary.objects_lost), (1, 0), "{summary:?}");
+    assert_eq!(homes(&b, "late"), [b.segment_id().unwrap()]);
+    assert_eq!(&b.get("late").unwrap()[..], &zeros[..]);
+}

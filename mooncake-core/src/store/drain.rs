@@ -209,7 +209,13 @@ impl Store {
             }
             (p.objects_left, p.bytes_left) = (left, left_bytes);
             if left == 0 {
-                break;
+                // A put placed here before the drain began may still be writing: its
+                // record comes when it ends. Done once nothing is allocated here.
+                if Instant::now() >= deadline || self.segments_empty(&ours) {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+                continue;
             }
             let dropped = self.drop_ours(&drop, &mut names, |key| {
                 let len = seen.get(key).copied().unwrap_or(0);
@@ -314,6 +320,15 @@ impl Store {
                 Some(ObjectRecord { key, offset, len, checksum, generation: 0 })
             })
             .collect()
+    }
+
+    /// Whether nothing is allocated in our segments `ours` (no put still writing
+    /// there). A master that cannot say counts as empty.
+    fn segments_empty(&self, ours: &[SegmentId]) -> bool {
+        match self.inner.master.stats() {
+            Ok(stats) => stats.segment_usage.iter().all(|u| !ours.contains(&u.segment) || u.used == 0),
+            Err(_) => true,
+        }
     }
 
     /// Where `key`'s replicas are, as far as our segments `ours` go; a replica on
