@@ -27,7 +27,8 @@ pub struct DrainProgress {
     /// The node: the transfer endpoint its segments are named after (`host:port`).
     pub node: String,
     /// Segments (extents, in a cluster) of the node marked draining, at the masters
-    /// that answered (0 in an answer: no such node is mounted there).
+    /// that answered (0 in an answer: no such node is mounted there); in the summary
+    /// of [`Store::drain`](crate::Store::drain), the node's own segments.
     pub segments: u64,
     /// The node started moving its objects (it reported at least once).
     pub started: bool,

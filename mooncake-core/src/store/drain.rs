@@ -272,6 +272,8 @@ impl Store {
         }
         p.done = true;
         self.report(&mut p, start);
+        // The summary counts our segments (the master counts its own in its answers).
+        p.segments = inner.segment_regions().len() as u64;
         // A drain asked while we ran (our own `drain_segment` calls) is this one.
         let _ = signal.asked.take();
         let secs = p.elapsed_ms as f64 / 1000.0;
