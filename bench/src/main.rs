@@ -28,6 +28,7 @@ use mooncake_core::{parse_size, Store};
 use serde::Serialize;
 
 mod cluster;
+mod drain;
 mod idle;
 mod lru_sim;
 mod micro;
@@ -124,6 +125,9 @@ enum Cmd {
     /// Cluster mode with real etcd, masters and nodes: metadata ops/s with 1 and 2
     /// masters, failover time over repeated kills, master memory per object.
     Cluster(cluster::ClusterArgs),
+    /// Drain time: a storage node holding `--bytes` (default 1 GiB) of one-replica
+    /// objects is drained to another; seconds until done and bytes/s.
+    Drain(drain::DrainArgs),
 }
 
 /// One measured phase, in the anchor's row format.
@@ -337,6 +341,7 @@ fn main() {
         }
         Cmd::Ssd(a) => ssd::ssd(&a).and_then(|json| write_json(&json, a.out.clone())),
         Cmd::Idle(a) => idle::idle(&a).and_then(|json| write_json(&json, a.out.clone())),
+        Cmd::Drain(a) => drain::drain(&a).and_then(|json| write_json(&json, a.out.clone())),
         Cmd::Cluster(a) => cluster::run(&a).and_then(|(json, out)| write_json(&json, out)),
         Cmd::Memcpy { size } => memcpy(&size).map(|v| println!("{v}")),
         Cmd::Micro { transports, sizes, threads, batch, phase_bytes, out } => {

@@ -114,7 +114,8 @@ impl HttpResponse {
         Self { status: 200, content_type, body }
     }
 
-    fn text(status: u16, body: &str) -> Self {
+    /// A plain-text answer with `status`.
+    pub fn text(status: u16, body: &str) -> Self {
         Self { status, content_type: "text/plain", body: body.to_owned() }
     }
 
@@ -147,6 +148,10 @@ impl HttpResponse {
 /// The handler: the answer to a `GET` of a path (`None`: 404).
 type Handler = dyn Fn(&str, &HttpServerStats) -> Option<HttpResponse> + Send;
 
+/// The handler of `POST`s: the answer to a `POST` of a path with its query string
+/// (`None`: 404).
+pub type PostHandler = dyn Fn(&str, &str) -> Option<HttpResponse> + Send;
+
 const LISTENER: Token = Token(0);
 const WAKER: Token = Token(1);
 /// Tokens of connections start here and only grow: their order is the order of
@@ -178,6 +183,29 @@ impl HttpServer {
         access: HttpAccess,
         handler: impl Fn(&str, &HttpServerStats) -> Option<HttpResponse> + Send + 'static,
     ) -> std::io::Result<Self> {
+        Self::bind_inner(addr, bounds, access, Box::new(handler), None)
+    }
+
+    /// [`bind`](Self::bind), also answering each `POST` that `access` allows with
+    /// `post(path, query)` (actions, such as the master's `/drain`; the body is not
+    /// read).
+    pub fn bind_with_post(
+        addr: &str,
+        bounds: HttpBounds,
+        access: HttpAccess,
+        handler: impl Fn(&str, &HttpServerStats) -> Option<HttpResponse> + Send + 'static,
+        post: Box<PostHandler>,
+    ) -> std::io::Result<Self> {
+        Self::bind_inner(addr, bounds, access, Box::new(handler), Some(post))
+    }
+
+    fn bind_inner(
+        addr: &str,
+        bounds: HttpBounds,
+        access: HttpAccess,
+        handler: Box<Handler>,
+        post: Option<Box<PostHandler>>,
+    ) -> std::io::Result<Self> {
         let listener = std::net::TcpListener::bind(addr)?;
         listener.set_nonblocking(true)?;
         let mut listener = TcpListener::from_std(listener);
@@ -192,7 +220,8 @@ impl HttpServer {
             listener,
             bounds: HttpBounds { max_connections: bounds.max_connections.max(1), ..bounds },
             access,
-            handler: Box::new(handler),
+            handler,
+            post,
             stats: stats.clone(),
             conns: BTreeMap::new(),
             next_token: FIRST_CONNECTION,
@@ -280,6 +309,7 @@ struct EventLoop {
     bounds: HttpBounds,
     access: HttpAccess,
     handler: Box<Handler>,
+    post: Option<Box<PostHandler>>,
     stats: Arc<HttpServerStats>,
     /// Open connections by token: the first is the oldest.
     conns: BTreeMap<usize, Conn>,
@@ -437,7 +467,7 @@ impl EventLoop {
         let Some(conn) = self.conns.get_mut(&token) else { return };
         let mut next = Next::Keep;
         if conn.answer.is_none() {
-            next = read_request(conn, &self.bounds, &self.access, &*self.handler, &self.stats);
+            next = read_request(conn, &self.bounds, &self.access, (&*self.handler, self.post.as_deref()), &self.stats);
         }
         if matches!(next, Next::Keep) && conn.answer.is_some() {
             next = write_answer(conn);
@@ -455,7 +485,7 @@ fn read_request(
     conn: &mut Conn,
     bounds: &HttpBounds,
     access: &HttpAccess,
-    handler: &Handler,
+    (handler, post): (&Handler, Option<&PostHandler>),
     stats: &HttpServerStats,
 ) -> Next {
     let mut buf = [0u8; 4096];
@@ -493,12 +523,18 @@ fn read_request(
             let authorization =
                 req.headers.iter().find(|h| h.name.eq_ignore_ascii_case("authorization")).map(|h| h.value);
             let path = target.split(['?', '#']).next().unwrap_or("");
-            let answer = if method != "GET" && method != "HEAD" {
+            let query = target.split_once('?').map_or("", |(_, q)| q.split('#').next().unwrap_or(""));
+            let post = post.filter(|_| method == "POST");
+            let answer = if method != "GET" && method != "HEAD" && post.is_none() {
                 stats.bad_requests.fetch_add(1, Ordering::Relaxed);
                 HttpResponse::text(405, "only GET and HEAD\n")
             } else if let Err((status, why)) = access.check(conn.peer, authorization) {
                 stats.denied.fetch_add(1, Ordering::Relaxed);
                 HttpResponse::text(status, why)
+            } else if let Some(post) = post {
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| post(path, query)))
+                    .unwrap_or_else(|_| Some(HttpResponse::text(500, "internal error\n")))
+                    .unwrap_or_else(|| HttpResponse::text(404, "not found\n"))
             } else {
                 // A panic in rendering must not take the listener down with it.
                 std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| handler(path, stats)))

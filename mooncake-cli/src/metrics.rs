@@ -233,6 +233,7 @@ pub fn render_master(daemon: &mooncake_core::MasterDaemon, path: &str, http: &Ht
             if let Some(c) = &daemon.cluster_stats() {
                 text.push_str(&cluster_prometheus_text(c));
             }
+            text.push_str(&drain_prometheus_text(&daemon.master().drains()));
             text.push_str(&http_prometheus_text(http));
             Some(HttpResponse::ok("text/plain; version=0.0.4", text))
         }
@@ -250,15 +251,103 @@ pub fn render_master(daemon: &mooncake_core::MasterDaemon, path: &str, http: &Ht
     }
 }
 
+/// The drains a master knows of, one series per node (label `node`): objects and
+/// bytes moved, left and lost, and whether the node finished.
+pub fn drain_prometheus_text(drains: &[mooncake_core::DrainProgress]) -> String {
+    let mut out = String::new();
+    if drains.is_empty() {
+        return out;
+    }
+    type Series = (&'static str, &'static str, fn(&mooncake_core::DrainProgress) -> u64);
+    let series: [Series; 7] = [
+        (
+            "drain_objects_moved",
+            "Objects a draining node moved away (copied, dropped as replicated elsewhere, or to its SSD tier).",
+            |p| p.objects_moved(),
+        ),
+        ("drain_bytes_moved", "Bytes of drain_objects_moved.", |p| p.bytes_moved()),
+        ("drain_objects_left", "Objects a draining node has still to move.", |p| p.objects_left),
+        ("drain_bytes_left", "Bytes of drain_objects_left.", |p| p.bytes_left),
+        ("drain_objects_lost", "Objects a drain could move nowhere before its grace period ended.", |p| p.objects_lost),
+        ("drain_bytes_lost", "Bytes of drain_objects_lost.", |p| p.bytes_lost),
+        ("drain_done", "1 once the node finished its drain.", |p| u64::from(p.done)),
+    ];
+    for (name, help, value) in series {
+        let _ = writeln!(out, "# HELP mooncake_{name} {help}\n# TYPE mooncake_{name} gauge");
+        for p in drains {
+            let node = p.node.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n");
+            let _ = writeln!(out, "mooncake_{name}{{node=\"{node}\"}} {}", value(p));
+        }
+    }
+    out
+}
+
+/// The value of `name` in a query string (`a=1&b=2`), percent-decoded; `None` when
+/// absent or not valid UTF-8 once decoded.
+fn query_value(query: &str, name: &str) -> Option<String> {
+    let raw = query.split('&').find_map(|kv| kv.strip_prefix(name)?.strip_prefix('='))?;
+    let bytes = raw.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        match bytes[i] {
+            b'%' if i + 2 < bytes.len() => {
+                let hex = std::str::from_utf8(&bytes[i + 1..i + 3]).ok()?;
+                out.push(u8::from_str_radix(hex, 16).ok()?);
+                i += 3;
+            }
+            b'+' => {
+                out.push(b' ');
+                i += 1;
+            }
+            b => {
+                out.push(b);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8(out).ok()
+}
+
+/// The answer of the master's listener to a `POST`: `/drain?segment=NAME[&grace=SECS]`
+/// drains the storage node NAME names (its segment name `endpoint#n`, or its
+/// endpoint; `#` written `%23`) and answers where its drain stands (JSON).
+pub fn post_master(daemon: &mooncake_core::MasterDaemon, path: &str, query: &str) -> Option<HttpResponse> {
+    if path != "/drain" {
+        return None;
+    }
+    let Some(segment) = query_value(query, "segment").filter(|s| !s.is_empty()) else {
+        return Some(HttpResponse::text(400, "POST /drain?segment=NAME[&grace=SECS]\n"));
+    };
+    let grace = match query_value(query, "grace").map(|g| g.parse::<f64>()) {
+        None => 30.0,
+        Some(Ok(g)) if (0.0..=86_400.0).contains(&g) => g,
+        Some(_) => return Some(HttpResponse::text(400, "grace: seconds in 0..=86400\n")),
+    };
+    match daemon.master().drain_segment(&segment, (grace * 1000.0) as u64) {
+        Ok(p) if p.segments == 0 => Some(HttpResponse::text(404, "no such segment\n")),
+        Ok(p) => Some(HttpResponse::ok("application/json", serde_json::to_string_pretty(&p).unwrap_or_default())),
+        Err(e) => Some(HttpResponse::text(400, &format!("{e}\n"))),
+    }
+}
+
 /// Serves `daemon`'s `/metrics` and `/status` on `addr` (`host:port`; port 0 picks
-/// one, see [`HttpServer::local_addr`]) until the returned server is dropped.
+/// one, see [`HttpServer::local_addr`]), and `POST /drain`, until the returned server
+/// is dropped.
 pub fn serve_master(
     addr: &str,
     daemon: std::sync::Arc<mooncake_core::MasterDaemon>,
     access: HttpAccess,
     bounds: HttpBounds,
 ) -> std::io::Result<HttpServer> {
-    HttpServer::bind(addr, bounds, access, move |path, http| render_master(&daemon, path, http))
+    let posting = daemon.clone();
+    HttpServer::bind_with_post(
+        addr,
+        bounds,
+        access,
+        move |path, http| render_master(&daemon, path, http),
+        Box::new(move |path, query| post_master(&posting, path, query)),
+    )
 }
 
 #[cfg(test)]
@@ -324,6 +413,40 @@ mod tests {
         assert_eq!(get(&s, "/panic", "").0, 500);
         assert_eq!(get(&s, "/ok", "").0, 200);
         assert_eq!(s.stats().served.load(Ordering::Relaxed), 9);
+    }
+
+    #[test]
+    fn a_post_reaches_the_post_handler_behind_the_access_check() {
+        let access = HttpAccess { secret: Some("sesame".into()), insecure: false };
+        let s = HttpServer::bind_with_post(
+            "127.0.0.1:0",
+            HttpBounds::default(),
+            access,
+            |_, _| None,
+            Box::new(|path, query| (path == "/act").then(|| HttpResponse::ok("text/plain", format!("{path} {query}")))),
+        )
+        .unwrap();
+        let post = |target: &str, auth: &str| {
+            exchange(&s, &format!("POST {target} HTTP/1.1\r\n{auth}Content-Length: 0\r\n\r\n"))
+        };
+        assert_eq!(post("/act?x=1", "").0, 401, "the secret guards POSTs too");
+        let bearer = "Authorization: Bearer sesame\r\n";
+        assert_eq!(post("/act?x=1#frag", bearer), (200, "/act x=1".into()));
+        assert_eq!(post("/other", bearer).0, 404);
+        assert_eq!(exchange(&s, "PUT /act HTTP/1.1\r\nAuthorization: Bearer sesame\r\n\r\n").0, 405);
+    }
+
+    #[test]
+    fn query_values_are_percent_decoded_and_bad_ones_refused() {
+        assert_eq!(query_value("segment=127.0.0.1%3A5000%231&grace=3", "segment").as_deref(), Some("127.0.0.1:5000#1"));
+        assert_eq!(query_value("segment=a+b", "segment").as_deref(), Some("a b"));
+        assert_eq!(query_value("grace=3", "segment"), None);
+        assert_eq!(query_value("segment=%zz", "segment"), None);
+        assert_eq!(query_value("segment=%4", "segment").as_deref(), Some("%4"));
+        assert_eq!(query_value("segment=%ff", "segment"), None, "not UTF-8");
+        let p = mooncake_core::DrainProgress { node: "h:\"1".into(), objects_left: 3, ..Default::default() };
+        let text = drain_prometheus_text(&[p]);
+        assert!(text.contains("mooncake_drain_objects_left{node=\"h:\\\"1\"} 3"), "{text}");
     }
 
     #[test]

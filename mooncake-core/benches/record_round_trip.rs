@@ -37,7 +37,7 @@ impl RpcHandler for Records {
                     RecordUpdate::Removed { offset, .. } => {
                         map.remove(&offset);
                     }
-                    RecordUpdate::Discard { .. } => {}
+                    RecordUpdate::Discard { .. } | RecordUpdate::Drain { .. } => {}
                 }
             }
         }

@@ -56,9 +56,10 @@ pub struct ReplicateConfig {
     /// millisecond precision, at most `u32::MAX` ms (about 49 days; longer is
     /// clamped); setting it without `soft_pin` is `InvalidArgument`.
     pub soft_pin_ttl: Option<Duration>,
-    /// For an upsert that replaces an object: keep the pin state (and TTL) the object
-    /// has, ignoring `soft_pin` and `soft_pin_ttl` (a new object takes those). Puts
-    /// ignore it. Default false: the upsert sets the pin as `soft_pin` says.
+    /// For an upsert that replaces an object, or a replicate: keep the pin state (and
+    /// TTL) the object has, ignoring `soft_pin` and `soft_pin_ttl` (a new object takes
+    /// those). Puts ignore it. Default false: the upsert or replicate sets the pin as
+    /// `soft_pin` says.
     pub keep_soft_pin: bool,
     /// Fail a put (`NoSpace`) rather than store fewer than `replica_num` replicas
     /// (default false: best effort, counted in `under_replicated_puts`).

@@ -38,9 +38,9 @@ pub use config::{parse_size, MasterConfig, PersistPolicy, Protocol, ReplicateCon
 pub use daemon::{MasterDaemon, MasterDaemonBuilder};
 pub use error::{Error, Result};
 pub use master::{
-    ClientId, ClientRegistration, EvictionReport, KeyOwnership, Master, MasterApi, MasterService, MasterStats,
-    MemoryReplica, ObjectInfo, ObjectRecord, OffloadPlan, OffloadTask, RecordConnector, RecordSink, RecordUpdate,
-    ReplicaList, ReplicatePlan, SegmentInfo, SegmentUsage,
+    ClientId, ClientRegistration, DrainProgress, EvictionReport, KeyOwnership, Master, MasterApi, MasterService,
+    MasterStats, MemoryReplica, ObjectInfo, ObjectRecord, OffloadPlan, OffloadTask, RecordConnector, RecordSink,
+    RecordUpdate, ReplicaList, ReplicatePlan, SegmentInfo, SegmentUsage,
 };
 pub use store::{SsdBackend, SsdOffloadConfig, SsdStats, Store, StoreBuilder, StoreStats};
 

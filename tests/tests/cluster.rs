@@ -298,3 +298,40 @@ fn upserts_are_routed_to_the_leader_of_each_key() {
         assert_eq!(store.get(k).unwrap().to_vec(), want, "{k}");
     }
 }
+
+#[test]
+fn a_drained_node_leaves_the_cluster_without_losing_an_object() {
+    let Some(mut c) = Cluster::start(2, 3) else { return };
+    let store = c.store();
+    let node = c.nodes[0].first_line.rsplit(' ').next().unwrap().to_owned();
+    let values: Vec<(String, Vec<u8>)> = (0..300).map(|i| (format!("drain/{i}"), payload(i as u8, 4096 + i))).collect();
+    for (k, v) in &values {
+        store.put(k, v).unwrap();
+    }
+    // Which masters' segments (extents) are the drained node's.
+    let on_node = |store: &Store, key: &str| -> bool {
+        let info = store.master().object_info(key).unwrap();
+        info.replicas.iter().any(|r| store.master().segment_info(r.segment).is_ok_and(|s| s.name.starts_with(&node)))
+    };
+    let before = values.iter().filter(|(k, _)| on_node(&store, k)).count();
+    assert!(before > 30, "objects should be spread over the 3 nodes: {before} on the drained one");
+    let out = std::process::Command::new(bin("mooncake-client"))
+        .args(["drain", "--master", &c.address(), &node, "--grace", "20"])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout} {}", String::from_utf8_lossy(&out.stderr));
+    let status = store.master().drain_status(&node).unwrap();
+    // Every master marked its extents of the node draining (16 groups over 2 masters).
+    assert_eq!(status.segments, 16, "{status:?}");
+    assert!(status.done && status.objects_lost == 0 && status.objects_total >= before as u64, "{status:?}");
+    for (k, _) in &values {
+        assert!(!on_node(&store, k), "{k} still lives on the drained node");
+    }
+    c.nodes[0].signal("KILL");
+    let _ = c.nodes[0].wait(Duration::from_secs(5));
+    let fresh = c.store();
+    for (k, v) in &values {
+        assert_eq!(&fresh.get(k).unwrap_or_else(|e| panic!("{k}: {e}"))[..], &v[..], "{k}");
+    }
+}

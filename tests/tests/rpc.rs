@@ -372,6 +372,18 @@ fn wire_format_changes_bump_the_version() {
             capacity: 3,
             records: vec![ObjectRecord { key: "k".into(), offset: 64, len: 5, checksum: 6, generation: 7 }],
         },
+        Request::DrainSegment { segment: "h:1#2".into(), grace_ms: 30_000 },
+        Request::DrainReport {
+            client: 7,
+            progress: mooncake_core::DrainProgress {
+                node: "h:1".into(),
+                started: true,
+                objects_total: 3,
+                objects_copied: 2,
+                objects_left: 1,
+                ..Default::default()
+            },
+        },
     ];
     let resps = [
         Response::GetReplicaList(Ok(ReplicaList {
@@ -384,6 +396,7 @@ fn wire_format_changes_bump_the_version() {
         Response::Heartbeat(Ok(vec![
             RecordUpdate::Removed { segment: 1, key: "k".into(), offset: 64, generation: 8 },
             RecordUpdate::Discard { key: "k".into(), generation: 9 },
+            RecordUpdate::Drain { grace_ms: 30_000, generation: 10 },
         ])),
         Response::Error(mooncake_core::rpc::wire::WireError::NotFound("k".into())),
     ];
@@ -397,7 +410,7 @@ fn wire_format_changes_bump_the_version() {
     let sum = all.iter().fold(0u32, |h, &b| h.wrapping_mul(31).wrapping_add(b as u32));
     assert_eq!(
         (mooncake_core::rpc::wire::VERSION, sum),
-        (8, 622341358),
+        (9, 3726809440),
         "the wire format changed: bump wire::VERSION and update this pin"
     );
 }

@@ -7,7 +7,11 @@
 //! mooncake-client put  --master ADDR KEY FILE [--replicas N]
 //! mooncake-client get  --master ADDR KEY OUTFILE
 //! mooncake-client rm|stat --master ADDR KEY ;  mooncake-client ls --master ADDR [--json]
+//! mooncake-client drain --master ADDR SEGMENT [--grace SECS]
 //! ```
+//! `serve` drains on SIGTERM/SIGINT before it stops (moves what only it holds to the
+//! other nodes, or to its SSD tier), for at most `--drain-grace` seconds (default 30;
+//! 0: stop at once); a second signal stops it at once.
 //! `--protocol auto|tcp|shm|rdma` (any command) picks how segments are reached
 //! (default `auto`: shared memory on this host, RDMA where both ends have a
 //! device, else TCP; `rdma` without a device is an error).
@@ -74,6 +78,23 @@ enum Command {
         /// `MOONCAKE_SECRET`, only loopback peers are served).
         #[arg(long)]
         insecure: bool,
+        /// On SIGTERM/SIGINT, drain for at most this many seconds before stopping
+        /// (0: stop at once, what only this node holds is lost).
+        #[arg(long, default_value_t = 30.0, value_parser = seconds)]
+        drain_grace: f64,
+    },
+    /// Drain the storage node SEGMENT (its segment name `endpoint#n`, or its
+    /// endpoint): it takes no new replica and moves what only it holds elsewhere.
+    /// Prints progress; exits 0 once done with nothing lost.
+    Drain {
+        /// Master address.
+        #[arg(long)]
+        master: String,
+        /// The node's segment name or endpoint.
+        segment: String,
+        /// Longest the node may take (seconds).
+        #[arg(long, default_value_t = 30.0, value_parser = seconds)]
+        grace: f64,
     },
     /// Store FILE under KEY.
     Put {
@@ -138,6 +159,58 @@ fn size(s: &str) -> Result<u64, String> {
     parse_size(s).map_err(|e| e.to_string())
 }
 
+/// A number of seconds, 0 ..= one day.
+fn seconds(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if (0.0..=86_400.0).contains(&v) => Ok(v),
+        _ => Err(format!("{s:?} is not a number of seconds in 0..=86400")),
+    }
+}
+
+/// One line of a drain's progress.
+fn drain_line(p: &mooncake_core::DrainProgress) -> String {
+    format!(
+        "drain {}: {} of {} objects moved ({} bytes: {} copied, {} already replicated, {} to SSD), {} left ({} bytes), {} lost, {:.1} s",
+        p.node,
+        p.objects_moved(),
+        p.objects_total,
+        p.bytes_moved(),
+        p.objects_copied,
+        p.objects_dropped,
+        p.objects_on_disk,
+        p.objects_left,
+        p.bytes_left,
+        p.objects_lost,
+        p.elapsed_ms as f64 / 1000.0
+    )
+}
+
+/// `serve`'s stop: drains within `grace` (a second signal from `signals` stops at
+/// once), then unmounts by dropping the store.
+fn stop_serving(store: Store, mut signals: signal_hook::iterator::Signals, grace: f64) {
+    if grace > 0.0 {
+        tracing::warn!(grace, "stopping: draining first (a second signal stops at once)");
+        let draining = store.clone();
+        let grace = std::time::Duration::from_secs_f64(grace);
+        // On its own thread: this one waits for it, the signal thread may not.
+        let drain = std::thread::spawn(move || draining.drain(grace));
+        // A second signal ends the process whatever the drain is doing.
+        std::thread::spawn(move || {
+            if let Some(sig) = signals.forever().next() {
+                eprintln!("second signal ({sig}): stopping at once, without finishing the drain");
+                std::process::exit(128 + sig);
+            }
+        });
+        match drain.join() {
+            Ok(Ok(p)) => println!("drained: {}", drain_line(&p)),
+            Ok(Err(e)) => eprintln!("drain failed: {e}"),
+            Err(_) => eprintln!("drain failed: its thread panicked"),
+        }
+    }
+    tracing::info!("stopping; unmounting the segment");
+    drop(store);
+}
+
 /// A builder with the chosen protocol that proves `MOONCAKE_SECRET` when it is set
 /// (an empty one is an error).
 fn builder(master: &str, protocol: Protocol) -> Result<mooncake_core::StoreBuilder, String> {
@@ -174,7 +247,17 @@ fn escape_key(key: &str) -> String {
 
 fn run(cmd: Command, protocol: Protocol) -> Result<(), String> {
     match cmd {
-        Command::Serve { master, listen, segment_size, ssd_dir, ssd_capacity, ssd_backend, ssd_eviction, insecure } => {
+        Command::Serve {
+            master,
+            listen,
+            segment_size,
+            ssd_dir,
+            ssd_capacity,
+            ssd_backend,
+            ssd_eviction,
+            insecure,
+            drain_grace,
+        } => {
             // Catch the signals before announcing ourselves: a SIGTERM sent right after
             // the first line must stop us cleanly, not kill us.
             let mut signals =
@@ -202,10 +285,41 @@ fn run(cmd: Command, protocol: Protocol) -> Result<(), String> {
                 store.endpoint()
             );
             if let Some(sig) = signals.forever().next() {
-                tracing::info!(sig, "stopping; unmounting the segment");
+                tracing::info!(sig, "signal received");
             }
-            drop(store);
+            stop_serving(store, signals, drain_grace);
             Ok(())
+        }
+        Command::Drain { master, segment, grace } => {
+            let store = client(&master, protocol)?;
+            let grace_ms = (grace * 1000.0) as u64;
+            let p = store.master().drain_segment(&segment, grace_ms).map_err(|e| e.to_string())?;
+            if p.segments == 0 {
+                return Err(format!("no such segment: {segment} (give its name endpoint#n, or its endpoint)"));
+            }
+            // The node reports at the latest at its end; a node that never does is
+            // gone or stuck.
+            let limit = std::time::Duration::from_millis(grace_ms) + std::time::Duration::from_secs(10);
+            let start = std::time::Instant::now();
+            let mut last = String::new();
+            loop {
+                let p = store.master().drain_status(&segment).map_err(|e| e.to_string())?;
+                let line = drain_line(&p);
+                if p.started && line != last {
+                    println!("{line}");
+                    last = line;
+                }
+                if p.started && p.done {
+                    return match p.objects_lost {
+                        0 => Ok(()),
+                        n => Err(format!("drain of {} ended with {n} objects lost ({} bytes)", p.node, p.bytes_lost)),
+                    };
+                }
+                if start.elapsed() > limit {
+                    return Err(format!("drain of {} did not finish within {:.0} s", p.node, limit.as_secs_f64()));
+                }
+                std::thread::sleep(std::time::Duration::from_millis(200));
+            }
         }
         Command::Put { master, key, file, replicas } => {
             let data = std::fs::read(&file).map_err(|e| format!("cannot read {}: {e}", file.display()))?;

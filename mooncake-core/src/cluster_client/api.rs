@@ -10,8 +10,8 @@ use mooncake_transfer::RemoteRegion;
 use crate::config::ReplicateConfig;
 use crate::error::{Error, Result};
 use crate::master::{
-    master_calls, ClientId, ClientRegistration, MasterApi, MasterStats, MemoryReplica, ObjectInfo, ObjectRecord,
-    OffloadPlan, RecordUpdate, ReplicaList, ReplicatePlan, SegmentInfo,
+    master_calls, ClientId, ClientRegistration, DrainProgress, MasterApi, MasterStats, MemoryReplica, ObjectInfo,
+    ObjectRecord, OffloadPlan, RecordUpdate, ReplicaList, ReplicatePlan, SegmentInfo,
 };
 use crate::rpc::convert::IntoWire;
 use crate::rpc::unexpected;
@@ -36,6 +36,15 @@ mod fold {
 
     /// Nothing to fold: every master must have answered `Ok`.
     pub(super) fn each(_: (), _: ()) {}
+
+    /// Drains: every master's segments of the node, the node's latest report.
+    pub(super) fn drain(
+        mut a: crate::master::DrainProgress,
+        b: crate::master::DrainProgress,
+    ) -> crate::master::DrainProgress {
+        a.merge(&b);
+        a
+    }
 }
 
 /// An argument as the request to one master carries it: the caller's id (an argument

@@ -107,6 +107,8 @@ pub(crate) struct ClusterClient {
     pub(crate) unrouted: Mutex<Vec<(Instant, RecordUpdate)>>,
     /// This node's SSD tier, which `Discard` updates are for.
     pub(crate) disk: std::sync::OnceLock<Arc<dyn crate::store::records::DiskDiscard>>,
+    /// A master asked this node to drain (`RecordUpdate::Drain`; see `store::drain`).
+    pub(crate) drain_asked: crate::store::drain::DrainAsk,
 }
 
 impl ClusterClient {
@@ -180,6 +182,7 @@ impl ClusterClient {
             started: Instant::now(),
             unrouted: Mutex::new(Vec::new()),
             disk: std::sync::OnceLock::new(),
+            drain_asked: Default::default(),
         })
     }
 

@@ -20,6 +20,7 @@ use mooncake_transfer::RemoteRegion;
 
 use crate::config::ReplicateConfig;
 use crate::error::Result;
+use crate::master::drain::DrainProgress;
 use crate::master::service::MasterService;
 use crate::master::types::{
     ClientId, ClientRegistration, MasterStats, MemoryReplica, ObjectInfo, ObjectRecord, OffloadPlan, RecordUpdate,
@@ -224,6 +225,17 @@ macro_rules! master_calls {
             /// such segment is mounted.
             BatchDropReplicas => fn batch_drop_replicas(keys: &[&str] => Vec<String>, segment: &str => String)
                 -> Vec<Result<()>> => by_keys(keys);
+            /// Drains the storage node that `segment` names (`endpoint#n`, or its
+            /// endpoint): its segments take no new replica from now on (reads go on), and
+            /// the node is told to move its objects away within `grace_ms`. Returns where
+            /// the drain stands; `segments` 0: no such node is mounted.
+            DrainSegment => fn drain_segment(segment: &str => String, grace_ms: u64 => u64)
+                -> Result<DrainProgress> => to_all(drain);
+            /// A draining node reports its progress.
+            DrainReport => fn drain_report(client: ClientId => ClientId, progress: &DrainProgress => DrainProgress)
+                -> Result<()> => to_all(each);
+            /// Where the drain of the node that `segment` names stands.
+            DrainStatus => fn drain_status(segment: &str => String) -> Result<DrainProgress> => to_all(drain);
         }
     };
 }

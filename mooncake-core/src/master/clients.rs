@@ -89,6 +89,7 @@ impl MasterService {
             region: region.clone(),
             suspect: false,
             group,
+            draining: false,
         });
         tracing::debug!(segment = id, client, capacity, "segment mounted");
         Ok(id)
@@ -132,11 +133,12 @@ impl MasterService {
         let Some(rec) = rec else { return 0 };
         if let Some(link) = rec.link.lock().take() {
             // Changes the node was never told of: its records of these keys are stale.
-            for u in link.close() {
+            // (A drain notice is about no key.)
+            for u in link.close().iter().filter(|u| !u.key().is_empty()) {
                 self.tombstones.linger(u.key(), &self.gens);
             }
         }
-        for u in rec.updates.lock().drain(..) {
+        for u in rec.updates.lock().drain(..).filter(|u| !u.key().is_empty()) {
             self.tombstones.linger(u.key(), &self.gens);
         }
         {
@@ -223,6 +225,7 @@ impl MasterService {
                 owner: s.owner,
                 region: s.region.clone(),
                 capacity: s.alloc.capacity(),
+                draining: s.draining,
             })
             .ok_or_else(|| Error::NotFound(format!("segment {id} is not mounted")))
     }

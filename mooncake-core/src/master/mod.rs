@@ -16,6 +16,7 @@
 mod api;
 mod clients;
 mod disk;
+mod drain;
 mod eviction;
 mod generations;
 mod liveness;
@@ -34,6 +35,7 @@ mod upsert;
 
 pub(crate) use api::master_calls;
 pub use api::MasterApi;
+pub use drain::DrainProgress;
 pub use ownership::KeyOwnership;
 pub use record_link::{RecordConnector, RecordSink};
 pub use service::{Master, MasterService};

@@ -104,6 +104,20 @@ impl MasterService {
         cfg: &ReplicateConfig,
         exclude: Option<&[SegmentId]>,
     ) -> Result<Vec<AllocatedBuffer>> {
+        self.allocate_with(key, len, cfg, exclude, true)
+    }
+
+    /// [`allocate`](Self::allocate); without `evict`, only on segments that stay
+    /// below the high watermark with the new replica, and never evicting: a drain's
+    /// copy must not push other objects out (nor be evicted right after landing).
+    fn allocate_with(
+        &self,
+        key: &str,
+        len: u64,
+        cfg: &ReplicateConfig,
+        exclude: Option<&[SegmentId]>,
+        evict: bool,
+    ) -> Result<Vec<AllocatedBuffer>> {
         let mut evictions = 0;
         let mut wait_until: Option<Instant> = None;
         loop {
@@ -115,12 +129,20 @@ impl MasterService {
                     "preferred segment {unknown:?} is not mounted (names are `endpoint#n`, see SegmentInfo::name)"
                 )));
             }
-            let candidates: Vec<Arc<SegmentAllocator>> = match exclude {
+            let mut candidates: Vec<Arc<SegmentAllocator>> = match exclude {
                 Some(ex) => mounted.iter().filter(|s| !ex.contains(&s.id())).cloned().collect(),
                 None => mounted.to_vec(),
             };
+            if !evict {
+                let high = self.config.high_watermark;
+                candidates.retain(|s| (s.used_bytes() + len) as f64 <= s.capacity() as f64 * high);
+            }
             if candidates.is_empty() {
-                let reason = if exclude.is_some() { "no other segment is mounted" } else { "no segment is mounted" };
+                let reason = match (evict, exclude.is_some()) {
+                    (false, _) => "no other segment has room below the high watermark",
+                    (true, true) => "no other segment is mounted",
+                    (true, false) => "no segment is mounted",
+                };
                 if self.recovering_key(key) {
                     return Err(Error::Recovering(format!("{reason} yet: clients are re-mounting their segments")));
                 }
@@ -141,7 +163,7 @@ impl MasterService {
                 Ok(bufs) => return Ok(bufs),
                 // Eviction frees whole objects wherever they are; a fragmented or
                 // unlucky segment may need more than one round.
-                Err(AllocationError::NoSpace { .. }) if evictions < 8 => {
+                Err(AllocationError::NoSpace { .. }) if evict && evictions < 8 => {
                     let want = len.saturating_mul(cfg.replica_num as u64);
                     let report = match self.placement_group(key) {
                         // In a cluster only the key's group's extents can take it.
@@ -535,14 +557,18 @@ impl MasterService {
                         dropped += 1;
                     }
                 }
-                e.set_soft_pin(cfg.soft_pin, cfg.soft_pin_ttl_ms());
+                if !cfg.keep_soft_pin {
+                    e.set_soft_pin(cfg.soft_pin, cfg.soft_pin_ttl_ms());
+                }
                 let plan =
                     ReplicatePlan { len: e.len(), checksum: e.checksum, sources: vec![], targets: vec![], dropped };
                 drop(shard);
                 self.await_records(wait);
                 return Ok(plan);
             }
-            e.set_soft_pin(cfg.soft_pin, cfg.soft_pin_ttl_ms());
+            if !cfg.keep_soft_pin {
+                e.set_soft_pin(cfg.soft_pin, cfg.soft_pin_ttl_ms());
+            }
             if have == cfg.replica_num || e.replicas.len() > have {
                 // Nothing to do, or another replicate is filling replicas right now.
                 return Ok(ReplicatePlan {
@@ -557,7 +583,10 @@ impl MasterService {
             (have, held, e.len())
         };
         let extra = ReplicateConfig { replica_num: cfg.replica_num - have, ..cfg.clone() };
-        let bufs = self.allocate(key, len, &extra, Some(&held_on))?;
+        // A copy away from a draining node takes free room only (what does not fit
+        // goes to that node's SSD tier instead of evicting other objects).
+        let evict = !self.any_draining(&held_on);
+        let bufs = self.allocate_with(key, len, &extra, Some(&held_on), evict)?;
         let mut shard = self.index.shard(key).lock();
         let e = match shard.get_mut(key) {
             Some(e) if e.complete() => e,

@@ -18,6 +18,9 @@ pub(crate) struct SegmentEntry {
     pub(crate) suspect: bool,
     /// Cluster mode: the slot group whose keys it holds (an extent of the node's memory).
     pub(crate) group: Option<u32>,
+    /// Its node is draining (`drain_segment`): no new replica goes there, for good;
+    /// what it holds stays readable while the node moves it away.
+    pub(crate) draining: bool,
 }
 
 /// A registered client.
@@ -114,11 +117,27 @@ impl SegmentTable {
         }
     }
 
+    /// Marks a segment draining; returns whether it was not already.
+    pub(crate) fn set_draining(&mut self, id: SegmentId) -> bool {
+        match self.by_id.get_mut(&id) {
+            Some(s) if !s.draining => {
+                s.draining = true;
+                self.rebuild();
+                true
+            }
+            _ => false,
+        }
+    }
+
     fn rebuild(&mut self) {
         let mut list: Vec<_> = self.by_id.values().map(|s| s.alloc.clone()).collect();
         list.sort_by_key(|a| a.id());
-        self.placeable =
-            Arc::new(list.iter().filter(|a| self.by_id.get(&a.id()).is_some_and(|s| !s.suspect)).cloned().collect());
+        self.placeable = Arc::new(
+            list.iter()
+                .filter(|a| self.by_id.get(&a.id()).is_some_and(|s| !s.suspect && !s.draining))
+                .cloned()
+                .collect(),
+        );
         let mut by_group: HashMap<u32, Vec<Arc<SegmentAllocator>>> = HashMap::new();
         for a in self.placeable.iter() {
             if let Some(g) = self.by_id.get(&a.id()).and_then(|s| s.group) {

@@ -68,6 +68,8 @@ pub struct MasterService {
     pub(super) group_recovering: Mutex<ahash::HashMap<u32, u64>>,
     /// Cluster mode: groups taken and given up.
     pub(super) cluster_counters: ClusterCounters,
+    /// Drains by node (`master/drain.rs`): what each draining node last reported.
+    pub(super) drains: Mutex<ahash::HashMap<String, crate::master::drain::DrainProgress>>,
 }
 
 /// Counters of slot-group changes (cluster mode).
@@ -133,6 +135,7 @@ impl Master {
             ownership: std::sync::OnceLock::new(),
             group_recovering: Default::default(),
             cluster_counters: Default::default(),
+            drains: Default::default(),
         });
         spawn_monitor(&service)?;
         Ok(Self { service })

@@ -99,6 +99,9 @@ pub struct SegmentInfo {
     pub region: RemoteRegion,
     /// Bytes in the segment.
     pub capacity: u64,
+    /// Its node is draining: no new replica goes there, and what it holds is on its
+    /// way elsewhere.
+    pub draining: bool,
 }
 
 /// What a client must do to change an object's replica count: copy the object from a
@@ -302,6 +305,14 @@ pub enum RecordUpdate {
         /// The generation of the removal.
         generation: u64,
     },
+    /// The node is asked to drain (`drain_segment`): move its objects away within
+    /// `grace_ms`, then report. Ordered like any update; about no key.
+    Drain {
+        /// The grace period the drain was asked with (ms).
+        grace_ms: u64,
+        /// When (the master's generation clock) it was asked.
+        generation: u64,
+    },
 }
 
 impl RecordUpdate {
@@ -309,7 +320,9 @@ impl RecordUpdate {
     pub fn generation(&self) -> u64 {
         match self {
             RecordUpdate::Added { record, .. } => record.generation,
-            RecordUpdate::Removed { generation, .. } | RecordUpdate::Discard { generation, .. } => *generation,
+            RecordUpdate::Removed { generation, .. }
+            | RecordUpdate::Discard { generation, .. }
+            | RecordUpdate::Drain { generation, .. } => *generation,
         }
     }
 
@@ -318,6 +331,7 @@ impl RecordUpdate {
         match self {
             RecordUpdate::Added { record, .. } => &record.key,
             RecordUpdate::Removed { key, .. } | RecordUpdate::Discard { key, .. } => key,
+            RecordUpdate::Drain { .. } => "",
         }
     }
 
@@ -325,7 +339,7 @@ impl RecordUpdate {
     pub fn segment(&self) -> Option<SegmentId> {
         match self {
             RecordUpdate::Added { segment, .. } | RecordUpdate::Removed { segment, .. } => Some(*segment),
-            RecordUpdate::Discard { .. } => None,
+            RecordUpdate::Discard { .. } | RecordUpdate::Drain { .. } => None,
         }
     }
 }

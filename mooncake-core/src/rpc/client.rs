@@ -13,8 +13,8 @@ use parking_lot::Mutex;
 use crate::config::ReplicateConfig;
 use crate::error::{Error, Result};
 use crate::master::{
-    master_calls, ClientId, ClientRegistration, MasterApi, MasterStats, MemoryReplica, ObjectInfo, ObjectRecord,
-    OffloadPlan, RecordConnector, RecordSink, RecordUpdate, ReplicaList, ReplicatePlan, SegmentInfo,
+    master_calls, ClientId, ClientRegistration, DrainProgress, MasterApi, MasterStats, MemoryReplica, ObjectInfo,
+    ObjectRecord, OffloadPlan, RecordConnector, RecordSink, RecordUpdate, ReplicaList, ReplicatePlan, SegmentInfo,
 };
 use crate::rpc::convert::{BatchLen, IntoWire};
 use crate::rpc::wire::WireReturn;

@@ -84,6 +84,7 @@ macro_rules! lend_ref {
     ($($t:ty),*) => { $( impl Lend for $t { type Lent<'a> = &'a $t; fn lend(&self) -> &$t { self } } )* };
 }
 lend_ref!(crate::config::ReplicateConfig);
+lend_ref!(crate::master::DrainProgress);
 
 impl Lend for WireRegion {
     type Lent<'a> = &'a RemoteRegion;
@@ -217,4 +218,14 @@ impl<T> BatchLen for &[T] {
 macro_rules! not_batch {
     ($($t:ty),*) => { $( impl BatchLen for $t {} )* };
 }
-not_batch!(u64, u32, i64, usize, bool, &str, &crate::config::ReplicateConfig, &mooncake_transfer::RemoteRegion);
+not_batch!(
+    u64,
+    u32,
+    i64,
+    usize,
+    bool,
+    &str,
+    &crate::config::ReplicateConfig,
+    &crate::master::DrainProgress,
+    &mooncake_transfer::RemoteRegion
+);

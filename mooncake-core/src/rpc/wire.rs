@@ -21,16 +21,17 @@ use crate::config::ReplicateConfig;
 use crate::error::Error;
 use crate::error::Result;
 use crate::master::{
-    master_calls, ClientId, ClientRegistration, MasterStats, MemoryReplica, ObjectInfo, ObjectRecord, OffloadPlan,
-    RecordUpdate, ReplicaList, ReplicatePlan, SegmentInfo,
+    master_calls, ClientId, ClientRegistration, DrainProgress, MasterStats, MemoryReplica, ObjectInfo, ObjectRecord,
+    OffloadPlan, RecordUpdate, ReplicaList, ReplicatePlan, SegmentInfo,
 };
 use mooncake_transfer::RemoteRegion;
 
 /// First bytes of every frame.
 pub const MAGIC: [u8; 4] = *b"MCRP";
 /// Protocol version spoken by this build (7: `MountRecords` carries the record key;
-/// 8: records carry generations, `RecordUpdate::Discard`).
-pub const VERSION: u8 = 8;
+/// 8: records carry generations, `RecordUpdate::Discard`; 9: drains, `DrainSegment`,
+/// `DrainReport`, `DrainStatus` and `RecordUpdate::Drain`).
+pub const VERSION: u8 = 9;
 /// Bytes in a frame header.
 pub const HEADER_LEN: usize = 20;
 /// Default largest body accepted (64 MiB).

@@ -28,6 +28,10 @@ impl ClusterClient {
             self.extents.iter().map(|x| x.mount.lock().as_ref().map(|(_, segment, _)| *segment)).collect();
         let mut discards = Vec::new();
         for u in updates {
+            if let RecordUpdate::Drain { grace_ms, .. } = u {
+                self.drain_asked.ask(grace_ms);
+                continue;
+            }
             let Some(segment) = u.segment() else {
                 discards.push(u);
                 continue;

@@ -11,6 +11,7 @@ mod builder;
 pub(crate) mod cluster;
 mod destination;
 mod device;
+pub(crate) mod drain;
 mod file_storage;
 mod leases;
 mod read;

@@ -34,6 +34,9 @@ pub(crate) struct SegmentRecords {
     records: Mutex<Applied>,
     /// The SSD tier that `Discard` updates are for.
     disk: OnceLock<Arc<dyn DiskDiscard>>,
+    /// A master asked this node to drain (`RecordUpdate::Drain`), and whether a drain
+    /// runs (`store::drain`).
+    pub(crate) drain: super::drain::DrainSignal,
 }
 
 /// Most offsets remembered as emptied (with the generation that emptied them) before
@@ -70,7 +73,7 @@ impl Applied {
             // Whatever the offset holds with an older generation predates the removal
             // (the master frees space only after queueing its removal).
             RecordUpdate::Removed { offset, .. } => (offset, None),
-            RecordUpdate::Discard { .. } => return,
+            RecordUpdate::Discard { .. } | RecordUpdate::Drain { .. } => return,
         };
         let slot = self.by_offset.entry(offset).or_insert(Slot { generation: 0, record: None });
         if generation <= slot.generation {
@@ -125,6 +128,7 @@ impl SegmentRecords {
             for u in updates {
                 match u {
                     RecordUpdate::Discard { key, generation } => discards.push((key, generation)),
+                    RecordUpdate::Drain { grace_ms, .. } => self.drain.asked.ask(grace_ms),
                     u if u.segment() == Some(own) => applied.apply(u),
                     _ => {}
                 }

@@ -68,7 +68,7 @@ impl StoreInner {
     }
 
     /// Our memory by segment id: the segment, or in a cluster the extents mounted.
-    fn segment_regions(&self) -> Vec<(SegmentId, Arc<RegisteredRegion>)> {
+    pub(super) fn segment_regions(&self) -> Vec<(SegmentId, Arc<RegisteredRegion>)> {
         #[allow(unused_mut)]
         let mut regions: Vec<_> = self.segment.lock().iter().map(|s| (s.id, s.region.clone())).collect();
         #[cfg(feature = "etcd")]
@@ -266,6 +266,7 @@ impl Store {
                     // Unreachable master: keep our identity and try again next period.
                     Err(e) => tracing::warn!(error = %e, "heartbeat failed"),
                 }
+                super::drain::poll(&inner);
             })
             .map_err(|e| Error::InvalidArgument(format!("cannot start the heartbeat thread: {e}")))?;
         if let Some(ssd) = &inner.ssd {

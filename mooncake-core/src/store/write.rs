@@ -432,8 +432,9 @@ impl StoreInner {
                     // (no one else writes or reads it before `put_end`), in a
                     // segment `Keep::Mapped` keeps mapped until the copy is done;
                     // `offset..offset + len` of `mem` was checked.
-                    let queued =
-                        unsafe { copies.enqueue_download(k, mem, dst, len as usize, offset, Keep::Mapped(pinned.clone())) };
+                    let queued = unsafe {
+                        copies.enqueue_download(k, mem, dst, len as usize, offset, Keep::Mapped(pinned.clone()))
+                    };
                     if let Err(e) = queued {
                         w.failed.get_or_insert(e);
                     }
