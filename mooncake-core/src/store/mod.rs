@@ -366,7 +366,7 @@ impl Store {
         // Read through the read engine from the sources the master gave, written
         // through the write engine's replica writer to the targets it placed.
         let copied = match inner.read(vec![(key, Dest::Owned)], Some(vec![list])).pop() {
-            Some(Ok(Got::Owned(bytes))) => inner.write_copy(key, &bytes, &plan.targets),
+            Some(Ok(Got::Owned(bytes))) => inner.write_copy(key, &bytes, plan.checksum, &plan.targets),
             Some(Ok(Got::Len(_))) | None => Err(Error::NotFound(key.to_owned())),
             Some(Err(e)) => Err(e),
         };

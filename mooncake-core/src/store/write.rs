@@ -334,13 +334,14 @@ impl StoreInner {
 
     /// Writes `value` to `targets`, replicas the master placed for a copy of `key`
     /// (`replicate`): the engine's replica writer, with no placing or ending.
-    pub(super) fn write_copy(&self, key: &str, value: &[u8], targets: &[MemoryReplica]) -> Result<()> {
+    pub(super) fn write_copy(&self, key: &str, value: &[u8], crc: u32, targets: &[MemoryReplica]) -> Result<()> {
         let placed = targets
             .iter()
             .map(|r| self.routes.get(&*self.master, &self.engine, r.segment).map(|route| (*r, route)))
             .collect::<Result<Vec<_>>>()?;
         let parts = [value];
-        let mut copy = Writing::host(key, &parts, placed);
+        // The checksum is the object's, known: the transport need not take it.
+        let mut copy = Writing { crc: Some(crc), ..Writing::host(key, &parts, placed) };
         for (segment, _) in self.write_replicas(&mut [&mut copy], &Directs::default()) {
             self.routes.forget(segment);
         }
@@ -473,7 +474,7 @@ impl StoreInner {
             let Some(parts) = &hosts[k] else { continue };
             for (n, &j) in by_host[k].iter().enumerate() {
                 let (r, route) = &w.placed[j];
-                let sum = n == 0 && route.sums_in_flight(w.len as usize);
+                let sum = n == 0 && w.crc.is_none() && route.sums_in_flight(w.len as usize);
                 let mut at = 0u64;
                 for part in parts {
                     let req = TransferRequest::write(&route.region, r.offset + at, part);
