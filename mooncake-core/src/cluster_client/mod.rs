@@ -83,6 +83,9 @@ pub(crate) struct ClusterClient {
     timeout: Duration,
     retry_for: Duration,
     sessions: RwLock<HashMap<String, Arc<Session>>>,
+    /// The batch calls' rounds in flight, and the calls waiting for the next (see
+    /// `combine`).
+    rounds: combine::Rounds,
     /// The id the store sees; each master knows us by its own.
     logical: ClientId,
     /// Whether the store registered (new sessions then register at once).
@@ -168,6 +171,7 @@ impl ClusterClient {
             timeout: timeout.min(SESSION_TIMEOUT),
             retry_for,
             sessions: RwLock::new(HashMap::new()),
+            rounds: combine::Rounds::default(),
             logical: rand::random::<u64>() | 1,
             registered: AtomicBool::new(false),
             segment_home: RwLock::new(HashMap::new()),

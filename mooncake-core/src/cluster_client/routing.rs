@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use mooncake_alloc::SegmentId;
 
-use super::combine::{Call, Cut, Entry, Merge};
+use super::combine::{Call, Cut, Entry, Merge, Part as RoundPart};
 use super::sessions::Session;
 use super::ClusterClient;
 use crate::cluster::{key_slot, SlotMap};
@@ -285,40 +285,34 @@ impl ClusterClient {
                     Err(e) => settle(idx, idx.iter().map(|_| Err(e.clone())).collect()),
                 }
             }
-            // Every part goes out (or joins a request in flight) before any answer is
-            // read.
+            // The call joins the round of its shape: every part goes out (each merged
+            // into its master's request of the round) before any answer is read.
             let call = Call::new(parts.len());
-            let mut flights = Vec::new();
-            // The lanes this call opened: sent once every part joined its lane, with
-            // what other calls queued on them meanwhile.
-            let mut opened = Vec::new();
-            for (k, p) in parts.iter().enumerate() {
-                let idx = split.part(p.bucket);
-                // The whole batch to one leader (one master, or a batch of one group's
-                // keys) goes as it is.
-                let part_items: Cow<'_, [I]> = match idx.len() == items.len() {
-                    true => Cow::Borrowed(items),
-                    false => Cow::Owned(idx.iter().map(|&i| items[i as usize].clone()).collect()),
-                };
-                let shape = request(p.id, &[]);
-                let entry =
-                    Entry { request: request(p.id, &part_items), items: idx.len(), call: call.clone(), part: k };
-                if let Some(entries) = p.session.lanes.join(&shape, entry) {
-                    opened.push((&p.session, shape, entries));
+            if !parts.is_empty() {
+                let mut entry = Entry { parts: Vec::with_capacity(parts.len()), items: 0, call: call.clone() };
+                for p in &parts {
+                    let idx = split.part(p.bucket);
+                    // The whole batch to one leader (one master, or a batch of one
+                    // group's keys) goes as it is.
+                    let part_items: Cow<'_, [I]> = match idx.len() == items.len() {
+                        true => Cow::Borrowed(items),
+                        false => Cow::Owned(idx.iter().map(|&i| items[i as usize].clone()).collect()),
+                    };
+                    entry.items += idx.len();
+                    entry.parts.push(RoundPart {
+                        session: p.session.clone(),
+                        request: request(p.id, &part_items),
+                        shape: request(p.id, &[]),
+                        items: idx.len(),
+                    });
                 }
-            }
-            for (session, shape, mut entries) in opened {
-                session.lanes.grab(&shape, &mut entries);
-                match self.launch(session, shape, entries, merge) {
-                    Ok(f) => flights.push(f),
-                    Err(unsent) => {
-                        let (shape, slots, e) = *unsent;
-                        self.land(session, shape, slots, Err(e), &call, merge, cut, &mut flights)
-                    }
+                // The lane's shape names no caller id (each master knows us by its own).
+                let shape = request(0, &[]);
+                if let Some(entries) = self.rounds.join(&shape, entry) {
+                    self.lead(&shape, &call, entries, merge, cut);
                 }
+                self.wait_call(&call, Instant::now() + self.timeout * 3, merge, cut);
             }
-            self.fly(flights, &call, merge, cut);
-            self.wait_call(&call, Instant::now() + self.timeout * 3, merge, cut);
             for (p, got) in parts.iter().zip(call.take()) {
                 let idx = split.part(p.bucket);
                 let n = idx.len();

@@ -8,7 +8,6 @@ use std::time::Duration;
 use mooncake_transfer::SharedSecret;
 use parking_lot::Mutex;
 
-use super::combine::Lanes;
 use super::ClusterClient;
 use crate::error::{Error, Result};
 use crate::master::{ClientId, MasterApi};
@@ -22,9 +21,6 @@ pub(crate) struct Session {
     pub(crate) client: AtomicU64,
     /// Held while registering (see `register_session`).
     registering: Mutex<()>,
-    /// The batch requests to this master in flight, and the parts waiting to join
-    /// the next (see `combine`).
-    pub(crate) lanes: Lanes,
 }
 
 impl ClusterClient {
@@ -41,7 +37,6 @@ impl ClusterClient {
             rpc,
             client: AtomicU64::new(0),
             registering: Mutex::new(()),
-            lanes: Lanes::default(),
         });
         let (session, new) = {
             let mut sessions = self.sessions.write();
