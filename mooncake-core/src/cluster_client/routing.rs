@@ -8,7 +8,6 @@
 //! master in flight: `combine`), and one thread waits for all the answers with `poll`,
 //! taking each as it arrives ([`ClusterClient::gather`]).
 
-use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -290,18 +289,24 @@ impl ClusterClient {
             let call = Call::new(parts.len());
             if !parts.is_empty() {
                 let mut entry = Entry { parts: Vec::with_capacity(parts.len()), items: 0, call: call.clone() };
+                // The items of one part, gathered for its request: one buffer for all
+                // the parts of the call (the request copies them).
+                let mut scratch: Vec<I> = Vec::new();
                 for p in &parts {
                     let idx = split.part(p.bucket);
                     // The whole batch to one leader (one master, or a batch of one
                     // group's keys) goes as it is.
-                    let part_items: Cow<'_, [I]> = match idx.len() == items.len() {
-                        true => Cow::Borrowed(items),
-                        false => Cow::Owned(idx.iter().map(|&i| items[i as usize].clone()).collect()),
+                    let part_items: &[I] = if idx.len() == items.len() {
+                        items
+                    } else {
+                        scratch.clear();
+                        scratch.extend(idx.iter().map(|&i| items[i as usize].clone()));
+                        &scratch
                     };
                     entry.items += idx.len();
                     entry.parts.push(RoundPart {
                         session: p.session.clone(),
-                        request: request(p.id, &part_items),
+                        request: request(p.id, part_items),
                         shape: request(p.id, &[]),
                         items: idx.len(),
                     });
