@@ -255,7 +255,9 @@ impl ClusterClient {
                         merge(&mut o.request, p.request);
                         o.slots.push(slot);
                     }
-                    None => outs.push(Out { session: p.session, shape: p.shape, request: p.request, slots: vec![slot] }),
+                    None => {
+                        outs.push(Out { session: p.session, shape: p.shape, request: p.request, slots: vec![slot] })
+                    }
                 }
             }
         }

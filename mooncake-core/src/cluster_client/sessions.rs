@@ -32,12 +32,8 @@ impl ClusterClient {
         }
         let rpc =
             RpcMasterClient::connect_with_timeout(addr, self.secret.as_deref().map(SharedSecret::new), self.timeout)?;
-        let session = Arc::new(Session {
-            addr: addr.to_owned(),
-            rpc,
-            client: AtomicU64::new(0),
-            registering: Mutex::new(()),
-        });
+        let session =
+            Arc::new(Session { addr: addr.to_owned(), rpc, client: AtomicU64::new(0), registering: Mutex::new(()) });
         let (session, new) = {
             let mut sessions = self.sessions.write();
             match sessions.get(addr) {
