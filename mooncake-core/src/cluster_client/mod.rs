@@ -5,8 +5,9 @@
 //! - `routing`: where each call goes. A keyed call goes to the leader of the key's
 //!   slot group, as the slot map watched in etcd says; a batch call is split by leader
 //!   (a per-map table from group to leader, a counting sort of the items), every
-//!   leader's part is written on its connection before any answer is read, and the
-//!   answers are gathered as they arrive and put back in item order. A `Moved` answer
+//!   leader's part is written on its connection before any answer is read (merged with
+//!   the parts of concurrent calls of the same shape into one request per master:
+//!   `combine`), and the answers are gathered and put back in item order. A `Moved` answer
 //!   (the map here was stale), an unreachable leader (it just died) or `Recovering` (a
 //!   new leader waits for the nodes' extents) is retried, for those items only, as the
 //!   map changes, for up to `retry_for`.

@@ -3,10 +3,11 @@
 //! The cost of routing a key does not depend on how many masters there are: the
 //! slot map is turned once per map into a table from slot group to leader index
 //! ([`Routes`]), a batch is split with a counting sort of its item indices by leader
-//! ([`split`]: no allocation per key), every leader's part is written on a connection
-//! of its session before any answer is read (or joins the same call's request to that
-//! master in flight: `combine`), and one thread waits for all the answers with `poll`,
-//! taking each as it arrives ([`ClusterClient::gather`]).
+//! ([`split`]: no allocation per key), the call's parts join the round of concurrent
+//! calls of the same shape (`combine`: one request per master carries every call of the
+//! round), every request of a round is written on a connection of its session before
+//! any answer is read, and one thread waits for all the answers
+//! ([`ClusterClient::gather`]).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -224,8 +225,8 @@ impl ClusterClient {
     }
 
     /// Runs a batch call: the items split by their keys' leaders, every part sent
-    /// (combined with the same call's parts of concurrent callers, see `combine`)
-    /// before any answer is awaited, the answers put back in item order as they
+    /// (in a round with the parts of concurrent calls of the same shape, see
+    /// `combine`) before any answer is awaited, the answers put back in item order as they
     /// arrive; the items answered with a move (or whose leader did not answer) are
     /// routed again as the map changes. `request` builds a part's request for a client
     /// id, `answer` reads a part's answer (one result per item), `learn` sees each
