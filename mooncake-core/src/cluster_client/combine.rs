@@ -1,22 +1,30 @@
-//! Combining: the parts that concurrent batch calls send to the same master with the
-//! same call (and the same other arguments) travel in one request.
+//! Combining: concurrent batch calls of the same call (and the same other arguments)
+//! travel together, in *rounds*: one request per master carries the parts of every
+//! call of the round.
 //!
 //! Why: a message costs about the same whatever it carries (on loopback the sender
-//! also pays the receiver's TCP work and wake-up), and a batch split over `M` masters
-//! is `M` messages where one master took one. Combined, the messages per batch fall
-//! with the number of calls in flight instead of growing with the number of masters.
+//! also pays the receiver's TCP work and wake-up, and the caller a wake-up per answer),
+//! and a batch split over `M` masters is `M` messages where one master took one.
+//! Combining per master alone (a request in flight per master, each master's queue
+//! sent as soon as its last request was answered) lets every master's queue cycle on
+//! its own: the faster a master answers, the fewer parts each of its requests carries,
+//! and the messages per call still grew with the masters (1.5 per 256-key call at 4
+//! masters against 0.2 at 1, on the 2-core VM). A round gathers the calls that queued
+//! while the previous round was in flight, whichever masters they go to, so a round
+//! carries as many calls at `M` masters as at one, and messages per call grow with `M`
+//! only as `M / calls per round`.
 //!
-//! How: per session, a *lane* per request *shape* (the request with an empty batch:
-//! the call, the caller's id at that master, the other arguments) has at most one
-//! request in flight. A part that finds its lane idle opens it and leads: once every
-//! part of its call has joined its lane, it goes out with what queued there meanwhile.
-//! A part that finds its lane busy queues. When the answer comes back, the
-//! leader splits it among the parts it carried and, while its own call still waits for
-//! parts of its own, sends what queued meanwhile as the next combined request; once
-//! its call is complete it hands the lane to the call of a queued part, whose thread
-//! (waiting for that part anyway) leads it from there. A thread only ever waits for
-//! its own call, after the requests it sent were answered: no thread waits for
-//! another while holding a request in flight, so no two wait for each other.
+//! How: per request *shape* (the request with an empty batch and no caller id: the
+//! call and its other arguments) a *lane* has at most one round in flight. A call
+//! that finds its lane idle opens it and leads: it sends the round (its own parts,
+//! merged per master with those of the calls queued), waits for the masters' answers
+//! with `poll`, and cuts each answer among the parts it carried. A call that finds
+//! its lane busy queues, as one entry with all its parts. After a round the leader's
+//! call is answered: it hands the lane to the first queued call, whose thread
+//! (waiting for its answers anyway) leads the next round, with what queued meanwhile;
+//! or closes the lane when nothing queued. A thread only ever waits for its own call,
+//! after the requests it sent were answered: no thread waits for another while
+//! holding a request in flight, so no two wait for each other.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -25,16 +33,16 @@ use parking_lot::{Condvar, Mutex};
 
 use super::sessions::Session;
 use super::{ClusterClient, SESSION_TIMEOUT};
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::rpc::wire::{Request, Response};
-use crate::rpc::Sent;
 
-/// Most parts one combined request carries (the others wait for the next).
-const MAX_PARTS: usize = 64;
-/// Most items one combined request carries, unless its first part alone has more:
-/// with keys of at most `MAX_KEY_LEN` (4 KiB), at most half a frame (64 MiB).
+/// Most calls one round carries (the others wait for the next).
+const MAX_CALLS: usize = 64;
+/// Most items one round carries, unless its first call alone has more: with keys of
+/// at most `MAX_KEY_LEN` (4 KiB), each master's request stays within half a frame
+/// (64 MiB).
 const MAX_ITEMS: usize = 8192;
-/// A lane whose request has been in flight this long is taken over by the next part
+/// A lane whose round has been in flight this long is taken over by the next call
 /// that joins it (its leader died or hangs: its parts time out and are retried).
 const STUCK: Duration = Duration::from_secs(2 * SESSION_TIMEOUT.as_secs());
 
@@ -43,42 +51,37 @@ pub(crate) type Merge<'a> = &'a (dyn Fn(&mut Request, Request) + Sync);
 /// Cuts a combined answer into its parts' answers, by their item counts.
 pub(crate) type Cut<'a> = &'a (dyn Fn(Response, &[usize]) -> Vec<Response> + Sync);
 
-/// The lanes of one master that have a request in flight.
+/// The lanes of the cluster client that have a round in flight.
 #[derive(Default)]
-pub(crate) struct Lanes(Mutex<Vec<Lane>>);
+pub(crate) struct Rounds(Mutex<Vec<Lane>>);
 
 struct Lane {
     shape: Request,
     queue: Vec<Entry>,
-    /// When its current request was sent.
+    /// When its current round was sent.
     since: Instant,
 }
 
-/// One part of a batch call, not sent yet.
-pub(crate) struct Entry {
+/// One leader's part of a batch call.
+pub(crate) struct Part {
+    pub(crate) session: Arc<Session>,
+    /// The part's request, with the caller's id at that master.
     pub(crate) request: Request,
+    /// That request with an empty batch: parts merge into one request only when their
+    /// shapes match (the same id at that master).
+    pub(crate) shape: Request,
+    pub(crate) items: usize,
+}
+
+/// A batch call waiting for its round: its parts, in the call's part order.
+pub(crate) struct Entry {
+    pub(crate) parts: Vec<Part>,
     pub(crate) items: usize,
     pub(crate) call: Arc<Call>,
-    pub(crate) part: usize,
-}
-
-/// Where the answer to one part of a combined request goes.
-struct Slot {
-    call: Arc<Call>,
-    part: usize,
-    items: usize,
-}
-
-/// A combined request in flight.
-pub(crate) struct Flight {
-    session: Arc<Session>,
-    shape: Request,
-    slots: Vec<Slot>,
-    sent: Sent,
 }
 
 /// The parts of one batch call: their answers as they arrive, whoever received them,
-/// and the lanes handed to its thread to lead.
+/// and the lane handed to its thread to lead.
 pub(crate) struct Call {
     state: Mutex<CallState>,
     ready: Condvar,
@@ -87,7 +90,7 @@ pub(crate) struct Call {
 struct CallState {
     answers: Vec<Option<Result<Response>>>,
     missing: usize,
-    leads: Vec<(Arc<Session>, Request)>,
+    leads: Vec<Request>,
     /// Its thread stopped waiting: no lane may be handed to it anymore.
     gone: bool,
 }
@@ -107,7 +110,8 @@ impl Call {
     }
 
     /// The answer to part `part` arrived (or failed); the first one counts, and none
-    /// once the call took its answers (it stopped waiting).
+    /// once the call took its answers (it stopped waiting). The waiting thread is woken
+    /// once, when the last part is answered.
     pub(crate) fn deliver(&self, part: usize, answer: Result<Response>) {
         let mut st = self.state.lock();
         if let Some(slot @ None) = st.answers.get_mut(part) {
@@ -123,14 +127,13 @@ impl Call {
         self.state.lock().missing == 0
     }
 
-    /// Gives the call's thread the lane of `shape` at `session` to lead, unless it
-    /// stopped waiting.
-    fn hand(&self, session: &Arc<Session>, shape: &Request) -> bool {
+    /// Gives the call's thread the lane of `shape` to lead, unless it stopped waiting.
+    fn hand(&self, shape: &Request) -> bool {
         let mut st = self.state.lock();
         if st.gone {
             return false;
         }
-        st.leads.push((session.clone(), shape.clone()));
+        st.leads.push(shape.clone());
         self.ready.notify_one();
         true
     }
@@ -141,9 +144,9 @@ impl Call {
     }
 }
 
-impl Lanes {
-    /// Adds `entry` to the lane of `shape`. If the lane was idle the caller leads it:
-    /// it gets the entry back to send.
+impl Rounds {
+    /// Queues `entry` on the lane of `shape`. If the lane was idle (or stuck) the
+    /// caller leads it: it gets the entries of the round to send.
     pub(crate) fn join(&self, shape: &Request, entry: Entry) -> Option<Vec<Entry>> {
         let mut lanes = self.0.lock();
         match lanes.iter_mut().find(|l| l.shape == *shape) {
@@ -163,39 +166,31 @@ impl Lanes {
         }
     }
 
-    /// Adds to `entries`, led by the caller on the lane of `shape`, what queued there
-    /// since it opened the lane (within the bounds of one request).
-    pub(crate) fn grab(&self, shape: &Request, entries: &mut Vec<Entry>) {
-        let mut lanes = self.0.lock();
-        if let Some(lane) = lanes.iter_mut().find(|l| l.shape == *shape) {
-            let mut items: usize = entries.iter().map(|e| e.items).sum();
-            let mut n = 0;
-            while n < lane.queue.len() && entries.len() + n < MAX_PARTS && items + lane.queue[n].items <= MAX_ITEMS {
-                items += lane.queue[n].items;
-                n += 1;
-            }
-            entries.extend(lane.queue.drain(..n));
-        }
-    }
-
-    /// The lane's request was answered by `session`: the parts to send next, led by
-    /// the caller, while `own` (the caller's call) is not complete. Otherwise the lane
-    /// goes to the call of a queued part (None), or closes when nothing queued.
-    fn next(&self, session: &Arc<Session>, shape: &Request, own: &Call) -> Option<Vec<Entry>> {
+    /// A round of the lane of `shape` was answered: the next round, led by the
+    /// caller, while `own` (the caller's call) is not complete. Otherwise the lane goes
+    /// to the first queued call still waiting (None), or closes when none is.
+    fn next(&self, shape: &Request, own: &Call) -> Option<Vec<Entry>> {
         let mut lanes = self.0.lock();
         let i = lanes.iter().position(|l| l.shape == *shape)?;
+        if own.complete() {
+            let queue = &mut lanes[i].queue;
+            while let Some(first) = queue.first() {
+                if first.call.hand(shape) {
+                    return None;
+                }
+                // Its thread gave up waiting: nobody reads its answers.
+                queue.remove(0);
+            }
+        }
         if lanes[i].queue.is_empty() {
             lanes.swap_remove(i);
-            return None;
-        }
-        if own.complete() && lanes[i].queue.iter().any(|e| e.call.hand(session, shape)) {
             return None;
         }
         lanes[i].since = Instant::now();
         Some(take_some(&mut lanes[i].queue))
     }
 
-    /// The parts queued on the lane of `shape`, for the thread it was handed to
+    /// The calls queued on the lane of `shape`, for the thread it was handed to
     /// (empty, and the lane closed, if none).
     fn take(&self, shape: &Request) -> Vec<Entry> {
         let mut lanes = self.0.lock();
@@ -209,104 +204,89 @@ impl Lanes {
     }
 }
 
-/// The first parts of `queue`, as many as one combined request carries.
+/// The first calls of `queue`, as many as one round carries.
 fn take_some(queue: &mut Vec<Entry>) -> Vec<Entry> {
     let (mut n, mut items) = (0, 0);
-    while n < queue.len() && n < MAX_PARTS && (n == 0 || items + queue[n].items <= MAX_ITEMS) {
+    while n < queue.len() && n < MAX_CALLS && (n == 0 || items + queue[n].items <= MAX_ITEMS) {
         items += queue[n].items;
         n += 1;
     }
     queue.drain(..n).collect()
 }
 
-/// A request that could not be sent: its shape, its parts (part, call, items) and why.
-pub(crate) type Unsent = (Request, Vec<(usize, Arc<Call>, usize)>, Error);
+/// One master's request of a round: the parts (call, part, items) it carries.
+struct Out {
+    session: Arc<Session>,
+    shape: Request,
+    request: Request,
+    slots: Vec<(Arc<Call>, usize, usize)>,
+}
+
+/// Hands each part of `slots` its share of `answer` (a combined answer is cut by the
+/// parts' item counts).
+fn settle(slots: Vec<(Arc<Call>, usize, usize)>, answer: Result<Response>, cut: Cut<'_>) {
+    match answer {
+        Ok(r) if slots.len() == 1 => slots[0].0.deliver(slots[0].1, Ok(r)),
+        Ok(r) => {
+            let lens: Vec<usize> = slots.iter().map(|s| s.2).collect();
+            for ((call, part, _), a) in slots.iter().zip(cut(r, &lens)) {
+                call.deliver(*part, Ok(a));
+            }
+        }
+        Err(e) => {
+            for (call, part, _) in &slots {
+                call.deliver(*part, Err(e.clone()));
+            }
+        }
+    }
+}
 
 impl ClusterClient {
-    /// Sends `entries` to `session` as one request. On failure the parts and their
-    /// error come back, for [`land`](Self::land).
-    pub(crate) fn launch(
-        &self,
-        session: &Arc<Session>,
-        shape: Request,
-        entries: Vec<Entry>,
-        merge: Merge<'_>,
-    ) -> std::result::Result<Flight, Box<Unsent>> {
-        let mut slots = Vec::with_capacity(entries.len());
-        let mut request: Option<Request> = None;
+    /// Sends one round: the parts of `entries` merged into one request per master (and
+    /// shape), all written before any answer is read; then hands each part its share
+    /// of its master's answer as the answers arrive.
+    fn round(&self, entries: Vec<Entry>, merge: Merge<'_>, cut: Cut<'_>) {
+        let mut outs: Vec<Out> = Vec::new();
         for e in entries {
-            slots.push(Slot { call: e.call, part: e.part, items: e.items });
-            match &mut request {
-                None => request = Some(e.request),
-                Some(acc) => merge(acc, e.request),
-            }
-        }
-        let sent = match request {
-            Some(request) => session.rpc.send(&request),
-            None => Err(Error::InvalidArgument("a combined request of no part".into())),
-        };
-        match sent {
-            Ok(sent) => Ok(Flight { session: session.clone(), shape, slots, sent }),
-            Err(e) => Err(Box::new((shape, slots.into_iter().map(|s| (s.part, s.call, s.items)).collect(), e))),
-        }
-    }
-
-    /// Waits for the answers to `flights` (requests this thread sent), hands each part
-    /// its share, and keeps leading their lanes while `own` is not complete.
-    pub(crate) fn fly(&self, mut flights: Vec<Flight>, own: &Call, merge: Merge<'_>, cut: Cut<'_>) {
-        while !flights.is_empty() {
-            let mut meta = Vec::with_capacity(flights.len());
-            let mut sent = Vec::with_capacity(flights.len());
-            for f in flights {
-                meta.push(Some((f.session.clone(), f.shape, f.slots)));
-                sent.push((f.session, f.sent));
-            }
-            let mut next = Vec::new();
-            self.gather(sent, |k, answer| {
-                if let Some((session, shape, slots)) = meta[k].take() {
-                    let slots = slots.into_iter().map(|s| (s.part, s.call, s.items)).collect();
-                    self.land(&session, shape, slots, answer, own, merge, cut, &mut next);
+            for (k, p) in e.parts.into_iter().enumerate() {
+                let slot = (e.call.clone(), k, p.items);
+                match outs.iter_mut().find(|o| Arc::ptr_eq(&o.session, &p.session) && o.shape == p.shape) {
+                    Some(o) => {
+                        merge(&mut o.request, p.request);
+                        o.slots.push(slot);
+                    }
+                    None => {
+                        outs.push(Out { session: p.session, shape: p.shape, request: p.request, slots: vec![slot] })
+                    }
                 }
-            });
-            flights = next;
+            }
         }
+        let mut sent = Vec::with_capacity(outs.len());
+        let mut waiting = Vec::with_capacity(outs.len());
+        for o in outs {
+            match o.session.rpc.send(&o.request) {
+                Ok(s) => {
+                    sent.push((o.session, s));
+                    waiting.push(Some(o.slots));
+                }
+                Err(e) => settle(o.slots, Err(e), cut),
+            }
+        }
+        self.gather(sent, |k, answer| {
+            if let Some(slots) = waiting[k].take() {
+                settle(slots, answer, cut);
+            }
+        });
     }
 
-    /// Hands the parts `slots` (part, call, items) of a request to `session` their
-    /// share of `answer`, then moves the lane on: the next combined request, if this
-    /// thread leads it, goes to `out`.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn land(
-        &self,
-        session: &Arc<Session>,
-        mut shape: Request,
-        mut slots: Vec<(usize, Arc<Call>, usize)>,
-        mut answer: Result<Response>,
-        own: &Call,
-        merge: Merge<'_>,
-        cut: Cut<'_>,
-        out: &mut Vec<Flight>,
-    ) {
+    /// Leads the lane of `shape`: sends the round `entries`, then the next ones while
+    /// `own` is not complete, then hands the lane on (see the module docs).
+    pub(crate) fn lead(&self, shape: &Request, own: &Call, mut entries: Vec<Entry>, merge: Merge<'_>, cut: Cut<'_>) {
         loop {
-            let answers: Vec<Result<Response>> = match answer {
-                Ok(r) if slots.len() == 1 => vec![Ok(r)],
-                Ok(r) => {
-                    let lens: Vec<usize> = slots.iter().map(|s| s.2).collect();
-                    cut(r, &lens).into_iter().map(Ok).collect()
-                }
-                Err(e) => slots.iter().map(|_| Err(e.clone())).collect(),
-            };
-            for ((part, call, _), a) in slots.iter().zip(answers) {
-                call.deliver(*part, a);
-            }
-            let Some(entries) = session.lanes.next(session, &shape, own) else { return };
-            match self.launch(session, shape, entries, merge) {
-                Ok(f) => return out.push(f),
-                // Sending failed: its parts get the error, and the lane moves on.
-                Err(unsent) => {
-                    let (s, failed, e) = *unsent;
-                    (shape, slots, answer) = (s, failed, Err(e));
-                }
+            self.round(entries, merge, cut);
+            match self.rounds.next(shape, own) {
+                Some(more) => entries = more,
+                None => return,
             }
         }
     }
@@ -327,20 +307,11 @@ impl ClusterClient {
                     }
                 }
             };
-            let Some((session, shape)) = job else { return };
-            let entries = session.lanes.take(&shape);
-            if entries.is_empty() {
-                continue;
+            let Some(shape) = job else { return };
+            let entries = self.rounds.take(&shape);
+            if !entries.is_empty() {
+                self.lead(&shape, call, entries, merge, cut);
             }
-            let mut flights = Vec::new();
-            match self.launch(&session, shape, entries, merge) {
-                Ok(f) => flights.push(f),
-                Err(unsent) => {
-                    let (shape, slots, e) = *unsent;
-                    self.land(&session, shape, slots, Err(e), call, merge, cut, &mut flights)
-                }
-            }
-            self.fly(flights, call, merge, cut);
         }
     }
 }

@@ -5,8 +5,9 @@
 //! - `routing`: where each call goes. A keyed call goes to the leader of the key's
 //!   slot group, as the slot map watched in etcd says; a batch call is split by leader
 //!   (a per-map table from group to leader, a counting sort of the items), every
-//!   leader's part is written on its connection before any answer is read, and the
-//!   answers are gathered as they arrive and put back in item order. A `Moved` answer
+//!   leader's part is written on its connection before any answer is read (merged with
+//!   the parts of concurrent calls of the same shape into one request per master:
+//!   `combine`), and the answers are gathered and put back in item order. A `Moved` answer
 //!   (the map here was stale), an unreachable leader (it just died) or `Recovering` (a
 //!   new leader waits for the nodes' extents) is retried, for those items only, as the
 //!   map changes, for up to `retry_for`.
@@ -83,6 +84,9 @@ pub(crate) struct ClusterClient {
     timeout: Duration,
     retry_for: Duration,
     sessions: RwLock<HashMap<String, Arc<Session>>>,
+    /// The batch calls' rounds in flight, and the calls waiting for the next (see
+    /// `combine`).
+    rounds: combine::Rounds,
     /// The id the store sees; each master knows us by its own.
     logical: ClientId,
     /// Whether the store registered (new sessions then register at once).
@@ -170,6 +174,7 @@ impl ClusterClient {
             timeout: timeout.min(SESSION_TIMEOUT),
             retry_for,
             sessions: RwLock::new(HashMap::new()),
+            rounds: combine::Rounds::default(),
             logical: rand::random::<u64>() | 1,
             registered: AtomicBool::new(false),
             segment_home: RwLock::new(HashMap::new()),

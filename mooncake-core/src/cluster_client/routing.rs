@@ -3,18 +3,18 @@
 //! The cost of routing a key does not depend on how many masters there are: the
 //! slot map is turned once per map into a table from slot group to leader index
 //! ([`Routes`]), a batch is split with a counting sort of its item indices by leader
-//! ([`split`]: no allocation per key), every leader's part is written on a connection
-//! of its session before any answer is read (or joins the same call's request to that
-//! master in flight: `combine`), and one thread waits for all the answers with `poll`,
-//! taking each as it arrives ([`ClusterClient::gather`]).
+//! ([`split`]: no allocation per key), the call's parts join the round of concurrent
+//! calls of the same shape (`combine`: one request per master carries every call of the
+//! round), every request of a round is written on a connection of its session before
+//! any answer is read, and one thread waits for all the answers
+//! ([`ClusterClient::gather`]).
 
-use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use mooncake_alloc::SegmentId;
 
-use super::combine::{Call, Cut, Entry, Merge};
+use super::combine::{Call, Cut, Entry, Merge, Part as RoundPart};
 use super::sessions::Session;
 use super::ClusterClient;
 use crate::cluster::{key_slot, SlotMap};
@@ -225,8 +225,8 @@ impl ClusterClient {
     }
 
     /// Runs a batch call: the items split by their keys' leaders, every part sent
-    /// (combined with the same call's parts of concurrent callers, see `combine`)
-    /// before any answer is awaited, the answers put back in item order as they
+    /// (in a round with the parts of concurrent calls of the same shape, see
+    /// `combine`) before any answer is awaited, the answers put back in item order as they
     /// arrive; the items answered with a move (or whose leader did not answer) are
     /// routed again as the map changes. `request` builds a part's request for a client
     /// id, `answer` reads a part's answer (one result per item), `learn` sees each
@@ -285,40 +285,40 @@ impl ClusterClient {
                     Err(e) => settle(idx, idx.iter().map(|_| Err(e.clone())).collect()),
                 }
             }
-            // Every part goes out (or joins a request in flight) before any answer is
-            // read.
+            // The call joins the round of its shape: every part goes out (each merged
+            // into its master's request of the round) before any answer is read.
             let call = Call::new(parts.len());
-            let mut flights = Vec::new();
-            // The lanes this call opened: sent once every part joined its lane, with
-            // what other calls queued on them meanwhile.
-            let mut opened = Vec::new();
-            for (k, p) in parts.iter().enumerate() {
-                let idx = split.part(p.bucket);
-                // The whole batch to one leader (one master, or a batch of one group's
-                // keys) goes as it is.
-                let part_items: Cow<'_, [I]> = match idx.len() == items.len() {
-                    true => Cow::Borrowed(items),
-                    false => Cow::Owned(idx.iter().map(|&i| items[i as usize].clone()).collect()),
-                };
-                let shape = request(p.id, &[]);
-                let entry =
-                    Entry { request: request(p.id, &part_items), items: idx.len(), call: call.clone(), part: k };
-                if let Some(entries) = p.session.lanes.join(&shape, entry) {
-                    opened.push((&p.session, shape, entries));
+            if !parts.is_empty() {
+                let mut entry = Entry { parts: Vec::with_capacity(parts.len()), items: 0, call: call.clone() };
+                // The items of one part, gathered for its request: one buffer for all
+                // the parts of the call (the request copies them).
+                let mut scratch: Vec<I> = Vec::new();
+                for p in &parts {
+                    let idx = split.part(p.bucket);
+                    // The whole batch to one leader (one master, or a batch of one
+                    // group's keys) goes as it is.
+                    let part_items: &[I] = if idx.len() == items.len() {
+                        items
+                    } else {
+                        scratch.clear();
+                        scratch.extend(idx.iter().map(|&i| items[i as usize].clone()));
+                        &scratch
+                    };
+                    entry.items += idx.len();
+                    entry.parts.push(RoundPart {
+                        session: p.session.clone(),
+                        request: request(p.id, part_items),
+                        shape: request(p.id, &[]),
+                        items: idx.len(),
+                    });
                 }
-            }
-            for (session, shape, mut entries) in opened {
-                session.lanes.grab(&shape, &mut entries);
-                match self.launch(session, shape, entries, merge) {
-                    Ok(f) => flights.push(f),
-                    Err(unsent) => {
-                        let (shape, slots, e) = *unsent;
-                        self.land(session, shape, slots, Err(e), &call, merge, cut, &mut flights)
-                    }
+                // The lane's shape names no caller id (each master knows us by its own).
+                let shape = request(0, &[]);
+                if let Some(entries) = self.rounds.join(&shape, entry) {
+                    self.lead(&shape, &call, entries, merge, cut);
                 }
+                self.wait_call(&call, Instant::now() + self.timeout * 3, merge, cut);
             }
-            self.fly(flights, &call, merge, cut);
-            self.wait_call(&call, Instant::now() + self.timeout * 3, merge, cut);
             for (p, got) in parts.iter().zip(call.take()) {
                 let idx = split.part(p.bucket);
                 let n = idx.len();
@@ -351,7 +351,8 @@ impl ClusterClient {
     }
 
     /// Waits for the answers to the requests `sent` (to distinct masters), handing each
-    /// to `on` with its index as it arrives, from this one thread; a request not
+    /// to `on` with its index (the last one's first, then the others as they arrive),
+    /// from this one thread; a request not
     /// answered within the client's timeout gets `Timeout` (and its connection is
     /// dropped).
     pub(crate) fn gather(&self, sent: Vec<(Arc<Session>, Sent)>, mut on: impl FnMut(usize, Result<Response>)) {
@@ -363,7 +364,16 @@ impl ClusterClient {
         }
         let deadline = Instant::now() + self.timeout;
         let mut waiting: Vec<Option<(Arc<Session>, Sent)>> = sent.into_iter().map(Some).collect();
-        let mut left = waiting.len();
+        // The request sent last is likely answered last: wait for it first (a blocking
+        // read, within the socket's timeout of `self.timeout`). The other answers wait
+        // in their sockets meanwhile and are mostly there when it returns, so the
+        // thread wakes about once per round instead of once per answer (each wake-up
+        // is a context switch, the costliest part of a message on a busy host).
+        let last = waiting.len() - 1;
+        if let Some((s, req)) = waiting[last].take() {
+            on(last, s.rpc.receive(req));
+        }
+        let mut left = waiting.len() - 1;
         let mut fds: Vec<libc::pollfd> = Vec::with_capacity(left);
         let mut which: Vec<usize> = Vec::with_capacity(left);
         while left > 0 {

@@ -8,7 +8,6 @@ use std::time::Duration;
 use mooncake_transfer::SharedSecret;
 use parking_lot::Mutex;
 
-use super::combine::Lanes;
 use super::ClusterClient;
 use crate::error::{Error, Result};
 use crate::master::{ClientId, MasterApi};
@@ -22,9 +21,6 @@ pub(crate) struct Session {
     pub(crate) client: AtomicU64,
     /// Held while registering (see `register_session`).
     registering: Mutex<()>,
-    /// The batch requests to this master in flight, and the parts waiting to join
-    /// the next (see `combine`).
-    pub(crate) lanes: Lanes,
 }
 
 impl ClusterClient {
@@ -36,13 +32,8 @@ impl ClusterClient {
         }
         let rpc =
             RpcMasterClient::connect_with_timeout(addr, self.secret.as_deref().map(SharedSecret::new), self.timeout)?;
-        let session = Arc::new(Session {
-            addr: addr.to_owned(),
-            rpc,
-            client: AtomicU64::new(0),
-            registering: Mutex::new(()),
-            lanes: Lanes::default(),
-        });
+        let session =
+            Arc::new(Session { addr: addr.to_owned(), rpc, client: AtomicU64::new(0), registering: Mutex::new(()) });
         let (session, new) = {
             let mut sessions = self.sessions.write();
             match sessions.get(addr) {

@@ -244,3 +244,37 @@ fn concurrent_batches_to_the_same_masters_are_combined_and_each_gets_its_own_ans
     eprintln!("{parts} parts in {requests} requests");
     assert!(requests < parts, "{parts} parts in {requests} requests: nothing combined");
 }
+
+#[test]
+fn concurrent_batches_travel_in_rounds_that_ask_every_master_once() {
+    // Every call has keys of both masters' groups (64 keys each). In rounds, each
+    // request to one master goes with one to the other: both answer as many requests,
+    // whatever their speeds. (With a queue per master cycling on its own, the counts
+    // drift apart.)
+    let (a, b) = (master(0..8), master(8..16));
+    let maps = Arc::new(TestMaps::default());
+    *maps.map.lock() = Some(map(1, &[(0..8, Some(&a.addr)), (8..16, Some(&b.addr))]));
+    let c = client(&maps);
+    let (threads, calls) = (8, 30);
+    let m = maps.map.lock().clone().unwrap();
+    let (a_before, b_before) = (a.requests(), b.requests());
+    std::thread::scope(|s| {
+        for t in 0..threads {
+            let (c, m) = (&c, &m);
+            s.spawn(move || {
+                for n in 0..calls {
+                    let keys: Vec<String> = (0..64).map(|i| format!("r{t}/c{n}/k{i}")).collect();
+                    let items: Vec<&str> = keys.iter().map(String::as_str).collect();
+                    assert!(
+                        items.iter().any(|k| m.group_of_key(k) < 8) && items.iter().any(|k| m.group_of_key(k) >= 8)
+                    );
+                    assert!(c.batch_exists(&items).iter().all(|r| matches!(r, Ok(false))));
+                }
+            });
+        }
+    });
+    let (to_a, to_b) = (a.requests() - a_before, b.requests() - b_before);
+    eprintln!("{} calls: {to_a} requests to a, {to_b} to b", threads * calls);
+    assert_eq!(to_a, to_b, "every round asks both masters once");
+    assert!(to_a < (threads * calls) as u64, "{to_a} requests for {} calls: nothing combined", threads * calls);
+}
