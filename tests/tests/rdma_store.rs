@@ -163,11 +163,12 @@ fn device_memory_goes_straight_to_and_from_segments_over_soft_rdma() {
 }
 
 #[test]
-fn device_memory_and_a_replica_in_the_own_segment_is_staged_per_call() {
+fn device_memory_and_a_replica_in_the_own_segment_moves_in_one_dma_per_call() {
     println!("device memory over the soft RDMA seam (emulated GPU memory, not an RDMA result)");
     let cluster = soft_rdma_cluster(1);
     let nics = Arc::new(SoftRdma::new(1).unwrap());
-    // This client gives memory too: a replica there is reached by memory copy.
+    // This client gives memory too: a replica there is in memory this process maps,
+    // so it moves in one DMA from or into the (page-locked) segment, not by RDMA.
     let client = rdma_client(&cluster, &nics, 16 << 20);
     let own =
         ReplicateConfig { preferred_segments: vec![client.segment_name().unwrap().unwrap()], ..Default::default() };
@@ -175,20 +176,22 @@ fn device_memory_and_a_replica_in_the_own_segment_is_staged_per_call() {
     let data = payload(3, 500_000);
     src.copy_from_host(0, &data).unwrap();
     client.put_from_device_with("mine", &src, 0, data.len() as u64, &own).unwrap();
+    assert!(client.get("mine").unwrap()[..] == data[..]);
     let s = client.stats();
-    assert_eq!((s.device_direct_bytes, s.device_staged_bytes), (0, data.len() as u64));
+    assert_eq!((s.device_direct_bytes, s.device_staged_bytes), (data.len() as u64, 0));
+    assert_eq!(nics.dmabuf_registrations(), 1, "registered for RDMA, but the replica did not need it");
     let dst = device(1 << 20);
     assert_eq!(client.get_into_device("mine", &dst, 0).unwrap(), data.len());
     assert!(dst.to_vec()[..data.len()] == data[..]);
     let s = client.stats();
-    assert_eq!((s.device_direct_bytes, s.device_staged_bytes), (0, 2 * data.len() as u64));
-    // The next call, to the node's segment, goes straight.
+    assert_eq!((s.device_direct_bytes, s.device_staged_bytes), (2 * data.len() as u64, 0));
+    // The next call, to the node's segment, goes straight over RDMA.
     let node = ReplicateConfig { preferred_segments: node_segments(&client), ..Default::default() };
     client.put_from_device_with("theirs", &src, 0, data.len() as u64, &node).unwrap();
     assert_eq!(client.get_into_device("theirs", &dst, 100).unwrap(), data.len());
     assert!(dst.to_vec()[100..100 + data.len()] == data[..]);
     let s = client.stats();
-    assert_eq!((s.device_direct_bytes, s.device_staged_bytes), (2 * data.len() as u64, 2 * data.len() as u64));
+    assert_eq!((s.device_direct_bytes, s.device_staged_bytes), (4 * data.len() as u64, 0));
 }
 
 /// The names of the segments that are not `client`'s.
