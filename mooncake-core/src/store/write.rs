@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 use mooncake_alloc::SegmentId;
 use mooncake_gpu::{DeviceMemory, PooledBuffer};
 use mooncake_transfer::{TransferRequest, WorkOp};
+use smallvec::SmallVec;
 
 use super::device::{download, move_device, pinned, Copies, DeviceMove, Directs, Keep};
 use super::routes::Route;
@@ -107,10 +108,16 @@ impl WriteMode {
     }
 }
 
+/// Host slices of one object (most objects are one or two).
+type Parts<'a> = SmallVec<[&'a [u8]; 2]>;
+
+/// Where a round placed an item, with the route to each replica.
+pub(super) type Placed = SmallVec<[(MemoryReplica, std::sync::Arc<Route>); 2]>;
+
 /// An item's bytes as the engine holds them.
 enum Bytes<'a> {
     /// Host slices (empty ones left out).
-    Host(Vec<&'a [u8]>),
+    Host(Parts<'a>),
     /// Device memory; `direct` its registration when the NICs took it, `staged`
     /// a pinned copy once a replica needs one.
     Device { mem: &'a dyn DeviceMemory, offset: u64, direct: Option<usize>, staged: Option<PooledBuffer<'static>> },
@@ -118,10 +125,10 @@ enum Bytes<'a> {
 
 impl Bytes<'_> {
     /// The host copy of the bytes, if there is one.
-    fn host(&self, len: u64) -> Option<Vec<&[u8]>> {
+    fn host(&self, len: u64) -> Option<Parts<'_>> {
         match self {
-            Bytes::Host(parts) => Some(parts.clone()),
-            Bytes::Device { staged: Some(s), .. } => Some(vec![&s[..len as usize]]),
+            Bytes::Host(parts) => Some(parts.iter().copied().collect()),
+            Bytes::Device { staged: Some(s), .. } => Some(smallvec::smallvec![&s[..len as usize]]),
             Bytes::Device { .. } => None,
         }
     }
@@ -133,7 +140,7 @@ pub(super) struct Writing<'a> {
     len: u64,
     bytes: Bytes<'a>,
     /// Where this round placed it, with the route to each replica.
-    placed: Vec<(MemoryReplica, std::sync::Arc<Route>)>,
+    placed: Placed,
     /// Why a replica of this round could not be written.
     failed: Option<Error>,
     /// Whether any replica of this item was written from a staged copy.
@@ -145,14 +152,14 @@ pub(super) struct Writing<'a> {
 
 impl<'a> Writing<'a> {
     /// An item of `len` host bytes, to be written to `placed` (a replica copy).
-    pub(super) fn host(key: &'a str, parts: &[&'a [u8]], placed: Vec<(MemoryReplica, std::sync::Arc<Route>)>) -> Self {
-        let parts: Vec<&[u8]> = parts.iter().copied().filter(|p| !p.is_empty()).collect();
+    pub(super) fn host(key: &'a str, parts: &[&'a [u8]], placed: Placed) -> Self {
+        let parts: Parts<'_> = parts.iter().copied().filter(|p| !p.is_empty()).collect();
         let len = parts.iter().map(|p| p.len() as u64).sum();
         Writing { placed, ..Writing::new(key, len, Bytes::Host(parts), None) }
     }
 
     fn new(key: &'a str, len: u64, bytes: Bytes<'a>, crc: Option<u32>) -> Self {
-        Writing { key, len, bytes, placed: Vec::new(), failed: None, staged: false, crc }
+        Writing { key, len, bytes, placed: Placed::new(), failed: None, staged: false, crc }
     }
 
     /// Why writing its replicas failed, if it did.
@@ -283,9 +290,9 @@ impl StoreInner {
             self.report_failed_segment(*segment, e);
         }
         let sums = item_checksums(&mut round);
-        let mut ends: Vec<(&str, u32)> = Vec::new();
-        let mut ended: Vec<usize> = Vec::new();
-        let mut revokes: Vec<&str> = Vec::new();
+        let mut ends: SmallVec<[(&str, u32); 4]> = SmallVec::new();
+        let mut ended: SmallVec<[usize; 4]> = SmallVec::new();
+        let mut revokes: SmallVec<[&str; 4]> = SmallVec::new();
         for ((w, &i), crc) in round.iter().zip(&placed).zip(sums) {
             match &w.failed {
                 None => {
@@ -338,7 +345,7 @@ impl StoreInner {
         let placed = targets
             .iter()
             .map(|r| self.routes.get(&*self.master, &self.engine, r.segment).map(|route| (*r, route)))
-            .collect::<Result<Vec<_>>>()?;
+            .collect::<Result<Placed>>()?;
         let parts = [value];
         // The checksum is the object's, known: the transport need not take it.
         let mut copy = Writing { crc: Some(crc), ..Writing::host(key, &parts, placed) };
@@ -367,7 +374,7 @@ impl StoreInner {
         let mut failed_segments: Vec<(SegmentId, Error)> = Vec::new();
         // Device memory first: a replica whose peer turns out to have no RDMA link
         // is written from a staged copy below.
-        let mut by_host: Vec<Vec<usize>> = vec![Vec::new(); round.len()];
+        let mut by_host: Vec<SmallVec<[usize; 2]>> = vec![SmallVec::new(); round.len()];
         {
             let mut moves = Vec::new();
             let mut owner = Vec::new();
@@ -420,7 +427,8 @@ impl StoreInner {
             for (k, w) in round.iter_mut().enumerate() {
                 let Bytes::Device { mem, offset, .. } = &w.bytes else { continue };
                 let (mem, offset, len) = (*mem, *offset, w.len);
-                by_host[k].retain(|&j| {
+                by_host[k].retain(|j| {
+                    let j = *j;
                     let (r, route) = &w.placed[j];
                     if !route.caps.maps_peer_memory {
                         return true;
@@ -467,7 +475,7 @@ impl StoreInner {
         }
         // Everything else in one batch; each item's checksum is taken from the
         // writes of its first replica where the transport sums them.
-        let hosts: Vec<Option<Vec<&[u8]>>> = round.iter().map(|w| w.bytes.host(w.len)).collect();
+        let hosts: Vec<Option<Parts<'_>>> = round.iter().map(|w| w.bytes.host(w.len)).collect();
         let mut reqs: Vec<TransferRequest<'_>> = Vec::new();
         let mut owner: Vec<(usize, usize)> = Vec::new();
         for (k, w) in round.iter().enumerate() {
@@ -496,6 +504,7 @@ impl StoreInner {
             at = end;
         }
         drop(reqs);
+        drop(hosts);
         for (res, (k, j)) in transferred.into_iter().zip(owner) {
             if let Err(e) = res {
                 let segment = round[k].placed[j].0.segment;
@@ -544,7 +553,7 @@ fn item_checksums(round: &mut [&mut Writing<'_>]) -> Vec<u32> {
         missing.into_iter().filter(|&k| round[k].crc.is_none() && round[k].failed.is_none()).collect();
     let sums = {
         let parts: Vec<Vec<&[u8]>> =
-            missing.iter().map(|&k| round[k].bytes.host(round[k].len).unwrap_or_default()).collect();
+            missing.iter().map(|&k| round[k].bytes.host(round[k].len).unwrap_or_default().into_vec()).collect();
         crate::checksum::checksum_each(&parts)
     };
     for (&k, crc) in missing.iter().zip(sums) {
