@@ -47,6 +47,11 @@ pub(super) struct ReplicaCache {
     router: ahash::RandomState,
 }
 
+/// Whether two lists name the same object in the same places.
+fn same_list(a: &ReplicaList, b: &ReplicaList) -> bool {
+    a.len == b.len && a.checksum == b.checksum && a.replicas == b.replicas
+}
+
 impl ReplicaCache {
     /// A cache of at most `capacity` lists (0: none is kept).
     pub(super) fn new(capacity: usize) -> Self {
@@ -88,18 +93,37 @@ impl ReplicaCache {
             return;
         }
         let until = asked_at + list.lease;
+        let now = Instant::now();
+        if until <= now + MIN_LEFT {
+            return;
+        }
         let mut lists = self.lists.lock();
         // Checked under the lock `forget` takes: a forget is either seen here or
         // removes what is inserted here.
         if self.forgotten_slot(key).load(Ordering::Acquire) >= self.since_base(asked_at) {
             return;
         }
+        match lists.get(key) {
+            Some((kept, _)) if same_list(kept, &list) => return,
+            Some(_) => {
+                // Two gets of this client met with different lists of one key (it
+                // was replaced meanwhile). Which is newer cannot be told: the master
+                // answers a key's calls in order, but they need not arrive in order.
+                // Keep neither, nor any list asked for until now, so that no reader
+                // ever goes back from bytes it read to older ones.
+                self.forgotten_slot(key).fetch_max(self.since_base(now), Ordering::AcqRel);
+                lists.remove(key);
+                return;
+            }
+            None => {}
+        }
         if lists.len() >= self.capacity {
-            let now = Instant::now();
             lists.retain(|_, (_, u)| *u > now);
             if lists.len() >= self.capacity {
-                // Every entry is live: make room by dropping an arbitrary one.
+                // Every entry is live: make room by dropping an arbitrary one, and
+                // keep no older list of it either (as a forget).
                 if let Some(k) = lists.keys().next().cloned() {
+                    self.forgotten_slot(&k).fetch_max(self.since_base(now), Ordering::AcqRel);
                     lists.remove(&k);
                 }
             }
@@ -188,6 +212,26 @@ mod tests {
         // A list asked for after the forget is kept.
         c.insert_owned("k", list(1000, 1), Instant::now());
         assert!(c.get("k").is_some());
+    }
+
+    #[test]
+    fn two_different_lists_of_a_key_keep_neither() {
+        let c = ReplicaCache::new(8);
+        let older = Instant::now();
+        std::thread::sleep(Duration::from_millis(1));
+        let newer = Instant::now();
+        let mut replaced = list(1000, 1);
+        replaced.checksum = 2;
+        c.insert_owned("k", replaced.clone(), newer);
+        // The same list again is kept.
+        c.insert_owned("k", replaced, Instant::now());
+        assert_eq!(c.get("k").map(|l| l.checksum), Some(2));
+        // A get that asked first (the old object) finishes last: neither is kept,
+        // nor the old list when it comes back.
+        c.insert_owned("k", list(1000, 1), older);
+        assert!(c.get("k").is_none());
+        c.insert_owned("k", list(1000, 1), older);
+        assert!(c.get("k").is_none(), "an older list came back after the meeting");
     }
 
     #[test]
