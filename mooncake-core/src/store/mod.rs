@@ -42,6 +42,7 @@ use destination::{Dest, Got};
 use file_storage::{DiskPeers, FileStorage};
 pub use file_storage::{SsdBackend, SsdOffloadConfig, SsdStats};
 use leases::LeaseReleaser;
+use read::Lists;
 use records::SegmentRecords;
 use replica_cache::ReplicaCache;
 use routes::Routes;
@@ -174,7 +175,7 @@ impl Store {
 
     /// Reads one object (the read engine).
     fn read_one(&self, key: &str, dest: Dest<'_>) -> Result<Got> {
-        self.inner.read(vec![(key, dest)], None).pop().unwrap_or_else(|| Err(Error::NotFound(key.to_owned())))
+        self.inner.read(vec![(key, dest)], Lists::Cached).pop().unwrap_or_else(|| Err(Error::NotFound(key.to_owned())))
     }
 
     /// Reads each key into its caller buffers; returns each object's length.
@@ -184,7 +185,7 @@ impl Store {
             return vec![Err(e); keys.len()];
         }
         let items = keys.iter().zip(bufs).map(|(k, b)| (*k, Dest::Host(b))).collect();
-        self.inner.read(items, None).into_iter().map(|r| r.map(|g| g.len())).collect()
+        self.inner.read(items, Lists::Master).into_iter().map(|r| r.map(|g| g.len())).collect()
     }
 
     /// Stores `value` under `key` with the builder's default replication.
@@ -281,7 +282,7 @@ impl Store {
     pub fn batch_get(&self, keys: &[&str]) -> Vec<Result<Bytes>> {
         let items = keys.iter().map(|k| (*k, Dest::Owned)).collect();
         self.inner
-            .read(items, None)
+            .read(items, Lists::Master)
             .into_iter()
             .zip(keys)
             .map(|(r, k)| match r? {
@@ -365,7 +366,7 @@ impl Store {
         };
         // Read through the read engine from the sources the master gave, written
         // through the write engine's replica writer to the targets it placed.
-        let copied = match inner.read(vec![(key, Dest::Owned)], Some(vec![list])).pop() {
+        let copied = match inner.read(vec![(key, Dest::Owned)], Lists::Given(vec![list])).pop() {
             Some(Ok(Got::Owned(bytes))) => inner.write_copy(key, &bytes, plan.checksum, &plan.targets),
             Some(Ok(Got::Len(_))) | None => Err(Error::NotFound(key.to_owned())),
             Some(Err(e)) => Err(e),

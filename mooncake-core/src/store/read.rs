@@ -85,13 +85,30 @@ impl Reading<'_> {
     }
 }
 
+/// Where the read engine takes the objects' replica lists from.
+pub(super) enum Lists {
+    /// The replica cache where it keeps them, else the master: the single-object
+    /// gets (as they always did).
+    Cached,
+    /// The master, for all the objects in one round trip: the batch forms, each of
+    /// whose reads is as fresh as the master's answer (what a read after another
+    /// client's acknowledged upsert needs).
+    Master,
+    /// These lists, read as they are (a replica copy: no cache, no lease, not
+    /// counted as gets).
+    Given(Vec<ReplicaList>),
+}
+
 impl StoreInner {
-    /// Reads each `(key, destination)`; `given` lists, if any, are read as they
-    /// are (a replica copy: no cache, no lease, not counted as gets). One result
+    /// Reads each `(key, destination)`, the lists taken as `lists` says. One result
     /// per item, in order.
-    pub(super) fn read(&self, items: Vec<(&str, Dest<'_>)>, given: Option<Vec<ReplicaList>>) -> Vec<Result<Got>> {
-        let count = given.is_none();
-        let mut given = given.map(Vec::into_iter);
+    pub(super) fn read(&self, items: Vec<(&str, Dest<'_>)>, lists: Lists) -> Vec<Result<Got>> {
+        let count = !matches!(lists, Lists::Given(_));
+        let cached = matches!(lists, Lists::Cached);
+        let mut given = match lists {
+            Lists::Given(l) => Some(l.into_iter()),
+            _ => None,
+        };
         let mut directs = Directs::default();
         let mut reading: Vec<Reading<'_>> = Vec::with_capacity(items.len());
         for (key, dest) in items {
@@ -117,7 +134,7 @@ impl StoreInner {
                 r.done = Some(Err(e));
             } else if let Some(list) = given.as_mut().and_then(Iterator::next) {
                 self.set_list(&mut r, Arc::new(list), ListFrom::Given);
-            } else if let Some(list) = self.cache.get(key) {
+            } else if let Some(list) = self.cache.get(key).filter(|_| cached) {
                 self.set_list(&mut r, list, ListFrom::Cache);
             }
             reading.push(r);

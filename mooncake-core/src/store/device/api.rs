@@ -12,6 +12,7 @@ use mooncake_transfer::TransferError;
 use crate::config::ReplicateConfig;
 use crate::error::{Error, Result};
 use crate::store::destination::{Dest, Got};
+use crate::store::read::Lists;
 use crate::store::write::{Source, WriteItem, WriteMode};
 use crate::store::Store;
 
@@ -59,7 +60,12 @@ impl Store {
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn get_into_device(&self, key: &str, dst: &dyn DeviceMemory, offset: u64) -> Result<usize> {
-        self.batch_get_into_device(&[(key, offset)], dst).pop().unwrap_or_else(|| Err(Error::NotFound(key.to_owned())))
+        let items = vec![(key, Dest::Device { mem: dst, offset })];
+        self.inner
+            .read(items, Lists::Cached)
+            .pop()
+            .unwrap_or_else(|| Err(Error::NotFound(key.to_owned())))
+            .map(|g| g.len())
     }
 
     /// Stores `len` bytes of device memory `src` at byte `offset` under
@@ -100,7 +106,7 @@ impl Store {
     /// `offset` of `memory` (which must have room for it from there).
     pub fn batch_get_into_devices(&self, items: &[(&str, &dyn DeviceMemory, u64)]) -> Vec<Result<usize>> {
         let items = items.iter().map(|&(key, mem, offset)| (key, Dest::Device { mem, offset })).collect();
-        self.inner.read(items, None).into_iter().map(|r| r.map(|g: Got| g.len())).collect()
+        self.inner.read(items, Lists::Master).into_iter().map(|r| r.map(|g: Got| g.len())).collect()
     }
 
     /// Stores many device ranges, each `(key, offset, len)` of `src`, with
