@@ -237,7 +237,7 @@ impl Store {
             // (by now, only what found no room), and records the disk replicas.
             // (Only once no copy succeeds: the flush writes every object still here.)
             if !no_room.is_empty() && inner.ssd.is_some() && done.is_empty() {
-                match self.flush_until(deadline) {
+                match self.inner.flush_until(deadline, "drain") {
                     Ok(()) => on_disk.extend(no_room.iter().cloned()),
                     Err(e) => tracing::warn!(error = %e, "drain: the SSD tier could not take what is left"),
                 }
@@ -430,22 +430,6 @@ impl Store {
             }
         });
         (copied.into_inner(), no_room.into_inner())
-    }
-
-    /// Has the SSD tier write what our segments hold that is on no SSD, until the
-    /// master says nothing is left (or the deadline).
-    fn flush_until(&self, deadline: Instant) -> Result<()> {
-        let inner = &self.inner;
-        loop {
-            let left = inner.master.flush_segments(inner.client())?;
-            if left == 0 {
-                return Ok(());
-            }
-            if Instant::now() >= deadline {
-                return Err(Error::Timeout(format!("drain: {left} objects still not on the SSD tier")));
-            }
-            std::thread::sleep(Duration::from_millis(5));
-        }
     }
 
     /// Logs the progress and reports it to the master (best effort).

@@ -67,6 +67,21 @@ impl StoreInner {
         Ok(())
     }
 
+    /// Has the SSD tier write what our segments hold that is on no SSD, until the
+    /// master says nothing is left; `Timeout` (naming `what` waited) at `deadline`.
+    pub(super) fn flush_until(&self, deadline: Instant, what: &str) -> Result<()> {
+        loop {
+            let left = self.master.flush_segments(self.client())?;
+            if left == 0 {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                return Err(Error::Timeout(format!("{what}: {left} objects still not on the SSD tier")));
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
     /// Our memory by segment id: the segment, or in a cluster the extents mounted.
     pub(super) fn segment_regions(&self) -> Vec<(SegmentId, Arc<RegisteredRegion>)> {
         #[allow(unused_mut)]
@@ -286,17 +301,7 @@ impl Store {
         if inner.ssd.is_none() {
             return Err(Error::InvalidArgument("flush needs an SSD tier: build the store with ssd_offload(..)".into()));
         }
-        let deadline = Instant::now() + inner.flush_timeout;
-        loop {
-            let left = inner.master.flush_segments(inner.client())?;
-            if left == 0 {
-                return Ok(());
-            }
-            if Instant::now() >= deadline {
-                return Err(Error::Timeout(format!("flush: {left} objects still not on the SSD tier")));
-            }
-            std::thread::sleep(std::time::Duration::from_millis(5));
-        }
+        inner.flush_until(Instant::now() + inner.flush_timeout, "flush")
     }
 
     /// Flushes (with an SSD tier) and leaves the master: the segment is unmounted

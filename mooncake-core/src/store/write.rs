@@ -151,7 +151,7 @@ pub(super) struct Writing<'a> {
 }
 
 impl<'a> Writing<'a> {
-    /// An item of `len` host bytes, to be written to `placed` (a replica copy).
+    /// An item of host bytes (`parts`, laid end to end), to be written to `placed`.
     pub(super) fn host(key: &'a str, parts: &[&'a [u8]], placed: Placed) -> Self {
         let parts: Parts<'_> = parts.iter().copied().filter(|p| !p.is_empty()).collect();
         let len = parts.iter().map(|p| p.len() as u64).sum();
@@ -179,12 +179,7 @@ impl StoreInner {
             let len = item.source.len();
             let checked = check_key(item.key).and_then(|()| check_value_len(len)).and_then(|()| cfg.check());
             let prepared = checked.and_then(|()| match &item.source {
-                Source::Host(parts) => Ok(Writing::new(
-                    item.key,
-                    len,
-                    Bytes::Host(parts.iter().copied().filter(|p| !p.is_empty()).collect()),
-                    None,
-                )),
+                Source::Host(parts) => Ok(Writing::host(item.key, parts, Placed::new())),
                 Source::Device { mem, offset, len } => {
                     mem.check_range(*offset, *len)?;
                     let direct = directs.register(self, *mem);
@@ -196,10 +191,8 @@ impl StoreInner {
         }
         let mut pending: Vec<usize> = (0..items.len()).filter(|&i| writing[i].is_some()).collect();
         let (busy_until, mut pause, mut attempt) = (Instant::now() + BUSY_WAIT, BUSY_PAUSE, 1);
-        let mut short = vec![false; items.len()];
         while !pending.is_empty() {
-            let again =
-                self.write_round(&pending, &mut writing, &directs, &mut results, &mut short, cfg, mode, attempt);
+            let again = self.write_round(&pending, &mut writing, &directs, &mut results, cfg, mode, attempt);
             // A busy key waits; anything else (a failed write, an upsert whose old
             // object's segments left) is another attempt.
             let failed_write = again.iter().any(|&i| !matches!(results[i], Err(Error::AlreadyExists(_))));
@@ -225,7 +218,7 @@ impl StoreInner {
                 self.cache.forget(item.key);
             }
         }
-        self.count_writes(&writing, &results, &short);
+        self.count_writes(&writing, &results, cfg);
         results
     }
 
@@ -239,7 +232,6 @@ impl StoreInner {
         writing: &mut [Option<Writing<'_>>],
         directs: &Directs<'_>,
         results: &mut [Result<()>],
-        short: &mut [bool],
         cfg: &ReplicateConfig,
         mode: WriteMode,
         attempt: usize,
@@ -258,7 +250,6 @@ impl StoreInner {
             w.placed.clear();
             match start {
                 Ok(replicas) => {
-                    short[i] = replicas.len() < cfg.replica_num;
                     for r in replicas {
                         match self.routes.get(&*self.master, &self.engine, r.segment) {
                             Ok(route) => w.placed.push((r, route)),
@@ -319,14 +310,15 @@ impl StoreInner {
 
     /// Counts the items of a call: stored (with fewer replicas than asked, and
     /// which way device bytes went), or failed.
-    fn count_writes(&self, writing: &[Option<Writing<'_>>], results: &[Result<()>], short: &[bool]) {
+    fn count_writes(&self, writing: &[Option<Writing<'_>>], results: &[Result<()>], cfg: &ReplicateConfig) {
         let c = &self.counters;
         for (i, res) in results.iter().enumerate() {
             match (res, &writing[i]) {
                 (Ok(()), Some(w)) => {
                     StoreCounters::inc(&c.puts, 1);
                     StoreCounters::inc(&c.put_bytes, w.len);
-                    if short[i] {
+                    // Ended, so every replica placed in its last round was routed.
+                    if w.placed.len() < cfg.replica_num {
                         StoreCounters::inc(&c.under_replicated_puts, 1);
                     }
                     if matches!(w.bytes, Bytes::Device { .. }) {
@@ -416,7 +408,7 @@ impl StoreInner {
                     self.routes.forget(r.segment);
                     by_host[k].push(j);
                 } else {
-                    failed_segments.push((r.segment, e.clone().into()));
+                    note_failed(&mut failed_segments, r.segment, &e);
                     round[k].failed.get_or_insert(e.into());
                 }
             }
@@ -507,10 +499,7 @@ impl StoreInner {
         drop(hosts);
         for (res, (k, j)) in transferred.into_iter().zip(owner) {
             if let Err(e) = res {
-                let segment = round[k].placed[j].0.segment;
-                if !failed_segments.iter().any(|(s, _)| *s == segment) {
-                    failed_segments.push((segment, e.clone().into()));
-                }
+                note_failed(&mut failed_segments, round[k].placed[j].0.segment, &e);
                 round[k].failed.get_or_insert(e.into());
             }
         }
@@ -560,6 +549,13 @@ fn item_checksums(round: &mut [&mut Writing<'_>]) -> Vec<u32> {
         round[k].crc = Some(crc);
     }
     round.iter().map(|w| w.crc.unwrap_or(0)).collect()
+}
+
+/// Adds `segment` to the segments that failed (each once: the master is told once).
+fn note_failed(failed: &mut Vec<(SegmentId, Error)>, segment: SegmentId, e: &mooncake_transfer::TransferError) {
+    if !failed.iter().any(|(s, _)| *s == segment) {
+        failed.push((segment, e.clone().into()));
+    }
 }
 
 /// The crc32c of the bytes of `reqs` laid end to end, if the transport took every
