@@ -9,8 +9,14 @@
 #   bash bench/gpu.sh [OUT]        # default bench/results/gpu-<date>
 #
 # Knobs: ITERS (20), MAX_SIZE (64 MiB), PYTHON (python3 with the wheel installed:
-# `cd mooncake-py && maturin develop --release`). Exit status: 0 when every step
-# passed and no GPU test skipped, else 1 (the failing steps are listed at the end).
+# `cd mooncake-py && maturin develop --release`), STEP_LIMIT (seconds one step may
+# take, 300), PARTS (which parts run: "tests bench python", all by default; a
+# machine lent for minutes can run them in separate calls). Exit status: 0 when every step passed and no GPU test skipped, else 1
+# (the failing steps are listed at the end).
+#
+# Prebuilt mode, for a GPU machine without Rust: BUILT=DIR runs the binaries that
+# `bench/gpu-pack.sh DIR` laid out (DIR/release/{deps,examples}/..., DIR/*.whl,
+# installed into a scratch folder) instead of building them with cargo.
 set -uo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$ROOT"
@@ -18,29 +24,71 @@ OUT="${1:-bench/results/gpu-$(date -u +%F)}"
 ITERS="${ITERS:-20}"
 MAX_SIZE="${MAX_SIZE:-67108864}"
 PYTHON="${PYTHON:-python3}"
+STEP_LIMIT="${STEP_LIMIT:-300}"
+BUILT="${BUILT:-}"
+PARTS=" ${PARTS:-tests bench python} "
+want() { [[ "$PARTS" == *" $1 "* ]]; }
 mkdir -p "$OUT"
 failed=()
 step() { # step NAME COMMAND... : runs it, its output in OUT/NAME.txt
     local name="$1"
     shift
     echo "== $name"
-    if ! "$@" >"$OUT/$name.txt" 2>&1; then
+    if ! timeout "$STEP_LIMIT" bash -c '"$@"' step "$@" >"$OUT/$name.txt" 2>&1; then
         failed+=("$name")
         tail -20 "$OUT/$name.txt"
     fi
 }
 nvidia-smi -L >"$OUT/device.txt" 2>&1 || echo "no nvidia-smi" >"$OUT/device.txt"
-step gpu-tests cargo test --release -p mooncake-gpu -- --nocapture
-step store-device-tests cargo test --release -p tests --test gpu_store -- --nocapture
-if grep -h "skipping" "$OUT/gpu-tests.txt" "$OUT/store-device-tests.txt"; then
-    failed+=("GPU tests skipped on a GPU machine")
+# The test binaries of one test target each, prebuilt or by cargo.
+tests_of() { # tests_of PACKAGE TARGET...
+    local pkg="$1" t
+    shift
+    if [ -n "$BUILT" ]; then
+        for t in "$@"; do
+            "$BUILT"/release/deps/"$t"-* --nocapture --test-threads 1 || return 1
+        done
+    else
+        cargo test --release -p "$pkg" $(printf -- '--test %s ' "$@") -- --nocapture --test-threads 1
+    fi
+}
+example() { # example PACKAGE NAME ARGS...
+    local pkg="$1" name="$2"
+    shift 2
+    if [ -n "$BUILT" ]; then
+        "$BUILT/release/examples/$name" "$@"
+    else
+        cargo run --release -p "$pkg" --example "$name" -- "$@"
+    fi
+}
+export -f tests_of example
+if [ -n "$BUILT" ]; then
+    BUILT="$(cd "$BUILT" && pwd)"
+    export BUILT
+    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --target /tmp/mooncake-site "$BUILT"/*.whl \
+        && export PYTHONPATH="/tmp/mooncake-site${PYTHONPATH:+:$PYTHONPATH}"
+    export MOONCAKE_MASTER="$BUILT/release/mooncake-master"
 fi
-step gpu-store-bench cargo run --release --example gpu_store -- --bench --iters "$ITERS" --max-size "$MAX_SIZE"
-step gpu-sweep cargo run --release -p mooncake-gpu --example gpu_sweep -- --iters "$ITERS"
-step gpu-sweep-staging cargo run --release -p mooncake-gpu --example gpu_sweep -- --staging --iters "$ITERS"
-if "$PYTHON" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
-    cargo build --release -p mooncake-cli --bins >"$OUT/build-cli.txt" 2>&1 || failed+=("build-cli")
-    export MOONCAKE_MASTER="${CARGO_TARGET_DIR:-$ROOT/target}/release/mooncake-master"
+if want tests; then
+    step gpu-tests tests_of mooncake-gpu cuda device_memory eviction_watchdog round_trips
+    step ipc-two-process tests_of mooncake-gpu ipc_two_process
+    step store-device-tests tests_of tests gpu_store
+    if grep -h "skipping" "$OUT/gpu-tests.txt" "$OUT/ipc-two-process.txt" "$OUT/store-device-tests.txt"; then
+        failed+=("GPU tests skipped on a GPU machine")
+    fi
+fi
+if want bench; then
+    step gpu-store-bench example examples gpu_store --bench --iters "$ITERS" --max-size "$MAX_SIZE"
+    step gpu-sweep example mooncake-gpu gpu_sweep --iters "$ITERS"
+    step gpu-sweep-staging example mooncake-gpu gpu_sweep --staging --iters "$ITERS"
+fi
+if ! want python; then
+    :
+elif "$PYTHON" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+    if [ -z "$BUILT" ]; then
+        cargo build --release -p mooncake-cli --bins >"$OUT/build-cli.txt" 2>&1 || failed+=("build-cli")
+        export MOONCAKE_MASTER="${CARGO_TARGET_DIR:-$ROOT/target}/release/mooncake-master"
+    fi
     step py-gpu-tests "$PYTHON" -m pytest -q -rs mooncake-py/tests/test_gpu.py
     grep -q "skipped" "$OUT/py-gpu-tests.txt" && failed+=("torch CUDA test skipped")
     step py-gpu-pointers "$PYTHON" mooncake-py/bench/gpu_pointers.py --master-bin "$MOONCAKE_MASTER" --iters "$ITERS"

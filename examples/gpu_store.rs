@@ -254,6 +254,7 @@ fn bench(a: &Args) -> Result<String, Box<dyn std::error::Error>> {
         let (htod, dtoh) = (gbps(size, htod), gbps(size, dtoh));
         for r in &rows_of {
             let store = &r.client;
+            let before = store.stats();
             let keys: Vec<String> = (0..batch).map(|i| format!("bench/{}/{size}/{i}", r.name)).collect();
             for (i, k) in keys.iter().enumerate() {
                 store.put(k, &kv_block(i, size, size))?;
@@ -309,6 +310,11 @@ fn bench(a: &Args) -> Result<String, Box<dyn std::error::Error>> {
             for k in &keys {
                 let _ = store.remove(k);
             }
+            // Which share of the device bytes moved without a staging copy.
+            let after = store.stats();
+            let direct = (after.device_direct_bytes - before.device_direct_bytes) as f64;
+            let staged = (after.device_staged_bytes - before.device_staged_bytes) as f64;
+            let direct_share = direct / (direct + staged).max(1.0);
             let (get_host, get_dev, put_host, put_dev) =
                 (gbps(size, get_host), gbps(size, get_dev), gbps(size, put_host), gbps(size, put_dev));
             let (batch_get, batch_put) = (gbps(size * batch, batch_get), gbps(size * batch, batch_put));
@@ -319,7 +325,8 @@ fn bench(a: &Args) -> Result<String, Box<dyn std::error::Error>> {
                  \"host_get_into_gbps\":{get_host:.3},\"host_put_gbps\":{put_host:.3},\
                  \"htod_pinned_gbps\":{htod:.3},\"dtoh_pinned_gbps\":{dtoh:.3},\
                  \"get_into_device_vs_pinned_htod\":{:.3},\"put_from_device_vs_pinned_dtoh\":{:.3},\
-                 \"get_into_device_vs_host_get_into\":{:.3},\"put_from_device_vs_host_put\":{:.3}}}",
+                 \"get_into_device_vs_host_get_into\":{:.3},\"put_from_device_vs_host_put\":{:.3},\
+                 \"device_direct_share\":{direct_share:.3}}}",
                 r.name,
                 a.iters,
                 get_dev / htod,

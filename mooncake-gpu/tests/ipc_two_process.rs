@@ -233,8 +233,10 @@ fn one_hop_write_into_a_peer_heap_across_processes() {
     let (tx, rx) = std::sync::mpsc::channel::<String>();
     std::thread::spawn(move || {
         for line in BufReader::new(owner_out).lines().map_while(|l| l.ok()) {
-            if let Some(rest) = line.strip_prefix("IPC:") {
-                let _ = tx.send(rest.to_owned());
+            // The harness's "test NAME ... " has no newline: the first protocol
+            // line follows it on the same line.
+            if let Some(at) = line.find("IPC:") {
+                let _ = tx.send(line[at + 4..].to_owned());
             }
         }
     });

@@ -342,6 +342,74 @@ fn over_tcp_device_memory_is_staged_as_before() {
     assert_eq!(client.stats().device_staged_bytes, 2 * data.len() as u64);
 }
 
+/// Objects read over TCP into device memory stream through two pinned chunks
+/// that take turns: objects larger than a chunk, pieces of several objects in one
+/// chunk, a 1-byte object, two device memories, and a corrupted replica (failed
+/// on the device bytes, the others unharmed) all come out exact.
+#[test]
+fn over_tcp_objects_stream_into_device_memory_through_two_chunks() {
+    let master = Master::new(MasterConfig::default()).unwrap();
+    let tcp = |segment: u64| {
+        let b = Store::builder().master(&master).protocol(Protocol::Tcp).global_segment_size(segment);
+        if segment > 0 { b.listen("127.0.0.1:0") } else { b }.build().unwrap()
+    };
+    let (node, client) = (tcp(96 << 20), tcp(0));
+    let sizes = [(3 << 20) + 1, 7 << 20, 1, (5 << 20) + 4095, 9 << 20];
+    let keys: Vec<String> = (0..sizes.len()).map(|i| format!("stream/{i}")).collect();
+    let data: Vec<Vec<u8>> = sizes.iter().enumerate().map(|(i, &n)| pattern(300 + i as u64, n)).collect();
+    for (k, d) in keys.iter().zip(&data) {
+        node.put(k, d).unwrap();
+    }
+    let (a, b) = (device(16 << 20), device(16 << 20));
+    // Objects 0..3 into `a`, 3.. into `b`, each at its own offset.
+    let mut at = [0u64; 5];
+    let (mut on_a, mut on_b) = (5u64, 3u64);
+    for i in 0..sizes.len() {
+        let slot = if i < 3 { &mut on_a } else { &mut on_b };
+        at[i] = *slot;
+        *slot += sizes[i] as u64 + 11;
+    }
+    let mem = |i: usize| -> &dyn mooncake_core::gpu::DeviceMemory {
+        if i < 3 {
+            &a
+        } else {
+            &b
+        }
+    };
+    let items: Vec<(&str, &dyn mooncake_core::gpu::DeviceMemory, u64)> =
+        (0..sizes.len()).map(|i| (keys[i].as_str(), mem(i), at[i])).collect();
+    let got = client.batch_get_into_devices(&items);
+    let (va, vb) = (a.to_vec(), b.to_vec());
+    for i in 0..sizes.len() {
+        assert_eq!(*got[i].as_ref().unwrap(), sizes[i], "object {i}");
+        let v = if i < 3 { &va } else { &vb };
+        assert!(v[at[i] as usize..at[i] as usize + sizes[i]] == data[i][..], "object {i}: device bytes");
+    }
+    assert_eq!(client.stats().device_staged_bytes, sizes.iter().sum::<usize>() as u64);
+    // One replica corrupted: that object fails its checksum on the device bytes;
+    // the others read exactly as before.
+    let info = client.master().object_info(&keys[1]).unwrap();
+    let r = info.replicas[0];
+    let region = client.master().segment_info(r.segment).unwrap().region;
+    let t = mooncake_transfer::TcpTransport::new();
+    let mut byte = [0u8; 1];
+    let mut reqs = [TransferRequest::read(&region, r.offset + (6 << 20), &mut byte)];
+    assert!(t.transfer(&mut reqs).into_iter().all(|x| x.is_ok()));
+    byte[0] ^= 0x5a;
+    let mut reqs = [TransferRequest::write(&region, r.offset + (6 << 20), &byte)];
+    assert!(t.transfer(&mut reqs).into_iter().all(|x| x.is_ok()));
+    a.with_bytes_mut(|m| m.fill(0));
+    b.with_bytes_mut(|m| m.fill(0));
+    let got = client.batch_get_into_devices(&items);
+    assert!(matches!(got[1], Err(Error::Corrupted(_))), "{:?}", got[1]);
+    let (va, vb) = (a.to_vec(), b.to_vec());
+    for i in [0, 2, 3, 4] {
+        assert_eq!(*got[i].as_ref().unwrap(), sizes[i], "object {i}");
+        let v = if i < 3 { &va } else { &vb };
+        assert!(v[at[i] as usize..at[i] as usize + sizes[i]] == data[i][..], "object {i}: device bytes after");
+    }
+}
+
 #[test]
 fn a_replica_in_a_mapped_segment_moves_in_one_dma_and_a_tcp_one_is_staged() {
     // Same host, other store: its segment is reached by shared memory (mapped into
@@ -426,4 +494,41 @@ fn per_layer_ranges_as_one_scatter_through_the_device_api() {
         assert_eq!(dst_t[l * 2 * block..][..block], want[l * block..][..block], "layer {l}");
         assert!(dst_t[l * 2 * block + block..][..block].iter().all(|&b| b == 0), "gap after layer {l} written");
     }
+}
+
+/// On a real GPU: a replica in the store's own segment moves to and from CUDA
+/// device memory in one DMA (the segment page-locked once), counted as direct,
+/// with exact bytes. Skipped, with a message, without a GPU.
+#[test]
+fn with_a_gpu_the_own_segment_moves_in_one_dma() {
+    use mooncake_core::gpu::{DeviceBuffer, DeviceMemory};
+    let dev = match DeviceBuffer::new(0, 16 << 20) {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("note: skipping GPU test: {e}");
+            return;
+        }
+    };
+    let store = store(256 << 20);
+    for (i, len) in [(1usize << 20) + 5, 8 << 20].into_iter().enumerate() {
+        let data = pattern(40 + i as u64, len);
+        let mut stream = dev.open_stream().unwrap();
+        // SAFETY: `data` outlives the copy, which is synchronized right away.
+        unsafe { stream.copy_to_device_async(data.as_ptr(), len, 0).unwrap() };
+        stream.synchronize().unwrap();
+        drop(stream);
+        let key = format!("gpu/{len}");
+        store.put_from_device(&key, &dev, 0, len as u64).unwrap();
+        assert!(store.get(&key).unwrap()[..] == data[..], "{len}: stored bytes");
+        assert_eq!(store.get_into_device(&key, &dev, 4096).unwrap(), len);
+        let mut back = vec![0u8; len];
+        let mut stream = dev.open_stream().unwrap();
+        // SAFETY: as above.
+        unsafe { stream.copy_from_device_async(back.as_mut_ptr(), len, 4096).unwrap() };
+        stream.synchronize().unwrap();
+        assert!(back == data, "{len}: device bytes");
+    }
+    let s = store.stats();
+    let total = 2 * ((1u64 << 20) + 5 + (8 << 20));
+    assert_eq!((s.device_direct_bytes, s.device_staged_bytes), (total, 0), "the own segment was not page-locked");
 }

@@ -199,15 +199,29 @@ fn a_master_out_of_descriptors_keeps_its_metrics_listener() {
     raise_fd_limit();
     let mut m = LimitedMaster::start();
     // Raw connections to the RPC listener (no hello): the master accepts them until
-    // it has no descriptor left.
-    let hogs: Vec<TcpStream> = (0..1100)
-        .filter_map(|_| TcpStream::connect_timeout(&m.rpc.parse().unwrap(), Duration::from_secs(2)).ok())
-        .collect();
+    // it has no descriptor left. It closes each one that sends no hello within 5 s,
+    // so on a loaded machine, where 1,100 connects can take longer than that, more
+    // are opened until the master is seen full.
+    let mut hogs: Vec<TcpStream> = Vec::new();
+    let mut refused = None;
     let start = Instant::now();
-    while m.descriptors() < 1020 && start.elapsed() < Duration::from_secs(10) {
+    while m.descriptors() < 1020 && start.elapsed() < Duration::from_secs(30) {
+        for _ in 0..100 {
+            match TcpStream::connect_timeout(&m.rpc.parse().unwrap(), Duration::from_secs(2)) {
+                Ok(s) => hogs.push(s),
+                Err(e) => refused = Some(e),
+            }
+        }
         std::thread::sleep(Duration::from_millis(20));
     }
-    assert!(m.descriptors() >= 1020, "the master holds only {} descriptors", m.descriptors());
+    assert!(
+        m.descriptors() >= 1020,
+        "the master holds only {} descriptors after {} connections in {:?} (last connect error: {refused:?}): {}",
+        m.descriptors(),
+        hogs.len(),
+        start.elapsed(),
+        m.stderr().lines().rev().take(10).collect::<Vec<_>>().join("\n")
+    );
     // Meanwhile the metrics listener cannot accept: whatever a client gets, it is not
     // kept waiting past its own timeout.
     for _ in 0..3 {

@@ -21,7 +21,7 @@ use std::time::Instant;
 use mooncake_transfer::{TransferError, TransferRequest, WorkOp};
 
 use super::destination::{Dest, Destination, Got};
-use super::device::{move_device, pinned, Copies, DeviceMove, Directs, Keep, PinnedRegion};
+use super::device::{move_device, pinned, stream_reads, Copies, DeviceMove, Directs, Keep, PinnedRegion, StreamRead};
 use super::routes::Route;
 use super::stats::StoreCounters;
 use super::write::summed;
@@ -61,6 +61,9 @@ struct Reading<'a> {
     direct: Option<usize>,
     /// Whether the object went to device memory straight from its replica.
     moved_direct: bool,
+    /// Whether the object's bytes are on the device already (moved straight or
+    /// streamed): nothing to upload from host memory.
+    on_device: bool,
     /// The replica's segment, mapped and page-locked, for a `Dma` attempt.
     pinned: Option<Arc<PinnedRegion>>,
 }
@@ -75,6 +78,9 @@ enum Attempt {
     /// Copy replica `order[n]` to device memory in one DMA from its mapped,
     /// page-locked segment (`pinned`).
     Dma(usize),
+    /// Read replica `order[n]` with the transport into pinned chunks, each
+    /// copied to device memory while the next one arrives.
+    Stream(usize),
     /// Read the disk replica on this client's SSD.
     Disk(ClientId),
 }
@@ -128,6 +134,7 @@ impl StoreInner {
                 last_err: None,
                 done: None,
                 moved_direct: false,
+                on_device: false,
                 pinned: None,
             };
             if let Err(e) = check_key(key) {
@@ -153,7 +160,7 @@ impl StoreInner {
         }
         let mut uploads = Copies::default();
         for (k, r) in reading.iter_mut().enumerate() {
-            if let (Some(Ok(n)), false) = (&r.done, r.moved_direct) {
+            if let (Some(Ok(n)), false) = (&r.done, r.on_device) {
                 let n = *n;
                 if let Err(e) = r.target.upload(k, n, &mut uploads) {
                     r.done = Some(Err(e));
@@ -248,6 +255,8 @@ impl StoreInner {
                             Attempt::Device(r.next)
                         } else if r.pinned.is_some() {
                             Attempt::Dma(r.next)
+                        } else if matches!(r.target.dest, Dest::Device { .. }) {
+                            Attempt::Stream(r.next)
                         } else {
                             Attempt::Memory(r.next)
                         });
@@ -357,6 +366,28 @@ impl StoreInner {
                 ok[k] = Some(Err(e));
             }
         }
+        // Through pinned chunks into device memory, DMA overlapping the transport.
+        {
+            let mut reads = Vec::new();
+            let mut owner = Vec::new();
+            for (k, r) in reading.iter().enumerate() {
+                let (Some(Attempt::Stream(n)), Dest::Device { mem, offset }) = (attempts[k], &r.target.dest) else {
+                    continue;
+                };
+                let (rep, Ok(route)) = &r.order[n] else { continue };
+                reads.push(StreamRead {
+                    region: &route.region,
+                    offset: rep.offset,
+                    len: r.len() as u64,
+                    mem: *mem,
+                    dst: *offset,
+                });
+                owner.push(k);
+            }
+            for (res, k) in stream_reads(&self.engine, &reads).into_iter().zip(owner) {
+                ok[k] = Some(res);
+            }
+        }
         // Memory replicas with the transport: one batch.
         let mut taken: Vec<Option<u32>> = vec![None; reading.len()];
         {
@@ -443,7 +474,7 @@ impl StoreInner {
         let mut sums: Vec<Option<u32>> = taken;
         let to_sum: Vec<usize> = (0..reading.len())
             .filter(|&k| matches!(ok[k], Some(Ok(()))) && sums[k].is_none())
-            .filter(|&k| !matches!(attempts[k], Some(Attempt::Device(_) | Attempt::Dma(_))))
+            .filter(|&k| !matches!(attempts[k], Some(Attempt::Device(_) | Attempt::Dma(_) | Attempt::Stream(_))))
             .collect();
         let pieces: Vec<Vec<&[u8]>> = to_sum.iter().map(|&k| reading[k].target.filled(reading[k].len())).collect();
         for (&k, crc) in to_sum.iter().zip(crate::checksum::checksum_each(&pieces)) {
@@ -455,11 +486,13 @@ impl StoreInner {
             let (Some(attempt), Some(res)) = (attempts[k], &ok[k]) else { continue };
             let Some((list, from)) = r.list.clone() else { continue };
             let segment = match attempt {
-                Attempt::Memory(n) | Attempt::Device(n) | Attempt::Dma(n) => Some(r.order[n].0.segment),
+                Attempt::Memory(n) | Attempt::Device(n) | Attempt::Dma(n) | Attempt::Stream(n) => {
+                    Some(r.order[n].0.segment)
+                }
                 Attempt::Disk(_) => None,
             };
             let verdict = match (res, attempt) {
-                (Ok(()), Attempt::Device(_) | Attempt::Dma(_)) => match &r.target.dest {
+                (Ok(()), Attempt::Device(_) | Attempt::Dma(_) | Attempt::Stream(_)) => match &r.target.dest {
                     Dest::Device { mem, offset } => mem.crc32c(*offset, list.len).map_err(Error::from),
                     _ => Err(Error::NotFound(r.key.to_owned())),
                 },
@@ -470,6 +503,7 @@ impl StoreInner {
                 Ok(crc) if crc == list.checksum => {
                     r.done = Some(Ok(list.len as usize));
                     r.moved_direct = matches!(attempt, Attempt::Device(_) | Attempt::Dma(_));
+                    r.on_device = matches!(attempt, Attempt::Device(_) | Attempt::Dma(_) | Attempt::Stream(_));
                     match from {
                         ListFrom::Cache => self.cache.hit(),
                         ListFrom::Master(asked_at) => {

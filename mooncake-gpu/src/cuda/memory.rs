@@ -235,6 +235,17 @@ impl DeviceMemory for DeviceBuffer {
         })
     }
 
+    /// Summed on the device (two small kernels, 4 bytes back), so a device
+    /// get's check costs no second pass of the bytes over PCIe; by download
+    /// where the kernels cannot be built (no NVRTC).
+    fn crc32c(&self, offset: u64, len: u64) -> Result<u32> {
+        self.check_range(offset, len)?;
+        match super::checksum::crc32c(&self.ctx, self.ordinal, self.ptr + offset, len) {
+            Err(e) if super::checksum::unavailable(&e) => crate::device::crc32c_by_download(self, offset, len),
+            other => other,
+        }
+    }
+
     fn open_stream(&self) -> Result<Box<dyn DeviceStream + '_>> {
         let slot = self.take_slot()?;
         Ok(Box::new(CudaCopyStream { buf: self, slot: Some(slot), pending: VecDeque::new(), next: 0 }))

@@ -29,6 +29,8 @@
 //! [`ObjMeta`]: crate::ObjMeta
 
 #[cfg(feature = "cuda")]
+mod checksum;
+#[cfg(feature = "cuda")]
 mod driver;
 mod emulate;
 #[cfg(feature = "cuda")]

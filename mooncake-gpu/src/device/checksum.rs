@@ -7,7 +7,7 @@ use crate::error::Result;
 /// crc32c of `len` bytes at `offset` of `mem` (a range already checked), copied
 /// to two pinned buffers in chunks of at most [`DEFAULT_CHUNK`] bytes: the copy of
 /// one chunk runs while the previous one is summed.
-pub(super) fn crc32c_by_download<M: DeviceMemory + ?Sized>(mem: &M, offset: u64, len: u64) -> Result<u32> {
+pub(crate) fn crc32c_by_download<M: DeviceMemory + ?Sized>(mem: &M, offset: u64, len: u64) -> Result<u32> {
     if len == 0 {
         return Ok(crc32c::crc32c(&[]));
     }

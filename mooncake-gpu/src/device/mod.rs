@@ -48,6 +48,8 @@ use std::fmt;
 
 use mooncake_transfer::DmaBuf;
 
+#[cfg_attr(not(feature = "cuda"), allow(unused_imports))]
+pub(crate) use checksum::crc32c_by_download;
 pub use host::HostDeviceMemory;
 #[cfg_attr(not(feature = "cuda"), allow(unused_imports))]
 pub(crate) use pinned::PageLockedAlloc;

@@ -102,6 +102,23 @@ impl DeviceMemory for DeviceScatter {
         self.parts[0].mem.alloc_pinned(len)
     }
 
+    /// Each part's range summed by its own memory (on the device, for CUDA
+    /// memory), the sums folded in order.
+    fn crc32c(&self, offset: u64, len: u64) -> Result<u32> {
+        self.check_range(offset, len)?;
+        let (mut crc, end) = (0u32, offset + len);
+        let mut at = offset;
+        while at < end {
+            let p = &self.parts[self.part_at(at)];
+            let n = (p.at + p.len).min(end) - at;
+            let piece = p.mem.crc32c(p.offset + (at - p.at), n)?;
+            let n_usize = usize::try_from(n).map_err(|_| GpuError::InvalidArgument(format!("{n} bytes")))?;
+            crc = crc32c::crc32c_combine(crc, piece, n_usize);
+            at += n;
+        }
+        Ok(crc)
+    }
+
     fn open_stream(&self) -> Result<Box<dyn DeviceStream + '_>> {
         Ok(Box::new(ScatterStream {
             scatter: self,
@@ -238,5 +255,27 @@ mod tests {
         // SAFETY: refused before anything is enqueued.
         let r = unsafe { st.copy_to_device_async(data.as_ptr(), 2, 10) };
         assert!(matches!(r, Err(GpuError::OutOfBounds(_))));
+    }
+
+    #[test]
+    fn the_sum_of_any_range_is_the_sum_of_its_bytes_across_parts() {
+        let lens = [70_000u64, 1, 4096, 33_333];
+        let mems: Vec<Arc<HostDeviceMemory>> =
+            lens.iter().map(|&n| Arc::new(HostDeviceMemory::new(n + 9).unwrap())).collect();
+        let mut all = Vec::new();
+        for (i, (m, &n)) in mems.iter().zip(&lens).enumerate() {
+            let bytes: Vec<u8> = (0..n).map(|j| (j as u8).wrapping_mul(31).wrapping_add(i as u8)).collect();
+            m.copy_from_host(9, &bytes).unwrap();
+            all.extend(bytes);
+        }
+        let ranges = mems.iter().zip(&lens).map(|(m, &n)| (m.clone() as Arc<dyn DeviceMemory>, 9, n)).collect();
+        let s = DeviceScatter::new(ranges).unwrap();
+        let total = all.len() as u64;
+        for (offset, len) in [(0, total), (0, 0), (5, 70_000), (69_999, 2), (70_000, 1), (70_001, 4096), (1, total - 2)]
+        {
+            let want = crc32c::crc32c(&all[offset as usize..(offset + len) as usize]);
+            assert_eq!(s.crc32c(offset, len).unwrap(), want, "{offset}+{len}");
+        }
+        assert!(matches!(s.crc32c(total, 1), Err(GpuError::OutOfBounds(_))));
     }
 }

@@ -5,8 +5,8 @@
 //! [`DeviceBuffer`](mooncake_gpu::DeviceBuffer), or
 //! [`HostDeviceMemory`](mooncake_gpu::HostDeviceMemory) (host emulation, same API)
 //! on machines without a GPU. It is one more source of the write engine and one
-//! more destination of the read engine; per replica, its bytes take one of two
-//! ways:
+//! more destination of the read engine; per replica, its bytes take one of
+//! these ways:
 //!
 //! * **Direct** (`direct.rs`): the replica's transport moves device memory
 //!   ([`Capabilities::moves_device_memory`](mooncake_transfer::Capabilities): RDMA)
@@ -19,9 +19,13 @@
 //!   is page-locked with CUDA once, and the replica moves to or from device memory
 //!   in one DMA straight from or into it. The checksum is taken of the device
 //!   bytes.
-//! * **Staged** (`staging.rs`): everything else (TCP peers, disk replicas, memory
-//!   that cannot be pinned) goes through pinned host buffers, copied to or from the
-//!   device asynchronously.
+//! * **Streamed** (`stream.rs`, reads): a replica the transport reads into host
+//!   memory (a TCP peer's, a segment that cannot be page-locked) arrives in two
+//!   pinned chunks that take turns: the DMA of one runs while the transport
+//!   fills the other. The checksum is taken of the device bytes.
+//! * **Staged** (`staging.rs`): everything else (puts to TCP peers, disk
+//!   replicas) goes through pinned host buffers, copied to or from the device
+//!   asynchronously.
 //!
 //! [`StoreStats::device_direct_bytes`](crate::StoreStats::device_direct_bytes) and
 //! [`device_staged_bytes`](crate::StoreStats::device_staged_bytes) say which way
@@ -31,7 +35,9 @@ mod api;
 mod direct;
 mod pinned;
 mod staging;
+mod stream;
 
 pub(super) use direct::{move_device, DeviceMove, Directs};
 pub(super) use pinned::{pinned, PinnedRegion};
 pub(super) use staging::{download, room_after, staging, Copies, Keep};
+pub(super) use stream::{stream_reads, StreamRead};

@@ -86,7 +86,7 @@ impl PinnedRegions {
         let pinned = match pin {
             Ok(pin) => Some(Arc::new(PinnedRegion { map, _pin: pin })),
             Err(e) => {
-                tracing::debug!(error = %e, endpoint = region.endpoint, "cannot page-lock a segment: staged");
+                tracing::warn!(error = %e, endpoint = region.endpoint, "cannot page-lock a segment: device copies to and from it are staged");
                 None
             }
         };
