@@ -92,6 +92,8 @@ elif "$PYTHON" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() el
     step py-gpu-tests "$PYTHON" -m pytest -q -rs mooncake-py/tests/test_gpu.py
     grep -q "skipped" "$OUT/py-gpu-tests.txt" && failed+=("torch CUDA test skipped")
     step py-gpu-pointers "$PYTHON" mooncake-py/bench/gpu_pointers.py --master-bin "$MOONCAKE_MASTER" --iters "$ITERS"
+    step py-gpu-pointers-tcp "$PYTHON" mooncake-py/bench/gpu_pointers.py --master-bin "$MOONCAKE_MASTER" \
+        --iters "$ITERS" --protocol tcp
     step py-kv-connector "$PYTHON" examples/python/kv_connector.py --gpu
 else
     echo "torch with CUDA does not import with $PYTHON: the Python GPU steps are skipped" | tee "$OUT/python.txt"

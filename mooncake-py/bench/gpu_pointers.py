@@ -3,12 +3,13 @@
 batch forms on CUDA tensors (registered by `data_ptr()`, as vLLM does), timed per
 object size, one JSON document out.
 
-The replicas are in the client's own segment, as in the `local` rows of
-`cargo run --release --example gpu_store -- --bench`, which the figures are compared
-with (target: within 10 % of the Rust device API).
+The replicas are in the client's own segment: with `--protocol shm` (the default)
+mapped, as in the `local` rows of `cargo run --release --example gpu_store -- --bench`;
+with `--protocol tcp` reached over loopback TCP, as in its `tcp_peer` rows. The
+figures are compared with those rows (target: within 10 % of the Rust device API).
 
     python gpu_pointers.py [--master-bin target/release/mooncake-master] [--iters 20]
-        [--max-size BYTES] [--emulate]
+        [--max-size BYTES] [--protocol shm|tcp] [--emulate]
 
 Without torch and a CUDA device it exits 2 and says so. `--emulate` runs the same
 calls over host memory declared to the store as GPU memory (a test of this script and
@@ -86,6 +87,9 @@ def main():
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--max-size", type=int, default=64 * MiB)
     ap.add_argument("--emulate", action="store_true")
+    ap.add_argument("--protocol", default="shm",
+                    help="the store's protocol: shm (its own segment mapped: compare with gpu_store's "
+                         "local rows) or tcp (its own segment over loopback TCP: the tcp_peer rows)")
     a = ap.parse_args()
     if a.emulate:
         kind, device = Emulated, "host emulation (no GPU): a test of the script, not a GPU result"
@@ -105,7 +109,7 @@ def main():
     try:
         store = MooncakeDistributedStore()
         segment = 6 * layers * max(sizes) + 64 * MiB
-        assert store.setup("localhost", "P2PHANDSHAKE", segment, 16 * MiB, "tcp", "", master) == 0
+        assert store.setup("localhost", "P2PHANDSHAKE", segment, 16 * MiB, a.protocol, "", master) == 0
         rows = []
         keep = []  # emulated ranges stay declared until the store closes
         for size in sizes:
@@ -146,7 +150,7 @@ def main():
                 }
             )
         direct, staged = store._device_bytes()
-        print(json.dumps({"bench": "gpu_pointers", "device": device, "iters": a.iters, "rows": rows,
+        print(json.dumps({"bench": "gpu_pointers", "device": device, "protocol": a.protocol, "iters": a.iters, "rows": rows,
                           "device_direct_bytes": direct, "device_staged_bytes": staged}, indent=1))
         store.close()
     finally:

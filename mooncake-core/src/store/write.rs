@@ -14,11 +14,11 @@
 use std::time::{Duration, Instant};
 
 use mooncake_alloc::SegmentId;
-use mooncake_gpu::{DeviceMemory, PooledBuffer};
+use mooncake_gpu::DeviceMemory;
 use mooncake_transfer::{TransferRequest, WorkOp};
 use smallvec::SmallVec;
 
-use super::device::{download, move_device, pinned, Copies, DeviceMove, Directs, Keep};
+use super::device::{move_device, pinned, stream_writes, Copies, DeviceMove, Directs, Keep, StreamWrite};
 use super::routes::Route;
 use super::stats::StoreCounters;
 use super::StoreInner;
@@ -118,17 +118,15 @@ pub(super) type Placed = SmallVec<[(MemoryReplica, std::sync::Arc<Route>); 2]>;
 enum Bytes<'a> {
     /// Host slices (empty ones left out).
     Host(Parts<'a>),
-    /// Device memory; `direct` its registration when the NICs took it, `staged`
-    /// a pinned copy once a replica needs one.
-    Device { mem: &'a dyn DeviceMemory, offset: u64, direct: Option<usize>, staged: Option<PooledBuffer<'static>> },
+    /// Device memory; `direct` its registration when the NICs took it.
+    Device { mem: &'a dyn DeviceMemory, offset: u64, direct: Option<usize> },
 }
 
 impl Bytes<'_> {
-    /// The host copy of the bytes, if there is one.
-    fn host(&self, len: u64) -> Option<Parts<'_>> {
+    /// The bytes in host memory, if they are there.
+    fn host(&self) -> Option<Parts<'_>> {
         match self {
             Bytes::Host(parts) => Some(parts.iter().copied().collect()),
-            Bytes::Device { staged: Some(s), .. } => Some(smallvec::smallvec![&s[..len as usize]]),
             Bytes::Device { .. } => None,
         }
     }
@@ -447,27 +445,41 @@ impl StoreInner {
                 round[k].failed.get_or_insert(e);
             }
         }
-        // Device items with a replica to write from host memory: a pinned copy.
-        for (k, w) in round.iter_mut().enumerate() {
-            if by_host[k].is_empty() {
-                continue;
-            }
-            if let Bytes::Device { mem, offset, staged, .. } = &mut w.bytes {
+        // Device items with replicas to write from host memory: streamed through
+        // two pinned chunks (the DMA of one overlapping the transport's write of
+        // the other); their checksum is taken on the device.
+        {
+            let mut writes = Vec::new();
+            let mut owner = Vec::new();
+            for (k, w) in round.iter_mut().enumerate() {
+                if by_host[k].is_empty() || !matches!(w.bytes, Bytes::Device { .. }) {
+                    continue;
+                }
                 w.staged = true;
-                if staged.is_none() {
-                    match download(*mem, *offset, w.len as usize) {
-                        Ok(copy) => *staged = Some(copy),
-                        Err(e) => {
-                            w.failed.get_or_insert(e);
-                            by_host[k].clear();
-                        }
+                let w: &Writing<'_> = w;
+                let Bytes::Device { mem, offset, .. } = &w.bytes else { continue };
+                let targets = by_host[k].iter().map(|&j| (&w.placed[j].1.region, w.placed[j].0.offset)).collect();
+                writes.push(StreamWrite { mem: *mem, src: *offset, len: w.len, targets });
+                owner.push(k);
+            }
+            let written = stream_writes(&self.engine, &writes);
+            drop(writes);
+            for (done, k) in written.into_iter().zip(owner) {
+                if let Some(e) = done.failed {
+                    round[k].failed.get_or_insert(e);
+                }
+                for (res, &j) in done.targets.into_iter().zip(&by_host[k]) {
+                    if let Err(e) = res {
+                        note_failed(&mut failed_segments, round[k].placed[j].0.segment, &e);
+                        round[k].failed.get_or_insert(e.into());
                     }
                 }
+                by_host[k].clear();
             }
         }
         // Everything else in one batch; each item's checksum is taken from the
         // writes of its first replica where the transport sums them.
-        let hosts: Vec<Option<Parts<'_>>> = round.iter().map(|w| w.bytes.host(w.len)).collect();
+        let hosts: Vec<Option<Parts<'_>>> = round.iter().map(|w| w.bytes.host()).collect();
         let mut reqs: Vec<TransferRequest<'_>> = Vec::new();
         let mut owner: Vec<(usize, usize)> = Vec::new();
         for (k, w) in round.iter().enumerate() {
@@ -520,7 +532,7 @@ fn device_item<'a>(
     len: u64,
     direct: Option<usize>,
 ) -> Writing<'a> {
-    Writing::new(key, len, Bytes::Device { mem, offset, direct, staged: None }, None)
+    Writing::new(key, len, Bytes::Device { mem, offset, direct }, None)
 }
 
 /// The crc32c of each item written: what the device or the transport took, the
@@ -531,7 +543,7 @@ fn item_checksums(round: &mut [&mut Writing<'_>]) -> Vec<u32> {
         (0..round.len()).filter(|&k| round[k].crc.is_none() && round[k].failed.is_none()).collect();
     // Device bytes with no host copy are summed on the device.
     for &k in &missing {
-        if let (None, Bytes::Device { mem, offset, .. }) = (round[k].bytes.host(round[k].len), &round[k].bytes) {
+        if let (None, Bytes::Device { mem, offset, .. }) = (round[k].bytes.host(), &round[k].bytes) {
             match mem.crc32c(*offset, round[k].len) {
                 Ok(crc) => round[k].crc = Some(crc),
                 Err(e) => round[k].failed = Some(e.into()),
@@ -542,7 +554,7 @@ fn item_checksums(round: &mut [&mut Writing<'_>]) -> Vec<u32> {
         missing.into_iter().filter(|&k| round[k].crc.is_none() && round[k].failed.is_none()).collect();
     let sums = {
         let parts: Vec<Vec<&[u8]>> =
-            missing.iter().map(|&k| round[k].bytes.host(round[k].len).unwrap_or_default().into_vec()).collect();
+            missing.iter().map(|&k| round[k].bytes.host().unwrap_or_default().into_vec()).collect();
         crate::checksum::checksum_each(&parts)
     };
     for (&k, crc) in missing.iter().zip(sums) {

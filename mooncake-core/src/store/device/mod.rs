@@ -19,13 +19,13 @@
 //!   is page-locked with CUDA once, and the replica moves to or from device memory
 //!   in one DMA straight from or into it. The checksum is taken of the device
 //!   bytes.
-//! * **Streamed** (`stream.rs`, reads): a replica the transport reads into host
-//!   memory (a TCP peer's, a segment that cannot be page-locked) arrives in two
-//!   pinned chunks that take turns: the DMA of one runs while the transport
-//!   fills the other. The checksum is taken of the device bytes.
-//! * **Staged** (`staging.rs`): everything else (puts to TCP peers, disk
-//!   replicas) goes through pinned host buffers, copied to or from the device
-//!   asynchronously.
+//! * **Streamed** (`stream.rs`): a replica the transport reaches through host
+//!   memory (a TCP peer's, a segment that cannot be page-locked) moves through
+//!   two pinned chunks that take turns: the DMA of one runs while the transport
+//!   reads into (get) or writes from (put) the other. The checksum is taken of
+//!   the device bytes.
+//! * **Staged** (`staging.rs`): disk replicas are read into a pinned host buffer,
+//!   then copied to the device.
 //!
 //! [`StoreStats::device_direct_bytes`](crate::StoreStats::device_direct_bytes) and
 //! [`device_staged_bytes`](crate::StoreStats::device_staged_bytes) say which way
@@ -39,5 +39,5 @@ mod stream;
 
 pub(super) use direct::{move_device, DeviceMove, Directs};
 pub(super) use pinned::{pinned, PinnedRegion};
-pub(super) use staging::{download, room_after, staging, Copies, Keep};
-pub(super) use stream::{stream_reads, StreamRead};
+pub(super) use staging::{room_after, staging, Copies, Keep};
+pub(super) use stream::{stream_reads, stream_writes, StreamRead, StreamWrite};

@@ -1,9 +1,9 @@
 //! Pinned host memory between device memory and the store's transports.
 //!
-//! Device bytes that no transport can move directly are staged: a put copies them
-//! device -> pinned with an asynchronous DMA and the write engine writes the
-//! pinned copy; a get reads the object (and checks it) into a pinned buffer, then
-//! DMAs it to the device. Staging buffers come from a process-wide [`PinnedPool`]
+//! Device bytes that no transport can move directly are staged: a get from disk
+//! reads the object (and checks it) into a pinned buffer, then DMAs it to the
+//! device; `stream.rs` streams transport reads and writes through two such
+//! buffers. Staging buffers come from a process-wide [`PinnedPool`]
 //! (pinned memory costs milliseconds per MiB to allocate; a 64 MiB KV block must
 //! not pay that on every call), so steady state allocates nothing.
 
@@ -35,19 +35,6 @@ pub(in crate::store) fn room_after(mem: &dyn DeviceMemory, offset: u64) -> Resul
 /// A staging buffer of at least `len` bytes, for copies to or from `mem`.
 pub(in crate::store) fn staging(mem: &dyn DeviceMemory, len: usize) -> Result<PooledBuffer<'static>> {
     Ok(STAGING.take(mem, len)?)
-}
-
-/// `len` bytes at `offset` of `src` (a range already checked) copied into a
-/// staging buffer; returns once the copy is done.
-pub(in crate::store) fn download(src: &dyn DeviceMemory, offset: u64, len: usize) -> Result<PooledBuffer<'static>> {
-    let mut staged = staging(src, len)?;
-    let mut stream = src.open_stream()?;
-    // SAFETY: `staged` has room for `len` bytes and is not touched until the
-    // synchronize below (or the stream's drop on error, which waits) returns.
-    unsafe { stream.copy_from_device_async(staged.as_mut_ptr(), len, offset)? };
-    stream.synchronize()?;
-    drop(stream);
-    Ok(staged)
 }
 
 /// What a device copy reads from or writes to on the host, kept until the copy is

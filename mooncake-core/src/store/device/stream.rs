@@ -1,11 +1,12 @@
 //! Replicas a transport reads into host memory (a TCP peer's; a segment that
 //! could not be page-locked), streamed into device memory through two pinned
-//! chunks: while the transport fills one chunk, the DMA of the other runs. The
-//! staging memory a call holds is two chunks, however many objects and bytes it
-//! reads; the bytes reach the device as they arrive, not after the last one.
+//! chunks: while the transport fills one chunk, the DMA of the other runs. Puts
+//! the other way: while the transport writes one chunk to the replicas, the DMA
+//! fills the other from the device. The staging memory a call holds is two
+//! chunks, however many objects and bytes it moves.
 
 use mooncake_gpu::{DeviceMemory, DeviceStream, Fence, PooledBuffer};
-use mooncake_transfer::{RemoteRegion, TransferEngine, TransferRequest};
+use mooncake_transfer::{RemoteRegion, TransferEngine, TransferError, TransferRequest};
 
 use super::staging::staging;
 use crate::error::{Error, Result};
@@ -41,119 +42,138 @@ struct Piece {
     pos: usize,
 }
 
+/// The chunk size for `total` bytes: half of them, within the bounds.
+fn chunk_for(total: u64) -> usize {
+    usize::try_from(total.div_ceil(2)).unwrap_or(MAX_CHUNK).clamp(MIN_CHUNK, MAX_CHUNK)
+}
+
+/// Cuts objects of `lens` bytes into chunks of `chunk` bytes, in order: each
+/// chunk's pieces (pieces of several objects share a chunk; an object larger
+/// than a chunk spans several).
+fn cut(lens: impl Iterator<Item = u64>, chunk: usize) -> Vec<Vec<Piece>> {
+    let mut waves: Vec<Vec<Piece>> = vec![Vec::new()];
+    let mut pos = 0usize;
+    for (index, len) in lens.enumerate() {
+        let mut at = 0u64;
+        while at < len {
+            if pos == chunk {
+                waves.push(Vec::new());
+                pos = 0;
+            }
+            let n = ((len - at) as usize).min(chunk - pos);
+            waves.last_mut().expect("one wave at least").push(Piece { index, at, len: n, pos });
+            pos += n;
+            at += n as u64;
+        }
+    }
+    waves.retain(|w| !w.is_empty());
+    waves
+}
+
 /// Reads every replica into its device memory; one result per read (an error
 /// stops that read's later pieces). The device bytes are not checked here.
 pub(in crate::store) fn stream_reads(engine: &TransferEngine, reads: &[StreamRead<'_>]) -> Vec<Result<()>> {
-    let total: u64 = reads.iter().map(|r| r.len).sum();
-    let chunk = usize::try_from(total.div_ceil(2)).unwrap_or(MAX_CHUNK).clamp(MIN_CHUNK, MAX_CHUNK);
-    stream_in_chunks(engine, reads, chunk)
+    stream_in_chunks(engine, reads, chunk_for(reads.iter().map(|r| r.len).sum()))
 }
 
 /// [`stream_reads`] through two chunks of `chunk` bytes.
 fn stream_in_chunks(engine: &TransferEngine, reads: &[StreamRead<'_>], chunk: usize) -> Vec<Result<()>> {
     let mut results: Vec<Result<()>> = reads.iter().map(|_| Ok(())).collect();
     let Some(first) = reads.first() else { return results };
-    // Pinned buffers are portable: any device memory's copies can use them.
-    let mut slots: Vec<PooledBuffer<'static>> = Vec::with_capacity(2);
-    for _ in 0..2 {
-        match staging(first.mem, chunk) {
-            Ok(b) => slots.push(b),
-            Err(e) => return reads.iter().map(|_| Err(e.clone())).collect(),
-        }
-    }
+    let slots = match two_slots(first.mem, chunk) {
+        Ok(s) => s,
+        Err(e) => return reads.iter().map(|_| Err(e.clone())).collect(),
+    };
+    let ptrs = slots.ptrs;
     // Declared after the slots, so dropped before them: a stream's drop waits
     // for the copies that read the slots.
     let mut streams: Vec<(u64, Box<dyn DeviceStream + '_>)> = Vec::new();
     // Per slot, the fences after the copies out of it.
     let mut busy: [Vec<(usize, Fence)>; 2] = [Vec::new(), Vec::new()];
-    let (mut read, mut at) = (0usize, 0u64);
-    let mut wave = 0usize;
-    while read < reads.len() {
-        let slot = wave % 2;
-        wave += 1;
+    for (w, wave) in cut(reads.iter().map(|r| r.len), chunk).iter().enumerate() {
+        let slot = w % 2;
         // The copies out of this slot two chunks ago are done before it is refilled.
-        for (s, fence) in busy[slot].drain(..) {
-            if let Err(e) = streams[s].1.wait(fence) {
-                let e = Error::from(e);
+        if let Err(e) = wait_all(&mut streams, std::mem::take(&mut busy[slot])) {
+            results.iter_mut().filter(|r| r.is_ok()).for_each(|r| *r = Err(e.clone()));
+            return results;
+        }
+        let pieces: Vec<&Piece> = wave.iter().filter(|p| results[p.index].is_ok()).collect();
+        let mut reqs: Vec<TransferRequest<'_>> = Vec::with_capacity(pieces.len());
+        for p in &pieces {
+            // SAFETY: the piece lies in the slot (`pos + len <= chunk`), whose
+            // earlier copies were waited for above; pieces do not overlap, and
+            // nothing else touches the slot until the transfer returns.
+            let buf = unsafe { std::slice::from_raw_parts_mut(ptrs[slot].add(p.pos), p.len) };
+            reqs.push(TransferRequest::read(reads[p.index].region, reads[p.index].offset + p.at, buf));
+        }
+        let done = engine.transfer(&mut reqs);
+        drop(reqs);
+        let mut used: Vec<usize> = Vec::new();
+        for (p, res) in pieces.iter().zip(done) {
+            if let Err(e) = res {
+                results[p.index] = Err(e.into());
+                continue;
+            }
+            let r = &reads[p.index];
+            let queued = stream_of(&mut streams, r.mem).and_then(|s| {
+                // SAFETY: the piece's bytes lie in the slot, which is not written
+                // again before the fence taken below is waited for, and outlives
+                // the stream (declared before it).
+                unsafe { streams[s].1.copy_to_device_async(ptrs[slot].add(p.pos), p.len, r.dst + p.at)? };
+                Ok(s)
+            });
+            match queued {
+                Ok(s) if !used.contains(&s) => used.push(s),
+                Ok(_) => {}
+                Err(e) => results[p.index] = Err(e),
+            }
+        }
+        match fences(&mut streams, used) {
+            Ok(f) => busy[slot] = f,
+            Err(e) => {
                 results.iter_mut().filter(|r| r.is_ok()).for_each(|r| *r = Err(e.clone()));
                 return results;
             }
         }
-        // The next chunk's worth of pieces, in object order.
-        let mut pieces: Vec<Piece> = Vec::new();
-        let mut pos = 0usize;
-        while pos < chunk && read < reads.len() {
-            let r = &reads[read];
-            if results[read].is_err() || at >= r.len {
-                read += 1;
-                at = 0;
-                continue;
-            }
-            let n = ((r.len - at) as usize).min(chunk - pos);
-            pieces.push(Piece { index: read, at, len: n, pos });
-            pos += n;
-            at += n as u64;
-        }
-        if pieces.is_empty() {
-            break;
-        }
-        let buf = &mut slots[slot][..pos];
-        let mut reqs: Vec<TransferRequest<'_>> = Vec::with_capacity(pieces.len());
-        let mut rest = buf;
-        for p in &pieces {
-            let (mine, tail) = rest.split_at_mut(p.len);
-            rest = tail;
-            reqs.push(TransferRequest::read(reads[p.index].region, reads[p.index].offset + p.at, mine));
-        }
-        let done = engine.transfer(&mut reqs);
-        drop(reqs);
-        for (p, res) in pieces.iter().zip(done) {
-            if let Err(e) = res {
-                results[p.index] = Err(e.into());
-            }
-        }
-        let base = slots[slot].as_ptr();
-        let mut used: Vec<usize> = Vec::new();
-        for p in &pieces {
-            if results[p.index].is_err() {
-                continue;
-            }
-            let r = &reads[p.index];
-            let s = match stream_of(&mut streams, r.mem) {
-                Ok(s) => s,
-                Err(e) => {
-                    results[p.index] = Err(e);
-                    continue;
-                }
-            };
-            // SAFETY: the piece's bytes lie in the slot (`pos + len <= chunk`); the
-            // slot is not written again before the fence taken below is waited
-            // for, and outlives the stream (declared before it).
-            let queued = unsafe { streams[s].1.copy_to_device_async(base.add(p.pos), p.len, r.dst + p.at) };
-            match queued {
-                Ok(()) if !used.contains(&s) => used.push(s),
-                Ok(()) => {}
-                Err(e) => results[p.index] = Err(e.into()),
-            }
-        }
-        for s in used {
-            match streams[s].1.fence() {
-                Ok(f) => busy[slot].push((s, f)),
-                Err(e) => {
-                    let e = Error::from(e);
-                    results.iter_mut().filter(|r| r.is_ok()).for_each(|r| *r = Err(e.clone()));
-                    return results;
-                }
-            }
-        }
     }
-    for (_, stream) in &mut streams {
-        if let Err(e) = stream.synchronize() {
-            let e = Error::from(e);
-            results.iter_mut().filter(|r| r.is_ok()).for_each(|r| *r = Err(e.clone()));
-        }
+    if let Err(e) = synchronize_all(&mut streams) {
+        results.iter_mut().filter(|r| r.is_ok()).for_each(|r| *r = Err(e.clone()));
     }
     results
+}
+
+/// Two pinned chunks (portable: any device memory's copies can use them) and
+/// their addresses.
+struct Slots {
+    _bufs: [PooledBuffer<'static>; 2],
+    ptrs: [*mut u8; 2],
+}
+
+fn two_slots(mem: &dyn DeviceMemory, chunk: usize) -> Result<Slots> {
+    let mut bufs = [staging(mem, chunk)?, staging(mem, chunk)?];
+    let ptrs = [bufs[0].as_mut_ptr(), bufs[1].as_mut_ptr()];
+    Ok(Slots { _bufs: bufs, ptrs })
+}
+
+/// A fence on each stream of `used`, after the copies enqueued so far.
+fn fences(streams: &mut [(u64, Box<dyn DeviceStream + '_>)], used: Vec<usize>) -> Result<Vec<(usize, Fence)>> {
+    used.into_iter().map(|s| Ok((s, streams[s].1.fence()?))).collect()
+}
+
+/// Waits for every fence.
+fn wait_all(streams: &mut [(u64, Box<dyn DeviceStream + '_>)], fences: Vec<(usize, Fence)>) -> Result<()> {
+    for (s, fence) in fences {
+        streams[s].1.wait(fence)?;
+    }
+    Ok(())
+}
+
+/// Waits for every copy of every stream.
+fn synchronize_all(streams: &mut [(u64, Box<dyn DeviceStream + '_>)]) -> Result<()> {
+    for (_, stream) in streams {
+        stream.synchronize()?;
+    }
+    Ok(())
 }
 
 /// The index of `mem`'s stream in `streams` (opened on first use).
@@ -163,6 +183,121 @@ fn stream_of<'a>(streams: &mut Vec<(u64, Box<dyn DeviceStream + 'a>)>, mem: &'a 
     }
     streams.push((mem.device_ptr(), mem.open_stream()?));
     Ok(streams.len() - 1)
+}
+
+/// One device range to write to one or more replicas.
+pub(in crate::store) struct StreamWrite<'a> {
+    /// The bytes: `len` at `src` of `mem` (a range already checked).
+    pub mem: &'a dyn DeviceMemory,
+    pub src: u64,
+    pub len: u64,
+    /// Each replica: its region and the object's offset in it.
+    pub targets: Vec<(&'a RemoteRegion, u64)>,
+}
+
+/// What one streamed write did: the item's error (a device copy failed: no
+/// replica has its bytes), else one result per target.
+pub(in crate::store) struct Written {
+    pub failed: Option<Error>,
+    pub targets: Vec<std::result::Result<(), TransferError>>,
+}
+
+/// Writes every device range to its replicas through two pinned chunks: the DMA
+/// of the next chunk runs while the transport writes this one.
+pub(in crate::store) fn stream_writes(engine: &TransferEngine, writes: &[StreamWrite<'_>]) -> Vec<Written> {
+    write_in_chunks(engine, writes, chunk_for(writes.iter().map(|w| w.len).sum()))
+}
+
+/// [`stream_writes`] through two chunks of `chunk` bytes.
+fn write_in_chunks(engine: &TransferEngine, writes: &[StreamWrite<'_>], chunk: usize) -> Vec<Written> {
+    let mut out: Vec<Written> =
+        writes.iter().map(|w| Written { failed: None, targets: w.targets.iter().map(|_| Ok(())).collect() }).collect();
+    let Some(first) = writes.first() else { return out };
+    let slots = match two_slots(first.mem, chunk) {
+        Ok(s) => s,
+        Err(e) => {
+            out.iter_mut().for_each(|w| w.failed = Some(e.clone()));
+            return out;
+        }
+    };
+    let ptrs = slots.ptrs;
+    // Declared after the slots, so dropped before them (a stream's drop waits).
+    let mut streams: Vec<(u64, Box<dyn DeviceStream + '_>)> = Vec::new();
+    let waves = cut(writes.iter().map(|w| w.len), chunk);
+    let fail_all = |out: &mut [Written], e: &Error| out.iter_mut().for_each(|o| o.failed = o.failed.take().or(Some(e.clone())));
+    let mut pending = Vec::new();
+    for w in 0..=waves.len() {
+        // The copies of chunk w run while chunk w - 1 is written: its slot was
+        // last read by the transport writing chunk w - 2, which returned.
+        let next = match waves.get(w) {
+            Some(wave) => match enqueue_downloads(wave, writes, ptrs[w % 2], &mut streams, &mut out) {
+                Ok(f) => f,
+                Err(e) => {
+                    fail_all(&mut out, &e);
+                    Vec::new()
+                }
+            },
+            None => Vec::new(),
+        };
+        if let Err(e) = wait_all(&mut streams, std::mem::replace(&mut pending, next)) {
+            fail_all(&mut out, &e);
+        }
+        let Some(prev) = w.checked_sub(1) else { continue };
+        let mut reqs: Vec<TransferRequest<'_>> = Vec::new();
+        let mut owner: Vec<(usize, usize)> = Vec::new();
+        for p in waves[prev].iter().filter(|p| out[p.index].failed.is_none()) {
+            // SAFETY: the copy that wrote the piece's bytes was waited for; the
+            // slot is written again only by chunk prev + 2's copies, enqueued
+            // after this transfer returns.
+            let bytes = unsafe { std::slice::from_raw_parts(ptrs[prev % 2].add(p.pos), p.len) };
+            for (t, &(region, offset)) in writes[p.index].targets.iter().enumerate() {
+                if out[p.index].targets[t].is_ok() {
+                    reqs.push(TransferRequest::write(region, offset + p.at, bytes));
+                    owner.push((p.index, t));
+                }
+            }
+        }
+        for (res, (i, t)) in engine.transfer(&mut reqs).into_iter().zip(owner) {
+            if let Err(e) = res {
+                out[i].targets[t] = Err(e);
+            }
+        }
+    }
+    if let Err(e) = synchronize_all(&mut streams) {
+        fail_all(&mut out, &e);
+    }
+    out
+}
+
+/// Enqueues the copies of one chunk's pieces from device memory into `slot`;
+/// the fences after them. A piece whose copy cannot be enqueued fails its item.
+fn enqueue_downloads<'a>(
+    wave: &[Piece],
+    writes: &[StreamWrite<'a>],
+    slot: *mut u8,
+    streams: &mut Vec<(u64, Box<dyn DeviceStream + 'a>)>,
+    out: &mut [Written],
+) -> Result<Vec<(usize, Fence)>> {
+    let mut used: Vec<usize> = Vec::new();
+    for p in wave {
+        if out[p.index].failed.is_some() {
+            continue;
+        }
+        let item = &writes[p.index];
+        let queued = stream_of(streams, item.mem).and_then(|s| {
+            // SAFETY: the piece lies in the slot (`pos + len <= chunk`); the slot
+            // is read (by the transport) only after the fence taken below is
+            // waited for, and is written by nothing else meanwhile.
+            unsafe { streams[s].1.copy_from_device_async(slot.add(p.pos), p.len, item.src + p.at)? };
+            Ok(s)
+        });
+        match queued {
+            Ok(s) if !used.contains(&s) => used.push(s),
+            Ok(_) => {}
+            Err(e) => out[p.index].failed = Some(e),
+        }
+    }
+    fences(streams, used)
 }
 
 #[cfg(test)]
@@ -209,6 +344,48 @@ mod tests {
             let mem = if std::ptr::addr_eq(mem, &a as &dyn DeviceMemory) { &a } else { &b };
             let got = &mem.to_vec()[dst as usize..(dst + len) as usize];
             assert!(got == &bytes[offset as usize..(offset + len) as usize], "read {i}: device bytes");
+        }
+    }
+
+    /// Puts the other way: many chunks, objects sharing and spanning chunks, two
+    /// replicas each (one of them in a region that does not exist: that target
+    /// fails, the other is written), exact bytes in every written replica. The
+    /// emulated device runs a copy only when waited for, so a chunk written
+    /// before its copies ran would carry wrong bytes.
+    #[test]
+    fn device_ranges_reach_every_replica_exact_through_many_small_chunks() {
+        let engine = TransferEngine::builder().build().unwrap();
+        let (r1, r2) = (engine.register_region(1 << 20).unwrap(), engine.register_region(1 << 20).unwrap());
+        let (t1, t2) = (engine.remote(r1.id()), engine.remote(r2.id()));
+        let missing = RemoteRegion { endpoint: t1.endpoint.clone(), region: r2.id() + 100 };
+        let src = HostDeviceMemory::new(300_000).unwrap();
+        let bytes: Vec<u8> = (0..300_000u32).map(|i| (i.wrapping_mul(2_246_822_519) >> 9) as u8).collect();
+        src.copy_from_host(0, &bytes).unwrap();
+        // (device offset, length, targets)
+        let plan: Vec<(u64, u64, Vec<(&RemoteRegion, u64)>)> = vec![
+            (5, 20_000, vec![(&t1, 0), (&t2, 500_000)]),
+            (20_005, 1, vec![(&t1, 30_000)]),
+            (40_000, 100_003, vec![(&t2, 0), (&missing, 0)]),
+            (200_000, 4_096, vec![(&t1, 900_000), (&t2, 900_000)]),
+        ];
+        let writes: Vec<StreamWrite<'_>> = plan
+            .iter()
+            .map(|(src_at, len, targets)| StreamWrite { mem: &src, src: *src_at, len: *len, targets: targets.clone() })
+            .collect();
+        let done = write_in_chunks(&engine, &writes, 4_096);
+        for ((src_at, len, targets), w) in plan.iter().zip(&done) {
+            assert!(w.failed.is_none(), "{:?}", w.failed);
+            for (&(region, offset), res) in targets.iter().zip(&w.targets) {
+                if region.region == missing.region {
+                    assert!(res.is_err(), "a write into a missing region");
+                    continue;
+                }
+                assert!(res.is_ok(), "{res:?}");
+                let reg = if region.region == t1.region { &r1 } else { &r2 };
+                // SAFETY: the region is this engine's, and no transfer runs now.
+                let got = unsafe { std::slice::from_raw_parts(reg.as_mut_ptr().add(offset as usize), *len as usize) };
+                assert!(got == &bytes[*src_at as usize..(*src_at + *len) as usize], "replica at {offset}");
+            }
         }
     }
 }
