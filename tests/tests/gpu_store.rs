@@ -410,6 +410,53 @@ fn over_tcp_objects_stream_into_device_memory_through_two_chunks() {
     }
 }
 
+/// Two scatters of one call that start at the same device address (the same
+/// first layer, different tails, as a framework's per-layer blocks can be) are
+/// two memories: each object gets its own bytes, over TCP (streamed) and in
+/// the store's own segment (one DMA).
+#[test]
+fn scatters_sharing_a_start_address_keep_their_own_bytes() {
+    use mooncake_core::gpu::DeviceScatter;
+    let master = Master::new(MasterConfig::default()).unwrap();
+    let node = Store::builder()
+        .master(&master)
+        .protocol(Protocol::Tcp)
+        .global_segment_size(16 << 20)
+        .listen("127.0.0.1:0")
+        .build()
+        .unwrap();
+    let client = Store::builder().master(&master).protocol(Protocol::Tcp).global_segment_size(0).build().unwrap();
+    let local = store(16 << 20);
+    let (a, b, c) = (Arc::new(device(4096)), Arc::new(device(4096)), Arc::new(device(4096)));
+    let (pa, pb, pc) = (pattern(1, 4096), pattern(2, 4096), pattern(3, 4096));
+    a.copy_from_host(0, &pa).unwrap();
+    b.copy_from_host(0, &pb).unwrap();
+    c.copy_from_host(0, &pc).unwrap();
+    let two = |tail: &Arc<HostDeviceMemory>| {
+        DeviceScatter::new(vec![(a.clone() as Arc<dyn DeviceMemory>, 0, 1000), (tail.clone(), 0, 500)]).unwrap()
+    };
+    let (s1, s2) = (two(&b), two(&c));
+    let want1 = [&pa[..1000], &pb[..500]].concat();
+    let want2 = [&pa[..1000], &pc[..500]].concat();
+    for (name, st) in [("tcp", &client), ("local", &local)] {
+        let (k1, k2) = (format!("{name}/s1"), format!("{name}/s2"));
+        let items: [(&str, &dyn DeviceMemory, u64, u64); 2] = [(&k1, &s1, 0, 1500), (&k2, &s2, 0, 1500)];
+        assert!(st.batch_put_from_devices(&items, &ReplicateConfig::default()).iter().all(|r| r.is_ok()));
+        assert_eq!(st.get(&k1).unwrap()[..], want1[..], "{name}: first object");
+        assert_eq!(st.get(&k2).unwrap()[..], want2[..], "{name}: second object");
+        // And back into two scatters sharing a start address.
+        let (d, e, f) = (Arc::new(device(4096)), Arc::new(device(4096)), Arc::new(device(4096)));
+        let back = |tail: &Arc<HostDeviceMemory>| {
+            DeviceScatter::new(vec![(d.clone() as Arc<dyn DeviceMemory>, 0, 1000), (tail.clone(), 0, 500)]).unwrap()
+        };
+        let (t1, t2) = (back(&e), back(&f));
+        let got = st.batch_get_into_devices(&[(&k1, &t1, 0), (&k2, &t2, 0)]);
+        assert!(got.iter().all(|r| r.as_ref().is_ok_and(|&n| n == 1500)), "{name}: {got:?}");
+        assert_eq!(e.to_vec()[..500], pb[..500], "{name}: first tail");
+        assert_eq!(f.to_vec()[..500], pc[..500], "{name}: second tail");
+    }
+}
+
 #[test]
 fn a_replica_in_a_mapped_segment_moves_in_one_dma_and_a_tcp_one_is_staged() {
     // Same host, other store: its segment is reached by shared memory (mapped into

@@ -51,8 +51,8 @@ pub(in crate::store) enum Keep {
 /// device memory) and waited for once, in [`Copies::finish`].
 #[derive(Default)]
 pub(in crate::store) struct Copies<'a> {
-    /// One stream per device memory (by its device address).
-    streams: Vec<(u64, Box<dyn DeviceStream + 'a>)>,
+    /// One stream per device memory (by identity, see `stream::identity`).
+    streams: Vec<(usize, Box<dyn DeviceStream + 'a>)>,
     /// What each copy needs alive, with the item it belongs to and its stream.
     /// Declared after `streams`, so dropped after them (a stream's drop waits
     /// for its copies).
@@ -61,10 +61,11 @@ pub(in crate::store) struct Copies<'a> {
 
 impl<'a> Copies<'a> {
     fn stream(&mut self, mem: &'a dyn DeviceMemory) -> Result<usize> {
-        if let Some(at) = self.streams.iter().position(|(ptr, _)| *ptr == mem.device_ptr()) {
+        let id = super::stream::identity(mem);
+        if let Some(at) = self.streams.iter().position(|(m, _)| *m == id) {
             return Ok(at);
         }
-        self.streams.push((mem.device_ptr(), mem.open_stream()?));
+        self.streams.push((id, mem.open_stream()?));
         Ok(self.streams.len() - 1)
     }
 

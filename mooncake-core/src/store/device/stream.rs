@@ -87,7 +87,7 @@ fn stream_in_chunks(engine: &TransferEngine, reads: &[StreamRead<'_>], chunk: us
     let ptrs = slots.ptrs;
     // Declared after the slots, so dropped before them: a stream's drop waits
     // for the copies that read the slots.
-    let mut streams: Vec<(u64, Box<dyn DeviceStream + '_>)> = Vec::new();
+    let mut streams: Vec<(usize, Box<dyn DeviceStream + '_>)> = Vec::new();
     // Per slot, the fences after the copies out of it.
     let mut busy: [Vec<(usize, Fence)>; 2] = [Vec::new(), Vec::new()];
     for (w, wave) in cut(reads.iter().map(|r| r.len), chunk).iter().enumerate() {
@@ -156,12 +156,12 @@ fn two_slots(mem: &dyn DeviceMemory, chunk: usize) -> Result<Slots> {
 }
 
 /// A fence on each stream of `used`, after the copies enqueued so far.
-fn fences(streams: &mut [(u64, Box<dyn DeviceStream + '_>)], used: Vec<usize>) -> Result<Vec<(usize, Fence)>> {
+fn fences(streams: &mut [(usize, Box<dyn DeviceStream + '_>)], used: Vec<usize>) -> Result<Vec<(usize, Fence)>> {
     used.into_iter().map(|s| Ok((s, streams[s].1.fence()?))).collect()
 }
 
 /// Waits for every fence.
-fn wait_all(streams: &mut [(u64, Box<dyn DeviceStream + '_>)], fences: Vec<(usize, Fence)>) -> Result<()> {
+fn wait_all(streams: &mut [(usize, Box<dyn DeviceStream + '_>)], fences: Vec<(usize, Fence)>) -> Result<()> {
     for (s, fence) in fences {
         streams[s].1.wait(fence)?;
     }
@@ -169,20 +169,29 @@ fn wait_all(streams: &mut [(u64, Box<dyn DeviceStream + '_>)], fences: Vec<(usiz
 }
 
 /// Waits for every copy of every stream.
-fn synchronize_all(streams: &mut [(u64, Box<dyn DeviceStream + '_>)]) -> Result<()> {
+fn synchronize_all(streams: &mut [(usize, Box<dyn DeviceStream + '_>)]) -> Result<()> {
     for (_, stream) in streams {
         stream.synchronize()?;
     }
     Ok(())
 }
 
-/// The index of `mem`'s stream in `streams` (opened on first use).
-fn stream_of<'a>(streams: &mut Vec<(u64, Box<dyn DeviceStream + 'a>)>, mem: &'a dyn DeviceMemory) -> Result<usize> {
-    if let Some(at) = streams.iter().position(|(ptr, _)| *ptr == mem.device_ptr()) {
+/// The index of `mem`'s stream in `streams` (opened on first use). Memories
+/// are told apart by identity, not by device address: two scatters of one
+/// call can start at the same address and differ after it.
+fn stream_of<'a>(streams: &mut Vec<(usize, Box<dyn DeviceStream + 'a>)>, mem: &'a dyn DeviceMemory) -> Result<usize> {
+    let id = identity(mem);
+    if let Some(at) = streams.iter().position(|(m, _)| *m == id) {
         return Ok(at);
     }
-    streams.push((mem.device_ptr(), mem.open_stream()?));
+    streams.push((id, mem.open_stream()?));
     Ok(streams.len() - 1)
+}
+
+/// The address of the memory object itself (borrowed for the whole call, so
+/// distinct objects have distinct addresses).
+pub(super) fn identity(mem: &dyn DeviceMemory) -> usize {
+    (mem as *const dyn DeviceMemory).cast::<()>() as usize
 }
 
 /// One device range to write to one or more replicas.
@@ -222,9 +231,10 @@ fn write_in_chunks(engine: &TransferEngine, writes: &[StreamWrite<'_>], chunk: u
     };
     let ptrs = slots.ptrs;
     // Declared after the slots, so dropped before them (a stream's drop waits).
-    let mut streams: Vec<(u64, Box<dyn DeviceStream + '_>)> = Vec::new();
+    let mut streams: Vec<(usize, Box<dyn DeviceStream + '_>)> = Vec::new();
     let waves = cut(writes.iter().map(|w| w.len), chunk);
-    let fail_all = |out: &mut [Written], e: &Error| out.iter_mut().for_each(|o| o.failed = o.failed.take().or(Some(e.clone())));
+    let fail_all =
+        |out: &mut [Written], e: &Error| out.iter_mut().for_each(|o| o.failed = o.failed.take().or(Some(e.clone())));
     let mut pending = Vec::new();
     for w in 0..=waves.len() {
         // The copies of chunk w run while chunk w - 1 is written: its slot was
@@ -275,7 +285,7 @@ fn enqueue_downloads<'a>(
     wave: &[Piece],
     writes: &[StreamWrite<'a>],
     slot: *mut u8,
-    streams: &mut Vec<(u64, Box<dyn DeviceStream + 'a>)>,
+    streams: &mut Vec<(usize, Box<dyn DeviceStream + 'a>)>,
     out: &mut [Written],
 ) -> Result<Vec<(usize, Fence)>> {
     let mut used: Vec<usize> = Vec::new();
@@ -330,10 +340,8 @@ mod tests {
             (&remote, 3, 4_095, &a, 100_000),
             (&remote, 900_000, 50_000, &b, 100_000),
         ];
-        let reads: Vec<StreamRead<'_>> = plan
-            .iter()
-            .map(|&(region, offset, len, mem, dst)| StreamRead { region, offset, len, mem, dst })
-            .collect();
+        let reads: Vec<StreamRead<'_>> =
+            plan.iter().map(|&(region, offset, len, mem, dst)| StreamRead { region, offset, len, mem, dst }).collect();
         let results = stream_in_chunks(&engine, &reads, 4_096);
         for (i, &(region, offset, len, mem, dst)) in plan.iter().enumerate() {
             if region.region != remote.region {
