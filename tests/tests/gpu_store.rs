@@ -418,7 +418,7 @@ fn over_tcp_objects_stream_into_device_memory_through_two_chunks() {
 fn scatters_sharing_a_start_address_keep_their_own_bytes() {
     use mooncake_core::gpu::DeviceScatter;
     let master = Master::new(MasterConfig::default()).unwrap();
-    let node = Store::builder()
+    let _node = Store::builder()
         .master(&master)
         .protocol(Protocol::Tcp)
         .global_segment_size(16 << 20)

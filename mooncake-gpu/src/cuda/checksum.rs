@@ -207,9 +207,11 @@ impl Drop for Summer {
     }
 }
 
+/// A device's summer, or why its kernels cannot be built.
+type Built = std::result::Result<Arc<Mutex<Summer>>, GpuError>;
+
 /// Built summers by device; `Err` (the kernels cannot be built) is kept too.
-static SUMMERS: LazyLock<Mutex<HashMap<usize, std::result::Result<Arc<Mutex<Summer>>, GpuError>>>> =
-    LazyLock::new(|| Mutex::new(HashMap::new()));
+static SUMMERS: LazyLock<Mutex<HashMap<usize, Built>>> = LazyLock::new(|| Mutex::new(HashMap::new()));
 
 fn summer(ctx: &Arc<CudaContext>, ordinal: usize) -> Result<Arc<Mutex<Summer>>> {
     let mut all = SUMMERS.lock();

@@ -370,7 +370,8 @@ mod tests {
         let bytes: Vec<u8> = (0..300_000u32).map(|i| (i.wrapping_mul(2_246_822_519) >> 9) as u8).collect();
         src.copy_from_host(0, &bytes).unwrap();
         // (device offset, length, targets)
-        let plan: Vec<(u64, u64, Vec<(&RemoteRegion, u64)>)> = vec![
+        type Plan<'a> = Vec<(u64, u64, Vec<(&'a RemoteRegion, u64)>)>;
+        let plan: Plan<'_> = vec![
             (5, 20_000, vec![(&t1, 0), (&t2, 500_000)]),
             (20_005, 1, vec![(&t1, 30_000)]),
             (40_000, 100_003, vec![(&t2, 0), (&missing, 0)]),
