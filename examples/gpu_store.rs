@@ -11,7 +11,8 @@
 //! Run: `cargo run --release --example gpu_store`
 //!
 //! Bench mode (needs a GPU; exits 2 with a message without one): for replicas
-//! in the client's own segment (`local`), in a same-host peer's segment mapped
+//! in the client's own segment (`local`; `own_remote_master` with a master daemon
+//! over RPC, as the Python drop-in runs), in a same-host peer's segment mapped
 //! through shared memory (`shm_peer`) and in a peer's segment over TCP
 //! (`tcp_peer`), and objects of 64 KiB .. 64 MiB (`--max-size`), times
 //! `get_into_device`, `put_from_device` and their batch forms against pinned
@@ -174,12 +175,21 @@ struct Replicas {
     _node: Option<Store>,
 }
 
-/// The three placements: the client's own segment, a same-host peer's segment
+/// The placements: the client's own segment (embedded master), its own segment
+/// with a master daemon over RPC and the segment mapped through shared memory
+/// (as the Python drop-in runs: `own_remote_master`), a same-host peer's segment
 /// mapped through shared memory, the same peer's segment over TCP. The peer runs
 /// in this process (a served master, a node store serving its segment on
 /// loopback), and the two peer clients reach it only through their transport.
-fn placements(segment: u64) -> Result<(Vec<Replicas>, MasterDaemon), Box<dyn std::error::Error>> {
+fn placements(segment: u64) -> Result<(Vec<Replicas>, Vec<MasterDaemon>), Box<dyn std::error::Error>> {
     let local = Store::builder().global_segment_size(segment).build()?;
+    let own_daemon = MasterDaemon::builder("127.0.0.1:0").serve()?;
+    let own = Store::builder()
+        .master_address(&own_daemon.local_addr().to_string())
+        .protocol(Protocol::Shm)
+        .global_segment_size(segment)
+        .listen("127.0.0.1:0")
+        .build()?;
     let daemon = MasterDaemon::builder("127.0.0.1:0").serve()?;
     let addr = daemon.local_addr().to_string();
     let node = Store::builder().master_address(&addr).global_segment_size(segment).build()?;
@@ -187,10 +197,11 @@ fn placements(segment: u64) -> Result<(Vec<Replicas>, MasterDaemon), Box<dyn std
         |protocol: Protocol| Store::builder().master_address(&addr).protocol(protocol).global_segment_size(0).build();
     let out = vec![
         Replicas { name: "local", client: local, _node: None },
+        Replicas { name: "own_remote_master", client: own, _node: None },
         Replicas { name: "shm_peer", client: client(Protocol::Shm)?, _node: None },
         Replicas { name: "tcp_peer", client: client(Protocol::Tcp)?, _node: Some(node) },
     ];
-    Ok((out, daemon))
+    Ok((out, vec![own_daemon, daemon]))
 }
 
 /// Mean seconds of `f` over `iters` calls, `undo` run after each outside the clock.
@@ -251,6 +262,9 @@ fn bench(a: &Args) -> Result<String, Box<dyn std::error::Error>> {
             |_| {},
         )?;
         drop(stream);
+        // What a device get's check costs: the crc32c of the object's device bytes.
+        let crc = timed(a.iters, |_| Ok(dst.crc32c(0, size as u64).map(|_| ())?), |_| {})?;
+        let (htod_us, crc_us) = (htod * 1e6, crc * 1e6);
         let (htod, dtoh) = (gbps(size, htod), gbps(size, dtoh));
         for r in &rows_of {
             let store = &r.client;
@@ -315,6 +329,7 @@ fn bench(a: &Args) -> Result<String, Box<dyn std::error::Error>> {
             let direct = (after.device_direct_bytes - before.device_direct_bytes) as f64;
             let staged = (after.device_staged_bytes - before.device_staged_bytes) as f64;
             let direct_share = direct / (direct + staged).max(1.0);
+            let get_dev_us = get_dev * 1e6;
             let (get_host, get_dev, put_host, put_dev) =
                 (gbps(size, get_host), gbps(size, get_dev), gbps(size, put_host), gbps(size, put_dev));
             let (batch_get, batch_put) = (gbps(size * batch, batch_get), gbps(size * batch, batch_put));
@@ -326,7 +341,8 @@ fn bench(a: &Args) -> Result<String, Box<dyn std::error::Error>> {
                  \"htod_pinned_gbps\":{htod:.3},\"dtoh_pinned_gbps\":{dtoh:.3},\
                  \"get_into_device_vs_pinned_htod\":{:.3},\"put_from_device_vs_pinned_dtoh\":{:.3},\
                  \"get_into_device_vs_host_get_into\":{:.3},\"put_from_device_vs_host_put\":{:.3},\
-                 \"device_direct_share\":{direct_share:.3}}}",
+                 \"device_direct_share\":{direct_share:.3},\"get_into_device_us\":{get_dev_us:.1},\
+                 \"htod_pinned_us\":{htod_us:.1},\"device_crc32c_us\":{crc_us:.1}}}",
                 r.name,
                 a.iters,
                 get_dev / htod,

@@ -4,8 +4,11 @@ batch forms on CUDA tensors (registered by `data_ptr()`, as vLLM does), timed pe
 object size, one JSON document out.
 
 The replicas are in the client's own segment: with `--protocol shm` (the default)
-mapped, as in the `local` rows of `cargo run --release --example gpu_store -- --bench`;
-with `--protocol tcp` reached over loopback TCP, as in its `tcp_peer` rows. The
+mapped, as in the `own_remote_master` rows of
+`cargo run --release --example gpu_store -- --bench`;
+with `--protocol tcp` reached over loopback TCP, as in its `tcp_peer` rows. Its master
+is a daemon over RPC, as in the `own_remote_master` rows (puts pay two master round
+trips that the `local` rows' embedded master does not). The
 figures are compared with those rows (target: within 10 % of the Rust device API).
 
     python gpu_pointers.py [--master-bin target/release/mooncake-master] [--iters 20]

@@ -89,9 +89,12 @@ __device__ __forceinline__ u32 mc_shift_op(u64 n) {
     return p;
 }
 
-// crc(A ++ B) from crc(A), crc(B) and |B|.
+// crc(A ++ B) from crc(A), crc(B) and |B|. A power-of-two |B| (every full piece
+// and every full level of a tree) takes its factor from the table: one multiply.
 __device__ __forceinline__ u32 mc_combine(u32 a, u32 b, u64 len_b) {
-    return len_b ? (mc_mul(mc_shift_op(len_b), a) ^ b) : a;
+    if (!len_b) return a;
+    u32 op = (len_b & (len_b - 1)) == 0 ? MC_X2N[__ffsll((long long)len_b) - 1 + 3] : mc_shift_op(len_b);
+    return mc_mul(op, a) ^ b;
 }
 
 // Folds the sums c[0..n) (piece i of l[i] bytes) into c[0], l[0] (n a power of two,
@@ -188,22 +191,28 @@ struct Summer {
     scratch: sys::CUdeviceptr,
     /// Its capacity in sums.
     capacity: u64,
+    /// Page-locked host memory the result is copied into (a copy into pageable
+    /// memory goes through the driver's own staging: tens of microseconds).
+    result: *mut u32,
 }
 
-// SAFETY: the scratch pointer is a device allocation owned by this value, used
-// only under the `Mutex` that holds it; the cudarc handles are `Send`.
+// SAFETY: the scratch and result pointers are allocations owned by this value,
+// used only under the `Mutex` that holds it; the cudarc handles are `Send`.
 unsafe impl Send for Summer {}
 
 impl Drop for Summer {
     fn drop(&mut self) {
-        if self.scratch != 0 {
-            let _ = guarded("cuMemFree", || {
-                drv("bind", self.ctx.bind_to_thread())?;
-                let _ = self.stream.synchronize();
+        let _ = guarded("cuMemFree", || {
+            drv("bind", self.ctx.bind_to_thread())?;
+            let _ = self.stream.synchronize();
+            if self.scratch != 0 {
                 // SAFETY: allocated by `cuMemAlloc` in this context, freed once.
-                drv("cuMemFree", unsafe { cu::free_sync(self.scratch) })
-            });
-        }
+                drv("cuMemFree", unsafe { cu::free_sync(self.scratch) })?;
+            }
+            // SAFETY: allocated by `cuMemHostAlloc` in `build`, freed once, no copy
+            // into it in flight (the stream was synchronized).
+            drv("cuMemFreeHost", unsafe { cu::free_host(self.result.cast()) })
+        });
     }
 }
 
@@ -235,7 +244,10 @@ fn build(ctx: &Arc<CudaContext>) -> Result<Arc<Mutex<Summer>>> {
         let blocks = drv("cuModuleGetFunction", module.load_function("mc_crc32c_blocks"))?;
         let fold = drv("cuModuleGetFunction", module.load_function("mc_crc32c_fold"))?;
         let stream = drv("cuStreamCreate", ctx.new_stream())?;
-        Ok(Arc::new(Mutex::new(Summer { ctx: ctx.clone(), stream, blocks, fold, scratch: 0, capacity: 0 })))
+        // SAFETY: a plain page-locked allocation of one u32, owned by the Summer.
+        let result = drv("cuMemHostAlloc", unsafe { cu::malloc_host(4, 0) })?.cast::<u32>();
+        let summer = Summer { ctx: ctx.clone(), stream, blocks, fold, scratch: 0, capacity: 0, result };
+        Ok(Arc::new(Mutex::new(summer)))
     })
 }
 
@@ -281,16 +293,23 @@ pub(crate) fn crc32c(ctx: &Arc<CudaContext>, ordinal: usize, ptr: u64, len: u64)
         // kernel reads `[ptr, ptr + len)` (device memory of this context, checked
         // by the caller) and writes `blocks` sums into the scratch.
         drv("launch mc_crc32c_blocks", unsafe { l.launch(cfg) })?;
-        let mut l = s.stream.launch_builder(&s.fold);
-        l.arg(&sums).arg(&blocks).arg(&len).arg(&result);
-        let cfg = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (FOLD_THREADS, 1, 1), shared_mem_bytes: 0 };
-        // SAFETY: the arguments match `mc_crc32c_fold(const u32*, u64, u64, u32*)`;
-        // it reads the `blocks` sums and writes one u32 after them, in the scratch.
-        drv("launch mc_crc32c_fold", unsafe { l.launch(cfg) })?;
-        let mut r = [0u32; 1];
-        // SAFETY: `result` is a live 4-byte range of the scratch; `r` is 4 bytes;
-        // synchronized right after.
-        drv("cuMemcpyDtoH", unsafe { cu::memcpy_dtoh_async(&mut r, result, s.stream.cu_stream()) })?;
+        // One block's sum is the whole sum: no fold.
+        let from = if blocks == 1 {
+            sums
+        } else {
+            let mut l = s.stream.launch_builder(&s.fold);
+            l.arg(&sums).arg(&blocks).arg(&len).arg(&result);
+            let cfg = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (FOLD_THREADS, 1, 1), shared_mem_bytes: 0 };
+            // SAFETY: the arguments match `mc_crc32c_fold(const u32*, u64, u64,
+            // u32*)`; it reads the `blocks` sums and writes one u32 after them.
+            drv("launch mc_crc32c_fold", unsafe { l.launch(cfg) })?;
+            result
+        };
+        // SAFETY: `s.result` is a live page-locked u32 owned by the summer (under
+        // its lock), written by this copy only and read after the synchronize.
+        let r = unsafe { std::slice::from_raw_parts_mut(s.result, 1) };
+        // SAFETY: `from` is a live 4-byte range of the scratch; `r` is 4 bytes.
+        drv("cuMemcpyDtoH", unsafe { cu::memcpy_dtoh_async(r, from, s.stream.cu_stream()) })?;
         drv("cuStreamSynchronize", s.stream.synchronize())?;
         Ok(r[0])
     })
@@ -316,6 +335,11 @@ mod tests {
             }
             p
         };
+        // A power-of-two length's factor is one entry of the table (the kernels'
+        // short cut): x^(8 * 2^j) = x^(2^(j + 3)).
+        for j in 0..40 {
+            assert_eq!(shift_op(1 << j), t[j + 3], "2^{j} bytes");
+        }
         let combine = |a: u32, b: u32, len_b: u64| if len_b == 0 { a } else { mul_mod_p(shift_op(len_b), a) ^ b };
         let data: Vec<u8> = (0..300_000u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
         for cut in [0usize, 1, 7, 256, 65_536, 123_457, 299_999, 300_000] {
