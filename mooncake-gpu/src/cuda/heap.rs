@@ -46,53 +46,9 @@ pub struct CudaDeviceHeap {
     capacity: u64,
     ordinal: usize,
     imported: bool,
-    /// Device scratch for kernel results, with its page-locked host copy; the
-    /// lock also serialises the host operations on the stream.
-    scratch: Mutex<Scratch>,
-}
-
-/// 64 bytes of device scratch kernels write their answers into, and 8 bytes of
-/// page-locked host memory an answer is copied back into (a copy into pageable
-/// memory takes the driver's slow path: tens of microseconds per round trip).
-struct Scratch {
-    dev: sys::CUdeviceptr,
-    host: *mut u64,
-}
-
-// SAFETY: both allocations are owned by the heap and used only under its mutex.
-unsafe impl Send for Scratch {}
-
-impl Scratch {
-    const NONE: Scratch = Scratch { dev: 0, host: std::ptr::null_mut() };
-
-    /// Allocates both (freed by [`free`](Self::free)).
-    fn alloc() -> Result<Scratch> {
-        // SAFETY: plain device allocation, freed in `free`.
-        let dev = drv("cuMemAlloc(scratch)", unsafe { cu::malloc_sync(64) })?;
-        // SAFETY: plain page-locked allocation, freed in `free`.
-        match unsafe { cu::malloc_host(8, 0) } {
-            Ok(host) => Ok(Scratch { dev, host: host.cast() }),
-            Err(e) => {
-                // SAFETY: allocated just above, freed once.
-                let _ = unsafe { cu::free_sync(dev) };
-                Err(GpuError::Cuda { op: "cuMemHostAlloc(scratch)", msg: e.to_string() })
-            }
-        }
-    }
-
-    /// Frees both (the stream using them is idle).
-    fn free(&mut self) {
-        // SAFETY: each pointer was allocated by `alloc` and is freed once.
-        unsafe {
-            if self.dev != 0 {
-                let _ = cu::free_sync(self.dev);
-            }
-            if !self.host.is_null() {
-                let _ = cu::free_host(self.host.cast());
-            }
-        }
-        *self = Scratch::NONE;
-    }
+    /// Device scratch (64 bytes) for kernel results; the lock also serialises
+    /// the host operations on the stream.
+    scratch: Mutex<sys::CUdeviceptr>,
 }
 
 impl std::fmt::Debug for CudaDeviceHeap {
@@ -150,10 +106,12 @@ impl CudaDeviceHeap {
                 capacity: payload_bytes,
                 ordinal,
                 imported: false,
-                scratch: Mutex::new(Scratch::NONE),
+                scratch: Mutex::new(0),
             };
             // From here `heap`'s Drop frees the allocations on error.
-            *heap.scratch.lock() = Scratch::alloc()?;
+            // SAFETY: plain device allocation, freed in Drop.
+            let scratch = drv("cuMemAlloc(scratch)", unsafe { cu::malloc_sync(64) })?;
+            *heap.scratch.lock() = scratch;
             heap.reset_all_headers()?;
             Ok(heap)
         })
@@ -205,9 +163,11 @@ impl CudaDeviceHeap {
                 capacity: handle.payload_bytes,
                 ordinal,
                 imported: true,
-                scratch: Mutex::new(Scratch::NONE),
+                scratch: Mutex::new(0),
             };
-            *heap.scratch.lock() = Scratch::alloc()?;
+            // SAFETY: plain device allocation, freed in Drop.
+            let scratch = drv("cuMemAlloc(scratch)", unsafe { cu::malloc_sync(64) })?;
+            *heap.scratch.lock() = scratch;
             Ok(heap)
         })
     }
@@ -306,33 +266,23 @@ impl CudaDeviceHeap {
         drv("cuStreamSynchronize", self.stream.synchronize())
     }
 
-    /// The first 8 bytes of the device scratch (a kernel's answer, enqueued
-    /// before on the heap's stream; a `u32` answer in the low half), copied into
-    /// the page-locked host word once the stream gets there: one round trip.
-    fn read_back(&self, scratch: &Scratch) -> Result<u64> {
-        drv("bind", self.ctx.bind_to_thread())?;
-        // SAFETY: `scratch.host` is a live page-locked u64 owned by the heap and
-        // used only under the scratch lock (which the caller holds); read after
-        // the synchronize below.
-        let host = unsafe { std::slice::from_raw_parts_mut(scratch.host, 1) };
-        // SAFETY: `scratch.dev` is a live 64-byte device allocation; `host` is 8 bytes.
-        drv("cuMemcpyDtoH", unsafe { cu::memcpy_dtoh_async(host, scratch.dev, self.stream.cu_stream()) })?;
-        self.sync()?;
-        Ok(host[0])
-    }
-
     /// Runs `nk_hdr_op` on one header word and returns its result.
     fn hdr_op(&self, addr: sys::CUdeviceptr, code: u32, a: u64, b: u64) -> Result<u64> {
         guarded("hdr_op", || {
             let scratch = self.scratch.lock();
-            let out: u64 = scratch.dev;
+            let out: u64 = *scratch;
             let mut l = self.stream.launch_builder(&self.k.hdr_op);
             l.arg(&addr).arg(&code).arg(&a).arg(&b).arg(&out);
             // SAFETY: argument types match the kernel signature
             // (u64, u32, u64, u64, u64*); `addr` is a header word inside this
             // heap (checked by `hdr`), `out` is our 64-byte scratch.
             drv("launch nk_hdr_op", unsafe { l.launch(cfg1()) })?;
-            self.read_back(&scratch)
+            let mut r = [0u64; 1];
+            drv("cuMemcpyDtoH", self.ctx.bind_to_thread())?;
+            // SAFETY: `out` is a live 64-byte device allocation; `r` is 8 bytes.
+            drv("cuMemcpyDtoH", unsafe { cu::memcpy_dtoh_async(&mut r, out, self.stream.cu_stream()) })?;
+            self.sync()?;
+            Ok(r[0])
         })
     }
 
@@ -342,7 +292,7 @@ impl CudaDeviceHeap {
     fn hdr_store(&self, addr: sys::CUdeviceptr, code: u32, v: u64) -> Result<()> {
         guarded("hdr_store", || {
             let scratch = self.scratch.lock();
-            let out: u64 = scratch.dev;
+            let out: u64 = *scratch;
             let zero = 0u64;
             let mut l = self.stream.launch_builder(&self.k.hdr_op);
             l.arg(&addr).arg(&code).arg(&v).arg(&zero).arg(&out);
@@ -392,6 +342,7 @@ impl CudaDeviceHeap {
         }
         guarded("push_from_device", || {
             let scratch = self.scratch.lock();
+            let out: u64 = *scratch;
             let page0 = self.payload + span.payload_base;
             let mut l = self.stream.launch_builder(&self.k.push_pages);
             l.arg(&src).arg(&page0).arg(&span.page_size).arg(&first_page).arg(&span.n_pages).arg(&span.last_page_bytes);
@@ -402,24 +353,26 @@ impl CudaDeviceHeap {
             if !publish {
                 return self.sync();
             }
-            self.publish_kernel(&scratch, hdr, plan.epoch, now_ns)
+            self.publish_kernel(out, hdr, plan.epoch, now_ns)
         })
     }
 
     /// `nk_publish` of the header at `hdr` on the heap's stream (after whatever
-    /// was enqueued before), its answer read back through the scratch (whose
-    /// lock the caller holds): one host round trip.
-    fn publish_kernel(&self, scratch: &Scratch, hdr: sys::CUdeviceptr, epoch: u32, now_ns: u64) -> Result<()> {
-        let out = scratch.dev;
+    /// was enqueued before), its answer read back through the scratch word `out`
+    /// (the caller holds the scratch lock): one host round trip.
+    fn publish_kernel(&self, out: u64, hdr: sys::CUdeviceptr, epoch: u32, now_ns: u64) -> Result<()> {
         let mut l = self.stream.launch_builder(&self.k.publish);
         l.arg(&hdr).arg(&epoch).arg(&now_ns).arg(&out);
         // SAFETY: types match (u64, u32, u64, u32*); `hdr` is in bounds (the
         // callers got it from `hdr`).
         drv("launch nk_publish", unsafe { l.launch(cfg1()) })?;
-        let state = self.read_back(scratch)? as u32;
+        let mut r = [0u32; 1];
+        // SAFETY: `out` is our live scratch allocation.
+        drv("cuMemcpyDtoH", unsafe { cu::memcpy_dtoh_async(&mut r, out, self.stream.cu_stream()) })?;
+        self.sync()?;
         let writing = ObjectState::Writing.as_u32();
         let ready = ObjectState::Ready.as_u32();
-        if state == writing || state == ready {
+        if r[0] == writing || r[0] == ready {
             Ok(())
         } else {
             Err(GpuError::Stale)
@@ -436,7 +389,7 @@ impl CudaDeviceHeap {
         self.check_span(&meta.span())?;
         guarded("read_into_device", || {
             let scratch = self.scratch.lock();
-            let st: u64 = scratch.dev;
+            let st: u64 = *scratch;
             let mut l = self.stream.launch_builder(&self.k.reader_enter);
             l.arg(&hdr).arg(&meta.epoch).arg(&key.hash).arg(&key.fp_hi).arg(&key.len).arg(&dst_cap).arg(&st);
             // SAFETY: types match (u64, u32, u64, u64, u32, u64, u32*).
@@ -451,7 +404,11 @@ impl CudaDeviceHeap {
             l.arg(&hdr).arg(&st);
             // SAFETY: types match (u64, u32*).
             drv("launch nk_reader_exit", unsafe { l.launch(cfg1()) })?;
-            match self.read_back(&scratch)? as u32 {
+            let mut r = [0u32; 1];
+            // SAFETY: `st` is our live scratch allocation.
+            drv("cuMemcpyDtoH", unsafe { cu::memcpy_dtoh_async(&mut r, st, self.stream.cu_stream()) })?;
+            self.sync()?;
+            match r[0] {
                 status::PINNED => Ok(meta.bytes_total),
                 status::NOT_READY => Err(GpuError::NotReady),
                 status::TOO_SMALL => Err(GpuError::BufferTooSmall { need: meta.bytes_total, got: dst_cap }),
@@ -490,10 +447,13 @@ impl Drop for CudaDeviceHeap {
         let _ = guarded("CudaDeviceHeap::drop", || {
             drv("bind", self.ctx.bind_to_thread())?;
             let _ = self.stream.synchronize();
-            self.scratch.lock().free();
+            let scratch = *self.scratch.lock();
             // SAFETY: each pointer is freed/closed exactly once; the stream is
             // idle, so no kernel still uses them.
             unsafe {
+                if scratch != 0 {
+                    let _ = cu::free_sync(scratch);
+                }
                 if self.imported {
                     let _ = sys::cuIpcCloseMemHandle(self.headers);
                     let _ = sys::cuIpcCloseMemHandle(self.payload);
@@ -570,8 +530,9 @@ impl DeviceHeap for CudaDeviceHeap {
         let hdr = self.hdr(slot)?;
         guarded("publish", || {
             let scratch = self.scratch.lock();
+            let out: u64 = *scratch;
             drv("bind", self.ctx.bind_to_thread())?;
-            self.publish_kernel(&scratch, hdr, epoch, now_ns)
+            self.publish_kernel(out, hdr, epoch, now_ns)
         })
     }
 
