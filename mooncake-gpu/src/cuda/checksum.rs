@@ -191,8 +191,8 @@ struct Summer {
     scratch: sys::CUdeviceptr,
     /// Its capacity in sums.
     capacity: u64,
-    /// Page-locked host memory the result is copied into (a copy into pageable
-    /// memory goes through the driver's own staging: tens of microseconds).
+    /// Page-locked host memory the result is copied into (an asynchronous copy
+    /// on the summer's stream, waited for once).
     result: *mut u32,
 }
 
