@@ -12,6 +12,7 @@ use std::sync::{Arc, LazyLock};
 use mooncake_gpu::{DeviceMemory, DeviceStream, PinnedPool, PooledBuffer};
 
 use super::pinned::PinnedRegion;
+use super::stream::stream_of;
 use crate::error::{Error, Result};
 
 /// Idle pinned staging kept for device copies, per process (two 64 MiB
@@ -51,7 +52,7 @@ pub(in crate::store) enum Keep {
 /// device memory) and waited for once, in [`Copies::finish`].
 #[derive(Default)]
 pub(in crate::store) struct Copies<'a> {
-    /// One stream per device memory (by identity, see `stream::identity`).
+    /// One stream per device memory object (see `stream_of`).
     streams: Vec<(usize, Box<dyn DeviceStream + 'a>)>,
     /// What each copy needs alive, with the item it belongs to and its stream.
     /// Declared after `streams`, so dropped after them (a stream's drop waits
@@ -60,15 +61,6 @@ pub(in crate::store) struct Copies<'a> {
 }
 
 impl<'a> Copies<'a> {
-    fn stream(&mut self, mem: &'a dyn DeviceMemory) -> Result<usize> {
-        let id = super::stream::identity(mem);
-        if let Some(at) = self.streams.iter().position(|(m, _)| *m == id) {
-            return Ok(at);
-        }
-        self.streams.push((id, mem.open_stream()?));
-        Ok(self.streams.len() - 1)
-    }
-
     /// Enqueues the copy of `len` bytes at `src` to `offset` of `dst` (which has
     /// room for them), for item `item`.
     ///
@@ -84,7 +76,7 @@ impl<'a> Copies<'a> {
         offset: u64,
         keep: Keep,
     ) -> Result<()> {
-        let at = self.stream(dst)?;
+        let at = stream_of(&mut self.streams, dst)?;
         // SAFETY: the caller's contract; `keep` is held in `pending` until the
         // stream is synchronized (`finish`) or dropped (which waits).
         unsafe { self.streams[at].1.copy_to_device_async(src, len, offset)? };
@@ -107,7 +99,7 @@ impl<'a> Copies<'a> {
         offset: u64,
         keep: Keep,
     ) -> Result<()> {
-        let at = self.stream(src)?;
+        let at = stream_of(&mut self.streams, src)?;
         // SAFETY: as `enqueue_upload`.
         unsafe { self.streams[at].1.copy_from_device_async(dst, len, offset)? };
         self.pending.push((item, at, keep));

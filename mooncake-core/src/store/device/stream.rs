@@ -95,7 +95,7 @@ fn stream_in_chunks(engine: &TransferEngine, reads: &[StreamRead<'_>], chunk: us
         let slot = w % 2;
         // The copies out of this slot two chunks ago are done before it is refilled.
         if let Err(e) = wait_all(&mut streams, std::mem::take(&mut busy[slot])) {
-            results.iter_mut().filter(|r| r.is_ok()).for_each(|r| *r = Err(e.clone()));
+            fail_rest(&mut results, &e);
             return results;
         }
         let pieces: Vec<&Piece> = wave.iter().filter(|p| results[p.index].is_ok()).collect();
@@ -132,15 +132,20 @@ fn stream_in_chunks(engine: &TransferEngine, reads: &[StreamRead<'_>], chunk: us
         match fences(&mut streams, used) {
             Ok(f) => busy[slot] = f,
             Err(e) => {
-                results.iter_mut().filter(|r| r.is_ok()).for_each(|r| *r = Err(e.clone()));
+                fail_rest(&mut results, &e);
                 return results;
             }
         }
     }
     if let Err(e) = synchronize_all(&mut streams) {
-        results.iter_mut().filter(|r| r.is_ok()).for_each(|r| *r = Err(e.clone()));
+        fail_rest(&mut results, &e);
     }
     results
+}
+
+/// Fails every read not failed yet with `e` (a device stream broke).
+fn fail_rest(results: &mut [Result<()>], e: &Error) {
+    results.iter_mut().filter(|r| r.is_ok()).for_each(|r| *r = Err(e.clone()));
 }
 
 /// Two pinned chunks (portable: any device memory's copies can use them) and
@@ -180,7 +185,10 @@ fn synchronize_all(streams: &mut [(usize, Box<dyn DeviceStream + '_>)]) -> Resul
 /// The index of `mem`'s stream in `streams` (opened on first use). Memories
 /// are told apart by identity, not by device address: two scatters of one
 /// call can start at the same address and differ after it.
-fn stream_of<'a>(streams: &mut Vec<(usize, Box<dyn DeviceStream + 'a>)>, mem: &'a dyn DeviceMemory) -> Result<usize> {
+pub(super) fn stream_of<'a>(
+    streams: &mut Vec<(usize, Box<dyn DeviceStream + 'a>)>,
+    mem: &'a dyn DeviceMemory,
+) -> Result<usize> {
     let id = identity(mem);
     if let Some(at) = streams.iter().position(|(m, _)| *m == id) {
         return Ok(at);
@@ -191,7 +199,7 @@ fn stream_of<'a>(streams: &mut Vec<(usize, Box<dyn DeviceStream + 'a>)>, mem: &'
 
 /// The address of the memory object itself (borrowed for the whole call, so
 /// distinct objects have distinct addresses).
-pub(super) fn identity(mem: &dyn DeviceMemory) -> usize {
+fn identity(mem: &dyn DeviceMemory) -> usize {
     (mem as *const dyn DeviceMemory).cast::<()>() as usize
 }
 
