@@ -59,11 +59,8 @@ struct Reading<'a> {
     done: Option<Result<usize>>,
     /// The registration of a device destination with the NICs.
     direct: Option<usize>,
-    /// Whether the object went to device memory straight from its replica.
-    moved_direct: bool,
-    /// Whether the object's bytes are on the device already (moved straight or
-    /// streamed): nothing to upload from host memory.
-    on_device: bool,
+    /// The attempt that read the object.
+    read_by: Option<Attempt>,
     /// The replica's segment, mapped and page-locked, for a `Dma` attempt.
     pinned: Option<Arc<PinnedRegion>>,
 }
@@ -83,6 +80,20 @@ enum Attempt {
     Stream(usize),
     /// Read the disk replica on this client's SSD.
     Disk(ClientId),
+}
+
+impl Attempt {
+    /// The bytes go to device memory with no host copy of the caller's: straight
+    /// (RDMA) or in one DMA from a mapped segment.
+    fn is_direct(self) -> bool {
+        matches!(self, Attempt::Device(_) | Attempt::Dma(_))
+    }
+
+    /// The bytes end up in device memory during the round (direct or streamed):
+    /// checked there, and nothing to upload afterwards.
+    fn lands_on_device(self) -> bool {
+        matches!(self, Attempt::Device(_) | Attempt::Dma(_) | Attempt::Stream(_))
+    }
 }
 
 impl Reading<'_> {
@@ -133,8 +144,7 @@ impl StoreInner {
                 asked: 0,
                 last_err: None,
                 done: None,
-                moved_direct: false,
-                on_device: false,
+                read_by: None,
                 pinned: None,
             };
             if let Err(e) = check_key(key) {
@@ -160,7 +170,7 @@ impl StoreInner {
         }
         let mut uploads = Copies::default();
         for (k, r) in reading.iter_mut().enumerate() {
-            if let (Some(Ok(n)), false) = (&r.done, r.on_device) {
+            if let (Some(Ok(n)), false) = (&r.done, r.read_by.is_some_and(Attempt::lands_on_device)) {
                 let n = *n;
                 if let Err(e) = r.target.upload(k, n, &mut uploads) {
                     r.done = Some(Err(e));
@@ -175,7 +185,7 @@ impl StoreInner {
             .map(|r| {
                 let res = r.done.unwrap_or_else(|| Err(Error::NotFound(r.key.to_owned())));
                 if count {
-                    self.count_read(&res, &r.target.dest, r.moved_direct);
+                    self.count_read(&res, &r.target.dest, r.read_by.is_some_and(Attempt::is_direct));
                 }
                 res.map(|n| r.target.into_got(n))
             })
@@ -474,7 +484,7 @@ impl StoreInner {
         let mut sums: Vec<Option<u32>> = taken;
         let to_sum: Vec<usize> = (0..reading.len())
             .filter(|&k| matches!(ok[k], Some(Ok(()))) && sums[k].is_none())
-            .filter(|&k| !matches!(attempts[k], Some(Attempt::Device(_) | Attempt::Dma(_) | Attempt::Stream(_))))
+            .filter(|&k| !attempts[k].is_some_and(Attempt::lands_on_device))
             .collect();
         let pieces: Vec<Vec<&[u8]>> = to_sum.iter().map(|&k| reading[k].target.filled(reading[k].len())).collect();
         for (&k, crc) in to_sum.iter().zip(crate::checksum::checksum_each(&pieces)) {
@@ -492,7 +502,7 @@ impl StoreInner {
                 Attempt::Disk(_) => None,
             };
             let verdict = match (res, attempt) {
-                (Ok(()), Attempt::Device(_) | Attempt::Dma(_) | Attempt::Stream(_)) => match &r.target.dest {
+                (Ok(()), a) if a.lands_on_device() => match &r.target.dest {
                     Dest::Device { mem, offset } => mem.crc32c(*offset, list.len).map_err(Error::from),
                     _ => Err(Error::NotFound(r.key.to_owned())),
                 },
@@ -502,8 +512,7 @@ impl StoreInner {
             match verdict {
                 Ok(crc) if crc == list.checksum => {
                     r.done = Some(Ok(list.len as usize));
-                    r.moved_direct = matches!(attempt, Attempt::Device(_) | Attempt::Dma(_));
-                    r.on_device = matches!(attempt, Attempt::Device(_) | Attempt::Dma(_) | Attempt::Stream(_));
+                    r.read_by = Some(attempt);
                     match from {
                         ListFrom::Cache => self.cache.hit(),
                         ListFrom::Master(asked_at) => {
