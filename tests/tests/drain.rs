@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use mooncake_core::{ReplicateConfig, Store};
+use mooncake_core::{Master, MasterConfig, ReplicateConfig, Store};
 use support::{bin, payload, ssd_node, unique_dir, Cluster, Proc};
 
 /// The endpoint a node serves at (the last word of its first line).
@@ -381,4 +381,50 @@ fn a_put_placed_before_the_drain_and_ended_during_it_is_moved_too() {
     assert_eq!((summary.objects_copied, summary.objects_lost), (1, 0), "{summary:?}");
     assert_eq!(homes(&b, "late"), [b.segment_id().unwrap()]);
     assert_eq!(&b.get("late").unwrap()[..], &zeros[..]);
+}
+
+/// Copies away from a draining node take room below the high watermark only, even
+/// when many land on one segment at the same moment. Above it the master's monitor
+/// would evict, and a copy whose original the drain has dropped is the object's only
+/// replica: evicting it loses what the drain reported moved.
+#[test]
+fn concurrent_drain_copies_never_push_a_segment_over_the_high_watermark() {
+    const OBJ: usize = 100_000;
+    for round in 0..40 {
+        let m = Master::new(MasterConfig { default_lease: Duration::ZERO, ..Default::default() }).unwrap();
+        let a = Store::builder().master(&m).global_segment_size(8 << 20).build().unwrap();
+        let b = Store::builder().master(&m).global_segment_size(1 << 20).build().unwrap();
+        let on_a =
+            ReplicateConfig { preferred_segments: vec![a.segment_name().unwrap().unwrap()], ..Default::default() };
+        let keys: Vec<String> = (0..32).map(|i| format!("r{round}/{i}")).collect();
+        for k in &keys {
+            a.put_with(k, &vec![1u8; OBJ], &on_a).unwrap();
+        }
+        m.drain_segment(a.endpoint(), 60_000).unwrap();
+        // Every copy can only go to B, which has room for a few of them.
+        let cfg = ReplicateConfig { replica_num: 2, keep_soft_pin: true, ..Default::default() };
+        let copied = AtomicU64::new(0);
+        let (a, cfg, copied_ref) = (&a, &cfg, &copied);
+        std::thread::scope(|s| {
+            for chunk in keys.chunks(2) {
+                s.spawn(move || {
+                    for k in chunk {
+                        if a.replicate(k, cfg).is_ok() {
+                            copied_ref.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                });
+            }
+        });
+        let stats = m.stats();
+        let usage = stats.segment_usage.iter().find(|u| Some(u.segment) == b.segment_id()).unwrap();
+        assert!(
+            usage.used as f64 <= usage.capacity as f64 * 0.95,
+            "round {round}: {} copies took {} of {} bytes",
+            copied.load(Ordering::Relaxed),
+            usage.used,
+            usage.capacity
+        );
+        assert!(copied.load(Ordering::Relaxed) > 0, "round {round}: B had room for some copies");
+    }
 }

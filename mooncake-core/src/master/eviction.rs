@@ -20,6 +20,12 @@ use crate::master::types::EvictionReport;
 /// until this many are seen, or every shard was).
 const SAMPLE_TARGET: usize = 4096;
 
+/// Whether `used` bytes of `capacity` are above the `high` watermark: the monitor
+/// evicts there.
+pub(crate) fn above_watermark(used: u64, capacity: u64, high: f64) -> bool {
+    used as f64 > capacity as f64 * high
+}
+
 impl MasterService {
     pub(crate) fn low_watermark(&self) -> f64 {
         self.config.high_watermark - self.config.eviction_ratio
@@ -61,12 +67,12 @@ impl MasterService {
         let (cap, used): (u64, u64) =
             candidates.iter().fold((0, 0), |(c, u), s| (c + s.capacity(), u + s.used_bytes()));
         let high = self.config.high_watermark;
-        if cap > 0 && used as f64 > cap as f64 * high {
+        if cap > 0 && above_watermark(used, cap, high) {
             report.add(self.evict(used - (cap as f64 * self.low_watermark()) as u64, None));
         }
         for seg in candidates.iter() {
             let (c, u) = (seg.capacity(), seg.used_bytes());
-            if u as f64 > c as f64 * high {
+            if above_watermark(u, c, high) {
                 report.add(self.evict(u - (c as f64 * self.low_watermark()) as u64, Some(seg.id())));
             }
         }

@@ -9,6 +9,7 @@ use mooncake_alloc::{AllocatedBuffer, AllocationError, AllocationRequest, Segmen
 
 use crate::config::{check_key, check_value_len, ReplicateConfig};
 use crate::error::{Error, Result};
+use crate::master::eviction::above_watermark;
 use crate::master::object::{ObjectEntry, StoredReplica};
 use crate::master::record_link::RecordWait;
 use crate::master::service::MasterService;
@@ -119,6 +120,8 @@ impl MasterService {
         evict: bool,
     ) -> Result<Vec<AllocatedBuffer>> {
         let mut evictions = 0;
+        let mut raced = 0;
+        let high = self.config.high_watermark;
         let mut wait_until: Option<Instant> = None;
         loop {
             let all = self.candidates();
@@ -134,7 +137,6 @@ impl MasterService {
                 None => mounted.to_vec(),
             };
             if !evict {
-                let high = self.config.high_watermark;
                 candidates.retain(|s| (s.used_bytes() + len) as f64 <= s.capacity() as f64 * high);
             }
             if candidates.is_empty() {
@@ -160,6 +162,26 @@ impl MasterService {
                 });
             }
             match self.place(len, cfg, &candidates) {
+                // The room was checked before placing, but copies placed at the same
+                // moment may together cross the watermark: whichever lands last sees
+                // it, gives its room back and looks again (the full segment is then
+                // no candidate).
+                Ok(bufs)
+                    if !evict
+                        && bufs
+                            .iter()
+                            .any(|b| above_watermark(b.segment().used_bytes(), b.segment().capacity(), high)) =>
+                {
+                    drop(bufs);
+                    raced += 1;
+                    if raced >= 8 {
+                        return Err(Error::NoSpace {
+                            needed: len,
+                            largest_free: 0,
+                            reason: "no other segment has room below the high watermark".into(),
+                        });
+                    }
+                }
                 Ok(bufs) => return Ok(bufs),
                 // Eviction frees whole objects wherever they are; a fragmented or
                 // unlucky segment may need more than one round.
