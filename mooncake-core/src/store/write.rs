@@ -440,6 +440,19 @@ impl StoreInner {
                     false
                 });
             }
+            // The checksum of each item copied, taken on the device while its DMA
+            // runs (both only read the device bytes): its fixed cost overlaps the
+            // copy instead of following it.
+            for k in copies.items() {
+                let w = &mut *round[k];
+                let Bytes::Device { mem, offset, .. } = &w.bytes else { continue };
+                if w.crc.is_none() && w.failed.is_none() {
+                    match mem.crc32c(*offset, w.len) {
+                        Ok(crc) => w.crc = Some(crc),
+                        Err(e) => w.failed = Some(e.into()),
+                    }
+                }
+            }
             // A failed DMA is the device's, not the segment's: the item fails.
             for (k, e) in copies.finish() {
                 round[k].failed.get_or_insert(e);

@@ -106,6 +106,17 @@ impl<'a> Copies<'a> {
         Ok(())
     }
 
+    /// The items with a copy enqueued, each once, in the order first enqueued.
+    pub(in crate::store) fn items(&self) -> Vec<usize> {
+        let mut items: Vec<usize> = Vec::with_capacity(self.pending.len());
+        for &(item, _, _) in &self.pending {
+            if !items.contains(&item) {
+                items.push(item);
+            }
+        }
+        items
+    }
+
     /// Waits for every copy; returns the items whose copy failed, with why.
     pub(in crate::store) fn finish(mut self) -> Vec<(usize, Error)> {
         let mut failed = Vec::new();
