@@ -81,7 +81,7 @@ pub use rdma::{
 };
 pub use region::{RegionId, RegisteredRegion, RemoteRegion};
 pub use transport::{
-    Capabilities, LocalTransport, MappedRegion, ShmTransport, TcpTransport, TransferOp, TransferRequest, TransferStats,
-    Transport, TransportStats, LOCAL_SCHEME,
+    Capabilities, LocalTransport, MappedRegion, OnLanded, ShmTransport, TcpTransport, TransferOp, TransferRequest,
+    TransferStats, Transport, TransportStats, LOCAL_SCHEME,
 };
 pub use warn_limit::{WarnLimiter, WARN_EVERY};

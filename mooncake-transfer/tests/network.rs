@@ -435,3 +435,42 @@ proptest! {
         }
     }
 }
+
+/// A TCP read with an `on_landed` hook is told of every range of its buffer once
+/// (for a transfer without retries), in pieces of at most 256 KiB, each holding its
+/// final bytes when told of; a write with a hook is told of nothing.
+#[test]
+fn tcp_tells_of_each_range_of_a_read_once_it_landed() {
+    let (srv, cli) = (server(false), client(Arc::new(TcpTransport::new())));
+    let seg = srv.register_region(8 << 20).unwrap();
+    let target = srv.remote(seg.id());
+    let data = bytes(7, (5 << 20) + 12_345);
+    cli.write(&target, 3, &data).unwrap();
+    let mut back = vec![0u8; data.len()];
+    let base = back.as_mut_ptr() as usize;
+    let told = std::sync::Mutex::new(Vec::new());
+    let hook = |at: u64, len: usize| {
+        // SAFETY: the range lies in `back` and was written by this thread (the hook
+        // runs on the connection that received it, right after), which does not
+        // write it again.
+        let landed = unsafe { std::slice::from_raw_parts((base + at as usize) as *const u8, len) };
+        let exact = landed == &data[at as usize..at as usize + len];
+        told.lock().unwrap().push((at, len, exact));
+    };
+    let done = cli.transfer(&mut [TransferRequest::read(&target, 3, &mut back).on_landed(&hook)]);
+    assert!(done.into_iter().all(|r| r.is_ok()));
+    assert!(back == data);
+    let mut told = told.into_inner().unwrap();
+    told.sort_unstable();
+    let mut next = 0u64;
+    for &(at, len, exact) in &told {
+        assert_eq!(at, next, "ranges told of tile the buffer once");
+        assert!(len > 0 && len <= 256 << 10, "{len} bytes told of at once");
+        assert!(exact, "the range at {at} did not hold its bytes when told of");
+        next += len as u64;
+    }
+    assert_eq!(next, data.len() as u64);
+    let never = |_: u64, _: usize| panic!("a write is told of nothing");
+    let mut reqs = [TransferRequest::write(&target, 0, &data).on_landed(&never)];
+    assert!(cli.transfer(&mut reqs).into_iter().all(|r| r.is_ok()));
+}

@@ -1,5 +1,6 @@
 //! [`HostDeviceMemory`]: host memory standing in for a device allocation, with
-//! streams that defer their copies like a device would, exportable as a "dma-buf"
+//! streams that defer their copies like a device would (or run them at once, to
+//! catch the opposite mistake), exportable as a "dma-buf"
 //! (its memfd) that software RDMA NICs import.
 
 use std::collections::VecDeque;
@@ -42,6 +43,10 @@ pub struct HostDeviceMemory {
     /// which cannot be exported).
     file: Option<File>,
     id: u64,
+    /// Copies run when enqueued ([`with_copies_at_enqueue`](Self::with_copies_at_enqueue)).
+    at_enqueue: bool,
+    /// Copies its streams ran.
+    copies: AtomicU64,
 }
 
 impl fmt::Debug for HostDeviceMemory {
@@ -112,6 +117,8 @@ impl HostDeviceMemory {
             base: ptr as u64,
             file: None,
             id,
+            at_enqueue: false,
+            copies: AtomicU64::new(0),
         })
     }
 
@@ -133,7 +140,30 @@ impl HostDeviceMemory {
         .map_err(|e| GpuError::InvalidArgument(format!("cannot map {len} bytes of emulated device memory: {e}")))?;
         let base = data.as_ptr() as u64;
         let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
-        Ok(Self { data: RwLock::new(Backing::Mapped(data)), len, base, file, id })
+        Ok(Self {
+            data: RwLock::new(Backing::Mapped(data)),
+            len,
+            base,
+            file,
+            id,
+            at_enqueue: false,
+            copies: AtomicU64::new(0),
+        })
+    }
+
+    /// This memory, with streams that run each copy when it is enqueued, like a
+    /// copy engine that starts at once: a copy enqueued before its source holds the
+    /// bytes (a caller that passes a staging range on too early) gives wrong bytes.
+    /// The default streams catch the other mistake: reusing a source before the
+    /// copy was waited for.
+    pub fn with_copies_at_enqueue(mut self) -> Self {
+        self.at_enqueue = true;
+        self
+    }
+
+    /// How many copies its streams have run.
+    pub fn copies_run(&self) -> u64 {
+        self.copies.load(Ordering::Relaxed)
     }
 
     /// A copy of the whole memory (tests: what a kernel would see).
@@ -233,6 +263,14 @@ impl HostStream<'_> {
                 }
             }
             self.completed += 1;
+            self.mem.copies.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Runs what was enqueued, on memory that copies at once.
+    fn run_if_at_enqueue(&mut self) {
+        if self.mem.at_enqueue {
+            self.run_until(self.enqueued);
         }
     }
 
@@ -247,6 +285,7 @@ impl DeviceStream for HostStream<'_> {
         let offset = self.device_range(dst_offset, len)?;
         self.queue.push_back(HostOp::ToDevice { src, len, offset });
         self.enqueued += 1;
+        self.run_if_at_enqueue();
         Ok(())
     }
 
@@ -254,6 +293,7 @@ impl DeviceStream for HostStream<'_> {
         let offset = self.device_range(src_offset, len)?;
         self.queue.push_back(HostOp::FromDevice { dst, len, offset });
         self.enqueued += 1;
+        self.run_if_at_enqueue();
         Ok(())
     }
 
@@ -302,5 +342,25 @@ mod tests {
         assert!(matches!(r, Err(GpuError::OutOfBounds(_))));
         s.synchronize().unwrap();
         assert_eq!(mem.to_vec()[12..], [0, 0, 0, 0]);
+        assert_eq!(mem.copies_run(), 1);
+    }
+
+    #[test]
+    fn streams_of_memory_that_copies_at_enqueue_read_the_source_at_once() {
+        let mem = HostDeviceMemory::new(16).unwrap().with_copies_at_enqueue();
+        let mut src = PinnedBuffer::unpinned(4).unwrap();
+        src.copy_from_slice(&[1, 2, 3, 4]);
+        let mut s = mem.open_stream().unwrap();
+        // SAFETY: `src` lives past the copy, which runs inside this call.
+        unsafe { s.copy_to_device_async(src.as_ptr(), 4, 0).unwrap() };
+        // Written after the enqueue: a device that started at once never sees it.
+        src.copy_from_slice(&[9, 9, 9, 9]);
+        s.synchronize().unwrap();
+        assert_eq!(mem.to_vec()[..4], [1, 2, 3, 4]);
+        let mut back = PinnedBuffer::unpinned(4).unwrap();
+        // SAFETY: `back` lives past the copy, which runs inside this call.
+        unsafe { s.copy_from_device_async(back.as_mut_ptr(), 4, 0).unwrap() };
+        assert_eq!(back[..], [1, 2, 3, 4], "copied before any wait");
+        assert_eq!(mem.copies_run(), 2);
     }
 }

@@ -52,6 +52,22 @@ pub struct TransferRequest<'a> {
     /// Direction and local buffer.
     pub op: TransferOp<'a>,
     checksum: Checksum,
+    landed: Option<Landed<'a>>,
+}
+
+/// Told of each range of a read's buffer once its bytes have landed, while the rest
+/// is still in flight: `(at, len)`, `at` counted from the buffer's first byte. Called
+/// on the transport's threads.
+pub type OnLanded<'a> = &'a (dyn Fn(u64, usize) + Sync);
+
+/// A read's [`OnLanded`] hook (a newtype, so that requests stay `Debug`).
+#[derive(Clone, Copy)]
+struct Landed<'a>(OnLanded<'a>);
+
+impl std::fmt::Debug for Landed<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Landed(..)")
+    }
 }
 
 /// Whether a request's crc32c was asked for, and taken.
@@ -65,12 +81,12 @@ enum Checksum {
 impl<'a> TransferRequest<'a> {
     /// A request that reads `dst.len()` bytes from `target` at `offset`.
     pub fn read(target: &'a RemoteRegion, offset: u64, dst: &'a mut [u8]) -> Self {
-        Self { target, offset, op: TransferOp::Read(dst), checksum: Checksum::NotAsked }
+        Self { target, offset, op: TransferOp::Read(dst), checksum: Checksum::NotAsked, landed: None }
     }
 
     /// A request that writes `src` into `target` at `offset`.
     pub fn write(target: &'a RemoteRegion, offset: u64, src: &'a [u8]) -> Self {
-        Self { target, offset, op: TransferOp::Write(src), checksum: Checksum::NotAsked }
+        Self { target, offset, op: TransferOp::Write(src), checksum: Checksum::NotAsked, landed: None }
     }
 
     /// Asks for the crc32c ([`checksum::crc32c`](crate::checksum::crc32c)) of the
@@ -80,6 +96,23 @@ impl<'a> TransferRequest<'a> {
     pub fn with_checksum(mut self) -> Self {
         self.checksum = Checksum::Asked;
         self
+    }
+
+    /// Asks to be told of the ranges of a read's buffer as they land ([`OnLanded`]),
+    /// so that the caller can pass them on (a DMA to a GPU) while the rest is in
+    /// flight. A transport may tell of some ranges, of all, or of none (the local and
+    /// shared-memory transports copy in one go; TCP tells of each piece it received);
+    /// a range told of holds its final bytes, and is not written again unless the
+    /// transport retries the request after a broken connection, with the same bytes.
+    /// The whole buffer holds its bytes once the request succeeded. Writes ignore it.
+    pub fn on_landed(mut self, hook: OnLanded<'a>) -> Self {
+        self.landed = Some(Landed(hook));
+        self
+    }
+
+    /// The hook [`on_landed`](Self::on_landed) set (for transport implementations).
+    pub fn landed_hook(&self) -> Option<OnLanded<'a>> {
+        self.landed.map(|l| l.0)
     }
 
     /// Whether [`with_checksum`](Self::with_checksum) asked for the crc32c (for

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
-use super::{Capabilities, TransferOp, TransferRequest, Transport, TransportStats};
+use super::{Capabilities, OnLanded, TransferOp, TransferRequest, Transport, TransportStats};
 use crate::auth::{admits_peer, decode_refusal, encode_refusal, read_up_to, SharedSecret, PROTECTED_MODE_REFUSAL};
 use crate::error::{Result, TransferError};
 use crate::frame::{
@@ -387,7 +387,15 @@ struct Chunk<'a> {
     /// Whether to take the crc32c of the piece as it passes (into `crc`).
     sum: bool,
     crc: Option<u32>,
+    /// A read's hook for the ranges that landed, and where the chunk starts in its
+    /// request.
+    landed: Option<(OnLanded<'a>, u64)>,
 }
+
+/// The ranges a read with an [`OnLanded`] hook is told of: small enough that the
+/// caller's work on one (a DMA) overlaps the receipt of the next, large enough that
+/// telling costs nothing beside the bytes.
+const LANDED_PIECE: usize = 256 << 10;
 
 impl Chunk<'_> {
     /// Takes the piece's crc32c if asked: right before its bytes are sent, or right
@@ -525,7 +533,15 @@ impl TcpTransport {
                     if h.len != dst.len() as u64 {
                         return Err(TransferError::Protocol("short read".into()));
                     }
-                    (&conn.stream).read_exact(dst).map_err(io)?;
+                    match c.landed {
+                        None => (&conn.stream).read_exact(dst).map_err(io)?,
+                        Some((hook, at)) => {
+                            for (k, piece) in dst.chunks_mut(LANDED_PIECE).enumerate() {
+                                (&conn.stream).read_exact(piece).map_err(io)?;
+                                hook(at + (k * LANDED_PIECE) as u64, piece.len());
+                            }
+                        }
+                    }
                     self.stats.bytes_read.fetch_add(h.len, Ordering::Relaxed);
                     c.take_sum();
                     Ok(())
@@ -639,19 +655,21 @@ impl Transport for TcpTransport {
                 results[i] = Err(TransferError::Protocol("request too large".into()));
                 continue;
             }
-            let (region, base, sum) = (req.target.region, req.offset, req.checksum_asked());
+            let (region, base, sum, hook) = (req.target.region, req.offset, req.checksum_asked(), req.landed_hook());
             let peer = by_peer.entry(req.target.endpoint.clone()).or_default();
             match &mut req.op {
                 TransferOp::Read(dst) => {
                     for (k, piece) in dst.chunks_mut(STRIPE).enumerate() {
-                        let offset = base.saturating_add((k * STRIPE) as u64);
-                        peer.push(Chunk { req: i, region, offset, op: TransferOp::Read(piece), sum, crc: None });
+                        let at = (k * STRIPE) as u64;
+                        let (offset, op, landed) =
+                            (base.saturating_add(at), TransferOp::Read(piece), hook.map(|h| (h, at)));
+                        peer.push(Chunk { req: i, region, offset, op, sum, crc: None, landed });
                     }
                 }
                 TransferOp::Write(src) => {
                     for (k, piece) in src.chunks(STRIPE).enumerate() {
-                        let offset = base.saturating_add((k * STRIPE) as u64);
-                        peer.push(Chunk { req: i, region, offset, op: TransferOp::Write(piece), sum, crc: None });
+                        let (offset, op) = (base.saturating_add((k * STRIPE) as u64), TransferOp::Write(piece));
+                        peer.push(Chunk { req: i, region, offset, op, sum, crc: None, landed: None });
                     }
                 }
             }

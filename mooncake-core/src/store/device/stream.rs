@@ -4,6 +4,12 @@
 //! the other way: while the transport writes one chunk to the replicas, the DMA
 //! fills the other from the device. The staging memory a call holds is two
 //! chunks, however many objects and bytes it moves.
+//!
+//! Within a chunk, a get does not wait for the whole transfer either: each range
+//! the transport tells of as landed (`TransferRequest::on_landed`; TCP tells of
+//! every 256 KiB) is DMA'd at once, so only the last ranges' copies follow the
+//! transfer. The transfer runs on a thread of its own; the calling thread
+//! enqueues the copies (a device stream stays on one thread).
 
 use mooncake_gpu::{DeviceMemory, DeviceStream, Fence, PooledBuffer};
 use mooncake_transfer::{RemoteRegion, TransferEngine, TransferError, TransferRequest};
@@ -99,34 +105,77 @@ fn stream_in_chunks(engine: &TransferEngine, reads: &[StreamRead<'_>], chunk: us
             return results;
         }
         let pieces: Vec<&Piece> = wave.iter().filter(|p| results[p.index].is_ok()).collect();
+        // Each range the transport tells of as landed goes on to the device at once,
+        // while the rest of the chunk is in flight; what it did not tell of goes
+        // once the transfer returned.
+        let (tx, rx) = std::sync::mpsc::channel::<Landing>();
+        let hooks: Vec<_> = (0..pieces.len())
+            .map(|n| {
+                let tx = tx.clone();
+                move |at: u64, len: usize| {
+                    let _ = tx.send(Landing::Range(n, at, len));
+                }
+            })
+            .collect();
         let mut reqs: Vec<TransferRequest<'_>> = Vec::with_capacity(pieces.len());
-        for p in &pieces {
+        for (p, hook) in pieces.iter().zip(&hooks) {
             // SAFETY: the piece lies in the slot (`pos + len <= chunk`), whose
             // earlier copies were waited for above; pieces do not overlap, and
-            // nothing else touches the slot until the transfer returns.
+            // nothing else writes the slot until the transfer returns (the copies
+            // enqueued meanwhile only read ranges that landed).
             let buf = unsafe { std::slice::from_raw_parts_mut(ptrs[slot].add(p.pos), p.len) };
-            reqs.push(TransferRequest::read(reads[p.index].region, reads[p.index].offset + p.at, buf));
+            reqs.push(TransferRequest::read(reads[p.index].region, reads[p.index].offset + p.at, buf).on_landed(hook));
         }
-        let done = engine.transfer(&mut reqs);
-        drop(reqs);
+        let mut landed: Vec<Vec<(u64, usize)>> = vec![Vec::new(); pieces.len()];
         let mut used: Vec<usize> = Vec::new();
-        for (p, res) in pieces.iter().zip(done) {
-            if let Err(e) = res {
-                results[p.index] = Err(e.into());
-                continue;
-            }
+        let mut to_device = |n: usize, at: u64, len: usize, results: &mut [Result<()>]| {
+            let p = pieces[n];
             let r = &reads[p.index];
             let queued = stream_of(&mut streams, r.mem).and_then(|s| {
-                // SAFETY: the piece's bytes lie in the slot, which is not written
-                // again before the fence taken below is waited for, and outlives
-                // the stream (declared before it).
-                unsafe { streams[s].1.copy_to_device_async(ptrs[slot].add(p.pos), p.len, r.dst + p.at)? };
+                // SAFETY: the range lies in the piece, in the slot; its bytes landed
+                // (the transport writes them again only when it retries after a
+                // broken connection, with the same bytes), and the slot is not
+                // refilled before the fence taken after this wave is waited for.
+                let src = unsafe { ptrs[slot].add(p.pos + at as usize) };
+                // SAFETY: as above; the slot outlives the stream (declared before it).
+                unsafe { streams[s].1.copy_to_device_async(src, len, r.dst + p.at + at)? };
                 Ok(s)
             });
             match queued {
                 Ok(s) if !used.contains(&s) => used.push(s),
                 Ok(_) => {}
                 Err(e) => results[p.index] = Err(e),
+            }
+        };
+        let done = std::thread::scope(|scope| {
+            let transfer = scope.spawn(move || {
+                // Told when the transfer returns, or unwinds (the panic then goes
+                // on up through `join`).
+                let _done = DoneOnDrop(tx);
+                engine.transfer(&mut reqs)
+            });
+            while let Ok(Landing::Range(n, at, len)) = rx.recv() {
+                // A range outside its piece is not trusted: the piece goes whole.
+                if at.checked_add(len as u64).is_none_or(|end| end > pieces[n].len as u64) {
+                    continue;
+                }
+                if results[pieces[n].index].is_ok() {
+                    to_device(n, at, len, &mut results);
+                }
+                landed[n].push((at, len));
+            }
+            transfer.join().unwrap_or_else(|e| std::panic::resume_unwind(e))
+        });
+        drop(hooks);
+        for ((n, p), res) in pieces.iter().enumerate().zip(done) {
+            if let Err(e) = res {
+                results[p.index] = Err(e.into());
+                continue;
+            }
+            for (at, len) in untold(&mut landed[n], p.len) {
+                if results[p.index].is_ok() {
+                    to_device(n, at, len, &mut results);
+                }
             }
         }
         match fences(&mut streams, used) {
@@ -141,6 +190,41 @@ fn stream_in_chunks(engine: &TransferEngine, reads: &[StreamRead<'_>], chunk: us
         fail_rest(&mut results, &e);
     }
     results
+}
+
+/// What the transfer of one wave tells the thread that enqueues its copies.
+enum Landing {
+    /// Piece `n` of the wave: `len` bytes at `at` landed.
+    Range(usize, u64, usize),
+    /// The transfer returned: nothing more lands.
+    Done,
+}
+
+/// Sends [`Landing::Done`] when dropped.
+struct DoneOnDrop(std::sync::mpsc::Sender<Landing>);
+
+impl Drop for DoneOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.send(Landing::Done);
+    }
+}
+
+/// The ranges of a piece of `len` bytes not covered by the ranges told of
+/// (`told`, sorted here), in order.
+fn untold(told: &mut [(u64, usize)], len: usize) -> Vec<(u64, usize)> {
+    told.sort_unstable();
+    let mut gaps = Vec::new();
+    let mut covered = 0u64;
+    for &(at, n) in told.iter() {
+        if at > covered {
+            gaps.push((covered, (at - covered) as usize));
+        }
+        covered = covered.max(at + n as u64);
+    }
+    if covered < len as u64 {
+        gaps.push((covered, len - covered as usize));
+    }
+    gaps
 }
 
 /// Fails every read not failed yet with `e` (a device stream broke).
@@ -362,6 +446,69 @@ mod tests {
             let got = &mem.to_vec()[dst as usize..(dst + len) as usize];
             assert!(got == &bytes[offset as usize..(offset + len) as usize], "read {i}: device bytes");
         }
+    }
+
+    /// Over TCP, which tells of each 256 KiB it received: every range goes on to
+    /// the device as it lands. The device here copies when a copy is enqueued, so
+    /// a range passed on before its bytes arrived gives wrong bytes; objects span
+    /// waves and share them, and an odd tail is passed on once the transfer
+    /// returned.
+    #[test]
+    fn ranges_go_to_the_device_as_they_land_and_never_before() {
+        use std::sync::Arc;
+
+        use mooncake_transfer::TcpTransport;
+
+        let server = TransferEngine::builder().tcp_listen("127.0.0.1:0").build().unwrap();
+        let client = TransferEngine::builder().transport(Arc::new(TcpTransport::new())).build().unwrap();
+        let region = server.register_region(8 << 20).unwrap();
+        let remote = server.remote(region.id());
+        let bytes: Vec<u8> = (0..8u32 << 20).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
+        // SAFETY: the region is 8 MiB of the server's memory, written only here.
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), region.as_mut_ptr(), bytes.len()) };
+        let mem = HostDeviceMemory::new(8 << 20).unwrap().with_copies_at_enqueue();
+        // (offset, len, device offset): 3 MiB + 5 over two waves, 1 MiB + 3 sharing
+        // one, a piece smaller than what TCP tells of.
+        let plan = [(11u64, (3 << 20) + 5, 0u64), (4 << 20, (1 << 20) + 3, 4 << 20), (7 << 20, 1000, 6 << 20)];
+        let reads: Vec<StreamRead<'_>> = plan
+            .iter()
+            .map(|&(offset, len, dst)| StreamRead { region: &remote, offset, len, mem: &mem, dst })
+            .collect();
+        let results = stream_in_chunks(&client, &reads, 2 << 20);
+        let device = mem.to_vec();
+        for (i, &(offset, len, dst)) in plan.iter().enumerate() {
+            assert!(results[i].is_ok(), "read {i}: {:?}", results[i]);
+            let got = &device[dst as usize..(dst + len) as usize];
+            assert!(got == &bytes[offset as usize..(offset + len) as usize], "read {i}: device bytes");
+        }
+        // Told range by range: far more copies than the 5 pieces of the 3 waves.
+        assert!(mem.copies_run() >= 16, "{} copies", mem.copies_run());
+    }
+
+    /// The ranges left to pass on after the transfer are exactly the bytes of the
+    /// piece no told range covered, in order, whatever the order, overlaps and
+    /// repeats of the told ranges.
+    #[test]
+    fn untold_ranges_are_the_bytes_no_told_range_covers() {
+        use proptest::prelude::*;
+        proptest!(|(len in 1usize..4096, told in proptest::collection::vec((0u64..4096, 1usize..600), 0..12))| {
+            let mut told: Vec<(u64, usize)> =
+                told.into_iter().filter(|&(at, n)| at as usize + n <= len).collect();
+            let mut model = vec![false; len];
+            for &(at, n) in &told {
+                model[at as usize..at as usize + n].iter_mut().for_each(|b| *b = true);
+            }
+            let gaps = untold(&mut told, len);
+            let mut got = vec![true; len];
+            let mut last_end = None;
+            for &(at, n) in &gaps {
+                prop_assert!(n > 0 && at as usize + n <= len);
+                prop_assert!(last_end.is_none_or(|e| e < at), "gaps in order, apart");
+                got[at as usize..at as usize + n].iter_mut().for_each(|b| *b = false);
+                last_end = Some(at + n as u64);
+            }
+            prop_assert_eq!(got, model);
+        });
     }
 
     /// Puts the other way: many chunks, objects sharing and spanning chunks, two
