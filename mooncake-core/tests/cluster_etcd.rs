@@ -75,6 +75,19 @@ impl EtcdServer {
         }
     }
 
+    /// Stops it (`SIGSTOP`: connections still open, nothing answers) until the
+    /// returned thread resumes it, `d` from now.
+    fn stop_for(&self, d: Duration) -> thread::JoinHandle<()> {
+        let pid = self.child.as_ref().expect("running").id() as libc::pid_t;
+        // SAFETY: signals to our own child process.
+        unsafe { libc::kill(pid, libc::SIGSTOP) };
+        thread::spawn(move || {
+            thread::sleep(d);
+            // SAFETY: as above.
+            unsafe { libc::kill(pid, libc::SIGCONT) };
+        })
+    }
+
     /// Starts it again on the same data and ports (clients know only those).
     fn restart(&mut self) {
         assert!(self.child.is_none(), "running");
@@ -590,6 +603,27 @@ fn members_stop_when_etcd_dies_and_resume_when_it_returns() {
     }
     assert_eq!(watcher.members().len(), 2);
     poller.finish();
+}
+
+/// A member's first contact outlasts an etcd that gives no answer for a moment
+/// (stopped for 1.2 s while requests time out after 0.5 s): it asks again and joins,
+/// where one request that timed out used to make a master exit at start.
+#[test]
+fn a_member_joins_through_an_etcd_that_does_not_answer_for_a_moment() {
+    let Some(etcd) = EtcdServer::start() else { return };
+    // Known to answer first: the connection is there, etcd then stops answering.
+    drop(SlotMapWatcher::connect(&etcd.address("nobody")).unwrap_err());
+    let mut config = MemberConfig::new(&etcd.address("t"), "a.test:1");
+    config.lease_ttl = Duration::from_secs(1);
+    let resumed = etcd.stop_for(Duration::from_millis(1200));
+    let started = Instant::now();
+    let joined = ClusterMember::join(config, Arc::new(Recorder::default()));
+    resumed.join().unwrap();
+    let member = joined.expect("joined once etcd answered again");
+    assert!(started.elapsed() >= Duration::from_millis(1000), "joined while etcd was stopped");
+    let watcher = SlotMapWatcher::connect(&etcd.address("t")).unwrap();
+    assert!(wait_until(Duration::from_secs(10), || watcher.members().len() == 1));
+    drop(member);
 }
 
 #[test]

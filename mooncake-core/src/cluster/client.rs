@@ -70,6 +70,47 @@ impl Etcd {
         }
     }
 
+    /// Runs the request `make` builds, trying again (a fresh request each time,
+    /// after a pause that doubles up to 1 s) while etcd gives no answer within the
+    /// request deadline and `patience` has not run out. For a member's or watcher's
+    /// first contact: the first request also opens the connection, and an etcd that
+    /// is slow for a moment (a loaded machine, a leader election) must not make a
+    /// master exit at start. An answer that is an error (nothing listens, a wrong
+    /// password) fails at once.
+    pub(crate) async fn call_patiently<T, F>(
+        &self,
+        what: &str,
+        patience: Duration,
+        mut make: impl FnMut() -> F,
+    ) -> Result<T>
+    where
+        F: Future<Output = std::result::Result<T, etcd_client::Error>>,
+    {
+        let give_up = tokio::time::Instant::now() + patience;
+        let mut pause = Duration::from_millis(50);
+        loop {
+            match tokio::time::timeout(self.timeout, make()).await {
+                Ok(Ok(v)) => return Ok(v),
+                Ok(Err(e)) => return Err(unreachable(&self.endpoints, what, e)),
+                Err(_) if tokio::time::Instant::now() + pause < give_up => {
+                    tracing::warn!(what, timeout = ?self.timeout, retry_in = ?pause, "etcd did not answer in time; asking again");
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_secs(1));
+                }
+                Err(_) => {
+                    let why = format!("no answer within {:?} (asked for {patience:?})", self.timeout);
+                    return Err(unreachable(&self.endpoints, what, why));
+                }
+            }
+        }
+    }
+
+    /// How long a first contact keeps asking a slow etcd
+    /// ([`call_patiently`](Self::call_patiently)): five request deadlines.
+    pub(crate) fn first_contact_patience(&self) -> Duration {
+        self.timeout * 5
+    }
+
     /// An error about this cluster's etcd.
     pub(crate) fn error(&self, what: &str, why: impl std::fmt::Display) -> Error {
         unreachable(&self.endpoints, what, why)

@@ -10,7 +10,9 @@ use super::view::{Change, ClusterView};
 use crate::error::{Error, Result};
 
 /// Reads the cluster's slot group count, creating the cluster with `groups` if it does
-/// not exist yet (one transaction, so concurrent first members agree).
+/// not exist yet (one transaction, so concurrent first members agree). A member's
+/// first contact with etcd: tried again while etcd does not answer, for a while
+/// ([`Etcd::call_patiently`]).
 pub(crate) async fn ensure_config(etcd: &Etcd, layout: &Layout, groups: u32) -> Result<u32> {
     let key = layout.config();
     let value = serde_json::to_vec(&ConfigValue { groups }).expect("serializable");
@@ -19,8 +21,15 @@ pub(crate) async fn ensure_config(etcd: &Etcd, layout: &Layout, groups: u32) -> 
         value,
         None::<PutOptions>,
     )]);
-    let mut kv = etcd.client.kv_client();
-    let created = etcd.call("create the cluster config", kv.txn(txn)).await?.succeeded();
+    let kv = etcd.client.kv_client();
+    let patience = etcd.first_contact_patience();
+    let created = etcd
+        .call_patiently("create the cluster config", patience, || {
+            let (mut kv, txn) = (kv.clone(), txn.clone());
+            async move { kv.txn(txn).await }
+        })
+        .await?
+        .succeeded();
     if created {
         return Ok(groups);
     }
@@ -28,9 +37,15 @@ pub(crate) async fn ensure_config(etcd: &Etcd, layout: &Layout, groups: u32) -> 
 }
 
 /// The cluster's slot group count, or `None` if no member created the cluster yet.
+/// A first contact too (a watcher's): tried again while etcd does not answer.
 pub(crate) async fn read_config(etcd: &Etcd, layout: &Layout) -> Result<Option<u32>> {
-    let mut kv = etcd.client.kv_client();
-    let resp = etcd.call("read the cluster config", kv.get(layout.config(), None)).await?;
+    let (kv, key) = (etcd.client.kv_client(), layout.config());
+    let resp = etcd
+        .call_patiently("read the cluster config", etcd.first_contact_patience(), || {
+            let (mut kv, key) = (kv.clone(), key.clone());
+            async move { kv.get(key, None).await }
+        })
+        .await?;
     let Some(kv) = resp.kvs().first() else { return Ok(None) };
     let config: ConfigValue = serde_json::from_slice(kv.value())
         .map_err(|e| Error::Coordination(format!("malformed cluster config {}: {e}", layout.config())))?;
