@@ -105,6 +105,9 @@ fn stream_in_chunks(engine: &TransferEngine, reads: &[StreamRead<'_>], chunk: us
             return results;
         }
         let pieces: Vec<&Piece> = wave.iter().filter(|p| results[p.index].is_ok()).collect();
+        if pieces.is_empty() {
+            continue;
+        }
         // Each range the transport tells of as landed goes on to the device at once,
         // while the rest of the chunk is in flight; what it did not tell of goes
         // once the transfer returned.
