@@ -137,7 +137,7 @@ impl MasterService {
                 None => mounted.to_vec(),
             };
             if !evict {
-                candidates.retain(|s| (s.used_bytes() + len) as f64 <= s.capacity() as f64 * high);
+                candidates.retain(|s| !above_watermark(s.used_bytes() + len, s.capacity(), high));
             }
             if candidates.is_empty() {
                 let reason = match (evict, exclude.is_some()) {

@@ -160,6 +160,19 @@ impl<'a> Writing<'a> {
         Writing { key, len, bytes, placed: Placed::new(), failed: None, staged: false, crc }
     }
 
+    /// A device item not summed yet (and not failed): its crc32c taken on the
+    /// device, or the item failed with why it could not be.
+    fn sum_on_device(&mut self) {
+        let Bytes::Device { mem, offset, .. } = &self.bytes else { return };
+        if self.crc.is_some() || self.failed.is_some() {
+            return;
+        }
+        match mem.crc32c(*offset, self.len) {
+            Ok(crc) => self.crc = Some(crc),
+            Err(e) => self.failed = Some(e.into()),
+        }
+    }
+
     /// Why writing its replicas failed, if it did.
     pub(super) fn failure(&self) -> Option<&Error> {
         self.failed.as_ref()
@@ -444,14 +457,7 @@ impl StoreInner {
             // runs (both only read the device bytes): its fixed cost overlaps the
             // copy instead of following it.
             for k in copies.items() {
-                let w = &mut *round[k];
-                let Bytes::Device { mem, offset, .. } = &w.bytes else { continue };
-                if w.crc.is_none() && w.failed.is_none() {
-                    match mem.crc32c(*offset, w.len) {
-                        Ok(crc) => w.crc = Some(crc),
-                        Err(e) => w.failed = Some(e.into()),
-                    }
-                }
+                round[k].sum_on_device();
             }
             // A failed DMA is the device's, not the segment's: the item fails.
             for (k, e) in copies.finish() {
@@ -554,14 +560,9 @@ fn device_item<'a>(
 fn item_checksums(round: &mut [&mut Writing<'_>]) -> Vec<u32> {
     let missing: Vec<usize> =
         (0..round.len()).filter(|&k| round[k].crc.is_none() && round[k].failed.is_none()).collect();
-    // Device bytes with no host copy are summed on the device.
+    // Device bytes are summed on the device.
     for &k in &missing {
-        if let (None, Bytes::Device { mem, offset, .. }) = (round[k].bytes.host(), &round[k].bytes) {
-            match mem.crc32c(*offset, round[k].len) {
-                Ok(crc) => round[k].crc = Some(crc),
-                Err(e) => round[k].failed = Some(e.into()),
-            }
-        }
+        round[k].sum_on_device();
     }
     let missing: Vec<usize> =
         missing.into_iter().filter(|&k| round[k].crc.is_none() && round[k].failed.is_none()).collect();

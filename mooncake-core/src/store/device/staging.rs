@@ -106,15 +106,10 @@ impl<'a> Copies<'a> {
         Ok(())
     }
 
-    /// The items with a copy enqueued, each once, in the order first enqueued.
-    pub(in crate::store) fn items(&self) -> Vec<usize> {
-        let mut items: Vec<usize> = Vec::with_capacity(self.pending.len());
-        for &(item, _, _) in &self.pending {
-            if !items.contains(&item) {
-                items.push(item);
-            }
-        }
-        items
+    /// The item of each copy enqueued, in order (an item with several copies
+    /// comes as often).
+    pub(in crate::store) fn items(&self) -> impl Iterator<Item = usize> + '_ {
+        self.pending.iter().map(|&(item, _, _)| item)
     }
 
     /// Waits for every copy; returns the items whose copy failed, with why.
