@@ -116,6 +116,19 @@ fn gpu_device_push_publish_and_device_read() {
     assert_eq!(&back[..len], &v[..]);
     assert!(back[len..].iter().all(|&b| b == 0xAA));
     assert_eq!(heap.load_u32(meta.slot, HeaderU32Field::ReaderRefcnt, Ordering::SeqCst).unwrap(), 0);
+    // The one-launch kernels count their blocks' arrivals in a counter each launch
+    // leaves at zero: reads and puts in a row, with other grid sizes between them,
+    // each answer.
+    for round in 0..3u32 {
+        let key = format!("again/{round}");
+        let n_bytes = (round as usize + 1) * 100_000;
+        let p = c.open_for_write(&key, n_bytes as u64).unwrap();
+        heap.push_from_device(&p, src.ptr(), 0, p.n_pages, true, c.now_ns()).unwrap();
+        assert_eq!(c.get(&key).unwrap(), v[..n_bytes], "put {round}");
+        let n = heap.read_into_device(&meta, &KeyId::of("dev"), dst.ptr(), (len + 4096) as u64).unwrap();
+        assert_eq!(n, len as u64, "read {round}");
+        assert_eq!(heap.load_u32(meta.slot, HeaderU32Field::ReaderRefcnt, Ordering::SeqCst).unwrap(), 0);
+    }
     // too small a destination, wrong key, stale epoch: refused, refcount balanced
     assert!(matches!(
         heap.read_into_device(&meta, &KeyId::of("dev"), dst.ptr(), 10),

@@ -386,6 +386,8 @@ fn over_tcp_objects_stream_into_device_memory_through_two_chunks() {
         assert!(v[at[i] as usize..at[i] as usize + sizes[i]] == data[i][..], "object {i}: device bytes");
     }
     assert_eq!(client.stats().device_staged_bytes, sizes.iter().sum::<usize>() as u64);
+    // Every object's check chained behind its memory's last copies.
+    assert_eq!((a.chained_sums(), b.chained_sums()), (3, 2));
     // One replica corrupted: that object fails its checksum on the device bytes;
     // the others read exactly as before.
     let info = client.master().object_info(&keys[1]).unwrap();
@@ -480,6 +482,7 @@ fn a_replica_in_a_mapped_segment_moves_in_one_dma_and_a_tcp_one_is_staged() {
     assert!(dst.to_vec()[64..64 + data.len()] == data[..]);
     let s = client.stats();
     assert_eq!((s.device_direct_bytes, s.device_staged_bytes), (2 * data.len() as u64, 0));
+    assert_eq!(dst.chained_sums(), 1, "the get's check was chained behind its DMA, one wait for both");
     // A corrupted replica in the mapped segment fails its checksum on the device
     // bytes: never returned.
     let info = client.master().object_info("shm/obj").unwrap();

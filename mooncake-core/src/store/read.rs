@@ -177,7 +177,7 @@ impl StoreInner {
                 }
             }
         }
-        for (k, e) in uploads.finish() {
+        for (k, e) in uploads.finish().failed {
             reading[k].done = Some(Err(e));
         }
         reading
@@ -348,6 +348,9 @@ impl StoreInner {
                 ok[k] = Some(res.map_err(Error::from));
             }
         }
+        // The sums taken while reading, by the transport (in flight) or by the
+        // device behind its copies.
+        let mut taken: Vec<Option<u32>> = vec![None; reading.len()];
         // One DMA each from mapped, page-locked segments.
         {
             let mut copies = Copies::default();
@@ -370,9 +373,15 @@ impl StoreInner {
                 // the meantime (the object freed and reused) can only make the
                 // device bytes fail their checksum below.
                 let queued = unsafe { copies.enqueue_upload(k, *mem, src, len, *offset, Keep::Mapped(pinned.clone())) };
-                ok[k] = Some(queued);
+                // The check of the device bytes, chained behind the copy.
+                ok[k] = Some(queued.and_then(|()| copies.sum_after(k, *mem, *offset, len as u64)));
             }
-            for (k, e) in copies.finish() {
+            let done = copies.finish();
+            for (k, crc) in done.sums {
+                taken[k] = Some(crc);
+            }
+            for (k, e) in done.failed {
+                taken[k] = None;
                 ok[k] = Some(Err(e));
             }
         }
@@ -395,11 +404,11 @@ impl StoreInner {
                 owner.push(k);
             }
             for (res, k) in stream_reads(&self.engine, &reads).into_iter().zip(owner) {
-                ok[k] = Some(res);
+                taken[k] = res.as_ref().ok().copied().flatten();
+                ok[k] = Some(res.map(|_| ()));
             }
         }
         // Memory replicas with the transport: one batch.
-        let mut taken: Vec<Option<u32>> = vec![None; reading.len()];
         {
             let routes: Vec<Option<(u64, Arc<Route>)>> = reading
                 .iter()
@@ -502,8 +511,9 @@ impl StoreInner {
                 Attempt::Disk(_) => None,
             };
             let verdict = match (res, attempt) {
-                (Ok(()), a) if a.lands_on_device() => match &r.target.dest {
-                    Dest::Device { mem, offset } => mem.crc32c(*offset, list.len).map_err(Error::from),
+                (Ok(()), a) if a.lands_on_device() => match (sums[k], &r.target.dest) {
+                    (Some(crc), _) => Ok(crc),
+                    (None, Dest::Device { mem, offset }) => mem.crc32c(*offset, list.len).map_err(Error::from),
                     _ => Err(Error::NotFound(r.key.to_owned())),
                 },
                 (Ok(()), _) => sums[k].ok_or_else(|| Error::NotFound(r.key.to_owned())),

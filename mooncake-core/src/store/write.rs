@@ -460,7 +460,7 @@ impl StoreInner {
                 round[k].sum_on_device();
             }
             // A failed DMA is the device's, not the segment's: the item fails.
-            for (k, e) in copies.finish() {
+            for (k, e) in copies.finish().failed {
                 round[k].failed.get_or_insert(e);
             }
         }

@@ -13,9 +13,10 @@
 //! sums to 0), the multiplication in GF(2) modulo the reflected polynomial.
 
 use std::collections::HashMap;
+use std::ffi::c_void;
 use std::sync::{Arc, LazyLock};
 
-use cudarc::driver::{result as cu, sys, CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::{result as cu, sys, CudaContext, CudaFunction, CudaStream};
 use parking_lot::Mutex;
 
 use super::driver::{drv, guarded, nvrtc_available};
@@ -261,6 +262,21 @@ pub(crate) fn unavailable(e: &GpuError) -> bool {
 /// `ctx`). Work queued on other streams before the call is not waited for: the
 /// caller synchronized what wrote the bytes.
 pub(crate) fn crc32c(ctx: &Arc<CudaContext>, ordinal: usize, ptr: u64, len: u64) -> Result<u32> {
+    crc32c_on(ctx, ordinal, None, ptr, len)
+}
+
+/// crc32c of the `len` bytes at device address `ptr`, its kernels enqueued on
+/// `stream` (after whatever was enqueued there before: the copies that wrote
+/// the bytes) and the stream synchronized once; on the summer's own stream
+/// where `stream` is `None`. On `Ok`, everything enqueued on `stream` before
+/// the call has completed.
+pub(crate) fn crc32c_on(
+    ctx: &Arc<CudaContext>,
+    ordinal: usize,
+    stream: Option<sys::CUstream>,
+    ptr: u64,
+    len: u64,
+) -> Result<u32> {
     if len == 0 {
         return Ok(0);
     }
@@ -271,10 +287,10 @@ pub(crate) fn crc32c(ctx: &Arc<CudaContext>, ordinal: usize, ptr: u64, len: u64)
         let blocks = len.div_ceil(PER_BLOCK);
         // One sum per block, and the result after them.
         if s.capacity < blocks + 1 {
-            let _ = s.stream.synchronize();
+            // Every use synchronized its stream before giving the lock up: no
+            // kernel of another stream still reads the old scratch.
             if s.scratch != 0 {
-                // SAFETY: allocated below in this context; the stream that used it
-                // was synchronized.
+                // SAFETY: allocated below in this context; no work in flight uses it.
                 drv("cuMemFree", unsafe { cu::free_sync(s.scratch) })?;
                 s.scratch = 0;
             }
@@ -285,34 +301,59 @@ pub(crate) fn crc32c(ctx: &Arc<CudaContext>, ordinal: usize, ptr: u64, len: u64)
             s.capacity = capacity;
         }
         let grid = u32::try_from(blocks).map_err(|_| GpuError::InvalidArgument(format!("crc32c of {len} bytes")))?;
-        let (sums, result) = (s.scratch, s.scratch + blocks * 4);
-        let mut l = s.stream.launch_builder(&s.blocks);
-        l.arg(&ptr).arg(&len).arg(&sums);
-        let cfg = LaunchConfig { grid_dim: (grid, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
-        // SAFETY: the arguments match `mc_crc32c_blocks(const u8*, u64, u32*)`; the
-        // kernel reads `[ptr, ptr + len)` (device memory of this context, checked
-        // by the caller) and writes `blocks` sums into the scratch.
-        drv("launch mc_crc32c_blocks", unsafe { l.launch(cfg) })?;
-        // One block's sum is the whole sum: no fold.
-        let from = if blocks == 1 {
-            sums
-        } else {
-            let mut l = s.stream.launch_builder(&s.fold);
-            l.arg(&sums).arg(&blocks).arg(&len).arg(&result);
-            let cfg = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (FOLD_THREADS, 1, 1), shared_mem_bytes: 0 };
-            // SAFETY: the arguments match `mc_crc32c_fold(const u32*, u64, u64,
-            // u32*)`; it reads the `blocks` sums and writes one u32 after them.
-            drv("launch mc_crc32c_fold", unsafe { l.launch(cfg) })?;
-            result
-        };
+        let on = stream.unwrap_or_else(|| s.stream.cu_stream());
+        let summed = enqueue(&s, on, grid, ptr, len);
+        // SAFETY: `on` is a live stream of this context. Synchronized even when
+        // an enqueue failed: nothing of it may still use the scratch once the
+        // lock is given up.
+        let synced = drv("cuStreamSynchronize", unsafe { cu::stream::synchronize(on) });
+        summed?;
+        synced?;
         // SAFETY: `s.result` is a live page-locked u32 owned by the summer (under
-        // its lock), written by this copy only and read after the synchronize.
-        let r = unsafe { std::slice::from_raw_parts_mut(s.result, 1) };
-        // SAFETY: `from` is a live 4-byte range of the scratch; `r` is 4 bytes.
-        drv("cuMemcpyDtoH", unsafe { cu::memcpy_dtoh_async(r, from, s.stream.cu_stream()) })?;
-        drv("cuStreamSynchronize", s.stream.synchronize())?;
-        Ok(r[0])
+        // its lock), written by the copy enqueued above, which has completed.
+        Ok(unsafe { s.result.read() })
     })
+}
+
+/// Enqueues the sum of `[ptr, ptr + len)` (`grid` blocks) on `on`: the blocks'
+/// kernel, the fold, and the copy of the result into the summer's page-locked
+/// word.
+fn enqueue(s: &Summer, on: sys::CUstream, grid: u32, ptr: u64, len: u64) -> Result<()> {
+    let (mut ptr, mut len, mut sums, mut blocks) = (ptr, len, s.scratch, u64::from(grid));
+    let mut result = s.scratch + blocks * 4;
+    let mut args = [(&raw mut ptr).cast::<c_void>(), (&raw mut len).cast::<c_void>(), (&raw mut sums).cast::<c_void>()];
+    // SAFETY: the arguments match `mc_crc32c_blocks(const u8*, u64, u32*)`
+    // and outlive the call (the driver copies them at launch); the kernel
+    // reads `[ptr, ptr + len)` (device memory of this context, checked by
+    // the caller) and writes `blocks` sums into the scratch; `on` is a live
+    // stream of this context.
+    drv("launch mc_crc32c_blocks", unsafe {
+        cu::launch_kernel(s.blocks.cu_function(), (grid, 1, 1), (THREADS, 1, 1), 0, on, &mut args)
+    })?;
+    // One block's sum is the whole sum: no fold.
+    let from = if blocks == 1 {
+        sums
+    } else {
+        let mut args = [
+            (&raw mut sums).cast::<c_void>(),
+            (&raw mut blocks).cast::<c_void>(),
+            (&raw mut len).cast::<c_void>(),
+            (&raw mut result).cast::<c_void>(),
+        ];
+        // SAFETY: the arguments match `mc_crc32c_fold(const u32*, u64, u64,
+        // u32*)`; it reads the `blocks` sums and writes one u32 after them.
+        drv("launch mc_crc32c_fold", unsafe {
+            cu::launch_kernel(s.fold.cu_function(), (1, 1, 1), (FOLD_THREADS, 1, 1), 0, on, &mut args)
+        })?;
+        result
+    };
+    // SAFETY: `s.result` is a live page-locked u32 owned by the summer (under
+    // its lock), written by this copy only and read after the caller's
+    // synchronize.
+    let r = unsafe { std::slice::from_raw_parts_mut(s.result, 1) };
+    // SAFETY: `from` is a live 4-byte range of the scratch; `r` is 4 bytes;
+    // `on` is a live stream of this context.
+    drv("cuMemcpyDtoH", unsafe { cu::memcpy_dtoh_async(r, from, on) })
 }
 
 #[cfg(test)]

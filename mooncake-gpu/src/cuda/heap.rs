@@ -4,7 +4,9 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use cudarc::driver::{result as cu, sys, CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    result as cu, sys, CudaContext, CudaFunction, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
+};
 use parking_lot::Mutex;
 
 use super::driver::{cuda_device_count, drv, guarded, nvrtc_available};
@@ -27,11 +29,95 @@ const COPY_BYTES_PER_BLOCK: u32 = 32 * 1024;
 
 struct Kernels {
     hdr_op: CudaFunction,
+    write_header: CudaFunction,
     push_pages: CudaFunction,
+    push_publish: CudaFunction,
     publish: CudaFunction,
     reader_enter: CudaFunction,
-    read_pages: CudaFunction,
-    reader_exit: CudaFunction,
+    read_exit: CudaFunction,
+}
+
+/// Bytes of device scratch a heap keeps.
+const SCRATCH_BYTES: usize = 64;
+/// Offset in the scratch of the blocks' arrival counter of the one-launch
+/// kernels (`last_block`: zero between launches).
+const ARRIVED: u64 = 16;
+/// What the host writes into the answer word before a launch: a kernel that
+/// did not answer reads as no state the kernels answer.
+const NO_ANSWER: u64 = 0xDEAD_BEEF_DEAD_BEEF;
+
+/// What a heap's host operations use, under one lock (which also serialises
+/// them on the heap's stream).
+struct Scratch {
+    /// [`SCRATCH_BYTES`] of device memory: the reader status at 0, the arrival
+    /// counter at [`ARRIVED`].
+    dev: sys::CUdeviceptr,
+    /// 8 bytes of page-locked host memory, mapped into the device's address
+    /// space, that the kernels write their answer into: read once the stream
+    /// synchronized, with no device-to-host copy to enqueue.
+    answer: *mut u64,
+    /// `answer`'s device address.
+    answer_dev: sys::CUdeviceptr,
+}
+
+// SAFETY: the pointers are allocations owned by the heap, used only under the
+// `Mutex` around this value.
+unsafe impl Send for Scratch {}
+
+impl Scratch {
+    const NONE: Scratch = Scratch { dev: 0, answer: std::ptr::null_mut(), answer_dev: 0 };
+
+    /// Allocates the scratch (zeroed) and the answer word, in the bound context.
+    fn alloc(&mut self) -> Result<()> {
+        // SAFETY: a plain device allocation, freed in `free`.
+        self.dev = drv("cuMemAlloc(scratch)", unsafe { cu::malloc_sync(SCRATCH_BYTES) })?;
+        // SAFETY: `dev` is the live allocation of SCRATCH_BYTES just made.
+        drv("cuMemsetD8(scratch)", unsafe { cu::memset_d8_sync(self.dev, 0, SCRATCH_BYTES) })?;
+        // SAFETY: page-locked, device-mapped host memory, freed in `free`.
+        let host = drv("cuMemHostAlloc(answer)", unsafe { cu::malloc_host(8, sys::CU_MEMHOSTALLOC_DEVICEMAP) })?;
+        self.answer = host.cast();
+        let mut dev: sys::CUdeviceptr = 0;
+        // SAFETY: `host` was allocated with DEVICEMAP just above; `dev` is a
+        // valid out-pointer.
+        drv("cuMemHostGetDevicePointer", unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dev, host, 0).result() })?;
+        self.answer_dev = dev;
+        Ok(())
+    }
+
+    /// Marks the answer word unanswered (before a launch that answers).
+    fn clear_answer(&self) {
+        // SAFETY: `answer` is the live page-locked word (under the lock); no
+        // kernel writes it now (every launch that does was synchronized).
+        unsafe { self.answer.write_volatile(NO_ANSWER) }
+    }
+
+    /// The answer of the kernel the stream ran last (after the synchronize).
+    fn answer(&self) -> u64 {
+        // SAFETY: as in `clear_answer`; the kernel that wrote it completed.
+        unsafe { self.answer.read_volatile() }
+    }
+
+    /// The answer of a kernel that answers 32 bits (a state or a status): the
+    /// word's first 4 bytes, where it wrote them (`NO_ANSWER` reads there as
+    /// no state and no status either way round).
+    fn answer32(&self) -> u32 {
+        // SAFETY: as in `answer`: the first 4 bytes of the live, aligned word.
+        unsafe { self.answer.cast::<u32>().read_volatile() }
+    }
+
+    /// Frees both (the stream idle, the context bound).
+    fn free(&mut self) {
+        // SAFETY: each allocation is freed once; no kernel uses them any more.
+        unsafe {
+            if self.dev != 0 {
+                let _ = cu::free_sync(self.dev);
+            }
+            if !self.answer.is_null() {
+                let _ = cu::free_host(self.answer.cast());
+            }
+        }
+        *self = Scratch::NONE;
+    }
 }
 
 /// A [`DeviceHeap`] in GPU memory (header array + payload arena allocated with
@@ -46,9 +132,9 @@ pub struct CudaDeviceHeap {
     capacity: u64,
     ordinal: usize,
     imported: bool,
-    /// Device scratch (64 bytes) for kernel results; the lock also serialises
-    /// the host operations on the stream.
-    scratch: Mutex<sys::CUdeviceptr>,
+    /// Scratch and answer word of the host operations; the lock also serialises
+    /// them on the stream.
+    scratch: Mutex<Scratch>,
 }
 
 impl std::fmt::Debug for CudaDeviceHeap {
@@ -106,12 +192,10 @@ impl CudaDeviceHeap {
                 capacity: payload_bytes,
                 ordinal,
                 imported: false,
-                scratch: Mutex::new(0),
+                scratch: Mutex::new(Scratch::NONE),
             };
             // From here `heap`'s Drop frees the allocations on error.
-            // SAFETY: plain device allocation, freed in Drop.
-            let scratch = drv("cuMemAlloc(scratch)", unsafe { cu::malloc_sync(64) })?;
-            *heap.scratch.lock() = scratch;
+            heap.scratch.lock().alloc()?;
             heap.reset_all_headers()?;
             Ok(heap)
         })
@@ -163,11 +247,9 @@ impl CudaDeviceHeap {
                 capacity: handle.payload_bytes,
                 ordinal,
                 imported: true,
-                scratch: Mutex::new(0),
+                scratch: Mutex::new(Scratch::NONE),
             };
-            // SAFETY: plain device allocation, freed in Drop.
-            let scratch = drv("cuMemAlloc(scratch)", unsafe { cu::malloc_sync(64) })?;
-            *heap.scratch.lock() = scratch;
+            heap.scratch.lock().alloc()?;
             Ok(heap)
         })
     }
@@ -224,11 +306,12 @@ impl CudaDeviceHeap {
             let f = |name: &str| drv("cuModuleGetFunction", module.load_function(name));
             let k = Kernels {
                 hdr_op: f("nk_hdr_op")?,
+                write_header: f("nk_write_header")?,
                 push_pages: f("nk_push_pages")?,
+                push_publish: f("nk_push_publish")?,
                 publish: f("nk_publish")?,
                 reader_enter: f("nk_reader_enter")?,
-                read_pages: f("nk_read_pages")?,
-                reader_exit: f("nk_reader_exit")?,
+                read_exit: f("nk_read_exit")?,
             };
             let stream = drv("cuStreamCreate", ctx.new_stream())?;
             Ok((ctx, stream, k))
@@ -270,19 +353,10 @@ impl CudaDeviceHeap {
     fn hdr_op(&self, addr: sys::CUdeviceptr, code: u32, a: u64, b: u64) -> Result<u64> {
         guarded("hdr_op", || {
             let scratch = self.scratch.lock();
-            let out: u64 = *scratch;
-            let mut l = self.stream.launch_builder(&self.k.hdr_op);
-            l.arg(&addr).arg(&code).arg(&a).arg(&b).arg(&out);
-            // SAFETY: argument types match the kernel signature
-            // (u64, u32, u64, u64, u64*); `addr` is a header word inside this
-            // heap (checked by `hdr`), `out` is our 64-byte scratch.
-            drv("launch nk_hdr_op", unsafe { l.launch(cfg1()) })?;
-            let mut r = [0u64; 1];
-            drv("cuMemcpyDtoH", self.ctx.bind_to_thread())?;
-            // SAFETY: `out` is a live 64-byte device allocation; `r` is 8 bytes.
-            drv("cuMemcpyDtoH", unsafe { cu::memcpy_dtoh_async(&mut r, out, self.stream.cu_stream()) })?;
+            scratch.clear_answer();
+            self.launch_hdr_op(&scratch, addr, code, a, b)?;
             self.sync()?;
-            Ok(r[0])
+            Ok(scratch.answer())
         })
     }
 
@@ -292,17 +366,21 @@ impl CudaDeviceHeap {
     fn hdr_store(&self, addr: sys::CUdeviceptr, code: u32, v: u64) -> Result<()> {
         guarded("hdr_store", || {
             let scratch = self.scratch.lock();
-            let out: u64 = *scratch;
-            let zero = 0u64;
-            let mut l = self.stream.launch_builder(&self.k.hdr_op);
-            l.arg(&addr).arg(&code).arg(&v).arg(&zero).arg(&out);
-            // SAFETY: as in `hdr_op`: argument types match the kernel signature
-            // (u64, u32, u64, u64, u64*); `addr` is a header word inside this
-            // heap (checked by `hdr`), `out` is our 64-byte scratch (held locked
-            // until the kernel completed: synchronized below).
-            drv("launch nk_hdr_op", unsafe { l.launch(cfg1()) })?;
+            self.launch_hdr_op(&scratch, addr, code, v, 0)?;
             self.sync()
         })
+    }
+
+    /// Enqueues `nk_hdr_op`, its result into the answer word (the caller holds
+    /// the scratch lock until the stream synchronized).
+    fn launch_hdr_op(&self, scratch: &Scratch, addr: sys::CUdeviceptr, code: u32, a: u64, b: u64) -> Result<()> {
+        let mut l = self.stream.launch_builder(&self.k.hdr_op);
+        l.arg(&addr).arg(&code).arg(&a).arg(&b).arg(&scratch.answer_dev);
+        // SAFETY: argument types match the kernel signature (u64, u32, u64, u64,
+        // u64*); `addr` is a header word inside this heap (checked by `hdr`),
+        // `answer_dev` the device address of our live 8-byte answer word.
+        drv("launch nk_hdr_op", unsafe { l.launch(cfg1()) })?;
+        Ok(())
     }
 
     fn check_span(&self, span: &PageSpan) -> Result<()> {
@@ -319,8 +397,9 @@ impl CudaDeviceHeap {
 
     /// Producer path: pushes pages `first_page ..` of `plan` from the device
     /// buffer `src` (device pointer in this context, pages contiguous) into
-    /// the heap with `nk_push_pages`, and, if `publish`, flips READY with
-    /// `nk_publish` on the same stream after the last page. Synchronous.
+    /// the heap and, if `publish`, flips READY after the last page: one launch
+    /// (`nk_push_publish`, whose last block to finish publishes) and one host
+    /// round trip; `nk_push_pages` alone without `publish`. Synchronous.
     /// `Err(Stale)` if the plan was reclaimed before the publish.
     pub fn push_from_device(
         &self,
@@ -342,73 +421,60 @@ impl CudaDeviceHeap {
         }
         guarded("push_from_device", || {
             let scratch = self.scratch.lock();
-            let out: u64 = *scratch;
             let page0 = self.payload + span.payload_base;
-            let mut l = self.stream.launch_builder(&self.k.push_pages);
-            l.arg(&src).arg(&page0).arg(&span.page_size).arg(&first_page).arg(&span.n_pages).arg(&span.last_page_bytes);
-            // SAFETY: argument types match (u8*, u64, u32, u32, u32, u32); the
-            // destination pages lie inside the arena (check_span) and the
-            // source holds `n_pages` pages (caller's contract on `src`).
-            drv("launch nk_push_pages", unsafe { l.launch(copy_cfg(span.page_size, n_pages)) })?;
+            let cfg = copy_cfg(span.page_size, n_pages);
             if !publish {
+                let mut l = self.stream.launch_builder(&self.k.push_pages);
+                l.arg(&src).arg(&page0).arg(&span.page_size).arg(&first_page);
+                l.arg(&span.n_pages).arg(&span.last_page_bytes);
+                // SAFETY: argument types match (u8*, u64, u32, u32, u32, u32); the
+                // destination pages lie inside the arena (check_span) and the
+                // source holds `n_pages` pages (caller's contract on `src`).
+                drv("launch nk_push_pages", unsafe { l.launch(cfg) })?;
                 return self.sync();
             }
-            self.publish_kernel(out, hdr, plan.epoch, now_ns)
+            let arrived = scratch.dev + ARRIVED;
+            scratch.clear_answer();
+            let mut l = self.stream.launch_builder(&self.k.push_publish);
+            l.arg(&src).arg(&page0).arg(&span.page_size).arg(&first_page);
+            l.arg(&span.n_pages).arg(&span.last_page_bytes);
+            l.arg(&hdr).arg(&plan.epoch).arg(&now_ns).arg(&arrived).arg(&scratch.answer_dev);
+            // SAFETY: argument types match (u8*, u64, u32, u32, u32, u32, u64,
+            // u32, u64, u32*, u32*); the pages as for nk_push_pages; `hdr` is
+            // this plan's header (checked by `hdr`), `arrived` the counter in
+            // our scratch, `answer_dev` our answer word (both held under the
+            // lock until the stream synchronized).
+            drv("launch nk_push_publish", unsafe { l.launch(cfg) })?;
+            self.sync()?;
+            published(scratch.answer32())
         })
-    }
-
-    /// `nk_publish` of the header at `hdr` on the heap's stream (after whatever
-    /// was enqueued before), its answer read back through the scratch word `out`
-    /// (the caller holds the scratch lock): one host round trip.
-    fn publish_kernel(&self, out: u64, hdr: sys::CUdeviceptr, epoch: u32, now_ns: u64) -> Result<()> {
-        let mut l = self.stream.launch_builder(&self.k.publish);
-        l.arg(&hdr).arg(&epoch).arg(&now_ns).arg(&out);
-        // SAFETY: types match (u64, u32, u64, u32*); `hdr` is in bounds (the
-        // callers got it from `hdr`).
-        drv("launch nk_publish", unsafe { l.launch(cfg1()) })?;
-        let mut r = [0u32; 1];
-        // SAFETY: `out` is our live scratch allocation.
-        drv("cuMemcpyDtoH", unsafe { cu::memcpy_dtoh_async(&mut r, out, self.stream.cu_stream()) })?;
-        self.sync()?;
-        let writing = ObjectState::Writing.as_u32();
-        let ready = ObjectState::Ready.as_u32();
-        if r[0] == writing || r[0] == ready {
-            Ok(())
-        } else {
-            Err(GpuError::Stale)
-        }
     }
 
     /// Reader path: copies the object at `meta` into the device buffer `dst`
     /// (`dst_cap` bytes) with the device-side protocol (`nk_reader_enter`
-    /// acquire + pin + re-check, `nk_read_pages` tail-clamped copy,
-    /// `nk_reader_exit` unpin), stream-ordered, one host round trip.
-    /// Returns the object size.
+    /// acquire + pin + re-check; `nk_read_exit`: tail-clamped copy, then the
+    /// last block to finish unpins and answers), stream-ordered, one host
+    /// round trip. Returns the object size.
     pub fn read_into_device(&self, meta: &ObjMeta, key: &KeyId, dst: u64, dst_cap: u64) -> Result<u64> {
         let hdr = self.hdr(meta.slot)?;
         self.check_span(&meta.span())?;
         guarded("read_into_device", || {
             let scratch = self.scratch.lock();
-            let st: u64 = *scratch;
+            let (st, arrived) = (scratch.dev, scratch.dev + ARRIVED);
+            scratch.clear_answer();
             let mut l = self.stream.launch_builder(&self.k.reader_enter);
             l.arg(&hdr).arg(&meta.epoch).arg(&key.hash).arg(&key.fp_hi).arg(&key.len).arg(&dst_cap).arg(&st);
             // SAFETY: types match (u64, u32, u64, u64, u32, u64, u32*).
             drv("launch nk_reader_enter", unsafe { l.launch(cfg1()) })?;
-            let mut l = self.stream.launch_builder(&self.k.read_pages);
-            l.arg(&st).arg(&hdr).arg(&self.payload).arg(&dst);
-            // SAFETY: types match (u32*, u64, u64, u8*); the kernel copies only
-            // when pinned and the header's size was checked against `dst_cap`
-            // by nk_reader_enter; the pinned header equals `meta` (epoch).
-            drv("launch nk_read_pages", unsafe { l.launch(copy_cfg(meta.page_bytes, meta.n_pages)) })?;
-            let mut l = self.stream.launch_builder(&self.k.reader_exit);
-            l.arg(&hdr).arg(&st);
-            // SAFETY: types match (u64, u32*).
-            drv("launch nk_reader_exit", unsafe { l.launch(cfg1()) })?;
-            let mut r = [0u32; 1];
-            // SAFETY: `st` is our live scratch allocation.
-            drv("cuMemcpyDtoH", unsafe { cu::memcpy_dtoh_async(&mut r, st, self.stream.cu_stream()) })?;
+            let mut l = self.stream.launch_builder(&self.k.read_exit);
+            l.arg(&st).arg(&hdr).arg(&self.payload).arg(&dst).arg(&arrived).arg(&scratch.answer_dev);
+            // SAFETY: types match (u32*, u64, u64, u8*, u32*, u32*); the kernel
+            // copies only when pinned and the header's size was checked against
+            // `dst_cap` by nk_reader_enter; the pinned header equals `meta`
+            // (epoch); `arrived` and the answer word are ours under the lock.
+            drv("launch nk_read_exit", unsafe { l.launch(copy_cfg(meta.page_bytes, meta.n_pages)) })?;
             self.sync()?;
-            match r[0] {
+            match scratch.answer32() {
                 status::PINNED => Ok(meta.bytes_total),
                 status::NOT_READY => Err(GpuError::NotReady),
                 status::TOO_SMALL => Err(GpuError::BufferTooSmall { need: meta.bytes_total, got: dst_cap }),
@@ -447,13 +513,10 @@ impl Drop for CudaDeviceHeap {
         let _ = guarded("CudaDeviceHeap::drop", || {
             drv("bind", self.ctx.bind_to_thread())?;
             let _ = self.stream.synchronize();
-            let scratch = *self.scratch.lock();
+            self.scratch.lock().free();
             // SAFETY: each pointer is freed/closed exactly once; the stream is
             // idle, so no kernel still uses them.
             unsafe {
-                if scratch != 0 {
-                    let _ = cu::free_sync(scratch);
-                }
                 if self.imported {
                     let _ = sys::cuIpcCloseMemHandle(self.headers);
                     let _ = sys::cuIpcCloseMemHandle(self.payload);
@@ -464,6 +527,33 @@ impl Drop for CudaDeviceHeap {
             }
             Ok(())
         });
+    }
+}
+
+/// What a publish answered (the state it found): Ok when it published or the
+/// object was READY already, `Stale` otherwise (another epoch, or not written).
+fn published(previous: u32) -> Result<()> {
+    if previous == ObjectState::Writing.as_u32() || previous == ObjectState::Ready.as_u32() {
+        Ok(())
+    } else {
+        Err(GpuError::Stale)
+    }
+}
+
+/// A header's 128 bytes as the 16 native-endian words `nk_write_header` takes
+/// by value (its `NkHeader`).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct HeaderWords([u64; HEADER_SIZE / 8]);
+
+// SAFETY: plain data with the layout of the kernel's `NkHeader` (16 u64, no
+// padding), passed by value.
+unsafe impl DeviceRepr for HeaderWords {}
+
+impl HeaderWords {
+    fn of(h: &HeaderSnapshot) -> Self {
+        let b = h.to_bytes();
+        Self(std::array::from_fn(|i| u64::from_ne_bytes(b[i * 8..i * 8 + 8].try_into().expect("8 bytes"))))
     }
 }
 
@@ -530,35 +620,34 @@ impl DeviceHeap for CudaDeviceHeap {
         let hdr = self.hdr(slot)?;
         guarded("publish", || {
             let scratch = self.scratch.lock();
-            let out: u64 = *scratch;
             drv("bind", self.ctx.bind_to_thread())?;
-            self.publish_kernel(out, hdr, epoch, now_ns)
+            scratch.clear_answer();
+            let mut l = self.stream.launch_builder(&self.k.publish);
+            l.arg(&hdr).arg(&epoch).arg(&now_ns).arg(&scratch.answer_dev);
+            // SAFETY: types match (u64, u32, u64, u32*); `hdr` is in bounds
+            // (checked by `hdr`), the answer word ours under the lock.
+            drv("launch nk_publish", unsafe { l.launch(cfg1()) })?;
+            self.sync()?;
+            published(scratch.answer32())
         })
     }
 
     fn write_header(&self, slot: u32, h: &HeaderSnapshot) -> Result<()> {
         let hdr = self.hdr(slot)?;
-        let b = h.to_bytes();
+        let words = HeaderWords::of(h);
+        // One kernel with the header as its argument: every word but the state's,
+        // then the state with SeqCst (release for the words before it), and one
+        // host round trip (it was two host-to-device copies and a kernel).
         guarded("write_header", || {
             let _g = self.scratch.lock();
             drv("bind", self.ctx.bind_to_thread())?;
-            // Everything before `state`, then everything after `reader_refcnt`.
-            let tail = header_offsets::READER_REFCNT + 4;
-            // SAFETY: both ranges lie inside this slot's 128-byte header; the
-            // host buffer `b` outlives the copies: it lives to the end of this
-            // function, after the state store below synchronized the stream.
-            unsafe {
-                drv("cuMemcpyHtoD", cu::memcpy_htod_async(hdr, &b[..header_offsets::STATE], self.stream.cu_stream()))?;
-                drv("cuMemcpyHtoD", cu::memcpy_htod_async(hdr + tail as u64, &b[tail..], self.stream.cu_stream()))?;
-            }
-            Ok(())
-        })?;
-        // State last, SeqCst store (fence.sc.sys: release for the copies above).
-        // No synchronization between the copies and this kernel: it runs after
-        // them on the same stream, and `hdr_store` synchronizes the stream before it
-        // returns, so one host round trip covers the whole header write (it was
-        // two: a sync after the copies, then the kernel's).
-        self.hdr_store(hdr + header_offsets::STATE as u64, op::ST32_SEQCST, u64::from(h.state))
+            let mut l = self.stream.launch_builder(&self.k.write_header);
+            l.arg(&hdr).arg(&words).arg(&h.state);
+            // SAFETY: argument types match (u64, NkHeader (16 u64, by value),
+            // u32); `hdr` is this slot's 128-byte header (checked by `hdr`).
+            drv("launch nk_write_header", unsafe { l.launch(cfg1()) })?;
+            self.sync()
+        })
     }
 
     fn load_u32(&self, slot: u32, f: HeaderU32Field, order: Ordering) -> Result<u32> {

@@ -46,8 +46,15 @@ pub(super) mod status {
 
 /// Names of the kernels in the module.
 #[cfg(test)]
-const KERNEL_NAMES: [&str; 6] =
-    ["nk_hdr_op", "nk_push_pages", "nk_publish", "nk_reader_enter", "nk_read_pages", "nk_reader_exit"];
+const KERNEL_NAMES: [&str; 7] = [
+    "nk_hdr_op",
+    "nk_write_header",
+    "nk_push_pages",
+    "nk_push_publish",
+    "nk_publish",
+    "nk_reader_enter",
+    "nk_read_exit",
+];
 
 const BODY: &str = r#"
 typedef unsigned int u32;
@@ -93,8 +100,34 @@ __device__ __forceinline__ void copy_chunk(u8* d, const u8* s, u32 len, u32 part
   for (u32 i = done + tid; i < len; i += stride) { d[i] = __ldcg(s + i); }
 }
 
-// Host access to one header word: see `op` in kernels.rs.
-extern "C" __global__ void nk_hdr_op(u64 addr, u32 op, u64 a, u64 b, u64* out) {
+// The last block of the grid to get here (every block calls it once, all
+// threads): each thread's stores are made visible system-wide first, so what
+// the last block does after it (a release, a publish) covers every block's
+// stores. The counter wraps back to 0 as the last block arrives (atomicInc),
+// ready for the next launch on the stream.
+__device__ __forceinline__ bool last_block(u32* arrived) {
+  __shared__ u32 last;
+  __threadfence_system();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    u32 total = gridDim.x * gridDim.y * gridDim.z;
+    last = atomicInc(arrived, total - 1u) == total - 1u ? 1u : 0u;
+  }
+  __syncthreads();
+  if (last) __threadfence_system();
+  return last != 0u;
+}
+
+// An answer for the host, in page-locked host memory it reads after the
+// stream synchronized.
+__device__ __forceinline__ void answer(volatile u32* out, u32 v) {
+  *out = v;
+  __threadfence_system();
+}
+
+// Host access to one header word: see `op` in kernels.rs. The result goes to
+// `out` (page-locked host memory).
+extern "C" __global__ void nk_hdr_op(u64 addr, u32 op, u64 a, u64 b, volatile u64* out) {
   if (blockIdx.x != 0 || threadIdx.x != 0) return;
   u32* p = (u32*)addr; u64* q = (u64*)addr; u64 r = 0;
   switch (op) {
@@ -115,14 +148,30 @@ extern "C" __global__ void nk_hdr_op(u64 addr, u32 op, u64 a, u64 b, u64* out) {
     default: r = ~0ull; break;
   }
   *out = r;
+  __threadfence_system();
 }
 
-// Producer page push: grid (blocks_per_page, n_pages_in_launch). src holds
-// pages first_page.. contiguously; the object's last page is clamped to
-// last_page_bytes. The publish is a separate launch on the same stream
-// (stream order: every store of this grid completes first).
-extern "C" __global__ void nk_push_pages(const u8* __restrict__ src, u64 page0_ptr, u32 page_size,
-                                         u32 first_page, u32 n_pages_total, u32 last_page_bytes) {
+// A new reservation's header, by value: the 16 words of its 128 bytes.
+struct NkHeader { u64 w[16]; };
+
+// Writes every word of the header but the one holding the state and the
+// reader count, then the state with SeqCst (fence.sc.sys: release for the
+// words before it): a reader never sees the state before the header it
+// guards, and the reader count is left to the readers.
+extern "C" __global__ void nk_write_header(u64 hdr, NkHeader h, u32 state) {
+  if (blockIdx.x != 0 || threadIdx.x != 0) return;
+  u64* q = (u64*)hdr;
+  for (u32 i = 0; i < 16u; i++) {
+    if (i != OFF_STATE / 8u) st_relaxed64(q + i, h.w[i]);
+  }
+  fence_sc();
+  st_relaxed(F32(hdr, OFF_STATE), state);
+}
+
+// Block (x, y) of a page copy: page first_page + y, its share x of gridDim.x.
+// The object's last page is clamped to last_page_bytes.
+__device__ __forceinline__ void push_share(const u8* __restrict__ src, u64 page0_ptr, u32 page_size,
+                                           u32 first_page, u32 n_pages_total, u32 last_page_bytes) {
   u32 page = first_page + blockIdx.y;
   if (page >= n_pages_total) return;
   u32 len = (page + 1 == n_pages_total) ? last_page_bytes : page_size;
@@ -133,14 +182,37 @@ extern "C" __global__ void nk_push_pages(const u8* __restrict__ src, u64 page0_p
 
 // READY publish with release semantics after the last page: check the epoch,
 // make every earlier store visible system-wide, CAS WRITING -> READY.
-// out[0] = previous state, or 0xFFFFFFFF on an epoch mismatch.
-extern "C" __global__ void nk_publish(u64 hdr, u32 epoch, u64 now_ns, u32* out) {
-  if (blockIdx.x != 0 || threadIdx.x != 0) return;
-  if (ld_acquire(F32(hdr, OFF_EPOCH)) != epoch) { out[0] = 0xFFFFFFFFu; return; }
+// Returns the previous state, or 0xFFFFFFFF on an epoch mismatch.
+__device__ __forceinline__ u32 publish_header(u64 hdr, u32 epoch, u64 now_ns) {
+  if (ld_acquire(F32(hdr, OFF_EPOCH)) != epoch) return 0xFFFFFFFFu;
   __threadfence_system();
   u32 old = cas_sc(F32(hdr, OFF_STATE), ST_WRITING, ST_READY);
   if (old == ST_WRITING) st_relaxed64(F64(hdr, OFF_STATE_TS), now_ns);
-  out[0] = old;
+  return old;
+}
+
+// Producer page push: grid (blocks_per_page, n_pages_in_launch). src holds
+// pages first_page.. contiguously. No publish (a producer pushing in parts).
+extern "C" __global__ void nk_push_pages(const u8* __restrict__ src, u64 page0_ptr, u32 page_size,
+                                         u32 first_page, u32 n_pages_total, u32 last_page_bytes) {
+  push_share(src, page0_ptr, page_size, first_page, n_pages_total, last_page_bytes);
+}
+
+// Producer page push and READY publish in one launch: the pages as
+// nk_push_pages copies them, then the last block to finish publishes
+// (publish_header) and answers the previous state.
+extern "C" __global__ void nk_push_publish(const u8* __restrict__ src, u64 page0_ptr, u32 page_size,
+                                           u32 first_page, u32 n_pages_total, u32 last_page_bytes,
+                                           u64 hdr, u32 epoch, u64 now_ns, u32* arrived, volatile u32* out) {
+  push_share(src, page0_ptr, page_size, first_page, n_pages_total, last_page_bytes);
+  if (!last_block(arrived) || threadIdx.x != 0) return;
+  answer(out, publish_header(hdr, epoch, now_ns));
+}
+
+// The publish alone (a host producer, or pages pushed in parts).
+extern "C" __global__ void nk_publish(u64 hdr, u32 epoch, u64 now_ns, volatile u32* out) {
+  if (blockIdx.x != 0 || threadIdx.x != 0) return;
+  answer(out, publish_header(hdr, epoch, now_ns));
 }
 
 // Reader enter: acquire READY, pin (refcnt += 1), re-check state, epoch, key
@@ -170,28 +242,29 @@ extern "C" __global__ void nk_reader_enter(u64 hdr, u32 epoch, u64 key_hash, u64
   status[0] = code;
 }
 
-// Reader copy: grid (blocks_per_page, n_pages). Runs only if the reader is
-// pinned; geometry comes from the (pinned, hence stable) header; the last
-// page is clamped to last_page_bytes.
-extern "C" __global__ void nk_read_pages(const u32* status, u64 hdr, u64 arena, u8* dst) {
-  if (ld_relaxed(status) != 0u) return;
-  u32 n_pages = ld_relaxed(F32(hdr, OFF_N_PAGES));
-  u32 page = blockIdx.y;
-  if (page >= n_pages) return;
-  u32 page_size = ld_relaxed(F32(hdr, OFF_PAGE_SIZE));
-  u32 last = ld_relaxed(F32(hdr, OFF_LAST_PAGE_BYTES));
-  u64 base = ld_relaxed64(F64(hdr, OFF_PAYLOAD_BASE));
-  u32 len = (page + 1 == n_pages) ? last : page_size;
-  const u8* s = (const u8*)(arena + base + (u64)page * page_size);
-  copy_chunk(dst + (u64)page * page_size, s, len, blockIdx.x, gridDim.x);
-}
-
-// Reader exit: unpin with release semantics after the copy (stream order).
-extern "C" __global__ void nk_reader_exit(u64 hdr, const u32* status) {
-  if (blockIdx.x != 0 || threadIdx.x != 0) return;
-  if (ld_relaxed(status) != 0u) return;
-  __threadfence_system();
-  add_sc(F32(hdr, OFF_REFCNT), 0xFFFFFFFFu);
+// Reader copy and exit in one launch: grid (blocks_per_page, n_pages). Copies
+// only if nk_reader_enter pinned the object; geometry comes from the (pinned,
+// hence stable) header; the last page is clamped to last_page_bytes. The
+// last block to finish unpins with release semantics (after every block's
+// copy) and answers the status.
+extern "C" __global__ void nk_read_exit(const u32* status, u64 hdr, u64 arena, u8* dst, u32* arrived,
+                                        volatile u32* out) {
+  u32 st = ld_relaxed(status);
+  if (st == 0u) {
+    u32 n_pages = ld_relaxed(F32(hdr, OFF_N_PAGES));
+    u32 page = blockIdx.y;
+    if (page < n_pages) {
+      u32 page_size = ld_relaxed(F32(hdr, OFF_PAGE_SIZE));
+      u32 last = ld_relaxed(F32(hdr, OFF_LAST_PAGE_BYTES));
+      u64 base = ld_relaxed64(F64(hdr, OFF_PAYLOAD_BASE));
+      u32 len = (page + 1 == n_pages) ? last : page_size;
+      const u8* s = (const u8*)(arena + base + (u64)page * page_size);
+      copy_chunk(dst + (u64)page * page_size, s, len, blockIdx.x, gridDim.x);
+    }
+  }
+  if (!last_block(arrived) || threadIdx.x != 0) return;
+  if (st == 0u) add_sc(F32(hdr, OFF_REFCNT), 0xFFFFFFFFu);
+  answer(out, st);
 }
 "#;
 
@@ -251,5 +324,23 @@ mod tests {
         assert_eq!(open, close);
         assert_eq!(status::PINNED, 0);
         assert_eq!(status::TOO_SMALL, 3);
+        // nk_write_header skips the one word that holds the state and the reader
+        // count: both must share it.
+        assert_eq!(header_offsets::STATE % 8, 0);
+        assert_eq!(header_offsets::READER_REFCNT, header_offsets::STATE + 4);
+    }
+
+    #[test]
+    fn the_source_compiles_with_nvrtc() {
+        if !super::super::driver::nvrtc_available() {
+            eprintln!("note: skipping: the NVRTC library (libnvrtc.so) is not present");
+            return;
+        }
+        let opts = cudarc::nvrtc::CompileOptions {
+            options: vec!["--gpu-architecture=compute_80".into()],
+            ..Default::default()
+        };
+        let ptx = cudarc::nvrtc::compile_ptx_with_opts(source(), opts);
+        assert!(ptx.is_ok(), "{ptx:?}");
     }
 }

@@ -417,6 +417,29 @@ impl DeviceStream for CudaCopyStream<'_> {
         self.retire_upto(u64::MAX);
         Ok(())
     }
+
+    /// The sum's kernels enqueued on this stream behind the copies, and one
+    /// synchronization for both (the launches are queued while the copies
+    /// still run); `None` where the kernels cannot be built (no NVRTC).
+    fn synchronize_and_crc32c(&mut self, offset: u64, len: u64) -> Result<Option<u32>> {
+        check_range(self.buf.len as u64, offset, len)?;
+        if len == 0 {
+            self.synchronize()?;
+            return Ok(Some(0));
+        }
+        let (buf, stream) = (self.buf, self.stream());
+        match super::checksum::crc32c_on(&buf.ctx, buf.ordinal, Some(stream), buf.ptr + offset, len) {
+            Ok(crc) => {
+                self.retire_upto(u64::MAX);
+                Ok(Some(crc))
+            }
+            Err(e) if super::checksum::unavailable(&e) => {
+                self.synchronize()?;
+                Ok(None)
+            }
+            Err(e) => Err(e),
+        }
+    }
 }
 
 impl Drop for CudaCopyStream<'_> {

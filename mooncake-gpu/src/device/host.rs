@@ -47,6 +47,8 @@ pub struct HostDeviceMemory {
     at_enqueue: bool,
     /// Copies its streams ran.
     copies: AtomicU64,
+    /// Sums its streams took behind their copies.
+    chained_sums: AtomicU64,
 }
 
 impl fmt::Debug for HostDeviceMemory {
@@ -119,6 +121,7 @@ impl HostDeviceMemory {
             id,
             at_enqueue: false,
             copies: AtomicU64::new(0),
+            chained_sums: AtomicU64::new(0),
         })
     }
 
@@ -148,6 +151,7 @@ impl HostDeviceMemory {
             id,
             at_enqueue: false,
             copies: AtomicU64::new(0),
+            chained_sums: AtomicU64::new(0),
         })
     }
 
@@ -164,6 +168,12 @@ impl HostDeviceMemory {
     /// How many copies its streams have run.
     pub fn copies_run(&self) -> u64 {
         self.copies.load(Ordering::Relaxed)
+    }
+
+    /// How many sums its streams took behind their copies
+    /// ([`DeviceStream::synchronize_and_crc32c`]).
+    pub fn chained_sums(&self) -> u64 {
+        self.chained_sums.load(Ordering::Relaxed)
     }
 
     /// A copy of the whole memory (tests: what a kernel would see).
@@ -310,6 +320,16 @@ impl DeviceStream for HostStream<'_> {
         self.run_until(self.enqueued);
         Ok(())
     }
+
+    /// The sum of the memory's bytes once every copy ran, as a device that
+    /// chains the sum behind the copies gives it.
+    fn synchronize_and_crc32c(&mut self, offset: u64, len: u64) -> Result<Option<u32>> {
+        check_range(self.mem.len(), offset, len)?;
+        self.run_until(self.enqueued);
+        self.mem.chained_sums.fetch_add(1, Ordering::Relaxed);
+        let data = self.mem.data.read();
+        Ok(Some(crc32c::crc32c(&data[offset as usize..(offset + len) as usize])))
+    }
 }
 
 impl Drop for HostStream<'_> {
@@ -343,6 +363,21 @@ mod tests {
         s.synchronize().unwrap();
         assert_eq!(mem.to_vec()[12..], [0, 0, 0, 0]);
         assert_eq!(mem.copies_run(), 1);
+    }
+
+    #[test]
+    fn a_chained_sum_covers_the_copies_enqueued_before_it() {
+        let mem = HostDeviceMemory::new(64).unwrap();
+        let mut src = PinnedBuffer::unpinned(8).unwrap();
+        src.copy_from_slice(b"kv-block");
+        let mut s = mem.open_stream().unwrap();
+        // SAFETY: `src` lives, unchanged, until the sum below ran the copy.
+        unsafe { s.copy_to_device_async(src.as_ptr(), 8, 16).unwrap() };
+        assert_eq!(s.synchronize_and_crc32c(16, 8).unwrap(), Some(crc32c::crc32c(b"kv-block")));
+        assert_eq!((mem.copies_run(), mem.chained_sums()), (1, 1));
+        assert_eq!(mem.crc32c(16, 8).unwrap(), crc32c::crc32c(b"kv-block"), "the same as the sum by download");
+        assert!(matches!(s.synchronize_and_crc32c(60, 8), Err(GpuError::OutOfBounds(_))));
+        assert_eq!(mem.chained_sums(), 1, "a refused range is not summed");
     }
 
     #[test]

@@ -136,6 +136,20 @@ pub trait DeviceStream {
 
     /// Blocks until every copy enqueued so far has completed.
     fn synchronize(&mut self) -> Result<()>;
+
+    /// Blocks until every copy enqueued so far has completed, then gives the
+    /// crc32c (Castagnoli) of the `len` bytes at `offset` of the memory: a get's
+    /// check of what it copied in. An implementation that can chain the sum
+    /// behind the copies (CUDA: the sum's kernels on the same stream) waits once
+    /// for both, where [`synchronize`](Self::synchronize) then
+    /// [`DeviceMemory::crc32c`] wait twice. `Ok(None)` (the default) when it
+    /// cannot: the copies are then complete, and the caller sums with
+    /// [`DeviceMemory::crc32c`]. `OutOfBounds` for a range outside the memory.
+    fn synchronize_and_crc32c(&mut self, offset: u64, len: u64) -> Result<Option<u32>> {
+        let _ = (offset, len);
+        self.synchronize()?;
+        Ok(None)
+    }
 }
 
 /// A device allocation that bytes are copied into and out of through pinned

@@ -58,6 +58,28 @@ pub(in crate::store) struct Copies<'a> {
     /// Declared after `streams`, so dropped after them (a stream's drop waits
     /// for its copies).
     pending: Vec<(usize, usize, Keep)>,
+    /// The device ranges to sum once the copies are done (see
+    /// [`sum_after`](Self::sum_after)).
+    sums: Vec<Sum<'a>>,
+}
+
+/// A device range to sum once the copies of its stream are done.
+struct Sum<'a> {
+    item: usize,
+    /// The stream of its memory (an index into `streams`).
+    at: usize,
+    mem: &'a dyn DeviceMemory,
+    offset: u64,
+    len: u64,
+}
+
+/// What [`Copies::finish`] found.
+#[derive(Default)]
+pub(in crate::store) struct Finished {
+    /// The items whose copy (or sum) failed, with why.
+    pub failed: Vec<(usize, Error)>,
+    /// The sums asked for with [`Copies::sum_after`], by item.
+    pub sums: Vec<(usize, u32)>,
 }
 
 impl<'a> Copies<'a> {
@@ -112,16 +134,44 @@ impl<'a> Copies<'a> {
         self.pending.iter().map(|&(item, _, _)| item)
     }
 
-    /// Waits for every copy; returns the items whose copy failed, with why.
-    pub(in crate::store) fn finish(mut self) -> Vec<(usize, Error)> {
-        let mut failed = Vec::new();
+    /// Asks for the crc32c of the `len` bytes at `offset` of `mem` (a checked
+    /// range), for item `item`, once the copies enqueued to `mem` are done: a
+    /// get's check of what it copied in, given by [`finish`](Self::finish).
+    /// Where the device can chain the sum behind the copies
+    /// ([`DeviceStream::synchronize_and_crc32c`]), one wait covers both.
+    pub(in crate::store) fn sum_after(
+        &mut self,
+        item: usize,
+        mem: &'a dyn DeviceMemory,
+        offset: u64,
+        len: u64,
+    ) -> Result<()> {
+        let at = stream_of(&mut self.streams, mem)?;
+        self.sums.push(Sum { item, at, mem, offset, len });
+        Ok(())
+    }
+
+    /// Waits for every copy and takes the sums asked for: the items whose copy
+    /// or sum failed, with why, and the sums.
+    pub(in crate::store) fn finish(mut self) -> Finished {
+        let mut done = Finished::default();
         for (at, (_, stream)) in self.streams.iter_mut().enumerate() {
+            for sum in self.sums.iter().filter(|s| s.at == at) {
+                let summed = stream.synchronize_and_crc32c(sum.offset, sum.len).and_then(|crc| match crc {
+                    Some(crc) => Ok(crc),
+                    None => sum.mem.crc32c(sum.offset, sum.len),
+                });
+                match summed {
+                    Ok(crc) => done.sums.push((sum.item, crc)),
+                    Err(e) => done.failed.push((sum.item, e.into())),
+                }
+            }
             if let Err(e) = stream.synchronize() {
                 let e = Error::from(e);
-                failed.extend(self.pending.iter().filter(|p| p.1 == at).map(|p| (p.0, e.clone())));
+                done.failed.extend(self.pending.iter().filter(|p| p.1 == at).map(|p| (p.0, e.clone())));
             }
         }
         self.streams.clear();
-        failed
+        done
     }
 }

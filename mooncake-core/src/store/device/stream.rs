@@ -78,15 +78,18 @@ fn cut(lens: impl Iterator<Item = u64>, chunk: usize) -> Vec<Vec<Piece>> {
 }
 
 /// Reads every replica into its device memory; one result per read (an error
-/// stops that read's later pieces). The device bytes are not checked here.
-pub(in crate::store) fn stream_reads(engine: &TransferEngine, reads: &[StreamRead<'_>]) -> Vec<Result<()>> {
+/// stops that read's later pieces): the crc32c of the device bytes where the
+/// device took it behind the last copies
+/// ([`DeviceStream::synchronize_and_crc32c`]), else `None` (the caller sums).
+/// The bytes are not checked here.
+pub(in crate::store) fn stream_reads(engine: &TransferEngine, reads: &[StreamRead<'_>]) -> Vec<Result<Option<u32>>> {
     stream_in_chunks(engine, reads, chunk_for(reads.iter().map(|r| r.len).sum()))
 }
 
 /// [`stream_reads`] through two chunks of `chunk` bytes.
-fn stream_in_chunks(engine: &TransferEngine, reads: &[StreamRead<'_>], chunk: usize) -> Vec<Result<()>> {
+fn stream_in_chunks(engine: &TransferEngine, reads: &[StreamRead<'_>], chunk: usize) -> Vec<Result<Option<u32>>> {
     let mut results: Vec<Result<()>> = reads.iter().map(|_| Ok(())).collect();
-    let Some(first) = reads.first() else { return results };
+    let Some(first) = reads.first() else { return Vec::new() };
     let slots = match two_slots(first.mem, chunk) {
         Ok(s) => s,
         Err(e) => return reads.iter().map(|_| Err(e.clone())).collect(),
@@ -102,7 +105,7 @@ fn stream_in_chunks(engine: &TransferEngine, reads: &[StreamRead<'_>], chunk: us
         // The copies out of this slot two chunks ago are done before it is refilled.
         if let Err(e) = wait_all(&mut streams, std::mem::take(&mut busy[slot])) {
             fail_rest(&mut results, &e);
-            return results;
+            return unsummed(results);
         }
         let pieces: Vec<&Piece> = wave.iter().filter(|p| results[p.index].is_ok()).collect();
         if pieces.is_empty() {
@@ -185,14 +188,30 @@ fn stream_in_chunks(engine: &TransferEngine, reads: &[StreamRead<'_>], chunk: us
             Ok(f) => busy[slot] = f,
             Err(e) => {
                 fail_rest(&mut results, &e);
-                return results;
+                return unsummed(results);
             }
         }
     }
+    // Each read's check, chained behind its memory's last copies where the device
+    // can: the first sum of a stream waits for its copies, in the same wait.
+    let summed: Vec<Result<Option<u32>>> = results
+        .into_iter()
+        .zip(reads)
+        .map(|(res, r)| {
+            res?;
+            let at = stream_of(&mut streams, r.mem)?;
+            Ok(streams[at].1.synchronize_and_crc32c(r.dst, r.len)?)
+        })
+        .collect();
     if let Err(e) = synchronize_all(&mut streams) {
-        fail_rest(&mut results, &e);
+        return summed.into_iter().map(|r| r.and(Err(e.clone()))).collect();
     }
-    results
+    summed
+}
+
+/// Results with no sum taken.
+fn unsummed(results: Vec<Result<()>>) -> Vec<Result<Option<u32>>> {
+    results.into_iter().map(|r| r.map(|()| None)).collect()
 }
 
 /// What the transfer of one wave tells the thread that enqueues its copies.
