@@ -67,7 +67,8 @@ impl DeviceAllocation {
 }
 
 /// Tells device memory from other memory by address, and lends device ranges
-/// as [`DeviceMemory`] (see the [module](self) documentation).
+/// as [`DeviceMemory`]: a CUDA driver ([`CudaPointers`]) or, without one, host
+/// ranges a test declares device memory ([`EmulatedPointers`]).
 pub trait PointerClassifier: Send + Sync + fmt::Debug {
     /// The device allocation holding `ptr`, or `None` if `ptr` is not device
     /// memory this classifier knows.

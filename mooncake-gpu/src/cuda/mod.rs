@@ -7,12 +7,17 @@
 //! under `catch_unwind` so a missing symbol becomes an error, not a crash.
 //!
 //! Host-side header atomics ([`DeviceHeap::load_u32`], ...) run as one-thread
-//! kernels (`nk_hdr_op`) so they use the device's own system-scope atomics.
-//! The hot paths are the inherent methods: [`CudaDeviceHeap::push_from_device`]
-//! (producer kernel pushes pages, then `nk_publish` flips READY with release
-//! semantics) and [`CudaDeviceHeap::read_into_device`] (`nk_reader_enter` acquire
-//! + pin, `nk_read_pages` tail-clamped copy, `nk_reader_exit` unpin), all
-//!   stream-ordered on the heap's stream.
+//! kernels (`nk_hdr_op`) so they use the device's own system-scope atomics; a
+//! new header is written by one kernel that takes it by value
+//! (`nk_write_header`, the state stored last). The hot paths are the inherent
+//! methods: [`CudaDeviceHeap::push_from_device`] (`nk_push_publish`: the blocks
+//! push the pages, and the last block to finish flips READY with release
+//! semantics) and [`CudaDeviceHeap::read_into_device`] (`nk_reader_enter`
+//! acquire + pin, then `nk_read_exit`: tail-clamped copy, the last block to
+//! finish unpins), all stream-ordered on the heap's stream, one host round trip
+//! each. Kernels answer into page-locked host memory mapped into the device (no
+//! device-to-host copy to enqueue); the host reads it once the stream
+//! synchronized.
 //!
 //! **Addresses:** [`WritePlan`]/[`ObjMeta`] pointers are valid in the owner's
 //! process. Another process opens the owner heap with
