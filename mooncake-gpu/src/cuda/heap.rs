@@ -79,8 +79,11 @@ impl Scratch {
         let mut dev: sys::CUdeviceptr = 0;
         // SAFETY: `host` was allocated with DEVICEMAP just above; `dev` is a
         // valid out-pointer.
-        drv("cuMemHostGetDevicePointer", unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dev, host, 0).result() })?;
-        self.answer_dev = dev;
+        let mapped = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dev, host, 0).result() };
+        // With unified addressing (every 64-bit process) memory from
+        // cuMemHostAlloc is reachable from kernels at its host address, whatever
+        // the context's flags: the fallback where the driver gives no mapping.
+        self.answer_dev = if mapped.is_ok() && dev != 0 { dev } else { host as sys::CUdeviceptr };
         Ok(())
     }
 

@@ -146,13 +146,13 @@ impl<'a> ScatterStream<'a> {
         Ok(self.streams[i].as_mut().expect("just opened"))
     }
 
-    /// Calls `f(stream, host offset, len, offset in the part)` for each piece of
-    /// `[offset, offset + len)` of the scatter.
+    /// Calls `f(stream, host offset, len, offset in the part, the part's memory)`
+    /// for each piece of `[offset, offset + len)` of the scatter.
     fn split(
         &mut self,
         offset: u64,
         len: usize,
-        mut f: impl FnMut(&mut Box<dyn DeviceStream + 'a>, usize, usize, u64) -> Result<()>,
+        mut f: impl FnMut(&mut Box<dyn DeviceStream + 'a>, usize, usize, u64, &dyn DeviceMemory) -> Result<()>,
     ) -> Result<()> {
         check_range(self.scatter.len, offset, len as u64)?;
         let mut done = 0usize;
@@ -162,8 +162,8 @@ impl<'a> ScatterStream<'a> {
             let x = offset + done as u64;
             let within = x - part.at;
             let n = (part.len - within).min((len - done) as u64) as usize;
-            let dev = part.offset + within;
-            f(self.stream(i)?, done, n, dev)?;
+            let (dev, mem) = (part.offset + within, self.scatter.parts[i].mem.as_ref());
+            f(self.stream(i)?, done, n, dev, mem)?;
             done += n;
             i += 1;
         }
@@ -173,7 +173,7 @@ impl<'a> ScatterStream<'a> {
 
 impl DeviceStream for ScatterStream<'_> {
     unsafe fn copy_to_device_async(&mut self, src: *const u8, len: usize, dst_offset: u64) -> Result<()> {
-        self.split(dst_offset, len, |s, host, n, dev| {
+        self.split(dst_offset, len, |s, host, n, dev, _| {
             // SAFETY: `src + host .. + n` lies inside the caller's `src .. src + len`,
             // which the caller keeps readable until the copy completes; every part's
             // copy completes by the fences of this stream (see `fence`).
@@ -182,7 +182,7 @@ impl DeviceStream for ScatterStream<'_> {
     }
 
     unsafe fn copy_from_device_async(&mut self, dst: *mut u8, len: usize, src_offset: u64) -> Result<()> {
-        self.split(src_offset, len, |s, host, n, dev| {
+        self.split(src_offset, len, |s, host, n, dev, _| {
             // SAFETY: as in `copy_to_device_async`, for writes into the caller's range.
             unsafe { s.copy_from_device_async(dst.add(host), n, dev) }
         })
@@ -223,6 +223,24 @@ impl DeviceStream for ScatterStream<'_> {
         }
         self.fences.clear();
         Ok(())
+    }
+
+    /// Each part's piece summed behind that part's copies (chained where the
+    /// part's stream can, else by the part's memory once its copies are done),
+    /// the sums folded in order.
+    fn synchronize_and_crc32c(&mut self, offset: u64, len: u64) -> Result<Option<u32>> {
+        let len = usize::try_from(len).map_err(|_| GpuError::InvalidArgument(format!("{len} bytes")))?;
+        let mut crc = 0u32;
+        self.split(offset, len, |s, _, n, dev, mem| {
+            let piece = match s.synchronize_and_crc32c(dev, n as u64)? {
+                Some(piece) => piece,
+                None => mem.crc32c(dev, n as u64)?,
+            };
+            crc = crc32c::crc32c_combine(crc, piece, n);
+            Ok(())
+        })?;
+        self.synchronize()?;
+        Ok(Some(crc))
     }
 }
 
@@ -277,5 +295,22 @@ mod tests {
             assert_eq!(s.crc32c(offset, len).unwrap(), want, "{offset}+{len}");
         }
         assert!(matches!(s.crc32c(total, 1), Err(GpuError::OutOfBounds(_))));
+    }
+
+    #[test]
+    fn a_chained_sum_folds_each_parts_sum_taken_behind_its_copies() {
+        let a = Arc::new(HostDeviceMemory::new(64).unwrap());
+        let b = Arc::new(HostDeviceMemory::new(64).unwrap());
+        let s = DeviceScatter::new(vec![(a.clone() as Arc<dyn DeviceMemory>, 40, 24), (b.clone(), 8, 30)]).unwrap();
+        let data: Vec<u8> = (0..54u8).map(|i| i.wrapping_mul(37) ^ 0x5c).collect();
+        let mut st = s.open_stream().unwrap();
+        // SAFETY: `data` outlives the stream and is not written.
+        unsafe { st.copy_to_device_async(data.as_ptr(), 54, 0).unwrap() };
+        // Across the boundary: the copies of both parts ran first, each part summed its piece.
+        assert_eq!(st.synchronize_and_crc32c(3, 40).unwrap(), Some(crc32c::crc32c(&data[3..43])));
+        assert_eq!((a.chained_sums(), b.chained_sums()), (1, 1));
+        assert_eq!(st.synchronize_and_crc32c(0, 54).unwrap(), Some(crc32c::crc32c(&data)));
+        assert_eq!(st.synchronize_and_crc32c(30, 0).unwrap(), Some(0));
+        assert!(matches!(st.synchronize_and_crc32c(50, 5), Err(GpuError::OutOfBounds(_))));
     }
 }
