@@ -17,7 +17,9 @@
 //! (`tcp_peer`), and objects of 64 KiB .. 64 MiB (`--max-size`), times
 //! `get_into_device`, `put_from_device` and their batch forms against pinned
 //! host <-> device DMA (the PCIe ceiling) and against the same transport's host
-//! `get_into` / `put`, and prints one JSON document. `--emulate` runs it over
+//! `get_into` / `put`, and the same objects split over [`LAYERS`] ranges of the
+//! device memory (one `DeviceScatter`, as the Python drop-in's multi-buffer calls
+//! pass a block's per-layer KV tensors), and prints one JSON document. `--emulate` runs it over
 //! the host emulation, to test the bench itself (its figures are no GPU result):
 //!
 //! `cargo run --release --example gpu_store -- --bench [--iters N] [--device D] [--max-size B] [--emulate]`
@@ -26,9 +28,13 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use mooncake_core::gpu::{
-    allocate_or_emulate, DeviceBuffer, DeviceMemory, GpuError, GpuTransport, HostDeviceMemory, MemoryLocation,
+    allocate_or_emulate, DeviceBuffer, DeviceMemory, DeviceScatter, GpuError, GpuTransport, HostDeviceMemory,
+    MemoryLocation,
 };
 use mooncake_core::{Error, MasterDaemon, Protocol, ReplicateConfig, Store};
+
+/// Ranges a bench object is split over in its per-layer rows.
+const LAYERS: usize = 32;
 
 fn kv_block(layer: usize, block: usize, len: usize) -> Vec<u8> {
     (0..len).map(|i| (layer * 131 + block * 17 + i / 7) as u8).collect()
@@ -227,10 +233,10 @@ fn bench(a: &Args) -> Result<String, Box<dyn std::error::Error>> {
         (0..).map(|i| (64usize << 10) << (2 * i)).take_while(|&s| s <= a.max_size.max(64 << 10)).collect();
     let max = *sizes.last().expect("sizes");
     let batch = 8;
-    let dev: Box<dyn DeviceMemory> = if a.emulate {
-        Box::new(HostDeviceMemory::new((max * batch) as u64)?)
+    let dev: Arc<dyn DeviceMemory> = if a.emulate {
+        Arc::new(HostDeviceMemory::new((max * batch) as u64)?)
     } else {
-        Box::new(DeviceBuffer::new(a.device, max * batch)?)
+        Arc::new(DeviceBuffer::new(a.device, max * batch)?)
     };
     let dst = &*dev;
     let segment = (max * batch * 3) as u64 + (64 << 20);
@@ -266,6 +272,10 @@ fn bench(a: &Args) -> Result<String, Box<dyn std::error::Error>> {
         let crc = timed(a.iters, |_| Ok(dst.crc32c(0, size as u64).map(|_| ())?), |_| {})?;
         let (htod_us, crc_us) = (htod * 1e6, crc * 1e6);
         let (htod, dtoh) = (gbps(size, htod), gbps(size, dtoh));
+        // The object's bytes as LAYERS ranges of the device memory, one scatter.
+        let part = size / LAYERS;
+        let layers = DeviceScatter::new((0..LAYERS).map(|l| (dev.clone(), (l * part) as u64, part as u64)).collect())?;
+        let layered = (part * LAYERS) as u64;
         for r in &rows_of {
             let store = &r.client;
             let before = store.stats();
@@ -276,6 +286,12 @@ fn bench(a: &Args) -> Result<String, Box<dyn std::error::Error>> {
             let mut host = vec![0u8; size];
             let get_host = timed(a.iters, |i| Ok(store.get_into(&keys[i % batch], &mut host).map(|_| ())?), |_| {})?;
             let get_dev = timed(a.iters, |i| Ok(store.get_into_device(&keys[i % batch], dst, 0).map(|_| ())?), |_| {})?;
+            let layer_keys: Vec<String> = (0..batch).map(|i| format!("{}/layers", keys[i])).collect();
+            for (i, k) in layer_keys.iter().enumerate() {
+                store.put(k, &kv_block(i, size, layered as usize))?;
+            }
+            let get_layers =
+                timed(a.iters, |i| Ok(store.get_into_device(&layer_keys[i % batch], &layers, 0).map(|_| ())?), |_| {})?;
             let items: Vec<(&str, u64)> =
                 keys.iter().enumerate().map(|(i, k)| (k.as_str(), (i * size) as u64)).collect();
             let batch_get = timed(
@@ -321,7 +337,14 @@ fn bench(a: &Args) -> Result<String, Box<dyn std::error::Error>> {
                     }
                 },
             )?;
-            for k in &keys {
+            let put_layers = timed(
+                a.iters,
+                |i| Ok(store.put_from_device_with(&put_key(i), &layers, 0, layered, &cfg)?),
+                |i| {
+                    let _ = store.remove(&put_key(i));
+                },
+            )?;
+            for k in keys.iter().chain(&layer_keys) {
                 let _ = store.remove(k);
             }
             // Which share of the device bytes moved without a staging copy.
@@ -333,6 +356,7 @@ fn bench(a: &Args) -> Result<String, Box<dyn std::error::Error>> {
             let (get_host, get_dev, put_host, put_dev) =
                 (gbps(size, get_host), gbps(size, get_dev), gbps(size, put_host), gbps(size, put_dev));
             let (batch_get, batch_put) = (gbps(size * batch, batch_get), gbps(size * batch, batch_put));
+            let (get_layers, put_layers) = (gbps(layered as usize, get_layers), gbps(layered as usize, put_layers));
             rows.push(format!(
                 "{{\"replica\":\"{}\",\"object_bytes\":{size},\"iters\":{},\
                  \"get_into_device_gbps\":{get_dev:.3},\"batch_get_into_device_gbps\":{batch_get:.3},\
@@ -342,13 +366,18 @@ fn bench(a: &Args) -> Result<String, Box<dyn std::error::Error>> {
                  \"get_into_device_vs_pinned_htod\":{:.3},\"put_from_device_vs_pinned_dtoh\":{:.3},\
                  \"get_into_device_vs_host_get_into\":{:.3},\"put_from_device_vs_host_put\":{:.3},\
                  \"device_direct_share\":{direct_share:.3},\"get_into_device_us\":{get_dev_us:.1},\
-                 \"htod_pinned_us\":{htod_us:.1},\"device_crc32c_us\":{crc_us:.1}}}",
+                 \"htod_pinned_us\":{htod_us:.1},\"device_crc32c_us\":{crc_us:.1},\
+                 \"layers\":{LAYERS},\"get_into_device_layers_gbps\":{get_layers:.3},\
+                 \"put_from_device_layers_gbps\":{put_layers:.3},\
+                 \"layers_vs_one_range_get\":{:.3},\"layers_vs_one_range_put\":{:.3}}}",
                 r.name,
                 a.iters,
                 get_dev / htod,
                 put_dev / dtoh,
                 get_dev / get_host,
                 put_dev / put_host,
+                get_layers / get_dev,
+                put_layers / put_dev,
             ));
         }
     }

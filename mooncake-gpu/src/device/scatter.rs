@@ -113,7 +113,7 @@ impl DeviceMemory for DeviceScatter {
             let n = (p.at + p.len).min(end) - at;
             let piece = p.mem.crc32c(p.offset + (at - p.at), n)?;
             let n_usize = usize::try_from(n).map_err(|_| GpuError::InvalidArgument(format!("{n} bytes")))?;
-            crc = crc32c::crc32c_combine(crc, piece, n_usize);
+            crc = mooncake_transfer::checksum::crc32c_combine(crc, piece, n_usize);
             at += n;
         }
         Ok(crc)
@@ -236,7 +236,7 @@ impl DeviceStream for ScatterStream<'_> {
                 Some(piece) => piece,
                 None => mem.crc32c(dev, n as u64)?,
             };
-            crc = crc32c::crc32c_combine(crc, piece, n);
+            crc = mooncake_transfer::checksum::crc32c_combine(crc, piece, n);
             Ok(())
         })?;
         self.synchronize()?;
