@@ -109,8 +109,8 @@ pub use cuda::{
     IpcHeapHandle,
 };
 pub use device::{
-    DeviceMemory, DeviceScatter, DeviceStream, Fence, HostDeviceMemory, MemoryLocation, PinnedBuffer, PinnedPool,
-    PooledBuffer, Stager, DEFAULT_CHUNK, DEFAULT_LANES,
+    DeviceMemory, DeviceRange, DeviceScatter, DeviceStream, Fence, HostDeviceMemory, MemoryLocation, PinnedBuffer,
+    PinnedPool, PooledBuffer, Stager, DEFAULT_CHUNK, DEFAULT_LANES,
 };
 pub use error::{GpuError, Result};
 pub use header::{

@@ -7,8 +7,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use mooncake_gpu::{
-    allocate_or_emulate, cuda_available, DeviceBuffer, DeviceMemory, GpuError, GpuTransport, HostDeviceMemory,
-    MemoryLocation, PinnedBuffer, PinnedPool, Stager, DEFAULT_CHUNK,
+    allocate_or_emulate, cuda_available, DeviceBuffer, DeviceMemory, DeviceScatter, GpuError, GpuTransport,
+    HostDeviceMemory, MemoryLocation, PinnedBuffer, PinnedPool, Stager, DEFAULT_CHUNK,
 };
 use mooncake_transfer::{LocalTransport, TransferEngine, TransferError, TransferRequest, Transport};
 use proptest::prelude::*;
@@ -450,6 +450,43 @@ fn cuda_memory_through_the_gpu_transport() {
     let mut back = vec![0u8; data.len()];
     engine.read(&region, 1000, &mut back).unwrap();
     assert!(back == data);
+}
+
+/// Sums on the device are the crc32c of the bytes: single ranges around the
+/// kernels' 64 KiB blocks, a scatter of per-layer parts over two buffers (summed
+/// as one batch), and the sum a scatter's stream chains behind its copies.
+#[test]
+fn cuda_sums_of_device_ranges_are_the_crc32c_of_the_bytes() {
+    let (Some(a), Some(b)) = (gpu_buffer(4 << 20), gpu_buffer(1 << 20)) else { return };
+    let (da, db) = (pattern(5, 4 << 20), pattern(6, 1 << 20));
+    a.upload(&da).unwrap();
+    b.upload(&db).unwrap();
+    for (off, len) in [(0u64, 1u64), (3, 65_535), (0, 65_536), (7, 65_537), (100, 3 << 20)] {
+        let want = crc32c::crc32c(&da[off as usize..(off + len) as usize]);
+        assert_eq!(a.crc32c(off, len).unwrap(), want, "{off}+{len}");
+    }
+    let (a, b): (Arc<dyn DeviceMemory>, Arc<dyn DeviceMemory>) = (Arc::new(a), Arc::new(b));
+    let parts = [
+        (a.clone(), 1u64, 70_000u64),
+        (b.clone(), 5, 100),
+        (a.clone(), 2 << 20, 65_536),
+        (b.clone(), 500_000, 300_001),
+    ];
+    let mut want = Vec::new();
+    for (i, (_, off, len)) in parts.iter().enumerate() {
+        let src = if i % 2 == 0 { &da } else { &db };
+        want.extend_from_slice(&src[*off as usize..(*off + *len) as usize]);
+    }
+    let s = DeviceScatter::new(parts.to_vec()).unwrap();
+    assert_eq!(s.crc32c(0, s.len()).unwrap(), crc32c::crc32c(&want));
+    assert_eq!(s.crc32c(69_990, 200).unwrap(), crc32c::crc32c(&want[69_990..70_190]));
+    let fresh = pattern(7, want.len());
+    let mut pinned = s.alloc_pinned(fresh.len()).unwrap();
+    pinned.copy_from_slice(&fresh);
+    let mut st = s.open_stream().unwrap();
+    // SAFETY: `pinned` outlives the stream and is not written while the copy runs.
+    unsafe { st.copy_to_device_async(pinned.as_ptr(), fresh.len(), 0).unwrap() };
+    assert_eq!(st.synchronize_and_crc32c(0, fresh.len() as u64).unwrap(), Some(crc32c::crc32c(&fresh)));
 }
 
 // --- Device memory for RDMA NICs: allocation ids, dma-buf export, checksums --

@@ -111,7 +111,9 @@ __device__ void mc_tree(u32* c, u64* l, u32 n) {
     }
 }
 
-extern "C" __global__ void mc_crc32c_blocks(const u8* data, u64 len, u32* out) {
+// Sums of the 64 KiB blocks of [data, data + len): block b's sum into out[b], its
+// length into out_len[b] (several ranges, one launch each, fill one array).
+extern "C" __global__ void mc_crc32c_blocks(const u8* data, u64 len, u32* out, u32* out_len) {
     __shared__ u32 T[8][256];
     __shared__ u32 C[MC_THREADS];
     __shared__ u64 L[MC_THREADS];
@@ -154,19 +156,22 @@ extern "C" __global__ void mc_crc32c_blocks(const u8* data, u64 len, u32* out) {
     L[t] = mine;
     __syncthreads();
     mc_tree(C, L, MC_THREADS);
-    if (t == 0) out[blockIdx.x] = C[0];
+    if (t == 0) {
+        out[blockIdx.x] = C[0];
+        out_len[blockIdx.x] = (u32)L[0];
+    }
 }
 
-extern "C" __global__ void mc_crc32c_fold(const u32* sums, u64 blocks, u64 len, u32* result) {
+// Folds the blocks' sums in order (each with its length) into *result.
+extern "C" __global__ void mc_crc32c_fold(const u32* sums, const u32* lens, u64 blocks, u32* result) {
     __shared__ u32 C[MC_FOLD_THREADS];
     __shared__ u64 L[MC_FOLD_THREADS];
-    const u64 per = (u64)MC_THREADS * MC_PER_THREAD;
     u32 t = threadIdx.x;
     u32 acc = 0;
     for (u64 g = 0; g < blocks; g += MC_FOLD_THREADS) {
         u64 i = g + t;
         C[t] = i < blocks ? sums[i] : 0;
-        L[t] = i < blocks ? min(per, len - i * per) : 0;
+        L[t] = i < blocks ? (u64)lens[i] : 0;
         __syncthreads();
         mc_tree(C, L, MC_FOLD_THREADS);
         if (t == 0) acc = mc_combine(acc, C[0], L[0]);
@@ -262,31 +267,32 @@ pub(crate) fn unavailable(e: &GpuError) -> bool {
 /// `ctx`). Work queued on other streams before the call is not waited for: the
 /// caller synchronized what wrote the bytes.
 pub(crate) fn crc32c(ctx: &Arc<CudaContext>, ordinal: usize, ptr: u64, len: u64) -> Result<u32> {
-    crc32c_on(ctx, ordinal, None, ptr, len)
+    crc32c_on(ctx, ordinal, None, &[(ptr, len)])
 }
 
-/// crc32c of the `len` bytes at device address `ptr`, its kernels enqueued on
-/// `stream` (after whatever was enqueued there before: the copies that wrote
-/// the bytes) and the stream synchronized once; on the summer's own stream
-/// where `stream` is `None`. On `Ok`, everything enqueued on `stream` before
-/// the call has completed.
+/// crc32c of the bytes of `ranges` (device address, length) one after the other,
+/// its kernels enqueued on `stream` (after whatever was enqueued there before: the
+/// copies that wrote the bytes) and the stream synchronized once; on the summer's
+/// own stream where `stream` is `None`. One launch per range and one fold for them
+/// all, however many ranges (a block's per-layer parts). On `Ok`, everything
+/// enqueued on `stream` before the call has completed.
 pub(crate) fn crc32c_on(
     ctx: &Arc<CudaContext>,
     ordinal: usize,
     stream: Option<sys::CUstream>,
-    ptr: u64,
-    len: u64,
+    ranges: &[(u64, u64)],
 ) -> Result<u32> {
-    if len == 0 {
+    let ranges: Vec<(u64, u64)> = ranges.iter().copied().filter(|&(_, len)| len > 0).collect();
+    let blocks: u64 = ranges.iter().map(|&(_, len)| len.div_ceil(PER_BLOCK)).sum();
+    if blocks == 0 {
         return Ok(0);
     }
     let summer = summer(ctx, ordinal)?;
     let mut s = summer.lock();
     guarded("crc32c on the device", || {
         drv("bind", s.ctx.bind_to_thread())?;
-        let blocks = len.div_ceil(PER_BLOCK);
-        // One sum per block, and the result after them.
-        if s.capacity < blocks + 1 {
+        // Per block a sum and a length, and the result after them.
+        if s.capacity < 2 * blocks + 1 {
             // Every use synchronized its stream before giving the lock up: no
             // kernel of another stream still reads the old scratch.
             if s.scratch != 0 {
@@ -294,15 +300,14 @@ pub(crate) fn crc32c_on(
                 drv("cuMemFree", unsafe { cu::free_sync(s.scratch) })?;
                 s.scratch = 0;
             }
-            let capacity = (blocks + 1).next_power_of_two();
+            let capacity = (2 * blocks + 1).next_power_of_two();
             let bytes = usize::try_from(capacity * 4).map_err(|_| GpuError::InvalidArgument("crc32c range".into()))?;
             // SAFETY: a plain device allocation, owned by `s` (freed in its Drop).
             s.scratch = drv("cuMemAlloc", unsafe { cu::malloc_sync(bytes) })?;
             s.capacity = capacity;
         }
-        let grid = u32::try_from(blocks).map_err(|_| GpuError::InvalidArgument(format!("crc32c of {len} bytes")))?;
         let on = stream.unwrap_or_else(|| s.stream.cu_stream());
-        let summed = enqueue(&s, on, grid, ptr, len);
+        let summed = enqueue(&s, on, &ranges, blocks);
         // SAFETY: `on` is a live stream of this context. Synchronized even when
         // an enqueue failed: nothing of it may still use the scratch once the
         // lock is given up.
@@ -315,33 +320,49 @@ pub(crate) fn crc32c_on(
     })
 }
 
-/// Enqueues the sum of `[ptr, ptr + len)` (`grid` blocks) on `on`: the blocks'
-/// kernel, the fold, and the copy of the result into the summer's page-locked
-/// word.
-fn enqueue(s: &Summer, on: sys::CUstream, grid: u32, ptr: u64, len: u64) -> Result<()> {
-    let (mut ptr, mut len, mut sums, mut blocks) = (ptr, len, s.scratch, u64::from(grid));
-    let mut result = s.scratch + blocks * 4;
-    let mut args = [(&raw mut ptr).cast::<c_void>(), (&raw mut len).cast::<c_void>(), (&raw mut sums).cast::<c_void>()];
-    // SAFETY: the arguments match `mc_crc32c_blocks(const u8*, u64, u32*)`
-    // and outlive the call (the driver copies them at launch); the kernel
-    // reads `[ptr, ptr + len)` (device memory of this context, checked by
-    // the caller) and writes `blocks` sums into the scratch; `on` is a live
-    // stream of this context.
-    drv("launch mc_crc32c_blocks", unsafe {
-        cu::launch_kernel(s.blocks.cu_function(), (grid, 1, 1), (THREADS, 1, 1), 0, on, &mut args)
-    })?;
+/// Enqueues the sum of `ranges` (non-empty ones, `blocks` blocks in all) on `on`:
+/// the blocks' kernel per range, the fold, and the copy of the result into the
+/// summer's page-locked word. The scratch holds `blocks` sums, then `blocks`
+/// lengths, then the result.
+fn enqueue(s: &Summer, on: sys::CUstream, ranges: &[(u64, u64)], blocks: u64) -> Result<()> {
+    let (sums, lens) = (s.scratch, s.scratch + blocks * 4);
+    let mut result = s.scratch + 2 * blocks * 4;
+    let mut first = 0u64;
+    for &(ptr, len) in ranges {
+        let grid = len.div_ceil(PER_BLOCK);
+        let grid32 = u32::try_from(grid).map_err(|_| GpuError::InvalidArgument(format!("crc32c of {len} bytes")))?;
+        let (mut ptr, mut len, mut out, mut out_len) = (ptr, len, sums + first * 4, lens + first * 4);
+        let mut args = [
+            (&raw mut ptr).cast::<c_void>(),
+            (&raw mut len).cast::<c_void>(),
+            (&raw mut out).cast::<c_void>(),
+            (&raw mut out_len).cast::<c_void>(),
+        ];
+        // SAFETY: the arguments match `mc_crc32c_blocks(const u8*, u64, u32*,
+        // u32*)` and outlive the call (the driver copies them at launch); the
+        // kernel reads `[ptr, ptr + len)` (device memory of this context, checked
+        // by the caller) and writes `grid` sums and lengths from block `first` on,
+        // inside the scratch (`first + grid <= blocks`); `on` is a live stream of
+        // this context.
+        drv("launch mc_crc32c_blocks", unsafe {
+            cu::launch_kernel(s.blocks.cu_function(), (grid32, 1, 1), (THREADS, 1, 1), 0, on, &mut args)
+        })?;
+        first += grid;
+    }
     // One block's sum is the whole sum: no fold.
     let from = if blocks == 1 {
         sums
     } else {
+        let (mut sums, mut lens, mut blocks) = (sums, lens, blocks);
         let mut args = [
             (&raw mut sums).cast::<c_void>(),
+            (&raw mut lens).cast::<c_void>(),
             (&raw mut blocks).cast::<c_void>(),
-            (&raw mut len).cast::<c_void>(),
             (&raw mut result).cast::<c_void>(),
         ];
-        // SAFETY: the arguments match `mc_crc32c_fold(const u32*, u64, u64,
-        // u32*)`; it reads the `blocks` sums and writes one u32 after them.
+        // SAFETY: the arguments match `mc_crc32c_fold(const u32*, const u32*,
+        // u64, u32*)`; it reads the `blocks` sums and lengths and writes one u32
+        // after them.
         drv("launch mc_crc32c_fold", unsafe {
             cu::launch_kernel(s.fold.cu_function(), (1, 1, 1), (FOLD_THREADS, 1, 1), 0, on, &mut args)
         })?;

@@ -330,6 +330,7 @@ mod tests {
         assert_eq!(header_offsets::READER_REFCNT, header_offsets::STATE + 4);
     }
 
+    #[cfg(feature = "cuda")]
     #[test]
     fn the_source_compiles_with_nvrtc() {
         if !super::super::driver::nvrtc_available() {

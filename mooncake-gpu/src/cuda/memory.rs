@@ -13,7 +13,9 @@ use mooncake_transfer::DmaBuf;
 use parking_lot::Mutex;
 
 use super::driver::{cuda_device_count, drv, guarded};
-use crate::device::{check_range, DeviceMemory, DeviceStream, Fence, MemoryLocation, PageLockedAlloc, PinnedBuffer};
+use crate::device::{
+    check_range, DeviceMemory, DeviceRange, DeviceStream, Fence, MemoryLocation, PageLockedAlloc, PinnedBuffer,
+};
 use crate::error::{GpuError, Result};
 
 /// Page-locked host memory from `cuMemHostAlloc` (portable: usable with every
@@ -246,6 +248,11 @@ impl DeviceMemory for DeviceBuffer {
         }
     }
 
+    fn device_range(&self, offset: u64, len: u64) -> Option<DeviceRange> {
+        self.check_range(offset, len).ok()?;
+        Some(DeviceRange { ordinal: self.ordinal, address: self.ptr + offset })
+    }
+
     fn open_stream(&self) -> Result<Box<dyn DeviceStream + '_>> {
         let slot = self.take_slot()?;
         Ok(Box::new(CudaCopyStream { buf: self, slot: Some(slot), pending: VecDeque::new(), next: 0 }))
@@ -316,6 +323,20 @@ impl DeviceMemory for DeviceBuffer {
             let fd = unsafe { OwnedFd::from_raw_fd(fd) };
             Ok(DmaBuf { fd, offset: 0, len: end - start, iova: start })
         })
+    }
+}
+
+/// crc32c of device ranges `(address, length)` of device `ordinal`, one after the
+/// other, as one batch on the device (one launch per range, one fold, one
+/// synchronization). Work queued on other streams is not waited for: the caller
+/// synchronized what wrote the bytes. `Ok(None)` where the kernels cannot be
+/// built (no NVRTC): the caller sums range by range.
+pub(crate) fn crc32c_of_ranges(ordinal: usize, ranges: &[(u64, u64)]) -> Result<Option<u32>> {
+    let ctx = DeviceBuffer::context(ordinal)?;
+    match super::checksum::crc32c_on(&ctx, ordinal, None, ranges) {
+        Ok(crc) => Ok(Some(crc)),
+        Err(e) if super::checksum::unavailable(&e) => Ok(None),
+        Err(e) => Err(e),
     }
 }
 
@@ -428,7 +449,7 @@ impl DeviceStream for CudaCopyStream<'_> {
             return Ok(Some(0));
         }
         let (buf, stream) = (self.buf, self.stream());
-        match super::checksum::crc32c_on(&buf.ctx, buf.ordinal, Some(stream), buf.ptr + offset, len) {
+        match super::checksum::crc32c_on(&buf.ctx, buf.ordinal, Some(stream), &[(buf.ptr + offset, len)]) {
             Ok(crc) => {
                 self.retire_upto(u64::MAX);
                 Ok(Some(crc))

@@ -88,6 +88,16 @@ impl fmt::Display for MemoryLocation {
     }
 }
 
+/// A contiguous range of a CUDA device's memory
+/// ([`DeviceMemory::device_range`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceRange {
+    /// The device's ordinal.
+    pub ordinal: usize,
+    /// The device address of the range's first byte.
+    pub address: u64,
+}
+
 /// A point in a [`DeviceStream`]'s sequence of copies: waiting on it waits for
 /// every copy enqueued before it was taken.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -210,6 +220,17 @@ pub trait DeviceMemory: Send + Sync + fmt::Debug {
     /// memory cannot be exported.
     fn export_dmabuf(&self) -> Result<DmaBuf> {
         Err(GpuError::Unsupported(format!("{} cannot be exported as a dma-buf", self.location())))
+    }
+
+    /// Where `[offset, offset + len)` lives, if it is one contiguous range of a
+    /// CUDA device's memory that the device-side sum reads: then a sum over
+    /// ranges of several memories of that device runs as one batch (a
+    /// [`DeviceScatter`]'s per-layer parts: one launch per range and one
+    /// synchronization in all, instead of one per range). `None` (the default):
+    /// the memory sums its own bytes only, with [`crc32c`](Self::crc32c).
+    fn device_range(&self, offset: u64, len: u64) -> Option<DeviceRange> {
+        let _ = (offset, len);
+        None
     }
 
     /// crc32c (Castagnoli) of the `len` bytes at `offset`, to check what a NIC

@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::Arc;
 
-use super::{check_range, DeviceMemory, DeviceStream, Fence, MemoryLocation, PinnedBuffer};
+use super::{check_range, DeviceMemory, DeviceRange, DeviceStream, Fence, MemoryLocation, PinnedBuffer};
 use crate::error::{GpuError, Result};
 
 /// One range of a [`DeviceScatter`].
@@ -81,6 +81,49 @@ impl DeviceScatter {
     fn part_at(&self, x: u64) -> usize {
         self.parts.partition_point(|p| p.at + p.len <= x)
     }
+
+    /// The pieces of `[offset, offset + len)` (a checked range), in order: each
+    /// a part's memory, the offset in it and the length.
+    fn pieces(&self, offset: u64, len: u64) -> Vec<(&dyn DeviceMemory, u64, u64)> {
+        let (mut pieces, end) = (Vec::new(), offset + len);
+        let mut at = offset;
+        while at < end {
+            let p = &self.parts[self.part_at(at)];
+            let n = (p.at + p.len).min(end) - at;
+            pieces.push((p.mem.as_ref(), p.offset + (at - p.at), n));
+            at += n;
+        }
+        pieces
+    }
+
+    /// The device and the device ranges of `pieces`, if there are several and
+    /// each is a [`DeviceRange`] of one device: then they are summed as one batch.
+    fn batchable(pieces: &[(&dyn DeviceMemory, u64, u64)]) -> Option<(usize, Vec<(u64, u64)>)> {
+        if pieces.len() < 2 {
+            return None;
+        }
+        let mut ordinal = None;
+        let mut ranges = Vec::with_capacity(pieces.len());
+        for &(mem, offset, n) in pieces {
+            let r = mem.device_range(offset, n)?;
+            if *ordinal.get_or_insert(r.ordinal) != r.ordinal {
+                return None;
+            }
+            ranges.push((r.address, n));
+        }
+        Some((ordinal?, ranges))
+    }
+
+    /// The pieces' sums, each by its own memory, folded in order.
+    fn crc32c_by_piece(pieces: &[(&dyn DeviceMemory, u64, u64)]) -> Result<u32> {
+        let mut crc = 0u32;
+        for &(mem, offset, n) in pieces {
+            let piece = mem.crc32c(offset, n)?;
+            let n = usize::try_from(n).map_err(|_| GpuError::InvalidArgument(format!("{n} bytes")))?;
+            crc = mooncake_transfer::checksum::crc32c_combine(crc, piece, n);
+        }
+        Ok(crc)
+    }
 }
 
 impl DeviceMemory for DeviceScatter {
@@ -102,21 +145,26 @@ impl DeviceMemory for DeviceScatter {
         self.parts[0].mem.alloc_pinned(len)
     }
 
-    /// Each part's range summed by its own memory (on the device, for CUDA
-    /// memory), the sums folded in order.
+    /// Parts that are ranges of one CUDA device summed as one batch on it
+    /// ([`DeviceMemory::device_range`]); otherwise each part's range summed by
+    /// its own memory (on the device, for CUDA memory), the sums folded in order.
     fn crc32c(&self, offset: u64, len: u64) -> Result<u32> {
         self.check_range(offset, len)?;
-        let (mut crc, end) = (0u32, offset + len);
-        let mut at = offset;
-        while at < end {
-            let p = &self.parts[self.part_at(at)];
-            let n = (p.at + p.len).min(end) - at;
-            let piece = p.mem.crc32c(p.offset + (at - p.at), n)?;
-            let n_usize = usize::try_from(n).map_err(|_| GpuError::InvalidArgument(format!("{n} bytes")))?;
-            crc = mooncake_transfer::checksum::crc32c_combine(crc, piece, n_usize);
-            at += n;
+        let pieces = self.pieces(offset, len);
+        if let Some((ordinal, ranges)) = Self::batchable(&pieces) {
+            if let Some(crc) = crate::cuda::crc32c_of_ranges(ordinal, &ranges)? {
+                return Ok(crc);
+            }
         }
-        Ok(crc)
+        Self::crc32c_by_piece(&pieces)
+    }
+
+    fn device_range(&self, offset: u64, len: u64) -> Option<DeviceRange> {
+        self.check_range(offset, len).ok()?;
+        match self.pieces(offset, len)[..] {
+            [(mem, at, n)] => mem.device_range(at, n),
+            _ => None,
+        }
     }
 
     fn open_stream(&self) -> Result<Box<dyn DeviceStream + '_>> {
@@ -225,10 +273,17 @@ impl DeviceStream for ScatterStream<'_> {
         Ok(())
     }
 
-    /// Each part's piece summed behind that part's copies (chained where the
-    /// part's stream can, else by the part's memory once its copies are done),
-    /// the sums folded in order.
+    /// Several parts that are ranges of one CUDA device: every part's copies
+    /// waited for, then one batched sum ([`DeviceScatter`]'s `crc32c`). Else each
+    /// part's piece summed behind that part's copies (chained where the part's
+    /// stream can, else by the part's memory once its copies are done), the sums
+    /// folded in order.
     fn synchronize_and_crc32c(&mut self, offset: u64, len: u64) -> Result<Option<u32>> {
+        check_range(self.scatter.len, offset, len)?;
+        if DeviceScatter::batchable(&self.scatter.pieces(offset, len)).is_some() {
+            self.synchronize()?;
+            return self.scatter.crc32c(offset, len).map(Some);
+        }
         let len = usize::try_from(len).map_err(|_| GpuError::InvalidArgument(format!("{len} bytes")))?;
         let mut crc = 0u32;
         self.split(offset, len, |s, _, n, dev, mem| {
@@ -295,6 +350,63 @@ mod tests {
             assert_eq!(s.crc32c(offset, len).unwrap(), want, "{offset}+{len}");
         }
         assert!(matches!(s.crc32c(total, 1), Err(GpuError::OutOfBounds(_))));
+    }
+
+    /// Emulated memory that says it is a range of device `ordinal` (to test which
+    /// pieces a scatter would sum as one batch; nothing here sums on a device).
+    #[derive(Debug)]
+    struct OnDevice(HostDeviceMemory, usize);
+
+    impl DeviceMemory for OnDevice {
+        fn len(&self) -> u64 {
+            self.0.len()
+        }
+        fn location(&self) -> MemoryLocation {
+            self.0.location()
+        }
+        fn device_ptr(&self) -> u64 {
+            self.0.device_ptr()
+        }
+        fn alloc_pinned(&self, len: usize) -> Result<PinnedBuffer> {
+            self.0.alloc_pinned(len)
+        }
+        fn open_stream(&self) -> Result<Box<dyn DeviceStream + '_>> {
+            self.0.open_stream()
+        }
+        fn device_range(&self, offset: u64, len: u64) -> Option<DeviceRange> {
+            self.check_range(offset, len).ok()?;
+            Some(DeviceRange { ordinal: self.1, address: self.0.device_ptr() + offset })
+        }
+    }
+
+    #[test]
+    fn ranges_of_one_device_are_summed_as_one_batch_and_others_piece_by_piece() {
+        let on = |ordinal: usize| Arc::new(OnDevice(HostDeviceMemory::new(64).unwrap(), ordinal));
+        let (a, b, c) = (on(0), on(0), on(1));
+        let base = |m: &Arc<OnDevice>| m.0.device_ptr();
+        let two = DeviceScatter::new(vec![(a.clone() as Arc<dyn DeviceMemory>, 8, 16), (b.clone(), 0, 32)]).unwrap();
+        let (ordinal, ranges) = DeviceScatter::batchable(&two.pieces(4, 30)).unwrap();
+        assert_eq!((ordinal, ranges), (0, vec![(base(&a) + 12, 12), (base(&b), 18)]));
+        // Across the boundary: a batch; one piece: the memory's own sum; two
+        // devices: piece by piece.
+        assert!(DeviceScatter::batchable(&two.pieces(12, 8)).is_some());
+        assert!(DeviceScatter::batchable(&two.pieces(20, 8)).is_none());
+        assert!(DeviceScatter::batchable(&two.pieces(0, 10)).is_none());
+        let mixed = DeviceScatter::new(vec![(a.clone() as Arc<dyn DeviceMemory>, 0, 8), (c.clone(), 0, 8)]).unwrap();
+        assert!(DeviceScatter::batchable(&mixed.pieces(0, 16)).is_none());
+        // Emulated memory is no device range: piece by piece.
+        let host = Arc::new(HostDeviceMemory::new(64).unwrap());
+        let plain = DeviceScatter::new(vec![(a.clone() as Arc<dyn DeviceMemory>, 0, 8), (host, 0, 8)]).unwrap();
+        assert!(DeviceScatter::batchable(&plain.pieces(0, 16)).is_none());
+        // A scatter inside a scatter (a registered buffer's slice, as the Python
+        // binding makes them) is the device range of the memory under it.
+        let slice: Arc<dyn DeviceMemory> = Arc::new(DeviceScatter::new(vec![(b.clone(), 10, 20)]).unwrap());
+        assert_eq!(slice.device_range(5, 10), Some(DeviceRange { ordinal: 0, address: base(&b) + 15 }));
+        assert_eq!(slice.device_range(15, 10), None, "past the slice");
+        let nested = DeviceScatter::new(vec![(a.clone() as Arc<dyn DeviceMemory>, 0, 4), (slice, 0, 20)]).unwrap();
+        let (_, ranges) = DeviceScatter::batchable(&nested.pieces(0, 24)).unwrap();
+        assert_eq!(ranges, vec![(base(&a), 4), (base(&b) + 10, 20)]);
+        assert_eq!(two.device_range(0, 30), None, "two memories are no one range");
     }
 
     #[test]
