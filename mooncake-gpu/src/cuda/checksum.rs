@@ -427,15 +427,6 @@ mod tests {
     /// NVRTC compiles the source (no GPU needed; skipped where NVRTC is absent).
     #[test]
     fn the_source_compiles_with_nvrtc() {
-        if !nvrtc_available() {
-            eprintln!("note: skipping: the NVRTC library (libnvrtc.so) is not present");
-            return;
-        }
-        let opts = cudarc::nvrtc::CompileOptions {
-            options: vec!["--gpu-architecture=compute_80".into()],
-            ..Default::default()
-        };
-        let ptx = cudarc::nvrtc::compile_ptx_with_opts(source(), opts);
-        assert!(ptx.is_ok(), "{ptx:?}");
+        super::super::driver::assert_compiles_with_nvrtc(source());
     }
 }

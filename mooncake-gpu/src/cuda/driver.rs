@@ -65,3 +65,17 @@ pub(super) fn guarded<T>(what: &'static str, f: impl FnOnce() -> Result<T>) -> R
         }
     }
 }
+
+/// Tests: NVRTC compiles `source` for sm_80 (no GPU needed; skipped with a note
+/// where NVRTC is absent).
+#[cfg(test)]
+pub(super) fn assert_compiles_with_nvrtc(source: String) {
+    if !nvrtc_available() {
+        eprintln!("note: skipping: the NVRTC library (libnvrtc.so) is not present");
+        return;
+    }
+    let opts =
+        cudarc::nvrtc::CompileOptions { options: vec!["--gpu-architecture=compute_80".into()], ..Default::default() };
+    let ptx = cudarc::nvrtc::compile_ptx_with_opts(source, opts);
+    assert!(ptx.is_ok(), "{ptx:?}");
+}

@@ -333,15 +333,6 @@ mod tests {
     #[cfg(feature = "cuda")]
     #[test]
     fn the_source_compiles_with_nvrtc() {
-        if !super::super::driver::nvrtc_available() {
-            eprintln!("note: skipping: the NVRTC library (libnvrtc.so) is not present");
-            return;
-        }
-        let opts = cudarc::nvrtc::CompileOptions {
-            options: vec!["--gpu-architecture=compute_80".into()],
-            ..Default::default()
-        };
-        let ptx = cudarc::nvrtc::compile_ptx_with_opts(source(), opts);
-        assert!(ptx.is_ok(), "{ptx:?}");
+        super::super::driver::assert_compiles_with_nvrtc(source());
     }
 }
