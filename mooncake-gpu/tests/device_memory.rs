@@ -486,7 +486,19 @@ fn cuda_sums_of_device_ranges_are_the_crc32c_of_the_bytes() {
     let mut st = s.open_stream().unwrap();
     // SAFETY: `pinned` outlives the stream and is not written while the copy runs.
     unsafe { st.copy_to_device_async(pinned.as_ptr(), fresh.len(), 0).unwrap() };
-    assert_eq!(st.synchronize_and_crc32c(0, fresh.len() as u64).unwrap(), Some(crc32c::crc32c(&fresh)));
+    let n = fresh.len() as u64;
+    let sums = st.synchronize_and_crc32c(&[(0, n), (69_990, 200), (n, 0)]).unwrap();
+    assert_eq!(sums, Some(vec![crc32c::crc32c(&fresh), crc32c::crc32c(&fresh[69_990..70_190]), 0]));
+    // Ranges of one buffer, chained on its own stream, in one batch.
+    let one = gpu_buffer(1 << 20).unwrap();
+    one.upload(&db).unwrap();
+    let mut st = one.open_stream().unwrap();
+    let sums = st.synchronize_and_crc32c(&[(0, 1 << 20), (1, 65_536), (7, 0), (100, 3)]).unwrap().unwrap();
+    let want: Vec<u32> = [(0usize, 1usize << 20), (1, 65_536), (7, 0), (100, 3)]
+        .iter()
+        .map(|&(o, n)| crc32c::crc32c(&db[o..o + n]))
+        .collect();
+    assert_eq!(sums, want);
 }
 
 // --- Device memory for RDMA NICs: allocation ids, dma-buf export, checksums --

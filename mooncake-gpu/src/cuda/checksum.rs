@@ -6,7 +6,8 @@
 //! - `mc_crc32c_blocks`: each block sums 64 KiB; each of its 256 threads sums
 //!   256 bytes (slice-by-8 tables in shared memory), and the block folds its
 //!   threads' sums in a tree;
-//! - `mc_crc32c_fold`: one block folds the blocks' sums in order.
+//! - `mc_crc32c_fold`: one block per item folds that item's blocks' sums in order
+//!   (several items, or several ranges of one item, are summed in one batch).
 //!
 //! Sums fold with the identity `crc(A ++ B) = crc(A) * x^(8|B|) mod P  ^  crc(B)`
 //! (the standard, pre- and post-inverted crc32c of each piece; the empty piece
@@ -162,22 +163,25 @@ extern "C" __global__ void mc_crc32c_blocks(const u8* data, u64 len, u32* out, u
     }
 }
 
-// Folds the blocks' sums in order (each with its length) into *result.
-extern "C" __global__ void mc_crc32c_fold(const u32* sums, const u32* lens, u64 blocks, u32* result) {
+// Folds each item's blocks' sums in order (each with its length): block
+// `blockIdx.x` of the grid folds item blockIdx.x, whose blocks are
+// [first[item], first[item + 1]), into results[item] (0 for an item of no bytes).
+extern "C" __global__ void mc_crc32c_fold(const u32* sums, const u32* lens, const u64* first, u32* results) {
     __shared__ u32 C[MC_FOLD_THREADS];
     __shared__ u64 L[MC_FOLD_THREADS];
     u32 t = threadIdx.x;
+    u64 from = first[blockIdx.x], to = first[blockIdx.x + 1];
     u32 acc = 0;
-    for (u64 g = 0; g < blocks; g += MC_FOLD_THREADS) {
+    for (u64 g = from; g < to; g += MC_FOLD_THREADS) {
         u64 i = g + t;
-        C[t] = i < blocks ? sums[i] : 0;
-        L[t] = i < blocks ? (u64)lens[i] : 0;
+        C[t] = i < to ? sums[i] : 0;
+        L[t] = i < to ? (u64)lens[i] : 0;
         __syncthreads();
         mc_tree(C, L, MC_FOLD_THREADS);
         if (t == 0) acc = mc_combine(acc, C[0], L[0]);
         __syncthreads();
     }
-    if (t == 0) *result = acc;
+    if (t == 0) results[blockIdx.x] = acc;
 }
 "#;
 
@@ -187,22 +191,26 @@ fn source() -> String {
     format!("__device__ const unsigned int MC_X2N[64] = {{{}}};\n{BODY}", table.join(", "))
 }
 
-/// The kernels of one device, with their stream and a scratch allocation.
+/// The kernels of one device, with their stream, a device scratch and a
+/// page-locked host buffer.
 struct Summer {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     blocks: CudaFunction,
     fold: CudaFunction,
-    /// Device scratch for the blocks' sums (and the result after them).
+    /// Device scratch: the blocks' sums and lengths, the items' results and the
+    /// items' first blocks ([`Layout`]).
     scratch: sys::CUdeviceptr,
-    /// Its capacity in sums.
-    capacity: u64,
-    /// Page-locked host memory the result is copied into (an asynchronous copy
-    /// on the summer's stream, waited for once).
-    result: *mut u32,
+    /// Its size in bytes.
+    scratch_bytes: usize,
+    /// Page-locked host memory: the items' first blocks on their way to the
+    /// device, and the results on their way back ([`Layout`]).
+    io: *mut u8,
+    /// Its size in bytes.
+    io_bytes: usize,
 }
 
-// SAFETY: the scratch and result pointers are allocations owned by this value,
+// SAFETY: the scratch and io pointers are allocations owned by this value,
 // used only under the `Mutex` that holds it; the cudarc handles are `Send`.
 unsafe impl Send for Summer {}
 
@@ -215,10 +223,36 @@ impl Drop for Summer {
                 // SAFETY: allocated by `cuMemAlloc` in this context, freed once.
                 drv("cuMemFree", unsafe { cu::free_sync(self.scratch) })?;
             }
-            // SAFETY: allocated by `cuMemHostAlloc` in `build`, freed once, no copy
-            // into it in flight (the stream was synchronized).
-            drv("cuMemFreeHost", unsafe { cu::free_host(self.result.cast()) })
+            if !self.io.is_null() {
+                // SAFETY: allocated by `cuMemHostAlloc`, freed once, no copy in
+                // flight (the stream was synchronized, and every user synchronized
+                // its own before giving the lock up).
+                drv("cuMemFreeHost", unsafe { cu::free_host(self.io.cast()) })?;
+            }
+            Ok(())
         });
+    }
+}
+
+/// Where a batch of `items` items and `blocks` blocks keeps what, in bytes: on
+/// the device the sums, the lengths, the results and the first blocks; on the
+/// host the first blocks, then the results.
+struct Layout {
+    lens: usize,
+    results: usize,
+    first: usize,
+    scratch: usize,
+    io_results: usize,
+    io: usize,
+}
+
+impl Layout {
+    fn of(items: usize, blocks: usize) -> Self {
+        let (lens, results) = (4 * blocks, 8 * blocks);
+        let first = (results + 4 * items).next_multiple_of(8);
+        let scratch = first + 8 * (items + 1);
+        let io_results = 8 * (items + 1);
+        Self { lens, results, first, scratch, io_results, io: io_results + 4 * items }
     }
 }
 
@@ -250,9 +284,16 @@ fn build(ctx: &Arc<CudaContext>) -> Result<Arc<Mutex<Summer>>> {
         let blocks = drv("cuModuleGetFunction", module.load_function("mc_crc32c_blocks"))?;
         let fold = drv("cuModuleGetFunction", module.load_function("mc_crc32c_fold"))?;
         let stream = drv("cuStreamCreate", ctx.new_stream())?;
-        // SAFETY: a plain page-locked allocation of one u32, owned by the Summer.
-        let result = drv("cuMemHostAlloc", unsafe { cu::malloc_host(4, 0) })?.cast::<u32>();
-        let summer = Summer { ctx: ctx.clone(), stream, blocks, fold, scratch: 0, capacity: 0, result };
+        let summer = Summer {
+            ctx: ctx.clone(),
+            stream,
+            blocks,
+            fold,
+            scratch: 0,
+            scratch_bytes: 0,
+            io: std::ptr::null_mut(),
+            io_bytes: 0,
+        };
         Ok(Arc::new(Mutex::new(summer)))
     })
 }
@@ -267,114 +308,143 @@ pub(crate) fn unavailable(e: &GpuError) -> bool {
 /// `ctx`). Work queued on other streams before the call is not waited for: the
 /// caller synchronized what wrote the bytes.
 pub(crate) fn crc32c(ctx: &Arc<CudaContext>, ordinal: usize, ptr: u64, len: u64) -> Result<u32> {
-    crc32c_on(ctx, ordinal, None, &[(ptr, len)])
+    Ok(crc32c_each(ctx, ordinal, None, &[vec![(ptr, len)]])?[0])
 }
 
-/// crc32c of the bytes of `ranges` (device address, length) one after the other,
-/// its kernels enqueued on `stream` (after whatever was enqueued there before: the
-/// copies that wrote the bytes) and the stream synchronized once; on the summer's
-/// own stream where `stream` is `None`. One launch per range and one fold for them
-/// all, however many ranges (a block's per-layer parts). On `Ok`, everything
+/// The crc32c of each item, an item being device ranges `(address, length)` whose
+/// bytes are summed one after the other, in one batch: the kernels enqueued on
+/// `stream` (after whatever was enqueued there before: the copies that wrote the
+/// bytes) and the stream synchronized once; on the summer's own stream where
+/// `stream` is `None`. One launch per range, one fold for all the items, however
+/// many (a batch's objects, each of per-layer parts). On `Ok`, everything
 /// enqueued on `stream` before the call has completed.
-pub(crate) fn crc32c_on(
+pub(crate) fn crc32c_each(
     ctx: &Arc<CudaContext>,
     ordinal: usize,
     stream: Option<sys::CUstream>,
-    ranges: &[(u64, u64)],
-) -> Result<u32> {
-    let ranges: Vec<(u64, u64)> = ranges.iter().copied().filter(|&(_, len)| len > 0).collect();
-    let blocks: u64 = ranges.iter().map(|&(_, len)| len.div_ceil(PER_BLOCK)).sum();
+    items: &[Vec<(u64, u64)>],
+) -> Result<Vec<u32>> {
+    let blocks_of = |item: &Vec<(u64, u64)>| -> u64 { item.iter().map(|&(_, len)| len.div_ceil(PER_BLOCK)).sum() };
+    let blocks: u64 = items.iter().map(blocks_of).sum();
     if blocks == 0 {
-        return Ok(0);
+        return Ok(vec![0; items.len()]);
     }
+    let too_many = || GpuError::InvalidArgument(format!("crc32c of {blocks} blocks"));
+    let layout = Layout::of(items.len(), usize::try_from(blocks).map_err(|_| too_many())?);
     let summer = summer(ctx, ordinal)?;
     let mut s = summer.lock();
     guarded("crc32c on the device", || {
         drv("bind", s.ctx.bind_to_thread())?;
-        // Per block a sum and a length, and the result after them.
-        if s.capacity < 2 * blocks + 1 {
-            // Every use synchronized its stream before giving the lock up: no
-            // kernel of another stream still reads the old scratch.
+        // Every use synchronized its stream before giving the lock up: no copy or
+        // kernel of another stream still uses the old buffers.
+        if s.scratch_bytes < layout.scratch {
             if s.scratch != 0 {
                 // SAFETY: allocated below in this context; no work in flight uses it.
                 drv("cuMemFree", unsafe { cu::free_sync(s.scratch) })?;
-                s.scratch = 0;
+                (s.scratch, s.scratch_bytes) = (0, 0);
             }
-            let capacity = (2 * blocks + 1).next_power_of_two();
-            let bytes = usize::try_from(capacity * 4).map_err(|_| GpuError::InvalidArgument("crc32c range".into()))?;
+            let bytes = layout.scratch.next_power_of_two();
             // SAFETY: a plain device allocation, owned by `s` (freed in its Drop).
             s.scratch = drv("cuMemAlloc", unsafe { cu::malloc_sync(bytes) })?;
-            s.capacity = capacity;
+            s.scratch_bytes = bytes;
+        }
+        if s.io_bytes < layout.io {
+            if !s.io.is_null() {
+                // SAFETY: allocated below; no copy in flight uses it.
+                drv("cuMemFreeHost", unsafe { cu::free_host(s.io.cast()) })?;
+                (s.io, s.io_bytes) = (std::ptr::null_mut(), 0);
+            }
+            let bytes = layout.io.next_power_of_two().max(64);
+            // SAFETY: a plain page-locked allocation, owned by `s` (freed in its Drop).
+            s.io = drv("cuMemHostAlloc", unsafe { cu::malloc_host(bytes, 0) })?.cast();
+            s.io_bytes = bytes;
         }
         let on = stream.unwrap_or_else(|| s.stream.cu_stream());
-        let summed = enqueue(&s, on, &ranges, blocks);
+        let summed = enqueue(&s, on, items, &layout);
         // SAFETY: `on` is a live stream of this context. Synchronized even when
-        // an enqueue failed: nothing of it may still use the scratch once the
+        // an enqueue failed: nothing of it may still use the buffers once the
         // lock is given up.
         let synced = drv("cuStreamSynchronize", unsafe { cu::stream::synchronize(on) });
         summed?;
         synced?;
-        // SAFETY: `s.result` is a live page-locked u32 owned by the summer (under
-        // its lock), written by the copy enqueued above, which has completed.
-        Ok(unsafe { s.result.read() })
+        // SAFETY: the io buffer holds the results at `io_results` (4-byte
+        // aligned: after 8-byte words), written by the copy enqueued above,
+        // which has completed; it lives under the lock.
+        let results = unsafe { std::slice::from_raw_parts(s.io.add(layout.io_results).cast::<u32>(), items.len()) };
+        Ok(results.to_vec())
     })
 }
 
-/// Enqueues the sum of `ranges` (non-empty ones, `blocks` blocks in all) on `on`:
-/// the blocks' kernel per range, the fold, and the copy of the result into the
-/// summer's page-locked word. The scratch holds `blocks` sums, then `blocks`
-/// lengths, then the result.
-fn enqueue(s: &Summer, on: sys::CUstream, ranges: &[(u64, u64)], blocks: u64) -> Result<()> {
-    let (sums, lens) = (s.scratch, s.scratch + blocks * 4);
-    let mut result = s.scratch + 2 * blocks * 4;
-    let mut first = 0u64;
-    for &(ptr, len) in ranges {
-        let grid = len.div_ceil(PER_BLOCK);
-        let grid32 = u32::try_from(grid).map_err(|_| GpuError::InvalidArgument(format!("crc32c of {len} bytes")))?;
-        let (mut ptr, mut len, mut out, mut out_len) = (ptr, len, sums + first * 4, lens + first * 4);
-        let mut args = [
-            (&raw mut ptr).cast::<c_void>(),
-            (&raw mut len).cast::<c_void>(),
-            (&raw mut out).cast::<c_void>(),
-            (&raw mut out_len).cast::<c_void>(),
-        ];
-        // SAFETY: the arguments match `mc_crc32c_blocks(const u8*, u64, u32*,
-        // u32*)` and outlive the call (the driver copies them at launch); the
-        // kernel reads `[ptr, ptr + len)` (device memory of this context, checked
-        // by the caller) and writes `grid` sums and lengths from block `first` on,
-        // inside the scratch (`first + grid <= blocks`); `on` is a live stream of
-        // this context.
-        drv("launch mc_crc32c_blocks", unsafe {
-            cu::launch_kernel(s.blocks.cu_function(), (grid32, 1, 1), (THREADS, 1, 1), 0, on, &mut args)
-        })?;
-        first += grid;
+/// Enqueues the sums of `items` on `on`: the blocks' kernel per range (block
+/// sums and lengths, item after item, into one array), then, unless every item
+/// is one block (its sum is its result), the items' first blocks up to the
+/// device and the fold; last the results' copy into the io buffer.
+fn enqueue(s: &Summer, on: sys::CUstream, items: &[Vec<(u64, u64)>], layout: &Layout) -> Result<()> {
+    let (sums, lens) = (s.scratch, s.scratch + layout.lens as u64);
+    let mut first: Vec<u64> = Vec::with_capacity(items.len() + 1);
+    let mut block = 0u64;
+    for item in items {
+        first.push(block);
+        for &(ptr, len) in item.iter().filter(|&&(_, len)| len > 0) {
+            let grid = len.div_ceil(PER_BLOCK);
+            let grid32 =
+                u32::try_from(grid).map_err(|_| GpuError::InvalidArgument(format!("crc32c of {len} bytes")))?;
+            let (mut ptr, mut len, mut out, mut out_len) = (ptr, len, sums + block * 4, lens + block * 4);
+            let mut args = [
+                (&raw mut ptr).cast::<c_void>(),
+                (&raw mut len).cast::<c_void>(),
+                (&raw mut out).cast::<c_void>(),
+                (&raw mut out_len).cast::<c_void>(),
+            ];
+            // SAFETY: the arguments match `mc_crc32c_blocks(const u8*, u64, u32*,
+            // u32*)` and outlive the call (the driver copies them at launch); the
+            // kernel reads `[ptr, ptr + len)` (device memory of this context,
+            // checked by the caller) and writes `grid` sums and lengths from block
+            // `block` on, inside the scratch (the layout counted every block); `on`
+            // is a live stream of this context.
+            drv("launch mc_crc32c_blocks", unsafe {
+                cu::launch_kernel(s.blocks.cu_function(), (grid32, 1, 1), (THREADS, 1, 1), 0, on, &mut args)
+            })?;
+            block += grid;
+        }
     }
-    // One block's sum is the whole sum: no fold.
-    let from = if blocks == 1 {
+    first.push(block);
+    let n = items.len();
+    let one_block_each = first.windows(2).all(|w| w[1] - w[0] == 1);
+    let from = if one_block_each {
         sums
     } else {
-        let (mut sums, mut lens, mut blocks) = (sums, lens, blocks);
+        // SAFETY: the io buffer has room for n + 1 words at its start (the
+        // layout), 8-byte aligned (page-locked allocations are); no copy in
+        // flight uses it (the lock is held, every use synchronized).
+        unsafe { std::ptr::copy_nonoverlapping(first.as_ptr(), s.io.cast::<u64>(), n + 1) };
+        let (mut sums, mut lens) = (sums, lens);
+        let (mut first_dev, mut results) = (s.scratch + layout.first as u64, s.scratch + layout.results as u64);
+        // SAFETY: `first_dev` has room for n + 1 words in the scratch; the host
+        // words stay unchanged until the stream is synchronized (under the lock).
+        drv("cuMemcpyHtoDAsync", unsafe {
+            sys::cuMemcpyHtoDAsync_v2(first_dev, s.io.cast::<c_void>(), 8 * (n + 1), on).result()
+        })?;
+        let grid = u32::try_from(n).map_err(|_| GpuError::InvalidArgument(format!("crc32c of {n} items")))?;
         let mut args = [
             (&raw mut sums).cast::<c_void>(),
             (&raw mut lens).cast::<c_void>(),
-            (&raw mut blocks).cast::<c_void>(),
-            (&raw mut result).cast::<c_void>(),
+            (&raw mut first_dev).cast::<c_void>(),
+            (&raw mut results).cast::<c_void>(),
         ];
         // SAFETY: the arguments match `mc_crc32c_fold(const u32*, const u32*,
-        // u64, u32*)`; it reads the `blocks` sums and lengths and writes one u32
-        // after them.
+        // const u64*, u32*)`; block i reads item i's blocks' sums and lengths and
+        // writes results[i], all inside the scratch.
         drv("launch mc_crc32c_fold", unsafe {
-            cu::launch_kernel(s.fold.cu_function(), (1, 1, 1), (FOLD_THREADS, 1, 1), 0, on, &mut args)
+            cu::launch_kernel(s.fold.cu_function(), (grid, 1, 1), (FOLD_THREADS, 1, 1), 0, on, &mut args)
         })?;
-        result
+        results
     };
-    // SAFETY: `s.result` is a live page-locked u32 owned by the summer (under
-    // its lock), written by this copy only and read after the caller's
-    // synchronize.
-    let r = unsafe { std::slice::from_raw_parts_mut(s.result, 1) };
-    // SAFETY: `from` is a live 4-byte range of the scratch; `r` is 4 bytes;
-    // `on` is a live stream of this context.
-    drv("cuMemcpyDtoH", unsafe { cu::memcpy_dtoh_async(r, from, on) })
+    // SAFETY: `from` holds n results in the scratch; the io buffer has room for
+    // them at `io_results`, read after the caller's synchronize.
+    drv("cuMemcpyDtoHAsync", unsafe {
+        sys::cuMemcpyDtoHAsync_v2(s.io.add(layout.io_results).cast::<c_void>(), from, 4 * n, on).result()
+    })
 }
 
 #[cfg(test)]

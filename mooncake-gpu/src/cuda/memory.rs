@@ -326,15 +326,16 @@ impl DeviceMemory for DeviceBuffer {
     }
 }
 
-/// crc32c of device ranges `(address, length)` of device `ordinal`, one after the
-/// other, as one batch on the device (one launch per range, one fold, one
-/// synchronization). Work queued on other streams is not waited for: the caller
-/// synchronized what wrote the bytes. `Ok(None)` where the kernels cannot be
-/// built (no NVRTC): the caller sums range by range.
-pub(crate) fn crc32c_of_ranges(ordinal: usize, ranges: &[(u64, u64)]) -> Result<Option<u32>> {
+/// The crc32c of each item of device ranges `(address, length)` of device
+/// `ordinal` (an item's ranges summed one after the other), as one batch on the
+/// device (one launch per range, one fold, one synchronization). Work queued on
+/// other streams is not waited for: the caller synchronized what wrote the
+/// bytes. `Ok(None)` where the kernels cannot be built (no NVRTC): the caller
+/// sums range by range.
+pub(crate) fn crc32c_of_ranges(ordinal: usize, items: &[Vec<(u64, u64)>]) -> Result<Option<Vec<u32>>> {
     let ctx = DeviceBuffer::context(ordinal)?;
-    match super::checksum::crc32c_on(&ctx, ordinal, None, ranges) {
-        Ok(crc) => Ok(Some(crc)),
+    match super::checksum::crc32c_each(&ctx, ordinal, None, items) {
+        Ok(sums) => Ok(Some(sums)),
         Err(e) if super::checksum::unavailable(&e) => Ok(None),
         Err(e) => Err(e),
     }
@@ -439,20 +440,24 @@ impl DeviceStream for CudaCopyStream<'_> {
         Ok(())
     }
 
-    /// The sum's kernels enqueued on this stream behind the copies, and one
-    /// synchronization for both (the launches are queued while the copies
-    /// still run); `None` where the kernels cannot be built (no NVRTC).
-    fn synchronize_and_crc32c(&mut self, offset: u64, len: u64) -> Result<Option<u32>> {
-        check_range(self.buf.len as u64, offset, len)?;
-        if len == 0 {
-            self.synchronize()?;
-            return Ok(Some(0));
+    /// The sums' kernels enqueued on this stream behind the copies, every range
+    /// in one batch, and one synchronization for all (the launches are queued
+    /// while the copies still run); `None` where the kernels cannot be built (no
+    /// NVRTC).
+    fn synchronize_and_crc32c(&mut self, ranges: &[(u64, u64)]) -> Result<Option<Vec<u32>>> {
+        for &(offset, len) in ranges {
+            check_range(self.buf.len as u64, offset, len)?;
         }
         let (buf, stream) = (self.buf, self.stream());
-        match super::checksum::crc32c_on(&buf.ctx, buf.ordinal, Some(stream), &[(buf.ptr + offset, len)]) {
-            Ok(crc) => {
+        let items: Vec<Vec<(u64, u64)>> = ranges.iter().map(|&(at, n)| vec![(buf.ptr + at, n)]).collect();
+        if ranges.iter().all(|&(_, n)| n == 0) {
+            self.synchronize()?;
+            return Ok(Some(vec![0; ranges.len()]));
+        }
+        match super::checksum::crc32c_each(&buf.ctx, buf.ordinal, Some(stream), &items) {
+            Ok(sums) => {
                 self.retire_upto(u64::MAX);
-                Ok(Some(crc))
+                Ok(Some(sums))
             }
             Err(e) if super::checksum::unavailable(&e) => {
                 self.synchronize()?;

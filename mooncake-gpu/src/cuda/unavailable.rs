@@ -38,8 +38,8 @@ pub fn cuda_available() -> bool {
 /// No device range is ever summed in a build without the `cuda` feature (no
 /// memory has a [`DeviceRange`](crate::DeviceRange)): `Ok(None)`, sum range by
 /// range.
-pub(crate) fn crc32c_of_ranges(ordinal: usize, ranges: &[(u64, u64)]) -> Result<Option<u32>> {
-    let _ = (ordinal, ranges);
+pub(crate) fn crc32c_of_ranges(ordinal: usize, items: &[Vec<(u64, u64)>]) -> Result<Option<Vec<u32>>> {
+    let _ = (ordinal, items);
     Ok(None)
 }
 

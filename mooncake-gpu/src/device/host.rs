@@ -170,7 +170,7 @@ impl HostDeviceMemory {
         self.copies.load(Ordering::Relaxed)
     }
 
-    /// How many sums its streams took behind their copies
+    /// How many ranges its streams summed behind their copies
     /// ([`DeviceStream::synchronize_and_crc32c`]).
     pub fn chained_sums(&self) -> u64 {
         self.chained_sums.load(Ordering::Relaxed)
@@ -323,12 +323,14 @@ impl DeviceStream for HostStream<'_> {
 
     /// The sum of the memory's bytes once every copy ran, as a device that
     /// chains the sum behind the copies gives it.
-    fn synchronize_and_crc32c(&mut self, offset: u64, len: u64) -> Result<Option<u32>> {
-        check_range(self.mem.len(), offset, len)?;
+    fn synchronize_and_crc32c(&mut self, ranges: &[(u64, u64)]) -> Result<Option<Vec<u32>>> {
+        for &(offset, len) in ranges {
+            check_range(self.mem.len(), offset, len)?;
+        }
         self.run_until(self.enqueued);
-        self.mem.chained_sums.fetch_add(1, Ordering::Relaxed);
+        self.mem.chained_sums.fetch_add(ranges.len() as u64, Ordering::Relaxed);
         let data = self.mem.data.read();
-        Ok(Some(crc32c::crc32c(&data[offset as usize..(offset + len) as usize])))
+        Ok(Some(ranges.iter().map(|&(at, n)| crc32c::crc32c(&data[at as usize..(at + n) as usize])).collect()))
     }
 }
 
@@ -373,11 +375,12 @@ mod tests {
         let mut s = mem.open_stream().unwrap();
         // SAFETY: `src` lives, unchanged, until the sum below ran the copy.
         unsafe { s.copy_to_device_async(src.as_ptr(), 8, 16).unwrap() };
-        assert_eq!(s.synchronize_and_crc32c(16, 8).unwrap(), Some(crc32c::crc32c(b"kv-block")));
-        assert_eq!((mem.copies_run(), mem.chained_sums()), (1, 1));
+        let want = [crc32c::crc32c(b"kv-block"), crc32c::crc32c(b"block"), 0];
+        assert_eq!(s.synchronize_and_crc32c(&[(16, 8), (19, 5), (0, 0)]).unwrap(), Some(want.to_vec()));
+        assert_eq!((mem.copies_run(), mem.chained_sums()), (1, 3));
         assert_eq!(mem.crc32c(16, 8).unwrap(), crc32c::crc32c(b"kv-block"), "the same as the sum by download");
-        assert!(matches!(s.synchronize_and_crc32c(60, 8), Err(GpuError::OutOfBounds(_))));
-        assert_eq!(mem.chained_sums(), 1, "a refused range is not summed");
+        assert!(matches!(s.synchronize_and_crc32c(&[(0, 8), (60, 8)]), Err(GpuError::OutOfBounds(_))));
+        assert_eq!(mem.chained_sums(), 3, "nothing is summed when a range is refused");
     }
 
     #[test]

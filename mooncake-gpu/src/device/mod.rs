@@ -148,15 +148,17 @@ pub trait DeviceStream {
     fn synchronize(&mut self) -> Result<()>;
 
     /// Blocks until every copy enqueued so far has completed, then gives the
-    /// crc32c (Castagnoli) of the `len` bytes at `offset` of the memory: a get's
-    /// check of what it copied in. An implementation that can chain the sum
-    /// behind the copies (CUDA: the sum's kernels on the same stream) waits once
-    /// for both, where [`synchronize`](Self::synchronize) then
-    /// [`DeviceMemory::crc32c`] wait twice. `Ok(None)` (the default) when it
-    /// cannot: the copies are then complete, and the caller sums with
-    /// [`DeviceMemory::crc32c`]. `OutOfBounds` for a range outside the memory.
-    fn synchronize_and_crc32c(&mut self, offset: u64, len: u64) -> Result<Option<u32>> {
-        let _ = (offset, len);
+    /// crc32c (Castagnoli) of each range `(offset, len)` of the memory: a get's
+    /// check of the objects it copied in. An implementation that can chain the
+    /// sums behind the copies (CUDA: the sums' kernels on the same stream, all
+    /// ranges in one batch) waits once for everything, where
+    /// [`synchronize`](Self::synchronize) then [`DeviceMemory::crc32c`] per range
+    /// wait once more per range. `Ok(None)` (the default) when it cannot: the
+    /// copies are then complete, and the caller sums with
+    /// [`DeviceMemory::crc32c`]. `OutOfBounds` (nothing waited for) for a range
+    /// outside the memory.
+    fn synchronize_and_crc32c(&mut self, ranges: &[(u64, u64)]) -> Result<Option<Vec<u32>>> {
+        let _ = ranges;
         self.synchronize()?;
         Ok(None)
     }

@@ -83,47 +83,67 @@ impl DeviceScatter {
     }
 
     /// The pieces of `[offset, offset + len)` (a checked range), in order: each
-    /// a part's memory, the offset in it and the length.
-    fn pieces(&self, offset: u64, len: u64) -> Vec<(&dyn DeviceMemory, u64, u64)> {
+    /// a part, the offset in its memory and the length.
+    fn pieces(&self, offset: u64, len: u64) -> Vec<Piece> {
         let (mut pieces, end) = (Vec::new(), offset + len);
         let mut at = offset;
         while at < end {
-            let p = &self.parts[self.part_at(at)];
+            let part = self.part_at(at);
+            let p = &self.parts[part];
             let n = (p.at + p.len).min(end) - at;
-            pieces.push((p.mem.as_ref(), p.offset + (at - p.at), n));
+            pieces.push(Piece { part, offset: p.offset + (at - p.at), len: n });
             at += n;
         }
         pieces
     }
 
-    /// The device and the device ranges of `pieces`, if there are several and
-    /// each is a [`DeviceRange`] of one device: then they are summed as one batch.
-    fn batchable(pieces: &[(&dyn DeviceMemory, u64, u64)]) -> Option<(usize, Vec<(u64, u64)>)> {
-        if pieces.len() < 2 {
-            return None;
-        }
+    /// The device and each item's device ranges, if every piece of every item (an
+    /// item: the pieces of one range) is a [`DeviceRange`] of one device: then they
+    /// are summed as one batch.
+    fn on_one_device(&self, items: &[Vec<Piece>]) -> Option<(usize, DeviceItems)> {
         let mut ordinal = None;
-        let mut ranges = Vec::with_capacity(pieces.len());
-        for &(mem, offset, n) in pieces {
-            let r = mem.device_range(offset, n)?;
-            if *ordinal.get_or_insert(r.ordinal) != r.ordinal {
-                return None;
+        let mut out = Vec::with_capacity(items.len());
+        for pieces in items {
+            let mut ranges = Vec::with_capacity(pieces.len());
+            for p in pieces {
+                let r = self.parts[p.part].mem.device_range(p.offset, p.len)?;
+                if *ordinal.get_or_insert(r.ordinal) != r.ordinal {
+                    return None;
+                }
+                ranges.push((r.address, p.len));
             }
-            ranges.push((r.address, n));
+            out.push(ranges);
         }
-        Some((ordinal?, ranges))
+        Some((ordinal?, out))
     }
 
     /// The pieces' sums, each by its own memory, folded in order.
-    fn crc32c_by_piece(pieces: &[(&dyn DeviceMemory, u64, u64)]) -> Result<u32> {
+    fn crc32c_by_piece(&self, pieces: &[Piece]) -> Result<u32> {
         let mut crc = 0u32;
-        for &(mem, offset, n) in pieces {
-            let piece = mem.crc32c(offset, n)?;
-            let n = usize::try_from(n).map_err(|_| GpuError::InvalidArgument(format!("{n} bytes")))?;
-            crc = mooncake_transfer::checksum::crc32c_combine(crc, piece, n);
+        for p in pieces {
+            crc = fold(crc, self.parts[p.part].mem.crc32c(p.offset, p.len)?, p.len)?;
         }
         Ok(crc)
     }
+}
+
+/// Per item, its device ranges `(address, length)`, summed one after the other.
+type DeviceItems = Vec<Vec<(u64, u64)>>;
+
+/// A range of one part of a [`DeviceScatter`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Piece {
+    /// The part's index.
+    part: usize,
+    /// The offset in the part's memory.
+    offset: u64,
+    len: u64,
+}
+
+/// `crc`'s bytes followed by `len` bytes that sum to `piece`.
+fn fold(crc: u32, piece: u32, len: u64) -> Result<u32> {
+    let len = usize::try_from(len).map_err(|_| GpuError::InvalidArgument(format!("{len} bytes")))?;
+    Ok(mooncake_transfer::checksum::crc32c_combine(crc, piece, len))
 }
 
 impl DeviceMemory for DeviceScatter {
@@ -150,19 +170,21 @@ impl DeviceMemory for DeviceScatter {
     /// its own memory (on the device, for CUDA memory), the sums folded in order.
     fn crc32c(&self, offset: u64, len: u64) -> Result<u32> {
         self.check_range(offset, len)?;
-        let pieces = self.pieces(offset, len);
-        if let Some((ordinal, ranges)) = Self::batchable(&pieces) {
-            if let Some(crc) = crate::cuda::crc32c_of_ranges(ordinal, &ranges)? {
-                return Ok(crc);
+        let pieces = vec![self.pieces(offset, len)];
+        if pieces[0].len() > 1 {
+            if let Some((ordinal, ranges)) = self.on_one_device(&pieces) {
+                if let Some(sums) = crate::cuda::crc32c_of_ranges(ordinal, &ranges)? {
+                    return Ok(sums[0]);
+                }
             }
         }
-        Self::crc32c_by_piece(&pieces)
+        self.crc32c_by_piece(&pieces[0])
     }
 
     fn device_range(&self, offset: u64, len: u64) -> Option<DeviceRange> {
         self.check_range(offset, len).ok()?;
         match self.pieces(offset, len)[..] {
-            [(mem, at, n)] => mem.device_range(at, n),
+            [p] => self.parts[p.part].mem.device_range(p.offset, p.len),
             _ => None,
         }
     }
@@ -194,13 +216,13 @@ impl<'a> ScatterStream<'a> {
         Ok(self.streams[i].as_mut().expect("just opened"))
     }
 
-    /// Calls `f(stream, host offset, len, offset in the part, the part's memory)`
-    /// for each piece of `[offset, offset + len)` of the scatter.
+    /// Calls `f(stream, host offset, len, offset in the part)` for each piece of
+    /// `[offset, offset + len)` of the scatter.
     fn split(
         &mut self,
         offset: u64,
         len: usize,
-        mut f: impl FnMut(&mut Box<dyn DeviceStream + 'a>, usize, usize, u64, &dyn DeviceMemory) -> Result<()>,
+        mut f: impl FnMut(&mut Box<dyn DeviceStream + 'a>, usize, usize, u64) -> Result<()>,
     ) -> Result<()> {
         check_range(self.scatter.len, offset, len as u64)?;
         let mut done = 0usize;
@@ -210,8 +232,8 @@ impl<'a> ScatterStream<'a> {
             let x = offset + done as u64;
             let within = x - part.at;
             let n = (part.len - within).min((len - done) as u64) as usize;
-            let (dev, mem) = (part.offset + within, self.scatter.parts[i].mem.as_ref());
-            f(self.stream(i)?, done, n, dev, mem)?;
+            let dev = part.offset + within;
+            f(self.stream(i)?, done, n, dev)?;
             done += n;
             i += 1;
         }
@@ -221,7 +243,7 @@ impl<'a> ScatterStream<'a> {
 
 impl DeviceStream for ScatterStream<'_> {
     unsafe fn copy_to_device_async(&mut self, src: *const u8, len: usize, dst_offset: u64) -> Result<()> {
-        self.split(dst_offset, len, |s, host, n, dev, _| {
+        self.split(dst_offset, len, |s, host, n, dev| {
             // SAFETY: `src + host .. + n` lies inside the caller's `src .. src + len`,
             // which the caller keeps readable until the copy completes; every part's
             // copy completes by the fences of this stream (see `fence`).
@@ -230,7 +252,7 @@ impl DeviceStream for ScatterStream<'_> {
     }
 
     unsafe fn copy_from_device_async(&mut self, dst: *mut u8, len: usize, src_offset: u64) -> Result<()> {
-        self.split(src_offset, len, |s, host, n, dev, _| {
+        self.split(src_offset, len, |s, host, n, dev| {
             // SAFETY: as in `copy_to_device_async`, for writes into the caller's range.
             unsafe { s.copy_from_device_async(dst.add(host), n, dev) }
         })
@@ -273,29 +295,47 @@ impl DeviceStream for ScatterStream<'_> {
         Ok(())
     }
 
-    /// Several parts that are ranges of one CUDA device: every part's copies
-    /// waited for, then one batched sum ([`DeviceScatter`]'s `crc32c`). Else each
-    /// part's piece summed behind that part's copies (chained where the part's
-    /// stream can, else by the part's memory once its copies are done), the sums
-    /// folded in order.
-    fn synchronize_and_crc32c(&mut self, offset: u64, len: u64) -> Result<Option<u32>> {
-        check_range(self.scatter.len, offset, len)?;
-        if DeviceScatter::batchable(&self.scatter.pieces(offset, len)).is_some() {
-            self.synchronize()?;
-            return self.scatter.crc32c(offset, len).map(Some);
+    /// Ranges within one part: that part's stream chains the sums behind its
+    /// copies (one wait). Ranges over parts that are ranges of one CUDA device:
+    /// every part's copies waited for, then one batch for all the ranges.
+    /// Otherwise each piece summed behind its part's copies (chained where the
+    /// part's stream can, else by the part's memory once its copies are done),
+    /// the sums of each range folded in order.
+    fn synchronize_and_crc32c(&mut self, ranges: &[(u64, u64)]) -> Result<Option<Vec<u32>>> {
+        for &(offset, len) in ranges {
+            check_range(self.scatter.len, offset, len)?;
         }
-        let len = usize::try_from(len).map_err(|_| GpuError::InvalidArgument(format!("{len} bytes")))?;
-        let mut crc = 0u32;
-        self.split(offset, len, |s, _, n, dev, mem| {
-            let piece = match s.synchronize_and_crc32c(dev, n as u64)? {
-                Some(piece) => piece,
-                None => mem.crc32c(dev, n as u64)?,
-            };
-            crc = mooncake_transfer::checksum::crc32c_combine(crc, piece, n);
-            Ok(())
-        })?;
+        let scatter = self.scatter;
+        let items: Vec<Vec<Piece>> = ranges.iter().map(|&(offset, len)| scatter.pieces(offset, len)).collect();
+        let mut parts = items.iter().flatten().map(|p| p.part);
+        if let Some(only) = parts.next().filter(|&first| parts.all(|p| p == first)) {
+            let inner: Vec<(u64, u64)> =
+                items.iter().map(|i| i.first().map_or((0, 0), |p| (p.offset, p.len))).collect();
+            if let Some(sums) = self.stream(only)?.synchronize_and_crc32c(&inner)? {
+                self.synchronize()?;
+                return Ok(Some(sums));
+            }
+        } else if let Some((ordinal, device_ranges)) = scatter.on_one_device(&items) {
+            self.synchronize()?;
+            if let Some(sums) = crate::cuda::crc32c_of_ranges(ordinal, &device_ranges)? {
+                return Ok(Some(sums));
+            }
+        }
+        let mut sums = Vec::with_capacity(items.len());
+        for pieces in &items {
+            let mut crc = 0u32;
+            for p in pieces {
+                let chained = self.stream(p.part)?.synchronize_and_crc32c(&[(p.offset, p.len)])?;
+                let piece = match chained {
+                    Some(s) => s[0],
+                    None => scatter.parts[p.part].mem.crc32c(p.offset, p.len)?,
+                };
+                crc = fold(crc, piece, p.len)?;
+            }
+            sums.push(crc);
+        }
         self.synchronize()?;
-        Ok(Some(crc))
+        Ok(Some(sums))
     }
 }
 
@@ -385,27 +425,31 @@ mod tests {
         let (a, b, c) = (on(0), on(0), on(1));
         let base = |m: &Arc<OnDevice>| m.0.device_ptr();
         let two = DeviceScatter::new(vec![(a.clone() as Arc<dyn DeviceMemory>, 8, 16), (b.clone(), 0, 32)]).unwrap();
-        let (ordinal, ranges) = DeviceScatter::batchable(&two.pieces(4, 30)).unwrap();
-        assert_eq!((ordinal, ranges), (0, vec![(base(&a) + 12, 12), (base(&b), 18)]));
-        // Across the boundary: a batch; one piece: the memory's own sum; two
-        // devices: piece by piece.
-        assert!(DeviceScatter::batchable(&two.pieces(12, 8)).is_some());
-        assert!(DeviceScatter::batchable(&two.pieces(20, 8)).is_none());
-        assert!(DeviceScatter::batchable(&two.pieces(0, 10)).is_none());
+        let batch = |s: &DeviceScatter, ranges: &[(u64, u64)]| {
+            let items: Vec<Vec<Piece>> = ranges.iter().map(|&(o, n)| s.pieces(o, n)).collect();
+            s.on_one_device(&items)
+        };
+        // Each item's pieces, across the parts' boundary or not, as device ranges.
+        let (ordinal, items) = batch(&two, &[(4, 30), (20, 8), (0, 0)]).unwrap();
+        assert_eq!(ordinal, 0);
+        assert_eq!(items, vec![vec![(base(&a) + 12, 12), (base(&b), 18)], vec![(base(&b) + 4, 8)], vec![]]);
+        // Two devices, or emulated memory (no device range): piece by piece.
         let mixed = DeviceScatter::new(vec![(a.clone() as Arc<dyn DeviceMemory>, 0, 8), (c.clone(), 0, 8)]).unwrap();
-        assert!(DeviceScatter::batchable(&mixed.pieces(0, 16)).is_none());
-        // Emulated memory is no device range: piece by piece.
+        assert!(batch(&mixed, &[(0, 16)]).is_none());
+        assert!(batch(&mixed, &[(0, 4), (8, 4)]).is_none(), "items on two devices");
+        assert!(batch(&mixed, &[(8, 4)]).is_some());
         let host = Arc::new(HostDeviceMemory::new(64).unwrap());
         let plain = DeviceScatter::new(vec![(a.clone() as Arc<dyn DeviceMemory>, 0, 8), (host, 0, 8)]).unwrap();
-        assert!(DeviceScatter::batchable(&plain.pieces(0, 16)).is_none());
+        assert!(batch(&plain, &[(0, 16)]).is_none());
+        assert!(batch(&two, &[(0, 0)]).is_none(), "nothing to sum on a device");
         // A scatter inside a scatter (a registered buffer's slice, as the Python
         // binding makes them) is the device range of the memory under it.
         let slice: Arc<dyn DeviceMemory> = Arc::new(DeviceScatter::new(vec![(b.clone(), 10, 20)]).unwrap());
         assert_eq!(slice.device_range(5, 10), Some(DeviceRange { ordinal: 0, address: base(&b) + 15 }));
         assert_eq!(slice.device_range(15, 10), None, "past the slice");
         let nested = DeviceScatter::new(vec![(a.clone() as Arc<dyn DeviceMemory>, 0, 4), (slice, 0, 20)]).unwrap();
-        let (_, ranges) = DeviceScatter::batchable(&nested.pieces(0, 24)).unwrap();
-        assert_eq!(ranges, vec![(base(&a), 4), (base(&b) + 10, 20)]);
+        let (_, items) = batch(&nested, &[(0, 24)]).unwrap();
+        assert_eq!(items, vec![vec![(base(&a), 4), (base(&b) + 10, 20)]]);
         assert_eq!(two.device_range(0, 30), None, "two memories are no one range");
     }
 
@@ -419,10 +463,14 @@ mod tests {
         // SAFETY: `data` outlives the stream and is not written.
         unsafe { st.copy_to_device_async(data.as_ptr(), 54, 0).unwrap() };
         // Across the boundary: the copies of both parts ran first, each part summed its piece.
-        assert_eq!(st.synchronize_and_crc32c(3, 40).unwrap(), Some(crc32c::crc32c(&data[3..43])));
-        assert_eq!((a.chained_sums(), b.chained_sums()), (1, 1));
-        assert_eq!(st.synchronize_and_crc32c(0, 54).unwrap(), Some(crc32c::crc32c(&data)));
-        assert_eq!(st.synchronize_and_crc32c(30, 0).unwrap(), Some(0));
-        assert!(matches!(st.synchronize_and_crc32c(50, 5), Err(GpuError::OutOfBounds(_))));
+        let sums = st.synchronize_and_crc32c(&[(3, 40), (0, 54), (30, 0)]).unwrap().unwrap();
+        assert_eq!(sums, vec![crc32c::crc32c(&data[3..43]), crc32c::crc32c(&data), 0]);
+        assert_eq!((a.chained_sums(), b.chained_sums()), (2, 2));
+        // Within one part: that part's stream sums them all, behind its copies.
+        let sums = st.synchronize_and_crc32c(&[(25, 20), (30, 4)]).unwrap().unwrap();
+        assert_eq!(sums, vec![crc32c::crc32c(&data[25..45]), crc32c::crc32c(&data[30..34])]);
+        assert_eq!((a.chained_sums(), b.chained_sums()), (2, 4));
+        assert!(matches!(st.synchronize_and_crc32c(&[(0, 1), (50, 5)]), Err(GpuError::OutOfBounds(_))));
+        assert_eq!((a.chained_sums(), b.chained_sums()), (2, 4), "nothing summed when a range is refused");
     }
 }

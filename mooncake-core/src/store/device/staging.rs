@@ -151,19 +151,29 @@ impl<'a> Copies<'a> {
         Ok(())
     }
 
-    /// Waits for every copy and takes the sums asked for: the items whose copy
-    /// or sum failed, with why, and the sums.
+    /// Waits for every copy and takes the sums asked for (a stream's in one
+    /// batch, behind its copies, where it can): the items whose copy or sum
+    /// failed, with why, and the sums.
     pub(in crate::store) fn finish(mut self) -> Finished {
         let mut done = Finished::default();
         for (at, (_, stream)) in self.streams.iter_mut().enumerate() {
-            for sum in self.sums.iter().filter(|s| s.at == at) {
-                let summed = stream.synchronize_and_crc32c(sum.offset, sum.len).and_then(|crc| match crc {
-                    Some(crc) => Ok(crc),
-                    None => sum.mem.crc32c(sum.offset, sum.len),
-                });
-                match summed {
-                    Ok(crc) => done.sums.push((sum.item, crc)),
-                    Err(e) => done.failed.push((sum.item, e.into())),
+            let sums: Vec<&Sum<'_>> = self.sums.iter().filter(|s| s.at == at).collect();
+            if !sums.is_empty() {
+                let ranges: Vec<(u64, u64)> = sums.iter().map(|s| (s.offset, s.len)).collect();
+                match stream.synchronize_and_crc32c(&ranges) {
+                    Ok(Some(crcs)) => done.sums.extend(sums.iter().map(|s| s.item).zip(crcs)),
+                    Ok(None) => {
+                        for sum in sums {
+                            match sum.mem.crc32c(sum.offset, sum.len) {
+                                Ok(crc) => done.sums.push((sum.item, crc)),
+                                Err(e) => done.failed.push((sum.item, e.into())),
+                            }
+                        }
+                    }
+                    Err(e) => {
+                        let e = Error::from(e);
+                        done.failed.extend(sums.iter().map(|s| (s.item, e.clone())));
+                    }
                 }
             }
             if let Err(e) = stream.synchronize() {

@@ -193,16 +193,32 @@ fn stream_in_chunks(engine: &TransferEngine, reads: &[StreamRead<'_>], chunk: us
         }
     }
     // Each read's check, chained behind its memory's last copies where the device
-    // can: the first sum of a stream waits for its copies, in the same wait.
-    let summed: Vec<Result<Option<u32>>> = results
-        .into_iter()
-        .zip(reads)
-        .map(|(res, r)| {
-            res?;
-            let at = stream_of(&mut streams, r.mem)?;
-            Ok(streams[at].1.synchronize_and_crc32c(r.dst, r.len)?)
-        })
-        .collect();
+    // can: one batch per memory, in the same wait as its copies.
+    let mut summed: Vec<Result<Option<u32>>> = results.into_iter().map(|r| r.map(|()| None)).collect();
+    let mut by_stream: Vec<(usize, Vec<usize>)> = Vec::new();
+    for (i, r) in reads.iter().enumerate() {
+        if summed[i].is_err() {
+            continue;
+        }
+        match stream_of(&mut streams, r.mem) {
+            Ok(at) => match by_stream.iter_mut().find(|(s, _)| *s == at) {
+                Some((_, reads)) => reads.push(i),
+                None => by_stream.push((at, vec![i])),
+            },
+            Err(e) => summed[i] = Err(e),
+        }
+    }
+    for (at, of) in by_stream {
+        let ranges: Vec<(u64, u64)> = of.iter().map(|&i| (reads[i].dst, reads[i].len)).collect();
+        match streams[at].1.synchronize_and_crc32c(&ranges) {
+            Ok(Some(crcs)) => of.iter().zip(crcs).for_each(|(&i, crc)| summed[i] = Ok(Some(crc))),
+            Ok(None) => {}
+            Err(e) => {
+                let e = Error::from(e);
+                of.iter().for_each(|&i| summed[i] = Err(e.clone()));
+            }
+        }
+    }
     if let Err(e) = synchronize_all(&mut streams) {
         return summed.into_iter().map(|r| r.and(Err(e.clone()))).collect();
     }
