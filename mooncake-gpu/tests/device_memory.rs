@@ -465,6 +465,9 @@ fn cuda_sums_of_device_ranges_are_the_crc32c_of_the_bytes() {
         let want = crc32c::crc32c(&da[off as usize..(off + len) as usize]);
         assert_eq!(a.crc32c(off, len).unwrap(), want, "{off}+{len}");
     }
+    let ranges = [(0u64, 1u64), (3, 65_535), (0, 0), (7, 65_537), (100, 3 << 20)];
+    let want: Vec<u32> = ranges.iter().map(|&(o, n)| crc32c::crc32c(&da[o as usize..(o + n) as usize])).collect();
+    assert_eq!(a.crc32c_each(&ranges).unwrap(), want, "one batch");
     let (a, b): (Arc<dyn DeviceMemory>, Arc<dyn DeviceMemory>) = (Arc::new(a), Arc::new(b));
     let parts = [
         (a.clone(), 1u64, 70_000u64),

@@ -160,19 +160,51 @@ impl<'a> Writing<'a> {
         Writing { key, len, bytes, placed: Placed::new(), failed: None, staged: false, crc }
     }
 
-    /// A device item not summed yet (and not failed): its crc32c taken on the
-    /// device, or the item failed with why it could not be.
-    fn sum_on_device(&mut self) {
-        let Bytes::Device { mem, offset, .. } = &self.bytes else { return };
-        if self.crc.is_some() || self.failed.is_some() {
-            return;
-        }
-        match mem.crc32c(*offset, self.len) {
-            Ok(crc) => self.crc = Some(crc),
-            Err(e) => self.failed = Some(e.into()),
+    /// The device memory and range of a device item not summed yet (and not
+    /// failed).
+    fn unsummed_device_range(&self) -> Option<(&'a dyn DeviceMemory, u64, u64)> {
+        match &self.bytes {
+            Bytes::Device { mem, offset, .. } if self.crc.is_none() && self.failed.is_none() => {
+                Some((*mem, *offset, self.len))
+            }
+            _ => None,
         }
     }
+}
 
+/// The device items among `items` of `round` not summed yet: their crc32c taken
+/// on the device, one batch per device memory
+/// ([`DeviceMemory::crc32c_each`](mooncake_gpu::DeviceMemory::crc32c_each)), or
+/// the items failed with why they could not be.
+fn sum_on_device(round: &mut [&mut Writing<'_>], items: impl IntoIterator<Item = usize>) {
+    // Per memory object, its items (an item with several replicas comes once per
+    // replica: summed once).
+    let mut by_memory: Vec<(&dyn DeviceMemory, Vec<usize>)> = Vec::new();
+    let mut asked = vec![false; round.len()];
+    for k in items {
+        if std::mem::replace(&mut asked[k], true) {
+            continue;
+        }
+        let Some((mem, _, _)) = round[k].unsummed_device_range() else { continue };
+        match by_memory.iter_mut().find(|(m, _)| std::ptr::addr_eq(*m as *const dyn DeviceMemory, mem)) {
+            Some((_, of)) => of.push(k),
+            None => by_memory.push((mem, vec![k])),
+        }
+    }
+    for (mem, of) in by_memory {
+        let ranges: Vec<(u64, u64)> =
+            of.iter().filter_map(|&k| round[k].unsummed_device_range()).map(|(_, at, n)| (at, n)).collect();
+        match mem.crc32c_each(&ranges) {
+            Ok(sums) => of.iter().zip(sums).for_each(|(&k, crc)| round[k].crc = Some(crc)),
+            Err(e) => {
+                let e = Error::from(e);
+                of.iter().for_each(|&k| round[k].failed = Some(e.clone()));
+            }
+        }
+    }
+}
+
+impl Writing<'_> {
     /// Why writing its replicas failed, if it did.
     pub(super) fn failure(&self) -> Option<&Error> {
         self.failed.as_ref()
@@ -456,9 +488,7 @@ impl StoreInner {
             // The checksum of each item copied, taken on the device while its DMA
             // runs (both only read the device bytes): its fixed cost overlaps the
             // copy instead of following it.
-            for k in copies.items() {
-                round[k].sum_on_device();
-            }
+            sum_on_device(round, copies.items());
             // A failed DMA is the device's, not the segment's: the item fails.
             for (k, e) in copies.finish().failed {
                 round[k].failed.get_or_insert(e);
@@ -561,9 +591,7 @@ fn item_checksums(round: &mut [&mut Writing<'_>]) -> Vec<u32> {
     let missing: Vec<usize> =
         (0..round.len()).filter(|&k| round[k].crc.is_none() && round[k].failed.is_none()).collect();
     // Device bytes are summed on the device.
-    for &k in &missing {
-        round[k].sum_on_device();
-    }
+    sum_on_device(round, missing.iter().copied());
     let missing: Vec<usize> =
         missing.into_iter().filter(|&k| round[k].crc.is_none() && round[k].failed.is_none()).collect();
     let sums = {

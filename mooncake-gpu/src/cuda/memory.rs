@@ -248,6 +248,21 @@ impl DeviceMemory for DeviceBuffer {
         }
     }
 
+    /// Every range in one batch on the device; by download, range by range,
+    /// where the kernels cannot be built (no NVRTC).
+    fn crc32c_each(&self, ranges: &[(u64, u64)]) -> Result<Vec<u32>> {
+        for &(offset, len) in ranges {
+            self.check_range(offset, len)?;
+        }
+        let items: Vec<Vec<(u64, u64)>> = ranges.iter().map(|&(at, n)| vec![(self.ptr + at, n)]).collect();
+        match super::checksum::crc32c_each(&self.ctx, self.ordinal, None, &items) {
+            Err(e) if super::checksum::unavailable(&e) => {
+                ranges.iter().map(|&(at, n)| crate::device::crc32c_by_download(self, at, n)).collect()
+            }
+            other => other,
+        }
+    }
+
     fn device_range(&self, offset: u64, len: u64) -> Option<DeviceRange> {
         self.check_range(offset, len).ok()?;
         Some(DeviceRange { ordinal: self.ordinal, address: self.ptr + offset })

@@ -245,6 +245,15 @@ pub trait DeviceMemory: Send + Sync + fmt::Debug {
         checksum::crc32c_by_download(self, offset, len)
     }
 
+    /// The crc32c of each range `(offset, len)`: what [`crc32c`](Self::crc32c)
+    /// gives each, which an implementation may take in one batch (CUDA memory:
+    /// one launch per range, one fold, one synchronization, where `crc32c` per
+    /// range takes a synchronization each). `OutOfBounds` for a range outside the
+    /// allocation.
+    fn crc32c_each(&self, ranges: &[(u64, u64)]) -> Result<Vec<u32>> {
+        ranges.iter().map(|&(offset, len)| self.crc32c(offset, len)).collect()
+    }
+
     /// Copies `src` to `offset` (synchronous; staged through pinned buffers
     /// of at most [`DEFAULT_CHUNK`] bytes, double-buffered). Allocates its
     /// staging buffers on every call: for repeated copies keep a [`Stager`].

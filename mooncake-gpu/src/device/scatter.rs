@@ -181,6 +181,20 @@ impl DeviceMemory for DeviceScatter {
         self.crc32c_by_piece(&pieces[0])
     }
 
+    /// Ranges over parts of one CUDA device in one batch; otherwise range by range.
+    fn crc32c_each(&self, ranges: &[(u64, u64)]) -> Result<Vec<u32>> {
+        for &(offset, len) in ranges {
+            self.check_range(offset, len)?;
+        }
+        let items: Vec<Vec<Piece>> = ranges.iter().map(|&(offset, len)| self.pieces(offset, len)).collect();
+        if let Some((ordinal, device_items)) = self.on_one_device(&items) {
+            if let Some(sums) = crate::cuda::crc32c_of_ranges(ordinal, &device_items)? {
+                return Ok(sums);
+            }
+        }
+        items.iter().map(|pieces| self.crc32c_by_piece(pieces)).collect()
+    }
+
     fn device_range(&self, offset: u64, len: u64) -> Option<DeviceRange> {
         self.check_range(offset, len).ok()?;
         match self.pieces(offset, len)[..] {
@@ -390,6 +404,11 @@ mod tests {
             assert_eq!(s.crc32c(offset, len).unwrap(), want, "{offset}+{len}");
         }
         assert!(matches!(s.crc32c(total, 1), Err(GpuError::OutOfBounds(_))));
+        // The batch form gives each range's sum.
+        let ranges = [(0, total), (69_999, 2), (0, 0), (70_001, 4096)];
+        let want: Vec<u32> = ranges.iter().map(|&(o, n)| crc32c::crc32c(&all[o as usize..(o + n) as usize])).collect();
+        assert_eq!(s.crc32c_each(&ranges).unwrap(), want);
+        assert!(matches!(s.crc32c_each(&[(0, 1), (total, 1)]), Err(GpuError::OutOfBounds(_))));
     }
 
     /// Emulated memory that says it is a range of device `ordinal` (to test which
