@@ -112,13 +112,27 @@ __device__ void mc_tree(u32* c, u64* l, u32 n) {
     }
 }
 
-// Sums of the 64 KiB blocks of [data, data + len): block b's sum into out[b], its
-// length into out_len[b] (several ranges, one launch each, fill one array).
-extern "C" __global__ void mc_crc32c_blocks(const u8* data, u64 len, u32* out, u32* out_len) {
+// Sums of the 64 KiB blocks of several ranges, one launch for all: range r is
+// ranges[3r] (address), ranges[3r + 1] (length, > 0) and ranges[3r + 2] (its first
+// block; the firsts increase). Block b sums its share of the last range whose
+// first block is <= b, into out[b], and its length into out_len[b].
+extern "C" __global__ void mc_crc32c_blocks(const u64* ranges, u32 n_ranges, u32* out, u32* out_len) {
     __shared__ u32 T[8][256];
     __shared__ u32 C[MC_THREADS];
     __shared__ u64 L[MC_THREADS];
+    __shared__ u64 R[3];
     u32 t = threadIdx.x;
+    if (t == 0) {
+        u64 b = blockIdx.x;
+        u32 lo = 0, hi = n_ranges;
+        while (hi - lo > 1) {
+            u32 mid = lo + (hi - lo) / 2;
+            if (ranges[3 * (u64)mid + 2] <= b) lo = mid; else hi = mid;
+        }
+        R[0] = ranges[3 * (u64)lo];
+        R[1] = ranges[3 * (u64)lo + 1];
+        R[2] = b - ranges[3 * (u64)lo + 2];
+    }
     u32 c = t;
     for (int k = 0; k < 8; k++) c = (c & 1) ? (c >> 1) ^ MC_POLY : c >> 1;
     T[0][t] = c;
@@ -128,7 +142,9 @@ extern "C" __global__ void mc_crc32c_blocks(const u8* data, u64 len, u32* out, u
         T[k][t] = (prev >> 8) ^ T[0][prev & 0xff];
         __syncthreads();
     }
-    u64 start = ((u64)blockIdx.x * MC_THREADS + t) * MC_PER_THREAD;
+    const u8* data = (const u8*)R[0];
+    u64 len = R[1];
+    u64 start = (R[2] * MC_THREADS + t) * MC_PER_THREAD;
     u64 mine = start < len ? min(MC_PER_THREAD, len - start) : 0;
     const u8* p = data + start;
     u64 n = mine;
@@ -234,25 +250,29 @@ impl Drop for Summer {
     }
 }
 
-/// Where a batch of `items` items and `blocks` blocks keeps what, in bytes: on
-/// the device the sums, the lengths, the results and the first blocks; on the
-/// host the first blocks, then the results.
+/// Where a batch of `items` items, `ranges` ranges and `blocks` blocks keeps
+/// what, in bytes. On the device: the blocks' sums, their lengths, the items'
+/// results, then the range table (3 words a range) and the items' first blocks
+/// (`items + 1` words). On the host: the same table and first blocks, on their way
+/// up, then the results, on their way back.
 struct Layout {
     lens: usize,
     results: usize,
-    first: usize,
+    /// Where the table starts on the device (8-byte aligned).
+    table: usize,
+    /// Bytes of the table and the first blocks.
+    words: usize,
     scratch: usize,
     io_results: usize,
     io: usize,
 }
 
 impl Layout {
-    fn of(items: usize, blocks: usize) -> Self {
+    fn of(items: usize, ranges: usize, blocks: usize) -> Self {
         let (lens, results) = (4 * blocks, 8 * blocks);
-        let first = (results + 4 * items).next_multiple_of(8);
-        let scratch = first + 8 * (items + 1);
-        let io_results = 8 * (items + 1);
-        Self { lens, results, first, scratch, io_results, io: io_results + 4 * items }
+        let table = (results + 4 * items).next_multiple_of(8);
+        let words = 8 * (3 * ranges + items + 1);
+        Self { lens, results, table, words, scratch: table + words, io_results: words, io: words + 4 * items }
     }
 }
 
@@ -315,9 +335,10 @@ pub(crate) fn crc32c(ctx: &Arc<CudaContext>, ordinal: usize, ptr: u64, len: u64)
 /// bytes are summed one after the other, in one batch: the kernels enqueued on
 /// `stream` (after whatever was enqueued there before: the copies that wrote the
 /// bytes) and the stream synchronized once; on the summer's own stream where
-/// `stream` is `None`. One launch per range, one fold for all the items, however
-/// many (a batch's objects, each of per-layer parts). On `Ok`, everything
-/// enqueued on `stream` before the call has completed.
+/// `stream` is `None`. One copy of the range table up, one launch for every
+/// range's blocks, one fold for all the items, one copy of the results back,
+/// however many items and ranges (a batch's objects, each of per-layer parts). On
+/// `Ok`, everything enqueued on `stream` before the call has completed.
 pub(crate) fn crc32c_each(
     ctx: &Arc<CudaContext>,
     ordinal: usize,
@@ -330,7 +351,8 @@ pub(crate) fn crc32c_each(
         return Ok(vec![0; items.len()]);
     }
     let too_many = || GpuError::InvalidArgument(format!("crc32c of {blocks} blocks"));
-    let layout = Layout::of(items.len(), usize::try_from(blocks).map_err(|_| too_many())?);
+    let ranges = items.iter().flatten().filter(|&&(_, len)| len > 0).count();
+    let layout = Layout::of(items.len(), ranges, usize::try_from(blocks).map_err(|_| too_many())?);
     let summer = summer(ctx, ordinal)?;
     let mut s = summer.lock();
     guarded("crc32c on the device", || {
@@ -375,57 +397,63 @@ pub(crate) fn crc32c_each(
     })
 }
 
-/// Enqueues the sums of `items` on `on`: the blocks' kernel per range (block
-/// sums and lengths, item after item, into one array), then, unless every item
-/// is one block (its sum is its result), the items' first blocks up to the
-/// device and the fold; last the results' copy into the io buffer.
+/// Enqueues the sums of `items` on `on`: the range table and the items' first
+/// blocks up to the device, the blocks' kernel over every range (block sums and
+/// lengths, item after item, into one array), then, unless every item is one
+/// block (its sum is its result), the fold; last the results' copy into the io
+/// buffer.
 fn enqueue(s: &Summer, on: sys::CUstream, items: &[Vec<(u64, u64)>], layout: &Layout) -> Result<()> {
-    let (sums, lens) = (s.scratch, s.scratch + layout.lens as u64);
+    let mut table: Vec<u64> = Vec::with_capacity(layout.words / 8);
     let mut first: Vec<u64> = Vec::with_capacity(items.len() + 1);
     let mut block = 0u64;
     for item in items {
         first.push(block);
         for &(ptr, len) in item.iter().filter(|&&(_, len)| len > 0) {
-            let grid = len.div_ceil(PER_BLOCK);
-            let grid32 =
-                u32::try_from(grid).map_err(|_| GpuError::InvalidArgument(format!("crc32c of {len} bytes")))?;
-            let (mut ptr, mut len, mut out, mut out_len) = (ptr, len, sums + block * 4, lens + block * 4);
-            let mut args = [
-                (&raw mut ptr).cast::<c_void>(),
-                (&raw mut len).cast::<c_void>(),
-                (&raw mut out).cast::<c_void>(),
-                (&raw mut out_len).cast::<c_void>(),
-            ];
-            // SAFETY: the arguments match `mc_crc32c_blocks(const u8*, u64, u32*,
-            // u32*)` and outlive the call (the driver copies them at launch); the
-            // kernel reads `[ptr, ptr + len)` (device memory of this context,
-            // checked by the caller) and writes `grid` sums and lengths from block
-            // `block` on, inside the scratch (the layout counted every block); `on`
-            // is a live stream of this context.
-            drv("launch mc_crc32c_blocks", unsafe {
-                cu::launch_kernel(s.blocks.cu_function(), (grid32, 1, 1), (THREADS, 1, 1), 0, on, &mut args)
-            })?;
-            block += grid;
+            table.extend([ptr, len, block]);
+            block += len.div_ceil(PER_BLOCK);
         }
     }
     first.push(block);
+    let n_ranges = table.len() / 3;
+    table.extend_from_slice(&first);
+    debug_assert_eq!(table.len() * 8, layout.words);
+    // SAFETY: the io buffer has room for the table and the first blocks at its
+    // start (the layout), 8-byte aligned (page-locked allocations are); no copy in
+    // flight uses it (the lock is held, every use synchronized).
+    unsafe { std::ptr::copy_nonoverlapping(table.as_ptr(), s.io.cast::<u64>(), table.len()) };
+    let (mut sums, mut lens) = (s.scratch, s.scratch + layout.lens as u64);
+    let mut table_dev = s.scratch + layout.table as u64;
+    // SAFETY: the scratch has room for the table and the first blocks at
+    // `table`; the host words stay unchanged until the stream is synchronized
+    // (under the lock); `on` is a live stream of this context.
+    drv("cuMemcpyHtoDAsync", unsafe {
+        sys::cuMemcpyHtoDAsync_v2(table_dev, s.io.cast::<c_void>(), layout.words, on).result()
+    })?;
+    let grid = u32::try_from(block).map_err(|_| GpuError::InvalidArgument(format!("crc32c of {block} blocks")))?;
+    let mut n_ranges32 =
+        u32::try_from(n_ranges).map_err(|_| GpuError::InvalidArgument(format!("crc32c of {n_ranges} ranges")))?;
+    let mut args = [
+        (&raw mut table_dev).cast::<c_void>(),
+        (&raw mut n_ranges32).cast::<c_void>(),
+        (&raw mut sums).cast::<c_void>(),
+        (&raw mut lens).cast::<c_void>(),
+    ];
+    // SAFETY: the arguments match `mc_crc32c_blocks(const u64*, u32, u32*,
+    // u32*)` and outlive the call (the driver copies them at launch); the kernel
+    // reads the table (uploaded above, stream-ordered) and each range's bytes
+    // (device memory of this context, checked by the caller), and writes one sum
+    // and one length per block, `block` of each, inside the scratch.
+    drv("launch mc_crc32c_blocks", unsafe {
+        cu::launch_kernel(s.blocks.cu_function(), (grid, 1, 1), (THREADS, 1, 1), 0, on, &mut args)
+    })?;
     let n = items.len();
     let one_block_each = first.windows(2).all(|w| w[1] - w[0] == 1);
     let from = if one_block_each {
         sums
     } else {
-        // SAFETY: the io buffer has room for n + 1 words at its start (the
-        // layout), 8-byte aligned (page-locked allocations are); no copy in
-        // flight uses it (the lock is held, every use synchronized).
-        unsafe { std::ptr::copy_nonoverlapping(first.as_ptr(), s.io.cast::<u64>(), n + 1) };
-        let (mut sums, mut lens) = (sums, lens);
-        let (mut first_dev, mut results) = (s.scratch + layout.first as u64, s.scratch + layout.results as u64);
-        // SAFETY: `first_dev` has room for n + 1 words in the scratch; the host
-        // words stay unchanged until the stream is synchronized (under the lock).
-        drv("cuMemcpyHtoDAsync", unsafe {
-            sys::cuMemcpyHtoDAsync_v2(first_dev, s.io.cast::<c_void>(), 8 * (n + 1), on).result()
-        })?;
-        let grid = u32::try_from(n).map_err(|_| GpuError::InvalidArgument(format!("crc32c of {n} items")))?;
+        let mut first_dev = table_dev + 8 * 3 * n_ranges as u64;
+        let mut results = s.scratch + layout.results as u64;
+        let items32 = u32::try_from(n).map_err(|_| GpuError::InvalidArgument(format!("crc32c of {n} items")))?;
         let mut args = [
             (&raw mut sums).cast::<c_void>(),
             (&raw mut lens).cast::<c_void>(),
@@ -436,7 +464,7 @@ fn enqueue(s: &Summer, on: sys::CUstream, items: &[Vec<(u64, u64)>], layout: &La
         // const u64*, u32*)`; block i reads item i's blocks' sums and lengths and
         // writes results[i], all inside the scratch.
         drv("launch mc_crc32c_fold", unsafe {
-            cu::launch_kernel(s.fold.cu_function(), (grid, 1, 1), (FOLD_THREADS, 1, 1), 0, on, &mut args)
+            cu::launch_kernel(s.fold.cu_function(), (items32, 1, 1), (FOLD_THREADS, 1, 1), 0, on, &mut args)
         })?;
         results
     };

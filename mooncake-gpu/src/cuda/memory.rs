@@ -343,7 +343,8 @@ impl DeviceMemory for DeviceBuffer {
 
 /// The crc32c of each item of device ranges `(address, length)` of device
 /// `ordinal` (an item's ranges summed one after the other), as one batch on the
-/// device (one launch per range, one fold, one synchronization). Work queued on
+/// device (the range table up, one launch over every range, one fold, one
+/// synchronization). Work queued on
 /// other streams is not waited for: the caller synchronized what wrote the
 /// bytes. `Ok(None)` where the kernels cannot be built (no NVRTC): the caller
 /// sums range by range.

@@ -227,8 +227,8 @@ pub trait DeviceMemory: Send + Sync + fmt::Debug {
     /// Where `[offset, offset + len)` lives, if it is one contiguous range of a
     /// CUDA device's memory that the device-side sum reads: then a sum over
     /// ranges of several memories of that device runs as one batch (a
-    /// [`DeviceScatter`]'s per-layer parts: one launch per range and one
-    /// synchronization in all, instead of one per range). `None` (the default):
+    /// [`DeviceScatter`]'s per-layer parts: one launch and one synchronization
+    /// for all the ranges, instead of one each). `None` (the default):
     /// the memory sums its own bytes only, with [`crc32c`](Self::crc32c).
     fn device_range(&self, offset: u64, len: u64) -> Option<DeviceRange> {
         let _ = (offset, len);
@@ -247,8 +247,8 @@ pub trait DeviceMemory: Send + Sync + fmt::Debug {
 
     /// The crc32c of each range `(offset, len)`: what [`crc32c`](Self::crc32c)
     /// gives each, which an implementation may take in one batch (CUDA memory:
-    /// one launch per range, one fold, one synchronization, where `crc32c` per
-    /// range takes a synchronization each). `OutOfBounds` for a range outside the
+    /// the kernels launched once for all the ranges, one synchronization, where
+    /// `crc32c` per range takes a launch and a synchronization each). `OutOfBounds` for a range outside the
     /// allocation.
     fn crc32c_each(&self, ranges: &[(u64, u64)]) -> Result<Vec<u32>> {
         ranges.iter().map(|&(offset, len)| self.crc32c(offset, len)).collect()
