@@ -276,6 +276,37 @@ impl Layout {
     }
 }
 
+/// What the kernels of one batch read: the range table (address, length, first
+/// block of each non-empty range), then each item's first block and, last, the
+/// number of blocks.
+struct Batch {
+    words: Vec<u64>,
+    ranges: usize,
+    blocks: u64,
+    /// Every item is one block: its block's sum is its result (no fold).
+    one_block_each: bool,
+}
+
+impl Batch {
+    fn of(items: &[Vec<(u64, u64)>]) -> Self {
+        let mut words: Vec<u64> = Vec::new();
+        let mut first: Vec<u64> = Vec::with_capacity(items.len() + 1);
+        let mut blocks = 0u64;
+        for item in items {
+            first.push(blocks);
+            for &(ptr, len) in item.iter().filter(|&&(_, len)| len > 0) {
+                words.extend([ptr, len, blocks]);
+                blocks += len.div_ceil(PER_BLOCK);
+            }
+        }
+        first.push(blocks);
+        let one_block_each = first.windows(2).all(|w| w[1] - w[0] == 1);
+        let ranges = words.len() / 3;
+        words.extend_from_slice(&first);
+        Self { words, ranges, blocks, one_block_each }
+    }
+}
+
 /// A device's summer, or why its kernels cannot be built.
 type Built = std::result::Result<Arc<Mutex<Summer>>, GpuError>;
 
@@ -345,14 +376,13 @@ pub(crate) fn crc32c_each(
     stream: Option<sys::CUstream>,
     items: &[Vec<(u64, u64)>],
 ) -> Result<Vec<u32>> {
-    let blocks_of = |item: &Vec<(u64, u64)>| -> u64 { item.iter().map(|&(_, len)| len.div_ceil(PER_BLOCK)).sum() };
-    let blocks: u64 = items.iter().map(blocks_of).sum();
-    if blocks == 0 {
+    let batch = Batch::of(items);
+    if batch.blocks == 0 {
         return Ok(vec![0; items.len()]);
     }
-    let too_many = || GpuError::InvalidArgument(format!("crc32c of {blocks} blocks"));
-    let ranges = items.iter().flatten().filter(|&&(_, len)| len > 0).count();
-    let layout = Layout::of(items.len(), ranges, usize::try_from(blocks).map_err(|_| too_many())?);
+    let blocks = usize::try_from(batch.blocks)
+        .map_err(|_| GpuError::InvalidArgument(format!("crc32c of {} blocks", batch.blocks)))?;
+    let layout = Layout::of(items.len(), batch.ranges, blocks);
     let summer = summer(ctx, ordinal)?;
     let mut s = summer.lock();
     guarded("crc32c on the device", || {
@@ -382,7 +412,7 @@ pub(crate) fn crc32c_each(
             s.io_bytes = bytes;
         }
         let on = stream.unwrap_or_else(|| s.stream.cu_stream());
-        let summed = enqueue(&s, on, items, &layout);
+        let summed = enqueue(&s, on, &batch, items.len(), &layout);
         // SAFETY: `on` is a live stream of this context. Synchronized even when
         // an enqueue failed: nothing of it may still use the buffers once the
         // lock is given up.
@@ -397,25 +427,14 @@ pub(crate) fn crc32c_each(
     })
 }
 
-/// Enqueues the sums of `items` on `on`: the range table and the items' first
+/// Enqueues the sums of a batch of `n` items on `on`: the range table and the items' first
 /// blocks up to the device, the blocks' kernel over every range (block sums and
 /// lengths, item after item, into one array), then, unless every item is one
 /// block (its sum is its result), the fold; last the results' copy into the io
 /// buffer.
-fn enqueue(s: &Summer, on: sys::CUstream, items: &[Vec<(u64, u64)>], layout: &Layout) -> Result<()> {
-    let mut table: Vec<u64> = Vec::with_capacity(layout.words / 8);
-    let mut first: Vec<u64> = Vec::with_capacity(items.len() + 1);
-    let mut block = 0u64;
-    for item in items {
-        first.push(block);
-        for &(ptr, len) in item.iter().filter(|&&(_, len)| len > 0) {
-            table.extend([ptr, len, block]);
-            block += len.div_ceil(PER_BLOCK);
-        }
-    }
-    first.push(block);
-    let n_ranges = table.len() / 3;
-    table.extend_from_slice(&first);
+fn enqueue(s: &Summer, on: sys::CUstream, batch: &Batch, n: usize, layout: &Layout) -> Result<()> {
+    let Batch { words: table, ranges: n_ranges, blocks: block, one_block_each } = batch;
+    let (n_ranges, block) = (*n_ranges, *block);
     debug_assert_eq!(table.len() * 8, layout.words);
     // SAFETY: the io buffer has room for the table and the first blocks at its
     // start (the layout), 8-byte aligned (page-locked allocations are); no copy in
@@ -446,9 +465,7 @@ fn enqueue(s: &Summer, on: sys::CUstream, items: &[Vec<(u64, u64)>], layout: &La
     drv("launch mc_crc32c_blocks", unsafe {
         cu::launch_kernel(s.blocks.cu_function(), (grid, 1, 1), (THREADS, 1, 1), 0, on, &mut args)
     })?;
-    let n = items.len();
-    let one_block_each = first.windows(2).all(|w| w[1] - w[0] == 1);
-    let from = if one_block_each {
+    let from = if *one_block_each {
         sums
     } else {
         let mut first_dev = table_dev + 8 * 3 * n_ranges as u64;
@@ -474,6 +491,67 @@ fn enqueue(s: &Summer, on: sys::CUstream, items: &[Vec<(u64, u64)>], layout: &La
         sys::cuMemcpyDtoHAsync_v2(s.io.add(layout.io_results).cast::<c_void>(), from, 4 * n, on).result()
     })
 }
+
+/// Test only: what CUDA gives the kernels' source, for a C++ compiler.
+#[cfg(test)]
+const CPU_PRELUDE: &str = r#"
+#include <algorithm>
+#include <barrier>
+#include <cstdint>
+#include <cstdio>
+#include <thread>
+#include <vector>
+struct Dim { unsigned x = 0, y = 0, z = 0; };
+thread_local Dim threadIdx;
+Dim blockIdx, gridDim, blockDim;
+std::barrier<>* block_barrier;
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __shared__ static
+inline void __syncthreads() { block_barrier->arrive_and_wait(); }
+inline int __ffsll(long long v) { return __builtin_ffsll(v); }
+template <class T> T min(T a, T b) { return a < b ? a : b; }
+"#;
+
+/// Test only: launches the kernels one block at a time (a thread per CUDA
+/// thread) over the batch in the file named by its argument; prints each item's
+/// result, then each block's sum.
+#[cfg(test)]
+const CPU_DRIVER: &str = r#"
+template <class F> void launch(unsigned grid, unsigned threads, F kernel) {
+    gridDim.x = grid;
+    blockDim.x = threads;
+    for (unsigned b = 0; b < grid; b++) {
+        blockIdx.x = b;
+        std::barrier<> bar(threads);
+        block_barrier = &bar;
+        std::vector<std::thread> ts;
+        for (unsigned t = 0; t < threads; t++) ts.emplace_back([=] { threadIdx.x = t; kernel(); });
+        for (auto& th : ts) th.join();
+    }
+}
+int main(int argc, char** argv) {
+    FILE* f = fopen(argv[1], "rb");
+    u64 h[4];
+    if (!f || fread(h, 8, 4, f) != 4) return 2;
+    u64 ranges = h[0], items = h[1], blocks = h[2], len = h[3];
+    std::vector<u64> words(3 * ranges + items + 1);
+    std::vector<u8> data(len);
+    if (fread(words.data(), 8, words.size(), f) != words.size() || fread(data.data(), 1, len, f) != len) return 3;
+    for (u64 r = 0; r < ranges; r++) words[3 * r] += (u64)data.data();
+    std::vector<u32> sums(blocks), lens(blocks), results(items);
+    launch((unsigned)blocks, MC_THREADS, [&] {
+        mc_crc32c_blocks(words.data(), (u32)ranges, sums.data(), lens.data());
+    });
+    launch((unsigned)items, MC_FOLD_THREADS, [&] {
+        mc_crc32c_fold(sums.data(), lens.data(), words.data() + 3 * ranges, results.data());
+    });
+    for (u64 i = 0; i < items; i++) printf("%u\n", results[i]);
+    for (u64 b = 0; b < blocks; b++) printf("%u\n", sums[b]);
+    return 0;
+}
+"#;
 
 #[cfg(test)]
 mod tests {
@@ -520,6 +598,81 @@ mod tests {
         let s = source();
         assert!(s.starts_with("__device__ const unsigned int MC_X2N[64] = {0x40000000u, 0x20000000u, 0x08000000u"));
         assert!(s.contains("mc_crc32c_blocks") && s.contains("mc_crc32c_fold"));
+    }
+
+    /// The kernels' own source, run on the CPU: a C++ prelude stands in for CUDA
+    /// (a block's threads are threads meeting at a barrier for `__syncthreads`,
+    /// `__shared__` arrays are statics, one block at a time), a driver launches
+    /// `mc_crc32c_blocks` and `mc_crc32c_fold` over a batch built by
+    /// [`Batch::of`], addresses being offsets into one data buffer. Each item's
+    /// result is its bytes' crc32c: the range table, the binary search, the
+    /// blocks' shares and the fold are checked without a GPU. Skipped with a note
+    /// where no C++20 compiler is present.
+    #[test]
+    fn the_kernels_sum_each_item_when_run_on_a_cpu() {
+        let dir = std::env::temp_dir().join(format!("mc-crc-kernels-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (cpp, bin) = (dir.join("k.cpp"), dir.join("k"));
+        std::fs::write(&cpp, format!("{CPU_PRELUDE}\n{}\n{CPU_DRIVER}", source())).unwrap();
+        let built = std::process::Command::new("c++")
+            .args(["-std=c++20", "-O1", "-pthread", "-o"])
+            .arg(&bin)
+            .arg(&cpp)
+            .output();
+        match built {
+            Ok(out) if out.status.success() => {}
+            Ok(out) if String::from_utf8_lossy(&out.stderr).contains("barrier") => {
+                eprintln!("note: skipping: the C++ compiler has no <barrier> (C++20)");
+                return;
+            }
+            Ok(out) => panic!("the kernels do not compile as C++: {}", String::from_utf8_lossy(&out.stderr)),
+            Err(e) => {
+                eprintln!("note: skipping: no C++ compiler ({e})");
+                return;
+            }
+        }
+        let data: Vec<u8> = (0..1_000_000u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
+        let batches: Vec<Vec<Vec<(u64, u64)>>> = vec![
+            // One item of one byte, one of exactly a block, one spanning blocks.
+            vec![vec![(3, 1)], vec![(0, 65_536)], vec![(10, 200_001)]],
+            // Per-layer parts: an item of many ranges, an empty one, one of empty ranges and data.
+            vec![
+                (0..20u64).map(|l| (l * 40_000 + 7, 1_000 + l * 3_001)).collect(),
+                vec![],
+                vec![(5, 0), (900_000, 99_999), (17, 0)],
+                vec![(123_456, 65_537), (0, 65_535)],
+            ],
+            // Every item one block: what the fold would skip.
+            vec![vec![(1, 100)], vec![(70_000, 65_536)], vec![(500_000, 4_096)]],
+            // One block each but for an empty item: folded (the blocks' sums are
+            // not the items' results one for one).
+            vec![vec![(1, 100)], vec![], vec![(500_000, 4_096)]],
+        ];
+        for (n, items) in batches.iter().enumerate() {
+            let batch = Batch::of(items);
+            let mut input: Vec<u8> = Vec::new();
+            for w in [batch.ranges as u64, items.len() as u64, batch.blocks, data.len() as u64] {
+                input.extend(w.to_le_bytes());
+            }
+            batch.words.iter().for_each(|w| input.extend(w.to_le_bytes()));
+            input.extend(&data);
+            let file = dir.join(format!("batch{n}"));
+            std::fs::write(&file, &input).unwrap();
+            let out = std::process::Command::new(&bin).arg(&file).output().unwrap();
+            assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+            let lines: Vec<u32> = String::from_utf8(out.stdout).unwrap().lines().map(|l| l.parse().unwrap()).collect();
+            let (results, sums) = lines.split_at(items.len());
+            for (i, item) in items.iter().enumerate() {
+                let bytes: Vec<u8> =
+                    item.iter().flat_map(|&(at, len)| data[at as usize..(at + len) as usize].iter().copied()).collect();
+                assert_eq!(results[i], crc32c::crc32c(&bytes), "batch {n} item {i}");
+                if batch.one_block_each {
+                    assert_eq!(sums[i], results[i], "batch {n} item {i}: its block's sum is its result");
+                }
+            }
+            assert_eq!(batch.one_block_each, n == 2, "batch {n}");
+        }
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     /// NVRTC compiles the source (no GPU needed; skipped where NVRTC is absent).
