@@ -492,45 +492,11 @@ fn enqueue(s: &Summer, on: sys::CUstream, batch: &Batch, n: usize, layout: &Layo
     })
 }
 
-/// Test only: what CUDA gives the kernels' source, for a C++ compiler.
-#[cfg(test)]
-const CPU_PRELUDE: &str = r#"
-#include <algorithm>
-#include <barrier>
-#include <cstdint>
-#include <cstdio>
-#include <thread>
-#include <vector>
-struct Dim { unsigned x = 0, y = 0, z = 0; };
-thread_local Dim threadIdx;
-Dim blockIdx, gridDim, blockDim;
-std::barrier<>* block_barrier;
-#define __global__
-#define __device__
-#define __forceinline__ inline
-#define __shared__ static
-inline void __syncthreads() { block_barrier->arrive_and_wait(); }
-inline int __ffsll(long long v) { return __builtin_ffsll(v); }
-template <class T> T min(T a, T b) { return a < b ? a : b; }
-"#;
-
-/// Test only: launches the kernels one block at a time (a thread per CUDA
-/// thread) over the batch in the file named by its argument; prints each item's
-/// result, then each block's sum.
+/// Test only: launches the kernels over the batch in the file named by its
+/// argument (see `driver::CPU_CUDA`); prints each item's result, then each
+/// block's sum.
 #[cfg(test)]
 const CPU_DRIVER: &str = r#"
-template <class F> void launch(unsigned grid, unsigned threads, F kernel) {
-    gridDim.x = grid;
-    blockDim.x = threads;
-    for (unsigned b = 0; b < grid; b++) {
-        blockIdx.x = b;
-        std::barrier<> bar(threads);
-        block_barrier = &bar;
-        std::vector<std::thread> ts;
-        for (unsigned t = 0; t < threads; t++) ts.emplace_back([=] { threadIdx.x = t; kernel(); });
-        for (auto& th : ts) th.join();
-    }
-}
 int main(int argc, char** argv) {
     FILE* f = fopen(argv[1], "rb");
     u64 h[4];
@@ -541,10 +507,10 @@ int main(int argc, char** argv) {
     if (fread(words.data(), 8, words.size(), f) != words.size() || fread(data.data(), 1, len, f) != len) return 3;
     for (u64 r = 0; r < ranges; r++) words[3 * r] += (u64)data.data();
     std::vector<u32> sums(blocks), lens(blocks), results(items);
-    launch((unsigned)blocks, MC_THREADS, [&] {
+    launch((unsigned)blocks, 1, MC_THREADS, [&] {
         mc_crc32c_blocks(words.data(), (u32)ranges, sums.data(), lens.data());
     });
-    launch((unsigned)items, MC_FOLD_THREADS, [&] {
+    launch((unsigned)items, 1, MC_FOLD_THREADS, [&] {
         mc_crc32c_fold(sums.data(), lens.data(), words.data() + 3 * ranges, results.data());
     });
     for (u64 i = 0; i < items; i++) printf("%u\n", results[i]);
@@ -610,27 +576,6 @@ mod tests {
     /// where no C++20 compiler is present.
     #[test]
     fn the_kernels_sum_each_item_when_run_on_a_cpu() {
-        let dir = std::env::temp_dir().join(format!("mc-crc-kernels-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let (cpp, bin) = (dir.join("k.cpp"), dir.join("k"));
-        std::fs::write(&cpp, format!("{CPU_PRELUDE}\n{}\n{CPU_DRIVER}", source())).unwrap();
-        let built = std::process::Command::new("c++")
-            .args(["-std=c++20", "-O1", "-pthread", "-o"])
-            .arg(&bin)
-            .arg(&cpp)
-            .output();
-        match built {
-            Ok(out) if out.status.success() => {}
-            Ok(out) if String::from_utf8_lossy(&out.stderr).contains("barrier") => {
-                eprintln!("note: skipping: the C++ compiler has no <barrier> (C++20)");
-                return;
-            }
-            Ok(out) => panic!("the kernels do not compile as C++: {}", String::from_utf8_lossy(&out.stderr)),
-            Err(e) => {
-                eprintln!("note: skipping: no C++ compiler ({e})");
-                return;
-            }
-        }
         let data: Vec<u8> = (0..1_000_000u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
         let batches: Vec<Vec<Vec<(u64, u64)>>> = vec![
             // One item of one byte, one of exactly a block, one spanning blocks.
@@ -656,11 +601,9 @@ mod tests {
             }
             batch.words.iter().for_each(|w| input.extend(w.to_le_bytes()));
             input.extend(&data);
-            let file = dir.join(format!("batch{n}"));
-            std::fs::write(&file, &input).unwrap();
-            let out = std::process::Command::new(&bin).arg(&file).output().unwrap();
-            assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-            let lines: Vec<u32> = String::from_utf8(out.stdout).unwrap().lines().map(|l| l.parse().unwrap()).collect();
+            let program = format!("{}\n{CPU_DRIVER}", source());
+            let Some(out) = super::super::driver::run_on_cpu("crc32c", &program, &input) else { return };
+            let lines: Vec<u32> = out.lines().map(|l| l.parse().unwrap()).collect();
             let (results, sums) = lines.split_at(items.len());
             for (i, item) in items.iter().enumerate() {
                 let bytes: Vec<u8> =
@@ -672,7 +615,6 @@ mod tests {
             }
             assert_eq!(batch.one_block_each, n == 2, "batch {n}");
         }
-        let _ = std::fs::remove_dir_all(&dir);
     }
 
     /// NVRTC compiles the source (no GPU needed; skipped where NVRTC is absent).

@@ -79,3 +79,86 @@ pub(super) fn assert_compiles_with_nvrtc(source: String) {
     let ptx = cudarc::nvrtc::compile_ptx_with_opts(source, opts);
     assert!(ptx.is_ok(), "{ptx:?}");
 }
+
+/// Tests: what CUDA gives a kernel source, for a C++20 compiler, so that the
+/// kernels run on the CPU: a block's threads are threads meeting at a barrier for
+/// `__syncthreads`, `__shared__` arrays are statics (one block runs at a time),
+/// fences and atomics are the C++ ones. `launch(grid_x, grid_y, threads, f)` runs
+/// `f` as a kernel.
+#[cfg(test)]
+pub(super) const CPU_CUDA: &str = r#"
+#include <atomic>
+#include <barrier>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <thread>
+#include <vector>
+typedef unsigned int u32;
+typedef unsigned long long u64;
+typedef unsigned char u8;
+struct Dim { unsigned x = 0, y = 0, z = 0; };
+thread_local Dim threadIdx;
+Dim blockIdx, gridDim = {1, 1, 1}, blockDim = {1, 1, 1};
+std::barrier<>* block_barrier;
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __shared__ static
+struct uint4 { unsigned x, y, z, w; };
+inline void __syncthreads() { block_barrier->arrive_and_wait(); }
+inline void __threadfence_system() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+inline int __ffsll(long long v) { return __builtin_ffsll(v); }
+template <class T> T min(T a, T b) { return a < b ? a : b; }
+template <class T> T __ldcg(const T* p) { return *p; }
+inline u32 atomicInc(u32* p, u32 val) {
+    std::atomic_ref<u32> a(*p);
+    u32 old = a.load();
+    while (!a.compare_exchange_weak(old, old >= val ? 0 : old + 1)) {}
+    return old;
+}
+template <class F> void launch(unsigned gx, unsigned gy, unsigned threads, F kernel) {
+    gridDim = {gx, gy, 1};
+    blockDim = {threads, 1, 1};
+    for (unsigned by = 0; by < gy; by++) {
+        for (unsigned bx = 0; bx < gx; bx++) {
+            blockIdx = {bx, by, 0};
+            std::barrier<> bar(threads);
+            block_barrier = &bar;
+            std::vector<std::thread> ts;
+            for (unsigned t = 0; t < threads; t++) ts.emplace_back([=] { threadIdx.x = t; kernel(); });
+            for (auto& th : ts) th.join();
+        }
+    }
+}
+"#;
+
+/// Tests: compiles `program` (C++20, with [`CPU_CUDA`] before it) and runs it with
+/// `input` in a file named by its one argument; its standard output. `None`
+/// (after a note) where no C++20 compiler is present.
+#[cfg(test)]
+pub(super) fn run_on_cpu(name: &str, program: &str, input: &[u8]) -> Option<String> {
+    let dir = std::env::temp_dir().join(format!("mc-cpu-cuda-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let (cpp, bin, file) = (dir.join("k.cpp"), dir.join("k"), dir.join("input"));
+    std::fs::write(&cpp, format!("{CPU_CUDA}\n{program}")).expect("write the program");
+    let built =
+        std::process::Command::new("c++").args(["-std=c++20", "-O1", "-pthread", "-o"]).arg(&bin).arg(&cpp).output();
+    match built {
+        Ok(out) if out.status.success() => {}
+        Ok(out) if String::from_utf8_lossy(&out.stderr).contains("barrier") => {
+            eprintln!("note: skipping: the C++ compiler has no <barrier> (C++20)");
+            return None;
+        }
+        Ok(out) => panic!("the kernels do not compile as C++: {}", String::from_utf8_lossy(&out.stderr)),
+        Err(e) => {
+            eprintln!("note: skipping: no C++ compiler ({e})");
+            return None;
+        }
+    }
+    std::fs::write(&file, input).expect("write the input");
+    let out = std::process::Command::new(&bin).arg(&file).output().expect("run the program");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let _ = std::fs::remove_dir_all(&dir);
+    Some(String::from_utf8(out.stdout).expect("text"))
+}

@@ -56,11 +56,8 @@ const KERNEL_NAMES: [&str; 7] = [
     "nk_read_exit",
 ];
 
-const BODY: &str = r#"
-typedef unsigned int u32;
-typedef unsigned long long u64;
-typedef unsigned char u8;
-
+/// The memory-model helpers, in PTX (see the table at the top).
+const ATOMICS: &str = r#"
 __device__ __forceinline__ void fence_sc() { asm volatile("fence.sc.sys;" ::: "memory"); }
 __device__ __forceinline__ u32 ld_relaxed(const u32* p) { u32 v; asm volatile("ld.relaxed.sys.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v; }
 __device__ __forceinline__ u32 ld_acquire(const u32* p) { u32 v; asm volatile("ld.acquire.sys.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v; }
@@ -80,6 +77,10 @@ __device__ __forceinline__ u32 add_sc(u32* p, u32 v) {
   asm volatile("atom.acquire.sys.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
   return old;
 }
+"#;
+
+/// The kernels, over the helpers.
+const BODY: &str = r#"
 #define F32(h, off) ((u32*)((h) + (off)))
 #define F64(h, off) ((u64*)((h) + (off)))
 
@@ -271,6 +272,11 @@ extern "C" __global__ void nk_read_exit(const u32* status, u64 hdr, u64 arena, u
 /// The complete kernel source, with the header offsets and state values
 /// defined from the Rust constants.
 pub(super) fn source() -> String {
+    source_with(ATOMICS)
+}
+
+/// The kernel source over the memory-model helpers `atomics`.
+fn source_with(atomics: &str) -> String {
     let defs = [
         ("OFF_KEY_HASH", header_offsets::KEY_HASH as u32),
         ("OFF_KEY_FP_HI", header_offsets::KEY_FP_HI as u32),
@@ -289,10 +295,12 @@ pub(super) fn source() -> String {
         ("ST_READY", ObjectState::Ready.as_u32()),
         ("ST_DEAD", ObjectState::Dead.as_u32()),
     ];
-    let mut s = String::with_capacity(BODY.len() + 1024);
+    let mut s = String::with_capacity(atomics.len() + BODY.len() + 1024);
+    s.push_str("typedef unsigned int u32;\ntypedef unsigned long long u64;\ntypedef unsigned char u8;\n");
     for (name, v) in defs {
         s.push_str(&format!("#define {name} {v}u\n"));
     }
+    s.push_str(atomics);
     s.push_str(BODY);
     s
 }
@@ -328,6 +336,154 @@ mod tests {
         // count: both must share it.
         assert_eq!(header_offsets::STATE % 8, 0);
         assert_eq!(header_offsets::READER_REFCNT, header_offsets::STATE + 4);
+    }
+
+    /// The memory-model helpers as C++ atomics, for the kernels on the CPU.
+    const CPU_ATOMICS: &str = r#"
+inline void fence_sc() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+template <class T> std::atomic_ref<T> at(const T* p) { return std::atomic_ref<T>(*const_cast<T*>(p)); }
+inline u32 ld_relaxed(const u32* p) { return at(p).load(std::memory_order_relaxed); }
+inline u32 ld_acquire(const u32* p) { return at(p).load(std::memory_order_acquire); }
+inline void st_relaxed(u32* p, u32 v) { at(p).store(v, std::memory_order_relaxed); }
+inline void st_release(u32* p, u32 v) { at(p).store(v, std::memory_order_release); }
+inline u64 ld_relaxed64(const u64* p) { return at(p).load(std::memory_order_relaxed); }
+inline u64 ld_acquire64(const u64* p) { return at(p).load(std::memory_order_acquire); }
+inline void st_relaxed64(u64* p, u64 v) { at(p).store(v, std::memory_order_relaxed); }
+inline void st_release64(u64* p, u64 v) { at(p).store(v, std::memory_order_release); }
+inline u32 cas_sc(u32* p, u32 cmp, u32 val) { at(p).compare_exchange_strong(cmp, val); return cmp; }
+inline u32 add_sc(u32* p, u32 v) { return at(p).fetch_add(v); }
+"#;
+
+    /// A put and reads of one object through the kernels, run on the CPU (the
+    /// header, arena and buffers in host memory; addresses are host addresses):
+    /// what each kernel answers and leaves in the header, the pages and the
+    /// destination, and the blocks' arrival counter back at zero after each
+    /// launch. Prints `name value` lines.
+    const CPU_SCENARIO: &str = r#"
+int main(int argc, char** argv) {
+    FILE* f = fopen(argv[1], "rb");
+    u64 words[16];
+    if (!f || fread(words, 8, 16, f) != 16) return 2;
+    alignas(16) static u64 header[16];
+    std::vector<uint4> arena_v(1 << 16), src_v(1 << 15), dst_v(1 << 15);
+    u8* arena = (u8*)arena_v.data(); u8* src = (u8*)src_v.data(); u8* dst = (u8*)dst_v.data();
+    u64 hdr = (u64)header;
+    u64 base = *(u64*)((u8*)words + OFF_PAYLOAD_BASE), total = *(u64*)((u8*)words + OFF_BYTES_TOTAL);
+    u32 page = *(u32*)((u8*)words + OFF_PAGE_SIZE), n_pages = *(u32*)((u8*)words + OFF_N_PAGES);
+    u32 last = *(u32*)((u8*)words + OFF_LAST_PAGE_BYTES), epoch = *(u32*)((u8*)words + OFF_EPOCH);
+    u64 key_hash = words[OFF_KEY_HASH / 8], key_fp = words[OFF_KEY_FP_HI / 8];
+    u32 key_len = *(u32*)((u8*)words + OFF_KEY_LEN);
+    for (u64 i = 0; i < total; i++) src[i] = (u8)(i * 7 + 3);
+    u32 status = 9, arrived = 0;
+    volatile u32 answer = 0;
+    u64 answer64 = 0;
+    // A DEAD slot some readers still pin: the header write leaves the count alone.
+    header[OFF_STATE / 8] = ((u64)3 << 32) | ST_DEAD;
+    NkHeader h; memcpy(h.w, words, 128);
+    launch(1, 1, 1, [&] { nk_write_header(hdr, h, ST_WRITING); });
+    int same = 1;
+    for (int i = 0; i < 16; i++) if (i != OFF_STATE / 8 && header[i] != words[i]) same = 0;
+    printf("header_words_written %d\n", same);
+    printf("state_after_write %u\nrefcnt_after_write %u\n", *F32(hdr, OFF_STATE), *F32(hdr, OFF_REFCNT));
+    *F32(hdr, OFF_REFCNT) = 0;
+    unsigned per_page = page / (32 * 1024);
+    launch(per_page, n_pages, 256, [&] {
+        nk_push_publish(src, (u64)arena + base, page, 0, n_pages, last, hdr, epoch, 1234, &arrived, (u32*)&answer);
+    });
+    printf("push_answer %u\nstate_after_push %u\nstate_ts %llu\narrived_after_push %u\n", answer,
+           *F32(hdr, OFF_STATE), *F64(hdr, OFF_STATE_TS), arrived);
+    printf("pages_equal %d\n", memcmp(arena + base, src, total) == 0);
+    launch(per_page, n_pages, 256, [&] {
+        nk_push_publish(src, (u64)arena + base, page, 0, n_pages, last, hdr, epoch, 99, &arrived, (u32*)&answer);
+    });
+    printf("push_again_answer %u\narrived_after_again %u\n", answer, arrived);
+    launch(1, 1, 1, [&] { nk_publish(hdr, epoch + 1, 5, (u32*)&answer); });
+    printf("publish_other_epoch %u\n", answer);
+    memset(dst, 0xAA, 1 << 19);
+    launch(1, 1, 1, [&] { nk_reader_enter(hdr, epoch, key_hash, key_fp, key_len, 1 << 19, &status); });
+    printf("enter_status %u\nrefcnt_pinned %u\n", status, *F32(hdr, OFF_REFCNT));
+    launch(per_page, n_pages, 256, [&] { nk_read_exit(&status, hdr, (u64)arena, dst, &arrived, (u32*)&answer); });
+    int tail = 1;
+    for (u64 i = total; i < (1 << 19); i++) if (dst[i] != 0xAA) tail = 0;
+    printf("read_answer %u\nrefcnt_after_read %u\narrived_after_read %u\n", answer, *F32(hdr, OFF_REFCNT), arrived);
+    printf("read_equal %d\nread_tail_untouched %d\n", memcmp(dst, src, total) == 0, tail);
+    memset(dst, 0xBB, 1 << 19);
+    launch(1, 1, 1, [&] { nk_reader_enter(hdr, epoch, key_hash, key_fp, key_len, total - 1, &status); });
+    printf("small_status %u\n", status);
+    launch(per_page, n_pages, 256, [&] { nk_read_exit(&status, hdr, (u64)arena, dst, &arrived, (u32*)&answer); });
+    int untouched = 1;
+    for (u64 i = 0; i < (1 << 19); i++) if (dst[i] != 0xBB) untouched = 0;
+    printf("small_answer %u\nsmall_untouched %d\nrefcnt_after_small %u\n", answer, untouched, *F32(hdr, OFF_REFCNT));
+    launch(1, 1, 1, [&] { nk_reader_enter(hdr, epoch, key_hash ^ 1, key_fp, key_len, 1 << 19, &status); });
+    printf("other_key_status %u\nrefcnt_after_other %u\n", status, *F32(hdr, OFF_REFCNT));
+    launch(1, 1, 1, [&] { nk_hdr_op(hdr + OFF_STATE, 1, 0, 0, &answer64); });
+    printf("hdr_op_state %llu\n", answer64);
+    return 0;
+}
+"#;
+
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn the_kernels_put_and_read_an_object_when_run_on_a_cpu() {
+        use crate::header::{HeaderSnapshot, HEADER_VERSION};
+        let total = 5 * 65_536 - 1000;
+        let h = HeaderSnapshot {
+            key_hash: 0x1234_5678_9abc_def0,
+            key_fp_hi: 0x0fed_cba9_8765_4321,
+            key_len: 11,
+            header_version: HEADER_VERSION,
+            payload_base: 4096,
+            bytes_total: total,
+            page_size: 65_536,
+            n_pages: 5,
+            last_page_bytes: 65_536 - 1000,
+            epoch: 7,
+            state: ObjectState::Writing.as_u32(),
+            state_ts: 1,
+            last_access: 1,
+            ..Default::default()
+        };
+        let input: Vec<u8> = h.to_bytes().to_vec();
+        let program = format!("{}\n{CPU_SCENARIO}", source_with(CPU_ATOMICS));
+        let Some(out) = super::super::driver::run_on_cpu("nanokv", &program, &input) else { return };
+        let got: std::collections::HashMap<&str, u64> = out
+            .lines()
+            .map(|l| {
+                let (k, v) = l.split_once(' ').expect("name value");
+                (k, v.parse().expect("a number"))
+            })
+            .collect();
+        let (writing, ready) = (u64::from(ObjectState::Writing.as_u32()), u64::from(ObjectState::Ready.as_u32()));
+        let want: [(&str, u64); 25] = [
+            ("header_words_written", 1),
+            ("state_after_write", writing),
+            ("refcnt_after_write", 3),
+            ("push_answer", writing),
+            ("state_after_push", ready),
+            ("state_ts", 1234),
+            ("arrived_after_push", 0),
+            ("pages_equal", 1),
+            ("push_again_answer", ready),
+            ("arrived_after_again", 0),
+            ("publish_other_epoch", 0xFFFF_FFFF),
+            ("enter_status", u64::from(status::PINNED)),
+            ("refcnt_pinned", 1),
+            ("read_answer", u64::from(status::PINNED)),
+            ("refcnt_after_read", 0),
+            ("arrived_after_read", 0),
+            ("read_equal", 1),
+            ("read_tail_untouched", 1),
+            ("small_status", u64::from(status::TOO_SMALL)),
+            ("small_answer", u64::from(status::TOO_SMALL)),
+            ("small_untouched", 1),
+            ("refcnt_after_small", 0),
+            ("other_key_status", u64::from(status::STALE)),
+            ("refcnt_after_other", 0),
+            ("hdr_op_state", ready),
+        ];
+        for (name, value) in want {
+            assert_eq!(got.get(name), Some(&value), "{name}\n{out}");
+        }
     }
 
     #[cfg(feature = "cuda")]
