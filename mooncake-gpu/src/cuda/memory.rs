@@ -3,10 +3,10 @@
 //! pooled streams on which `cuMemcpyHtoDAsync` / `cuMemcpyDtoHAsync` run with
 //! events as fences.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::os::fd::{FromRawFd, OwnedFd};
 use std::ptr::NonNull;
-use std::sync::Arc;
+use std::sync::{Arc, LazyLock};
 
 use cudarc::driver::{result as cu, sys, CudaContext};
 use mooncake_transfer::DmaBuf;
@@ -94,12 +94,20 @@ impl DeviceBuffer {
         Self { ctx, ordinal, ptr, len, owned: true, streams: Mutex::new(Vec::new()) }
     }
 
+    /// Device `ordinal`'s primary context, retained once per process: a borrowed
+    /// buffer (every device pointer the Python binding is handed) and a batched
+    /// sum ask for it, and retaining it anew costs driver calls each time.
     fn context(ordinal: usize) -> Result<Arc<CudaContext>> {
+        static CONTEXTS: LazyLock<Mutex<HashMap<usize, Arc<CudaContext>>>> = LazyLock::new(Default::default);
+        if let Some(ctx) = CONTEXTS.lock().get(&ordinal) {
+            return Ok(ctx.clone());
+        }
         let n = cuda_device_count()?;
         if ordinal >= n {
             return Err(GpuError::InvalidArgument(format!("device {ordinal} requested, {n} present")));
         }
-        guarded("CudaContext::new", || drv("cuDevicePrimaryCtxRetain", CudaContext::new(ordinal)))
+        let ctx = guarded("CudaContext::new", || drv("cuDevicePrimaryCtxRetain", CudaContext::new(ordinal)))?;
+        Ok(CONTEXTS.lock().entry(ordinal).or_insert(ctx).clone())
     }
 
     /// Allocates `bytes` of memory on device `ordinal` (its primary context;

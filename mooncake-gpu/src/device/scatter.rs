@@ -140,6 +140,19 @@ struct Piece {
     len: u64,
 }
 
+/// The part every piece of `items` lies in, if there is one such part (`None`
+/// also for no piece at all).
+fn one_part(items: &[Vec<Piece>]) -> Option<usize> {
+    let mut parts = items.iter().flatten().map(|p| p.part);
+    parts.next().filter(|&first| parts.all(|p| p == first))
+}
+
+/// Each item's range in its part's memory (`(0, 0)` for an empty item), for items
+/// of [`one_part`].
+fn within_part(items: &[Vec<Piece>]) -> Vec<(u64, u64)> {
+    items.iter().map(|i| i.first().map_or((0, 0), |p| (p.offset, p.len))).collect()
+}
+
 /// `crc`'s bytes followed by `len` bytes that sum to `piece`.
 fn fold(crc: u32, piece: u32, len: u64) -> Result<u32> {
     let len = usize::try_from(len).map_err(|_| GpuError::InvalidArgument(format!("{len} bytes")))?;
@@ -187,6 +200,10 @@ impl DeviceMemory for DeviceScatter {
             self.check_range(offset, len)?;
         }
         let items: Vec<Vec<Piece>> = ranges.iter().map(|&(offset, len)| self.pieces(offset, len)).collect();
+        if let Some(part) = one_part(&items) {
+            // A slice of one memory (how the Python binding passes a buffer): its own batch.
+            return self.parts[part].mem.crc32c_each(&within_part(&items));
+        }
         if let Some((ordinal, device_items)) = self.on_one_device(&items) {
             if let Some(sums) = crate::cuda::crc32c_of_ranges(ordinal, &device_items)? {
                 return Ok(sums);
@@ -321,11 +338,8 @@ impl DeviceStream for ScatterStream<'_> {
         }
         let scatter = self.scatter;
         let items: Vec<Vec<Piece>> = ranges.iter().map(|&(offset, len)| scatter.pieces(offset, len)).collect();
-        let mut parts = items.iter().flatten().map(|p| p.part);
-        if let Some(only) = parts.next().filter(|&first| parts.all(|p| p == first)) {
-            let inner: Vec<(u64, u64)> =
-                items.iter().map(|i| i.first().map_or((0, 0), |p| (p.offset, p.len))).collect();
-            if let Some(sums) = self.stream(only)?.synchronize_and_crc32c(&inner)? {
+        if let Some(only) = one_part(&items) {
+            if let Some(sums) = self.stream(only)?.synchronize_and_crc32c(&within_part(&items))? {
                 self.synchronize()?;
                 return Ok(Some(sums));
             }
@@ -409,6 +423,10 @@ mod tests {
         let want: Vec<u32> = ranges.iter().map(|&(o, n)| crc32c::crc32c(&all[o as usize..(o + n) as usize])).collect();
         assert_eq!(s.crc32c_each(&ranges).unwrap(), want);
         assert!(matches!(s.crc32c_each(&[(0, 1), (total, 1)]), Err(GpuError::OutOfBounds(_))));
+        // Ranges within one part: that part's memory sums them.
+        let inside = [(5, 100), (0, 0), (69_000, 1_000)];
+        let want: Vec<u32> = inside.iter().map(|&(o, n)| crc32c::crc32c(&all[o as usize..(o + n) as usize])).collect();
+        assert_eq!(s.crc32c_each(&inside).unwrap(), want);
     }
 
     /// Emulated memory that says it is a range of device `ordinal` (to test which
