@@ -160,16 +160,14 @@ impl<'a> Copies<'a> {
             let sums: Vec<&Sum<'_>> = self.sums.iter().filter(|s| s.at == at).collect();
             if !sums.is_empty() {
                 let ranges: Vec<(u64, u64)> = sums.iter().map(|s| (s.offset, s.len)).collect();
-                match stream.synchronize_and_crc32c(&ranges) {
-                    Ok(Some(crcs)) => done.sums.extend(sums.iter().map(|s| s.item).zip(crcs)),
-                    Ok(None) => {
-                        for sum in sums {
-                            match sum.mem.crc32c(sum.offset, sum.len) {
-                                Ok(crc) => done.sums.push((sum.item, crc)),
-                                Err(e) => done.failed.push((sum.item, e.into())),
-                            }
-                        }
-                    }
+                // A stream that cannot chain them has waited: its memory (every sum
+                // of one stream is of its one memory) sums them.
+                let summed = stream.synchronize_and_crc32c(&ranges).and_then(|chained| match chained {
+                    Some(crcs) => Ok(crcs),
+                    None => sums[0].mem.crc32c_each(&ranges),
+                });
+                match summed {
+                    Ok(crcs) => done.sums.extend(sums.iter().map(|s| s.item).zip(crcs)),
                     Err(e) => {
                         let e = Error::from(e);
                         done.failed.extend(sums.iter().map(|s| (s.item, e.clone())));

@@ -194,7 +194,7 @@ fn stream_in_chunks(engine: &TransferEngine, reads: &[StreamRead<'_>], chunk: us
     }
     // Each read's check, chained behind its memory's last copies where the device
     // can: one batch per memory, in the same wait as its copies.
-    let mut summed: Vec<Result<Option<u32>>> = results.into_iter().map(|r| r.map(|()| None)).collect();
+    let mut summed = unsummed(results);
     let mut by_stream: Vec<(usize, Vec<usize>)> = Vec::new();
     for (i, r) in reads.iter().enumerate() {
         if summed[i].is_err() {
