@@ -105,8 +105,8 @@ pub use cache::{
     CacheConfig, CacheStats, NanoKvCache, ObjMeta, Watchdog, WritePlan, DEFAULT_PAGE_SIZE, MAX_KEY_LEN, PAYLOAD_ALIGN,
 };
 pub use cuda::{
-    allocate_or_emulate, cuda_available, cuda_device_count, nvrtc_available, CudaDeviceHeap, DeviceBuffer,
-    IpcHeapHandle,
+    allocate_or_emulate, crc32c_of_device_ranges, cuda_available, cuda_device_count, nvrtc_available, CudaDeviceHeap,
+    DeviceBuffer, IpcHeapHandle,
 };
 pub use device::{
     DeviceMemory, DeviceRange, DeviceScatter, DeviceStream, Fence, HostDeviceMemory, MemoryLocation, PinnedBuffer,

@@ -271,9 +271,9 @@ impl DeviceMemory for DeviceBuffer {
         }
     }
 
-    fn device_range(&self, offset: u64, len: u64) -> Option<DeviceRange> {
+    fn device_ranges(&self, offset: u64, len: u64) -> Option<Vec<DeviceRange>> {
         self.check_range(offset, len).ok()?;
-        Some(DeviceRange { ordinal: self.ordinal, address: self.ptr + offset })
+        Some(vec![DeviceRange { ordinal: self.ordinal, address: self.ptr + offset, len }])
     }
 
     fn open_stream(&self) -> Result<Box<dyn DeviceStream + '_>> {
@@ -349,16 +349,24 @@ impl DeviceMemory for DeviceBuffer {
     }
 }
 
-/// The crc32c of each item of device ranges `(address, length)` of device
-/// `ordinal` (an item's ranges summed one after the other), as one batch on the
-/// device (the range table up, one launch over every range, one fold, one
-/// synchronization). Work queued on
-/// other streams is not waited for: the caller synchronized what wrote the
-/// bytes. `Ok(None)` where the kernels cannot be built (no NVRTC): the caller
-/// sums range by range.
-pub(crate) fn crc32c_of_ranges(ordinal: usize, items: &[Vec<(u64, u64)>]) -> Result<Option<Vec<u32>>> {
-    let ctx = DeviceBuffer::context(ordinal)?;
-    match super::checksum::crc32c_each(&ctx, ordinal, None, items) {
+/// The crc32c of each item of [`DeviceRange`]s (an item's ranges summed one after
+/// the other), as one batch on their device: the range table up, one launch over
+/// every range, one fold, one synchronization. Work queued on other streams is
+/// not waited for: the caller synchronized what wrote the bytes. `Ok(None)` where
+/// it cannot be done so (ranges of several devices, no device ranges at all, no
+/// GPU, the kernels cannot be built): the caller sums memory by memory.
+pub fn crc32c_of_device_ranges(items: &[Vec<DeviceRange>]) -> Result<Option<Vec<u32>>> {
+    let Some(ordinal) = items.iter().flatten().map(|r| r.ordinal).next() else { return Ok(None) };
+    if items.iter().flatten().any(|r| r.ordinal != ordinal) {
+        return Ok(None);
+    }
+    let ctx = match DeviceBuffer::context(ordinal) {
+        Ok(ctx) => ctx,
+        Err(GpuError::NoGpu(_) | GpuError::CudaUnavailable(_)) => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    let ranges: Vec<Vec<(u64, u64)>> = items.iter().map(|i| i.iter().map(|r| (r.address, r.len)).collect()).collect();
+    match super::checksum::crc32c_each(&ctx, ordinal, None, &ranges) {
         Ok(sums) => Ok(Some(sums)),
         Err(e) if super::checksum::unavailable(&e) => Ok(None),
         Err(e) => Err(e),

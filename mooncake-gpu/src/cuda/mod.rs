@@ -59,14 +59,12 @@ pub use emulate::allocate_or_emulate;
 pub use heap::CudaDeviceHeap;
 pub use ipc::IpcHeapHandle;
 #[cfg(feature = "cuda")]
-pub(crate) use memory::crc32c_of_ranges;
-#[cfg(feature = "cuda")]
-pub use memory::DeviceBuffer;
+pub use memory::{crc32c_of_device_ranges, DeviceBuffer};
 #[cfg(feature = "cuda")]
 pub(crate) use pointer::{current_context, device_allocation, host_register, host_unregister, set_current_context};
 #[cfg(not(feature = "cuda"))]
-pub(crate) use unavailable::{
-    crc32c_of_ranges, current_context, device_allocation, host_register, host_unregister, set_current_context,
+pub use unavailable::{
+    crc32c_of_device_ranges, cuda_available, cuda_device_count, nvrtc_available, CudaDeviceHeap, DeviceBuffer,
 };
 #[cfg(not(feature = "cuda"))]
-pub use unavailable::{cuda_available, cuda_device_count, nvrtc_available, CudaDeviceHeap, DeviceBuffer};
+pub(crate) use unavailable::{current_context, device_allocation, host_register, host_unregister, set_current_context};

@@ -35,11 +35,11 @@ pub fn cuda_available() -> bool {
     false
 }
 
-/// No device range is ever summed in a build without the `cuda` feature (no
-/// memory has a [`DeviceRange`](crate::DeviceRange)): `Ok(None)`, sum range by
-/// range.
-pub(crate) fn crc32c_of_ranges(ordinal: usize, items: &[Vec<(u64, u64)>]) -> Result<Option<Vec<u32>>> {
-    let _ = (ordinal, items);
+/// The crc32c of each item of device ranges, in one batch on their device: in
+/// a build without the `cuda` feature never (`Ok(None)`: the caller sums memory
+/// by memory).
+pub fn crc32c_of_device_ranges(items: &[Vec<crate::DeviceRange>]) -> Result<Option<Vec<u32>>> {
+    let _ = items;
     Ok(None)
 }
 

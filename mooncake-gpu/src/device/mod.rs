@@ -89,13 +89,15 @@ impl fmt::Display for MemoryLocation {
 }
 
 /// A contiguous range of a CUDA device's memory
-/// ([`DeviceMemory::device_range`]).
+/// ([`DeviceMemory::device_ranges`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DeviceRange {
     /// The device's ordinal.
     pub ordinal: usize,
     /// The device address of the range's first byte.
     pub address: u64,
+    /// Its length in bytes.
+    pub len: u64,
 }
 
 /// A point in a [`DeviceStream`]'s sequence of copies: waiting on it waits for
@@ -224,13 +226,15 @@ pub trait DeviceMemory: Send + Sync + fmt::Debug {
         Err(GpuError::Unsupported(format!("{} cannot be exported as a dma-buf", self.location())))
     }
 
-    /// Where `[offset, offset + len)` lives, if it is one contiguous range of a
-    /// CUDA device's memory that the device-side sum reads: then a sum over
-    /// ranges of several memories of that device runs as one batch (a
-    /// [`DeviceScatter`]'s per-layer parts: one launch and one synchronization
-    /// for all the ranges, instead of one each). `None` (the default):
-    /// the memory sums its own bytes only, with [`crc32c`](Self::crc32c).
-    fn device_range(&self, offset: u64, len: u64) -> Option<DeviceRange> {
+    /// Where `[offset, offset + len)` lives, in order, if it is ranges of CUDA
+    /// device memory that the device-side sum reads: then sums over ranges of
+    /// several memories of one device run as one batch
+    /// ([`crc32c_of_device_ranges`](crate::crc32c_of_device_ranges): a
+    /// [`DeviceScatter`]'s per-layer parts, a batch's objects: one launch and one
+    /// synchronization for all the ranges, instead of one each). `None` (the
+    /// default): the memory sums its own bytes only, with
+    /// [`crc32c`](Self::crc32c).
+    fn device_ranges(&self, offset: u64, len: u64) -> Option<Vec<DeviceRange>> {
         let _ = (offset, len);
         None
     }

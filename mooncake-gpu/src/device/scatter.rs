@@ -97,24 +97,28 @@ impl DeviceScatter {
         pieces
     }
 
-    /// The device and each item's device ranges, if every piece of every item (an
-    /// item: the pieces of one range) is a [`DeviceRange`] of one device: then they
-    /// are summed as one batch.
-    fn on_one_device(&self, items: &[Vec<Piece>]) -> Option<(usize, DeviceItems)> {
-        let mut ordinal = None;
-        let mut out = Vec::with_capacity(items.len());
-        for pieces in items {
-            let mut ranges = Vec::with_capacity(pieces.len());
-            for p in pieces {
-                let r = self.parts[p.part].mem.device_range(p.offset, p.len)?;
-                if *ordinal.get_or_insert(r.ordinal) != r.ordinal {
-                    return None;
+    /// Each item's device ranges (an item: the pieces of one range), if every
+    /// piece is [`DeviceRange`]s: then they may be summed as one batch.
+    fn device_items(&self, items: &[Vec<Piece>]) -> Option<Vec<Vec<DeviceRange>>> {
+        items
+            .iter()
+            .map(|pieces| {
+                let mut ranges = Vec::with_capacity(pieces.len());
+                for p in pieces {
+                    ranges.extend(self.parts[p.part].mem.device_ranges(p.offset, p.len)?);
                 }
-                ranges.push((r.address, p.len));
-            }
-            out.push(ranges);
+                Some(ranges)
+            })
+            .collect()
+    }
+
+    /// Each item's sum as one batch on the device, where every piece is device
+    /// ranges of one device (`None`: sum them another way).
+    fn crc32c_on_device(&self, items: &[Vec<Piece>]) -> Result<Option<Vec<u32>>> {
+        match self.device_items(items) {
+            Some(ranges) => crate::cuda::crc32c_of_device_ranges(&ranges),
+            None => Ok(None),
         }
-        Some((ordinal?, out))
     }
 
     /// The pieces' sums, each by its own memory, folded in order.
@@ -126,9 +130,6 @@ impl DeviceScatter {
         Ok(crc)
     }
 }
-
-/// Per item, its device ranges `(address, length)`, summed one after the other.
-type DeviceItems = Vec<Vec<(u64, u64)>>;
 
 /// A range of one part of a [`DeviceScatter`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -179,16 +180,14 @@ impl DeviceMemory for DeviceScatter {
     }
 
     /// Parts that are ranges of one CUDA device summed as one batch on it
-    /// ([`DeviceMemory::device_range`]); otherwise each part's range summed by
+    /// ([`DeviceMemory::device_ranges`]); otherwise each part's range summed by
     /// its own memory (on the device, for CUDA memory), the sums folded in order.
     fn crc32c(&self, offset: u64, len: u64) -> Result<u32> {
         self.check_range(offset, len)?;
         let pieces = vec![self.pieces(offset, len)];
         if pieces[0].len() > 1 {
-            if let Some((ordinal, ranges)) = self.on_one_device(&pieces) {
-                if let Some(sums) = crate::cuda::crc32c_of_ranges(ordinal, &ranges)? {
-                    return Ok(sums[0]);
-                }
+            if let Some(sums) = self.crc32c_on_device(&pieces)? {
+                return Ok(sums[0]);
             }
         }
         self.crc32c_by_piece(&pieces[0])
@@ -204,20 +203,15 @@ impl DeviceMemory for DeviceScatter {
             // A slice of one memory (how the Python binding passes a buffer): its own batch.
             return self.parts[part].mem.crc32c_each(&within_part(&items));
         }
-        if let Some((ordinal, device_items)) = self.on_one_device(&items) {
-            if let Some(sums) = crate::cuda::crc32c_of_ranges(ordinal, &device_items)? {
-                return Ok(sums);
-            }
+        if let Some(sums) = self.crc32c_on_device(&items)? {
+            return Ok(sums);
         }
         items.iter().map(|pieces| self.crc32c_by_piece(pieces)).collect()
     }
 
-    fn device_range(&self, offset: u64, len: u64) -> Option<DeviceRange> {
+    fn device_ranges(&self, offset: u64, len: u64) -> Option<Vec<DeviceRange>> {
         self.check_range(offset, len).ok()?;
-        match self.pieces(offset, len)[..] {
-            [p] => self.parts[p.part].mem.device_range(p.offset, p.len),
-            _ => None,
-        }
+        self.device_items(&[self.pieces(offset, len)]).and_then(|mut items| items.pop())
     }
 
     fn open_stream(&self) -> Result<Box<dyn DeviceStream + '_>> {
@@ -343,9 +337,9 @@ impl DeviceStream for ScatterStream<'_> {
                 self.synchronize()?;
                 return Ok(Some(sums));
             }
-        } else if let Some((ordinal, device_ranges)) = scatter.on_one_device(&items) {
+        } else if scatter.device_items(&items).is_some() {
             self.synchronize()?;
-            if let Some(sums) = crate::cuda::crc32c_of_ranges(ordinal, &device_ranges)? {
+            if let Some(sums) = scatter.crc32c_on_device(&items)? {
                 return Ok(Some(sums));
             }
         }
@@ -450,44 +444,50 @@ mod tests {
         fn open_stream(&self) -> Result<Box<dyn DeviceStream + '_>> {
             self.0.open_stream()
         }
-        fn device_range(&self, offset: u64, len: u64) -> Option<DeviceRange> {
+        fn device_ranges(&self, offset: u64, len: u64) -> Option<Vec<DeviceRange>> {
             self.check_range(offset, len).ok()?;
-            Some(DeviceRange { ordinal: self.1, address: self.0.device_ptr() + offset })
+            Some(vec![DeviceRange { ordinal: self.1, address: self.0.device_ptr() + offset, len }])
         }
     }
 
     #[test]
-    fn ranges_of_one_device_are_summed_as_one_batch_and_others_piece_by_piece() {
+    fn ranges_of_device_memory_are_handed_to_the_device_sum_and_others_summed_by_piece() {
         let on = |ordinal: usize| Arc::new(OnDevice(HostDeviceMemory::new(64).unwrap(), ordinal));
         let (a, b, c) = (on(0), on(0), on(1));
-        let base = |m: &Arc<OnDevice>| m.0.device_ptr();
+        let at = |m: &Arc<OnDevice>, offset: u64, len: u64| DeviceRange {
+            ordinal: m.1,
+            address: m.0.device_ptr() + offset,
+            len,
+        };
         let two = DeviceScatter::new(vec![(a.clone() as Arc<dyn DeviceMemory>, 8, 16), (b.clone(), 0, 32)]).unwrap();
-        let batch = |s: &DeviceScatter, ranges: &[(u64, u64)]| {
-            let items: Vec<Vec<Piece>> = ranges.iter().map(|&(o, n)| s.pieces(o, n)).collect();
-            s.on_one_device(&items)
+        let items = |s: &DeviceScatter, ranges: &[(u64, u64)]| {
+            let pieces: Vec<Vec<Piece>> = ranges.iter().map(|&(o, n)| s.pieces(o, n)).collect();
+            s.device_items(&pieces)
         };
         // Each item's pieces, across the parts' boundary or not, as device ranges.
-        let (ordinal, items) = batch(&two, &[(4, 30), (20, 8), (0, 0)]).unwrap();
-        assert_eq!(ordinal, 0);
-        assert_eq!(items, vec![vec![(base(&a) + 12, 12), (base(&b), 18)], vec![(base(&b) + 4, 8)], vec![]]);
-        // Two devices, or emulated memory (no device range): piece by piece.
+        assert_eq!(
+            items(&two, &[(4, 30), (20, 8), (0, 0)]).unwrap(),
+            vec![vec![at(&a, 12, 12), at(&b, 0, 18)], vec![at(&b, 4, 8)], vec![]]
+        );
+        // Two devices: device ranges still (the device sum refuses them).
         let mixed = DeviceScatter::new(vec![(a.clone() as Arc<dyn DeviceMemory>, 0, 8), (c.clone(), 0, 8)]).unwrap();
-        assert!(batch(&mixed, &[(0, 16)]).is_none());
-        assert!(batch(&mixed, &[(0, 4), (8, 4)]).is_none(), "items on two devices");
-        assert!(batch(&mixed, &[(8, 4)]).is_some());
+        let ranges = items(&mixed, &[(0, 16)]).unwrap();
+        assert_eq!(ranges, vec![vec![at(&a, 0, 8), at(&c, 0, 8)]]);
+        assert_eq!(crate::crc32c_of_device_ranges(&ranges).unwrap(), None, "ranges of two devices: not one batch");
+        assert_eq!(crate::crc32c_of_device_ranges(&[vec![], vec![]]).unwrap(), None, "no device range at all");
+        // Emulated memory has no device ranges: piece by piece.
         let host = Arc::new(HostDeviceMemory::new(64).unwrap());
         let plain = DeviceScatter::new(vec![(a.clone() as Arc<dyn DeviceMemory>, 0, 8), (host, 0, 8)]).unwrap();
-        assert!(batch(&plain, &[(0, 16)]).is_none());
-        assert!(batch(&two, &[(0, 0)]).is_none(), "nothing to sum on a device");
+        assert!(items(&plain, &[(0, 16)]).is_none());
+        assert!(items(&plain, &[(0, 4)]).is_some(), "a range that stays in the device part");
         // A scatter inside a scatter (a registered buffer's slice, as the Python
-        // binding makes them) is the device range of the memory under it.
+        // binding makes them) gives the device ranges of the memory under it.
         let slice: Arc<dyn DeviceMemory> = Arc::new(DeviceScatter::new(vec![(b.clone(), 10, 20)]).unwrap());
-        assert_eq!(slice.device_range(5, 10), Some(DeviceRange { ordinal: 0, address: base(&b) + 15 }));
-        assert_eq!(slice.device_range(15, 10), None, "past the slice");
+        assert_eq!(slice.device_ranges(5, 10), Some(vec![at(&b, 15, 10)]));
+        assert_eq!(slice.device_ranges(15, 10), None, "past the slice");
         let nested = DeviceScatter::new(vec![(a.clone() as Arc<dyn DeviceMemory>, 0, 4), (slice, 0, 20)]).unwrap();
-        let (_, items) = batch(&nested, &[(0, 24)]).unwrap();
-        assert_eq!(items, vec![vec![(base(&a), 4), (base(&b) + 10, 20)]]);
-        assert_eq!(two.device_range(0, 30), None, "two memories are no one range");
+        assert_eq!(nested.device_ranges(0, 24), Some(vec![at(&a, 0, 4), at(&b, 10, 20)]));
+        assert_eq!(two.device_ranges(0, 30), Some(vec![at(&a, 8, 16), at(&b, 0, 14)]));
     }
 
     #[test]

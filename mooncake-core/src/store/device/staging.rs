@@ -9,7 +9,7 @@
 
 use std::sync::{Arc, LazyLock};
 
-use mooncake_gpu::{DeviceMemory, DeviceStream, PinnedPool, PooledBuffer};
+use mooncake_gpu::{DeviceMemory, DeviceRange, DeviceStream, PinnedPool, PooledBuffer};
 
 use super::pinned::PinnedRegion;
 use super::stream::stream_of;
@@ -156,9 +156,10 @@ impl<'a> Copies<'a> {
     /// failed, with why, and the sums.
     pub(in crate::store) fn finish(mut self) -> Finished {
         let mut done = Finished::default();
+        let summed = self.sum_across_memories(&mut done);
         for (at, (_, stream)) in self.streams.iter_mut().enumerate() {
             let sums: Vec<&Sum<'_>> = self.sums.iter().filter(|s| s.at == at).collect();
-            if !sums.is_empty() {
+            if !summed && !sums.is_empty() {
                 let ranges: Vec<(u64, u64)> = sums.iter().map(|s| (s.offset, s.len)).collect();
                 // A stream that cannot chain them has waited: its memory (every sum
                 // of one stream is of its one memory) sums them.
@@ -181,5 +182,38 @@ impl<'a> Copies<'a> {
         }
         self.streams.clear();
         done
+    }
+
+    /// Sums asked for on several memories whose ranges are all device ranges of
+    /// one device (a batch's objects, each its own memory, as per-layer tensors
+    /// are): every copy waited for, then one batch on the device for all of
+    /// them, where each memory's would take a wait of its own. Whether the sums
+    /// were taken (or failed) so.
+    fn sum_across_memories(&mut self, done: &mut Finished) -> bool {
+        let first = self.sums.first().map(|s| s.at);
+        if self.sums.iter().all(|s| Some(s.at) == first) {
+            return false;
+        }
+        let ranges: Option<Vec<Vec<DeviceRange>>> =
+            self.sums.iter().map(|s| s.mem.device_ranges(s.offset, s.len)).collect();
+        let Some(ranges) = ranges else { return false };
+        for (at, (_, stream)) in self.streams.iter_mut().enumerate() {
+            if let Err(e) = stream.synchronize() {
+                let e = Error::from(e);
+                done.failed.extend(self.pending.iter().filter(|p| p.1 == at).map(|p| (p.0, e.clone())));
+            }
+        }
+        match mooncake_gpu::crc32c_of_device_ranges(&ranges) {
+            Ok(Some(crcs)) => {
+                done.sums.extend(self.sums.iter().map(|s| s.item).zip(crcs));
+                true
+            }
+            Ok(None) => false,
+            Err(e) => {
+                let e = Error::from(e);
+                done.failed.extend(self.sums.iter().map(|s| (s.item, e.clone())));
+                true
+            }
+        }
     }
 }
