@@ -498,33 +498,6 @@ fn a_replica_in_a_mapped_segment_moves_in_one_dma_and_a_tcp_one_is_staged() {
     assert!(matches!(client.get_into_device("shm/obj", &dst, 0), Err(Error::Corrupted(_))));
 }
 
-/// Emulated memory that says its ranges are device memory of device 0 (as CUDA
-/// memory does), on a machine without a GPU.
-#[derive(Debug)]
-struct ClaimsDevice(HostDeviceMemory);
-
-impl DeviceMemory for ClaimsDevice {
-    fn len(&self) -> u64 {
-        self.0.len()
-    }
-    fn location(&self) -> MemoryLocation {
-        self.0.location()
-    }
-    fn device_ptr(&self) -> u64 {
-        self.0.device_ptr()
-    }
-    fn alloc_pinned(&self, len: usize) -> mooncake_core::gpu::Result<mooncake_core::gpu::PinnedBuffer> {
-        self.0.alloc_pinned(len)
-    }
-    fn open_stream(&self) -> mooncake_core::gpu::Result<Box<dyn mooncake_core::gpu::DeviceStream + '_>> {
-        self.0.open_stream()
-    }
-    fn device_ranges(&self, offset: u64, len: u64) -> Option<Vec<mooncake_core::gpu::DeviceRange>> {
-        self.check_range(offset, len).ok()?;
-        Some(vec![mooncake_core::gpu::DeviceRange { ordinal: 0, address: self.0.device_ptr() + offset, len }])
-    }
-}
-
 /// A batch read into several memories whose ranges are device ranges is summed
 /// as one batch on the device where a GPU is; where none is, the device sum
 /// declines and each memory's stream sums its own, every object still checked.
@@ -539,7 +512,7 @@ fn a_batch_into_several_device_memories_is_checked_without_a_gpu_too() {
     let node = b.global_segment_size(32 << 20).listen("127.0.0.1:0").build().unwrap();
     let b = Store::builder().master(&master).protocol(Protocol::Shm);
     let client = b.global_segment_size(0).build().unwrap();
-    let mems: Vec<ClaimsDevice> = (0..3).map(|_| ClaimsDevice(device(1 << 20))).collect();
+    let mems: Vec<HostDeviceMemory> = (0..3).map(|_| device(1 << 20).with_device_ranges(0)).collect();
     let data: Vec<Vec<u8>> = (0..3).map(|i| pattern(600 + i, 300_000 + i as usize)).collect();
     let keys: Vec<String> = (0..3).map(|i| format!("claims/{i}")).collect();
     for (k, d) in keys.iter().zip(&data) {
@@ -549,8 +522,8 @@ fn a_batch_into_several_device_memories_is_checked_without_a_gpu_too() {
         (0..3).map(|i| (keys[i].as_str(), &mems[i] as &dyn DeviceMemory, 7)).collect();
     for (i, got) in client.batch_get_into_devices(&items).into_iter().enumerate() {
         assert_eq!(got.unwrap(), data[i].len(), "object {i}");
-        assert!(mems[i].0.to_vec()[7..7 + data[i].len()] == data[i][..], "object {i}: device bytes");
-        assert_eq!(mems[i].0.chained_sums(), 1, "object {i}: summed behind its own copies");
+        assert!(mems[i].to_vec()[7..7 + data[i].len()] == data[i][..], "object {i}: device bytes");
+        assert_eq!(mems[i].chained_sums(), 1, "object {i}: summed behind its own copies");
     }
     assert_eq!(client.stats().device_direct_bytes, data.iter().map(|d| d.len() as u64).sum::<u64>());
 }

@@ -13,7 +13,7 @@ use memmap2::MmapMut;
 use mooncake_transfer::DmaBuf;
 use parking_lot::RwLock;
 
-use super::{check_range, DeviceMemory, DeviceStream, Fence, MemoryLocation, PinnedBuffer};
+use super::{check_range, DeviceMemory, DeviceRange, DeviceStream, Fence, MemoryLocation, PinnedBuffer};
 use crate::error::{GpuError, Result};
 
 /// Allocation ids of emulated memory: the top bit set, so they never meet the
@@ -45,6 +45,8 @@ pub struct HostDeviceMemory {
     id: u64,
     /// Copies run when enqueued ([`with_copies_at_enqueue`](Self::with_copies_at_enqueue)).
     at_enqueue: bool,
+    /// The device its ranges say they are on ([`with_device_ranges`](Self::with_device_ranges)).
+    device: Option<usize>,
     /// Copies its streams ran.
     copies: AtomicU64,
     /// Sums its streams took behind their copies.
@@ -120,6 +122,7 @@ impl HostDeviceMemory {
             file: None,
             id,
             at_enqueue: false,
+            device: None,
             copies: AtomicU64::new(0),
             chained_sums: AtomicU64::new(0),
         })
@@ -150,9 +153,20 @@ impl HostDeviceMemory {
             file,
             id,
             at_enqueue: false,
+            device: None,
             copies: AtomicU64::new(0),
             chained_sums: AtomicU64::new(0),
         })
+    }
+
+    /// This memory, saying that its ranges are device memory of device `ordinal`
+    /// ([`DeviceMemory::device_ranges`]), as CUDA memory does: to test what callers
+    /// do with device ranges. Its bytes stay in host memory, so the device sum
+    /// declines them ([`crc32c_of_device_ranges`](crate::crc32c_of_device_ranges)
+    /// finds no such device here) and they are summed as before.
+    pub fn with_device_ranges(mut self, ordinal: usize) -> Self {
+        self.device = Some(ordinal);
+        self
     }
 
     /// This memory, with streams that run each copy when it is enqueued, like a
@@ -225,6 +239,12 @@ impl DeviceMemory for HostDeviceMemory {
 
     fn allocation_id(&self) -> Option<u64> {
         Some(self.id)
+    }
+
+    fn device_ranges(&self, offset: u64, len: u64) -> Option<Vec<DeviceRange>> {
+        let ordinal = self.device?;
+        self.check_range(offset, len).ok()?;
+        Some(vec![DeviceRange { ordinal, address: self.base + offset, len }])
     }
 
     fn export_dmabuf(&self) -> Result<DmaBuf> {

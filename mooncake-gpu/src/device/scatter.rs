@@ -423,40 +423,13 @@ mod tests {
         assert_eq!(s.crc32c_each(&inside).unwrap(), want);
     }
 
-    /// Emulated memory that says it is a range of device `ordinal` (to test which
-    /// pieces a scatter would sum as one batch; nothing here sums on a device).
-    #[derive(Debug)]
-    struct OnDevice(HostDeviceMemory, usize);
-
-    impl DeviceMemory for OnDevice {
-        fn len(&self) -> u64 {
-            self.0.len()
-        }
-        fn location(&self) -> MemoryLocation {
-            self.0.location()
-        }
-        fn device_ptr(&self) -> u64 {
-            self.0.device_ptr()
-        }
-        fn alloc_pinned(&self, len: usize) -> Result<PinnedBuffer> {
-            self.0.alloc_pinned(len)
-        }
-        fn open_stream(&self) -> Result<Box<dyn DeviceStream + '_>> {
-            self.0.open_stream()
-        }
-        fn device_ranges(&self, offset: u64, len: u64) -> Option<Vec<DeviceRange>> {
-            self.check_range(offset, len).ok()?;
-            Some(vec![DeviceRange { ordinal: self.1, address: self.0.device_ptr() + offset, len }])
-        }
-    }
-
     #[test]
     fn ranges_of_device_memory_are_handed_to_the_device_sum_and_others_summed_by_piece() {
-        let on = |ordinal: usize| Arc::new(OnDevice(HostDeviceMemory::new(64).unwrap(), ordinal));
+        let on = |ordinal: usize| Arc::new(HostDeviceMemory::new(64).unwrap().with_device_ranges(ordinal));
         let (a, b, c) = (on(0), on(0), on(1));
-        let at = |m: &Arc<OnDevice>, offset: u64, len: u64| DeviceRange {
-            ordinal: m.1,
-            address: m.0.device_ptr() + offset,
+        let at = |m: &Arc<HostDeviceMemory>, ordinal: usize, offset: u64, len: u64| DeviceRange {
+            ordinal,
+            address: m.device_ptr() + offset,
             len,
         };
         let two = DeviceScatter::new(vec![(a.clone() as Arc<dyn DeviceMemory>, 8, 16), (b.clone(), 0, 32)]).unwrap();
@@ -467,15 +440,15 @@ mod tests {
         // Each item's pieces, across the parts' boundary or not, as device ranges.
         assert_eq!(
             items(&two, &[(4, 30), (20, 8), (0, 0)]).unwrap(),
-            vec![vec![at(&a, 12, 12), at(&b, 0, 18)], vec![at(&b, 4, 8)], vec![]]
+            vec![vec![at(&a, 0, 12, 12), at(&b, 0, 0, 18)], vec![at(&b, 0, 4, 8)], vec![]]
         );
         // Two devices: device ranges still (the device sum refuses them).
         let mixed = DeviceScatter::new(vec![(a.clone() as Arc<dyn DeviceMemory>, 0, 8), (c.clone(), 0, 8)]).unwrap();
         let ranges = items(&mixed, &[(0, 16)]).unwrap();
-        assert_eq!(ranges, vec![vec![at(&a, 0, 8), at(&c, 0, 8)]]);
+        assert_eq!(ranges, vec![vec![at(&a, 0, 0, 8), at(&c, 1, 0, 8)]]);
         assert_eq!(crate::crc32c_of_device_ranges(&ranges).unwrap(), None, "ranges of two devices: not one batch");
         assert_eq!(crate::crc32c_of_device_ranges(&[vec![], vec![]]).unwrap(), None, "no device range at all");
-        // Emulated memory has no device ranges: piece by piece.
+        // Plain emulated memory has no device ranges: piece by piece.
         let host = Arc::new(HostDeviceMemory::new(64).unwrap());
         let plain = DeviceScatter::new(vec![(a.clone() as Arc<dyn DeviceMemory>, 0, 8), (host, 0, 8)]).unwrap();
         assert!(items(&plain, &[(0, 16)]).is_none());
@@ -483,11 +456,11 @@ mod tests {
         // A scatter inside a scatter (a registered buffer's slice, as the Python
         // binding makes them) gives the device ranges of the memory under it.
         let slice: Arc<dyn DeviceMemory> = Arc::new(DeviceScatter::new(vec![(b.clone(), 10, 20)]).unwrap());
-        assert_eq!(slice.device_ranges(5, 10), Some(vec![at(&b, 15, 10)]));
+        assert_eq!(slice.device_ranges(5, 10), Some(vec![at(&b, 0, 15, 10)]));
         assert_eq!(slice.device_ranges(15, 10), None, "past the slice");
         let nested = DeviceScatter::new(vec![(a.clone() as Arc<dyn DeviceMemory>, 0, 4), (slice, 0, 20)]).unwrap();
-        assert_eq!(nested.device_ranges(0, 24), Some(vec![at(&a, 0, 4), at(&b, 10, 20)]));
-        assert_eq!(two.device_ranges(0, 30), Some(vec![at(&a, 8, 16), at(&b, 0, 14)]));
+        assert_eq!(nested.device_ranges(0, 24), Some(vec![at(&a, 0, 0, 4), at(&b, 0, 10, 20)]));
+        assert_eq!(two.device_ranges(0, 30), Some(vec![at(&a, 0, 8, 16), at(&b, 0, 0, 14)]));
     }
 
     #[test]
