@@ -355,13 +355,6 @@ pub(crate) fn unavailable(e: &GpuError) -> bool {
     matches!(e, GpuError::CudaUnavailable(_) | GpuError::Nvrtc(_))
 }
 
-/// crc32c of the `len` bytes at device address `ptr` (of device `ordinal`, in
-/// `ctx`). Work queued on other streams before the call is not waited for: the
-/// caller synchronized what wrote the bytes.
-pub(crate) fn crc32c(ctx: &Arc<CudaContext>, ordinal: usize, ptr: u64, len: u64) -> Result<u32> {
-    Ok(crc32c_each(ctx, ordinal, None, &[vec![(ptr, len)]])?[0])
-}
-
 /// The crc32c of each item, an item being device ranges `(address, length)` whose
 /// bytes are summed one after the other, in one batch: the kernels enqueued on
 /// `stream` (after whatever was enqueued there before: the copies that wrote the

@@ -245,15 +245,11 @@ impl DeviceMemory for DeviceBuffer {
         })
     }
 
-    /// Summed on the device (two small kernels, 4 bytes back), so a device
-    /// get's check costs no second pass of the bytes over PCIe; by download
-    /// where the kernels cannot be built (no NVRTC).
+    /// Summed on the device ([`crc32c_each`](Self::crc32c_each) of one range), so
+    /// a device get's check costs no second pass of the bytes over PCIe; by
+    /// download where the kernels cannot be built (no NVRTC).
     fn crc32c(&self, offset: u64, len: u64) -> Result<u32> {
-        self.check_range(offset, len)?;
-        match super::checksum::crc32c(&self.ctx, self.ordinal, self.ptr + offset, len) {
-            Err(e) if super::checksum::unavailable(&e) => crate::device::crc32c_by_download(self, offset, len),
-            other => other,
-        }
+        Ok(self.crc32c_each(&[(offset, len)])?[0])
     }
 
     /// Every range in one batch on the device; by download, range by range,

@@ -183,14 +183,7 @@ impl DeviceMemory for DeviceScatter {
     /// ([`DeviceMemory::device_ranges`]); otherwise each part's range summed by
     /// its own memory (on the device, for CUDA memory), the sums folded in order.
     fn crc32c(&self, offset: u64, len: u64) -> Result<u32> {
-        self.check_range(offset, len)?;
-        let pieces = vec![self.pieces(offset, len)];
-        if pieces[0].len() > 1 {
-            if let Some(sums) = self.crc32c_on_device(&pieces)? {
-                return Ok(sums[0]);
-            }
-        }
-        self.crc32c_by_piece(&pieces[0])
+        Ok(self.crc32c_each(&[(offset, len)])?[0])
     }
 
     /// Ranges over parts of one CUDA device in one batch; otherwise range by range.
@@ -251,16 +244,11 @@ impl<'a> ScatterStream<'a> {
     ) -> Result<()> {
         check_range(self.scatter.len, offset, len as u64)?;
         let mut done = 0usize;
-        let mut i = self.scatter.part_at(offset);
-        while done < len {
-            let part = &self.scatter.parts[i];
-            let x = offset + done as u64;
-            let within = x - part.at;
-            let n = (part.len - within).min((len - done) as u64) as usize;
-            let dev = part.offset + within;
-            f(self.stream(i)?, done, n, dev)?;
+        for p in self.scatter.pieces(offset, len as u64) {
+            // A piece is at most `len` bytes: it fits a usize.
+            let n = p.len as usize;
+            f(self.stream(p.part)?, done, n, p.offset)?;
             done += n;
-            i += 1;
         }
         Ok(())
     }

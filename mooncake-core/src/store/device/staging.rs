@@ -151,69 +151,81 @@ impl<'a> Copies<'a> {
         Ok(())
     }
 
-    /// Waits for every copy and takes the sums asked for (a stream's in one
-    /// batch, behind its copies, where it can): the items whose copy or sum
-    /// failed, with why, and the sums.
+    /// Waits for every copy and takes the sums asked for: on several memories of
+    /// one device in one batch after every copy ([`across_memories`]), else a
+    /// stream's in one batch behind its copies where it can. The items whose copy
+    /// or sum failed, with why, and the sums.
+    ///
+    /// [`across_memories`]: Self::across_memories
     pub(in crate::store) fn finish(mut self) -> Finished {
         let mut done = Finished::default();
-        let summed = self.sum_across_memories(&mut done);
+        let across = self.across_memories();
+        // Every copy first where one batch sums them all; else each stream's sums
+        // go behind its copies, and the stream is waited for after them.
+        let synced_first = across.is_some();
+        if synced_first {
+            self.synchronize_each(&mut done);
+        }
+        let summed = match across.map(|ranges| mooncake_gpu::crc32c_of_device_ranges(&ranges)) {
+            Some(Ok(Some(crcs))) => {
+                done.sums.extend(self.sums.iter().map(|s| s.item).zip(crcs));
+                true
+            }
+            Some(Err(e)) => {
+                let e = Error::from(e);
+                done.failed.extend(self.sums.iter().map(|s| (s.item, e.clone())));
+                true
+            }
+            // The device declined them: each stream's below (its copies are done).
+            Some(Ok(None)) | None => false,
+        };
         for (at, (_, stream)) in self.streams.iter_mut().enumerate() {
             let sums: Vec<&Sum<'_>> = self.sums.iter().filter(|s| s.at == at).collect();
-            if !summed && !sums.is_empty() {
-                let ranges: Vec<(u64, u64)> = sums.iter().map(|s| (s.offset, s.len)).collect();
-                // A stream that cannot chain them has waited: its memory (every sum
-                // of one stream is of its one memory) sums them.
-                let summed = stream.synchronize_and_crc32c(&ranges).and_then(|chained| match chained {
-                    Some(crcs) => Ok(crcs),
-                    None => sums[0].mem.crc32c_each(&ranges),
-                });
-                match summed {
-                    Ok(crcs) => done.sums.extend(sums.iter().map(|s| s.item).zip(crcs)),
-                    Err(e) => {
-                        let e = Error::from(e);
-                        done.failed.extend(sums.iter().map(|s| (s.item, e.clone())));
-                    }
+            if summed || sums.is_empty() {
+                continue;
+            }
+            let ranges: Vec<(u64, u64)> = sums.iter().map(|s| (s.offset, s.len)).collect();
+            // A stream that cannot chain them has waited: its memory (every sum of
+            // one stream is of its one memory) sums them.
+            let crcs = stream.synchronize_and_crc32c(&ranges).and_then(|chained| match chained {
+                Some(crcs) => Ok(crcs),
+                None => sums[0].mem.crc32c_each(&ranges),
+            });
+            match crcs {
+                Ok(crcs) => done.sums.extend(sums.iter().map(|s| s.item).zip(crcs)),
+                Err(e) => {
+                    let e = Error::from(e);
+                    done.failed.extend(sums.iter().map(|s| (s.item, e.clone())));
                 }
             }
-            if let Err(e) = stream.synchronize() {
-                let e = Error::from(e);
-                done.failed.extend(self.pending.iter().filter(|p| p.1 == at).map(|p| (p.0, e.clone())));
-            }
+        }
+        if !synced_first {
+            self.synchronize_each(&mut done);
         }
         self.streams.clear();
         done
     }
 
-    /// Sums asked for on several memories whose ranges are all device ranges of
-    /// one device (a batch's objects, each its own memory, as per-layer tensors
-    /// are): every copy waited for, then one batch on the device for all of
-    /// them, where each memory's would take a wait of its own. Whether the sums
-    /// were taken (or failed) so.
-    fn sum_across_memories(&mut self, done: &mut Finished) -> bool {
-        let first = self.sums.first().map(|s| s.at);
-        if self.sums.iter().all(|s| Some(s.at) == first) {
-            return false;
-        }
-        let ranges: Option<Vec<Vec<DeviceRange>>> =
-            self.sums.iter().map(|s| s.mem.device_ranges(s.offset, s.len)).collect();
-        let Some(ranges) = ranges else { return false };
+    /// Waits for each stream; a stream that failed fails the items of its copies.
+    fn synchronize_each(&mut self, done: &mut Finished) {
         for (at, (_, stream)) in self.streams.iter_mut().enumerate() {
             if let Err(e) = stream.synchronize() {
                 let e = Error::from(e);
                 done.failed.extend(self.pending.iter().filter(|p| p.1 == at).map(|p| (p.0, e.clone())));
             }
         }
-        match mooncake_gpu::crc32c_of_device_ranges(&ranges) {
-            Ok(Some(crcs)) => {
-                done.sums.extend(self.sums.iter().map(|s| s.item).zip(crcs));
-                true
-            }
-            Ok(None) => false,
-            Err(e) => {
-                let e = Error::from(e);
-                done.failed.extend(self.sums.iter().map(|s| (s.item, e.clone())));
-                true
-            }
+    }
+
+    /// The device ranges of every sum asked for, where they lie on several
+    /// memories (a batch's objects, each its own memory, as per-layer tensors
+    /// are) and every one is device ranges: then one batch on the device sums
+    /// them all after every copy, where each memory's would take a wait of its
+    /// own (the device may still decline: ranges of several devices, no GPU).
+    fn across_memories(&self) -> Option<Vec<Vec<DeviceRange>>> {
+        let first = self.sums.first()?.at;
+        if self.sums.iter().all(|s| s.at == first) {
+            return None;
         }
+        self.sums.iter().map(|s| s.mem.device_ranges(s.offset, s.len)).collect()
     }
 }
