@@ -1,7 +1,9 @@
 //! GPU page-size sweep: for page sizes 128/256/512
 //! KiB and a few object sizes, pushes objects from a device producer buffer
-//! into a `CudaDeviceHeap` through `open_for_write` + `nk_push_pages` +
-//! `nk_publish`, reads them back with the device reader kernels, and measures
+//! into a `CudaDeviceHeap` with `NanoKvCache::put_from_device` (one wait: the
+//! header write and `nk_push_publish` in order on the heap's stream; `put_*`),
+//! times `push_from_device` alone on plans from `open_for_write`
+//! (`push_publish_*`), reads them back with the device reader kernels, and measures
 //! `cuMemcpyDtoD` of the same sizes in the same run as the bandwidth reference.
 //! Prints one JSON document on stdout.
 //!
@@ -88,14 +90,17 @@ fn run(a: &Args) -> Result<String, GpuError> {
             for i in 0..a.iters {
                 let key = format!("p{page_kb}/s{size}/{i}");
                 let t0 = Instant::now();
-                let plan = cache.open_for_write(&key, size)?;
-                let t1 = Instant::now();
-                heap.push_from_device(&plan, src.ptr(), 0, plan.n_pages, true, cache.now_ns())?;
-                let t2 = Instant::now();
-                put_us.push((t2 - t0).as_secs_f64() * 1e6);
-                push_us.push((t2 - t1).as_secs_f64() * 1e6);
+                cache.put_from_device(&key, src.ptr(), size)?;
+                put_us.push(t0.elapsed().as_secs_f64() * 1e6);
             }
             let put_s = t_all.elapsed().as_secs_f64();
+            // The push and publish alone (a producer holding a plan).
+            for i in 0..a.iters {
+                let plan = cache.open_for_write(&format!("q{page_kb}/s{size}/{i}"), size)?;
+                let t0 = Instant::now();
+                heap.push_from_device(&plan, src.ptr(), 0, plan.n_pages, true, cache.now_ns())?;
+                push_us.push(t0.elapsed().as_secs_f64() * 1e6);
+            }
 
             let mut get_us = Vec::with_capacity(a.iters);
             for i in 0..a.iters {

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use parking_lot::{Condvar, Mutex};
 
 use crate::alloc::RangeAlloc;
+use crate::cuda::CudaDeviceHeap;
 use crate::error::{GpuError, Result};
 use crate::header::{header_offsets, HeaderSnapshot, HeaderU32Field, HeaderU64Field, ObjectState, HEADER_VERSION};
 use crate::heap::{DeviceHeap, PageSpan, ReadExpect, RetireOutcome};
@@ -273,6 +274,14 @@ impl Inner {
         self.slots[slot as usize].as_ref().map(|e| (slot, e))
     }
 
+    /// A put of `slot` was published: counted once, and marked committed.
+    fn count_put(&mut self, slot: u32) {
+        if !self.slots[slot as usize].as_ref().is_some_and(|e| e.committed) {
+            self.puts += 1;
+        }
+        self.mark_committed(slot);
+    }
+
     fn mark_committed(&mut self, slot: u32) {
         if let Some(e) = self.slots[slot as usize].as_mut() {
             if !e.committed {
@@ -320,6 +329,16 @@ impl Drop for Watchdog {
     fn drop(&mut self) {
         self.shutdown();
     }
+}
+
+/// How a reservation's header is written.
+#[derive(Clone, Copy)]
+enum HeaderWrite {
+    /// Waited for: the plan may go to another process.
+    Waited,
+    /// Ordered before the heap's next operation, not waited for: the plan is
+    /// filled on this heap (see [`DeviceHeap::write_header_in_order`]).
+    InOrder,
 }
 
 /// The GPU-resident KV cache of one owner (Nano Mooncake): object index, bump +
@@ -424,6 +443,11 @@ impl<H: DeviceHeap + ?Sized> NanoKvCache<H> {
     /// objects) it keeps evicting the oldest evictable object until it fits.
     /// Errors: `AlreadyExists`, `NoSpace`, `NoHeaderSlot`, `InvalidArgument`.
     pub fn open_for_write(&self, key: &str, bytes_total: u64) -> Result<WritePlan> {
+        self.reserve(key, bytes_total, HeaderWrite::Waited)
+    }
+
+    /// [`open_for_write`](Self::open_for_write), the header written as `how` says.
+    fn reserve(&self, key: &str, bytes_total: u64, how: HeaderWrite) -> Result<WritePlan> {
         Self::check_key(key)?;
         let mut span = PageSpan::new(0, bytes_total, self.cfg.page_size)?;
         let need = span.alloc_bytes();
@@ -498,7 +522,10 @@ impl<H: DeviceHeap + ?Sized> NanoKvCache<H> {
                 _pad: 0,
                 _reserved: [0; 5],
             };
-            self.heap.write_header(slot, &h)?;
+            match how {
+                HeaderWrite::Waited => self.heap.write_header(slot, &h)?,
+                HeaderWrite::InOrder => self.heap.write_header_in_order(slot, &h)?,
+            }
             Ok(epoch)
         })();
         let epoch = match init {
@@ -566,10 +593,7 @@ impl<H: DeviceHeap + ?Sized> NanoKvCache<H> {
             _ => return Err(GpuError::Stale),
         }
         self.heap.publish(plan.slot, plan.epoch, self.now_ns())?;
-        if !inner.slots[plan.slot as usize].as_ref().is_some_and(|e| e.committed) {
-            inner.puts += 1;
-        }
-        inner.mark_committed(plan.slot);
+        inner.count_put(plan.slot);
         Ok(())
     }
 
@@ -866,6 +890,36 @@ impl<H: DeviceHeap + ?Sized> NanoKvCache<H> {
     /// Whether `key` is indexed (in any state).
     pub fn contains(&self, key: &str) -> bool {
         self.inner.lock().index.contains_key(key)
+    }
+}
+
+impl NanoKvCache<CudaDeviceHeap> {
+    /// Puts `bytes_total` bytes of device memory at `src` (a device pointer in
+    /// the heap's context, the bytes contiguous) under `key`: the reservation,
+    /// the page copy and the READY publish go on the heap's stream in order and
+    /// are waited for once (`nk_write_header`, then `nk_push_publish`), where
+    /// [`open_for_write`](Self::open_for_write) +
+    /// [`CudaDeviceHeap::push_from_device`] wait twice. On a failed copy the
+    /// reservation is aborted. Errors as `open_for_write`, and `Stale` when the
+    /// reservation was reclaimed before the publish.
+    pub fn put_from_device(&self, key: &str, src: u64, bytes_total: u64) -> Result<()> {
+        let plan = self.reserve(key, bytes_total, HeaderWrite::InOrder)?;
+        match self.heap.push_from_device(&plan, src, 0, plan.n_pages, true, self.now_ns()) {
+            Ok(()) => {
+                let mut inner = self.inner.lock();
+                if inner.slots[plan.slot as usize].as_ref().is_some_and(|e| e.epoch == plan.epoch) {
+                    inner.count_put(plan.slot);
+                }
+                Ok(())
+            }
+            Err(e) => {
+                // The header's own write may be what failed: its epoch is no
+                // longer known for sure.
+                let _ = self.abort(&plan);
+                self.inner.lock().epochs[plan.slot as usize] = None;
+                Err(e)
+            }
+        }
     }
 }
 

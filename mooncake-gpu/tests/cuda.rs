@@ -125,6 +125,16 @@ fn gpu_device_push_publish_and_device_read() {
         let p = c.open_for_write(&key, n_bytes as u64).unwrap();
         heap.push_from_device(&p, src.ptr(), 0, p.n_pages, true, c.now_ns()).unwrap();
         assert_eq!(c.get(&key).unwrap(), v[..n_bytes], "put {round}");
+        // The one-wait device put: its header write is not waited for, only
+        // ordered before the push on the heap's stream; a slot reused round
+        // after round must still publish the new header's object.
+        let fast = format!("fast/{round}");
+        let ready = c.stats().ready_count;
+        c.put_from_device(&fast, src.ptr() + 1000, n_bytes as u64).unwrap();
+        assert_eq!(c.stats().ready_count, ready + 1, "counted as published at once");
+        assert_eq!(c.get(&fast).unwrap(), v[1000..1000 + n_bytes], "device put {round}");
+        assert_eq!(c.put_from_device(&fast, src.ptr(), 10), Err(GpuError::AlreadyExists));
+        c.remove(&fast).unwrap();
         let n = heap.read_into_device(&meta, &KeyId::of("dev"), dst.ptr(), (len + 4096) as u64).unwrap();
         assert_eq!(n, len as u64, "read {round}");
         assert_eq!(heap.load_u32(meta.slot, HeaderU32Field::ReaderRefcnt, Ordering::SeqCst).unwrap(), 0);

@@ -99,6 +99,13 @@ __device__ __forceinline__ u32 mc_combine(u32 a, u32 b, u64 len_b) {
     return mc_mul(op, a) ^ b;
 }
 
+// Eight bytes (little-endian words lo, hi) into a running sum, slice-by-8.
+__device__ __forceinline__ u32 mc_step8(const u32 (*T)[256], u32 crc, u32 lo, u32 hi) {
+    lo ^= crc;
+    return T[7][lo & 0xff] ^ T[6][(lo >> 8) & 0xff] ^ T[5][(lo >> 16) & 0xff] ^ T[4][lo >> 24]
+        ^ T[3][hi & 0xff] ^ T[2][(hi >> 8) & 0xff] ^ T[1][(hi >> 16) & 0xff] ^ T[0][hi >> 24];
+}
+
 // Folds the sums c[0..n) (piece i of l[i] bytes) into c[0], l[0] (n a power of two,
 // blockDim.x == n).
 __device__ void mc_tree(u32* c, u64* l, u32 n) {
@@ -149,6 +156,21 @@ extern "C" __global__ void mc_crc32c_blocks(const u64* ranges, u32 n_ranges, u32
     const u8* p = data + start;
     u64 n = mine;
     u32 crc = 0xFFFFFFFFu;
+    if (n == MC_PER_THREAD && ((u64)p & 15) == 0) {
+        // The common case, a full aligned share: every load is issued before
+        // the first is used, so the thread waits for memory once, not once per
+        // word (the sum's dependency chain would otherwise serialize them).
+        uint4 v[MC_PER_THREAD / 16];
+        const uint4* q = (const uint4*)p;
+#pragma unroll
+        for (int i = 0; i < (int)(MC_PER_THREAD / 16); i++) v[i] = q[i];
+#pragma unroll
+        for (int i = 0; i < (int)(MC_PER_THREAD / 16); i++) {
+            crc = mc_step8(T, crc, v[i].x, v[i].y);
+            crc = mc_step8(T, crc, v[i].z, v[i].w);
+        }
+        n = 0;
+    }
     while (n && ((u64)p & 7)) {
         crc = T[0][(crc ^ *p) & 0xff] ^ (crc >> 8);
         p++;
@@ -157,10 +179,7 @@ extern "C" __global__ void mc_crc32c_blocks(const u64* ranges, u32 n_ranges, u32
     const u64* w = (const u64*)p;
     while (n >= 8) {
         u64 v = *w++;
-        u32 lo = (u32)v ^ crc;
-        u32 hi = (u32)(v >> 32);
-        crc = T[7][lo & 0xff] ^ T[6][(lo >> 8) & 0xff] ^ T[5][(lo >> 16) & 0xff] ^ T[4][lo >> 24]
-            ^ T[3][hi & 0xff] ^ T[2][(hi >> 8) & 0xff] ^ T[1][(hi >> 16) & 0xff] ^ T[0][hi >> 24];
+        crc = mc_step8(T, crc, (u32)v, (u32)(v >> 32));
         n -= 8;
     }
     p = (const u8*)w;

@@ -453,6 +453,28 @@ impl CudaDeviceHeap {
         })
     }
 
+    /// One kernel with the header as its argument: every word but the state's,
+    /// then the state with SeqCst (release for the words before it); waited for
+    /// when `wait` (one host round trip; it was two host-to-device copies and a
+    /// kernel).
+    fn launch_write_header(&self, slot: u32, h: &HeaderSnapshot, wait: bool) -> Result<()> {
+        let hdr = self.hdr(slot)?;
+        let words = HeaderWords::of(h);
+        guarded("write_header", || {
+            let _g = self.scratch.lock();
+            drv("bind", self.ctx.bind_to_thread())?;
+            let mut l = self.stream.launch_builder(&self.k.write_header);
+            l.arg(&hdr).arg(&words).arg(&h.state);
+            // SAFETY: argument types match (u64, NkHeader (16 u64, by value),
+            // u32); `hdr` is this slot's 128-byte header (checked by `hdr`).
+            drv("launch nk_write_header", unsafe { l.launch(cfg1()) })?;
+            if wait {
+                self.sync()?;
+            }
+            Ok(())
+        })
+    }
+
     /// Reader path: copies the object at `meta` into the device buffer `dst`
     /// (`dst_cap` bytes) with the device-side protocol (`nk_reader_enter`
     /// acquire + pin + re-check; `nk_read_exit`: tail-clamped copy, then the
@@ -636,21 +658,13 @@ impl DeviceHeap for CudaDeviceHeap {
     }
 
     fn write_header(&self, slot: u32, h: &HeaderSnapshot) -> Result<()> {
-        let hdr = self.hdr(slot)?;
-        let words = HeaderWords::of(h);
-        // One kernel with the header as its argument: every word but the state's,
-        // then the state with SeqCst (release for the words before it), and one
-        // host round trip (it was two host-to-device copies and a kernel).
-        guarded("write_header", || {
-            let _g = self.scratch.lock();
-            drv("bind", self.ctx.bind_to_thread())?;
-            let mut l = self.stream.launch_builder(&self.k.write_header);
-            l.arg(&hdr).arg(&words).arg(&h.state);
-            // SAFETY: argument types match (u64, NkHeader (16 u64, by value),
-            // u32); `hdr` is this slot's 128-byte header (checked by `hdr`).
-            drv("launch nk_write_header", unsafe { l.launch(cfg1()) })?;
-            self.sync()
-        })
+        self.launch_write_header(slot, h, true)
+    }
+
+    fn write_header_in_order(&self, slot: u32, h: &HeaderSnapshot) -> Result<()> {
+        // The kernel takes the header by value: nothing of ours is in flight
+        // once it is enqueued, and every later launch of this heap runs after it.
+        self.launch_write_header(slot, h, false)
     }
 
     fn load_u32(&self, slot: u32, f: HeaderU32Field, order: Ordering) -> Result<u32> {

@@ -95,22 +95,33 @@ __device__ __forceinline__ void copy_chunk(u8* d, const u8* s, u32 len, u32 part
     u32 nvec = len / 16u;
     const uint4* s4 = (const uint4*)s;
     uint4* d4 = (uint4*)d;
-    for (u32 i = tid; i < nvec; i += stride) { d4[i] = __ldcg(s4 + i); }
+    u32 i = tid;
+    // Four loads in flight before their stores: a thread otherwise waits for
+    // memory once per vector.
+    for (; i + 3u * stride < nvec; i += 4u * stride) {
+      uint4 a = __ldcg(s4 + i), b = __ldcg(s4 + i + stride);
+      uint4 c = __ldcg(s4 + i + 2u * stride), e = __ldcg(s4 + i + 3u * stride);
+      d4[i] = a; d4[i + stride] = b; d4[i + 2u * stride] = c; d4[i + 3u * stride] = e;
+    }
+    for (; i < nvec; i += stride) { d4[i] = __ldcg(s4 + i); }
     done = nvec * 16u;
   }
   for (u32 i = done + tid; i < len; i += stride) { d[i] = __ldcg(s + i); }
 }
 
 // The last block of the grid to get here (every block calls it once, all
-// threads): each thread's stores are made visible system-wide first, so what
-// the last block does after it (a release, a publish) covers every block's
-// stores. The counter wraps back to 0 as the last block arrives (atomicInc),
-// ready for the next launch on the stream.
+// threads): the barrier orders every thread's stores before thread 0's
+// system-scope fence, which (fences being cumulative in the PTX model) makes
+// them visible system-wide before its arrival, so what the last block does
+// after it (a release, a publish) covers every block's stores. The pattern of
+// a cooperative grid sync: one fence a block, not one a thread. The counter
+// wraps back to 0 as the last block arrives (atomicInc), ready for the next
+// launch on the stream.
 __device__ __forceinline__ bool last_block(u32* arrived) {
   __shared__ u32 last;
-  __threadfence_system();
   __syncthreads();
   if (threadIdx.x == 0) {
+    __threadfence_system();
     u32 total = gridDim.x * gridDim.y * gridDim.z;
     last = atomicInc(arrived, total - 1u) == total - 1u ? 1u : 0u;
   }
@@ -373,7 +384,7 @@ int main(int argc, char** argv) {
     u32 last = *(u32*)((u8*)words + OFF_LAST_PAGE_BYTES), epoch = *(u32*)((u8*)words + OFF_EPOCH);
     u64 key_hash = words[OFF_KEY_HASH / 8], key_fp = words[OFF_KEY_FP_HI / 8];
     u32 key_len = *(u32*)((u8*)words + OFF_KEY_LEN);
-    for (u64 i = 0; i < total; i++) src[i] = (u8)(i * 7 + 3);
+    for (u64 i = 0; i < total; i++) src[i] = (u8)((i * 2654435761ull) >> 13); // no short period: a misplaced vector shows
     u32 status = 9, arrived = 0;
     volatile u32 answer = 0;
     u64 answer64 = 0;

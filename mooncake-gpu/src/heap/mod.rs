@@ -194,6 +194,16 @@ pub trait DeviceHeap: Send + Sync {
     /// Writes every field of `h` but `reader_refcnt`, storing `state` last with
     /// Release.
     fn write_header(&self, slot: u32, h: &HeaderSnapshot) -> Result<()>;
+    /// [`write_header`](Self::write_header) without waiting for it: the write
+    /// is ordered before whatever this heap does next through its own methods
+    /// (on a CUDA heap, everything it runs goes on one stream), but another
+    /// process may see it only after the heap's next waited call. For a
+    /// reservation its own producer fills on this heap; a plan handed to
+    /// another process needs the waited form. A failed write shows up at the
+    /// next waited call. By default the waited form.
+    fn write_header_in_order(&self, slot: u32, h: &HeaderSnapshot) -> Result<()> {
+        self.write_header(slot, h)
+    }
     /// Atomic load of a 32-bit field.
     fn load_u32(&self, slot: u32, f: HeaderU32Field, order: Ordering) -> Result<u32>;
     /// Atomic store to a 32-bit field.
