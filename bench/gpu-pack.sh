@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds what `bench/gpu.sh` runs and lays it out, stripped, in DIR, for a GPU
 # machine without Rust (`BUILT=DIR bash bench/gpu.sh`): the CUDA test binaries
-# of mooncake-gpu and tests/gpu_store, the gpu_store and gpu_sweep examples,
+# of mooncake-gpu (its unit tests too) and tests/gpu_store, the gpu_store and gpu_sweep examples,
 # mooncake-master and mooncake-client, and the Python wheel (abi3, so any Python
 # 3.9+ there takes it). The binaries load the CUDA driver and NVRTC at run time,
 # so they build on a machine without either.
@@ -19,6 +19,9 @@ cargo test --release --no-run --message-format=json-render-diagnostics \
     -p mooncake-gpu --test cuda --test device_memory --test eviction_watchdog --test round_trips --test ipc_two_process \
     -p tests --test gpu_store \
     | grep -o '"executable":"[^"]*"' | cut -d'"' -f4 >"$DIR/tests.txt"
+# mooncake-gpu's unit tests: the device sum's profile (`profile_device_sums`).
+cargo test --release --no-run --message-format=json-render-diagnostics -p mooncake-gpu --lib \
+    | grep -o '"executable":"[^"]*"' | cut -d'"' -f4 >>"$DIR/tests.txt"
 while read -r exe; do
     cp "$exe" "$DIR/release/deps/"
 done <"$DIR/tests.txt"

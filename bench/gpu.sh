@@ -4,7 +4,8 @@
 # tests, `gpu_store --bench` (local / shm-peer / tcp-peer replicas against pinned
 # DMA and the host calls), `gpu_sweep` (NanoKvCache put/get against DtoD), and, when
 # torch with CUDA imports, the Python drop-in on CUDA tensors (pytest, the
-# `gpu_pointers.py` bench, `kv_connector.py --gpu`). Every output lands in OUT.
+# `gpu_pointers.py` bench, `kv_connector.py --gpu`), and the device checksum's
+# profile (`profile_device_sums`). Every output lands in OUT.
 #
 #   bash bench/gpu.sh [OUT]        # default bench/results/gpu-<date>
 #
@@ -81,6 +82,12 @@ if want bench; then
     step gpu-store-bench example examples gpu_store --bench --iters "$ITERS" --max-size "$MAX_SIZE"
     step gpu-sweep example mooncake-gpu gpu_sweep --iters "$ITERS"
     step gpu-sweep-staging example mooncake-gpu gpu_sweep --staging --iters "$ITERS"
+    # Where a device checksum's time goes: its kernels with parts cut out.
+    if [ -n "$BUILT" ]; then
+        step crc-profile bash -c '"$BUILT"/release/deps/mooncake_gpu-* profile_device_sums --ignored --nocapture'
+    else
+        step crc-profile cargo test --release -p mooncake-gpu --lib -- profile_device_sums --ignored --nocapture
+    fi
 fi
 if ! want python; then
     :

@@ -2,12 +2,14 @@
 //! device get runs on the bytes it moved (and the sum a device put stores),
 //! without a second pass of the bytes over PCIe.
 //!
-//! Two kernels, compiled with NVRTC once per process and device:
-//! - `mc_crc32c_blocks`: each block sums 64 KiB; each of its 256 threads sums
-//!   256 bytes (slice-by-8 tables in shared memory), and the block folds its
-//!   threads' sums in a tree;
-//! - `mc_crc32c_fold`: one block per item folds that item's blocks' sums in order
-//!   (several items, or several ranges of one item, are summed in one batch).
+//! One kernel, `mc_crc32c_blocks`, compiled with NVRTC once per process and
+//! device, sums a whole batch (several items, each of one or more ranges) in one
+//! launch, with no copy before it (the batch's table goes as parameters where it
+//! fits) nor after (the results are written into mapped host memory):
+//! - each block sums 64 KiB: each of its 256 threads sums 256 bytes (slice-by-8
+//!   tables in shared memory) into a bare remainder, moves it past the bytes
+//!   after it with one multiplication, and the block XORs them;
+//! - the last of an item's blocks to finish folds their sums in order.
 //!
 //! Sums fold with the identity `crc(A ++ B) = crc(A) * x^(8|B|) mod P  ^  crc(B)`
 //! (the standard, pre- and post-inverted crc32c of each piece; the empty piece
@@ -29,8 +31,10 @@ const THREADS: u32 = 256;
 const PER_THREAD: u64 = 256;
 /// Bytes each block sums.
 const PER_BLOCK: u64 = THREADS as u64 * PER_THREAD;
-/// Threads of the one `mc_crc32c_fold` block.
-const FOLD_THREADS: u32 = 1024;
+/// Words of a batch's table that go as kernel parameters (1 KiB, well inside
+/// the 4 KiB a launch takes): a batch of up to 42 ranges, such as one block's
+/// 32 per-layer parts, skips the copy of its table up to the device.
+const TABLE_WORDS: usize = 128;
 
 /// The reflected Castagnoli polynomial.
 const POLY: u32 = 0x82F6_3B78;
@@ -67,14 +71,15 @@ typedef unsigned char u8;
 #define MC_POLY 0x82F63B78u
 #define MC_THREADS 256
 #define MC_PER_THREAD 256ull
-#define MC_FOLD_THREADS 1024
 
-// a(x) * b(x) mod P, reflected.
+// a(x) * b(x) mod P, reflected: unrolled and branch-free (masks, not
+// branches), it is most of a tree level's time.
 __device__ __forceinline__ u32 mc_mul(u32 a, u32 b) {
     u32 p = 0;
-    for (u32 m = 1u << 31; m != 0; m >>= 1) {
-        if (a & m) p ^= b;
-        b = (b & 1) ? (b >> 1) ^ MC_POLY : b >> 1;
+#pragma unroll
+    for (int i = 31; i >= 0; i--) {
+        p ^= b & (0u - ((a >> i) & 1u));
+        b = (b >> 1) ^ (MC_POLY & (0u - (b & 1u)));
     }
     return p;
 }
@@ -119,26 +124,65 @@ __device__ void mc_tree(u32* c, u64* l, u32 n) {
     }
 }
 
-// Sums of the 64 KiB blocks of several ranges, one launch for all: range r is
-// ranges[3r] (address), ranges[3r + 1] (length, > 0) and ranges[3r + 2] (its first
-// block; the firsts increase). Block b sums its share of the last range whose
-// first block is <= b, into out[b], and its length into out_len[b].
-extern "C" __global__ void mc_crc32c_blocks(const u64* ranges, u32 n_ranges, u32* out, u32* out_len) {
+// A batch's table (see `Batch`) passed by value, as kernel parameters, when it
+// fits: no copy up to the device before the launch.
+struct McTable { u64 w[MC_TABLE_WORDS]; };
+
+// Word i of the batch's table: in device memory at `table`, else in `small`.
+__device__ __forceinline__ u64 mc_word(const McTable& small, const u64* table, u64 i) {
+    return table ? table[i] : small.w[i];
+}
+
+// Sums of the 64 KiB blocks of several ranges and of the items they make, one
+// launch for all. Range r is words 3r (address), 3r + 1 (length, > 0) and
+// 3r + 2 (its first block; the firsts increase) of the table (`small`, or
+// `table` where not null); item i's blocks are [first(i), first(i + 1)), first(i)
+// being word 3 n_ranges + i. Block b sums its share of the last range whose first
+// block is <= b. Each thread sums its 256 bytes from a zero register, without the
+// final inversion (the bare remainder, linear in the bytes), and moves it past
+// the bytes after it in the block with one multiplication: the block's
+// remainder is the XOR of its threads' (no tree of dependent multiplications).
+// A one-block item's sum goes straight to results[item]; otherwise each block
+// leaves its sum and length in sums[b], lens[b], and the last of the item's
+// blocks to arrive (arrived[item], zero between launches) folds them in order
+// into results[item]. An item of no bytes is not written.
+extern "C" __global__ void mc_crc32c_blocks(const __grid_constant__ McTable small, const u64* table, u32 n_ranges,
+                                            u32 n_items, u32* sums, u32* lens, u32* arrived, u32* results) {
     __shared__ u32 T[8][256];
     __shared__ u32 C[MC_THREADS];
     __shared__ u64 L[MC_THREADS];
-    __shared__ u64 R[3];
+    __shared__ u64 R[6];
+    __shared__ u32 X[2];
+    __shared__ u32 last;
     u32 t = threadIdx.x;
     if (t == 0) {
         u64 b = blockIdx.x;
         u32 lo = 0, hi = n_ranges;
         while (hi - lo > 1) {
             u32 mid = lo + (hi - lo) / 2;
-            if (ranges[3 * (u64)mid + 2] <= b) lo = mid; else hi = mid;
+            if (mc_word(small, table, 3 * (u64)mid + 2) <= b) lo = mid; else hi = mid;
         }
-        R[0] = ranges[3 * (u64)lo];
-        R[1] = ranges[3 * (u64)lo + 1];
-        R[2] = b - ranges[3 * (u64)lo + 2];
+        R[0] = mc_word(small, table, 3 * (u64)lo);
+        R[1] = mc_word(small, table, 3 * (u64)lo + 1);
+        R[2] = b - mc_word(small, table, 3 * (u64)lo + 2);
+        // The item: the last whose first block is <= b (an empty item before it
+        // shares its first block).
+        u64 f = 3 * (u64)n_ranges;
+        lo = 0;
+        hi = n_items;
+        while (hi - lo > 1) {
+            u32 mid = lo + (hi - lo) / 2;
+            if (mc_word(small, table, f + mid) <= b) lo = mid; else hi = mid;
+        }
+        R[3] = lo;
+        R[4] = mc_word(small, table, f + lo);
+        R[5] = mc_word(small, table, f + lo + 1) - R[4];
+        // The block's length, x^(8 len) and, for a short block, x^(8 tail) (the
+        // last share's bytes).
+        u64 len = min((u64)MC_THREADS * MC_PER_THREAD, R[1] - R[2] * MC_THREADS * MC_PER_THREAD);
+        u64 tail = len - ((len - 1) / MC_PER_THREAD) * MC_PER_THREAD;
+        X[0] = mc_shift_op(len);
+        X[1] = tail == MC_PER_THREAD ? 0u : mc_shift_op(tail);
     }
     u32 c = t;
     for (int k = 0; k < 8; k++) c = (c & 1) ? (c >> 1) ^ MC_POLY : c >> 1;
@@ -155,7 +199,7 @@ extern "C" __global__ void mc_crc32c_blocks(const u64* ranges, u32 n_ranges, u32
     u64 mine = start < len ? min(MC_PER_THREAD, len - start) : 0;
     const u8* p = data + start;
     u64 n = mine;
-    u32 crc = 0xFFFFFFFFu;
+    u32 crc = 0;
     if (n == MC_PER_THREAD && ((u64)p & 15) == 0) {
         // The common case, a full aligned share: every load is issued before
         // the first is used, so the thread waits for memory once, not once per
@@ -188,42 +232,86 @@ extern "C" __global__ void mc_crc32c_blocks(const u64* ranges, u32 n_ranges, u32
         p++;
         n--;
     }
-    C[t] = mine ? ~crc : 0;
-    L[t] = mine;
-    __syncthreads();
-    mc_tree(C, L, MC_THREADS);
-    if (t == 0) {
-        out[blockIdx.x] = C[0];
-        out_len[blockIdx.x] = (u32)L[0];
+    // Past the bytes after this share in the block: whole shares of the block's
+    // last k = (block length - 1) / 256, then, in a short block, its tail.
+    u64 block_len = min((u64)MC_THREADS * MC_PER_THREAD, len - R[2] * MC_THREADS * MC_PER_THREAD);
+    u32 k = (u32)((block_len - 1) / MC_PER_THREAD);
+    if (mine == 0) {
+        crc = 0;
+    } else if (t < k) {
+        // MC_AFTER[j] moves past 255 - j whole shares; X[1] is 0 when the last
+        // share is whole.
+        crc = X[1] ? mc_mul(mc_mul(MC_AFTER[MC_THREADS - k + t], X[1]), crc) : mc_mul(MC_AFTER[MC_THREADS - 1 - k + t], crc);
     }
-}
-
-// Folds each item's blocks' sums in order (each with its length): block
-// `blockIdx.x` of the grid folds item blockIdx.x, whose blocks are
-// [first[item], first[item + 1]), into results[item] (0 for an item of no bytes).
-extern "C" __global__ void mc_crc32c_fold(const u32* sums, const u32* lens, const u64* first, u32* results) {
-    __shared__ u32 C[MC_FOLD_THREADS];
-    __shared__ u64 L[MC_FOLD_THREADS];
-    u32 t = threadIdx.x;
-    u64 from = first[blockIdx.x], to = first[blockIdx.x + 1];
-    u32 acc = 0;
-    for (u64 g = from; g < to; g += MC_FOLD_THREADS) {
-        u64 i = g + t;
-        C[t] = i < to ? sums[i] : 0;
-        L[t] = i < to ? (u64)lens[i] : 0;
+    C[t] = crc;
+    __syncthreads();
+    for (u32 s = MC_THREADS / 2; s > 0; s >>= 1) {
+        if (t < s) C[t] ^= C[t + s];
         __syncthreads();
-        mc_tree(C, L, MC_FOLD_THREADS);
+    }
+    u32 item = (u32)R[3];
+    u32 count = (u32)R[5];
+    if (t == 0) {
+        // The bare remainder to the standard sum: the register started at ~0
+        // (moved past the block) and the final inversion.
+        u32 sum = C[0] ^ mc_mul(X[0], 0xFFFFFFFFu) ^ 0xFFFFFFFFu;
+        if (count == 1) {
+            results[item] = sum;
+            last = 0;
+        } else {
+            sums[blockIdx.x] = sum;
+            lens[blockIdx.x] = (u32)block_len;
+            __threadfence();
+            last = atomicInc(arrived + item, count - 1u) == count - 1u ? 1u : 0u;
+        }
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    u64 from = R[4], to = R[4] + count;
+    u32 acc = 0;
+    for (u64 g = from; g < to; g += MC_THREADS) {
+        u64 i = g + t;
+        C[t] = i < to ? __ldcg(sums + i) : 0;
+        L[t] = i < to ? (u64)__ldcg(lens + i) : 0;
+        __syncthreads();
+        mc_tree(C, L, MC_THREADS);
         if (t == 0) acc = mc_combine(acc, C[0], L[0]);
         __syncthreads();
     }
-    if (t == 0) results[blockIdx.x] = acc;
+    if (t == 0) results[item] = acc;
 }
 "#;
 
 /// The kernels' source: the `x^(2^k)` table, then the body.
 fn source() -> String {
-    let table: Vec<String> = x2n_table().iter().map(|v| format!("{v:#010x}u")).collect();
-    format!("__device__ const unsigned int MC_X2N[64] = {{{}}};\n{BODY}", table.join(", "))
+    let words = |t: &[u32]| t.iter().map(|v| format!("{v:#010x}u")).collect::<Vec<_>>().join(", ");
+    format!(
+        "__device__ const unsigned int MC_X2N[64] = {{{}}};\n__device__ const unsigned int MC_AFTER[{THREADS}] = {{{}}};\n\
+         #define MC_TABLE_WORDS {TABLE_WORDS}\n{BODY}",
+        words(&x2n_table()),
+        words(&after_table()),
+    )
+}
+
+/// `x^(8 n) mod P`: what moves a remainder past `n` bytes.
+fn x_pow_8n(mut n: u64) -> u32 {
+    let x2n = x2n_table();
+    let (mut p, mut k) = (1u32 << 31, 3);
+    while n != 0 {
+        if n & 1 != 0 {
+            p = mul_mod_p(x2n[k], p);
+        }
+        n >>= 1;
+        k += 1;
+    }
+    p
+}
+
+/// For each thread `t` of a block, `x^(8 * 256 * (255 - t)) mod P`: what moves
+/// its share's remainder past the shares after it in a whole block.
+fn after_table() -> Vec<u32> {
+    (0..u64::from(THREADS)).map(|t| x_pow_8n(PER_THREAD * (u64::from(THREADS) - 1 - t))).collect()
 }
 
 /// The kernels of one device, with their stream, a device scratch and a
@@ -232,15 +320,22 @@ struct Summer {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     blocks: CudaFunction,
-    fold: CudaFunction,
-    /// Device scratch: the blocks' sums and lengths, the items' results and the
-    /// items' first blocks ([`Layout`]).
+    /// Device scratch: the blocks' sums and lengths, and a table too large for
+    /// the launch's parameters ([`Layout`]).
     scratch: sys::CUdeviceptr,
     /// Its size in bytes.
     scratch_bytes: usize,
-    /// Page-locked host memory: the items' first blocks on their way to the
-    /// device, and the results on their way back ([`Layout`]).
+    /// One arrival counter an item (device memory, zero between launches: the
+    /// last of an item's blocks wraps its counter back to zero).
+    arrived: sys::CUdeviceptr,
+    /// How many counters `arrived` holds.
+    arrived_items: usize,
+    /// Page-locked host memory, mapped for the device: a table too large for
+    /// the launch's parameters on its way up, and the results, which the
+    /// kernels write straight into it ([`Layout`]).
     io: *mut u8,
+    /// `io`'s device address.
+    io_dev: sys::CUdeviceptr,
     /// Its size in bytes.
     io_bytes: usize,
 }
@@ -254,9 +349,11 @@ impl Drop for Summer {
         let _ = guarded("cuMemFree", || {
             drv("bind", self.ctx.bind_to_thread())?;
             let _ = self.stream.synchronize();
-            if self.scratch != 0 {
-                // SAFETY: allocated by `cuMemAlloc` in this context, freed once.
-                drv("cuMemFree", unsafe { cu::free_sync(self.scratch) })?;
+            for ptr in [self.scratch, self.arrived] {
+                if ptr != 0 {
+                    // SAFETY: allocated by `cuMemAlloc` in this context, freed once.
+                    drv("cuMemFree", unsafe { cu::free_sync(ptr) })?;
+                }
             }
             if !self.io.is_null() {
                 // SAFETY: allocated by `cuMemHostAlloc`, freed once, no copy in
@@ -270,13 +367,12 @@ impl Drop for Summer {
 }
 
 /// Where a batch of `items` items, `ranges` ranges and `blocks` blocks keeps
-/// what, in bytes. On the device: the blocks' sums, their lengths, the items'
-/// results, then the range table (3 words a range) and the items' first blocks
-/// (`items + 1` words). On the host: the same table and first blocks, on their way
-/// up, then the results, on their way back.
+/// what, in bytes. On the device: the blocks' sums, their lengths, then the
+/// range table (3 words a range) and the items' first blocks (`items + 1`
+/// words). On the host: the same table and first blocks, on their way up (when
+/// too large for the parameters), then the results.
 struct Layout {
     lens: usize,
-    results: usize,
     /// Where the table starts on the device (8-byte aligned).
     table: usize,
     /// Bytes of the table and the first blocks.
@@ -288,10 +384,10 @@ struct Layout {
 
 impl Layout {
     fn of(items: usize, ranges: usize, blocks: usize) -> Self {
-        let (lens, results) = (4 * blocks, 8 * blocks);
-        let table = (results + 4 * items).next_multiple_of(8);
+        let lens = 4 * blocks;
+        let table = (8 * blocks).next_multiple_of(8);
         let words = 8 * (3 * ranges + items + 1);
-        Self { lens, results, table, words, scratch: table + words, io_results: words, io: words + 4 * items }
+        Self { lens, table, words, scratch: table + words, io_results: words, io: words + 4 * items }
     }
 }
 
@@ -302,8 +398,6 @@ struct Batch {
     words: Vec<u64>,
     ranges: usize,
     blocks: u64,
-    /// Every item is one block: its block's sum is its result (no fold).
-    one_block_each: bool,
 }
 
 impl Batch {
@@ -319,10 +413,9 @@ impl Batch {
             }
         }
         first.push(blocks);
-        let one_block_each = first.windows(2).all(|w| w[1] - w[0] == 1);
         let ranges = words.len() / 3;
         words.extend_from_slice(&first);
-        Self { words, ranges, blocks, one_block_each }
+        Self { words, ranges, blocks }
     }
 }
 
@@ -338,6 +431,11 @@ fn summer(ctx: &Arc<CudaContext>, ordinal: usize) -> Result<Arc<Mutex<Summer>>> 
 }
 
 fn build(ctx: &Arc<CudaContext>) -> Result<Arc<Mutex<Summer>>> {
+    build_from(ctx, source())
+}
+
+/// A summer of the kernels in `src` (the source with the names of [`source`]'s).
+fn build_from(ctx: &Arc<CudaContext>, src: String) -> Result<Arc<Mutex<Summer>>> {
     if !nvrtc_available() {
         return Err(GpuError::CudaUnavailable("the NVRTC library (libnvrtc.so) is not present".into()));
     }
@@ -348,20 +446,20 @@ fn build(ctx: &Arc<CudaContext>) -> Result<Arc<Mutex<Summer>>> {
             options: vec![format!("--gpu-architecture=compute_{major}{minor}")],
             ..Default::default()
         };
-        let ptx =
-            cudarc::nvrtc::compile_ptx_with_opts(source(), opts).map_err(|e| GpuError::Nvrtc(format!("{e:?}")))?;
+        let ptx = cudarc::nvrtc::compile_ptx_with_opts(src, opts).map_err(|e| GpuError::Nvrtc(format!("{e:?}")))?;
         let module = drv("cuModuleLoadData", ctx.load_module(ptx))?;
         let blocks = drv("cuModuleGetFunction", module.load_function("mc_crc32c_blocks"))?;
-        let fold = drv("cuModuleGetFunction", module.load_function("mc_crc32c_fold"))?;
         let stream = drv("cuStreamCreate", ctx.new_stream())?;
         let summer = Summer {
             ctx: ctx.clone(),
             stream,
             blocks,
-            fold,
             scratch: 0,
             scratch_bytes: 0,
+            arrived: 0,
+            arrived_items: 0,
             io: std::ptr::null_mut(),
+            io_dev: 0,
             io_bytes: 0,
         };
         Ok(Arc::new(Mutex::new(summer)))
@@ -375,27 +473,31 @@ pub(crate) fn unavailable(e: &GpuError) -> bool {
 }
 
 /// The crc32c of each item, an item being device ranges `(address, length)` whose
-/// bytes are summed one after the other, in one batch: the kernels enqueued on
+/// bytes are summed one after the other, in one batch: the kernel enqueued on
 /// `stream` (after whatever was enqueued there before: the copies that wrote the
 /// bytes) and the stream synchronized once; on the summer's own stream where
-/// `stream` is `None`. One copy of the range table up, one launch for every
-/// range's blocks, one fold for all the items, one copy of the results back,
-/// however many items and ranges (a batch's objects, each of per-layer parts). On
-/// `Ok`, everything enqueued on `stream` before the call has completed.
+/// `stream` is `None`. One launch however many items and ranges (a batch's
+/// objects, each of per-layer parts), its table as parameters up to 42 ranges
+/// (one copy up beyond), its results written into mapped host memory. On `Ok`,
+/// everything enqueued on `stream` before the call has completed.
 pub(crate) fn crc32c_each(
     ctx: &Arc<CudaContext>,
     ordinal: usize,
     stream: Option<sys::CUstream>,
     items: &[Vec<(u64, u64)>],
 ) -> Result<Vec<u32>> {
-    let batch = Batch::of(items);
-    if batch.blocks == 0 {
+    if Batch::of(items).blocks == 0 {
         return Ok(vec![0; items.len()]);
     }
+    sum_with(&*summer(ctx, ordinal)?, stream, items)
+}
+
+/// [`crc32c_each`] with the kernels of `summer`.
+fn sum_with(summer: &Mutex<Summer>, stream: Option<sys::CUstream>, items: &[Vec<(u64, u64)>]) -> Result<Vec<u32>> {
+    let batch = Batch::of(items);
     let blocks = usize::try_from(batch.blocks)
         .map_err(|_| GpuError::InvalidArgument(format!("crc32c of {} blocks", batch.blocks)))?;
     let layout = Layout::of(items.len(), batch.ranges, blocks);
-    let summer = summer(ctx, ordinal)?;
     let mut s = summer.lock();
     guarded("crc32c on the device", || {
         drv("bind", s.ctx.bind_to_thread())?;
@@ -412,6 +514,21 @@ pub(crate) fn crc32c_each(
             s.scratch = drv("cuMemAlloc", unsafe { cu::malloc_sync(bytes) })?;
             s.scratch_bytes = bytes;
         }
+        if s.arrived_items < items.len() {
+            if s.arrived != 0 {
+                // SAFETY: allocated below in this context; no work in flight uses it.
+                drv("cuMemFree", unsafe { cu::free_sync(s.arrived) })?;
+                (s.arrived, s.arrived_items) = (0, 0);
+            }
+            let n = items.len().next_power_of_two();
+            // SAFETY: a plain device allocation, owned by `s` (freed in its Drop),
+            // zeroed before any launch uses it.
+            let arrived = drv("cuMemAlloc", unsafe { cu::malloc_sync(4 * n) })?;
+            s.arrived = arrived;
+            // SAFETY: `arrived` is the live allocation of 4 n bytes just made.
+            drv("cuMemsetD8", unsafe { cu::memset_d8_sync(arrived, 0, 4 * n) })?;
+            s.arrived_items = n;
+        }
         if s.io_bytes < layout.io {
             if !s.io.is_null() {
                 // SAFETY: allocated below; no copy in flight uses it.
@@ -419,9 +536,17 @@ pub(crate) fn crc32c_each(
                 (s.io, s.io_bytes) = (std::ptr::null_mut(), 0);
             }
             let bytes = layout.io.next_power_of_two().max(64);
-            // SAFETY: a plain page-locked allocation, owned by `s` (freed in its Drop).
-            s.io = drv("cuMemHostAlloc", unsafe { cu::malloc_host(bytes, 0) })?.cast();
-            s.io_bytes = bytes;
+            // SAFETY: page-locked, device-mapped host memory, owned by `s` (freed
+            // in its Drop).
+            let host = drv("cuMemHostAlloc", unsafe { cu::malloc_host(bytes, sys::CU_MEMHOSTALLOC_DEVICEMAP) })?;
+            let mut dev: sys::CUdeviceptr = 0;
+            // SAFETY: `host` was allocated with DEVICEMAP just above; `dev` is a
+            // valid out-pointer.
+            let mapped = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dev, host, 0).result() };
+            // Under unified addressing (every 64-bit process) kernels reach it at
+            // its host address where the driver gives no mapping.
+            s.io_dev = if mapped.is_ok() && dev != 0 { dev } else { host as sys::CUdeviceptr };
+            (s.io, s.io_bytes) = (host.cast(), bytes);
         }
         let on = stream.unwrap_or_else(|| s.stream.cu_stream());
         let summed = enqueue(&s, on, &batch, items.len(), &layout);
@@ -429,78 +554,78 @@ pub(crate) fn crc32c_each(
         // an enqueue failed: nothing of it may still use the buffers once the
         // lock is given up.
         let synced = drv("cuStreamSynchronize", unsafe { cu::stream::synchronize(on) });
+        if summed.is_err() || synced.is_err() {
+            // A launch that did not run to its end may leave counters short of
+            // zero: zeroed for the next.
+            // SAFETY: `arrived` holds `arrived_items` counters; nothing runs now.
+            let _ = unsafe { cu::memset_d8_sync(s.arrived, 0, 4 * s.arrived_items) };
+        }
         summed?;
         synced?;
         // SAFETY: the io buffer holds the results at `io_results` (4-byte
-        // aligned: after 8-byte words), written by the copy enqueued above,
-        // which has completed; it lives under the lock.
+        // aligned: after 8-byte words), written by the kernels enqueued above,
+        // which have completed; it lives under the lock.
         let results = unsafe { std::slice::from_raw_parts(s.io.add(layout.io_results).cast::<u32>(), items.len()) };
         Ok(results.to_vec())
     })
 }
 
-/// Enqueues the sums of a batch of `n` items on `on`: the range table and the items' first
-/// blocks up to the device, the blocks' kernel over every range (block sums and
-/// lengths, item after item, into one array), then, unless every item is one
-/// block (its sum is its result), the fold; last the results' copy into the io
-/// buffer.
+/// Enqueues the sums of a batch of `n` items on `on`: the range table and the
+/// items' first blocks as the launch's parameters where they fit (else copied
+/// up to the device first), then one launch over every range's blocks, whose
+/// last block of each item folds it. The results land in the io buffer, written
+/// there by the kernel: nothing to copy back.
 fn enqueue(s: &Summer, on: sys::CUstream, batch: &Batch, n: usize, layout: &Layout) -> Result<()> {
-    let Batch { words: table, ranges: n_ranges, blocks: block, one_block_each } = batch;
+    let Batch { words: table, ranges: n_ranges, blocks: block, .. } = batch;
     let (n_ranges, block) = (*n_ranges, *block);
     debug_assert_eq!(table.len() * 8, layout.words);
-    // SAFETY: the io buffer has room for the table and the first blocks at its
-    // start (the layout), 8-byte aligned (page-locked allocations are); no copy in
-    // flight uses it (the lock is held, every use synchronized).
-    unsafe { std::ptr::copy_nonoverlapping(table.as_ptr(), s.io.cast::<u64>(), table.len()) };
+    // An item of no bytes has no block to write its result: 0, written here.
+    // SAFETY: the io buffer has room for `n` results at `io_results` (4-byte
+    // aligned); no kernel writes it now (the lock is held, every use synchronized).
+    unsafe { std::ptr::write_bytes(s.io.add(layout.io_results).cast::<u32>(), 0, n) };
+    let mut small = [0u64; TABLE_WORDS];
+    let mut table_dev: sys::CUdeviceptr = 0;
+    if table.len() <= TABLE_WORDS {
+        small[..table.len()].copy_from_slice(table);
+    } else {
+        // SAFETY: the io buffer has room for the table and the first blocks at
+        // its start (the layout), 8-byte aligned (page-locked allocations are);
+        // no copy in flight uses it (the lock is held, every use synchronized).
+        unsafe { std::ptr::copy_nonoverlapping(table.as_ptr(), s.io.cast::<u64>(), table.len()) };
+        table_dev = s.scratch + layout.table as u64;
+        // SAFETY: the scratch has room for the table and the first blocks at
+        // `table`; the host words stay unchanged until the stream is synchronized
+        // (under the lock); `on` is a live stream of this context.
+        drv("cuMemcpyHtoDAsync", unsafe {
+            sys::cuMemcpyHtoDAsync_v2(table_dev, s.io.cast::<c_void>(), layout.words, on).result()
+        })?;
+    }
+    let too_many = |what: &str, v: usize| GpuError::InvalidArgument(format!("crc32c of {v} {what}"));
+    let grid = u32::try_from(block).map_err(|_| too_many("blocks", block as usize))?;
+    let mut n_ranges32 = u32::try_from(n_ranges).map_err(|_| too_many("ranges", n_ranges))?;
+    let mut n_items32 = u32::try_from(n).map_err(|_| too_many("items", n))?;
     let (mut sums, mut lens) = (s.scratch, s.scratch + layout.lens as u64);
-    let mut table_dev = s.scratch + layout.table as u64;
-    // SAFETY: the scratch has room for the table and the first blocks at
-    // `table`; the host words stay unchanged until the stream is synchronized
-    // (under the lock); `on` is a live stream of this context.
-    drv("cuMemcpyHtoDAsync", unsafe {
-        sys::cuMemcpyHtoDAsync_v2(table_dev, s.io.cast::<c_void>(), layout.words, on).result()
-    })?;
-    let grid = u32::try_from(block).map_err(|_| GpuError::InvalidArgument(format!("crc32c of {block} blocks")))?;
-    let mut n_ranges32 =
-        u32::try_from(n_ranges).map_err(|_| GpuError::InvalidArgument(format!("crc32c of {n_ranges} ranges")))?;
+    let mut arrived = s.arrived;
+    let mut results = s.io_dev + layout.io_results as u64;
     let mut args = [
+        (&raw mut small).cast::<c_void>(),
         (&raw mut table_dev).cast::<c_void>(),
         (&raw mut n_ranges32).cast::<c_void>(),
+        (&raw mut n_items32).cast::<c_void>(),
         (&raw mut sums).cast::<c_void>(),
         (&raw mut lens).cast::<c_void>(),
+        (&raw mut arrived).cast::<c_void>(),
+        (&raw mut results).cast::<c_void>(),
     ];
-    // SAFETY: the arguments match `mc_crc32c_blocks(const u64*, u32, u32*,
-    // u32*)` and outlive the call (the driver copies them at launch); the kernel
-    // reads the table (uploaded above, stream-ordered) and each range's bytes
-    // (device memory of this context, checked by the caller), and writes one sum
-    // and one length per block, `block` of each, inside the scratch.
+    // SAFETY: the arguments match `mc_crc32c_blocks(McTable (TABLE_WORDS u64, by
+    // value), const u64*, u32, u32, u32*, u32*, u32*, u32*)` and outlive the call
+    // (the driver copies them at launch); the kernel reads the table (by value,
+    // or uploaded above, stream-ordered) and each range's bytes (device memory of
+    // this context, checked by the caller), writes one sum and one length per
+    // block inside the scratch, counts arrivals in `arrived` (one counter per
+    // item, `n` <= its size) and writes the `n` results into the io buffer.
     drv("launch mc_crc32c_blocks", unsafe {
         cu::launch_kernel(s.blocks.cu_function(), (grid, 1, 1), (THREADS, 1, 1), 0, on, &mut args)
-    })?;
-    let from = if *one_block_each {
-        sums
-    } else {
-        let mut first_dev = table_dev + 8 * 3 * n_ranges as u64;
-        let mut results = s.scratch + layout.results as u64;
-        let items32 = u32::try_from(n).map_err(|_| GpuError::InvalidArgument(format!("crc32c of {n} items")))?;
-        let mut args = [
-            (&raw mut sums).cast::<c_void>(),
-            (&raw mut lens).cast::<c_void>(),
-            (&raw mut first_dev).cast::<c_void>(),
-            (&raw mut results).cast::<c_void>(),
-        ];
-        // SAFETY: the arguments match `mc_crc32c_fold(const u32*, const u32*,
-        // const u64*, u32*)`; block i reads item i's blocks' sums and lengths and
-        // writes results[i], all inside the scratch.
-        drv("launch mc_crc32c_fold", unsafe {
-            cu::launch_kernel(s.fold.cu_function(), (items32, 1, 1), (FOLD_THREADS, 1, 1), 0, on, &mut args)
-        })?;
-        results
-    };
-    // SAFETY: `from` holds n results in the scratch; the io buffer has room for
-    // them at `io_results`, read after the caller's synchronize.
-    drv("cuMemcpyDtoHAsync", unsafe {
-        sys::cuMemcpyDtoHAsync_v2(s.io.add(layout.io_results).cast::<c_void>(), from, 4 * n, on).result()
     })
 }
 
@@ -511,22 +636,27 @@ fn enqueue(s: &Summer, on: sys::CUstream, batch: &Batch, n: usize, layout: &Layo
 const CPU_DRIVER: &str = r#"
 int main(int argc, char** argv) {
     FILE* f = fopen(argv[1], "rb");
-    u64 h[4];
-    if (!f || fread(h, 8, 4, f) != 4) return 2;
-    u64 ranges = h[0], items = h[1], blocks = h[2], len = h[3];
+    u64 h[5];
+    if (!f || fread(h, 8, 5, f) != 5) return 2;
+    u64 ranges = h[0], items = h[1], blocks = h[2], len = h[3], by_value = h[4];
     std::vector<u64> words(3 * ranges + items + 1);
     std::vector<u8> data(len);
     if (fread(words.data(), 8, words.size(), f) != words.size() || fread(data.data(), 1, len, f) != len) return 3;
     for (u64 r = 0; r < ranges; r++) words[3 * r] += (u64)data.data();
-    std::vector<u32> sums(blocks), lens(blocks), results(items);
+    static McTable small;
+    const u64* table = words.data();
+    if (by_value) {
+        if (words.size() > MC_TABLE_WORDS) return 4;
+        for (u64 i = 0; i < words.size(); i++) small.w[i] = words[i];
+        table = nullptr;
+    }
+    std::vector<u32> sums(blocks), lens(blocks), arrived(items, 0), results(items, 0);
     launch((unsigned)blocks, 1, MC_THREADS, [&] {
-        mc_crc32c_blocks(words.data(), (u32)ranges, sums.data(), lens.data());
-    });
-    launch((unsigned)items, 1, MC_FOLD_THREADS, [&] {
-        mc_crc32c_fold(sums.data(), lens.data(), words.data() + 3 * ranges, results.data());
+        mc_crc32c_blocks(small, table, (u32)ranges, (u32)items, sums.data(), lens.data(), arrived.data(),
+                         results.data());
     });
     for (u64 i = 0; i < items; i++) printf("%u\n", results[i]);
-    for (u64 b = 0; b < blocks; b++) printf("%u\n", sums[b]);
+    for (u64 i = 0; i < items; i++) printf("%u\n", arrived[i]);
     return 0;
 }
 "#;
@@ -575,17 +705,20 @@ mod tests {
     fn the_source_carries_the_table_and_both_kernels() {
         let s = source();
         assert!(s.starts_with("__device__ const unsigned int MC_X2N[64] = {0x40000000u, 0x20000000u, 0x08000000u"));
-        assert!(s.contains("mc_crc32c_blocks") && s.contains("mc_crc32c_fold"));
+        assert!(s.contains("void mc_crc32c_blocks("));
+        assert!(s.contains(&format!("MC_AFTER[{THREADS}] = {{0x")));
     }
 
     /// The kernels' own source, run on the CPU: a C++ prelude stands in for CUDA
     /// (a block's threads are threads meeting at a barrier for `__syncthreads`,
     /// `__shared__` arrays are statics, one block at a time), a driver launches
-    /// `mc_crc32c_blocks` and `mc_crc32c_fold` over a batch built by
-    /// [`Batch::of`], addresses being offsets into one data buffer. Each item's
-    /// result is its bytes' crc32c: the range table, the binary search, the
-    /// blocks' shares and the fold are checked without a GPU. Skipped with a note
-    /// where no C++20 compiler is present.
+    /// `mc_crc32c_blocks` over a batch built by [`Batch::of`], addresses being
+    /// offsets into one data buffer, its table as parameters and in memory. Each
+    /// item's result is its bytes' crc32c and every arrival counter is back at
+    /// zero: the range and item searches, the shares and their shifts, the
+    /// last-block fold (in rounds, for an item of more blocks than threads) are
+    /// checked without a GPU. Skipped with a note where no C++20 compiler is
+    /// present.
     #[test]
     fn the_kernels_sum_each_item_when_run_on_a_cpu() {
         let data: Vec<u8> = (0..1_000_000u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
@@ -599,33 +732,86 @@ mod tests {
                 vec![(5, 0), (900_000, 99_999), (17, 0)],
                 vec![(123_456, 65_537), (0, 65_535)],
             ],
-            // Every item one block: what the fold would skip.
+            // More ranges than the parameters hold: the table goes through memory.
+            vec![(0..60u64).map(|l| (l * 16_000 + 16, 9_000 + l)).collect(), vec![(64, 131_072)]],
+            // Every item one block: each block writes its item's result itself.
             vec![vec![(1, 100)], vec![(70_000, 65_536)], vec![(500_000, 4_096)]],
-            // One block each but for an empty item: folded (the blocks' sums are
-            // not the items' results one for one).
+            // One block each but for an empty item, which no block writes.
             vec![vec![(1, 100)], vec![], vec![(500_000, 4_096)]],
+            // An item of more blocks than a block has threads: its last block folds
+            // their sums in several rounds.
+            vec![vec![(9, 10)], (0..300u64).map(|l| (l * 3_000 + 5, 100 + l)).collect()],
         ];
         for (n, items) in batches.iter().enumerate() {
             let batch = Batch::of(items);
-            let mut input: Vec<u8> = Vec::new();
-            for w in [batch.ranges as u64, items.len() as u64, batch.blocks, data.len() as u64] {
-                input.extend(w.to_le_bytes());
-            }
-            batch.words.iter().for_each(|w| input.extend(w.to_le_bytes()));
-            input.extend(&data);
-            let program = format!("{}\n{CPU_DRIVER}", source());
-            let Some(out) = super::super::driver::run_on_cpu("crc32c", &program, &input) else { return };
-            let lines: Vec<u32> = out.lines().map(|l| l.parse().unwrap()).collect();
-            let (results, sums) = lines.split_at(items.len());
-            for (i, item) in items.iter().enumerate() {
-                let bytes: Vec<u8> =
-                    item.iter().flat_map(|&(at, len)| data[at as usize..(at + len) as usize].iter().copied()).collect();
-                assert_eq!(results[i], crc32c::crc32c(&bytes), "batch {n} item {i}");
-                if batch.one_block_each {
-                    assert_eq!(sums[i], results[i], "batch {n} item {i}: its block's sum is its result");
+            // The table as the launches' parameters where it fits, and in memory.
+            let modes: &[u64] = if batch.words.len() <= TABLE_WORDS { &[1, 0] } else { &[0] };
+            for &by_value in modes {
+                let mut input: Vec<u8> = Vec::new();
+                for w in [batch.ranges as u64, items.len() as u64, batch.blocks, data.len() as u64, by_value] {
+                    input.extend(w.to_le_bytes());
+                }
+                batch.words.iter().for_each(|w| input.extend(w.to_le_bytes()));
+                input.extend(&data);
+                let program = format!("{}\n{CPU_DRIVER}", source());
+                let Some(out) = super::super::driver::run_on_cpu("crc32c", &program, &input) else { return };
+                let lines: Vec<u32> = out.lines().map(|l| l.parse().unwrap()).collect();
+                let (results, arrived) = lines.split_at(items.len());
+                assert!(arrived.iter().all(|&a| a == 0), "batch {n}: every arrival counter back at zero");
+                for (i, item) in items.iter().enumerate() {
+                    let bytes: Vec<u8> = item
+                        .iter()
+                        .flat_map(|&(at, len)| data[at as usize..(at + len) as usize].iter().copied())
+                        .collect();
+                    assert_eq!(results[i], crc32c::crc32c(&bytes), "batch {n} item {i} by value {by_value}");
                 }
             }
-            assert_eq!(batch.one_block_each, n == 2, "batch {n}");
+        }
+        assert!(batches.iter().any(|b| Batch::of(b).words.len() > TABLE_WORDS), "a table too large for parameters");
+    }
+
+    /// Where a device sum's time goes, on a GPU (ignored: run by hand,
+    /// `--ignored --nocapture`): the wall time of one batch of one item for
+    /// kernels with parts of their work cut out of the source, against the
+    /// same copies around an empty kernel.
+    #[test]
+    #[ignore]
+    fn profile_device_sums() {
+        use super::super::memory::DeviceBuffer;
+        let whole = source();
+        let variants: Vec<(&str, String)> = vec![
+            ("whole", whole.clone()),
+            ("no_data", whole.replace("    u64 n = mine;\n    u32 crc = 0;", "    u64 n = 0;\n    u32 crc = t;")),
+            ("no_shift", whole.replace("    } else if (t < k) {", "    } else if (t > MC_THREADS) {")),
+            ("no_fold", whole.replace("    if (!last) return;", "    return;")),
+            (
+                "empty",
+                whole.replace("    __shared__ u32 T[8][256];", "    if (sums) return;\n    __shared__ u32 T[8][256];"),
+            ),
+        ];
+        for (name, src) in &variants {
+            assert!(*name == "whole" || src != &variants[0].1, "{name}: the cut did not apply");
+        }
+        let max = 64usize << 20;
+        let Ok(buf) = DeviceBuffer::new(0, max) else {
+            eprintln!("note: no GPU: nothing to profile");
+            return;
+        };
+        buf.upload(&(0..max).map(|i| (i * 131 % 251) as u8).collect::<Vec<u8>>()).unwrap();
+        let ctx = DeviceBuffer::context(0).unwrap();
+        for (name, src) in variants {
+            let summer = build_from(&ctx, src).unwrap();
+            for len in [64u64 << 10, 1 << 20, 4 << 20, 64 << 20] {
+                let items = vec![vec![(buf.ptr(), len)]];
+                sum_with(&summer, None, &items).unwrap();
+                let n = 200;
+                let t = std::time::Instant::now();
+                for _ in 0..n {
+                    sum_with(&summer, None, &items).unwrap();
+                }
+                let us = t.elapsed().as_secs_f64() * 1e6 / n as f64;
+                println!("{{\"variant\":\"{name}\",\"bytes\":{len},\"us\":{us:.1}}}");
+            }
         }
     }
 

@@ -105,9 +105,11 @@ std::barrier<>* block_barrier;
 #define __device__
 #define __forceinline__ inline
 #define __shared__ static
+#define __grid_constant__
 struct uint4 { unsigned x, y, z, w; };
 inline void __syncthreads() { block_barrier->arrive_and_wait(); }
 inline void __threadfence_system() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 inline int __ffsll(long long v) { return __builtin_ffsll(v); }
 template <class T> T min(T a, T b) { return a < b ? a : b; }
 template <class T> T __ldcg(const T* p) { return *p; }

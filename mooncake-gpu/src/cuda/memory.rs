@@ -97,7 +97,7 @@ impl DeviceBuffer {
     /// Device `ordinal`'s primary context, retained once per process: a borrowed
     /// buffer (every device pointer the Python binding is handed) and a batched
     /// sum ask for it, and retaining it anew costs driver calls each time.
-    fn context(ordinal: usize) -> Result<Arc<CudaContext>> {
+    pub(super) fn context(ordinal: usize) -> Result<Arc<CudaContext>> {
         static CONTEXTS: LazyLock<Mutex<HashMap<usize, Arc<CudaContext>>>> = LazyLock::new(Default::default);
         if let Some(ctx) = CONTEXTS.lock().get(&ordinal) {
             return Ok(ctx.clone());
@@ -346,8 +346,9 @@ impl DeviceMemory for DeviceBuffer {
 }
 
 /// The crc32c of each item of [`DeviceRange`]s (an item's ranges summed one after
-/// the other), as one batch on their device: the range table up, one launch over
-/// every range, one fold, one synchronization. Work queued on other streams is
+/// the other), as one batch on their device: one launch over every range (its
+/// table as parameters where it fits), whose last block of each item folds it,
+/// one synchronization. Work queued on other streams is
 /// not waited for: the caller synchronized what wrote the bytes. `Ok(None)` where
 /// it cannot be done so (ranges of several devices, no device ranges at all, no
 /// GPU, the kernels cannot be built): the caller sums memory by memory.
