@@ -139,6 +139,24 @@ fn gpu_device_push_publish_and_device_read() {
         assert_eq!(n, len as u64, "read {round}");
         assert_eq!(heap.load_u32(meta.slot, HeaderU32Field::ReaderRefcnt, Ordering::SeqCst).unwrap(), 0);
     }
+    // A read of more blocks than one launch takes (6 MiB: 192 blocks): pinned
+    // once by its own kernel, copied and unpinned by a second.
+    let big = 6 << 20;
+    let bytes = pattern(7, big);
+    let big_src = heap.alloc_buffer(big).unwrap();
+    big_src.upload(&bytes).unwrap();
+    c.put_from_device("big", big_src.ptr(), big as u64).unwrap();
+    let big_meta = c.get_location("big").unwrap();
+    let big_dst = heap.alloc_buffer(big).unwrap();
+    assert_eq!(heap.read_into_device(&big_meta, &KeyId::of("big"), big_dst.ptr(), big as u64).unwrap(), big as u64);
+    let mut back = vec![0u8; big];
+    big_dst.download(&mut back).unwrap();
+    assert!(back == bytes, "the two-launch read moved other bytes");
+    assert!(matches!(
+        heap.read_into_device(&big_meta, &KeyId::of("big"), big_dst.ptr(), big as u64 - 1),
+        Err(GpuError::BufferTooSmall { .. })
+    ));
+    assert_eq!(heap.load_u32(big_meta.slot, HeaderU32Field::ReaderRefcnt, Ordering::SeqCst).unwrap(), 0);
     // too small a destination, wrong key, stale epoch: refused, refcount balanced
     assert!(matches!(
         heap.read_into_device(&meta, &KeyId::of("dev"), dst.ptr(), 10),

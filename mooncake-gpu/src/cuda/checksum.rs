@@ -70,7 +70,7 @@ typedef unsigned char u8;
 
 #define MC_POLY 0x82F63B78u
 #define MC_THREADS 256
-#define MC_PER_THREAD 256ull
+#define MC_PER_THREAD 256ull // MC_X2N[10] below joins its two halves: x^(8 * 128)
 
 // a(x) * b(x) mod P, reflected: unrolled and branch-free (masks, not
 // branches), it is most of a tree level's time.
@@ -203,16 +203,23 @@ extern "C" __global__ void mc_crc32c_blocks(const __grid_constant__ McTable smal
     if (n == MC_PER_THREAD && ((u64)p & 15) == 0) {
         // The common case, a full aligned share: every load is issued before
         // the first is used, so the thread waits for memory once, not once per
-        // word (the sum's dependency chain would otherwise serialize them).
-        uint4 v[MC_PER_THREAD / 16];
+        // word (the sum's dependency chain would otherwise serialize them); the
+        // two halves are summed as two independent chains, interleaved, and
+        // joined with one multiplication (x^(8 * 128), the second half's bytes).
+        const int H = (int)(MC_PER_THREAD / 32);
+        uint4 v[2 * H];
         const uint4* q = (const uint4*)p;
 #pragma unroll
-        for (int i = 0; i < (int)(MC_PER_THREAD / 16); i++) v[i] = q[i];
+        for (int i = 0; i < 2 * H; i++) v[i] = q[i];
+        u32 hi = 0;
 #pragma unroll
-        for (int i = 0; i < (int)(MC_PER_THREAD / 16); i++) {
+        for (int i = 0; i < H; i++) {
             crc = mc_step8(T, crc, v[i].x, v[i].y);
+            hi = mc_step8(T, hi, v[H + i].x, v[H + i].y);
             crc = mc_step8(T, crc, v[i].z, v[i].w);
+            hi = mc_step8(T, hi, v[H + i].z, v[H + i].w);
         }
+        crc = mc_mul(MC_X2N[10], crc) ^ hi;
         n = 0;
     }
     while (n && ((u64)p & 7)) {

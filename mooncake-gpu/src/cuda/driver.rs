@@ -119,6 +119,13 @@ inline u32 atomicInc(u32* p, u32 val) {
     while (!a.compare_exchange_weak(old, old >= val ? 0 : old + 1)) {}
     return old;
 }
+inline u32 atomicMax(u32* p, u32 v) {
+    std::atomic_ref<u32> a(*p);
+    u32 old = a.load();
+    while (old < v && !a.compare_exchange_weak(old, v)) {}
+    return old;
+}
+inline u32 atomicExch(u32* p, u32 v) { return std::atomic_ref<u32>(*p).exchange(v); }
 template <class F> void launch(unsigned gx, unsigned gy, unsigned threads, F kernel) {
     gridDim = {gx, gy, 1};
     blockDim = {threads, 1, 1};

@@ -26,6 +26,10 @@ const COPY_THREADS: u32 = 256;
 /// Bytes each block of a copy kernel moves (a page is split over
 /// `page_size / COPY_BYTES_PER_BLOCK` blocks).
 const COPY_BYTES_PER_BLOCK: u32 = 32 * 1024;
+/// The most blocks a read runs in one launch (`nk_read`, each block pinning the
+/// object on its own, 4 MiB at most): beyond, the pins on one header word cost
+/// more than the second launch of `nk_reader_enter` + `nk_read_exit` saves.
+const ONE_LAUNCH_READ_BLOCKS: u32 = 128;
 
 struct Kernels {
     hdr_op: CudaFunction,
@@ -35,6 +39,7 @@ struct Kernels {
     publish: CudaFunction,
     reader_enter: CudaFunction,
     read_exit: CudaFunction,
+    read: CudaFunction,
 }
 
 /// Bytes of device scratch a heap keeps.
@@ -42,6 +47,9 @@ const SCRATCH_BYTES: usize = 64;
 /// Offset in the scratch of the blocks' arrival counter of the one-launch
 /// kernels (`last_block`: zero between launches).
 const ARRIVED: u64 = 16;
+/// Offset in the scratch of the worst status the blocks of an `nk_read` met
+/// (zero between launches).
+const WORST: u64 = 32;
 /// What the host writes into the answer word before a launch: a kernel that
 /// did not answer reads as no state the kernels answer.
 const NO_ANSWER: u64 = 0xDEAD_BEEF_DEAD_BEEF;
@@ -50,7 +58,7 @@ const NO_ANSWER: u64 = 0xDEAD_BEEF_DEAD_BEEF;
 /// them on the heap's stream).
 struct Scratch {
     /// [`SCRATCH_BYTES`] of device memory: the reader status at 0, the arrival
-    /// counter at [`ARRIVED`].
+    /// counter at [`ARRIVED`], a one-launch read's worst status at [`WORST`].
     dev: sys::CUdeviceptr,
     /// 8 bytes of page-locked host memory, mapped into the device's address
     /// space, that the kernels write their answer into: read once the stream
@@ -315,6 +323,7 @@ impl CudaDeviceHeap {
                 publish: f("nk_publish")?,
                 reader_enter: f("nk_reader_enter")?,
                 read_exit: f("nk_read_exit")?,
+                read: f("nk_read")?,
             };
             let stream = drv("cuStreamCreate", ctx.new_stream())?;
             Ok((ctx, stream, k))
@@ -476,10 +485,13 @@ impl CudaDeviceHeap {
     }
 
     /// Reader path: copies the object at `meta` into the device buffer `dst`
-    /// (`dst_cap` bytes) with the device-side protocol (`nk_reader_enter`
-    /// acquire + pin + re-check; `nk_read_exit`: tail-clamped copy, then the
-    /// last block to finish unpins and answers), stream-ordered, one host
-    /// round trip. Returns the object size.
+    /// (`dst_cap` bytes) with the device-side protocol (acquire READY, pin,
+    /// re-check, tail-clamped copy, unpin), stream-ordered, one host round trip.
+    /// A read of up to 128 copy blocks (4 MiB) is one launch
+    /// (`nk_read`: each block pins, copies its share and unpins; the last to
+    /// finish answers); a larger one two (`nk_reader_enter` pins once;
+    /// `nk_read_exit` copies, then its last block unpins and answers). Returns
+    /// the object size. On an error `dst` may have been written in part.
     pub fn read_into_device(&self, meta: &ObjMeta, key: &KeyId, dst: u64, dst_cap: u64) -> Result<u64> {
         let hdr = self.hdr(meta.slot)?;
         self.check_span(&meta.span())?;
@@ -487,6 +499,21 @@ impl CudaDeviceHeap {
             let scratch = self.scratch.lock();
             let (st, arrived) = (scratch.dev, scratch.dev + ARRIVED);
             scratch.clear_answer();
+            let cfg = copy_cfg(meta.page_bytes, meta.n_pages);
+            if cfg.grid_dim.0 * cfg.grid_dim.1 <= ONE_LAUNCH_READ_BLOCKS {
+                let worst = scratch.dev + WORST;
+                let mut l = self.stream.launch_builder(&self.k.read);
+                l.arg(&hdr).arg(&meta.epoch).arg(&key.hash).arg(&key.fp_hi).arg(&key.len).arg(&dst_cap);
+                l.arg(&self.payload).arg(&dst).arg(&worst).arg(&arrived).arg(&scratch.answer_dev);
+                // SAFETY: types match (u64, u32, u64, u64, u32, u64, u64, u8*, u32*,
+                // u32*, u32*); a block copies only while it holds its own pin, after
+                // checking the header's size against `dst_cap`; the pinned header
+                // equals `meta` (epoch); `worst`, `arrived` and the answer word are
+                // ours under the lock.
+                drv("launch nk_read", unsafe { l.launch(cfg) })?;
+                self.sync()?;
+                return read_status(scratch.answer32(), meta, dst_cap);
+            }
             let mut l = self.stream.launch_builder(&self.k.reader_enter);
             l.arg(&hdr).arg(&meta.epoch).arg(&key.hash).arg(&key.fp_hi).arg(&key.len).arg(&dst_cap).arg(&st);
             // SAFETY: types match (u64, u32, u64, u64, u32, u64, u32*).
@@ -497,15 +524,9 @@ impl CudaDeviceHeap {
             // copies only when pinned and the header's size was checked against
             // `dst_cap` by nk_reader_enter; the pinned header equals `meta`
             // (epoch); `arrived` and the answer word are ours under the lock.
-            drv("launch nk_read_exit", unsafe { l.launch(copy_cfg(meta.page_bytes, meta.n_pages)) })?;
+            drv("launch nk_read_exit", unsafe { l.launch(cfg) })?;
             self.sync()?;
-            match scratch.answer32() {
-                status::PINNED => Ok(meta.bytes_total),
-                status::NOT_READY => Err(GpuError::NotReady),
-                status::TOO_SMALL => Err(GpuError::BufferTooSmall { need: meta.bytes_total, got: dst_cap }),
-                status::STALE => Err(GpuError::Stale),
-                other => Err(GpuError::Corrupted(format!("reader status {other}"))),
-            }
+            read_status(scratch.answer32(), meta, dst_cap)
         })
     }
 
@@ -557,6 +578,17 @@ impl Drop for CudaDeviceHeap {
 
 /// What a publish answered (the state it found): Ok when it published or the
 /// object was READY already, `Stale` otherwise (another epoch, or not written).
+/// What a read's answer `code` means for the object at `meta`.
+fn read_status(code: u32, meta: &ObjMeta, dst_cap: u64) -> Result<u64> {
+    match code {
+        status::PINNED => Ok(meta.bytes_total),
+        status::NOT_READY => Err(GpuError::NotReady),
+        status::TOO_SMALL => Err(GpuError::BufferTooSmall { need: meta.bytes_total, got: dst_cap }),
+        status::STALE => Err(GpuError::Stale),
+        other => Err(GpuError::Corrupted(format!("reader status {other}"))),
+    }
+}
+
 fn published(previous: u32) -> Result<()> {
     if previous == ObjectState::Writing.as_u32() || previous == ObjectState::Ready.as_u32() {
         Ok(())

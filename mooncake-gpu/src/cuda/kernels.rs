@@ -46,7 +46,7 @@ pub(super) mod status {
 
 /// Names of the kernels in the module.
 #[cfg(test)]
-const KERNEL_NAMES: [&str; 7] = [
+const KERNEL_NAMES: [&str; 8] = [
     "nk_hdr_op",
     "nk_write_header",
     "nk_push_pages",
@@ -54,6 +54,7 @@ const KERNEL_NAMES: [&str; 7] = [
     "nk_publish",
     "nk_reader_enter",
     "nk_read_exit",
+    "nk_read",
 ];
 
 /// The memory-model helpers, in PTX (see the table at the top).
@@ -228,15 +229,13 @@ extern "C" __global__ void nk_publish(u64 hdr, u32 epoch, u64 now_ns, volatile u
 }
 
 // Reader enter: acquire READY, pin (refcnt += 1), re-check state, epoch, key
-// identity and size. status[0]: 0 pinned, 1 not ready, 2 stale, 3 too small.
-extern "C" __global__ void nk_reader_enter(u64 hdr, u32 epoch, u64 key_hash, u64 key_fp, u32 key_len,
-                                           u64 dst_cap, u32* status) {
-  if (blockIdx.x != 0 || threadIdx.x != 0) return;
+// identity and size. Returns 0 pinned, 1 not ready, 2 stale, 3 too small (then
+// not pinned).
+__device__ __forceinline__ u32 reader_enter(u64 hdr, u32 epoch, u64 key_hash, u64 key_fp, u32 key_len, u64 dst_cap) {
   u32 s = ld_acquire(F32(hdr, OFF_STATE));
   if (s != ST_READY) {
     u32 same = ld_acquire(F32(hdr, OFF_EPOCH)) == epoch;
-    status[0] = (same && (s == ST_WRITING || s == ST_RESERVED)) ? 1u : 2u;
-    return;
+    return (same && (s == ST_WRITING || s == ST_RESERVED)) ? 1u : 2u;
   }
   add_sc(F32(hdr, OFF_REFCNT), 1u);
   fence_sc();
@@ -251,7 +250,53 @@ extern "C" __global__ void nk_reader_enter(u64 hdr, u32 epoch, u64 key_hash, u64
     code = 3;
   }
   if (code != 0) add_sc(F32(hdr, OFF_REFCNT), 0xFFFFFFFFu);
-  status[0] = code;
+  return code;
+}
+
+// Block (x, y) of a read: its share x of page y of the pinned object, the
+// geometry from the (pinned, hence stable) header, the last page clamped to
+// last_page_bytes.
+__device__ __forceinline__ void read_share(u64 hdr, u64 arena, u8* dst) {
+  u32 n_pages = ld_relaxed(F32(hdr, OFF_N_PAGES));
+  u32 page = blockIdx.y;
+  if (page >= n_pages) return;
+  u32 page_size = ld_relaxed(F32(hdr, OFF_PAGE_SIZE));
+  u32 last = ld_relaxed(F32(hdr, OFF_LAST_PAGE_BYTES));
+  u64 base = ld_relaxed64(F64(hdr, OFF_PAYLOAD_BASE));
+  u32 len = (page + 1 == n_pages) ? last : page_size;
+  const u8* s = (const u8*)(arena + base + (u64)page * page_size);
+  copy_chunk(dst + (u64)page * page_size, s, len, blockIdx.x, gridDim.x);
+}
+
+// Reader enter on its own (one thread): status[0] gets reader_enter's code.
+extern "C" __global__ void nk_reader_enter(u64 hdr, u32 epoch, u64 key_hash, u64 key_fp, u32 key_len,
+                                           u64 dst_cap, u32* status) {
+  if (blockIdx.x != 0 || threadIdx.x != 0) return;
+  status[0] = reader_enter(hdr, epoch, key_hash, key_fp, key_len, dst_cap);
+}
+
+// A whole read in one launch, for a grid small enough that one pin per block
+// costs less than a second launch: grid (blocks_per_page, n_pages). Each block
+// enters on its own (pins, re-checks), copies its share if pinned, and unpins
+// with release semantics after its threads' copies (the barrier, then the
+// fence in add_sc). A block that could not pin records its code in `worst`
+// (the highest wins: too small, stale, not ready); the last block to finish
+// answers it (0: every block pinned the same epoch and copied) and sets
+// `worst` back to 0 for the next launch. A read that answers an error may have
+// written part of dst.
+extern "C" __global__ void nk_read(u64 hdr, u32 epoch, u64 key_hash, u64 key_fp, u32 key_len, u64 dst_cap,
+                                   u64 arena, u8* dst, u32* worst, u32* arrived, volatile u32* out) {
+  __shared__ u32 st;
+  if (threadIdx.x == 0) st = reader_enter(hdr, epoch, key_hash, key_fp, key_len, dst_cap);
+  __syncthreads();
+  if (st == 0u) read_share(hdr, arena, dst);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    if (st == 0u) add_sc(F32(hdr, OFF_REFCNT), 0xFFFFFFFFu);
+    else atomicMax(worst, st);
+  }
+  if (!last_block(arrived) || threadIdx.x != 0) return;
+  answer(out, atomicExch(worst, 0u));
 }
 
 // Reader copy and exit in one launch: grid (blocks_per_page, n_pages). Copies
@@ -262,18 +307,7 @@ extern "C" __global__ void nk_reader_enter(u64 hdr, u32 epoch, u64 key_hash, u64
 extern "C" __global__ void nk_read_exit(const u32* status, u64 hdr, u64 arena, u8* dst, u32* arrived,
                                         volatile u32* out) {
   u32 st = ld_relaxed(status);
-  if (st == 0u) {
-    u32 n_pages = ld_relaxed(F32(hdr, OFF_N_PAGES));
-    u32 page = blockIdx.y;
-    if (page < n_pages) {
-      u32 page_size = ld_relaxed(F32(hdr, OFF_PAGE_SIZE));
-      u32 last = ld_relaxed(F32(hdr, OFF_LAST_PAGE_BYTES));
-      u64 base = ld_relaxed64(F64(hdr, OFF_PAYLOAD_BASE));
-      u32 len = (page + 1 == n_pages) ? last : page_size;
-      const u8* s = (const u8*)(arena + base + (u64)page * page_size);
-      copy_chunk(dst + (u64)page * page_size, s, len, blockIdx.x, gridDim.x);
-    }
-  }
+  if (st == 0u) read_share(hdr, arena, dst);
   if (!last_block(arrived) || threadIdx.x != 0) return;
   if (st == 0u) add_sc(F32(hdr, OFF_REFCNT), 0xFFFFFFFFu);
   answer(out, st);
@@ -427,6 +461,28 @@ int main(int argc, char** argv) {
     printf("small_answer %u\nsmall_untouched %d\nrefcnt_after_small %u\n", answer, untouched, *F32(hdr, OFF_REFCNT));
     launch(1, 1, 1, [&] { nk_reader_enter(hdr, epoch, key_hash ^ 1, key_fp, key_len, 1 << 19, &status); });
     printf("other_key_status %u\nrefcnt_after_other %u\n", status, *F32(hdr, OFF_REFCNT));
+    // The one-launch read: every block pins, copies its share and unpins.
+    u32 worst = 0;
+    memset(dst, 0xCC, 1 << 19);
+    launch(per_page, n_pages, 256, [&] {
+        nk_read(hdr, epoch, key_hash, key_fp, key_len, 1 << 19, (u64)arena, dst, &worst, &arrived, (u32*)&answer);
+    });
+    tail = 1;
+    for (u64 i = total; i < (1 << 19); i++) if (dst[i] != 0xCC) tail = 0;
+    printf("fused_answer %u\nfused_equal %d\nfused_tail_untouched %d\nfused_refcnt %u\nfused_worst %u\nfused_arrived %u\n",
+           answer, memcmp(dst, src, total) == 0, tail, *F32(hdr, OFF_REFCNT), worst, arrived);
+    memset(dst, 0xDD, 1 << 19);
+    launch(per_page, n_pages, 256, [&] {
+        nk_read(hdr, epoch, key_hash, key_fp, key_len, total - 1, (u64)arena, dst, &worst, &arrived, (u32*)&answer);
+    });
+    untouched = 1;
+    for (u64 i = 0; i < (1 << 19); i++) if (dst[i] != 0xDD) untouched = 0;
+    printf("fused_small_answer %u\nfused_small_untouched %d\nfused_small_refcnt %u\nfused_small_worst %u\n", answer,
+           untouched, *F32(hdr, OFF_REFCNT), worst);
+    launch(per_page, n_pages, 256, [&] {
+        nk_read(hdr, epoch + 1, key_hash, key_fp, key_len, 1 << 19, (u64)arena, dst, &worst, &arrived, (u32*)&answer);
+    });
+    printf("fused_stale_answer %u\nfused_stale_refcnt %u\n", answer, *F32(hdr, OFF_REFCNT));
     launch(1, 1, 1, [&] { nk_hdr_op(hdr + OFF_STATE, 1, 0, 0, &answer64); });
     printf("hdr_op_state %llu\n", answer64);
     return 0;
@@ -465,7 +521,7 @@ int main(int argc, char** argv) {
             })
             .collect();
         let (writing, ready) = (u64::from(ObjectState::Writing.as_u32()), u64::from(ObjectState::Ready.as_u32()));
-        let want: [(&str, u64); 25] = [
+        let want: [(&str, u64); 37] = [
             ("header_words_written", 1),
             ("state_after_write", writing),
             ("refcnt_after_write", 3),
@@ -490,6 +546,18 @@ int main(int argc, char** argv) {
             ("refcnt_after_small", 0),
             ("other_key_status", u64::from(status::STALE)),
             ("refcnt_after_other", 0),
+            ("fused_answer", u64::from(status::PINNED)),
+            ("fused_equal", 1),
+            ("fused_tail_untouched", 1),
+            ("fused_refcnt", 0),
+            ("fused_worst", 0),
+            ("fused_arrived", 0),
+            ("fused_small_answer", u64::from(status::TOO_SMALL)),
+            ("fused_small_untouched", 1),
+            ("fused_small_refcnt", 0),
+            ("fused_small_worst", 0),
+            ("fused_stale_answer", u64::from(status::STALE)),
+            ("fused_stale_refcnt", 0),
             ("hdr_op_state", ready),
         ];
         for (name, value) in want {

@@ -12,10 +12,13 @@
 //! (`nk_write_header`, the state stored last). The hot paths are the inherent
 //! methods: [`CudaDeviceHeap::push_from_device`] (`nk_push_publish`: the blocks
 //! push the pages, and the last block to finish flips READY with release
-//! semantics) and [`CudaDeviceHeap::read_into_device`] (`nk_reader_enter`
-//! acquire + pin, then `nk_read_exit`: tail-clamped copy, the last block to
-//! finish unpins), all stream-ordered on the heap's stream, one host round trip
-//! each. Kernels answer into page-locked host memory mapped into the device (no
+//! semantics), [`NanoKvCache::put_from_device`](crate::NanoKvCache::put_from_device)
+//! (`nk_write_header` not waited for, then `nk_push_publish`) and
+//! [`CudaDeviceHeap::read_into_device`] (up to 4 MiB `nk_read`: each block
+//! acquires and pins on its own, copies its share and unpins, the last to finish
+//! answers; beyond, `nk_reader_enter` acquire + pin, then `nk_read_exit`:
+//! tail-clamped copy, the last block to finish unpins), all stream-ordered on
+//! the heap's stream, one host round trip each. Kernels answer into page-locked host memory mapped into the device (no
 //! device-to-host copy to enqueue); the host reads it once the stream
 //! synchronized.
 //!
