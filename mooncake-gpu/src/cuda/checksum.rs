@@ -676,18 +676,7 @@ mod tests {
     /// of the pieces with `x^(8|B|)` from the table gives the sum of the whole.
     #[test]
     fn pieces_fold_into_the_sum_of_the_whole() {
-        let t = x2n_table();
-        let shift_op = |mut n: u64| {
-            let (mut p, mut k) = (1u32 << 31, 3);
-            while n != 0 {
-                if n & 1 != 0 {
-                    p = mul_mod_p(t[k], p);
-                }
-                n >>= 1;
-                k += 1;
-            }
-            p
-        };
+        let (t, shift_op) = (x2n_table(), x_pow_8n);
         // A power-of-two length's factor is one entry of the table (the kernels'
         // short cut): x^(8 * 2^j) = x^(2^(j + 3)).
         for j in 0..40 {
