@@ -22,7 +22,7 @@ use std::sync::{Arc, LazyLock};
 use cudarc::driver::{result as cu, sys, CudaContext, CudaFunction, CudaStream};
 use parking_lot::Mutex;
 
-use super::driver::{drv, guarded, nvrtc_available};
+use super::driver::{alloc_mapped_host, drv, guarded, nvrtc_available};
 use crate::error::{GpuError, Result};
 
 /// Threads per block of `mc_crc32c_blocks`.
@@ -73,7 +73,7 @@ typedef unsigned char u8;
 #define MC_PER_THREAD 256ull // MC_X2N[10] below joins its two halves: x^(8 * 128)
 
 // a(x) * b(x) mod P, reflected: unrolled and branch-free (masks, not
-// branches), it is most of a tree level's time.
+// branches): each share's shift and each level of a fold is one.
 __device__ __forceinline__ u32 mc_mul(u32 a, u32 b) {
     u32 p = 0;
 #pragma unroll
@@ -151,7 +151,7 @@ extern "C" __global__ void mc_crc32c_blocks(const __grid_constant__ McTable smal
     __shared__ u32 T[8][256];
     __shared__ u32 C[MC_THREADS];
     __shared__ u64 L[MC_THREADS];
-    __shared__ u64 R[6];
+    __shared__ u64 R[7];
     __shared__ u32 X[2];
     __shared__ u32 last;
     u32 t = threadIdx.x;
@@ -177,11 +177,12 @@ extern "C" __global__ void mc_crc32c_blocks(const __grid_constant__ McTable smal
         R[3] = lo;
         R[4] = mc_word(small, table, f + lo);
         R[5] = mc_word(small, table, f + lo + 1) - R[4];
-        // The block's length, x^(8 len) and, for a short block, x^(8 tail) (the
-        // last share's bytes).
-        u64 len = min((u64)MC_THREADS * MC_PER_THREAD, R[1] - R[2] * MC_THREADS * MC_PER_THREAD);
-        u64 tail = len - ((len - 1) / MC_PER_THREAD) * MC_PER_THREAD;
-        X[0] = mc_shift_op(len);
+        // The block's length (R[6]), x^(8 length) and, for a short block,
+        // x^(8 tail) (the last share's bytes).
+        u64 block_len = min((u64)MC_THREADS * MC_PER_THREAD, R[1] - R[2] * MC_THREADS * MC_PER_THREAD);
+        u64 tail = block_len - ((block_len - 1) / MC_PER_THREAD) * MC_PER_THREAD;
+        R[6] = block_len;
+        X[0] = mc_shift_op(block_len);
         X[1] = tail == MC_PER_THREAD ? 0u : mc_shift_op(tail);
     }
     u32 c = t;
@@ -241,7 +242,7 @@ extern "C" __global__ void mc_crc32c_blocks(const __grid_constant__ McTable smal
     }
     // Past the bytes after this share in the block: whole shares of the block's
     // last k = (block length - 1) / 256, then, in a short block, its tail.
-    u64 block_len = min((u64)MC_THREADS * MC_PER_THREAD, len - R[2] * MC_THREADS * MC_PER_THREAD);
+    u64 block_len = R[6];
     u32 k = (u32)((block_len - 1) / MC_PER_THREAD);
     if (mine == 0) {
         crc = 0;
@@ -335,8 +336,8 @@ struct Summer {
     /// One arrival counter an item (device memory, zero between launches: the
     /// last of an item's blocks wraps its counter back to zero).
     arrived: sys::CUdeviceptr,
-    /// How many counters `arrived` holds.
-    arrived_items: usize,
+    /// Its size in bytes (4 a counter).
+    arrived_bytes: usize,
     /// Page-locked host memory, mapped for the device: a table too large for
     /// the launch's parameters on its way up, and the results, which the
     /// kernels write straight into it ([`Layout`]).
@@ -380,7 +381,8 @@ impl Drop for Summer {
 /// too large for the parameters), then the results.
 struct Layout {
     lens: usize,
-    /// Where the table starts on the device (8-byte aligned).
+    /// Where the table starts on the device (after the sums and lengths, 4
+    /// bytes each a block: 8-byte aligned).
     table: usize,
     /// Bytes of the table and the first blocks.
     words: usize,
@@ -391,8 +393,7 @@ struct Layout {
 
 impl Layout {
     fn of(items: usize, ranges: usize, blocks: usize) -> Self {
-        let lens = 4 * blocks;
-        let table = (8 * blocks).next_multiple_of(8);
+        let (lens, table) = (4 * blocks, 8 * blocks);
         let words = 8 * (3 * ranges + items + 1);
         Self { lens, table, words, scratch: table + words, io_results: words, io: words + 4 * items }
     }
@@ -464,7 +465,7 @@ fn build_from(ctx: &Arc<CudaContext>, src: String) -> Result<Arc<Mutex<Summer>>>
             scratch: 0,
             scratch_bytes: 0,
             arrived: 0,
-            arrived_items: 0,
+            arrived_bytes: 0,
             io: std::ptr::null_mut(),
             io_dev: 0,
             io_bytes: 0,
@@ -493,48 +494,30 @@ pub(crate) fn crc32c_each(
     stream: Option<sys::CUstream>,
     items: &[Vec<(u64, u64)>],
 ) -> Result<Vec<u32>> {
-    if Batch::of(items).blocks == 0 {
+    let batch = Batch::of(items);
+    if batch.blocks == 0 {
         return Ok(vec![0; items.len()]);
     }
-    sum_with(&*summer(ctx, ordinal)?, stream, items)
+    sum_with(&*summer(ctx, ordinal)?, stream, &batch, items.len())
 }
 
-/// [`crc32c_each`] with the kernels of `summer`.
-fn sum_with(summer: &Mutex<Summer>, stream: Option<sys::CUstream>, items: &[Vec<(u64, u64)>]) -> Result<Vec<u32>> {
-    let batch = Batch::of(items);
+/// The sums of the `n` items of `batch` (of at least one block) with the
+/// kernels of `summer`: [`crc32c_each`].
+fn sum_with(summer: &Mutex<Summer>, stream: Option<sys::CUstream>, batch: &Batch, n: usize) -> Result<Vec<u32>> {
     let blocks = usize::try_from(batch.blocks)
         .map_err(|_| GpuError::InvalidArgument(format!("crc32c of {} blocks", batch.blocks)))?;
-    let layout = Layout::of(items.len(), batch.ranges, blocks);
+    let layout = Layout::of(n, batch.ranges, blocks);
     let mut s = summer.lock();
     guarded("crc32c on the device", || {
         drv("bind", s.ctx.bind_to_thread())?;
         // Every use synchronized its stream before giving the lock up: no copy or
         // kernel of another stream still uses the old buffers.
-        if s.scratch_bytes < layout.scratch {
-            if s.scratch != 0 {
-                // SAFETY: allocated below in this context; no work in flight uses it.
-                drv("cuMemFree", unsafe { cu::free_sync(s.scratch) })?;
-                (s.scratch, s.scratch_bytes) = (0, 0);
-            }
-            let bytes = layout.scratch.next_power_of_two();
-            // SAFETY: a plain device allocation, owned by `s` (freed in its Drop).
-            s.scratch = drv("cuMemAlloc", unsafe { cu::malloc_sync(bytes) })?;
-            s.scratch_bytes = bytes;
-        }
-        if s.arrived_items < items.len() {
-            if s.arrived != 0 {
-                // SAFETY: allocated below in this context; no work in flight uses it.
-                drv("cuMemFree", unsafe { cu::free_sync(s.arrived) })?;
-                (s.arrived, s.arrived_items) = (0, 0);
-            }
-            let n = items.len().next_power_of_two();
-            // SAFETY: a plain device allocation, owned by `s` (freed in its Drop),
-            // zeroed before any launch uses it.
-            let arrived = drv("cuMemAlloc", unsafe { cu::malloc_sync(4 * n) })?;
-            s.arrived = arrived;
-            // SAFETY: `arrived` is the live allocation of 4 n bytes just made.
-            drv("cuMemsetD8", unsafe { cu::memset_d8_sync(arrived, 0, 4 * n) })?;
-            s.arrived_items = n;
+        let s = &mut *s;
+        grow_device(&mut s.scratch, &mut s.scratch_bytes, layout.scratch)?;
+        // The counters are zeroed once, when allocated: each launch leaves them so.
+        if grow_device(&mut s.arrived, &mut s.arrived_bytes, 4 * n)? {
+            // SAFETY: `arrived` is the live allocation of `arrived_bytes` just made.
+            drv("cuMemsetD8", unsafe { cu::memset_d8_sync(s.arrived, 0, s.arrived_bytes) })?;
         }
         if s.io_bytes < layout.io {
             if !s.io.is_null() {
@@ -543,20 +526,12 @@ fn sum_with(summer: &Mutex<Summer>, stream: Option<sys::CUstream>, items: &[Vec<
                 (s.io, s.io_bytes) = (std::ptr::null_mut(), 0);
             }
             let bytes = layout.io.next_power_of_two().max(64);
-            // SAFETY: page-locked, device-mapped host memory, owned by `s` (freed
-            // in its Drop).
-            let host = drv("cuMemHostAlloc", unsafe { cu::malloc_host(bytes, sys::CU_MEMHOSTALLOC_DEVICEMAP) })?;
-            let mut dev: sys::CUdeviceptr = 0;
-            // SAFETY: `host` was allocated with DEVICEMAP just above; `dev` is a
-            // valid out-pointer.
-            let mapped = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dev, host, 0).result() };
-            // Under unified addressing (every 64-bit process) kernels reach it at
-            // its host address where the driver gives no mapping.
-            s.io_dev = if mapped.is_ok() && dev != 0 { dev } else { host as sys::CUdeviceptr };
-            (s.io, s.io_bytes) = (host.cast(), bytes);
+            // Owned by `s` (freed in its Drop).
+            (s.io, s.io_dev) = alloc_mapped_host(bytes)?;
+            s.io_bytes = bytes;
         }
         let on = stream.unwrap_or_else(|| s.stream.cu_stream());
-        let summed = enqueue(&s, on, &batch, items.len(), &layout);
+        let summed = enqueue(s, on, batch, n, &layout);
         // SAFETY: `on` is a live stream of this context. Synchronized even when
         // an enqueue failed: nothing of it may still use the buffers once the
         // lock is given up.
@@ -564,17 +539,39 @@ fn sum_with(summer: &Mutex<Summer>, stream: Option<sys::CUstream>, items: &[Vec<
         if summed.is_err() || synced.is_err() {
             // A launch that did not run to its end may leave counters short of
             // zero: zeroed for the next.
-            // SAFETY: `arrived` holds `arrived_items` counters; nothing runs now.
-            let _ = unsafe { cu::memset_d8_sync(s.arrived, 0, 4 * s.arrived_items) };
+            // SAFETY: `arrived` is a live allocation of `arrived_bytes`; nothing
+            // runs now.
+            let _ = unsafe { cu::memset_d8_sync(s.arrived, 0, s.arrived_bytes) };
         }
         summed?;
         synced?;
         // SAFETY: the io buffer holds the results at `io_results` (4-byte
         // aligned: after 8-byte words), written by the kernels enqueued above,
         // which have completed; it lives under the lock.
-        let results = unsafe { std::slice::from_raw_parts(s.io.add(layout.io_results).cast::<u32>(), items.len()) };
+        let results = unsafe { std::slice::from_raw_parts(s.io.add(layout.io_results).cast::<u32>(), n) };
         Ok(results.to_vec())
     })
+}
+
+/// Makes the device allocation `ptr` of `have` bytes (0 and 0 for none) at
+/// least `need` bytes (a power of two), in the bound context, with no work in
+/// flight using it; its old bytes are not kept. Whether it was allocated anew.
+fn grow_device(ptr: &mut sys::CUdeviceptr, have: &mut usize, need: usize) -> Result<bool> {
+    if *have >= need {
+        return Ok(false);
+    }
+    if *ptr != 0 {
+        // SAFETY: allocated below in this context, freed once; no work in flight
+        // uses it (the caller's contract).
+        drv("cuMemFree", unsafe { cu::free_sync(*ptr) })?;
+        (*ptr, *have) = (0, 0);
+    }
+    let bytes = need.next_power_of_two();
+    // SAFETY: a plain device allocation, owned by the caller's summer (freed in
+    // its Drop).
+    *ptr = drv("cuMemAlloc", unsafe { cu::malloc_sync(bytes) })?;
+    *have = bytes;
+    Ok(true)
 }
 
 /// Enqueues the sums of a batch of `n` items on `on`: the range table and the
@@ -798,12 +795,12 @@ mod tests {
         for (name, src) in variants {
             let summer = build_from(&ctx, src).unwrap();
             for len in [64u64 << 10, 1 << 20, 4 << 20, 64 << 20] {
-                let items = vec![vec![(buf.ptr(), len)]];
-                sum_with(&summer, None, &items).unwrap();
+                let batch = Batch::of(&[vec![(buf.ptr(), len)]]);
+                sum_with(&summer, None, &batch, 1).unwrap();
                 let n = 200;
                 let t = std::time::Instant::now();
                 for _ in 0..n {
-                    sum_with(&summer, None, &items).unwrap();
+                    sum_with(&summer, None, &batch, 1).unwrap();
                 }
                 let us = t.elapsed().as_secs_f64() * 1e6 / n as f64;
                 println!("{{\"variant\":\"{name}\",\"bytes\":{len},\"us\":{us:.1}}}");

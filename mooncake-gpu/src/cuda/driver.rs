@@ -66,6 +66,24 @@ pub(super) fn guarded<T>(what: &'static str, f: impl FnOnce() -> Result<T>) -> R
     }
 }
 
+/// `bytes` of page-locked host memory mapped into the device's address space
+/// (in the bound context), and its device address: what kernels write answers
+/// into, for the host to read once their stream synchronized, with no copy back.
+/// Freed with `cuMemFreeHost` by the caller.
+pub(super) fn alloc_mapped_host(bytes: usize) -> Result<(*mut u8, sys::CUdeviceptr)> {
+    // SAFETY: a plain page-locked, device-mapped allocation, owned by the caller.
+    let host = drv("cuMemHostAlloc", unsafe { cu::malloc_host(bytes, sys::CU_MEMHOSTALLOC_DEVICEMAP) })?;
+    let mut dev: sys::CUdeviceptr = 0;
+    // SAFETY: `host` was allocated with DEVICEMAP just above; `dev` is a valid
+    // out-pointer.
+    let mapped = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dev, host, 0).result() };
+    // With unified addressing (every 64-bit process) memory from cuMemHostAlloc
+    // is reachable from kernels at its host address, whatever the context's
+    // flags: the fallback where the driver gives no mapping.
+    let dev = if mapped.is_ok() && dev != 0 { dev } else { host as sys::CUdeviceptr };
+    Ok((host.cast(), dev))
+}
+
 /// Tests: NVRTC compiles `source` for sm_80 (no GPU needed; skipped with a note
 /// where NVRTC is absent).
 #[cfg(test)]

@@ -9,7 +9,7 @@ use cudarc::driver::{
 };
 use parking_lot::Mutex;
 
-use super::driver::{cuda_device_count, drv, guarded, nvrtc_available};
+use super::driver::{alloc_mapped_host, cuda_device_count, drv, guarded, nvrtc_available};
 use super::ipc::IpcHeapHandle;
 use super::kernels::{self, op, status};
 use super::memory::DeviceBuffer;
@@ -81,17 +81,9 @@ impl Scratch {
         self.dev = drv("cuMemAlloc(scratch)", unsafe { cu::malloc_sync(SCRATCH_BYTES) })?;
         // SAFETY: `dev` is the live allocation of SCRATCH_BYTES just made.
         drv("cuMemsetD8(scratch)", unsafe { cu::memset_d8_sync(self.dev, 0, SCRATCH_BYTES) })?;
-        // SAFETY: page-locked, device-mapped host memory, freed in `free`.
-        let host = drv("cuMemHostAlloc(answer)", unsafe { cu::malloc_host(8, sys::CU_MEMHOSTALLOC_DEVICEMAP) })?;
-        self.answer = host.cast();
-        let mut dev: sys::CUdeviceptr = 0;
-        // SAFETY: `host` was allocated with DEVICEMAP just above; `dev` is a
-        // valid out-pointer.
-        let mapped = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dev, host, 0).result() };
-        // With unified addressing (every 64-bit process) memory from
-        // cuMemHostAlloc is reachable from kernels at its host address, whatever
-        // the context's flags: the fallback where the driver gives no mapping.
-        self.answer_dev = if mapped.is_ok() && dev != 0 { dev } else { host as sys::CUdeviceptr };
+        // Freed in `free`.
+        let (host, dev) = alloc_mapped_host(8)?;
+        (self.answer, self.answer_dev) = (host.cast(), dev);
         Ok(())
     }
 
