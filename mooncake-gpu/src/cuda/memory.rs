@@ -380,6 +380,12 @@ struct CudaCopyStream<'a> {
     next: u64,
 }
 
+// SAFETY: the events are opaque driver handles, valid from any thread of the
+// process (the driver API is thread-safe), and every call binds the buffer's
+// context to the calling thread first; `DeviceBuffer` is `Sync`, and the slot
+// `Send`. `&mut self` keeps the stream to one thread at a time.
+unsafe impl Send for CudaCopyStream<'_> {}
+
 impl CudaCopyStream<'_> {
     fn slot(&mut self) -> &mut StreamSlot {
         self.slot.as_mut().expect("present until drop")

@@ -263,6 +263,12 @@ enum HostOp {
     FromDevice { dst: *mut u8, len: usize, offset: usize },
 }
 
+// SAFETY: the pointers are host memory the enqueuer promised valid (and left
+// alone) until the copy completes, whichever thread runs it (the stream's
+// contract, `DeviceStream::copy_to_device_async`); nothing here is tied to a
+// thread.
+unsafe impl Send for HostOp {}
+
 /// The emulation's stream: a queue of copies run when waited on.
 struct HostStream<'a> {
     mem: &'a HostDeviceMemory,

@@ -115,7 +115,11 @@ pub struct Fence(pub(crate) u64);
 /// [`DeviceMemory::copy_to_host`].
 ///
 /// Dropping a stream waits for its outstanding copies.
-pub trait DeviceStream {
+///
+/// A stream is `Send`: it may be used from a thread other than the one that
+/// opened it, one thread at a time (the store's streamed reads enqueue copies,
+/// behind a lock, from the transport's threads as the bytes land).
+pub trait DeviceStream: Send {
     /// Enqueues a copy of `len` bytes at `src` to `dst_offset` of the device
     /// memory. Returns `OutOfBounds` (and enqueues nothing) if the device range
     /// is outside the memory.

@@ -1,25 +1,30 @@
 //! Replicas a transport reads into host memory (a TCP peer's; a segment that
-//! could not be page-locked), streamed into device memory through two pinned
-//! chunks: while the transport fills one chunk, the DMA of the other runs. Puts
-//! the other way: while the transport writes one chunk to the replicas, the DMA
-//! fills the other from the device. The staging memory a call holds is two
-//! chunks, however many objects and bytes it moves.
-//!
-//! Within a chunk, a get does not wait for the whole transfer either: each range
-//! the transport tells of as landed (`TransferRequest::on_landed`; TCP tells of
-//! every 256 KiB) is DMA'd at once, so only the last ranges' copies follow the
-//! transfer. The transfer runs on a thread of its own; the calling thread
-//! enqueues the copies (a device stream stays on one thread).
+//! could not be page-locked), streamed into device memory through pinned
+//! chunks. A get does not wait for a chunk's transfer: each range the transport
+//! tells of as landed (`TransferRequest::on_landed`; TCP tells of every 256 KiB)
+//! is DMA'd at once, so only the last ranges' copies follow the transfer. So a
+//! get of up to 64 MiB moves in one transfer into one pinned chunk; a larger
+//! one through two chunks of 32 MiB, the transport filling one while the other's
+//! last copies finish. Puts the other way, through two chunks: while the
+//! transport writes one chunk to the replicas, the DMA fills the other from the
+//! device. The staging memory a call holds is at most 64 MiB, however many
+//! objects and bytes it moves.
+//! The transfer runs on the calling thread, and the transport's
+//! threads enqueue each landed range's copy themselves, behind a lock on the
+//! call's streams: no thread is started and no range handed to another thread.
+//! (A thread started per call, woken per range, was the whole 40 us a 4 KiB
+//! read paid over the host read on a 2-core VM.)
 
 use mooncake_gpu::{DeviceMemory, DeviceStream, Fence, PooledBuffer};
 use mooncake_transfer::{RemoteRegion, TransferEngine, TransferError, TransferRequest};
+use parking_lot::Mutex;
 
 use super::staging::staging;
 use crate::error::{Error, Result};
 
-/// The smallest chunk: a call of up to twice this moves in at most two chunks,
-/// and an object of up to this in one (on an H100, TCP transfers of 2 MiB
-/// pieces of a 4 MiB object cost more than the overlap saved).
+/// The smallest chunk of a put: a put of up to twice this moves in at most two
+/// chunks, and an object of up to this in one (on an H100, TCP transfers of 2
+/// MiB pieces of a 4 MiB object cost more than the overlap saved).
 const MIN_CHUNK: usize = 8 << 20;
 /// The largest chunk (two of them are held per call). Chunks are large on
 /// purpose: a TCP transfer moves a large request faster per byte (more lanes at
@@ -49,9 +54,21 @@ struct Piece {
     pos: usize,
 }
 
-/// The chunk size for `total` bytes: half of them, within the bounds.
+/// The chunk size of a put of `total` bytes: half of them, within the bounds
+/// (the DMA of the first chunk is exposed, the rest overlaps the transport).
 fn chunk_for(total: u64) -> usize {
     usize::try_from(total.div_ceil(2)).unwrap_or(MAX_CHUNK).clamp(MIN_CHUNK, MAX_CHUNK)
+}
+
+/// The chunk size of a get of `total` bytes: all of them, in one transfer, up
+/// to the two chunks' worth a call may hold (the landing hooks overlap the DMA
+/// with the transfer, so more transfers only add their starts and their lanes'
+/// uneven ends); beyond, the largest chunk.
+fn read_chunk_for(total: u64) -> usize {
+    match usize::try_from(total) {
+        Ok(t) if t <= 2 * MAX_CHUNK => t.max(1),
+        _ => MAX_CHUNK,
+    }
 }
 
 /// Cuts objects of `lens` bytes into chunks of `chunk` bytes, in order: each
@@ -83,115 +100,132 @@ fn cut(lens: impl Iterator<Item = u64>, chunk: usize) -> Vec<Vec<Piece>> {
 /// ([`DeviceStream::synchronize_and_crc32c`]), else `None` (the caller sums).
 /// The bytes are not checked here.
 pub(in crate::store) fn stream_reads(engine: &TransferEngine, reads: &[StreamRead<'_>]) -> Vec<Result<Option<u32>>> {
-    stream_in_chunks(engine, reads, chunk_for(reads.iter().map(|r| r.len).sum()))
+    stream_in_chunks(engine, reads, read_chunk_for(reads.iter().map(|r| r.len).sum()))
 }
 
-/// [`stream_reads`] through two chunks of `chunk` bytes.
+/// What the transport's threads and the calling thread share during
+/// [`stream_in_chunks`]: the call's device streams, each read's result, and
+/// the current wave's ranges told of and streams used.
+struct Shared<'a> {
+    streams: Vec<(usize, Box<dyn DeviceStream + 'a>)>,
+    results: Vec<Result<()>>,
+    /// Per piece of the current wave, the ranges passed on as they landed.
+    landed: Vec<Vec<(u64, usize)>>,
+    /// The streams the current wave's copies went on.
+    used: Vec<usize>,
+}
+
+impl<'a> Shared<'a> {
+    /// Enqueues the copy of `len` bytes at `at` of piece `p` (in the slot at
+    /// `slot`) to its device memory, unless its read already failed.
+    fn to_device(&mut self, reads: &[StreamRead<'a>], p: &Piece, slot: usize, at: u64, len: usize) {
+        if self.results[p.index].is_err() {
+            return;
+        }
+        let r = &reads[p.index];
+        let streams = &mut self.streams;
+        let queued = stream_of(streams, r.mem).and_then(|s| {
+            // SAFETY: the range lies in the piece, in the slot; its bytes landed
+            // (the transport writes them again only when it retries after a broken
+            // connection, with the same bytes), and the slot is not refilled before
+            // the fence taken after this wave is waited for. The slot outlives the
+            // stream (declared before the shared state).
+            unsafe {
+                streams[s].1.copy_to_device_async((slot + p.pos + at as usize) as *const u8, len, r.dst + p.at + at)?
+            };
+            Ok(s)
+        });
+        match queued {
+            Ok(s) if !self.used.contains(&s) => self.used.push(s),
+            Ok(_) => {}
+            Err(e) => self.results[p.index] = Err(e),
+        }
+    }
+}
+
+/// [`stream_reads`] through (at most) two chunks of `chunk` bytes.
 fn stream_in_chunks(engine: &TransferEngine, reads: &[StreamRead<'_>], chunk: usize) -> Vec<Result<Option<u32>>> {
-    let mut results: Vec<Result<()>> = reads.iter().map(|_| Ok(())).collect();
     let Some(first) = reads.first() else { return Vec::new() };
-    let slots = match two_slots(first.mem, chunk) {
+    let waves = cut(reads.iter().map(|r| r.len), chunk);
+    let slots = match Slots::take(first.mem, chunk, waves.len()) {
         Ok(s) => s,
         Err(e) => return reads.iter().map(|_| Err(e.clone())).collect(),
     };
-    let ptrs = slots.ptrs;
+    // Addresses, so that the hooks (run on the transport's threads) can share them.
+    let ptrs: Vec<usize> = slots.ptrs.iter().map(|&p| p as usize).collect();
     // Declared after the slots, so dropped before them: a stream's drop waits
     // for the copies that read the slots.
-    let mut streams: Vec<(usize, Box<dyn DeviceStream + '_>)> = Vec::new();
+    let shared = Mutex::new(Shared {
+        streams: Vec::new(),
+        results: reads.iter().map(|_| Ok(())).collect(),
+        landed: Vec::new(),
+        used: Vec::new(),
+    });
     // Per slot, the fences after the copies out of it.
     let mut busy: [Vec<(usize, Fence)>; 2] = [Vec::new(), Vec::new()];
-    for (w, wave) in cut(reads.iter().map(|r| r.len), chunk).iter().enumerate() {
-        let slot = w % 2;
-        // The copies out of this slot two chunks ago are done before it is refilled.
-        if let Err(e) = wait_all(&mut streams, std::mem::take(&mut busy[slot])) {
-            fail_rest(&mut results, &e);
-            return unsummed(results);
-        }
-        let pieces: Vec<&Piece> = wave.iter().filter(|p| results[p.index].is_ok()).collect();
+    for (w, wave) in waves.iter().enumerate() {
+        let slot = w % ptrs.len();
+        let pieces: Vec<&Piece> = {
+            let mut sh = shared.lock();
+            let sh = &mut *sh;
+            // The copies out of this slot two chunks ago are done before it is refilled.
+            if let Err(e) = wait_all(&mut sh.streams, std::mem::take(&mut busy[slot])) {
+                fail_rest(&mut sh.results, &e);
+                break;
+            }
+            sh.landed = vec![Vec::new(); wave.len()];
+            sh.used.clear();
+            wave.iter().filter(|p| sh.results[p.index].is_ok()).collect()
+        };
         if pieces.is_empty() {
             continue;
         }
         // Each range the transport tells of as landed goes on to the device at once,
-        // while the rest of the chunk is in flight; what it did not tell of goes
-        // once the transfer returned.
-        let (tx, rx) = std::sync::mpsc::channel::<Landing>();
-        let hooks: Vec<_> = (0..pieces.len())
-            .map(|n| {
-                let tx = tx.clone();
-                move |at: u64, len: usize| {
-                    let _ = tx.send(Landing::Range(n, at, len));
-                }
-            })
-            .collect();
+        // from the transport's thread that received it, while the rest of the chunk
+        // is in flight; what it did not tell of goes once the transfer returned.
+        let land = |n: usize, at: u64, len: usize| {
+            // A range outside its piece is not trusted: the piece goes whole, after.
+            if at.checked_add(len as u64).is_none_or(|end| end > pieces[n].len as u64) {
+                return;
+            }
+            let mut sh = shared.lock();
+            sh.to_device(reads, pieces[n], ptrs[slot], at, len);
+            sh.landed[n].push((at, len));
+        };
+        let land = &land;
+        let hooks: Vec<_> = (0..pieces.len()).map(|n| move |at: u64, len: usize| land(n, at, len)).collect();
         let mut reqs: Vec<TransferRequest<'_>> = Vec::with_capacity(pieces.len());
         for (p, hook) in pieces.iter().zip(&hooks) {
             // SAFETY: the piece lies in the slot (`pos + len <= chunk`), whose
             // earlier copies were waited for above; pieces do not overlap, and
             // nothing else writes the slot until the transfer returns (the copies
             // enqueued meanwhile only read ranges that landed).
-            let buf = unsafe { std::slice::from_raw_parts_mut(ptrs[slot].add(p.pos), p.len) };
+            let buf = unsafe { std::slice::from_raw_parts_mut((ptrs[slot] + p.pos) as *mut u8, p.len) };
             reqs.push(TransferRequest::read(reads[p.index].region, reads[p.index].offset + p.at, buf).on_landed(hook));
         }
-        let mut landed: Vec<Vec<(u64, usize)>> = vec![Vec::new(); pieces.len()];
-        let mut used: Vec<usize> = Vec::new();
-        let mut to_device = |n: usize, at: u64, len: usize, results: &mut [Result<()>]| {
-            let p = pieces[n];
-            let r = &reads[p.index];
-            let queued = stream_of(&mut streams, r.mem).and_then(|s| {
-                // SAFETY: the range lies in the piece, in the slot; its bytes landed
-                // (the transport writes them again only when it retries after a
-                // broken connection, with the same bytes), and the slot is not
-                // refilled before the fence taken after this wave is waited for.
-                let src = unsafe { ptrs[slot].add(p.pos + at as usize) };
-                // SAFETY: as above; the slot outlives the stream (declared before it).
-                unsafe { streams[s].1.copy_to_device_async(src, len, r.dst + p.at + at)? };
-                Ok(s)
-            });
-            match queued {
-                Ok(s) if !used.contains(&s) => used.push(s),
-                Ok(_) => {}
-                Err(e) => results[p.index] = Err(e),
-            }
-        };
-        let done = std::thread::scope(|scope| {
-            let transfer = scope.spawn(move || {
-                // Told when the transfer returns, or unwinds (the panic then goes
-                // on up through `join`).
-                let _done = DoneOnDrop(tx);
-                engine.transfer(&mut reqs)
-            });
-            while let Ok(Landing::Range(n, at, len)) = rx.recv() {
-                // A range outside its piece is not trusted: the piece goes whole.
-                if at.checked_add(len as u64).is_none_or(|end| end > pieces[n].len as u64) {
-                    continue;
-                }
-                if results[pieces[n].index].is_ok() {
-                    to_device(n, at, len, &mut results);
-                }
-                landed[n].push((at, len));
-            }
-            transfer.join().unwrap_or_else(|e| std::panic::resume_unwind(e))
-        });
-        drop(hooks);
+        let done = engine.transfer(&mut reqs);
+        drop(reqs);
+        let mut sh = shared.lock();
         for ((n, p), res) in pieces.iter().enumerate().zip(done) {
             if let Err(e) = res {
-                results[p.index] = Err(e.into());
+                sh.results[p.index] = Err(e.into());
                 continue;
             }
-            for (at, len) in untold(&mut landed[n], p.len) {
-                if results[p.index].is_ok() {
-                    to_device(n, at, len, &mut results);
-                }
+            let mut told = std::mem::take(&mut sh.landed[n]);
+            for (at, len) in untold(&mut told, p.len) {
+                sh.to_device(reads, p, ptrs[slot], at, len);
             }
         }
-        match fences(&mut streams, used) {
+        let used = std::mem::take(&mut sh.used);
+        match fences(&mut sh.streams, used) {
             Ok(f) => busy[slot] = f,
             Err(e) => {
-                fail_rest(&mut results, &e);
-                return unsummed(results);
+                fail_rest(&mut sh.results, &e);
+                break;
             }
         }
     }
+    let Shared { mut streams, results, .. } = shared.into_inner();
     // Each read's check, chained behind its memory's last copies where the device
     // can: one batch per memory, in the same wait as its copies.
     let mut summed = unsummed(results);
@@ -230,23 +264,6 @@ fn unsummed(results: Vec<Result<()>>) -> Vec<Result<Option<u32>>> {
     results.into_iter().map(|r| r.map(|()| None)).collect()
 }
 
-/// What the transfer of one wave tells the thread that enqueues its copies.
-enum Landing {
-    /// Piece `n` of the wave: `len` bytes at `at` landed.
-    Range(usize, u64, usize),
-    /// The transfer returned: nothing more lands.
-    Done,
-}
-
-/// Sends [`Landing::Done`] when dropped.
-struct DoneOnDrop(std::sync::mpsc::Sender<Landing>);
-
-impl Drop for DoneOnDrop {
-    fn drop(&mut self) {
-        let _ = self.0.send(Landing::Done);
-    }
-}
-
 /// The ranges of a piece of `len` bytes not covered by the ranges told of
 /// (`told`, sorted here), in order.
 fn untold(told: &mut [(u64, usize)], len: usize) -> Vec<(u64, usize)> {
@@ -270,17 +287,20 @@ fn fail_rest(results: &mut [Result<()>], e: &Error) {
     results.iter_mut().filter(|r| r.is_ok()).for_each(|r| *r = Err(e.clone()));
 }
 
-/// Two pinned chunks (portable: any device memory's copies can use them) and
-/// their addresses.
+/// One or two pinned chunks (portable: any device memory's copies can use
+/// them) and their addresses; chunk `w` of a call goes in slot `w % ptrs.len()`.
 struct Slots {
-    _bufs: [PooledBuffer<'static>; 2],
-    ptrs: [*mut u8; 2],
+    _bufs: Vec<PooledBuffer<'static>>,
+    ptrs: Vec<*mut u8>,
 }
 
-fn two_slots(mem: &dyn DeviceMemory, chunk: usize) -> Result<Slots> {
-    let mut bufs = [staging(mem, chunk)?, staging(mem, chunk)?];
-    let ptrs = [bufs[0].as_mut_ptr(), bufs[1].as_mut_ptr()];
-    Ok(Slots { _bufs: bufs, ptrs })
+impl Slots {
+    /// Slots of `chunk` bytes for `waves` chunks: one for one, else two.
+    fn take(mem: &dyn DeviceMemory, chunk: usize, waves: usize) -> Result<Self> {
+        let mut bufs = (0..waves.clamp(1, 2)).map(|_| staging(mem, chunk)).collect::<Result<Vec<_>>>()?;
+        let ptrs = bufs.iter_mut().map(|b| b.as_mut_ptr()).collect();
+        Ok(Slots { _bufs: bufs, ptrs })
+    }
 }
 
 /// A fence on each stream of `used`, after the copies enqueued so far.
@@ -353,17 +373,17 @@ fn write_in_chunks(engine: &TransferEngine, writes: &[StreamWrite<'_>], chunk: u
     let mut out: Vec<Written> =
         writes.iter().map(|w| Written { failed: None, targets: w.targets.iter().map(|_| Ok(())).collect() }).collect();
     let Some(first) = writes.first() else { return out };
-    let slots = match two_slots(first.mem, chunk) {
+    let waves = cut(writes.iter().map(|w| w.len), chunk);
+    let slots = match Slots::take(first.mem, chunk, waves.len()) {
         Ok(s) => s,
         Err(e) => {
             out.iter_mut().for_each(|w| w.failed = Some(e.clone()));
             return out;
         }
     };
-    let ptrs = slots.ptrs;
+    let ptrs = &slots.ptrs;
     // Declared after the slots, so dropped before them (a stream's drop waits).
     let mut streams: Vec<(usize, Box<dyn DeviceStream + '_>)> = Vec::new();
-    let waves = cut(writes.iter().map(|w| w.len), chunk);
     let fail_all =
         |out: &mut [Written], e: &Error| out.iter_mut().for_each(|o| o.failed = o.failed.take().or(Some(e.clone())));
     let mut pending = Vec::new();
@@ -371,7 +391,7 @@ fn write_in_chunks(engine: &TransferEngine, writes: &[StreamWrite<'_>], chunk: u
         // The copies of chunk w run while chunk w - 1 is written: its slot was
         // last read by the transport writing chunk w - 2, which returned.
         let next = match waves.get(w) {
-            Some(wave) => match enqueue_downloads(wave, writes, ptrs[w % 2], &mut streams, &mut out) {
+            Some(wave) => match enqueue_downloads(wave, writes, ptrs[w % ptrs.len()], &mut streams, &mut out) {
                 Ok(f) => f,
                 Err(e) => {
                     fail_all(&mut out, &e);
@@ -390,7 +410,7 @@ fn write_in_chunks(engine: &TransferEngine, writes: &[StreamWrite<'_>], chunk: u
             // SAFETY: the copy that wrote the piece's bytes was waited for; the
             // slot is written again only by chunk prev + 2's copies, enqueued
             // after this transfer returns.
-            let bytes = unsafe { std::slice::from_raw_parts(ptrs[prev % 2].add(p.pos), p.len) };
+            let bytes = unsafe { std::slice::from_raw_parts(ptrs[prev % ptrs.len()].add(p.pos), p.len) };
             for (t, &(region, offset)) in writes[p.index].targets.iter().enumerate() {
                 if out[p.index].targets[t].is_ok() {
                     reqs.push(TransferRequest::write(region, offset + p.at, bytes));
@@ -521,6 +541,22 @@ mod tests {
         }
         // Told range by range: far more copies than the 5 pieces of the 3 waves.
         assert!(mem.copies_run() >= 16, "{} copies", mem.copies_run());
+    }
+
+    /// A get of up to 64 MiB (one object or a batch) moves in one transfer into
+    /// one chunk; a larger one in 32 MiB chunks, two held at a time: the pinned
+    /// memory a get holds never exceeds 64 MiB, and never exceeds twice its bytes.
+    #[test]
+    fn a_get_moves_in_one_transfer_up_to_64_mib_and_holds_at_most_64_mib() {
+        use proptest::prelude::*;
+        proptest!(|(total in prop_oneof![1u64..(1 << 20), 1u64..(200 << 20), Just(64u64 << 20), Just((64u64 << 20) + 1)])| {
+            let chunk = read_chunk_for(total);
+            let waves = cut(std::iter::once(total), chunk).len();
+            let held = chunk as u64 * waves.min(2) as u64;
+            prop_assert!(held <= 64 << 20, "{total}: {held} bytes held");
+            prop_assert!(held <= 2 * total, "{total}: {held} bytes held");
+            prop_assert_eq!(waves == 1, total <= 64 << 20, "{} bytes in {} transfers", total, waves);
+        });
     }
 
     /// The ranges left to pass on after the transfer are exactly the bytes of the
