@@ -49,6 +49,7 @@
 #![deny(missing_docs)]
 #![deny(clippy::undocumented_unsafe_blocks)]
 
+mod answer_wait;
 mod auth;
 pub mod checksum;
 mod engine;
@@ -61,6 +62,7 @@ mod registry;
 mod transport;
 mod warn_limit;
 
+pub use answer_wait::{answer_spin, read_polling, DEFAULT_ANSWER_SPIN};
 pub use auth::{
     admits_peer, decode_refusal, encode_refusal, read_up_to, Acceptor, AuthFailure, SharedSecret, AUTH_HELLO_LEN,
     AUTH_LEN, PROTECTED_MODE_REFUSAL,

@@ -7,7 +7,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use mooncake_alloc::SegmentId;
-use mooncake_transfer::{decode_refusal, RemoteRegion, SharedSecret, AUTH_MAGIC, REFUSE_MAGIC};
+use mooncake_transfer::{
+    answer_spin, decode_refusal, read_polling, RemoteRegion, SharedSecret, AUTH_MAGIC, REFUSE_MAGIC,
+};
 use parking_lot::Mutex;
 
 use crate::config::ReplicateConfig;
@@ -89,7 +91,9 @@ impl RpcMasterClient {
         if buf.len() < READ_BUFFER {
             buf.resize(READ_BUFFER, 0);
         }
-        let mut n = 0;
+        // Polled for a moment first: the answer usually comes within it, and a
+        // thread woken from sleep pays as much again as the round trip.
+        let mut n = read_polling(stream, buf, answer_spin())?;
         while n < HEADER_LEN {
             match stream.read(&mut buf[n..]) {
                 Ok(0) => break,

@@ -11,6 +11,7 @@ use std::time::Duration;
 use parking_lot::Mutex;
 
 use super::{Capabilities, OnLanded, TransferOp, TransferRequest, Transport, TransportStats};
+use crate::answer_wait::{answer_spin, read_polling};
 use crate::auth::{admits_peer, decode_refusal, encode_refusal, read_up_to, SharedSecret, PROTECTED_MODE_REFUSAL};
 use crate::error::{Result, TransferError};
 use crate::frame::{
@@ -586,7 +587,10 @@ impl ControlChannel for TcpTransport {
 /// response was expected means the peer requires a secret this side lacks.
 fn read_response(stream: &TcpStream, max_len: u64) -> Result<ResponseHeader> {
     let mut header = [0u8; RESPONSE_HEADER_LEN];
-    let n = read_up_to(stream, &mut header).map_err(io)?;
+    // Polled for a moment first (see `answer_wait`): a small read's answer
+    // usually comes within it.
+    let polled = read_polling(stream, &mut header, answer_spin()).map_err(io)?;
+    let n = polled + read_up_to(stream, &mut header[polled..]).map_err(io)?;
     if n >= 4 && header[..4] == AUTH_MAGIC {
         return Err(TransferError::Auth("the peer requires a shared secret and this side has none".into()));
     }
