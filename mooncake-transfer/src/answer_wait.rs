@@ -11,6 +11,7 @@
 
 use std::io::{ErrorKind, Read};
 use std::net::TcpStream;
+use std::os::fd::AsRawFd;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
@@ -35,35 +36,46 @@ pub fn answer_spin() -> Duration {
     })
 }
 
-/// Reads into `buf` whatever arrives on `stream` within `budget`, polling
-/// without blocking: the bytes read (`0` when nothing came in time, or the
-/// peer closed the connection; the caller's blocking read tells which). The
-/// stream is left blocking. Errors are the socket's.
+/// Reads into `buf` whatever arrives on `stream` within `budget`: polls the
+/// socket (`poll` with a zero timeout, which never blocks and, unlike a
+/// non-blocking `read`, does not take the socket's lock that the sender's
+/// delivery needs) until it is readable, then reads what is there. Returns the
+/// bytes read: `0` when nothing came in time, or the peer closed the connection
+/// (the caller's blocking read tells which). Errors are the socket's.
 pub fn read_polling(stream: &TcpStream, buf: &mut [u8], budget: Duration) -> std::io::Result<usize> {
     if budget.is_zero() || buf.is_empty() {
         return Ok(0);
     }
-    stream.set_nonblocking(true)?;
     let start = Instant::now();
-    let mut reader = stream;
-    let got = loop {
-        match reader.read(buf) {
-            Ok(n) => break Ok(n),
-            Err(e) if e.kind() == ErrorKind::WouldBlock => {
-                if start.elapsed() >= budget {
-                    break Ok(0);
+    loop {
+        if readable_now(stream)? {
+            let mut reader = stream;
+            loop {
+                match reader.read(buf) {
+                    Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                    other => return other,
                 }
-                std::hint::spin_loop();
             }
-            Err(e) if e.kind() == ErrorKind::Interrupted => {}
-            Err(e) => break Err(e),
         }
-    };
-    // Back to blocking whatever happened: the caller's reads rely on it.
-    let restored = stream.set_nonblocking(false);
-    let n = got?;
-    restored?;
-    Ok(n)
+        if start.elapsed() >= budget {
+            return Ok(0);
+        }
+        std::hint::spin_loop();
+    }
+}
+
+/// Whether a read of `stream` would return at once (bytes, the end, or an
+/// error), asked without waiting.
+fn readable_now(stream: &TcpStream) -> std::io::Result<bool> {
+    let mut fd = libc::pollfd { fd: stream.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+    // SAFETY: one valid `pollfd` of a descriptor `stream` keeps open, a count of
+    // one, and a zero timeout: `poll` only writes `revents` and never blocks.
+    let ready = unsafe { libc::poll(&mut fd, 1, 0) };
+    if ready < 0 {
+        let e = std::io::Error::last_os_error();
+        return if e.kind() == ErrorKind::Interrupted { Ok(false) } else { Err(e) };
+    }
+    Ok(ready > 0)
 }
 
 #[cfg(test)]
@@ -81,8 +93,8 @@ mod tests {
     }
 
     /// What is there is read; nothing there returns 0 after about the budget;
-    /// either way the stream is blocking again (a read with a timeout then
-    /// times out instead of failing with WouldBlock at once).
+    /// either way the stream stays blocking (a read with a timeout then times
+    /// out instead of failing with WouldBlock at once).
     #[test]
     fn polls_for_the_budget_then_leaves_the_stream_blocking() {
         let (a, mut b) = pair();

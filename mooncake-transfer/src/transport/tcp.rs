@@ -583,12 +583,13 @@ impl ControlChannel for TcpTransport {
     }
 }
 
-/// Reads one response header; a listener's authentication challenge where a
-/// response was expected means the peer requires a secret this side lacks.
+/// Reads one response header (polled for a moment first); a listener's
+/// authentication challenge where a response was expected means the peer
+/// requires a secret this side lacks.
 fn read_response(stream: &TcpStream, max_len: u64) -> Result<ResponseHeader> {
     let mut header = [0u8; RESPONSE_HEADER_LEN];
-    // Polled for a moment first (see `answer_wait`): a small read's answer
-    // usually comes within it.
+    // Polled for a moment first (see `answer_wait`): a small answer usually
+    // comes within it.
     let polled = read_polling(stream, &mut header, answer_spin()).map_err(io)?;
     let n = polled + read_up_to(stream, &mut header[polled..]).map_err(io)?;
     if n >= 4 && header[..4] == AUTH_MAGIC {
