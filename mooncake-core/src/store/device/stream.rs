@@ -118,7 +118,7 @@ struct Shared<'a> {
 impl<'a> Shared<'a> {
     /// Enqueues the copy of `len` bytes at `at` of piece `p` (in the slot at
     /// `slot`) to its device memory, unless its read already failed.
-    fn to_device(&mut self, reads: &[StreamRead<'a>], p: &Piece, slot: usize, at: u64, len: usize) {
+    fn enqueue_upload(&mut self, reads: &[StreamRead<'a>], p: &Piece, slot: usize, at: u64, len: usize) {
         if self.results[p.index].is_err() {
             return;
         }
@@ -189,7 +189,7 @@ fn stream_in_chunks(engine: &TransferEngine, reads: &[StreamRead<'_>], chunk: us
                 return;
             }
             let mut sh = shared.lock();
-            sh.to_device(reads, pieces[n], ptrs[slot], at, len);
+            sh.enqueue_upload(reads, pieces[n], ptrs[slot], at, len);
             sh.landed[n].push((at, len));
         };
         let land = &land;
@@ -213,7 +213,7 @@ fn stream_in_chunks(engine: &TransferEngine, reads: &[StreamRead<'_>], chunk: us
             }
             let mut told = std::mem::take(&mut sh.landed[n]);
             for (at, len) in untold(&mut told, p.len) {
-                sh.to_device(reads, p, ptrs[slot], at, len);
+                sh.enqueue_upload(reads, p, ptrs[slot], at, len);
             }
         }
         let used = std::mem::take(&mut sh.used);
