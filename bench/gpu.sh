@@ -2,7 +2,7 @@
 # The GPU checks of issue 24 in one run, on a machine with a CUDA GPU (and NVRTC):
 # the CUDA tests (none may skip), the two-process CUDA IPC test, the store's device
 # tests, `gpu_store --bench` (local / shm-peer / tcp-peer replicas against pinned
-# DMA and the host calls), `gpu_sweep` (NanoKvCache put/get against DtoD), and, when
+# DMA and the host calls; again with answer polling off, up to 16 MiB), `gpu_sweep` (NanoKvCache put/get against DtoD), and, when
 # torch with CUDA imports, the Python drop-in on CUDA tensors (pytest, the
 # `gpu_pointers.py` bench, `kv_connector.py --gpu`), and the device checksum's
 # profile (`profile_device_sums`). Every output lands in OUT.
@@ -80,6 +80,10 @@ if want tests; then
 fi
 if want bench; then
     step gpu-store-bench example examples gpu_store --bench --iters "$ITERS" --max-size "$MAX_SIZE"
+    # The same with answer polling off (MOONCAKE_SPIN_US=0), up to 16 MiB: what the
+    # polling does to puts with a master daemon and to TCP, in the same run.
+    step gpu-store-bench-nopoll bash -c 'MOONCAKE_SPIN_US=0 example "$@"' _ examples gpu_store --bench \
+        --iters "$ITERS" --max-size $((MAX_SIZE < 16 << 20 ? MAX_SIZE : 16 << 20))
     step gpu-sweep example mooncake-gpu gpu_sweep --iters "$ITERS"
     step gpu-sweep-staging example mooncake-gpu gpu_sweep --staging --iters "$ITERS"
     # Where a device checksum's time goes: its kernels with parts cut out.
