@@ -21,9 +21,10 @@
 //!   bytes.
 //! * **Streamed** (`stream.rs`): a replica the transport reaches through host
 //!   memory (a TCP peer's, a segment that cannot be page-locked) moves through
-//!   two pinned chunks that take turns: the DMA of one runs while the transport
-//!   reads into (get) or writes from (put) the other. The checksum is taken of
-//!   the device bytes.
+//!   pinned chunks: a get DMAs each range as the transport tells it landed (one
+//!   chunk up to 64 MiB), a put's two chunks take turns (the DMA of one runs
+//!   while the transport writes the other). The checksum is taken of the device
+//!   bytes.
 //! * **Staged** (`staging.rs`): disk replicas are read into a pinned host buffer,
 //!   then copied to the device.
 //!
