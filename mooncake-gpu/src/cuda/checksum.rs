@@ -291,20 +291,20 @@ extern "C" __global__ void mc_crc32c_blocks(const __grid_constant__ McTable smal
 }
 "#;
 
-/// The kernels' source: the `x^(2^k)` table, then the body.
+/// The kernels' source: the `x^(2^k)` and shift tables, then the body.
 fn source() -> String {
     let words = |t: &[u32]| t.iter().map(|v| format!("{v:#010x}u")).collect::<Vec<_>>().join(", ");
+    let x2n = x2n_table();
     format!(
         "__device__ const unsigned int MC_X2N[64] = {{{}}};\n__device__ const unsigned int MC_AFTER[{THREADS}] = {{{}}};\n\
          #define MC_TABLE_WORDS {TABLE_WORDS}\n{BODY}",
-        words(&x2n_table()),
-        words(&after_table()),
+        words(&x2n),
+        words(&after_table(&x2n)),
     )
 }
 
-/// `x^(8 n) mod P`: what moves a remainder past `n` bytes.
-fn x_pow_8n(mut n: u64) -> u32 {
-    let x2n = x2n_table();
+/// `x^(8 n) mod P`: what moves a remainder past `n` bytes (`x2n`: [`x2n_table`]).
+fn x_pow_8n(x2n: &[u32; 64], mut n: u64) -> u32 {
     let (mut p, mut k) = (1u32 << 31, 3);
     while n != 0 {
         if n & 1 != 0 {
@@ -318,8 +318,8 @@ fn x_pow_8n(mut n: u64) -> u32 {
 
 /// For each thread `t` of a block, `x^(8 * 256 * (255 - t)) mod P`: what moves
 /// its share's remainder past the shares after it in a whole block.
-fn after_table() -> Vec<u32> {
-    (0..u64::from(THREADS)).map(|t| x_pow_8n(PER_THREAD * (u64::from(THREADS) - 1 - t))).collect()
+fn after_table(x2n: &[u32; 64]) -> Vec<u32> {
+    (0..u64::from(THREADS)).map(|t| x_pow_8n(x2n, PER_THREAD * (u64::from(THREADS) - 1 - t))).collect()
 }
 
 /// The kernels of one device, with their stream, a device scratch and a
@@ -580,7 +580,7 @@ fn grow_device(ptr: &mut sys::CUdeviceptr, have: &mut usize, need: usize) -> Res
 /// last block of each item folds it. The results land in the io buffer, written
 /// there by the kernel: nothing to copy back.
 fn enqueue(s: &Summer, on: sys::CUstream, batch: &Batch, n: usize, layout: &Layout) -> Result<()> {
-    let Batch { words: table, ranges: n_ranges, blocks: block, .. } = batch;
+    let Batch { words: table, ranges: n_ranges, blocks: block } = batch;
     let (n_ranges, block) = (*n_ranges, *block);
     debug_assert_eq!(table.len() * 8, layout.words);
     // An item of no bytes has no block to write its result: 0, written here.
@@ -673,7 +673,8 @@ mod tests {
     /// of the pieces with `x^(8|B|)` from the table gives the sum of the whole.
     #[test]
     fn pieces_fold_into_the_sum_of_the_whole() {
-        let (t, shift_op) = (x2n_table(), x_pow_8n);
+        let t = x2n_table();
+        let shift_op = |n: u64| x_pow_8n(&t, n);
         // A power-of-two length's factor is one entry of the table (the kernels'
         // short cut): x^(8 * 2^j) = x^(2^(j + 3)).
         for j in 0..40 {
@@ -695,7 +696,7 @@ mod tests {
     }
 
     #[test]
-    fn the_source_carries_the_table_and_both_kernels() {
+    fn the_source_carries_the_tables_and_the_kernel() {
         let s = source();
         assert!(s.starts_with("__device__ const unsigned int MC_X2N[64] = {0x40000000u, 0x20000000u, 0x08000000u"));
         assert!(s.contains("void mc_crc32c_blocks("));

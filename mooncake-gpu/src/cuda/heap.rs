@@ -568,8 +568,6 @@ impl Drop for CudaDeviceHeap {
     }
 }
 
-/// What a publish answered (the state it found): Ok when it published or the
-/// object was READY already, `Stale` otherwise (another epoch, or not written).
 /// What a read's answer `code` means for the object at `meta`.
 fn read_status(code: u32, meta: &ObjMeta, dst_cap: u64) -> Result<u64> {
     match code {
@@ -581,6 +579,8 @@ fn read_status(code: u32, meta: &ObjMeta, dst_cap: u64) -> Result<u64> {
     }
 }
 
+/// What a publish answered (the state it found): Ok when it published or the
+/// object was READY already, `Stale` otherwise (another epoch, or not written).
 fn published(previous: u32) -> Result<()> {
     if previous == ObjectState::Writing.as_u32() || previous == ObjectState::Ready.as_u32() {
         Ok(())

@@ -348,8 +348,8 @@ impl DeviceMemory for DeviceBuffer {
 /// The crc32c of each item of [`DeviceRange`]s (an item's ranges summed one after
 /// the other), as one batch on their device: one launch over every range (its
 /// table as parameters where it fits), whose last block of each item folds it,
-/// one synchronization. Work queued on other streams is
-/// not waited for: the caller synchronized what wrote the bytes. `Ok(None)` where
+/// one synchronization. Work queued on other streams is not waited for: the
+/// caller synchronized what wrote the bytes. `Ok(None)` where
 /// it cannot be done so (ranges of several devices, no device ranges at all, no
 /// GPU, the kernels cannot be built): the caller sums memory by memory.
 pub fn crc32c_of_device_ranges(items: &[Vec<DeviceRange>]) -> Result<Option<Vec<u32>>> {

@@ -18,9 +18,9 @@
 //! acquires and pins on its own, copies its share and unpins, the last to finish
 //! answers; beyond, `nk_reader_enter` acquire + pin, then `nk_read_exit`:
 //! tail-clamped copy, the last block to finish unpins), all stream-ordered on
-//! the heap's stream, one host round trip each. Kernels answer into page-locked host memory mapped into the device (no
-//! device-to-host copy to enqueue); the host reads it once the stream
-//! synchronized.
+//! the heap's stream, one host round trip each. Kernels answer into
+//! page-locked host memory mapped into the device (no device-to-host copy to
+//! enqueue); the host reads it once the stream synchronized.
 //!
 //! **Addresses:** [`WritePlan`]/[`ObjMeta`] pointers are valid in the owner's
 //! process. Another process opens the owner heap with

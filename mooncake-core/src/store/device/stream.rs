@@ -9,11 +9,12 @@
 //! transport writes one chunk to the replicas, the DMA fills the other from the
 //! device. The staging memory a call holds is at most 64 MiB, however many
 //! objects and bytes it moves.
-//! The transfer runs on the calling thread, and the transport's
-//! threads enqueue each landed range's copy themselves, behind a lock on the
-//! call's streams: no thread is started and no range handed to another thread.
-//! (A thread started per call, woken per range, was the whole 40 us a 4 KiB
-//! read paid over the host read on a 2-core VM.)
+//!
+//! A get's transfer runs on the calling thread, and the transport's threads
+//! enqueue each landed range's copy themselves, behind a lock on the call's
+//! streams: no thread is started and no range handed to another thread. (A
+//! thread started per call, woken per range, was the whole 40 us a 4 KiB read
+//! paid over the host read on a 2-core VM.)
 
 use mooncake_gpu::{DeviceMemory, DeviceStream, Fence, PooledBuffer};
 use mooncake_transfer::{RemoteRegion, TransferEngine, TransferError, TransferRequest};
@@ -116,23 +117,22 @@ struct Shared<'a> {
 }
 
 impl<'a> Shared<'a> {
-    /// Enqueues the copy of `len` bytes at `at` of piece `p` (in the slot at
-    /// `slot`) to its device memory, unless its read already failed.
-    fn enqueue_upload(&mut self, reads: &[StreamRead<'a>], p: &Piece, slot: usize, at: u64, len: usize) {
+    /// Enqueues the copy of `len` bytes at `at` of piece `p` (in the slot whose
+    /// address is `slot_at`) to its device memory, unless its read already failed.
+    fn enqueue_upload(&mut self, reads: &[StreamRead<'a>], p: &Piece, slot_at: usize, at: u64, len: usize) {
         if self.results[p.index].is_err() {
             return;
         }
         let r = &reads[p.index];
         let streams = &mut self.streams;
+        let src = (slot_at + p.pos + at as usize) as *const u8;
         let queued = stream_of(streams, r.mem).and_then(|s| {
             // SAFETY: the range lies in the piece, in the slot; its bytes landed
             // (the transport writes them again only when it retries after a broken
             // connection, with the same bytes), and the slot is not refilled before
             // the fence taken after this wave is waited for. The slot outlives the
             // stream (declared before the shared state).
-            unsafe {
-                streams[s].1.copy_to_device_async((slot + p.pos + at as usize) as *const u8, len, r.dst + p.at + at)?
-            };
+            unsafe { streams[s].1.copy_to_device_async(src, len, r.dst + p.at + at)? };
             Ok(s)
         });
         match queued {
