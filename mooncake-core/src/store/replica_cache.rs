@@ -16,6 +16,15 @@
 //! at once, and a list asked for before that (by a get racing with it) is not kept.
 //! What no lease covers either (the owner of a replica dies, the master restarts) is
 //! caught the same way, by the checksum and the transport.
+//!
+//! No reader goes back from bytes it read to older ones. The master answers a key's
+//! calls in order, but answers to calls sent at nearly the same time need not arrive
+//! in that order, so every list a get read through is entered here, kept or not: one
+//! that may not be reused (asked for before a forget, too short a lease, no memory
+//! replica) stays as a *floor* that is never served. A list that differs from the
+//! entered one is newer only if it was asked for after that one was entered; if not,
+//! which is newer cannot be told, and neither is kept, nor any list asked for until
+//! then.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -32,16 +41,23 @@ const MIN_LEFT: Duration = Duration::from_millis(5);
 /// Slots that remember when keys hashing to them were last forgotten.
 const FORGET_SLOTS: usize = 256;
 
-/// A kept list and until when it may be used.
-type Leased = (Arc<ReplicaList>, Instant);
+/// The last list of a key that a get of this client read through.
+struct Entry {
+    list: Arc<ReplicaList>,
+    /// When it was entered: its answer had come, so the master had answered it.
+    entered: Instant,
+    /// Until when it may be reused; `None` for a floor, which is never reused.
+    until: Option<Instant>,
+}
 
 pub(super) struct ReplicaCache {
     capacity: usize,
-    lists: Mutex<HashMap<Box<str>, Leased>>,
+    lists: Mutex<HashMap<Box<str>, Entry>>,
     hits: AtomicU64,
     /// When the keys of each slot were last forgotten (ns since `base`): a list asked
     /// for before that may predate the change that made us forget (a get racing with
-    /// this client's remove or upsert) and is not kept.
+    /// this client's remove or upsert, or with a list it could not order) and is not
+    /// reused.
     forgotten: Box<[AtomicU64]>,
     base: Instant,
     router: ahash::RandomState,
@@ -75,68 +91,100 @@ impl ReplicaCache {
         t.saturating_duration_since(self.base).as_nanos() as u64
     }
 
+    /// Marks `key` forgotten at `now`: no list of it asked for until then is reused.
+    fn mark_forgotten(&self, key: &str, now: Instant) {
+        self.forgotten_slot(key).fetch_max(self.since_base(now), Ordering::AcqRel);
+    }
+
     /// The list of `key`, if it is still young enough.
     pub(super) fn get(&self, key: &str) -> Option<Arc<ReplicaList>> {
+        self.get_at(key, Instant::now())
+    }
+
+    fn get_at(&self, key: &str, now: Instant) -> Option<Arc<ReplicaList>> {
         if self.capacity == 0 {
             return None;
         }
         let lists = self.lists.lock();
-        let (list, until) = lists.get(key)?;
-        (Instant::now() + MIN_LEFT < *until).then(|| list.clone())
+        let entry = lists.get(key)?;
+        entry.until.filter(|until| now + MIN_LEFT < *until).map(|_| entry.list.clone())
     }
 
-    /// Keeps `list`, answered to a call sent at `asked_at`, for its lease period.
-    /// Lists with memory replicas only (a disk-only object is read from its owner's
-    /// SSD, which checks it anyway).
+    /// Enters `list`, answered to a call sent at `asked_at`, which a get has just
+    /// read through. It is reused for its lease period if it has memory replicas (a
+    /// disk-only object is read from its owner's SSD, which checks it anyway), a
+    /// lease, and was asked for after the last forget of its key.
     pub(super) fn insert(&self, key: &str, list: Arc<ReplicaList>, asked_at: Instant) {
-        if self.capacity == 0 || list.lease <= MIN_LEFT || list.replicas.is_empty() {
-            return;
-        }
-        let until = asked_at + list.lease;
-        let now = Instant::now();
-        if until <= now + MIN_LEFT {
+        self.insert_at(key, list, asked_at, Instant::now())
+    }
+
+    fn insert_at(&self, key: &str, list: Arc<ReplicaList>, asked_at: Instant, now: Instant) {
+        if self.capacity == 0 {
             return;
         }
         let mut lists = self.lists.lock();
         // Checked under the lock `forget` takes: a forget is either seen here or
-        // removes what is inserted here.
-        if self.forgotten_slot(key).load(Ordering::Acquire) >= self.since_base(asked_at) {
-            return;
-        }
-        match lists.get(key) {
-            Some((kept, _)) if same_list(kept, &list) => return,
-            Some(_) => {
-                // Two gets of this client met with different lists of one key (it
-                // was replaced meanwhile). Which is newer cannot be told: the master
-                // answers a key's calls in order, but they need not arrive in order.
-                // Keep neither, nor any list asked for until now, so that no reader
-                // ever goes back from bytes it read to older ones.
-                self.forgotten_slot(key).fetch_max(self.since_base(now), Ordering::AcqRel);
+        // removes what is entered here.
+        let until = asked_at + list.lease;
+        let reusable = list.lease > MIN_LEFT
+            && !list.replicas.is_empty()
+            && until > now + MIN_LEFT
+            && self.forgotten_slot(key).load(Ordering::Acquire) < self.since_base(asked_at);
+        let until = reusable.then_some(until);
+        match lists.get_mut(key) {
+            Some(entry) if same_list(&entry.list, &list) => {
+                // The same list again: a floor may become reusable.
+                if entry.until.is_none() {
+                    entry.until = until;
+                }
+                return;
+            }
+            Some(entry) if asked_at <= entry.entered => {
+                // Asked for before the entered list was answered, and different:
+                // which is newer cannot be told. Keep neither, nor any list asked
+                // for until now.
+                self.mark_forgotten(key, now);
                 lists.remove(key);
+                return;
+            }
+            // Asked for after the entered list was answered: this one is newer.
+            Some(entry) => {
+                *entry = Entry { list, entered: now, until };
                 return;
             }
             None => {}
         }
         if lists.len() >= self.capacity {
-            lists.retain(|_, (_, u)| *u > now);
+            // Entries dropped are forgotten, so that no older list of them is entered
+            // in their place.
+            lists.retain(|k, e| {
+                let live = e.until.is_some_and(|u| u > now);
+                if !live {
+                    self.forgotten_slot(k).fetch_max(self.since_base(now), Ordering::AcqRel);
+                }
+                live
+            });
             if lists.len() >= self.capacity {
-                // Every entry is live: make room by dropping an arbitrary one, and
-                // keep no older list of it either (as a forget).
+                // Every entry is live: make room by dropping an arbitrary one.
                 if let Some(k) = lists.keys().next().cloned() {
-                    self.forgotten_slot(&k).fetch_max(self.since_base(now), Ordering::AcqRel);
+                    self.mark_forgotten(&k, now);
                     lists.remove(&k);
                 }
             }
         }
-        lists.insert(key.into(), (list, until));
+        lists.insert(key.into(), Entry { list, entered: now, until });
     }
 
     /// Forgets `key` (a read through its list failed, or it was removed or
-    /// replaced); lists of it asked for until now are not kept either.
+    /// replaced); lists of it asked for until now are not reused either.
     pub(super) fn forget(&self, key: &str) {
+        self.forget_at(key, Instant::now())
+    }
+
+    fn forget_at(&self, key: &str, now: Instant) {
         if self.capacity > 0 {
             let mut lists = self.lists.lock();
-            self.forgotten_slot(key).fetch_max(self.since_base(Instant::now()), Ordering::AcqRel);
+            self.mark_forgotten(key, now);
             lists.remove(key);
         }
     }
@@ -232,6 +280,153 @@ mod tests {
         assert!(c.get("k").is_none());
         c.insert_owned("k", list(1000, 1), older);
         assert!(c.get("k").is_none(), "an older list came back after the meeting");
+    }
+
+    #[test]
+    fn a_list_read_but_not_kept_still_keeps_older_ones_out() {
+        // The race CI caught: a forget, then two gets of a key that another client
+        // replaces meanwhile. The first asked before the forget and got the new
+        // list (not reusable); the second asked after the forget but was answered
+        // first, with the old list. The old list must not be reused after the new
+        // one was read.
+        let c = ReplicaCache::new(8);
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        let (old, mut new) = (list(1000, 1), list(1000, 1));
+        new.checksum = 2;
+        c.forget_at("k", at(2));
+        c.insert_at("k", Arc::new(new), at(1), at(5));
+        assert!(c.get_at("k", at(5)).is_none(), "asked for before the forget");
+        c.insert_at("k", Arc::new(old), at(3), at(6));
+        assert!(c.get_at("k", at(6)).is_none(), "an older list is reused after a newer one was read");
+    }
+
+    #[test]
+    fn a_floor_dropped_for_room_still_keeps_older_lists_out() {
+        let c = ReplicaCache::new(1);
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        let (old, mut new) = (list(1000, 1), list(1000, 1));
+        new.checksum = 2;
+        c.forget_at("k", at(2));
+        // The newer list, asked for before the forget, is read and left as a floor.
+        c.insert_at("k", Arc::new(new), at(1), at(5));
+        // Another key takes the only room.
+        c.insert_at("other", Arc::new(list(1000, 1)), at(6), at(6));
+        assert!(c.get_at("other", at(6)).is_some());
+        // An older list, asked for after the forget, is answered last.
+        c.insert_at("k", Arc::new(old), at(3), at(7));
+        assert!(c.get_at("k", at(7)).is_none(), "an older list is reused after a newer one was read");
+    }
+
+    #[test]
+    fn a_newer_list_replaces_and_a_floor_lets_the_same_list_through() {
+        let c = ReplicaCache::new(8);
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        let (old, mut new) = (list(1000, 1), list(1000, 1));
+        new.checksum = 2;
+        c.insert_at("k", Arc::new(old), at(0), at(1));
+        // Asked for after the kept list was entered: newer, so it replaces it.
+        c.insert_at("k", Arc::new(new.clone()), at(2), at(3));
+        assert_eq!(c.get_at("k", at(4)).map(|l| l.checksum), Some(2));
+        // Concurrent gets of an unchanged key after a forget: the one asked before it
+        // is a floor, the one asked after it makes the same list reusable.
+        c.forget_at("k", at(10));
+        c.insert_at("k", Arc::new(new.clone()), at(9), at(11));
+        assert!(c.get_at("k", at(11)).is_none());
+        c.insert_at("k", Arc::new(new), at(10) + Duration::from_nanos(1), at(12));
+        assert_eq!(c.get_at("k", at(12)).map(|l| l.checksum), Some(2));
+    }
+
+    /// One step of the model run: the clock, the key's writers, and three readers of
+    /// one client, each asking the master (answered in any order) or using the cache.
+    #[derive(Clone, Debug)]
+    enum Step {
+        Tick(u64),
+        /// Another client replaces the object.
+        Upsert,
+        /// This client replaces it (and forgets its list).
+        OwnUpsert,
+        /// A get of another key enters its list (capacity is shared).
+        Other,
+        Start(usize),
+        Answer(usize),
+        Finish(usize),
+    }
+
+    fn step() -> impl Strategy<Value = Step> {
+        prop_oneof![
+            2 => (0u64..8).prop_map(Step::Tick),
+            2 => Just(Step::Upsert),
+            1 => Just(Step::OwnUpsert),
+            1 => Just(Step::Other),
+            3 => (0usize..3).prop_map(Step::Start),
+            3 => (0usize..3).prop_map(Step::Answer),
+            3 => (0usize..3).prop_map(Step::Finish),
+        ]
+    }
+
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 2048, ..ProptestConfig::default() })]
+        /// Against a master that answers in order but whose answers arrive in any
+        /// order: no reader ever goes back to an older version, and none that
+        /// starts after this client's own upsert reads a version before it.
+        #[test]
+        fn readers_never_go_back_whatever_the_answer_order(
+            lease in prop_oneof![Just(0u64), Just(4), Just(30), Just(10_000)],
+            capacity in 1usize..3,
+            steps in proptest::collection::vec(step(), 1..120),
+        ) {
+            #[derive(Clone, Copy)]
+            enum Reader { Idle, Asked(Instant), Answered(Instant, u64) }
+            let c = ReplicaCache::new(capacity);
+            let t0 = Instant::now();
+            let mut now = t0;
+            let version = |v: u64| {
+                let mut l = list(lease, 1);
+                l.checksum = v as u32;
+                l.replicas[0].offset = v;
+                Arc::new(l)
+            };
+            let mut current = 0u64;
+            let mut readers = [Reader::Idle; 3];
+            // The newest version a read of this client has returned: a read that
+            // starts after that never returns an older one.
+            let mut returned = 0u64;
+            for s in steps {
+                match s {
+                    Step::Tick(ms) => now += Duration::from_millis(ms),
+                    Step::Upsert => current += 1,
+                    Step::OwnUpsert => {
+                        current += 1;
+                        c.forget_at("k", now);
+                        returned = current;
+                    }
+                    Step::Other => c.insert_at("other", version(0), now, now),
+                    Step::Start(t) => if let Reader::Idle = readers[t] {
+                        if c.get_at("k", now).is_none() {
+                            readers[t] = Reader::Asked(now);
+                        }
+                    },
+                    Step::Answer(t) => if let Reader::Asked(at) = readers[t] {
+                        readers[t] = Reader::Answered(at, current);
+                    },
+                    Step::Finish(t) => if let Reader::Answered(at, v) = readers[t] {
+                        c.insert_at("k", version(v), at, now);
+                        returned = returned.max(v);
+                        readers[t] = Reader::Idle;
+                    },
+                }
+                // Checked after every step: what a cached read would return now.
+                if let Some(l) = c.get_at("k", now) {
+                    let v = u64::from(l.checksum);
+                    prop_assert!(v >= returned, "the cache serves {} after {} was returned", v, returned);
+                }
+            }
+        }
     }
 
     #[test]
