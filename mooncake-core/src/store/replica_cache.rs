@@ -282,6 +282,15 @@ mod tests {
         assert!(c.get("k").is_none(), "an older list came back after the meeting");
     }
 
+    /// A clock in milliseconds from now (make the cache first: its base must not be
+    /// later), and an old and a new list of one key.
+    fn two_lists() -> (impl Fn(u64) -> Instant, Arc<ReplicaList>, Arc<ReplicaList>) {
+        let t0 = Instant::now();
+        let mut new = list(1000, 1);
+        new.checksum = 2;
+        (move |ms| t0 + Duration::from_millis(ms), Arc::new(list(1000, 1)), Arc::new(new))
+    }
+
     #[test]
     fn a_list_read_but_not_kept_still_keeps_older_ones_out() {
         // The race CI caught: a forget, then two gets of a key that another client
@@ -290,52 +299,43 @@ mod tests {
         // first, with the old list. The old list must not be reused after the new
         // one was read.
         let c = ReplicaCache::new(8);
-        let t0 = Instant::now();
-        let at = |ms: u64| t0 + Duration::from_millis(ms);
-        let (old, mut new) = (list(1000, 1), list(1000, 1));
-        new.checksum = 2;
+        let (at, old, new) = two_lists();
         c.forget_at("k", at(2));
-        c.insert_at("k", Arc::new(new), at(1), at(5));
+        c.insert_at("k", new, at(1), at(5));
         assert!(c.get_at("k", at(5)).is_none(), "asked for before the forget");
-        c.insert_at("k", Arc::new(old), at(3), at(6));
+        c.insert_at("k", old, at(3), at(6));
         assert!(c.get_at("k", at(6)).is_none(), "an older list is reused after a newer one was read");
     }
 
     #[test]
     fn a_floor_dropped_for_room_still_keeps_older_lists_out() {
         let c = ReplicaCache::new(1);
-        let t0 = Instant::now();
-        let at = |ms: u64| t0 + Duration::from_millis(ms);
-        let (old, mut new) = (list(1000, 1), list(1000, 1));
-        new.checksum = 2;
+        let (at, old, new) = two_lists();
         c.forget_at("k", at(2));
         // The newer list, asked for before the forget, is read and left as a floor.
-        c.insert_at("k", Arc::new(new), at(1), at(5));
+        c.insert_at("k", new, at(1), at(5));
         // Another key takes the only room.
         c.insert_at("other", Arc::new(list(1000, 1)), at(6), at(6));
         assert!(c.get_at("other", at(6)).is_some());
         // An older list, asked for after the forget, is answered last.
-        c.insert_at("k", Arc::new(old), at(3), at(7));
+        c.insert_at("k", old, at(3), at(7));
         assert!(c.get_at("k", at(7)).is_none(), "an older list is reused after a newer one was read");
     }
 
     #[test]
     fn a_newer_list_replaces_and_a_floor_lets_the_same_list_through() {
         let c = ReplicaCache::new(8);
-        let t0 = Instant::now();
-        let at = |ms: u64| t0 + Duration::from_millis(ms);
-        let (old, mut new) = (list(1000, 1), list(1000, 1));
-        new.checksum = 2;
-        c.insert_at("k", Arc::new(old), at(0), at(1));
+        let (at, old, new) = two_lists();
+        c.insert_at("k", old, at(0), at(1));
         // Asked for after the kept list was entered: newer, so it replaces it.
-        c.insert_at("k", Arc::new(new.clone()), at(2), at(3));
+        c.insert_at("k", new.clone(), at(2), at(3));
         assert_eq!(c.get_at("k", at(4)).map(|l| l.checksum), Some(2));
         // Concurrent gets of an unchanged key after a forget: the one asked before it
         // is a floor, the one asked after it makes the same list reusable.
         c.forget_at("k", at(10));
-        c.insert_at("k", Arc::new(new.clone()), at(9), at(11));
+        c.insert_at("k", new.clone(), at(9), at(11));
         assert!(c.get_at("k", at(11)).is_none());
-        c.insert_at("k", Arc::new(new), at(10) + Duration::from_nanos(1), at(12));
+        c.insert_at("k", new, at(10) + Duration::from_nanos(1), at(12));
         assert_eq!(c.get_at("k", at(12)).map(|l| l.checksum), Some(2));
     }
 
