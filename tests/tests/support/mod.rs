@@ -479,7 +479,7 @@ impl Etcd {
         }
         let dir = unique_dir("etcd");
         for _ in 0..10 {
-            let (client_port, peer_port) = (free_port(), free_port());
+            let [client_port, peer_port] = free_ports();
             if let Some(child) = Self::spawn(&dir, client_port, peer_port) {
                 return Some(Etcd { child, dir, client_port, peer_port });
             }
@@ -504,7 +504,7 @@ impl Etcd {
             if let Ok(Some(_)) = child.try_wait() {
                 return None;
             }
-            if std::net::TcpStream::connect(("127.0.0.1", client_port)).is_ok() {
+            if Self::healthy(client_port) {
                 return Some(child);
             }
             std::thread::sleep(Duration::from_millis(50));
@@ -512,6 +512,22 @@ impl Etcd {
         let _ = child.kill();
         let _ = child.wait();
         None
+    }
+
+    /// Whether etcd answers its health check on `client_port`. A bare connect is not
+    /// enough: a connect to a loopback port of the ephemeral range with no listener
+    /// can meet itself (the kernel picks that same port as its source), and a
+    /// listener may be another process's, or an etcd about to exit.
+    fn healthy(client_port: u16) -> bool {
+        use std::io::{Read, Write};
+        let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", client_port)) else { return false };
+        let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
+        let ask = format!("GET /health HTTP/1.1\r\nHost: 127.0.0.1:{client_port}\r\nConnection: close\r\n\r\n");
+        let mut answer = String::new();
+        s.write_all(ask.as_bytes()).is_ok()
+            && s.read_to_string(&mut answer).is_ok()
+            && answer.starts_with("HTTP/1.1 200")
+            && answer.contains("\"health\":\"true\"")
     }
 
     /// `http://127.0.0.1:PORT`, what `--etcd` and etcd clients take.
@@ -543,6 +559,8 @@ fn which(program: &str) -> Option<PathBuf> {
     std::env::var_os("PATH")?.to_str()?.split(':').map(|d| Path::new(d).join(program)).find(|p| p.exists())
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+/// Free loopback ports, distinct: all bound at once, then let go.
+fn free_ports<const N: usize>() -> [u16; N] {
+    let held: [std::net::TcpListener; N] = std::array::from_fn(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap());
+    held.map(|l| l.local_addr().unwrap().port())
 }
