@@ -250,6 +250,8 @@ pub struct PoolAccess<'p> {
 /// to be dropped once the message is answered.
 ///
 /// ```
+/// # // Public only with the `fuzzing` feature (a workspace test enables it).
+/// # #[cfg(feature = "fuzzing")] {
 /// use mooncake_core::rpc::budget::{decode, DecodeError, DecodeLimits};
 /// use mooncake_core::rpc::wire::Request;
 ///
@@ -260,6 +262,7 @@ pub struct PoolAccess<'p> {
 /// // The same message under a bound of 999 items is refused before its keys are.
 /// let small = DecodeLimits { max_items: 999, ..DecodeLimits::REQUEST };
 /// assert!(matches!(decode::<Request>(&body, small, None), Err(DecodeError::OverBudget(_))));
+/// # }
 /// ```
 pub fn decode<'de, 'p, T: Deserialize<'de>>(
     body: &'de [u8],

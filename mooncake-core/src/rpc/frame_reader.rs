@@ -10,6 +10,8 @@ pub type RawFrame = (FrameHeader, Vec<u8>);
 /// is actually sent.
 ///
 /// ```
+/// # // Public only with the `fuzzing` feature (a workspace test enables it).
+/// # #[cfg(feature = "fuzzing")] {
 /// use mooncake_core::rpc::wire::{encode_frame, FrameKind, Request};
 /// use mooncake_core::rpc::FrameReader;
 ///
@@ -21,6 +23,7 @@ pub type RawFrame = (FrameHeader, Vec<u8>);
 /// assert_eq!(used, frame.len() - 1);
 /// let (header, body) = frame_out.unwrap();
 /// assert_eq!((header.request_id, body.len() + 20), (7, frame.len()));
+/// # }
 /// ```
 #[derive(Debug)]
 pub struct FrameReader {
