@@ -191,8 +191,12 @@ impl ReplicaCache {
 
     /// Forgets everything, and lists asked for until now.
     pub(super) fn clear(&self) {
+        self.clear_at(Instant::now())
+    }
+
+    fn clear_at(&self, now: Instant) {
         let mut lists = self.lists.lock();
-        let now = self.since_base(Instant::now());
+        let now = self.since_base(now);
         for slot in self.forgotten.iter() {
             slot.fetch_max(now, Ordering::AcqRel);
         }
@@ -350,6 +354,8 @@ mod tests {
         OwnUpsert,
         /// A get of another key enters its list (capacity is shared).
         Other,
+        /// Everything forgotten (`remove_all`).
+        Clear,
         Start(usize),
         Answer(usize),
         Finish(usize),
@@ -361,6 +367,7 @@ mod tests {
             2 => Just(Step::Upsert),
             1 => Just(Step::OwnUpsert),
             1 => Just(Step::Other),
+            1 => Just(Step::Clear),
             3 => (0usize..3).prop_map(Step::Start),
             3 => (0usize..3).prop_map(Step::Answer),
             3 => (0usize..3).prop_map(Step::Finish),
@@ -406,6 +413,7 @@ mod tests {
                         returned = current;
                     }
                     Step::Other => c.insert_at("other", version(0), now, now),
+                    Step::Clear => c.clear_at(now),
                     Step::Start(t) => if let Reader::Idle = readers[t] {
                         if c.get_at("k", now).is_none() {
                             readers[t] = Reader::Asked(now);
