@@ -44,6 +44,25 @@ fn a_list_is_not_used_past_its_lease() {
 }
 
 #[test]
+fn a_hot_object_stays_cached_past_its_first_lease() {
+    let m = master(500);
+    let owner = Store::builder().master(&m).global_segment_size(4 << 20).build().unwrap();
+    let reader = Store::builder().master(&m).global_segment_size(0).build().unwrap();
+    owner.put("hot", b"prefix block").unwrap();
+    reader.get("hot").unwrap();
+    reader.get("hot").unwrap();
+    assert_eq!(reader.stats().replica_cache_hits, 1);
+    // Its list's lease is over: the next get asks the master again, and the gets
+    // after it are served through the list once more.
+    std::thread::sleep(Duration::from_millis(600));
+    reader.get("hot").unwrap();
+    assert_eq!(reader.stats().replica_cache_hits, 1, "a list past its lease was used");
+    reader.get("hot").unwrap();
+    reader.get("hot").unwrap();
+    assert_eq!(reader.stats().replica_cache_hits, 3, "the hot object is not cached again after its first lease");
+}
+
+#[test]
 fn a_lost_replica_falls_back_to_the_master() {
     let m = master(5_000);
     let a = Store::builder().master(&m).global_segment_size(4 << 20).build().unwrap();

@@ -133,10 +133,9 @@ impl ReplicaCache {
         let until = reusable.then_some(until);
         match lists.get_mut(key) {
             Some(entry) if same_list(&entry.list, &list) => {
-                // The same list again: a floor may become reusable.
-                if entry.until.is_none() {
-                    entry.until = until;
-                }
+                // The same list again: a floor becomes reusable, a kept list lives
+                // on (a hot key stays cached past its first lease period).
+                entry.until = entry.until.max(until);
                 return;
             }
             Some(entry) if asked_at <= entry.entered => {
@@ -324,6 +323,21 @@ mod tests {
         // An older list, asked for after the forget, is answered last.
         c.insert_at("k", old, at(3), at(7));
         assert!(c.get_at("k", at(7)).is_none(), "an older list is reused after a newer one was read");
+    }
+
+    #[test]
+    fn the_same_list_asked_again_keeps_a_hot_key_cached() {
+        let c = ReplicaCache::new(8);
+        let (at, old, _) = two_lists();
+        c.insert_at("k", old.clone(), at(0), at(1));
+        assert!(c.get_at("k", at(900)).is_some());
+        // Its lease is over: the next get asks the master, which gives the same list.
+        assert!(c.get_at("k", at(1000)).is_none());
+        c.insert_at("k", old.clone(), at(1000), at(1001));
+        assert!(c.get_at("k", at(1900)).is_some(), "a hot key is cached for its first lease period only");
+        // An answer asked for earlier never shortens it.
+        c.insert_at("k", old, at(500), at(1950));
+        assert!(c.get_at("k", at(1960)).is_some());
     }
 
     #[test]
