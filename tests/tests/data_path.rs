@@ -157,6 +157,12 @@ impl PutForm {
         matches!(self, Self::Upsert | Self::UpsertWith | Self::UpsertParts | Self::BatchUpsert | Self::BatchUpsertParts)
     }
 
+    /// Whether its bytes come from device memory (over Shm they go by DMA into the
+    /// peer's mapping, not through the transport's requests).
+    fn is_device(self) -> bool {
+        matches!(self, Self::PutFromDevice | Self::PutFromDeviceWith | Self::BatchPutFromDevice)
+    }
+
     fn is_batch(self) -> bool {
         matches!(
             self,
@@ -550,7 +556,17 @@ impl World {
                         // re-placing what a dead segment refused.
                         (_, _, Ok(())) if form.is_upsert() || !present => {
                             self.model.insert(*k, Entry { value: v, corrupt: HashSet::new() });
-                            self.wrote = true;
+                            // Bytes certainly crossed the transport under test only if
+                            // a replica lies outside the writer's own segment (written
+                            // in place), and, over Shm, only from host memory.
+                            let own = self.stores[via].segment_id();
+                            let crossed = self
+                                .master()
+                                .object_info(&key_name(*k))
+                                .is_ok_and(|i| i.replicas.iter().any(|r| Some(r.segment) != own));
+                            if crossed && !(form.is_device() && matches!(self.net, Net::Shm)) {
+                                self.wrote = true;
+                            }
                         }
                         (false, true, Err(Error::AlreadyExists(_))) => {}
                         (_, _, r) => prop_assert!(
