@@ -9,11 +9,17 @@ fn master(lease_ms: u64) -> Master {
     Master::new(MasterConfig { default_lease: Duration::from_millis(lease_ms), ..Default::default() }).unwrap()
 }
 
+/// A store giving memory and a store reading from it (with the default cache).
+fn owner_and_reader(m: &Master) -> (Store, Store) {
+    let owner = Store::builder().master(m).global_segment_size(4 << 20).build().unwrap();
+    let reader = Store::builder().master(m).global_segment_size(0).build().unwrap();
+    (owner, reader)
+}
+
 #[test]
 fn a_hot_object_is_read_through_its_leased_list() {
     let m = master(2_000);
-    let owner = Store::builder().master(&m).global_segment_size(4 << 20).build().unwrap();
-    let reader = Store::builder().master(&m).global_segment_size(0).build().unwrap();
+    let (owner, reader) = owner_and_reader(&m);
     owner.put("hot", b"prefix block").unwrap();
     for _ in 0..5 {
         assert_eq!(&reader.get("hot").unwrap()[..], b"prefix block");
@@ -31,8 +37,7 @@ fn a_hot_object_is_read_through_its_leased_list() {
 #[test]
 fn a_list_is_not_used_past_its_lease() {
     let m = master(100);
-    let owner = Store::builder().master(&m).global_segment_size(4 << 20).build().unwrap();
-    let reader = Store::builder().master(&m).global_segment_size(0).build().unwrap();
+    let (owner, reader) = owner_and_reader(&m);
     owner.put("k", b"version 1").unwrap();
     assert_eq!(&reader.get("k").unwrap()[..], b"version 1");
     std::thread::sleep(Duration::from_millis(150));
@@ -46,8 +51,7 @@ fn a_list_is_not_used_past_its_lease() {
 #[test]
 fn a_hot_object_stays_cached_past_its_first_lease() {
     let m = master(500);
-    let owner = Store::builder().master(&m).global_segment_size(4 << 20).build().unwrap();
-    let reader = Store::builder().master(&m).global_segment_size(0).build().unwrap();
+    let (owner, reader) = owner_and_reader(&m);
     owner.put("hot", b"prefix block").unwrap();
     reader.get("hot").unwrap();
     reader.get("hot").unwrap();
