@@ -298,17 +298,9 @@ impl Cluster {
 /// A minimal HTTP GET with an optional bearer token; returns the status code and
 /// the body.
 pub fn http_request(addr: &str, path: &str, bearer: Option<&str>) -> (u16, String) {
-    use std::io::{Read, Write};
     let auth = bearer.map(|t| format!("Authorization: Bearer {t}\r\n")).unwrap_or_default();
     // A loaded machine may reset or stall one exchange: try a few times before failing.
-    let attempt = || -> std::io::Result<String> {
-        let mut s = std::net::TcpStream::connect(addr)?;
-        s.set_read_timeout(Some(Duration::from_secs(10)))?;
-        write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n{auth}\r\n")?;
-        let mut text = String::new();
-        s.read_to_string(&mut text)?;
-        Ok(text)
-    };
+    let attempt = || http_exchange(addr, path, &auth, Duration::from_secs(10));
     let mut last = None;
     let mut text = String::new();
     for _ in 0..5 {
@@ -327,8 +319,24 @@ pub fn http_request(addr: &str, path: &str, bearer: Option<&str>) -> (u16, Strin
     if let Some(e) = last {
         panic!("GET http://{addr}{path} failed 5 times: {e}");
     }
-    let code = text.split(' ').nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
-    (code, text.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or(text))
+    (status_code(&text), text.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or(text))
+}
+
+/// One HTTP/1.0 GET of `path` (with the extra header lines `auth`), answered within
+/// `timeout`: the whole answer, status line and headers included.
+fn http_exchange(addr: &str, path: &str, auth: &str, timeout: Duration) -> std::io::Result<String> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr)?;
+    s.set_read_timeout(Some(timeout))?;
+    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n{auth}\r\n")?;
+    let mut text = String::new();
+    s.read_to_string(&mut text)?;
+    Ok(text)
+}
+
+/// The status code of an HTTP answer (0 if it has none).
+fn status_code(answer: &str) -> u16 {
+    answer.split(' ').nth(1).and_then(|c| c.parse().ok()).unwrap_or(0)
 }
 
 /// A minimal HTTP GET (the test talks to our own metrics listener only).
@@ -519,15 +527,9 @@ impl Etcd {
     /// can meet itself (the kernel picks that same port as its source), and a
     /// listener may be another process's, or an etcd about to exit.
     fn healthy(client_port: u16) -> bool {
-        use std::io::{Read, Write};
-        let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", client_port)) else { return false };
-        let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
-        let ask = format!("GET /health HTTP/1.1\r\nHost: 127.0.0.1:{client_port}\r\nConnection: close\r\n\r\n");
-        let mut answer = String::new();
-        s.write_all(ask.as_bytes()).is_ok()
-            && s.read_to_string(&mut answer).is_ok()
-            && answer.starts_with("HTTP/1.1 200")
-            && answer.contains("\"health\":\"true\"")
+        let addr = format!("127.0.0.1:{client_port}");
+        http_exchange(&addr, "/health", "", Duration::from_secs(2))
+            .is_ok_and(|answer| status_code(&answer) == 200 && answer.contains("\"health\":\"true\""))
     }
 
     /// `http://127.0.0.1:PORT`, what `--etcd` and etcd clients take.
