@@ -159,7 +159,7 @@ impl ReplicaCache {
             lists.retain(|k, e| {
                 let live = e.until.is_some_and(|u| u > now);
                 if !live {
-                    self.forgotten_slot(k).fetch_max(self.since_base(now), Ordering::AcqRel);
+                    self.mark_forgotten(k, now);
                 }
                 live
             });
