@@ -11,7 +11,7 @@
 
 use std::io::{ErrorKind, Read};
 use std::net::TcpStream;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
@@ -48,7 +48,7 @@ pub fn read_polling(stream: &TcpStream, buf: &mut [u8], budget: Duration) -> std
     }
     let start = Instant::now();
     loop {
-        if readable_now(stream)? {
+        if readable_now(stream.as_fd())? {
             let mut reader = stream;
             loop {
                 match reader.read(buf) {
@@ -64,11 +64,11 @@ pub fn read_polling(stream: &TcpStream, buf: &mut [u8], budget: Duration) -> std
     }
 }
 
-/// Whether a read of `stream` would return at once (bytes, the end, or an
-/// error), asked without waiting.
-fn readable_now(stream: &TcpStream) -> std::io::Result<bool> {
-    let mut fd = libc::pollfd { fd: stream.as_raw_fd(), events: libc::POLLIN, revents: 0 };
-    // SAFETY: one valid `pollfd` of a descriptor `stream` keeps open, a count of
+/// Whether a read of `fd` would return at once (bytes, the end, or an error;
+/// for a pidfd: its process exited), asked without waiting.
+pub(crate) fn readable_now(fd: BorrowedFd<'_>) -> std::io::Result<bool> {
+    let mut fd = libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+    // SAFETY: one valid `pollfd` of a descriptor the borrow keeps open, a count of
     // one, and a zero timeout: `poll` only writes `revents` and never blocks.
     let ready = unsafe { libc::poll(&mut fd, 1, 0) };
     if ready < 0 {

@@ -36,13 +36,10 @@ impl PeerMapping {
             return false;
         }
         match &self.pidfd {
+            // A pidfd polls readable once its process exited.
             Some(pidfd) => {
-                use std::os::fd::AsRawFd;
-                let mut p = libc::pollfd { fd: pidfd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
-                // SAFETY: one valid pollfd, zero timeout; poll only writes `revents`.
-                let n = unsafe { libc::poll(&mut p, 1, 0) };
-                // A pidfd polls readable once its process exited.
-                n == 0
+                use std::os::fd::AsFd;
+                matches!(crate::answer_wait::readable_now(pidfd.as_fd()), Ok(false))
             }
             None => {
                 use std::os::unix::fs::MetadataExt;
