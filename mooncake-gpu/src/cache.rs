@@ -932,7 +932,7 @@ impl<H: DeviceHeap + ?Sized + 'static> NanoKvCache<H> {
         let stop = Arc::new((Mutex::new(false), Condvar::new()));
         let stop2 = stop.clone();
         let handle = std::thread::Builder::new()
-            .name("nano-kv-watchdog".into())
+            .name("mooncake-kv-watchdog".into())
             .spawn(move || loop {
                 {
                     let mut stopped = stop2.0.lock();

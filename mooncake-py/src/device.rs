@@ -10,9 +10,10 @@
 //! * inside device memory (a registered device buffer, or an allocation the
 //!   CUDA driver reports through `cuPointerGetAttributes`): wrapped as a
 //!   borrowed `mooncake_gpu::DeviceMemory` of exactly the caller's range and
-//!   moved only through the store's device API (`put_from_device`,
-//!   `get_into_device`, `batch_put_from_device`) or device copies — never
-//!   dereferenced on the host;
+//!   moved only through the store's device API (`get_into_device`,
+//!   `batch_get_into_devices`, `batch_put_from_devices`,
+//!   `batch_upsert_from_devices`) or device copies — never dereferenced on the
+//!   host;
 //! * anything else: refused with `INVALID_PARAMS` (-600), never a crash.
 //!
 //! Which memory is device memory is a [`PointerClassifier`]'s answer: the
