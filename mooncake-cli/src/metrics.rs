@@ -119,6 +119,18 @@ pub fn prometheus_text(stats: &MasterStats, rpc: Option<&RpcServerStats>) -> Str
                 "counter",
                 &rpc.auth_failures,
             ),
+            (
+                "rpc_frame_timeouts_total",
+                "Connections closed for stopping halfway through a frame.",
+                "counter",
+                &rpc.frame_timeouts,
+            ),
+            (
+                "rpc_handler_panics_total",
+                "Requests whose handler panicked (answered with an error).",
+                "counter",
+                &rpc.handler_panics,
+            ),
             ("rpc_buffered_bytes", "Bytes of request bodies held in memory now.", "gauge", &rpc.buffered_bytes),
             (
                 "rpc_over_budget_total",

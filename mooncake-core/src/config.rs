@@ -12,6 +12,12 @@ pub const MAX_KEY_LEN: usize = 4096;
 /// Largest value, in bytes (4 GiB).
 pub const MAX_VALUE_LEN: u64 = 4 << 30;
 
+/// The most replicas one object may ask for ([`ReplicateConfig::replica_num`]):
+/// more is `InvalidArgument`. (Each replica lies on a segment of its own, so a
+/// larger count could never be placed; the bound keeps a request's placement
+/// bookkeeping small whatever a client sends.)
+pub const MAX_REPLICA_NUM: usize = 1024;
+
 /// Checks a key: UTF-8 (guaranteed by `&str`), 1..=4096 bytes.
 pub(crate) fn check_key(key: &str) -> Result<()> {
     if key.is_empty() {
@@ -43,8 +49,9 @@ pub(crate) fn check_value_len(len: u64) -> Result<()> {
 /// ```
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct ReplicateConfig {
-    /// Number of memory replicas, each on a distinct segment (default 1). Placement is
-    /// best effort: with fewer segments with room, fewer replicas are made.
+    /// Number of memory replicas, each on a distinct segment (default 1; 1 to
+    /// [`MAX_REPLICA_NUM`]). Placement is best effort: with fewer segments with room,
+    /// fewer replicas are made.
     pub replica_num: usize,
     /// Segments (by name) to try first, in order; they bypass the strategy's ranking.
     pub preferred_segments: Vec<String>,
@@ -88,6 +95,9 @@ impl ReplicateConfig {
     pub(crate) fn check(&self) -> Result<()> {
         if self.replica_num == 0 {
             return Err(Error::InvalidArgument("replica_num must be at least 1".into()));
+        }
+        if self.replica_num > MAX_REPLICA_NUM {
+            return Err(Error::InvalidArgument(format!("replica_num {} exceeds {MAX_REPLICA_NUM}", self.replica_num)));
         }
         if self.soft_pin_ttl.is_some() && !self.soft_pin {
             return Err(Error::InvalidArgument("soft_pin_ttl is set but soft_pin is not".into()));

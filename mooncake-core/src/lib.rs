@@ -34,7 +34,9 @@ pub mod rpc;
 mod store;
 
 pub use buffer_registry::BufferRegistry;
-pub use config::{parse_size, MasterConfig, PersistPolicy, Protocol, ReplicateConfig, MAX_KEY_LEN, MAX_VALUE_LEN};
+pub use config::{
+    parse_size, MasterConfig, PersistPolicy, Protocol, ReplicateConfig, MAX_KEY_LEN, MAX_REPLICA_NUM, MAX_VALUE_LEN,
+};
 pub use daemon::{MasterDaemon, MasterDaemonBuilder};
 pub use error::{Error, Result};
 pub use master::{

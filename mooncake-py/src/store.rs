@@ -766,7 +766,10 @@ impl MooncakeDistributedStore {
                 for k in 0..dst.len() {
                     let (d, sr, l) = (dst[k], src[k], len[k]);
                     let fits_dst = capacities[i].is_some_and(|cap| d.checked_add(l).is_some_and(|end| end <= cap));
-                    if l == 0 || !fits_dst || sr.checked_add(l).is_none() {
+                    // No object reaches past MAX_VALUE_LEN: a range beyond it could
+                    // only ask for scratch memory no read will fill.
+                    let in_object = sr.checked_add(l).is_some_and(|end| end as u64 <= mooncake_core::MAX_VALUE_LEN);
+                    if l == 0 || !fits_dst || !in_object {
                         continue;
                     }
                     if device_bufs[i].is_some() {

@@ -42,6 +42,10 @@ struct Write {
     data: Data,
 }
 
+/// The most shards `put_tensor_with_tp` and its forms split a tensor into (more is
+/// refused with -600).
+const MAX_TP_SIZE: i32 = 4096;
+
 /// The objects of `meta`'s tensor (elements at `base`), whole (`tp_size <= 1`) or as
 /// `tp_size` shards split on `split_dim` under `key_tp_<rank>`; `None` if it cannot be
 /// split so.
@@ -51,6 +55,13 @@ fn plan(of: usize, key: &str, meta: &Meta, base: usize, split: Split) -> Option<
         let data = if meta.data_bytes == 0 { vec![] } else { vec![(base, meta.data_bytes)] };
         return Some(vec![Write { of, key: key.to_owned(), header: meta.encode(), data: Data::Borrowed(data) }]);
     }
+    // Checked before anything is reserved for `tp_size` shards: a size that does
+    // not divide the dimension is refused, and so is one beyond any tensor-parallel
+    // group (an empty dimension is divided by every size).
+    if tp_size > MAX_TP_SIZE {
+        return None;
+    }
+    meta.shard(split_dim, 0, tp_size)?;
     let mut out = Vec::with_capacity(tp_size as usize);
     for rank in 0..tp_size {
         let (shard, ranges) = meta.shard(split_dim, rank, tp_size)?;

@@ -319,6 +319,10 @@ def test_get_into_ranges(store):
         top = store.get_into_ranges([b0.ptr, b1.ptr], [["r1"]], [[[0]]], [[[0]]], [[[4]]])
         assert top == [[[INVALID_PARAMS]]]
         assert store.get_into_ranges([12345], [["r1"]], [[[0]]], [[[0]]], [[[4]]]) == [[[INVALID_PARAMS]]]
+        # Ranges past the largest object an object can be (4 GiB) are refused at
+        # once: no scratch memory is asked for them (32 TiB here, and 2^63).
+        for far in (1 << 45, (1 << 63) + 5):
+            assert store.get_into_ranges([b0.ptr], [["r1"]], [[[0]]], [[[far]]], [[[1]]]) == [[[INVALID_PARAMS]]]
 
 
 def test_batch_put_from_and_batch_get_into(store):

@@ -202,6 +202,12 @@ def test_tensor_parallel_batches_and_refusals(store):
     assert store.batch_put_tensor_with_tp(["a"], [a], tp_size=2, split_dim=1) == [0]
     assert store.put_tensor_with_tp("c", a, tp_size=2, split_dim=5) == INVALID_PARAMS
     assert store.put_tensor_with_tp("c", a, tp_size=4, split_dim=1) == 0
+    # A size no tensor-parallel group has is refused before anything is reserved for
+    # it, even when an empty dimension would divide (every size divides 0).
+    empty = np.zeros((0, 4), dtype=np.float32)
+    assert store.put_tensor_with_tp("e", empty, tp_size=2**31 - 1, split_dim=0) == INVALID_PARAMS
+    assert store.put_tensor_with_tp("e", a, tp_size=2**31 - 1, split_dim=1) == INVALID_PARAMS
+    assert store.put_tensor_with_tp("e", empty, tp_size=2, split_dim=0) == 0
     got = store.batch_get_tensor_with_tp(["a", "b", "missing"], tp_rank=1, tp_size=2)
     assert np.array_equal(as_numpy(got[0]), a[:, 2:]) and np.array_equal(as_numpy(got[1]), b[4:])
     assert got[2] is None

@@ -138,7 +138,8 @@ fn requests_can_be_pipelined() {
 /// Answers `Exists` inline (by the thread polling the connections) and everything
 /// else after handing the polling on; every answer names the request's key and the
 /// thread that gave it. `GetReplicaList { key: "slow" }` blocks until `release` is
-/// dropped (after saying so on `started`). `ListKeys { limit }` answers `limit` keys of
+/// dropped (after saying so on `started`); `Exists` or `GetReplicaList` of `"panic"`
+/// panics. `ListKeys { limit }` answers `limit` keys of
 /// 1 KiB: a response larger than a socket buffer.
 struct WhereAnswered {
     started: Mutex<Option<mpsc::Sender<()>>>,
@@ -155,6 +156,9 @@ impl RpcHandler for WhereAnswered {
     fn handle(&self, request: Request) -> Response {
         let thread = std::thread::current().id();
         match request {
+            Request::Exists { key } | Request::GetReplicaList { key } if key == "panic" => {
+                panic!("asked to panic");
+            }
             Request::GetReplicaList { key } if key == "slow" => {
                 let release = self.release.lock().unwrap().take().unwrap();
                 let _ = self.started.lock().unwrap().take().unwrap().send(());
@@ -457,4 +461,94 @@ fn a_long_lived_client_keeps_working_across_a_master_restart() {
     for i in 0..20u8 {
         assert_eq!(client.get(&format!("k{i}")).unwrap()[..], value(i)[..], "k{i}");
     }
+}
+
+/// A handler that panics (a bug) costs the client an error answer, not its
+/// connection, and the server its thread: with one thread, the next requests, on
+/// that connection and on another, are answered. Inline (`exists`) and on a thread.
+#[test]
+fn a_handler_that_panics_answers_an_error_and_the_server_goes_on() {
+    let config = RpcServerConfig { workers: 1, max_workers: 1, ..RpcServerConfig::default() };
+    let (server, mut a) = serve(WhereAnswered::new(), config);
+    let asks = [Request::GetReplicaList { key: "panic".into() }, Request::Exists { key: "panic".into() }];
+    for (id, req) in asks.iter().enumerate() {
+        a.write_all(&encode_frame(FrameKind::Request, id as u64, req).unwrap()).unwrap();
+        let (h, body) = read_frame(&mut a, 1 << 20).unwrap();
+        assert_eq!(h.request_id, id as u64);
+        match decode_body::<Response>(&body).unwrap() {
+            Response::Error(WireError::Other(m)) => assert!(m.contains("internal error"), "{req:?}: {m}"),
+            other => panic!("{req:?}: {other:?}"),
+        }
+        assert_eq!(ask(&mut a, 10 + id as u64, &Request::GetReplicaList { key: "after".into() }).0, "after");
+    }
+    let mut b = TcpStream::connect(server.local_addr()).unwrap();
+    b.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    assert_eq!(ask(&mut b, 1, &Request::GetReplicaList { key: "other".into() }).0, "other");
+    assert_eq!(server.stats().handler_panics.load(std::sync::atomic::Ordering::Relaxed), 2);
+}
+
+/// A `batch_exists` of `n` keys of 1 KiB (about `n` KiB on the wire).
+fn big_request(n: usize) -> Vec<u8> {
+    let keys = (0..n).map(|i| format!("{i:01024}")).collect();
+    encode_frame(FrameKind::Request, 7, &Request::BatchExists { keys }).unwrap()
+}
+
+/// A peer that stops halfway through a frame does not keep the memory budget from
+/// the others: after the frame timeout its connection is closed and its bytes go
+/// back, so a request that waited for budget is answered. A peer that sends its
+/// frame slowly, but steadily, is not cut off, however long the whole frame takes.
+#[test]
+fn a_connection_that_stops_halfway_through_a_frame_is_closed_and_its_budget_freed() {
+    let master = Master::new(MasterConfig::default()).unwrap();
+    let config = RpcServerConfig {
+        memory_budget: 4 << 20,
+        frame_timeout: Duration::from_millis(300),
+        ..RpcServerConfig::default()
+    };
+    let server = RpcServer::serve_with("127.0.0.1:0", master.service().clone(), config).unwrap();
+    let addr = server.local_addr();
+    let answered = |s: &mut TcpStream| {
+        let (h, body) = read_frame(s, 1 << 20).unwrap();
+        assert_eq!(h.request_id, 7);
+        match decode_body::<Response>(&body).unwrap() {
+            Response::BatchExists(found) => assert!(!found.is_empty() && found.iter().all(|f| matches!(f, Ok(false)))),
+            other => panic!("{other:?}"),
+        }
+    };
+
+    // A request, answered (the connection is past its hello), then three quarters
+    // of the budget, then silence.
+    let stalled_frame = big_request(3 * 1024);
+    let mut stalled = TcpStream::connect(addr).unwrap();
+    stalled.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    stalled.write_all(&big_request(1)).unwrap();
+    answered(&mut stalled);
+    stalled.write_all(&stalled_frame[..stalled_frame.len() - 10]).unwrap();
+    // Wait until the server holds those bytes.
+    let held = || server.stats().buffered_bytes.load(std::sync::atomic::Ordering::Relaxed);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while held() < 3 << 20 && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(held() >= 3 << 20, "the server held {} bytes", held());
+    // Needs half the budget: waits for the stalled bytes to go.
+    let mut waiting = TcpStream::connect(addr).unwrap();
+    waiting.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    waiting.write_all(&big_request(2 * 1024)).unwrap();
+    answered(&mut waiting);
+    let mut rest = Vec::new();
+    assert_eq!(stalled.read_to_end(&mut rest).map(|_| rest.len()).unwrap_or(0), 0, "the stalled peer was answered");
+    assert_eq!(server.stats().frame_timeouts.load(std::sync::atomic::Ordering::Relaxed), 1);
+
+    // A frame sent 4 KiB every 60 ms: 1.2 s in all, four frame timeouts.
+    let slow_frame = big_request(80);
+    let mut slow = TcpStream::connect(addr).unwrap();
+    slow.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    for piece in slow_frame.chunks(4096) {
+        slow.write_all(piece).unwrap();
+        std::thread::sleep(Duration::from_millis(60));
+    }
+    answered(&mut slow);
+    assert_eq!(server.stats().frame_timeouts.load(std::sync::atomic::Ordering::Relaxed), 1);
+    assert_eq!(server.stats().buffered_bytes.load(std::sync::atomic::Ordering::Relaxed), 0);
 }

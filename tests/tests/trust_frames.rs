@@ -257,3 +257,60 @@ fn a_storage_node_refuses_amplifying_frames_and_keeps_serving() {
     drop((node, master));
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// Fields no well-behaved client sends, each of which crashed a master thread
+/// before (a replica count that overflowed the placement's reservation, a segment
+/// smaller than one allocation unit): now each is an `InvalidArgument` answer, the
+/// connection goes on, and a normal client still works.
+#[test]
+fn hostile_fields_get_an_error_and_the_master_goes_on() {
+    let master = Proc::spawn(&[], &bin("mooncake-master"), &["--listen", "127.0.0.1:0"]);
+    let addr = master.first_line.rsplit(' ').next().unwrap().to_owned();
+    // A storage node, so that there is a segment to place on.
+    let _node = Proc::spawn(
+        &[],
+        &bin("mooncake-client"),
+        &["serve", "--master", &addr, "--listen", "127.0.0.1:0", "--segment-size", "16MiB"],
+    );
+    let dir = unique_dir("trust-fields");
+    put_and_get(&addr, &dir, "before");
+
+    let mut s = TcpStream::connect(&addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    let ask = |s: &mut TcpStream, id: u64, req: &Request| {
+        rpc_exchange(s, id, &postcard::to_allocvec(req).unwrap()).unwrap_or_else(|e| panic!("{req:?}: {e}"))
+    };
+    let client = match ask(&mut s, 1, &Request::RegisterClient {}) {
+        Response::RegisterClient(Ok(reg)) => reg.client,
+        other => panic!("register: {other:?}"),
+    };
+    let region = mooncake_core::rpc::wire::WireRegion(mooncake_transfer::RemoteRegion {
+        endpoint: "127.0.0.1:1".into(),
+        region: 1,
+    });
+    let hostile = [
+        Request::PutStart {
+            client,
+            key: "k".into(),
+            len: 4096,
+            cfg: ReplicateConfig { replica_num: usize::MAX, ..ReplicateConfig::default() },
+        },
+        Request::BatchPutStart {
+            client,
+            items: vec![("k".into(), 4096)],
+            cfg: ReplicateConfig { replica_num: 1 << 40, ..ReplicateConfig::default() },
+        },
+        Request::MountSegment { client, region: region.clone(), capacity: 1 },
+        Request::MountSegment { client, region, capacity: 63 },
+    ];
+    for (i, req) in hostile.iter().enumerate() {
+        let answer = format!("{:?}", ask(&mut s, 10 + i as u64, req));
+        assert!(answer.contains("InvalidArgument"), "{req:?}: {answer}");
+        match ask(&mut s, 100 + i as u64, &Request::Stats {}) {
+            Response::Stats(Ok(_)) => {}
+            other => panic!("after {req:?}: {other:?}"),
+        }
+    }
+    put_and_get(&addr, &dir, "after");
+    let _ = std::fs::remove_dir_all(dir);
+}

@@ -29,7 +29,9 @@ pub(super) struct Placement {
 
 impl Placement {
     pub(super) fn new(want: usize) -> Self {
-        Self { bufs: Vec::with_capacity(want), want }
+        // `want` comes from a request: room for a few, grown as placed (never
+        // more than there are segments).
+        Self { bufs: Vec::with_capacity(want.min(8)), want }
     }
 
     pub(super) fn done(&self) -> bool {

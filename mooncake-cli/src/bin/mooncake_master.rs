@@ -62,6 +62,10 @@ struct Args {
     /// Most client connections open at once; more are refused with a message.
     #[arg(long, default_value_t = 65_536)]
     max_connections: usize,
+    /// A connection that sends part of a request and then nothing more of it for
+    /// this long is closed, and the memory its bytes held is freed (ms).
+    #[arg(long, default_value_t = 20_000)]
+    frame_timeout_ms: u64,
     /// Cluster mode: etcd endpoints (`http://H:P[,H:P...]`); the master joins the
     /// cluster `--cluster-id` and answers only for the slot groups it leads.
     #[arg(long, requires = "cluster_id")]
@@ -187,6 +191,7 @@ fn run(args: Args) -> Result<(), String> {
         secret: secret.as_deref().map(|s| mooncake_transfer::SharedSecret::new(s.as_bytes())),
         insecure: args.insecure,
         max_connections: args.max_connections,
+        frame_timeout: Duration::from_millis(args.frame_timeout_ms.max(1)),
         ..RpcServerConfig::default()
     };
     let mut daemon = MasterDaemon::builder(&args.listen).config(config).rpc_config(rpc_config);

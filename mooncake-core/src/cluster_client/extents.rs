@@ -46,10 +46,7 @@ impl ClusterClient {
         // A new leader wants the records back (a restarted master does, as in single
         // mode); so does the same leader if it forgot us: it takes back only what no
         // removal or put superseded meanwhile.
-        let records = x.records.rejoin(|r| {
-            let mut buf = vec![0u8; r.len as usize];
-            x.region.copy_out(r.offset, &mut buf).is_ok() && crate::checksum::checksum(&buf) == r.checksum
-        });
+        let records = x.records.rejoin(&x.region);
         let (segment, taken) = s.rpc.mount_extent(id, &x.remote, x.region.len(), x.group, &records)?;
         {
             // The master may have placed objects there and told us before this answer

@@ -4,7 +4,7 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use mooncake_alloc::{SegmentAllocator, SegmentId};
+use mooncake_alloc::{SegmentAllocator, SegmentId, DEFAULT_ALIGNMENT};
 use mooncake_transfer::RemoteRegion;
 
 use crate::error::{Error, Result};
@@ -74,12 +74,15 @@ impl MasterService {
         capacity: u64,
         group: Option<u32>,
     ) -> Result<SegmentId> {
-        if capacity == 0 {
-            return Err(Error::InvalidArgument("segment of zero bytes".into()));
+        if capacity < DEFAULT_ALIGNMENT {
+            return Err(Error::InvalidArgument(format!(
+                "segment of {capacity} bytes: the least is {DEFAULT_ALIGNMENT}"
+            )));
         }
         let id = self.next_segment.fetch_add(1, Ordering::Relaxed);
         let name = format!("{}#{}", region.endpoint, region.region);
-        let alloc = SegmentAllocator::new(id, name, capacity);
+        let alloc = SegmentAllocator::with_alignment(id, name, capacity, DEFAULT_ALIGNMENT)
+            .map_err(|e| Error::InvalidArgument(format!("segment of {capacity} bytes: {e}")))?;
         let mut clients = self.clients.write();
         let rec = clients.get_mut(&client).ok_or(Error::UnknownClient(client))?;
         rec.segments.push(id);

@@ -148,11 +148,14 @@ impl SegmentTable {
         self.candidates = Arc::new(list);
     }
 
+    /// The bytes of every candidate segment (saturating: capacities are what clients
+    /// declared).
     pub(crate) fn capacity(&self) -> u64 {
-        self.candidates.iter().map(|s| s.capacity()).sum()
+        self.candidates.iter().fold(0u64, |sum, s| sum.saturating_add(s.capacity()))
     }
 
+    /// The bytes reserved on every candidate segment (saturating, as `capacity`).
     pub(crate) fn used(&self) -> u64 {
-        self.candidates.iter().map(|s| s.used_bytes()).sum()
+        self.candidates.iter().fold(0u64, |sum, s| sum.saturating_add(s.used_bytes()))
     }
 }

@@ -10,6 +10,7 @@ use std::collections::{BinaryHeap, VecDeque};
 use std::io::{ErrorKind, Read, Write};
 use std::net::SocketAddr;
 use std::os::fd::AsRawFd;
+use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -25,7 +26,9 @@ use mooncake_transfer::{
 use super::budget::{DecodeError, DecodeLimits, DecodePool, PoolAccess};
 use super::frame_reader::FrameReader;
 use super::handler::{RpcHandler, RpcServerConfig, RpcServerStats};
-use super::wire::{decode_request, encode_frame, request_kind_of, FrameKind, Request, Response, WireError};
+use super::wire::{
+    decode_request, encode_frame, request_kind_of, FrameKind, Request, Response, WireError, REQUEST_KINDS,
+};
 
 const LISTENER: Token = Token(0);
 const WAKER: Token = Token(1);
@@ -144,7 +147,23 @@ fn answer(
             job.body = Vec::new();
             stats.decoding_bytes.store(decoding.pool.in_use() as u64, Ordering::Relaxed);
             let kind = request.kind_index();
-            let response = handler.handle(request);
+            let response = match std::panic::catch_unwind(AssertUnwindSafe(|| handler.handle(request))) {
+                Ok(response) => response,
+                // A bug, not the client's doing: the client gets an error and the
+                // server goes on (a thread that died here would leave the
+                // connection waiting for its answer forever).
+                Err(panic) => {
+                    stats.handler_panics.fetch_add(1, Ordering::Relaxed);
+                    let what = panic
+                        .downcast_ref::<&str>()
+                        .map(|s| s.to_string())
+                        .or_else(|| panic.downcast_ref::<String>().cloned())
+                        .unwrap_or_default();
+                    let name = REQUEST_KINDS.get(kind).copied().unwrap_or("?");
+                    tracing::error!(request = name, panic = what, "an RPC handler panicked; answering with an error");
+                    Response::Error(WireError::Other(format!("internal error answering {name}")))
+                }
+            };
             stats.requests.fetch_add(1, Ordering::Relaxed);
             stats.ops_by_kind[kind].fetch_add(1, Ordering::Relaxed);
             if Request::is_error(&response) {
@@ -238,6 +257,11 @@ struct Conn {
     out_pos: usize,
     /// Waiting for memory budget.
     starved: bool,
+    /// When bytes of the frame in progress last arrived (see
+    /// [`RpcServerConfig::frame_timeout`]).
+    progress_at: Instant,
+    /// The deadline of the stall timer queued for this connection, if one is.
+    stall_deadline: Option<Instant>,
 }
 
 /// The listener and every connection.
@@ -496,12 +520,14 @@ impl Loop {
                 out: Vec::new(),
                 out_pos: 0,
                 starved: false,
+                progress_at: Instant::now(),
+                stall_deadline: None,
             });
         }
     }
 
-    /// Closes connections whose hello did not complete in time, and refused ones
-    /// whose linger ended.
+    /// Closes connections whose hello did not complete in time, refused ones whose
+    /// linger ended, and those that stopped halfway through a frame.
     fn fire_timers(&mut self) {
         let now = Instant::now();
         while let Some(Reverse((at, slot, generation))) = self.timers.peek().copied() {
@@ -510,9 +536,10 @@ impl Loop {
             }
             self.timers.pop();
             let stats = self.stats.clone();
-            self.with_conn(slot, Some(generation), |_, c| match c.phase {
-                Phase::Open { hello_done: true } => Next::Keep,
+            self.with_conn(slot, Some(generation), |l, c| match c.phase {
                 Phase::Closing => Next::Close,
+                _ if c.stall_deadline == Some(at) => l.check_stall(c, at, now),
+                Phase::Open { hello_done: true } => Next::Keep,
                 _ => {
                     stats.hello_timeouts.fetch_add(1, Ordering::Relaxed);
                     tracing::warn!(peer = %c.peer, "closing an RPC connection that did not complete its hello in time");
@@ -520,6 +547,51 @@ impl Loop {
                 }
             });
         }
+    }
+
+    /// Bytes of a frame still in progress arrived on `c`: its stall clock starts
+    /// again, and a timer watches it if none does.
+    fn note_progress(&mut self, c: &mut Conn) {
+        c.progress_at = Instant::now();
+        if c.stall_deadline.is_none() {
+            let deadline = c.progress_at + self.config.frame_timeout;
+            c.stall_deadline = Some(deadline);
+            self.timers.push(Reverse((deadline, c.slot, c.generation)));
+        }
+    }
+
+    /// `c`'s timer due `at` fired: closes the connection if it has held part of a
+    /// frame, unanswered and not waiting for budget, without sending more of it
+    /// for the frame timeout; otherwise watches it again while the frame is in
+    /// progress. (Other timers of the connection, `at` not its stall deadline,
+    /// change nothing.)
+    fn check_stall(&mut self, c: &mut Conn, at: Instant, now: Instant) -> Next {
+        if c.stall_deadline != Some(at) {
+            return Next::Keep;
+        }
+        c.stall_deadline = None;
+        if c.busy || c.reader.buffered() == 0 {
+            return Next::Keep;
+        }
+        if c.starved {
+            // Not reading it is the server's doing: its clock starts again.
+            self.note_progress(c);
+            return Next::Keep;
+        }
+        let timeout = self.config.frame_timeout;
+        if now.saturating_duration_since(c.progress_at) >= timeout {
+            self.stats.frame_timeouts.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(
+                peer = %c.peer,
+                held = c.reader.buffered(),
+                "closing an RPC connection that stopped halfway through a frame"
+            );
+            return Next::Close;
+        }
+        let deadline = c.progress_at + timeout;
+        c.stall_deadline = Some(deadline);
+        self.timers.push(Reverse((deadline, c.slot, c.generation)));
+        Next::Keep
     }
 
     /// A thread is done with a connection's request: write what the socket did not
@@ -778,6 +850,7 @@ impl Loop {
                 c.starved = true;
                 self.starved.push_back((c.slot, c.generation));
             }
+            None if n > 0 && c.reader.buffered() > 0 => self.note_progress(c),
             None => {}
         }
         self.stats.buffered_bytes.store(self.buffered as u64, Ordering::Relaxed);

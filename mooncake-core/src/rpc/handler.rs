@@ -62,6 +62,12 @@ pub struct RpcServerStats {
     pub hello_timeouts: AtomicU64,
     /// Connections that failed the shared-secret handshake.
     pub auth_failures: AtomicU64,
+    /// Connections closed for holding part of a frame without sending more of it for
+    /// [`RpcServerConfig::frame_timeout`].
+    pub frame_timeouts: AtomicU64,
+    /// Requests whose handler panicked: answered with an error, and the connection
+    /// and the server went on.
+    pub handler_panics: AtomicU64,
     /// Bytes of request bodies held in memory now (within
     /// [`RpcServerConfig::memory_budget`]).
     pub buffered_bytes: AtomicU64,
@@ -87,6 +93,8 @@ impl Default for RpcServerStats {
             refused_connections: AtomicU64::new(0),
             hello_timeouts: AtomicU64::new(0),
             auth_failures: AtomicU64::new(0),
+            frame_timeouts: AtomicU64::new(0),
+            handler_panics: AtomicU64::new(0),
             buffered_bytes: AtomicU64::new(0),
             over_budget: AtomicU64::new(0),
             decoding_bytes: AtomicU64::new(0),
@@ -126,6 +134,11 @@ pub struct RpcServerConfig {
     /// How long a new connection has to complete its hello: the shared-secret
     /// handshake, or (without a secret) its first request.
     pub hello_timeout: Duration,
+    /// How long a connection may hold part of a frame without sending more of it
+    /// before it is closed (the bytes it held go back to
+    /// [`memory_budget`](Self::memory_budget)): a peer that stops halfway must not
+    /// keep the budget from the others. Time spent waiting for budget does not count.
+    pub frame_timeout: Duration,
     /// Threads serving requests kept ready, polling or answering (0: one per core, at
     /// least 2, at most 16).
     pub workers: usize,
@@ -148,6 +161,7 @@ impl Default for RpcServerConfig {
             decode_budget: 512 << 20,
             decode_wait: Duration::from_secs(1),
             hello_timeout: Duration::from_secs(5),
+            frame_timeout: Duration::from_secs(20),
             workers: 0,
             max_workers: 256,
         }

@@ -61,6 +61,11 @@ impl<'a> Destination<'a> {
     /// Fails unless the destination holds `len` bytes; takes the host buffer an
     /// owned read needs, or a device read through host memory (`staged`).
     pub(super) fn prepare(&mut self, len: usize, staged: bool) -> Result<()> {
+        // The length is the master's word: nothing is allocated for more than an
+        // object can hold.
+        if crate::config::check_value_len(len as u64).is_err() {
+            return Err(Error::Corrupted(format!("a replica list of {len} bytes, over the largest object")));
+        }
         match &self.dest {
             Dest::Owned => self.scratch(len, false),
             Dest::Host(bufs) => {
@@ -192,5 +197,25 @@ impl<'a> Destination<'a> {
             (Dest::Owned, Scratch::Owned(buf)) => Got::Owned(buffers::freeze(buf, len)),
             _ => Got::Len(len),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A replica list's length is the master's word: one beyond the largest object is
+    /// refused before any buffer is taken for it, whatever the destination.
+    #[test]
+    fn a_length_over_the_largest_object_is_refused_before_allocating() {
+        for len in [usize::MAX / 2, (crate::config::MAX_VALUE_LEN + 1) as usize] {
+            let mut owned = Destination::new(Dest::Owned);
+            assert!(matches!(owned.prepare(len, false), Err(Error::Corrupted(_))), "{len}");
+            let mut buf = [0u8; 16];
+            let mut host = Destination::new(Dest::Host(vec![&mut buf[..]]));
+            assert!(matches!(host.prepare(len, false), Err(Error::Corrupted(_))), "{len}");
+        }
+        let mut owned = Destination::new(Dest::Owned);
+        assert!(owned.prepare(4096, false).is_ok());
     }
 }

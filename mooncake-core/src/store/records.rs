@@ -11,8 +11,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use mooncake_alloc::SegmentId;
+use mooncake_transfer::RegisteredRegion;
 use parking_lot::Mutex;
 
+use crate::config::check_value_len;
 use crate::error::Result;
 use crate::master::{ObjectRecord, RecordSink, RecordUpdate};
 use crate::rpc::wire::{Request, Response, WireError};
@@ -144,8 +146,18 @@ impl SegmentRecords {
     /// After registering again (the master restarted, or it forgot us: we expired or
     /// were out of reach): the records to offer it, all of them, for the master takes
     /// back only those no removal or put superseded meanwhile (their generations tell).
-    /// Records for which `intact` is false (their bytes changed) are dropped.
-    pub(crate) fn rejoin(&self, intact: impl Fn(&ObjectRecord) -> bool) -> Vec<ObjectRecord> {
+    /// Records whose bytes in `region` (the segment) no longer match their checksum,
+    /// or that do not lie in it, are dropped.
+    pub(crate) fn rejoin(&self, region: &RegisteredRegion) -> Vec<ObjectRecord> {
+        let intact = |r: &ObjectRecord| {
+            // The range is checked before anything is allocated for it: a record's
+            // length is the master's word.
+            if check_value_len(r.len).is_err() || region.check_bounds(r.offset, r.len).is_err() {
+                return false;
+            }
+            let mut buf = vec![0u8; r.len as usize];
+            region.copy_out(r.offset, &mut buf).is_ok() && crate::checksum::checksum(&buf) == r.checksum
+        };
         let mut applied = self.records.lock();
         // The segment is mounted under a new id: changes of the old one (late copies)
         // are ignored by their segment, and the new master's generations start afresh
@@ -236,6 +248,32 @@ mod tests {
         let mut v: Vec<(u64, String)> = r.snapshot().into_iter().map(|r| (r.offset, r.key)).collect();
         v.sort();
         v
+    }
+
+    /// On a rejoin only records whose bytes still lie in the segment and match their
+    /// checksum are offered; one whose range is outside the segment (a length of
+    /// 2^50, an offset past the end) is dropped before anything is allocated for it.
+    #[test]
+    fn a_rejoin_offers_only_intact_records_inside_the_segment() {
+        let engine = mooncake_transfer::TransferEngine::new();
+        let region = engine.register_region(1 << 16).unwrap();
+        let value = b"kv block bytes";
+        region.copy_in(4096, value).unwrap();
+        let crc = crate::checksum::checksum(value);
+        let record = |key: &str, offset: u64, len: u64, checksum: u32, generation: u64| RecordUpdate::Added {
+            segment: 7,
+            record: ObjectRecord { key: key.into(), offset, len, checksum, generation },
+        };
+        let records = SegmentRecords::new(7);
+        records.apply(vec![
+            record("good", 4096, value.len() as u64, crc, 1),
+            record("changed", 4096 + 1024, value.len() as u64, crc, 2),
+            record("huge", 0, 1 << 50, crc, 3),
+            record("past-the-end", u64::MAX - 4, 8, crc, 4),
+            record("overflowing", 1 << 15, u64::MAX, crc, 5),
+        ]);
+        let offered: Vec<String> = records.rejoin(&region).into_iter().map(|r| r.key).collect();
+        assert_eq!(offered, ["good"]);
     }
 
     proptest! {

@@ -113,10 +113,7 @@ impl StoreInner {
         let mut seg = self.segment.lock();
         if let Some(s) = seg.as_mut() {
             let region = &s.region;
-            let records = self.records.rejoin(|r| {
-                let mut buf = vec![0u8; r.len as usize];
-                region.copy_out(r.offset, &mut buf).is_ok() && crate::checksum::checksum(&buf) == r.checksum
-            });
+            let records = self.records.rejoin(region);
             let (id, taken) =
                 self.master.remount_segment(client, &self.engine.remote(s.region.id()), s.region.len(), &records)?;
             s.id = id;

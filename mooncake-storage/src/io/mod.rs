@@ -494,7 +494,11 @@ impl AlignedBuf {
     }
 
     fn layout(len: usize) -> std::alloc::Layout {
-        std::alloc::Layout::from_size_align(len.max(1).div_ceil(IO_ALIGN) * IO_ALIGN, IO_ALIGN)
+        // Rounded up without wrapping: a length near `usize::MAX` must not become a
+        // zero-sized layout.
+        len.max(1)
+            .checked_next_multiple_of(IO_ALIGN)
+            .and_then(|size| std::alloc::Layout::from_size_align(size, IO_ALIGN).ok())
             .expect("buffer size overflows isize")
     }
 }
@@ -530,6 +534,22 @@ impl std::fmt::Debug for AlignedBuf {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A length whose rounding up to the alignment would wrap is refused with a
+    /// panic, never turned into a zero-sized allocation handed out as `len` bytes.
+    #[test]
+    #[should_panic(expected = "buffer size overflows isize")]
+    fn a_length_that_cannot_be_rounded_up_is_refused() {
+        let _ = AlignedBuf::zeroed(usize::MAX - 5);
+    }
+
+    #[test]
+    fn aligned_buffers_round_up_and_are_zeroed() {
+        let b = AlignedBuf::zeroed(5000);
+        assert_eq!(b.len(), 5000);
+        assert_eq!(b.as_ptr() as usize % IO_ALIGN, 0);
+        assert!(b.iter().all(|&x| x == 0));
+    }
 
     fn engines(dir: &Path) -> Vec<Arc<dyn IoEngine>> {
         let mut v = vec![io_engine(IoKind::Uring, false), io_engine(IoKind::Posix, false)];

@@ -323,6 +323,18 @@ impl FileStorage {
             .into_iter()
             .filter_map(|t| {
                 let (_, region) = segments.iter().find(|(id, _)| *id == t.segment)?;
+                // A task's range is the master's word: checked before anything is
+                // allocated for it.
+                if crate::config::check_value_len(t.len).is_err() || region.check_bounds(t.offset, t.len).is_err() {
+                    inc(&self.counters.offload_failures, 1);
+                    tracing::warn!(
+                        key = t.key,
+                        offset = t.offset,
+                        len = t.len,
+                        "offload task outside the segment; skipped"
+                    );
+                    return None;
+                }
                 // Aligned, so that an `O_DIRECT` backend writes it without a bounce copy.
                 let mut buf = AlignedBuf::zeroed(t.len as usize);
                 if region.copy_out(t.offset, &mut buf).is_err() || crate::checksum::checksum(&buf) != t.checksum {
