@@ -18,7 +18,7 @@ use crate::codes::{self, code, put_status, status, INVALID_PARAMS};
 use crate::config::ReplicateConfig;
 use crate::device::{DevicePointers, Target};
 use crate::handle::buffer_handle;
-use crate::ranges::{self, Range};
+use crate::ranges::{self, Dst, Range};
 use crate::replicas::{self, ReplicaDescriptor};
 use crate::session::Session;
 use crate::setup::{SetupArgs, SetupError};
@@ -159,10 +159,6 @@ fn read_device<M: std::ops::Deref<Target = dyn DeviceMemory>>(
         results[*i] = length_or_code(&res);
     }
 }
-
-/// A range of `get_into_ranges` into GPU memory: where the answer goes (buffer, key,
-/// range), the offset in the buffer, the offset in the object, the length.
-type DeviceRange = ((usize, usize, usize), usize, usize, usize);
 
 /// Copies `data` to the raw address `dst`.
 ///
@@ -748,8 +744,6 @@ impl MooncakeDistributedStore {
             .zip(&device_bufs)
             .map(|(cap, dev)| cap.or_else(|| dev.as_ref().map(|m| m.len() as usize)))
             .collect();
-        // Ranges into GPU memory, by key.
-        let mut device_ranges: BTreeMap<&str, Vec<DeviceRange>> = BTreeMap::new();
         // The ranges that can be served (inside their buffer, non-empty); the others
         // keep -600. Keys whose lists do not have matching lengths are read only to
         // report a missing object.
@@ -772,11 +766,11 @@ impl MooncakeDistributedStore {
                     if l == 0 || !fits_dst || !in_object {
                         continue;
                     }
-                    if device_bufs[i].is_some() {
-                        device_ranges.entry(key.as_str()).or_default().push(((i, j, k), d, sr, l));
-                        continue;
-                    }
-                    let r = Range { at: (i, j, k), dst: buffer_ptrs[i] + d, src: sr, len: l };
+                    let dst = match &device_bufs[i] {
+                        Some(mem) => Dst::Device(mem.clone(), d as u64),
+                        None => Dst::Host(buffer_ptrs[i] + d),
+                    };
+                    let r = Range { at: (i, j, k), dst, src: sr, len: l };
                     ranges.entry(key.as_str()).or_default().push(r);
                 }
             }
@@ -787,34 +781,6 @@ impl MooncakeDistributedStore {
         let answers = py.detach(|| ranges::read(&s.store, &unique, &ranges));
         for ((i, j, k), v) in answers.ranges {
             results[i][j][k] = v;
-        }
-        if !device_ranges.is_empty() {
-            // GPU destinations: each object read whole into host memory (its checksum
-            // covers all of it), its ranges copied to the device with the device copy
-            // API. (The one-DMA path is the store's device engine's, still to come.)
-            let got = py.detach(|| {
-                let keys: Vec<&str> = device_ranges.keys().copied().collect();
-                let objects = s.store.batch_get(&keys);
-                let mut out = Vec::new();
-                for (key, obj) in keys.iter().zip(objects) {
-                    let Ok(data) = obj else { continue }; // reported through `failed`
-                    for &(at, d, sr, l) in &device_ranges[key] {
-                        let mem = device_bufs[at.0].as_ref().expect("a device buffer");
-                        let v = match data.get(sr..sr + l) {
-                            None => INVALID_PARAMS.into(),
-                            Some(bytes) => match mem.copy_from_host(d as u64, bytes) {
-                                Ok(()) => l as i64,
-                                Err(e) => code(&Error::from(e)).into(),
-                            },
-                        };
-                        out.push((at, v));
-                    }
-                }
-                out
-            });
-            for ((i, j, k), v) in got {
-                results[i][j][k] = v;
-            }
         }
         for (i, j, key) in occurrences {
             if let Some(&c) = answers.failed.get(key) {

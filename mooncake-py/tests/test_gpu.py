@@ -157,12 +157,44 @@ def test_get_into_ranges_into_device_memory(gpu_store):
     keep.append(gpu)
     data = b"0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ"
     assert store.put("r/1", data) == 0
+    before = sum(store._device_bytes())
     res = store.get_into_ranges(
-        [gpu.ptr], [["r/1", "r/none"]], [[[0, 100, 4090], [0]]], [[[1, 30, 0], [0]]], [[[5, 6, 10], [4]]]
+        [gpu.ptr], [["r/1", "r/none"]], [[[0, 100, 4090], [200]]], [[[1, 30, 0], [0]]], [[[5, 6, 10], [4]]]
     )
     # The third range runs past the buffer: refused; the missing key: not found.
     assert res == [[[5, 6, INVALID_PARAMS], [OBJECT_NOT_FOUND]]]
     assert gpu.read(0, 5) == data[1:6] and gpu.read(100, 6) == data[30:36]
+    # Read by the store's device engine (the object whole, into the ranges and
+    # scratch for the gaps), not into host memory and copied up.
+    assert sum(store._device_bytes()) - before == len(data)
+
+
+def test_get_into_ranges_mixes_device_and_host_destinations(gpu_store):
+    store, keep = gpu_store
+    gpu = EmulatedGpu(store, 1 << 16)
+    keep.append(gpu)
+    big = payload(40_000, 3)
+    assert store.put("m/1", big) == 0 and store.put("m/2", big[::-1]) == 0
+    with Registered(store, 4096) as host:
+        before = sum(store._device_bytes())
+        res = store.get_into_ranges(
+            [gpu.ptr, host.ptr],
+            [["m/1", "m/2"], ["m/1"]],
+            [[[0, 5000], [9000]], [[100]]],
+            [[[10, 39_000], [0]], [[20_000]]],
+            [[[3000, 1000], [40_000]], [[500]]],
+        )
+        assert res == [[[3000, 1000], [40_000]], [[500]]]
+        assert gpu.read(0, 3000) == big[10:3010] and gpu.read(5000, 1000) == big[39_000:40_000]
+        assert gpu.read(9000, 40_000) == big[::-1]
+        assert host.read(100, 500) == big[20_000:20_500]
+        # Both objects read by the device engine, the host range as a part of m/1's.
+        assert sum(store._device_bytes()) - before == 2 * len(big)
+        # Ranges of one object that overlap go through scratch memory, then to the
+        # device; the later one's bytes win where the destinations overlap.
+        res = store.get_into_ranges([gpu.ptr], [["m/1"]], [[[50_000, 50_010]]], [[[0, 5]]], [[[20, 20]]])
+        assert res == [[[20, 20]]]
+        assert gpu.read(50_000, 10) == big[0:10] and gpu.read(50_010, 20) == big[5:25]
 
 
 def test_unknown_and_straddling_pointers_are_refused(gpu_store):

@@ -77,6 +77,12 @@ impl DeviceScatter {
         Ok(Self { parts, len: at })
     }
 
+    /// The part whose memory says how the scatter is moved: the first on a device,
+    /// else the first (the scatter is host emulation throughout).
+    fn leading(&self) -> &Part {
+        self.parts.iter().find(|p| !p.mem.location().is_emulated()).unwrap_or(&self.parts[0])
+    }
+
     /// The part holding scatter byte `x` (`x < len`).
     fn part_at(&self, x: u64) -> usize {
         self.parts.partition_point(|p| p.at + p.len <= x)
@@ -165,9 +171,11 @@ impl DeviceMemory for DeviceScatter {
         self.len
     }
 
-    /// The first part's location (the parts of one call are normally on one device).
+    /// The location of the first part on a device (the parts of one call are
+    /// normally on one device; host parts, registered host buffers or scratch, are
+    /// emulation): the store moves the scatter as device memory if any part is.
     fn location(&self) -> MemoryLocation {
-        self.parts[0].mem.location()
+        self.leading().mem.location()
     }
 
     fn device_ptr(&self) -> u64 {
@@ -176,7 +184,7 @@ impl DeviceMemory for DeviceScatter {
 
     fn alloc_pinned(&self, len: usize) -> Result<PinnedBuffer> {
         // Pinned buffers of a CUDA memory are portable: usable with every part.
-        self.parts[0].mem.alloc_pinned(len)
+        self.leading().mem.alloc_pinned(len)
     }
 
     /// Parts that are ranges of one CUDA device summed as one batch on it
@@ -353,6 +361,43 @@ impl DeviceStream for ScatterStream<'_> {
 mod tests {
     use super::*;
     use crate::HostDeviceMemory;
+
+    /// Host memory that says it is on CUDA device 3 (what the scatter asks of a
+    /// part's location, without a GPU).
+    #[derive(Debug)]
+    struct OnDevice3(HostDeviceMemory);
+
+    impl DeviceMemory for OnDevice3 {
+        fn len(&self) -> u64 {
+            self.0.len()
+        }
+        fn location(&self) -> MemoryLocation {
+            MemoryLocation::Cuda { ordinal: 3 }
+        }
+        fn device_ptr(&self) -> u64 {
+            self.0.device_ptr()
+        }
+        fn alloc_pinned(&self, len: usize) -> Result<PinnedBuffer> {
+            self.0.alloc_pinned(len)
+        }
+        fn open_stream(&self) -> Result<Box<dyn DeviceStream + '_>> {
+            self.0.open_stream()
+        }
+    }
+
+    /// A scatter with a part on a device is moved as device memory, whichever part
+    /// comes first (a get_into_ranges object starts with host scratch for the bytes
+    /// before its first range); one of host parts only stays emulation.
+    #[test]
+    fn a_scatter_is_where_its_first_device_part_is() {
+        let host = || Arc::new(HostDeviceMemory::new(64).unwrap()) as Arc<dyn DeviceMemory>;
+        let device: Arc<dyn DeviceMemory> = Arc::new(OnDevice3(HostDeviceMemory::new(64).unwrap()));
+        let mixed = DeviceScatter::new(vec![(host(), 0, 8), (device.clone(), 0, 8), (host(), 8, 8)]).unwrap();
+        assert_eq!(mixed.location(), MemoryLocation::Cuda { ordinal: 3 });
+        let hosts = DeviceScatter::new(vec![(host(), 0, 8), (host(), 0, 8)]).unwrap();
+        assert!(hosts.location().is_emulated());
+        assert_eq!(DeviceScatter::new(vec![(device, 0, 8)]).unwrap().location(), MemoryLocation::Cuda { ordinal: 3 });
+    }
 
     #[test]
     fn copies_split_across_parts_and_wait_on_all_of_them() {
