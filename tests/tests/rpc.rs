@@ -552,3 +552,59 @@ fn a_connection_that_stops_halfway_through_a_frame_is_closed_and_its_budget_free
     assert_eq!(server.stats().frame_timeouts.load(std::sync::atomic::Ordering::Relaxed), 1);
     assert_eq!(server.stats().buffered_bytes.load(std::sync::atomic::Ordering::Relaxed), 0);
 }
+
+/// A master daemon's calls, in the order they arrived: the real master answers them.
+struct Logged {
+    master: Master,
+    calls: Mutex<Vec<&'static str>>,
+    /// The client registered last.
+    client: Mutex<Option<u64>>,
+}
+
+impl RpcHandler for Logged {
+    fn handle(&self, request: Request) -> Response {
+        self.calls.lock().unwrap().push(REQUEST_KINDS[request.kind_index()]);
+        let response = mooncake_core::rpc::dispatch(&**self.master.service(), request);
+        if let Response::RegisterClient(Ok(reg)) = &response {
+            *self.client.lock().unwrap() = Some(reg.client);
+        }
+        response
+    }
+}
+
+/// A node tells the master where its records go before its segment is mounted (and
+/// again before it is re-mounted after the master forgot it): from the first put
+/// placed there, the master has an endpoint to wait for, so no put on the segment
+/// is acknowledged before the node holds its record. (Before, the segment was
+/// mounted first, then the SSD tier opened, and only then the endpoint announced:
+/// puts in between were acknowledged with the record only queued for a heartbeat.)
+#[test]
+fn a_node_announces_its_record_endpoint_before_its_segment_takes_puts() {
+    let master = Master::new(MasterConfig { client_ttl: Duration::from_secs(2), ..Default::default() }).unwrap();
+    let logged = Arc::new(Logged { master, calls: Mutex::new(Vec::new()), client: Mutex::new(None) });
+    let server = RpcServer::serve_with("127.0.0.1:0", logged.clone(), RpcServerConfig::default()).unwrap();
+    let addr = server.local_addr().to_string();
+    let node = Store::builder().master_address(&addr).global_segment_size(1 << 20).build().unwrap();
+    let order = |calls: &[&str], first: &str, then: &str| {
+        let at = |name: &str| calls.iter().position(|c| *c == name).unwrap_or_else(|| panic!("no {name}: {calls:?}"));
+        assert!(at(first) < at(then), "{first} after {then}: {calls:?}");
+    };
+    order(&logged.calls.lock().unwrap(), "mount_records", "mount_segment");
+    node.put("k", b"v").unwrap();
+
+    // The master forgets the node: it registers again and re-mounts its segment.
+    let client = logged.client.lock().unwrap().expect("the node is registered");
+    logged.calls.lock().unwrap().clear();
+    logged.master.service().unregister_client(client).unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while !logged.calls.lock().unwrap().contains(&"remount_segment") {
+        assert!(std::time::Instant::now() < deadline, "no re-mount: {:?}", logged.calls.lock().unwrap());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let calls = logged.calls.lock().unwrap().clone();
+    order(&calls, "register_client", "mount_records");
+    order(&calls, "mount_records", "remount_segment");
+    // The node serves puts on its new segment.
+    node.put("k2", b"v2").unwrap();
+    assert_eq!(&node.get("k2").unwrap()[..], b"v2");
+}

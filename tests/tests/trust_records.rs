@@ -156,6 +156,27 @@ fn a_node_paused_past_its_ttl_rejoins_with_what_nothing_superseded() {
         }
     }
     assert!(status_number(&c, "stale_copies").unwrap() >= 5, "{}", c.status());
+
+    // The master restarts (its tombstones gone with it): what it refused from node 0
+    // must not come back. Node 0 was told to drop those records when it re-joined;
+    // before, it kept them, and the new master took back the removed p/5..10 (and
+    // p/0..5's old bytes when node 0 re-mounted first).
+    c.master.kill9();
+    drop(store);
+    c.restart_master();
+    let store = client(&c.master_addr);
+    wait_until(Duration::from_secs(15), || status_number(&c, "segments") == Some(2));
+    wait_until(Duration::from_secs(10), || {
+        (0..5).chain(10..n).all(|i| store.exists(&format!("p/{i}")).unwrap_or(false))
+    });
+    for i in 0..n {
+        let got = get_settled(&store, &format!("p/{i}"));
+        match i {
+            0..5 => assert!(got.unwrap() == value(i, 2, len), "p/{i}: after the restart, not the later put's bytes"),
+            5..10 => assert!(got.is_none(), "p/{i}: removed, back after the master's restart"),
+            _ => assert!(got.unwrap() == value(i, 1, len), "p/{i}: wrong bytes after the restart"),
+        }
+    }
 }
 
 #[test]

@@ -254,19 +254,29 @@ impl MasterService {
         let now = self.now_ms();
         let mut taken = 0;
         let mut stale = 0u64;
+        // The records not taken back: the node is told to drop them, or a later
+        // master would take back what this one refused (a removed object, an old
+        // version of a key put again).
+        let mut refused: Vec<(String, u64)> = Vec::new();
         for r in records {
             if check_key(&r.key).is_err() || crate::config::check_value_len(r.len).is_err() {
+                refused.push((r.key, r.offset));
                 continue;
             }
             self.gens.observe(r.generation);
             let Some(buf) = alloc.allocate_at(r.offset, r.len) else {
                 tracing::warn!(key = r.key, offset = r.offset, "record does not fit the segment; skipped");
+                refused.push((r.key, r.offset));
                 continue;
             };
             let mut shard = self.index.shard(&r.key).lock();
             match shard.get_mut(r.key.as_str()) {
                 // Removed or put again after this copy was made: not taken back.
-                None if !self.tombstones.admits(&r.key, r.generation) => stale += 1,
+                None if !self.tombstones.admits(&r.key, r.generation) => {
+                    stale += 1;
+                    drop(shard);
+                    refused.push((r.key, r.offset));
+                }
                 None => {
                     shard.insert(&r.key, {
                         let mut e = ObjectEntry::new_complete(r.len, r.checksum, now);
@@ -279,8 +289,22 @@ impl MasterService {
                     e.replicas.push(StoredReplica::new(buf, true));
                     taken += 1;
                 }
-                Some(_) => tracing::warn!(key = r.key, "record conflicts with the master's view; skipped"),
+                Some(_) => {
+                    tracing::warn!(key = r.key, "record conflicts with the master's view; skipped");
+                    drop(shard);
+                    refused.push((r.key, r.offset));
+                }
             }
+        }
+        if self.config.track_records && !refused.is_empty() {
+            let mut wait = RecordWait::default();
+            for (key, offset) in refused {
+                let removed = |generation| RecordUpdate::Removed { segment: id, key, offset, generation };
+                self.push_update(id, removed, &mut wait);
+            }
+            // Before the mount is answered: a master that restarts after it must not
+            // find them on the node.
+            self.await_records(wait);
         }
         if stale > 0 {
             self.counters.stale_copies.fetch_add(stale, std::sync::atomic::Ordering::Relaxed);

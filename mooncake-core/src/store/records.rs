@@ -45,6 +45,9 @@ pub(crate) struct SegmentRecords {
 /// the oldest are forgotten.
 const MAX_CLEARED: usize = 1 << 16;
 
+/// Most updates kept while a mount is in progress (see [`SegmentRecords::begin_mount`]).
+const MAX_MOUNTING: usize = 1 << 16;
+
 /// The records by offset, each offset with the generation of its last change.
 ///
 /// Changes may arrive twice (a frame sent again after a timeout, whose first copy the
@@ -58,6 +61,10 @@ struct Applied {
     by_offset: HashMap<u64, Slot>,
     /// Offsets whose last change was a removal.
     cleared: usize,
+    /// While the segment is being mounted: the updates for segments other than the
+    /// one it had (its new id is not known until the mount returns, and the master
+    /// may place objects there, and tell us, before that).
+    mounting: Option<Vec<RecordUpdate>>,
 }
 
 /// One offset of the segment.
@@ -123,16 +130,22 @@ impl SegmentRecords {
     /// offset older than the last one applied there, are ignored. Files of removed
     /// objects are deleted from the SSD tier before this returns.
     pub(crate) fn apply(&self, updates: Vec<RecordUpdate>) {
-        let own = self.segment.load(Ordering::Acquire);
         let mut discards = Vec::new();
         {
             let mut applied = self.records.lock();
+            // Read under the lock `set_segment` changes it under: an update is either
+            // applied here or kept for the new segment, never lost between the two.
+            let own = self.segment.load(Ordering::Acquire);
             for u in updates {
                 match u {
                     RecordUpdate::Discard { key, generation } => discards.push((key, generation)),
                     RecordUpdate::Drain { grace_ms, .. } => self.drain.asked.ask(grace_ms),
                     u if u.segment() == Some(own) => applied.apply(u),
-                    _ => {}
+                    u => {
+                        if let Some(kept) = applied.mounting.as_mut().filter(|k| k.len() < MAX_MOUNTING) {
+                            kept.push(u);
+                        }
+                    }
                 }
             }
         }
@@ -170,9 +183,22 @@ impl SegmentRecords {
         applied.records().cloned().collect()
     }
 
-    /// The segment was mounted again under a new id.
+    /// A mount (or re-mount) of the segment starts: until [`set_segment`](Self::set_segment)
+    /// names its new id, updates for other segments are kept rather than ignored.
+    pub(crate) fn begin_mount(&self) {
+        self.records.lock().mounting = Some(Vec::new());
+    }
+
+    /// The segment was mounted (again) under `segment`: the updates for it that came
+    /// while the mount was in progress are applied.
     pub(crate) fn set_segment(&self, segment: SegmentId) {
+        let mut applied = self.records.lock();
         self.segment.store(segment, Ordering::Release);
+        for u in applied.mounting.take().unwrap_or_default() {
+            if u.segment() == Some(segment) {
+                applied.apply(u);
+            }
+        }
     }
 
     /// A copy of the records.
@@ -248,6 +274,30 @@ mod tests {
         let mut v: Vec<(u64, String)> = r.snapshot().into_iter().map(|r| (r.offset, r.key)).collect();
         v.sort();
         v
+    }
+
+    /// Updates for the segment's new id that arrive while it is being re-mounted
+    /// (before the mount's answer names the id) are applied once it is known; those
+    /// of other segments, and of the old id afterwards, are not.
+    #[test]
+    fn updates_for_a_segment_being_mounted_wait_for_its_id() {
+        let added = |segment, key: &str, offset, generation| RecordUpdate::Added {
+            segment,
+            record: ObjectRecord { key: key.into(), offset, len: 1, checksum: 0, generation },
+        };
+        let records = SegmentRecords::new(7);
+        records.apply(vec![added(7, "old", 0, 1)]);
+        records.begin_mount();
+        records.apply(vec![added(9, "new", 64, 2), added(8, "other", 128, 3)]);
+        assert_eq!(state(&records), [(0, "old".to_owned())], "nothing applied before the id is known");
+        records.set_segment(9);
+        assert_eq!(state(&records), [(0, "old".to_owned()), (64, "new".to_owned())]);
+        records.apply(vec![added(7, "late", 192, 4), added(9, "after", 256, 5)]);
+        assert_eq!(state(&records), [(0, "old".to_owned()), (64, "new".to_owned()), (256, "after".to_owned())]);
+        // Without a mount in progress, other segments' updates are not kept.
+        records.apply(vec![added(10, "stray", 320, 6)]);
+        records.set_segment(10);
+        assert_eq!(state(&records).len(), 3);
     }
 
     /// On a rejoin only records whose bytes still lie in the segment and match their

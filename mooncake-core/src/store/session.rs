@@ -46,6 +46,23 @@ impl Drop for StoreInner {
     }
 }
 
+/// Tells `master` where to send changes to `client`'s records: the endpoint we serve
+/// them on, or `records` itself for a master of this process (nothing without one).
+fn announce_records(
+    master: &dyn MasterApi,
+    endpoint: Option<&RecordEndpoint>,
+    records: &Arc<SegmentRecords>,
+    client: ClientId,
+) -> Result<()> {
+    match endpoint {
+        Some(RecordEndpoint::Rpc { server, key }) => {
+            master.mount_records(client, &server.local_addr().to_string(), key)
+        }
+        Some(RecordEndpoint::InProcess(master)) => master.attach_records(client, records.clone()),
+        None => Ok(()),
+    }
+}
+
 impl StoreInner {
     pub(super) fn client(&self) -> ClientId {
         self.client.load(Ordering::Acquire)
@@ -95,13 +112,7 @@ impl StoreInner {
 
     /// Tells the master where to send changes to our records (if we serve them).
     fn announce_records(&self, client: ClientId) -> Result<()> {
-        match &self.record_endpoint {
-            Some(RecordEndpoint::Rpc { server, key }) => {
-                self.master.mount_records(client, &server.local_addr().to_string(), key)
-            }
-            Some(RecordEndpoint::InProcess(master)) => master.attach_records(client, self.records.clone()),
-            None => Ok(()),
-        }
+        announce_records(&*self.master, self.record_endpoint.as_ref(), &self.records, client)
     }
 
     /// Registers again after the master forgot us (we expired, or it restarted) and
@@ -110,9 +121,16 @@ impl StoreInner {
     fn rejoin(&self) -> Result<()> {
         let reg = self.master.register_client()?;
         let client = reg.client;
+        // Announced before the segment is placeable again, so that no put placed on
+        // it is acknowledged before we hold its record (the master waits for the
+        // endpoint it knows; without one, the records come with the heartbeats).
+        if let Err(e) = self.announce_records(client) {
+            tracing::warn!(error = %e, "the master cannot reach our record endpoint");
+        }
         let mut seg = self.segment.lock();
         if let Some(s) = seg.as_mut() {
             let region = &s.region;
+            self.records.begin_mount();
             let records = self.records.rejoin(region);
             let (id, taken) =
                 self.master.remount_segment(client, &self.engine.remote(s.region.id()), s.region.len(), &records)?;
@@ -123,10 +141,6 @@ impl StoreInner {
         }
         drop(seg);
         self.client.store(client, Ordering::Release);
-        if let Err(e) = self.announce_records(client) {
-            // Without it, the records come with the heartbeats.
-            tracing::warn!(error = %e, "the master cannot reach our record endpoint");
-        }
         if let Some(ssd) = &self.ssd {
             ssd.announce(&*self.master, client)?;
         }
@@ -172,7 +186,35 @@ impl Store {
     ) -> Result<Store> {
         let reg = master.register_client()?;
         let client = reg.client;
-        let segment = if cfg.global_segment_size > 0 {
+        let gives_memory = cfg.global_segment_size > 0;
+        // The segment's records, and the endpoint the master tells them on, exist
+        // (and are announced) before the segment is mounted: from its first put the
+        // master has an endpoint to wait for, so no put is acknowledged before we hold
+        // its record.
+        let records = Arc::new(SegmentRecords::new(0));
+        records.begin_mount();
+        let record_endpoint = match (gives_memory, &cfg.master, &cfg.master_address) {
+            (false, _, _) => None,
+            (true, Some(m), _) => Some(RecordEndpoint::InProcess(m.clone())),
+            (true, None, Some(_)) => {
+                let listen = format!("{}:0", file_storage::endpoint_host(engine.endpoint()));
+                let handler: Arc<dyn crate::rpc::RpcHandler> = records.clone();
+                let (key, config) = record_endpoint_config();
+                match RpcServer::serve_with(&listen, handler, config) {
+                    Ok(server) => Some(RecordEndpoint::Rpc { server, key }),
+                    Err(e) => {
+                        let _ = master.unregister_client(client);
+                        return Err(e);
+                    }
+                }
+            }
+            (true, None, None) => None,
+        };
+        if let Err(e) = announce_records(&*master, record_endpoint.as_ref(), &records, client) {
+            // Without it, the node still learns its records with its heartbeats.
+            tracing::warn!(error = %e, "the master cannot reach our record endpoint");
+        }
+        let segment = if gives_memory {
             let region = engine.register_region(cfg.global_segment_size)?;
             match master.mount_segment(client, &engine.remote(region.id()), region.len()) {
                 Ok(id) => Some(OwnSegment { region, id }),
@@ -184,6 +226,8 @@ impl Store {
         } else {
             None
         };
+        let own = segment.as_ref().map_or(0, |s| s.id);
+        records.set_segment(own);
         let client_id = Arc::new(AtomicU64::new(client));
         let ssd = match &cfg.ssd {
             Some(c) => match FileStorage::open(
@@ -204,8 +248,6 @@ impl Store {
         };
         let leases = LeaseReleaser::new(master.clone(), cfg.master_address.is_some())?;
         let (stop_tx, stop_rx) = bounded::<()>(0);
-        let own = segment.as_ref().map_or(0, |s| s.id);
-        let records = Arc::new(SegmentRecords::new(own));
         if let Some(ssd) = &ssd {
             records.set_disk(ssd.discarder());
         }
@@ -213,23 +255,6 @@ impl Store {
         if let (Some((cluster, _)), Some(ssd)) = (&cluster, &ssd) {
             cluster.set_disk(ssd.discarder());
         }
-        let record_endpoint = match (&segment, &cfg.master, &cfg.master_address) {
-            (None, _, _) => None,
-            (Some(_), Some(m), _) => Some(RecordEndpoint::InProcess(m.clone())),
-            (Some(_), None, Some(_)) => {
-                let listen = format!("{}:0", file_storage::endpoint_host(engine.endpoint()));
-                let handler: Arc<dyn crate::rpc::RpcHandler> = records.clone();
-                let (key, config) = record_endpoint_config();
-                match RpcServer::serve_with(&listen, handler, config) {
-                    Ok(server) => Some(RecordEndpoint::Rpc { server, key }),
-                    Err(e) => {
-                        let _ = master.unregister_client(client);
-                        return Err(e);
-                    }
-                }
-            }
-            (Some(_), None, None) => None,
-        };
         let inner = Arc::new(StoreInner {
             master,
             client: client_id,
@@ -249,10 +274,6 @@ impl Store {
             cluster,
             _heartbeat_stop: stop_tx,
         });
-        if let Err(e) = inner.announce_records(client) {
-            // Without it, the node still learns its records with its heartbeats.
-            tracing::warn!(error = %e, "the master cannot reach our record endpoint");
-        }
         // Heartbeats get their own thread so that no amount of I/O delays them.
         let weak: Weak<StoreInner> = Arc::downgrade(&inner);
         // Well within the TTL, and often enough that segment records stay fresh.
