@@ -211,6 +211,29 @@ fn drop_replicas_moves_a_replica_off_a_named_segment() {
     assert_eq!(master.stats().used_bytes, 0);
 }
 
+/// A drain's drop never takes a key's last copy: with another replica it goes;
+/// once that other replica's node is gone (after the drain looked), it is kept and
+/// the object stays readable, where `batch_drop_replicas` would remove it.
+#[test]
+fn dropping_spare_replicas_never_drops_the_last_copy() {
+    let master = Master::new(MasterConfig { default_lease: Duration::ZERO, ..Default::default() }).unwrap();
+    let a = store_on(&master, 4 << 20);
+    let b = store_on(&master, 4 << 20);
+    let seg_a = a.segment_name().unwrap().unwrap();
+    let v = pattern(5, 100_000);
+    for key in ["spare", "last"] {
+        a.put_with(key, &v, &ReplicateConfig::replicas(2)).unwrap();
+    }
+    // Two replicas: the one on a is spare.
+    assert!(master.batch_drop_spare_replicas(&["spare"], &seg_a)[0].is_ok());
+    assert_eq!(master.object_info("spare").unwrap().replicas.len(), 1);
+    // b leaves: "last" has only its replica on a now; it is kept.
+    drop(b);
+    assert!(matches!(master.batch_drop_spare_replicas(&["last"], &seg_a)[0], Err(Error::NotFound(_))));
+    assert_eq!(&a.get("last").unwrap()[..], &v[..]);
+    assert!(matches!(master.batch_drop_spare_replicas(&["missing"], &seg_a)[0], Err(Error::NotFound(_))));
+}
+
 #[test]
 fn drop_replicas_waits_out_a_reader() {
     let master = Master::new(MasterConfig { default_lease: Duration::from_secs(30), ..Default::default() }).unwrap();

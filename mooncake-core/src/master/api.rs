@@ -236,6 +236,15 @@ macro_rules! master_calls {
                 -> Result<()> => to_all(each);
             /// Where the drain of the node that `segment` names stands.
             DrainStatus => fn drain_status(segment: &str => String) -> Result<DrainProgress> => to_all(drain);
+            /// [`batch_drop_replicas`](crate::MasterApi::batch_drop_replicas) that never
+            /// drops a key's last copy: the replica on `segment` goes only while another
+            /// complete memory replica of the key, or a disk replica, stays (else
+            /// `NotFound`, and it is kept). Checked under the key's lock, so a node lost after the caller
+            /// looked cannot make it drop the last replica (what a drain relies on).
+            BatchDropSpareReplicas => fn batch_drop_spare_replicas(
+                keys: &[&str] => Vec<String>,
+                segment: &str => String
+            ) -> Vec<Result<()>> => by_keys(keys);
         }
     };
 }

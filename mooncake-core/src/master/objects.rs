@@ -655,18 +655,34 @@ impl MasterService {
     /// `HasLease` while a read, a copy or an upsert holds the object: its memory may
     /// be in use. `NotFound` when the object is absent or has no replica there.
     pub fn batch_drop_replicas(&self, keys: &[&str], segment: &str) -> Vec<Result<()>> {
+        self.drop_replicas_of(keys, segment, false)
+    }
+
+    /// [`batch_drop_replicas`](Self::batch_drop_replicas) that keeps a key's last
+    /// copy (`NotFound` for it): the replica goes only while another complete memory
+    /// replica or a disk replica stays.
+    pub fn batch_drop_spare_replicas(&self, keys: &[&str], segment: &str) -> Vec<Result<()>> {
+        self.drop_replicas_of(keys, segment, true)
+    }
+
+    /// Drops each key's replicas on the segment named `segment` (`spare_only`: only
+    /// while another copy of the key stays).
+    fn drop_replicas_of(&self, keys: &[&str], segment: &str, spare_only: bool) -> Vec<Result<()>> {
         let Some(seg) = self.candidates().iter().find(|s| s.name() == segment).map(|s| s.id()) else {
             let e = Error::InvalidArgument(format!("segment {segment:?} is not mounted"));
             return keys.iter().map(|_| Err(e.clone())).collect();
         };
         let mut wait = RecordWait::default();
-        let results = keys.iter().map(|k| self.drop_replica_queued(k, seg).map(|w| wait.merge(w))).collect();
+        let results =
+            keys.iter().map(|k| self.drop_replica_queued(k, seg, spare_only).map(|w| wait.merge(w))).collect();
         self.await_records(wait);
         results
     }
 
-    /// Drops `key`'s replica on `seg`, without waiting for the nodes' records.
-    fn drop_replica_queued(&self, key: &str, seg: SegmentId) -> Result<RecordWait> {
+    /// Drops `key`'s replica on `seg` (`spare_only`: unless it is the object's last
+    /// copy: no other complete memory replica, no disk replica), without waiting for
+    /// the nodes' records.
+    fn drop_replica_queued(&self, key: &str, seg: SegmentId, spare_only: bool) -> Result<RecordWait> {
         check_key(key)?;
         self.fence(key)?;
         let now = self.now_ms();
@@ -678,6 +694,9 @@ impl MasterService {
         let on_seg = |r: &StoredReplica| r.complete() && r.segment() == seg;
         if !e.replicas.iter().any(on_seg) {
             return Err(Error::NotFound(format!("{key} has no replica on segment {seg}")));
+        }
+        if spare_only && e.disk() == 0 && !e.replicas.iter().any(|r| r.complete() && r.segment() != seg) {
+            return Err(Error::NotFound(format!("{key}: its replica on segment {seg} is its last copy; kept")));
         }
         if e.leased(now) {
             self.counters.lease_refusals.fetch_add(1, Ordering::Relaxed);

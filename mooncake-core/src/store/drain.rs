@@ -389,7 +389,7 @@ impl Store {
                 },
             };
             for chunk in keys.chunks(DROP_BATCH) {
-                for (key, res) in chunk.iter().zip(self.drop_replicas(chunk, &name)) {
+                for (key, res) in chunk.iter().zip(self.drop_spare_replicas(chunk, &name)) {
                     match res {
                         Ok(()) => {
                             moved(key);

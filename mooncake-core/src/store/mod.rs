@@ -382,7 +382,18 @@ impl Store {
     /// `InvalidArgument` (no such segment). With [`replicate`](Self::replicate) to a
     /// preferred segment first, this moves a replica.
     pub fn drop_replicas(&self, keys: &[&str], segment: &str) -> Vec<Result<()>> {
-        let results = self.inner.master.batch_drop_replicas(keys, segment);
+        self.forget_dropped(keys, self.inner.master.batch_drop_replicas(keys, segment))
+    }
+
+    /// [`drop_replicas`](Self::drop_replicas) that never drops a key's last copy
+    /// (`NotFound` for it): a drain's, which must not lose an object whose other copy
+    /// went away after it looked.
+    pub(crate) fn drop_spare_replicas(&self, keys: &[&str], segment: &str) -> Vec<Result<()>> {
+        self.forget_dropped(keys, self.inner.master.batch_drop_spare_replicas(keys, segment))
+    }
+
+    /// Forgets the cached lists of the keys whose replicas `results` say were dropped.
+    fn forget_dropped(&self, keys: &[&str], results: Vec<Result<()>>) -> Vec<Result<()>> {
         for (key, res) in keys.iter().zip(&results) {
             if res.is_ok() {
                 self.inner.cache.forget(key);
