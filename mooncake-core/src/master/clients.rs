@@ -134,15 +134,20 @@ impl MasterService {
     pub(crate) fn forget_client(&self, client: ClientId) -> usize {
         let rec = self.clients.write().remove(&client);
         let Some(rec) = rec else { return 0 };
-        if let Some(link) = rec.link.lock().take() {
-            // Changes the node was never told of: its records of these keys are stale.
-            // (A drain notice is about no key.)
-            for u in link.close().iter().filter(|u| !u.key().is_empty()) {
-                self.tombstones.linger(u.key(), &self.gens);
+        // Changes the node was never told of: its records of these keys are stale.
+        let undelivered = rec.link.lock().take().map(|link| link.close()).unwrap_or_default();
+        for u in undelivered.iter().chain(rec.updates.lock().drain(..).as_slice()) {
+            match u {
+                // (A drain notice is about no key.)
+                RecordUpdate::Drain { .. } => {}
+                // A removal it missed (an eviction's, not waited for): whatever it
+                // holds of the key predates it, and is refused even if the key comes
+                // and goes again meanwhile (an eviction leaves no mark of its own).
+                RecordUpdate::Removed { key, generation, .. } => {
+                    self.tombstones.supersede(key, *generation, &self.gens)
+                }
+                u => self.tombstones.linger(u.key(), &self.gens),
             }
-        }
-        for u in rec.updates.lock().drain(..).filter(|u| !u.key().is_empty()) {
-            self.tombstones.linger(u.key(), &self.gens);
         }
         {
             let mut table = self.segments.write();

@@ -350,6 +350,69 @@ mod tests {
         }
     }
 
+    /// A node whose sends fail while it is `down` (paused).
+    #[derive(Default)]
+    struct Pausable {
+        down: std::sync::atomic::AtomicBool,
+        seen: Seen,
+    }
+
+    impl RecordSink for Pausable {
+        fn apply_records(&self, updates: &[RecordUpdate]) -> Result<()> {
+            if self.down.load(std::sync::atomic::Ordering::Relaxed) {
+                return Err(Error::Timeout("paused".into()));
+            }
+            self.seen.apply_records(updates)
+        }
+    }
+
+    /// A node paused while its object was evicted never got the eviction's removal;
+    /// the key is put again elsewhere and evicted too (which leaves no tombstone);
+    /// the node is forgotten and comes back with its old record. The record predates
+    /// the removal it missed: it is refused, not served as the key's value (before,
+    /// the forgotten node's keys got only a lingering mark, which admits any copy).
+    #[test]
+    fn an_eviction_a_forgotten_node_missed_keeps_its_old_copy_out() {
+        let master = Master::new(MasterConfig {
+            track_records: true,
+            default_lease: std::time::Duration::ZERO,
+            ..Default::default()
+        })
+        .unwrap();
+        let mount = |name: &str| {
+            let c = master.register_client().unwrap().client;
+            let region = RemoteRegion { endpoint: format!("local://{name}"), region: 1 };
+            let seg = master.mount_segment(c, &region, 1 << 20).unwrap();
+            (c, region, master.segment_info(seg).unwrap().name)
+        };
+        let (a, region_a, seg_a) = mount("a");
+        let (b, _, seg_b) = mount("b");
+        let node_a = Arc::new(Pausable::default());
+        master.attach_records(a, node_a.clone()).unwrap();
+        master.attach_records(b, Arc::new(Seen::default())).unwrap();
+        let on = |seg: &str| ReplicateConfig { preferred_segments: vec![seg.to_owned()], ..Default::default() };
+        master.put_start(a, "k", 100, &on(&seg_a)).unwrap();
+        master.put_end(a, "k", 1).unwrap();
+        let v1 = match node_a.seen.0.lock().as_slice() {
+            [RecordUpdate::Added { record, .. }] => record.clone(),
+            other => panic!("{other:?}"),
+        };
+        node_a.down.store(true, std::sync::atomic::Ordering::Relaxed);
+        master.evict_for(1 << 20);
+        assert!(matches!(master.get_replica_list("k"), Err(Error::NotFound(_))));
+        master.put_start(b, "k", 200, &on(&seg_b)).unwrap();
+        master.put_end(b, "k", 2).unwrap();
+        master.evict_for(1 << 20);
+        assert!(matches!(master.get_replica_list("k"), Err(Error::NotFound(_))));
+        master.unregister_client(a).unwrap();
+        let a2 = master.register_client().unwrap().client;
+        let (_, taken) = master.remount_segment(a2, &region_a, 1 << 20, &[v1]).unwrap();
+        assert_eq!(taken, 0, "the copy that missed its removal was taken back");
+        // (Recovering rather than NotFound: a re-mount with records opens the window
+        // in which a young master waits for other nodes.)
+        assert!(master.get_replica_list("k").is_err());
+    }
+
     #[test]
     fn a_node_announcing_a_new_endpoint_gets_its_changes_there() {
         let master = Master::new(MasterConfig { track_records: true, ..Default::default() }).unwrap();
