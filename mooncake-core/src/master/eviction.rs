@@ -178,8 +178,12 @@ impl MasterService {
                     // Not waited for: a node that still lists an evicted object
                     // offers it again only if its bytes are intact (a cache may keep
                     // what it evicted), and the update precedes, on the node's link,
-                    // any later record of the space it frees.
-                    let _ = self.note_removed(k, &e.replicas);
+                    // any later record of the space it frees. A later remove of the
+                    // key waits for it, though (`unsent_evictions`).
+                    let wait = self.note_removed(k, &e.replicas);
+                    if !wait.tickets.is_empty() {
+                        self.unsent_evictions.lock().entry(Box::from(k)).or_default().merge(wait);
+                    }
                     if e.disk() != 0 {
                         // Offloaded: the memory goes, the object stays on its SSD.
                         e.replicas.clear();

@@ -52,5 +52,7 @@ impl MasterService {
             self.counters.put_timeouts.fetch_add(timed_out as u64, Ordering::Relaxed);
         }
         self.evict_if_needed();
+        // Eviction notices delivered (or whose node was forgotten) need no waiting.
+        self.unsent_evictions.lock().retain(|_, wait| !wait.settled());
     }
 }

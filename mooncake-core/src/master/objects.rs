@@ -513,6 +513,12 @@ impl MasterService {
                     wait = self.note_removed(key, &e.replicas);
                     self.release_disk(key, &e, &mut wait);
                 }
+                drop(shard);
+                // Older copies evicted from nodes not told yet: acknowledged only once
+                // they are, or a restarted master would take them back.
+                if let Some(unsent) = self.unsent_evictions.lock().remove(key) {
+                    wait.merge(unsent);
+                }
                 Ok(wait)
             }
             _ => Err(Error::NotFound(key.to_owned())),
@@ -543,6 +549,10 @@ impl MasterService {
                 self.release_disk(k, e, &mut wait);
             },
         );
+        // Copies of evicted objects that nodes were not told of yet: as `remove`.
+        for (_, unsent) in self.unsent_evictions.lock().drain() {
+            wait.merge(unsent);
+        }
         self.await_records(wait);
         self.counters.lease_refusals.fetch_add(refused.get(), Ordering::Relaxed);
         Ok(removed)

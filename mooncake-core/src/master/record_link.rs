@@ -183,6 +183,13 @@ impl NodeLink {
         self.wait(ticket, limit)
     }
 
+    /// Whether the update of `ticket` was delivered, or never will be (the link
+    /// closed).
+    pub(crate) fn settled(&self, ticket: u64) -> bool {
+        let st = self.state.lock();
+        st.delivered >= ticket || st.closed
+    }
+
     /// Whether updates are queued and not sent.
     pub(crate) fn has_queued(&self) -> bool {
         !self.state.lock().queue.is_empty()
@@ -225,6 +232,11 @@ impl RecordWait {
         for (c, l, t) in other.tickets {
             self.add(c, l, t);
         }
+    }
+
+    /// Whether every update waited for was delivered (or never will be).
+    pub(crate) fn settled(&self) -> bool {
+        self.tickets.iter().all(|(_, link, ticket)| link.settled(*ticket))
     }
 }
 

@@ -413,6 +413,48 @@ mod tests {
         assert!(master.get_replica_list("k").is_err());
     }
 
+    /// A removal that an eviction queued for a paused node has not reached it when
+    /// the key, put again elsewhere, is removed: that remove is acknowledged only once
+    /// the node has it too, so that a master restarted after the acknowledgment finds
+    /// no node still listing the old copy (and takes no removed object back).
+    #[test]
+    fn a_remove_waits_for_the_eviction_notices_of_its_key() {
+        let master = Master::new(MasterConfig {
+            track_records: true,
+            default_lease: std::time::Duration::ZERO,
+            ..Default::default()
+        })
+        .unwrap();
+        let mount = |name: &str| {
+            let c = master.register_client().unwrap().client;
+            let region = RemoteRegion { endpoint: format!("local://{name}"), region: 1 };
+            let seg = master.mount_segment(c, &region, 1 << 20).unwrap();
+            (c, master.segment_info(seg).unwrap().name)
+        };
+        let (a, seg_a) = mount("a");
+        let (b, seg_b) = mount("b");
+        let node_a = Arc::new(Pausable::default());
+        master.attach_records(a, node_a.clone()).unwrap();
+        master.attach_records(b, Arc::new(Seen::default())).unwrap();
+        let on = |seg: &str| ReplicateConfig { preferred_segments: vec![seg.to_owned()], ..Default::default() };
+        master.put_start(a, "k", 100, &on(&seg_a)).unwrap();
+        master.put_end(a, "k", 1).unwrap();
+        node_a.down.store(true, std::sync::atomic::Ordering::Relaxed);
+        master.evict_for(1 << 20);
+        master.put_start(b, "k", 200, &on(&seg_b)).unwrap();
+        master.put_end(b, "k", 2).unwrap();
+        let removed_on_a =
+            || node_a.seen.0.lock().iter().any(|u| matches!(u, RecordUpdate::Removed { key, .. } if key == "k"));
+        std::thread::scope(|s| {
+            let remove = s.spawn(|| master.remove("k"));
+            std::thread::sleep(std::time::Duration::from_millis(300));
+            assert!(!remove.is_finished(), "the remove was acknowledged before node a heard of the eviction");
+            node_a.down.store(false, std::sync::atomic::Ordering::Relaxed);
+            remove.join().unwrap().unwrap();
+        });
+        assert!(removed_on_a(), "node a still lists k's old copy");
+    }
+
     #[test]
     fn a_node_announcing_a_new_endpoint_gets_its_changes_there() {
         let master = Master::new(MasterConfig { track_records: true, ..Default::default() }).unwrap();

@@ -57,6 +57,11 @@ pub struct MasterService {
     /// Generation high-water marks of keys whose old copies may still be offered: a
     /// record or file older than its key's last removal is refused.
     pub(super) tombstones: crate::master::tombstones::Tombstones,
+    /// Removals that evictions queued (not waited for) and that have not reached
+    /// their nodes yet, by key: a later remove of the key waits for them, so that a
+    /// master restarted after acknowledging it finds no node still listing an older
+    /// copy. Pruned by the monitor once delivered.
+    pub(super) unsent_evictions: Mutex<ahash::HashMap<Box<str>, crate::master::record_link::RecordWait>>,
     /// Until when (ms) the master counts as recovering from a restart: set by each
     /// segment re-mounted with its objects, for one client TTL (every surviving
     /// client re-mounts within it). Meanwhile a missing key or a lack of segments is
@@ -131,6 +136,7 @@ impl Master {
             record_connector: std::sync::OnceLock::new(),
             gens: Default::default(),
             tombstones: Default::default(),
+            unsent_evictions: Default::default(),
             recovering_until_ms: AtomicU64::new(0),
             ownership: std::sync::OnceLock::new(),
             group_recovering: Default::default(),
