@@ -280,16 +280,24 @@ impl MasterService {
     /// if none is left.
     pub fn put_end(&self, client: ClientId, key: &str, checksum: u32) -> Result<()> {
         let wait = self.put_end_queued(client, key, checksum)?;
-        self.settle("put", key, wait)
+        self.settle("put", key, checksum, wait)
     }
 
-    /// After the record updates of a `what` (put, upsert) of `key`: fails if a node
-    /// could not record it and the object lost every replica with that node.
-    pub(crate) fn settle(&self, what: &str, key: &str, wait: RecordWait) -> Result<()> {
-        if self.await_records(wait) || self.exists(key).unwrap_or(false) {
+    /// After the record updates of a `what` (put, upsert) of `key` with `checksum`:
+    /// fails if a node could not record it and the object lost every replica with
+    /// that node.
+    pub(crate) fn settle(&self, what: &str, key: &str, checksum: u32, wait: RecordWait) -> Result<()> {
+        if self.await_records(wait) || self.still_holds(key, checksum) {
             return Ok(());
         }
         Err(Error::MasterUnavailable(format!("{key}: no storage node of the {what} could record it")))
+    }
+
+    /// Whether `key` is a complete object with `checksum`: a write whose node was
+    /// forgotten while it waited still stands (another replica kept it), as opposed
+    /// to the key gone, or written again since by another client with other bytes.
+    fn still_holds(&self, key: &str, checksum: u32) -> bool {
+        self.index.shard(key).lock().get(key).is_some_and(|e| e.complete() && e.checksum == checksum)
     }
 
     /// Ends each item of a batch of `what`s (put, upsert) with `end`, then awaits the
@@ -304,8 +312,8 @@ impl MasterService {
         let mut wait = RecordWait::default();
         let mut results: Vec<Result<()>> = items.iter().map(|(k, c)| end(k, *c).map(|w| wait.merge(w))).collect();
         if !self.await_records(wait) {
-            for (res, (k, _)) in results.iter_mut().zip(items) {
-                if res.is_ok() && !self.exists(k).unwrap_or(false) {
+            for (res, (k, c)) in results.iter_mut().zip(items) {
+                if res.is_ok() && !self.still_holds(k, *c) {
                     *res = Err(Error::MasterUnavailable(format!("{k}: no storage node of the {what} could record it")));
                 }
             }

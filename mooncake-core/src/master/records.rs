@@ -455,6 +455,54 @@ mod tests {
         assert!(removed_on_a(), "node a still lists k's old copy");
     }
 
+    /// A node that, when first asked to record, is forgotten and sees another
+    /// client put the same key with other bytes elsewhere (then fails the send).
+    struct LostWhileWriting {
+        master: std::sync::OnceLock<std::sync::Weak<MasterService>>,
+        node: ClientId,
+        other: (ClientId, String),
+    }
+
+    impl RecordSink for LostWhileWriting {
+        fn apply_records(&self, _: &[RecordUpdate]) -> Result<()> {
+            if let Some(m) = self.master.get().and_then(std::sync::Weak::upgrade) {
+                m.unregister_client(self.node).unwrap();
+                let cfg = ReplicateConfig { preferred_segments: vec![self.other.1.clone()], ..Default::default() };
+                m.put_start(self.other.0, "k", 300, &cfg).unwrap();
+                m.put_end(self.other.0, "k", 2).unwrap();
+            }
+            Err(Error::Timeout("paused".into()))
+        }
+    }
+
+    /// A put whose only node is forgotten while it waits for the node's record fails,
+    /// even if the key was put again meanwhile by another client with other bytes:
+    /// that object is not this put's (before, the key merely existing was taken as
+    /// the put having stood).
+    #[test]
+    fn a_put_whose_node_was_lost_fails_even_if_the_key_was_put_again() {
+        let master = Master::new(MasterConfig { track_records: true, ..Default::default() }).unwrap();
+        let mount = |name: &str| {
+            let c = master.register_client().unwrap().client;
+            let region = RemoteRegion { endpoint: format!("local://{name}"), region: 1 };
+            let seg = master.mount_segment(c, &region, 1 << 20).unwrap();
+            (c, master.segment_info(seg).unwrap().name)
+        };
+        let (x, seg_x) = mount("x");
+        let (y, seg_y) = mount("y");
+        master.attach_records(y, Arc::new(Seen::default())).unwrap();
+        let sink = Arc::new(LostWhileWriting { master: Default::default(), node: x, other: (y, seg_y) });
+        let _ = sink.master.set(Arc::downgrade(master.service()));
+        master.attach_records(x, sink).unwrap();
+        let writer = master.register_client().unwrap().client;
+        let cfg = ReplicateConfig { preferred_segments: vec![seg_x], ..Default::default() };
+        master.put_start(writer, "k", 100, &cfg).unwrap();
+        let ended = master.put_end(writer, "k", 1);
+        assert!(matches!(ended, Err(Error::MasterUnavailable(_))), "{ended:?}");
+        // The other client's object stands.
+        assert_eq!(master.get_replica_list("k").unwrap().checksum, 2);
+    }
+
     #[test]
     fn a_node_announcing_a_new_endpoint_gets_its_changes_there() {
         let master = Master::new(MasterConfig { track_records: true, ..Default::default() }).unwrap();

@@ -152,7 +152,7 @@ impl MasterService {
     /// the change (see [`put_end`](Self::put_end)).
     pub fn upsert_end(&self, client: ClientId, key: &str, checksum: u32) -> Result<()> {
         let wait = self.upsert_end_queued(client, key, checksum)?;
-        self.settle("upsert", key, wait)
+        self.settle("upsert", key, checksum, wait)
     }
 
     /// [`upsert_end`](Self::upsert_end) without waiting for the nodes' records.
