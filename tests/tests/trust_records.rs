@@ -147,14 +147,18 @@ fn a_node_paused_past_its_ttl_rejoins_with_what_nothing_superseded() {
     c.nodes[0].signal("CONT");
     // Node 0 re-joins with its records: what nothing superseded comes back.
     wait_until(Duration::from_secs(10), || (10..n).all(|i| store.exists(&format!("p/{i}")).unwrap_or(false)));
-    for i in 0..n {
-        let got = get_settled(&store, &format!("p/{i}"));
-        match i {
-            0..5 => assert!(got.unwrap() == value(i, 2, len), "p/{i}: not the later put's bytes"),
-            5..10 => assert!(got.is_none(), "p/{i}: removed, back with its old bytes"),
-            _ => assert!(got.unwrap() == value(i, 1, len), "p/{i}: wrong bytes"),
+    // p/0..5: the later put's bytes; p/5..10: removed; the rest: as first put.
+    let check = |store: &Store, when: &str| {
+        for i in 0..n {
+            let got = get_settled(store, &format!("p/{i}"));
+            match i {
+                0..5 => assert!(got.unwrap() == value(i, 2, len), "p/{i} {when}: not the later put's bytes"),
+                5..10 => assert!(got.is_none(), "p/{i} {when}: removed, back with its old bytes"),
+                _ => assert!(got.unwrap() == value(i, 1, len), "p/{i} {when}: wrong bytes"),
+            }
         }
-    }
+    };
+    check(&store, "after the re-join");
     assert!(status_number(&c, "stale_copies").unwrap() >= 5, "{}", c.status());
 
     // The master restarts (its tombstones gone with it): what it refused from node 0
@@ -169,14 +173,7 @@ fn a_node_paused_past_its_ttl_rejoins_with_what_nothing_superseded() {
     wait_until(Duration::from_secs(10), || {
         (0..5).chain(10..n).all(|i| store.exists(&format!("p/{i}")).unwrap_or(false))
     });
-    for i in 0..n {
-        let got = get_settled(&store, &format!("p/{i}"));
-        match i {
-            0..5 => assert!(got.unwrap() == value(i, 2, len), "p/{i}: after the restart, not the later put's bytes"),
-            5..10 => assert!(got.is_none(), "p/{i}: removed, back after the master's restart"),
-            _ => assert!(got.unwrap() == value(i, 1, len), "p/{i}: wrong bytes after the restart"),
-        }
-    }
+    check(&store, "after the master's restart");
 }
 
 #[test]

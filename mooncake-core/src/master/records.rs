@@ -366,6 +366,42 @@ mod tests {
         }
     }
 
+    /// Registers a client and mounts a 1 MiB segment for it: the client, the region
+    /// and the segment's name.
+    fn mount(master: &Master, name: &str) -> (ClientId, RemoteRegion, String) {
+        let c = master.register_client().unwrap().client;
+        let region = RemoteRegion { endpoint: format!("local://{name}"), region: 1 };
+        let seg = master.mount_segment(c, &region, 1 << 20).unwrap();
+        (c, region, master.segment_info(seg).unwrap().name)
+    }
+
+    /// Puts on the segment named `seg` first.
+    fn on(seg: &str) -> ReplicateConfig {
+        ReplicateConfig { preferred_segments: vec![seg.to_owned()], ..Default::default() }
+    }
+
+    /// A master tracking records, with no read leases, and two nodes: `a` (which can
+    /// be paused) holding `k` (100 bytes, checksum 1), and `b`.
+    struct PausedHolder {
+        master: Master,
+        a: (ClientId, RemoteRegion, String),
+        b: (ClientId, RemoteRegion, String),
+        node_a: Arc<Pausable>,
+    }
+
+    fn paused_holder() -> PausedHolder {
+        let config =
+            MasterConfig { track_records: true, default_lease: std::time::Duration::ZERO, ..Default::default() };
+        let master = Master::new(config).unwrap();
+        let (a, b) = (mount(&master, "a"), mount(&master, "b"));
+        let node_a = Arc::new(Pausable::default());
+        master.attach_records(a.0, node_a.clone()).unwrap();
+        master.attach_records(b.0, Arc::new(Seen::default())).unwrap();
+        master.put_start(a.0, "k", 100, &on(&a.2)).unwrap();
+        master.put_end(a.0, "k", 1).unwrap();
+        PausedHolder { master, a, b, node_a }
+    }
+
     /// A node paused while its object was evicted never got the eviction's removal;
     /// the key is put again elsewhere and evicted too (which leaves no tombstone);
     /// the node is forgotten and comes back with its old record. The record predates
@@ -373,26 +409,7 @@ mod tests {
     /// the forgotten node's keys got only a lingering mark, which admits any copy).
     #[test]
     fn an_eviction_a_forgotten_node_missed_keeps_its_old_copy_out() {
-        let master = Master::new(MasterConfig {
-            track_records: true,
-            default_lease: std::time::Duration::ZERO,
-            ..Default::default()
-        })
-        .unwrap();
-        let mount = |name: &str| {
-            let c = master.register_client().unwrap().client;
-            let region = RemoteRegion { endpoint: format!("local://{name}"), region: 1 };
-            let seg = master.mount_segment(c, &region, 1 << 20).unwrap();
-            (c, region, master.segment_info(seg).unwrap().name)
-        };
-        let (a, region_a, seg_a) = mount("a");
-        let (b, _, seg_b) = mount("b");
-        let node_a = Arc::new(Pausable::default());
-        master.attach_records(a, node_a.clone()).unwrap();
-        master.attach_records(b, Arc::new(Seen::default())).unwrap();
-        let on = |seg: &str| ReplicateConfig { preferred_segments: vec![seg.to_owned()], ..Default::default() };
-        master.put_start(a, "k", 100, &on(&seg_a)).unwrap();
-        master.put_end(a, "k", 1).unwrap();
+        let PausedHolder { master, a: (a, region_a, _), b: (b, _, seg_b), node_a } = paused_holder();
         let v1 = match node_a.seen.0.lock().as_slice() {
             [RecordUpdate::Added { record, .. }] => record.clone(),
             other => panic!("{other:?}"),
@@ -419,26 +436,7 @@ mod tests {
     /// no node still listing the old copy (and takes no removed object back).
     #[test]
     fn a_remove_waits_for_the_eviction_notices_of_its_key() {
-        let master = Master::new(MasterConfig {
-            track_records: true,
-            default_lease: std::time::Duration::ZERO,
-            ..Default::default()
-        })
-        .unwrap();
-        let mount = |name: &str| {
-            let c = master.register_client().unwrap().client;
-            let region = RemoteRegion { endpoint: format!("local://{name}"), region: 1 };
-            let seg = master.mount_segment(c, &region, 1 << 20).unwrap();
-            (c, master.segment_info(seg).unwrap().name)
-        };
-        let (a, seg_a) = mount("a");
-        let (b, seg_b) = mount("b");
-        let node_a = Arc::new(Pausable::default());
-        master.attach_records(a, node_a.clone()).unwrap();
-        master.attach_records(b, Arc::new(Seen::default())).unwrap();
-        let on = |seg: &str| ReplicateConfig { preferred_segments: vec![seg.to_owned()], ..Default::default() };
-        master.put_start(a, "k", 100, &on(&seg_a)).unwrap();
-        master.put_end(a, "k", 1).unwrap();
+        let PausedHolder { master, b: (b, _, seg_b), node_a, .. } = paused_holder();
         node_a.down.store(true, std::sync::atomic::Ordering::Relaxed);
         master.evict_for(1 << 20);
         master.put_start(b, "k", 200, &on(&seg_b)).unwrap();
@@ -467,8 +465,7 @@ mod tests {
         fn apply_records(&self, _: &[RecordUpdate]) -> Result<()> {
             if let Some(m) = self.master.get().and_then(std::sync::Weak::upgrade) {
                 m.unregister_client(self.node).unwrap();
-                let cfg = ReplicateConfig { preferred_segments: vec![self.other.1.clone()], ..Default::default() };
-                m.put_start(self.other.0, "k", 300, &cfg).unwrap();
+                m.put_start(self.other.0, "k", 300, &on(&self.other.1)).unwrap();
                 m.put_end(self.other.0, "k", 2).unwrap();
             }
             Err(Error::Timeout("paused".into()))
@@ -482,21 +479,13 @@ mod tests {
     #[test]
     fn a_put_whose_node_was_lost_fails_even_if_the_key_was_put_again() {
         let master = Master::new(MasterConfig { track_records: true, ..Default::default() }).unwrap();
-        let mount = |name: &str| {
-            let c = master.register_client().unwrap().client;
-            let region = RemoteRegion { endpoint: format!("local://{name}"), region: 1 };
-            let seg = master.mount_segment(c, &region, 1 << 20).unwrap();
-            (c, master.segment_info(seg).unwrap().name)
-        };
-        let (x, seg_x) = mount("x");
-        let (y, seg_y) = mount("y");
+        let ((x, _, seg_x), (y, _, seg_y)) = (mount(&master, "x"), mount(&master, "y"));
         master.attach_records(y, Arc::new(Seen::default())).unwrap();
         let sink = Arc::new(LostWhileWriting { master: Default::default(), node: x, other: (y, seg_y) });
         let _ = sink.master.set(Arc::downgrade(master.service()));
         master.attach_records(x, sink).unwrap();
         let writer = master.register_client().unwrap().client;
-        let cfg = ReplicateConfig { preferred_segments: vec![seg_x], ..Default::default() };
-        master.put_start(writer, "k", 100, &cfg).unwrap();
+        master.put_start(writer, "k", 100, &on(&seg_x)).unwrap();
         let ended = master.put_end(writer, "k", 1);
         assert!(matches!(ended, Err(Error::MasterUnavailable(_))), "{ended:?}");
         // The other client's object stands.
