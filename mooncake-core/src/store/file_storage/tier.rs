@@ -47,13 +47,19 @@ impl Discarder {
     /// it did. The caller holds the key's lock.
     fn delete_older(&self, key: &str, generation: u64) -> bool {
         match self.backend.object_meta(key) {
-            Some(m) if m.generation <= generation => {
-                let deleted = self.backend.remove(key).is_ok();
-                if deleted {
+            Some(m) if m.generation <= generation => match self.backend.remove(key) {
+                Ok(()) => {
                     inc(&self.counters.discarded, 1);
+                    true
                 }
-                deleted
-            }
+                Err(mooncake_storage::StorageError::NotFound(_)) => false,
+                Err(e) => {
+                    // The master counts the removal as done; the file may come back
+                    // with a restart of this node (see ARCHITECTURE.md, SSD tier).
+                    tracing::warn!(key, error = %e, "could not delete the file of a removed object");
+                    false
+                }
+            },
             _ => false,
         }
     }
