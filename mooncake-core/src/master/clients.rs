@@ -63,17 +63,21 @@ impl MasterService {
                 "this master is in a cluster: storage nodes mount one extent per slot group (mount_extent)".into(),
             ));
         }
-        self.mount_group_segment(client, region, capacity, None)
+        self.mount_group_segment(client, region, capacity, None).map(|(id, _)| id)
     }
 
-    /// Mounts a segment, of `group` in cluster mode.
+    /// Mounts a segment, of `group` in cluster mode; returns its id and whether it is
+    /// new. A client's region is mounted once per group: a mount asked again (a
+    /// request sent again after a timeout whose first copy was served) gets the
+    /// segment already mounted, never a second one over the same memory, whose
+    /// placements would overlap the first's.
     pub(crate) fn mount_group_segment(
         &self,
         client: ClientId,
         region: &RemoteRegion,
         capacity: u64,
         group: Option<u32>,
-    ) -> Result<SegmentId> {
+    ) -> Result<(SegmentId, bool)> {
         if capacity < DEFAULT_ALIGNMENT {
             return Err(Error::InvalidArgument(format!(
                 "segment of {capacity} bytes: the least is {DEFAULT_ALIGNMENT}"
@@ -85,6 +89,25 @@ impl MasterService {
             .map_err(|e| Error::InvalidArgument(format!("segment of {capacity} bytes: {e}")))?;
         let mut clients = self.clients.write();
         let rec = clients.get_mut(&client).ok_or(Error::UnknownClient(client))?;
+        {
+            let table = self.segments.read();
+            let same = rec
+                .segments
+                .iter()
+                .filter_map(|s| table.by_id.get(s))
+                .find(|s| s.region == *region && s.group == group);
+            if let Some(s) = same {
+                if s.alloc.capacity() != alloc.capacity() {
+                    return Err(Error::InvalidArgument(format!(
+                        "{}#{} is already mounted with {} bytes",
+                        region.endpoint,
+                        region.region,
+                        s.alloc.capacity()
+                    )));
+                }
+                return Ok((s.alloc.id(), false));
+            }
+        }
         rec.segments.push(id);
         self.segments.write().insert(SegmentEntry {
             alloc,
@@ -95,7 +118,7 @@ impl MasterService {
             draining: false,
         });
         tracing::debug!(segment = id, client, capacity, "segment mounted");
-        Ok(id)
+        Ok((id, true))
     }
 
     /// Unmounts a segment: its replicas are dropped, objects left without a replica

@@ -407,10 +407,7 @@ impl MasterService {
                     disk: (e.disk() != 0).then_some(e.disk()),
                 })
             }
-            _ if self.recovering_key(key) => {
-                Err(Error::Recovering(format!("{key} not found yet: clients are re-mounting their segments")))
-            }
-            _ => Err(Error::NotFound(key.to_owned())),
+            _ => Err(self.absent(key)),
         }
     }
 
@@ -444,15 +441,22 @@ impl MasterService {
                 soft_pin: e.pinned(now),
                 lease_ms_left: if e.leased(now) { e.lease_until_ms().saturating_sub(now) } else { 0 },
             }),
-            _ => Err(Error::NotFound(key.to_owned())),
+            _ => Err(self.absent(key)),
         }
     }
 
-    /// Whether a complete object is stored under `key`.
+    /// Whether a complete object is stored under `key`; `Recovering` rather than
+    /// `false` while it may still come back with a re-mounting node.
     pub fn exists(&self, key: &str) -> Result<bool> {
         check_key(key)?;
         self.fence(key)?;
-        Ok(self.index.shard(key).lock().get(key).is_some_and(|e| e.complete()))
+        if self.index.shard(key).lock().get(key).is_some_and(|e| e.complete()) {
+            return Ok(true);
+        }
+        match self.absent(key) {
+            Error::NotFound(_) => Ok(false),
+            e => Err(e),
+        }
     }
 
     /// [`exists`](Self::exists) for many keys.
@@ -529,7 +533,7 @@ impl MasterService {
                 }
                 Ok(wait)
             }
-            _ => Err(Error::NotFound(key.to_owned())),
+            _ => Err(self.absent(key)),
         }
     }
 
@@ -543,6 +547,10 @@ impl MasterService {
 
     /// Removes every complete object without a live lease; returns how many.
     pub fn remove_all(&self) -> Result<usize> {
+        if self.recovering_any() {
+            // Objects of nodes not re-mounted yet would come back after it.
+            return Err(Error::Recovering("clients are re-mounting their segments".into()));
+        }
         let now = self.now_ms();
         let refused = std::cell::Cell::new(0u64);
         let mut wait = RecordWait::default();

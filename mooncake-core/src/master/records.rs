@@ -242,7 +242,11 @@ impl MasterService {
         records: &[ObjectRecord],
     ) -> Result<(SegmentId, usize)> {
         let mut records = records.to_vec();
-        let id = self.mount_group_segment(client, region, capacity, group)?;
+        let (id, new) = self.mount_group_segment(client, region, capacity, group)?;
+        if !new {
+            // Asked again: its records were taken (or refused) the first time.
+            return Ok((id, 0));
+        }
         // In a cluster, taking a group over opens its own recovery window.
         if !records.is_empty() && group.is_none() {
             self.note_recovery();
@@ -490,6 +494,50 @@ mod tests {
         assert!(matches!(ended, Err(Error::MasterUnavailable(_))), "{ended:?}");
         // The other client's object stands.
         assert_eq!(master.get_replica_list("k").unwrap().checksum, 2);
+    }
+
+    /// A mount asked again (a request sent again after a timeout whose first copy
+    /// was served) gets the segment already mounted over that memory, and takes its
+    /// records once: a second segment over the same bytes would place objects over
+    /// the first's.
+    #[test]
+    fn a_mount_asked_again_gets_the_segment_already_mounted() {
+        let master = Master::new(MasterConfig::default()).unwrap();
+        let c = master.register_client().unwrap().client;
+        let region = RemoteRegion { endpoint: "local://n".into(), region: 1 };
+        let first = master.mount_segment(c, &region, 1 << 20).unwrap();
+        assert_eq!(master.mount_segment(c, &region, 1 << 20).unwrap(), first);
+        assert_eq!(master.stats().segments, 1);
+        assert!(matches!(master.mount_segment(c, &region, 2 << 20), Err(Error::InvalidArgument(_))));
+        let other = RemoteRegion { region: 2, ..region.clone() };
+        assert_ne!(master.mount_segment(c, &other, 1 << 20).unwrap(), first);
+        // A re-mount with records, asked twice: one segment, the record taken once.
+        let c2 = master.register_client().unwrap().client;
+        let third = RemoteRegion { region: 3, ..region };
+        let record = ObjectRecord { key: "k".into(), offset: 0, len: 100, checksum: 7, generation: 1 };
+        let (id, taken) = master.remount_segment(c2, &third, 1 << 20, std::slice::from_ref(&record)).unwrap();
+        assert_eq!(taken, 1);
+        assert_eq!(master.remount_segment(c2, &third, 1 << 20, &[record]).unwrap(), (id, 0));
+        assert_eq!(master.object_info("k").unwrap().replicas.len(), 1);
+    }
+
+    /// While a restarted master waits for nodes to re-mount, a key it does not hold
+    /// may still come back: a remove, an existence check or an info of it answer
+    /// `Recovering` (retried), not `NotFound` or `false`, which the key's return
+    /// would contradict; `remove_all` waits too. Keys it holds answer as usual.
+    #[test]
+    fn a_missing_key_is_recovering_while_nodes_re_mount() {
+        let master = Master::new(MasterConfig::default()).unwrap();
+        let c = master.register_client().unwrap().client;
+        let region = RemoteRegion { endpoint: "local://n".into(), region: 1 };
+        let record = ObjectRecord { key: "back".into(), offset: 0, len: 100, checksum: 7, generation: 1 };
+        master.remount_segment(c, &region, 1 << 20, &[record]).unwrap();
+        assert!(master.exists("back").unwrap());
+        assert!(matches!(master.exists("other"), Err(Error::Recovering(_))));
+        assert!(matches!(master.remove("other"), Err(Error::Recovering(_))));
+        assert!(matches!(master.object_info("other"), Err(Error::Recovering(_))));
+        assert!(matches!(master.remove_all(), Err(Error::Recovering(_))));
+        master.remove("back").unwrap();
     }
 
     #[test]

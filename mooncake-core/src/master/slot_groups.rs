@@ -47,6 +47,24 @@ impl MasterService {
         self.group_recovering.lock().get(&group).is_some_and(|&until| self.now_ms() < until)
     }
 
+    /// What a call on `key` answers when the master holds no object under it:
+    /// `Recovering` while the key may still come back with a re-mounting node (the
+    /// caller retries), else `NotFound`. A remove or an existence check answered
+    /// `NotFound` then would be contradicted a moment later.
+    pub(crate) fn absent(&self, key: &str) -> Error {
+        if self.recovering_key(key) {
+            Error::Recovering(format!("{key} not found yet: clients are re-mounting their segments"))
+        } else {
+            Error::NotFound(key.to_owned())
+        }
+    }
+
+    /// Whether any key may still come back with a re-mounting node.
+    pub(crate) fn recovering_any(&self) -> bool {
+        let now = self.now_ms();
+        self.recovering() || self.group_recovering.lock().values().any(|&until| now < until)
+    }
+
     /// This master now leads `group`: storage nodes will re-mount its extents with the
     /// objects they hold, within about one client TTL. Until then a missing key of the
     /// group is `Recovering`.
