@@ -194,3 +194,41 @@ fn uniform_keys_fill_every_groups_extents_with_eviction_making_room() {
     let used = stats.used_bytes as f64 / stats.capacity_bytes as f64;
     assert!(used >= 0.9, "DRAM use {used:.3} under uniform keys");
 }
+
+/// A node whose record endpoint, when first told of a change, sees the master lose
+/// its group (the lease lapsed while the master waited for the node).
+struct LosesTheGroup {
+    ownership: Arc<TestOwnership>,
+    seen: Recorder,
+}
+
+impl RecordSink for LosesTheGroup {
+    fn apply_records(&self, updates: &[RecordUpdate]) -> mooncake_core::Result<()> {
+        self.ownership.led.lock().unwrap().clear();
+        self.seen.apply_records(updates)
+    }
+}
+
+/// A put or remove whose wait for the nodes' records outlasts the master's lead of
+/// the key's group is not acknowledged by it (`Moved`: the client asks the new
+/// leader, which may not have what this master recorded), single and batch forms.
+#[test]
+fn a_write_is_not_acknowledged_by_a_master_that_lost_its_group_meanwhile() {
+    let (master, own) = cluster_master(&[0]);
+    let client = master.register_client().unwrap().client;
+    master.mount_extent(client, &region(1), 1 << 20, 0, &[]).unwrap();
+    let node = Arc::new(LosesTheGroup { ownership: own.clone(), seen: Recorder::default() });
+    master.attach_records(client, node.clone()).unwrap();
+    let cfg = ReplicateConfig::default();
+    let (a, b) = (key_in(&own, 0, 1), key_in(&own, 0, 2));
+    master.put_start(client, &a, 10, &cfg).unwrap();
+    assert!(matches!(master.put_end(client, &a, 7), Err(Error::Moved { .. })));
+    assert!(!node.seen.0.lock().unwrap().is_empty(), "the node was told");
+    own.led.lock().unwrap().insert(0);
+    master.put_start(client, &b, 10, &cfg).unwrap();
+    assert!(matches!(master.batch_put_end(client, &[(&b, 7)])[0], Err(Error::Moved { .. })));
+    own.led.lock().unwrap().insert(0);
+    assert!(matches!(master.remove(&a), Err(Error::Moved { .. })));
+    own.led.lock().unwrap().insert(0);
+    assert!(matches!(master.batch_remove(&[&b])[0], Err(Error::Moved { .. })));
+}

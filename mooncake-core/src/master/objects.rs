@@ -287,10 +287,12 @@ impl MasterService {
     /// fails if a node could not record it and the object lost every replica with
     /// that node.
     pub(crate) fn settle(&self, what: &str, key: &str, checksum: u32, wait: RecordWait) -> Result<()> {
-        if self.await_records(wait) || self.still_holds(key, checksum) {
-            return Ok(());
+        if !self.await_records(wait) && !self.still_holds(key, checksum) {
+            return Err(Error::MasterUnavailable(format!("{key}: no storage node of the {what} could record it")));
         }
-        Err(Error::MasterUnavailable(format!("{key}: no storage node of the {what} could record it")))
+        // Cluster mode: the wait may outlast this master's lead of the key's group;
+        // a new leader may not have what it recorded, so it is not acknowledged here.
+        self.fence(key)
     }
 
     /// Whether `key` is a complete object with `checksum`: a write whose node was
@@ -311,11 +313,14 @@ impl MasterService {
     ) -> Vec<Result<()>> {
         let mut wait = RecordWait::default();
         let mut results: Vec<Result<()>> = items.iter().map(|(k, c)| end(k, *c).map(|w| wait.merge(w))).collect();
-        if !self.await_records(wait) {
-            for (res, (k, c)) in results.iter_mut().zip(items) {
-                if res.is_ok() && !self.still_holds(k, *c) {
-                    *res = Err(Error::MasterUnavailable(format!("{k}: no storage node of the {what} could record it")));
-                }
+        let delivered = self.await_records(wait);
+        for (res, (k, c)) in results.iter_mut().zip(items) {
+            if res.is_ok() && !delivered && !self.still_holds(k, *c) {
+                *res = Err(Error::MasterUnavailable(format!("{k}: no storage node of the {what} could record it")));
+            }
+            // As in `settle`: not acknowledged by a master that lost the key's group.
+            if res.is_ok() {
+                *res = self.fence(k);
             }
         }
         results
@@ -505,7 +510,9 @@ impl MasterService {
     pub fn remove(&self, key: &str) -> Result<()> {
         let wait = self.remove_queued(key)?;
         self.await_records(wait);
-        Ok(())
+        // Cluster mode: not acknowledged by a master that lost the key's group while
+        // it waited (a new leader may have taken the object back meanwhile).
+        self.fence(key)
     }
 
     /// [`remove`](Self::remove) without waiting for the nodes' records.
@@ -540,8 +547,13 @@ impl MasterService {
     /// [`remove`](Self::remove) for many keys.
     pub fn batch_remove(&self, keys: &[&str]) -> Vec<Result<()>> {
         let mut wait = RecordWait::default();
-        let results = keys.iter().map(|k| self.remove_queued(k).map(|w| wait.merge(w))).collect();
+        let mut results: Vec<Result<()>> = keys.iter().map(|k| self.remove_queued(k).map(|w| wait.merge(w))).collect();
         self.await_records(wait);
+        for (res, k) in results.iter_mut().zip(keys) {
+            if res.is_ok() {
+                *res = self.fence(k);
+            }
+        }
         results
     }
 
