@@ -166,10 +166,8 @@ impl MasterService {
                 // A removal it missed (an eviction's, not waited for): whatever it
                 // holds of the key predates it, and is refused even if the key comes
                 // and goes again meanwhile (an eviction leaves no mark of its own).
-                RecordUpdate::Removed { key, generation, .. } => {
-                    self.tombstones.supersede(key, *generation, &self.gens)
-                }
-                u => self.tombstones.linger(u.key(), &self.gens),
+                RecordUpdate::Removed { key, generation, .. } => self.tombstones.supersede(key, *generation),
+                u => self.tombstones.linger(u.key()),
             }
         }
         {
@@ -204,7 +202,7 @@ impl MasterService {
                     keep
                 });
                 if linger && dropped_complete {
-                    self.tombstones.linger(k, &self.gens);
+                    self.tombstones.linger(k);
                 }
                 // An object offloaded to an SSD lives on through its disk replica.
                 let keep = !e.replicas.is_empty() || before == 0 || e.disk() != 0;

@@ -243,7 +243,7 @@ impl MasterService {
     /// removal is as durable as a put), else with its next offload heartbeat.
     pub(crate) fn release_disk(&self, key: &str, e: &ObjectEntry, wait: &mut RecordWait) {
         let generation = self.gens.next();
-        self.tombstones.supersede(key, generation, &self.gens);
+        self.tombstones.supersede(key, generation);
         let mut holders: smallvec::SmallVec<[ClientId; 2]> = smallvec::SmallVec::new();
         if e.disk() != 0 {
             self.add_ssd_used(e.disk(), -(e.len() as i64));
@@ -338,7 +338,7 @@ impl MasterService {
                     return true;
                 }
                 // The file stays on the lost client's disk, out of our sight.
-                self.tombstones.linger(k, &self.gens);
+                self.tombstones.linger(k);
                 e.set_disk(0);
                 let keep = !e.replicas.is_empty();
                 removed += usize::from(!keep);

@@ -191,7 +191,7 @@ impl MasterService {
                     }
                     if e.offload_deadline_ms() != 0 {
                         // Its offload may still be written, unknown to us.
-                        self.tombstones.linger(k, &self.gens);
+                        self.tombstones.linger(k);
                     }
                     false
                 });

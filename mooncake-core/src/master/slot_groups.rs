@@ -17,6 +17,8 @@ impl MasterService {
     /// Makes this master a cluster member that answers only for the groups `ownership`
     /// says it leads. Only the first call has an effect.
     pub fn set_ownership(&self, ownership: Arc<dyn KeyOwnership>) {
+        let grouping = ownership.clone();
+        self.tombstones.set_grouping(Arc::new(move |key: &str| grouping.group_of(key)));
         let _ = self.ownership.set(ownership);
     }
 

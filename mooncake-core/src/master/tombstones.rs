@@ -14,18 +14,24 @@
 //!   turns the tombstone into a removal's.
 //!
 //! At most [`MAX_TOMBSTONES`] are kept (each key once, plus 8 bytes of order), oldest
-//! first out; forgetting one raises its shard's *floor* to the current generation: an
-//! offered copy of a key without a tombstone is admitted only if it is newer than the
-//! floor. So forgetting errs on the safe side: an old copy whose key's history was
-//! forgotten is refused (its node deletes it), never taken for the current object.
+//! first out; forgetting one raises its shard's *floor* to the forgotten mark's
+//! generation: an offered copy of a key without a tombstone is admitted only if it is
+//! newer than the floor. So forgetting errs on the safe side: a copy older than a
+//! removal whose key was forgotten is refused (its node deletes it), never taken for
+//! the current object; a copy newer than every forgotten removal is admitted.
+//!
+//! In cluster mode floors are kept per slot group: a master's marks of a group's keys
+//! come only from its terms leading that group, so the removals it forgets in one
+//! group never refuse the records another leader stamped in another group. (A floor
+//! at the current generation, shared by all groups, refused nearly every record of
+//! a group taken over once the master had forgotten any mark.)
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
 
 use hashbrown::HashTable;
 use parking_lot::Mutex;
-
-use crate::master::generations::GenClock;
 
 /// Most tombstones kept; the oldest go first beyond it.
 const MAX_TOMBSTONES: usize = 1 << 20;
@@ -46,9 +52,9 @@ struct Shard {
     marks: HashTable<(Box<str>, u64)>,
     /// Hashes of the keys in insertion order, to forget the oldest beyond [`PER_SHARD`].
     order: VecDeque<u64>,
-    /// Copies of keys without a mark are admitted only if newer than this (0: no mark
-    /// was ever forgotten here).
-    floor: u64,
+    /// Per slot group (0 without groups): copies of keys without a mark are admitted
+    /// only if newer than this (absent or 0: no mark of a removal was forgotten here).
+    floors: ahash::HashMap<u32, u64>,
 }
 
 impl Shard {
@@ -63,7 +69,12 @@ pub(crate) struct Tombstones {
     router: ahash::RandomState,
     /// Whether any shard may hold anything: puts skip the locks while none does.
     any: AtomicBool,
+    /// Cluster mode: the slot group of a key (unset: one group, 0).
+    grouping: OnceLock<Grouping>,
 }
+
+/// The slot group of a key.
+pub(crate) type Grouping = Arc<dyn Fn(&str) -> u32 + Send + Sync>;
 
 impl Default for Tombstones {
     fn default() -> Self {
@@ -71,11 +82,23 @@ impl Default for Tombstones {
             shards: (0..SHARDS).map(|_| Mutex::new(Shard::default())).collect(),
             router: ahash::RandomState::with_seeds(0x746f6d62, 0x73746f6e, 0x65732d6d, 0x61726b73),
             any: AtomicBool::new(false),
+            grouping: OnceLock::new(),
         }
     }
 }
 
 impl Tombstones {
+    /// Cluster mode: floors are kept per slot group, as `grouping` says (only the
+    /// first one set is kept).
+    pub(crate) fn set_grouping(&self, grouping: Grouping) {
+        let _ = self.grouping.set(grouping);
+    }
+
+    /// The slot group whose floor covers `key`.
+    fn group(&self, key: &str) -> u32 {
+        self.grouping.get().map_or(0, |g| g(key))
+    }
+
     /// The key's hash and its shard (the shard from the hash's high bits, the table
     /// slot from the low ones).
     fn shard(&self, key: &str) -> (u64, &Mutex<Shard>) {
@@ -84,7 +107,7 @@ impl Tombstones {
     }
 
     /// Sets `key`'s mark with `update` (given the current one, if any), making room.
-    fn mark(&self, key: &str, clock: &GenClock, update: impl FnOnce(Option<u64>) -> u64) {
+    fn mark(&self, key: &str, update: impl FnOnce(Option<u64>) -> u64) {
         let (hash, shard) = self.shard(key);
         let mut shard = shard.lock();
         match shard.get_mut(hash, key) {
@@ -99,9 +122,10 @@ impl Tombstones {
                     // The oldest key of that hash (two keys sharing 64 bits of hash
                     // would only make one forgotten early: the floor covers it).
                     if let Ok(entry) = shard.marks.find_entry(old, |(k, _)| router.hash_one(&**k) == old) {
-                        entry.remove();
+                        let ((forgotten, generation), _) = entry.remove();
+                        let floor = shard.floors.entry(self.group(&forgotten)).or_insert(0);
+                        *floor = (*floor).max(generation);
                     }
-                    shard.floor = clock.next();
                 }
             }
         }
@@ -110,14 +134,14 @@ impl Tombstones {
 
     /// Copies of `key` may linger where the master does not see them (their holder was
     /// forgotten): they stay admissible until the key is put or removed again.
-    pub(crate) fn linger(&self, key: &str, clock: &GenClock) {
-        self.mark(key, clock, |m| m.unwrap_or(LINGERING));
+    pub(crate) fn linger(&self, key: &str) {
+        self.mark(key, |m| m.unwrap_or(LINGERING));
     }
 
     /// `key` was removed (or replaced) at `generation`: copies older than it are
     /// refused from now on.
-    pub(crate) fn supersede(&self, key: &str, generation: u64, clock: &GenClock) {
-        self.mark(key, clock, |m| m.unwrap_or(LINGERING).max(generation));
+    pub(crate) fn supersede(&self, key: &str, generation: u64) {
+        self.mark(key, |m| m.unwrap_or(LINGERING).max(generation));
     }
 
     /// `key` was put at `generation`: if copies of an earlier object of the key may
@@ -144,7 +168,10 @@ impl Tombstones {
             Some(removed) => generation > removed,
             // A file of a version without generations (0) is taken by a master that
             // never forgot a mark here, as before generations existed.
-            None => shard.floor == 0 || generation > shard.floor,
+            None => {
+                let floor = shard.floors.get(&self.group(key)).copied().unwrap_or(0);
+                floor == 0 || generation > floor
+            }
         }
     }
 }
@@ -152,6 +179,7 @@ impl Tombstones {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::master::generations::GenClock;
     use proptest::prelude::*;
 
     /// The rule without a bound: a key's last supersession, or lingering.
@@ -198,14 +226,14 @@ mod tests {
                 match op {
                     Op::Linger(k) => {
                         let key = k.to_string();
-                        t.linger(&key, &clock);
+                        t.linger(&key);
                         model.0.entry(key).or_insert(LINGERING);
                     }
                     Op::Remove(k) => {
                         let key = k.to_string();
                         let g = clock.next();
                         stamps.push(g);
-                        t.supersede(&key, g, &clock);
+                        t.supersede(&key, g);
                         let m = model.0.entry(key).or_insert(LINGERING);
                         *m = (*m).max(g);
                     }
@@ -228,6 +256,47 @@ mod tests {
         }
     }
 
+    /// Fills the shard of `key` past its bound (by one) with removals of other keys
+    /// that `only` accepts, each stamped by `clock`; returns their generations.
+    fn overflow_shard_of(t: &Tombstones, key: &str, clock: &GenClock, only: impl Fn(&str) -> bool) -> Vec<u64> {
+        let shard_of = |k: &str| ((t.router.hash_one(k) >> 48) as usize) % SHARDS;
+        let target = shard_of(key);
+        let (mut stamps, mut i) = (Vec::new(), 0u64);
+        while stamps.len() <= PER_SHARD {
+            let other = format!("other-{i}");
+            i += 1;
+            if shard_of(&other) == target && other != key && only(&other) {
+                let g = clock.next();
+                t.supersede(&other, g);
+                stamps.push(g);
+            }
+        }
+        stamps
+    }
+
+    /// The floor a forgotten mark leaves is that mark's generation, not the current
+    /// one: a copy newer than every removal forgotten is still taken back. In cluster
+    /// mode floors are per slot group: forgetting the marks of one group's keys
+    /// refuses nothing of another group (a new leader of that group takes its
+    /// records back, whatever this master removed elsewhere).
+    #[test]
+    fn floors_are_the_forgotten_generations_per_slot_group() {
+        let clock = GenClock::default();
+        let t = Tombstones::default();
+        let group = |k: &str| u32::from(k.len() % 2 == 0);
+        t.set_grouping(Arc::new(group));
+        let before = clock.next();
+        // Removals of odd-length keys (group 0) overflow the shard of "kk" (group 1).
+        overflow_shard_of(&t, "kk", &clock, |k| group(k) == 0);
+        assert!(t.admits("kk", before), "another group's forgotten marks refuse nothing of group 1");
+        // Now removals of group 1's keys overflow it: the oldest of them are forgotten.
+        let stamps = overflow_shard_of(&t, "kk", &clock, |k| group(k) == 1);
+        assert!(!t.admits("kk", before) && !t.admits("kk", stamps[0]), "older than a forgotten removal");
+        // Newer than the removals forgotten, though older than those kept and than now.
+        assert!(t.admits("kk", stamps[PER_SHARD / 2]));
+        assert!(t.admits("kk", clock.next()));
+    }
+
     #[test]
     fn forgetting_a_tombstone_refuses_old_copies_of_unmarked_keys() {
         let clock = GenClock::default();
@@ -243,7 +312,7 @@ mod tests {
             let key = format!("other-{i}");
             i += 1;
             if shard_of(&key) == target && key != "k" {
-                t.supersede(&key, clock.next(), &clock);
+                t.supersede(&key, clock.next());
                 n += 1;
             }
         }
