@@ -69,12 +69,6 @@ pub(crate) struct ObjectEntry {
     /// release takes one away. The object is leased while this is above zero and
     /// `lease_until_ms` has not passed.
     pub(crate) readers: u32,
-    /// Reads whose lease ran out while still counted (their count when a new lease
-    /// found the last one over): releases do not say which read they end, so the next
-    /// ones are taken as theirs first. A read that outlived its lease and releases
-    /// late then cannot end a newer read's lease; at worst a newer read is held to
-    /// its lease's end. (In the entry's padding: the size stays 72 bytes.)
-    late_releases: u16,
     pub(crate) soft_pin: bool,
     /// `PutEnd` seen: readable.
     complete: bool,
@@ -150,7 +144,6 @@ impl ObjectEntry {
             len_minus_one: len_bits(len),
             checksum: 0,
             readers: 0,
-            late_releases: 0,
             soft_pin: false,
             complete: false,
         }
@@ -184,7 +177,6 @@ impl ObjectEntry {
         self.complete = true;
         self.holder = 0;
         self.readers = 0;
-        self.late_releases = 0;
     }
 
     /// The client whose put is in progress (`None` once complete).
@@ -270,8 +262,6 @@ impl ObjectEntry {
             return;
         }
         if self.holder <= now_ms {
-            // Reads still counted outlived their lease: they may yet release.
-            self.late_releases = u16::try_from(self.readers).unwrap_or(u16::MAX);
             self.readers = 0;
         }
         self.tidy_upsert(now_ms);
@@ -281,10 +271,6 @@ impl ObjectEntry {
 
     /// One read in flight less.
     pub(crate) fn release(&mut self) {
-        if self.late_releases > 0 {
-            self.late_releases -= 1;
-            return;
-        }
         self.readers = self.readers.saturating_sub(1);
         if self.readers == 0 {
             self.tidy_upsert(0);
@@ -348,27 +334,6 @@ mod tests {
         assert!(e.leased(149) && !e.leased(150));
         e.release();
         assert!(!e.leased(120));
-    }
-
-    /// A read that outlived its lease and releases late does not end the lease of a
-    /// read that started after (releases do not say which read they end): the object
-    /// stays held until the newer read releases too.
-    #[test]
-    fn a_late_release_does_not_end_a_newer_reads_lease() {
-        let mut e = ObjectEntry::new_complete(4096, 0, 0);
-        e.lease(0, 100); // read 1, which will outlive its lease
-        e.lease(200, 100); // read 2, after read 1's lease ran out
-        e.release(); // read 1, late
-        assert!(e.leased(250), "read 2 is still in flight");
-        e.release(); // read 2
-        assert!(!e.leased(250));
-        // Normal reads are counted as before.
-        e.lease(400, 100);
-        e.lease(410, 100);
-        e.release();
-        assert!(e.leased(450));
-        e.release();
-        assert!(!e.leased(450));
     }
 
     #[test]
