@@ -349,6 +349,10 @@ impl MasterService {
                 self.offload_on_put(key, first);
                 Ok(wait)
             }
+            // Asked again (sent again after a broken connection, or to a new leader)
+            // once it ended: the object holds these bytes. Its records are told again,
+            // so that the answer waits for them as the first did.
+            Some(e) if e.complete() && e.checksum == checksum => Ok(self.note_added(key, e, None)),
             Some(e) if e.complete() => Err(Error::AlreadyExists(key.to_owned())),
             _ => Err(Error::NotFound(format!("{key} (no put in progress by this client)"))),
         }

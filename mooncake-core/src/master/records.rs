@@ -540,6 +540,29 @@ mod tests {
         master.remove("back").unwrap();
     }
 
+    /// A put's or an upsert's end asked again once it ended (sent again after a
+    /// broken connection, or to a new leader that took the object back from its
+    /// records) is answered Ok when the object holds its bytes, and the records are
+    /// told again; with other bytes it is refused as before.
+    #[test]
+    fn an_end_asked_again_after_it_ended_is_answered_ok() {
+        let master = Master::new(MasterConfig { track_records: true, ..Default::default() }).unwrap();
+        let (c, _, seg) = mount(&master, "n");
+        let node = Arc::new(Seen::default());
+        master.attach_records(c, node.clone()).unwrap();
+        master.put_start(c, "k", 100, &on(&seg)).unwrap();
+        master.put_end(c, "k", 7).unwrap();
+        master.put_end(c, "k", 7).unwrap();
+        assert!(matches!(master.put_end(c, "k", 8), Err(Error::AlreadyExists(_))));
+        let added = || node.0.lock().iter().filter(|u| matches!(u, RecordUpdate::Added { .. })).count();
+        assert_eq!(added(), 2, "the records were told again");
+        master.upsert_start(c, "k", 200, &on(&seg)).unwrap();
+        master.upsert_end(c, "k", 9).unwrap();
+        master.upsert_end(c, "k", 9).unwrap();
+        assert!(master.upsert_end(c, "k", 10).is_err());
+        assert_eq!(master.object_info("k").unwrap().checksum, 9);
+    }
+
     #[test]
     fn a_node_announcing_a_new_endpoint_gets_its_changes_there() {
         let master = Master::new(MasterConfig { track_records: true, ..Default::default() }).unwrap();

@@ -167,8 +167,17 @@ impl MasterService {
             drop(shard);
             return self.put_end_queued(client, key, checksum);
         }
-        let Some(u) = e.extra.as_deref_mut() else { return Err(no_upsert(key)) };
-        let Some(staged) = u.staged.take_if(|s| s.owner == client && s.until_ms > now && !s.replicas.is_empty()) else {
+        let staged = e
+            .extra
+            .as_deref_mut()
+            .and_then(|u| u.staged.take_if(|s| s.owner == client && s.until_ms > now && !s.replicas.is_empty()));
+        let Some(staged) = staged else {
+            if e.checksum == checksum {
+                // Asked again (sent again after a broken connection, or to a new
+                // leader) once it ended: the object holds these bytes. Its records
+                // are told again, so that the answer waits for them as the first did.
+                return Ok(self.note_added(key, e, None));
+            }
             return Err(no_upsert(key));
         };
         let mut new = staged.replicas;
