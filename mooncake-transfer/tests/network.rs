@@ -474,3 +474,58 @@ fn tcp_tells_of_each_range_of_a_read_once_it_landed() {
     let mut reqs = [TransferRequest::write(&target, 0, &data).on_landed(&never)];
     assert!(cli.transfer(&mut reqs).into_iter().all(|r| r.is_ok()));
 }
+
+/// A peer that accepts connections and never reads from them (a paused or wedged
+/// process): a write to it fails once the socket stays full for the transport's I/O
+/// timeout, instead of blocking the caller (and every lane of its transfer) for as
+/// long as the peer stays so.
+#[test]
+fn a_peer_that_stops_reading_fails_a_write_instead_of_hanging_it() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let endpoint = listener.local_addr().unwrap().to_string();
+    let held = std::thread::spawn(move || {
+        // Keep every connection open, unread, until the test ends.
+        listener.set_nonblocking(true).unwrap();
+        let mut conns = Vec::new();
+        let start = std::time::Instant::now();
+        while start.elapsed() < Duration::from_secs(30) {
+            match listener.accept() {
+                Ok((c, _)) => conns.push(c),
+                Err(_) => std::thread::sleep(Duration::from_millis(10)),
+            }
+        }
+    });
+    let cli = client(Arc::new(TcpTransport::new().with_io_timeout(Duration::from_millis(300))));
+    let target = RemoteRegion { endpoint, region: 1 };
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let data = vec![7u8; 64 << 20];
+        let _ = tx.send(cli.write(&target, 0, &data));
+    });
+    let res = rx.recv_timeout(Duration::from_secs(20)).expect("the write hung on a peer that never reads");
+    assert!(res.is_err(), "{res:?}");
+    drop(held);
+}
+
+/// A peer's region that is gone (its engine dropped, as when the node exits) is no
+/// longer held mapped once another region is mapped, even if no one asks for the
+/// gone one again: each mapping holds its segment's memory.
+#[test]
+fn mappings_of_gone_regions_are_dropped_when_another_is_mapped() {
+    let shm = Arc::new(ShmTransport::new());
+    let cli = client(shm.clone());
+    let (gone, stays) = (server(true), server(true));
+    let a = gone.register_region(1 << 20).unwrap();
+    let b = stays.register_region(1 << 20).unwrap();
+    cli.write(&gone.remote(a.id()), 0, b"a").unwrap();
+    cli.write(&stays.remote(b.id()), 0, b"b").unwrap();
+    assert_eq!(shm.mapped_regions(), 2);
+    drop(gone);
+    let c = stays.register_region(1 << 20).unwrap();
+    cli.write(&stays.remote(c.id()), 0, b"c").unwrap();
+    assert_eq!(shm.mapped_regions(), 2, "the gone region is still mapped");
+    let mut back = [0u8; 1];
+    cli.read(&stays.remote(b.id()), 0, &mut back).unwrap();
+    assert_eq!(&back, b"b");
+    drop(a);
+}

@@ -83,6 +83,11 @@ impl ShmTransport {
         &self.stats
     }
 
+    /// Peers' regions mapped now (each holds its segment's memory while mapped).
+    pub fn mapped_regions(&self) -> usize {
+        self.maps.read().values().map(HashMap::len).sum()
+    }
+
     fn mapping(&self, endpoint: &str, region: u64) -> Result<Arc<PeerMapping>> {
         let cached = self.maps.read().get(endpoint).and_then(|regions| regions.get(&region)).cloned();
         if let Some(m) = cached {
@@ -129,7 +134,15 @@ impl ShmTransport {
             return Err(TransferError::UnknownRegion { endpoint: endpoint.to_owned(), region });
         }
         let m = Arc::new(PeerMapping { region: region_map, pidfd, path, ino });
-        self.maps.write().entry(endpoint.to_owned()).or_default().insert(region, m.clone());
+        let mut maps = self.maps.write();
+        // Mappings of peers that exited or unregistered are dropped here, not only when
+        // the same region is asked for again (no one asks for a dead node's region
+        // again): each holds its whole segment's memory while mapped.
+        for regions in maps.values_mut() {
+            regions.retain(|_, old| old.is_current());
+        }
+        maps.retain(|_, regions| !regions.is_empty());
+        maps.entry(endpoint.to_owned()).or_default().insert(region, m.clone());
         Ok(m)
     }
 }

@@ -374,7 +374,15 @@ pub struct TcpTransport {
     pools: Mutex<HashMap<String, Vec<TcpStream>>>,
     stats: TransportStats,
     secret: Option<SharedSecret>,
+    /// How long one read or one write of a connection may block (`None`:
+    /// `PEER_TIMEOUT`).
+    io_timeout: Option<Duration>,
 }
+
+/// How long one read or one write to a peer may block before the connection is
+/// given up as broken (a peer that stopped reading, a host that vanished): the
+/// transfer fails, or is tried again on a fresh connection, instead of hanging.
+const PEER_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// How a chunk went: its result, and its crc32c if it was asked for and taken.
 type ChunkOutcome = (Result<()>, Option<u32>);
@@ -423,6 +431,14 @@ impl TcpTransport {
         Self { secret: Some(secret), ..Self::default() }
     }
 
+    /// This transport with another limit than 30 s on how long one read or one write
+    /// of a connection may block before the connection is given up as broken (at
+    /// least 1 ms).
+    pub fn with_io_timeout(mut self, timeout: Duration) -> Self {
+        self.io_timeout = Some(timeout.max(Duration::from_millis(1)));
+        self
+    }
+
     /// Byte and error counters.
     pub fn stats(&self) -> &TransportStats {
         &self.stats
@@ -443,7 +459,11 @@ impl TcpTransport {
         if let Some(secret) = &self.secret {
             secret.prove(&s, endpoint).map_err(TransferError::Auth)?;
         }
-        let _ = s.set_read_timeout(Some(Duration::from_secs(30)));
+        // Both ways: a peer that stops reading (paused, wedged) would otherwise hold
+        // a write, and every lane of its transfer, for as long as it stays so.
+        let timeout = self.io_timeout.unwrap_or(PEER_TIMEOUT);
+        let _ = s.set_read_timeout(Some(timeout));
+        let _ = s.set_write_timeout(Some(timeout));
         Ok(s)
     }
 
