@@ -26,6 +26,9 @@ pub(super) struct Obj {
     unit: UnitId,
     meta: ObjectMeta,
     path: PathBuf,
+    /// The inode of its file: the path is the key's, and a newer version of the key
+    /// is renamed onto it.
+    ino: u64,
     value_offset: u64,
     disk_len: u64,
     pins: Pins,
@@ -74,6 +77,15 @@ pub struct FilePerKeyBackend {
     index: RwLock<Index>,
     next_seq: AtomicU64,
     next_unit: AtomicU64,
+    /// Held while a file is renamed into place or deleted: a delete removes only the
+    /// file of the object it deletes, never a newer version renamed onto its path.
+    renames: parking_lot::Mutex<()>,
+}
+
+/// The inode of the file at `path`, if there is one.
+fn inode_of(path: &Path) -> Option<u64> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(path).ok().map(|m| m.ino())
 }
 
 /// Bytes an object takes on disk: its header block and its value padded to 4 KiB.
@@ -93,6 +105,7 @@ impl FilePerKeyBackend {
             index: RwLock::new(Index::default()),
             next_seq: AtomicU64::new(1),
             next_unit: AtomicU64::new(1),
+            renames: parking_lot::Mutex::new(()),
         };
         b.recover()?;
         Ok(b)
@@ -146,6 +159,7 @@ impl FilePerKeyBackend {
                     checksum: h.value_crc,
                     generation: h.generation.unwrap_or(0),
                 },
+                ino: inode_of(&path).unwrap_or(0),
                 path,
                 value_offset: h.value_offset(),
                 disk_len: file_len.max(disk_len(&h.key, h.value_len)),
@@ -203,7 +217,12 @@ impl FilePerKeyBackend {
             tracing::warn!("{:?}: reads still in flight after {wait:?}; deleting anyway", o.meta.key);
         }
         o.file.close();
-        remove_file_quiet(&o.path);
+        // The wait above may have let a newer version of the key be renamed onto the
+        // path (a put again, an upsert): that file is not this object's to delete.
+        let _renames = self.renames.lock();
+        if inode_of(&o.path) == Some(o.ino) {
+            remove_file_quiet(&o.path);
+        }
     }
 
     fn file_of(&self, o: &Obj) -> Result<Arc<IoFile>> {
@@ -240,17 +259,23 @@ impl FilePerKeyBackend {
             io.write_at(&file, 0, &head)?;
             io.write_at(&file, h.value_offset(), value)?;
             io.sync_data(&file)?;
+            let ino = inode_of(&tmp).ok_or_else(|| StorageError::Io(std::io::Error::other("the file vanished")))?;
+            let _renames = self.renames.lock();
             std::fs::rename(&tmp, &path)?;
-            Ok(())
+            Ok(ino)
         })();
-        if let Err(e) = res {
-            remove_file_quiet(&tmp);
-            return Err(e);
-        }
+        let ino = match res {
+            Ok(ino) => ino,
+            Err(e) => {
+                remove_file_quiet(&tmp);
+                return Err(e);
+            }
+        };
         Ok(Obj {
             unit: self.next_unit.fetch_add(1, Ordering::Relaxed),
             meta: ObjectMeta { key: key.to_owned(), len: h.value_len, checksum: h.value_crc, generation },
             path,
+            ino,
             value_offset: h.value_offset(),
             disk_len: disk_len(key, h.value_len),
             pins: Pins::default(),
@@ -468,5 +493,34 @@ impl Layout for FilePerKeyBackend {
         let idx = self.index.read();
         let objects = idx.objects.len() as u64;
         Usage { capacity: self.core.capacity, used_bytes: idx.used, objects, units: objects }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A remove waits for the reads of the old file before deleting it; a newer
+    /// version of the key written meanwhile is renamed onto the same path. The
+    /// delete must leave that file alone (before, it deleted the newer version: the
+    /// index listed it, its file was gone).
+    #[test]
+    fn a_delayed_delete_never_removes_a_newer_version_of_its_key() {
+        let dir = tempfile::tempdir().unwrap();
+        let b = Arc::new(FilePerKeyBackend::open(dir.path(), BackendOptions::default()).unwrap());
+        b.offload("k", b"old").unwrap();
+        let old = b.index.read().objects.get("k").cloned().unwrap();
+        let read_in_flight = ReadPin::new(&old);
+        let remover = {
+            let b = b.clone();
+            std::thread::spawn(move || b.remove("k"))
+        };
+        while b.exists("k") {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        b.offload("k", b"new").unwrap();
+        drop(read_in_flight);
+        remover.join().unwrap().unwrap();
+        assert_eq!(b.load_vec("k").unwrap(), b"new");
     }
 }
