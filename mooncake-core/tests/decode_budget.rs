@@ -137,7 +137,7 @@ fn decoding_allocates_no_more_than_it_is_charged() {
             "items with counts",
             body(&Request::NotifyOffloadSuccess {
                 client: 1,
-                items: keys(100_000, 1).into_iter().map(|k| (k, 1, 2)).collect(),
+                items: keys(100_000, 1).into_iter().map(|k| (k, 1, 2, 3)).collect(),
             }),
         ),
     ];

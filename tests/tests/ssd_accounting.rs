@@ -8,6 +8,9 @@ use mooncake_core::alloc::SsdFreeRatioFirst;
 use mooncake_core::{Error, Master, MasterConfig, ReplicateConfig, Store};
 use mooncake_transfer::RemoteRegion;
 
+/// The generation of an offload task given after every change of its object.
+const LATER: u64 = u64::MAX;
+
 fn master() -> Master {
     Master::new(MasterConfig { default_lease: Duration::ZERO, ..Default::default() }).unwrap()
 }
@@ -30,13 +33,13 @@ fn usage_grows_only_for_recorded_disk_replicas() {
     let m = master();
     let c = client_with(&m, "a", &[("x", 1000), ("y", 500)]);
     m.report_ssd_capacity(c, 1 << 20).unwrap();
-    let res = m.notify_offload_success(c, &[("x", 1000, 7), ("gone", 10, 7), ("y", 500, 8)]);
+    let res = m.notify_offload_success(c, &[("x", 1000, 7, LATER), ("gone", 10, 7, LATER), ("y", 500, 8, LATER)]);
     assert!(res[0].is_ok());
     assert!(matches!(res[1], Err(Error::NotFound(_))), "vanished objects are ignored");
     assert!(matches!(res[2], Err(Error::NotFound(_))), "a different object under the key is ignored");
     assert_eq!(m.ssd_usage(c), Some((1 << 20, 1000)));
     // Notifying twice does not count twice.
-    m.notify_offload_success(c, &[("x", 1000, 7)]);
+    m.notify_offload_success(c, &[("x", 1000, 7, LATER)]);
     assert_eq!(m.ssd_usage(c).unwrap().1, 1000);
     assert!(matches!(m.report_ssd_capacity(12345, 1), Err(Error::UnknownClient(_))));
 }
@@ -45,7 +48,7 @@ fn usage_grows_only_for_recorded_disk_replicas() {
 fn disk_eviction_keeps_memory_replicas_and_removes_disk_only_objects() {
     let m = master();
     let c = client_with(&m, "a", &[("x", 1000), ("y", 2000)]);
-    m.notify_offload_success(c, &[("x", 1000, 7), ("y", 2000, 7)]);
+    m.notify_offload_success(c, &[("x", 1000, 7, LATER), ("y", 2000, 7, LATER)]);
     // y loses its memory replica to eviction but stays, through its disk replica.
     m.evict_for(1 << 40);
     assert!(m.exists("x").unwrap() && m.exists("y").unwrap());
@@ -63,7 +66,7 @@ fn disk_eviction_keeps_memory_replicas_and_removes_disk_only_objects() {
 fn removal_and_client_loss_give_back_ssd_usage() {
     let m = master();
     let a = client_with(&m, "a", &[("k1", 100), ("k2", 200), ("k3", 300)]);
-    m.notify_offload_success(a, &[("k1", 100, 7), ("k2", 200, 7), ("k3", 300, 7)]);
+    m.notify_offload_success(a, &[("k1", 100, 7, LATER), ("k2", 200, 7, LATER), ("k3", 300, 7, LATER)]);
     assert_eq!(m.ssd_usage(a).unwrap().1, 600);
     m.remove("k1").unwrap();
     assert_eq!(m.ssd_usage(a).unwrap().1, 500);
@@ -72,7 +75,7 @@ fn removal_and_client_loss_give_back_ssd_usage() {
     // A disk replica on another client keeps an object whose memory client is lost.
     let b = client_with(&m, "b", &[("kept", 100), ("lost", 100)]);
     let c = m.register_client().unwrap().client;
-    m.notify_offload_success(c, &[("kept", 100, 7)]);
+    m.notify_offload_success(c, &[("kept", 100, 7, LATER)]);
     m.unregister_client(b).unwrap();
     assert!(m.exists("kept").unwrap());
     assert!(!m.exists("lost").unwrap());
@@ -84,7 +87,7 @@ fn removal_and_client_loss_give_back_ssd_usage() {
 fn a_store_reports_an_ssd_only_object_as_a_storage_error_never_garbage() {
     let m = master();
     let c = client_with(&m, "a", &[("k", 4096)]);
-    m.notify_offload_success(c, &[("k", 4096, 7)]);
+    m.notify_offload_success(c, &[("k", 4096, 7, LATER)]);
     m.evict_for(1 << 40);
     let reader = Store::builder().master(&m).global_segment_size(0).build().unwrap();
     assert!(matches!(reader.get("k"), Err(Error::Storage(_))));
@@ -102,7 +105,7 @@ fn ssd_free_ratio_first_places_on_the_client_with_the_emptiest_ssd() {
     let empty = client_with(&m, "empty", &[]);
     m.report_ssd_capacity(full, 1000).unwrap();
     m.report_ssd_capacity(empty, 1000).unwrap();
-    m.notify_offload_success(full, &[("big", 900, 7)]);
+    m.notify_offload_success(full, &[("big", 900, 7, LATER)]);
     let empty_segment = m.stats().segment_usage.iter().find(|u| u.name.starts_with("local://empty")).unwrap().segment;
     for i in 0..20 {
         let r = m.put_start(full, &format!("n{i}"), 64, &ReplicateConfig::default()).unwrap();
@@ -118,7 +121,7 @@ fn ssd_calls_travel_over_rpc() {
     let remote = mooncake_core::rpc::RpcMasterClient::connect(&server.local_addr().to_string()).unwrap();
     let c = client_with(&m, "a", &[("k", 64)]);
     remote.report_ssd_capacity(c, 4096).unwrap();
-    assert!(remote.notify_offload_success(c, &[("k", 64, 7)])[0].is_ok());
+    assert!(remote.notify_offload_success(c, &[("k", 64, 7, LATER)])[0].is_ok());
     assert_eq!(m.ssd_usage(c), Some((4096, 64)));
     assert!(remote.batch_evict_disk_replica(c, &["k"])[0].is_ok());
     assert_eq!(m.ssd_usage(c), Some((4096, 0)));
@@ -210,7 +213,7 @@ fn lazy_eviction_offloads_first_and_puts_wait_bounded() {
     assert_eq!((t.key.as_str(), t.segment, t.len, t.checksum), ("first", seg.id, big, 5));
     assert!(m.offload_heartbeat(c, 16).unwrap().tasks.is_empty(), "handed out once");
     // Reported: the memory can go, and the put succeeds.
-    m.notify_offload_success(c, &[("first", big, 5)]);
+    m.notify_offload_success(c, &[("first", big, 5, LATER)]);
     m.put_start(c, "second", big, &ReplicateConfig::default()).unwrap();
     assert!(m.get_replica_list("first").unwrap().replicas.is_empty());
     m.remove("first").unwrap();
@@ -238,4 +241,26 @@ fn lazy_eviction_asks_only_for_the_room_it_needs() {
     assert!(m.put_start(c, "big", cap / 5, &ReplicateConfig::default()).is_err(), "nobody offloads");
     let asked = m.offload_heartbeat(c, 100).unwrap().tasks.len();
     assert!((1..=3).contains(&asked), "asked for {asked} offloads to free 2 of 9 slots");
+}
+
+/// An offload of an object that was removed, then put again with the same bytes,
+/// before the offload was reported: the file written is the old object's (its
+/// removal deleted it), so the report gives the new object no disk replica (which
+/// would let its memory go with nothing behind it). A task of the new object is.
+#[test]
+fn an_offload_of_a_removed_object_is_refused_for_its_successor_with_the_same_bytes() {
+    let m = master();
+    let c = client_with(&m, "a", &[("k", 1000)]);
+    m.report_ssd_capacity(c, 1 << 20).unwrap();
+    let before_removal = 1; // a task given while the first object lived
+    m.remove("k").unwrap();
+    let on = ReplicateConfig::default();
+    m.put_start(c, "k", 1000, &on).unwrap();
+    m.put_end(c, "k", 7).unwrap();
+    let res = m.notify_offload_success(c, &[("k", 1000, 7, before_removal)]);
+    assert!(matches!(res[0], Err(Error::NotFound(_))), "{res:?}");
+    assert_eq!(m.get_replica_list("k").unwrap().disk, None);
+    assert_eq!(m.ssd_usage(c).unwrap().1, 0);
+    assert!(m.notify_offload_success(c, &[("k", 1000, 7, LATER)])[0].is_ok());
+    assert_eq!(m.get_replica_list("k").unwrap().disk, Some(c));
 }

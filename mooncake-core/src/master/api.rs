@@ -142,10 +142,11 @@ macro_rules! master_calls {
             /// Records the SSD capacity of a client.
             ReportSsdCapacity => fn report_ssd_capacity(client: ClientId => ClientId, capacity_bytes: i64 => i64)
                 -> Result<()> => to_all(each);
-            /// Objects (key, length, checksum) a client wrote to its SSD: `LocalDisk` replicas.
+            /// Objects (key, length, checksum, the offload task's generation) a client
+            /// wrote to its SSD: `LocalDisk` replicas.
             NotifyOffloadSuccess => fn notify_offload_success(
                 client: ClientId => ClientId,
-                items: &[(&str, u64, u32)] => Vec<(String, u64, u32)>
+                items: &[(&str, u64, u32, u64)] => Vec<(String, u64, u32, u64)>
             ) -> Vec<Result<()>> => by_keys(items);
             /// Objects a client evicted from its SSD: their `LocalDisk` replicas go.
             BatchEvictDiskReplica => fn batch_evict_disk_replica(client: ClientId => ClientId, keys: &[&str] => Vec<String>)

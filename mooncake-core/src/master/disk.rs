@@ -278,22 +278,29 @@ impl MasterService {
         self.tombstones.supersede_if_marked(key, generation);
     }
 
-    /// A client wrote these objects (key, length, checksum) to its SSD: each gets a
-    /// `LocalDisk` replica on that client. An object that vanished, or whose length
-    /// or checksum differ (it was replaced meanwhile), is refused with `NotFound`
-    /// and changes no counter.
-    pub fn notify_offload_success(&self, client: ClientId, items: &[(&str, u64, u32)]) -> Vec<Result<()>> {
+    /// A client wrote these objects (key, length, checksum, and the generation of the
+    /// offload task it wrote from) to its SSD: each gets a `LocalDisk` replica on that
+    /// client. An object that vanished, whose length or checksum differ, or that was
+    /// removed or replaced after the task was given (a put again with the same bytes
+    /// included: the file written is the old object's, deleted by its removal), is
+    /// refused with `NotFound` and changes no counter.
+    pub fn notify_offload_success(&self, client: ClientId, items: &[(&str, u64, u32, u64)]) -> Vec<Result<()>> {
         if !self.clients.read().contains_key(&client) {
             return items.iter().map(|_| Err(Error::UnknownClient(client))).collect();
         }
         items
             .iter()
-            .map(|&(key, len, checksum)| {
+            .map(|&(key, len, checksum, generation)| {
                 check_key(key)?;
                 self.fence(key)?;
                 let mut shard = self.index.shard(key).lock();
                 match shard.get_mut(key) {
-                    Some(e) if e.complete() && e.len() == len && e.checksum == checksum => {
+                    Some(e)
+                        if e.complete()
+                            && e.len() == len
+                            && e.checksum == checksum
+                            && !self.tombstones.superseded_after(key, generation) =>
+                    {
                         e.set_offload_deadline_ms(0);
                         self.attach_disk(e, client);
                         Ok(())

@@ -155,6 +155,17 @@ impl Tombstones {
         }
     }
 
+    /// Whether `key` is known to have been removed or put again after `generation`
+    /// (its mark is newer; a forgotten mark is not known).
+    pub(crate) fn superseded_after(&self, key: &str, generation: u64) -> bool {
+        if !self.any.load(Ordering::Acquire) {
+            return false;
+        }
+        let (hash, shard) = self.shard(key);
+        let mut shard = shard.lock();
+        shard.get_mut(hash, key).is_some_and(|m| *m != LINGERING && *m > generation)
+    }
+
     /// Whether a copy of `key` stamped `generation` may be taken back while the
     /// master holds no object under the key.
     pub(crate) fn admits(&self, key: &str, generation: u64) -> bool {

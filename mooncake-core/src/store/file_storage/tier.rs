@@ -296,7 +296,8 @@ impl FileStorage {
             }
             _ => true,
         });
-        let items: Vec<(&str, u64, u32)> = written.iter().map(|t| (t.key.as_str(), t.len, t.checksum)).collect();
+        let items: Vec<(&str, u64, u32, u64)> =
+            written.iter().map(|t| (t.key.as_str(), t.len, t.checksum, t.generation)).collect();
         for (task, r) in written.iter().zip(master.notify_offload_success(client, &items)) {
             match r {
                 Ok(()) => {
