@@ -122,6 +122,9 @@ impl TcpServer {
                         let _ = (&conn).write(&encode_refusal(PROTECTED_MODE_REFUSAL));
                         continue;
                     }
+                    // A client host that vanishes never closes its connections: the
+                    // kernel's probes end them, and the thread serving each.
+                    keep_alive(&conn);
                     next_conn += 1;
                     let id = next_conn;
                     {
@@ -358,6 +361,37 @@ fn first_request_arrives(conn: &TcpStream, r: &mut impl Read, header: &mut [u8; 
     r.read_exact(&mut header[4..]).map_err(io)?;
     let _ = conn.set_read_timeout(None);
     Ok(true)
+}
+
+/// After this long idle, a served connection's peer is probed; after
+/// [`KEEPALIVE_PROBES`] unanswered probes, [`KEEPALIVE_INTERVAL`] apart, the connection
+/// fails (its thread ends and its descriptor is closed).
+const KEEPALIVE_IDLE: Duration = Duration::from_secs(60);
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
+const KEEPALIVE_PROBES: i32 = 3;
+
+/// Turns TCP keepalive on for `conn`, with the probes above (best effort: a socket
+/// that refuses keeps the kernel's defaults).
+fn keep_alive(conn: &TcpStream) {
+    use std::os::fd::AsRawFd;
+    let fd = conn.as_raw_fd();
+    let set = |level: i32, name: i32, value: i32| {
+        // SAFETY: `fd` is a socket `conn` keeps open for the call; the option value is
+        // a live `c_int` whose size is passed with it.
+        unsafe {
+            libc::setsockopt(
+                fd,
+                level,
+                name,
+                (&value as *const i32).cast(),
+                std::mem::size_of::<i32>() as libc::socklen_t,
+            )
+        }
+    };
+    set(libc::SOL_SOCKET, libc::SO_KEEPALIVE, 1);
+    set(libc::IPPROTO_TCP, libc::TCP_KEEPIDLE, KEEPALIVE_IDLE.as_secs() as i32);
+    set(libc::IPPROTO_TCP, libc::TCP_KEEPINTVL, KEEPALIVE_INTERVAL.as_secs() as i32);
+    set(libc::IPPROTO_TCP, libc::TCP_KEEPCNT, KEEPALIVE_PROBES);
 }
 
 /// One connection to a peer.
@@ -767,5 +801,35 @@ impl Transport for TcpTransport {
             }
         }
         results
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn option(conn: &TcpStream, level: i32, name: i32) -> i32 {
+        use std::os::fd::AsRawFd;
+        let mut value: i32 = -1;
+        let mut len = std::mem::size_of::<i32>() as libc::socklen_t;
+        // SAFETY: a socket `conn` keeps open, a live `c_int` and its size.
+        let rc = unsafe { libc::getsockopt(conn.as_raw_fd(), level, name, (&mut value as *mut i32).cast(), &mut len) };
+        assert_eq!(rc, 0);
+        value
+    }
+
+    /// A served connection is probed once idle, so that a client host that vanished
+    /// does not hold its thread forever.
+    #[test]
+    fn served_connections_are_probed_once_idle() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let _client = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (conn, _) = l.accept().unwrap();
+        assert_eq!(option(&conn, libc::SOL_SOCKET, libc::SO_KEEPALIVE), 0, "off by default");
+        keep_alive(&conn);
+        assert_eq!(option(&conn, libc::SOL_SOCKET, libc::SO_KEEPALIVE), 1);
+        assert_eq!(option(&conn, libc::IPPROTO_TCP, libc::TCP_KEEPIDLE), 60);
+        assert_eq!(option(&conn, libc::IPPROTO_TCP, libc::TCP_KEEPINTVL), 10);
+        assert_eq!(option(&conn, libc::IPPROTO_TCP, libc::TCP_KEEPCNT), 3);
     }
 }
