@@ -78,11 +78,6 @@ impl MasterService {
         capacity: u64,
         group: Option<u32>,
     ) -> Result<(SegmentId, bool)> {
-        if capacity < DEFAULT_ALIGNMENT {
-            return Err(Error::InvalidArgument(format!(
-                "segment of {capacity} bytes: the least is {DEFAULT_ALIGNMENT}"
-            )));
-        }
         let id = self.next_segment.fetch_add(1, Ordering::Relaxed);
         let name = format!("{}#{}", region.endpoint, region.region);
         let alloc = SegmentAllocator::with_alignment(id, name, capacity, DEFAULT_ALIGNMENT)

@@ -462,10 +462,11 @@ impl MasterService {
         if self.index.shard(key).lock().get(key).is_some_and(|e| e.complete()) {
             return Ok(true);
         }
-        match self.absent(key) {
-            Error::NotFound(_) => Ok(false),
-            e => Err(e),
+        // A miss builds no error unless it is one (batch lookups miss often).
+        if self.recovering_key(key) {
+            return Err(self.absent(key));
         }
+        Ok(false)
     }
 
     /// [`exists`](Self::exists) for many keys.

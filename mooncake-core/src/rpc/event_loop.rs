@@ -538,7 +538,7 @@ impl Loop {
             let stats = self.stats.clone();
             self.with_conn(slot, Some(generation), |l, c| match c.phase {
                 Phase::Closing => Next::Close,
-                _ if c.stall_deadline == Some(at) => l.check_stall(c, at, now),
+                _ if c.stall_deadline == Some(at) => l.check_stall(c, now),
                 Phase::Open { hello_done: true } => Next::Keep,
                 _ => {
                     stats.hello_timeouts.fetch_add(1, Ordering::Relaxed);
@@ -560,15 +560,11 @@ impl Loop {
         }
     }
 
-    /// `c`'s timer due `at` fired: closes the connection if it has held part of a
-    /// frame, unanswered and not waiting for budget, without sending more of it
-    /// for the frame timeout; otherwise watches it again while the frame is in
-    /// progress. (Other timers of the connection, `at` not its stall deadline,
-    /// change nothing.)
-    fn check_stall(&mut self, c: &mut Conn, at: Instant, now: Instant) -> Next {
-        if c.stall_deadline != Some(at) {
-            return Next::Keep;
-        }
+    /// `c`'s stall timer fired (the caller matched its deadline): closes the
+    /// connection if it has held part of a frame, unanswered and not waiting for
+    /// budget, without sending more of it for the frame timeout; otherwise watches
+    /// it again while the frame is in progress.
+    fn check_stall(&mut self, c: &mut Conn, now: Instant) -> Next {
         c.stall_deadline = None;
         if c.busy || c.reader.buffered() == 0 {
             return Next::Keep;

@@ -48,18 +48,23 @@ impl Drop for StoreInner {
 
 /// Tells `master` where to send changes to `client`'s records: the endpoint we serve
 /// them on, or `records` itself for a master of this process (nothing without one).
+/// A master that cannot reach the endpoint is logged: the node then learns its
+/// records with its heartbeats.
 fn announce_records(
     master: &dyn MasterApi,
     endpoint: Option<&RecordEndpoint>,
     records: &Arc<SegmentRecords>,
     client: ClientId,
-) -> Result<()> {
-    match endpoint {
+) {
+    let announced = match endpoint {
         Some(RecordEndpoint::Rpc { server, key }) => {
             master.mount_records(client, &server.local_addr().to_string(), key)
         }
         Some(RecordEndpoint::InProcess(master)) => master.attach_records(client, records.clone()),
         None => Ok(()),
+    };
+    if let Err(e) = announced {
+        tracing::warn!(error = %e, "the master cannot reach our record endpoint");
     }
 }
 
@@ -110,11 +115,6 @@ impl StoreInner {
         regions
     }
 
-    /// Tells the master where to send changes to our records (if we serve them).
-    fn announce_records(&self, client: ClientId) -> Result<()> {
-        announce_records(&*self.master, self.record_endpoint.as_ref(), &self.records, client)
-    }
-
     /// Registers again after the master forgot us (we expired, or it restarted) and
     /// re-mounts the same memory with the objects it still holds. Records whose bytes
     /// no longer match their checksum are not offered.
@@ -123,10 +123,8 @@ impl StoreInner {
         let client = reg.client;
         // Announced before the segment is placeable again, so that no put placed on
         // it is acknowledged before we hold its record (the master waits for the
-        // endpoint it knows; without one, the records come with the heartbeats).
-        if let Err(e) = self.announce_records(client) {
-            tracing::warn!(error = %e, "the master cannot reach our record endpoint");
-        }
+        // endpoint it knows).
+        announce_records(&*self.master, self.record_endpoint.as_ref(), &self.records, client);
         let mut seg = self.segment.lock();
         if let Some(s) = seg.as_mut() {
             let region = &s.region;
@@ -210,10 +208,7 @@ impl Store {
             }
             (true, None, None) => None,
         };
-        if let Err(e) = announce_records(&*master, record_endpoint.as_ref(), &records, client) {
-            // Without it, the node still learns its records with its heartbeats.
-            tracing::warn!(error = %e, "the master cannot reach our record endpoint");
-        }
+        announce_records(&*master, record_endpoint.as_ref(), &records, client);
         let segment = if gives_memory {
             let region = engine.register_region(cfg.global_segment_size)?;
             match master.mount_segment(client, &engine.remote(region.id()), region.len()) {
