@@ -1,7 +1,8 @@
 //! Simulated crashes and disk damage: torn writes, truncated data, corrupt or
-//! missing meta, partial records. Damaged objects are absent (or fail with
-//! `Corrupted`); intact ones read back exactly; wrong bytes are never returned.
-//! Every test runs over the four I/O variants.
+//! missing meta, partial records, removals the disk never saw, unreadable files,
+//! failed removes. Damaged objects are absent (or fail with `Corrupted`); intact ones
+//! read back exactly; wrong bytes are never returned; a remove that fails leaves the
+//! object stored. Every test runs over the four I/O variants.
 
 mod common;
 
@@ -13,15 +14,16 @@ use mooncake_storage::*;
 
 mod bucket {
     crate::io_variants!(crate::common::Kind::Bucket;
-        bucket_truncated_data_file, bucket_corrupt_meta, bucket_missing_meta_and_leftovers, bucket_bit_rot);
+        bucket_truncated_data_file, bucket_corrupt_meta, bucket_missing_meta_and_leftovers, bucket_bit_rot,
+        bucket_newest_copy_wins, bucket_unreadable_meta_is_left_on_disk, bucket_failed_remove_keeps_the_object);
 }
 mod file_per_key {
     crate::io_variants!(crate::common::Kind::FilePerKey;
-        fpk_truncated_and_corrupt_files, fpk_bit_rot);
+        fpk_truncated_and_corrupt_files, fpk_bit_rot, fpk_failed_remove_keeps_the_object);
 }
 mod offset_allocator {
     crate::io_variants!(crate::common::Kind::Offset;
-        offset_partial_and_corrupt_records, offset_bit_rot);
+        offset_partial_and_corrupt_records, offset_bit_rot, offset_failed_remove_keeps_the_object);
 }
 
 fn flip_byte(path: &std::path::Path, off: u64) {
@@ -38,6 +40,28 @@ fn keys_of(b: &dyn StorageBackend) -> Vec<String> {
     b.scan_meta(&mut |m| v.push(m.key.clone()));
     v.sort();
     v
+}
+
+/// `chattr +i` on a path while the guard lives: writes, creations and unlinks there
+/// fail with EPERM, even for root.
+struct Immutable(std::path::PathBuf);
+
+impl Immutable {
+    /// `None`, with a message, where the filesystem or privileges do not allow it.
+    fn set(path: &std::path::Path) -> Option<Immutable> {
+        let ok = std::process::Command::new("chattr").arg("+i").arg(path).status().is_ok_and(|s| s.success());
+        if !ok {
+            eprintln!("skipped: `chattr +i` is not possible on {}", path.display());
+            return None;
+        }
+        Some(Immutable(path.to_owned()))
+    }
+}
+
+impl Drop for Immutable {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("chattr").arg("-i").arg(&self.0).status();
+    }
 }
 
 fn bucket_files(env: &Env) -> Vec<String> {
@@ -225,6 +249,107 @@ fn offset_bit_rot(env: &Env) {
     assert!(matches!(b.load("x", &mut buf), Err(StorageError::Corrupted { .. })));
     drop(b);
     // a reopen drops the record (value checksum fails the scan)
+    let b = OffsetAllocatorBackend::open(env.path(), 1 << 20, env.opts()).unwrap();
+    assert!(keys_of(&b).is_empty());
+}
+
+fn bucket_newest_copy_wins(env: &Env) {
+    let (old, new, other) = (value("old", 5000), value("new", 5000), value("other", 5000));
+    let b = BucketBackend::open(env.path(), env.opts(), BucketConfig::default()).unwrap();
+    b.batch_offload(&[("k", &old[..]), ("other", &other[..])]);
+    let first = b.bucket_of("k").unwrap();
+    let meta = b.meta_file_path(first);
+    let saved = std::fs::read(&meta).unwrap();
+    b.remove("k").unwrap();
+    b.offload("k", &new).unwrap();
+    let second = b.bucket_of("k").unwrap();
+    assert!(second > first);
+    drop(b);
+    // The removal from the first bucket never reached the disk (a crash).
+    std::fs::write(&meta, saved).unwrap();
+    for _ in 0..2 {
+        let b = BucketBackend::open(env.path(), env.opts(), BucketConfig::default()).unwrap();
+        assert_eq!(b.bucket_of("k"), Some(second), "the newer bucket's copy wins");
+        assert_eq!(b.load_vec("k").unwrap(), new);
+        assert_eq!(b.load_vec("other").unwrap(), other);
+    }
+}
+
+fn bucket_unreadable_meta_is_left_on_disk(env: &Env) {
+    let x = value("x", 5000);
+    let (meta, data) = {
+        let b = BucketBackend::open(env.path(), env.opts(), BucketConfig::default()).unwrap();
+        b.offload("x", &x).unwrap();
+        let id = b.bucket_of("x").unwrap();
+        (b.meta_file_path(id), b.data_file_path(id))
+    };
+    // Reading the meta file fails with an I/O error (EISDIR), not a failed check.
+    let saved = std::fs::read(&meta).unwrap();
+    std::fs::remove_file(&meta).unwrap();
+    std::fs::create_dir(&meta).unwrap();
+    {
+        let b = BucketBackend::open(env.path(), env.opts(), BucketConfig::default()).unwrap();
+        assert!(keys_of(&b).is_empty(), "not served while unreadable");
+        assert!(data.exists(), "an I/O error deletes nothing");
+        b.offload("y", b"yy").unwrap();
+    }
+    std::fs::remove_dir(&meta).unwrap();
+    std::fs::write(&meta, saved).unwrap();
+    let b = BucketBackend::open(env.path(), env.opts(), BucketConfig::default()).unwrap();
+    assert_eq!(keys_of(&b), ["x", "y"]);
+    assert_eq!(b.load_vec("x").unwrap(), x);
+}
+
+fn bucket_failed_remove_keeps_the_object(env: &Env) {
+    let (a, b2, c) = (value("a", 5000), value("b", 5000), value("c", 5000));
+    let b = BucketBackend::open(env.path(), env.opts(), BucketConfig::default()).unwrap();
+    b.batch_offload(&[("a", &a[..]), ("b", &b2[..])]);
+    b.offload("c", &c).unwrap();
+    {
+        let Some(_frozen) = Immutable::set(env.path()) else { return };
+        // "a" shares its bucket: the meta file cannot be rewritten.
+        assert!(b.remove("a").is_err());
+        // "c" is alone: its meta file cannot be deleted.
+        assert!(b.remove("c").is_err());
+        assert_eq!(b.load_vec("a").unwrap(), a, "a failed remove leaves the object stored");
+        assert_eq!(b.load_vec("c").unwrap(), c);
+        assert_eq!(keys_of(&b), ["a", "b", "c"]);
+    }
+    b.remove("a").unwrap();
+    b.remove("c").unwrap();
+    drop(b);
+    let b = BucketBackend::open(env.path(), env.opts(), BucketConfig::default()).unwrap();
+    assert_eq!(keys_of(&b), ["b"]);
+}
+
+fn fpk_failed_remove_keeps_the_object(env: &Env) {
+    let x = value("x", 9000);
+    let b = FilePerKeyBackend::open(env.path(), env.opts()).unwrap();
+    b.offload("x", &x).unwrap();
+    let dir = b.path_for("x").parent().unwrap().to_owned();
+    {
+        let Some(_frozen) = Immutable::set(&dir) else { return };
+        assert!(b.remove("x").is_err(), "the file cannot be unlinked: the remove fails");
+        assert_eq!(b.load_vec("x").unwrap(), x, "a failed remove leaves the object stored");
+        assert_eq!(keys_of(&b), ["x"]);
+    }
+    b.remove("x").unwrap();
+    drop(b);
+    let b = FilePerKeyBackend::open(env.path(), env.opts()).unwrap();
+    assert!(keys_of(&b).is_empty());
+}
+
+fn offset_failed_remove_keeps_the_object(env: &Env) {
+    let x = value("x", 9000);
+    let b = OffsetAllocatorBackend::open(env.path(), 1 << 20, env.opts()).unwrap();
+    b.offload("x", &x).unwrap();
+    {
+        let Some(_frozen) = Immutable::set(b.data_file_path()) else { return };
+        assert!(b.remove("x").is_err(), "the record cannot be wiped: the remove fails");
+        assert_eq!(b.load_vec("x").unwrap(), x, "a failed remove leaves the object stored");
+    }
+    b.remove("x").unwrap();
+    drop(b);
     let b = OffsetAllocatorBackend::open(env.path(), 1 << 20, env.opts()).unwrap();
     assert!(keys_of(&b).is_empty());
 }

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use mooncake_core::storage::EvictionPolicy;
 use mooncake_core::{Error, Master, MasterConfig, PersistPolicy, SsdBackend, SsdOffloadConfig, Store};
-use support::{unique_dir, wait_until};
+use support::{unique_dir, wait_until, Immutable};
 
 const MIB: usize = 1 << 20;
 
@@ -143,6 +143,45 @@ fn eager_offload_and_remote_load_from_another_clients_disk() {
     assert!(matches!(reader.get("k0"), Err(Error::NotFound(_))));
     assert_eq!(master.ssd_usage(node.client_id()).unwrap().1, 7 * 300_000);
     drop((reader, node));
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// A removed object's file that cannot be deleted (a disk refusing changes) stays
+/// stored, is counted as pending, and its delete is retried on the node's heartbeats
+/// until the file is gone for good.
+#[test]
+fn a_failed_discard_is_retried_until_the_file_is_gone() {
+    use mooncake_core::storage::{BackendOptions, BucketBackend, BucketConfig, StorageBackend};
+    let dir = unique_dir("ssd-discard-retry");
+    let master = Master::new(MasterConfig {
+        persist: PersistPolicy::Eager,
+        default_lease: Duration::from_millis(200),
+        ..Default::default()
+    })
+    .unwrap();
+    let node = ssd_store(&master, 16 << 20, &dir, 256 << 20, SsdBackend::Bucket);
+    for i in 0..2 {
+        node.put(&format!("k{i}"), &block(i, 300_000)).unwrap();
+    }
+    wait_until(Duration::from_secs(10), || node.ssd_stats().unwrap().offloaded_objects == 2);
+    std::thread::sleep(master.config().default_lease);
+    {
+        let Some(_frozen) = Immutable::set(&dir) else { return };
+        master.remove("k0").unwrap();
+        wait_until(Duration::from_secs(5), || node.ssd_stats().unwrap().discards_pending == 1);
+        assert_eq!(node.ssd_stats().unwrap().discarded, 0);
+        assert_eq!(node.ssd_stats().unwrap().backend.objects, 2, "the object stays stored while its delete fails");
+    }
+    wait_until(Duration::from_secs(5), || {
+        let s = node.ssd_stats().unwrap();
+        s.discarded == 1 && s.discards_pending == 0
+    });
+    drop(node);
+    let disk = BucketBackend::open(&dir, BackendOptions::default(), BucketConfig::default()).unwrap();
+    let mut keys = Vec::new();
+    disk.scan_meta(&mut |m| keys.push(m.key.clone()));
+    assert_eq!(keys, ["k1"], "the removed object's file is gone from the disk");
+    drop(disk);
     std::fs::remove_dir_all(&dir).ok();
 }
 

@@ -349,7 +349,7 @@ fn spawn_offloader(inner: &Arc<StoreInner>, idle: Duration) -> Result<()> {
                 }
             };
             if !busy {
-                ssd.retry_notifications();
+                ssd.retry_pending();
             }
             drop(inner);
             if !busy {

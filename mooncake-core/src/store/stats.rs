@@ -119,7 +119,7 @@ impl std::fmt::Display for StoreStats {
                 f,
                 "  ssd ({}, io {}): {} objects in {} units, {}/{} B used, {} evicted ({} units), \
                  {} pending notifications; {} offloaded ({} B, {} failed), {} local loads, {} served loads, \
-                 {} discarded, {} recovered; staging {:?}",
+                 {} discarded ({} pending), {} recovered; staging {:?}",
                 b.backend,
                 b.io,
                 b.objects,
@@ -135,6 +135,7 @@ impl std::fmt::Display for StoreStats {
                 s.local_loads,
                 s.served_loads,
                 s.discarded,
+                s.discards_pending,
                 s.recovered,
                 s.staging
             )?;

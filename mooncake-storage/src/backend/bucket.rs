@@ -7,7 +7,7 @@ use std::sync::Arc;
 use ahash::{AHashMap, AHashSet};
 use parking_lot::{Mutex, RwLock};
 
-use super::files::{remove_file_quiet, write_file_atomic};
+use super::files::{remove_file_durable, remove_file_quiet, write_file_atomic};
 use super::skeleton::{
     batch_results, bytes_over, checked_load, split_generations, validate_batch, BackendCore, CachedFile, Layout,
     Pinned, Pins, ReadPin, Usage, Victims,
@@ -116,7 +116,11 @@ struct Index {
 /// when the directory is opened; objects whose bytes lie beyond the end of a
 /// (truncated) data file are dropped; every value's crc32c is checked on load. Removing
 /// some keys of a bucket rewrites its meta file (atomically); removing the last one
-/// deletes the bucket. Eviction deletes the meta file before the data file.
+/// deletes it (then the directory is synced); a remove returns only once that is
+/// durable, and a failed one leaves the object stored. Eviction deletes the meta file
+/// durably before the data file. When a key is in two buckets (a removal the disk
+/// never saw), the open keeps the newer bucket's copy; a bucket that cannot be read
+/// for an I/O error (not a failed check) is left on disk for the next open.
 ///
 /// The unit of eviction is the bucket. Reads pin their bucket (an RAII read guard), so an
 /// evicted bucket's files outlive every read that found it.
@@ -209,8 +213,11 @@ impl BucketBackend {
         }
         let mut idx = self.index.write();
         let mut strategy = self.core.strategy.lock();
-        let mut last = 0u64;
-        for (id, data) in &datas {
+        // New ids must stay above every bucket on disk, kept or not.
+        let last = datas.keys().chain(metas.keys()).copied().max().unwrap_or(0);
+        // Newest first: when a key is in two buckets (its removal from the older one
+        // did not reach the disk before a crash), the newer bucket holds its value.
+        for (id, data) in datas.iter().rev() {
             let Some(meta_path) = metas.remove(id) else {
                 tracing::warn!("bucket {id} has no meta file: removing {}", data.display());
                 remove_file_quiet(data);
@@ -225,20 +232,27 @@ impl BucketBackend {
                         }
                     }
                     idx.used += bucket.data_len;
-                    strategy.add(*id, bucket.info(&bucket.live_keys()));
                     idx.buckets.insert(*id, bucket);
-                    last = last.max(*id);
                 }
                 Ok(None) => {
                     remove_file_quiet(&meta_path);
                     remove_file_quiet(data);
                 }
-                Err(e) => {
+                Err(e @ StorageError::Corrupted { .. }) => {
                     tracing::warn!("bucket {id} is garbage ({e}): removing it");
                     remove_file_quiet(&meta_path);
                     remove_file_quiet(data);
                 }
+                Err(e) => {
+                    // An I/O error (EIO, EMFILE, ENOMEM) says nothing of the bucket's
+                    // contents: its files stay for the next open to try again.
+                    tracing::warn!("bucket {id} cannot be read ({e}): left on disk, not served");
+                }
             }
+        }
+        // The strategy learns the buckets oldest first (creation order, for FIFO).
+        for (id, bucket) in &idx.buckets {
+            strategy.add(*id, bucket.info(&bucket.live_keys()));
         }
         for (id, meta) in metas {
             tracing::warn!("bucket {id} has a meta file but no data: removing it");
@@ -285,16 +299,27 @@ impl BucketBackend {
             file: CachedFile::default(),
         };
         if changed {
-            self.rewrite_meta(&bucket)?;
+            if let Err(e) = self.rewrite_meta(&bucket) {
+                // Served as recovered; the next open drops the same entries again.
+                tracing::warn!("bucket {id}: cannot rewrite its meta file without dropped entries ({e})");
+            }
         }
         Ok(Some(bucket))
     }
 
     /// Rewrites a bucket's meta file with its live entries only.
     fn rewrite_meta(&self, bucket: &Bucket) -> Result<()> {
-        let state = bucket.state.lock();
+        self.write_meta(bucket, &bucket.state.lock())
+    }
+
+    /// Writes a bucket's meta file (atomically and durably) with the entries `state`
+    /// says are live; deletes it when none is.
+    fn write_meta(&self, bucket: &Bucket, state: &BucketState) -> Result<()> {
         if state.deleted {
             return Ok(());
+        }
+        if !state.live.iter().any(|&l| l) {
+            return remove_file_durable(&self.dir.join(meta_name(bucket.id)));
         }
         let entries: Vec<BucketEntry> =
             bucket.entries.iter().zip(&state.live).filter(|(_, &l)| l).map(|(e, _)| e.clone()).collect();
@@ -345,7 +370,12 @@ impl BucketBackend {
         b.file.close();
         let mut state = b.state.lock();
         state.deleted = true;
-        remove_file_quiet(&self.dir.join(meta_name(b.id)));
+        // The meta file names the objects: its deletion must survive a power loss,
+        // or evicted and removed objects come back. A data file without one is
+        // garbage that the next open deletes.
+        if let Err(e) = remove_file_durable(&self.dir.join(meta_name(b.id))) {
+            tracing::warn!("bucket {}: cannot delete its meta file ({e}); its objects may come back on restart", b.id);
+        }
         remove_file_quiet(&data_path(&self.dir, b.id));
     }
 
@@ -522,26 +552,38 @@ impl StorageBackend for BucketBackend {
     }
 
     fn remove(&self, key: &str) -> Result<()> {
-        let (bucket, emptied) = {
-            let mut idx = self.index.write();
-            let loc = idx.objects.remove(key).ok_or_else(|| StorageError::NotFound(key.to_owned()))?;
-            let mut state = loc.bucket.state.lock();
-            state.live[loc.entry] = false;
-            let emptied = !state.live.iter().any(|&l| l);
-            drop(state);
-            if emptied {
-                idx.buckets.remove(&loc.bucket.id);
-                idx.used -= loc.bucket.data_len;
-                self.core.strategy.lock().remove(loc.bucket.id);
+        let loc = self.index.read().objects.get(key).cloned().ok_or_else(|| StorageError::NotFound(key.to_owned()))?;
+        let bucket = &loc.bucket;
+        // The disk first: the removal is done only once the meta file without the
+        // entry (or no meta file, for the last one) is durable; if that fails the
+        // object stays, on disk and in the index, and the error says so.
+        let emptied = {
+            let mut state = bucket.state.lock();
+            if state.deleted || !state.live[loc.entry] {
+                return Err(StorageError::NotFound(key.to_owned()));
             }
-            (loc.bucket, emptied)
+            state.live[loc.entry] = false;
+            if let Err(e) = self.write_meta(bucket, &state) {
+                state.live[loc.entry] = true;
+                return Err(e);
+            }
+            !state.live.iter().any(|&l| l)
         };
-        if emptied {
-            self.delete_bucket(&bucket);
-            Ok(())
-        } else {
-            self.rewrite_meta(&bucket)
+        let mut idx = self.index.write();
+        if idx.objects.get(key).is_some_and(|l| Arc::ptr_eq(&l.bucket, bucket) && l.entry == loc.entry) {
+            idx.objects.remove(key);
         }
+        // An eviction may have taken the bucket meanwhile: then it deletes it.
+        let ours = emptied && idx.buckets.remove(&bucket.id).is_some();
+        if ours {
+            idx.used -= bucket.data_len;
+            self.core.strategy.lock().remove(bucket.id);
+        }
+        drop(idx);
+        if ours {
+            self.delete_bucket(bucket);
+        }
+        Ok(())
     }
 
     fn scan_meta(&self, visitor: &mut dyn FnMut(&ObjectMeta)) -> usize {

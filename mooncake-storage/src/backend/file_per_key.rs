@@ -136,9 +136,14 @@ impl FilePerKeyBackend {
                     match self.recover_file(&path) {
                         Ok(Some((h, len))) => found.push((h, path, len)),
                         Ok(None) => {}
-                        Err(e) => {
+                        Err(e @ StorageError::Corrupted { .. }) => {
                             tracing::warn!("{} is garbage ({e}): removing it", path.display());
                             remove_file_quiet(&path);
+                        }
+                        Err(e) => {
+                            // An I/O error (EIO, EMFILE) says nothing of the file's
+                            // contents: it stays for the next open to try again.
+                            tracing::warn!("{} cannot be read ({e}): left on disk, not served", path.display());
                         }
                     }
                 }
@@ -211,7 +216,9 @@ impl FilePerKeyBackend {
         })
     }
 
-    fn delete(&self, o: &Obj) {
+    /// Unlinks an object's file once no read holds it; returns whether it did (the
+    /// caller syncs the directory).
+    fn unlink(&self, o: &Obj) -> Result<bool> {
         let wait = self.core.eviction_wait;
         if !o.pins.wait_unpinned(wait) {
             tracing::warn!("{:?}: reads still in flight after {wait:?}; deleting anyway", o.meta.key);
@@ -220,9 +227,38 @@ impl FilePerKeyBackend {
         // The wait above may have let a newer version of the key be renamed onto the
         // path (a put again, an upsert): that file is not this object's to delete.
         let _renames = self.renames.lock();
-        if inode_of(&o.path) == Some(o.ino) {
-            remove_file_quiet(&o.path);
+        if inode_of(&o.path) != Some(o.ino) {
+            return Ok(false);
         }
+        match std::fs::remove_file(&o.path) {
+            Ok(()) => Ok(true),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Deletes objects' files durably: unlinked, then each directory synced once, so
+    /// that evicted and removed objects do not come back with a power loss.
+    fn delete(&self, objects: &[Arc<Obj>]) -> Result<()> {
+        let mut dirs = AHashSet::new();
+        let mut first_err = None;
+        for o in objects {
+            match self.unlink(o) {
+                Ok(true) => {
+                    dirs.insert(o.path.parent().map(Path::to_owned).unwrap_or_default());
+                }
+                Ok(false) => {}
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        for d in &dirs {
+            if let Err(e) = sync_dir(d) {
+                first_err.get_or_insert(e);
+            }
+        }
+        first_err.map_or(Ok(()), Err)
     }
 
     fn file_of(&self, o: &Obj) -> Result<Arc<IoFile>> {
@@ -447,7 +483,20 @@ impl StorageBackend for FilePerKeyBackend {
             self.core.strategy.lock().remove(obj.unit);
             obj
         };
-        self.delete(&obj);
+        if let Err(e) = self.delete(std::slice::from_ref(&obj)) {
+            // If the file is still there, the object stays stored (unless a newer
+            // version of the key is already being written); the error says so.
+            let _renames = self.renames.lock();
+            let mut idx = self.index.write();
+            let kept = inode_of(&obj.path) == Some(obj.ino);
+            if kept && !idx.objects.contains_key(key) && !idx.writing.contains(key) {
+                idx.used += obj.disk_len;
+                idx.units.insert(obj.unit, key.to_owned());
+                self.core.strategy.lock().add(obj.unit, obj.info(&[key]));
+                idx.objects.insert(key.to_owned(), obj);
+            }
+            return Err(e);
+        }
         Ok(())
     }
 
@@ -484,8 +533,8 @@ impl Layout for FilePerKeyBackend {
     }
 
     fn finalize(&self, objects: &[Arc<Obj>]) {
-        for o in objects {
-            self.delete(o);
+        if let Err(e) = self.delete(objects) {
+            tracing::warn!("cannot delete evicted objects' files ({e}); they may come back on restart");
         }
     }
 

@@ -23,6 +23,17 @@ pub(super) fn sync_dir(dir: &Path) -> Result<()> {
     Ok(())
 }
 
+/// Removes a file durably: unlinks it ("not found" counts as removed), then syncs
+/// its directory, so that the file cannot come back with a power loss.
+pub(super) fn remove_file_durable(path: &Path) -> Result<()> {
+    match std::fs::remove_file(path) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e.into()),
+    }
+    sync_dir(path.parent().unwrap_or(Path::new(".")))
+}
+
 /// Removes a file, ignoring "not found".
 pub(super) fn remove_file_quiet(path: &Path) {
     if let Err(e) = std::fs::remove_file(path) {

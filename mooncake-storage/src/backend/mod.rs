@@ -259,6 +259,10 @@ pub trait StorageBackend: Send + Sync {
     }
 
     /// Removes an object (a user removal: the eviction listener is not called).
+    ///
+    /// Returns once the removal is durable: the object cannot come back with a crash
+    /// or power loss. On an error the object stays stored and readable, so the caller
+    /// can try again.
     fn remove(&self, key: &str) -> Result<()>;
 
     /// Calls `visitor` for every stored object; returns how many. After reopening a

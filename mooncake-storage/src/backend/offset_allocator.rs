@@ -84,7 +84,8 @@ struct Control {
 ///
 /// **Crash safety and recovery**: a write is acknowledged after `fdatasync`. Removal
 /// and eviction overwrite the record's first 4 KiB with zeros (synced) before its
-/// space is freed. Opening the file scans it (skipping holes with `SEEK_DATA`): a
+/// space is freed; a remove returns once that wipe is synced (a failed one leaves the
+/// object stored). Opening the file scans it (skipping holes with `SEEK_DATA`): a
 /// record counts only if its header checksum holds, it fits the file, and its value
 /// matches its crc32c — a torn or partial record is ignored and its space is free.
 /// Of two valid records of one key the higher `seq` wins (the other is wiped).
@@ -530,6 +531,23 @@ impl StorageBackend for OffsetAllocatorBackend {
             self.core.strategy.lock().remove(rec.unit);
             rec
         };
+        // The disk first: the record's header is wiped and synced now, before its
+        // space waits for reads (which touch only the value, past the header), so a
+        // remove that returns cannot come back with a crash.
+        if let Err(e) = self.wipe(rec.offset).and_then(|()| self.core.io.sync_data(&self.file)) {
+            // Writers insert under `ctl`: holding it, the key cannot appear meanwhile.
+            let mut ctl = self.ctl.lock();
+            if !self.shards[shard_of(key)].read().contains_key(key) && !ctl.writing.contains(key) {
+                ctl.units.insert(rec.unit, key.to_owned());
+                self.core.strategy.lock().add(rec.unit, UnitInfo { bytes: rec.size(), keys: &[key] });
+                self.shards[shard_of(key)].write().insert(key.to_owned(), rec);
+                return Err(e);
+            }
+            drop(ctl);
+            // A newer record of the key is there: it wins over this one on recovery.
+            self.free_records(&[rec], self.core.eviction_wait);
+            return Err(e);
+        }
         self.free_records(&[rec], self.core.eviction_wait);
         Ok(())
     }

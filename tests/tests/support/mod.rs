@@ -65,6 +65,28 @@ pub fn payload(seed: u8, len: usize) -> Vec<u8> {
     (0..len).map(|i| seed.wrapping_mul(37).wrapping_add((i % 241) as u8) ^ (i >> 12) as u8).collect()
 }
 
+/// `chattr +i` on a path while the guard lives: writes, creations and unlinks there
+/// fail with EPERM, even for root (a disk that refuses changes).
+pub struct Immutable(PathBuf);
+
+impl Immutable {
+    /// `None`, with a message, where the filesystem or privileges do not allow it.
+    pub fn set(path: &Path) -> Option<Immutable> {
+        let ok = Command::new("chattr").arg("+i").arg(path).status().is_ok_and(|s| s.success());
+        if !ok {
+            eprintln!("skipped: `chattr +i` is not possible on {}", path.display());
+            return None;
+        }
+        Some(Immutable(path.to_owned()))
+    }
+}
+
+impl Drop for Immutable {
+    fn drop(&mut self) {
+        let _ = Command::new("chattr").arg("-i").arg(&self.0).status();
+    }
+}
+
 /// Polls `cond` until it holds; panics after `limit`.
 pub fn wait_until(limit: Duration, mut cond: impl FnMut() -> bool) {
     let start = Instant::now();

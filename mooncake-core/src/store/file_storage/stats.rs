@@ -23,6 +23,9 @@ pub struct SsdStats {
     pub served_loads: u64,
     /// Files deleted because the master dropped their objects.
     pub discarded: u64,
+    /// Files of removed objects whose deletion failed and is retried on each offload
+    /// heartbeat (the object stays stored on disk meanwhile).
+    pub discards_pending: u64,
     /// Objects found on disk at start and registered with the master.
     pub recovered: u64,
 }
@@ -42,7 +45,7 @@ pub(super) struct SsdCounters {
 
 impl SsdCounters {
     /// The counters with the backend's and the staging region's snapshots.
-    pub(super) fn snapshot(&self, backend: BackendStats, staging: StagingStats) -> SsdStats {
+    pub(super) fn snapshot(&self, backend: BackendStats, staging: StagingStats, discards_pending: u64) -> SsdStats {
         let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
         SsdStats {
             backend,
@@ -53,6 +56,7 @@ impl SsdCounters {
             local_loads: get(&self.local_loads),
             served_loads: get(&self.served_loads),
             discarded: get(&self.discarded),
+            discards_pending,
             recovered: get(&self.recovered),
         }
     }

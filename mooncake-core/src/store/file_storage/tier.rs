@@ -34,6 +34,9 @@ pub(crate) struct Discarder {
     counters: Arc<SsdCounters>,
     /// Recent discards: key -> generation, and their order.
     recent: Mutex<(ahash::HashMap<String, u64>, std::collections::VecDeque<String>)>,
+    /// Discards whose delete failed (the file is still stored): key -> generation,
+    /// retried on each offload heartbeat.
+    failed: Mutex<ahash::HashMap<String, u64>>,
     key_locks: Box<[Mutex<()>]>,
 }
 
@@ -54,14 +57,29 @@ impl Discarder {
                 }
                 Err(mooncake_storage::StorageError::NotFound(_)) => false,
                 Err(e) => {
-                    // The master counts the removal as done; the file may come back
-                    // with a restart of this node (see ARCHITECTURE.md, SSD tier).
-                    tracing::warn!(key, error = %e, "could not delete the file of a removed object");
+                    // The master counts the removal as done and the backend still
+                    // holds the object: the delete is tried again until it succeeds.
+                    tracing::warn!(key, error = %e, "could not delete the file of a removed object; will retry");
+                    // Kept with the stored object's generation: a retry never deletes
+                    // a newer object written under the key meanwhile.
+                    let mut failed = self.failed.lock();
+                    let g = failed.entry(key.to_owned()).or_insert(m.generation);
+                    *g = (*g).max(m.generation);
                     false
                 }
             },
             _ => false,
         }
+    }
+
+    /// Tries the failed discards again; returns how many are still pending.
+    fn retry_failed(&self) -> usize {
+        let failed = std::mem::take(&mut *self.failed.lock());
+        for (key, generation) in failed {
+            let _guard = self.key_lock(&key);
+            self.delete_older(&key, generation);
+        }
+        self.failed.lock().len()
     }
 
     /// The newest discard of `key` remembered, if any.
@@ -183,6 +201,7 @@ impl FileStorage {
             backend: backend.clone(),
             counters: counters.clone(),
             recent: Mutex::new(Default::default()),
+            failed: Mutex::new(Default::default()),
             key_locks: (0..KEY_LOCKS).map(|_| Mutex::new(())).collect(),
         });
         Ok(Self {
@@ -250,9 +269,8 @@ impl FileStorage {
     ) -> Result<usize> {
         let OffloadPlan { tasks, discard } = master.offload_heartbeat(client, self.batch)?;
         for key in &discard {
-            if self.backend.remove(key).is_ok() {
-                inc(&self.counters.discarded, 1);
-            }
+            let _guard = self.discarder.key_lock(key);
+            self.discarder.delete_older(key, u64::MAX);
         }
         if tasks.is_empty() {
             return Ok(0);
@@ -375,15 +393,20 @@ impl FileStorage {
         results
     }
 
-    /// Runs queued eviction notices again (after the master was unreachable).
-    pub(crate) fn retry_notifications(&self) {
+    /// Runs queued eviction notices again (after the master was unreachable), and
+    /// the deletes of removed objects' files that failed.
+    pub(crate) fn retry_pending(&self) {
         if let Err(e) = self.backend.retry_pending_notifications() {
             tracing::debug!(error = %e, "eviction notices still pending");
+        }
+        let left = self.discarder.retry_failed();
+        if left > 0 {
+            tracing::debug!(left, "deletes of removed objects' files still pending");
         }
     }
 
     /// A snapshot of the tier.
     pub(crate) fn stats(&self) -> SsdStats {
-        self.counters.snapshot(self.backend.stats(), self.staging.stats())
+        self.counters.snapshot(self.backend.stats(), self.staging.stats(), self.discarder.failed.lock().len() as u64)
     }
 }
