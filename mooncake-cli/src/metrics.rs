@@ -114,6 +114,12 @@ pub fn prometheus_text(stats: &MasterStats, rpc: Option<&RpcServerStats>) -> Str
                 &rpc.hello_timeouts,
             ),
             (
+                "rpc_crowded_out_total",
+                "Connections closed in their handshake to make room (too many waited).",
+                "counter",
+                &rpc.crowded_out,
+            ),
+            (
                 "auth_failures_total",
                 "Connections that failed the shared-secret handshake.",
                 "counter",

@@ -340,6 +340,82 @@ fn a_flood_of_unauthenticated_sockets_is_bounded_and_quiet() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// The same flood at the master: 1,500 silent sockets to a master that may hold only
+/// 700 descriptors. Beyond [`MAX_UNAUTHENTICATED`] waiting handshakes the master closes
+/// the oldest, so it never runs out of descriptors: an authenticated client is served
+/// while the sockets are held, and the flood leaves a bounded number of warning lines.
+/// (Before, the master held a descriptor per silent socket until its hello expired, up
+/// to its limit: then it could accept no one.)
+#[test]
+fn a_flood_of_silent_sockets_does_not_lock_clients_out_of_the_master() {
+    use mooncake_core::rpc::MAX_UNAUTHENTICATED;
+    let env = [("MOONCAKE_SECRET", SECRET)];
+    let dir = unique_dir("master-flood");
+    let log = dir.join("master.log");
+    let mut master = Command::new("prlimit")
+        .arg("--nofile=700:700")
+        .arg(bin("mooncake-master"))
+        .args(["--listen", "127.0.0.1:0"])
+        .envs(env)
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufRead::read_line(&mut std::io::BufReader::new(master.stdout.take().unwrap()), &mut line).unwrap();
+    let addr = line.trim().rsplit(' ').next().unwrap().to_owned();
+    let pid = master.id();
+    let data = payload(4, 50_000);
+    let node = Proc::spawn_env(
+        &[],
+        &bin("mooncake-client"),
+        &["serve", "--master", &addr, "--listen", "127.0.0.1:0", "--segment-size", "16MiB"],
+        &env,
+    );
+    put_file(&dir, &addr, "before", &data, &env);
+    let (fds0, _) = fds_and_threads(pid);
+    let socks: Vec<TcpStream> = (0..1500).filter_map(|_| TcpStream::connect(&addr).ok()).collect();
+    assert!(socks.len() >= 1400, "{} sockets opened", socks.len());
+    thread::sleep(Duration::from_millis(500));
+    let (fds, _) = fds_and_threads(pid);
+    eprintln!("1500 silent sockets: master descriptors {fds0} -> {fds}");
+    assert!(fds <= fds0 + MAX_UNAUTHENTICATED + 16, "descriptors: {fds0} before, {fds} during the flood");
+    let start = Instant::now();
+    assert_eq!(get_file(&dir, &addr, "before", &env).unwrap(), data, "a client is served during the flood");
+    put_file(&dir, &addr, "during", &data, &env);
+    assert!(start.elapsed() < Duration::from_secs(4), "served in {:?}", start.elapsed());
+    drop(socks);
+    drop(node);
+    let _ = master.kill();
+    let _ = master.wait();
+    let text = std::fs::read_to_string(&log).unwrap();
+    let warnings = text.lines().filter(|l| l.contains("WARN")).count();
+    assert!(warnings <= 10, "{warnings} warning lines for 1500 silent sockets:\n{text}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The binaries raise their soft limit on open descriptors to the hard one.
+#[test]
+fn the_master_raises_its_open_files_limit() {
+    let mut master = Command::new("prlimit")
+        .arg("--nofile=256:4096")
+        .arg(bin("mooncake-master"))
+        .args(["--listen", "127.0.0.1:0"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufRead::read_line(&mut std::io::BufReader::new(master.stdout.take().unwrap()), &mut line).unwrap();
+    let limits = std::fs::read_to_string(format!("/proc/{}/limits", master.id())).unwrap();
+    let open_files = limits.lines().find(|l| l.starts_with("Max open files")).unwrap().to_owned();
+    let _ = master.kill();
+    let _ = master.wait();
+    let fields: Vec<&str> = open_files.split_whitespace().collect();
+    assert_eq!(&fields[3..5], ["4096", "4096"], "{open_files}");
+}
+
 // ---------------------------------------------------------------------------------
 // With a real etcd.
 

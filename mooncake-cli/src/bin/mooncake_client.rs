@@ -396,6 +396,7 @@ fn main() {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
+    mooncake_cli::limits::raise_open_files_limit();
     let args = Args::parse();
     let etcd = mooncake_core::cluster::EtcdCredentials::from_flags(
         args.etcd_user.as_deref(),

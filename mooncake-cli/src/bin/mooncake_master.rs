@@ -236,6 +236,7 @@ fn main() {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
+    mooncake_cli::limits::raise_open_files_limit();
     if let Err(e) = run(Args::parse().resolve()) {
         eprintln!("mooncake-master: {e}");
         std::process::exit(1);

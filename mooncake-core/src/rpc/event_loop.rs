@@ -20,7 +20,7 @@ use mio::net::{TcpListener, TcpStream};
 use mio::unix::SourceFd;
 use mio::{Events, Interest, Poll, Token, Waker};
 use mooncake_transfer::{
-    admits_peer, encode_refusal, Acceptor, AUTH_HELLO_LEN, AUTH_LEN, AUTH_MAGIC, PROTECTED_MODE_REFUSAL,
+    admits_peer, encode_refusal, Acceptor, WarnLimiter, AUTH_HELLO_LEN, AUTH_LEN, AUTH_MAGIC, PROTECTED_MODE_REFUSAL,
 };
 
 use super::budget::{DecodeError, DecodeLimits, DecodePool, PoolAccess};
@@ -41,6 +41,22 @@ const READ_CHUNK: usize = 64 << 10;
 const LINGER: Duration = Duration::from_millis(500);
 /// Most refused connections lingering at once (beyond it they are closed at once).
 const MAX_LINGERING: usize = 256;
+/// Most connections that have not finished their handshake (or, without a secret, their
+/// first frame) at once: beyond it the oldest is closed to make room, so that a flood
+/// of silent sockets cannot take every descriptor while each waits for its deadline.
+/// Far above a real burst of clients: a handshake takes one round trip.
+pub const MAX_UNAUTHENTICATED: usize = 512;
+
+/// Warnings about connections, each kind written at most once per
+/// [`WARN_EVERY`](mooncake_transfer::WARN_EVERY): a flood of refused or silent sockets
+/// would otherwise write a line each.
+#[derive(Default)]
+struct Warnings {
+    accept: WarnLimiter,
+    refused: WarnLimiter,
+    crowded: WarnLimiter,
+    handshake: WarnLimiter,
+}
 
 /// A complete request, to be answered by a server thread.
 pub(super) struct Job {
@@ -288,6 +304,10 @@ pub(super) struct Loop {
     done: Receiver<Done>,
     scratch: Vec<u8>,
     next_generation: u64,
+    /// Connections still in their handshake, oldest first: (slot, generation); some
+    /// may have moved on (checked when taken out).
+    unauthenticated: VecDeque<(usize, u64)>,
+    warnings: Warnings,
 }
 
 /// What driving a connection came to.
@@ -334,6 +354,8 @@ impl Loop {
             done,
             scratch: vec![0; READ_CHUNK],
             next_generation: 0,
+            unauthenticated: VecDeque::new(),
+            warnings: Warnings::default(),
         })
     }
 
@@ -438,7 +460,7 @@ impl Loop {
                 Err(e) if e.kind() == ErrorKind::Interrupted => continue,
                 Err(e) => {
                     // Out of descriptors and the like: try again shortly, without spinning.
-                    tracing::warn!(error = %e, "accepting an RPC connection");
+                    self.warnings.accept.warn(format_args!("accepting an RPC connection: {e}"));
                     self.accept_retry = Some(Instant::now() + Duration::from_millis(100));
                     return;
                 }
@@ -446,10 +468,12 @@ impl Loop {
             self.stats.connections.fetch_add(1, Ordering::Relaxed);
             let open = self.conns.len() - self.free.len();
             let refusal = if !admits_peer(peer.ip(), self.config.secret.is_some(), self.config.insecure) {
-                tracing::warn!(%peer, "protected mode: refusing a non-loopback RPC client");
+                self.warnings.refused.warn(format_args!("protected mode: refusing a non-loopback RPC client ({peer})"));
                 Some(PROTECTED_MODE_REFUSAL.to_owned())
             } else if open >= self.config.max_connections {
-                tracing::warn!(%peer, open, "refusing an RPC connection: too many connections");
+                self.warnings
+                    .refused
+                    .warn(format_args!("refusing an RPC connection from {peer}: too many connections ({open})"));
                 Some(format!("too many connections (limit {})", self.config.max_connections))
             } else {
                 None
@@ -503,6 +527,8 @@ impl Loop {
                 let _ = stream.shutdown(std::net::Shutdown::Write);
                 Instant::now() + LINGER
             } else {
+                self.make_room_for_a_handshake();
+                self.unauthenticated.push_back((slot, generation));
                 Instant::now() + self.config.hello_timeout
             };
             self.timers.push(Reverse((deadline, slot, generation)));
@@ -526,6 +552,35 @@ impl Loop {
         }
     }
 
+    /// Closes the oldest connections still in their handshake while
+    /// [`MAX_UNAUTHENTICATED`] are, so that one more fits.
+    fn make_room_for_a_handshake(&mut self) {
+        let waiting =
+            |c: &Conn| matches!(c.phase, Phase::Auth { .. } | Phase::Hello { .. } | Phase::Open { hello_done: false });
+        if self.unauthenticated.len() >= 2 * MAX_UNAUTHENTICATED {
+            // Most entries are of connections that moved on: drop those.
+            let conns = &self.conns;
+            self.unauthenticated.retain(|&(slot, generation)| {
+                conns.get(slot).and_then(Option::as_ref).is_some_and(|c| c.generation == generation && waiting(c))
+            });
+        }
+        while self.unauthenticated.len() >= MAX_UNAUTHENTICATED {
+            let Some((slot, generation)) = self.unauthenticated.pop_front() else { break };
+            let stats = self.stats.clone();
+            self.with_conn(slot, Some(generation), |l, c| {
+                if !waiting(c) {
+                    return Next::Keep;
+                }
+                stats.crowded_out.fetch_add(1, Ordering::Relaxed);
+                l.warnings.crowded.warn(format_args!(
+                    "{MAX_UNAUTHENTICATED} RPC connections wait to authenticate: closing the oldest ({})",
+                    c.peer
+                ));
+                Next::Close
+            });
+        }
+    }
+
     /// Closes connections whose hello did not complete in time, refused ones whose
     /// linger ended, and those that stopped halfway through a frame.
     fn fire_timers(&mut self) {
@@ -542,7 +597,10 @@ impl Loop {
                 Phase::Open { hello_done: true } => Next::Keep,
                 _ => {
                     stats.hello_timeouts.fetch_add(1, Ordering::Relaxed);
-                    tracing::warn!(peer = %c.peer, "closing an RPC connection that did not complete its hello in time");
+                    l.warnings.handshake.warn(format_args!(
+                        "closing an RPC connection that did not complete its hello in time ({})",
+                        c.peer
+                    ));
                     Next::Close
                 }
             });
@@ -706,7 +764,9 @@ impl Loop {
                     used += take;
                     if !*proving && *filled >= 4 && got[..4] != AUTH_MAGIC {
                         self.stats.auth_failures.fetch_add(1, Ordering::Relaxed);
-                        tracing::warn!(peer = %c.peer, "RPC client sent no shared secret; closing");
+                        self.warnings
+                            .handshake
+                            .warn(format_args!("RPC client {} sent no shared secret; closing", c.peer));
                         return (used, self.linger(c));
                     }
                     if *filled < want {
@@ -734,7 +794,9 @@ impl Loop {
                     let _ = (&*c.stream).write(&[u8::from(ok)]);
                     if !ok {
                         self.stats.auth_failures.fetch_add(1, Ordering::Relaxed);
-                        tracing::warn!(peer = %c.peer, "RPC client proved a wrong shared secret");
+                        self.warnings
+                            .handshake
+                            .warn(format_args!("RPC client {} proved a wrong shared secret", c.peer));
                         return (used, self.linger(c));
                     }
                     c.phase = Phase::Open { hello_done: true };
@@ -750,7 +812,10 @@ impl Loop {
                     let first = *got;
                     if first == AUTH_MAGIC {
                         self.stats.auth_failures.fetch_add(1, Ordering::Relaxed);
-                        tracing::warn!(peer = %c.peer, "RPC client proves a shared secret this server does not have");
+                        self.warnings.handshake.warn(format_args!(
+                            "RPC client {} proves a shared secret this server does not have",
+                            c.peer
+                        ));
                         let _ = (&*c.stream).write(&encode_refusal(
                             "this server has no shared secret but the client proved one: set the same \
                              MOONCAKE_SECRET on every process",

@@ -60,6 +60,9 @@ pub struct RpcServerStats {
     /// Connections closed for not completing their hello (the shared-secret
     /// handshake, or a first frame) in time.
     pub hello_timeouts: AtomicU64,
+    /// Connections closed while still in their handshake to make room for a newer one
+    /// (more than [`MAX_UNAUTHENTICATED`](crate::rpc::MAX_UNAUTHENTICATED) waited).
+    pub crowded_out: AtomicU64,
     /// Connections that failed the shared-secret handshake.
     pub auth_failures: AtomicU64,
     /// Connections closed for holding part of a frame without sending more of it for
@@ -92,6 +95,7 @@ impl Default for RpcServerStats {
             open_connections: AtomicU64::new(0),
             refused_connections: AtomicU64::new(0),
             hello_timeouts: AtomicU64::new(0),
+            crowded_out: AtomicU64::new(0),
             auth_failures: AtomicU64::new(0),
             frame_timeouts: AtomicU64::new(0),
             handler_panics: AtomicU64::new(0),

@@ -22,6 +22,7 @@ pub(crate) mod wire;
 pub use client::{record_endpoint_secret, RpcMasterClient, RpcRecordConnector, RECORD_KEY_LEN};
 #[cfg(feature = "etcd")]
 pub(crate) use client::{unexpected, Sent};
+pub use event_loop::MAX_UNAUTHENTICATED;
 #[cfg(feature = "fuzzing")]
 pub use frame_reader::{FrameReader, RawFrame};
 #[cfg(feature = "fuzzing")]
