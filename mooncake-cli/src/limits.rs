@@ -16,9 +16,9 @@ pub fn raise_open_files_limit() -> Option<u64> {
         let raised = libc::rlimit { rlim_cur: lim.rlim_max, rlim_max: lim.rlim_max };
         // SAFETY: `raised` is a valid rlimit; the call only reads it.
         if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } == 0 {
-            return Some(raised.rlim_cur as u64);
+            return Some(raised.rlim_cur);
         }
         tracing::warn!(soft = lim.rlim_cur, hard = lim.rlim_max, "cannot raise the open-files limit");
     }
-    Some(lim.rlim_cur as u64)
+    Some(lim.rlim_cur)
 }
