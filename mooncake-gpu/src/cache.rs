@@ -588,7 +588,8 @@ impl<H: DeviceHeap + ?Sized> NanoKvCache<H> {
     /// is Ok). `Err(Stale)` when the watchdog reclaimed it or it was removed.
     pub fn commit(&self, plan: &WritePlan) -> Result<()> {
         let mut inner = self.inner.lock();
-        match inner.slots[plan.slot as usize].as_ref() {
+        // A plan's fields are public: a slot out of range is a stale plan, not a panic.
+        match inner.slots.get(plan.slot as usize).and_then(Option::as_ref) {
             Some(e) if e.epoch == plan.epoch && e.id == plan.key_id() => {}
             _ => return Err(GpuError::Stale),
         }
@@ -601,7 +602,8 @@ impl<H: DeviceHeap + ?Sized> NanoKvCache<H> {
     /// its space freed. `Err(Stale)` if it is already gone.
     pub fn abort(&self, plan: &WritePlan) -> Result<()> {
         let mut inner = self.inner.lock();
-        match inner.slots[plan.slot as usize].as_ref() {
+        // A plan's fields are public: a slot out of range is a stale plan, not a panic.
+        match inner.slots.get(plan.slot as usize).and_then(Option::as_ref) {
             Some(e) if e.epoch == plan.epoch && e.id == plan.key_id() => {}
             _ => return Err(GpuError::Stale),
         }
@@ -915,7 +917,24 @@ impl NanoKvCache<CudaDeviceHeap> {
             Err(e) => {
                 // The header's own write may be what failed: its epoch is no
                 // longer known for sure.
-                let _ = self.abort(&plan);
+                if self.abort(&plan).is_err() {
+                    // Then the slot still reads DEAD, which `abort` takes for an
+                    // evictor between its steps and leaves alone: the key would stay
+                    // reserved for good (the watchdog reclaims only RESERVED and
+                    // WRITING). No reader pins a DEAD slot, and this cache is the
+                    // heap's only owner: the reservation is freed here.
+                    let mut inner = self.inner.lock();
+                    let ours = inner
+                        .slots
+                        .get(plan.slot as usize)
+                        .and_then(Option::as_ref)
+                        .is_some_and(|en| en.epoch == plan.epoch && en.id == plan.key_id());
+                    let dead = self.heap.load_u32(plan.slot, HeaderU32Field::State, Ordering::Acquire).ok()
+                        == Some(ObjectState::Dead.as_u32());
+                    if ours && dead {
+                        inner.release(plan.slot);
+                    }
+                }
                 self.inner.lock().epochs[plan.slot as usize] = None;
                 Err(e)
             }

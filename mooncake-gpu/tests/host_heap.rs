@@ -206,3 +206,35 @@ fn touch_bumps_last_access() {
     let after = c.heap().read_header(m.slot).unwrap().last_access;
     assert!(after > before);
 }
+
+/// A plan's fields are public (a plan may come from another owner): one naming a
+/// slot past the heap is refused as stale by `commit` and `abort`, never a panic,
+/// and the real reservation is untouched.
+#[test]
+fn a_plan_with_a_slot_out_of_range_is_stale_not_a_panic() {
+    let c = cache(4096, 4, 1 << 20);
+    let plan = c.open_for_write("k", 10).unwrap();
+    let mut forged = plan;
+    for slot in [4, 64, u32::MAX] {
+        forged.slot = slot;
+        assert!(matches!(c.commit(&forged), Err(GpuError::Stale)), "commit of slot {slot}");
+        assert!(matches!(c.abort(&forged), Err(GpuError::Stale)), "abort of slot {slot}");
+    }
+    c.write(&plan, 0, b"0123456789").unwrap();
+    c.commit(&plan).unwrap();
+    assert_eq!(c.get("k").unwrap(), b"0123456789");
+}
+
+/// An object of more pages than one CUDA launch covers (65,535) is refused with a
+/// clear error at reservation, on the host heap as on a GPU; one of exactly that many
+/// is stored.
+#[test]
+fn an_object_of_more_than_65535_pages_is_refused_at_reservation() {
+    assert_eq!(PageSpan::MAX_PAGES, 65_535);
+    let c = cache(256, 4, 32 << 20);
+    let err = c.open_for_write("big", 65_536 * 256).unwrap_err();
+    assert!(matches!(&err, GpuError::InvalidArgument(m) if m.contains("65535")), "{err}");
+    let value = pattern(3, 65_535 * 256);
+    c.put("most", &value).unwrap();
+    assert!(c.get("most").unwrap() == value);
+}

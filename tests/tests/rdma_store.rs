@@ -276,3 +276,54 @@ fn refused_device_registration_falls_back_to_staging() {
     // The staged host bytes still went over RDMA.
     assert!(nics.doorbells() > 0);
 }
+
+/// A scatter that starts where another memory of the same call starts, with the same
+/// length, is not that memory: each is moved from its own bytes. (The registrations
+/// of one call were once cached by address and length only: the scatter's put wrote
+/// the other memory's bytes under the scatter's checksum, and the object read back
+/// `Corrupted`.)
+#[test]
+fn a_scatter_is_never_taken_for_another_memory_at_its_address() {
+    use mooncake_core::gpu::DeviceScatter;
+    println!("device memory over the soft RDMA seam (emulated GPU memory, not an RDMA result)");
+    let cluster = soft_rdma_cluster(1);
+    let nics = Arc::new(SoftRdma::new(1).unwrap());
+    let client = rdma_client(&cluster, &nics, 0);
+    let len = 1u64 << 20;
+    let x: Arc<dyn DeviceMemory> = Arc::new(device(len));
+    let y: Arc<dyn DeviceMemory> = Arc::new(device(len));
+    x.copy_from_host(0, &vec![0xAA; len as usize]).unwrap();
+    y.copy_from_host(0, &vec![0xBB; len as usize]).unwrap();
+    let scatter = DeviceScatter::new(vec![(x.clone(), 0, 4096), (y.clone(), 0, len - 4096)]).unwrap();
+    assert_eq!((scatter.device_ptr(), scatter.len()), (x.device_ptr(), x.len()));
+    let puts =
+        client.batch_put_from_devices(&[("x", &*x, 0, len), ("s", &scatter, 0, len)], &ReplicateConfig::default());
+    assert!(puts.iter().all(|r| r.is_ok()), "{puts:?}");
+    let mut want = vec![0xAA; 4096];
+    want.resize(len as usize, 0xBB);
+    assert!(client.get("s").unwrap()[..] == want[..], "the scatter's own bytes");
+    assert!(client.get("x").unwrap().iter().all(|&b| b == 0xAA));
+}
+
+/// A scatter of one range of a registered allocation (how the Python binding passes a
+/// slice of a registered GPU buffer) goes straight over RDMA like the allocation.
+#[test]
+fn a_one_range_scatter_moves_straight_like_its_allocation() {
+    use mooncake_core::gpu::DeviceScatter;
+    println!("device memory over the soft RDMA seam (emulated GPU memory, not an RDMA result)");
+    let cluster = soft_rdma_cluster(1);
+    let nics = Arc::new(SoftRdma::new(1).unwrap());
+    let client = rdma_client(&cluster, &nics, 0);
+    let host = Arc::new(device(4 << 20));
+    let x: Arc<dyn DeviceMemory> = host.clone();
+    let data = payload(5, 1 << 20);
+    x.copy_from_host(4096, &data).unwrap();
+    let slice = DeviceScatter::new(vec![(x.clone(), 4096, 1 << 20)]).unwrap();
+    client.put_from_device("slice", &slice, 0, 1 << 20).unwrap();
+    assert!(client.get("slice").unwrap()[..] == data[..]);
+    let back = DeviceScatter::new(vec![(x.clone(), (1 << 20) + 4096, 1 << 20)]).unwrap();
+    assert_eq!(client.get_into_device("slice", &back, 0).unwrap(), 1 << 20);
+    assert!(host.to_vec()[(1 << 20) + 4096..(2 << 20) + 4096] == data[..]);
+    let s = client.stats();
+    assert_eq!((s.device_direct_bytes, s.device_staged_bytes), (2 << 20, 0), "both ways straight, no staging");
+}

@@ -133,6 +133,9 @@ struct StoreInner {
     cluster: ClusterPart,
     /// Dropping it stops the heartbeat thread.
     _heartbeat_stop: Sender<()>,
+    /// Segments this store maps (its own, same-host peers') page-locked for DMA to and
+    /// from device memory; unpinned and unmapped with the store.
+    pinned: device::PinnedRegions,
 }
 
 /// Cluster mode's part of a store (see `cluster`).

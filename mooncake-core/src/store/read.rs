@@ -21,7 +21,7 @@ use std::time::Instant;
 use mooncake_transfer::{TransferError, TransferRequest, WorkOp};
 
 use super::destination::{Dest, Destination, Got};
-use super::device::{move_device, pinned, stream_reads, Copies, DeviceMove, Directs, Keep, PinnedRegion, StreamRead};
+use super::device::{move_device, stream_reads, Copies, DeviceMove, Directs, Keep, PinnedRegion, StreamRead};
 use super::routes::Route;
 use super::stats::StoreCounters;
 use super::write::summed;
@@ -257,7 +257,7 @@ impl StoreInner {
                     Ok(route) => {
                         r.pinned = match &r.target.dest {
                             Dest::Device { mem, .. } if route.caps.maps_peer_memory => {
-                                pinned().get(&self.engine, &route.region, mem.location().is_emulated())
+                                self.pinned.get(&self.engine, &route.region, mem.location().is_emulated())
                             }
                             _ => None,
                         };

@@ -268,6 +268,7 @@ impl Store {
             flush_timeout: cfg.flush_timeout,
             cluster,
             _heartbeat_stop: stop_tx,
+            pinned: Default::default(),
         });
         // Heartbeats get their own thread so that no amount of I/O delays them.
         let weak: Weak<StoreInner> = Arc::downgrade(&inner);

@@ -18,7 +18,7 @@ use mooncake_gpu::DeviceMemory;
 use mooncake_transfer::{TransferRequest, WorkOp};
 use smallvec::SmallVec;
 
-use super::device::{move_device, pinned, stream_writes, Copies, DeviceMove, Directs, Keep, StreamWrite};
+use super::device::{move_device, stream_writes, Copies, DeviceMove, Directs, Keep, StreamWrite};
 use super::routes::Route;
 use super::stats::StoreCounters;
 use super::StoreInner;
@@ -468,7 +468,8 @@ impl StoreInner {
                     if !route.caps.maps_peer_memory {
                         return true;
                     }
-                    let Some(pinned) = pinned().get(&self.engine, &route.region, mem.location().is_emulated()) else {
+                    let Some(pinned) = self.pinned.get(&self.engine, &route.region, mem.location().is_emulated())
+                    else {
                         return true;
                     };
                     let Some(dst) = pinned.range(r.offset, len) else { return true };

@@ -240,6 +240,34 @@ impl CudaDeviceHeap {
                     return Err(e);
                 }
             };
+            // The handle's sizes come from another process: every offset checked later
+            // is checked against them, so they must fit what the driver mapped.
+            let mapped = |ptr: sys::CUdeviceptr| -> Result<u64> {
+                let (mut base, mut size): (sys::CUdeviceptr, usize) = (0, 0);
+                // SAFETY: both out-pointers are valid; `ptr` was just mapped.
+                let r = unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) };
+                drv("cuMemGetAddressRange", r.result())?;
+                Ok((base + size as u64).saturating_sub(ptr))
+            };
+            let need_headers = u64::from(handle.header_slots) * crate::header::HEADER_SIZE as u64;
+            let sizes = mapped(headers).and_then(|h| Ok((h, mapped(payload)?)));
+            let fits = match sizes {
+                Ok((h, p)) if h >= need_headers && p >= handle.payload_bytes => Ok(()),
+                Ok((h, p)) => Err(GpuError::InvalidArgument(format!(
+                    "the heap handle names {} header slots and {} payload bytes, but the mappings hold {h} and \
+                     {p} bytes",
+                    handle.header_slots, handle.payload_bytes
+                ))),
+                Err(e) => Err(e),
+            };
+            if let Err(e) = fits {
+                // SAFETY: both were opened just above and are unused.
+                unsafe {
+                    let _ = sys::cuIpcCloseMemHandle(headers);
+                    let _ = sys::cuIpcCloseMemHandle(payload);
+                }
+                return Err(e);
+            }
             let heap = Self {
                 ctx: ctx.clone(),
                 stream: stream.clone(),

@@ -7,6 +7,8 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::Arc;
 
+use mooncake_transfer::DmaBuf;
+
 use super::{check_range, DeviceMemory, DeviceRange, DeviceStream, Fence, MemoryLocation, PinnedBuffer};
 use crate::error::{GpuError, Result};
 
@@ -185,6 +187,24 @@ impl DeviceMemory for DeviceScatter {
     fn alloc_pinned(&self, len: usize) -> Result<PinnedBuffer> {
         // Pinned buffers of a CUDA memory are portable: usable with every part.
         self.leading().mem.alloc_pinned(len)
+    }
+
+    /// A scatter of one part is a contiguous range of that part's allocation (how the
+    /// Python binding passes a slice of a registered buffer): the allocation's id, so
+    /// that RDMA NICs can register the range. Several parts are not one range: `None`.
+    fn allocation_id(&self) -> Option<u64> {
+        match &*self.parts {
+            [one] => one.mem.allocation_id(),
+            _ => None,
+        }
+    }
+
+    /// A scatter of one part: its allocation's dma-buf, which covers the part's range.
+    fn export_dmabuf(&self) -> Result<DmaBuf> {
+        match &*self.parts {
+            [one] => one.mem.export_dmabuf(),
+            _ => Err(GpuError::Unsupported("a scatter of several ranges cannot be exported as one dma-buf".into())),
+        }
     }
 
     /// Parts that are ranges of one CUDA device summed as one batch on it

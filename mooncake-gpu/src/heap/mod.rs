@@ -29,8 +29,15 @@ pub struct PageSpan {
 }
 
 impl PageSpan {
+    /// Most pages of one object: the CUDA heap copies an object with one launch whose
+    /// grid has a row per page, and CUDA caps a grid's rows at 65,535. The host heap
+    /// takes the same limit, so an object is refused alike with or without a GPU (16
+    /// GiB with the default 256 KiB pages).
+    pub const MAX_PAGES: u32 = 65_535;
+
     /// Geometry of a `bytes_total`-byte object at `payload_base` cut in
-    /// `page_size` pages. Errors on a zero size/page or more than `u32::MAX` pages.
+    /// `page_size` pages. Errors on a zero size/page or more than
+    /// [`MAX_PAGES`](Self::MAX_PAGES) pages.
     pub fn new(payload_base: u64, bytes_total: u64, page_size: u32) -> Result<Self> {
         if bytes_total == 0 {
             return Err(GpuError::InvalidArgument("object size must be >= 1 byte".into()));
@@ -40,7 +47,13 @@ impl PageSpan {
         }
         let ps = u64::from(page_size);
         let n = bytes_total.div_ceil(ps);
-        let n_pages = u32::try_from(n).map_err(|_| GpuError::InvalidArgument(format!("{n} pages is too many")))?;
+        let n_pages = u32::try_from(n).ok().filter(|&n| n <= Self::MAX_PAGES).ok_or_else(|| {
+            GpuError::InvalidArgument(format!(
+                "{bytes_total} bytes in {page_size}-byte pages is {n} pages; an object has at most {} \
+                 (use larger pages)",
+                Self::MAX_PAGES
+            ))
+        })?;
         let last = bytes_total - (n - 1) * ps;
         Ok(Self { payload_base, bytes_total, page_size, n_pages, last_page_bytes: last as u32 })
     }

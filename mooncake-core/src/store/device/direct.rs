@@ -31,7 +31,10 @@ pub(in crate::store) struct DeviceMove<'a> {
 /// The device memories of one call that the NICs registered, each asked once.
 #[derive(Default)]
 pub(in crate::store) struct Directs<'a> {
-    by_memory: Vec<((u64, u64), Option<Direct<'a>>)>,
+    /// By allocation id, address and length: two memories of one call are the same
+    /// registration only if they are the same range of the same allocation (a
+    /// scatter starting where another memory starts is not that memory).
+    by_memory: Vec<((u64, u64, u64), Option<Direct<'a>>)>,
 }
 
 impl<'a> Directs<'a> {
@@ -39,12 +42,13 @@ impl<'a> Directs<'a> {
     /// RDMA and they can register it (registrations and refusals are cached by
     /// the transport); `None`: stage. Returns an index for [`get`](Self::get).
     pub(in crate::store) fn register(&mut self, inner: &'a StoreInner, mem: &dyn DeviceMemory) -> Option<usize> {
-        let key = (mem.device_ptr(), mem.len());
+        // Memory without an allocation id is never registered: it is staged.
+        let id = mem.allocation_id()?;
+        let key = (id, mem.device_ptr(), mem.len());
         if let Some(at) = self.by_memory.iter().position(|(k, _)| *k == key) {
             return self.by_memory[at].1.is_some().then_some(at);
         }
         let direct = inner.engine.rdma().and_then(|rdma| {
-            let id = mem.allocation_id()?;
             let export = || mem.export_dmabuf().map_err(|e| TransferError::Registration(e.to_string()));
             match rdma.register_device(id, mem.device_ptr(), mem.len(), export) {
                 Ok(region) => Some(Direct { rdma, region }),

@@ -39,6 +39,6 @@ mod staging;
 mod stream;
 
 pub(super) use direct::{move_device, DeviceMove, Directs};
-pub(super) use pinned::{pinned, PinnedRegion};
+pub(super) use pinned::{PinnedRegion, PinnedRegions};
 pub(super) use staging::{room_after, staging, Copies, Keep};
 pub(super) use stream::{stream_reads, stream_writes, StreamRead, StreamWrite};

@@ -14,8 +14,10 @@ use parking_lot::Mutex;
 
 /// A replica's region, mapped into this process and page-locked.
 pub(in crate::store) struct PinnedRegion {
-    map: MappedRegion,
+    /// Declared (so dropped) before the mapping: the range is unpinned while it is
+    /// still mapped.
     _pin: Pin,
+    map: MappedRegion,
 }
 
 enum Pin {
@@ -35,25 +37,21 @@ impl PinnedRegion {
     }
 }
 
-/// The regions this process pinned, each once (CUDA refuses to page-lock a range
-/// twice), by region and kind (CUDA or emulated); a region that cannot be pinned
-/// is not asked again while its mapping stays the same.
-static PINNED: LazyLock<PinnedRegions> = LazyLock::new(PinnedRegions::default);
-
-/// The regions this process pinned (see [`PINNED`]).
-pub(in crate::store) fn pinned() -> &'static PinnedRegions {
-    &PINNED
-}
+/// The ranges the emulation page-locked in this process: like CUDA, it refuses to
+/// page-lock a range twice.
+static EMULATED: LazyLock<Arc<PinnedRanges>> = LazyLock::new(Arc::default);
 
 /// The address a region was mapped at when it was pinned, and its pin (`None`:
 /// refused).
 type MappedAt = (usize, Option<Arc<PinnedRegion>>);
 
-/// Pinned regions by region and kind, with the address each was mapped at.
+/// The regions one store pinned, each once (CUDA refuses to page-lock a range
+/// twice), by region and kind (CUDA or emulated), with the address each was mapped
+/// at; a region that cannot be pinned is not asked again while its mapping stays the
+/// same. Owned by the store: its pins and mappings go with it.
 #[derive(Default)]
 pub(in crate::store) struct PinnedRegions {
     by_region: Mutex<HashMap<(RemoteRegion, bool), MappedAt>>,
-    emulated: Arc<PinnedRanges>,
 }
 
 impl PinnedRegions {
@@ -77,7 +75,7 @@ impl PinnedRegions {
             }
         }
         let pin = if emulated {
-            HostPinning::emulated(&self.emulated, ptr as u64, map.len()).map(Pin::Emulated)
+            HostPinning::emulated(&EMULATED, ptr as u64, map.len()).map(Pin::Emulated)
         } else {
             // SAFETY: `map` keeps the range mapped, and the pin is dropped with it
             // (the two live together in `PinnedRegion`).
@@ -90,7 +88,8 @@ impl PinnedRegions {
                 None
             }
         };
-        // A stale entry's pin goes with it (its mapping is kept until unpinned).
+        // A stale entry's pin goes with it (unpinned, then unmapped), once no
+        // transfer holds it; so do the entries of regions no longer mapped.
         by_region.insert(key, (ptr, pinned.clone()));
         pinned
     }
