@@ -45,27 +45,47 @@ impl Default for HttpBounds {
 /// Who may read the answers.
 #[derive(Clone, Debug, Default)]
 pub struct HttpAccess {
-    /// With a secret: only requests carrying `Authorization: Bearer <secret>`
-    /// (others are answered 401).
-    pub secret: Option<String>,
-    /// Without a secret: any peer (otherwise loopback peers only; others are
+    /// With a token: only requests carrying `Authorization: Bearer <token>` (others
+    /// are answered 401). A master with a shared secret uses
+    /// [`SharedSecret::http_token`](mooncake_transfer::SharedSecret::http_token), never
+    /// the secret itself: the token crosses the wire in clear and sits in scrape
+    /// configurations.
+    pub token: Option<String>,
+    /// Without a token: any peer (otherwise loopback peers only; others are
     /// answered 403).
     pub insecure: bool,
 }
 
 impl HttpAccess {
-    /// Whether a request from `peer` with `authorization` (the header's value)
-    /// may be answered; the refusal's status and text otherwise.
-    fn check(&self, peer: SocketAddr, authorization: Option<&[u8]>) -> Result<(), (u16, &'static str)> {
-        match &self.secret {
-            Some(secret) => {
-                let token = authorization.and_then(|v| v.strip_prefix(b"Bearer "));
+    /// Whether a request from `peer` with `authorization` (the header's value) and
+    /// `origin` may be answered; the refusal's status and text otherwise.
+    ///
+    /// A request with an `Origin` header comes from a web page (browsers send it on
+    /// every cross-origin request and every POST; scrapers and `curl` do not): it is
+    /// refused, so that a page open on the master's host cannot post to `/drain` or
+    /// read the metrics through a rebound DNS name.
+    fn check(
+        &self,
+        peer: SocketAddr,
+        authorization: Option<&[u8]>,
+        origin: Option<&[u8]>,
+    ) -> Result<(), (u16, &'static str)> {
+        if origin.is_some() {
+            return Err((403, "requests from web pages (with an Origin header) are refused\n"));
+        }
+        match &self.token {
+            Some(token) => {
+                let sent = authorization.and_then(|v| v.strip_prefix(b"Bearer "));
                 // Compare keyed digests, not the strings: the time taken tells
-                // nothing of the secret.
+                // nothing of the token.
                 let digest = |s: &[u8]| mooncake_transfer::SharedSecret::new(s).answer(&[0; 32]);
-                match token {
-                    Some(t) if digest(t) == digest(secret.as_bytes()) => Ok(()),
-                    _ => Err((401, "send the shared secret: Authorization: Bearer <secret>\n")),
+                match sent {
+                    Some(t) if digest(t) == digest(token.as_bytes()) => Ok(()),
+                    _ => Err((
+                        401,
+                        "send the metrics token (`mooncake-client metrics-token` prints it): \
+                         Authorization: Bearer <token>\n",
+                    )),
                 }
             }
             None if self.insecure || peer.ip().to_canonical().is_loopback() => Ok(()),
@@ -520,15 +540,15 @@ fn read_request(
     let answer = match req.parse(&conn.request) {
         Ok(httparse::Status::Complete(_)) => {
             let (method, target) = (req.method.unwrap_or(""), req.path.unwrap_or(""));
-            let authorization =
-                req.headers.iter().find(|h| h.name.eq_ignore_ascii_case("authorization")).map(|h| h.value);
+            let header = |name: &str| req.headers.iter().find(|h| h.name.eq_ignore_ascii_case(name)).map(|h| h.value);
+            let (authorization, origin) = (header("authorization"), header("origin"));
             let path = target.split(['?', '#']).next().unwrap_or("");
             let query = target.split_once('?').map_or("", |(_, q)| q.split('#').next().unwrap_or(""));
             let post = post.filter(|_| method == "POST");
             let answer = if method != "GET" && method != "HEAD" && post.is_none() {
                 stats.bad_requests.fetch_add(1, Ordering::Relaxed);
                 HttpResponse::text(405, "only GET and HEAD\n")
-            } else if let Err((status, why)) = access.check(conn.peer, authorization) {
+            } else if let Err((status, why)) = access.check(conn.peer, authorization, origin) {
                 stats.denied.fetch_add(1, Ordering::Relaxed);
                 HttpResponse::text(status, why)
             } else if let Some(post) = post {

@@ -435,7 +435,7 @@ mod tests {
 
     #[test]
     fn a_post_reaches_the_post_handler_behind_the_access_check() {
-        let access = HttpAccess { secret: Some("sesame".into()), insecure: false };
+        let access = HttpAccess { token: Some("sesame".into()), insecure: false };
         let s = HttpServer::bind_with_post(
             "127.0.0.1:0",
             HttpBounds::default(),
@@ -447,7 +447,7 @@ mod tests {
         let post = |target: &str, auth: &str| {
             exchange(&s, &format!("POST {target} HTTP/1.1\r\n{auth}Content-Length: 0\r\n\r\n"))
         };
-        assert_eq!(post("/act?x=1", "").0, 401, "the secret guards POSTs too");
+        assert_eq!(post("/act?x=1", "").0, 401, "the token guards POSTs too");
         let bearer = "Authorization: Bearer sesame\r\n";
         assert_eq!(post("/act?x=1#frag", bearer), (200, "/act x=1".into()));
         assert_eq!(post("/other", bearer).0, 404);
@@ -468,8 +468,20 @@ mod tests {
     }
 
     #[test]
+    fn requests_from_web_pages_are_refused() {
+        // Loopback and no token: a page on the master's host would be let in without
+        // the Origin check (a POST to /drain, or the metrics through a rebound name).
+        let s = server(HttpBounds::default(), HttpAccess { token: None, insecure: false });
+        assert_eq!(get(&s, "/ok", ""), (200, "fine".into()));
+        assert_eq!(get(&s, "/ok", "Origin: http://evil.example\r\n").0, 403);
+        let t = server(HttpBounds::default(), HttpAccess { token: Some("sesame".into()), insecure: false });
+        assert_eq!(get(&t, "/ok", "Authorization: Bearer sesame\r\norigin: null\r\n").0, 403);
+        assert_eq!(s.stats().denied.load(Ordering::Relaxed) + t.stats().denied.load(Ordering::Relaxed), 2);
+    }
+
+    #[test]
     fn with_a_secret_only_its_bearer_is_answered() {
-        let s = server(HttpBounds::default(), HttpAccess { secret: Some("sesame".into()), insecure: false });
+        let s = server(HttpBounds::default(), HttpAccess { token: Some("sesame".into()), insecure: false });
         assert_eq!(get(&s, "/ok", "").0, 401);
         assert_eq!(get(&s, "/ok", "Authorization: Bearer other\r\n").0, 401);
         assert_eq!(get(&s, "/ok", "authorization: Bearer sesame\r\n"), (200, "fine".into()));

@@ -153,6 +153,16 @@ impl SharedSecret {
         *blake3::keyed_hash(&self.key, nonce).as_bytes()
     }
 
+    /// The token HTTP clients of a master's `/metrics`, `/status` and `/drain` send as
+    /// `Authorization: Bearer <token>` (64 hex digits): a keyed hash of a label of
+    /// its own, so a scrape configuration or a sniffed request gives nothing that
+    /// proves the secret on any other listener. `mooncake-client metrics-token`
+    /// prints it.
+    pub fn http_token(&self) -> String {
+        let h = self.mac(b"mooncake-rs http bearer token", &[0; AUTH_LEN], &[0; AUTH_LEN], b"");
+        h.iter().map(|b| format!("{b:02x}")).collect()
+    }
+
     /// The keyed hash of one side's transcript.
     fn mac(&self, tag: &[u8], listener: &[u8; AUTH_LEN], peer: &[u8; AUTH_LEN], names: &[u8]) -> [u8; AUTH_LEN] {
         let mut h = blake3::Hasher::new_keyed(&self.key);

@@ -249,11 +249,14 @@ fn post_drain_on_the_masters_listener_needs_the_secret_and_drains_the_node() {
         store.put_with(&format!("post/{i}"), &value(i), &cfg).unwrap();
     }
     let target = format!("/drain?segment={}&grace=20", a_name.replace('#', "%23"));
-    assert_eq!(http_post(&c.metrics_addr, &target, None).0, 401, "the listener's secret guards /drain");
-    assert_eq!(http_post(&c.metrics_addr, "/drain", Some(secret)).0, 400, "no segment named");
-    assert_eq!(http_post(&c.metrics_addr, "/drain?segment=nowhere%231", Some(secret)).0, 404);
-    assert_eq!(http_post(&c.metrics_addr, "/metrics", Some(secret)).0, 404, "only /drain takes a POST");
-    let (code, body) = http_post(&c.metrics_addr, &target, Some(secret));
+    assert_eq!(http_post(&c.metrics_addr, &target, None).0, 401, "the listener's token guards /drain");
+    assert_eq!(http_post(&c.metrics_addr, &target, Some(secret)).0, 401, "the secret itself is not the token");
+    let token = mooncake_transfer::SharedSecret::new(secret.as_bytes()).http_token();
+    let token = token.as_str();
+    assert_eq!(http_post(&c.metrics_addr, "/drain", Some(token)).0, 400, "no segment named");
+    assert_eq!(http_post(&c.metrics_addr, "/drain?segment=nowhere%231", Some(token)).0, 404);
+    assert_eq!(http_post(&c.metrics_addr, "/metrics", Some(token)).0, 404, "only /drain takes a POST");
+    let (code, body) = http_post(&c.metrics_addr, &target, Some(token));
     assert_eq!(code, 200, "{body}");
     assert!(body.contains("\"segments\": 1"), "{body}");
     // The node hears of it from the master and drains itself.

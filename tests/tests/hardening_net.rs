@@ -6,6 +6,7 @@ mod support;
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use mooncake_core::rpc::wire::{encode_frame, FrameHeader, FrameKind, Request};
@@ -226,10 +227,19 @@ fn metrics_need_the_bearer_token_when_a_secret_is_set() {
     assert!(!body.contains("mooncake_objects"));
     let (code, _) = http_request(&c.metrics_addr, "/status", Some("not it"));
     assert_eq!(code, 401);
-    let (code, body) = http_request(&c.metrics_addr, "/metrics", Some("metrics secret"));
+    // The secret itself proves nothing here: it must never cross the wire.
+    let (code, _) = http_request(&c.metrics_addr, "/metrics", Some("metrics secret"));
+    assert_eq!(code, 401);
+    // The token `mooncake-client metrics-token` prints.
+    let out =
+        Command::new(bin("mooncake-client")).arg("metrics-token").env("MOONCAKE_SECRET", "metrics secret").output();
+    let token = String::from_utf8(out.unwrap().stdout).unwrap().trim().to_owned();
+    assert_eq!(token.len(), 64, "{token:?}");
+    assert_eq!(Some(token.clone()), c.http_token());
+    let (code, body) = http_request(&c.metrics_addr, "/metrics", Some(&token));
     assert_eq!(code, 200);
     assert!(body.contains("mooncake_objects"), "{body}");
-    let (code, body) = http_request(&c.metrics_addr, "/status", Some("metrics secret"));
+    let (code, body) = http_request(&c.metrics_addr, "/status", Some(&token));
     assert_eq!(code, 200);
     assert!(body.contains("\"segments\""), "{body}");
 }

@@ -153,6 +153,10 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Print the bearer token of the master's `/metrics`, `/status` and `/drain`
+    /// (`Authorization: Bearer <token>`), derived from `MOONCAKE_SECRET`: put it in
+    /// scrape configurations instead of the secret, which proves nothing else.
+    MetricsToken,
 }
 
 fn size(s: &str) -> Result<u64, String> {
@@ -375,6 +379,15 @@ fn run(cmd: Command, protocol: Protocol) -> Result<(), String> {
             }
             Ok(())
         }
+        Command::MetricsToken => match std::env::var("MOONCAKE_SECRET") {
+            Ok(s) if !s.is_empty() => {
+                println!("{}", mooncake_transfer::SharedSecret::new(s.as_bytes()).http_token());
+                Ok(())
+            }
+            _ => Err("set MOONCAKE_SECRET: the token is derived from it (without a secret, the master's \
+                      HTTP endpoints serve loopback clients only and need no token)"
+                .into()),
+        },
         Command::Ls { master, json } => {
             let mut keys = client(&master, protocol)?.master().list_keys(usize::MAX).map_err(|e| e.to_string())?;
             keys.sort();

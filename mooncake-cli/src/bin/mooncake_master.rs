@@ -3,7 +3,9 @@
 //! allocation strategy, with that type: see examples/custom_master.rs).
 //!
 //! Set `MOONCAKE_SECRET` to require clients to prove a shared secret (and HTTP
-//! clients of `/metrics` and `/status` to send `Authorization: Bearer <secret>`).
+//! clients of `/metrics`, `/status` and `/drain` to send `Authorization: Bearer
+//! <token>`, the token derived from the secret that `mooncake-client metrics-token`
+//! prints; the secret itself never crosses the wire).
 //! Without it the master serves loopback clients only, unless started `--insecure`.
 //! In cluster mode, `--etcd-user` (password in `MOONCAKE_ETCD_PASSWORD`) and
 //! `--etcd-ca`/`--etcd-cert`/`--etcd-key` authenticate to etcd.
@@ -162,7 +164,8 @@ fn serve_metrics(
     secret: Option<String>,
     insecure: bool,
 ) -> Result<http::HttpServer, String> {
-    let access = http::HttpAccess { secret, insecure };
+    let token = secret.map(|s| mooncake_transfer::SharedSecret::new(s.as_bytes()).http_token());
+    let access = http::HttpAccess { token, insecure };
     metrics::serve_master(addr, daemon, access, http::HttpBounds::default())
         .map_err(|e| format!("cannot listen on {addr} for metrics: {e}"))
 }

@@ -300,15 +300,20 @@ impl Cluster {
         }
     }
 
-    /// The master's JSON status (from the metrics listener, with the cluster's
-    /// secret as the bearer token when it has one).
+    /// The master's JSON status (from the metrics listener, with the token derived
+    /// from the cluster's secret when it has one).
     pub fn status(&self) -> String {
-        http_request(&self.metrics_addr, "/status", self.secret()).1
+        http_request(&self.metrics_addr, "/status", self.http_token().as_deref()).1
     }
 
     /// The master's Prometheus text.
     pub fn metrics(&self) -> String {
-        http_request(&self.metrics_addr, "/metrics", self.secret()).1
+        http_request(&self.metrics_addr, "/metrics", self.http_token().as_deref()).1
+    }
+
+    /// The bearer token of the master's HTTP endpoints, if the cluster has a secret.
+    pub fn http_token(&self) -> Option<String> {
+        self.secret().map(|s| mooncake_transfer::SharedSecret::new(s.as_bytes()).http_token())
     }
 
     /// The `MOONCAKE_SECRET` of the master and the nodes, if any.
