@@ -340,6 +340,36 @@ fn a_flood_of_unauthenticated_sockets_is_bounded_and_quiet() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A holder of the cluster's secret cannot move another node's records: once a node
+/// mounted its record endpoint, a mount for its client id with another key is refused
+/// (it could otherwise freeze the node's records, or point them at a dead port and
+/// make the master forget the node). The node is untouched and keeps serving.
+#[test]
+fn a_node_s_records_cannot_be_mounted_elsewhere_by_another_client() {
+    use mooncake_core::rpc::RECORD_KEY_LEN;
+    let env = [("MOONCAKE_SECRET", SECRET)];
+    let (_m, addr) = master(&env);
+    let node = Store::builder()
+        .master_address(&addr)
+        .listen("127.0.0.1:0")
+        .protocol(Protocol::Tcp)
+        .global_segment_size(16 << 20)
+        .shared_secret(SECRET.as_bytes())
+        .build()
+        .unwrap();
+    assert!(node.record_endpoint().is_some());
+    let victim = node.client_id();
+    let rogue = RpcMasterClient::connect_with(&addr, Some(SharedSecret::new(SECRET.as_bytes()))).unwrap();
+    for endpoint in ["127.0.0.1:1", node.record_endpoint().unwrap().as_str()] {
+        let err = rogue.mount_records(victim, endpoint, &[7u8; RECORD_KEY_LEN]).unwrap_err();
+        assert!(matches!(&err, mooncake_core::Error::InvalidArgument(m) if m.contains("another record key")), "{err}");
+    }
+    node.put("k", b"value").unwrap();
+    thread::sleep(Duration::from_millis(300));
+    assert_eq!(&node.get("k").unwrap()[..], b"value", "the master still knows the node");
+    node.remove("k").unwrap();
+}
+
 /// The same flood at the master: 1,500 silent sockets to a master that may hold only
 /// 700 descriptors. Beyond [`MAX_UNAUTHENTICATED`] waiting handshakes the master closes
 /// the oldest, so it never runs out of descriptors: an authenticated client is served

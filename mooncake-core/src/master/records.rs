@@ -61,10 +61,33 @@ impl MasterService {
                 key.len()
             )));
         }
-        if !self.clients.read().contains_key(&client) {
-            return Err(Error::UnknownClient(client));
+        let refused = || {
+            Error::InvalidArgument(format!(
+                "client {client}'s records are mounted with another record key: only the node that mounted \
+                 them may move them"
+            ))
+        };
+        {
+            let clients = self.clients.read();
+            let rec = clients.get(&client).ok_or(Error::UnknownClient(client))?;
+            if rec.record_key.lock().as_deref().is_some_and(|k| k != key) {
+                return Err(refused());
+            }
         }
-        self.link_records(client, connector.connect(endpoint, key)?)
+        // Bound only once the endpoint proved it holds the key (the connector's
+        // handshake), so a mount that fails binds nothing.
+        let sink = connector.connect(endpoint, key)?;
+        {
+            let clients = self.clients.read();
+            let rec = clients.get(&client).ok_or(Error::UnknownClient(client))?;
+            let mut bound = rec.record_key.lock();
+            match bound.as_deref() {
+                Some(k) if k != key => return Err(refused()),
+                Some(_) => {}
+                None => *bound = Some(key.to_vec()),
+            }
+        }
+        self.link_records(client, sink)
     }
 
     /// From now on, changes to `client`'s records go to `sink` (after those queued).

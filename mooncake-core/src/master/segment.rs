@@ -33,6 +33,10 @@ pub(crate) struct ClientRecord {
     /// The client's record endpoint, once it mounted one: changes go there, not to
     /// the heartbeats.
     pub(crate) link: parking_lot::Mutex<Option<Arc<crate::master::record_link::NodeLink>>>,
+    /// The record key of the first endpoint mounted for this client: a later mount
+    /// must name the same key (the node keeps one key for its life), so another
+    /// holder of the cluster's secret cannot move the client's records elsewhere.
+    pub(crate) record_key: parking_lot::Mutex<Option<Vec<u8>>>,
     /// Some segment of this client is suspect (its next heartbeat clears them).
     pub(crate) suspect: std::sync::atomic::AtomicBool,
     /// SSD capacity the client reported (bytes; <= 0: none).
@@ -61,6 +65,7 @@ impl ClientRecord {
             segments: Vec::new(),
             updates: Default::default(),
             link: Default::default(),
+            record_key: Default::default(),
             suspect: Default::default(),
             ssd_total: Default::default(),
             ssd_used: Default::default(),
