@@ -25,6 +25,7 @@ all_backends!(
     staging_serves_remote_loads,
     user_defined_strategy_plugs_in,
     mixed_sizes_in_one_batch,
+    open_handles_stay_within_their_bound,
 );
 
 const SIZES: [usize; 9] = [1, 7, 4095, 4096, 4097, 65_539, 1 << 20, (1 << 20) + 1, 4 << 20];
@@ -517,4 +518,33 @@ fn mixed_sizes_in_one_batch(env: &Env) {
         assert_eq!(r.unwrap(), v.len());
     }
     assert!(bufs == vals);
+}
+
+/// A tier of more files than `max_open_files`: every object reads back exactly, twice
+/// over, while the cached read handles stay within the bound (the oldest opened is
+/// closed for a new one, and reopened by its next read). With a bound above the
+/// number of files, nothing is closed. (The offset layout has one file: nothing to
+/// bound.)
+fn open_handles_stay_within_their_bound(env: &Env) {
+    for (bound, files) in [(4usize, 20usize), (64, 20)] {
+        let b = env.open(env.opts().with_max_open_files(bound));
+        let keys: Vec<String> = (0..files).map(|i| format!("b{bound}-f{i}")).collect();
+        // One offload per object: one bucket each, or one file each.
+        for k in &keys {
+            b.offload(k, &value(k, 5000)).unwrap();
+        }
+        for _ in 0..2 {
+            for k in &keys {
+                assert_eq!(b.load_vec(k).unwrap(), value(k, 5000), "{k}");
+            }
+        }
+        let closed = b.stats().handles_closed;
+        match env.kind {
+            common::Kind::Offset => assert_eq!(closed, 0),
+            _ if bound < files => {
+                assert!(closed as usize >= 2 * files - bound, "bound {bound}: {closed} handles closed")
+            }
+            _ => assert_eq!(closed, 0, "bound {bound} above {files} files"),
+        }
+    }
 }

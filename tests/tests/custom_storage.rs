@@ -265,6 +265,7 @@ impl StorageBackend for FlatFiles {
             evicted_objects: s.evicted,
             evicted_units: s.evicted,
             pending_notifications: s.pending.len() as u64,
+            ..BackendStats::default()
         }
     }
 

@@ -338,7 +338,9 @@ impl BucketBackend {
     }
 
     fn file_of(&self, bucket: &Bucket) -> Result<Arc<IoFile>> {
-        bucket.file.get_or_open(|| self.core.io.open(&data_path(&self.dir, bucket.id), OpenMode::Read))
+        bucket
+            .file
+            .get_or_open(&self.core.open_files, || self.core.io.open(&data_path(&self.dir, bucket.id), OpenMode::Read))
     }
 
     /// Phase 1 under the index lock: takes buckets out of the index, in the

@@ -262,7 +262,7 @@ impl FilePerKeyBackend {
     }
 
     fn file_of(&self, o: &Obj) -> Result<Arc<IoFile>> {
-        o.file.get_or_open(|| self.core.io.open(&o.path, OpenMode::Read))
+        o.file.get_or_open(&self.core.open_files, || self.core.io.open(&o.path, OpenMode::Read))
     }
 
     /// Writes one object durably under its final name (the directory is synced by

@@ -80,6 +80,20 @@ pub struct BackendOptions {
     pub eviction_wait: Duration,
     /// Check each value's crc32c when it is loaded (default `true`).
     pub verify_on_load: bool,
+    /// Most read handles kept open between loads (a bucket's data file, an object's
+    /// file): beyond it the oldest opened is closed (reopened when read again), so a
+    /// large tier cannot take every descriptor of the process. Default: a quarter of
+    /// the process's soft limit on open files when the backend opens, 64 ..= 65,536.
+    pub max_open_files: usize,
+}
+
+/// The default [`BackendOptions::max_open_files`]: a quarter of the soft limit on
+/// open files, 64 ..= 65,536.
+fn default_max_open_files() -> usize {
+    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: `lim` is a valid, writable rlimit for the call to fill.
+    let soft = if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } == 0 { lim.rlim_cur } else { 1024 };
+    usize::try_from(soft / 4).unwrap_or(usize::MAX).clamp(64, 65_536)
 }
 
 impl Default for BackendOptions {
@@ -91,6 +105,7 @@ impl Default for BackendOptions {
             listener: None,
             eviction_wait: Duration::from_secs(10),
             verify_on_load: true,
+            max_open_files: default_max_open_files(),
         }
     }
 }
@@ -126,6 +141,11 @@ impl BackendOptions {
         self.eviction_wait = wait;
         self
     }
+    /// Sets [`max_open_files`](Self::max_open_files) (at least 1).
+    pub fn with_max_open_files(mut self, files: usize) -> Self {
+        self.max_open_files = files.max(1);
+        self
+    }
 }
 
 impl fmt::Debug for BackendOptions {
@@ -138,6 +158,7 @@ impl fmt::Debug for BackendOptions {
             .field("listener", &self.listener.is_some())
             .field("eviction_wait", &self.eviction_wait)
             .field("verify_on_load", &self.verify_on_load)
+            .field("max_open_files", &self.max_open_files)
             .finish()
     }
 }
@@ -164,6 +185,9 @@ pub struct BackendStats {
     pub evicted_units: u64,
     /// Evicted keys whose notification failed and awaits a retry.
     pub pending_notifications: u64,
+    /// Read handles closed to stay within [`BackendOptions::max_open_files`] (each
+    /// reopened by its next read).
+    pub handles_closed: u64,
 }
 
 /// What an explicit [`StorageBackend::evict`] did.

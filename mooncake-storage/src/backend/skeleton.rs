@@ -30,6 +30,8 @@ pub(super) struct BackendCore {
     /// Locked after the layout's index lock, never before it.
     pub(super) strategy: Mutex<Box<dyn DiskEvictionStrategy>>,
     pub(super) notifier: Notifier,
+    /// The read handles cached open, bounded.
+    pub(super) open_files: OpenFiles,
 }
 
 impl BackendCore {
@@ -41,6 +43,7 @@ impl BackendCore {
             verify_on_load: options.verify_on_load,
             strategy: Mutex::new(options.eviction),
             notifier: Notifier::new(options.listener),
+            open_files: OpenFiles::new(options.max_open_files),
         }
     }
 
@@ -145,6 +148,7 @@ pub(super) trait Layout: StorageBackend {
             used_bytes: usage.used_bytes,
             objects: usage.objects,
             units: usage.units,
+            handles_closed: core.open_files.closed(),
             ..core.notifier.stats()
         }
     }
@@ -299,23 +303,67 @@ impl<T: Pinned> Drop for ReadPin<T> {
 /// A unit's file handle: opened by the first read, dropped before the unit's files
 /// are deleted.
 #[derive(Default)]
-pub(super) struct CachedFile(Mutex<Option<Arc<IoFile>>>);
+pub(super) struct CachedFile(Arc<Mutex<Option<Arc<IoFile>>>>);
 
 impl CachedFile {
-    /// The open handle, opening it with `open` if there is none.
-    pub(super) fn get_or_open(&self, open: impl FnOnce() -> Result<IoFile>) -> Result<Arc<IoFile>> {
-        let mut cached = self.0.lock();
-        if let Some(f) = &*cached {
-            return Ok(f.clone());
-        }
-        let f = Arc::new(open()?);
-        *cached = Some(f.clone());
+    /// The open handle, opening it with `open` if there is none (counted in `files`,
+    /// which may close the oldest other handle to stay within its bound).
+    pub(super) fn get_or_open(&self, files: &OpenFiles, open: impl FnOnce() -> Result<IoFile>) -> Result<Arc<IoFile>> {
+        let f = {
+            let mut cached = self.0.lock();
+            if let Some(f) = &*cached {
+                return Ok(f.clone());
+            }
+            let f = Arc::new(open()?);
+            *cached = Some(f.clone());
+            f
+        };
+        // After this handle's lock is released: the bound may close any handle,
+        // this one included (the caller's clone stays open for its read).
+        files.opened(Arc::downgrade(&self.0));
         Ok(f)
     }
 
     /// Drops the handle (reads that hold a clone keep theirs).
     pub(super) fn close(&self) {
         self.0.lock().take();
+    }
+}
+
+/// The cached read handles of one backend, oldest opened first, at most `limit`
+/// of them: opening one more closes the oldest. A closed handle is reopened on its
+/// next read (one `open` call), so the bound costs speed only when the tier's hot
+/// set spans more files than the bound.
+pub(super) struct OpenFiles {
+    limit: usize,
+    /// Handles in the order they were opened (some may be closed or gone already).
+    order: Mutex<std::collections::VecDeque<std::sync::Weak<Mutex<Option<Arc<IoFile>>>>>>,
+    /// Handles closed to stay within the bound.
+    closed: AtomicU64,
+}
+
+impl OpenFiles {
+    pub(super) fn new(limit: usize) -> Self {
+        OpenFiles { limit: limit.max(1), order: Mutex::default(), closed: AtomicU64::new(0) }
+    }
+
+    /// A handle was opened: closes the oldest while more than `limit` may be open.
+    fn opened(&self, handle: std::sync::Weak<Mutex<Option<Arc<IoFile>>>>) {
+        let mut order = self.order.lock();
+        order.push_back(handle);
+        while order.len() > self.limit {
+            let Some(oldest) = order.pop_front() else { break };
+            if let Some(cached) = oldest.upgrade() {
+                if cached.lock().take().is_some() {
+                    self.closed.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
+    }
+
+    /// Handles closed so far to stay within the bound.
+    pub(super) fn closed(&self) -> u64 {
+        self.closed.load(Ordering::Relaxed)
     }
 }
 
