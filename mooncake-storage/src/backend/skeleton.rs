@@ -303,7 +303,10 @@ impl<T: Pinned> Drop for ReadPin<T> {
 /// A unit's file handle: opened by the first read, dropped before the unit's files
 /// are deleted.
 #[derive(Default)]
-pub(super) struct CachedFile(Arc<Mutex<Option<Arc<IoFile>>>>);
+pub(super) struct CachedFile(Arc<Slot>);
+
+/// Where a [`CachedFile`] keeps its handle (`None`: closed).
+type Slot = Mutex<Option<Arc<IoFile>>>;
 
 impl CachedFile {
     /// The open handle, opening it with `open` if there is none (counted in `files`,
@@ -337,7 +340,7 @@ impl CachedFile {
 pub(super) struct OpenFiles {
     limit: usize,
     /// Handles in the order they were opened (some may be closed or gone already).
-    order: Mutex<std::collections::VecDeque<std::sync::Weak<Mutex<Option<Arc<IoFile>>>>>>,
+    order: Mutex<std::collections::VecDeque<std::sync::Weak<Slot>>>,
     /// Handles closed to stay within the bound.
     closed: AtomicU64,
 }
@@ -348,7 +351,7 @@ impl OpenFiles {
     }
 
     /// A handle was opened: closes the oldest while more than `limit` may be open.
-    fn opened(&self, handle: std::sync::Weak<Mutex<Option<Arc<IoFile>>>>) {
+    fn opened(&self, handle: std::sync::Weak<Slot>) {
         let mut order = self.order.lock();
         order.push_back(handle);
         while order.len() > self.limit {
