@@ -186,6 +186,7 @@ impl MasterService {
             return 0;
         }
         let mut removed = 0;
+        let now = self.now_ms();
         for shard in self.index.shards() {
             let mut shard = shard.lock();
             shard.retain(|k, e| {
@@ -202,6 +203,7 @@ impl MasterService {
                 // An object offloaded to an SSD lives on through its disk replica.
                 let keep = !e.replicas.is_empty() || before == 0 || e.disk() != 0;
                 if !keep {
+                    self.hold_orphaned_upsert(e, now);
                     removed += 1;
                     if !e.complete() {
                         self.counters.pending_puts.fetch_sub(1, Ordering::Relaxed);

@@ -325,6 +325,7 @@ impl MasterService {
                         self.add_ssd_used(client, -(e.len() as i64));
                         e.set_disk(0);
                         if e.replicas.is_empty() {
+                            self.hold_orphaned_upsert(e, self.now_ms());
                             shard.remove(key);
                         }
                         Ok(())
@@ -339,6 +340,7 @@ impl MasterService {
     /// other replica and were removed.
     pub(crate) fn drop_disk_replicas_of(&self, client: ClientId) -> usize {
         let mut removed = 0;
+        let now = self.now_ms();
         for shard in self.index.shards() {
             shard.lock().retain(|k, e| {
                 if e.disk() != client {
@@ -348,6 +350,9 @@ impl MasterService {
                 self.tombstones.linger(k);
                 e.set_disk(0);
                 let keep = !e.replicas.is_empty();
+                if !keep {
+                    self.hold_orphaned_upsert(e, now);
+                }
                 removed += usize::from(!keep);
                 keep
             });

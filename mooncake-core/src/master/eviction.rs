@@ -64,16 +64,18 @@ impl MasterService {
         let _pass = self.eviction.lock();
         let mut report = EvictionReport::default();
         let candidates = self.candidates();
-        let (cap, used): (u64, u64) =
-            candidates.iter().fold((0, 0), |(c, u), s| (c + s.capacity(), u + s.used_bytes()));
+        // Capacities are what clients declared (up to 2^64 - 1 each): the sums saturate.
+        let (cap, used): (u64, u64) = candidates
+            .iter()
+            .fold((0, 0), |(c, u), s| (c.saturating_add(s.capacity()), u.saturating_add(s.used_bytes())));
         let high = self.config.high_watermark;
         if cap > 0 && above_watermark(used, cap, high) {
-            report.add(self.evict(used - (cap as f64 * self.low_watermark()) as u64, None));
+            report.add(self.evict(used.saturating_sub((cap as f64 * self.low_watermark()) as u64), None));
         }
         for seg in candidates.iter() {
             let (c, u) = (seg.capacity(), seg.used_bytes());
             if above_watermark(u, c, high) {
-                report.add(self.evict(u - (c as f64 * self.low_watermark()) as u64, Some(seg.id())));
+                report.add(self.evict(u.saturating_sub((c as f64 * self.low_watermark()) as u64), Some(seg.id())));
             }
         }
         report

@@ -51,6 +51,7 @@ impl MasterService {
             let timed_out = self.retain_entries(|e| !self.put_expired(e, now), |_, _| {});
             self.counters.put_timeouts.fetch_add(timed_out as u64, Ordering::Relaxed);
         }
+        self.free_orphaned_upserts(now);
         self.evict_if_needed();
         // Eviction notices delivered (or whose node was forgotten) need no waiting.
         self.unsent_evictions.lock().retain(|_, wait| !wait.settled());

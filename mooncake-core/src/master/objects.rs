@@ -601,7 +601,7 @@ impl MasterService {
         self.fence(key)?;
         cfg.check()?;
         let now = self.now_ms();
-        let (have, held_on, len) = {
+        let (have, held_on, len, checksum) = {
             let mut shard = self.index.shard(key).lock();
             let e = match shard.get_mut(key) {
                 Some(e) if e.complete() => e,
@@ -634,6 +634,12 @@ impl MasterService {
             if !cfg.keep_soft_pin {
                 e.set_soft_pin(cfg.soft_pin, cfg.soft_pin_ttl_ms());
             }
+            if e.replicas.len() > have && !e.leased(now) {
+                // Targets of a replicate whose copy outlived its lease (`put_timeout`:
+                // its client stalled or is gone): taken back, so that they do not hold
+                // their space and block every later replicate of the key for good.
+                e.replicas.retain(|r| r.complete());
+            }
             if have == cfg.replica_num || e.replicas.len() > have {
                 // Nothing to do, or another replicate is filling replicas right now.
                 return Ok(ReplicatePlan {
@@ -645,7 +651,7 @@ impl MasterService {
                 });
             }
             let held: Vec<SegmentId> = e.replicas.iter().map(|r| r.segment()).collect();
-            (have, held, e.len())
+            (have, held, e.len(), e.checksum)
         };
         let extra = ReplicateConfig { replica_num: cfg.replica_num - have, ..cfg.clone() };
         // A copy away from a draining node takes free room only (what does not fit
@@ -657,6 +663,15 @@ impl MasterService {
             Some(e) if e.complete() => e,
             _ => return Err(Error::NotFound(key.to_owned())),
         };
+        // The allocation ran without the lock (it may wait for offloads): the object
+        // may have been upserted, or removed and put again, meanwhile. Targets sized
+        // for another value must not join this one (the copy would write past them),
+        // nor a second replicate's targets the first's.
+        let same = e.len() == len && e.checksum == checksum;
+        let alone = e.replicas.iter().all(|r| r.complete());
+        if !same || !alone || e.replicas.len() != have {
+            return Err(Error::HasLease(format!("{key} (changed while its replicas were placed: ask again)")));
+        }
         // Sources must stay put while the client copies from them: the copy is a
         // read, released by `replicate_end`.
         e.lease(now, self.config.put_timeout.as_millis() as u64);
@@ -674,6 +689,18 @@ impl MasterService {
         let e = shard.get_mut(key).ok_or_else(|| Error::NotFound(key.to_owned()))?;
         let len = e.len();
         let is_target = |r: &StoredReplica| !r.complete() && targets.contains(&r.memory(len));
+        if !e.replicas.iter().any(is_target) {
+            // An end asked again (its first answer lost), or not this replicate's
+            // object any more (upserted, or its targets taken back): either way its
+            // lease is gone already, and giving one back now would take another
+            // reader's.
+            let done = ok && targets.iter().all(|t| e.replicas.iter().any(|r| r.complete() && r.memory(len) == *t));
+            return if done {
+                Ok(())
+            } else {
+                Err(Error::NotFound(format!("{key}: no replica of this replicate is being filled")))
+            };
+        }
         let mut wait = RecordWait::default();
         if ok {
             for r in e.replicas.iter_mut().filter(|r| is_target(r)) {

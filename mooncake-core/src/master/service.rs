@@ -62,6 +62,13 @@ pub struct MasterService {
     /// master restarted after acknowledging it finds no node still listing an older
     /// copy. Pruned by the monitor once delivered.
     pub(super) unsent_evictions: Mutex<ahash::HashMap<Box<str>, crate::master::record_link::RecordWait>>,
+    /// Replicas of upserts whose object went away under them (its last replica's
+    /// node was lost, its disk replica evicted) while their writer may still be
+    /// writing them: held, so that their space is not given to another object
+    /// meanwhile, until the upsert's deadline (`put_timeout`); then the monitor frees
+    /// them. (The writer's `upsert_end` answers `NotFound`, and `Store::upsert` starts
+    /// again.)
+    pub(super) orphaned_upserts: Mutex<Vec<(u64, crate::master::object::Replicas)>>,
     /// Until when (ms) the master counts as recovering from a restart: set by each
     /// segment re-mounted with its objects, for one client TTL (every surviving
     /// client re-mounts within it). Meanwhile a missing key or a lack of segments is
@@ -137,6 +144,7 @@ impl Master {
             gens: Default::default(),
             tombstones: Default::default(),
             unsent_evictions: Default::default(),
+            orphaned_upserts: Default::default(),
             recovering_until_ms: AtomicU64::new(0),
             ownership: std::sync::OnceLock::new(),
             group_recovering: Default::default(),

@@ -22,7 +22,7 @@ use std::sync::atomic::Ordering;
 
 use crate::config::{check_key, check_value_len, ReplicateConfig};
 use crate::error::{Error, Result};
-use crate::master::object::{Replicas, StagedUpsert, StoredReplica};
+use crate::master::object::{ObjectEntry, Replicas, StagedUpsert, StoredReplica};
 use crate::master::record_link::RecordWait;
 use crate::master::service::MasterService;
 use crate::master::types::{ClientId, MemoryReplica};
@@ -40,6 +40,26 @@ enum Found {
 }
 
 impl MasterService {
+    /// Keeps the replicas of an upsert still under way on `e` (about to be removed):
+    /// its writer may be writing them, so their space is held until the upsert's
+    /// deadline (see `orphaned_upserts`).
+    pub(crate) fn hold_orphaned_upsert(&self, e: &mut ObjectEntry, now: u64) {
+        if let Some(held) = e.take_staged_replicas(now) {
+            self.orphaned_upserts.lock().push(held);
+        }
+    }
+
+    /// Frees the held replicas of orphaned upserts whose deadline passed.
+    pub(crate) fn free_orphaned_upserts(&self, now: u64) {
+        let expired: Vec<_> = {
+            let mut held = self.orphaned_upserts.lock();
+            let (gone, kept) = std::mem::take(&mut *held).into_iter().partition(|(until, _)| *until <= now);
+            *held = kept;
+            gone
+        };
+        drop(expired);
+    }
+
     /// Phase one of an upsert: reserves up to `cfg.replica_num` buffers of `len`
     /// bytes and returns where to write them. The object's current replicas stay
     /// readable until [`upsert_end`](Self::upsert_end). An absent key is put (then
@@ -199,9 +219,12 @@ impl MasterService {
         // The old value is superseded (its tombstone is older than the new records'
         // stamps, taken below), and a file of it on an SSD holds the old bytes.
         self.release_disk(key, e, &mut wait);
+        // Kept while any read may still use them: a get's lease (`default_lease`), or
+        // a longer one the entry holds (a replicate copying from the old replicas,
+        // or still filling targets among them, holds `put_timeout`).
+        let retire_until = (now + self.config.default_lease.as_millis() as u64).max(e.lease_until_ms());
         let Some(u) = e.extra.as_deref_mut() else { return Err(no_upsert(key)) };
         let old = std::mem::replace(&mut e.replicas, new);
-        let retire_until = now + self.config.default_lease.as_millis() as u64;
         u.retired.extend(old.into_iter().map(|r| (retire_until, r)));
         e.set_disk(0);
         e.set_offload_deadline_ms(0);

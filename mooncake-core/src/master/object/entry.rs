@@ -295,6 +295,15 @@ impl ObjectEntry {
     }
 
     /// The upsert in progress, if its writer's time has not run out at `now_ms`.
+    /// Takes the replicas of an upsert still under way (its writer may be writing
+    /// them), with the time its writer may write until; an abandoned one's are
+    /// dropped (freed). For an entry about to be removed.
+    pub(crate) fn take_staged_replicas(&mut self, now_ms: u64) -> Option<(u64, Replicas)> {
+        let staged = self.extra.as_deref_mut()?.staged.take()?;
+        self.tidy_extra();
+        (staged.until_ms > now_ms).then(|| (staged.until_ms, staged.replicas))
+    }
+
     pub(crate) fn staged(&self, now_ms: u64) -> Option<&StagedUpsert> {
         self.extra.as_deref()?.staged.as_ref().filter(|s| s.until_ms > now_ms)
     }
