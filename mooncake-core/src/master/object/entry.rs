@@ -301,7 +301,7 @@ impl ObjectEntry {
     pub(crate) fn take_staged_replicas(&mut self, now_ms: u64) -> Option<(u64, Replicas)> {
         let staged = self.extra.as_deref_mut()?.staged.take()?;
         self.tidy_extra();
-        (staged.until_ms > now_ms).then(|| (staged.until_ms, staged.replicas))
+        (staged.until_ms > now_ms).then_some((staged.until_ms, staged.replicas))
     }
 
     pub(crate) fn staged(&self, now_ms: u64) -> Option<&StagedUpsert> {
