@@ -962,3 +962,45 @@ fn batch_remove_forgets_cached_replica_lists() {
         assert_eq!(&g.unwrap()[..], &v[..], "{key}");
     }
 }
+
+/// A client's own put forgets its cached list of the key: the put succeeded only
+/// because the key was gone at the master (removed by another client), so the kept
+/// list is of a removed value, and the next get must read the client's own write.
+#[test]
+fn a_put_forgets_its_own_cached_list_of_the_key() {
+    let master = Master::new(MasterConfig { default_lease: Duration::from_secs(30), ..Default::default() }).unwrap();
+    let b = Store::builder().master(&master).global_segment_size(4 << 20).build().unwrap();
+    let reader = Store::builder().master(&master).global_segment_size(4 << 20).replica_cache(1024).build().unwrap();
+    let on = |s: &Store| ReplicateConfig {
+        preferred_segments: vec![master.segment_info(s.segment_id().unwrap()).unwrap().name],
+        ..Default::default()
+    };
+    let (old, new) = (payload(1, 50_000), payload(2, 50_000));
+    b.put_with("k", &old, &on(&b)).unwrap();
+    assert_eq!(&reader.get("k").unwrap()[..], &old[..]);
+    assert_eq!(&reader.get("k").unwrap()[..], &old[..]);
+    assert!(reader.stats().replica_cache_hits >= 1, "the reader keeps lists");
+    // Removed behind the reader's back; the old memory stays untouched.
+    master.batch_remove(&["k"]).pop().unwrap().unwrap();
+    reader.put_with("k", &new, &on(&reader)).unwrap();
+    assert_eq!(&reader.get("k").unwrap()[..], &new[..], "the reader reads its own write");
+}
+
+/// A kept list too large for the caller's buffer is not the last word: the object may
+/// have been replaced by a smaller one, so the master is asked before `BufferTooSmall`.
+#[test]
+fn a_kept_list_too_large_for_the_buffer_asks_the_master() {
+    let master = Master::new(MasterConfig { default_lease: Duration::from_secs(30), ..Default::default() }).unwrap();
+    let b = Store::builder().master(&master).global_segment_size(4 << 20).build().unwrap();
+    let reader = Store::builder().master(&master).global_segment_size(0).replica_cache(1024).build().unwrap();
+    let (big, small) = (payload(1, 100_000), payload(2, 50_000));
+    b.put("k", &big).unwrap();
+    assert_eq!(&reader.get("k").unwrap()[..], &big[..]);
+    master.batch_remove(&["k"]).pop().unwrap().unwrap();
+    b.put("k", &small).unwrap();
+    let mut buf = vec![0u8; 75_000];
+    assert_eq!(reader.get_into("k", &mut buf).unwrap(), small.len(), "the master's list fits");
+    assert_eq!(&buf[..small.len()], &small[..]);
+    let mut tiny = vec![0u8; 10];
+    assert!(matches!(reader.get_into("k", &mut tiny), Err(Error::BufferTooSmall { .. })));
+}

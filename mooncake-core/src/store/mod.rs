@@ -266,7 +266,8 @@ impl Store {
     }
 
     /// Reads the object into `buf` and returns its length; `BufferTooSmall` if it
-    /// does not fit (nothing is written then).
+    /// does not fit. On an error the bytes of `buf` are unspecified: a replica that
+    /// failed its checksum may have been read into it before the error was known.
     pub fn get_into(&self, key: &str, buf: &mut [u8]) -> Result<usize> {
         self.read_one(key, Dest::Host(vec![buf])).map(|g| g.len())
     }

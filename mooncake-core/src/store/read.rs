@@ -243,6 +243,14 @@ impl StoreInner {
                 continue;
             }
             if let Err(e) = r.target.prepare(list.len as usize, false) {
+                if matches!(from, ListFrom::Cache) {
+                    // A kept list may be of a value since replaced by a smaller one:
+                    // the master says what the object is now.
+                    self.cache.forget(r.key);
+                    r.list = None;
+                    attempts.push(None);
+                    continue;
+                }
                 // The destination cannot take it: no other replica helps.
                 r.done = Some(Err(e));
                 if matches!(from, ListFrom::Master(_)) {
@@ -427,7 +435,9 @@ impl StoreInner {
                 let len = r.len();
                 let sum = route.sums_in_flight(len);
                 for (at, piece) in r.target.pieces(len) {
-                    let req = TransferRequest::read(&route.region, offset + at, piece);
+                    // The master's offset plus a piece's: saturated, not wrapped (the
+                    // peer then refuses a range past its region).
+                    let req = TransferRequest::read(&route.region, offset.saturating_add(at), piece);
                     reqs.push(if sum { req.with_checksum() } else { req });
                     owner.push(k);
                 }

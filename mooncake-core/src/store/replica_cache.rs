@@ -125,12 +125,14 @@ impl ReplicaCache {
         let mut lists = self.lists.lock();
         // Checked under the lock `forget` takes: a forget is either seen here or
         // removes what is entered here.
-        let until = asked_at + list.lease;
+        // A lease from the master may be anything: one past `Instant`'s range is
+        // "not reusable", like one too short.
+        let until = asked_at.checked_add(list.lease);
         let reusable = list.lease > MIN_LEFT
             && !list.replicas.is_empty()
-            && until > now + MIN_LEFT
+            && until.is_some_and(|u| u > now + MIN_LEFT)
             && self.forgotten_slot(key).load(Ordering::Acquire) < self.since_base(asked_at);
-        let until = reusable.then_some(until);
+        let until = until.filter(|_| reusable);
         match lists.get_mut(key) {
             Some(entry) if same_list(&entry.list, &list) => {
                 // The same list again: a floor becomes reusable, a kept list lives
@@ -249,6 +251,17 @@ mod tests {
         c.insert_owned("b", list(1000, 1), Instant::now());
         c.forget("b");
         assert!(c.get("b").is_none());
+    }
+
+    #[test]
+    fn a_lease_past_the_clock_s_range_is_not_a_panic() {
+        let c = ReplicaCache::new(8);
+        let mut huge = list(0, 1);
+        huge.lease = Duration::MAX;
+        c.insert_owned("k", huge, Instant::now());
+        assert!(c.get("k").is_none(), "not reusable");
+        c.insert_owned("k", list(1000, 1), Instant::now());
+        assert!(c.get("k").is_some(), "a later list is still entered");
     }
 
     #[test]

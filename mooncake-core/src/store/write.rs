@@ -194,7 +194,20 @@ fn sum_on_device(round: &mut [&mut Writing<'_>], items: impl IntoIterator<Item =
     for (mem, of) in by_memory {
         let ranges: Vec<(u64, u64)> =
             of.iter().filter_map(|&k| round[k].unsummed_device_range()).map(|(_, at, n)| (at, n)).collect();
-        match mem.crc32c_each(&ranges) {
+        // A memory of the user's that answers fewer sums than ranges must not leave an
+        // item unsummed: it would be summed as host bytes it has none of.
+        let sums = mem.crc32c_each(&ranges).and_then(|sums| {
+            if sums.len() == ranges.len() {
+                Ok(sums)
+            } else {
+                Err(mooncake_gpu::GpuError::InvalidArgument(format!(
+                    "{} checksums for {} ranges of a device memory",
+                    sums.len(),
+                    ranges.len()
+                )))
+            }
+        });
+        match sums {
             Ok(sums) => of.iter().zip(sums).for_each(|(&k, crc)| round[k].crc = Some(crc)),
             Err(e) => {
                 let e = Error::from(e);
@@ -255,11 +268,12 @@ impl StoreInner {
             retry.sort_unstable();
             pending = retry;
         }
-        if mode == WriteMode::Upsert {
-            // This client's cached lists of the old objects are stale now.
-            for item in items {
-                self.cache.forget(item.key);
-            }
+        // This client's cached lists of the old objects are stale now: an upsert
+        // replaced them; a put succeeded only because the key was absent at the
+        // master (removed by another client), so any list still cached is of a value
+        // gone, which would otherwise be served after our own put (read your writes).
+        for item in items {
+            self.cache.forget(item.key);
         }
         self.count_writes(&writing, &results, cfg);
         results
@@ -539,7 +553,9 @@ impl StoreInner {
                 let sum = n == 0 && w.crc.is_none() && route.sums_in_flight(w.len as usize);
                 let mut at = 0u64;
                 for part in parts {
-                    let req = TransferRequest::write(&route.region, r.offset + at, part);
+                    // The master's offset plus a part's: checked, not wrapped (the
+                    // peer then refuses a range past its region).
+                    let req = TransferRequest::write(&route.region, r.offset.saturating_add(at), part);
                     reqs.push(if sum { req.with_checksum() } else { req });
                     owner.push((k, j));
                     at += part.len() as u64;
