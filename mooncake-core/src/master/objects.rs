@@ -334,6 +334,17 @@ impl MasterService {
         self.fence(key)?;
         match shard.get_mut(key) {
             Some(e) if e.owner() == Some(client) => {
+                // A segment unmounted while `put_start` placed on it (after the
+                // unmount dropped this shard's replicas there) cannot be read.
+                {
+                    let segments = self.segments.read();
+                    e.replicas.retain(|r| segments.by_id.contains_key(&r.segment()));
+                }
+                if e.replicas.is_empty() {
+                    shard.remove(key);
+                    self.counters.pending_puts.fetch_sub(1, Ordering::Relaxed);
+                    return Err(Error::NotFound(format!("{key} (the segments of the put are gone)")));
+                }
                 e.mark_complete();
                 e.checksum = checksum;
                 e.last_access_ms = now;
