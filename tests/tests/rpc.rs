@@ -608,3 +608,30 @@ fn a_node_announces_its_record_endpoint_before_its_segment_takes_puts() {
     node.put("k2", b"v2").unwrap();
     assert_eq!(&node.get("k2").unwrap()[..], b"v2");
 }
+
+/// A master that answers every call but refuses `mount_records`.
+struct RefusesRecords(Master);
+
+impl RpcHandler for RefusesRecords {
+    fn handle(&self, request: Request) -> Response {
+        if REQUEST_KINDS[request.kind_index()] == "mount_records" {
+            let refused = Error::InvalidArgument("this master does not take record endpoints".into());
+            return Response::MountRecords(Err(refused.into()));
+        }
+        mooncake_core::rpc::dispatch(&**self.0.service(), request)
+    }
+}
+
+/// A node whose record endpoint the master cannot take goes on with heartbeat
+/// delivery, and counts it (`StoreStats::record_mount_failures`), once per join.
+#[test]
+fn a_failed_record_mount_is_counted() {
+    let master = Master::new(MasterConfig::default()).unwrap();
+    let server =
+        RpcServer::serve_with("127.0.0.1:0", Arc::new(RefusesRecords(master)), RpcServerConfig::default()).unwrap();
+    let node =
+        Store::builder().master_address(&server.local_addr().to_string()).global_segment_size(1 << 20).build().unwrap();
+    assert_eq!(node.stats().record_mount_failures, 1);
+    node.put("k", b"v").unwrap();
+    assert_eq!(&node.get("k").unwrap()[..], b"v");
+}

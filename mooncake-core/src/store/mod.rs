@@ -444,6 +444,7 @@ impl Store {
                 let st = s.stats();
                 st.auth_failures.load(Ordering::Relaxed) + st.refused_connections.load(Ordering::Relaxed)
             }),
+            record_mount_failures: c.record_mount_failures.load(Ordering::Relaxed),
             master,
         }
     }

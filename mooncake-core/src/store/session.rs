@@ -55,7 +55,7 @@ fn announce_records(
     endpoint: Option<&RecordEndpoint>,
     records: &Arc<SegmentRecords>,
     client: ClientId,
-) {
+) -> bool {
     let announced = match endpoint {
         Some(RecordEndpoint::Rpc { server, key }) => {
             master.mount_records(client, &server.local_addr().to_string(), key)
@@ -63,8 +63,12 @@ fn announce_records(
         Some(RecordEndpoint::InProcess(master)) => master.attach_records(client, records.clone()),
         None => Ok(()),
     };
-    if let Err(e) = announced {
-        tracing::warn!(error = %e, "the master cannot reach our record endpoint");
+    match announced {
+        Ok(()) => true,
+        Err(e) => {
+            tracing::warn!(error = %e, "the master cannot reach our record endpoint");
+            false
+        }
     }
 }
 
@@ -124,7 +128,9 @@ impl StoreInner {
         // Announced before the segment is placeable again, so that no put placed on
         // it is acknowledged before we hold its record (the master waits for the
         // endpoint it knows).
-        announce_records(&*self.master, self.record_endpoint.as_ref(), &self.records, client);
+        if !announce_records(&*self.master, self.record_endpoint.as_ref(), &self.records, client) {
+            StoreCounters::inc(&self.counters.record_mount_failures, 1);
+        }
         let mut seg = self.segment.lock();
         if let Some(s) = seg.as_mut() {
             let region = &s.region;
@@ -208,7 +214,7 @@ impl Store {
             }
             (true, None, None) => None,
         };
-        announce_records(&*master, record_endpoint.as_ref(), &records, client);
+        let announced = announce_records(&*master, record_endpoint.as_ref(), &records, client);
         let segment = if gives_memory {
             let region = engine.register_region(cfg.global_segment_size)?;
             match master.mount_segment(client, &engine.remote(region.id()), region.len()) {
@@ -262,7 +268,10 @@ impl Store {
             own_segment: AtomicU64::new(own),
             routes: Routes::default(),
             replicate: cfg.replicate,
-            counters: StoreCounters::default(),
+            counters: StoreCounters {
+                record_mount_failures: AtomicU64::new(u64::from(!announced)),
+                ..StoreCounters::default()
+            },
             records,
             record_endpoint,
             flush_timeout: cfg.flush_timeout,

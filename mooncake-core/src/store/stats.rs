@@ -17,6 +17,7 @@ pub(super) struct StoreCounters {
     pub(super) under_replicated_puts: AtomicU64,
     pub(super) device_direct_bytes: AtomicU64,
     pub(super) device_staged_bytes: AtomicU64,
+    pub(super) record_mount_failures: AtomicU64,
 }
 
 impl StoreCounters {
@@ -67,6 +68,11 @@ pub struct StoreStats {
     /// could not prove the record key only the masters it mounted on know (a forged
     /// record change, say). See [`Store::record_endpoint`](crate::Store::record_endpoint).
     pub record_refusals: u64,
+    /// Times the master could not reach this node's record endpoint when the node
+    /// joined or re-joined (`mount_records` failed): the node's record changes then
+    /// come with its heartbeats only, so an acknowledged put may be unknown to a
+    /// master restarted before the next heartbeat.
+    pub record_mount_failures: u64,
     /// The SSD tier's counters, if this client has one.
     pub ssd: Option<super::SsdStats>,
     /// Objects this client pulled from other clients' SSDs.
@@ -98,7 +104,8 @@ impl std::fmt::Display for StoreStats {
         writeln!(
             f,
             "  puts {} ({} B, {} failed), gets {} ({} B, {} failed), removes {}, checksum retries {}, \
-             replica cache hits {}, disk loads {}, device bytes {} direct / {} staged, record refusals {}",
+             replica cache hits {}, disk loads {}, device bytes {} direct / {} staged, record refusals {}, \
+             record mounts failed {}",
             self.puts,
             self.put_bytes,
             self.put_errors,
@@ -111,7 +118,8 @@ impl std::fmt::Display for StoreStats {
             self.disk_loads,
             self.device_direct_bytes,
             self.device_staged_bytes,
-            self.record_refusals
+            self.record_refusals,
+            self.record_mount_failures
         )?;
         if let Some(s) = &self.ssd {
             let b = &s.backend;
