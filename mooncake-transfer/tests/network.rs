@@ -529,3 +529,17 @@ fn mappings_of_gone_regions_are_dropped_when_another_is_mapped() {
     assert_eq!(&back, b"b");
     drop(a);
 }
+
+/// A peer that could not answer the same-host question (not listening yet) is asked
+/// again later, not judged to be on another host for good: once it serves, its
+/// regions are mapped.
+#[test]
+fn shm_asks_again_a_peer_that_could_not_answer() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let endpoint = format!("127.0.0.1:{port}");
+    let shm = Arc::new(ShmTransport::new());
+    assert!(!shm.can_reach(&endpoint), "nobody listens there yet");
+    let srv = TransferEngine::builder().tcp_listen(&endpoint).shared_memory(true).build().unwrap();
+    assert_eq!(srv.endpoint(), endpoint);
+    assert!(shm.can_reach(&endpoint), "the same host, once it answers");
+}

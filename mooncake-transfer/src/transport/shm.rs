@@ -174,9 +174,16 @@ impl Transport for ShmTransport {
         if let Some(&same) = self.same_host.read().get(endpoint) {
             return same;
         }
-        let same = handshake::hello(&self.tcp, endpoint).map(|h| h == host_id()).unwrap_or(false);
-        self.same_host.write().insert(endpoint.to_owned(), same);
-        same
+        match handshake::hello(&self.tcp, endpoint) {
+            Ok(h) => {
+                let same = h == host_id();
+                self.same_host.write().insert(endpoint.to_owned(), same);
+                same
+            }
+            // A peer that could not answer now (down, busy, a broken connection) is
+            // not known to be elsewhere: asked again next time, not judged for good.
+            Err(_) => false,
+        }
     }
 
     fn transfer(&self, requests: &mut [TransferRequest<'_>]) -> Vec<Result<()>> {
