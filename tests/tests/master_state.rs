@@ -40,6 +40,25 @@ fn put(m: &Master, c: ClientId, key: &str, cfg: &ReplicateConfig) {
     m.put_end(c, key, 7).unwrap();
 }
 
+/// Two nodes, `a` and `b`, with a 1 MiB segment each, and `k` (4 KiB) on `a`'s.
+struct Two {
+    m: Master,
+    a: ClientId,
+    b: ClientId,
+    seg_a: String,
+    seg_b: String,
+    id_b: u64,
+}
+
+fn two_nodes_with_k(cfg: MasterConfig) -> Two {
+    let m = Master::new(cfg).unwrap();
+    let (a, b) = (client(&m), client(&m));
+    let (_, seg_a) = segment(&m, a, "a", 1 << 20);
+    let (id_b, seg_b) = segment(&m, b, "b", 1 << 20);
+    put(&m, a, "k", &on(&seg_a));
+    Two { m, a, b, seg_a, seg_b, id_b }
+}
+
 fn used(m: &Master, segment: u64) -> u64 {
     m.stats().segment_usage.iter().find(|u| u.segment == segment).map_or(0, |u| u.used)
 }
@@ -49,16 +68,11 @@ fn used(m: &Master, segment: u64) -> u64 {
 /// them. Then the space is freed. (It was freed at once, and handed to the next put.)
 #[test]
 fn an_orphaned_upsert_keeps_its_space_until_its_deadline() {
-    let m = Master::new(MasterConfig {
+    let Two { m, a, b, seg_b, id_b, .. } = two_nodes_with_k(MasterConfig {
         put_timeout: Duration::from_millis(400),
         monitor_interval: Duration::from_millis(20),
         ..Default::default()
-    })
-    .unwrap();
-    let (a, b) = (client(&m), client(&m));
-    let (_, seg_a) = segment(&m, a, "a", 1 << 20);
-    let (id_b, seg_b) = segment(&m, b, "b", 1 << 20);
-    put(&m, a, "k", &on(&seg_a));
+    });
     let staged = m.upsert_start(b, "k", LEN, &on(&seg_b)).unwrap();
     m.unregister_client(a).unwrap();
     assert_eq!(used(&m, id_b), LEN, "the upsert's replica still holds its space");
@@ -85,16 +99,11 @@ fn an_upsert_over_an_evicted_disk_replica_keeps_its_space() {
 /// targets for its own lease (`put_timeout`), not a get's (`default_lease`).
 #[test]
 fn an_upsert_keeps_a_replicate_s_targets_for_the_replicate_s_lease() {
-    let m = Master::new(MasterConfig {
+    let Two { m, a, b, seg_a, seg_b, id_b } = two_nodes_with_k(MasterConfig {
         default_lease: Duration::from_millis(100),
         put_timeout: Duration::from_secs(30),
         ..Default::default()
-    })
-    .unwrap();
-    let (a, b) = (client(&m), client(&m));
-    let (_, seg_a) = segment(&m, a, "a", 1 << 20);
-    let (id_b, seg_b) = segment(&m, b, "b", 1 << 20);
-    put(&m, a, "k", &on(&seg_a));
+    });
     let plan = m.replicate_start(a, "k", &replicas(2, &[&seg_a, &seg_b])).unwrap();
     assert_eq!(plan.targets.len(), 1);
     assert_eq!(used(&m, id_b), LEN);
@@ -111,11 +120,8 @@ fn an_upsert_keeps_a_replicate_s_targets_for_the_replicate_s_lease() {
 /// back once: a reader's lease stays, and the object cannot be removed under it.
 #[test]
 fn a_replicate_end_asked_twice_gives_back_one_lease() {
-    let m = Master::new(MasterConfig { default_lease: Duration::from_secs(30), ..Default::default() }).unwrap();
-    let (a, b) = (client(&m), client(&m));
-    let (_, seg_a) = segment(&m, a, "a", 1 << 20);
-    let (_, seg_b) = segment(&m, b, "b", 1 << 20);
-    put(&m, a, "k", &on(&seg_a));
+    let Two { m, a, seg_a, seg_b, .. } =
+        two_nodes_with_k(MasterConfig { default_lease: Duration::from_secs(30), ..Default::default() });
     m.get_replica_list("k").unwrap(); // a read in flight
     let plan = m.replicate_start(a, "k", &replicas(2, &[&seg_a, &seg_b])).unwrap();
     m.replicate_end("k", &plan.targets, true).unwrap();

@@ -28,6 +28,19 @@ fn ssd_store(master: &Master, dram: u64, dir: &std::path::Path, ssd: u64, backen
         .unwrap()
 }
 
+/// A master that persists every put at once (short leases), and a node with 16 MiB
+/// of memory and a 256 MiB bucket SSD tier in `dir`.
+fn eager_node(dir: &std::path::Path) -> (Master, Store) {
+    let master = Master::new(MasterConfig {
+        persist: PersistPolicy::Eager,
+        default_lease: Duration::from_millis(200),
+        ..Default::default()
+    })
+    .unwrap();
+    let node = ssd_store(&master, 16 << 20, dir, 256 << 20, SsdBackend::Bucket);
+    (master, node)
+}
+
 /// With an SSD tier a put does not fail for lack of DRAM while the SSD has
 /// room. 256 MiB through 32 MiB of DRAM, every object read back exactly, and found
 /// again after the store is rebuilt on the same directory.
@@ -96,13 +109,7 @@ fn offset_allocator_backend_holds_256_mib_in_32_mib_of_dram() {
 #[test]
 fn eager_offload_and_remote_load_from_another_clients_disk() {
     let dir = unique_dir("ssd-remote");
-    let master = Master::new(MasterConfig {
-        persist: PersistPolicy::Eager,
-        default_lease: Duration::from_millis(200),
-        ..Default::default()
-    })
-    .unwrap();
-    let node = ssd_store(&master, 16 << 20, &dir, 256 << 20, SsdBackend::Bucket);
+    let (master, node) = eager_node(&dir);
     let reader = Store::builder().master(&master).global_segment_size(0).build().unwrap();
     for i in 0..8 {
         node.put(&format!("k{i}"), &block(i, 300_000)).unwrap();
@@ -153,13 +160,7 @@ fn eager_offload_and_remote_load_from_another_clients_disk() {
 fn a_failed_discard_is_retried_until_the_file_is_gone() {
     use mooncake_core::storage::{BackendOptions, BucketBackend, BucketConfig, StorageBackend};
     let dir = unique_dir("ssd-discard-retry");
-    let master = Master::new(MasterConfig {
-        persist: PersistPolicy::Eager,
-        default_lease: Duration::from_millis(200),
-        ..Default::default()
-    })
-    .unwrap();
-    let node = ssd_store(&master, 16 << 20, &dir, 256 << 20, SsdBackend::Bucket);
+    let (master, node) = eager_node(&dir);
     for i in 0..2 {
         node.put(&format!("k{i}"), &block(i, 300_000)).unwrap();
     }
