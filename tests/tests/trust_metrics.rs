@@ -13,6 +13,7 @@ use std::path::PathBuf;
 use std::process::{Child, ChildStdout, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use mooncake_core::rpc::wire::{encode_frame, FrameKind, Request};
 use mooncake_core::{Master, MasterConfig, ReplicateConfig, Store};
 use support::{bin, payload, unique_dir};
 
@@ -198,17 +199,21 @@ fn a_half_request_is_dropped_after_a_few_seconds() {
 fn a_master_out_of_descriptors_keeps_its_metrics_listener() {
     raise_fd_limit();
     let mut m = LimitedMaster::start();
-    // Raw connections to the RPC listener (no hello): the master accepts them until
-    // it has no descriptor left. It closes each one that sends no hello within 5 s,
-    // so on a loaded machine, where 1,100 connects can take longer than that, more
-    // are opened until the master is seen full.
+    // Client connections to the RPC listener, each past its hello (one request sent,
+    // its answer left unread): the master keeps them until it has no descriptor left.
+    // (Connections still in their handshake it caps at 512, closing the oldest, so
+    // silent sockets no longer fill it: `trust_auth.rs`.)
+    let request = encode_frame(FrameKind::Request, 1, &Request::Stats {}).unwrap();
     let mut hogs: Vec<TcpStream> = Vec::new();
     let mut refused = None;
     let start = Instant::now();
     while m.descriptors() < 1020 && start.elapsed() < Duration::from_secs(30) {
         for _ in 0..100 {
             match TcpStream::connect_timeout(&m.rpc.parse().unwrap(), Duration::from_secs(2)) {
-                Ok(s) => hogs.push(s),
+                Ok(mut s) => {
+                    let _ = s.write_all(&request);
+                    hogs.push(s);
+                }
                 Err(e) => refused = Some(e),
             }
         }
