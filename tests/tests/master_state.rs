@@ -212,3 +212,20 @@ fn a_replicate_of_an_object_upserted_while_placing_is_refused() {
         Err(e) => panic!("{e}"),
     }
 }
+
+/// The old replicas an upsert retired are freed once their time is up even if a reader
+/// of them died (its lease never given back) and the key is never touched again.
+#[test]
+fn retired_replicas_of_a_dead_reader_are_freed_without_touching_the_key() {
+    let Two { m, b, seg_b, .. } = two_nodes_with_k(MasterConfig {
+        default_lease: Duration::from_millis(100),
+        monitor_interval: Duration::from_millis(20),
+        ..Default::default()
+    });
+    let id_a = m.stats().segment_usage.iter().find(|u| u.name == "local://a#1").unwrap().segment;
+    m.get_replica_list("k").unwrap(); // a reader that dies: never released
+    m.upsert_start(b, "k", LEN, &on(&seg_b)).unwrap();
+    m.upsert_end(b, "k", 3).unwrap();
+    assert_eq!(used(&m, id_a), LEN, "the old replica is kept for its reader");
+    wait_until(Duration::from_secs(5), || used(&m, id_a) == 0);
+}

@@ -52,6 +52,7 @@ impl MasterService {
             self.counters.put_timeouts.fetch_add(timed_out as u64, Ordering::Relaxed);
         }
         self.free_orphaned_upserts(now);
+        self.free_retired(now);
         self.evict_if_needed();
         // Eviction notices delivered (or whose node was forgotten) need no waiting.
         self.unsent_evictions.lock().retain(|_, wait| !wait.settled());

@@ -69,6 +69,10 @@ pub struct MasterService {
     /// them. (The writer's `upsert_end` answers `NotFound`, and `Store::upsert` starts
     /// again.)
     pub(super) orphaned_upserts: Mutex<Vec<(u64, crate::master::object::Replicas)>>,
+    /// Keys whose entry holds retired replicas (an upsert's old ones): the monitor
+    /// frees them once their time is up, even for a key never touched again (a reader
+    /// that died never gives its lease back).
+    pub(super) retiring: Mutex<ahash::HashSet<Box<str>>>,
     /// Until when (ms) the master counts as recovering from a restart: set by each
     /// segment re-mounted with its objects, for one client TTL (every surviving
     /// client re-mounts within it). Meanwhile a missing key or a lack of segments is
@@ -145,6 +149,7 @@ impl Master {
             tombstones: Default::default(),
             unsent_evictions: Default::default(),
             orphaned_upserts: Default::default(),
+            retiring: Default::default(),
             recovering_until_ms: AtomicU64::new(0),
             ownership: std::sync::OnceLock::new(),
             group_recovering: Default::default(),

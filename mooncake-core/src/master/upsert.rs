@@ -49,6 +49,22 @@ impl MasterService {
         }
     }
 
+    /// Frees the retired replicas whose time is up, of every key that holds some.
+    pub(crate) fn free_retired(&self, now: u64) {
+        let keys: Vec<Box<str>> = self.retiring.lock().drain().collect();
+        let mut left = Vec::new();
+        for key in keys {
+            let mut shard = self.index.shard(&key).lock();
+            if let Some(e) = shard.get_mut(&key) {
+                e.tidy_upsert(now);
+                if e.has_retired() {
+                    left.push(key);
+                }
+            }
+        }
+        self.retiring.lock().extend(left);
+    }
+
     /// Frees the held replicas of orphaned upserts whose deadline passed.
     pub(crate) fn free_orphaned_upserts(&self, now: u64) {
         let expired: Vec<_> = {
@@ -226,6 +242,7 @@ impl MasterService {
         let Some(u) = e.extra.as_deref_mut() else { return Err(no_upsert(key)) };
         let old = std::mem::replace(&mut e.replicas, new);
         u.retired.extend(old.into_iter().map(|r| (retire_until, r)));
+        self.retiring.lock().insert(key.into());
         e.set_disk(0);
         e.set_offload_deadline_ms(0);
         e.set_len(staged.len);

@@ -294,7 +294,11 @@ impl ObjectEntry {
         self.tidy_extra();
     }
 
-    /// The upsert in progress, if its writer's time has not run out at `now_ms`.
+    /// Whether the entry holds retired replicas (see [`tidy_upsert`](Self::tidy_upsert)).
+    pub(crate) fn has_retired(&self) -> bool {
+        self.extra.as_deref().is_some_and(|x| !x.retired.is_empty())
+    }
+
     /// Takes the replicas of an upsert still under way (its writer may be writing
     /// them), with the time its writer may write until; an abandoned one's are
     /// dropped (freed). For an entry about to be removed.
@@ -304,6 +308,7 @@ impl ObjectEntry {
         (staged.until_ms > now_ms).then_some((staged.until_ms, staged.replicas))
     }
 
+    /// The upsert in progress, if its writer's time has not run out at `now_ms`.
     pub(crate) fn staged(&self, now_ms: u64) -> Option<&StagedUpsert> {
         self.extra.as_deref()?.staged.as_ref().filter(|s| s.until_ms > now_ms)
     }
