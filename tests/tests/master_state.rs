@@ -69,7 +69,7 @@ fn used(m: &Master, segment: u64) -> u64 {
 #[test]
 fn an_orphaned_upsert_keeps_its_space_until_its_deadline() {
     let Two { m, a, b, seg_b, id_b, .. } = two_nodes_with_k(MasterConfig {
-        put_timeout: Duration::from_millis(400),
+        put_timeout: Duration::from_millis(1500),
         monitor_interval: Duration::from_millis(20),
         ..Default::default()
     });
@@ -218,7 +218,7 @@ fn a_replicate_of_an_object_upserted_while_placing_is_refused() {
 #[test]
 fn retired_replicas_of_a_dead_reader_are_freed_without_touching_the_key() {
     let Two { m, b, seg_b, .. } = two_nodes_with_k(MasterConfig {
-        default_lease: Duration::from_millis(100),
+        default_lease: Duration::from_millis(600),
         monitor_interval: Duration::from_millis(20),
         ..Default::default()
     });
