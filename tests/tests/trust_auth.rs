@@ -424,6 +424,33 @@ fn a_flood_of_silent_sockets_does_not_lock_clients_out_of_the_master() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Only connections still in their handshake count toward the cap: 600 clients that
+/// finished theirs do not crowd out one slow handshake that started before them.
+#[test]
+fn clients_past_their_hello_do_not_crowd_out_a_slow_handshake() {
+    use mooncake_core::rpc::wire::{encode_frame, FrameKind, Request as Req};
+    let (_m, addr) = master(&[]);
+    let mut slow = TcpStream::connect(&addr).unwrap();
+    let request = encode_frame(FrameKind::Request, 1, &Req::Stats {}).unwrap();
+    let clients: Vec<TcpStream> = (0..600)
+        .map(|_| {
+            let mut s = TcpStream::connect(&addr).unwrap();
+            s.write_all(&request).unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+            mooncake_core::rpc::read_frame(&mut s, 1 << 20).unwrap();
+            s
+        })
+        .collect();
+    // The slow one is still open (within its 5 s hello timeout): a read waits.
+    slow.set_read_timeout(Some(Duration::from_millis(200))).unwrap();
+    let mut byte = [0u8; 1];
+    match slow.read(&mut byte) {
+        Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {}
+        other => panic!("the slow handshake was closed: {other:?}"),
+    }
+    drop(clients);
+}
+
 /// The binaries raise their soft limit on open descriptors to the hard one.
 #[test]
 fn the_master_raises_its_open_files_limit() {

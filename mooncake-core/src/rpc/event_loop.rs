@@ -557,8 +557,9 @@ impl Loop {
     fn make_room_for_a_handshake(&mut self) {
         let waiting =
             |c: &Conn| matches!(c.phase, Phase::Auth { .. } | Phase::Hello { .. } | Phase::Open { hello_done: false });
-        if self.unauthenticated.len() >= 2 * MAX_UNAUTHENTICATED {
-            // Most entries are of connections that moved on: drop those.
+        if self.unauthenticated.len() >= MAX_UNAUTHENTICATED {
+            // Entries of connections that moved on (authenticated, closed) first: only
+            // connections still waiting count, and only they are closed.
             let conns = &self.conns;
             self.unauthenticated.retain(|&(slot, generation)| {
                 conns.get(slot).and_then(Option::as_ref).is_some_and(|c| c.generation == generation && waiting(c))
