@@ -431,3 +431,37 @@ fn concurrent_drain_copies_never_push_a_segment_over_the_high_watermark() {
         assert!(copied.load(Ordering::Relaxed) > 0, "round {round}: B had room for some copies");
     }
 }
+
+/// A drain whose grace ran out with objects still on the node says so (the command
+/// fails, naming them), and asking again, once there is room, runs a new drain with
+/// the new grace that moves them. (A drain asked again used to answer the ended
+/// one's counts and move nothing.)
+#[test]
+fn a_drain_asked_again_after_its_grace_ran_out_runs_again() {
+    let c = Cluster::start(&["--client-ttl-ms", "2000"], 0);
+    let a = node(&c.master_addr, "16MiB", "0");
+    let b = node(&c.master_addr, "1MiB", "0");
+    let store = client(&c.master_addr);
+    let a_name = store.master().segment_info(segment_id(&a)).unwrap().name;
+    let on_a = ReplicateConfig { preferred_segments: vec![a_name], ..Default::default() };
+    let values: Vec<Vec<u8>> = (0..16).map(|i| payload(i as u8, 256 << 10)).collect();
+    for (i, v) in values.iter().enumerate() {
+        store.put_with(&format!("again/{i}"), v, &on_a).unwrap();
+    }
+    let (code, stdout, stderr) = c.client(&["drain", "--master", &c.master_addr, &endpoint(&a), "--grace", "1"]);
+    assert_ne!(code, 0, "objects were not moved: the command says so\n{stdout}");
+    assert!(stderr.contains("lost") || stderr.contains("still on the node"), "{stderr}");
+    let first = store.master().drain_status(&endpoint(&a)).unwrap();
+    assert!(first.done && first.objects_lost + first.objects_left > 0, "{first:?}");
+    // Room arrives; the drain is asked for again.
+    let _c3 = node(&c.master_addr, "32MiB", "0");
+    let (code, stdout, stderr) = c.client(&["drain", "--master", &c.master_addr, &endpoint(&a), "--grace", "20"]);
+    assert_eq!(code, 0, "{stdout}\n{stderr}");
+    let a_seg = segment_id(&a);
+    for (i, v) in values.iter().enumerate() {
+        let key = format!("again/{i}");
+        assert!(!homes(&store, &key).contains(&a_seg), "{key} is still on the drained node");
+        assert_eq!(&store.get(&key).unwrap()[..], &v[..], "{key}");
+    }
+    drop(b);
+}

@@ -314,9 +314,16 @@ fn run(cmd: Command, protocol: Protocol) -> Result<(), String> {
                     last = line;
                 }
                 if p.started && p.done {
-                    return match p.objects_lost {
-                        0 => Ok(()),
-                        n => Err(format!("drain of {} ended with {n} objects lost ({} bytes)", p.node, p.bytes_lost)),
+                    return match (p.objects_lost, p.objects_left) {
+                        (0, 0) => Ok(()),
+                        (0, n) => Err(format!(
+                            "drain of {} ended with {n} objects still on the node ({} bytes): ask again with a \
+                             longer --grace",
+                            p.node, p.bytes_left
+                        )),
+                        (n, _) => {
+                            Err(format!("drain of {} ended with {n} objects lost ({} bytes)", p.node, p.bytes_lost))
+                        }
                     };
                 }
                 if start.elapsed() > limit {

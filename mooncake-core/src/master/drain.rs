@@ -89,6 +89,7 @@ impl DrainProgress {
             (false, true) => other.done,
             (false, false) => false,
         };
+        let was_started = self.started;
         self.started |= other.started;
         macro_rules! max {
             ($($f:ident),*) => { $( self.$f = self.$f.max(other.$f); )* };
@@ -106,12 +107,13 @@ impl DrainProgress {
             bytes_lost,
             elapsed_ms
         );
-        if done {
-            (self.objects_left, self.bytes_left) = (0, 0);
-        } else {
-            self.objects_left = self.objects_left.max(other.objects_left);
-            self.bytes_left = self.bytes_left.max(other.bytes_left);
-        }
+        // A report of a drain not started says nothing of what is left; otherwise the
+        // larger count (a finished drain whose grace ran out may have objects left).
+        (self.objects_left, self.bytes_left) = match (was_started, other.started) {
+            (false, _) => (other.objects_left, other.bytes_left),
+            (true, false) => (self.objects_left, self.bytes_left),
+            (true, true) => (self.objects_left.max(other.objects_left), self.bytes_left.max(other.bytes_left)),
+        };
         self.done = done;
     }
 }
@@ -136,7 +138,7 @@ impl MasterService {
         if node.is_empty() {
             return Err(Error::InvalidArgument("drain: empty segment name".into()));
         }
-        let (count, newly) = {
+        let (count, mut newly, owners) = {
             let mut table = self.segments.write();
             let ids: Vec<(SegmentId, ClientId)> = table
                 .by_id
@@ -145,18 +147,27 @@ impl MasterService {
                 .map(|s| (s.alloc.id(), s.owner))
                 .collect();
             let mut newly: Vec<ClientId> = Vec::new();
+            let mut owners: Vec<ClientId> = Vec::new();
             for (id, owner) in &ids {
                 if table.set_draining(*id) && !newly.contains(owner) {
                     newly.push(*owner);
                 }
+                if !owners.contains(owner) {
+                    owners.push(*owner);
+                }
             }
-            (ids.len() as u64, newly)
+            (ids.len() as u64, newly, owners)
         };
         if count == 0 {
             return Ok(DrainProgress { node: node.to_owned(), ..Default::default() });
         }
         let mut progress = {
             let mut drains = self.drains.lock();
+            // A drain asked for again after the last one ended (its grace ran out, with
+            // objects left) runs again, with the new grace: the node is told again.
+            if drains.get(node).is_some_and(|p| p.started && p.done) {
+                newly = owners;
+            }
             if !newly.is_empty() || !drains.contains_key(node) {
                 if drains.len() >= MAX_DRAINS {
                     let finished: Option<String> = drains.iter().find(|(_, p)| p.done).map(|(k, _)| k.clone());
@@ -261,5 +272,15 @@ mod tests {
         c.merge(&b);
         assert!(!c.done, "one master saw the node still at work");
         assert_eq!(c.objects_left, 4);
+    }
+
+    #[test]
+    fn a_finished_drain_with_objects_left_folds_with_them() {
+        let ended = DrainProgress { started: true, done: true, objects_left: 5, bytes_left: 50, ..Default::default() };
+        let mut acc = DrainProgress::default();
+        acc.merge(&ended);
+        assert_eq!((acc.done, acc.objects_left, acc.bytes_left), (true, 5, 50), "its grace ran out: 5 left");
+        acc.merge(&ended);
+        assert_eq!(acc.objects_left, 5);
     }
 }
