@@ -386,6 +386,23 @@ fn a_put_placed_before_the_drain_and_ended_during_it_is_moved_too() {
     assert_eq!(&b.get("late").unwrap()[..], &zeros[..]);
 }
 
+/// The same put still writing when the grace ends: the drain does not report a clean
+/// node (something is left: the put's bytes are still allocated there).
+#[test]
+fn a_put_still_writing_when_the_grace_ends_is_reported_left() {
+    use mooncake_core::{Master, MasterConfig};
+    let master = Master::new(MasterConfig::served()).unwrap();
+    let a = Store::builder().master(&master).global_segment_size(4 << 20).build().unwrap();
+    let _b = Store::builder().master(&master).global_segment_size(4 << 20).build().unwrap();
+    let w = Store::builder().master(&master).global_segment_size(0).build().unwrap();
+    let cfg = ReplicateConfig { preferred_segments: vec![a.segment_name().unwrap().unwrap()], ..Default::default() };
+    w.master().put_start(w.client_id(), "late", 4096, &cfg).unwrap();
+    let summary = a.drain(Duration::from_millis(300)).unwrap();
+    assert!(summary.done, "{summary:?}");
+    assert!(summary.objects_left + summary.objects_lost > 0, "reported clean with a put still writing: {summary:?}");
+    assert_eq!(summary.bytes_left, 4096, "{summary:?}");
+}
+
 /// Copies away from a draining node take room below the high watermark only, even
 /// when many land on one segment at the same moment. Above it the master's monitor
 /// would evict, and a copy whose original the drain has dropped is the object's only
