@@ -482,3 +482,26 @@ fn a_drain_asked_again_after_its_grace_ran_out_runs_again() {
     }
     drop(b);
 }
+
+/// A drained node stays draining when its segment is mounted again (the master forgot
+/// it, or restarted): the re-mounted segment takes no new replica. (A re-mount used to
+/// make it placeable again, and puts landed on a node about to stop.)
+#[test]
+fn a_drained_node_is_draining_again_after_a_re_mount() {
+    use mooncake_core::{Master, MasterConfig};
+    let master = Master::new(MasterConfig { client_ttl: Duration::from_secs(2), ..MasterConfig::served() }).unwrap();
+    let a = Store::builder().master(&master).global_segment_size(4 << 20).build().unwrap();
+    let _b = Store::builder().master(&master).global_segment_size(4 << 20).build().unwrap();
+    let summary = a.drain(Duration::from_secs(5)).unwrap();
+    assert!(summary.done);
+    let first = a.segment_id().unwrap();
+    assert!(master.segment_info(first).unwrap().draining);
+    // The master forgets the node; it registers again and re-mounts its segment.
+    master.unregister_client(a.client_id()).unwrap();
+    support::wait_until(Duration::from_secs(10), || a.segment_id().is_some_and(|id| id != first));
+    let again = a.segment_id().unwrap();
+    support::wait_until(Duration::from_secs(5), || master.segment_info(again).is_ok_and(|s| s.draining));
+    let on_a = ReplicateConfig { preferred_segments: vec![a.segment_name().unwrap().unwrap()], ..Default::default() };
+    a.put_with("after", b"v", &on_a).unwrap();
+    assert!(!homes(&a, "after").contains(&again), "a put landed on the drained node");
+}

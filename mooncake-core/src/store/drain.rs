@@ -72,6 +72,17 @@ pub(crate) struct DrainSignal {
     running: AtomicBool,
     /// One drain at a time.
     one: Mutex<()>,
+    /// The grace of the last drain, plus one (0: never drained). A drained node stays
+    /// draining until it leaves: a re-mount (the master restarted, or forgot us) marks
+    /// it draining again.
+    drained_grace_ms: AtomicU64,
+}
+
+impl DrainSignal {
+    /// The grace of the last drain this node ran, if it ran one.
+    pub(crate) fn drained(&self) -> Option<u64> {
+        self.drained_grace_ms.load(Ordering::Acquire).checked_sub(1)
+    }
 }
 
 /// The heartbeat thread's hook: starts a drain a master asked for, on a thread of its
@@ -155,7 +166,8 @@ impl Store {
         let start = Instant::now();
         let deadline = start + grace;
         let node = self.endpoint().to_owned();
-        let grace_ms = grace.as_millis().min(u64::MAX as u128) as u64;
+        let grace_ms = grace.as_millis().min(u64::MAX as u128 - 1) as u64;
+        signal.drained_grace_ms.store(grace_ms + 1, Ordering::Release);
         let mut p = DrainProgress { node: node.clone(), started: true, ..Default::default() };
         if inner.segment_regions().is_empty() {
             p.done = true;

@@ -144,6 +144,13 @@ impl StoreInner {
             tracing::warn!(segment = id, objects = taken, "segment re-mounted");
         }
         drop(seg);
+        if let Some(grace_ms) = self.records.drain.drained() {
+            // A re-mounted segment starts out placeable: a drained node marks it
+            // draining again (and drains whatever landed there meanwhile).
+            if let Err(e) = self.master.drain_segment(self.engine.endpoint(), grace_ms) {
+                tracing::warn!(error = %e, "cannot mark our re-mounted segment draining");
+            }
+        }
         self.client.store(client, Ordering::Release);
         if let Some(ssd) = &self.ssd {
             ssd.announce(&*self.master, client)?;
