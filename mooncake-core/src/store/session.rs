@@ -96,15 +96,25 @@ impl StoreInner {
     /// Has the SSD tier write what our segments hold that is on no SSD, until the
     /// master says nothing is left; `Timeout` (naming `what` waited) at `deadline`.
     pub(super) fn flush_until(&self, deadline: Instant, what: &str) -> Result<()> {
+        // Each ask walks the master's whole index: asked again soon while the count
+        // falls, less and less often (down to 5 times a second) while it does not.
+        const FIRST: Duration = Duration::from_millis(5);
+        let (mut pause, mut before) = (FIRST, u64::MAX);
         loop {
             let left = self.master.flush_segments(self.client())?;
             if left == 0 {
                 return Ok(());
             }
-            if Instant::now() >= deadline {
+            if left < before {
+                pause = FIRST;
+            }
+            before = left;
+            let now = Instant::now();
+            if now >= deadline {
                 return Err(Error::Timeout(format!("{what}: {left} objects still not on the SSD tier")));
             }
-            std::thread::sleep(Duration::from_millis(5));
+            std::thread::sleep(pause.min(deadline - now));
+            pause = (pause * 2).min(Duration::from_millis(200));
         }
     }
 
