@@ -37,6 +37,8 @@ pub(super) struct Rec {
     value_offset: u64,
     alloc: Mutex<Option<Allocation>>,
     pins: Pins,
+    /// Its header is wiped and synced already (a remove does that at once).
+    wiped: std::sync::atomic::AtomicBool,
 }
 
 impl Rec {
@@ -292,6 +294,7 @@ impl OffsetAllocatorBackend {
                 value_offset: off + h.value_offset(),
                 alloc: Mutex::new(Some(a)),
                 pins: Pins::default(),
+                wiped: Default::default(),
             };
             ctl.units.insert(unit, h.key.clone());
             strategy.add(unit, UnitInfo { bytes: rec.size(), keys: &[h.key.as_str()] });
@@ -311,13 +314,18 @@ impl OffsetAllocatorBackend {
         self.alloc.lock().used_bytes()
     }
 
-    /// Frees records whose reads have ended (wipes, syncs, returns their space).
+    /// Frees records whose reads have ended (wipes those not wiped yet, syncs, returns
+    /// their space).
     fn free_records(&self, recs: &[Arc<Rec>], wait: Duration) {
         let mut freed = Vec::with_capacity(recs.len());
+        let mut wiped = false;
         for r in recs {
             if r.pins.wait_unpinned(wait) {
-                if let Err(e) = self.wipe(r.offset) {
-                    tracing::warn!("cannot wipe record {:?}: {e}", r.meta.key);
+                if !r.wiped.load(Ordering::Acquire) {
+                    if let Err(e) = self.wipe(r.offset) {
+                        tracing::warn!("cannot wipe record {:?}: {e}", r.meta.key);
+                    }
+                    wiped = true;
                 }
                 freed.push(r);
             } else {
@@ -328,8 +336,10 @@ impl OffsetAllocatorBackend {
         if freed.is_empty() {
             return;
         }
-        if let Err(e) = self.core.io.sync_data(&self.file) {
-            tracing::warn!("sync after wiping records failed: {e}");
+        if wiped {
+            if let Err(e) = self.core.io.sync_data(&self.file) {
+                tracing::warn!("sync after wiping records failed: {e}");
+            }
         }
         let mut alloc = self.alloc.lock();
         for r in freed {
@@ -467,6 +477,7 @@ impl StorageBackend for OffsetAllocatorBackend {
                 value_offset: a.offset() + h.value_offset(),
                 alloc: Mutex::new(Some(a)),
                 pins: Pins::default(),
+                wiped: Default::default(),
             };
             ctl.units.insert(unit, h.key.clone());
             self.core.strategy.lock().add(unit, UnitInfo { bytes: rec.size(), keys: &[h.key.as_str()] });
@@ -548,6 +559,7 @@ impl StorageBackend for OffsetAllocatorBackend {
             self.free_records(&[rec], self.core.eviction_wait);
             return Err(e);
         }
+        rec.wiped.store(true, Ordering::Release);
         self.free_records(&[rec], self.core.eviction_wait);
         Ok(())
     }
