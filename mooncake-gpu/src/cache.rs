@@ -269,6 +269,15 @@ struct Inner {
 }
 
 impl Inner {
+    /// Whether `plan`'s reservation is still the one in its slot. A plan's fields are
+    /// public: a slot out of range is a stale plan, not a panic.
+    fn holds(&self, plan: &WritePlan) -> bool {
+        self.slots
+            .get(plan.slot as usize)
+            .and_then(Option::as_ref)
+            .is_some_and(|e| e.epoch == plan.epoch && e.id == plan.key_id())
+    }
+
     fn entry(&self, key: &str) -> Option<(u32, &Entry)> {
         let slot = *self.index.get(key)?;
         self.slots[slot as usize].as_ref().map(|e| (slot, e))
@@ -588,10 +597,8 @@ impl<H: DeviceHeap + ?Sized> NanoKvCache<H> {
     /// is Ok). `Err(Stale)` when the watchdog reclaimed it or it was removed.
     pub fn commit(&self, plan: &WritePlan) -> Result<()> {
         let mut inner = self.inner.lock();
-        // A plan's fields are public: a slot out of range is a stale plan, not a panic.
-        match inner.slots.get(plan.slot as usize).and_then(Option::as_ref) {
-            Some(e) if e.epoch == plan.epoch && e.id == plan.key_id() => {}
-            _ => return Err(GpuError::Stale),
+        if !inner.holds(plan) {
+            return Err(GpuError::Stale);
         }
         self.heap.publish(plan.slot, plan.epoch, self.now_ns())?;
         inner.count_put(plan.slot);
@@ -602,10 +609,8 @@ impl<H: DeviceHeap + ?Sized> NanoKvCache<H> {
     /// its space freed. `Err(Stale)` if it is already gone.
     pub fn abort(&self, plan: &WritePlan) -> Result<()> {
         let mut inner = self.inner.lock();
-        // A plan's fields are public: a slot out of range is a stale plan, not a panic.
-        match inner.slots.get(plan.slot as usize).and_then(Option::as_ref) {
-            Some(e) if e.epoch == plan.epoch && e.id == plan.key_id() => {}
-            _ => return Err(GpuError::Stale),
+        if !inner.holds(plan) {
+            return Err(GpuError::Stale);
         }
         self.retire_slot(&mut inner, plan.slot)
     }
@@ -924,11 +929,7 @@ impl NanoKvCache<CudaDeviceHeap> {
                     // WRITING). No reader pins a DEAD slot, and this cache is the
                     // heap's only owner: the reservation is freed here.
                     let mut inner = self.inner.lock();
-                    let ours = inner
-                        .slots
-                        .get(plan.slot as usize)
-                        .and_then(Option::as_ref)
-                        .is_some_and(|en| en.epoch == plan.epoch && en.id == plan.key_id());
+                    let ours = inner.holds(&plan);
                     let dead = self.heap.load_u32(plan.slot, HeaderU32Field::State, Ordering::Acquire).ok()
                         == Some(ObjectState::Dead.as_u32());
                     if ours && dead {

@@ -67,13 +67,7 @@ impl MasterService {
 
     /// Frees the held replicas of orphaned upserts whose deadline passed.
     pub(crate) fn free_orphaned_upserts(&self, now: u64) {
-        let expired: Vec<_> = {
-            let mut held = self.orphaned_upserts.lock();
-            let (gone, kept) = std::mem::take(&mut *held).into_iter().partition(|(until, _)| *until <= now);
-            *held = kept;
-            gone
-        };
-        drop(expired);
+        self.orphaned_upserts.lock().retain(|(until, _)| *until > now);
     }
 
     /// Phase one of an upsert: reserves up to `cfg.replica_num` buffers of `len`
