@@ -48,10 +48,22 @@ struct Args {
     max_size: usize,
     /// Bench over the host emulation (to test the bench itself without a GPU).
     emulate: bool,
+    /// Smallest object size of the bench.
+    min_size: usize,
+    /// Only these replica placements (by name); all when empty.
+    replicas: Vec<String>,
 }
 
 fn parse_args() -> Args {
-    let mut a = Args { bench: false, iters: 20, device: 0, max_size: 64 << 20, emulate: false };
+    let mut a = Args {
+        bench: false,
+        iters: 20,
+        device: 0,
+        max_size: 64 << 20,
+        emulate: false,
+        min_size: 64 << 10,
+        replicas: Vec::new(),
+    };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         let mut num = |name: &str| -> usize {
@@ -65,9 +77,13 @@ fn parse_args() -> Args {
             "--iters" => a.iters = num("--iters").max(1),
             "--device" => a.device = num("--device"),
             "--max-size" => a.max_size = num("--max-size"),
+            "--min-size" => a.min_size = num("--min-size"),
+            "--replicas" => {
+                a.replicas = it.next().map(|v| v.split(',').map(str::to_owned).collect()).unwrap_or_default()
+            }
             "--emulate" => a.emulate = true,
             "-h" | "--help" => {
-                eprintln!("usage: gpu_store [--bench [--iters N] [--device D] [--max-size BYTES] [--emulate]]");
+                eprintln!("usage: gpu_store [--bench [--iters N] [--device D] [--min-size BYTES] [--max-size BYTES] [--replicas local,own_remote_master,shm_peer,tcp_peer] [--emulate]]");
                 std::process::exit(0);
             }
             other => {
@@ -229,8 +245,11 @@ fn timed(
 }
 
 fn bench(a: &Args) -> Result<String, Box<dyn std::error::Error>> {
-    let sizes: Vec<usize> =
-        (0..).map(|i| (64usize << 10) << (2 * i)).take_while(|&s| s <= a.max_size.max(64 << 10)).collect();
+    let sizes: Vec<usize> = (0..)
+        .map(|i| (64usize << 10) << (2 * i))
+        .take_while(|&s| s <= a.max_size.max(64 << 10))
+        .filter(|&s| s >= a.min_size.min(a.max_size.max(64 << 10)))
+        .collect();
     let max = *sizes.last().expect("sizes");
     let batch = 8;
     let dev: Arc<dyn DeviceMemory> = if a.emulate {
@@ -276,7 +295,7 @@ fn bench(a: &Args) -> Result<String, Box<dyn std::error::Error>> {
         let part = size / LAYERS;
         let layers = DeviceScatter::new((0..LAYERS).map(|l| (dev.clone(), (l * part) as u64, part as u64)).collect())?;
         let layered = (part * LAYERS) as u64;
-        for r in &rows_of {
+        for r in rows_of.iter().filter(|r| a.replicas.is_empty() || a.replicas.iter().any(|n| n == r.name)) {
             let store = &r.client;
             let before = store.stats();
             let keys: Vec<String> = (0..batch).map(|i| format!("bench/{}/{size}/{i}", r.name)).collect();

@@ -1,7 +1,7 @@
 //! GPU page-size sweep: for page sizes 128/256/512
 //! KiB and a few object sizes, pushes objects from a device producer buffer
 //! into a `CudaDeviceHeap` with `NanoKvCache::put_from_device` (one wait: the
-//! header write and `nk_push_publish` in order on the heap's stream; `put_*`),
+//! header write, the page copy and `nk_publish` in order on the heap's stream; `put_*`),
 //! times `push_from_device` alone on plans from `open_for_write`
 //! (`push_publish_*`), reads them back with the device reader kernels, and measures
 //! `cuMemcpyDtoD` of the same sizes in the same run as the bandwidth reference.

@@ -904,7 +904,7 @@ impl NanoKvCache<CudaDeviceHeap> {
     /// Puts `bytes_total` bytes of device memory at `src` (a device pointer in
     /// the heap's context, the bytes contiguous) under `key`: the reservation,
     /// the page copy and the READY publish go on the heap's stream in order and
-    /// are waited for once (`nk_write_header`, then `nk_push_publish`), where
+    /// are waited for once (`nk_write_header`, the copy, then `nk_publish`), where
     /// [`open_for_write`](Self::open_for_write) +
     /// [`CudaDeviceHeap::push_from_device`] wait twice. On a failed copy the
     /// reservation is aborted. Errors as `open_for_write`, and `Stale` when the

@@ -308,6 +308,8 @@ pub(super) struct Loop {
     /// may have moved on (checked when taken out).
     unauthenticated: VecDeque<(usize, u64)>,
     warnings: Warnings,
+    /// Until when turns poll without sleeping (see [`Loop::spin_for`]).
+    spin_until: Option<Instant>,
 }
 
 /// What driving a connection came to.
@@ -356,7 +358,18 @@ impl Loop {
             next_generation: 0,
             unauthenticated: VecDeque::new(),
             warnings: Warnings::default(),
+            spin_until: None,
         })
+    }
+
+    /// Turns poll without sleeping for `budget` from now: a client in the middle of
+    /// an exchange (a put's `put_end` after its `put_start`) sends its next request
+    /// within microseconds, and a poll that sleeps costs a wakeup as long as the
+    /// round trip itself on many hosts.
+    pub(super) fn spin_for(&mut self, budget: Duration) {
+        if !budget.is_zero() {
+            self.spin_until = Some(Instant::now() + budget);
+        }
     }
 
     /// A waker that ends the turn in progress (a [`Done`] was sent, or the server stops).
@@ -386,7 +399,11 @@ impl Loop {
         let now = Instant::now();
         let next_timer = self.timers.peek().map(|Reverse((at, _, _))| *at);
         let wake = [next_timer, self.accept_retry].into_iter().flatten().min();
-        let timeout = wake.map(|at| at.saturating_duration_since(now));
+        let spinning = self.spin_until.is_some_and(|at| now < at);
+        if !spinning {
+            self.spin_until = None;
+        }
+        let timeout = if spinning { Some(Duration::ZERO) } else { wake.map(|at| at.saturating_duration_since(now)) };
         let mut events = self.events.take().unwrap_or_else(|| Events::with_capacity(1024));
         let polled = self.poll.poll(&mut events, timeout);
         if let Err(e) = polled {

@@ -150,6 +150,33 @@ pub struct RpcServerConfig {
     /// and another is started when none is left to poll the connections. With every
     /// one answering a request, connections wait until one is free.
     pub max_workers: usize,
+    /// How long the thread that answered a request keeps polling the connections
+    /// without sleeping before it waits for the next one: a client in the middle of
+    /// an exchange (a put's `put_end`) is then read without a wakeup, which costs as
+    /// much as the round trip itself on many hosts. It burns that much CPU after a
+    /// request when no other comes. Default: `MOONCAKE_SERVER_SPIN_US` if set, else
+    /// [`DEFAULT_SERVER_SPIN`].
+    pub spin: Duration,
+}
+
+/// How long an RPC server's thread polls for the next request after answering
+/// one, unless `MOONCAKE_SERVER_SPIN_US` says otherwise.
+pub const DEFAULT_SERVER_SPIN: Duration = Duration::from_micros(100);
+
+/// The server's polling budget of this process: `MOONCAKE_SERVER_SPIN_US`
+/// (microseconds; `0` never polls), else [`DEFAULT_SERVER_SPIN`]. Read once.
+fn server_spin() -> Duration {
+    static SPIN: std::sync::OnceLock<Duration> = std::sync::OnceLock::new();
+    *SPIN.get_or_init(|| match std::env::var("MOONCAKE_SERVER_SPIN_US") {
+        Ok(v) => match v.trim().parse::<u64>() {
+            Ok(us) => Duration::from_micros(us.min(1_000_000)),
+            Err(_) => {
+                tracing::warn!(value = v, "MOONCAKE_SERVER_SPIN_US is not a number of microseconds; using the default");
+                DEFAULT_SERVER_SPIN
+            }
+        },
+        Err(_) => DEFAULT_SERVER_SPIN,
+    })
 }
 
 impl Default for RpcServerConfig {
@@ -168,6 +195,7 @@ impl Default for RpcServerConfig {
             frame_timeout: Duration::from_secs(20),
             workers: 0,
             max_workers: 256,
+            spin: server_spin(),
         }
     }
 }

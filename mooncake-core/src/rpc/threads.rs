@@ -84,6 +84,8 @@ struct Shared {
     total: AtomicUsize,
     waiting: AtomicUsize,
     handles: Mutex<Vec<std::thread::JoinHandle<()>>>,
+    /// How long a thread that answered polls for the next request before sleeping.
+    spin: Duration,
 }
 
 impl ServerThreads {
@@ -101,6 +103,7 @@ impl ServerThreads {
             n => n,
         };
         let max = config.max_workers.max(min);
+        let spin = config.spin;
         let (done_tx, done_rx) = crossbeam_channel::unbounded::<Done>();
         let conns = Loop::new(listener, handler.clone(), config, stats.clone(), done_rx)?;
         let waker = conns.waker()?;
@@ -126,6 +129,7 @@ impl ServerThreads {
             total: AtomicUsize::new(0),
             waiting: AtomicUsize::new(0),
             handles: Mutex::new(Vec::new()),
+            spin,
         });
         for _ in 0..min {
             if let Err(e) = shared.grow() {
@@ -317,6 +321,7 @@ impl Shared {
                     self.disarm(&mut lead);
                     let done = reply.send();
                     lead.conns.take_back(done);
+                    lead.conns.spin_for(self.spin);
                     held = Some(lead);
                 }
                 // Another thread leads: it takes the connection back when woken.

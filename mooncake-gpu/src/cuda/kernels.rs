@@ -46,16 +46,8 @@ pub(super) mod status {
 
 /// Names of the kernels in the module.
 #[cfg(test)]
-const KERNEL_NAMES: [&str; 8] = [
-    "nk_hdr_op",
-    "nk_write_header",
-    "nk_push_pages",
-    "nk_push_publish",
-    "nk_publish",
-    "nk_reader_enter",
-    "nk_read_exit",
-    "nk_read",
-];
+const KERNEL_NAMES: [&str; 7] =
+    ["nk_hdr_op", "nk_write_header", "nk_push_pages", "nk_publish", "nk_reader_enter", "nk_read_exit", "nk_read"];
 
 /// The memory-model helpers, in PTX (see the table at the top).
 const ATOMICS: &str = r#"
@@ -209,17 +201,6 @@ __device__ __forceinline__ u32 publish_header(u64 hdr, u32 epoch, u64 now_ns) {
 extern "C" __global__ void nk_push_pages(const u8* __restrict__ src, u64 page0_ptr, u32 page_size,
                                          u32 first_page, u32 n_pages_total, u32 last_page_bytes) {
   push_share(src, page0_ptr, page_size, first_page, n_pages_total, last_page_bytes);
-}
-
-// Producer page push and READY publish in one launch: the pages as
-// nk_push_pages copies them, then the last block to finish publishes
-// (publish_header) and answers the previous state.
-extern "C" __global__ void nk_push_publish(const u8* __restrict__ src, u64 page0_ptr, u32 page_size,
-                                           u32 first_page, u32 n_pages_total, u32 last_page_bytes,
-                                           u64 hdr, u32 epoch, u64 now_ns, u32* arrived, volatile u32* out) {
-  push_share(src, page0_ptr, page_size, first_page, n_pages_total, last_page_bytes);
-  if (!last_block(arrived) || threadIdx.x != 0) return;
-  answer(out, publish_header(hdr, epoch, now_ns));
 }
 
 // The publish alone (a host producer, or pages pushed in parts).
@@ -432,15 +413,13 @@ int main(int argc, char** argv) {
     printf("state_after_write %u\nrefcnt_after_write %u\n", *F32(hdr, OFF_STATE), *F32(hdr, OFF_REFCNT));
     *F32(hdr, OFF_REFCNT) = 0;
     unsigned per_page = page / (32 * 1024);
-    launch(per_page, n_pages, 256, [&] {
-        nk_push_publish(src, (u64)arena + base, page, 0, n_pages, last, hdr, epoch, 1234, &arrived, (u32*)&answer);
-    });
+    launch(per_page, n_pages, 256, [&] { nk_push_pages(src, (u64)arena + base, page, 0, n_pages, last); });
+    launch(1, 1, 1, [&] { nk_publish(hdr, epoch, 1234, (u32*)&answer); });
     printf("push_answer %u\nstate_after_push %u\nstate_ts %llu\narrived_after_push %u\n", answer,
            *F32(hdr, OFF_STATE), *F64(hdr, OFF_STATE_TS), arrived);
     printf("pages_equal %d\n", memcmp(arena + base, src, total) == 0);
-    launch(per_page, n_pages, 256, [&] {
-        nk_push_publish(src, (u64)arena + base, page, 0, n_pages, last, hdr, epoch, 99, &arrived, (u32*)&answer);
-    });
+    launch(per_page, n_pages, 256, [&] { nk_push_pages(src, (u64)arena + base, page, 0, n_pages, last); });
+    launch(1, 1, 1, [&] { nk_publish(hdr, epoch, 99, (u32*)&answer); });
     printf("push_again_answer %u\narrived_after_again %u\n", answer, arrived);
     launch(1, 1, 1, [&] { nk_publish(hdr, epoch + 1, 5, (u32*)&answer); });
     printf("publish_other_epoch %u\n", answer);

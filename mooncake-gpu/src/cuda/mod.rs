@@ -10,10 +10,11 @@
 //! kernels (`nk_hdr_op`) so they use the device's own system-scope atomics; a
 //! new header is written by one kernel that takes it by value
 //! (`nk_write_header`, the state stored last). The hot paths are the inherent
-//! methods: [`CudaDeviceHeap::push_from_device`] (`nk_push_publish`: the blocks
-//! push the pages, and the last block to finish flips READY with release
-//! semantics), [`NanoKvCache::put_from_device`](crate::NanoKvCache::put_from_device)
-//! (`nk_write_header` not waited for, then `nk_push_publish`) and
+//! methods: [`CudaDeviceHeap::push_from_device`] (one `cuMemcpyDtoDAsync` of the
+//! pages, contiguous on both sides, then `nk_publish` behind it on the stream,
+//! which flips READY with release semantics),
+//! [`NanoKvCache::put_from_device`](crate::NanoKvCache::put_from_device)
+//! (`nk_write_header` not waited for, then the push) and
 //! [`CudaDeviceHeap::read_into_device`] (up to 4 MiB `nk_read`: each block
 //! acquires and pins on its own, copies its share and unpins, the last to finish
 //! answers; beyond, `nk_reader_enter` acquire + pin, then `nk_read_exit`:
