@@ -24,16 +24,23 @@ pub const DEFAULT_ANSWER_SPIN: Duration = Duration::from_micros(50);
 /// once; a value that is not a number is ignored with a warning.
 pub fn answer_spin() -> Duration {
     static SPIN: OnceLock<Duration> = OnceLock::new();
-    *SPIN.get_or_init(|| match std::env::var("MOONCAKE_SPIN_US") {
+    *SPIN.get_or_init(|| spin_from_env("MOONCAKE_SPIN_US", DEFAULT_ANSWER_SPIN))
+}
+
+/// A polling budget from the environment variable `var` (microseconds, at most
+/// one second; `0` never polls), else `default`; a value that is not a number is
+/// ignored with a warning. For the caller to read once.
+pub fn spin_from_env(var: &str, default: Duration) -> Duration {
+    match std::env::var(var) {
         Ok(v) => match v.trim().parse::<u64>() {
             Ok(us) => Duration::from_micros(us.min(1_000_000)),
             Err(_) => {
-                tracing::warn!(value = v, "MOONCAKE_SPIN_US is not a number of microseconds; using the default");
-                DEFAULT_ANSWER_SPIN
+                tracing::warn!(value = v, var, "not a number of microseconds; using the default");
+                default
             }
         },
-        Err(_) => DEFAULT_ANSWER_SPIN,
-    })
+        Err(_) => default,
+    }
 }
 
 /// Reads into `buf` whatever arrives on `stream` within `budget`: polls the

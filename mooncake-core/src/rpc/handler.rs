@@ -167,16 +167,7 @@ pub const DEFAULT_SERVER_SPIN: Duration = Duration::from_micros(100);
 /// (microseconds; `0` never polls), else [`DEFAULT_SERVER_SPIN`]. Read once.
 fn server_spin() -> Duration {
     static SPIN: std::sync::OnceLock<Duration> = std::sync::OnceLock::new();
-    *SPIN.get_or_init(|| match std::env::var("MOONCAKE_SERVER_SPIN_US") {
-        Ok(v) => match v.trim().parse::<u64>() {
-            Ok(us) => Duration::from_micros(us.min(1_000_000)),
-            Err(_) => {
-                tracing::warn!(value = v, "MOONCAKE_SERVER_SPIN_US is not a number of microseconds; using the default");
-                DEFAULT_SERVER_SPIN
-            }
-        },
-        Err(_) => DEFAULT_SERVER_SPIN,
-    })
+    *SPIN.get_or_init(|| mooncake_transfer::spin_from_env("MOONCAKE_SERVER_SPIN_US", DEFAULT_SERVER_SPIN))
 }
 
 impl Default for RpcServerConfig {

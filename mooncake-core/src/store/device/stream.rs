@@ -216,7 +216,7 @@ impl Handoff {
             // in this take or an earlier one.
             let finished = self.done.load(Ordering::Acquire);
             let batch = std::mem::take(&mut *self.queue.lock());
-            if batch.is_empty() && !(finished && !held.is_empty()) {
+            if batch.is_empty() && (!finished || held.is_empty()) {
                 if finished {
                     return;
                 }
@@ -329,9 +329,7 @@ fn stream_in_chunks(engine: &TransferEngine, reads: &[StreamRead<'_>], chunk: us
         let done = std::thread::scope(|scope| {
             let copier = handoff.as_ref().map(|h| {
                 let enqueue = &enqueue;
-                std::thread::Builder::new()
-                    .name("mooncake-dma".into())
-                    .spawn_scoped(scope, move || h.run(|n, at, len| enqueue(n, at, len)))
+                std::thread::Builder::new().name("mooncake-dma".into()).spawn_scoped(scope, move || h.run(enqueue))
             });
             // Without a copier thread (none could start), the ranges go after.
             if let Some(Err(e)) = &copier {
@@ -781,8 +779,8 @@ mod tests {
         });
         let mut covered = vec![vec![false; 2000]; 4];
         for (n, at, len) in got.into_inner() {
-            for b in at as usize..at as usize + len {
-                assert!(!std::mem::replace(&mut covered[n][b], true), "byte {b} of lane {n} twice");
+            for (b, c) in covered[n][at as usize..at as usize + len].iter_mut().enumerate() {
+                assert!(!std::mem::replace(c, true), "byte {} of lane {n} twice", at as usize + b);
             }
         }
         assert!(covered.iter().flatten().all(|&c| c), "every byte passed on");
