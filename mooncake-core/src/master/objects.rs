@@ -365,6 +365,14 @@ impl MasterService {
             // so that the answer waits for them as the first did.
             Some(e) if e.complete() && e.checksum == checksum => Ok(self.note_added(key, e, None)),
             Some(e) if e.complete() => Err(Error::AlreadyExists(key.to_owned())),
+            // Asked again of a master that restarted, or of a new leader of the key's
+            // group, before the node holding the ended object re-mounted: it may still
+            // come back, and `NotFound` would call a put that stood failed. The caller
+            // retries until it is back, or the window ends.
+            None if self.recovering_key(key) => Err(Error::Recovering(format!(
+                "{key}: no put in progress by this client, and the object may still come back with a \
+                 re-mounting node"
+            ))),
             _ => Err(Error::NotFound(format!("{key} (no put in progress by this client)"))),
         }
     }

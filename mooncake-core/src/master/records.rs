@@ -563,6 +563,36 @@ mod tests {
         master.remove("back").unwrap();
     }
 
+    /// A put's or an upsert's end asked again of a restarted master before the node
+    /// holding the ended object re-mounted (its first answer was lost with the old
+    /// master) is `Recovering`, which the caller retries, not `NotFound`: once the
+    /// node is back with the object, the same end is answered Ok. After the window a
+    /// put that never ended is `NotFound`, as before.
+    #[test]
+    fn an_end_asked_again_while_nodes_re_mount_is_recovering_then_ok() {
+        let ttl = std::time::Duration::from_secs(1);
+        let master = Master::new(MasterConfig { client_ttl: ttl, ..Default::default() }).unwrap();
+        let c = master.register_client().unwrap().client;
+        // A node back with an object: the master restarted, and others may follow.
+        let first = RemoteRegion { endpoint: "local://a".into(), region: 1 };
+        let other = ObjectRecord { key: "other".into(), offset: 0, len: 100, checksum: 5, generation: 1 };
+        master.remount_segment(c, &first, 1 << 20, &[other]).unwrap();
+        // The node holding "ended" is not back yet.
+        assert!(matches!(master.put_end(c, "ended", 7), Err(Error::Recovering(_))));
+        assert!(matches!(master.upsert_end(c, "ended", 7), Err(Error::Recovering(_))));
+        let d = master.register_client().unwrap().client;
+        let second = RemoteRegion { endpoint: "local://b".into(), region: 1 };
+        let record = ObjectRecord { key: "ended".into(), offset: 0, len: 100, checksum: 7, generation: 1 };
+        master.remount_segment(d, &second, 1 << 20, &[record]).unwrap();
+        master.put_end(c, "ended", 7).unwrap();
+        master.upsert_end(c, "ended", 7).unwrap();
+        // Other bytes under the key: refused, as before.
+        assert!(matches!(master.put_end(c, "ended", 8), Err(Error::AlreadyExists(_))));
+        // Once the window is over, an end of a put that never started is NotFound.
+        std::thread::sleep(ttl + std::time::Duration::from_millis(100));
+        assert!(matches!(master.put_end(c, "never", 7), Err(Error::NotFound(_))));
+    }
+
     /// A put's or an upsert's end asked again once it ended (sent again after a
     /// broken connection, or to a new leader that took the object back from its
     /// records) is answered Ok when the object holds its bytes, and the records are

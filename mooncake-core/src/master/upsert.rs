@@ -191,7 +191,17 @@ impl MasterService {
         let mut shard = self.index.shard(key).lock();
         // Under the shard lock (see `put_start`).
         self.fence(key)?;
-        let Some(e) = shard.get_mut(key) else { return Err(no_upsert(key)) };
+        let Some(e) = shard.get_mut(key) else {
+            // As a put's end (see `put_end_queued`): an upsert that ended may come
+            // back with a re-mounting node.
+            if self.recovering_key(key) {
+                return Err(Error::Recovering(format!(
+                    "{key}: no upsert in progress by this client, and the object may still come back with a \
+                     re-mounting node"
+                )));
+            }
+            return Err(no_upsert(key));
+        };
         if !e.complete() {
             // The key was absent: this upsert is a put.
             drop(shard);
