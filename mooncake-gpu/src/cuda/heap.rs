@@ -486,8 +486,12 @@ impl CudaDeviceHeap {
             // header (checked by `hdr`), the answer word ours under the lock until
             // the stream synchronized. Stream order puts it after the copy: READY
             // is published only over complete pages.
-            drv("launch nk_publish", unsafe { l.launch(cfg1()) })?;
-            self.sync()?;
+            let launched = drv("launch nk_publish", unsafe { l.launch(cfg1()) });
+            // Waited for even when the launch failed: the copy queued above reads
+            // the caller's `src`, which the caller may free once this returns.
+            let synced = self.sync();
+            launched?;
+            synced?;
             published(scratch.answer32())
         })
     }

@@ -19,7 +19,6 @@
 use mooncake_gpu::{DeviceMemory, DeviceStream, Fence, PooledBuffer};
 use mooncake_transfer::{RemoteRegion, TransferEngine, TransferError, TransferRequest};
 use parking_lot::Mutex;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
 use std::thread::Thread;
 use std::time::Duration;
@@ -165,21 +164,29 @@ fn copier_lag(total: usize) -> usize {
 /// which enqueues their copies (adjacent ranges in one copy), so that the
 /// threads receiving the bytes never wait for the driver.
 struct Handoff {
-    /// Ranges not taken yet: (piece, offset in it, length).
-    queue: Mutex<Vec<(usize, u64, usize)>>,
-    /// The transfer returned: every range was pushed.
-    done: AtomicBool,
+    /// Ranges not taken yet: (piece, offset in it, length), and whether the
+    /// transfer returned (every range was pushed). One lock for both: the copier
+    /// reads `done` where it takes the ranges, so it never parks after `finish`
+    /// without seeing it.
+    queue: Mutex<Queued>,
     /// The copier, once it runs (to be woken).
     copier: OnceLock<Thread>,
     /// The fewest adjacent landed bytes copied at once before the transfer ends.
     lag: usize,
 }
 
+/// What the lanes handed over, and whether the transfer returned.
+#[derive(Default)]
+struct Queued {
+    ranges: Vec<(usize, u64, usize)>,
+    done: bool,
+}
+
 impl Handoff {
     /// A handoff whose copier copies adjacent landed bytes once there are `lag`
     /// of them (and everything left once the transfer returned).
     fn new(lag: usize) -> Self {
-        Handoff { queue: Mutex::new(Vec::new()), done: AtomicBool::new(false), copier: OnceLock::new(), lag }
+        Handoff { queue: Mutex::new(Queued::default()), copier: OnceLock::new(), lag }
     }
 
     /// A range landed (called on a transport thread): queued, and the copier
@@ -187,8 +194,8 @@ impl Handoff {
     fn push(&self, n: usize, at: u64, len: usize) {
         let was_empty = {
             let mut q = self.queue.lock();
-            q.push((n, at, len));
-            q.len() == 1
+            q.ranges.push((n, at, len));
+            q.ranges.len() == 1
         };
         if was_empty {
             if let Some(t) = self.copier.get() {
@@ -199,7 +206,7 @@ impl Handoff {
 
     /// The transfer returned: the copier takes what is left and ends.
     fn finish(&self) {
-        self.done.store(true, Ordering::Release);
+        self.queue.lock().done = true;
         if let Some(t) = self.copier.get() {
             t.unpark();
         }
@@ -212,10 +219,13 @@ impl Handoff {
         // Merged ranges shorter than the lag, held until they grow or the transfer ends.
         let mut held: Vec<(usize, u64, usize)> = Vec::new();
         loop {
-            // Read before taking the queue: a range pushed before `finish` is then
-            // in this take or an earlier one.
-            let finished = self.done.load(Ordering::Acquire);
-            let batch = std::mem::take(&mut *self.queue.lock());
+            // Taken with the flag: a range pushed before `finish` is in this take or
+            // an earlier one. A `finish` after this take unparks the copier once it
+            // has set `copier` (before its first take), so the park below returns.
+            let (batch, finished) = {
+                let mut q = self.queue.lock();
+                (std::mem::take(&mut q.ranges), q.done)
+            };
             if batch.is_empty() && (!finished || held.is_empty()) {
                 if finished {
                     return;
