@@ -34,7 +34,6 @@ const ONE_LAUNCH_READ_BLOCKS: u32 = 128;
 struct Kernels {
     hdr_op: CudaFunction,
     write_header: CudaFunction,
-    push_pages: CudaFunction,
     publish: CudaFunction,
     reader_enter: CudaFunction,
     read_exit: CudaFunction,
@@ -337,7 +336,6 @@ impl CudaDeviceHeap {
             let k = Kernels {
                 hdr_op: f("nk_hdr_op")?,
                 write_header: f("nk_write_header")?,
-                push_pages: f("nk_push_pages")?,
                 publish: f("nk_publish")?,
                 reader_enter: f("nk_reader_enter")?,
                 read_exit: f("nk_read_exit")?,
@@ -428,9 +426,8 @@ impl CudaDeviceHeap {
     /// Producer path: pushes pages `first_page ..` of `plan` from the device
     /// buffer `src` (device pointer in this context, pages contiguous) into
     /// the heap and, if `publish`, flips READY after the last page: one driver
-    /// copy (the pages are contiguous on both sides) followed on the stream by
-    /// `nk_publish`, and one host round trip; `nk_push_pages` alone without
-    /// `publish`. Synchronous.
+    /// copy (the pages are contiguous on both sides), followed on the stream by
+    /// `nk_publish` to publish, and one host round trip. Synchronous.
     /// `Err(Stale)` if the plan was reclaimed before the publish.
     pub fn push_from_device(
         &self,
@@ -452,26 +449,14 @@ impl CudaDeviceHeap {
         }
         guarded("push_from_device", || {
             let scratch = self.scratch.lock();
-            let page0 = self.payload + span.payload_base;
-            let cfg = copy_cfg(span.page_size, n_pages);
-            if !publish {
-                let mut l = self.stream.launch_builder(&self.k.push_pages);
-                l.arg(&src).arg(&page0).arg(&span.page_size).arg(&first_page);
-                l.arg(&span.n_pages).arg(&span.last_page_bytes);
-                // SAFETY: argument types match (u8*, u64, u32, u32, u32, u32); the
-                // destination pages lie inside the arena (check_span) and the
-                // source holds `n_pages` pages (caller's contract on `src`).
-                drv("launch nk_push_pages", unsafe { l.launch(cfg) })?;
-                return self.sync();
-            }
-            // The pages lie end to end in the arena as in `src`: one driver copy
-            // (as fast as a device-to-device copy gets; the copy kernel with the
-            // publish in its last block reached 0.71-0.81 of it for 64 MiB on an
-            // H200, this 0.82-0.85), then the publish behind it on the stream.
+            // The pages lie end to end in the arena as in `src`: one driver copy (as
+            // fast as a device-to-device copy gets; a copy kernel with the publish in
+            // its last block reached 0.71-0.81 of it for 64 MiB on an H200, this
+            // 0.82-0.85), then, to publish, `nk_publish` behind it on the stream.
             let last = first_page + n_pages - 1;
             let last_bytes = if last + 1 == span.n_pages { span.last_page_bytes } else { span.page_size };
             let bytes = u64::from(n_pages - 1) * u64::from(span.page_size) + u64::from(last_bytes);
-            let dst = page0 + u64::from(first_page) * u64::from(span.page_size);
+            let dst = self.payload + span.payload_base + u64::from(first_page) * u64::from(span.page_size);
             let len =
                 usize::try_from(bytes).map_err(|_| GpuError::InvalidArgument(format!("a push of {bytes} bytes")))?;
             drv("bind", self.ctx.bind_to_thread())?;
@@ -479,6 +464,9 @@ impl CudaDeviceHeap {
             // `src` holds them (the caller's contract); the stream orders the copy
             // before the publish below and every later launch of this heap.
             drv("cuMemcpyDtoDAsync", unsafe { cu::memcpy_dtod_async(dst, src, len, self.stream.cu_stream()) })?;
+            if !publish {
+                return self.sync();
+            }
             scratch.clear_answer();
             let mut l = self.stream.launch_builder(&self.k.publish);
             l.arg(&hdr).arg(&plan.epoch).arg(&now_ns).arg(&scratch.answer_dev);

@@ -46,8 +46,8 @@ pub(super) mod status {
 
 /// Names of the kernels in the module.
 #[cfg(test)]
-const KERNEL_NAMES: [&str; 7] =
-    ["nk_hdr_op", "nk_write_header", "nk_push_pages", "nk_publish", "nk_reader_enter", "nk_read_exit", "nk_read"];
+const KERNEL_NAMES: [&str; 6] =
+    ["nk_hdr_op", "nk_write_header", "nk_publish", "nk_reader_enter", "nk_read_exit", "nk_read"];
 
 /// The memory-model helpers, in PTX (see the table at the top).
 const ATOMICS: &str = r#"
@@ -173,18 +173,6 @@ extern "C" __global__ void nk_write_header(u64 hdr, NkHeader h, u32 state) {
   st_relaxed(F32(hdr, OFF_STATE), state);
 }
 
-// Block (x, y) of a page copy: page first_page + y, its share x of gridDim.x.
-// The object's last page is clamped to last_page_bytes.
-__device__ __forceinline__ void push_share(const u8* __restrict__ src, u64 page0_ptr, u32 page_size,
-                                           u32 first_page, u32 n_pages_total, u32 last_page_bytes) {
-  u32 page = first_page + blockIdx.y;
-  if (page >= n_pages_total) return;
-  u32 len = (page + 1 == n_pages_total) ? last_page_bytes : page_size;
-  const u8* s = src + (u64)blockIdx.y * page_size;
-  u8* d = (u8*)page0_ptr + (u64)page * page_size;
-  copy_chunk(d, s, len, blockIdx.x, gridDim.x);
-}
-
 // READY publish with release semantics after the last page: check the epoch,
 // make every earlier store visible system-wide, CAS WRITING -> READY.
 // Returns the previous state, or 0xFFFFFFFF on an epoch mismatch.
@@ -194,13 +182,6 @@ __device__ __forceinline__ u32 publish_header(u64 hdr, u32 epoch, u64 now_ns) {
   u32 old = cas_sc(F32(hdr, OFF_STATE), ST_WRITING, ST_READY);
   if (old == ST_WRITING) st_relaxed64(F64(hdr, OFF_STATE_TS), now_ns);
   return old;
-}
-
-// Producer page push: grid (blocks_per_page, n_pages_in_launch). src holds
-// pages first_page.. contiguously. No publish (a producer pushing in parts).
-extern "C" __global__ void nk_push_pages(const u8* __restrict__ src, u64 page0_ptr, u32 page_size,
-                                         u32 first_page, u32 n_pages_total, u32 last_page_bytes) {
-  push_share(src, page0_ptr, page_size, first_page, n_pages_total, last_page_bytes);
 }
 
 // The publish alone (a host producer, or pages pushed in parts).
@@ -396,7 +377,7 @@ int main(int argc, char** argv) {
     u64 hdr = (u64)header;
     u64 base = *(u64*)((u8*)words + OFF_PAYLOAD_BASE), total = *(u64*)((u8*)words + OFF_BYTES_TOTAL);
     u32 page = *(u32*)((u8*)words + OFF_PAGE_SIZE), n_pages = *(u32*)((u8*)words + OFF_N_PAGES);
-    u32 last = *(u32*)((u8*)words + OFF_LAST_PAGE_BYTES), epoch = *(u32*)((u8*)words + OFF_EPOCH);
+    u32 epoch = *(u32*)((u8*)words + OFF_EPOCH);
     u64 key_hash = words[OFF_KEY_HASH / 8], key_fp = words[OFF_KEY_FP_HI / 8];
     u32 key_len = *(u32*)((u8*)words + OFF_KEY_LEN);
     for (u64 i = 0; i < total; i++) src[i] = (u8)((i * 2654435761ull) >> 13); // no short period: a misplaced vector shows
@@ -413,12 +394,12 @@ int main(int argc, char** argv) {
     printf("state_after_write %u\nrefcnt_after_write %u\n", *F32(hdr, OFF_STATE), *F32(hdr, OFF_REFCNT));
     *F32(hdr, OFF_REFCNT) = 0;
     unsigned per_page = page / (32 * 1024);
-    launch(per_page, n_pages, 256, [&] { nk_push_pages(src, (u64)arena + base, page, 0, n_pages, last); });
+    memcpy(arena + base, src, total); // the pages, as the driver's copy lays them
     launch(1, 1, 1, [&] { nk_publish(hdr, epoch, 1234, (u32*)&answer); });
     printf("push_answer %u\nstate_after_push %u\nstate_ts %llu\narrived_after_push %u\n", answer,
            *F32(hdr, OFF_STATE), *F64(hdr, OFF_STATE_TS), arrived);
     printf("pages_equal %d\n", memcmp(arena + base, src, total) == 0);
-    launch(per_page, n_pages, 256, [&] { nk_push_pages(src, (u64)arena + base, page, 0, n_pages, last); });
+    memcpy(arena + base, src, total);
     launch(1, 1, 1, [&] { nk_publish(hdr, epoch, 99, (u32*)&answer); });
     printf("push_again_answer %u\narrived_after_again %u\n", answer, arrived);
     launch(1, 1, 1, [&] { nk_publish(hdr, epoch + 1, 5, (u32*)&answer); });

@@ -29,8 +29,8 @@ pub struct PageSpan {
 }
 
 impl PageSpan {
-    /// Most pages of one object: the CUDA heap copies an object with one launch whose
-    /// grid has a row per page, and CUDA caps a grid's rows at 65,535. The host heap
+    /// Most pages of one object: the CUDA heap reads an object out with one launch
+    /// whose grid has a row per page, and CUDA caps a grid's rows at 65,535. The host heap
     /// takes the same limit, so an object is refused alike with or without a GPU (16
     /// GiB with the default 256 KiB pages).
     pub const MAX_PAGES: u32 = 65_535;
