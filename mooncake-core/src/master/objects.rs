@@ -369,10 +369,7 @@ impl MasterService {
             // group, before the node holding the ended object re-mounted: it may still
             // come back, and `NotFound` would call a put that stood failed. The caller
             // retries until it is back, or the window ends.
-            None if self.recovering_key(key) => Err(Error::Recovering(format!(
-                "{key}: no put in progress by this client, and the object may still come back with a \
-                 re-mounting node"
-            ))),
+            None if self.recovering_key(key) => Err(self.absent(key)),
             _ => Err(Error::NotFound(format!("{key} (no put in progress by this client)"))),
         }
     }

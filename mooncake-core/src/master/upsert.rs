@@ -194,13 +194,7 @@ impl MasterService {
         let Some(e) = shard.get_mut(key) else {
             // As a put's end (see `put_end_queued`): an upsert that ended may come
             // back with a re-mounting node.
-            if self.recovering_key(key) {
-                return Err(Error::Recovering(format!(
-                    "{key}: no upsert in progress by this client, and the object may still come back with a \
-                     re-mounting node"
-                )));
-            }
-            return Err(no_upsert(key));
+            return Err(if self.recovering_key(key) { self.absent(key) } else { no_upsert(key) });
         };
         if !e.complete() {
             // The key was absent: this upsert is a put.

@@ -399,11 +399,11 @@ impl Loop {
         let now = Instant::now();
         let next_timer = self.timers.peek().map(|Reverse((at, _, _))| *at);
         let wake = [next_timer, self.accept_retry].into_iter().flatten().min();
-        let spinning = self.spin_until.is_some_and(|at| now < at);
-        if !spinning {
-            self.spin_until = None;
-        }
-        let timeout = if spinning { Some(Duration::ZERO) } else { wake.map(|at| at.saturating_duration_since(now)) };
+        self.spin_until = self.spin_until.filter(|&at| now < at);
+        let timeout = match self.spin_until {
+            Some(_) => Some(Duration::ZERO),
+            None => wake.map(|at| at.saturating_duration_since(now)),
+        };
         let mut events = self.events.take().unwrap_or_else(|| Events::with_capacity(1024));
         let polled = self.poll.poll(&mut events, timeout);
         if let Err(e) = polled {

@@ -29,7 +29,7 @@ pub use frame_reader::{FrameReader, RawFrame};
 pub use handler::RpcHandler;
 #[cfg(not(feature = "fuzzing"))]
 pub(crate) use handler::RpcHandler;
-pub use handler::{RpcServerConfig, RpcServerStats};
+pub use handler::{RpcServerConfig, RpcServerStats, DEFAULT_SERVER_SPIN};
 pub use server::RpcServer;
 #[cfg(feature = "fuzzing")]
 pub use server::{dispatch, read_frame};
