@@ -42,7 +42,7 @@ pub use error::{Error, Result};
 pub use master::{
     ClientId, ClientRegistration, DrainProgress, EvictionReport, KeyOwnership, Master, MasterApi, MasterService,
     MasterStats, MemoryReplica, ObjectInfo, ObjectRecord, OffloadPlan, OffloadTask, RecordConnector, RecordSink,
-    RecordUpdate, ReplicaList, ReplicatePlan, SegmentInfo, SegmentUsage,
+    RecordUpdate, RecordsInFlight, ReplicaList, ReplicatePlan, SegmentInfo, SegmentUsage,
 };
 pub use store::{SsdBackend, SsdOffloadConfig, SsdStats, Store, StoreBuilder, StoreStats};
 

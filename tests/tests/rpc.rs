@@ -368,6 +368,13 @@ fn wire_format_changes_bump_the_version() {
     let reqs = [
         Request::RegisterClient {},
         Request::PutStart { client: 7, key: "k".into(), len: 4096, cfg: ReplicateConfig::replicas(2) },
+        Request::PutStartSummed {
+            client: 7,
+            key: "k".into(),
+            len: 4096,
+            checksum: 0xdead_beef,
+            cfg: ReplicateConfig::replicas(2),
+        },
         Request::GetReplicaList { key: "k".into() },
         Request::NotifyOffloadSuccess { client: 7, items: vec![("k".into(), 1, 2, 3)] },
         Request::RemountSegment {
@@ -414,7 +421,7 @@ fn wire_format_changes_bump_the_version() {
     let sum = all.iter().fold(0u32, |h, &b| h.wrapping_mul(31).wrapping_add(b as u32));
     assert_eq!(
         (mooncake_core::rpc::wire::VERSION, sum),
-        (11, 2154404781),
+        (12, 2076354547),
         "the wire format changed: bump wire::VERSION and update this pin"
     );
 }

@@ -246,6 +246,25 @@ macro_rules! master_calls {
                 keys: &[&str] => Vec<String>,
                 segment: &str => String
             ) -> Vec<Result<()>> => by_keys(keys);
+            /// [`put_start`](crate::MasterApi::put_start) of a value whose crc32c the
+            /// writer knows before it writes: with durable records, the records go to the
+            /// replicas' nodes while the bytes are written, and a
+            /// [`put_end`](crate::MasterApi::put_end) with the same checksum rarely waits
+            /// for them.
+            PutStartSummed => fn put_start_summed(
+                client: ClientId => ClientId,
+                key: &str => String,
+                len: u64 => u64,
+                checksum: u32 => u32,
+                cfg: &ReplicateConfig => ReplicateConfig
+            ) -> Result<Vec<MemoryReplica>> => by_key(key) + note_placed;
+            /// Batch [`put_start_summed`](crate::MasterApi::put_start_summed): items are
+            /// (key, length, checksum).
+            BatchPutStartSummed => fn batch_put_start_summed(
+                client: ClientId => ClientId,
+                items: &[(&str, u64, u32)] => Vec<(String, u64, u32)>,
+                cfg: &ReplicateConfig => ReplicateConfig
+            ) -> Vec<Result<Vec<MemoryReplica>>> => by_keys(items) + note_placed;
         }
     };
 }

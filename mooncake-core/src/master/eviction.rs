@@ -181,11 +181,8 @@ impl MasterService {
                     // offers it again only if its bytes are intact (a cache may keep
                     // what it evicted), and the update precedes, on the node's link,
                     // any later record of the space it frees. A later remove of the
-                    // key waits for it, though (`unsent_evictions`).
-                    let wait = self.note_removed(k, &e.replicas);
-                    if !wait.tickets.is_empty() {
-                        self.unsent_evictions.lock().entry(Box::from(k)).or_default().merge(wait);
-                    }
+                    // key, or a later put of it, waits for it, though (`unsent_removals`).
+                    self.unsent_removals.add(k, self.note_removed(k, &e.replicas));
                     if e.disk() != 0 {
                         // Offloaded: the memory goes, the object stays on its SSD.
                         e.replicas.clear();

@@ -48,13 +48,16 @@ impl MasterService {
             self.forget_unreachable(client, "its records could not be delivered for a client TTL");
         }
         if self.counters.pending_puts.load(Ordering::Relaxed) > 0 {
-            let timed_out = self.retain_entries(|e| !self.put_expired(e, now), |_, _| {});
+            let timed_out = self.retain_entries(
+                |e| !self.put_expired(e, now),
+                |k, e| self.unsent_removals.add(k, self.drop_declared_put(k, e)),
+            );
             self.counters.put_timeouts.fetch_add(timed_out as u64, Ordering::Relaxed);
         }
         self.free_orphaned_upserts(now);
         self.free_retired(now);
         self.evict_if_needed();
         // Eviction notices delivered (or whose node was forgotten) need no waiting.
-        self.unsent_evictions.lock().retain(|_, wait| !wait.settled());
+        self.unsent_removals.prune();
     }
 }

@@ -37,7 +37,7 @@ pub(crate) use api::master_calls;
 pub use api::MasterApi;
 pub use drain::DrainProgress;
 pub use ownership::KeyOwnership;
-pub use record_link::{RecordConnector, RecordSink};
+pub use record_link::{RecordConnector, RecordSink, RecordsInFlight};
 pub use service::{Master, MasterService};
 pub(crate) use types::remote_region;
 pub use types::{

@@ -30,6 +30,35 @@ impl MasterService {
         len: u64,
         cfg: &ReplicateConfig,
     ) -> Result<Vec<MemoryReplica>> {
+        self.start_put(client, key, len, cfg, None)
+    }
+
+    /// [`put_start`](Self::put_start) of a value whose crc32c the writer knows before
+    /// it writes: with durable records, the replicas' records (with that checksum)
+    /// are sent to their nodes while the bytes are written, so that
+    /// [`put_end`](Self::put_end) with the same checksum rarely waits for them. A node
+    /// that re-mounts before the put ended offers the record only if its bytes match
+    /// the checksum: all written.
+    pub fn put_start_summed(
+        &self,
+        client: ClientId,
+        key: &str,
+        len: u64,
+        checksum: u32,
+        cfg: &ReplicateConfig,
+    ) -> Result<Vec<MemoryReplica>> {
+        self.start_put(client, key, len, cfg, Some(checksum))
+    }
+
+    /// [`put_start`](Self::put_start), with the checksum the writer declares, if any.
+    fn start_put(
+        &self,
+        client: ClientId,
+        key: &str,
+        len: u64,
+        cfg: &ReplicateConfig,
+        declared: Option<u32>,
+    ) -> Result<Vec<MemoryReplica>> {
         check_key(key)?;
         self.fence(key)?;
         check_value_len(len)?;
@@ -42,7 +71,9 @@ impl MasterService {
                     return Err(Error::AlreadyExists(key.to_owned()));
                 }
                 // A put that never ended: reclaim it and go on.
-                shard.remove(key);
+                if let Some(e) = shard.remove(key) {
+                    self.unsent_removals.add(key, self.drop_declared_put(key, &e));
+                }
                 self.counters.pending_puts.fetch_sub(1, Ordering::Relaxed);
                 self.counters.put_timeouts.fetch_add(1, Ordering::Relaxed);
             }
@@ -67,12 +98,18 @@ impl MasterService {
         // Again under the shard lock: a group released meanwhile drops what it finds
         // under these locks, so the entry is either refused here or dropped there.
         self.fence(key)?;
-        shard.insert(key, {
-            let mut e = ObjectEntry::new(len, client, now);
-            e.set_soft_pin(cfg.soft_pin, cfg.soft_pin_ttl_ms());
-            e.replicas = bufs.into_iter().map(|buf| StoredReplica::new(buf, false)).collect();
-            e
-        });
+        let mut e = ObjectEntry::new(len, client, now);
+        e.set_soft_pin(cfg.soft_pin, cfg.soft_pin_ttl_ms());
+        e.replicas = bufs.into_iter().map(|buf| StoredReplica::new(buf, false)).collect();
+        if let Some(checksum) = declared.filter(|_| self.config.track_records) {
+            // The put's generation, before its records are stamped (now, under the
+            // shard lock, as every update of a node is queued).
+            self.supersede_tombstone(key, self.gens.next());
+            e.set_declared(checksum);
+            let wait = self.note_declared(key, &e);
+            self.send_after_answer(wait);
+        }
+        shard.insert(key, e);
         self.counters.pending_puts.fetch_add(1, Ordering::Relaxed);
         Ok(replicas)
     }
@@ -345,6 +382,10 @@ impl MasterService {
                     self.counters.pending_puts.fetch_sub(1, Ordering::Relaxed);
                     return Err(Error::NotFound(format!("{key} (the segments of the put are gone)")));
                 }
+                // Records sent at the start with this checksum: only their delivery is
+                // awaited. Another checksum (a writer that summed other bytes than it
+                // declared) is recorded again, as an undeclared put's.
+                let recorded = e.declared() && e.checksum == checksum;
                 e.mark_complete();
                 e.checksum = checksum;
                 e.last_access_ms = now;
@@ -352,11 +393,19 @@ impl MasterService {
                     r.set_complete();
                 }
                 self.counters.pending_puts.fetch_sub(1, Ordering::Relaxed);
-                // The put's generation, before its records are stamped (later).
-                self.supersede_tombstone(key, self.gens.next());
-                let wait = self.note_added(key, e, None);
+                let mut wait = if recorded {
+                    self.records_queued_for(e)
+                } else {
+                    // The put's generation, before its records are stamped (later).
+                    self.supersede_tombstone(key, self.gens.next());
+                    self.note_added(key, e, None)
+                };
                 let first = e.replicas.first().map(|r| r.segment());
                 drop(shard);
+                // Removals of earlier copies of the key that nodes were not told of yet
+                // (an eviction's, an abandoned put's): acknowledged only once they are,
+                // or a restarted master could take an old copy back beside this one.
+                wait.merge(self.unsent_removals.take(key));
                 self.offload_on_put(key, first);
                 Ok(wait)
             }
@@ -379,8 +428,13 @@ impl MasterService {
         let mut shard = self.index.shard(key).lock();
         match shard.get(key) {
             Some(e) if e.owner() == Some(client) => {
-                shard.remove(key);
+                let wait = shard.remove(key).map(|e| self.drop_declared_put(key, &e)).unwrap_or_default();
                 self.counters.pending_puts.fetch_sub(1, Ordering::Relaxed);
+                drop(shard);
+                // Its records' removal is delivered before the answer: the writer may
+                // have written every byte, and the key must not come back after a
+                // restart once the put is called off.
+                self.await_records(wait);
                 Ok(())
             }
             _ => Err(Error::NotFound(format!("{key} (no put in progress by this client)"))),
@@ -395,6 +449,17 @@ impl MasterService {
         cfg: &ReplicateConfig,
     ) -> Vec<Result<Vec<MemoryReplica>>> {
         items.iter().map(|(k, len)| self.put_start(client, k, *len, cfg)).collect()
+    }
+
+    /// [`put_start_summed`](Self::put_start_summed) for many keys (key, length,
+    /// checksum); one result per key.
+    pub fn batch_put_start_summed(
+        &self,
+        client: ClientId,
+        items: &[(&str, u64, u32)],
+        cfg: &ReplicateConfig,
+    ) -> Vec<Result<Vec<MemoryReplica>>> {
+        items.iter().map(|(k, len, crc)| self.start_put(client, k, *len, cfg, Some(*crc))).collect()
     }
 
     /// [`put_end`](Self::put_end) for many keys; one result per key.
@@ -556,9 +621,7 @@ impl MasterService {
                 drop(shard);
                 // Older copies evicted from nodes not told yet: acknowledged only once
                 // they are, or a restarted master would take them back.
-                if let Some(unsent) = self.unsent_evictions.lock().remove(key) {
-                    wait.merge(unsent);
-                }
+                wait.merge(self.unsent_removals.take(key));
                 Ok(wait)
             }
             _ => Err(self.absent(key)),
@@ -599,9 +662,7 @@ impl MasterService {
             },
         );
         // Copies of evicted objects that nodes were not told of yet: as `remove`.
-        for (_, unsent) in self.unsent_evictions.lock().drain() {
-            wait.merge(unsent);
-        }
+        wait.merge(self.unsent_removals.take_all());
         self.await_records(wait);
         self.counters.lease_refusals.fetch_add(refused.get(), Ordering::Relaxed);
         Ok(removed)

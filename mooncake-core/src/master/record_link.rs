@@ -27,7 +27,28 @@ pub trait RecordSink: Send + Sync {
     fn gone(&self) -> bool {
         false
     }
+
+    /// Writes `updates` to the node without waiting for it to apply them, if that can
+    /// be done at once (over a connection already open): the answer is read later by
+    /// [`receive_records`](Self::receive_records). `None` when it cannot; the updates
+    /// then go with [`apply_records`](Self::apply_records). `None` by default.
+    fn send_records(&self, updates: &[RecordUpdate]) -> Option<Result<RecordsInFlight>> {
+        let _ = updates;
+        None
+    }
+
+    /// Waits for the answer to updates [`send_records`](Self::send_records) wrote:
+    /// `Ok` once the node applied them.
+    fn receive_records(&self, sent: RecordsInFlight) -> Result<()> {
+        let _ = sent;
+        Ok(())
+    }
 }
+
+/// Record updates written to a node whose answer is not read yet: what
+/// [`RecordSink::send_records`] returns, for [`RecordSink::receive_records`] of the
+/// same sink (which knows what it holds).
+pub struct RecordsInFlight(pub Box<dyn std::any::Any + Send>);
 
 /// Opens a [`RecordSink`] for the record endpoint a storage node announced with
 /// `mount_records`. The master daemon uses the RPC one (`rpc::RpcRecordConnector`).
@@ -66,8 +87,11 @@ struct LinkState {
     /// queued its own, and it is done once `delivered` reaches it.
     queued: u64,
     delivered: u64,
-    /// A send is in flight (its leader releases the lock meanwhile).
+    /// A thread writes a frame or reads its answer (it releases the lock meanwhile).
     sending: bool,
+    /// A frame written ahead ([`NodeLink::send_ahead`]) whose answer nobody reads yet:
+    /// the next waiter reads it. One frame at a time is in flight.
+    unanswered: Option<(Vec<RecordUpdate>, RecordsInFlight)>,
     /// The node was forgotten: nothing more is delivered.
     closed: bool,
     /// The node is certainly gone (its endpoint refuses connections).
@@ -125,46 +149,29 @@ impl NodeLink {
             }
             let now = Instant::now();
             let may_send = st.retry_at.is_none_or(|t| now >= t);
-            if !st.sending && !st.queue.is_empty() && may_send {
-                let n = st.queue.len().min(MAX_UPDATES_PER_FRAME);
-                let batch: Vec<RecordUpdate> = st.queue.drain(..n).collect();
-                st.sending = true;
-                drop(st);
-                let res = self.sink.apply_records(&batch);
-                // Only a failed send asks whether the node is gone (a connection attempt).
-                let gone = res.is_err() && self.sink.gone();
-                st = self.state.lock();
-                st.sending = false;
-                match res {
-                    Ok(()) => {
-                        st.delivered += batch.len() as u64;
-                        st.failing_since = None;
-                        st.retry_at = None;
-                        st.failures = 0;
-                    }
-                    Err(e) => {
-                        // Back at the front, in order: sent again after a pause.
-                        for u in batch.into_iter().rev() {
-                            st.queue.push_front(u);
-                        }
-                        st.failing_since.get_or_insert(now);
-                        let backoff = FIRST_BACKOFF.saturating_mul(1 << st.failures.min(8)).min(MAX_BACKOFF);
-                        st.failures = st.failures.saturating_add(1);
-                        st.retry_at = Some(Instant::now() + backoff);
-                        st.gone |= gone;
-                        if st.failures == 1 || gone {
-                            tracing::warn!(
-                                client = format!("{:#x}", self.client),
-                                error = %e,
-                                gone,
-                                "a storage node cannot be told of its records{}",
-                                if gone { ": it is gone" } else { " yet: retrying" }
-                            );
-                        }
-                    }
+            if !st.sending {
+                if let Some((batch, sent)) = st.unanswered.take() {
+                    // Written ahead: read its answer.
+                    st.sending = true;
+                    drop(st);
+                    let res = self.sink.receive_records(sent);
+                    let gone = res.is_err() && self.sink.gone();
+                    st = self.state.lock();
+                    self.sent(&mut st, batch, res, gone, now);
+                    continue;
                 }
-                self.cond.notify_all();
-                continue;
+                if !st.queue.is_empty() && may_send {
+                    let n = st.queue.len().min(MAX_UPDATES_PER_FRAME);
+                    let batch: Vec<RecordUpdate> = st.queue.drain(..n).collect();
+                    st.sending = true;
+                    drop(st);
+                    let res = self.sink.apply_records(&batch);
+                    // Only a failed send asks whether the node is gone (a connection attempt).
+                    let gone = res.is_err() && self.sink.gone();
+                    st = self.state.lock();
+                    self.sent(&mut st, batch, res, gone, now);
+                    continue;
+                }
             }
             // Wait for the send in flight, or the end of a backoff, within the limit.
             let until = match st.retry_at {
@@ -174,6 +181,82 @@ impl NodeLink {
             if self.cond.wait_until(&mut st, until).timed_out() && Instant::now() >= deadline {
                 return if st.delivered >= ticket { Delivery::Done } else { Delivery::Pending };
             }
+        }
+    }
+
+    /// The end of a frame's send (`res`): delivered, or back at the front of the queue
+    /// to be sent again after a pause. Wakes the waiters.
+    fn sent(&self, st: &mut LinkState, batch: Vec<RecordUpdate>, res: Result<()>, gone: bool, now: Instant) {
+        st.sending = false;
+        match res {
+            Ok(()) => {
+                st.delivered += batch.len() as u64;
+                st.failing_since = None;
+                st.retry_at = None;
+                st.failures = 0;
+            }
+            Err(e) => {
+                // Back at the front, in order: sent again after a pause.
+                for u in batch.into_iter().rev() {
+                    st.queue.push_front(u);
+                }
+                st.failing_since.get_or_insert(now);
+                let backoff = FIRST_BACKOFF.saturating_mul(1 << st.failures.min(8)).min(MAX_BACKOFF);
+                st.failures = st.failures.saturating_add(1);
+                st.retry_at = Some(Instant::now() + backoff);
+                st.gone |= gone;
+                if st.failures == 1 || gone {
+                    tracing::warn!(
+                        client = format!("{:#x}", self.client),
+                        error = %e,
+                        gone,
+                        "a storage node cannot be told of its records{}",
+                        if gone { ": it is gone" } else { " yet: retrying" }
+                    );
+                }
+            }
+        }
+        self.cond.notify_all();
+    }
+
+    /// Writes what is queued to the node now, without waiting for its answer (the next
+    /// waiter reads it), if that can be done at once: no frame in flight, the last
+    /// send worked, and the sink has a connection open. Never waits: a node paused
+    /// or unreachable holds up nobody here.
+    pub(crate) fn send_ahead(&self) {
+        let mut st = self.state.lock();
+        if st.sending
+            || st.unanswered.is_some()
+            || st.queue.is_empty()
+            || st.closed
+            || st.gone
+            || st.failing_since.is_some()
+        {
+            return;
+        }
+        let n = st.queue.len().min(MAX_UPDATES_PER_FRAME);
+        let batch: Vec<RecordUpdate> = st.queue.drain(..n).collect();
+        st.sending = true;
+        drop(st);
+        let res = self.sink.send_records(&batch);
+        let mut st = self.state.lock();
+        match res {
+            Some(Ok(sent)) => {
+                st.sending = false;
+                st.unanswered = Some((batch, sent));
+                self.cond.notify_all();
+            }
+            // Not now: the next waiter sends them as usual.
+            None => {
+                st.sending = false;
+                for u in batch.into_iter().rev() {
+                    st.queue.push_front(u);
+                }
+                self.cond.notify_all();
+            }
+            // A connection that broke while writing: a failed send (whether the node
+            // is gone is asked by the next waiter's send, which connects).
+            Some(Err(e)) => self.sent(&mut st, batch, Err(e), false, Instant::now()),
         }
     }
 
@@ -190,9 +273,17 @@ impl NodeLink {
         st.delivered >= ticket || st.closed
     }
 
-    /// Whether updates are queued and not sent.
+    /// Updates ever queued: waiting for this ticket waits for every update queued so
+    /// far (a barrier).
+    pub(crate) fn queued(&self) -> u64 {
+        self.state.lock().queued
+    }
+
+    /// Whether updates are queued and not delivered (or written ahead, their answer
+    /// not read).
     pub(crate) fn has_queued(&self) -> bool {
-        !self.state.lock().queue.is_empty()
+        let st = self.state.lock();
+        !st.queue.is_empty() || st.unanswered.is_some()
     }
 
     /// For how long sends to the node have been failing (zero: the last one worked).
@@ -205,7 +296,9 @@ impl NodeLink {
     pub(crate) fn close(&self) -> Vec<RecordUpdate> {
         let mut st = self.state.lock();
         st.closed = true;
-        let left = st.queue.drain(..).collect();
+        // A frame written ahead may or may not have been applied: given back too.
+        let ahead = st.unanswered.take().map(|(batch, _)| batch).unwrap_or_default();
+        let left = ahead.into_iter().chain(st.queue.drain(..)).collect();
         drop(st);
         self.cond.notify_all();
         left
@@ -237,6 +330,96 @@ impl RecordWait {
     /// Whether every update waited for was delivered (or never will be).
     pub(crate) fn settled(&self) -> bool {
         self.tickets.iter().all(|(_, link, ticket)| link.settled(*ticket))
+    }
+}
+
+/// Removals queued without waiting (an eviction's, a dropped put's) that have not
+/// reached their nodes yet, by key. A later remove of the key, or a later put of
+/// it, waits for them: a master restarted after acknowledging it must find no node
+/// still listing an older copy. Pruned by the monitor once delivered.
+#[derive(Default)]
+pub(crate) struct UnsentRemovals {
+    by_key: Mutex<ahash::HashMap<Box<str>, RecordWait>>,
+    /// Keys in `by_key`: a put looks for its key only while some are (every put
+    /// ends with this check).
+    keys: std::sync::atomic::AtomicUsize,
+}
+
+impl UnsentRemovals {
+    /// Keeps the removals of `wait`, queued for copies of `key`.
+    pub(crate) fn add(&self, key: &str, wait: RecordWait) {
+        if wait.tickets.is_empty() {
+            return;
+        }
+        let mut by_key = self.by_key.lock();
+        by_key.entry(Box::from(key)).or_default().merge(wait);
+        self.keys.store(by_key.len(), std::sync::atomic::Ordering::Release);
+    }
+
+    /// The removals kept for `key`, to wait for.
+    pub(crate) fn take(&self, key: &str) -> RecordWait {
+        if self.keys.load(std::sync::atomic::Ordering::Acquire) == 0 {
+            return RecordWait::default();
+        }
+        let mut by_key = self.by_key.lock();
+        let wait = by_key.remove(key).unwrap_or_default();
+        self.keys.store(by_key.len(), std::sync::atomic::Ordering::Release);
+        wait
+    }
+
+    /// Every removal kept, to wait for.
+    pub(crate) fn take_all(&self) -> RecordWait {
+        let mut wait = RecordWait::default();
+        let mut by_key = self.by_key.lock();
+        for (_, w) in by_key.drain() {
+            wait.merge(w);
+        }
+        self.keys.store(0, std::sync::atomic::Ordering::Release);
+        wait
+    }
+
+    /// Forgets the removals delivered (or whose node was forgotten).
+    pub(crate) fn prune(&self) {
+        let mut by_key = self.by_key.lock();
+        by_key.retain(|_, wait| !wait.settled());
+        self.keys.store(by_key.len(), std::sync::atomic::Ordering::Release);
+    }
+}
+
+/// Links with updates queued by calls that do not wait for them (puts that declared
+/// their checksum), to send as soon as the call is answered; one entry per node.
+#[derive(Default)]
+pub(crate) struct LinksToSend {
+    links: Mutex<Vec<Arc<NodeLink>>>,
+    /// `links` is not empty: checked after every answer, without the lock.
+    any: std::sync::atomic::AtomicBool,
+}
+
+impl LinksToSend {
+    /// Keeps the links of `wait`.
+    pub(crate) fn add(&self, wait: RecordWait) {
+        if wait.tickets.is_empty() {
+            return;
+        }
+        let mut links = self.links.lock();
+        for (_, link, _) in wait.tickets {
+            if !links.iter().any(|l| Arc::ptr_eq(l, &link)) {
+                links.push(link);
+            }
+        }
+        self.any.store(true, std::sync::atomic::Ordering::Release);
+    }
+
+    /// Whether any link is kept.
+    pub(crate) fn any(&self) -> bool {
+        self.any.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// The links kept, forgotten here.
+    pub(crate) fn take(&self) -> Vec<Arc<NodeLink>> {
+        let mut links = self.links.lock();
+        self.any.store(false, std::sync::atomic::Ordering::Release);
+        std::mem::take(&mut *links)
     }
 }
 

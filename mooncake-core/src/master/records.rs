@@ -223,6 +223,75 @@ impl MasterService {
         wait
     }
 
+    /// Tells the owners of every replica of `key`, a put in progress that declared its
+    /// checksum, that they hold it: before its bytes are written, so that the records
+    /// travel while they are. A node offers such a record back only if the bytes match.
+    pub(crate) fn note_declared(&self, key: &str, e: &ObjectEntry) -> RecordWait {
+        let mut wait = RecordWait::default();
+        for r in &e.replicas {
+            let m = r.memory(e.len());
+            let (len, checksum) = (e.len(), e.checksum);
+            let added = |generation| RecordUpdate::Added {
+                segment: m.segment,
+                record: ObjectRecord { key: key.to_owned(), offset: m.offset, len, checksum, generation },
+            };
+            self.push_update(m.segment, added, &mut wait);
+        }
+        wait
+    }
+
+    /// A put in progress is dropped (revoked, timed out, reclaimed): if it declared its
+    /// checksum, its nodes recorded it and are told it is gone. Returns what to wait
+    /// for (nothing for a put that declared nothing).
+    pub(crate) fn drop_declared_put(&self, key: &str, e: &ObjectEntry) -> RecordWait {
+        let mut wait = RecordWait::default();
+        if !e.declared() {
+            return wait;
+        }
+        for r in &e.replicas {
+            let (segment, offset) = (r.segment(), r.offset());
+            let removed = |generation| RecordUpdate::Removed { segment, key: key.to_owned(), offset, generation };
+            self.push_update(segment, removed, &mut wait);
+        }
+        wait
+    }
+
+    /// What the nodes holding `e`'s replicas have queued so far, to wait for: the
+    /// records its put declared at its start are among it.
+    pub(crate) fn records_queued_for(&self, e: &ObjectEntry) -> RecordWait {
+        let mut wait = RecordWait::default();
+        let segments = self.segments.read();
+        let clients = self.clients.read();
+        for r in &e.replicas {
+            let Some(owner) = segments.by_id.get(&r.segment()).map(|s| s.owner) else { continue };
+            let Some(link) = clients.get(&owner).and_then(|rec| rec.link.lock().clone()) else { continue };
+            let ticket = link.queued();
+            wait.add(owner, link, ticket);
+        }
+        wait
+    }
+
+    /// Keeps the links of `wait` to send them once the call is answered
+    /// ([`send_records_after_answer`](Self::send_records_after_answer)); nothing waits
+    /// for them here.
+    pub(crate) fn send_after_answer(&self, wait: RecordWait) {
+        self.send_after_answer.add(wait);
+    }
+
+    /// Whether records wait to be sent after an answer.
+    pub(crate) fn has_records_to_send(&self) -> bool {
+        self.send_after_answer.any()
+    }
+
+    /// Writes what puts that declared their checksum queued, one frame per node, where
+    /// that can be done at once ([`NodeLink::send_ahead`]); the puts' ends read the
+    /// answers. Never waits: what cannot go now goes with the next waiter, as always.
+    pub(crate) fn send_records_after_answer(&self) {
+        for link in self.send_after_answer.take() {
+            link.send_ahead();
+        }
+    }
+
     /// Tells the owners of these replicas of `key` that they no longer hold it.
     pub(crate) fn note_removed<'a>(
         &self,
@@ -391,6 +460,15 @@ mod tests {
             }
             self.seen.apply_records(updates)
         }
+
+        /// Like a node over the network: what is written ahead is applied (the answer
+        /// is read later); nothing is written while it is down.
+        fn send_records(&self, updates: &[RecordUpdate]) -> Option<Result<crate::master::RecordsInFlight>> {
+            if self.down.load(std::sync::atomic::Ordering::Relaxed) {
+                return None;
+            }
+            Some(self.seen.apply_records(updates).map(|()| crate::master::RecordsInFlight(Box::new(()))))
+        }
     }
 
     /// Registers a client and mounts a 1 MiB segment for it: the client, the region
@@ -444,11 +522,13 @@ mod tests {
         node_a.down.store(true, std::sync::atomic::Ordering::Relaxed);
         master.evict_for(1 << 20);
         assert!(matches!(master.get_replica_list("k"), Err(Error::NotFound(_))));
+        // Forgotten before the key is put again (a put waits for the removals of its
+        // key that a registered node was not told of yet).
+        master.unregister_client(a).unwrap();
         master.put_start(b, "k", 200, &on(&seg_b)).unwrap();
         master.put_end(b, "k", 2).unwrap();
         master.evict_for(1 << 20);
         assert!(matches!(master.get_replica_list("k"), Err(Error::NotFound(_))));
-        master.unregister_client(a).unwrap();
         let a2 = master.register_client().unwrap().client;
         let (_, taken) = master.remount_segment(a2, &region_a, 1 << 20, &[v1]).unwrap();
         assert_eq!(taken, 0, "the copy that missed its removal was taken back");
@@ -458,26 +538,145 @@ mod tests {
     }
 
     /// A removal that an eviction queued for a paused node has not reached it when
-    /// the key, put again elsewhere, is removed: that remove is acknowledged only once
-    /// the node has it too, so that a master restarted after the acknowledgment finds
-    /// no node still listing the old copy (and takes no removed object back).
+    /// the key is put again elsewhere: that put is acknowledged only once the node
+    /// has it too, so that a master restarted after the acknowledgment finds no node
+    /// still listing the old copy beside the new one (both would be offered, and the
+    /// first node back would decide the key's value).
     #[test]
-    fn a_remove_waits_for_the_eviction_notices_of_its_key() {
+    fn a_put_again_waits_for_the_eviction_notices_of_its_key() {
         let PausedHolder { master, b: (b, _, seg_b), node_a, .. } = paused_holder();
         node_a.down.store(true, std::sync::atomic::Ordering::Relaxed);
         master.evict_for(1 << 20);
-        master.put_start(b, "k", 200, &on(&seg_b)).unwrap();
-        master.put_end(b, "k", 2).unwrap();
         let removed_on_a =
             || node_a.seen.0.lock().iter().any(|u| matches!(u, RecordUpdate::Removed { key, .. } if key == "k"));
         std::thread::scope(|s| {
-            let remove = s.spawn(|| master.remove("k"));
+            let put = s.spawn(|| {
+                master.put_start(b, "k", 200, &on(&seg_b))?;
+                master.put_end(b, "k", 2)
+            });
             std::thread::sleep(std::time::Duration::from_millis(300));
-            assert!(!remove.is_finished(), "the remove was acknowledged before node a heard of the eviction");
+            assert!(!put.is_finished(), "the put was acknowledged before node a heard of the eviction");
             node_a.down.store(false, std::sync::atomic::Ordering::Relaxed);
-            remove.join().unwrap().unwrap();
+            put.join().unwrap().unwrap();
         });
         assert!(removed_on_a(), "node a still lists k's old copy");
+        // Nothing is left to wait for: the remove is answered at once.
+        master.remove("k").unwrap();
+    }
+
+    /// The updates `node` was sent for `key`: (added with this checksum, or removed).
+    fn told(node: &Pausable, key: &str) -> Vec<(bool, u32)> {
+        let seen = node.seen.0.lock();
+        seen.iter()
+            .filter_map(|u| match u {
+                RecordUpdate::Added { record, .. } if record.key == key => Some((true, record.checksum)),
+                RecordUpdate::Removed { key: k, .. } if k == key => Some((false, 0)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// A put that declares its checksum has its records sent once its start is
+    /// answered, with that checksum: its end adds nothing for the node, and waits
+    /// only for what was queued. Before the send the node has nothing.
+    #[test]
+    fn a_declared_put_is_recorded_while_it_is_written() {
+        let PausedHolder { master, a: (a, _, seg_a), .. } = paused_holder();
+        let node_a = Arc::new(Pausable::default());
+        master.attach_records(a, node_a.clone()).unwrap();
+        let svc = master.service();
+        master.put_start_summed(a, "d", 100, 7, &on(&seg_a)).unwrap();
+        assert!(told(&node_a, "d").is_empty(), "sent before the start was answered");
+        assert!(svc.has_records_to_send());
+        svc.send_records_after_answer();
+        assert!(!svc.has_records_to_send());
+        assert_eq!(told(&node_a, "d"), [(true, 7)], "the record goes before the bytes are written");
+        // Not readable yet: the record is not the object.
+        assert!(master.get_replica_list("d").is_err());
+        master.put_end(a, "d", 7).unwrap();
+        assert_eq!(told(&node_a, "d"), [(true, 7)], "the end told the node again");
+        assert_eq!(master.get_replica_list("d").unwrap().checksum, 7);
+        // Removed as any object.
+        master.remove("d").unwrap();
+        assert_eq!(told(&node_a, "d"), [(true, 7), (false, 0)]);
+    }
+
+    /// Without the send after the answer (an in-process master), the end sends what
+    /// the start queued: nothing is acknowledged before the node has the record.
+    #[test]
+    fn a_declared_put_ends_only_once_its_record_is_delivered() {
+        let PausedHolder { master, a: (a, _, seg_a), .. } = paused_holder();
+        let node_a = Arc::new(Pausable::default());
+        master.attach_records(a, node_a.clone()).unwrap();
+        node_a.down.store(true, std::sync::atomic::Ordering::Relaxed);
+        master.put_start_summed(a, "d", 100, 7, &on(&seg_a)).unwrap();
+        master.service().send_records_after_answer();
+        assert!(told(&node_a, "d").is_empty());
+        std::thread::scope(|s| {
+            let end = s.spawn(|| master.put_end(a, "d", 7));
+            std::thread::sleep(std::time::Duration::from_millis(300));
+            assert!(!end.is_finished(), "acknowledged before the node recorded it");
+            node_a.down.store(false, std::sync::atomic::Ordering::Relaxed);
+            end.join().unwrap().unwrap();
+        });
+        assert_eq!(told(&node_a, "d"), [(true, 7)]);
+    }
+
+    /// A writer that ends with another checksum than it declared (it summed other
+    /// bytes) has the record sent again with the checksum it ended with (a newer
+    /// generation: the node keeps that one).
+    #[test]
+    fn a_declared_put_ended_with_another_checksum_is_recorded_again() {
+        let PausedHolder { master, a: (a, _, seg_a), .. } = paused_holder();
+        let node_a = Arc::new(Pausable::default());
+        master.attach_records(a, node_a.clone()).unwrap();
+        master.put_start_summed(a, "d", 100, 7, &on(&seg_a)).unwrap();
+        master.put_end(a, "d", 8).unwrap();
+        assert_eq!(told(&node_a, "d"), [(true, 7), (true, 8)]);
+        assert_eq!(master.get_replica_list("d").unwrap().checksum, 8);
+    }
+
+    /// A declared put called off (revoked, or timed out and reclaimed by another
+    /// writer) is removed from its nodes: its writer may have written every byte, and
+    /// a restarted master must not take the key back. A revoke answers once the node
+    /// has the removal; a reclaimed put's removal is waited for by the key's next put.
+    #[test]
+    fn a_declared_put_called_off_is_removed_from_its_nodes() {
+        let config = MasterConfig {
+            track_records: true,
+            put_timeout: std::time::Duration::from_millis(50),
+            ..Default::default()
+        };
+        let master = Master::new(config).unwrap();
+        let ((a, _, seg_a), (b, _, seg_b)) = (mount(&master, "a"), mount(&master, "b"));
+        let node_a = Arc::new(Pausable::default());
+        master.attach_records(a, node_a.clone()).unwrap();
+        master.attach_records(b, Arc::new(Seen::default())).unwrap();
+        master.put_start_summed(a, "r", 100, 7, &on(&seg_a)).unwrap();
+        master.put_revoke(a, "r").unwrap();
+        assert_eq!(told(&node_a, "r"), [(true, 7), (false, 0)], "revoked, still recorded");
+        // A put undeclared leaves nothing to remove.
+        master.put_start(a, "u", 100, &on(&seg_a)).unwrap();
+        master.put_revoke(a, "u").unwrap();
+        assert!(told(&node_a, "u").is_empty());
+        // Timed out while the node is paused, then reclaimed by the key's next put.
+        master.put_start_summed(a, "t", 100, 7, &on(&seg_a)).unwrap();
+        master.service().send_records_after_answer();
+        node_a.down.store(true, std::sync::atomic::Ordering::Relaxed);
+        std::thread::sleep(std::time::Duration::from_millis(60));
+        std::thread::scope(|s| {
+            // Elsewhere: only the old copy's removal holds it up.
+            let again = s.spawn(|| {
+                master.put_start(b, "t", 100, &on(&seg_b))?;
+                master.put_end(b, "t", 9)
+            });
+            std::thread::sleep(std::time::Duration::from_millis(300));
+            assert!(!again.is_finished(), "the new put was acknowledged before the node dropped the old one");
+            node_a.down.store(false, std::sync::atomic::Ordering::Relaxed);
+            again.join().unwrap().unwrap();
+        });
+        assert_eq!(told(&node_a, "t"), [(true, 7), (false, 0)]);
+        assert_eq!(master.get_replica_list("t").unwrap().checksum, 9);
     }
 
     /// A node that, when first asked to record, is forgotten and sees another

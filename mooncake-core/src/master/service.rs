@@ -57,11 +57,13 @@ pub struct MasterService {
     /// Generation high-water marks of keys whose old copies may still be offered: a
     /// record or file older than its key's last removal is refused.
     pub(super) tombstones: crate::master::tombstones::Tombstones,
-    /// Removals that evictions queued (not waited for) and that have not reached
-    /// their nodes yet, by key: a later remove of the key waits for them, so that a
-    /// master restarted after acknowledging it finds no node still listing an older
-    /// copy. Pruned by the monitor once delivered.
-    pub(super) unsent_evictions: Mutex<ahash::HashMap<Box<str>, crate::master::record_link::RecordWait>>,
+    /// Removals that evictions and dropped puts queued (not waited for) and that have
+    /// not reached their nodes yet: a later remove or put of the key waits for them.
+    pub(super) unsent_removals: crate::master::record_link::UnsentRemovals,
+    /// Links with records queued by puts that declared their checksum, to send once
+    /// the `put_start` is answered (`RpcHandler::work_after_answer`); one entry per
+    /// node at most.
+    pub(super) send_after_answer: crate::master::record_link::LinksToSend,
     /// Replicas of upserts whose object went away under them (its last replica's
     /// node was lost, its disk replica evicted) while their writer may still be
     /// writing them: held, so that their space is not given to another object
@@ -147,7 +149,8 @@ impl Master {
             record_connector: std::sync::OnceLock::new(),
             gens: Default::default(),
             tombstones: Default::default(),
-            unsent_evictions: Default::default(),
+            unsent_removals: Default::default(),
+            send_after_answer: Default::default(),
             orphaned_upserts: Default::default(),
             retiring: Default::default(),
             recovering_until_ms: AtomicU64::new(0),

@@ -16,7 +16,8 @@ use crate::config::ReplicateConfig;
 use crate::error::{Error, Result};
 use crate::master::{
     master_calls, ClientId, ClientRegistration, DrainProgress, MasterApi, MasterStats, MemoryReplica, ObjectInfo,
-    ObjectRecord, OffloadPlan, RecordConnector, RecordSink, RecordUpdate, ReplicaList, ReplicatePlan, SegmentInfo,
+    ObjectRecord, OffloadPlan, RecordConnector, RecordSink, RecordUpdate, RecordsInFlight, ReplicaList, ReplicatePlan,
+    SegmentInfo,
 };
 use crate::rpc::convert::{BatchLen, IntoWire};
 use crate::rpc::wire::WireReturn;
@@ -150,6 +151,26 @@ impl RpcMasterClient {
         self.write(frame, id, false)
     }
 
+    /// [`send`](Self::send) over a connection already open, if one is idle: never
+    /// connects (which may wait for a host that does not answer). `None` if none is.
+    pub(crate) fn send_pooled(&self, req: &Request) -> Option<Result<Sent>> {
+        let mut conn = self.pool.lock().pop()?;
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let frame = match encode_frame(FrameKind::Request, id, req) {
+            Ok(frame) => frame,
+            Err(e) => {
+                self.pool.lock().push(conn);
+                return Some(Err(Error::InvalidArgument(e.to_string())));
+            }
+        };
+        // A connection found broken now is dropped, and the request left to a caller
+        // that may connect; one that breaks before the answer is retried by `receive`.
+        match conn.stream.write_all(&frame) {
+            Ok(()) => Some(Ok(Sent { conn, frame, id, retried: false })),
+            Err(_) => None,
+        }
+    }
+
     /// Writes `frame` (request `id`) on a pooled or fresh connection; `retried`: this
     /// request already lost a connection (no second retry).
     fn write(&self, frame: Vec<u8>, id: u64, mut retried: bool) -> Result<Sent> {
@@ -246,6 +267,23 @@ impl Sent {
 impl RecordSink for RpcMasterClient {
     fn apply_records(&self, updates: &[RecordUpdate]) -> Result<()> {
         match self.call(&Request::ApplyRecords { updates: updates.to_vec() })? {
+            Response::Unit => Ok(()),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Written on an idle connection only: a node that does not answer (or a host
+    /// that does not take connections) must not hold up the caller.
+    fn send_records(&self, updates: &[RecordUpdate]) -> Option<Result<RecordsInFlight>> {
+        let sent = self.send_pooled(&Request::ApplyRecords { updates: updates.to_vec() })?;
+        Some(sent.map(|sent| RecordsInFlight(Box::new(sent))))
+    }
+
+    fn receive_records(&self, sent: RecordsInFlight) -> Result<()> {
+        let Ok(sent) = sent.0.downcast::<Sent>() else {
+            return Err(Error::InvalidArgument("records in flight of another sink".into()));
+        };
+        match self.receive(*sent)? {
             Response::Unit => Ok(()),
             other => Err(unexpected(other)),
         }

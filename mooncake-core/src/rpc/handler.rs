@@ -29,6 +29,18 @@ pub(crate) trait RpcHandler: Send + Sync + 'static {
         false
     }
 
+    /// Whether [`work_after_answer`](Self::work_after_answer) has anything to do;
+    /// asked after every answer, so it must be cheap. `false` by default.
+    fn has_work_after_answer(&self) -> bool {
+        false
+    }
+
+    /// Work an answer left to do once the response is out (the master: writing the
+    /// records a put's start queued to their nodes, while its client writes the
+    /// bytes). Run by the thread that answered, which may lead (no connection is
+    /// polled meanwhile): it must be short and never wait. Nothing by default.
+    fn work_after_answer(&self) {}
+
     /// What decoding one request to this handler may allocate, if it serves only
     /// requests smaller than [`RpcServerConfig::decode_limits`] allow: a request over
     /// them is refused before it is decoded whole. `None` (the default): the

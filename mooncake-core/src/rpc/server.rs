@@ -122,6 +122,14 @@ impl RpcHandler for MasterService {
     fn handle(&self, request: Request) -> Response {
         dispatch(self, request)
     }
+
+    fn has_work_after_answer(&self) -> bool {
+        self.has_records_to_send()
+    }
+
+    fn work_after_answer(&self) {
+        self.send_records_after_answer();
+    }
 }
 
 /// Answers one request with a master: the server's dispatch over any

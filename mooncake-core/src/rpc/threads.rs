@@ -321,6 +321,7 @@ impl Shared {
                     self.disarm(&mut lead);
                     let done = reply.send();
                     lead.conns.take_back(done);
+                    self.work_after_answer();
                     lead.conns.spin_for(self.spin);
                     held = Some(lead);
                 }
@@ -331,8 +332,16 @@ impl Shared {
                     if self.done.send(done).is_ok() {
                         let _ = self.waker.wake();
                     }
+                    self.work_after_answer();
                 }
             }
+        }
+    }
+
+    /// The handler's work after an answer, once its response is out (it never waits).
+    fn work_after_answer(&self) {
+        if self.handler.has_work_after_answer() {
+            self.handler.work_after_answer();
         }
     }
 }
@@ -347,4 +356,68 @@ fn epoll_ctl(epfd: RawFd, op: libc::c_int, fd: RawFd, events: u32) -> std::io::R
         return Err(std::io::Error::last_os_error());
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    use crate::master::{Master, MasterApi};
+    use crate::rpc::handler::RpcHandler;
+    use crate::rpc::server::{dispatch, RpcServer};
+    use crate::rpc::wire::{Request, Response};
+    use crate::rpc::RpcMasterClient;
+    use crate::MasterConfig;
+
+    /// A master whose next answer leaves slow work (a test's stand-in for work that
+    /// takes long).
+    struct Slow {
+        master: Master,
+        armed: AtomicBool,
+        ran: AtomicUsize,
+    }
+
+    impl RpcHandler for Slow {
+        fn handle(&self, request: Request) -> Response {
+            dispatch(&*self.master, request)
+        }
+
+        fn has_work_after_answer(&self) -> bool {
+            self.armed.load(Ordering::SeqCst)
+        }
+
+        fn work_after_answer(&self) {
+            if self.armed.swap(false, Ordering::SeqCst) {
+                std::thread::sleep(Duration::from_millis(500));
+                self.ran.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+    }
+
+    /// The work an answer leaves runs once its response is out: the client has its
+    /// answer before the work ends, and the work runs once.
+    #[test]
+    fn work_after_an_answer_runs_once_the_response_is_out() {
+        let handler = Arc::new(Slow {
+            master: Master::new(MasterConfig::default()).unwrap(),
+            armed: AtomicBool::new(true),
+            ran: AtomicUsize::new(0),
+        });
+        let server =
+            RpcServer::serve("127.0.0.1:0", handler.clone(), crate::rpc::wire::DEFAULT_MAX_FRAME, None).unwrap();
+        let client = RpcMasterClient::connect(&server.local_addr().to_string()).unwrap();
+        let asked = Instant::now();
+        assert!(!client.exists("k").unwrap());
+        assert!(asked.elapsed() < Duration::from_millis(400), "the answer waited for the work");
+        assert_eq!(handler.ran.load(Ordering::SeqCst), 0);
+        // The next request is answered after the work (it ran on the leading thread).
+        assert!(!client.exists("k2").unwrap());
+        let until = Instant::now() + Duration::from_secs(5);
+        while handler.ran.load(Ordering::SeqCst) == 0 && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(handler.ran.load(Ordering::SeqCst), 1);
+    }
 }

@@ -31,8 +31,9 @@ pub const MAGIC: [u8; 4] = *b"MCRP";
 /// Protocol version spoken by this build (7: `MountRecords` carries the record key;
 /// 8: records carry generations, `RecordUpdate::Discard`; 9: drains, `DrainSegment`,
 /// `DrainReport`, `DrainStatus` and `RecordUpdate::Drain`; 10: `BatchDropSpareReplicas`;
-/// 11: `NotifyOffloadSuccess` carries each task's generation).
-pub const VERSION: u8 = 11;
+/// 11: `NotifyOffloadSuccess` carries each task's generation; 12: `PutStartSummed`,
+/// `BatchPutStartSummed`).
+pub const VERSION: u8 = 12;
 /// Bytes in a frame header.
 pub const HEADER_LEN: usize = 20;
 /// Default largest body accepted (64 MiB).

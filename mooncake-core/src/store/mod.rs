@@ -125,6 +125,9 @@ struct StoreInner {
     records: Arc<SegmentRecords>,
     /// Where the master tells us of changes to our records before acknowledging them.
     record_endpoint: Option<RecordEndpoint>,
+    /// The master is reached over the network (a daemon or a cluster), not in this
+    /// process: what a put saves by declaring its checksum (`write.rs`).
+    master_is_remote: bool,
     /// Longest time `flush` waits for the SSD tier.
     flush_timeout: Duration,
     /// Cluster mode: the cluster client (also `master`) and the record endpoint of our

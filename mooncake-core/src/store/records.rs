@@ -359,3 +359,66 @@ mod tests {
         }
     }
 }
+
+/// The master's side and the node's side of records sent ahead, over real sockets.
+#[cfg(test)]
+mod sent_ahead {
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    use mooncake_transfer::RemoteRegion;
+
+    use super::SegmentRecords;
+    use crate::master::{Master, MasterApi};
+    use crate::rpc::{RpcMasterClient, RpcRecordConnector, RpcServer, RpcServerConfig};
+    use crate::{MasterConfig, ReplicateConfig};
+
+    /// Waits up to 2 s for `f` to hold.
+    fn eventually(mut f: impl FnMut() -> bool) -> bool {
+        let until = Instant::now() + Duration::from_secs(2);
+        while Instant::now() < until {
+            if f() {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        f()
+    }
+
+    /// A master daemon's put that declares its checksum: the node has the record once
+    /// the start is answered, before the put ends (the master wrote it ahead after
+    /// answering; nothing else asked for it); the end adds nothing and is answered.
+    #[test]
+    fn a_declared_put_reaches_its_node_before_it_ends() {
+        let master = Master::new(MasterConfig::served()).unwrap();
+        master.set_record_connector(Arc::new(RpcRecordConnector::new(Duration::from_secs(2))));
+        let server = RpcServer::serve_with("127.0.0.1:0", master.service().clone(), RpcServerConfig::default()).unwrap();
+        let client = RpcMasterClient::connect(&server.local_addr().to_string()).unwrap();
+        let node = client.register_client().unwrap().client;
+        let region = RemoteRegion { endpoint: "127.0.0.1:1".into(), region: 1 };
+        let segment = client.mount_segment(node, &region, 1 << 20).unwrap();
+        let records = Arc::new(SegmentRecords::new(segment));
+        let key: [u8; crate::rpc::RECORD_KEY_LEN] = rand::random();
+        let config =
+            RpcServerConfig { secret: Some(crate::rpc::record_endpoint_secret(&key)), ..Default::default() };
+        let endpoint = RpcServer::serve_with("127.0.0.1:0", records.clone(), config).unwrap();
+        client.mount_records(node, &endpoint.local_addr().to_string(), &key).unwrap();
+        // One put first: the master's connection to the node is open (a record is
+        // written ahead only over an open connection, never one it must dial).
+        let cfg = ReplicateConfig::default();
+        client.put_start(node, "first", 100, &cfg).unwrap();
+        client.put_end(node, "first", 1).unwrap();
+        assert_eq!(records.snapshot().len(), 1);
+
+        client.put_start_summed(node, "d", 200, 42, &cfg).unwrap();
+        let recorded = || records.snapshot().iter().any(|r| r.key == "d" && r.checksum == 42 && r.len == 200);
+        assert!(eventually(recorded), "the record did not reach the node before the put ended");
+        client.put_end(node, "d", 42).unwrap();
+        assert_eq!(records.snapshot().len(), 2, "the end recorded it again");
+        assert_eq!(client.get_replica_list("d").unwrap().checksum, 42);
+        // Called off: removed from the node before the revoke is answered.
+        client.put_start_summed(node, "r", 200, 7, &cfg).unwrap();
+        client.put_revoke(node, "r").unwrap();
+        assert!(records.snapshot().iter().all(|r| r.key != "r"));
+    }
+}

@@ -291,6 +291,7 @@ impl Store {
             },
             records,
             record_endpoint,
+            master_is_remote: cfg.master.is_none(),
             flush_timeout: cfg.flush_timeout,
             cluster,
             _heartbeat_stop: stop_tx,

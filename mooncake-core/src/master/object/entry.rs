@@ -72,6 +72,10 @@ pub(crate) struct ObjectEntry {
     pub(crate) soft_pin: bool,
     /// `PutEnd` seen: readable.
     complete: bool,
+    /// While processing: the put declared its checksum when it started, and its
+    /// replicas' records (with that checksum) were queued for their nodes then, so
+    /// that they travel while the bytes are written (`put_start_summed`).
+    declared: bool,
 }
 
 /// What only some objects have, in one side box: the disk replica, a pending
@@ -146,6 +150,7 @@ impl ObjectEntry {
             readers: 0,
             soft_pin: false,
             complete: false,
+            declared: false,
         }
     }
 
@@ -175,8 +180,21 @@ impl ObjectEntry {
     /// The put ended: the object is readable, and not leased yet.
     pub(crate) fn mark_complete(&mut self) {
         self.complete = true;
+        self.declared = false;
         self.holder = 0;
         self.readers = 0;
+    }
+
+    /// A put in progress whose replicas' records, with the checksum it declared
+    /// (`checksum`), were queued when it started: dropping it must tell their nodes.
+    pub(crate) fn declared(&self) -> bool {
+        self.declared && !self.complete
+    }
+
+    /// The put in progress declared `checksum`; its records are queued.
+    pub(crate) fn set_declared(&mut self, checksum: u32) {
+        self.checksum = checksum;
+        self.declared = true;
     }
 
     /// The client whose put is in progress (`None` once complete).

@@ -686,9 +686,11 @@ mod tests {
             let got = &device[dst as usize..(dst + len) as usize];
             assert!(got == &bytes[offset as usize..(offset + len) as usize], "read {i}: device bytes");
         }
-        // Told range by range (merged where the copier found several adjacent
-        // ones waiting): more copies than the 5 pieces of the 3 waves.
-        assert!(mem.copies_run() > 5, "{} copies", mem.copies_run());
+        // Told range by range, merged where the copier found several adjacent ones
+        // waiting: at least one copy per piece of the 3 waves (5). How many more
+        // depends on how often the copier ran while the bytes landed (on a loaded
+        // machine it may find each piece whole), so no more is asserted.
+        assert!(mem.copies_run() >= 5, "{} copies", mem.copies_run());
     }
 
     /// A get of up to 64 MiB (one object or a batch) moves in one transfer into
