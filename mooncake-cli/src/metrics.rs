@@ -63,6 +63,12 @@ pub fn prometheus_text(stats: &MasterStats, rpc: Option<&RpcServerStats>) -> Str
         stats.record_failures as f64,
     );
     gauge(
+        "declared_puts_total",
+        "Puts whose records went to their nodes while their bytes were written (checksum declared at the start).",
+        "counter",
+        stats.declared_puts as f64,
+    );
+    gauge(
         "stale_copies_total",
         "Records and disk files nodes offered back that were refused as older than the key's last put or remove.",
         "counter",

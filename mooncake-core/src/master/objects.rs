@@ -394,6 +394,7 @@ impl MasterService {
                 }
                 self.counters.pending_puts.fetch_sub(1, Ordering::Relaxed);
                 let mut wait = if recorded {
+                    self.counters.declared_puts.fetch_add(1, Ordering::Relaxed);
                     self.records_queued_for(e)
                 } else {
                     // The put's generation, before its records are stamped (later).

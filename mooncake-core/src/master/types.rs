@@ -165,6 +165,9 @@ pub struct MasterStats {
     /// Records and disk files a node offered back and the master refused: their key
     /// was removed or put again after they were written (their generation is older).
     pub stale_copies: u64,
+    /// Puts that declared their checksum when they started and ended with it: their
+    /// records went to the nodes while the bytes were written (`put_start_summed`).
+    pub declared_puts: u64,
     /// Times the master noticed it had itself been stalled and granted a grace period.
     pub stall_graces: u64,
     /// Allocation strategy in use.
@@ -209,6 +212,7 @@ impl MasterStats {
             segment_failures,
             record_failures,
             stale_copies,
+            declared_puts,
             stall_graces,
             metadata_bytes,
             key_bytes,

@@ -392,15 +392,15 @@ mod sent_ahead {
     fn a_declared_put_reaches_its_node_before_it_ends() {
         let master = Master::new(MasterConfig::served()).unwrap();
         master.set_record_connector(Arc::new(RpcRecordConnector::new(Duration::from_secs(2))));
-        let server = RpcServer::serve_with("127.0.0.1:0", master.service().clone(), RpcServerConfig::default()).unwrap();
+        let server =
+            RpcServer::serve_with("127.0.0.1:0", master.service().clone(), RpcServerConfig::default()).unwrap();
         let client = RpcMasterClient::connect(&server.local_addr().to_string()).unwrap();
         let node = client.register_client().unwrap().client;
         let region = RemoteRegion { endpoint: "127.0.0.1:1".into(), region: 1 };
         let segment = client.mount_segment(node, &region, 1 << 20).unwrap();
         let records = Arc::new(SegmentRecords::new(segment));
         let key: [u8; crate::rpc::RECORD_KEY_LEN] = rand::random();
-        let config =
-            RpcServerConfig { secret: Some(crate::rpc::record_endpoint_secret(&key)), ..Default::default() };
+        let config = RpcServerConfig { secret: Some(crate::rpc::record_endpoint_secret(&key)), ..Default::default() };
         let endpoint = RpcServer::serve_with("127.0.0.1:0", records.clone(), config).unwrap();
         client.mount_records(node, &endpoint.local_addr().to_string(), &key).unwrap();
         // One put first: the master's connection to the node is open (a record is
