@@ -1007,26 +1007,33 @@ fn a_kept_list_too_large_for_the_buffer_asks_the_master() {
 
 /// Which puts declare their checksum when they are placed (their records then go to
 /// the nodes while the bytes are written), counted by the master: through a master
-/// daemon, host values up to 1 MiB (single and batch) and device values (over the host
-/// emulation); not a larger host value, nor an upsert. With a master in the process,
-/// a device put keeps its sum beside its copy. Every value reads back exactly.
+/// daemon, host values up to 256 KiB (single and batch; up to 1 MiB while every
+/// segment reached is mapped memory) and device values (over the host emulation);
+/// not a larger host value, nor an upsert. With a master in the process, a device put
+/// keeps its sum beside its copy. Every value reads back exactly.
 #[test]
 fn puts_through_a_master_daemon_declare_their_checksums() {
     let daemon = MasterDaemon::builder("127.0.0.1:0").config(MasterConfig::served()).serve().unwrap();
     let addr = daemon.local_addr().to_string();
-    let node = Store::builder().master_address(&addr).global_segment_size(16 << 20).build().unwrap();
-    let client = Store::builder().master_address(&addr).global_segment_size(0).build().unwrap();
+    let node = Store::builder()
+        .master_address(&addr)
+        .listen("127.0.0.1:0")
+        .protocol(Protocol::Tcp)
+        .global_segment_size(16 << 20)
+        .build()
+        .unwrap();
+    let client = Store::builder().master_address(&addr).protocol(Protocol::Tcp).global_segment_size(0).build().unwrap();
     let declared = || daemon.master().stats().declared_puts;
-    let small = payload(1, 300_000);
+    let small = payload(1, 200_000);
     client.put("small", &small).unwrap();
-    assert_eq!(declared(), 1, "a value under 1 MiB declares its checksum");
+    assert_eq!(declared(), 1, "a value up to 256 KiB declares its checksum");
     let batch: Vec<(String, Vec<u8>)> = (0..3).map(|i| (format!("b{i}"), payload(i + 2, 70_000))).collect();
     let items: Vec<(&str, &[u8])> = batch.iter().map(|(k, v)| (k.as_str(), &v[..])).collect();
     assert!(client.batch_put(&items, &ReplicateConfig::default()).iter().all(Result::is_ok));
     assert_eq!(declared(), 4, "each item of a batch");
-    let large = payload(9, (2 << 20) + 3);
-    client.put("large", &large).unwrap();
-    assert_eq!(declared(), 4, "a value over 1 MiB is summed on its way instead");
+    let medium = payload(8, 600_000);
+    client.put("medium", &medium).unwrap();
+    assert_eq!(declared(), 4, "over the network, a larger value is summed on its way instead");
     client.upsert("small", &payload(5, 1000)).unwrap();
     assert_eq!(declared(), 4, "an upsert keeps its own end");
     let dev = HostDeviceMemory::new(1 << 20).unwrap();
@@ -1034,19 +1041,22 @@ fn puts_through_a_master_daemon_declare_their_checksums() {
     dev.copy_from_host(4096, &on_device).unwrap();
     client.put_from_device("device", &dev, 4096, on_device.len() as u64).unwrap();
     assert_eq!(declared(), 5, "device bytes are summed on the device before the placement");
-    for (k, v) in
-        [("large", &large), ("device", &on_device)].into_iter().chain(batch.iter().map(|(k, v)| (k.as_str(), v)))
-    {
+    let reads = [("medium", &medium), ("device", &on_device)];
+    for (k, v) in reads.into_iter().chain(batch.iter().map(|(k, v)| (k.as_str(), v))) {
         assert_eq!(&client.get(k).unwrap()[..], &v[..], "{k}");
     }
     drop(node);
 
-    // A master in this process: device puts keep the sum beside the copy.
+    // A master in this process, every segment the store's own: a host value up to
+    // 1 MiB declares; device puts keep the sum beside the copy.
     let master = Master::new(MasterConfig::served()).unwrap();
     let local = Store::builder().master(&master).global_segment_size(4 << 20).build().unwrap();
+    local.put("first", &small).unwrap();
+    assert_eq!(master.stats().declared_puts, 1);
+    local.put("medium", &medium).unwrap();
+    assert_eq!(master.stats().declared_puts, 2, "mapped memory only: up to 1 MiB");
     local.put_from_device("device", &dev, 4096, on_device.len() as u64).unwrap();
-    assert_eq!(master.stats().declared_puts, 0);
+    assert_eq!(master.stats().declared_puts, 2);
     assert_eq!(&local.get("device").unwrap()[..], &on_device[..]);
-    local.put("host", &small).unwrap();
-    assert_eq!(master.stats().declared_puts, 1, "host values declare with any master");
+    assert_eq!(&local.get("medium").unwrap()[..], &medium[..]);
 }

@@ -204,31 +204,30 @@ impl MasterService {
 
     /// Tells the owners of `key`'s complete replicas (or of `only` those) that they hold it.
     pub(crate) fn note_added(&self, key: &str, e: &ObjectEntry, only: Option<&[MemoryReplica]>) -> RecordWait {
-        let mut wait = RecordWait::default();
-        if !self.config.track_records {
-            return wait;
-        }
-        for r in e.replicas.iter().filter(|r| r.complete()) {
-            let m = r.memory(e.len());
-            if only.is_some_and(|o| !o.contains(&m)) {
-                continue;
-            }
-            let (len, checksum) = (e.len(), e.checksum);
-            let added = |generation| RecordUpdate::Added {
-                segment: m.segment,
-                record: ObjectRecord { key: key.to_owned(), offset: m.offset, len, checksum, generation },
-            };
-            self.push_update(m.segment, added, &mut wait);
-        }
-        wait
+        let chosen = e.replicas.iter().filter(|r| r.complete() && only.is_none_or(|o| o.contains(&r.memory(e.len()))));
+        self.push_added(key, e, chosen)
     }
 
     /// Tells the owners of every replica of `key`, a put in progress that declared its
     /// checksum, that they hold it: before its bytes are written, so that the records
     /// travel while they are. A node offers such a record back only if the bytes match.
     pub(crate) fn note_declared(&self, key: &str, e: &ObjectEntry) -> RecordWait {
+        self.push_added(key, e, &e.replicas)
+    }
+
+    /// Queues an `Added` record of `e` (its length and checksum) for the owner of each
+    /// of `replicas`.
+    fn push_added<'a>(
+        &self,
+        key: &str,
+        e: &ObjectEntry,
+        replicas: impl IntoIterator<Item = &'a StoredReplica>,
+    ) -> RecordWait {
         let mut wait = RecordWait::default();
-        for r in &e.replicas {
+        if !self.config.track_records {
+            return wait;
+        }
+        for r in replicas {
             let m = r.memory(e.len());
             let (len, checksum) = (e.len(), e.checksum);
             let added = |generation| RecordUpdate::Added {
@@ -244,16 +243,10 @@ impl MasterService {
     /// checksum, its nodes recorded it and are told it is gone. Returns what to wait
     /// for (nothing for a put that declared nothing).
     pub(crate) fn drop_declared_put(&self, key: &str, e: &ObjectEntry) -> RecordWait {
-        let mut wait = RecordWait::default();
         if !e.declared() {
-            return wait;
+            return RecordWait::default();
         }
-        for r in &e.replicas {
-            let (segment, offset) = (r.segment(), r.offset());
-            let removed = |generation| RecordUpdate::Removed { segment, key: key.to_owned(), offset, generation };
-            self.push_update(segment, removed, &mut wait);
-        }
-        wait
+        self.push_removed(key, &e.replicas)
     }
 
     /// What the nodes holding `e`'s replicas have queued so far, to wait for: the
@@ -298,11 +291,16 @@ impl MasterService {
         key: &str,
         replicas: impl IntoIterator<Item = &'a StoredReplica>,
     ) -> RecordWait {
+        self.push_removed(key, replicas.into_iter().filter(|r| r.complete()))
+    }
+
+    /// Queues a `Removed` record of `key` for the owner of each of `replicas`.
+    fn push_removed<'a>(&self, key: &str, replicas: impl IntoIterator<Item = &'a StoredReplica>) -> RecordWait {
         let mut wait = RecordWait::default();
         if !self.config.track_records {
             return wait;
         }
-        for r in replicas.into_iter().filter(|r| r.complete()) {
+        for r in replicas {
             let (segment, offset) = (r.segment(), r.offset());
             let removed = |generation| RecordUpdate::Removed { segment, key: key.to_owned(), offset, generation };
             self.push_update(segment, removed, &mut wait);

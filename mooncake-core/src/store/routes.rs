@@ -78,6 +78,13 @@ impl Routes {
         Ok(route)
     }
 
+    /// Whether every segment this client reached (one at least) is mapped memory
+    /// (its own, a same-host peer's), none over the network.
+    pub(super) fn all_map_peer_memory(&self) -> bool {
+        let routes = self.by_segment.read();
+        !routes.is_empty() && routes.values().all(|r| r.caps.maps_peer_memory)
+    }
+
     /// Forgets the route to `segment`: the next call asks again.
     pub(super) fn forget(&self, segment: SegmentId) {
         self.by_segment.write().remove(&segment);

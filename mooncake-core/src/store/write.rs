@@ -30,13 +30,17 @@ use crate::master::{ClientId, MasterApi, MemoryReplica};
 /// and the checksum declared with the placement (`put_start_summed`): a master daemon
 /// then writes the replicas' records to their nodes while the bytes are written,
 /// instead of after `put_end` (a round trip to a node less per put). Summing first
-/// costs what summing on the way does (the same pass over the bytes). Measured on the
-/// 2-vCPU development VM against a master daemon (GB/s, two runs, off -> on): shm
-/// 256 KiB 4.95-5.63 -> 6.05-6.90, 1 MiB 10.3-11.7 -> 13.6-13.8; TCP 64 KiB
-/// 0.85-0.91 -> 1.02-1.17; but 4 MiB no better over shm and slower over TCP (3.8-5.2
-/// -> 3.9), where a transport that streams over several connections sums on all of
-/// them at once.
-const DECLARE_UP_TO: u64 = 1 << 20;
+/// costs a pass over the bytes that a transport summing on the way hides behind the
+/// network, so larger values are declared only while every segment this client
+/// reached is mapped memory ([`DECLARE_MAPPED_UP_TO`]). Measured on the 2-vCPU
+/// development VM against a master daemon (GB/s, medians of four interleaved runs,
+/// before -> after): TCP 256 KiB 1.50 -> 2.22, but 1 MiB 3.48 -> 3.06.
+const DECLARE_UP_TO: u64 = 256 << 10;
+/// [`DECLARE_UP_TO`] while every segment reached is mapped memory (own, same-host
+/// peers), where summing first costs what summing on the way does (the same pass).
+/// Measured as above over shm: 256 KiB 4.40 -> 6.53, 1 MiB 10.8 -> 12.1; 4 MiB no
+/// better.
+const DECLARE_MAPPED_UP_TO: u64 = 1 << 20;
 /// How many times an item is placed again after writing to a segment failed.
 const PUT_ATTEMPTS: usize = 3;
 /// How long an upsert waits for another write of the same key (put or upsert) to
@@ -270,7 +274,8 @@ impl StoreInner {
             writing.push(prepared.ok());
         }
         if mode == WriteMode::Put {
-            declare_checksums(&mut writing, self.master_is_remote);
+            let host_up_to = if self.routes.all_map_peer_memory() { DECLARE_MAPPED_UP_TO } else { DECLARE_UP_TO };
+            declare_checksums(&mut writing, host_up_to, self.master_is_remote);
         }
         let mut pending: Vec<usize> = (0..items.len()).filter(|&i| writing[i].is_some()).collect();
         let (busy_until, mut pause, mut attempt) = (Instant::now() + BUSY_WAIT, BUSY_PAUSE, 1);
@@ -630,17 +635,17 @@ fn device_item<'a>(
 
 /// Sums the items of a put before they are placed, so that their checksums are
 /// declared with the placement, if every one declares: host bytes of at most
-/// [`DECLARE_UP_TO`], and device bytes with a master reached over the network
+/// `host_up_to`, and device bytes with a master reached over the network
 /// (`remote`). All items of a call or none: one master call places them.
 ///
 /// Device bytes are summed on the device, before the placement rather than beside
 /// their DMA: the sum's fixed cost (microseconds) against a master's wait for the
 /// nodes' records (tens of them) at the end. An in-process master's records cost
 /// nothing to wait for, so its device puts keep the sum beside the DMA.
-fn declare_checksums(writing: &mut [Option<Writing<'_>>], remote: bool) {
+fn declare_checksums(writing: &mut [Option<Writing<'_>>], host_up_to: u64, remote: bool) {
     let mut items: Vec<&mut Writing<'_>> = writing.iter_mut().flatten().collect();
     let declares = |w: &Writing<'_>| match w.bytes {
-        Bytes::Host(_) => w.len <= DECLARE_UP_TO,
+        Bytes::Host(_) => w.len <= host_up_to,
         Bytes::Device { .. } => remote,
     };
     if items.is_empty() || !items.iter().all(|w| declares(w)) {
