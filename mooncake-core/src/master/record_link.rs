@@ -475,6 +475,79 @@ mod tests {
         assert_eq!(link.failing_for(), Duration::ZERO);
     }
 
+    /// A node over the network, as the sink sees it: frames written ahead land in
+    /// `written`; their answers are read later, and fail while `refuse` is set (the
+    /// node was paused before answering).
+    #[derive(Default)]
+    struct Wire {
+        written: Mutex<Vec<u64>>,
+        refuse: std::sync::atomic::AtomicBool,
+        applied: Mutex<Vec<u64>>,
+    }
+
+    impl RecordSink for Wire {
+        fn apply_records(&self, updates: &[RecordUpdate]) -> Result<()> {
+            self.applied.lock().extend(updates.iter().map(RecordUpdate::generation));
+            Ok(())
+        }
+
+        fn send_records(&self, updates: &[RecordUpdate]) -> Option<Result<RecordsInFlight>> {
+            let gens: Vec<u64> = updates.iter().map(RecordUpdate::generation).collect();
+            self.written.lock().extend(&gens);
+            Some(Ok(RecordsInFlight(Box::new(gens))))
+        }
+
+        fn receive_records(&self, sent: RecordsInFlight) -> Result<()> {
+            if self.refuse.load(std::sync::atomic::Ordering::Relaxed) {
+                return Err(Error::Timeout("no answer".into()));
+            }
+            let gens = sent.0.downcast::<Vec<u64>>().map_err(|_| Error::InvalidArgument("not ours".into()))?;
+            self.applied.lock().extend(*gens);
+            Ok(())
+        }
+    }
+
+    /// Updates written ahead count as delivered only once a waiter read the answer;
+    /// one frame is in flight at a time; an answer that fails puts the updates back,
+    /// and they are delivered (once each, in order) by the retries; a link closed with
+    /// a frame unanswered gives it back.
+    #[test]
+    fn updates_written_ahead_are_delivered_once_their_answer_is_read() {
+        let clock = GenClock::default();
+        let sink = Arc::new(Wire::default());
+        let link = NodeLink::new(1, sink.clone());
+        let first = link.push(&clock, discard);
+        link.send_ahead();
+        assert_eq!(sink.written.lock().len(), 1, "written at once");
+        assert!(!link.settled(first), "not delivered before its answer is read");
+        assert!(link.has_queued());
+        // A second frame waits for the first's answer.
+        let second = link.push(&clock, discard);
+        link.send_ahead();
+        assert_eq!(sink.written.lock().len(), 1);
+        assert_eq!(link.wait(second, Duration::from_secs(5)), Delivery::Done);
+        assert_eq!(sink.applied.lock().len(), 2, "the answer read, then the rest sent");
+        // No answer: back at the front, sent again (the link stops writing ahead
+        // while its sends fail), delivered once.
+        let third = link.push(&clock, discard);
+        link.send_ahead();
+        sink.refuse.store(true, std::sync::atomic::Ordering::Relaxed);
+        assert_eq!(link.wait(third, Duration::ZERO), Delivery::Pending);
+        assert!(link.failing_for() > Duration::ZERO);
+        let fourth = link.push(&clock, discard);
+        link.send_ahead();
+        assert_eq!(sink.written.lock().len(), 2, "nothing written ahead while sends fail");
+        sink.refuse.store(false, std::sync::atomic::Ordering::Relaxed);
+        assert_eq!(link.wait(fourth, Duration::from_secs(5)), Delivery::Done);
+        let applied = sink.applied.lock().clone();
+        assert_eq!(applied.len(), 4, "each update delivered once");
+        assert!(applied.windows(2).all(|w| w[0] < w[1]), "in queue order");
+        // Closed with a frame written ahead and unanswered: given back.
+        link.push(&clock, discard);
+        link.send_ahead();
+        assert_eq!(link.close().len(), 1);
+    }
+
     #[test]
     fn a_gone_node_is_reported_and_a_closed_link_gives_back_what_it_never_delivered() {
         let clock = GenClock::default();
