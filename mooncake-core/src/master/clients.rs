@@ -173,7 +173,10 @@ impl MasterService {
         }
         let removed = self.drop_replicas_on(&rec.segments, true) + self.drop_disk_replicas_of(client);
         // Puts the client started and never ended cannot end anymore.
-        let removed_pending = self.retain_entries(|e| e.owner() != Some(client), |_, _| {});
+        let removed_pending = self.retain_entries(
+            |e| e.owner() != Some(client),
+            |k, e| self.unsent_removals.add(k, self.drop_declared_put(k, e)),
+        );
         self.drop_upserts_of(client);
         removed + removed_pending
     }

@@ -429,13 +429,17 @@ impl MasterService {
         let mut shard = self.index.shard(key).lock();
         match shard.get(key) {
             Some(e) if e.owner() == Some(client) => {
-                let wait = shard.remove(key).map(|e| self.drop_declared_put(key, &e)).unwrap_or_default();
+                if let Some(e) = shard.remove(key) {
+                    // Not waited for: a revoke usually follows a write that failed, to
+                    // a node that may be paused. The key's next put or remove waits for
+                    // the removal; meanwhile the record could bring back only the whole
+                    // value (a node offers it only if its bytes match), never
+                    // acknowledged. Written ahead once this call is answered.
+                    let wait = self.drop_declared_put(key, &e);
+                    self.send_after_answer.add(wait.clone());
+                    self.unsent_removals.add(key, wait);
+                }
                 self.counters.pending_puts.fetch_sub(1, Ordering::Relaxed);
-                drop(shard);
-                // Its records' removal is delivered before the answer: the writer may
-                // have written every byte, and the key must not come back after a
-                // restart once the put is called off.
-                self.await_records(wait);
                 Ok(())
             }
             _ => Err(Error::NotFound(format!("{key} (no put in progress by this client)"))),

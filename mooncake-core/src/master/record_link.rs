@@ -60,6 +60,9 @@ pub trait RecordConnector: Send + Sync {
 
 /// Most updates sent to a node in one frame.
 const MAX_UPDATES_PER_FRAME: usize = 65_536;
+/// Most updates written ahead in one frame ([`NodeLink::send_ahead`]): a frame that
+/// small goes whole into a socket's buffer.
+const MAX_UPDATES_AHEAD: usize = 256;
 /// Pause before the first retry of a failed send; it doubles up to [`MAX_BACKOFF`].
 const FIRST_BACKOFF: Duration = Duration::from_millis(20);
 const MAX_BACKOFF: Duration = Duration::from_millis(500);
@@ -89,9 +92,12 @@ struct LinkState {
     delivered: u64,
     /// A thread writes a frame or reads its answer (it releases the lock meanwhile).
     sending: bool,
-    /// A frame written ahead ([`NodeLink::send_ahead`]) whose answer nobody reads yet:
-    /// the next waiter reads it. One frame at a time is in flight.
-    unanswered: Option<(Vec<RecordUpdate>, RecordsInFlight)>,
+    /// The updates of the frame in flight (one at a time), until its answer is read:
+    /// what [`NodeLink::close`] gives back if the node is forgotten meanwhile.
+    flight: Option<Arc<[RecordUpdate]>>,
+    /// The frame was written ahead ([`NodeLink::send_ahead`]) and nobody reads its
+    /// answer yet: the next waiter does.
+    parked: Option<RecordsInFlight>,
     /// The node was forgotten: nothing more is delivered.
     closed: bool,
     /// The node is certainly gone (its endpoint refuses connections).
@@ -150,26 +156,24 @@ impl NodeLink {
             let now = Instant::now();
             let may_send = st.retry_at.is_none_or(|t| now >= t);
             if !st.sending {
-                if let Some((batch, sent)) = st.unanswered.take() {
+                if let Some(sent) = st.parked.take() {
                     // Written ahead: read its answer.
                     st.sending = true;
                     drop(st);
                     let res = self.sink.receive_records(sent);
                     let gone = res.is_err() && self.sink.gone();
                     st = self.state.lock();
-                    self.sent(&mut st, batch, res, gone, now);
+                    self.sent(&mut st, res, gone, now);
                     continue;
                 }
-                if !st.queue.is_empty() && may_send {
-                    let n = st.queue.len().min(MAX_UPDATES_PER_FRAME);
-                    let batch: Vec<RecordUpdate> = st.queue.drain(..n).collect();
-                    st.sending = true;
+                if st.flight.is_none() && !st.queue.is_empty() && may_send {
+                    let batch = self.take_batch(&mut st);
                     drop(st);
                     let res = self.sink.apply_records(&batch);
                     // Only a failed send asks whether the node is gone (a connection attempt).
                     let gone = res.is_err() && self.sink.gone();
                     st = self.state.lock();
-                    self.sent(&mut st, batch, res, gone, now);
+                    self.sent(&mut st, res, gone, now);
                     continue;
                 }
             }
@@ -184,10 +188,25 @@ impl NodeLink {
         }
     }
 
-    /// The end of a frame's send (`res`): delivered, or back at the front of the queue
-    /// to be sent again after a pause. Wakes the waiters.
-    fn sent(&self, st: &mut LinkState, batch: Vec<RecordUpdate>, res: Result<()>, gone: bool, now: Instant) {
+    /// Takes the next frame's updates off the queue: in flight from now on, with the
+    /// caller sending it.
+    fn take_batch(&self, st: &mut LinkState) -> Arc<[RecordUpdate]> {
+        let n = st.queue.len().min(MAX_UPDATES_PER_FRAME);
+        let batch: Arc<[RecordUpdate]> = st.queue.drain(..n).collect();
+        st.flight = Some(batch.clone());
+        st.sending = true;
+        batch
+    }
+
+    /// The end of the send of the frame in flight (`res`): delivered, or back at the
+    /// front of the queue to be sent again after a pause. Wakes the waiters. A link
+    /// closed meanwhile gave the frame back already.
+    fn sent(&self, st: &mut LinkState, res: Result<()>, gone: bool, now: Instant) {
         st.sending = false;
+        let Some(batch) = st.flight.take() else {
+            self.cond.notify_all();
+            return;
+        };
         match res {
             Ok(()) => {
                 st.delivered += batch.len() as u64;
@@ -197,8 +216,8 @@ impl NodeLink {
             }
             Err(e) => {
                 // Back at the front, in order: sent again after a pause.
-                for u in batch.into_iter().rev() {
-                    st.queue.push_front(u);
+                for u in batch.iter().rev() {
+                    st.queue.push_front(u.clone());
                 }
                 st.failing_since.get_or_insert(now);
                 let backoff = FIRST_BACKOFF.saturating_mul(1 << st.failures.min(8)).min(MAX_BACKOFF);
@@ -220,43 +239,48 @@ impl NodeLink {
     }
 
     /// Writes what is queued to the node now, without waiting for its answer (the next
-    /// waiter reads it), if that can be done at once: no frame in flight, the last
-    /// send worked, and the sink has a connection open. Never waits: a node paused
-    /// or unreachable holds up nobody here.
+    /// waiter reads it), if that can be done at once: no frame in flight, at most
+    /// [`MAX_UPDATES_AHEAD`] updates, the last send worked, and the sink writes it
+    /// whole without blocking over a connection already open. Never waits: a node
+    /// paused or unreachable holds up nobody here.
     pub(crate) fn send_ahead(&self) {
         let mut st = self.state.lock();
         if st.sending
-            || st.unanswered.is_some()
+            || st.flight.is_some()
             || st.queue.is_empty()
+            || st.queue.len() > MAX_UPDATES_AHEAD
             || st.closed
             || st.gone
             || st.failing_since.is_some()
         {
             return;
         }
-        let n = st.queue.len().min(MAX_UPDATES_PER_FRAME);
-        let batch: Vec<RecordUpdate> = st.queue.drain(..n).collect();
-        st.sending = true;
+        let batch = self.take_batch(&mut st);
         drop(st);
         let res = self.sink.send_records(&batch);
         let mut st = self.state.lock();
         match res {
             Some(Ok(sent)) => {
                 st.sending = false;
-                st.unanswered = Some((batch, sent));
+                // (A link closed meanwhile has given the frame back.)
+                if st.flight.is_some() {
+                    st.parked = Some(sent);
+                }
                 self.cond.notify_all();
             }
-            // Not now: the next waiter sends them as usual.
+            // Not now: back at the front, for the next waiter to send as usual.
             None => {
                 st.sending = false;
-                for u in batch.into_iter().rev() {
-                    st.queue.push_front(u);
+                if let Some(batch) = st.flight.take() {
+                    for u in batch.iter().rev() {
+                        st.queue.push_front(u.clone());
+                    }
                 }
                 self.cond.notify_all();
             }
             // A connection that broke while writing: a failed send (whether the node
             // is gone is asked by the next waiter's send, which connects).
-            Some(Err(e)) => self.sent(&mut st, batch, Err(e), false, Instant::now()),
+            Some(Err(e)) => self.sent(&mut st, Err(e), false, Instant::now()),
         }
     }
 
@@ -283,7 +307,7 @@ impl NodeLink {
     /// not read).
     pub(crate) fn has_queued(&self) -> bool {
         let st = self.state.lock();
-        !st.queue.is_empty() || st.unanswered.is_some()
+        !st.queue.is_empty() || st.flight.is_some()
     }
 
     /// For how long sends to the node have been failing (zero: the last one worked).
@@ -296,9 +320,11 @@ impl NodeLink {
     pub(crate) fn close(&self) -> Vec<RecordUpdate> {
         let mut st = self.state.lock();
         st.closed = true;
-        // A frame written ahead may or may not have been applied: given back too.
-        let ahead = st.unanswered.take().map(|(batch, _)| batch).unwrap_or_default();
-        let left = ahead.into_iter().chain(st.queue.drain(..)).collect();
+        // The frame in flight may or may not have been applied: given back too (its
+        // sender, back, finds it gone).
+        st.parked = None;
+        let flight = st.flight.take();
+        let left = flight.iter().flat_map(|b| b.iter().cloned()).chain(st.queue.drain(..)).collect();
         drop(st);
         self.cond.notify_all();
         left
@@ -306,7 +332,7 @@ impl NodeLink {
 }
 
 /// Record updates a call queued for storage nodes, to wait for before acknowledging.
-#[derive(Default)]
+#[derive(Clone, Default)]
 #[must_use = "a put or remove is durable only once its record updates are delivered"]
 pub(crate) struct RecordWait {
     pub(crate) tickets: Vec<(ClientId, Arc<NodeLink>, u64)>,
@@ -314,7 +340,9 @@ pub(crate) struct RecordWait {
 
 impl RecordWait {
     pub(crate) fn add(&mut self, client: ClientId, link: Arc<NodeLink>, ticket: u64) {
-        match self.tickets.iter_mut().find(|(c, _, _)| *c == client) {
+        // By link, not by client: a node that announced a new endpoint has a new link,
+        // whose tickets count from zero.
+        match self.tickets.iter_mut().find(|(_, l, _)| Arc::ptr_eq(l, &link)) {
             Some(t) => t.2 = t.2.max(ticket),
             None => self.tickets.push((client, link, ticket)),
         }

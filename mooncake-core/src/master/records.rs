@@ -239,24 +239,32 @@ impl MasterService {
         wait
     }
 
-    /// A put in progress is dropped (revoked, timed out, reclaimed): if it declared its
-    /// checksum, its nodes recorded it and are told it is gone. Returns what to wait
-    /// for (nothing for a put that declared nothing).
+    /// A put in progress is dropped (revoked, timed out, reclaimed, its writer
+    /// forgotten): if it declared its checksum, its nodes recorded it and are told it
+    /// is gone, and the key's tombstone refuses its records from now on (a node
+    /// forgotten meanwhile, which is not told, may offer one when it comes back).
+    /// Returns what to wait for (nothing for a put that declared nothing).
     pub(crate) fn drop_declared_put(&self, key: &str, e: &ObjectEntry) -> RecordWait {
         if !e.declared() {
             return RecordWait::default();
         }
-        self.push_removed(key, &e.replicas)
+        let wait = self.push_removed(key, &e.replicas);
+        self.tombstones.supersede(key, self.gens.next());
+        wait
     }
 
     /// What the nodes holding `e`'s replicas have queued so far, to wait for: the
     /// records its put declared at its start are among it.
     pub(crate) fn records_queued_for(&self, e: &ObjectEntry) -> RecordWait {
         let mut wait = RecordWait::default();
-        let segments = self.segments.read();
+        // The owners first, then their links: never `segments` held while `clients` is
+        // taken (mounts take them the other way round).
+        let owners: smallvec::SmallVec<[ClientId; 2]> = {
+            let segments = self.segments.read();
+            e.replicas.iter().filter_map(|r| segments.by_id.get(&r.segment()).map(|s| s.owner)).collect()
+        };
         let clients = self.clients.read();
-        for r in &e.replicas {
-            let Some(owner) = segments.by_id.get(&r.segment()).map(|s| s.owner) else { continue };
+        for owner in owners {
             let Some(link) = clients.get(&owner).and_then(|rec| rec.link.lock().clone()) else { continue };
             let ticket = link.queued();
             wait.add(owner, link, ticket);
@@ -634,10 +642,11 @@ mod tests {
         assert_eq!(master.get_replica_list("d").unwrap().checksum, 8);
     }
 
-    /// A declared put called off (revoked, or timed out and reclaimed by another
-    /// writer) is removed from its nodes: its writer may have written every byte, and
-    /// a restarted master must not take the key back. A revoke answers once the node
-    /// has the removal; a reclaimed put's removal is waited for by the key's next put.
+    /// A declared put called off (revoked, timed out and reclaimed by the key's next
+    /// put, or its writer forgotten) is removed from its nodes: its writer may have
+    /// written every byte, and a restarted master must not take the key back. Nobody
+    /// waits for the removal but the key's next put (a revoke usually follows a write
+    /// to a node that failed); a revoke's is written ahead once it is answered.
     #[test]
     fn a_declared_put_called_off_is_removed_from_its_nodes() {
         let config = MasterConfig {
@@ -650,8 +659,14 @@ mod tests {
         let node_a = Arc::new(Pausable::default());
         master.attach_records(a, node_a.clone()).unwrap();
         master.attach_records(b, Arc::new(Seen::default())).unwrap();
+        let svc = master.service();
         master.put_start_summed(a, "r", 100, 7, &on(&seg_a)).unwrap();
+        svc.send_records_after_answer();
         master.put_revoke(a, "r").unwrap();
+        // The frame written for the start still waits for its answer to be read: the
+        // removal goes with the node's next heartbeat (or the next waiter).
+        svc.send_records_after_answer();
+        master.heartbeat(a).unwrap();
         assert_eq!(told(&node_a, "r"), [(true, 7), (false, 0)], "revoked, still recorded");
         // A put undeclared leaves nothing to remove.
         master.put_start(a, "u", 100, &on(&seg_a)).unwrap();
@@ -659,7 +674,7 @@ mod tests {
         assert!(told(&node_a, "u").is_empty());
         // Timed out while the node is paused, then reclaimed by the key's next put.
         master.put_start_summed(a, "t", 100, 7, &on(&seg_a)).unwrap();
-        master.service().send_records_after_answer();
+        svc.send_records_after_answer();
         node_a.down.store(true, std::sync::atomic::Ordering::Relaxed);
         std::thread::sleep(std::time::Duration::from_millis(60));
         std::thread::scope(|s| {
@@ -675,6 +690,36 @@ mod tests {
         });
         assert_eq!(told(&node_a, "t"), [(true, 7), (false, 0)]);
         assert_eq!(master.get_replica_list("t").unwrap().checksum, 9);
+        // Its writer forgotten with the put pending: removed too.
+        let writer = master.register_client().unwrap().client;
+        master.put_start_summed(writer, "w", 100, 7, &on(&seg_a)).unwrap();
+        master.unregister_client(writer).unwrap();
+        master.put_start(b, "w", 100, &on(&seg_b)).unwrap();
+        master.put_end(b, "w", 9).unwrap();
+        assert_eq!(told(&node_a, "w"), [(true, 7), (false, 0)], "the forgotten writer's record stayed");
+    }
+
+    /// A node forgotten while it holds a declared put's record (it is not told when
+    /// the put is called off) and that re-mounts on the same master: the record is
+    /// refused (the dropped put left a tombstone), even with every byte written.
+    #[test]
+    fn a_called_off_declared_put_is_refused_from_a_node_that_missed_it() {
+        let config = MasterConfig { track_records: true, ..Default::default() };
+        let master = Master::new(config).unwrap();
+        let ((a, region_a, seg_a), (b, _, seg_b)) = (mount(&master, "a"), mount(&master, "b"));
+        master.attach_records(a, Arc::new(Seen::default())).unwrap();
+        master.attach_records(b, Arc::new(Seen::default())).unwrap();
+        let cfg = ReplicateConfig { replica_num: 2, ..on(&seg_a) };
+        let placed = master.put_start_summed(b, "k", 100, 7, &cfg).unwrap();
+        assert_eq!(placed.len(), 2, "{placed:?} {seg_b}");
+        let on_a = placed.iter().find(|r| master.segment_info(r.segment).unwrap().name == seg_a).unwrap().offset;
+        // Node a is forgotten; the put is called off.
+        master.unregister_client(a).unwrap();
+        master.put_revoke(b, "k").unwrap();
+        let a2 = master.register_client().unwrap().client;
+        let record = ObjectRecord { key: "k".into(), offset: on_a, len: 100, checksum: 7, generation: 1 };
+        let (_, taken) = master.remount_segment(a2, &region_a, 1 << 20, &[record]).unwrap();
+        assert_eq!(taken, 0, "a called-off put came back");
     }
 
     /// A node that, when first asked to record, is forgotten and sees another

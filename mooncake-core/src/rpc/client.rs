@@ -151,10 +151,12 @@ impl RpcMasterClient {
         self.write(frame, id, false)
     }
 
-    /// [`send`](Self::send) over a connection already open, if one is idle: never
-    /// connects (which may wait for a host that does not answer). `None` if none is.
+    /// [`send`](Self::send) if it can be done at once: over a connection already open
+    /// (never connecting, which may wait for a host that does not answer), the whole
+    /// frame taken by the socket's buffer in one non-blocking write (never waiting for
+    /// a peer that reads nothing). `None` otherwise, the request not sent.
     pub(crate) fn send_pooled(&self, req: &Request) -> Option<Result<Sent>> {
-        let mut conn = self.pool.lock().pop()?;
+        let conn = self.pool.lock().pop()?;
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let frame = match encode_frame(FrameKind::Request, id, req) {
             Ok(frame) => frame,
@@ -163,11 +165,26 @@ impl RpcMasterClient {
                 return Some(Err(Error::InvalidArgument(e.to_string())));
             }
         };
-        // A connection found broken now is dropped, and the request left to a caller
-        // that may connect; one that breaks before the answer is retried by `receive`.
-        match conn.stream.write_all(&frame) {
-            Ok(()) => Some(Ok(Sent { conn, frame, id, retried: false })),
-            Err(_) => None,
+        // SAFETY: the descriptor is the open socket `conn` owns for the whole call;
+        // `send` only reads `frame.len()` bytes of the live buffer `frame`.
+        let n = unsafe {
+            libc::send(
+                std::os::fd::AsRawFd::as_raw_fd(&conn.stream),
+                frame.as_ptr().cast(),
+                frame.len(),
+                libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
+            )
+        };
+        match usize::try_from(n) {
+            Ok(n) if n == frame.len() => Some(Ok(Sent { conn, frame, id, retried: false })),
+            // Nothing written (the buffer is full): the connection is still in step.
+            Err(_) if std::io::Error::last_os_error().kind() == std::io::ErrorKind::WouldBlock => {
+                self.pool.lock().push(conn);
+                None
+            }
+            // Part of a frame, or a broken connection: dropped (closed), and the
+            // request left to a caller that may connect.
+            _ => None,
         }
     }
 

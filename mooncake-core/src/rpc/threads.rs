@@ -328,11 +328,19 @@ impl Shared {
                 // Another thread leads: it takes the connection back when woken.
                 None => {
                     let done = reply.send();
-                    self.waiting.fetch_add(1, Ordering::AcqRel);
+                    // Counted as following only once its work is done (the leader
+                    // starts a thread when none follows).
+                    let after = self.handler.has_work_after_answer();
+                    if !after {
+                        self.waiting.fetch_add(1, Ordering::AcqRel);
+                    }
                     if self.done.send(done).is_ok() {
                         let _ = self.waker.wake();
                     }
-                    self.work_after_answer();
+                    if after {
+                        self.handler.work_after_answer();
+                        self.waiting.fetch_add(1, Ordering::AcqRel);
+                    }
                 }
             }
         }

@@ -87,8 +87,8 @@ pub(super) enum WriteMode {
 
 /// A batch of one goes as the single-key call (what the master counts a put as).
 impl WriteMode {
-    /// Places `items` (key, length, and the checksum if it is known already: a put
-    /// whose every item's is declares them).
+    /// Places `items` (key, length, and the checksum if it is declared: a put whose
+    /// every item declares one places them with `put_start_summed`).
     fn start(
         self,
         master: &dyn MasterApi,
@@ -174,6 +174,9 @@ pub(super) struct Writing<'a> {
     /// The crc32c of the bytes, once known (taken on the device for memory moved
     /// directly, by the transport on the way, or summed here).
     crc: Option<u32>,
+    /// `crc` was taken before the placement and is declared with it
+    /// ([`declare_checksums`]).
+    declared: bool,
 }
 
 impl<'a> Writing<'a> {
@@ -185,7 +188,7 @@ impl<'a> Writing<'a> {
     }
 
     fn new(key: &'a str, len: u64, bytes: Bytes<'a>, crc: Option<u32>) -> Self {
-        Writing { key, len, bytes, placed: Placed::new(), failed: None, staged: false, crc }
+        Writing { key, len, bytes, placed: Placed::new(), failed: None, staged: false, crc, declared: false }
     }
 
     /// The device memory and range of a device item not summed yet (and not
@@ -327,8 +330,10 @@ impl StoreInner {
     ) -> Vec<usize> {
         let client = self.client();
         let starts = {
-            let items: Vec<(&str, u64, Option<u32>)> =
-                pending.iter().filter_map(|&i| writing[i].as_ref().map(|w| (w.key, w.len, w.crc))).collect();
+            let items: Vec<(&str, u64, Option<u32>)> = pending
+                .iter()
+                .filter_map(|&i| writing[i].as_ref().map(|w| (w.key, w.len, w.crc.filter(|_| w.declared))))
+                .collect();
             mode.start(&*self.master, client, &items, cfg)
         };
         let mut again = Vec::new();
@@ -385,6 +390,12 @@ impl StoreInner {
                     again.push(i);
                 }
             }
+        }
+        // A sum taken on the way by a round that failed is not trusted for the next
+        // (a transfer cut short may have summed part of the bytes); a declared one
+        // was taken from the whole source.
+        for w in round.iter_mut().filter(|w| w.failed.is_some() && !w.declared) {
+            w.crc = None;
         }
         mode.revoke(&*self.master, client, &revokes);
         for (i, res) in ended.iter().zip(mode.end(&*self.master, client, &ends)) {
@@ -634,19 +645,22 @@ fn device_item<'a>(
 }
 
 /// Sums the items of a put before they are placed, so that their checksums are
-/// declared with the placement, if every one declares: host bytes of at most
-/// `host_up_to`, and device bytes with a master reached over the network
-/// (`remote`). All items of a call or none: one master call places them.
+/// declared with the placement, if the master is reached over the network
+/// (`remote`) and every item declares: host bytes of at most `host_up_to`, and
+/// device bytes. All items of a call or none: one master call places them.
 ///
 /// Device bytes are summed on the device, before the placement rather than beside
 /// their DMA: the sum's fixed cost (microseconds) against a master's wait for the
-/// nodes' records (tens of them) at the end. An in-process master's records cost
-/// nothing to wait for, so its device puts keep the sum beside the DMA.
+/// nodes' records (tens of them) at the end.
 fn declare_checksums(writing: &mut [Option<Writing<'_>>], host_up_to: u64, remote: bool) {
     let mut items: Vec<&mut Writing<'_>> = writing.iter_mut().flatten().collect();
+    // An in-process master's records cost nothing to wait for: nothing to declare.
+    if !remote {
+        return;
+    }
     let declares = |w: &Writing<'_>| match w.bytes {
         Bytes::Host(_) => w.len <= host_up_to,
-        Bytes::Device { .. } => remote,
+        Bytes::Device { .. } => true,
     };
     if items.is_empty() || !items.iter().all(|w| declares(w)) {
         return;
@@ -665,6 +679,9 @@ fn declare_checksums(writing: &mut [Option<Writing<'_>>], host_up_to: u64, remot
     for w in items.iter_mut().filter(|w| w.failed.is_some()) {
         w.failed = None;
         w.crc = None;
+    }
+    for w in items.iter_mut() {
+        w.declared = w.crc.is_some();
     }
 }
 
