@@ -576,6 +576,62 @@ mod tests {
         assert_eq!(link.close().len(), 1);
     }
 
+    /// A sink whose writes wait until the test lets them go.
+    struct Held {
+        entered: std::sync::Barrier,
+        go: std::sync::Barrier,
+    }
+
+    impl RecordSink for Held {
+        fn apply_records(&self, _: &[RecordUpdate]) -> Result<()> {
+            Ok(())
+        }
+
+        fn send_records(&self, _: &[RecordUpdate]) -> Option<Result<RecordsInFlight>> {
+            self.entered.wait();
+            self.go.wait();
+            Some(Ok(RecordsInFlight(Box::new(()))))
+        }
+    }
+
+    /// A node forgotten while a frame to it is being written: `close` gives the
+    /// frame's updates back (its keys may have copies the node still lists), and the
+    /// writer, back, parks nothing on the closed link.
+    #[test]
+    fn a_link_closed_during_a_write_gives_the_frame_back() {
+        let clock = GenClock::default();
+        let sink = Arc::new(Held { entered: std::sync::Barrier::new(2), go: std::sync::Barrier::new(2) });
+        let link = NodeLink::new(1, sink.clone());
+        link.push(&clock, discard);
+        link.push(&clock, discard);
+        std::thread::scope(|s| {
+            let writer = s.spawn(|| link.send_ahead());
+            sink.entered.wait();
+            assert_eq!(link.close().len(), 2, "the frame being written is given back");
+            sink.go.wait();
+            writer.join().unwrap();
+        });
+        assert!(!link.has_queued(), "nothing parked or queued on a closed link");
+    }
+
+    /// Tickets are kept per link: a node that announced a new endpoint (a new link,
+    /// counting from zero) has its old link's ticket and its new one waited for apart.
+    #[test]
+    fn a_wait_keeps_the_tickets_of_two_links_of_one_node_apart() {
+        let clock = GenClock::default();
+        let old = NodeLink::new(1, Arc::new(Wire::default()));
+        let new = NodeLink::new(1, Arc::new(Wire::default()));
+        let mut wait = RecordWait::default();
+        (0..5).for_each(|_| wait.add(1, old.clone(), old.push(&clock, discard)));
+        wait.add(1, new.clone(), new.push(&clock, discard));
+        assert_eq!(wait.tickets.len(), 2);
+        assert_eq!(wait.tickets.iter().map(|t| t.2).collect::<Vec<_>>(), [5, 1]);
+        assert_eq!(new.wait(1, Duration::from_secs(5)), Delivery::Done);
+        assert!(!wait.settled());
+        assert_eq!(old.wait(5, Duration::from_secs(5)), Delivery::Done);
+        assert!(wait.settled());
+    }
+
     #[test]
     fn a_gone_node_is_reported_and_a_closed_link_gives_back_what_it_never_delivered() {
         let clock = GenClock::default();
