@@ -107,7 +107,8 @@ impl MasterService {
             self.supersede_tombstone(key, self.gens.next());
             e.set_declared(checksum);
             let wait = self.note_declared(key, &e);
-            self.send_after_answer(wait);
+            self.send_after_answer(wait.clone());
+            e.keep_declared_records(wait);
         }
         shard.insert(key, e);
         self.counters.pending_puts.fetch_add(1, Ordering::Relaxed);
@@ -386,6 +387,7 @@ impl MasterService {
                 // awaited. Another checksum (a writer that summed other bytes than it
                 // declared) is recorded again, as an undeclared put's.
                 let recorded = e.declared() && e.checksum == checksum;
+                let started = if recorded { e.take_declared_records() } else { RecordWait::default() };
                 e.mark_complete();
                 e.checksum = checksum;
                 e.last_access_ms = now;
@@ -395,7 +397,7 @@ impl MasterService {
                 self.counters.pending_puts.fetch_sub(1, Ordering::Relaxed);
                 let mut wait = if recorded {
                     self.counters.declared_puts.fetch_add(1, Ordering::Relaxed);
-                    self.records_queued_for(e)
+                    self.declared_records_wait(e, started)
                 } else {
                     // The put's generation, before its records are stamped (later).
                     self.supersede_tombstone(key, self.gens.next());

@@ -303,6 +303,11 @@ impl NodeLink {
         self.state.lock().queued
     }
 
+    /// Whether updates wait in the queue, no frame carrying them yet.
+    pub(crate) fn has_unsent(&self) -> bool {
+        !self.state.lock().queue.is_empty()
+    }
+
     /// Whether updates are queued and not delivered (or written ahead, their answer
     /// not read).
     pub(crate) fn has_queued(&self) -> bool {
@@ -416,30 +421,43 @@ impl UnsentRemovals {
 
 /// Links with updates queued by calls that do not wait for them (puts that declared
 /// their checksum), to send as soon as the call is answered; one entry per node.
+/// Kept only once an RPC server answers for the master (nothing else would send
+/// them: an in-process master's waiters do).
 #[derive(Default)]
 pub(crate) struct LinksToSend {
     links: Mutex<Vec<Arc<NodeLink>>>,
     /// `links` is not empty: checked after every answer, without the lock.
     any: std::sync::atomic::AtomicBool,
+    /// An RPC server asked for work after an answer: links are kept from now on.
+    served: std::sync::atomic::AtomicBool,
 }
 
 impl LinksToSend {
     /// Keeps the links of `wait`.
     pub(crate) fn add(&self, wait: RecordWait) {
-        if wait.tickets.is_empty() {
+        for (_, link, _) in wait.tickets {
+            self.add_link(link);
+        }
+    }
+
+    /// Keeps `link`.
+    pub(crate) fn add_link(&self, link: Arc<NodeLink>) {
+        if !self.served.load(std::sync::atomic::Ordering::Relaxed) {
             return;
         }
         let mut links = self.links.lock();
-        for (_, link, _) in wait.tickets {
-            if !links.iter().any(|l| Arc::ptr_eq(l, &link)) {
-                links.push(link);
-            }
+        if !links.iter().any(|l| Arc::ptr_eq(l, &link)) {
+            links.push(link);
         }
         self.any.store(true, std::sync::atomic::Ordering::Release);
     }
 
-    /// Whether any link is kept.
+    /// Whether any link is kept; from now on links are (an RPC server asks this
+    /// after every answer).
     pub(crate) fn any(&self) -> bool {
+        if !self.served.load(std::sync::atomic::Ordering::Relaxed) {
+            self.served.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
         self.any.load(std::sync::atomic::Ordering::Acquire)
     }
 

@@ -166,7 +166,15 @@ impl MasterService {
         for (client, link, ticket) in wait.tickets {
             loop {
                 match link.wait(ticket, self.config.record_timeout) {
-                    Delivery::Done => break,
+                    Delivery::Done => {
+                        // Others' updates queued behind a frame this call answered
+                        // (another declared put's records): written ahead once this
+                        // call is answered, rather than when their own put ends.
+                        if link.has_unsent() {
+                            self.send_after_answer.add_link(link);
+                        }
+                        break;
+                    }
                     Delivery::Closed => {
                         all = false;
                         break;
@@ -253,9 +261,11 @@ impl MasterService {
         wait
     }
 
-    /// What the nodes holding `e`'s replicas have queued so far, to wait for: the
-    /// records its put declared at its start are among it.
-    pub(crate) fn records_queued_for(&self, e: &ObjectEntry) -> RecordWait {
+    /// What the end of `e`'s declared put waits for: the tickets its start took
+    /// (`started`), on the links they were queued on; for a node whose link changed
+    /// since (it announced a new endpoint, and its queue moved there), everything its
+    /// current link has queued.
+    pub(crate) fn declared_records_wait(&self, e: &ObjectEntry, started: RecordWait) -> RecordWait {
         let mut wait = RecordWait::default();
         // The owners first, then their links: never `segments` held while `clients` is
         // taken (mounts take them the other way round).
@@ -266,7 +276,10 @@ impl MasterService {
         let clients = self.clients.read();
         for owner in owners {
             let Some(link) = clients.get(&owner).and_then(|rec| rec.link.lock().clone()) else { continue };
-            let ticket = link.queued();
+            let ticket = match started.tickets.iter().find(|(_, l, _)| Arc::ptr_eq(l, &link)) {
+                Some(&(_, _, ticket)) => ticket,
+                None => link.queued(),
+            };
             wait.add(owner, link, ticket);
         }
         wait
@@ -591,6 +604,8 @@ mod tests {
         let node_a = Arc::new(Pausable::default());
         master.attach_records(a, node_a.clone()).unwrap();
         let svc = master.service();
+        // As an RPC server does after every answer: from now on links are kept.
+        assert!(!svc.has_records_to_send());
         master.put_start_summed(a, "d", 100, 7, &on(&seg_a)).unwrap();
         assert!(told(&node_a, "d").is_empty(), "sent before the start was answered");
         assert!(svc.has_records_to_send());
@@ -605,6 +620,30 @@ mod tests {
         // Removed as any object.
         master.remove("d").unwrap();
         assert_eq!(told(&node_a, "d"), [(true, 7), (false, 0)]);
+    }
+
+    /// Two declared puts to one node, the second started while the first's frame is
+    /// in flight: the first's end reads that frame's answer, and the second's records,
+    /// queued behind it, are written once that end is answered, before the second
+    /// ends.
+    #[test]
+    fn records_queued_behind_a_frame_in_flight_go_after_the_next_answer() {
+        let PausedHolder { master, a: (a, _, seg_a), .. } = paused_holder();
+        let node_a = Arc::new(Pausable::default());
+        master.attach_records(a, node_a.clone()).unwrap();
+        let svc = master.service();
+        assert!(!svc.has_records_to_send());
+        master.put_start_summed(a, "p1", 100, 1, &on(&seg_a)).unwrap();
+        svc.send_records_after_answer();
+        master.put_start_summed(a, "p2", 100, 2, &on(&seg_a)).unwrap();
+        svc.send_records_after_answer();
+        assert!(told(&node_a, "p2").is_empty(), "one frame in flight at a time");
+        master.put_end(a, "p1", 1).unwrap();
+        assert!(svc.has_records_to_send());
+        svc.send_records_after_answer();
+        assert_eq!(told(&node_a, "p2"), [(true, 2)], "written before the second put ends");
+        master.put_end(a, "p2", 2).unwrap();
+        assert_eq!(told(&node_a, "p2"), [(true, 2)]);
     }
 
     /// Without the send after the answer (an in-process master), the end sends what
@@ -660,6 +699,8 @@ mod tests {
         master.attach_records(a, node_a.clone()).unwrap();
         master.attach_records(b, Arc::new(Seen::default())).unwrap();
         let svc = master.service();
+        // Served over RPC (see `a_declared_put_is_recorded_while_it_is_written`).
+        assert!(!svc.has_records_to_send());
         master.put_start_summed(a, "r", 100, 7, &on(&seg_a)).unwrap();
         svc.send_records_after_answer();
         master.put_revoke(a, "r").unwrap();

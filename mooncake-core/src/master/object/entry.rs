@@ -3,6 +3,7 @@
 use mooncake_alloc::{AllocatedBuffer, CompactBuffer, SegmentId};
 use smallvec::SmallVec;
 
+use crate::master::record_link::RecordWait;
 use crate::master::types::{ClientId, MemoryReplica};
 
 /// One replica as the master keeps it: the range (freed when dropped) and whether its
@@ -98,6 +99,9 @@ pub(crate) struct Extra {
     /// Replaced replicas, each with the time after which no read that was given it
     /// can still hold a lease.
     pub(crate) retired: Vec<(u64, StoredReplica)>,
+    /// A put that declared its checksum: the tickets of the records its start queued,
+    /// which its end waits for.
+    pub(crate) declared_records: Option<RecordWait>,
 }
 
 impl Extra {
@@ -107,6 +111,7 @@ impl Extra {
             && self.soft_pin_ttl_ms == 0
             && self.staged.is_none()
             && self.retired.is_empty()
+            && self.declared_records.is_none()
     }
 }
 
@@ -180,9 +185,14 @@ impl ObjectEntry {
     /// The put ended: the object is readable, and not leased yet.
     pub(crate) fn mark_complete(&mut self) {
         self.complete = true;
-        self.declared = false;
         self.holder = 0;
         self.readers = 0;
+        if std::mem::take(&mut self.declared) {
+            if let Some(x) = self.extra.as_mut() {
+                x.declared_records = None;
+            }
+            self.tidy_extra();
+        }
     }
 
     /// A put in progress whose replicas' records, with the checksum it declared
@@ -191,10 +201,22 @@ impl ObjectEntry {
         self.declared && !self.complete
     }
 
-    /// The put in progress declared `checksum`; its records are queued.
+    /// The put in progress declared `checksum` (its records are queued next).
     pub(crate) fn set_declared(&mut self, checksum: u32) {
         self.checksum = checksum;
         self.declared = true;
+    }
+
+    /// Keeps the tickets of the records a declared put's start queued.
+    pub(crate) fn keep_declared_records(&mut self, wait: RecordWait) {
+        self.extra_mut().declared_records = Some(wait);
+    }
+
+    /// The tickets of the records this declared put's start queued (taken).
+    pub(crate) fn take_declared_records(&mut self) -> RecordWait {
+        let wait = self.extra.as_mut().and_then(|x| x.declared_records.take()).unwrap_or_default();
+        self.tidy_extra();
+        wait
     }
 
     /// The client whose put is in progress (`None` once complete).
