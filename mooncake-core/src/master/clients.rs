@@ -211,6 +211,9 @@ impl MasterService {
                     if !e.complete() {
                         self.counters.pending_puts.fetch_sub(1, Ordering::Relaxed);
                     }
+                    // A declared put whose every replica went: no node is left to
+                    // tell, but those gone (not told) may offer its record back.
+                    let _ = self.drop_declared_put(k, e);
                 }
                 keep
             });

@@ -379,7 +379,10 @@ impl MasterService {
                     e.replicas.retain(|r| segments.by_id.contains_key(&r.segment()));
                 }
                 if e.replicas.is_empty() {
-                    shard.remove(key);
+                    if let Some(e) = shard.remove(key) {
+                        // No node left to tell; the tombstone refuses its record.
+                        let _ = self.drop_declared_put(key, &e);
+                    }
                     self.counters.pending_puts.fetch_sub(1, Ordering::Relaxed);
                     return Err(Error::NotFound(format!("{key} (the segments of the put are gone)")));
                 }

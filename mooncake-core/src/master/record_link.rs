@@ -60,9 +60,11 @@ pub trait RecordConnector: Send + Sync {
 
 /// Most updates sent to a node in one frame.
 const MAX_UPDATES_PER_FRAME: usize = 65_536;
-/// Most updates written ahead in one frame ([`NodeLink::send_ahead`]): a frame that
-/// small goes whole into a socket's buffer.
+/// Most updates written ahead in one frame ([`NodeLink::send_ahead`]), and about
+/// the most bytes (keys, plus 64 bytes an update): a frame that small goes whole
+/// into an idle socket's buffer.
 const MAX_UPDATES_AHEAD: usize = 256;
+const MAX_BYTES_AHEAD: usize = 32 << 10;
 /// Pause before the first retry of a failed send; it doubles up to [`MAX_BACKOFF`].
 const FIRST_BACKOFF: Duration = Duration::from_millis(20);
 const MAX_BACKOFF: Duration = Duration::from_millis(500);
@@ -253,6 +255,11 @@ impl NodeLink {
             || st.gone
             || st.failing_since.is_some()
         {
+            return;
+        }
+        // Keys make most of a frame's bytes: a frame that may not fit an idle socket's
+        // buffer whole is left to the waiters.
+        if st.queue.iter().map(|u| u.key().len() + 64).sum::<usize>() > MAX_BYTES_AHEAD {
             return;
         }
         let batch = self.take_batch(&mut st);

@@ -163,7 +163,7 @@ impl MasterService {
     /// them.
     pub(crate) fn await_records(&self, wait: RecordWait) -> bool {
         let mut all = true;
-        for (client, link, ticket) in wait.tickets {
+        for (client, mut link, mut ticket) in wait.tickets {
             loop {
                 match link.wait(ticket, self.config.record_timeout) {
                     Delivery::Done => {
@@ -176,6 +176,19 @@ impl MasterService {
                         break;
                     }
                     Delivery::Closed => {
+                        // The node announced a new endpoint: what this link did not
+                        // deliver moved to the new one, ahead of what it queues.
+                        // Read under the heartbeat queue's lock, which the move holds
+                        // until the new link has the old one's updates.
+                        let relinked = self.clients.read().get(&client).and_then(|rec| {
+                            let _moving = rec.updates.lock();
+                            rec.link.lock().clone()
+                        });
+                        if let Some(new) = relinked.filter(|new| !Arc::ptr_eq(new, &link)) {
+                            ticket = new.queued();
+                            link = new;
+                            continue;
+                        }
                         all = false;
                         break;
                     }
@@ -620,6 +633,45 @@ mod tests {
         // Removed as any object.
         master.remove("d").unwrap();
         assert_eq!(told(&node_a, "d"), [(true, 7), (false, 0)]);
+    }
+
+    /// A declared put whose only replica is on its writer's own segment, the writer
+    /// forgotten before the put ended (every byte written): when the node comes back
+    /// with the record, it is refused (its put never ended).
+    #[test]
+    fn a_declared_put_whose_holder_was_forgotten_is_refused_when_it_comes_back() {
+        let master = Master::new(MasterConfig { track_records: true, ..Default::default() }).unwrap();
+        let (a, region_a, seg_a) = mount(&master, "a");
+        master.attach_records(a, Arc::new(Seen::default())).unwrap();
+        let placed = master.put_start_summed(a, "k", 100, 7, &on(&seg_a)).unwrap();
+        master.unregister_client(a).unwrap();
+        let a2 = master.register_client().unwrap().client;
+        let record = ObjectRecord { key: "k".into(), offset: placed[0].offset, len: 100, checksum: 7, generation: 1 };
+        let (_, taken) = master.remount_segment(a2, &region_a, 1 << 20, &[record]).unwrap();
+        assert_eq!(taken, 0, "a put that never ended came back");
+    }
+
+    /// A node that announces a new record endpoint while a put waits for its old one:
+    /// the put's record moved to the new link, and the put is acknowledged only once
+    /// the new endpoint has it (before, the old link's closing ended the wait).
+    #[test]
+    fn a_put_waiting_on_a_node_that_moves_its_endpoint_waits_for_the_new_one() {
+        let master = Master::new(MasterConfig { track_records: true, ..Default::default() }).unwrap();
+        let (a, _, seg_a) = mount(&master, "a");
+        let old = Arc::new(Pausable::default());
+        old.down.store(true, std::sync::atomic::Ordering::Relaxed);
+        master.attach_records(a, old.clone()).unwrap();
+        let new = Arc::new(Pausable::default());
+        master.put_start(a, "k", 100, &on(&seg_a)).unwrap();
+        std::thread::scope(|s| {
+            let end = s.spawn(|| master.put_end(a, "k", 5));
+            std::thread::sleep(std::time::Duration::from_millis(100));
+            assert!(!end.is_finished());
+            master.attach_records(a, new.clone()).unwrap();
+            end.join().unwrap().unwrap();
+            assert_eq!(told(&new, "k"), [(true, 5)], "acknowledged before the new endpoint had the record");
+        });
+        assert!(told(&old, "k").is_empty());
     }
 
     /// Two declared puts to one node, the second started while the first's frame is
