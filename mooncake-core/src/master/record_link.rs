@@ -540,6 +540,9 @@ mod tests {
 
     impl RecordSink for Wire {
         fn apply_records(&self, updates: &[RecordUpdate]) -> Result<()> {
+            if self.refuse.load(std::sync::atomic::Ordering::Relaxed) {
+                return Err(Error::Timeout("no answer".into()));
+            }
             self.applied.lock().extend(updates.iter().map(RecordUpdate::generation));
             Ok(())
         }
@@ -655,6 +658,70 @@ mod tests {
         assert!(!wait.settled());
         assert_eq!(old.wait(5, Duration::from_secs(5)), Delivery::Done);
         assert!(wait.settled());
+    }
+
+    /// What a test does to a link.
+    #[derive(Clone, Debug)]
+    enum Step {
+        /// A call queues an update.
+        Push,
+        /// An RPC thread writes ahead after an answer.
+        SendAhead,
+        /// A call waits for everything queued so far, without blocking.
+        Poll,
+        /// The node stops (or starts again) answering.
+        Refuse(bool),
+    }
+
+    fn steps() -> impl proptest::strategy::Strategy<Value = Vec<Step>> {
+        use proptest::prelude::*;
+        let step = prop_oneof![
+            4 => Just(Step::Push),
+            3 => Just(Step::SendAhead),
+            2 => Just(Step::Poll),
+            1 => any::<bool>().prop_map(Step::Refuse),
+        ];
+        proptest::collection::vec(step, 1..60)
+    }
+
+    proptest::proptest! {
+        // Each case may wait out a backoff (20 ms doubling) at its end.
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(48))]
+
+        /// Against the simplest model (a FIFO the node applies in order): whatever
+        /// mix of writes ahead, waits and refused answers, the node applies the
+        /// updates in the order queued, each once, never more than were queued; and
+        /// once it answers again a wait delivers every one.
+        #[test]
+        fn a_link_delivers_in_order_once_whatever_is_written_ahead(steps in steps()) {
+            let clock = GenClock::default();
+            let sink = Arc::new(Wire::default());
+            let link = NodeLink::new(1, sink.clone());
+            let mut queued = 0usize;
+            for step in steps {
+                match step {
+                    Step::Push => {
+                        link.push(&clock, discard);
+                        queued += 1;
+                    }
+                    Step::SendAhead => link.send_ahead(),
+                    Step::Poll => {
+                        let _ = link.wait(link.queued(), Duration::ZERO);
+                    }
+                    Step::Refuse(on) => sink.refuse.store(on, std::sync::atomic::Ordering::Relaxed),
+                }
+                let applied = sink.applied.lock().clone();
+                proptest::prop_assert!(applied.len() <= queued);
+                proptest::prop_assert!(applied.windows(2).all(|w| w[0] < w[1]), "out of order or twice: {:?}", applied);
+            }
+            sink.refuse.store(false, std::sync::atomic::Ordering::Relaxed);
+            // Past any backoff.
+            proptest::prop_assert_eq!(link.wait(link.queued(), Duration::from_secs(5)), Delivery::Done);
+            let applied = sink.applied.lock().clone();
+            proptest::prop_assert_eq!(applied.len(), queued);
+            proptest::prop_assert!(applied.windows(2).all(|w| w[0] < w[1]));
+            proptest::prop_assert!(!link.has_queued());
+        }
     }
 
     #[test]
