@@ -105,10 +105,10 @@ impl MasterService {
             // The put's generation, before its records are stamped (now, under the
             // shard lock, as every update of a node is queued).
             self.supersede_tombstone(key, self.gens.next());
-            e.set_declared(checksum);
+            e.checksum = checksum;
             let wait = self.note_declared(key, &e);
-            self.send_after_answer(wait.clone());
-            e.keep_declared_records(wait);
+            self.send_after_answer.add(wait.clone());
+            e.set_declared(wait);
         }
         shard.insert(key, e);
         self.counters.pending_puts.fetch_add(1, Ordering::Relaxed);

@@ -92,10 +92,9 @@ struct LinkState {
     /// queued its own, and it is done once `delivered` reaches it.
     queued: u64,
     delivered: u64,
-    /// A thread writes a frame or reads its answer (it releases the lock meanwhile).
-    sending: bool,
     /// The updates of the frame in flight (one at a time), until its answer is read:
-    /// what [`NodeLink::close`] gives back if the node is forgotten meanwhile.
+    /// what [`NodeLink::close`] gives back if the node is forgotten meanwhile. Unless
+    /// it is `parked`, a thread writes it or reads its answer (the lock released).
     flight: Option<Arc<[RecordUpdate]>>,
     /// The frame was written ahead ([`NodeLink::send_ahead`]) and nobody reads its
     /// answer yet: the next waiter does.
@@ -110,6 +109,20 @@ struct LinkState {
     retry_at: Option<Instant>,
     /// Failed sends in a row (for the backoff).
     failures: u32,
+}
+
+impl LinkState {
+    /// A thread writes the frame in flight or reads its answer.
+    fn busy(&self) -> bool {
+        self.flight.is_some() && self.parked.is_none()
+    }
+
+    /// Puts `batch` back at the front of the queue, in order.
+    fn requeue(&mut self, batch: &[RecordUpdate]) {
+        for u in batch.iter().rev() {
+            self.queue.push_front(u.clone());
+        }
+    }
 }
 
 /// How a wait for a ticket ended.
@@ -157,31 +170,28 @@ impl NodeLink {
             }
             let now = Instant::now();
             let may_send = st.retry_at.is_none_or(|t| now >= t);
-            if !st.sending {
-                if let Some(sent) = st.parked.take() {
-                    // Written ahead: read its answer.
-                    st.sending = true;
-                    drop(st);
-                    let res = self.sink.receive_records(sent);
-                    let gone = res.is_err() && self.sink.gone();
-                    st = self.state.lock();
-                    self.sent(&mut st, res, gone, now);
-                    continue;
-                }
-                if st.flight.is_none() && !st.queue.is_empty() && may_send {
-                    let batch = self.take_batch(&mut st);
-                    drop(st);
-                    let res = self.sink.apply_records(&batch);
-                    // Only a failed send asks whether the node is gone (a connection attempt).
-                    let gone = res.is_err() && self.sink.gone();
-                    st = self.state.lock();
-                    self.sent(&mut st, res, gone, now);
-                    continue;
-                }
+            if let Some(sent) = st.parked.take() {
+                // Written ahead: read its answer (busy meanwhile).
+                drop(st);
+                let res = self.sink.receive_records(sent);
+                let gone = res.is_err() && self.sink.gone();
+                st = self.state.lock();
+                self.sent(&mut st, res, gone, now);
+                continue;
+            }
+            if st.flight.is_none() && !st.queue.is_empty() && may_send {
+                let batch = self.take_batch(&mut st);
+                drop(st);
+                let res = self.sink.apply_records(&batch);
+                // Only a failed send asks whether the node is gone (a connection attempt).
+                let gone = res.is_err() && self.sink.gone();
+                st = self.state.lock();
+                self.sent(&mut st, res, gone, now);
+                continue;
             }
             // Wait for the send in flight, or the end of a backoff, within the limit.
             let until = match st.retry_at {
-                Some(t) if !st.sending && t < deadline => t,
+                Some(t) if !st.busy() && t < deadline => t,
                 _ => deadline,
             };
             if self.cond.wait_until(&mut st, until).timed_out() && Instant::now() >= deadline {
@@ -196,7 +206,6 @@ impl NodeLink {
         let n = st.queue.len().min(MAX_UPDATES_PER_FRAME);
         let batch: Arc<[RecordUpdate]> = st.queue.drain(..n).collect();
         st.flight = Some(batch.clone());
-        st.sending = true;
         batch
     }
 
@@ -204,7 +213,6 @@ impl NodeLink {
     /// front of the queue to be sent again after a pause. Wakes the waiters. A link
     /// closed meanwhile gave the frame back already.
     fn sent(&self, st: &mut LinkState, res: Result<()>, gone: bool, now: Instant) {
-        st.sending = false;
         let Some(batch) = st.flight.take() else {
             self.cond.notify_all();
             return;
@@ -218,9 +226,7 @@ impl NodeLink {
             }
             Err(e) => {
                 // Back at the front, in order: sent again after a pause.
-                for u in batch.iter().rev() {
-                    st.queue.push_front(u.clone());
-                }
+                st.requeue(&batch);
                 st.failing_since.get_or_insert(now);
                 let backoff = FIRST_BACKOFF.saturating_mul(1 << st.failures.min(8)).min(MAX_BACKOFF);
                 st.failures = st.failures.saturating_add(1);
@@ -247,8 +253,7 @@ impl NodeLink {
     /// paused or unreachable holds up nobody here.
     pub(crate) fn send_ahead(&self) {
         let mut st = self.state.lock();
-        if st.sending
-            || st.flight.is_some()
+        if st.flight.is_some()
             || st.queue.is_empty()
             || st.queue.len() > MAX_UPDATES_AHEAD
             || st.closed
@@ -268,7 +273,6 @@ impl NodeLink {
         let mut st = self.state.lock();
         match res {
             Some(Ok(sent)) => {
-                st.sending = false;
                 // (A link closed meanwhile has given the frame back.)
                 if st.flight.is_some() {
                     st.parked = Some(sent);
@@ -277,11 +281,8 @@ impl NodeLink {
             }
             // Not now: back at the front, for the next waiter to send as usual.
             None => {
-                st.sending = false;
                 if let Some(batch) = st.flight.take() {
-                    for u in batch.iter().rev() {
-                        st.queue.push_front(u.clone());
-                    }
+                    st.requeue(&batch);
                 }
                 self.cond.notify_all();
             }

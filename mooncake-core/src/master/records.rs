@@ -298,13 +298,6 @@ impl MasterService {
         wait
     }
 
-    /// Keeps the links of `wait` to send them once the call is answered
-    /// ([`send_records_after_answer`](Self::send_records_after_answer)); nothing waits
-    /// for them here.
-    pub(crate) fn send_after_answer(&self, wait: RecordWait) {
-        self.send_after_answer.add(wait);
-    }
-
     /// Whether records wait to be sent after an answer.
     pub(crate) fn has_records_to_send(&self) -> bool {
         self.send_after_answer.any()

@@ -653,11 +653,11 @@ fn device_item<'a>(
 /// their DMA: the sum's fixed cost (microseconds) against a master's wait for the
 /// nodes' records (tens of them) at the end.
 fn declare_checksums(writing: &mut [Option<Writing<'_>>], host_up_to: u64, remote: bool) {
-    let mut items: Vec<&mut Writing<'_>> = writing.iter_mut().flatten().collect();
     // An in-process master's records cost nothing to wait for: nothing to declare.
     if !remote {
         return;
     }
+    let mut items: Vec<&mut Writing<'_>> = writing.iter_mut().flatten().collect();
     let declares = |w: &Writing<'_>| match w.bytes {
         Bytes::Host(_) => w.len <= host_up_to,
         Bytes::Device { .. } => true,
@@ -665,14 +665,8 @@ fn declare_checksums(writing: &mut [Option<Writing<'_>>], host_up_to: u64, remot
     if items.is_empty() || !items.iter().all(|w| declares(w)) {
         return;
     }
-    let host: Vec<usize> = (0..items.len()).filter(|&k| matches!(items[k].bytes, Bytes::Host(_))).collect();
-    let parts: Vec<Vec<&[u8]>> = host.iter().map(|&k| items[k].bytes.host().unwrap_or_default().to_vec()).collect();
-    let sums = crate::checksum::checksum_each(&parts);
-    for (&k, crc) in host.iter().zip(sums) {
-        items[k].crc = Some(crc);
-    }
-    let n = items.len();
-    sum_on_device(&mut items, 0..n);
+    // The write's own summing, before the placement instead of after the copies.
+    let _ = item_checksums(&mut items);
     // A device that could not sum: its item is not summed, so the call declares
     // nothing (`WriteMode::start`); the write sums it again, and fails the item if it
     // still cannot.

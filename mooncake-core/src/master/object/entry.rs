@@ -73,10 +73,6 @@ pub(crate) struct ObjectEntry {
     pub(crate) soft_pin: bool,
     /// `PutEnd` seen: readable.
     complete: bool,
-    /// While processing: the put declared its checksum when it started, and its
-    /// replicas' records (with that checksum) were queued for their nodes then, so
-    /// that they travel while the bytes are written (`put_start_summed`).
-    declared: bool,
 }
 
 /// What only some objects have, in one side box: the disk replica, a pending
@@ -155,7 +151,6 @@ impl ObjectEntry {
             readers: 0,
             soft_pin: false,
             complete: false,
-            declared: false,
         }
     }
 
@@ -187,28 +182,19 @@ impl ObjectEntry {
         self.complete = true;
         self.holder = 0;
         self.readers = 0;
-        if std::mem::take(&mut self.declared) {
-            if let Some(x) = self.extra.as_mut() {
-                x.declared_records = None;
-            }
-            self.tidy_extra();
-        }
+        let _ = self.take_declared_records();
     }
 
-    /// A put in progress whose replicas' records, with the checksum it declared
-    /// (`checksum`), were queued when it started: dropping it must tell their nodes.
+    /// A put in progress that declared its checksum (`checksum`) when it started:
+    /// its replicas' records were queued for their nodes then, so that they travel
+    /// while the bytes are written (`put_start_summed`). Dropping it must tell them.
     pub(crate) fn declared(&self) -> bool {
-        self.declared && !self.complete
+        !self.complete && self.extra.as_deref().is_some_and(|x| x.declared_records.is_some())
     }
 
-    /// The put in progress declared `checksum` (its records are queued next).
-    pub(crate) fn set_declared(&mut self, checksum: u32) {
-        self.checksum = checksum;
-        self.declared = true;
-    }
-
-    /// Keeps the tickets of the records a declared put's start queued.
-    pub(crate) fn keep_declared_records(&mut self, wait: RecordWait) {
+    /// The put in progress declared its checksum; `wait` holds the tickets of the
+    /// records its start queued.
+    pub(crate) fn set_declared(&mut self, wait: RecordWait) {
         self.extra_mut().declared_records = Some(wait);
     }
 
