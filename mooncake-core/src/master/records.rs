@@ -150,6 +150,18 @@ impl MasterService {
         true
     }
 
+    /// The link `client`'s updates go on now. Read under its heartbeat queue's lock:
+    /// a node moving to a new endpoint holds it from taking the old link until the
+    /// new one has the old one's updates, so this never sees the node between links
+    /// (no link: nothing to wait for) nor a new link without the old one's updates.
+    fn current_link(&self, client: ClientId) -> Option<Arc<NodeLink>> {
+        let clients = self.clients.read();
+        let rec = clients.get(&client)?;
+        let _moving = rec.updates.lock();
+        let link = rec.link.lock().clone();
+        link
+    }
+
     /// Whether `client` gets its updates on a record endpoint (which a call can wait for).
     pub(crate) fn has_record_link(&self, client: ClientId) -> bool {
         self.clients.read().get(&client).is_some_and(|rec| rec.link.lock().is_some())
@@ -178,13 +190,7 @@ impl MasterService {
                     Delivery::Closed => {
                         // The node announced a new endpoint: what this link did not
                         // deliver moved to the new one, ahead of what it queues.
-                        // Read under the heartbeat queue's lock, which the move holds
-                        // until the new link has the old one's updates.
-                        let relinked = self.clients.read().get(&client).and_then(|rec| {
-                            let _moving = rec.updates.lock();
-                            rec.link.lock().clone()
-                        });
-                        if let Some(new) = relinked.filter(|new| !Arc::ptr_eq(new, &link)) {
+                        if let Some(new) = self.current_link(client).filter(|new| !Arc::ptr_eq(new, &link)) {
                             ticket = new.queued();
                             link = new;
                             continue;
@@ -286,9 +292,8 @@ impl MasterService {
             let segments = self.segments.read();
             e.replicas.iter().filter_map(|r| segments.by_id.get(&r.segment()).map(|s| s.owner)).collect()
         };
-        let clients = self.clients.read();
         for owner in owners {
-            let Some(link) = clients.get(&owner).and_then(|rec| rec.link.lock().clone()) else { continue };
+            let Some(link) = self.current_link(owner) else { continue };
             let ticket = match started.tickets.iter().find(|(_, l, _)| Arc::ptr_eq(l, &link)) {
                 Some(&(_, _, ticket)) => ticket,
                 None => link.queued(),
