@@ -146,9 +146,15 @@ impl RpcMasterClient {
     /// that breaks while writing is dropped and the request written on a fresh one,
     /// once.
     pub(crate) fn send(&self, req: &Request) -> Result<Sent> {
+        let (id, frame) = self.request_frame(req)?;
+        self.write(frame, id, false)
+    }
+
+    /// `req` framed under a new request id.
+    fn request_frame(&self, req: &Request) -> Result<(u64, Vec<u8>)> {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let frame = encode_frame(FrameKind::Request, id, req).map_err(|e| Error::InvalidArgument(e.to_string()))?;
-        self.write(frame, id, false)
+        Ok((id, frame))
     }
 
     /// [`send`](Self::send) if it can be done at once: over a connection already open
@@ -156,15 +162,11 @@ impl RpcMasterClient {
     /// frame taken by the socket's buffer in one non-blocking write (never waiting for
     /// a peer that reads nothing). `None` otherwise, the request not sent.
     pub(crate) fn send_pooled(&self, req: &Request) -> Option<Result<Sent>> {
-        let conn = self.pool.lock().pop()?;
-        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let frame = match encode_frame(FrameKind::Request, id, req) {
-            Ok(frame) => frame,
-            Err(e) => {
-                self.pool.lock().push(conn);
-                return Some(Err(Error::InvalidArgument(e.to_string())));
-            }
+        let (id, frame) = match self.request_frame(req) {
+            Ok(framed) => framed,
+            Err(e) => return Some(Err(e)),
         };
+        let conn = self.pool.lock().pop()?;
         // SAFETY: the descriptor is the open socket `conn` owns for the whole call;
         // `send` only reads `frame.len()` bytes of the live buffer `frame`.
         let n = unsafe {
