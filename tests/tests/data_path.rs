@@ -1041,6 +1041,7 @@ fn puts_through_a_master_daemon_declare_their_checksums() {
     dev.copy_from_host(4096, &on_device).unwrap();
     client.put_from_device("device", &dev, 4096, on_device.len() as u64).unwrap();
     assert_eq!(declared(), 5, "device bytes are summed on the device before the placement");
+    assert_eq!(client.stats().declared_puts, 5, "the client counts what it declared");
     let reads = [("medium", &medium), ("device", &on_device)];
     for (k, v) in reads.into_iter().chain(batch.iter().map(|(k, v)| (k.as_str(), v))) {
         assert_eq!(&client.get(k).unwrap()[..], &v[..], "{k}");
@@ -1069,5 +1070,12 @@ fn puts_through_a_master_daemon_declare_their_checksums() {
     local.put("first", &small).unwrap();
     local.put_from_device("device", &dev, 4096, on_device.len() as u64).unwrap();
     assert_eq!(master.stats().declared_puts, 0);
+    assert_eq!(local.stats().declared_puts, 0);
     assert_eq!(&local.get("device").unwrap()[..], &on_device[..]);
+    // Nor does the master a store builds for itself (no master, no address given).
+    let embedded = Store::builder().global_segment_size(4 << 20).build().unwrap();
+    embedded.put("first", &small).unwrap();
+    embedded.put_from_device("device", &dev, 4096, on_device.len() as u64).unwrap();
+    assert_eq!(embedded.stats().declared_puts, 0, "the store of an embedded master declared");
+    assert_eq!(&embedded.get("device").unwrap()[..], &on_device[..]);
 }

@@ -438,6 +438,7 @@ impl Store {
             checksum_mismatches: c.checksum_mismatches.load(Ordering::Relaxed),
             removes: c.removes.load(Ordering::Relaxed),
             under_replicated_puts: c.under_replicated_puts.load(Ordering::Relaxed),
+            declared_puts: c.declared_puts.load(Ordering::Relaxed),
             device_direct_bytes: c.device_direct_bytes.load(Ordering::Relaxed),
             device_staged_bytes: c.device_staged_bytes.load(Ordering::Relaxed),
             ssd: self.ssd_stats(),

@@ -291,7 +291,9 @@ impl Store {
             },
             records,
             record_endpoint,
-            master_is_remote: cfg.master.is_none(),
+            // A master passed in (`StoreBuilder::master`) or built here from the
+            // builder's config is in this process; a daemon or a cluster is not.
+            master_is_remote: cfg.master_address.is_some() || cluster.is_some(),
             flush_timeout: cfg.flush_timeout,
             cluster,
             _heartbeat_stop: stop_tx,

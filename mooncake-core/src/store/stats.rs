@@ -15,6 +15,7 @@ pub(super) struct StoreCounters {
     pub(super) checksum_mismatches: AtomicU64,
     pub(super) removes: AtomicU64,
     pub(super) under_replicated_puts: AtomicU64,
+    pub(super) declared_puts: AtomicU64,
     pub(super) device_direct_bytes: AtomicU64,
     pub(super) device_staged_bytes: AtomicU64,
     pub(super) record_mount_failures: AtomicU64,
@@ -54,6 +55,12 @@ pub struct StoreStats {
     /// Puts stored with fewer replicas than asked (see
     /// [`ReplicateConfig::require_all_replicas`](crate::ReplicateConfig)).
     pub under_replicated_puts: u64,
+    /// Successful puts whose checksum went with their placement: summed before it
+    /// (on the device for device memory), so that a master daemon or cluster
+    /// records them on their nodes while their bytes are written (see
+    /// [`MasterStats::declared_puts`](crate::MasterStats::declared_puts)). Never
+    /// with a master in this process, whose records cost nothing to wait for.
+    pub declared_puts: u64,
     /// Bytes of objects moved straight between device memory and the pool by
     /// `get_into_device` / `put_from_device` (and their batch forms), with no host
     /// copy: one-sided RDMA to and from GPU memory registered with the NICs, or one
@@ -88,7 +95,7 @@ pub struct StoreStats {
 ///
 /// ```text
 /// client 0x…: segment 1048576/4194304 bytes used
-///   puts 10 (…), gets 12 (…), removes 0, checksum retries 0, replica cache hits 3, disk loads 0,
+///   puts 10 (…), gets 12 (…), removes 0, checksum retries 0, declared 0, replica cache hits 3, disk loads 0,
 ///     device bytes 0 direct / 0 staged
 ///   ssd (bucket, io …): 8 objects, 65536/… B used, 8 offloaded (65536 B, 0 failed), …
 ///   master (random): 10 objects (…), … evicted (… B), lease refusals 0, put timeouts 0, …
@@ -104,7 +111,7 @@ impl std::fmt::Display for StoreStats {
         writeln!(
             f,
             "  puts {} ({} B, {} failed), gets {} ({} B, {} failed), removes {}, checksum retries {}, \
-             replica cache hits {}, disk loads {}, device bytes {} direct / {} staged, record refusals {}, \
+             declared {}, replica cache hits {}, disk loads {}, device bytes {} direct / {} staged, record refusals {}, \
              record mounts failed {}",
             self.puts,
             self.put_bytes,
@@ -114,6 +121,7 @@ impl std::fmt::Display for StoreStats {
             self.get_errors,
             self.removes,
             self.checksum_mismatches,
+            self.declared_puts,
             self.replica_cache_hits,
             self.disk_loads,
             self.device_direct_bytes,

@@ -421,6 +421,9 @@ impl StoreInner {
                     if w.placed.len() < cfg.replica_num {
                         StoreCounters::inc(&c.under_replicated_puts, 1);
                     }
+                    if w.declared {
+                        StoreCounters::inc(&c.declared_puts, 1);
+                    }
                     if matches!(w.bytes, Bytes::Device { .. }) {
                         let way = if w.staged { &c.device_staged_bytes } else { &c.device_direct_bytes };
                         StoreCounters::inc(way, w.len);
