@@ -1062,6 +1062,14 @@ fn puts_through_a_master_daemon_declare_their_checksums() {
     shm.put("medium2", &medium).unwrap();
     assert_eq!(declared(), 7, "mapped memory only: up to 1 MiB");
     assert_eq!(&shm.get("medium2").unwrap()[..], &medium[..]);
+    // A device put into mapped memory: summed beside its DMA, declared while it runs.
+    let dev2 = HostDeviceMemory::new(1 << 20).unwrap();
+    let mapped = payload(9, 1 << 20);
+    dev2.copy_from_host(0, &mapped).unwrap();
+    shm.put_from_device("device2", &dev2, 0, 1 << 20).unwrap();
+    assert_eq!(declared(), 8, "a device put into mapped memory declared nothing");
+    assert_eq!(shm.stats().declared_puts, 3);
+    assert_eq!(&shm.get("device2").unwrap()[..], &mapped[..]);
     drop((shm, holder));
 
     // A master in this process: its records cost nothing to wait for, nothing declares.

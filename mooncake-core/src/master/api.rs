@@ -265,6 +265,16 @@ macro_rules! master_calls {
                 items: &[(&str, u64, u32)] => Vec<(String, u64, u32)>,
                 cfg: &ReplicateConfig => ReplicateConfig
             ) -> Vec<Result<Vec<MemoryReplica>>> => by_keys(items) + note_placed;
+            /// Declares the crc32c of a put this client started without one, while
+            /// its bytes are written: its records go to the replicas' nodes now, as
+            /// [`put_start_summed`](crate::MasterApi::put_start_summed)'s do. `NotFound`
+            /// when this client has no put of `key` in progress.
+            PutDeclare => fn put_declare(client: ClientId => ClientId, key: &str => String, checksum: u32 => u32)
+                -> Result<()> => by_key(key);
+            /// Batch [`put_declare`](crate::MasterApi::put_declare): items are (key,
+            /// checksum).
+            BatchPutDeclare => fn batch_put_declare(client: ClientId => ClientId, items: &[(&str, u32)] => Vec<(String, u32)>)
+                -> Vec<Result<()>> => by_keys(items);
         }
     };
 }

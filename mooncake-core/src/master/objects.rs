@@ -50,6 +50,49 @@ impl MasterService {
         self.start_put(client, key, len, cfg, Some(checksum))
     }
 
+    /// Declares the crc32c of a put this client started without one
+    /// ([`put_start`](Self::put_start)), while its bytes are still being written: as
+    /// with [`put_start_summed`](Self::put_start_summed), the replicas' records (with
+    /// that checksum) go to their nodes now, so that [`put_end`](Self::put_end) with
+    /// the same checksum rarely waits for them. For a writer whose sum is ready only
+    /// once the placement is known (a device's, taken beside its DMA). A put that
+    /// declared already, or a master without durable records, keeps what it has.
+    /// `NotFound` when this client has no put of `key` in progress.
+    pub fn put_declare(&self, client: ClientId, key: &str, checksum: u32) -> Result<()> {
+        check_key(key)?;
+        let mut shard = self.index.shard(key).lock();
+        // Under the shard lock (see `put_start`).
+        self.fence(key)?;
+        match shard.get_mut(key) {
+            Some(e) if e.owner() == Some(client) => {
+                if !e.declared() && self.config.track_records {
+                    self.declare(key, e, checksum);
+                }
+                Ok(())
+            }
+            _ => Err(Error::NotFound(format!("{key}: no put of this client in progress"))),
+        }
+    }
+
+    /// [`put_declare`](Self::put_declare) for many keys (key, checksum); one result
+    /// per key.
+    pub fn batch_put_declare(&self, client: ClientId, items: &[(&str, u32)]) -> Vec<Result<()>> {
+        items.iter().map(|(k, crc)| self.put_declare(client, k, *crc)).collect()
+    }
+
+    /// Queues the `Added` records of the put in progress `e` of `key` with its
+    /// declared `checksum`, to be sent once the call is answered, and keeps their
+    /// tickets in the entry. Under the key's shard lock.
+    fn declare(&self, key: &str, e: &mut ObjectEntry, checksum: u32) {
+        // The put's generation, before its records are stamped (now, under the
+        // shard lock, as every update of a node is queued).
+        self.supersede_tombstone(key, self.gens.next());
+        e.checksum = checksum;
+        let wait = self.note_declared(key, e);
+        self.send_after_answer.add(wait.clone());
+        e.set_declared(wait);
+    }
+
     /// [`put_start`](Self::put_start), with the checksum the writer declares, if any.
     fn start_put(
         &self,
@@ -102,13 +145,7 @@ impl MasterService {
         e.set_soft_pin(cfg.soft_pin, cfg.soft_pin_ttl_ms());
         e.replicas = bufs.into_iter().map(|buf| StoredReplica::new(buf, false)).collect();
         if let Some(checksum) = declared.filter(|_| self.config.track_records) {
-            // The put's generation, before its records are stamped (now, under the
-            // shard lock, as every update of a node is queued).
-            self.supersede_tombstone(key, self.gens.next());
-            e.checksum = checksum;
-            let wait = self.note_declared(key, &e);
-            self.send_after_answer.add(wait.clone());
-            e.set_declared(wait);
+            self.declare(key, &mut e, checksum);
         }
         shard.insert(key, e);
         self.counters.pending_puts.fetch_add(1, Ordering::Relaxed);

@@ -633,6 +633,65 @@ mod tests {
         assert_eq!(told(&node_a, "d"), [(true, 7), (false, 0)]);
     }
 
+    /// A put started without its checksum and declared while it is written
+    /// (`put_declare`, a device put summed beside its DMA): its records go once the
+    /// declaration is answered, its end with the same checksum adds nothing for the
+    /// node, and a second declaration changes nothing. Only the put's own writer may
+    /// declare, and only while the put is in progress.
+    #[test]
+    fn a_put_declared_while_it_is_written_is_recorded_before_it_ends() {
+        let PausedHolder { master, a: (a, _, seg_a), b: (b, _, _), .. } = paused_holder();
+        let node_a = Arc::new(Pausable::default());
+        master.attach_records(a, node_a.clone()).unwrap();
+        let svc = master.service();
+        assert!(!svc.has_records_to_send());
+        master.put_start(a, "d", 100, &on(&seg_a)).unwrap();
+        assert!(!svc.has_records_to_send(), "an undeclared start queued records");
+        assert!(matches!(master.put_declare(b, "d", 7), Err(Error::NotFound(_))), "another client declared");
+        assert!(matches!(master.put_declare(a, "nope", 7), Err(Error::NotFound(_))));
+        master.put_declare(a, "d", 7).unwrap();
+        assert!(told(&node_a, "d").is_empty(), "sent before the declaration was answered");
+        svc.send_records_after_answer();
+        assert_eq!(told(&node_a, "d"), [(true, 7)], "the record goes before the bytes are written");
+        assert!(master.get_replica_list("d").is_err(), "readable before its end");
+        master.put_declare(a, "d", 9).unwrap();
+        svc.send_records_after_answer();
+        assert_eq!(told(&node_a, "d"), [(true, 7)], "declared twice");
+        master.put_end(a, "d", 7).unwrap();
+        assert_eq!(told(&node_a, "d"), [(true, 7)], "the end told the node again");
+        assert_eq!(master.get_replica_list("d").unwrap().checksum, 7);
+        assert_eq!(master.stats().declared_puts, 1);
+        assert!(matches!(master.put_declare(a, "d", 7), Err(Error::NotFound(_))), "declared once complete");
+        // In a batch, each item on its own.
+        master.put_start(a, "e", 100, &on(&seg_a)).unwrap();
+        let res = master.batch_put_declare(a, &[("e", 3), ("d", 3)]);
+        assert!(res[0].is_ok() && matches!(res[1], Err(Error::NotFound(_))), "{res:?}");
+        svc.send_records_after_answer();
+        assert_eq!(told(&node_a, "e"), [(true, 3)]);
+        master.put_end(a, "e", 3).unwrap();
+        assert_eq!(told(&node_a, "e"), [(true, 3)]);
+    }
+
+    /// A put declared while written and then called off is removed from its node, as
+    /// one declared at its start is.
+    #[test]
+    fn a_put_declared_while_written_then_revoked_is_removed_from_its_node() {
+        let PausedHolder { master, a: (a, _, seg_a), .. } = paused_holder();
+        let node_a = Arc::new(Pausable::default());
+        master.attach_records(a, node_a.clone()).unwrap();
+        // As an RPC server does after every answer: from now on links are kept.
+        assert!(!master.service().has_records_to_send());
+        master.put_start(a, "d", 100, &on(&seg_a)).unwrap();
+        master.put_declare(a, "d", 7).unwrap();
+        master.service().send_records_after_answer();
+        master.put_revoke(a, "d").unwrap();
+        // Behind the declaration's frame: with the node's next heartbeat.
+        master.service().send_records_after_answer();
+        master.heartbeat(a).unwrap();
+        assert_eq!(told(&node_a, "d"), [(true, 7), (false, 0)], "revoked, still recorded");
+        assert!(master.get_replica_list("d").is_err());
+    }
+
     /// A declared put whose only replica is on its writer's own segment, the writer
     /// forgotten before the put ended (every byte written): when the node comes back
     /// with the record, it is refused (its put never ended).

@@ -32,8 +32,8 @@ pub const MAGIC: [u8; 4] = *b"MCRP";
 /// 8: records carry generations, `RecordUpdate::Discard`; 9: drains, `DrainSegment`,
 /// `DrainReport`, `DrainStatus` and `RecordUpdate::Drain`; 10: `BatchDropSpareReplicas`;
 /// 11: `NotifyOffloadSuccess` carries each task's generation; 12: `PutStartSummed`,
-/// `BatchPutStartSummed`).
-pub const VERSION: u8 = 12;
+/// `BatchPutStartSummed`; 13: `PutDeclare`, `BatchPutDeclare`).
+pub const VERSION: u8 = 13;
 /// Bytes in a frame header.
 pub const HEADER_LEN: usize = 20;
 /// Default largest body accepted (64 MiB).
