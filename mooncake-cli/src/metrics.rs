@@ -64,7 +64,7 @@ pub fn prometheus_text(stats: &MasterStats, rpc: Option<&RpcServerStats>) -> Str
     );
     gauge(
         "declared_puts_total",
-        "Puts whose records went to their nodes while their bytes were written (checksum declared at the start).",
+        "Puts whose records went to their nodes while their bytes were written (checksum declared before the end).",
         "counter",
         stats.declared_puts as f64,
     );

@@ -1067,7 +1067,7 @@ fn puts_through_a_master_daemon_declare_their_checksums() {
     let mapped = payload(9, 1 << 20);
     dev2.copy_from_host(0, &mapped).unwrap();
     shm.put_from_device("device2", &dev2, 0, 1 << 20).unwrap();
-    assert_eq!(declared(), 8, "a device put into mapped memory declared nothing");
+    assert_eq!(declared(), 8, "a device put into mapped memory is declared beside its DMA");
     assert_eq!(shm.stats().declared_puts, 3);
     assert_eq!(&shm.get("device2").unwrap()[..], &mapped[..]);
     drop((shm, holder));

@@ -165,8 +165,9 @@ pub struct MasterStats {
     /// Records and disk files a node offered back and the master refused: their key
     /// was removed or put again after they were written (their generation is older).
     pub stale_copies: u64,
-    /// Puts that declared their checksum when they started and ended with it: their
-    /// records went to the nodes while the bytes were written (`put_start_summed`).
+    /// Puts that declared their checksum before they ended (when they started,
+    /// `put_start_summed`, or while written, `put_declare`) and ended with it: their
+    /// records went to the nodes while the bytes were written.
     pub declared_puts: u64,
     /// Times the master noticed it had itself been stalled and granted a grace period.
     pub stall_graces: u64,

@@ -55,11 +55,13 @@ pub struct StoreStats {
     /// Puts stored with fewer replicas than asked (see
     /// [`ReplicateConfig::require_all_replicas`](crate::ReplicateConfig)).
     pub under_replicated_puts: u64,
-    /// Successful puts whose checksum went with their placement: summed before it
-    /// (on the device for device memory), so that a master daemon or cluster
-    /// records them on their nodes while their bytes are written (see
-    /// [`MasterStats::declared_puts`](crate::MasterStats::declared_puts)). Never
-    /// with a master in this process, whose records cost nothing to wait for.
+    /// Successful puts whose checksum this client declared before their end: with
+    /// their placement (summed before it) or, for device memory moved into mapped
+    /// segments, beside their DMA, so that a master daemon or cluster records them
+    /// on their nodes while their bytes are written (what the master made of it:
+    /// [`MasterStats::declared_puts`](crate::MasterStats::declared_puts); a master
+    /// without durable records ignores the declaration). Never with a master in this
+    /// process, whose records cost nothing to wait for.
     pub declared_puts: u64,
     /// Bytes of objects moved straight between device memory and the pool by
     /// `get_into_device` / `put_from_device` (and their batch forms), with no host

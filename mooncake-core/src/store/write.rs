@@ -174,8 +174,9 @@ pub(super) struct Writing<'a> {
     /// The crc32c of the bytes, once known (taken on the device for memory moved
     /// directly, by the transport on the way, or summed here).
     crc: Option<u32>,
-    /// `crc` was taken before the placement and is declared with it
-    /// ([`declare_checksums`]).
+    /// `crc` went to the master with this round's placement
+    /// ([`declare_checksums`]) or beside its DMA ([`StoreInner::declare_on_the_way`]);
+    /// either way it was taken from the whole source.
     declared: bool,
 }
 
@@ -335,6 +336,16 @@ impl StoreInner {
                 .iter()
                 .filter_map(|&i| writing[i].as_ref().map(|w| (w.key, w.len, w.crc.filter(|_| w.declared))))
                 .collect();
+            // A call placed with a plain start (some item not declared) leaves the
+            // master without the checksums of the others: declared again on the way,
+            // or recorded at their end.
+            if items.iter().any(|&(_, _, crc)| crc.is_none()) {
+                for &i in pending {
+                    if let Some(w) = writing[i].as_mut() {
+                        w.declared = false;
+                    }
+                }
+            }
             mode.start(&*self.master, client, &items, cfg)
         };
         let mut again = Vec::new();
@@ -371,7 +382,7 @@ impl StoreInner {
         placed.iter().for_each(|&i| is_placed[i] = true);
         let mut round: Vec<&mut Writing<'_>> =
             writing.iter_mut().enumerate().filter_map(|(i, w)| if is_placed[i] { w.as_mut() } else { None }).collect();
-        let declare = mode == WriteMode::Put && self.master_is_remote;
+        let declare = (mode == WriteMode::Put && self.master_is_remote).then_some(client);
         let failed_segments = self.write_replicas(&mut round, directs, declare);
         for (segment, e) in &failed_segments {
             self.report_failed_segment(*segment, e);
@@ -446,7 +457,7 @@ impl StoreInner {
         let parts = [value];
         // The checksum is the object's, known: the transport need not take it.
         let mut copy = Writing { crc: Some(crc), ..Writing::host(key, &parts, placed) };
-        for (segment, _) in self.write_replicas(&mut [&mut copy], &Directs::default(), false) {
+        for (segment, _) in self.write_replicas(&mut [&mut copy], &Directs::default(), None) {
             self.routes.forget(segment);
         }
         copy.failure().map_or(Ok(()), |e| Err(e.clone()))
@@ -463,13 +474,14 @@ impl StoreInner {
     /// Writes every replica of every item in `round` to where it was placed:
     /// device memory directly where the route moves it, everything else in one
     /// transfer batch. Sets each item's `failed`; returns the segments that failed.
-    /// `declare`: the items are puts whose checksums, once summed beside their DMA,
-    /// are declared to the master while the DMA runs (see [`declare_checksums`]).
+    /// `declare`: the items are puts of this client whose checksums, once summed
+    /// beside their DMA, are declared to the master while the DMA runs (see
+    /// [`declare_checksums`]).
     pub(super) fn write_replicas(
         &self,
         round: &mut [&mut Writing<'_>],
         directs: &Directs<'_>,
-        declare: bool,
+        declare: Option<ClientId>,
     ) -> Vec<(SegmentId, Error)> {
         let mut failed_segments: Vec<(SegmentId, Error)> = Vec::new();
         // Device memory first: a replica whose peer turns out to have no RDMA link
@@ -556,8 +568,8 @@ impl StoreInner {
             // copy instead of following it.
             sum_on_device(round, copies.items());
             // Their records then travel while the DMA still runs.
-            if declare {
-                self.declare_on_the_way(round, copies.items());
+            if let Some(client) = declare {
+                self.declare_on_the_way(client, round, copies.items());
             }
             // A failed DMA is the device's, not the segment's: the item fails.
             for (k, e) in copies.finish().failed {
@@ -644,19 +656,25 @@ impl StoreInner {
 }
 
 impl StoreInner {
-    /// Declares to the master the checksums of the items `of` of `round` summed
-    /// while their bytes move and not declared yet (`put_declare`): the nodes'
-    /// records then go out while the bytes are still being written, and `put_end`
-    /// rarely waits for them. An item the master does not take stays undeclared
-    /// (its end records it).
-    fn declare_on_the_way(&self, round: &mut [&mut Writing<'_>], of: impl IntoIterator<Item = usize>) {
-        let ready: SmallVec<[usize; 4]> = of
+    /// Declares to the master the checksums of `client`'s put items `of` (an item
+    /// once per replica) of `round` summed while their bytes move and not declared
+    /// yet (`put_declare`): the nodes' records then go out while the bytes are still
+    /// being written, and `put_end` rarely waits for them. An item the master does
+    /// not take stays undeclared (its end records it).
+    fn declare_on_the_way(
+        &self,
+        client: ClientId,
+        round: &mut [&mut Writing<'_>],
+        of: impl IntoIterator<Item = usize>,
+    ) {
+        let mut ready: SmallVec<[usize; 4]> = of
             .into_iter()
             .filter(|&k| !round[k].declared && round[k].failed.is_none() && round[k].crc.is_some())
             .collect();
+        ready.sort_unstable();
+        ready.dedup();
         let items: SmallVec<[(&str, u32); 4]> =
             ready.iter().filter_map(|&k| round[k].crc.map(|crc| (round[k].key, crc))).collect();
-        let client = self.client();
         let declared = match items[..] {
             [] => return,
             [(key, crc)] => vec![self.master.put_declare(client, key, crc)],

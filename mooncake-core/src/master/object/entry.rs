@@ -95,7 +95,7 @@ pub(crate) struct Extra {
     /// Replaced replicas, each with the time after which no read that was given it
     /// can still hold a lease.
     pub(crate) retired: Vec<(u64, StoredReplica)>,
-    /// A put that declared its checksum: the tickets of the records its start queued,
+    /// A put that declared its checksum: the tickets of the records its declaration queued,
     /// which its end waits for.
     pub(crate) declared_records: Option<RecordWait>,
 }
@@ -185,20 +185,21 @@ impl ObjectEntry {
         let _ = self.take_declared_records();
     }
 
-    /// A put in progress that declared its checksum (`checksum`) when it started:
-    /// its replicas' records were queued for their nodes then, so that they travel
-    /// while the bytes are written (`put_start_summed`). Dropping it must tell them.
+    /// A put in progress that declared its checksum (`checksum`), when it started
+    /// (`put_start_summed`) or since (`put_declare`): its replicas' records were
+    /// queued for their nodes then, so that they travel while the bytes are written.
+    /// Dropping it must tell them.
     pub(crate) fn declared(&self) -> bool {
         !self.complete && self.extra.as_deref().is_some_and(|x| x.declared_records.is_some())
     }
 
     /// The put in progress declared its checksum; `wait` holds the tickets of the
-    /// records its start queued.
+    /// records the declaration queued.
     pub(crate) fn set_declared(&mut self, wait: RecordWait) {
         self.extra_mut().declared_records = Some(wait);
     }
 
-    /// The tickets of the records this declared put's start queued (taken).
+    /// The tickets of the records this put's declaration queued (taken).
     pub(crate) fn take_declared_records(&mut self) -> RecordWait {
         let wait = self.extra.as_mut().and_then(|x| x.declared_records.take()).unwrap_or_default();
         self.tidy_extra();
