@@ -657,19 +657,17 @@ impl MooncakeDistributedStore {
         config: Option<PyRef<'_, ReplicateConfig>>,
     ) -> i32 {
         let Some(s) = self.session() else { return INVALID_PARAMS };
-        // Device calls bind their memory's CUDA context: give the framework's back.
-        let _ctx = KeepCurrentContext::new();
-        let target = match py.detach(|| self.devices.resolve(&self.buffers, buffer_ptr, size)) {
-            Ok(t) => t,
-            Err(c) => return c,
-        };
         let cfg = match s.write_config(config.as_deref(), 1) {
             Ok(c) => c,
             Err(c) => return c,
         };
-        py.detach(|| match target {
-            Target::Device(mem) => put_status(&s.store.put_from_device_with(key, &*mem, 0, size as u64, &cfg)),
-            Target::Host => {
+        // Device calls bind their memory's CUDA context: give the framework's back.
+        let _ctx = KeepCurrentContext::new();
+        // One release of the GIL for the pointer's check and the put (as `get_into`).
+        py.detach(|| match self.devices.resolve(&self.buffers, buffer_ptr, size) {
+            Err(c) => c,
+            Ok(Target::Device(mem)) => put_status(&s.store.put_from_device_with(key, &*mem, 0, size as u64, &cfg)),
+            Ok(Target::Host) => {
                 // SAFETY: `resolve` found `[buffer_ptr, buffer_ptr + size)` inside a
                 // region Python registered as valid host memory.
                 let data = unsafe { std::slice::from_raw_parts(buffer_ptr as *const u8, size) };
