@@ -653,9 +653,7 @@ impl StoreInner {
         }
         failed_segments
     }
-}
 
-impl StoreInner {
     /// Declares to the master the checksums of `client`'s put items `of` (an item
     /// once per replica) of `round` summed while their bytes move and not declared
     /// yet (`put_declare`): the nodes' records then go out while the bytes are still
