@@ -665,20 +665,20 @@ impl StoreInner {
         round: &mut [&mut Writing<'_>],
         of: impl IntoIterator<Item = usize>,
     ) {
-        let mut ready: SmallVec<[usize; 4]> = of
+        let mut ready: SmallVec<[(usize, u32); 4]> = of
             .into_iter()
-            .filter(|&k| !round[k].declared && round[k].failed.is_none() && round[k].crc.is_some())
+            .filter(|&k| !round[k].declared && round[k].failed.is_none())
+            .filter_map(|k| round[k].crc.map(|crc| (k, crc)))
             .collect();
         ready.sort_unstable();
         ready.dedup();
-        let items: SmallVec<[(&str, u32); 4]> =
-            ready.iter().filter_map(|&k| round[k].crc.map(|crc| (round[k].key, crc))).collect();
+        let items: SmallVec<[(&str, u32); 4]> = ready.iter().map(|&(k, crc)| (round[k].key, crc)).collect();
         let declared = match items[..] {
             [] => return,
             [(key, crc)] => vec![self.master.put_declare(client, key, crc)],
             _ => self.master.batch_put_declare(client, &items),
         };
-        for (&k, res) in ready.iter().zip(declared) {
+        for (&(k, _), res) in ready.iter().zip(declared) {
             round[k].declared = res.is_ok();
         }
     }
