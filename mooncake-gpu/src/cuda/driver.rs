@@ -144,6 +144,7 @@ inline u32 atomicMax(u32* p, u32 v) {
     return old;
 }
 inline u32 atomicExch(u32* p, u32 v) { return std::atomic_ref<u32>(*p).exchange(v); }
+inline u32 atomicXor(u32* p, u32 v) { return std::atomic_ref<u32>(*p).fetch_xor(v); }
 template <class F> void launch(unsigned gx, unsigned gy, unsigned threads, F kernel) {
     gridDim = {gx, gy, 1};
     blockDim = {threads, 1, 1};
