@@ -4,7 +4,8 @@
 # tests, `gpu_store --bench` (local / shm-peer / tcp-peer replicas against pinned
 # DMA and the host calls; again with answer polling off, up to 16 MiB), `gpu_sweep` (NanoKvCache put/get against DtoD), and, when
 # torch with CUDA imports, the Python drop-in on CUDA tensors (pytest, the
-# `gpu_pointers.py` bench, `kv_connector.py --gpu`), and the device checksum's
+# `gpu_pointers.py` bench against `gpu_store`'s `own_master_process` rows, compared
+# by `compare_gpu.py`; `kv_connector.py --gpu`), and the device checksum's
 # profile (`profile_device_sums`). Every output lands in OUT.
 #
 #   bash bench/gpu.sh [OUT]        # default bench/results/gpu-<date>
@@ -103,6 +104,11 @@ elif "$PYTHON" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() el
     step py-gpu-tests "$PYTHON" -m pytest -q -rs mooncake-py/tests/test_gpu.py
     grep -q "skipped" "$OUT/py-gpu-tests.txt" && failed+=("torch CUDA test skipped")
     step py-gpu-pointers "$PYTHON" mooncake-py/bench/gpu_pointers.py --master-bin "$MOONCAKE_MASTER" --iters "$ITERS"
+    # The Rust device API in the same placement, with the same master process, right
+    # after; then Python over Rust per size (mean throughputs and median calls).
+    step py-rust-reference example examples gpu_store --bench --iters "$ITERS" --min-size $((1 << 20)) \
+        --max-size "$MAX_SIZE" --replicas own_master_process --master-bin "$MOONCAKE_MASTER"
+    step py-vs-rust "$PYTHON" mooncake-py/bench/compare_gpu.py "$OUT/py-gpu-pointers.txt" "$OUT/py-rust-reference.txt"
     step py-gpu-pointers-tcp "$PYTHON" mooncake-py/bench/gpu_pointers.py --master-bin "$MOONCAKE_MASTER" \
         --iters "$ITERS" --protocol tcp
     step py-kv-connector "$PYTHON" examples/python/kv_connector.py --gpu

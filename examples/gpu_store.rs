@@ -19,11 +19,18 @@
 //! host <-> device DMA (the PCIe ceiling) and against the same transport's host
 //! `get_into` / `put`, and the same objects split over [`LAYERS`] ranges of the
 //! device memory (one `DeviceScatter`, as the Python drop-in's multi-buffer calls
-//! pass a block's per-layer KV tensors), and prints one JSON document. `--emulate` runs it over
-//! the host emulation, to test the bench itself (its figures are no GPU result):
+//! pass a block's per-layer KV tensors), and prints one JSON document (mean
+//! throughputs, and the median call of the single-object device calls and of the
+//! DMAs). `--master-bin PATH` adds `own_master_process`: the client's own segment
+//! with a `mooncake-master` started from PATH as its master, in its own process,
+//! as the Python drop-in's bench (`mooncake-py/bench/gpu_pointers.py`) runs it.
+//! `--emulate` runs it over the host emulation, to test the bench itself (its
+//! figures are no GPU result):
 //!
-//! `cargo run --release --example gpu_store -- --bench [--iters N] [--device D] [--max-size B] [--emulate]`
+//! `cargo run --release --example gpu_store -- --bench [--iters N] [--device D] [--max-size B] [--master-bin PATH] [--emulate]`
 
+use std::io::BufRead;
+use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -52,6 +59,10 @@ struct Args {
     min_size: usize,
     /// Only these replica placements (by name); all when empty.
     replicas: Vec<String>,
+    /// A `mooncake-master` binary: adds the `own_master_process` placement, the
+    /// client's own segment with that binary as its master, in its own process
+    /// (as the Python drop-in's bench runs it).
+    master_bin: Option<String>,
 }
 
 fn parse_args() -> Args {
@@ -63,6 +74,7 @@ fn parse_args() -> Args {
         emulate: false,
         min_size: 64 << 10,
         replicas: Vec::new(),
+        master_bin: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -82,8 +94,9 @@ fn parse_args() -> Args {
                 a.replicas = it.next().map(|v| v.split(',').map(str::to_owned).collect()).unwrap_or_default()
             }
             "--emulate" => a.emulate = true,
+            "--master-bin" => a.master_bin = it.next(),
             "-h" | "--help" => {
-                eprintln!("usage: gpu_store [--bench [--iters N] [--device D] [--min-size BYTES] [--max-size BYTES] [--replicas local,own_remote_master,shm_peer,tcp_peer] [--emulate]]");
+                eprintln!("usage: gpu_store [--bench [--iters N] [--device D] [--min-size BYTES] [--max-size BYTES] [--replicas local,own_remote_master,shm_peer,tcp_peer,own_master_process] [--master-bin PATH] [--emulate]]");
                 std::process::exit(0);
             }
             other => {
@@ -203,7 +216,7 @@ struct Replicas {
 /// mapped through shared memory, the same peer's segment over TCP. The peer runs
 /// in this process (a served master, a node store serving its segment on
 /// loopback), and the two peer clients reach it only through their transport.
-fn placements(segment: u64) -> Result<(Vec<Replicas>, Vec<MasterDaemon>), Box<dyn std::error::Error>> {
+fn placements(segment: u64, master_bin: Option<&str>) -> Result<(Vec<Replicas>, Masters), Box<dyn std::error::Error>> {
     let local = Store::builder().global_segment_size(segment).build()?;
     let own_daemon = MasterDaemon::builder("127.0.0.1:0").serve()?;
     let own = Store::builder()
@@ -217,31 +230,101 @@ fn placements(segment: u64) -> Result<(Vec<Replicas>, Vec<MasterDaemon>), Box<dy
     let node = Store::builder().master_address(&addr).global_segment_size(segment).build()?;
     let client =
         |protocol: Protocol| Store::builder().master_address(&addr).protocol(protocol).global_segment_size(0).build();
-    let out = vec![
+    let mut out = vec![
         Replicas { name: "local", client: local, _node: None },
         Replicas { name: "own_remote_master", client: own, _node: None },
         Replicas { name: "shm_peer", client: client(Protocol::Shm)?, _node: None },
         Replicas { name: "tcp_peer", client: client(Protocol::Tcp)?, _node: Some(node) },
     ];
-    Ok((out, vec![own_daemon, daemon]))
+    let process = match master_bin {
+        Some(bin) => {
+            let master = MasterProcess::start(bin)?;
+            let own = Store::builder()
+                .master_address(&master.addr)
+                .protocol(Protocol::Shm)
+                .global_segment_size(segment)
+                .listen("127.0.0.1:0")
+                .build()?;
+            out.push(Replicas { name: "own_master_process", client: own, _node: None });
+            Some(master)
+        }
+        None => None,
+    };
+    Ok((out, Masters { _served: vec![own_daemon, daemon], _process: process }))
 }
 
-/// Mean seconds of `f` over `iters` calls, `undo` run after each outside the clock.
+/// The masters of the placements: served in this process, and the one started
+/// from `--master-bin` (stopped when dropped). Declared after the clients where
+/// held, so that the clients close first.
+struct Masters {
+    _served: Vec<MasterDaemon>,
+    _process: Option<MasterProcess>,
+}
+
+/// A `mooncake-master` process listening on loopback.
+struct MasterProcess {
+    child: Child,
+    addr: String,
+}
+
+impl MasterProcess {
+    /// Starts `bin --listen 127.0.0.1:0` and reads the address it says it
+    /// listens on (its first line).
+    fn start(bin: &str) -> Result<Self, Box<dyn std::error::Error>> {
+        let mut child = Command::new(bin)
+            .args(["--listen", "127.0.0.1:0"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .map_err(|e| format!("cannot start {bin}: {e}"))?;
+        let mut line = String::new();
+        let stdout = child.stdout.take().ok_or("no stdout")?;
+        std::io::BufReader::new(stdout).read_line(&mut line)?;
+        match line.split_whitespace().last() {
+            Some(addr) if line.contains("listening on") => Ok(Self { addr: addr.to_owned(), child }),
+            _ => {
+                let _ = child.kill();
+                let _ = child.wait();
+                Err(format!("{bin} did not start: {line:?}").into())
+            }
+        }
+    }
+}
+
+impl Drop for MasterProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Seconds a call took over a run of calls.
+struct Timing {
+    /// The mean (what throughputs are computed from).
+    mean: f64,
+    /// The median call (a rare slow call does not move it: what per-call
+    /// costs are compared with).
+    p50: f64,
+}
+
+/// The calls of `f` over `iters` calls, `undo` run after each outside the clock.
 fn timed(
     iters: usize,
     mut f: impl FnMut(usize) -> Result<(), Box<dyn std::error::Error>>,
     mut undo: impl FnMut(usize),
-) -> Result<f64, Box<dyn std::error::Error>> {
+) -> Result<Timing, Box<dyn std::error::Error>> {
     f(usize::MAX)?; // warm-up (staging pool, streams, page faults)
     undo(usize::MAX);
-    let mut total = 0.0;
+    let mut each = Vec::with_capacity(iters);
     for i in 0..iters {
         let t = Instant::now();
         f(i)?;
-        total += t.elapsed().as_secs_f64();
+        each.push(t.elapsed().as_secs_f64());
         undo(i);
     }
-    Ok(total / iters as f64)
+    let mean = each.iter().sum::<f64>() / iters as f64;
+    each.sort_by(f64::total_cmp);
+    Ok(Timing { mean, p50: each[iters / 2] })
 }
 
 fn bench(a: &Args) -> Result<String, Box<dyn std::error::Error>> {
@@ -259,7 +342,7 @@ fn bench(a: &Args) -> Result<String, Box<dyn std::error::Error>> {
     };
     let dst = &*dev;
     let segment = (max * batch * 3) as u64 + (64 << 20);
-    let (rows_of, _daemon) = placements(segment)?;
+    let (rows_of, _masters) = placements(segment, a.master_bin.as_deref())?;
     let cfg = ReplicateConfig::default();
     let mut rows = Vec::new();
     for &size in &sizes {
@@ -288,9 +371,10 @@ fn bench(a: &Args) -> Result<String, Box<dyn std::error::Error>> {
         )?;
         drop(stream);
         // What a device get's check costs: the crc32c of the object's device bytes.
-        let crc = timed(a.iters, |_| Ok(dst.crc32c(0, size as u64).map(|_| ())?), |_| {})?;
-        let (htod_us, crc_us) = (htod * 1e6, crc * 1e6);
-        let (htod, dtoh) = (gbps(size, htod), gbps(size, dtoh));
+        let crc = timed(a.iters, |_| Ok(dst.crc32c(0, size as u64).map(|_| ())?), |_| {})?.mean;
+        let (htod_us, crc_us) = (htod.mean * 1e6, crc * 1e6);
+        let (htod_p50_us, dtoh_p50_us) = (htod.p50 * 1e6, dtoh.p50 * 1e6);
+        let (htod, dtoh) = (gbps(size, htod.mean), gbps(size, dtoh.mean));
         // The object's bytes as LAYERS ranges of the device memory, one scatter.
         let part = size / LAYERS;
         let layers = DeviceScatter::new((0..LAYERS).map(|l| (dev.clone(), (l * part) as u64, part as u64)).collect())?;
@@ -303,14 +387,16 @@ fn bench(a: &Args) -> Result<String, Box<dyn std::error::Error>> {
                 store.put(k, &kv_block(i, size, size))?;
             }
             let mut host = vec![0u8; size];
-            let get_host = timed(a.iters, |i| Ok(store.get_into(&keys[i % batch], &mut host).map(|_| ())?), |_| {})?;
+            let get_host =
+                timed(a.iters, |i| Ok(store.get_into(&keys[i % batch], &mut host).map(|_| ())?), |_| {})?.mean;
             let get_dev = timed(a.iters, |i| Ok(store.get_into_device(&keys[i % batch], dst, 0).map(|_| ())?), |_| {})?;
             let layer_keys: Vec<String> = (0..batch).map(|i| format!("{}/layers", keys[i])).collect();
             for (i, k) in layer_keys.iter().enumerate() {
                 store.put(k, &kv_block(i, size, layered as usize))?;
             }
             let get_layers =
-                timed(a.iters, |i| Ok(store.get_into_device(&layer_keys[i % batch], &layers, 0).map(|_| ())?), |_| {})?;
+                timed(a.iters, |i| Ok(store.get_into_device(&layer_keys[i % batch], &layers, 0).map(|_| ())?), |_| {})?
+                    .mean;
             let items: Vec<(&str, u64)> =
                 keys.iter().enumerate().map(|(i, k)| (k.as_str(), (i * size) as u64)).collect();
             let batch_get = timed(
@@ -322,7 +408,8 @@ fn bench(a: &Args) -> Result<String, Box<dyn std::error::Error>> {
                     Ok(())
                 },
                 |_| {},
-            )?;
+            )?
+            .mean;
             let put_key = |i: usize| format!("bench/{}/{size}/put/{i}", r.name);
             let put_host = timed(
                 a.iters,
@@ -330,7 +417,8 @@ fn bench(a: &Args) -> Result<String, Box<dyn std::error::Error>> {
                 |i| {
                     let _ = store.remove(&put_key(i));
                 },
-            )?;
+            )?
+            .mean;
             let put_dev = timed(
                 a.iters,
                 |i| Ok(store.put_from_device_with(&put_key(i), dst, 0, size as u64, &cfg)?),
@@ -355,14 +443,16 @@ fn bench(a: &Args) -> Result<String, Box<dyn std::error::Error>> {
                         let _ = store.remove(&k);
                     }
                 },
-            )?;
+            )?
+            .mean;
             let put_layers = timed(
                 a.iters,
                 |i| Ok(store.put_from_device_with(&put_key(i), &layers, 0, layered, &cfg)?),
                 |i| {
                     let _ = store.remove(&put_key(i));
                 },
-            )?;
+            )?
+            .mean;
             for k in keys.iter().chain(&layer_keys) {
                 let _ = store.remove(k);
             }
@@ -371,9 +461,10 @@ fn bench(a: &Args) -> Result<String, Box<dyn std::error::Error>> {
             let direct = (after.device_direct_bytes - before.device_direct_bytes) as f64;
             let staged = (after.device_staged_bytes - before.device_staged_bytes) as f64;
             let direct_share = direct / (direct + staged).max(1.0);
-            let get_dev_us = get_dev * 1e6;
+            let get_dev_us = get_dev.mean * 1e6;
+            let (get_dev_p50_us, put_dev_p50_us) = (get_dev.p50 * 1e6, put_dev.p50 * 1e6);
             let (get_host, get_dev, put_host, put_dev) =
-                (gbps(size, get_host), gbps(size, get_dev), gbps(size, put_host), gbps(size, put_dev));
+                (gbps(size, get_host), gbps(size, get_dev.mean), gbps(size, put_host), gbps(size, put_dev.mean));
             let (batch_get, batch_put) = (gbps(size * batch, batch_get), gbps(size * batch, batch_put));
             let (get_layers, put_layers) = (gbps(layered as usize, get_layers), gbps(layered as usize, put_layers));
             rows.push(format!(
@@ -386,6 +477,8 @@ fn bench(a: &Args) -> Result<String, Box<dyn std::error::Error>> {
                  \"get_into_device_vs_host_get_into\":{:.3},\"put_from_device_vs_host_put\":{:.3},\
                  \"device_direct_share\":{direct_share:.3},\"get_into_device_us\":{get_dev_us:.1},\
                  \"htod_pinned_us\":{htod_us:.1},\"device_crc32c_us\":{crc_us:.1},\
+                 \"get_into_device_p50_us\":{get_dev_p50_us:.1},\"put_from_device_p50_us\":{put_dev_p50_us:.1},\
+                 \"htod_pinned_p50_us\":{htod_p50_us:.1},\"dtoh_pinned_p50_us\":{dtoh_p50_us:.1},\
                  \"layers\":{LAYERS},\"get_into_device_layers_gbps\":{get_layers:.3},\
                  \"put_from_device_layers_gbps\":{put_layers:.3},\
                  \"layers_vs_one_range_get\":{:.3},\"layers_vs_one_range_put\":{:.3}}}",

@@ -7,9 +7,11 @@ The replicas are in the client's own segment: with `--protocol shm` (the default
 mapped, as in the `own_remote_master` rows of
 `cargo run --release --example gpu_store -- --bench`;
 with `--protocol tcp` reached over loopback TCP, as in its `tcp_peer` rows. Its master
-is a daemon over RPC, as in the `own_remote_master` rows (puts pay two master round
-trips that the `local` rows' embedded master does not). The
-figures are compared with those rows (target: within 10 % of the Rust device API).
+is a `mooncake-master` process (puts pay two master round trips that the `local` rows'
+embedded master does not): the same as the `own_master_process` rows of
+`gpu_store --bench --master-bin PATH`, which is what the figures are compared with
+(target: within 10 % of the Rust device API; `compare_gpu.py` takes both documents).
+Each row has mean throughputs and the median call of `put_from` / `get_into`.
 
     python gpu_pointers.py [--master-bin target/release/mooncake-master] [--iters 20]
         [--max-size BYTES] [--protocol shm|tcp] [--emulate]
@@ -71,15 +73,16 @@ class Emulated:
 
 
 def timed(iters, call, undo=lambda i: None):
+    """Seconds a call took: (mean, median), `undo` run after each outside the clock."""
     call(-1)
     undo(-1)
-    total = 0.0
+    each = []
     for i in range(iters):
         t = time.perf_counter()
         call(i)
-        total += time.perf_counter() - t
+        each.append(time.perf_counter() - t)
         undo(i)
-    return total / iters
+    return sum(each) / iters, sorted(each)[iters // 2]
 
 
 def main():
@@ -141,7 +144,8 @@ def main():
             store.remove_all(True)
             for p in mem.ptrs:
                 store.unregister_buffer(p)
-            gb = lambda n, s: round(n / s / 1e9, 3)  # noqa: E731
+            gb = lambda n, s: round(n / s[0] / 1e9, 3)  # noqa: E731
+            us = lambda s: round(s[1] * 1e6, 1)  # noqa: E731
             rows.append(
                 {
                     "object_bytes": size,
@@ -149,6 +153,8 @@ def main():
                     "get_into_gbps": gb(size, get),
                     "multi_put_gbps": gb(layers * size, mput),
                     "multi_get_gbps": gb(layers * size, mget),
+                    "put_from_p50_us": us(put),
+                    "get_into_p50_us": us(get),
                     "layers": layers,
                 }
             )

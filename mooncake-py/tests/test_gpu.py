@@ -259,3 +259,34 @@ def test_torch_cuda_tensors(store):
     assert store._device_bytes()[0] + store._device_bytes()[1] >= 6 << 20
     for t in layers + out:
         assert store.unregister_buffer(t.data_ptr()) == 0
+
+
+def test_compare_gpu_sets_python_against_the_rust_rows_of_its_placement(tmp_path):
+    """`bench/compare_gpu.py` (how the GPU run judges "within 10 % of Rust") reads the
+    Python document between log lines, takes only the Rust rows of the placement it
+    is asked for, and divides the right way: throughputs Python over Rust, median
+    calls Rust over Python (both above 1 when Python is faster)."""
+    import json
+    import pathlib
+    import subprocess
+    import sys
+
+    script = pathlib.Path(__file__).resolve().parents[1] / "bench" / "compare_gpu.py"
+    py = {"bench": "gpu_pointers", "rows": [
+        {"object_bytes": 1 << 20, "put_from_gbps": 9.0, "get_into_gbps": 20.0,
+         "put_from_p50_us": 100.0, "get_into_p50_us": 50.0},
+        {"object_bytes": 3, "put_from_gbps": 1.0, "get_into_gbps": 1.0},
+    ]}
+    (tmp_path / "py.txt").write_text("INFO starting\n" + json.dumps(py, indent=1) + "\nINFO shutting down {sig=15}\n")
+
+    def rust_row(replica, put_gbps, put_p50):
+        return {"replica": replica, "object_bytes": 1 << 20, "put_from_device_gbps": put_gbps,
+                "get_into_device_gbps": 25.0, "put_from_device_p50_us": put_p50, "get_into_device_p50_us": 40.0}
+
+    rows = [rust_row("own_remote_master", 1.0, 1.0), rust_row("own_master_process", 10.0, 90.0)]
+    (tmp_path / "rust.txt").write_text('{"bench":"gpu_store","rows":[\n  ' + ",\n  ".join(map(json.dumps, rows)) + "\n]}")
+    out = subprocess.run([sys.executable, str(script), str(tmp_path / "py.txt"), str(tmp_path / "rust.txt")],
+                         capture_output=True, text=True, check=True).stdout
+    got = json.loads(out)["python_over_rust"]
+    assert got == [{"object_bytes": 1 << 20, "put_from_mean_ratio": 0.9, "put_from_p50_ratio": 0.9,
+                    "get_into_mean_ratio": 0.8, "get_into_p50_ratio": 0.8}]
