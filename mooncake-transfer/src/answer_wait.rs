@@ -10,7 +10,6 @@
 //! slow answer is waited for as before.
 
 use std::io::{ErrorKind, Read};
-use std::net::TcpStream;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
@@ -49,7 +48,10 @@ pub fn spin_from_env(var: &str, default: Duration) -> Duration {
 /// delivery needs) until it is readable, then reads what is there. Returns the
 /// bytes read: `0` when nothing came in time, or the peer closed the connection
 /// (the caller's blocking read tells which). Errors are the socket's.
-pub fn read_polling(stream: &TcpStream, buf: &mut [u8], budget: Duration) -> std::io::Result<usize> {
+pub fn read_polling<S: AsFd>(stream: &S, buf: &mut [u8], budget: Duration) -> std::io::Result<usize>
+where
+    for<'a> &'a S: Read,
+{
     if budget.is_zero() || buf.is_empty() {
         return Ok(0);
     }
@@ -88,7 +90,7 @@ pub(crate) fn readable_now(fd: BorrowedFd<'_>) -> std::io::Result<bool> {
 #[cfg(test)]
 mod tests {
     use std::io::Write;
-    use std::net::TcpListener;
+    use std::net::{TcpListener, TcpStream};
 
     use super::*;
 

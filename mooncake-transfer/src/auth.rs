@@ -4,6 +4,7 @@
 
 use std::io::{Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpStream};
+use std::os::unix::net::UnixStream;
 use std::time::Duration;
 
 use crate::frame::{AUTH_MAGIC, REFUSE_MAGIC};
@@ -211,7 +212,26 @@ impl SharedSecret {
     pub fn prove(&self, conn: &TcpStream, peer: &str) -> Result<(), String> {
         let old = conn.read_timeout().ok().flatten();
         let _ = conn.set_read_timeout(Some(HANDSHAKE_TIMEOUT));
-        let mut c = conn;
+        let dialed = conn.peer_addr().ok().map(canonical);
+        let proved = self.prove_over(conn, dialed.as_deref(), peer);
+        let _ = conn.set_read_timeout(old);
+        proved
+    }
+
+    /// [`prove`](Self::prove) on a Unix socket connection to the listener dialed
+    /// as `peer` (the name the listener proves the secret for on that socket).
+    pub fn prove_unix(&self, conn: &UnixStream, peer: &str) -> Result<(), String> {
+        let old = conn.read_timeout().ok().flatten();
+        let _ = conn.set_read_timeout(Some(HANDSHAKE_TIMEOUT));
+        let proved = self.prove_over(conn, None, peer);
+        let _ = conn.set_read_timeout(old);
+        proved
+    }
+
+    /// The connecting side's handshake over `c` (its read timeout set), to the
+    /// listener dialed as `peer`, also known as `dialed` (the socket's peer
+    /// address).
+    fn prove_over(&self, mut c: impl Read + Write, dialed: Option<&str>, peer: &str) -> Result<(), String> {
         let io = |e: std::io::Error| format!("{peer}: authentication failed: {e}");
         let nonce: [u8; AUTH_LEN] = rand::random();
         c.write_all(&[&AUTH_MAGIC[..], &nonce[..]].concat()).map_err(io)?;
@@ -251,9 +271,8 @@ impl SharedSecret {
         if blake3::Hash::from_bytes(expected) != blake3::Hash::from_bytes(proof) {
             return Err(format!("{peer}: wrong secret: the listener proved another shared secret (or is an impostor)"));
         }
-        let dialed = conn.peer_addr().ok().map(canonical);
         let names_str = String::from_utf8_lossy(&names);
-        if !names_str.split('\n').any(|n| n == peer || Some(n) == dialed.as_deref()) {
+        if !names_str.split('\n').any(|n| n == peer || Some(n) == dialed) {
             return Err(format!(
                 "{peer} proved the shared secret for another listener ({}): refusing a relay",
                 names_str.replace('\n', ", ")
@@ -265,7 +284,6 @@ impl SharedSecret {
         if verdict[0] != 1 {
             return Err(format!("{peer} refused the shared secret: wrong secret"));
         }
-        let _ = conn.set_read_timeout(old);
         Ok(())
     }
 }

@@ -385,6 +385,7 @@ fn wire_format_changes_bump_the_version() {
             records: vec![ObjectRecord { key: "k".into(), offset: 64, len: 5, checksum: 6, generation: 7 }],
         },
         Request::DrainSegment { segment: "h:1#2".into(), grace_ms: 30_000 },
+        Request::LocalEndpoint {},
         Request::DrainReport {
             client: 7,
             progress: mooncake_core::DrainProgress {
@@ -411,6 +412,7 @@ fn wire_format_changes_bump_the_version() {
             RecordUpdate::Drain { grace_ms: 30_000, generation: 10 },
         ])),
         Response::Error(mooncake_core::rpc::wire::WireError::NotFound("k".into())),
+        Response::LocalEndpoint(Some("mooncake-rpc-00000000000000000000000000000001".into())),
     ];
     let mut all = Vec::new();
     for r in &reqs {
@@ -422,7 +424,7 @@ fn wire_format_changes_bump_the_version() {
     let sum = all.iter().fold(0u32, |h, &b| h.wrapping_mul(31).wrapping_add(b as u32));
     assert_eq!(
         (mooncake_core::rpc::wire::VERSION, sum),
-        (13, 959068253),
+        (14, 3268359862),
         "the wire format changed: bump wire::VERSION and update this pin"
     );
 }

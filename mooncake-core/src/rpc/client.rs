@@ -20,6 +20,8 @@ use crate::master::{
     SegmentInfo,
 };
 use crate::rpc::convert::{BatchLen, IntoWire};
+use crate::rpc::handler::local_sockets_enabled;
+use crate::rpc::socket::{connect_local, local_auth_name, ClientSocket};
 use crate::rpc::wire::WireReturn;
 use crate::rpc::wire::{
     decode_body, encode_frame, FrameHeader, FrameKind, Request, Response, DEFAULT_MAX_FRAME, HEADER_LEN,
@@ -64,6 +66,9 @@ impl RpcMasterClient {
         Ok(client)
     }
 
+    /// A new connection to the server: over TCP, then, for a server on this host
+    /// (dialed over loopback) that has one, moved to its Unix socket (see
+    /// `rpc::socket`); on TCP still if anything of that fails.
     fn dial(&self) -> Result<Conn> {
         let unavailable = |e: std::io::Error| Error::MasterUnavailable(format!("{}: {e}", self.addr));
         let addrs: Vec<_> = self.addr.to_socket_addrs().map_err(unavailable)?.collect();
@@ -76,12 +81,71 @@ impl RpcMasterClient {
                     if let Some(secret) = &self.secret {
                         secret.prove(&s, &self.addr).map_err(Error::MasterUnavailable)?;
                     }
-                    return Ok(Conn { stream: s, buf: Vec::new() });
+                    let loopback = a.ip().to_canonical().is_loopback();
+                    let mut conn = Conn { stream: ClientSocket::Tcp(s), buf: Vec::new() };
+                    if loopback && local_sockets_enabled() {
+                        match self.move_to_local(&mut conn) {
+                            Ok(Some(local)) => return Ok(local),
+                            Ok(None) => {}
+                            Err(e) => {
+                                tracing::debug!(addr = %self.addr, error = %e, "staying on TCP to a local server");
+                                // The TCP connection may be out of step: a fresh one.
+                                return self.dial_tcp(a);
+                            }
+                        }
+                    }
+                    return Ok(conn);
                 }
                 Err(e) => last = unavailable(e),
             }
         }
         Err(last)
+    }
+
+    /// A TCP connection to `a`, as [`dial`](Self::dial) makes, not moved to a Unix
+    /// socket.
+    fn dial_tcp(&self, a: std::net::SocketAddr) -> Result<Conn> {
+        let s = TcpStream::connect_timeout(&a, Duration::from_secs(2))
+            .map_err(|e| Error::MasterUnavailable(format!("{}: {e}", self.addr)))?;
+        let _ = s.set_nodelay(true);
+        let _ = s.set_read_timeout(Some(self.timeout));
+        if let Some(secret) = &self.secret {
+            secret.prove(&s, &self.addr).map_err(Error::MasterUnavailable)?;
+        }
+        Ok(Conn { stream: ClientSocket::Tcp(s), buf: Vec::new() })
+    }
+
+    /// Asks the server on `tcp` (dialed over loopback) for its Unix socket and
+    /// connects there, proving the secret as on TCP: the new connection, or
+    /// `None` where the server has none (or tells none).
+    fn move_to_local(&self, tcp: &mut Conn) -> std::io::Result<Option<Conn>> {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let frame = encode_frame(FrameKind::Request, id, &Request::LocalEndpoint {})
+            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e.to_string()))?;
+        (&tcp.stream).write_all(&frame)?;
+        let name = match Self::read_answer(tcp, id)? {
+            Response::LocalEndpoint(Some(name)) => name,
+            Response::LocalEndpoint(None) => return Ok(None),
+            other => {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::InvalidData,
+                    format!("unexpected answer {other:?}"),
+                ))
+            }
+        };
+        let u = connect_local(&name)?;
+        u.set_read_timeout(Some(self.timeout))?;
+        if let Some(secret) = &self.secret {
+            secret.prove_unix(&u, &local_auth_name(&name)).map_err(std::io::Error::other)?;
+        }
+        Ok(Some(Conn { stream: ClientSocket::Unix(u), buf: Vec::new() }))
+    }
+
+    /// Whether this client's pooled connections reach the server on its Unix
+    /// socket (tests: which way the calls go).
+    #[cfg(test)]
+    pub(crate) fn pooled_are_local(&self) -> Vec<bool> {
+        self.pool.lock().iter().map(|c| c.stream.is_local()).collect()
     }
 
     /// Reads the answer to request `id` from `conn`, with the socket's own errors (so
@@ -94,9 +158,9 @@ impl RpcMasterClient {
         }
         // Polled for a moment first: the answer usually comes within it, and a
         // thread woken from sleep pays as much again as the round trip.
-        let mut n = read_polling(stream, buf, answer_spin())?;
+        let mut n = read_polling(&*stream, buf, answer_spin())?;
         while n < HEADER_LEN {
-            match stream.read(&mut buf[n..]) {
+            match (&*stream).read(&mut buf[n..]) {
                 Ok(0) => break,
                 Ok(k) => n += k,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
@@ -127,7 +191,7 @@ impl RpcMasterClient {
             // when the connection returns to the pool.
             buf.resize(end, 0);
         }
-        stream.read_exact(&mut buf[n..end])?;
+        (&*stream).read_exact(&mut buf[n..end])?;
         if h.kind != FrameKind::Response || h.request_id != id {
             return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, "response does not match the request"));
         }
@@ -171,7 +235,7 @@ impl RpcMasterClient {
         // `send` only reads `frame.len()` bytes of the live buffer `frame`.
         let n = unsafe {
             libc::send(
-                std::os::fd::AsRawFd::as_raw_fd(&conn.stream),
+                std::os::fd::AsRawFd::as_raw_fd(&std::os::fd::AsFd::as_fd(&conn.stream)),
                 frame.as_ptr().cast(),
                 frame.len(),
                 libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
@@ -194,11 +258,11 @@ impl RpcMasterClient {
     /// request already lost a connection (no second retry).
     fn write(&self, frame: Vec<u8>, id: u64, mut retried: bool) -> Result<Sent> {
         loop {
-            let mut conn = match self.pool.lock().pop() {
+            let conn = match self.pool.lock().pop() {
                 Some(c) => c,
                 None => self.dial()?,
             };
-            match conn.stream.write_all(&frame) {
+            match (&conn.stream).write_all(&frame) {
                 Ok(()) => return Ok(Sent { conn, frame, id, retried }),
                 Err(e) => match self.classify(e, retried) {
                     Some(e) => return Err(e),
@@ -257,7 +321,7 @@ const READ_BUFFER: usize = 16 << 10;
 /// A connection to the master and the buffer its answers are read into.
 #[derive(Debug)]
 struct Conn {
-    stream: TcpStream,
+    stream: ClientSocket,
     buf: Vec<u8>,
 }
 
@@ -277,8 +341,8 @@ pub(crate) struct Sent {
 impl Sent {
     /// The connection the answer comes on (to wait for several with `poll`).
     pub(crate) fn fd(&self) -> std::os::fd::RawFd {
-        use std::os::fd::AsRawFd;
-        self.conn.stream.as_raw_fd()
+        use std::os::fd::{AsFd, AsRawFd};
+        self.conn.stream.as_fd().as_raw_fd()
     }
 }
 

@@ -16,7 +16,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::Receiver;
-use mio::net::{TcpListener, TcpStream};
+use mio::net::{TcpListener, UnixListener};
 use mio::unix::SourceFd;
 use mio::{Events, Interest, Poll, Token, Waker};
 use mooncake_transfer::{
@@ -25,6 +25,7 @@ use mooncake_transfer::{
 
 use super::budget::{DecodeError, DecodeLimits, DecodePool, PoolAccess};
 use super::frame_reader::FrameReader;
+use super::socket::{bind_local, local_auth_name, Peer, Socket};
 use super::handler::{RpcHandler, RpcServerConfig, RpcServerStats};
 use super::wire::{
     decode_request, encode_frame, request_kind_of, FrameKind, Request, Response, WireError, REQUEST_KINDS,
@@ -32,8 +33,10 @@ use super::wire::{
 
 const LISTENER: Token = Token(0);
 const WAKER: Token = Token(1);
+/// The Unix socket for clients of this host (see [`super::socket`]).
+const LOCAL_LISTENER: Token = Token(2);
 /// Tokens of connections start here (slot `i` is token `FIRST_CONN + i`).
-const FIRST_CONN: usize = 2;
+const FIRST_CONN: usize = 3;
 /// Bytes read from a socket at a time.
 const READ_CHUNK: usize = 64 << 10;
 /// How long a refused connection is kept to drain what its peer sent, so that the
@@ -64,7 +67,7 @@ pub(super) struct Job {
     generation: u64,
     /// The connection's socket, to write the response to: the loop writes nothing to
     /// a connection while its request is being answered.
-    stream: Arc<TcpStream>,
+    stream: Arc<Socket>,
     request_id: u64,
     body: Vec<u8>,
     decoding: Arc<Decoding>,
@@ -111,7 +114,7 @@ impl Job {
 pub(super) struct Reply {
     slot: usize,
     generation: u64,
-    stream: Arc<TcpStream>,
+    stream: Arc<Socket>,
     frame: Option<Vec<u8>>,
 }
 
@@ -128,7 +131,7 @@ impl Reply {
 
 /// Writes what the socket takes at once of a response: usually all of it, so that
 /// the response leaves without waiting for the thread that polls.
-fn write_now(stream: &TcpStream, frame: Vec<u8>) -> Outcome {
+fn write_now(stream: &Socket, frame: Vec<u8>) -> Outcome {
     let mut pos = 0;
     while pos < frame.len() {
         match (&*stream).write(&frame[pos..]) {
@@ -255,8 +258,8 @@ struct Conn {
     slot: usize,
     /// Shared with the thread answering the connection's request, which writes the
     /// response itself.
-    stream: Arc<TcpStream>,
-    peer: SocketAddr,
+    stream: Arc<Socket>,
+    peer: Peer,
     generation: u64,
     phase: Phase,
     reader: FrameReader,
@@ -286,6 +289,9 @@ pub(super) struct Loop {
     /// Taken while a turn walks it.
     events: Option<Events>,
     listener: TcpListener,
+    /// The Unix socket for clients of this host, and its name (see
+    /// [`super::socket`]), unless the config turned it off or it could not be bound.
+    local: Option<(UnixListener, String)>,
     config: RpcServerConfig,
     handler: Arc<dyn RpcHandler>,
     stats: Arc<RpcServerStats>,
@@ -332,6 +338,22 @@ impl Loop {
         let mut listener = TcpListener::from_std(listener);
         let poll = Poll::new()?;
         poll.registry().register(&mut listener, LISTENER, Interest::READABLE)?;
+        let local = if config.local_socket {
+            match bind_local().and_then(|(l, name)| {
+                l.set_nonblocking(true)?;
+                let mut l = UnixListener::from_std(l);
+                poll.registry().register(&mut l, LOCAL_LISTENER, Interest::READABLE)?;
+                Ok((l, name))
+            }) {
+                Ok(bound) => Some(bound),
+                Err(e) => {
+                    tracing::warn!(error = %e, "no Unix socket for local RPC clients: they use TCP");
+                    None
+                }
+            }
+        } else {
+            None
+        };
         let mut limits = handler.decode_limits().unwrap_or(config.decode_limits);
         // A request the whole pool cannot hold is over its budget, not "busy".
         limits.max_bytes = limits.max_bytes.min(config.decode_budget);
@@ -341,6 +363,7 @@ impl Loop {
             poll,
             events: Some(Events::with_capacity(1024)),
             listener,
+            local,
             config,
             handler,
             stats,
@@ -413,6 +436,7 @@ impl Loop {
         for event in events.iter() {
             match event.token() {
                 LISTENER => self.accept(),
+                LOCAL_LISTENER => self.accept_local(),
                 WAKER => {}
                 Token(t) => {
                     let slot = t - FIRST_CONN;
@@ -469,9 +493,10 @@ impl Loop {
         self.stats.buffered_bytes.store(self.buffered as u64, Ordering::Relaxed);
     }
 
+    /// Accepts what waits on the TCP listener.
     fn accept(&mut self) {
         loop {
-            let (mut stream, peer) = match self.listener.accept() {
+            let (stream, peer) = match self.listener.accept() {
                 Ok(s) => s,
                 Err(e) if e.kind() == ErrorKind::WouldBlock => return,
                 Err(e) if e.kind() == ErrorKind::Interrupted => continue,
@@ -482,91 +507,126 @@ impl Loop {
                     return;
                 }
             };
-            self.stats.connections.fetch_add(1, Ordering::Relaxed);
-            let open = self.conns.len() - self.free.len();
-            let refusal = if !admits_peer(peer.ip(), self.config.secret.is_some(), self.config.insecure) {
-                self.warnings.refused.warn(format_args!("protected mode: refusing a non-loopback RPC client ({peer})"));
-                Some(PROTECTED_MODE_REFUSAL.to_owned())
-            } else if open >= self.config.max_connections {
-                self.warnings
-                    .refused
-                    .warn(format_args!("refusing an RPC connection from {peer}: too many connections ({open})"));
-                Some(format!("too many connections (limit {})", self.config.max_connections))
-            } else {
-                None
-            };
-            if let Some(message) = &refusal {
-                self.stats.refused_connections.fetch_add(1, Ordering::Relaxed);
-                let _ = stream.write(&encode_refusal(message));
-                if self.lingering >= MAX_LINGERING || open >= self.config.max_connections {
-                    continue;
-                }
-            }
             let _ = stream.set_nodelay(true);
-            let generation = self.next_generation;
-            self.next_generation += 1;
-            let (phase, greeting) = match (&refusal, &self.config.secret) {
-                (Some(_), _) => (Phase::Closing, None),
-                (None, Some(_)) => {
-                    let (acceptor, greeting) = Acceptor::new(stream.local_addr().ok(), &self.config.names);
-                    let acceptor = Box::new(acceptor);
-                    (Phase::Auth { acceptor, got: [0; AUTH_HELLO_LEN], filled: 0, proving: false }, Some(greeting))
-                }
-                (None, None) => (Phase::Hello { got: [0; 4], filled: 0 }, None),
-            };
-            if let Some(g) = greeting {
-                // A fresh socket's send buffer takes 36 bytes.
-                if stream.write(&g).map_or(true, |n| n < g.len()) {
-                    continue;
-                }
-            }
-            let slot = self.free.pop().unwrap_or_else(|| {
-                self.conns.push(None);
-                self.conns.len() - 1
-            });
-            // Registered by descriptor: the stream itself is shared with the threads
-            // answering requests.
-            if self
-                .poll
-                .registry()
-                .register(
-                    &mut SourceFd(&stream.as_raw_fd()),
-                    Token(FIRST_CONN + slot),
-                    Interest::READABLE | Interest::WRITABLE,
-                )
-                .is_err()
-            {
-                self.free.push(slot);
-                continue;
-            }
-            let deadline = if matches!(phase, Phase::Closing) {
-                self.lingering += 1;
-                let _ = stream.shutdown(std::net::Shutdown::Write);
-                Instant::now() + LINGER
-            } else {
-                self.make_room_for_a_handshake();
-                self.unauthenticated.push_back((slot, generation));
-                Instant::now() + self.config.hello_timeout
-            };
-            self.timers.push(Reverse((deadline, slot, generation)));
-            self.stats.open_connections.fetch_add(1, Ordering::Relaxed);
-            self.conns[slot] = Some(Conn {
-                slot,
-                stream: Arc::new(stream),
-                peer,
-                generation,
-                phase,
-                reader: FrameReader::new(self.config.max_frame),
-                pending: Vec::new(),
-                busy: false,
-                charged: 0,
-                out: Vec::new(),
-                out_pos: 0,
-                starved: false,
-                progress_at: Instant::now(),
-                stall_deadline: None,
-            });
+            let local_addr = stream.local_addr().ok();
+            self.admit(Socket::Tcp(stream), Peer::Tcp(peer), local_addr, None);
         }
+    }
+
+    /// Accepts what waits on the Unix socket for clients of this host.
+    fn accept_local(&mut self) {
+        loop {
+            let Some((listener, name)) = &self.local else { return };
+            let stream = match listener.accept() {
+                Ok((s, _)) => s,
+                Err(e) if e.kind() == ErrorKind::WouldBlock => return,
+                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    self.warnings.accept.warn(format_args!("accepting a local RPC connection: {e}"));
+                    self.accept_retry = Some(Instant::now() + Duration::from_millis(100));
+                    return;
+                }
+            };
+            let name = local_auth_name(name);
+            self.admit(Socket::Unix(stream), Peer::Local, None, Some(name));
+        }
+    }
+
+    /// Takes an accepted connection on: refused (protected mode, too many
+    /// connections) with a message, or on to its handshake. `local` (a TCP
+    /// socket's address) or `name` (the Unix socket's): what the server proves a
+    /// shared secret for on this connection, besides its advertised names.
+    fn admit(&mut self, stream: Socket, peer: Peer, local: Option<SocketAddr>, name: Option<String>) {
+        self.stats.connections.fetch_add(1, Ordering::Relaxed);
+        let open = self.conns.len() - self.free.len();
+        let admitted = match peer {
+            Peer::Tcp(a) => admits_peer(a.ip(), self.config.secret.is_some(), self.config.insecure),
+            // A process of this host: as a loopback peer.
+            Peer::Local => true,
+        };
+        let refusal = if !admitted {
+            self.warnings.refused.warn(format_args!("protected mode: refusing a non-loopback RPC client ({peer})"));
+            Some(PROTECTED_MODE_REFUSAL.to_owned())
+        } else if open >= self.config.max_connections {
+            self.warnings
+                .refused
+                .warn(format_args!("refusing an RPC connection from {peer}: too many connections ({open})"));
+            Some(format!("too many connections (limit {})", self.config.max_connections))
+        } else {
+            None
+        };
+        if let Some(message) = &refusal {
+            self.stats.refused_connections.fetch_add(1, Ordering::Relaxed);
+            let _ = (&stream).write(&encode_refusal(message));
+            if self.lingering >= MAX_LINGERING || open >= self.config.max_connections {
+                return;
+            }
+        }
+        let generation = self.next_generation;
+        self.next_generation += 1;
+        let (phase, greeting) = match (&refusal, &self.config.secret) {
+            (Some(_), _) => (Phase::Closing, None),
+            (None, Some(_)) => {
+                let mut names: Vec<String> = name.into_iter().collect();
+                names.extend(self.config.names.iter().cloned());
+                let (acceptor, greeting) = Acceptor::new(local, &names);
+                let acceptor = Box::new(acceptor);
+                (Phase::Auth { acceptor, got: [0; AUTH_HELLO_LEN], filled: 0, proving: false }, Some(greeting))
+            }
+            (None, None) => (Phase::Hello { got: [0; 4], filled: 0 }, None),
+        };
+        if let Some(g) = greeting {
+            // A fresh socket's send buffer takes 36 bytes.
+            if (&stream).write(&g).map_or(true, |n| n < g.len()) {
+                return;
+            }
+        }
+        let slot = self.free.pop().unwrap_or_else(|| {
+            self.conns.push(None);
+            self.conns.len() - 1
+        });
+        // Registered by descriptor: the stream itself is shared with the threads
+        // answering requests.
+        if self
+            .poll
+            .registry()
+            .register(
+                &mut SourceFd(&stream.as_raw_fd()),
+                Token(FIRST_CONN + slot),
+                Interest::READABLE | Interest::WRITABLE,
+            )
+            .is_err()
+        {
+            self.free.push(slot);
+            return;
+        }
+        let deadline = if matches!(phase, Phase::Closing) {
+            self.lingering += 1;
+            stream.shutdown_write();
+            Instant::now() + LINGER
+        } else {
+            self.make_room_for_a_handshake();
+            self.unauthenticated.push_back((slot, generation));
+            Instant::now() + self.config.hello_timeout
+        };
+        self.timers.push(Reverse((deadline, slot, generation)));
+        self.stats.open_connections.fetch_add(1, Ordering::Relaxed);
+        self.conns[slot] = Some(Conn {
+            slot,
+            stream: Arc::new(stream),
+            peer,
+            generation,
+            phase,
+            reader: FrameReader::new(self.config.max_frame),
+            pending: Vec::new(),
+            busy: false,
+            charged: 0,
+            out: Vec::new(),
+            out_pos: 0,
+            starved: false,
+            progress_at: Instant::now(),
+            stall_deadline: None,
+        });
     }
 
     /// Closes the oldest connections still in their handshake while
@@ -906,6 +966,9 @@ impl Loop {
                     decoding: self.decoding.clone(),
                 };
                 let kind = request_kind_of(&job.body);
+                if kind == Some(Request::LOCAL_ENDPOINT_KIND) {
+                    return (n, self.tell_local_endpoint(c, &job));
+                }
                 let job = match kind.filter(|&k| self.handler.answers_inline(k)) {
                     // Answered here: `drive` writes the response before reading on.
                     Some(kind) => match answer(job, &*self.handler, &self.stats, Some(kind)) {
@@ -936,6 +999,30 @@ impl Loop {
         (n, Next::Keep)
     }
 
+    /// Answers `LocalEndpoint` here, for any handler: the Unix socket's name to a
+    /// peer on loopback TCP, `None` to any other (see [`super::socket`]). The
+    /// response goes out as an inline answer does.
+    fn tell_local_endpoint(&mut self, c: &mut Conn, job: &Job) -> Next {
+        let kind = Request::LOCAL_ENDPOINT_KIND;
+        self.release(c);
+        if !matches!(decode_request(&job.body, DecodeLimits::REQUEST, None), Ok((Request::LocalEndpoint {}, _))) {
+            self.stats.bad_frames.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(peer = %c.peer, "closing an RPC connection: malformed request body");
+            return Next::Close;
+        }
+        let name = self.local.as_ref().filter(|_| c.peer.is_loopback_tcp()).map(|(_, name)| name.clone());
+        self.stats.requests.fetch_add(1, Ordering::Relaxed);
+        self.stats.ops_by_kind[kind].fetch_add(1, Ordering::Relaxed);
+        match encode_frame(FrameKind::Response, job.request_id, &Response::LocalEndpoint(name)) {
+            Ok(frame) => {
+                c.out = frame;
+                c.out_pos = 0;
+                Next::Keep
+            }
+            Err(_) => Next::Close,
+        }
+    }
+
     /// Refuses a connection: stop writing, and discard what the peer still sends
     /// until it closes or the linger ends.
     fn linger(&mut self, c: &mut Conn) -> Next {
@@ -943,7 +1030,7 @@ impl Loop {
             return Next::Close;
         }
         self.lingering += 1;
-        let _ = c.stream.shutdown(std::net::Shutdown::Write);
+        c.stream.shutdown_write();
         c.phase = Phase::Closing;
         self.timers.push(Reverse((Instant::now() + LINGER, c.slot, c.generation)));
         Next::Keep

@@ -1,4 +1,5 @@
-//! The master protocol: framed, versioned, pipelined binary RPC over TCP.
+//! The master protocol: framed, versioned, pipelined binary RPC over TCP (and a Unix
+//! socket for clients on the server's host).
 //!
 //! [`RpcServer`] serves a [`MasterService`](crate::master::MasterService);
 //! [`RpcMasterClient`] is the [`MasterApi`](crate::master::MasterApi) a remote
@@ -13,6 +14,7 @@ mod event_loop;
 mod frame_reader;
 mod handler;
 mod server;
+mod socket;
 mod threads;
 #[cfg(feature = "fuzzing")]
 pub mod wire;

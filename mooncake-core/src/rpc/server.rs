@@ -151,6 +151,8 @@ pub(crate) fn dispatch(api: &dyn MasterApi, request: Request) -> Response {
                 | Request::ApplyRecords { .. } => Response::Error(WireError::InvalidArgument(
                     "this is a master: storage-node requests are served by storage nodes".into(),
                 )),
+                // Answered by the server's connection loop, never by a handler.
+                Request::LocalEndpoint { .. } => Response::LocalEndpoint(None),
             }
         };
     }

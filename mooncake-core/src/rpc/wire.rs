@@ -32,8 +32,8 @@ pub const MAGIC: [u8; 4] = *b"MCRP";
 /// 8: records carry generations, `RecordUpdate::Discard`; 9: drains, `DrainSegment`,
 /// `DrainReport`, `DrainStatus` and `RecordUpdate::Drain`; 10: `BatchDropSpareReplicas`;
 /// 11: `NotifyOffloadSuccess` carries each task's generation; 12: `PutStartSummed`,
-/// `BatchPutStartSummed`; 13: `PutDeclare`, `BatchPutDeclare`).
-pub const VERSION: u8 = 13;
+/// `BatchPutStartSummed`; 13: `PutDeclare`, `BatchPutDeclare`; 14: `LocalEndpoint`).
+pub const VERSION: u8 = 14;
 /// Bytes in a frame header.
 pub const HEADER_LEN: usize = 20;
 /// Default largest body accepted (64 MiB).
@@ -239,6 +239,10 @@ macro_rules! define_wire_messages {
                 /// The changes, in the order the master made them.
                 updates: Vec<RecordUpdate>,
             },
+            /// To any server, answered by its connection loop (not its handler): the
+            /// name of its Unix socket for clients of its host, told only to a client
+            /// that asks over loopback TCP (see `rpc::socket`).
+            LocalEndpoint {},
         }
 
         /// An answer: one variant per master call (its result), then the answers that
@@ -255,6 +259,9 @@ macro_rules! define_wire_messages {
             Unit,
             /// A storage node's staged batch.
             OffloadBatch(OffloadBatch),
+            /// The server's Unix socket name, to [`Request::LocalEndpoint`] (`None`:
+            /// none, or not told to this peer).
+            LocalEndpoint(Option<String>),
         }
 
         /// The kinds of request, in wire order (for metrics).
@@ -265,15 +272,18 @@ macro_rules! define_wire_messages {
             BatchGetOffloadObject,
             ReleaseOffloadBuffer,
             ApplyRecords,
+            LocalEndpoint,
         }
 
         /// Names of the request kinds, indexed by [`Request::kind_index`] (for metrics).
         pub const REQUEST_KINDS: &[&str] =
-            &[$( stringify!($name), )* "batch_get_offload_object", "release_offload_buffer", "apply_records"];
+            &[$( stringify!($name), )* "batch_get_offload_object", "release_offload_buffer", "apply_records", "local_endpoint"];
 
         impl Request {
             /// Index of [`Request::ApplyRecords`] in [`REQUEST_KINDS`].
             pub const APPLY_RECORDS_KIND: usize = RequestKind::ApplyRecords as usize;
+            /// Index of [`Request::LocalEndpoint`] in [`REQUEST_KINDS`].
+            pub const LOCAL_ENDPOINT_KIND: usize = RequestKind::LocalEndpoint as usize;
 
             /// Index of this request's kind in [`REQUEST_KINDS`].
             pub fn kind_index(&self) -> usize {
@@ -282,6 +292,7 @@ macro_rules! define_wire_messages {
                     Request::BatchGetOffloadObject { .. } => RequestKind::BatchGetOffloadObject,
                     Request::ReleaseOffloadBuffer { .. } => RequestKind::ReleaseOffloadBuffer,
                     Request::ApplyRecords { .. } => RequestKind::ApplyRecords,
+                    Request::LocalEndpoint { .. } => RequestKind::LocalEndpoint,
                 };
                 kind as usize
             }
@@ -292,7 +303,7 @@ macro_rules! define_wire_messages {
                 match self {
                     $( Request::$variant { .. } => <$ret as WireReturn>::BATCH, )*
                     Request::BatchGetOffloadObject { .. } => true,
-                    Request::ReleaseOffloadBuffer { .. } | Request::ApplyRecords { .. } => false,
+                    Request::ReleaseOffloadBuffer { .. } | Request::ApplyRecords { .. } | Request::LocalEndpoint { .. } => false,
                 }
             }
 
@@ -301,7 +312,7 @@ macro_rules! define_wire_messages {
                 match response {
                     $( Response::$variant(r) => <$ret as WireReturn>::is_error(r), )*
                     Response::Error(_) => true,
-                    Response::Unit | Response::OffloadBatch(_) => false,
+                    Response::Unit | Response::OffloadBatch(_) | Response::LocalEndpoint(_) => false,
                 }
             }
         }
