@@ -87,6 +87,11 @@ impl RpcMasterClient {
                         match self.move_to_local(&mut conn) {
                             Ok(Some(local)) => return Ok(local),
                             Ok(None) => {}
+                            // The server refused this connection (too many): so it
+                            // would a fresh one.
+                            Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => {
+                                return Err(Error::MasterUnavailable(format!("{}: {e}", self.addr)))
+                            }
                             Err(e) => {
                                 tracing::debug!(addr = %self.addr, error = %e, "staying on TCP to a local server");
                                 // The TCP connection may be out of step: a fresh one.

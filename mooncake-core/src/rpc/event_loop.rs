@@ -25,8 +25,8 @@ use mooncake_transfer::{
 
 use super::budget::{DecodeError, DecodeLimits, DecodePool, PoolAccess};
 use super::frame_reader::FrameReader;
-use super::socket::{bind_local, local_auth_name, Peer, Socket};
 use super::handler::{RpcHandler, RpcServerConfig, RpcServerStats};
+use super::socket::{bind_local, local_auth_name, Peer, Socket};
 use super::wire::{
     decode_request, encode_frame, request_kind_of, FrameKind, Request, Response, WireError, REQUEST_KINDS,
 };
@@ -1011,7 +1011,8 @@ impl Loop {
             return Next::Close;
         }
         let name = self.local.as_ref().filter(|_| c.peer.is_loopback_tcp()).map(|(_, name)| name.clone());
-        self.stats.requests.fetch_add(1, Ordering::Relaxed);
+        // Counted by kind only: part of setting a connection up, not a call of the
+        // handler's (`requests` counts those).
         self.stats.ops_by_kind[kind].fetch_add(1, Ordering::Relaxed);
         match encode_frame(FrameKind::Response, job.request_id, &Response::LocalEndpoint(name)) {
             Ok(frame) => {

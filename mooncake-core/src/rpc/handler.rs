@@ -57,7 +57,8 @@ pub struct RpcServerStats {
     pub ops_by_kind: [AtomicU64; REQUEST_KINDS.len()],
     /// Error answers by kind (indexed like [`REQUEST_KINDS`]).
     pub errors_by_kind: [AtomicU64; REQUEST_KINDS.len()],
-    /// Requests answered.
+    /// Requests answered (the handler's calls: `LocalEndpoint`, part of setting a
+    /// connection up, is counted only in [`ops_by_kind`](Self::ops_by_kind)).
     pub requests: AtomicU64,
     /// Requests answered with an error.
     pub errors: AtomicU64,
