@@ -73,6 +73,27 @@ where
     }
 }
 
+/// Writes what a socket takes at once of `buf` (`send` with `MSG_NOSIGNAL`): a
+/// write to a peer that closed is an `EPIPE` error, never a `SIGPIPE` that kills a
+/// host process which did not ignore it (a Unix socket's `write` raises it on
+/// toolchains before Rust 1.88; TCP's never does).
+pub fn send_no_signal(fd: BorrowedFd<'_>, buf: &[u8]) -> std::io::Result<usize> {
+    loop {
+        // SAFETY: a descriptor the borrow keeps open, and `buf`'s live bytes for
+        // its length; `send` only reads them.
+        let n = unsafe { libc::send(fd.as_raw_fd(), buf.as_ptr().cast(), buf.len(), libc::MSG_NOSIGNAL) };
+        match usize::try_from(n) {
+            Ok(n) => return Ok(n),
+            Err(_) => {
+                let e = std::io::Error::last_os_error();
+                if e.kind() != ErrorKind::Interrupted {
+                    return Err(e);
+                }
+            }
+        }
+    }
+}
+
 /// Whether a read of `fd` would return at once (bytes, the end, or an error;
 /// for a pidfd: its process exited), asked without waiting.
 pub(crate) fn readable_now(fd: BorrowedFd<'_>) -> std::io::Result<bool> {

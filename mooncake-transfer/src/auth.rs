@@ -223,7 +223,7 @@ impl SharedSecret {
     pub fn prove_unix(&self, conn: &UnixStream, peer: &str) -> Result<(), String> {
         let old = conn.read_timeout().ok().flatten();
         let _ = conn.set_read_timeout(Some(HANDSHAKE_TIMEOUT));
-        let proved = self.prove_over(conn, None, peer);
+        let proved = self.prove_over(NoSignal(conn), None, peer);
         let _ = conn.set_read_timeout(old);
         proved
     }
@@ -284,6 +284,27 @@ impl SharedSecret {
         if verdict[0] != 1 {
             return Err(format!("{peer} refused the shared secret: wrong secret"));
         }
+        Ok(())
+    }
+}
+
+/// A Unix socket whose writes never raise `SIGPIPE` ([`send_no_signal`]).
+///
+/// [`send_no_signal`]: crate::send_no_signal
+struct NoSignal<'a>(&'a UnixStream);
+
+impl Read for NoSignal<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        self.0.read(buf)
+    }
+}
+
+impl Write for NoSignal<'_> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        crate::send_no_signal(std::os::fd::AsFd::as_fd(self.0), buf)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
         Ok(())
     }
 }

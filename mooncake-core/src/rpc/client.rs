@@ -21,7 +21,7 @@ use crate::master::{
 };
 use crate::rpc::convert::{BatchLen, IntoWire};
 use crate::rpc::handler::local_sockets_enabled;
-use crate::rpc::socket::{connect_local, local_auth_name, ClientSocket};
+use crate::rpc::socket::{local_auth_name, ClientSocket};
 use crate::rpc::wire::WireReturn;
 use crate::rpc::wire::{
     decode_body, encode_frame, FrameHeader, FrameKind, Request, Response, DEFAULT_MAX_FRAME, HEADER_LEN,
@@ -85,16 +85,13 @@ impl RpcMasterClient {
                     let mut conn = Conn { stream: ClientSocket::Tcp(s), buf: Vec::new() };
                     if loopback && local_sockets_enabled() {
                         match self.move_to_local(&mut conn) {
-                            Ok(Some(local)) => return Ok(local),
-                            Ok(None) => {}
-                            // The server refused this connection (too many): so it
-                            // would a fresh one.
-                            Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => {
-                                return Err(Error::MasterUnavailable(format!("{}: {e}", self.addr)))
-                            }
-                            Err(e) => {
-                                tracing::debug!(addr = %self.addr, error = %e, "staying on TCP to a local server");
-                                // The TCP connection may be out of step: a fresh one.
+                            Moved::Local(local) => return Ok(local),
+                            Moved::Stay => {}
+                            // This connection was refused (too many): so would a fresh one.
+                            Moved::Refused(e) => return Err(Error::MasterUnavailable(format!("{}: {e}", self.addr))),
+                            Moved::OutOfStep(e) => {
+                                tracing::debug!(addr = %self.addr, error = %e, "asking a local server for its socket");
+                                drop(conn);
                                 return self.dial_tcp(a);
                             }
                         }
@@ -121,29 +118,53 @@ impl RpcMasterClient {
     }
 
     /// Asks the server on `tcp` (dialed over loopback) for its Unix socket and
-    /// connects there, proving the secret as on TCP: the new connection, or
-    /// `None` where the server has none (or tells none).
-    fn move_to_local(&self, tcp: &mut Conn) -> std::io::Result<Option<Conn>> {
+    /// connects there (see [`Moved`]). Whatever fails on the Unix socket keeps
+    /// `tcp`, which is in step once the answer is read: the move is an
+    /// optimization, never a reason to fail.
+    fn move_to_local(&self, tcp: &mut Conn) -> Moved {
+        let name = match self.ask_local_endpoint(tcp) {
+            Ok(Some(name)) => name,
+            Ok(None) => return Moved::Stay,
+            Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => return Moved::Refused(e),
+            Err(e) => return Moved::OutOfStep(e),
+        };
+        match self.connect_local(&name) {
+            Ok(local) => Moved::Local(local),
+            Err(e) => {
+                tracing::debug!(addr = %self.addr, error = %e, "staying on TCP to a local server");
+                Moved::Stay
+            }
+        }
+    }
+
+    /// A connection to the server's Unix socket `name`, proving the secret as on
+    /// TCP, and admitted: with a secret the handshake's verdict says so, without
+    /// one a round trip does (a server at its connection limit refuses it).
+    fn connect_local(&self, name: &str) -> std::io::Result<Conn> {
+        let u = crate::rpc::socket::connect_local(name)?;
+        u.set_read_timeout(Some(self.timeout))?;
+        let mut conn = Conn { stream: ClientSocket::Unix(u), buf: Vec::new() };
+        match (&self.secret, &conn.stream) {
+            (Some(secret), ClientSocket::Unix(u)) => {
+                secret.prove_unix(u, &local_auth_name(name)).map_err(std::io::Error::other)?
+            }
+            _ => {
+                self.ask_local_endpoint(&mut conn)?;
+            }
+        }
+        Ok(conn)
+    }
+
+    /// One `LocalEndpoint` round trip on `conn`: the name the server tells.
+    fn ask_local_endpoint(&self, conn: &mut Conn) -> std::io::Result<Option<String>> {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let frame = encode_frame(FrameKind::Request, id, &Request::LocalEndpoint {})
             .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e.to_string()))?;
-        (&tcp.stream).write_all(&frame)?;
-        let name = match Self::read_answer(tcp, id)? {
-            Response::LocalEndpoint(Some(name)) => name,
-            Response::LocalEndpoint(None) => return Ok(None),
-            other => {
-                return Err(std::io::Error::new(
-                    std::io::ErrorKind::InvalidData,
-                    format!("unexpected answer {other:?}"),
-                ))
-            }
-        };
-        let u = connect_local(&name)?;
-        u.set_read_timeout(Some(self.timeout))?;
-        if let Some(secret) = &self.secret {
-            secret.prove_unix(&u, &local_auth_name(&name)).map_err(std::io::Error::other)?;
+        (&conn.stream).write_all(&frame)?;
+        match Self::read_answer(conn, id)? {
+            Response::LocalEndpoint(name) => Ok(name),
+            other => Err(std::io::Error::new(std::io::ErrorKind::InvalidData, format!("unexpected answer {other:?}"))),
         }
-        Ok(Some(Conn { stream: ClientSocket::Unix(u), buf: Vec::new() }))
     }
 
     /// Whether this client's pooled connections reach the server on its Unix
@@ -318,6 +339,18 @@ impl RpcMasterClient {
             _ => Some(Error::MasterUnavailable(format!("{}: {e}", self.addr))),
         }
     }
+}
+
+/// What asking a local server for its Unix socket came to.
+enum Moved {
+    /// A connection there, admitted: the TCP one is closed.
+    Local(Conn),
+    /// Stay on the TCP connection (no socket, or it failed): it is in step.
+    Stay,
+    /// The server refused the TCP connection (its connection limit).
+    Refused(std::io::Error),
+    /// The TCP exchange failed half way: that connection is not in step.
+    OutOfStep(std::io::Error),
 }
 
 /// Bytes a connection reads at once: most answers whole, in one system call.

@@ -456,7 +456,10 @@ impl Loop {
         self.fire_timers();
         if self.accept_retry.is_some_and(|at| at <= Instant::now()) {
             self.accept_retry = None;
+            // Both listeners: the polls are edge-triggered, and either may hold
+            // connections left waiting when accepting failed.
             self.accept();
+            self.accept_local();
         }
         Ok(())
     }

@@ -9,20 +9,26 @@
 //! How a client finds it, safely: a server listens on an *abstract* Unix socket
 //! (no file; it vanishes with the process) whose name carries 128 random bits,
 //! and tells the name only to a client that asks over loopback TCP
-//! (`Request::LocalEndpoint`). While the server lives nobody else can bind that
-//! name, and nobody can guess it before: a client that dials the name it was
-//! told reaches the server it asked, not a process squatting a predictable name.
-//! A client asks on every new connection (connections are pooled, so rarely):
-//! a name told by a server that has since stopped is never reused. Abstract
-//! names live in a network namespace, as loopback does: a client in another
-//! namespace asking over loopback reaches a server in its own. With a shared
-//! secret the Unix connection runs the same handshake as TCP, the server naming
-//! itself by the socket's name.
+//! (`Request::LocalEndpoint`). The name is no secret (processes of the network
+//! namespace see it in `/proc/net/unix`), and needs none: nobody can bind it
+//! before the server (it cannot be guessed), nor while the server lives; a
+//! client dials a name it has just been told by the process holding the TCP port
+//! it dialed, so it reaches the process it would have reached over TCP, and no
+//! other. A client asks on every new connection (connections are pooled, so
+//! rarely): a name told by a server that has since stopped is never reused.
+//! Abstract names live in a network namespace, as loopback does: a client in
+//! another namespace asking over loopback reaches a server in its own; who may
+//! connect is who may connect to loopback TCP (protected mode admits both). With
+//! a shared secret the Unix connection runs the same handshake as TCP, the
+//! server naming itself by the socket's name. Whatever fails on the way, the
+//! client stays on TCP.
 
 use std::io::{Read, Write};
 use std::net::SocketAddr;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
 use std::os::linux::net::SocketAddrExt;
+
+use mooncake_transfer::send_no_signal;
 
 /// The prefix of a server's abstract socket name (the rest: 32 random hex digits).
 pub(crate) const LOCAL_NAME_PREFIX: &str = "mooncake-rpc-";
@@ -72,7 +78,7 @@ impl Write for &Socket {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
         match self {
             Socket::Tcp(s) => (&*s).write(buf),
-            Socket::Unix(s) => (&*s).write(buf),
+            Socket::Unix(s) => send_no_signal(s.as_fd(), buf),
         }
     }
 
@@ -145,14 +151,7 @@ impl Write for &ClientSocket {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
         match self {
             ClientSocket::Tcp(s) => (&*s).write(buf),
-            ClientSocket::Unix(s) => (&*s).write(buf),
-        }
-    }
-
-    fn write_all(&mut self, buf: &[u8]) -> std::io::Result<()> {
-        match self {
-            ClientSocket::Tcp(s) => (&*s).write_all(buf),
-            ClientSocket::Unix(s) => (&*s).write_all(buf),
+            ClientSocket::Unix(s) => send_no_signal(s.as_fd(), buf),
         }
     }
 
@@ -264,9 +263,28 @@ mod tests {
             // This master's incarnation, and both calls counted by this server.
             assert_eq!(master.service().register_client().unwrap().incarnation, me.incarnation);
             assert_eq!(server.stats().requests.load(Ordering::Relaxed), 2);
+            // Asked over TCP, then once on the socket (to know it was admitted).
             let asked = server.stats().ops_by_kind[Request::LOCAL_ENDPOINT_KIND].load(Ordering::Relaxed);
-            assert_eq!(asked, 1);
+            assert_eq!(asked, 2);
             assert_eq!(client.pooled_are_local(), vec![true]);
+        }
+
+        /// A server at its connection limit refuses the Unix connection a client
+        /// opens beside its TCP one: the client stays on TCP and its calls work,
+        /// with a secret or without.
+        #[test]
+        fn at_the_connection_limit_a_client_stays_on_tcp() {
+            for secret in [None, Some(SharedSecret::new(b"s3cret"))] {
+                let master = Master::new(MasterConfig::default()).unwrap();
+                let handler: Arc<dyn RpcHandler> = master.service().clone();
+                let config =
+                    RpcServerConfig { max_connections: 1, secret: secret.clone(), ..RpcServerConfig::default() };
+                let server = RpcServer::serve_with("127.0.0.1:0", handler, config).unwrap();
+                let client = RpcMasterClient::connect_with(&server.local_addr().to_string(), secret.clone()).unwrap();
+                assert_eq!(client.pooled_are_local(), vec![false], "secret: {}", secret.is_some());
+                assert!(!client.exists("k").unwrap());
+                assert!(server.stats().refused_connections.load(Ordering::Relaxed) >= 1);
+            }
         }
 
         /// A server without the socket tells no name, and its clients stay on TCP.

@@ -580,7 +580,12 @@ fn sum_with(summer: &Mutex<Summer>, stream: Option<sys::CUstream>, batch: &Batch
         // launch leaves them so.
         if grow_device(&mut s.arrived, &mut s.arrived_bytes, 8 * n)? {
             // SAFETY: `arrived` is the live allocation of `arrived_bytes` just made.
-            drv("cuMemsetD8", unsafe { cu::memset_d8_sync(s.arrived, 0, s.arrived_bytes) })?;
+            let zeroed = drv("cuMemsetD8", unsafe { cu::memset_d8_sync(s.arrived, 0, s.arrived_bytes) });
+            if zeroed.is_err() {
+                // Not known to be zero: allocated (and zeroed) again next time.
+                s.arrived_bytes = 0;
+            }
+            zeroed?;
         }
         if s.io_bytes < layout.io {
             if !s.io.is_null() {
