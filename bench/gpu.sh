@@ -2,7 +2,9 @@
 # The GPU checks of issue 24 in one run, on a machine with a CUDA GPU (and NVRTC):
 # the CUDA tests (none may skip), the two-process CUDA IPC test, the store's device
 # tests, `gpu_store --bench` (local / shm-peer / tcp-peer replicas against pinned
-# DMA and the host calls; again with answer polling off, up to 16 MiB), `gpu_sweep` (NanoKvCache put/get against DtoD), and, when
+# DMA and the host calls; again with answer polling off, up to 16 MiB; again with
+# master calls over loopback TCP, 4 and 16 MiB), `gpu_sweep` (NanoKvCache put/get
+# against DtoD), and, when
 # torch with CUDA imports, the Python drop-in on CUDA tensors (pytest, the
 # `gpu_pointers.py` bench against `gpu_store`'s `own_master_process` rows, compared
 # by `compare_gpu.py`; `kv_connector.py --gpu`), and the device checksum's
@@ -85,6 +87,11 @@ if want bench; then
     # polling does to puts with a master daemon and to TCP, in the same run.
     step gpu-store-bench-nopoll bash -c 'MOONCAKE_SPIN_US=0 example "$@"' _ examples gpu_store --bench \
         --iters "$ITERS" --max-size $((MAX_SIZE < 16 << 20 ? MAX_SIZE : 16 << 20))
+    # Master calls over loopback TCP (MOONCAKE_RPC_UNIX=0) against the default Unix
+    # socket, 4 and 16 MiB, the placements with a master daemon: what the socket does
+    # to device puts' two round trips, in the same run as the main bench.
+    step gpu-store-bench-tcp-rpc bash -c 'MOONCAKE_RPC_UNIX=0 example "$@"' _ examples gpu_store --bench \
+        --iters "$ITERS" --min-size $((4 << 20)) --max-size $((16 << 20)) --replicas own_remote_master,shm_peer
     step gpu-sweep example mooncake-gpu gpu_sweep --iters "$ITERS"
     step gpu-sweep-staging example mooncake-gpu gpu_sweep --staging --iters "$ITERS"
     # Where a device checksum's time goes: its kernels with parts cut out.
