@@ -21,7 +21,7 @@ use crate::master::{
 };
 use crate::rpc::convert::{BatchLen, IntoWire};
 use crate::rpc::handler::local_sockets_enabled;
-use crate::rpc::socket::{local_auth_name, ClientSocket};
+use crate::rpc::socket::{local_auth_name, same_host, ClientSocket};
 use crate::rpc::wire::WireReturn;
 use crate::rpc::wire::{
     decode_body, encode_frame, FrameHeader, FrameKind, Request, Response, DEFAULT_MAX_FRAME, HEADER_LEN,
@@ -67,8 +67,8 @@ impl RpcMasterClient {
     }
 
     /// A new connection to the server: over TCP, then, for a server on this host
-    /// (dialed over loopback) that has one, moved to its Unix socket (see
-    /// `rpc::socket`); on TCP still if anything of that fails.
+    /// (dialed over loopback or at this host's own address) that has one, moved to
+    /// its Unix socket (see `rpc::socket`); on TCP still if that fails.
     fn dial(&self) -> Result<Conn> {
         let unavailable = |e: std::io::Error| Error::MasterUnavailable(format!("{}: {e}", self.addr));
         let addrs: Vec<_> = self.addr.to_socket_addrs().map_err(unavailable)?.collect();
@@ -81,9 +81,9 @@ impl RpcMasterClient {
                     if let Some(secret) = &self.secret {
                         secret.prove(&s, &self.addr).map_err(Error::MasterUnavailable)?;
                     }
-                    let loopback = a.ip().to_canonical().is_loopback();
+                    let here = s.local_addr().is_ok_and(|l| same_host(l.ip(), a.ip()));
                     let mut conn = Conn { stream: ClientSocket::Tcp(s), buf: Vec::new() };
-                    if loopback && local_sockets_enabled() {
+                    if here && local_sockets_enabled() {
                         match self.move_to_local(&mut conn) {
                             Moved::Local(local) => return Ok(local),
                             Moved::Stay => {}
@@ -117,7 +117,7 @@ impl RpcMasterClient {
         Ok(Conn { stream: ClientSocket::Tcp(s), buf: Vec::new() })
     }
 
-    /// Asks the server on `tcp` (dialed over loopback) for its Unix socket and
+    /// Asks the server on `tcp` (on this host) for its Unix socket and
     /// connects there (see [`Moved`]). Whatever fails on the Unix socket keeps
     /// `tcp`, which is in step once the answer is read: the move is an
     /// optimization, never a reason to fail.

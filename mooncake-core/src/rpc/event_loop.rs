@@ -512,7 +512,7 @@ impl Loop {
             };
             let _ = stream.set_nodelay(true);
             let local_addr = stream.local_addr().ok();
-            self.admit(Socket::Tcp(stream), Peer::Tcp(peer), local_addr, None);
+            self.admit(Socket::Tcp(stream), Peer::tcp(peer, local_addr), local_addr, None);
         }
     }
 
@@ -542,10 +542,10 @@ impl Loop {
     fn admit(&mut self, stream: Socket, peer: Peer, local: Option<SocketAddr>, name: Option<String>) {
         self.stats.connections.fetch_add(1, Ordering::Relaxed);
         let open = self.conns.len() - self.free.len();
-        let admitted = match peer {
-            Peer::Tcp(a) => admits_peer(a.ip(), self.config.secret.is_some(), self.config.insecure),
+        let admitted = match peer.ip() {
+            Some(ip) => admits_peer(ip, self.config.secret.is_some(), self.config.insecure),
             // A process of this host: as a loopback peer.
-            Peer::Local => true,
+            None => true,
         };
         let refusal = if !admitted {
             self.warnings.refused.warn(format_args!("protected mode: refusing a non-loopback RPC client ({peer})"));
@@ -1003,7 +1003,7 @@ impl Loop {
     }
 
     /// Answers `LocalEndpoint` here, for any handler: the Unix socket's name to a
-    /// peer on loopback TCP, `None` to any other (see [`super::socket`]). The
+    /// TCP peer of this host, `None` to any other (see [`super::socket`]). The
     /// response goes out as an inline answer does.
     fn tell_local_endpoint(&mut self, c: &mut Conn, job: &Job) -> Next {
         let kind = Request::LOCAL_ENDPOINT_KIND;
@@ -1013,7 +1013,7 @@ impl Loop {
             tracing::warn!(peer = %c.peer, "closing an RPC connection: malformed request body");
             return Next::Close;
         }
-        let name = self.local.as_ref().filter(|_| c.peer.is_loopback_tcp()).map(|(_, name)| name.clone());
+        let name = self.local.as_ref().filter(|_| c.peer.is_same_host_tcp()).map(|(_, name)| name.clone());
         // Counted by kind only: part of setting a connection up, not a call of the
         // handler's (`requests` counts those).
         self.stats.ops_by_kind[kind].fetch_add(1, Ordering::Relaxed);

@@ -171,7 +171,7 @@ pub struct RpcServerConfig {
     /// [`DEFAULT_SERVER_SPIN`].
     pub spin: Duration,
     /// Also listen on an abstract Unix socket with a random name, told to clients
-    /// that ask over loopback TCP: a client on the server's host then sends its
+    /// that ask over TCP from the same host: a client on the server's host then sends its
     /// requests there, at half the round trip of loopback TCP (see
     /// `rpc::socket`). Default: on, unless `MOONCAKE_RPC_UNIX=0`.
     pub local_socket: bool,

@@ -8,8 +8,8 @@
 //!
 //! How a client finds it, safely: a server listens on an *abstract* Unix socket
 //! (no file; it vanishes with the process) whose name carries 128 random bits,
-//! and tells the name only to a client that asks over loopback TCP
-//! (`Request::LocalEndpoint`). The name is no secret (processes of the network
+//! and tells the name only to a client that asks over TCP from the same host
+//! (loopback, or the server's own address: `same_host`; `Request::LocalEndpoint`). The name is no secret (processes of the network
 //! namespace see it in `/proc/net/unix`), and needs none: nobody can bind it
 //! before the server (it cannot be guessed), nor while the server lives; a
 //! client dials a name it has just been told by the process holding the TCP port
@@ -24,7 +24,7 @@
 //! client stays on TCP.
 
 use std::io::{Read, Write};
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
 use std::os::linux::net::SocketAddrExt;
 
@@ -106,26 +106,51 @@ impl Socket {
     }
 }
 
-/// Who a server's connection is with: a TCP peer, or a process of its host on
-/// its Unix socket.
+/// Whether a TCP connection from `local` to `peer` stays on this host (and in its
+/// network namespace): the peer is a loopback address, or an address of this
+/// host's own (the kernel carries such a connection over loopback, and a remote
+/// host cannot complete a handshake from an address of this one: the answer to
+/// its SYN would stay here).
+pub(crate) fn same_host(local: IpAddr, peer: IpAddr) -> bool {
+    let peer = peer.to_canonical();
+    peer.is_loopback() || peer == local.to_canonical()
+}
+
+/// Who a server's connection is with: a TCP peer (and whether it is on this
+/// host: [`same_host`]), or a process of its host on its Unix socket.
 #[derive(Clone, Copy, Debug)]
 pub(super) enum Peer {
-    Tcp(SocketAddr),
+    Tcp { addr: SocketAddr, same_host: bool },
     Local,
 }
 
 impl Peer {
-    /// Whether the peer dialed over loopback TCP: the only peers told the
+    /// A TCP peer at `addr` of a connection accepted at `local`.
+    pub(super) fn tcp(addr: SocketAddr, local: Option<SocketAddr>) -> Self {
+        let same = local.is_some_and(|l| same_host(l.ip(), addr.ip()));
+        Peer::Tcp { addr, same_host: same || addr.ip().to_canonical().is_loopback() }
+    }
+
+    /// The peer's address, for the protected-mode rule (`None`: a process of
+    /// this host on the Unix socket).
+    pub(super) fn ip(&self) -> Option<IpAddr> {
+        match self {
+            Peer::Tcp { addr, .. } => Some(addr.ip()),
+            Peer::Local => None,
+        }
+    }
+
+    /// Whether the peer dialed over TCP from this host: the only peers told the
     /// server's Unix socket.
-    pub(super) fn is_loopback_tcp(&self) -> bool {
-        matches!(self, Peer::Tcp(a) if a.ip().to_canonical().is_loopback())
+    pub(super) fn is_same_host_tcp(&self) -> bool {
+        matches!(self, Peer::Tcp { same_host: true, .. })
     }
 }
 
 impl std::fmt::Display for Peer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Peer::Tcp(a) => write!(f, "{a}"),
+            Peer::Tcp { addr, .. } => write!(f, "{addr}"),
             Peer::Local => f.write_str("a local process (Unix socket)"),
         }
     }
@@ -206,16 +231,23 @@ mod tests {
         assert!(connect_local(&free).is_err());
     }
 
-    /// Only a peer on loopback TCP is told the Unix socket's name.
+    /// Only a TCP peer on the server's host (loopback, or the server's own
+    /// address) is told the Unix socket's name.
     #[test]
-    fn only_loopback_tcp_peers_are_told_the_name() {
-        let tcp = |a: &str| Peer::Tcp(a.parse().unwrap());
-        assert!(tcp("127.0.0.1:5").is_loopback_tcp());
-        assert!(tcp("[::1]:5").is_loopback_tcp());
-        assert!(tcp("[::ffff:127.0.0.1]:5").is_loopback_tcp());
-        assert!(!tcp("10.1.2.3:5").is_loopback_tcp());
-        assert!(!tcp("[::ffff:10.1.2.3]:5").is_loopback_tcp());
-        assert!(!Peer::Local.is_loopback_tcp());
+    fn only_tcp_peers_of_the_same_host_are_told_the_name() {
+        let local: SocketAddr = "10.1.2.3:50051".parse().unwrap();
+        let tcp = |a: &str| Peer::tcp(a.parse().unwrap(), Some(local));
+        assert!(tcp("127.0.0.1:5").is_same_host_tcp());
+        assert!(tcp("[::1]:5").is_same_host_tcp());
+        assert!(tcp("[::ffff:127.0.0.1]:5").is_same_host_tcp());
+        assert!(tcp("10.1.2.3:5").is_same_host_tcp(), "the server's own address");
+        assert!(tcp("[::ffff:10.1.2.3]:5").is_same_host_tcp());
+        assert!(!tcp("10.1.2.4:5").is_same_host_tcp());
+        assert!(!tcp("[::ffff:10.9.2.3]:5").is_same_host_tcp());
+        assert!(!Peer::tcp("10.1.2.3:5".parse().unwrap(), None).is_same_host_tcp(), "no local address known");
+        assert!(!Peer::Local.is_same_host_tcp());
+        assert!(same_host("192.168.0.7".parse().unwrap(), "::ffff:192.168.0.7".parse().unwrap()));
+        assert!(!same_host("192.168.0.7".parse().unwrap(), "192.168.0.8".parse().unwrap()));
     }
 
     mod served {
@@ -285,6 +317,26 @@ mod tests {
                 assert!(!client.exists("k").unwrap());
                 assert!(server.stats().refused_connections.load(Ordering::Relaxed) >= 1);
             }
+        }
+
+        /// A client dialing the server at this host's own (non-loopback) address
+        /// moves to the Unix socket too. Skipped where the host has no such address.
+        #[test]
+        fn a_client_dialing_this_hosts_own_address_moves_too() {
+            let probe = std::net::UdpSocket::bind("0.0.0.0:0").unwrap();
+            let own = probe.connect("10.255.255.255:9").ok().and_then(|()| probe.local_addr().ok()).map(|a| a.ip());
+            let Some(own) = own.filter(|ip| !ip.is_loopback() && !ip.is_unspecified()) else {
+                eprintln!("note: skipping: this host has no non-loopback address");
+                return;
+            };
+            let master = Master::new(MasterConfig::default()).unwrap();
+            let handler: Arc<dyn RpcHandler> = master.service().clone();
+            let config = RpcServerConfig { insecure: true, ..RpcServerConfig::default() };
+            let server = RpcServer::serve_with("0.0.0.0:0", handler, config).unwrap();
+            let addr = std::net::SocketAddr::new(own, server.local_addr().port()).to_string();
+            let client = RpcMasterClient::connect(&addr).unwrap();
+            assert_eq!(client.pooled_are_local(), vec![true], "dialed {addr}");
+            assert!(!client.exists("k").unwrap());
         }
 
         /// A server without the socket tells no name, and its clients stay on TCP.

@@ -241,7 +241,7 @@ macro_rules! define_wire_messages {
             },
             /// To any server, answered by its connection loop (not its handler): the
             /// name of its Unix socket for clients of its host, told only to a client
-            /// that asks over loopback TCP (see `rpc::socket`).
+            /// that asks over TCP from the same host (see `rpc::socket`).
             LocalEndpoint {},
         }
 
