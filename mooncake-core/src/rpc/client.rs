@@ -74,41 +74,37 @@ impl RpcMasterClient {
         let addrs: Vec<_> = self.addr.to_socket_addrs().map_err(unavailable)?.collect();
         let mut last = Error::MasterUnavailable(format!("{}: no address", self.addr));
         for a in addrs {
-            match TcpStream::connect_timeout(&a, Duration::from_secs(2)) {
-                Ok(s) => {
-                    let _ = s.set_nodelay(true);
-                    let _ = s.set_read_timeout(Some(self.timeout));
-                    if let Some(secret) = &self.secret {
-                        secret.prove(&s, &self.addr).map_err(Error::MasterUnavailable)?;
-                    }
-                    let here = s.local_addr().is_ok_and(|l| same_host(l.ip(), a.ip()));
-                    let mut conn = Conn { stream: ClientSocket::Tcp(s), buf: Vec::new() };
-                    if here && local_sockets_enabled() {
-                        match self.move_to_local(&mut conn) {
-                            Moved::Local(local) => return Ok(local),
-                            Moved::Stay => {}
-                            // This connection was refused (too many): so would a fresh one.
-                            Moved::Refused(e) => return Err(Error::MasterUnavailable(format!("{}: {e}", self.addr))),
-                            Moved::OutOfStep(e) => {
-                                tracing::debug!(addr = %self.addr, error = %e, "asking a local server for its socket");
-                                drop(conn);
-                                return self.dial_tcp(a);
-                            }
-                        }
-                    }
-                    return Ok(conn);
+            let s = match TcpStream::connect_timeout(&a, Duration::from_secs(2)) {
+                Ok(s) => s,
+                Err(e) => {
+                    last = unavailable(e);
+                    continue;
                 }
-                Err(e) => last = unavailable(e),
+            };
+            let here = s.local_addr().is_ok_and(|l| same_host(l.ip(), a.ip()));
+            let mut conn = self.tcp_conn(s)?;
+            if here && local_sockets_enabled() {
+                match self.move_to_local(&mut conn) {
+                    Moved::Local(local) => return Ok(local),
+                    Moved::Stay => {}
+                    // This connection was refused (too many): so would a fresh one.
+                    Moved::Refused(e) => return Err(unavailable(e)),
+                    Moved::OutOfStep(e) => {
+                        tracing::debug!(addr = %self.addr, error = %e, "asking a local server for its socket");
+                        drop(conn);
+                        return self
+                            .tcp_conn(TcpStream::connect_timeout(&a, Duration::from_secs(2)).map_err(unavailable)?);
+                    }
+                }
             }
+            return Ok(conn);
         }
         Err(last)
     }
 
-    /// A TCP connection to `a`, as [`dial`](Self::dial) makes, not moved to a Unix
-    /// socket.
-    fn dial_tcp(&self, a: std::net::SocketAddr) -> Result<Conn> {
-        let s = TcpStream::connect_timeout(&a, Duration::from_secs(2))
-            .map_err(|e| Error::MasterUnavailable(format!("{}: {e}", self.addr)))?;
+    /// A connection on the TCP stream `s` just connected: no delay, the call
+    /// timeout, and the shared secret proved.
+    fn tcp_conn(&self, s: TcpStream) -> Result<Conn> {
         let _ = s.set_nodelay(true);
         let _ = s.set_read_timeout(Some(self.timeout));
         if let Some(secret) = &self.secret {
@@ -143,14 +139,12 @@ impl RpcMasterClient {
     fn connect_local(&self, name: &str) -> std::io::Result<Conn> {
         let u = crate::rpc::socket::connect_local(name)?;
         u.set_read_timeout(Some(self.timeout))?;
+        if let Some(secret) = &self.secret {
+            secret.prove_unix(&u, &local_auth_name(name)).map_err(std::io::Error::other)?;
+        }
         let mut conn = Conn { stream: ClientSocket::Unix(u), buf: Vec::new() };
-        match (&self.secret, &conn.stream) {
-            (Some(secret), ClientSocket::Unix(u)) => {
-                secret.prove_unix(u, &local_auth_name(name)).map_err(std::io::Error::other)?
-            }
-            _ => {
-                self.ask_local_endpoint(&mut conn)?;
-            }
+        if self.secret.is_none() {
+            self.ask_local_endpoint(&mut conn)?;
         }
         Ok(conn)
     }
@@ -184,7 +178,9 @@ impl RpcMasterClient {
         }
         // Polled for a moment first: the answer usually comes within it, and a
         // thread woken from sleep pays as much again as the round trip.
-        let mut n = read_polling(&*stream, buf, answer_spin())?;
+        // The stream type named: the solver does not infer it through the bounds
+        // of the generic `Stream`'s `Read`.
+        let mut n = read_polling::<ClientSocket>(stream, buf, answer_spin())?;
         while n < HEADER_LEN {
             match (&*stream).read(&mut buf[n..]) {
                 Ok(0) => break,
@@ -261,7 +257,7 @@ impl RpcMasterClient {
         // `send` only reads `frame.len()` bytes of the live buffer `frame`.
         let n = unsafe {
             libc::send(
-                std::os::fd::AsRawFd::as_raw_fd(&std::os::fd::AsFd::as_fd(&conn.stream)),
+                std::os::fd::AsRawFd::as_raw_fd(&conn.stream),
                 frame.as_ptr().cast(),
                 frame.len(),
                 libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
@@ -379,8 +375,8 @@ pub(crate) struct Sent {
 impl Sent {
     /// The connection the answer comes on (to wait for several with `poll`).
     pub(crate) fn fd(&self) -> std::os::fd::RawFd {
-        use std::os::fd::{AsFd, AsRawFd};
-        self.conn.stream.as_fd().as_raw_fd()
+        use std::os::fd::AsRawFd;
+        self.conn.stream.as_raw_fd()
     }
 }
 

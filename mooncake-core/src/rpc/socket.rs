@@ -59,26 +59,42 @@ pub(crate) fn local_auth_name(name: &str) -> String {
     format!("unix:@{name}")
 }
 
-/// A server's connection: TCP, or its Unix socket.
-pub(super) enum Socket {
-    Tcp(mio::net::TcpStream),
-    Unix(mio::net::UnixStream),
+/// A connection: TCP, or a Unix socket (`T`, `U`: the server's `mio` streams, or a
+/// client's `std` ones). Writes on the Unix socket never raise `SIGPIPE`
+/// ([`send_no_signal`]).
+#[derive(Debug)]
+pub(crate) enum Stream<T, U> {
+    Tcp(T),
+    Unix(U),
 }
 
-impl Read for &Socket {
+/// A server's connection.
+pub(super) type Socket = Stream<mio::net::TcpStream, mio::net::UnixStream>;
+
+/// A client's connection to a server.
+pub(crate) type ClientSocket = Stream<std::net::TcpStream, std::os::unix::net::UnixStream>;
+
+impl<T, U> Read for &Stream<T, U>
+where
+    for<'a> &'a T: Read,
+    for<'a> &'a U: Read,
+{
     fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
         match self {
-            Socket::Tcp(s) => (&*s).read(buf),
-            Socket::Unix(s) => (&*s).read(buf),
+            Stream::Tcp(s) => (&*s).read(buf),
+            Stream::Unix(s) => (&*s).read(buf),
         }
     }
 }
 
-impl Write for &Socket {
+impl<T, U: AsFd> Write for &Stream<T, U>
+where
+    for<'a> &'a T: Write,
+{
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
         match self {
-            Socket::Tcp(s) => (&*s).write(buf),
-            Socket::Unix(s) => send_no_signal(s.as_fd(), buf),
+            Stream::Tcp(s) => (&*s).write(buf),
+            Stream::Unix(s) => send_no_signal(s.as_fd(), buf),
         }
     }
 
@@ -87,12 +103,26 @@ impl Write for &Socket {
     }
 }
 
-impl AsRawFd for Socket {
-    fn as_raw_fd(&self) -> RawFd {
+impl<T: AsFd, U: AsFd> AsFd for Stream<T, U> {
+    fn as_fd(&self) -> BorrowedFd<'_> {
         match self {
-            Socket::Tcp(s) => s.as_raw_fd(),
-            Socket::Unix(s) => s.as_raw_fd(),
+            Stream::Tcp(s) => s.as_fd(),
+            Stream::Unix(s) => s.as_fd(),
         }
+    }
+}
+
+impl<T: AsFd, U: AsFd> AsRawFd for Stream<T, U> {
+    fn as_raw_fd(&self) -> RawFd {
+        self.as_fd().as_raw_fd()
+    }
+}
+
+impl<T, U> Stream<T, U> {
+    /// Whether this is the Unix socket.
+    #[cfg(test)]
+    pub(crate) fn is_local(&self) -> bool {
+        matches!(self, Stream::Unix(_))
     }
 }
 
@@ -100,8 +130,8 @@ impl Socket {
     /// Stops writing (what the peer sends is still read).
     pub(super) fn shutdown_write(&self) {
         let _ = match self {
-            Socket::Tcp(s) => s.shutdown(std::net::Shutdown::Write),
-            Socket::Unix(s) => s.shutdown(std::net::Shutdown::Write),
+            Stream::Tcp(s) => s.shutdown(std::net::Shutdown::Write),
+            Stream::Unix(s) => s.shutdown(std::net::Shutdown::Write),
         };
     }
 }
@@ -153,52 +183,6 @@ impl std::fmt::Display for Peer {
             Peer::Tcp { addr, .. } => write!(f, "{addr}"),
             Peer::Local => f.write_str("a local process (Unix socket)"),
         }
-    }
-}
-
-/// A client's connection to a server: TCP, or the server's Unix socket.
-#[derive(Debug)]
-pub(crate) enum ClientSocket {
-    Tcp(std::net::TcpStream),
-    Unix(std::os::unix::net::UnixStream),
-}
-
-impl Read for &ClientSocket {
-    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
-        match self {
-            ClientSocket::Tcp(s) => (&*s).read(buf),
-            ClientSocket::Unix(s) => (&*s).read(buf),
-        }
-    }
-}
-
-impl Write for &ClientSocket {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        match self {
-            ClientSocket::Tcp(s) => (&*s).write(buf),
-            ClientSocket::Unix(s) => send_no_signal(s.as_fd(), buf),
-        }
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-impl AsFd for ClientSocket {
-    fn as_fd(&self) -> BorrowedFd<'_> {
-        match self {
-            ClientSocket::Tcp(s) => s.as_fd(),
-            ClientSocket::Unix(s) => s.as_fd(),
-        }
-    }
-}
-
-impl ClientSocket {
-    /// Whether this is the server's Unix socket.
-    #[cfg(test)]
-    pub(crate) fn is_local(&self) -> bool {
-        matches!(self, ClientSocket::Unix(_))
     }
 }
 
