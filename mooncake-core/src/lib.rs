@@ -40,9 +40,9 @@ pub use config::{
 pub use daemon::{MasterDaemon, MasterDaemonBuilder};
 pub use error::{Error, Result};
 pub use master::{
-    ClientId, ClientRegistration, DrainProgress, EvictionReport, KeyOwnership, Master, MasterApi, MasterService,
-    MasterStats, MemoryReplica, ObjectInfo, ObjectRecord, OffloadPlan, OffloadTask, RecordConnector, RecordSink,
-    RecordUpdate, RecordsInFlight, ReplicaList, ReplicatePlan, SegmentInfo, SegmentUsage,
+    ClientId, ClientRegistration, DrainProgress, EvictionReport, HeldPlacement, KeyOwnership, Master, MasterApi,
+    MasterService, MasterStats, MemoryReplica, ObjectInfo, ObjectRecord, OffloadPlan, OffloadTask, RecordConnector,
+    RecordSink, RecordUpdate, RecordsInFlight, ReplicaList, ReplicatePlan, SegmentInfo, SegmentUsage,
 };
 pub use store::{SsdBackend, SsdOffloadConfig, SsdStats, Store, StoreBuilder, StoreStats};
 

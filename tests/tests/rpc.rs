@@ -386,6 +386,7 @@ fn wire_format_changes_bump_the_version() {
         },
         Request::DrainSegment { segment: "h:1#2".into(), grace_ms: 30_000 },
         Request::LocalEndpoint {},
+        Request::PutBind { client: 7, placement: 3, key: "k".into(), checksum: 6, ahead: true },
         Request::DrainReport {
             client: 7,
             progress: mooncake_core::DrainProgress {
@@ -413,6 +414,11 @@ fn wire_format_changes_bump_the_version() {
         ])),
         Response::Error(mooncake_core::rpc::wire::WireError::NotFound("k".into())),
         Response::LocalEndpoint(Some("mooncake-rpc-00000000000000000000000000000001".into())),
+        Response::PutBind(Ok(Some(mooncake_core::HeldPlacement {
+            id: 4,
+            replicas: vec![MemoryReplica { segment: 1, offset: 2, len: 5 }],
+            held_for_ms: 500,
+        }))),
     ];
     let mut all = Vec::new();
     for r in &reqs {
@@ -424,7 +430,7 @@ fn wire_format_changes_bump_the_version() {
     let sum = all.iter().fold(0u32, |h, &b| h.wrapping_mul(31).wrapping_add(b as u32));
     assert_eq!(
         (mooncake_core::rpc::wire::VERSION, sum),
-        (14, 3268359862),
+        (15, 2183917632),
         "the wire format changed: bump wire::VERSION and update this pin"
     );
 }

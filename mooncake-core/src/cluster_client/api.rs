@@ -10,8 +10,8 @@ use mooncake_transfer::RemoteRegion;
 use crate::config::ReplicateConfig;
 use crate::error::{Error, Result};
 use crate::master::{
-    master_calls, ClientId, ClientRegistration, DrainProgress, MasterApi, MasterStats, MemoryReplica, ObjectInfo,
-    ObjectRecord, OffloadPlan, RecordUpdate, ReplicaList, ReplicatePlan, SegmentInfo,
+    master_calls, ClientId, ClientRegistration, DrainProgress, HeldPlacement, MasterApi, MasterStats, MemoryReplica,
+    ObjectInfo, ObjectRecord, OffloadPlan, RecordUpdate, ReplicaList, ReplicatePlan, SegmentInfo,
 };
 use crate::rpc::convert::IntoWire;
 use crate::rpc::unexpected;

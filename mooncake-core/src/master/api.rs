@@ -23,8 +23,8 @@ use crate::error::Result;
 use crate::master::drain::DrainProgress;
 use crate::master::service::MasterService;
 use crate::master::types::{
-    ClientId, ClientRegistration, MasterStats, MemoryReplica, ObjectInfo, ObjectRecord, OffloadPlan, RecordUpdate,
-    ReplicaList, ReplicatePlan, SegmentInfo,
+    ClientId, ClientRegistration, HeldPlacement, MasterStats, MemoryReplica, ObjectInfo, ObjectRecord, OffloadPlan,
+    RecordUpdate, ReplicaList, ReplicatePlan, SegmentInfo,
 };
 
 /// The table of master calls. Calls `$m! { .. }` with one entry per call:
@@ -275,6 +275,30 @@ macro_rules! master_calls {
             /// checksum).
             BatchPutDeclare => fn batch_put_declare(client: ClientId => ClientId, items: &[(&str, u32)] => Vec<(String, u32)>)
                 -> Vec<Result<()>> => by_keys(items);
+            /// Holds room for this client's next put of `len` bytes with `cfg`, before
+            /// its key is known: the client writes the value there and binds it with
+            /// [`put_bind`](crate::MasterApi::put_bind), one round trip instead of
+            /// `put_start`'s before the write and `put_end`'s after. Never evicts.
+            /// Not offered in cluster mode.
+            PlaceAhead => fn place_ahead(
+                client: ClientId => ClientId,
+                len: u64 => u64,
+                cfg: &ReplicateConfig => ReplicateConfig
+            ) -> Result<HeldPlacement> => refused;
+            /// Binds this client's held `placement` (see
+            /// [`place_ahead`](crate::MasterApi::place_ahead)), written, to `key`: a
+            /// put in progress from here on, declared with `checksum` as
+            /// [`put_start_summed`](crate::MasterApi::put_start_summed) declares it,
+            /// which [`put_end`](crate::MasterApi::put_end) ends. With `ahead`, also
+            /// holds a placement like it for the next put. `AlreadyExists` for a key
+            /// taken (the placement given back), `NotFound` for a placement not held.
+            PutBind => fn put_bind(
+                client: ClientId => ClientId,
+                placement: u64 => u64,
+                key: &str => String,
+                checksum: u32 => u32,
+                ahead: bool => bool
+            ) -> Result<Option<HeldPlacement>> => by_key(key);
         }
     };
 }

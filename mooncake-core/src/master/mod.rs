@@ -10,7 +10,7 @@
 //! files are facets of [`MasterService`]: `clients`, `objects`, `disk` (the SSD tier's
 //! side), `eviction`, `records` (durable per-node records), `ownership` (cluster mode:
 //! the slot groups this master leads), `liveness`, `stats`, `upsert` (atomic
-//! replacement of an object). The
+//! replacement of an object), `held` (placements clients hold ahead of their puts). The
 //! internal index and segment table live in `object` and `segment`.
 
 mod api;
@@ -19,6 +19,7 @@ mod disk;
 mod drain;
 mod eviction;
 mod generations;
+mod held;
 mod liveness;
 mod object;
 mod objects;
@@ -41,6 +42,6 @@ pub use record_link::{RecordConnector, RecordSink, RecordsInFlight};
 pub use service::{Master, MasterService};
 pub(crate) use types::remote_region;
 pub use types::{
-    ClientId, ClientRegistration, EvictionReport, MasterStats, MemoryReplica, ObjectInfo, ObjectRecord, OffloadPlan,
-    OffloadTask, RecordUpdate, ReplicaList, ReplicatePlan, SegmentInfo, SegmentUsage,
+    ClientId, ClientRegistration, EvictionReport, HeldPlacement, MasterStats, MemoryReplica, ObjectInfo, ObjectRecord,
+    OffloadPlan, OffloadTask, RecordUpdate, ReplicaList, ReplicatePlan, SegmentInfo, SegmentUsage,
 };

@@ -10,7 +10,7 @@ use mooncake_alloc::{AllocatedBuffer, AllocationError, AllocationRequest, Segmen
 use crate::config::{check_key, check_value_len, ReplicateConfig};
 use crate::error::{Error, Result};
 use crate::master::eviction::above_watermark;
-use crate::master::object::{ObjectEntry, StoredReplica};
+use crate::master::object::{ObjectEntry, Shard, StoredReplica};
 use crate::master::record_link::RecordWait;
 use crate::master::service::MasterService;
 use crate::master::types::*;
@@ -107,29 +107,10 @@ impl MasterService {
         check_value_len(len)?;
         cfg.check()?;
         let now = self.now_ms();
-        {
-            let mut shard = self.index.shard(key).lock();
-            if let Some(e) = shard.get(key) {
-                if e.complete() || !self.put_expired(e, now) {
-                    return Err(Error::AlreadyExists(key.to_owned()));
-                }
-                // A put that never ended: reclaim it and go on.
-                if let Some(e) = shard.remove(key) {
-                    self.unsent_removals.add(key, self.drop_declared_put(key, &e));
-                }
-                self.counters.pending_puts.fetch_sub(1, Ordering::Relaxed);
-                self.counters.put_timeouts.fetch_add(1, Ordering::Relaxed);
-            }
-        }
+        self.claim_key(&mut self.index.shard(key).lock(), key, now)?;
         let bufs = self.allocate(key, len, cfg, None)?;
+        self.check_replica_count(key, len, bufs.len(), cfg)?;
         if bufs.len() < cfg.replica_num {
-            if cfg.require_all_replicas {
-                return Err(Error::NoSpace {
-                    needed: len,
-                    largest_free: 0,
-                    reason: format!("{key}: only {} of {} replicas could be placed", bufs.len(), cfg.replica_num),
-                });
-            }
             self.counters.under_replicated_puts.fetch_add(1, Ordering::Relaxed);
         }
         let replicas: Vec<MemoryReplica> = bufs.iter().map(MemoryReplica::of).collect();
@@ -138,18 +119,68 @@ impl MasterService {
             // Another put of the same key won the race; our buffers are freed on drop.
             return Err(Error::AlreadyExists(key.to_owned()));
         }
+        self.open_put(&mut shard, key, len, client, now, bufs, (cfg.soft_pin, cfg.soft_pin_ttl_ms()), declared)?;
+        Ok(replicas)
+    }
+
+    /// Makes way for a new put of `key` in its `shard` (locked): `AlreadyExists` if
+    /// the key is an object or a put in progress; a put that never ended (older than
+    /// `put_timeout`) is reclaimed.
+    pub(crate) fn claim_key(&self, shard: &mut Shard, key: &str, now: u64) -> Result<()> {
+        if let Some(e) = shard.get(key) {
+            if e.complete() || !self.put_expired(e, now) {
+                return Err(Error::AlreadyExists(key.to_owned()));
+            }
+            // A put that never ended: reclaim it and go on.
+            if let Some(e) = shard.remove(key) {
+                self.unsent_removals.add(key, self.drop_declared_put(key, &e));
+            }
+            self.counters.pending_puts.fetch_sub(1, Ordering::Relaxed);
+            self.counters.put_timeouts.fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
+    /// `NoSpace` when only `placed` of `cfg`'s replicas of `len` bytes could be placed
+    /// and `cfg` requires them all.
+    pub(crate) fn check_replica_count(&self, what: &str, len: u64, placed: usize, cfg: &ReplicateConfig) -> Result<()> {
+        if placed < cfg.replica_num && cfg.require_all_replicas {
+            return Err(Error::NoSpace {
+                needed: len,
+                largest_free: 0,
+                reason: format!("{what}: only {placed} of {} replicas could be placed", cfg.replica_num),
+            });
+        }
+        Ok(())
+    }
+
+    /// Records `client`'s put of `key` (`len` bytes, into `bufs`, with the soft pin
+    /// `(pin, ttl_ms)`) in its `shard` (locked, the key free), declared with
+    /// `declared`'s checksum if any.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn open_put(
+        &self,
+        shard: &mut Shard,
+        key: &str,
+        len: u64,
+        client: ClientId,
+        now: u64,
+        bufs: Vec<AllocatedBuffer>,
+        (pin, pin_ttl_ms): (bool, u32),
+        declared: Option<u32>,
+    ) -> Result<()> {
         // Again under the shard lock: a group released meanwhile drops what it finds
         // under these locks, so the entry is either refused here or dropped there.
         self.fence(key)?;
         let mut e = ObjectEntry::new(len, client, now);
-        e.set_soft_pin(cfg.soft_pin, cfg.soft_pin_ttl_ms());
+        e.set_soft_pin(pin, pin_ttl_ms);
         e.replicas = bufs.into_iter().map(|buf| StoredReplica::new(buf, false)).collect();
         if let Some(checksum) = declared.filter(|_| self.config.track_records) {
             self.declare(key, &mut e, checksum);
         }
         shard.insert(key, e);
         self.counters.pending_puts.fetch_add(1, Ordering::Relaxed);
-        Ok(replicas)
+        Ok(())
     }
 
     /// A segment came back with its objects. To a master younger than two client
@@ -186,7 +217,7 @@ impl MasterService {
     /// [`allocate`](Self::allocate); without `evict`, only on segments that stay
     /// below the high watermark with the new replica, and never evicting: a drain's
     /// copy must not push other objects out (nor be evicted right after landing).
-    fn allocate_with(
+    pub(crate) fn allocate_with(
         &self,
         key: &str,
         len: u64,

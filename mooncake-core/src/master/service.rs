@@ -32,6 +32,7 @@ pub(crate) struct MasterCounters {
     pub(super) record_failures: AtomicU64,
     pub(super) stale_copies: AtomicU64,
     pub(super) declared_puts: AtomicU64,
+    pub(super) bound_puts: AtomicU64,
 }
 
 /// The master service: an in-process object. Use it through [`Master`].
@@ -87,6 +88,8 @@ pub struct MasterService {
     pub(super) group_recovering: Mutex<ahash::HashMap<u32, u64>>,
     /// Cluster mode: groups taken and given up.
     pub(super) cluster_counters: ClusterCounters,
+    /// Placements clients hold ahead of their puts (`master/held.rs`).
+    pub(super) held: crate::master::held::HeldPlacements,
     /// Drains by node (`master/drain.rs`): what each draining node last reported.
     pub(super) drains: Mutex<ahash::HashMap<String, crate::master::drain::DrainProgress>>,
 }
@@ -158,6 +161,7 @@ impl Master {
             ownership: std::sync::OnceLock::new(),
             group_recovering: Default::default(),
             cluster_counters: Default::default(),
+            held: Default::default(),
             drains: Default::default(),
         });
         spawn_monitor(&service)?;

@@ -96,6 +96,8 @@ impl MasterService {
             stale_copies: c.stale_copies.load(Ordering::Relaxed),
             declared_puts: c.declared_puts.load(Ordering::Relaxed),
             stall_graces: c.stall_graces.load(Ordering::Relaxed),
+            held_placements: self.held.count(),
+            bound_puts: c.bound_puts.load(Ordering::Relaxed),
             allocation_strategy: self.config.allocation_strategy.name().to_owned(),
             segment_usage,
             groups_acquired: self.cluster_counters.groups_acquired.load(Ordering::Relaxed),

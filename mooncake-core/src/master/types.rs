@@ -27,6 +27,22 @@ impl MemoryReplica {
     }
 }
 
+/// Room a client holds ahead of a put whose key it does not know yet
+/// ([`MasterApi::place_ahead`](crate::MasterApi::place_ahead)): the client writes
+/// the next value of this length there, then binds it to its key
+/// ([`MasterApi::put_bind`](crate::MasterApi::put_bind)), saving the `put_start`
+/// round trip.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HeldPlacement {
+    /// Names the placement in `put_bind`.
+    pub id: u64,
+    /// Where to write the value's replicas.
+    pub replicas: Vec<MemoryReplica>,
+    /// How long the master holds it (ms from its answer); then its room is given
+    /// back, and must not be written.
+    pub held_for_ms: u64,
+}
+
 /// The answer to a replica-list call: the complete replicas of an object and the
 /// checksum its bytes must match. The object is leased for `lease`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -171,6 +187,10 @@ pub struct MasterStats {
     pub declared_puts: u64,
     /// Times the master noticed it had itself been stalled and granted a grace period.
     pub stall_graces: u64,
+    /// Placements clients hold ahead of their puts (`place_ahead`), not bound yet.
+    pub held_placements: u64,
+    /// Puts written into a placement held ahead and bound to their key (`put_bind`).
+    pub bound_puts: u64,
     /// Allocation strategy in use.
     pub allocation_strategy: String,
     /// Bytes of memory the object index uses, keys included (an estimate from the
@@ -215,6 +235,8 @@ impl MasterStats {
             stale_copies,
             declared_puts,
             stall_graces,
+            held_placements,
+            bound_puts,
             metadata_bytes,
             key_bytes,
             groups_acquired,

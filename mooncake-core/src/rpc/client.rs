@@ -15,9 +15,9 @@ use parking_lot::Mutex;
 use crate::config::ReplicateConfig;
 use crate::error::{Error, Result};
 use crate::master::{
-    master_calls, ClientId, ClientRegistration, DrainProgress, MasterApi, MasterStats, MemoryReplica, ObjectInfo,
-    ObjectRecord, OffloadPlan, RecordConnector, RecordSink, RecordUpdate, RecordsInFlight, ReplicaList, ReplicatePlan,
-    SegmentInfo,
+    master_calls, ClientId, ClientRegistration, DrainProgress, HeldPlacement, MasterApi, MasterStats, MemoryReplica,
+    ObjectInfo, ObjectRecord, OffloadPlan, RecordConnector, RecordSink, RecordUpdate, RecordsInFlight, ReplicaList,
+    ReplicatePlan, SegmentInfo,
 };
 use crate::rpc::convert::{BatchLen, IntoWire};
 use crate::rpc::handler::local_sockets_enabled;

@@ -21,8 +21,8 @@ use crate::config::ReplicateConfig;
 use crate::error::Error;
 use crate::error::Result;
 use crate::master::{
-    master_calls, ClientId, ClientRegistration, DrainProgress, MasterStats, MemoryReplica, ObjectInfo, ObjectRecord,
-    OffloadPlan, RecordUpdate, ReplicaList, ReplicatePlan, SegmentInfo,
+    master_calls, ClientId, ClientRegistration, DrainProgress, HeldPlacement, MasterStats, MemoryReplica, ObjectInfo,
+    ObjectRecord, OffloadPlan, RecordUpdate, ReplicaList, ReplicatePlan, SegmentInfo,
 };
 use mooncake_transfer::RemoteRegion;
 
@@ -33,7 +33,7 @@ pub const MAGIC: [u8; 4] = *b"MCRP";
 /// `DrainReport`, `DrainStatus` and `RecordUpdate::Drain`; 10: `BatchDropSpareReplicas`;
 /// 11: `NotifyOffloadSuccess` carries each task's generation; 12: `PutStartSummed`,
 /// `BatchPutStartSummed`; 13: `PutDeclare`, `BatchPutDeclare`; 14: `LocalEndpoint`).
-pub const VERSION: u8 = 14;
+pub const VERSION: u8 = 15;
 /// Bytes in a frame header.
 pub const HEADER_LEN: usize = 20;
 /// Default largest body accepted (64 MiB).

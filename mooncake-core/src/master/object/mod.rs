@@ -10,4 +10,4 @@ mod shard;
 
 pub(crate) use entry::{ObjectEntry, Replicas, StagedUpsert, StoredReplica};
 pub(crate) use index::{entry_heap_bytes, table_bytes, ObjectIndex, SHARDS};
-pub(crate) use shard::Totals;
+pub(crate) use shard::{Shard, Totals};
