@@ -1005,6 +1005,64 @@ fn a_kept_list_too_large_for_the_buffer_asks_the_master() {
     assert!(matches!(reader.get_into("k", &mut tiny), Err(Error::BufferTooSmall { .. })));
 }
 
+/// Device puts into mapped memory through a master daemon use room held ahead: the
+/// first of a size is placed by a start and asks for room ahead of the next; each
+/// next one of that size is written there at once and bound to its key beside its
+/// DMA (`put_bind`, which asks for the next room). Every value reads back exactly
+/// and nothing is left in progress; a put of a key that exists fails as before, its
+/// room given back; smaller values and a master in the process hold nothing.
+#[test]
+fn device_puts_through_a_master_daemon_write_into_room_held_ahead() {
+    let daemon = MasterDaemon::builder("127.0.0.1:0").config(MasterConfig::served()).serve().unwrap();
+    let addr = daemon.local_addr().to_string();
+    let holder = Store::builder()
+        .master_address(&addr)
+        .listen("127.0.0.1:0")
+        .protocol(Protocol::Shm)
+        .global_segment_size(32 << 20)
+        .build()
+        .unwrap();
+    let client = Store::builder().master_address(&addr).protocol(Protocol::Shm).global_segment_size(0).build().unwrap();
+    let stats = || daemon.master().stats();
+    const MIB: usize = 1 << 20;
+    let dev = HostDeviceMemory::new(8 << 20).unwrap();
+    let values: Vec<Vec<u8>> = (0..5).map(|i| payload(40 + i, MIB)).collect();
+    for (i, v) in values.iter().enumerate() {
+        dev.copy_from_host((i * MIB) as u64, v).unwrap();
+        client.put_from_device(&format!("d{i}"), &dev, (i * MIB) as u64, MIB as u64).unwrap();
+    }
+    let s = stats();
+    assert_eq!(s.bound_puts, 4, "every put after the first of its size");
+    assert_eq!(s.declared_puts, 5, "a bound put is declared");
+    assert_eq!((s.pending_puts, s.held_placements), (0, 1), "room held for the next put only");
+    for (i, v) in values.iter().enumerate() {
+        assert_eq!(&holder.get(&format!("d{i}")).unwrap()[..], &v[..], "d{i}");
+    }
+    let used = stats().used_bytes;
+    assert!(matches!(client.put_from_device("d0", &dev, MIB as u64, MIB as u64), Err(Error::AlreadyExists(_))));
+    let s = stats();
+    assert_eq!((s.bound_puts, s.held_placements, s.pending_puts), (4, 0, 0), "the room is given back");
+    assert_eq!(s.used_bytes, used - MIB as u64);
+    assert_eq!(&holder.get("d0").unwrap()[..], &values[0][..], "the object stays as it was");
+    // Placed by a start again, asking for room ahead again.
+    client.put_from_device("d5", &dev, 0, MIB as u64).unwrap();
+    assert_eq!((stats().bound_puts, stats().held_placements), (4, 1));
+    // Below 1 MiB: placed as before, holding nothing more.
+    client.put_from_device("small", &dev, 0, (MIB / 2) as u64).unwrap();
+    client.put_from_device("small2", &dev, 0, (MIB / 2) as u64).unwrap();
+    assert_eq!((stats().bound_puts, stats().held_placements), (4, 1));
+    assert_eq!(&holder.get("small2").unwrap()[..], &values[0][..MIB / 2]);
+    drop((client, holder));
+
+    // A master in this process: no round trip to save, nothing held.
+    let master = Master::new(MasterConfig::served()).unwrap();
+    let local = Store::builder().master(&master).global_segment_size(8 << 20).build().unwrap();
+    for i in 0..3 {
+        local.put_from_device(&format!("d{i}"), &dev, 0, MIB as u64).unwrap();
+    }
+    assert_eq!((master.stats().bound_puts, master.stats().held_placements), (0, 0));
+}
+
 /// Which puts declare their checksum when they are placed (their records then go to
 /// the nodes while the bytes are written), counted by the master: through a master
 /// daemon, host values up to 256 KiB (single and batch; up to 1 MiB while every

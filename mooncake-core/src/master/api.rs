@@ -313,9 +313,29 @@ macro_rules! define_master_api {
         /// batch form (one round trip over the network).
         pub trait MasterApi: Send + Sync {
             $( $(#[$doc])* fn $name(&self $(, $arg: $ty)*) -> $ret; )*
+
+            /// A mark of the master as this client reaches it now, for
+            /// [`unchanged_since`](Self::unchanged_since).
+            fn continuity_mark(&self) -> u64 {
+                0
+            }
+
+            /// Whether the master has certainly run without a restart since `mark`
+            /// ([`continuity_mark`](Self::continuity_mark)) was taken: what a client
+            /// checks before it writes into room the master gave it earlier
+            /// ([`place_ahead`](Self::place_ahead)), which a restarted master may have
+            /// given to another object. The default makes no such promise (`false`).
+            fn unchanged_since(&self, _mark: u64) -> bool {
+                false
+            }
         }
 
         impl MasterApi for MasterService {
+            /// A master in this process runs as long as its handle.
+            fn unchanged_since(&self, _mark: u64) -> bool {
+                true
+            }
+
             $(
                 #[inline]
                 fn $name(&self $(, $arg: $ty)*) -> $ret {

@@ -34,6 +34,8 @@ pub struct RpcMasterClient {
     addr: String,
     pool: Mutex<Vec<Conn>>,
     next_id: AtomicU64,
+    /// Connections opened so far: each is numbered (`Conn::serial`) in turn.
+    dialed: AtomicU64,
     timeout: Duration,
     secret: Option<SharedSecret>,
 }
@@ -59,17 +61,30 @@ impl RpcMasterClient {
     /// [`connect_with`](Self::connect_with) where a call fails with `Timeout` when the
     /// master does not answer within `timeout`.
     pub fn connect_with_timeout(addr: &str, secret: Option<SharedSecret>, timeout: Duration) -> Result<Self> {
-        let client =
-            Self { addr: addr.to_owned(), pool: Mutex::new(Vec::new()), next_id: AtomicU64::new(1), timeout, secret };
+        let client = Self {
+            addr: addr.to_owned(),
+            pool: Mutex::new(Vec::new()),
+            next_id: AtomicU64::new(1),
+            dialed: AtomicU64::new(0),
+            timeout,
+            secret,
+        };
         let conn = client.dial()?;
         client.pool.lock().push(conn);
         Ok(client)
     }
 
+    /// A new connection to the server, numbered after every one before it.
+    fn dial(&self) -> Result<Conn> {
+        let mut conn = self.open()?;
+        conn.serial = self.dialed.fetch_add(1, Ordering::SeqCst) + 1;
+        Ok(conn)
+    }
+
     /// A new connection to the server: over TCP, then, for a server on this host
     /// (dialed over loopback or at this host's own address) that has one, moved to
     /// its Unix socket (see `rpc::socket`); on TCP still if that fails.
-    fn dial(&self) -> Result<Conn> {
+    fn open(&self) -> Result<Conn> {
         let unavailable = |e: std::io::Error| Error::MasterUnavailable(format!("{}: {e}", self.addr));
         let addrs: Vec<_> = self.addr.to_socket_addrs().map_err(unavailable)?.collect();
         let mut last = Error::MasterUnavailable(format!("{}: no address", self.addr));
@@ -110,7 +125,7 @@ impl RpcMasterClient {
         if let Some(secret) = &self.secret {
             secret.prove(&s, &self.addr).map_err(Error::MasterUnavailable)?;
         }
-        Ok(Conn { stream: ClientSocket::Tcp(s), buf: Vec::new() })
+        Ok(Conn { stream: ClientSocket::Tcp(s), buf: Vec::new(), serial: 0 })
     }
 
     /// Asks the server on `tcp` (on this host) for its Unix socket and
@@ -142,7 +157,7 @@ impl RpcMasterClient {
         if let Some(secret) = &self.secret {
             secret.prove_unix(&u, &local_auth_name(name)).map_err(std::io::Error::other)?;
         }
-        let mut conn = Conn { stream: ClientSocket::Unix(u), buf: Vec::new() };
+        let mut conn = Conn { stream: ClientSocket::Unix(u), buf: Vec::new(), serial: 0 };
         if self.secret.is_none() {
             self.ask_local_endpoint(&mut conn)?;
         }
@@ -172,7 +187,7 @@ impl RpcMasterClient {
     /// that a timeout stays a timeout). One `read` takes the whole answer when it
     /// fits the connection's buffer (the header and the body together).
     fn read_answer(conn: &mut Conn, id: u64) -> std::io::Result<Response> {
-        let Conn { stream, buf } = conn;
+        let Conn { stream, buf, .. } = conn;
         if buf.len() < READ_BUFFER {
             buf.resize(READ_BUFFER, 0);
         }
@@ -357,6 +372,28 @@ const READ_BUFFER: usize = 16 << 10;
 struct Conn {
     stream: ClientSocket,
     buf: Vec<u8>,
+    /// Its number among the client's connections, in the order they were opened.
+    serial: u64,
+}
+
+impl Conn {
+    /// Whether the connection is open with nothing to read: its server (the process
+    /// that accepted it) still runs. A server that exited closed it; one that wrote
+    /// what no call waits for is out of step.
+    fn open_and_idle(&self) -> bool {
+        let mut byte = 0u8;
+        // SAFETY: the descriptor is the open socket this connection owns; `recv`
+        // peeks at most one byte into the live local `byte`.
+        let n = unsafe {
+            libc::recv(
+                std::os::fd::AsRawFd::as_raw_fd(&self.stream),
+                (&mut byte as *mut u8).cast(),
+                1,
+                libc::MSG_PEEK | libc::MSG_DONTWAIT,
+            )
+        };
+        n < 0 && std::io::Error::last_os_error().kind() == std::io::ErrorKind::WouldBlock
+    }
 }
 
 /// A request written to a master and not answered yet: the first half of a call
@@ -468,6 +505,19 @@ macro_rules! impl_rpc_client {
     ($( $(#[$doc:meta])* $variant:ident => fn $name:ident ( $( $arg:ident : $ty:ty => $wire:ty ),* $(,)? ) -> $ret:ty
         => $route:ident $( ( $($how:tt)* ) )? $( + $hook:ident )?; )*) => {
         impl MasterApi for RpcMasterClient {
+            /// The number of connections opened so far.
+            fn continuity_mark(&self) -> u64 {
+                self.dialed.load(Ordering::SeqCst)
+            }
+
+            /// An idle connection opened before `mark` was taken is still open: the
+            /// master process that accepted it has run ever since (a restart closes
+            /// every connection). No such connection idle (all busy, or none left):
+            /// no promise.
+            fn unchanged_since(&self, mark: u64) -> bool {
+                self.pool.lock().iter().any(|c| c.serial <= mark && c.open_and_idle())
+            }
+
             $(
                 fn $name(&self $(, $arg: $ty)*) -> $ret {
                     let items: Option<usize> = if <$ret as WireReturn>::BATCH {

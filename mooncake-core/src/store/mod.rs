@@ -3,8 +3,10 @@
 //!
 //! Every put form is an adapter over the one write engine (`write.rs`), every get
 //! form over the one read engine (`read.rs`); `session.rs` connects, heartbeats
-//! and leaves; `device/` adds device memory as one more source and destination.
+//! and leaves; `device/` adds device memory as one more source and destination;
+//! `ahead.rs` keeps the room a master daemon holds ahead of device puts.
 
+mod ahead;
 mod buffers;
 mod builder;
 #[cfg(feature = "etcd")]
@@ -139,6 +141,8 @@ struct StoreInner {
     /// Segments this store maps (its own, same-host peers') page-locked for DMA to and
     /// from device memory; unpinned and unmapped with the store.
     pinned: device::PinnedRegions,
+    /// Room the master holds ahead of this client's device puts (`ahead.rs`).
+    ahead: ahead::PlacementsAhead,
 }
 
 /// Cluster mode's part of a store (see `cluster`).

@@ -298,6 +298,7 @@ impl Store {
             cluster,
             _heartbeat_stop: stop_tx,
             pinned: Default::default(),
+            ahead: Default::default(),
         });
         // Heartbeats get their own thread so that no amount of I/O delays them.
         let weak: Weak<StoreInner> = Arc::downgrade(&inner);

@@ -18,13 +18,14 @@ use mooncake_gpu::DeviceMemory;
 use mooncake_transfer::{TransferRequest, WorkOp};
 use smallvec::SmallVec;
 
+use super::ahead::HOLD_FROM;
 use super::device::{move_device, stream_writes, Copies, DeviceMove, Directs, Keep, StreamWrite};
 use super::routes::Route;
 use super::stats::StoreCounters;
 use super::StoreInner;
 use crate::config::{check_key, check_value_len, ReplicateConfig};
 use crate::error::{Error, Result};
-use crate::master::{ClientId, MasterApi, MemoryReplica};
+use crate::master::{ClientId, HeldPlacement, MasterApi, MemoryReplica};
 
 /// Puts of host values up to this many bytes each are summed before they are placed,
 /// and the checksum declared with the placement (`put_start_summed`): a master daemon
@@ -178,6 +179,12 @@ pub(super) struct Writing<'a> {
     /// ([`declare_checksums`]) or beside its DMA ([`StoreInner::declare_on_the_way`]);
     /// either way it was taken from the whole source.
     declared: bool,
+    /// This round's placement is one held ahead (its id), not bound to the key yet
+    /// (see `ahead.rs`).
+    held: Option<u64>,
+    /// The master has this round's put of the key in progress for this client (to
+    /// end or revoke): placed by a start, or a held placement bound.
+    started: bool,
 }
 
 impl<'a> Writing<'a> {
@@ -189,7 +196,18 @@ impl<'a> Writing<'a> {
     }
 
     fn new(key: &'a str, len: u64, bytes: Bytes<'a>, crc: Option<u32>) -> Self {
-        Writing { key, len, bytes, placed: Placed::new(), failed: None, staged: false, crc, declared: false }
+        Writing {
+            key,
+            len,
+            bytes,
+            placed: Placed::new(),
+            failed: None,
+            staged: false,
+            crc,
+            declared: false,
+            held: None,
+            started: false,
+        }
     }
 
     /// The device memory and range of a device item not summed yet (and not
@@ -331,10 +349,21 @@ impl StoreInner {
         attempt: usize,
     ) -> Vec<usize> {
         let client = self.client();
+        // Device puts into room held ahead start without a master call.
+        let held: Vec<Option<HeldPlacement>> = pending
+            .iter()
+            .map(|&i| {
+                let w = writing[i].as_ref()?;
+                let holds = mode == WriteMode::Put && self.master_is_remote && holds_ahead(w);
+                holds.then(|| self.ahead.take(&*self.master, client, w.len, cfg)).flatten()
+            })
+            .collect();
         let starts = {
             let items: Vec<(&str, u64, Option<u32>)> = pending
                 .iter()
-                .filter_map(|&i| writing[i].as_ref().map(|w| (w.key, w.len, w.crc.filter(|_| w.declared))))
+                .zip(&held)
+                .filter(|(_, h)| h.is_none())
+                .filter_map(|(&i, _)| writing[i].as_ref().map(|w| (w.key, w.len, w.crc.filter(|_| w.declared))))
                 .collect();
             // A call placed with a plain start (some item not declared) leaves the
             // master without the checksums of the others: declared again on the way,
@@ -346,14 +375,24 @@ impl StoreInner {
                     }
                 }
             }
-            mode.start(&*self.master, client, &items, cfg)
+            let mut started =
+                if items.is_empty() { Vec::new() } else { mode.start(&*self.master, client, &items, cfg) }.into_iter();
+            let unanswered = || Err(Error::MasterUnavailable("no placement in the master's answer".into()));
+            held.into_iter()
+                .map(|h| match h {
+                    Some(h) => (Some(h.id), Ok(h.replicas)),
+                    None => (None, started.next().unwrap_or_else(unanswered)),
+                })
+                .collect::<Vec<_>>()
         };
         let mut again = Vec::new();
         let mut placed = Vec::with_capacity(pending.len());
-        for (&i, start) in pending.iter().zip(starts) {
+        for (&i, (held, start)) in pending.iter().zip(starts) {
             let Some(w) = writing[i].as_mut() else { continue };
             w.failed = None;
             w.placed.clear();
+            w.held = held;
+            w.started = held.is_none() && start.is_ok();
             match start {
                 Ok(replicas) => {
                     for r in replicas {
@@ -382,12 +421,19 @@ impl StoreInner {
         placed.iter().for_each(|&i| is_placed[i] = true);
         let mut round: Vec<&mut Writing<'_>> =
             writing.iter_mut().enumerate().filter_map(|(i, w)| if is_placed[i] { w.as_mut() } else { None }).collect();
-        let declare = (mode == WriteMode::Put && self.master_is_remote).then_some(client);
+        let declare = (mode == WriteMode::Put && self.master_is_remote).then_some((client, cfg));
         let failed_segments = self.write_replicas(&mut round, directs, declare);
         for (segment, e) in &failed_segments {
             self.report_failed_segment(*segment, e);
         }
         let sums = item_checksums(&mut round);
+        // Room held ahead that the DMA's shadow did not bind (a replica not in
+        // mapped memory): bound now, before the end.
+        for (w, &crc) in round.iter_mut().zip(&sums) {
+            if let (Some(id), None) = (w.held, &w.failed) {
+                self.bind(client, cfg, w, id, crc, false);
+            }
+        }
         let mut ends: SmallVec<[(&str, u32); 4]> = SmallVec::new();
         let mut ended: SmallVec<[usize; 4]> = SmallVec::new();
         let mut revokes: SmallVec<[&str; 4]> = SmallVec::new();
@@ -399,8 +445,14 @@ impl StoreInner {
                 }
                 Some(e) => {
                     results[i] = Err(e.clone());
-                    revokes.push(w.key);
-                    again.push(i);
+                    if w.started {
+                        revokes.push(w.key);
+                    }
+                    // A key taken, found when binding room held ahead: final, as
+                    // from a start.
+                    if w.started || !matches!(e, Error::AlreadyExists(_)) {
+                        again.push(i);
+                    }
                 }
             }
         }
@@ -474,14 +526,14 @@ impl StoreInner {
     /// Writes every replica of every item in `round` to where it was placed:
     /// device memory directly where the route moves it, everything else in one
     /// transfer batch. Sets each item's `failed`; returns the segments that failed.
-    /// `declare`: the items are puts of this client whose checksums, once summed
-    /// beside their DMA, are declared to the master while the DMA runs (see
-    /// [`declare_checksums`]).
+    /// `declare`: the items are puts of this client (with this replication) whose
+    /// checksums, once summed beside their DMA, are declared to the master while the
+    /// DMA runs (see [`declare_checksums`]), and whose room held ahead is bound there.
     pub(super) fn write_replicas(
         &self,
         round: &mut [&mut Writing<'_>],
         directs: &Directs<'_>,
-        declare: Option<ClientId>,
+        declare: Option<(ClientId, &ReplicateConfig)>,
     ) -> Vec<(SegmentId, Error)> {
         let mut failed_segments: Vec<(SegmentId, Error)> = Vec::new();
         // Device memory first: a replica whose peer turns out to have no RDMA link
@@ -568,8 +620,8 @@ impl StoreInner {
             // copy instead of following it.
             sum_on_device(round, copies.items());
             // Their records then travel while the DMA still runs.
-            if let Some(client) = declare {
-                self.declare_on_the_way(client, round, copies.items());
+            if let Some((client, cfg)) = declare {
+                self.declare_on_the_way(client, cfg, round, copies.items());
             }
             // A failed DMA is the device's, not the segment's: the item fails.
             for (k, e) in copies.finish().failed {
@@ -659,29 +711,79 @@ impl StoreInner {
     /// yet (`put_declare`): the nodes' records then go out while the bytes are still
     /// being written, and `put_end` rarely waits for them. An item the master does
     /// not take stays undeclared (its end records it).
+    ///
+    /// Items in room held ahead are bound to their key instead (`put_bind`, which
+    /// asks for room ahead of the next put of the size); for the others of
+    /// [`HOLD_FROM`] bytes and up, room is asked for ahead of the next put of their
+    /// size where none is held. All while the DMA runs.
     fn declare_on_the_way(
         &self,
         client: ClientId,
+        cfg: &ReplicateConfig,
         round: &mut [&mut Writing<'_>],
         of: impl IntoIterator<Item = usize>,
     ) {
-        let mut ready: SmallVec<[(usize, u32); 4]> = of
+        let mut of: SmallVec<[usize; 4]> = of.into_iter().filter(|&k| round[k].failed.is_none()).collect();
+        of.sort_unstable();
+        of.dedup();
+        // Placed by a start: ask for room ahead of the next put of their size.
+        let mut asks: SmallVec<[usize; 4]> = of.iter().copied().filter(|&k| round[k].held.is_none()).collect();
+        let ready: SmallVec<[(usize, u32); 4]> = of
             .into_iter()
-            .filter(|&k| !round[k].declared && round[k].failed.is_none())
+            .filter(|&k| !round[k].declared)
             .filter_map(|k| round[k].crc.map(|crc| (k, crc)))
             .collect();
-        ready.sort_unstable();
-        ready.dedup();
-        let items: SmallVec<[(&str, u32); 4]> = ready.iter().map(|&(k, crc)| (round[k].key, crc)).collect();
+        let mut declares: SmallVec<[usize; 4]> = SmallVec::new();
+        for &(k, crc) in &ready {
+            match round[k].held {
+                Some(id) => self.bind(client, cfg, round[k], id, crc, true),
+                None => declares.push(k),
+            }
+        }
+        let items: SmallVec<[(&str, u32); 4]> =
+            declares.iter().map(|&k| (round[k].key, round[k].crc.unwrap_or(0))).collect();
         let declared = match items[..] {
-            [] => return,
+            [] => Vec::new(),
             [(key, crc)] => vec![self.master.put_declare(client, key, crc)],
             _ => self.master.batch_put_declare(client, &items),
         };
-        for (&(k, _), res) in ready.iter().zip(declared) {
+        for (&k, res) in declares.iter().zip(declared) {
             round[k].declared = res.is_ok();
         }
+        // Room ahead of the next put of each size written here that holds none.
+        asks.retain(|k| round[*k].failed.is_none());
+        for k in asks {
+            let w = &round[k];
+            if holds_ahead(w) && !self.ahead.holds_or_rests(client, w.len, cfg) {
+                self.ahead.ask(&*self.master, client, w.len, cfg);
+            }
+        }
     }
+
+    /// Binds item `w`'s room held ahead (`id`), written, to its key with its
+    /// checksum `crc` (`put_bind`); with `ahead`, keeps the room the master holds
+    /// ahead of the next put of its size with `cfg`. An item the master does not bind fails
+    /// (placed again, unless its key is taken).
+    fn bind(&self, client: ClientId, cfg: &ReplicateConfig, w: &mut Writing<'_>, id: u64, crc: u32, ahead: bool) {
+        w.held = None;
+        let mark = self.master.continuity_mark();
+        match self.master.put_bind(client, id, w.key, crc, ahead) {
+            Ok(next) => {
+                w.started = true;
+                w.declared = true;
+                if let Some(next) = next {
+                    self.ahead.keep(client, w.len, cfg, mark, Instant::now(), next);
+                }
+            }
+            Err(e) => w.failed = Some(e),
+        }
+    }
+}
+
+/// Whether item `w` is one that holds room ahead of its puts: device bytes of
+/// [`HOLD_FROM`] and up (see `ahead.rs`).
+fn holds_ahead(w: &Writing<'_>) -> bool {
+    matches!(w.bytes, Bytes::Device { .. }) && w.len >= HOLD_FROM && w.failed.is_none()
 }
 
 /// A device item: moved by RDMA where it can be (`direct`, its registration), by
