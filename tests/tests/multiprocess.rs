@@ -96,6 +96,31 @@ fn a_killed_and_restarted_master_is_repopulated_by_the_nodes() {
     assert_eq!(c.get_bytes(&dir, "after-restart").unwrap(), payload(77, 100_000));
 }
 
+/// What a store checks before it writes into room a master daemon held ahead of its
+/// put (a restarted master may have given that room to another object): the
+/// client's continuity mark holds while the master process runs, over many calls,
+/// and no longer once the master was killed and started again on its address; a
+/// mark taken after holds.
+#[test]
+fn a_killed_master_breaks_the_continuity_its_clients_check() {
+    use mooncake_core::rpc::RpcMasterClient;
+    use mooncake_core::MasterApi;
+    let mut c = Cluster::start(&[], 0);
+    let client = RpcMasterClient::connect(&c.master_addr).unwrap();
+    let mark = client.continuity_mark();
+    assert!(client.unchanged_since(mark), "the master runs");
+    for _ in 0..10 {
+        assert!(!client.exists("k").unwrap());
+    }
+    assert!(client.unchanged_since(mark), "calls go on over the connections opened before the mark");
+    c.master.kill9();
+    c.restart_master();
+    support::wait_until(Duration::from_secs(10), || client.exists("k").is_ok());
+    assert!(!client.unchanged_since(mark), "the master restarted since the mark");
+    let after = client.continuity_mark();
+    assert!(client.unchanged_since(after));
+}
+
 #[test]
 fn a_stopped_master_expires_nobody_when_it_resumes() {
     let c = Cluster::start(&["--client-ttl-ms", "1000"], 2);

@@ -728,11 +728,8 @@ impl StoreInner {
         of.dedup();
         // Placed by a start: ask for room ahead of the next put of their size.
         let mut asks: SmallVec<[usize; 4]> = of.iter().copied().filter(|&k| round[k].held.is_none()).collect();
-        let ready: SmallVec<[(usize, u32); 4]> = of
-            .into_iter()
-            .filter(|&k| !round[k].declared)
-            .filter_map(|k| round[k].crc.map(|crc| (k, crc)))
-            .collect();
+        let ready: SmallVec<[(usize, u32); 4]> =
+            of.into_iter().filter(|&k| !round[k].declared).filter_map(|k| round[k].crc.map(|crc| (k, crc))).collect();
         let mut declares: SmallVec<[usize; 4]> = SmallVec::new();
         for &(k, crc) in &ready {
             match round[k].held {
