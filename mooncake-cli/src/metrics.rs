@@ -69,6 +69,18 @@ pub fn prometheus_text(stats: &MasterStats, rpc: Option<&RpcServerStats>) -> Str
         stats.declared_puts as f64,
     );
     gauge(
+        "held_placements",
+        "Room clients hold ahead of their next put (place_ahead), not bound yet.",
+        "gauge",
+        stats.held_placements as f64,
+    );
+    gauge(
+        "bound_puts_total",
+        "Puts written into room held ahead and bound to their key (put_bind).",
+        "counter",
+        stats.bound_puts as f64,
+    );
+    gauge(
         "stale_copies_total",
         "Records and disk files nodes offered back that were refused as older than the key's last put or remove.",
         "counter",

@@ -5,6 +5,7 @@
 
 mod support;
 
+use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 use std::time::Duration;
 
@@ -216,13 +217,16 @@ proptest! {
                     }
                     let p = held[c].remove(n % held[c].len());
                     let res = m.put_bind(clients[c], p.id, &format!("k{k}"), 7, ahead);
-                    if keys.contains_key(&k) {
-                        prop_assert!(matches!(res, Err(Error::AlreadyExists(_))), "{:?}", res);
-                    } else {
-                        let next = res.unwrap();
-                        prop_assert_eq!(next.is_some(), ahead);
-                        held[c].extend(next);
-                        keys.insert(k, (Some(c), p.replicas, 7));
+                    match keys.entry(k) {
+                        Entry::Occupied(_) => {
+                            prop_assert!(matches!(res, Err(Error::AlreadyExists(_))), "{:?}", res)
+                        }
+                        Entry::Vacant(free) => {
+                            let next = res.unwrap();
+                            prop_assert_eq!(next.is_some(), ahead);
+                            held[c].extend(next);
+                            free.insert((Some(c), p.replicas, 7));
+                        }
                     }
                 }
                 Op::Put { c, k, len } => {

@@ -44,11 +44,22 @@ struct Held {
 }
 
 /// The placements this client holds, one per size and replication.
-#[derive(Default)]
 pub(super) struct PlacementsAhead {
+    /// Off with `MOONCAKE_PLACE_AHEAD=0` (every put placed by a start, as before).
+    enabled: bool,
     held: Mutex<SmallVec<[Held; SIZES]>>,
     /// Until when not to ask (the master refused).
     resting_until: Mutex<Option<Instant>>,
+}
+
+impl Default for PlacementsAhead {
+    fn default() -> Self {
+        Self {
+            enabled: std::env::var("MOONCAKE_PLACE_AHEAD").map_or(true, |v| v.trim() != "0"),
+            held: Default::default(),
+            resting_until: Default::default(),
+        }
+    }
 }
 
 impl PlacementsAhead {
@@ -72,7 +83,8 @@ impl PlacementsAhead {
     /// Whether a placement for `client`'s puts of `len` bytes with `cfg` is held or
     /// should not be asked for now.
     pub(super) fn holds_or_rests(&self, client: ClientId, len: u64, cfg: &ReplicateConfig) -> bool {
-        self.resting_until.lock().is_some_and(|until| Instant::now() < until)
+        !self.enabled
+            || self.resting_until.lock().is_some_and(|until| Instant::now() < until)
             || self.held.lock().iter().any(|h| h.client == client && h.len == len && h.cfg == *cfg)
     }
 
