@@ -92,6 +92,13 @@ if want bench; then
     # to device puts' two round trips, in the same run as the main bench.
     step gpu-store-bench-tcp-rpc bash -c 'MOONCAKE_RPC_UNIX=0 example "$@"' _ examples gpu_store --bench \
         --iters "$ITERS" --min-size $((4 << 20)) --max-size $((16 << 20)) --replicas own_remote_master,shm_peer
+    # Device puts placed by a start before their DMA (MOONCAKE_PLACE_AHEAD=0) against
+    # the default (room held ahead, bound beside the DMA), 1-16 MiB, with a master
+    # daemon: what it does to the put's round trip before the DMA, in the same run.
+    step gpu-store-bench-no-ahead bash -c 'MOONCAKE_PLACE_AHEAD=0 example "$@"' _ examples gpu_store --bench \
+        --iters "$ITERS" --min-size $((1 << 20)) --max-size $((16 << 20)) --replicas own_remote_master,shm_peer
+    step gpu-store-bench-ahead example examples gpu_store --bench \
+        --iters "$ITERS" --min-size $((1 << 20)) --max-size $((16 << 20)) --replicas own_remote_master,shm_peer
     step gpu-sweep example mooncake-gpu gpu_sweep --iters "$ITERS"
     step gpu-sweep-staging example mooncake-gpu gpu_sweep --staging --iters "$ITERS"
     # Where a device checksum's time goes: its kernels with parts cut out.

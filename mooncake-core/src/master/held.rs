@@ -96,7 +96,9 @@ impl MasterService {
         self.check_replica_count("a placement ahead", len, bufs.len(), cfg)?;
         let held_for_ms = HOLD_MS.min(self.config.put_timeout.as_millis() as u64);
         let replicas = bufs.iter().map(MemoryReplica::of).collect();
-        let id = self.held.next_id.fetch_add(1, Ordering::Relaxed) + 1;
+        // Numbered from this start's random incarnation: an id a client kept from
+        // a master that restarted names nothing here.
+        let id = self.incarnation.wrapping_add(self.held.next_id.fetch_add(1, Ordering::Relaxed) + 1);
         let until_ms = now + held_for_ms;
         self.held.by_id.lock().insert(id, Held { client, len, cfg: cfg.clone(), bufs, until_ms });
         Ok(HeldPlacement { id, replicas, held_for_ms })
