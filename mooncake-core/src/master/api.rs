@@ -276,10 +276,11 @@ macro_rules! master_calls {
             BatchPutDeclare => fn batch_put_declare(client: ClientId => ClientId, items: &[(&str, u32)] => Vec<(String, u32)>)
                 -> Vec<Result<()>> => by_keys(items);
             /// Holds room for this client's next put of `len` bytes with `cfg`, before
-            /// its key is known: the client writes the value there and binds it with
-            /// [`put_bind`](crate::MasterApi::put_bind), one round trip instead of
-            /// `put_start`'s before the write and `put_end`'s after. Never evicts.
-            /// Not offered in cluster mode.
+            /// its key is known: the client writes the value there, binds it with
+            /// [`put_bind`](crate::MasterApi::put_bind) while it writes, and ends it
+            /// with [`put_end`](crate::MasterApi::put_end): no `put_start` round trip
+            /// before the bytes move. The room is freed when its hold ends
+            /// (`held_for_ms`) unless bound. Never evicts. Not offered in cluster mode.
             PlaceAhead => fn place_ahead(
                 client: ClientId => ClientId,
                 len: u64 => u64,
@@ -291,7 +292,9 @@ macro_rules! master_calls {
             /// [`put_start_summed`](crate::MasterApi::put_start_summed) declares it,
             /// which [`put_end`](crate::MasterApi::put_end) ends. With `ahead`, also
             /// holds a placement like it for the next put. `AlreadyExists` for a key
-            /// taken (the placement given back), `NotFound` for a placement not held.
+            /// taken, `NotFound` for a placement not held (a refused placement binds
+            /// no more; its room is freed when its hold ends). Asked again with the
+            /// same key, answers `Ok(None)`.
             PutBind => fn put_bind(
                 client: ClientId => ClientId,
                 placement: u64 => u64,

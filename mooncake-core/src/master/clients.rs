@@ -178,7 +178,7 @@ impl MasterService {
             |k, e| self.unsent_removals.add(k, self.drop_declared_put(k, e)),
         );
         self.drop_upserts_of(client);
-        self.give_back_held_of(client);
+        self.close_held_of(client);
         removed + removed_pending
     }
 
@@ -189,7 +189,7 @@ impl MasterService {
         if segments.is_empty() {
             return 0;
         }
-        self.give_back_held_on(segments);
+        self.close_held_on(segments);
         let mut removed = 0;
         let now = self.now_ms();
         for shard in self.index.shards() {

@@ -55,7 +55,7 @@ impl MasterService {
             self.counters.put_timeouts.fetch_add(timed_out as u64, Ordering::Relaxed);
         }
         self.free_orphaned_upserts(now);
-        self.give_back_expired_held(now);
+        self.free_expired_held(now);
         self.free_retired(now);
         self.evict_if_needed();
         // Eviction notices delivered (or whose node was forgotten) need no waiting.

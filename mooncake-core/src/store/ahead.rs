@@ -26,6 +26,12 @@ use crate::master::{ClientId, HeldPlacement, MasterApi};
 /// Device values from this size hold placements ahead: their DMA (25 us and more
 /// at 1 MiB over PCIe 5) hides the bind's round trip.
 pub(super) const HOLD_FROM: u64 = 1 << 20;
+/// Nor larger than this: the DMA into held room must end well within the
+/// master's hold (500 ms; 64 MiB take 1-3 ms over PCIe 4 and 5), for a refused
+/// bind leaves the room to be freed then.
+pub(super) const HOLD_UP_TO: u64 = 64 << 20;
+/// The longest hold a master's answer is believed (a larger one is taken as this).
+const MAX_HOLD_MS: u64 = 60_000;
 /// Sizes held for at once (one placement each).
 const SIZES: usize = 4;
 /// How long placing ahead rests after the master refused it (a cluster, no room).
@@ -64,20 +70,22 @@ impl Default for PlacementsAhead {
 
 impl PlacementsAhead {
     /// Takes the placement held for `client`'s put of `len` bytes with `cfg`, if
-    /// there is one the master certainly still holds.
+    /// there is one the master certainly still holds, with the instant after which
+    /// no write may start into it.
     pub(super) fn take(
         &self,
         master: &dyn MasterApi,
         client: ClientId,
         len: u64,
         cfg: &ReplicateConfig,
-    ) -> Option<HeldPlacement> {
+    ) -> Option<(HeldPlacement, Instant)> {
         let held = {
             let mut held = self.held.lock();
             let at = held.iter().position(|h| h.client == client && h.len == len && h.cfg == *cfg)?;
             held.swap_remove(at)
         };
-        (Instant::now() < held.usable_until && master.unchanged_since(held.mark)).then_some(held.placement)
+        (Instant::now() < held.usable_until && master.unchanged_since(held.mark))
+            .then_some((held.placement, held.usable_until))
     }
 
     /// Whether a placement for `client`'s puts of `len` bytes with `cfg` is held or
@@ -100,8 +108,10 @@ impl PlacementsAhead {
         answered: Instant,
         placement: HeldPlacement,
     ) {
-        // Used well within the master's hold: the master's clock started first.
-        let usable_until = answered + Duration::from_millis(placement.held_for_ms / 5);
+        // Written into well within the master's hold (the master's clock started
+        // first): a DMA that starts by then ends long before the room could be
+        // freed (see `HOLD_UP_TO`).
+        let usable_until = answered + Duration::from_millis(placement.held_for_ms.min(MAX_HOLD_MS) / 5);
         let mut held = self.held.lock();
         held.retain(|h| !(h.client == client && h.len == len && h.cfg == *cfg));
         if held.len() == SIZES {

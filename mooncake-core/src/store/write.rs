@@ -18,7 +18,7 @@ use mooncake_gpu::DeviceMemory;
 use mooncake_transfer::{TransferRequest, WorkOp};
 use smallvec::SmallVec;
 
-use super::ahead::HOLD_FROM;
+use super::ahead::{HOLD_FROM, HOLD_UP_TO};
 use super::device::{move_device, stream_writes, Copies, DeviceMove, Directs, Keep, StreamWrite};
 use super::routes::Route;
 use super::stats::StoreCounters;
@@ -179,9 +179,9 @@ pub(super) struct Writing<'a> {
     /// ([`declare_checksums`]) or beside its DMA ([`StoreInner::declare_on_the_way`]);
     /// either way it was taken from the whole source.
     declared: bool,
-    /// This round's placement is one held ahead (its id), not bound to the key yet
-    /// (see `ahead.rs`).
-    held: Option<u64>,
+    /// This round's placement is one held ahead (its id, and the instant after
+    /// which no write may start into it), not bound to the key yet (see `ahead.rs`).
+    held: Option<(u64, Instant)>,
     /// The master has this round's put of the key in progress for this client (to
     /// end or revoke): placed by a start, or a held placement bound.
     started: bool,
@@ -350,12 +350,20 @@ impl StoreInner {
     ) -> Vec<usize> {
         let client = self.client();
         // Device puts into room held ahead start without a master call.
-        let held: Vec<Option<HeldPlacement>> = pending
+        let held: Vec<Option<(HeldPlacement, Instant)>> = pending
             .iter()
             .map(|&i| {
                 let w = writing[i].as_ref()?;
-                let holds = mode == WriteMode::Put && self.master_is_remote && holds_ahead(w);
-                holds.then(|| self.ahead.take(&*self.master, client, w.len, cfg)).flatten()
+                if mode != WriteMode::Put || !self.master_is_remote || !holds_ahead(w) {
+                    return None;
+                }
+                let (p, until) = self.ahead.take(&*self.master, client, w.len, cfg)?;
+                // Only where every replica is moved by one DMA, the bind beside it
+                // (else the room is left to expire).
+                let mapped = p.replicas.iter().all(|r| {
+                    self.routes.get(&*self.master, &self.engine, r.segment).is_ok_and(|r| r.caps.maps_peer_memory)
+                });
+                mapped.then_some((p, until))
             })
             .collect();
         let starts = {
@@ -380,7 +388,7 @@ impl StoreInner {
             let unanswered = || Err(Error::MasterUnavailable("no placement in the master's answer".into()));
             held.into_iter()
                 .map(|h| match h {
-                    Some(h) => (Some(h.id), Ok(h.replicas)),
+                    Some((h, until)) => (Some((h.id, until)), Ok(h.replicas)),
                     None => (None, started.next().unwrap_or_else(unanswered)),
                 })
                 .collect::<Vec<_>>()
@@ -430,7 +438,7 @@ impl StoreInner {
         // Room held ahead that the DMA's shadow did not bind (a replica not in
         // mapped memory): bound now, before the end.
         for (w, &crc) in round.iter_mut().zip(&sums) {
-            if let (Some(id), None) = (w.held, &w.failed) {
+            if let (Some((id, _)), None) = (w.held, &w.failed) {
                 self.bind(client, cfg, w, id, crc, false);
             }
         }
@@ -545,7 +553,9 @@ impl StoreInner {
             for (k, w) in round.iter().enumerate() {
                 for (j, (r, route)) in w.placed.iter().enumerate() {
                     let direct = match &w.bytes {
-                        Bytes::Device { mem, offset, direct: Some(d), .. } if route.caps.moves_device_memory => {
+                        Bytes::Device { mem, offset, direct: Some(d), .. }
+                            if route.caps.moves_device_memory && w.held.is_none() =>
+                        {
                             directs.get(*d).map(|direct| (direct, *mem, *offset))
                         }
                         _ => None,
@@ -591,20 +601,33 @@ impl StoreInner {
             for (k, w) in round.iter_mut().enumerate() {
                 let Bytes::Device { mem, offset, .. } = &w.bytes else { continue };
                 let (mem, offset, len) = (*mem, *offset, w.len);
+                // Room held ahead: written by DMA only, and only while the master
+                // certainly holds it (`ahead.rs`); else not at all, placed again.
+                let held = w.held.is_some();
+                if w.held.is_some_and(|(_, until)| Instant::now() >= until) {
+                    by_host[k].clear();
+                    w.failed.get_or_insert(Error::Timeout("room held ahead ran out before its DMA".into()));
+                    continue;
+                }
+                let mut cannot = false;
                 by_host[k].retain(|j| {
                     let j = *j;
                     let (r, route) = &w.placed[j];
-                    if !route.caps.maps_peer_memory {
-                        return true;
-                    }
-                    let Some(pinned) = self.pinned.get(&self.engine, &route.region, mem.location().is_emulated())
-                    else {
-                        return true;
+                    let target = route
+                        .caps
+                        .maps_peer_memory
+                        .then(|| self.pinned.get(&self.engine, &route.region, mem.location().is_emulated()))
+                        .flatten()
+                        .and_then(|p| p.range(r.offset, len).map(|dst| (p, dst)));
+                    let Some((pinned, dst)) = target else {
+                        // Staged below; room held ahead is not written at all.
+                        cannot |= held;
+                        return !held;
                     };
-                    let Some(dst) = pinned.range(r.offset, len) else { return true };
                     // SAFETY: `dst` is the replica the master placed for this put
-                    // (no one else writes or reads it before `put_end`), in a
-                    // segment `Keep::Mapped` keeps mapped until the copy is done;
+                    // (no one else writes or reads it before `put_end`; room held
+                    // ahead: not before its hold ends, checked above), in a segment
+                    // `Keep::Mapped` keeps mapped until the copy is done;
                     // `offset..offset + len` of `mem` was checked.
                     let queued = unsafe {
                         copies.enqueue_download(k, mem, dst, len as usize, offset, Keep::Mapped(pinned.clone()))
@@ -614,6 +637,11 @@ impl StoreInner {
                     }
                     false
                 });
+                if cannot {
+                    w.failed.get_or_insert(Error::Transport(mooncake_transfer::TransferError::Unreachable(
+                        "room held ahead outside page-locked mapped memory".into(),
+                    )));
+                }
             }
             // The checksum of each item copied, taken on the device while its DMA
             // runs (both only read the device bytes): its fixed cost overlaps the
@@ -733,7 +761,7 @@ impl StoreInner {
         let mut declares: SmallVec<[usize; 4]> = SmallVec::new();
         for &(k, crc) in &ready {
             match round[k].held {
-                Some(id) => self.bind(client, cfg, round[k], id, crc, true),
+                Some((id, _)) => self.bind(client, cfg, round[k], id, crc, true),
                 None => declares.push(k),
             }
         }
@@ -772,15 +800,20 @@ impl StoreInner {
                     self.ahead.keep(client, w.len, cfg, mark, Instant::now(), next);
                 }
             }
-            Err(e) => w.failed = Some(e),
+            Err(e) => {
+                // No answer: the master may have bound it (then the key's put is in
+                // progress for this client, revoked before the item is placed again).
+                w.started = matches!(e, Error::Timeout(_) | Error::MasterUnavailable(_));
+                w.failed = Some(e);
+            }
         }
     }
 }
 
 /// Whether item `w` is one that holds room ahead of its puts: device bytes of
-/// [`HOLD_FROM`] and up (see `ahead.rs`).
+/// [`HOLD_FROM`] to [`HOLD_UP_TO`] (see `ahead.rs`).
 fn holds_ahead(w: &Writing<'_>) -> bool {
-    matches!(w.bytes, Bytes::Device { .. }) && w.len >= HOLD_FROM && w.failed.is_none()
+    matches!(w.bytes, Bytes::Device { .. }) && (HOLD_FROM..=HOLD_UP_TO).contains(&w.len) && w.failed.is_none()
 }
 
 /// A device item: moved by RDMA where it can be (`direct`, its registration), by
