@@ -193,6 +193,11 @@ pub struct MasterConfig {
     /// gone (its endpoint refuses connections), silent for `client_ttl`, or its
     /// deliveries failing for `client_ttl` (default 2 s).
     pub record_timeout: Duration,
+    /// How long room a client holds ahead of its next put stays held for it
+    /// ([`MasterApi::place_ahead`](crate::MasterApi::place_ahead); at most
+    /// `put_timeout`); the client writes into it only within the first fifth.
+    /// Zero turns placements ahead off (default 500 ms).
+    pub placement_hold: Duration,
 }
 
 /// When the master has objects written to an SSD tier (reference: "Eager, Lazy and
@@ -238,6 +243,8 @@ impl std::fmt::Debug for MasterConfig {
             .field("track_records", &self.track_records)
             .field("persist", &self.persist)
             .field("offload_wait", &self.offload_wait)
+            .field("record_timeout", &self.record_timeout)
+            .field("placement_hold", &self.placement_hold)
             .finish()
     }
 }
@@ -256,6 +263,7 @@ impl Default for MasterConfig {
             persist: PersistPolicy::Lazy,
             offload_wait: Duration::from_secs(10),
             record_timeout: Duration::from_secs(2),
+            placement_hold: Duration::from_millis(500),
         }
     }
 }

@@ -123,6 +123,23 @@ fn binding_with_ahead_holds_room_for_the_next_put() {
     assert_eq!(m.get_replica_list("k2").unwrap().replicas, next.replicas);
 }
 
+/// The batch form binds each item as the single call would, in item order.
+#[test]
+fn a_batch_bind_binds_each_item() {
+    let m = master(Duration::from_secs(30));
+    let (a, _) = node(&m, "a", 1 << 20);
+    let cfg = ReplicateConfig::default();
+    m.put_start(a, "taken", 64, &cfg).unwrap();
+    let (p, q) = (m.place_ahead(a, 1024, &cfg).unwrap(), m.place_ahead(a, 2048, &cfg).unwrap());
+    let res = m.batch_put_bind(a, &[("x", p.id, 1), ("taken", q.id, 2), ("y", p.id, 3)], true);
+    assert!(matches!(res[0], Ok(Some(_))), "{res:?}");
+    assert!(matches!(res[1], Err(Error::AlreadyExists(_))), "{res:?}");
+    assert!(matches!(res[2], Err(Error::NotFound(_))), "bound to x already: {res:?}");
+    m.put_end(a, "x", 1).unwrap();
+    assert_eq!(m.get_replica_list("x").unwrap().replicas, p.replicas);
+    assert_eq!(m.stats().bound_puts, 1);
+}
+
 /// Held room is freed when its hold ends, bound or not; a client forgotten or a
 /// segment gone only closes it (its writes may still land there until then).
 #[test]

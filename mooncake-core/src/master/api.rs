@@ -302,6 +302,14 @@ macro_rules! master_calls {
                 checksum: u32 => u32,
                 ahead: bool => bool
             ) -> Result<Option<HeldPlacement>> => by_key(key);
+            /// Batch [`put_bind`](crate::MasterApi::put_bind): items are (key,
+            /// placement, checksum); with `ahead`, a placement ahead for each item
+            /// bound.
+            BatchPutBind => fn batch_put_bind(
+                client: ClientId => ClientId,
+                items: &[(&str, u64, u32)] => Vec<(String, u64, u32)>,
+                ahead: bool => bool
+            ) -> Vec<Result<Option<HeldPlacement>>> => by_keys(items);
         }
     };
 }

@@ -5,11 +5,12 @@
 //!
 //! A held placement is an allocation no object owns. Its client may be writing
 //! into it from the moment it is answered, so its room is freed only when its
-//! time is up ([`HOLD_MS`], or `put_timeout` if shorter), never earlier: a bind
+//! time is up (`MasterConfig::placement_hold`, 500 ms by default, at most
+//! `put_timeout`), never earlier: a bind
 //! hands the room to the put (which keeps it until its end), and a refused bind,
 //! a client forgotten or a segment gone only close it (no bind takes it any
-//! more), its room held a full [`HOLD_MS`] past a refusal for the writes that may
-//! still land there. It never evicts to make room, nor fills a segment past the
+//! more), its room held a full hold past a refusal for the writes that may still
+//! land there. It never evicts to make room, nor fills a segment past the
 //! high watermark: where memory is tight, puts are placed as usual. Master calls
 //! refuse it in cluster mode (no key, so no slot group).
 
@@ -25,10 +26,6 @@ use crate::error::{Error, Result};
 use crate::master::service::MasterService;
 use crate::master::types::{ClientId, HeldPlacement, MemoryReplica};
 
-/// How long the master holds a placement (ms), at most: long enough for a client
-/// to use it for its next put of a stream of them, short enough that room a client
-/// stopped needing comes back soon.
-pub(crate) const HOLD_MS: u64 = 500;
 /// Placements one client may hold at once (one per size it puts, usually one).
 pub(crate) const HELD_PER_CLIENT: usize = 16;
 
@@ -55,6 +52,8 @@ struct Held {
     bufs: Vec<AllocatedBuffer>,
     /// When the master frees it (ms of the master's clock).
     until_ms: u64,
+    /// How long it was held for (ms).
+    held_for_ms: u64,
     state: HeldState,
 }
 
@@ -74,7 +73,7 @@ impl Held {
     /// writes its client may still have in flight.
     fn close(&mut self, now: u64, open: &HeldPlacements) {
         self.leave(HeldState::Closed, open);
-        self.until_ms = self.until_ms.max(now + HOLD_MS);
+        self.until_ms = self.until_ms.max(now + self.held_for_ms);
     }
 
     /// Moves it from open to `state`, counted out of its client's open ones.
@@ -135,6 +134,10 @@ impl MasterService {
         if self.ownership.get().is_some() {
             return Err(Error::InvalidArgument("a master of a cluster holds no placement ahead of a key".into()));
         }
+        let held_for_ms = self.config.placement_hold.min(self.config.put_timeout).as_millis() as u64;
+        if held_for_ms == 0 {
+            return Err(Error::InvalidArgument("this master holds no placements ahead (placement_hold is 0)".into()));
+        }
         let now = self.now_ms();
         match self.clients.read().get(&client) {
             // A client that places is alive: not forgotten (its placements given
@@ -148,13 +151,12 @@ impl MasterService {
         }
         let bufs = self.allocate_with("", len, cfg, None, false)?;
         self.check_replica_count("a placement ahead", len, bufs.len(), cfg)?;
-        let held_for_ms = HOLD_MS.min(self.config.put_timeout.as_millis() as u64);
         let replicas = bufs.iter().map(MemoryReplica::of).collect();
         // Numbered from this start's random incarnation: an id a client kept from
         // a master that restarted names nothing here.
         let id = self.incarnation.wrapping_add(self.held.next_id.fetch_add(1, Ordering::Relaxed) + 1);
         let until_ms = now + held_for_ms;
-        let held = Held { client, len, cfg: cfg.clone(), bufs, until_ms, state: HeldState::Open };
+        let held = Held { client, len, cfg: cfg.clone(), bufs, until_ms, held_for_ms, state: HeldState::Open };
         self.held.by_id.lock().insert(id, held);
         self.held.count_open(client, true);
         Ok(HeldPlacement { id, replicas, held_for_ms })
@@ -246,6 +248,17 @@ impl MasterService {
         }
         self.counters.bound_puts.fetch_add(1, Ordering::Relaxed);
         Ok(if ahead { self.place_ahead(client, len, &cfg).ok() } else { None })
+    }
+
+    /// [`put_bind`](Self::put_bind) for many items (key, placement, checksum); one
+    /// result per item.
+    pub fn batch_put_bind(
+        &self,
+        client: ClientId,
+        items: &[(&str, u64, u32)],
+        ahead: bool,
+    ) -> Vec<Result<Option<HeldPlacement>>> {
+        items.iter().map(|&(key, placement, checksum)| self.put_bind(client, placement, key, checksum, ahead)).collect()
     }
 
     /// Closes the placements `client` holds (it is forgotten).

@@ -27,7 +27,7 @@ use crate::master::{ClientId, HeldPlacement, MasterApi};
 /// at 1 MiB over PCIe 5) hides the bind's round trip.
 pub(super) const HOLD_FROM: u64 = 1 << 20;
 /// Nor larger than this: the DMA into held room must end well within the
-/// master's hold (500 ms; 64 MiB take 1-3 ms over PCIe 4 and 5), for a refused
+/// master's hold (500 ms by default; 64 MiB take 1-3 ms over PCIe 4 and 5), for a refused
 /// bind leaves the room to be freed then.
 pub(super) const HOLD_UP_TO: u64 = 64 << 20;
 /// The longest hold a master's answer is believed (a larger one is taken as this).

@@ -435,12 +435,14 @@ impl StoreInner {
             self.report_failed_segment(*segment, e);
         }
         let sums = item_checksums(&mut round);
-        // Room held ahead that the DMA's shadow did not bind (a replica not in
-        // mapped memory): bound now, before the end.
-        for (w, &crc) in round.iter_mut().zip(&sums) {
-            if let (Some((id, _)), None) = (w.held, &w.failed) {
-                self.bind(client, cfg, w, id, crc, false);
-            }
+        // Room held ahead that the DMA's shadow did not bind: bound now, before the
+        // end.
+        let unbound: SmallVec<[usize; 4]> =
+            (0..round.len()).filter(|&k| round[k].held.is_some() && round[k].failed.is_none()).collect();
+        self.bind(client, cfg, &mut round, &unbound, false);
+        for w in round.iter_mut().filter(|w| w.held.is_some() && w.failed.is_none()) {
+            // (Every item written is summed by now: not expected.)
+            w.failed = Some(Error::MasterUnavailable("room held ahead not bound".into()));
         }
         let mut ends: SmallVec<[(&str, u32); 4]> = SmallVec::new();
         let mut ended: SmallVec<[usize; 4]> = SmallVec::new();
@@ -756,15 +758,13 @@ impl StoreInner {
         of.dedup();
         // Placed by a start: ask for room ahead of the next put of their size.
         let mut asks: SmallVec<[usize; 4]> = of.iter().copied().filter(|&k| round[k].held.is_none()).collect();
-        let ready: SmallVec<[(usize, u32); 4]> =
-            of.into_iter().filter(|&k| !round[k].declared).filter_map(|k| round[k].crc.map(|crc| (k, crc))).collect();
-        let mut declares: SmallVec<[usize; 4]> = SmallVec::new();
-        for &(k, crc) in &ready {
-            match round[k].held {
-                Some((id, _)) => self.bind(client, cfg, round[k], id, crc, true),
-                None => declares.push(k),
-            }
-        }
+        // Room held ahead is bound (summed before or beside the DMA, declared or
+        // not); the rest declares what it has not yet.
+        let (binds, declares): (SmallVec<[usize; 4]>, SmallVec<[usize; 4]>) = of
+            .into_iter()
+            .filter(|&k| round[k].crc.is_some() && (round[k].held.is_some() || !round[k].declared))
+            .partition(|&k| round[k].held.is_some());
+        self.bind(client, cfg, round, &binds, true);
         let items: SmallVec<[(&str, u32); 4]> =
             declares.iter().map(|&k| (round[k].key, round[k].crc.unwrap_or(0))).collect();
         let declared = match items[..] {
@@ -785,26 +785,40 @@ impl StoreInner {
         }
     }
 
-    /// Binds item `w`'s room held ahead (`id`), written, to its key with its
-    /// checksum `crc` (`put_bind`); with `ahead`, keeps the room the master holds
-    /// ahead of the next put of its size with `cfg`. An item the master does not bind fails
-    /// (placed again, unless its key is taken).
-    fn bind(&self, client: ClientId, cfg: &ReplicateConfig, w: &mut Writing<'_>, id: u64, crc: u32, ahead: bool) {
-        w.held = None;
+    /// Binds the room held ahead of items `of` of `round`, written, each to its key
+    /// with its checksum (`put_bind`, one call for all); with `ahead`, keeps the
+    /// room the master holds ahead of the next put of each one's size with `cfg`.
+    /// An item the master does not bind fails (placed again, unless its key is
+    /// taken).
+    fn bind(&self, client: ClientId, cfg: &ReplicateConfig, round: &mut [&mut Writing<'_>], of: &[usize], ahead: bool) {
+        let of: SmallVec<[usize; 4]> =
+            of.iter().copied().filter(|&k| round[k].held.is_some() && round[k].crc.is_some()).collect();
+        let items: SmallVec<[(&str, u64, u32); 4]> =
+            of.iter().filter_map(|&k| Some((round[k].key, round[k].held?.0, round[k].crc?))).collect();
         let mark = self.master.continuity_mark();
-        match self.master.put_bind(client, id, w.key, crc, ahead) {
-            Ok(next) => {
-                w.started = true;
-                w.declared = true;
-                if let Some(next) = next {
-                    self.ahead.keep(client, w.len, cfg, mark, Instant::now(), next);
+        let bound = match items[..] {
+            [] => return,
+            [(key, id, crc)] => vec![self.master.put_bind(client, id, key, crc, ahead)],
+            _ => self.master.batch_put_bind(client, &items, ahead),
+        };
+        let answered = Instant::now();
+        for (&k, res) in of.iter().zip(bound) {
+            let w = &mut round[k];
+            w.held = None;
+            match res {
+                Ok(next) => {
+                    w.started = true;
+                    w.declared = true;
+                    if let Some(next) = next {
+                        self.ahead.keep(client, w.len, cfg, mark, answered, next);
+                    }
                 }
-            }
-            Err(e) => {
-                // No answer: the master may have bound it (then the key's put is in
-                // progress for this client, revoked before the item is placed again).
-                w.started = matches!(e, Error::Timeout(_) | Error::MasterUnavailable(_));
-                w.failed = Some(e);
+                Err(e) => {
+                    // No answer: the master may have bound it (then the key's put is
+                    // in progress for this client, revoked before it is placed again).
+                    w.started = matches!(e, Error::Timeout(_) | Error::MasterUnavailable(_));
+                    w.failed = Some(e);
+                }
             }
         }
     }
