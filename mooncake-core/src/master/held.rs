@@ -140,8 +140,8 @@ impl MasterService {
         }
         let now = self.now_ms();
         match self.clients.read().get(&client) {
-            // A client that places is alive: not forgotten (its placements given
-            // back) while it may be about to write into one.
+            // A client that places is alive: not forgotten (its placements closed,
+            // its segments unmounted) while it may be about to write into one.
             Some(rec) => rec.touch(now),
             None => return Err(Error::UnknownClient(client)),
         }
