@@ -20,8 +20,9 @@
 //! `get_into` / `put`, and the same objects split over [`LAYERS`] ranges of the
 //! device memory (one `DeviceScatter`, as the Python drop-in's multi-buffer calls
 //! pass a block's per-layer KV tensors), and prints one JSON document (mean
-//! throughputs, and the median call of the single-object device calls and of the
-//! DMAs). `--master-bin PATH` adds `own_master_process`: the client's own segment
+//! throughputs, the median call of the single-object device calls and of the
+//! DMAs, and how many of a row's device puts wrote into room its master held
+//! ahead: `bound_puts` of `device_puts`). `--master-bin PATH` adds `own_master_process`: the client's own segment
 //! with a `mooncake-master` started from PATH as its master, in its own process,
 //! as the Python drop-in's bench (`mooncake-py/bench/gpu_pointers.py`) runs it.
 //! `--emulate` runs it over the host emulation, to test the bench itself (its
@@ -461,6 +462,10 @@ fn bench(a: &Args) -> Result<String, Box<dyn std::error::Error>> {
             let direct = (after.device_direct_bytes - before.device_direct_bytes) as f64;
             let staged = (after.device_staged_bytes - before.device_staged_bytes) as f64;
             let direct_share = direct / (direct + staged).max(1.0);
+            // Device puts written into room held ahead (a master daemon's), of all
+            // the row's device puts (single, batch, per layer).
+            let bound = after.master.bound_puts - before.master.bound_puts;
+            let device_puts = 2 * a.iters + a.iters.div_ceil(batch) * batch;
             let get_dev_us = get_dev.mean * 1e6;
             let (get_dev_p50_us, put_dev_p50_us) = (get_dev.p50 * 1e6, put_dev.p50 * 1e6);
             let (get_host, get_dev, put_host, put_dev) =
@@ -475,7 +480,8 @@ fn bench(a: &Args) -> Result<String, Box<dyn std::error::Error>> {
                  \"htod_pinned_gbps\":{htod:.3},\"dtoh_pinned_gbps\":{dtoh:.3},\
                  \"get_into_device_vs_pinned_htod\":{:.3},\"put_from_device_vs_pinned_dtoh\":{:.3},\
                  \"get_into_device_vs_host_get_into\":{:.3},\"put_from_device_vs_host_put\":{:.3},\
-                 \"device_direct_share\":{direct_share:.3},\"get_into_device_us\":{get_dev_us:.1},\
+                 \"device_direct_share\":{direct_share:.3},\"bound_puts\":{bound},\"device_puts\":{device_puts},\
+                 \"get_into_device_us\":{get_dev_us:.1},\
                  \"htod_pinned_us\":{htod_us:.1},\"device_crc32c_us\":{crc_us:.1},\
                  \"get_into_device_p50_us\":{get_dev_p50_us:.1},\"put_from_device_p50_us\":{put_dev_p50_us:.1},\
                  \"htod_pinned_p50_us\":{htod_p50_us:.1},\"dtoh_pinned_p50_us\":{dtoh_p50_us:.1},\
