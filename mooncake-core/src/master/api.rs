@@ -280,7 +280,9 @@ macro_rules! master_calls {
             /// [`put_bind`](crate::MasterApi::put_bind) while it writes, and ends it
             /// with [`put_end`](crate::MasterApi::put_end): no `put_start` round trip
             /// before the bytes move. The room is freed when its hold ends
-            /// (`held_for_ms`) unless bound. Never evicts. Not offered in cluster mode.
+            /// (`held_for_ms`) unless bound (a room closed by a refused bind, or
+            /// with its client or segment, a hold after that). Never evicts. Not
+            /// offered in cluster mode.
             PlaceAhead => fn place_ahead(
                 client: ClientId => ClientId,
                 len: u64 => u64,
@@ -293,8 +295,8 @@ macro_rules! master_calls {
             /// which [`put_end`](crate::MasterApi::put_end) ends. With `ahead`, also
             /// holds a placement like it for the next put. `AlreadyExists` for a key
             /// taken, `NotFound` for a placement not held (a refused placement binds
-            /// no more; its room is freed when its hold ends). Asked again with the
-            /// same key, answers `Ok(None)`.
+            /// no more; its room is kept a hold longer, for writes still landing,
+            /// then freed). Asked again with the same key, answers `Ok(None)`.
             PutBind => fn put_bind(
                 client: ClientId => ClientId,
                 placement: u64 => u64,

@@ -29,8 +29,8 @@ use crate::master::types::{ClientId, HeldPlacement, MemoryReplica};
 /// Placements one client may hold at once (one per size it puts, usually one).
 pub(crate) const HELD_PER_CLIENT: usize = 16;
 
-/// The placements held, by id. Lock order: a shard of the index, `by_id`, `open`,
-/// then `clients` and `segments`.
+/// The placements held, by id. Lock order: a shard of the index, then `by_id`,
+/// then `segments`; `open` is taken last (nothing is locked under it).
 #[derive(Default)]
 pub(crate) struct HeldPlacements {
     next_id: AtomicU64,
@@ -157,8 +157,18 @@ impl MasterService {
         let id = self.incarnation.wrapping_add(self.held.next_id.fetch_add(1, Ordering::Relaxed) + 1);
         let until_ms = now + held_for_ms;
         let held = Held { client, len, cfg: cfg.clone(), bufs, until_ms, held_for_ms, state: HeldState::Open };
-        self.held.by_id.lock().insert(id, held);
-        self.held.count_open(client, true);
+        {
+            // Counted with the insert, under `by_id` (a close in between must find
+            // it counted); the limit checked again, as others may have placed.
+            let mut by_id = self.held.by_id.lock();
+            if self.held.open_of(client) >= HELD_PER_CLIENT {
+                drop(by_id);
+                drop(held);
+                return Err(Error::InvalidArgument(format!("client {client:#x} holds {HELD_PER_CLIENT} placements")));
+            }
+            by_id.insert(id, held);
+            self.held.count_open(client, true);
+        }
         Ok(HeldPlacement { id, replicas, held_for_ms })
     }
 
@@ -239,9 +249,19 @@ impl MasterService {
         let (len, cfg) = (h.len, h.cfg.clone());
         drop(by_id);
         let under_replicated = taken.len() < cfg.replica_num;
-        // (Cannot fail: the key's group was fenced above, and a master of a cluster
-        // holds no placements.)
-        self.open_put(&mut shard, key, len, client, now, taken, (cfg.soft_pin, cfg.soft_pin_ttl_ms()), Some(checksum))?;
+        let pin = (cfg.soft_pin, cfg.soft_pin_ttl_ms());
+        if let Err(e) = self.open_put(&mut shard, key, len, client, now, &mut taken, pin, Some(checksum)) {
+            // (Not expected: the key's group was fenced above, and a master of a
+            // cluster holds no placements.) The room stays held, closed, for the
+            // DMA that may be landing there.
+            drop(shard);
+            let mut by_id = self.held.by_id.lock();
+            if let Some(h) = by_id.get_mut(&placement) {
+                h.bufs.append(&mut taken);
+                h.close(now, &self.held);
+            }
+            return Err(e);
+        }
         drop(shard);
         if under_replicated {
             self.counters.under_replicated_puts.fetch_add(1, Ordering::Relaxed);

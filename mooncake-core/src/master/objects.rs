@@ -119,7 +119,8 @@ impl MasterService {
             // Another put of the same key won the race; our buffers are freed on drop.
             return Err(Error::AlreadyExists(key.to_owned()));
         }
-        self.open_put(&mut shard, key, len, client, now, bufs, (cfg.soft_pin, cfg.soft_pin_ttl_ms()), declared)?;
+        let mut bufs = bufs;
+        self.open_put(&mut shard, key, len, client, now, &mut bufs, (cfg.soft_pin, cfg.soft_pin_ttl_ms()), declared)?;
         Ok(replicas)
     }
 
@@ -154,9 +155,9 @@ impl MasterService {
         Ok(())
     }
 
-    /// Records `client`'s put of `key` (`len` bytes, into `bufs`, with the soft pin
-    /// `(pin, ttl_ms)`) in its `shard` (locked, the key free), declared with
-    /// `declared`'s checksum if any.
+    /// Records `client`'s put of `key` (`len` bytes, into `bufs`, taken from the
+    /// caller only on success, with the soft pin `(pin, ttl_ms)`) in its `shard`
+    /// (locked, the key free), declared with `declared`'s checksum if any.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn open_put(
         &self,
@@ -165,7 +166,7 @@ impl MasterService {
         len: u64,
         client: ClientId,
         now: u64,
-        bufs: Vec<AllocatedBuffer>,
+        bufs: &mut Vec<AllocatedBuffer>,
         (pin, pin_ttl_ms): (bool, u32),
         declared: Option<u32>,
     ) -> Result<()> {
@@ -174,7 +175,7 @@ impl MasterService {
         self.fence(key)?;
         let mut e = ObjectEntry::new(len, client, now);
         e.set_soft_pin(pin, pin_ttl_ms);
-        e.replicas = bufs.into_iter().map(|buf| StoredReplica::new(buf, false)).collect();
+        e.replicas = std::mem::take(bufs).into_iter().map(|buf| StoredReplica::new(buf, false)).collect();
         if let Some(checksum) = declared.filter(|_| self.config.track_records) {
             self.declare(key, &mut e, checksum);
         }

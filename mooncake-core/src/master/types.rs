@@ -38,8 +38,11 @@ pub struct HeldPlacement {
     pub id: u64,
     /// Where to write the value's replicas.
     pub replicas: Vec<MemoryReplica>,
-    /// How long the master holds it (ms from its answer); then its room is given
-    /// back, and must not be written.
+    /// How long the master holds it (ms, counted from before it answered: a
+    /// client counts from before its request); then, unless bound, its room is
+    /// freed and must not be written. A write into it must also end by then: a
+    /// `Store` starts its DMA only within the first fifth, and holds room only for
+    /// values a DMA moves well within the rest.
     pub held_for_ms: u64,
 }
 

@@ -97,21 +97,21 @@ impl PlacementsAhead {
     }
 
     /// Keeps `placement`, given to `client` for puts of `len` bytes with `cfg` by a
-    /// call made after the master's continuity `mark` was taken, and answered at
-    /// `answered`. The oldest held goes when all [`SIZES`] are taken.
+    /// call made after the master's continuity `mark` was taken, and sent at
+    /// `asked` (the master's hold starts after it, however late the answer comes).
+    /// The oldest held goes when all [`SIZES`] are taken.
     pub(super) fn keep(
         &self,
         client: ClientId,
         len: u64,
         cfg: &ReplicateConfig,
         mark: u64,
-        answered: Instant,
+        asked: Instant,
         placement: HeldPlacement,
     ) {
-        // Written into well within the master's hold (the master's clock started
-        // first): a DMA that starts by then ends long before the room could be
-        // freed (see `HOLD_UP_TO`).
-        let usable_until = answered + Duration::from_millis(placement.held_for_ms.min(MAX_HOLD_MS) / 5);
+        // Written into well within the master's hold: a DMA that starts by then
+        // ends long before the room could be freed (see `HOLD_UP_TO`).
+        let usable_until = asked + Duration::from_millis(placement.held_for_ms.min(MAX_HOLD_MS) / 5);
         let mut held = self.held.lock();
         held.retain(|h| !(h.client == client && h.len == len && h.cfg == *cfg));
         if held.len() == SIZES {
@@ -125,9 +125,9 @@ impl PlacementsAhead {
     /// Asks the master for a placement ahead of `client`'s next put of `len` bytes
     /// with `cfg`, and keeps it; after a refusal, asks no more for a while.
     pub(super) fn ask(&self, master: &dyn MasterApi, client: ClientId, len: u64, cfg: &ReplicateConfig) {
-        let mark = master.continuity_mark();
+        let (mark, asked) = (master.continuity_mark(), Instant::now());
         match master.place_ahead(client, len, cfg) {
-            Ok(p) => self.keep(client, len, cfg, mark, Instant::now(), p),
+            Ok(p) => self.keep(client, len, cfg, mark, asked, p),
             Err(e) => {
                 tracing::debug!(error = %e, len, "no placement ahead");
                 *self.resting_until.lock() = Some(Instant::now() + REFUSED_REST);

@@ -600,7 +600,12 @@ impl StoreInner {
         // One DMA each into replicas in mapped, page-locked segments.
         {
             let mut copies = Copies::default();
-            for (k, w) in round.iter_mut().enumerate() {
+            // Room held ahead first: its copies lead their streams, so that they
+            // start when its time is checked, not behind other items' copies.
+            let mut order: Vec<usize> = (0..round.len()).collect();
+            order.sort_by_key(|&k| round[k].held.is_none());
+            for k in order {
+                let w = &mut *round[k];
                 let Bytes::Device { mem, offset, .. } = &w.bytes else { continue };
                 let (mem, offset, len) = (*mem, *offset, w.len);
                 // Room held ahead: written by DMA only, and only while the master
@@ -795,13 +800,14 @@ impl StoreInner {
             of.iter().copied().filter(|&k| round[k].held.is_some() && round[k].crc.is_some()).collect();
         let items: SmallVec<[(&str, u64, u32); 4]> =
             of.iter().filter_map(|&k| Some((round[k].key, round[k].held?.0, round[k].crc?))).collect();
-        let mark = self.master.continuity_mark();
-        let bound = match items[..] {
+        let (mark, asked) = (self.master.continuity_mark(), Instant::now());
+        let mut bound = match items[..] {
             [] => return,
             [(key, id, crc)] => vec![self.master.put_bind(client, id, key, crc, ahead)],
             _ => self.master.batch_put_bind(client, &items, ahead),
         };
-        let answered = Instant::now();
+        // An answer short of items leaves the rest unanswered: maybe bound.
+        bound.resize_with(of.len(), || Err(Error::MasterUnavailable("no answer for this item".into())));
         for (&k, res) in of.iter().zip(bound) {
             let w = &mut round[k];
             w.held = None;
@@ -810,7 +816,7 @@ impl StoreInner {
                     w.started = true;
                     w.declared = true;
                     if let Some(next) = next {
-                        self.ahead.keep(client, w.len, cfg, mark, answered, next);
+                        self.ahead.keep(client, w.len, cfg, mark, asked, next);
                     }
                 }
                 Err(e) => {
