@@ -203,6 +203,17 @@ fn placing_ahead_is_refused_to_strangers_and_to_hoarders() {
     assert!(matches!(m.put_bind(a, 1, "", 0, false), Err(Error::InvalidArgument(_))), "a bad key");
 }
 
+/// A master configured with no hold offers no placements ahead (and a store over
+/// it places every put by a start).
+#[test]
+fn a_hold_of_zero_turns_placements_ahead_off() {
+    let config = MasterConfig { placement_hold: Duration::ZERO, ..Default::default() };
+    let m = Master::new(config).unwrap();
+    let (a, _) = node(&m, "a", 1 << 20);
+    assert!(matches!(m.place_ahead(a, 1024, &ReplicateConfig::default()), Err(Error::InvalidArgument(_))));
+    assert_eq!((m.stats().held_placements, m.stats().used_bytes), (0, 0));
+}
+
 /// One step of the property test.
 #[derive(Clone, Debug)]
 enum Op {
