@@ -108,7 +108,7 @@ impl MasterService {
         cfg.check()?;
         let now = self.now_ms();
         self.claim_key(&mut self.index.shard(key).lock(), key, now)?;
-        let bufs = self.allocate(key, len, cfg, None)?;
+        let mut bufs = self.allocate(key, len, cfg, None)?;
         self.check_replica_count(key, len, bufs.len(), cfg)?;
         if bufs.len() < cfg.replica_num {
             self.counters.under_replicated_puts.fetch_add(1, Ordering::Relaxed);
@@ -119,7 +119,6 @@ impl MasterService {
             // Another put of the same key won the race; our buffers are freed on drop.
             return Err(Error::AlreadyExists(key.to_owned()));
         }
-        let mut bufs = bufs;
         self.open_put(&mut shard, key, len, client, now, &mut bufs, (cfg.soft_pin, cfg.soft_pin_ttl_ms()), declared)?;
         Ok(replicas)
     }

@@ -49,6 +49,13 @@ struct Held {
     usable_until: Instant,
 }
 
+impl Held {
+    /// Whether it is held for `client`'s puts of `len` bytes with `cfg`.
+    fn is_for(&self, client: ClientId, len: u64, cfg: &ReplicateConfig) -> bool {
+        self.client == client && self.len == len && self.cfg == *cfg
+    }
+}
+
 /// The placements this client holds, one per size and replication.
 pub(super) struct PlacementsAhead {
     /// Off with `MOONCAKE_PLACE_AHEAD=0` (every put placed by a start, as before).
@@ -81,7 +88,7 @@ impl PlacementsAhead {
     ) -> Option<(HeldPlacement, Instant)> {
         let held = {
             let mut held = self.held.lock();
-            let at = held.iter().position(|h| h.client == client && h.len == len && h.cfg == *cfg)?;
+            let at = held.iter().position(|h| h.is_for(client, len, cfg))?;
             held.swap_remove(at)
         };
         (Instant::now() < held.usable_until && master.unchanged_since(held.mark))
@@ -93,7 +100,7 @@ impl PlacementsAhead {
     pub(super) fn holds_or_rests(&self, client: ClientId, len: u64, cfg: &ReplicateConfig) -> bool {
         !self.enabled
             || self.resting_until.lock().is_some_and(|until| Instant::now() < until)
-            || self.held.lock().iter().any(|h| h.client == client && h.len == len && h.cfg == *cfg)
+            || self.held.lock().iter().any(|h| h.is_for(client, len, cfg))
     }
 
     /// Keeps `placement`, given to `client` for puts of `len` bytes with `cfg` by a
@@ -113,7 +120,7 @@ impl PlacementsAhead {
         // ends long before the room could be freed (see `HOLD_UP_TO`).
         let usable_until = asked + Duration::from_millis(placement.held_for_ms.min(MAX_HOLD_MS) / 5);
         let mut held = self.held.lock();
-        held.retain(|h| !(h.client == client && h.len == len && h.cfg == *cfg));
+        held.retain(|h| !h.is_for(client, len, cfg));
         if held.len() == SIZES {
             if let Some(oldest) = (0..held.len()).min_by_key(|&i| held[i].usable_until) {
                 held.swap_remove(oldest);

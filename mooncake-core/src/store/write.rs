@@ -796,10 +796,15 @@ impl StoreInner {
     /// An item the master does not bind fails (placed again, unless its key is
     /// taken).
     fn bind(&self, client: ClientId, cfg: &ReplicateConfig, round: &mut [&mut Writing<'_>], of: &[usize], ahead: bool) {
-        let of: SmallVec<[usize; 4]> =
-            of.iter().copied().filter(|&k| round[k].held.is_some() && round[k].crc.is_some()).collect();
-        let items: SmallVec<[(&str, u64, u32); 4]> =
-            of.iter().filter_map(|&k| Some((round[k].key, round[k].held?.0, round[k].crc?))).collect();
+        // The items with room held and a checksum, and their (key, room, checksum).
+        let mut held: SmallVec<[usize; 4]> = SmallVec::new();
+        let mut items: SmallVec<[(&str, u64, u32); 4]> = SmallVec::new();
+        for &k in of {
+            if let (Some((id, _)), Some(crc)) = (round[k].held, round[k].crc) {
+                held.push(k);
+                items.push((round[k].key, id, crc));
+            }
+        }
         let (mark, asked) = (self.master.continuity_mark(), Instant::now());
         let mut bound = match items[..] {
             [] => return,
@@ -807,8 +812,8 @@ impl StoreInner {
             _ => self.master.batch_put_bind(client, &items, ahead),
         };
         // An answer short of items leaves the rest unanswered: maybe bound.
-        bound.resize_with(of.len(), || Err(Error::MasterUnavailable("no answer for this item".into())));
-        for (&k, res) in of.iter().zip(bound) {
+        bound.resize_with(held.len(), || Err(Error::MasterUnavailable("no answer for this item".into())));
+        for (&k, res) in held.iter().zip(bound) {
             let w = &mut round[k];
             w.held = None;
             match res {
