@@ -163,9 +163,13 @@ impl std::str::FromStr for Protocol {
 pub struct MasterConfig {
     /// Lease granted to readers by each replica-list call (default 5 s).
     pub default_lease: Duration,
-    /// A client silent this long loses its segments (default 10 s).
+    /// A client silent this long loses its segments (default 10 s). The room of a
+    /// revoked put is kept this long before it is placed again (bytes sent to a node
+    /// that paused may still land there).
     pub client_ttl: Duration,
-    /// A put not ended this long after it started is reclaimed (default 30 s).
+    /// A put not ended this long after it started is reclaimed, its room kept this
+    /// long again before it is placed again (its writer may still be writing there)
+    /// (default 30 s).
     pub put_timeout: Duration,
     /// Eviction starts when the pool, or one segment, is fuller than this (default 0.95).
     pub high_watermark: f64,

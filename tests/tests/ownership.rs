@@ -172,6 +172,34 @@ fn a_put_started_before_its_group_moved_cannot_end_after() {
     assert_eq!(master.stats().pending_puts, 0);
 }
 
+/// A master deposed while it was stopped (its lease lapsed; the group not released
+/// here yet) that is asked to remove everything removes only the objects of the
+/// groups it still leads: the others, and their nodes' records and files, are the
+/// new leader's.
+#[test]
+fn remove_all_keeps_the_objects_of_groups_led_elsewhere() {
+    let (master, own) = cluster_master(&[0, 1]);
+    let client = master.register_client().unwrap().client;
+    let recorder = Arc::new(Recorder::default());
+    master.attach_records(client, recorder.clone()).unwrap();
+    master.mount_extent(client, &region(1), 1 << 20, 0, &[]).unwrap();
+    master.mount_extent(client, &region(2), 1 << 20, 1, &[]).unwrap();
+    let (here, there) = (key_in(&own, 0, 0), key_in(&own, 1, 0));
+    for k in [&here, &there] {
+        master.put_start(client, k, 100, &ReplicateConfig::default()).unwrap();
+        master.put_end(client, k, 42).unwrap();
+    }
+    let told = recorder.0.lock().unwrap().len();
+    own.led.lock().unwrap().remove(&1);
+    assert_eq!(master.remove_all().unwrap(), 1);
+    let updates: Vec<RecordUpdate> = recorder.0.lock().unwrap()[told..].to_vec();
+    assert!(updates.iter().all(|u| u.key() == here), "the node was told about a group led elsewhere: {updates:?}");
+    // Still here, untouched, had this master kept the group.
+    own.led.lock().unwrap().insert(1);
+    assert!(master.exists(&there).unwrap());
+    assert!(!master.exists(&here).unwrap());
+}
+
 #[test]
 fn uniform_keys_fill_every_groups_extents_with_eviction_making_room() {
     let (master, _) = cluster_master(&[0, 1, 2, 3]);

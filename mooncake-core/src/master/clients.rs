@@ -155,15 +155,7 @@ impl MasterService {
         // Changes the node was never told of: its records of these keys are stale.
         let undelivered = rec.link.lock().take().map(|link| link.close()).unwrap_or_default();
         for u in undelivered.iter().chain(rec.updates.lock().drain(..).as_slice()) {
-            match u {
-                // (A drain notice is about no key.)
-                RecordUpdate::Drain { .. } => {}
-                // A removal it missed (an eviction's, not waited for): whatever it
-                // holds of the key predates it, and is refused even if the key comes
-                // and goes again meanwhile (an eviction leaves no mark of its own).
-                RecordUpdate::Removed { key, generation, .. } => self.tombstones.supersede(key, *generation),
-                u => self.tombstones.linger(u.key()),
-            }
+            self.mark_untold(u);
         }
         {
             let mut table = self.segments.write();
@@ -174,8 +166,13 @@ impl MasterService {
         let removed = self.drop_replicas_on(&rec.segments, true) + self.drop_disk_replicas_of(client);
         // Puts the client started and never ended cannot end anymore.
         let removed_pending = self.retain_entries(
-            |e| e.owner() != Some(client),
-            |k, e| self.unsent_removals.add(k, self.drop_declared_put(k, e)),
+            |_, e| e.owner() != Some(client),
+            |k, e| {
+                self.unsent_removals.add(k, self.drop_declared_put(k, e));
+                // A client forgotten by its TTL may only be paused, its writes to
+                // resume (see `quarantine_put`).
+                self.quarantine_put(e, self.config.put_timeout);
+            },
         );
         self.drop_upserts_of(client);
         self.close_held_of(client);
@@ -223,17 +220,18 @@ impl MasterService {
         removed
     }
 
-    /// Removes every entry for which `keep` is false; calls `on_removed` for each.
+    /// Removes every entry for which `keep` (given its key) is false; calls
+    /// `on_removed` for each, which may take what it keeps of it (its replicas).
     pub(crate) fn retain_entries(
         &self,
-        keep: impl Fn(&ObjectEntry) -> bool,
-        mut on_removed: impl FnMut(&str, &ObjectEntry),
+        keep: impl Fn(&str, &ObjectEntry) -> bool,
+        mut on_removed: impl FnMut(&str, &mut ObjectEntry),
     ) -> usize {
         let mut removed = 0;
         for shard in self.index.shards() {
             let mut shard = shard.lock();
             shard.retain(|k, e| {
-                if keep(e) {
+                if keep(k, e) {
                     return true;
                 }
                 removed += 1;

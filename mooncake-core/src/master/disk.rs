@@ -327,6 +327,11 @@ impl MasterService {
                         if e.replicas.is_empty() {
                             self.hold_orphaned_upsert(e, self.now_ms());
                             shard.remove(key);
+                            // The object leaves the master's sight, as an eviction's
+                            // does, while copies it was not told of may remain (a
+                            // node's record whose removal never reached it): marked, so
+                            // that a later put of the key refuses them.
+                            self.tombstones.linger(key);
                         }
                         Ok(())
                     }

@@ -306,3 +306,13 @@ impl MasterService {
         drop(freed);
     }
 }
+
+#[cfg(test)]
+impl HeldPlacements {
+    /// Holds the lock of the placements: a test pauses there whoever closes
+    /// placements next, e.g. `forget_client` right after the client's record and
+    /// segments left their tables and before its replicas are dropped.
+    pub(crate) fn pause(&self) -> impl Sized + '_ {
+        self.by_id.lock()
+    }
+}

@@ -49,12 +49,17 @@ impl MasterService {
         }
         if self.counters.pending_puts.load(Ordering::Relaxed) > 0 {
             let timed_out = self.retain_entries(
-                |e| !self.put_expired(e, now),
-                |k, e| self.unsent_removals.add(k, self.drop_declared_put(k, e)),
+                |_, e| !self.put_expired(e, now),
+                |k, e| {
+                    self.unsent_removals.add(k, self.drop_declared_put(k, e));
+                    // Its writer may still be writing (see `quarantine_put`).
+                    self.quarantine_put(e, self.config.put_timeout);
+                },
             );
             self.counters.put_timeouts.fetch_add(timed_out as u64, Ordering::Relaxed);
         }
         self.free_orphaned_upserts(now);
+        self.free_quarantined(now);
         self.free_expired_held(now);
         self.free_retired(now);
         self.evict_if_needed();

@@ -17,6 +17,8 @@ mod api;
 mod clients;
 mod disk;
 mod drain;
+#[cfg(test)]
+mod dropped_tests;
 mod eviction;
 mod generations;
 mod held;

@@ -132,8 +132,10 @@ impl MasterService {
                 return Err(Error::AlreadyExists(key.to_owned()));
             }
             // A put that never ended: reclaim it and go on.
-            if let Some(e) = shard.remove(key) {
+            if let Some(mut e) = shard.remove(key) {
                 self.unsent_removals.add(key, self.drop_declared_put(key, &e));
+                // Its writer may still be writing (see `quarantine_put`).
+                self.quarantine_put(&mut e, self.config.put_timeout);
             }
             self.counters.pending_puts.fetch_sub(1, Ordering::Relaxed);
             self.counters.put_timeouts.fetch_add(1, Ordering::Relaxed);
@@ -401,11 +403,31 @@ impl MasterService {
         self.fence(key)
     }
 
-    /// Whether `key` is a complete object with `checksum`: a write whose node was
-    /// forgotten while it waited still stands (another replica kept it), as opposed
-    /// to the key gone, or written again since by another client with other bytes.
+    /// Whether `key` is a complete object with `checksum` that a live node holds: a
+    /// write whose node was forgotten while it waited still stands (another replica
+    /// kept it), as opposed to the key gone, or written again since by another
+    /// client with other bytes.
+    ///
+    /// Live: a complete replica on a segment still mounted whose owner is still
+    /// registered, or a disk replica on a registered client. The entry alone is not
+    /// enough: a node is forgotten in steps (`forget_client`: its client record goes
+    /// and its link closes, waking the waiters, before its replicas are dropped shard
+    /// by shard), so a waiter may find the entry still listing the forgotten node's
+    /// replica, which the walk then drops: acknowledged, then `NotFound`.
     fn still_holds(&self, key: &str, checksum: u32) -> bool {
-        self.index.shard(key).lock().get(key).is_some_and(|e| e.complete() && e.checksum == checksum)
+        let shard = self.index.shard(key).lock();
+        let Some(e) = shard.get(key).filter(|e| e.complete() && e.checksum == checksum) else { return false };
+        // Lock order: the shard, then `clients`, then `segments`. The client record
+        // goes first when a node is forgotten, so a replica of a node being forgotten
+        // is never taken for a live one, whatever step the forgetting is at.
+        let clients = self.clients.read();
+        if e.disk() != 0 && clients.contains_key(&e.disk()) {
+            return true;
+        }
+        let segments = self.segments.read();
+        e.replicas
+            .iter()
+            .any(|r| r.complete() && segments.by_id.get(&r.segment()).is_some_and(|s| clients.contains_key(&s.owner)))
     }
 
     /// Ends each item of a batch of `what`s (put, upsert) with `end`, then awaits the
@@ -497,12 +519,13 @@ impl MasterService {
         }
     }
 
-    /// Abandons a put: its buffers are freed.
+    /// Abandons a put: it is gone at once; its room is freed a client TTL later, as
+    /// bytes its writer sent may still land there.
     pub fn put_revoke(&self, client: ClientId, key: &str) -> Result<()> {
         let mut shard = self.index.shard(key).lock();
         match shard.get(key) {
             Some(e) if e.owner() == Some(client) => {
-                if let Some(e) = shard.remove(key) {
+                if let Some(mut e) = shard.remove(key) {
                     // Not waited for: a revoke usually follows a write that failed, to
                     // a node that may be paused. The key's next put or remove waits for
                     // the removal; meanwhile the record could bring back only the whole
@@ -511,12 +534,46 @@ impl MasterService {
                     let wait = self.drop_declared_put(key, &e);
                     self.send_after_answer.add(wait.clone());
                     self.unsent_removals.add(key, wait);
+                    // The writer is done, but bytes it sent may still be on their way
+                    // (queued at a paused node): its room is kept a client TTL, beyond
+                    // which a node that did not read them is forgotten with its
+                    // segments.
+                    self.quarantine_put(&mut e, self.config.client_ttl);
                 }
                 self.counters.pending_puts.fetch_sub(1, Ordering::Relaxed);
                 Ok(())
             }
             _ => Err(Error::NotFound(format!("{key} (no put in progress by this client)"))),
         }
+    }
+
+    /// Keeps the room of `e`, a put dropped before its end (revoked, reclaimed, its
+    /// writer forgotten), allocated for `hold` more, out of every object's reach (not
+    /// readable, not placeable): bytes its writer sent may still land there, and
+    /// would otherwise land in the next object placed there. The monitor frees it
+    /// once the time is up ([`free_quarantined`](Self::free_quarantined)). Counted in
+    /// `used_bytes`, as held placements are, in no object's bytes.
+    pub(crate) fn quarantine_put(&self, e: &mut ObjectEntry, hold: std::time::Duration) {
+        let replicas = std::mem::take(&mut e.replicas);
+        let hold_ms = hold.as_millis() as u64;
+        if !replicas.is_empty() && hold_ms > 0 {
+            self.quarantined.lock().push((self.now_ms() + hold_ms, replicas));
+        }
+    }
+
+    /// Frees the room of dropped puts whose quarantine is over at `now` (ms).
+    pub(crate) fn free_quarantined(&self, now: u64) {
+        let freed: Vec<_> = {
+            let mut q = self.quarantined.lock();
+            if q.is_empty() {
+                return;
+            }
+            let (freed, kept) = std::mem::take(&mut *q).into_iter().partition(|(until, _)| *until <= now);
+            *q = kept;
+            freed
+        };
+        // Freed once the lock is given up.
+        drop(freed);
     }
 
     /// [`put_start`](Self::put_start) for many keys; one result per key.
@@ -729,10 +786,14 @@ impl MasterService {
         let refused = std::cell::Cell::new(0u64);
         let mut wait = RecordWait::default();
         let removed = self.retain_entries(
-            |e| {
+            |k, e| {
                 let leased = e.complete() && e.leased(now);
                 refused.set(refused.get() + u64::from(leased));
-                !e.complete() || leased
+                // Cluster mode: only the keys of the groups this master leads, checked
+                // under the key's shard lock as every change is (a master deposed while
+                // it was stopped must not remove objects, nor discard their files, for
+                // the groups' new leaders).
+                !e.complete() || leased || !self.leads_key(k)
             },
             |k, e| {
                 wait.merge(self.note_removed(k, &e.replicas));

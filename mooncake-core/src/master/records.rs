@@ -122,9 +122,28 @@ impl MasterService {
     ) {
         let owner = match self.segments.read().by_id.get(&segment) {
             Some(s) => s.owner,
-            None => return,
+            None => {
+                // The segment went (its node is being forgotten, or unmounted it):
+                // whatever its node still holds is out of sight, untold.
+                self.mark_untold(&make(self.gens.next()));
+                return;
+            }
         };
         self.push_to_client(owner, make, wait);
+    }
+
+    /// `u` will never reach its node (forgotten, or going): the key's tombstone
+    /// keeps what the node holds of it from coming back when the node does. A
+    /// removal it missed (an eviction's, which leaves no mark of its own) refuses
+    /// whatever it holds of the key, even if the key comes and goes again
+    /// meanwhile; anything else lingers (good until the key is put or removed again).
+    pub(crate) fn mark_untold(&self, u: &RecordUpdate) {
+        match u {
+            // (A drain notice is about no key.)
+            RecordUpdate::Drain { .. } => {}
+            RecordUpdate::Removed { key, generation, .. } => self.tombstones.supersede(key, *generation),
+            u => self.tombstones.linger(u.key()),
+        }
     }
 
     /// Queues the update `make` builds for `client`: on its link, or for its
@@ -136,7 +155,12 @@ impl MasterService {
         wait: &mut RecordWait,
     ) -> bool {
         let clients = self.clients.read();
-        let Some(rec) = clients.get(&client) else { return false };
+        let Some(rec) = clients.get(&client) else {
+            // Forgotten (or being forgotten: its record goes before its segments
+            // and replicas), so never told: see `mark_untold`.
+            self.mark_untold(&make(self.gens.next()));
+            return false;
+        };
         // Under the heartbeat queue's lock, so that `mount_records` moving the queue
         // onto the link cannot reorder updates (their generations increase in order).
         let mut updates = rec.updates.lock();

@@ -73,6 +73,12 @@ pub struct MasterService {
     /// them. (The writer's `upsert_end` answers `NotFound`, and `Store::upsert` starts
     /// again.)
     pub(super) orphaned_upserts: Mutex<Vec<(u64, crate::master::object::Replicas)>>,
+    /// The room of puts dropped before their end while their writers may still be
+    /// writing there (revoked, reclaimed after `put_timeout`, their writer
+    /// forgotten), with until when (ms) it is kept: allocated to no object, neither
+    /// readable nor placeable, so that late bytes land in no other object; then the
+    /// monitor frees it (`MasterService::quarantine_put`).
+    pub(super) quarantined: Mutex<Vec<(u64, crate::master::object::Replicas)>>,
     /// Keys whose entry holds retired replicas (an upsert's old ones): the monitor
     /// frees them once their time is up, even for a key never touched again (a reader
     /// that died never gives its lease back).
@@ -156,6 +162,7 @@ impl Master {
             unsent_removals: Default::default(),
             send_after_answer: Default::default(),
             orphaned_upserts: Default::default(),
+            quarantined: Default::default(),
             retiring: Default::default(),
             recovering_until_ms: AtomicU64::new(0),
             ownership: std::sync::OnceLock::new(),

@@ -22,6 +22,12 @@ impl MasterService {
         let _ = self.ownership.set(ownership);
     }
 
+    /// Whether this master answers for `key` (always, outside a cluster): what
+    /// [`fence`](Self::fence) checks, without answering or counting a `Moved`.
+    pub(crate) fn leads_key(&self, key: &str) -> bool {
+        self.ownership.get().is_none_or(|o| o.leads(o.group_of(key)))
+    }
+
     /// Fails with `Moved` unless this master answers for `key`.
     #[inline]
     pub(crate) fn fence(&self, key: &str) -> Result<()> {
