@@ -74,6 +74,17 @@ pub trait PointerClassifier: Send + Sync + fmt::Debug {
     /// memory this classifier knows.
     fn device_allocation(&self, ptr: u64) -> Option<DeviceAllocation>;
 
+    /// [`device_allocation`] telling its two kinds of `None` apart: `Ok(None)`
+    /// when `ptr` is not device memory, `Err` when the question could not be
+    /// answered (a driver is there, but its query failed). A caller about to
+    /// treat a "not device memory" address as host memory refuses on `Err`:
+    /// device memory dereferenced on the host would crash.
+    ///
+    /// [`device_allocation`]: Self::device_allocation
+    fn classify(&self, ptr: u64) -> Result<Option<DeviceAllocation>> {
+        Ok(self.device_allocation(ptr))
+    }
+
     /// `[ptr, ptr + len)` of device memory as a [`DeviceMemory`] (offset 0 is
     /// `ptr`), borrowed: not freed when dropped. `InvalidArgument` if the range
     /// is empty or not inside one allocation [`device_allocation`] reports.
@@ -108,6 +119,13 @@ impl PointerClassifier for CudaPointers {
             return None;
         }
         crate::cuda::device_allocation(ptr)
+    }
+
+    fn classify(&self, ptr: u64) -> Result<Option<DeviceAllocation>> {
+        if ptr == 0 {
+            return Ok(None);
+        }
+        crate::cuda::classify_pointer(ptr)
     }
 
     fn borrow(&self, ptr: u64, len: u64) -> Result<Arc<dyn DeviceMemory>> {
@@ -342,6 +360,7 @@ mod tests {
             assert!(keep.saved.is_none());
             drop(keep);
             assert_eq!(CudaPointers.device_allocation(base), None);
+            assert_eq!(CudaPointers.classify(base), Ok(None));
             assert!(CudaPointers.borrow(base, 10).is_err());
         }
     }

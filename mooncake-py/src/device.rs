@@ -22,12 +22,18 @@
 //! GPU, [`EmulatedPointers`], switched on per store by the test hook
 //! `_emulate_device_memory(ptr, size, ordinal)`: the declared host ranges are
 //! then "device memory", moved by the same code with the same decisions.
+//!
+//! A driver that could not answer (its query failed) proves nothing: such an
+//! address is refused (-600) by `register_buffer`, never registered as host
+//! memory; the test hook `_emulate_failed_pointer_query(ptr, size)` makes the
+//! emulation's "driver" fail so for a range.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use mooncake_core::gpu::{
-    CudaPointers, DeviceMemory, DeviceScatter, EmulatedPointers, HostDeviceMemory, PointerClassifier,
+    CudaPointers, DeviceAllocation, DeviceMemory, DeviceScatter, EmulatedPointers, GpuError, HostDeviceMemory,
+    PointerClassifier,
 };
 use mooncake_core::BufferRegistry;
 use parking_lot::RwLock;
@@ -49,12 +55,40 @@ struct DeviceRegion {
     mem: Arc<dyn DeviceMemory>,
 }
 
+/// The emulation's classifier (tests on machines without a GPU): the declared
+/// device ranges, and the ranges where the "driver's" query fails.
+#[derive(Debug, Default)]
+struct Emulation {
+    pointers: EmulatedPointers,
+    /// `(base, len)` of the ranges whose query fails.
+    failing: RwLock<Vec<(u64, u64)>>,
+}
+
+impl PointerClassifier for Emulation {
+    fn device_allocation(&self, ptr: u64) -> Option<DeviceAllocation> {
+        self.classify(ptr).ok().flatten()
+    }
+
+    fn classify(&self, ptr: u64) -> mooncake_core::gpu::Result<Option<DeviceAllocation>> {
+        if self.failing.read().iter().any(|&(base, len)| ptr >= base && ptr - base < len) {
+            return Err(GpuError::Cuda { op: "cuPointerGetAttributes", msg: "emulated failure".into() });
+        }
+        Ok(self.pointers.device_allocation(ptr))
+    }
+
+    fn borrow(&self, ptr: u64, len: u64) -> mooncake_core::gpu::Result<Arc<dyn DeviceMemory>> {
+        // The driver's rule: only memory it reports as device memory is lent.
+        self.allocation_of(ptr, len)?;
+        self.pointers.borrow(ptr, len)
+    }
+}
+
 /// The device side of a store's pointer arguments: its classifier and the
 /// device buffers registered with it.
 pub struct DevicePointers {
     classifier: RwLock<Arc<dyn PointerClassifier>>,
     /// Set when a test switched this store to the emulation.
-    emulated: RwLock<Option<Arc<EmulatedPointers>>>,
+    emulated: RwLock<Option<Arc<Emulation>>>,
     /// Registered device buffers by address.
     regions: RwLock<BTreeMap<u64, DeviceRegion>>,
 }
@@ -103,11 +137,18 @@ impl DevicePointers {
     }
 
     /// Whether `register_buffer(ptr, size)` names device memory; if so it is
-    /// registered here (0) or refused (-600: not inside one allocation).
+    /// registered here (0) or refused (-600: not inside one allocation, or the
+    /// driver could not say what the memory is).
     /// `None`: not device memory, the caller registers host memory.
     pub fn register(&self, ptr: usize, size: usize) -> Option<i32> {
         let classifier = self.classifier.read().clone();
-        classifier.device_allocation(ptr as u64)?;
+        match classifier.classify(ptr as u64) {
+            Ok(Some(_)) => {}
+            Ok(None) => return None,
+            // Registered as host memory, device memory would be dereferenced on
+            // the host: refused, as the reference refuses what it cannot register.
+            Err(_) => return Some(INVALID_PARAMS),
+        }
         Some(match classifier.borrow(ptr as u64, size as u64) {
             Ok(mem) => {
                 self.regions.write().insert(ptr as u64, DeviceRegion { len: size as u64, mem });
@@ -153,21 +194,34 @@ impl DevicePointers {
     /// The range must stay valid until the store is closed or dropped, and
     /// nothing else may touch it while a call of this store copies it.
     pub unsafe fn emulate(&self, ptr: usize, size: usize, ordinal: usize) -> i32 {
-        let emu = {
-            let mut slot = self.emulated.write();
-            if slot.is_none() {
-                let e = Arc::new(EmulatedPointers::default());
-                *self.classifier.write() = e.clone();
-                self.regions.write().clear();
-                *slot = Some(e);
-            }
-            slot.clone().expect("set above")
-        };
         // SAFETY: the caller's contract is the declaration's.
-        match unsafe { emu.declare(ptr as u64, size as u64, ordinal) } {
+        match unsafe { self.emulation().pointers.declare(ptr as u64, size as u64, ordinal) } {
             Ok(()) => 0,
             Err(_) => INVALID_PARAMS,
         }
+    }
+
+    /// Test hook: switches this store to the emulation (as [`Self::emulate`]) and
+    /// makes its "driver" fail to answer for the addresses `[ptr, ptr + size)`.
+    pub fn emulate_failed_query(&self, ptr: usize, size: usize) -> i32 {
+        if size == 0 || ptr.checked_add(size).is_none() {
+            return INVALID_PARAMS;
+        }
+        self.emulation().failing.write().push((ptr as u64, size as u64));
+        0
+    }
+
+    /// The emulation, switched on now (forgetting the device buffers registered
+    /// so far) unless it was already.
+    fn emulation(&self) -> Arc<Emulation> {
+        let mut slot = self.emulated.write();
+        if slot.is_none() {
+            let e = Arc::new(Emulation::default());
+            *self.classifier.write() = e.clone();
+            self.regions.write().clear();
+            *slot = Some(e);
+        }
+        slot.clone().expect("set above")
     }
 }
 

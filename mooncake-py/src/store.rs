@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use mooncake_core::gpu::{DeviceMemory, KeepCurrentContext};
 use mooncake_core::{BufferRegistry, Error, Store};
-use parking_lot::RwLock;
+use parking_lot::{RwLock, RwLockReadGuard};
 use pyo3::exceptions::{PyNotImplementedError, PyTypeError};
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyBytes, PyDict, PyInt, PyList, PyString, PyTuple};
@@ -93,11 +93,19 @@ impl WriteMode {
 /// GPU memory (a CUDA tensor's `data_ptr()`, registered or not) is recognised by
 /// asking the CUDA driver, and moved with device copies, never dereferenced on the
 /// host: see `device.rs`.
+///
+/// `unregister_buffer` and `close` return only once no pointer call is in flight
+/// (on any thread, any buffer): a buffer may be freed as soon as they return.
 #[pyclass(name = "MooncakeDistributedStore", module = "mooncake_rs.store", frozen, subclass)]
 pub struct MooncakeDistributedStore {
     session: RwLock<Option<Arc<Session>>>,
     buffers: BufferRegistry,
     devices: DevicePointers,
+    /// The in-flight gate: held shared by each pointer call from the check of its
+    /// pointers to its last touch of the memory (all with the GIL released), and
+    /// exclusively by `unregister_buffer` and `close` while they forget buffers, so
+    /// that they return only after the calls that may still use one are done.
+    in_flight: RwLock<()>,
 }
 
 /// A value given by Python: `bytes` are read in place; other buffer-protocol objects
@@ -139,7 +147,9 @@ fn write_device(
         WriteMode::Put => store.batch_put_from_devices(&ranges, cfg),
         WriteMode::Upsert => store.batch_upsert_from_devices(&ranges, cfg),
     };
-    results.iter().map(put_status).collect()
+    // The mode's code, as for host memory: an upsert that gave up on a key another
+    // write holds wrote nothing, and says so (-705); only a put takes "exists" as done.
+    results.iter().map(|r| mode.code(r)).collect()
 }
 
 /// Reads `keys[i]` into device memory `mem` for each `(i, mem)` of `on_device`, in
@@ -179,6 +189,25 @@ impl MooncakeDistributedStore {
     /// The registered buffers.
     pub fn buffers(&self) -> &BufferRegistry {
         &self.buffers
+    }
+
+    /// Marks a pointer call in flight until the guard drops: take it with the GIL
+    /// released, before checking the pointers, and hold it until the memory is no
+    /// longer touched. Recursive: it never waits for a waiting `unregister_buffer`
+    /// while another call is in flight, so a call made inside one cannot deadlock
+    /// (and holding the GIL while it is taken could not either: its exclusive
+    /// holder never needs the GIL).
+    pub(crate) fn pointer_call(&self) -> RwLockReadGuard<'_, ()> {
+        self.in_flight.read_recursive()
+    }
+
+    /// Runs `forget` (removing registered buffers) once no pointer call is in flight,
+    /// and with none starting meanwhile; the GIL is released while it waits.
+    fn forget_buffers<T: Send>(&self, py: Python<'_>, forget: impl FnOnce() -> T + Send) -> T {
+        py.detach(|| {
+            let _no_call = self.in_flight.write();
+            forget()
+        })
     }
 
     /// The session and the store config a write of one key needs, or the code to
@@ -256,6 +285,7 @@ impl MooncakeDistributedStore {
         // Device calls bind their memory's CUDA context: give the framework's back.
         let _ctx = KeepCurrentContext::new();
         py.detach(|| {
+            let _call = self.pointer_call();
             let mut valid = Vec::with_capacity(n);
             let mut on_device = Vec::new();
             for i in 0..n {
@@ -355,7 +385,12 @@ impl MooncakeDistributedStore {
     /// A store that is not connected yet: call `setup`.
     #[new]
     fn new() -> Self {
-        Self { session: RwLock::new(None), buffers: BufferRegistry::default(), devices: DevicePointers::default() }
+        Self {
+            session: RwLock::new(None),
+            buffers: BufferRegistry::default(),
+            devices: DevicePointers::default(),
+            in_flight: RwLock::new(()),
+        }
     }
 
     /// Connects to the master and gives `global_segment_size` bytes to the pool.
@@ -422,11 +457,15 @@ impl MooncakeDistributedStore {
     }
 
     /// Disconnects: this client's segment leaves the pool (with the objects on it) and
-    /// its registered buffers are forgotten. Returns 0.
+    /// its registered buffers are forgotten, once the pointer calls in flight on other
+    /// threads are done (their buffers may be freed when it returns). Returns 0.
     fn close(&self, py: Python<'_>) -> i32 {
-        let old = self.session.write().take();
-        self.buffers.clear();
-        self.devices.clear();
+        let old = self.forget_buffers(py, || {
+            let old = self.session.write().take();
+            self.buffers.clear();
+            self.devices.clear();
+            old
+        });
         py.detach(move || drop(old));
         0
     }
@@ -611,14 +650,18 @@ impl MooncakeDistributedStore {
     }
 
     /// Forgets the buffer registered at `buffer_ptr`. Returns 0, or -600 if none is.
-    fn unregister_buffer(&self, buffer_ptr: usize) -> i32 {
+    /// It returns once the pointer calls in flight on other threads (on any buffer)
+    /// are done, so the buffer may be freed as soon as it returns.
+    fn unregister_buffer(&self, py: Python<'_>, buffer_ptr: usize) -> i32 {
         if self.session().is_none() {
             return INVALID_PARAMS;
         }
-        if self.devices.unregister(buffer_ptr) {
-            return 0;
-        }
-        status(&self.buffers.unregister(buffer_ptr))
+        self.forget_buffers(py, || {
+            if self.devices.unregister(buffer_ptr) {
+                return 0;
+            }
+            status(&self.buffers.unregister(buffer_ptr))
+        })
     }
 
     /// Test hook (machines without a GPU): from now on this store treats the host
@@ -632,6 +675,14 @@ impl MooncakeDistributedStore {
         // SAFETY: the caller (a test) keeps the range valid while the store lives
         // and does not touch it during calls, as documented.
         unsafe { self.devices.emulate(buffer_ptr, size, ordinal) }
+    }
+
+    /// Test hook (machines without a GPU): switches this store to the emulation (as
+    /// `_emulate_device_memory`) and makes its "CUDA driver" fail to answer for the
+    /// addresses `[buffer_ptr, buffer_ptr + size)`, as a real driver may (no usable
+    /// context on the thread). Returns 0, or -600 for an empty or wrapping range.
+    fn _emulate_failed_pointer_query(&self, buffer_ptr: usize, size: usize) -> i32 {
+        self.devices.emulate_failed_query(buffer_ptr, size)
     }
 
     /// Test hook: the store's device byte counters, `(direct, staged)`: bytes moved
@@ -664,14 +715,18 @@ impl MooncakeDistributedStore {
         // Device calls bind their memory's CUDA context: give the framework's back.
         let _ctx = KeepCurrentContext::new();
         // One release of the GIL for the pointer's check and the put (as `get_into`).
-        py.detach(|| match self.devices.resolve(&self.buffers, buffer_ptr, size) {
-            Err(c) => c,
-            Ok(Target::Device(mem)) => put_status(&s.store.put_from_device_with(key, &*mem, 0, size as u64, &cfg)),
-            Ok(Target::Host) => {
-                // SAFETY: `resolve` found `[buffer_ptr, buffer_ptr + size)` inside a
-                // region Python registered as valid host memory.
-                let data = unsafe { std::slice::from_raw_parts(buffer_ptr as *const u8, size) };
-                put_status(&s.store.put_with(key, data, &cfg))
+        py.detach(|| {
+            let _call = self.pointer_call();
+            match self.devices.resolve(&self.buffers, buffer_ptr, size) {
+                Err(c) => c,
+                Ok(Target::Device(mem)) => put_status(&s.store.put_from_device_with(key, &*mem, 0, size as u64, &cfg)),
+                Ok(Target::Host) => {
+                    // SAFETY: `resolve` found `[buffer_ptr, buffer_ptr + size)` inside a
+                    // region Python registered as valid host memory, which stays
+                    // registered while the call is in flight (`pointer_call`).
+                    let data = unsafe { std::slice::from_raw_parts(buffer_ptr as *const u8, size) };
+                    put_status(&s.store.put_with(key, data, &cfg))
+                }
             }
         })
     }
@@ -682,14 +737,18 @@ impl MooncakeDistributedStore {
         let Some(s) = self.session() else { return INVALID_PARAMS.into() };
         // Device calls bind their memory's CUDA context: give the framework's back.
         let _ctx = KeepCurrentContext::new();
-        py.detach(|| match self.devices.resolve(&self.buffers, buffer_ptr, size) {
-            Err(c) => c.into(),
-            Ok(Target::Device(mem)) => length_or_code(&s.store.get_into_device(key, &*mem, 0)),
-            Ok(Target::Host) => {
-                // SAFETY: `resolve` found the range inside a registered host region;
-                // nothing else in this process holds a Rust reference to it.
-                let buf = unsafe { std::slice::from_raw_parts_mut(buffer_ptr as *mut u8, size) };
-                length_or_code(&s.store.get_into(key, buf))
+        py.detach(|| {
+            let _call = self.pointer_call();
+            match self.devices.resolve(&self.buffers, buffer_ptr, size) {
+                Err(c) => c.into(),
+                Ok(Target::Device(mem)) => length_or_code(&s.store.get_into_device(key, &*mem, 0)),
+                Ok(Target::Host) => {
+                    // SAFETY: `resolve` found the range inside a registered host region
+                    // (registered until the call is done: `pointer_call`); nothing else
+                    // in this process holds a Rust reference to it.
+                    let buf = unsafe { std::slice::from_raw_parts_mut(buffer_ptr as *mut u8, size) };
+                    length_or_code(&s.store.get_into(key, buf))
+                }
             }
         })
     }
@@ -728,64 +787,67 @@ impl MooncakeDistributedStore {
         }
         // Device calls bind their memory's CUDA context: give the framework's back.
         let _ctx = KeepCurrentContext::new();
-        let host_caps: Vec<Option<usize>> = buffer_ptrs.iter().map(|&p| self.buffers.capacity(p)).collect();
-        // Buffers in GPU memory: the device memory from their address on.
-        let device_bufs: Vec<Option<Arc<dyn DeviceMemory>>> = py.detach(|| {
-            buffer_ptrs
+        // One release of the GIL from the buffers' check to the last copy into them:
+        // they stay registered (and so allocated) while the call is in flight.
+        py.detach(|| {
+            let _call = self.pointer_call();
+            let host_caps: Vec<Option<usize>> = buffer_ptrs.iter().map(|&p| self.buffers.capacity(p)).collect();
+            // Buffers in GPU memory: the device memory from their address on.
+            let device_bufs: Vec<Option<Arc<dyn DeviceMemory>>> = buffer_ptrs
                 .iter()
                 .zip(&host_caps)
                 .map(|(&p, cap)| if cap.is_none() { self.devices.range_from(p) } else { None })
-                .collect()
-        });
-        let capacities: Vec<Option<usize>> = host_caps
-            .iter()
-            .zip(&device_bufs)
-            .map(|(cap, dev)| cap.or_else(|| dev.as_ref().map(|m| m.len() as usize)))
-            .collect();
-        // The ranges that can be served (inside their buffer, non-empty); the others
-        // keep -600. Keys whose lists do not have matching lengths are read only to
-        // report a missing object.
-        let mut ranges: BTreeMap<&str, Vec<Range>> = BTreeMap::new();
-        let mut occurrences: Vec<(usize, usize, &str)> = Vec::new();
-        for (i, keys) in all_keys.iter().enumerate() {
-            for (j, key) in keys.iter().enumerate() {
-                let (dst, src, len) = (all_dst_offsets[i].get(j), all_src_offsets[i].get(j), all_sizes[i].get(j));
-                let (Some(dst), Some(src), Some(len)) = (dst, src, len) else { continue };
-                if src.len() != dst.len() || len.len() != dst.len() {
-                    continue;
-                }
-                occurrences.push((i, j, key.as_str()));
-                for k in 0..dst.len() {
-                    let (d, sr, l) = (dst[k], src[k], len[k]);
-                    let fits_dst = capacities[i].is_some_and(|cap| d.checked_add(l).is_some_and(|end| end <= cap));
-                    // No object reaches past MAX_VALUE_LEN: a range beyond it could
-                    // only ask for scratch memory no read will fill.
-                    let in_object = sr.checked_add(l).is_some_and(|end| end as u64 <= mooncake_core::MAX_VALUE_LEN);
-                    if l == 0 || !fits_dst || !in_object {
+                .collect();
+            let capacities: Vec<Option<usize>> = host_caps
+                .iter()
+                .zip(&device_bufs)
+                .map(|(cap, dev)| cap.or_else(|| dev.as_ref().map(|m| m.len() as usize)))
+                .collect();
+            // The ranges that can be served (inside their buffer, non-empty); the others
+            // keep -600. Keys whose lists do not have matching lengths are read only to
+            // report a missing object.
+            let mut ranges: BTreeMap<&str, Vec<Range>> = BTreeMap::new();
+            let mut occurrences: Vec<(usize, usize, &str)> = Vec::new();
+            for (i, keys) in all_keys.iter().enumerate() {
+                for (j, key) in keys.iter().enumerate() {
+                    let (dst, src, len) = (all_dst_offsets[i].get(j), all_src_offsets[i].get(j), all_sizes[i].get(j));
+                    let (Some(dst), Some(src), Some(len)) = (dst, src, len) else { continue };
+                    if src.len() != dst.len() || len.len() != dst.len() {
                         continue;
                     }
-                    let dst = match &device_bufs[i] {
-                        Some(mem) => Dst::Device(mem.clone(), d as u64),
-                        None => Dst::Host(buffer_ptrs[i] + d),
-                    };
-                    let r = Range { at: (i, j, k), dst, src: sr, len: l };
-                    ranges.entry(key.as_str()).or_default().push(r);
+                    occurrences.push((i, j, key.as_str()));
+                    for k in 0..dst.len() {
+                        let (d, sr, l) = (dst[k], src[k], len[k]);
+                        let fits_dst = capacities[i].is_some_and(|cap| d.checked_add(l).is_some_and(|end| end <= cap));
+                        // No object reaches past MAX_VALUE_LEN: a range beyond it could
+                        // only ask for scratch memory no read will fill.
+                        let in_object = sr.checked_add(l).is_some_and(|end| end as u64 <= mooncake_core::MAX_VALUE_LEN);
+                        if l == 0 || !fits_dst || !in_object {
+                            continue;
+                        }
+                        let dst = match &device_bufs[i] {
+                            Some(mem) => Dst::Device(mem.clone(), d as u64),
+                            None => Dst::Host(buffer_ptrs[i] + d),
+                        };
+                        let r = Range { at: (i, j, k), dst, src: sr, len: l };
+                        ranges.entry(key.as_str()).or_default().push(r);
+                    }
                 }
             }
-        }
-        let mut unique: Vec<&str> = all_keys.iter().flatten().map(String::as_str).collect();
-        unique.sort_unstable();
-        unique.dedup();
-        let answers = py.detach(|| ranges::read(&s.store, &unique, &ranges));
-        for ((i, j, k), v) in answers.ranges {
-            results[i][j][k] = v;
-        }
-        for (i, j, key) in occurrences {
-            if let Some(&c) = answers.failed.get(key) {
-                results[i][j].iter_mut().for_each(|r| *r = c);
+            let mut unique: Vec<&str> = all_keys.iter().flatten().map(String::as_str).collect();
+            unique.sort_unstable();
+            unique.dedup();
+            let answers = ranges::read(&s.store, &unique, &ranges);
+            for ((i, j, k), v) in answers.ranges {
+                results[i][j][k] = v;
             }
-        }
-        results
+            for (i, j, key) in occurrences {
+                if let Some(&c) = answers.failed.get(key) {
+                    results[i][j].iter_mut().for_each(|r| *r = c);
+                }
+            }
+            results
+        })
     }
 
     /// Stores the `sizes[i]` bytes at `buffer_ptrs[i]` under `keys[i]`, in one batch
@@ -820,6 +882,7 @@ impl MooncakeDistributedStore {
         // Device calls bind their memory's CUDA context: give the framework's back.
         let _ctx = KeepCurrentContext::new();
         py.detach(|| {
+            let _call = self.pointer_call();
             let mut results = bad.clone();
             let mut wanted = Vec::with_capacity(n);
             let mut on_device = Vec::new();
@@ -892,6 +955,7 @@ impl MooncakeDistributedStore {
         // Device calls bind their memory's CUDA context: give the framework's back.
         let _ctx = KeepCurrentContext::new();
         py.detach(|| {
+            let _call = self.pointer_call();
             let mut valid = Vec::with_capacity(n);
             let mut on_device: Vec<(usize, Arc<dyn DeviceMemory>)> = Vec::new();
             for i in 0..n {
@@ -953,6 +1017,7 @@ impl MooncakeDistributedStore {
         // Device calls bind their memory's CUDA context: give the framework's back.
         let _ctx = KeepCurrentContext::new();
         py.detach(|| {
+            let _call = self.pointer_call();
             let mut results = bad.clone();
             let mut wanted = Vec::with_capacity(n);
             let mut on_device = Vec::new();

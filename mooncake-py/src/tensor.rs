@@ -378,7 +378,13 @@ fn find<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Found<'py>> {
         return Ok(Found::Host(t, ptr, dtype.trim_start_matches("torch.").to_owned(), shape));
     }
     if module.starts_with("numpy") && obj.hasattr("__array_interface__")? {
-        let mut arr = obj.clone();
+        // An array as is; a numpy scalar (`np.float64(1.5)`) as a 0-d array of its
+        // own. A scalar's `__array_interface__` points into a temporary array that
+        // lives only as long as the interface's dict: its address would be freed
+        // memory by the time the write reads it.
+        let numpy = self::module(obj.py(), &NUMPY, "numpy")
+            .ok_or_else(|| PyImportError::new_err("numpy does not import, yet a numpy object was given"))?;
+        let mut arr = numpy.call_method1("asarray", (obj,))?;
         if !arr.getattr("flags")?.getattr("c_contiguous")?.extract::<bool>()? {
             arr = arr.call_method1("copy", ("C",))?;
         }

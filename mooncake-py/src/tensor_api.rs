@@ -82,6 +82,46 @@ fn plan(of: usize, key: &str, meta: &Meta, base: usize, split: Split) -> Option<
     Some(out)
 }
 
+/// Writes the plans' objects in one batch (with the GIL released) and folds the codes
+/// per key into `results` (a key whose plan failed keeps the code already there).
+fn write_planned(
+    store: &mooncake_core::Store,
+    mode: WriteMode,
+    writes: &[Write],
+    cfg: &mooncake_core::ReplicateConfig,
+    mut results: Vec<i32>,
+) -> Vec<i32> {
+    if writes.is_empty() {
+        return results;
+    }
+    let parts: Vec<Vec<&[u8]>> = writes
+        .iter()
+        .map(|w| {
+            let mut p: Vec<&[u8]> = vec![&w.header];
+            match &w.data {
+                Data::Borrowed(ranges) => {
+                    for &(ptr, len) in ranges {
+                        // SAFETY: the ranges are a tensor's elements (kept alive by the
+                        // caller) or a checked registered buffer, registered until the
+                        // call is done (the caller holds the in-flight gate).
+                        p.push(unsafe { std::slice::from_raw_parts(ptr as *const u8, len) });
+                    }
+                }
+                Data::Owned(v) => p.push(v),
+            }
+            p
+        })
+        .collect();
+    let items: Vec<(&str, &[&[u8]])> = writes.iter().zip(&parts).map(|(w, p)| (w.key.as_str(), p.as_slice())).collect();
+    // A key's code: the first failure of its objects, else 0.
+    for (w, c) in writes.iter().zip(mode.parts(store, &items, cfg)) {
+        if c != 0 && results[w.of] == 0 {
+            results[w.of] = c;
+        }
+    }
+    results
+}
+
 impl MooncakeDistributedStore {
     /// Writes the plans' objects in one batch and folds the codes per key of the call
     /// (`n` keys; a key whose plan failed keeps the code already in `results`).
@@ -91,45 +131,14 @@ impl MooncakeDistributedStore {
         mode: WriteMode,
         writes: &[Write],
         config: Option<&ReplicateConfig>,
-        mut results: Vec<i32>,
+        results: Vec<i32>,
     ) -> Vec<i32> {
         let Some(s) = self.session() else { return vec![INVALID_PARAMS; results.len()] };
         let cfg = match s.write_config(config, results.len()) {
             Ok(c) => c,
             Err(c) => return vec![c; results.len()],
         };
-        if writes.is_empty() {
-            return results;
-        }
-        let codes = py.detach(|| {
-            let parts: Vec<Vec<&[u8]>> = writes
-                .iter()
-                .map(|w| {
-                    let mut p: Vec<&[u8]> = vec![&w.header];
-                    match &w.data {
-                        Data::Borrowed(ranges) => {
-                            for &(ptr, len) in ranges {
-                                // SAFETY: the ranges are a tensor's elements or a checked
-                                // registered buffer, alive for the whole call.
-                                p.push(unsafe { std::slice::from_raw_parts(ptr as *const u8, len) });
-                            }
-                        }
-                        Data::Owned(v) => p.push(v),
-                    }
-                    p
-                })
-                .collect();
-            let items: Vec<(&str, &[&[u8]])> =
-                writes.iter().zip(&parts).map(|(w, p)| (w.key.as_str(), p.as_slice())).collect();
-            mode.parts(&s.store, &items, &cfg)
-        });
-        // A key's code: the first failure of its objects, else 0.
-        for (w, c) in writes.iter().zip(codes) {
-            if c != 0 && results[w.of] == 0 {
-                results[w.of] = c;
-            }
-        }
-        results
+        py.detach(|| write_planned(&s.store, mode, writes, &cfg, results))
     }
 
     /// Writes `tensors[i]` under `keys[i]` (numpy arrays or CPU torch tensors), whole
@@ -184,9 +193,35 @@ impl MooncakeDistributedStore {
         split: Split,
     ) -> Vec<i32> {
         let n = keys.len();
-        if self.session().is_none() || buffer_ptrs.len() != n || sizes.len() != n {
+        let Some(s) = self.session() else { return vec![INVALID_PARAMS; n] };
+        if buffer_ptrs.len() != n || sizes.len() != n {
             return vec![INVALID_PARAMS; n];
         }
+        let cfg = match s.write_config(None, n) {
+            Ok(c) => c,
+            Err(c) => return vec![c; n],
+        };
+        // One release of the GIL from the buffers' check to the end of the write:
+        // they stay registered (and so allocated) while the call is in flight.
+        py.detach(|| {
+            let _call = self.pointer_call();
+            self.write_buffers(mode, keys, buffer_ptrs, sizes, split, &s.store, &cfg)
+        })
+    }
+
+    /// `write_tensors_from`'s work, with the GIL released and the in-flight gate held.
+    #[allow(clippy::too_many_arguments)]
+    fn write_buffers(
+        &self,
+        mode: WriteMode,
+        keys: &[String],
+        buffer_ptrs: &[usize],
+        sizes: &[usize],
+        split: Split,
+        store: &mooncake_core::Store,
+        cfg: &mooncake_core::ReplicateConfig,
+    ) -> Vec<i32> {
+        let n = keys.len();
         let mut results = vec![0; n];
         let mut writes = Vec::new();
         for i in 0..n {
@@ -212,11 +247,13 @@ impl MooncakeDistributedStore {
                 None => results[i] = INVALID_PARAMS,
             }
         }
-        self.run_writes(py, mode, &writes, None, results)
+        write_planned(store, mode, &writes, cfg, results)
     }
 
     /// The tensor header of the registered buffer `[ptr, ptr + size)`, if it holds a
-    /// whole tensor object.
+    /// whole tensor object. The caller keeps the buffer registered until it is done
+    /// with it: it holds the in-flight gate, or the GIL throughout (`unregister_buffer`
+    /// cannot return to its caller, who would free the buffer, meanwhile).
     fn buffer_meta(&self, ptr: usize, size: usize) -> Option<Meta> {
         if size < META_LEN || self.buffers().check(ptr, size).is_err() {
             return None;

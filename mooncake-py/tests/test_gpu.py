@@ -10,13 +10,17 @@ calls on real CUDA tensors where torch and a GPU are present, and skips otherwis
 
 import ctypes
 import random
+import signal
+import threading
+import time
 
 import pytest
 
-from conftest import Registered
+from conftest import Registered, connect, start_master, start_storage_node, stop
 
 INVALID_PARAMS = -600
 OBJECT_NOT_FOUND = -704
+OBJECT_ALREADY_EXISTS = -705
 
 
 def payload(n, seed):
@@ -224,6 +228,65 @@ def test_unknown_and_straddling_pointers_are_refused(gpu_store):
     assert store.register_buffer(gpu.ptr, 8192) == 0
     assert store.unregister_buffer(gpu.ptr) == 0
     assert store.unregister_buffer(gpu.ptr) == INVALID_PARAMS
+
+
+def test_memory_the_driver_cannot_classify_is_refused_not_taken_for_host_memory(gpu_store):
+    """A CUDA driver whose pointer query fails (no usable context on the thread, ...)
+    proves nothing: registered as host memory, device memory would be dereferenced
+    on the host. `register_buffer` refuses it (-600); memory the driver answers for
+    registers as before."""
+    store, keep = gpu_store
+    gpu = EmulatedGpu(store, 8192)
+    keep.append(gpu)
+    unknown = (ctypes.c_ubyte * 8192)()
+    keep.append(unknown)
+    ptr = ctypes.addressof(unknown)
+    assert store._emulate_failed_pointer_query(ptr, 8192) == 0
+    assert store._emulate_failed_pointer_query(ptr, 0) == INVALID_PARAMS
+    assert store.register_buffer(ptr, 8192) == INVALID_PARAMS
+    assert store.register_buffer(ptr + 4096, 100) == INVALID_PARAMS
+    assert store.put_from("q/x", ptr, 100) == INVALID_PARAMS
+    assert store.is_exist("q/x") == 0
+    assert store.unregister_buffer(ptr) == INVALID_PARAMS
+    # Host memory (the driver says so) and device memory still register.
+    with Registered(store, 4096) as host:
+        host.write(0, b"h" * 100)
+        assert store.put_from("q/h", host.ptr, 100) == 0
+    gpu.write(0, b"g" * 100)
+    assert store.put_from("q/g", gpu.ptr, 100) == 0
+    assert store.get("q/h") == b"h" * 100 and store.get("q/g") == b"g" * 100
+
+
+def test_device_upsert_that_gives_up_on_a_busy_key_says_so():
+    """An upsert waits (5 s) for another client's put of the same key, then gives up
+    having written nothing: from device memory it answers -705 as from host memory,
+    never 0."""
+    proc, addr = start_master()
+    # The only segment is a storage process's: stopped, it holds the put in progress.
+    node, _ = start_storage_node(addr, segment=128 << 20)
+    writer = connect(addr, segment=0)
+    upserter = connect(addr, segment=0)
+    gpu = EmulatedGpu(upserter, 4096)
+    putter = None
+    try:
+        gpu.write(0, b"D" * 4096)
+        assert writer.put("warm", b"w" * 1000) == 0 and upserter.get("warm") == b"w" * 1000
+        node.send_signal(signal.SIGSTOP)
+        putter = threading.Thread(target=writer.put, args=("busy", bytes(64 << 20)))
+        putter.start()
+        time.sleep(0.5)  # its put started at the master, and blocks on the node
+        assert putter.is_alive() and upserter.is_exist("busy") == 0
+        assert upserter.batch_upsert_from(["busy"], [gpu.ptr], [4096]) == [OBJECT_ALREADY_EXISTS]
+        assert upserter.is_exist("busy") == 0
+    finally:
+        # Killed, not resumed: the put fails at once instead of finishing its copy.
+        node.kill()
+        node.wait()
+        if putter is not None:
+            putter.join()
+        upserter.close()
+        writer.close()
+        stop(proc)
 
 
 def test_host_pointers_do_not_touch_the_device_path(store):

@@ -12,7 +12,7 @@ import urllib.request
 
 import pytest
 
-from conftest import Registered, connect, master_binary, stop
+from conftest import Registered, connect, master_binary, start_master, start_storage_node, stop
 from mooncake_rs.store import BufferHandle, MooncakeDistributedStore, ReplicateConfig, SoftPinAction
 
 INVALID_PARAMS = -600
@@ -523,6 +523,73 @@ def test_bad_pointers_do_not_crash_the_process(master):
     out = subprocess.run([sys.executable, "-c", script, master], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "survived"
+
+
+TEARDOWN_UNDER_CALLS = textwrap.dedent(
+    """
+    import faulthandler, os, signal, sys, threading, time
+    from mooncake_rs.store import MooncakeDistributedStore, MooncakeHostMemAllocator
+    faulthandler.enable()
+    master, node = sys.argv[1], int(sys.argv[2])
+    n = 4 << 20
+    s = MooncakeDistributedStore()
+    # No segment of its own: the object is on the storage process, which is stopped
+    # so that a read of it stays in flight.
+    assert s.setup("localhost", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", master) == 0
+    assert s.put("obj", b"z" * n) == 0
+    alloc = MooncakeHostMemAllocator()
+    calls = {
+        "get_into": lambda ptr: s.get_into("obj", ptr, n),
+        "put_from": lambda ptr: s.put_from("new", ptr, n),
+    }
+    for call, teardown in [("get_into", "unregister_buffer"), ("put_from", "unregister_buffer"), ("get_into", "close")]:
+        ptr = alloc.alloc(n)
+        assert s.register_buffer(ptr, n) == 0
+        os.kill(node, signal.SIGSTOP)
+        got = []
+        user = threading.Thread(target=lambda: got.append(calls[call](ptr)))
+        user.start()
+        time.sleep(0.3)
+        assert user.is_alive()
+        threading.Timer(0.5, os.kill, (node, signal.SIGCONT)).start()
+        t0 = time.monotonic()
+        assert (s.unregister_buffer(ptr) if teardown == "unregister_buffer" else s.close()) == 0
+        waited = time.monotonic() - t0
+        # The documented order: unregister (or close), then free. Unmapped, a buffer
+        # still in use would crash the process or fail the call.
+        assert alloc.free(ptr) == 0
+        user.join()
+        print(call, teardown, got[0], round(waited, 2), flush=True)
+    """
+)
+
+
+def test_unregister_and_close_wait_for_calls_in_flight():
+    """`unregister_buffer` and `close` return only once the calls using the buffer on
+    other threads are done: freeing it right after never crashes the process, nor
+    fails the call."""
+    proc, addr = start_master()
+    node, _ = start_storage_node(addr, segment=32 << 20)
+    try:
+        child = subprocess.run(
+            [sys.executable, "-c", TEARDOWN_UNDER_CALLS, addr, str(node.pid)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert child.returncode == 0, child.stdout + child.stderr
+        lines = [line.split() for line in child.stdout.splitlines()]
+        assert [(c, t, int(got)) for c, t, got, _ in lines] == [
+            ("get_into", "unregister_buffer", 4 << 20),
+            ("put_from", "unregister_buffer", 0),
+            ("get_into", "close", 4 << 20),
+        ]
+        # Each waited for the call (the node resumed 0.5 s after it started waiting).
+        assert all(float(waited) >= 0.3 for *_, waited in lines), lines
+    finally:
+        node.kill()
+        node.wait()
+        stop(proc)
 
 
 def test_master_takes_the_reference_flag_spellings():

@@ -105,6 +105,18 @@ def test_non_contiguous_big_endian_and_views(store):
     assert as_numpy(store.get_tensor("big-endian")).dtype == np.dtype("<f8")
 
 
+def test_numpy_scalars_are_stored_from_memory_that_lives(store):
+    """A numpy scalar has no memory of its own: its 0-d array must outlive the write
+    (each value read back is its own, not a neighbour's freed and reused bytes)."""
+    scalars = [np.float64(1.5), np.float64(2.5), np.int32(7), np.float64(-3.0), np.float32(0.25)]
+    keys = [f"scalar-{i}" for i in range(len(scalars))]
+    assert store.batch_put_tensor(keys, scalars) == [0] * len(scalars)
+    assert store.put_tensor("scalar-one", np.float64(3.25)) == 0
+    for key, x in zip(keys + ["scalar-one"], scalars + [np.float64(3.25)]):
+        got = as_numpy(store.get_tensor(key))
+        assert got.shape == () and got.dtype == x.dtype and got == x, (key, got, x)
+
+
 def test_refusals(store):
     assert store.put_tensor("bad", b"not a tensor") == INVALID_PARAMS
     assert store.put_tensor("bad", [1, 2, 3]) == INVALID_PARAMS

@@ -65,10 +65,14 @@ pub use ipc::IpcHeapHandle;
 #[cfg(feature = "cuda")]
 pub use memory::{crc32c_of_device_ranges, DeviceBuffer};
 #[cfg(feature = "cuda")]
-pub(crate) use pointer::{current_context, device_allocation, host_register, host_unregister, set_current_context};
+pub(crate) use pointer::{
+    classify_pointer, current_context, device_allocation, host_register, host_unregister, set_current_context,
+};
+#[cfg(not(feature = "cuda"))]
+pub(crate) use unavailable::{
+    classify_pointer, current_context, device_allocation, host_register, host_unregister, set_current_context,
+};
 #[cfg(not(feature = "cuda"))]
 pub use unavailable::{
     crc32c_of_device_ranges, cuda_available, cuda_device_count, nvrtc_available, CudaDeviceHeap, DeviceBuffer,
 };
-#[cfg(not(feature = "cuda"))]
-pub(crate) use unavailable::{current_context, device_allocation, host_register, host_unregister, set_current_context};

@@ -49,6 +49,12 @@ pub(crate) fn device_allocation(ptr: u64) -> Option<crate::pointer::DeviceAlloca
     None
 }
 
+/// No driver to ask in a build without the `cuda` feature: not device memory.
+pub(crate) fn classify_pointer(ptr: u64) -> Result<Option<crate::pointer::DeviceAllocation>> {
+    let _ = ptr;
+    Ok(None)
+}
+
 /// No driver in this build: no current context to keep.
 pub(crate) fn current_context() -> Option<usize> {
     None
