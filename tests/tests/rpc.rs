@@ -512,13 +512,17 @@ fn big_request(n: usize) -> Vec<u8> {
 /// A peer that stops halfway through a frame does not keep the memory budget from
 /// the others: after the frame timeout its connection is closed and its bytes go
 /// back, so a request that waited for budget is answered. A peer that sends its
-/// frame slowly, but steadily, is not cut off, however long the whole frame takes.
+/// frame slowly, but steadily, is not cut off while its frame is within its deadline
+/// (the frame timeout plus its length at `min_frame_rate`), however many frame
+/// timeouts that is.
 #[test]
 fn a_connection_that_stops_halfway_through_a_frame_is_closed_and_its_budget_freed() {
     let master = Master::new(MasterConfig::default()).unwrap();
     let config = RpcServerConfig {
         memory_budget: 4 << 20,
         frame_timeout: Duration::from_millis(300),
+        // 80 KiB get 0.3 s + 10 s.
+        min_frame_rate: 8 << 10,
         ..RpcServerConfig::default()
     };
     let server = RpcServer::serve_with("127.0.0.1:0", master.service().clone(), config).unwrap();
@@ -540,7 +544,7 @@ fn a_connection_that_stops_halfway_through_a_frame_is_closed_and_its_budget_free
     stalled.write_all(&big_request(1)).unwrap();
     answered(&mut stalled);
     stalled.write_all(&stalled_frame[..stalled_frame.len() - 10]).unwrap();
-    // Wait until the server holds those bytes.
+    // Wait until the server holds those bytes (reserved from the header on).
     let held = || server.stats().buffered_bytes.load(std::sync::atomic::Ordering::Relaxed);
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     while held() < 3 << 20 && std::time::Instant::now() < deadline {
@@ -567,6 +571,230 @@ fn a_connection_that_stops_halfway_through_a_frame_is_closed_and_its_budget_free
     answered(&mut slow);
     assert_eq!(server.stats().frame_timeouts.load(std::sync::atomic::Ordering::Relaxed), 1);
     assert_eq!(server.stats().buffered_bytes.load(std::sync::atomic::Ordering::Relaxed), 0);
+}
+
+/// Waits until the server reserves no byte of request bodies.
+fn budget_comes_back(server: &RpcServer) {
+    let held = || server.stats().buffered_bytes.load(std::sync::atomic::Ordering::Relaxed);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while held() != 0 && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(held(), 0, "the budget did not come back");
+}
+
+/// Frames that together need more than the memory budget, sent at once, are all
+/// answered: a frame reserves its whole body before reading any of it, so the
+/// first finishes and gives its bytes back to the second. (Before, each read what
+/// budget was left: both held part of their frame, neither could finish, and the
+/// server never answered again.)
+#[test]
+fn frames_larger_together_than_the_memory_budget_are_all_answered() {
+    let master = Master::new(MasterConfig::default()).unwrap();
+    let config =
+        RpcServerConfig { memory_budget: 4 << 20, frame_timeout: Duration::from_secs(5), ..RpcServerConfig::default() };
+    let server = RpcServer::serve_with("127.0.0.1:0", master.service().clone(), config).unwrap();
+    let addr = server.local_addr();
+    // 3 MiB each: two do not fit in 4 MiB at once.
+    let frame = big_request(3 * 1024);
+    assert!(frame.len() > 3 << 20);
+    let clients: Vec<_> = (0..2)
+        .map(|_| {
+            let frame = frame.clone();
+            std::thread::spawn(move || {
+                let mut s = TcpStream::connect(addr).unwrap();
+                s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+                // Past the hello, so that no hello timeout ends the wait.
+                s.write_all(&big_request(1)).unwrap();
+                read_frame(&mut s, 1 << 20).unwrap();
+                let (head, tail) = frame.split_at(5 << 19);
+                s.write_all(head).unwrap();
+                std::thread::sleep(Duration::from_millis(200));
+                s.write_all(tail).unwrap();
+                let (h, body) = read_frame(&mut s, 1 << 20).expect("a request waiting for budget was never answered");
+                assert_eq!(h.request_id, 7);
+                match decode_body::<Response>(&body).unwrap() {
+                    Response::BatchExists(found) => assert_eq!(found.len(), 3 * 1024),
+                    other => panic!("{other:?}"),
+                }
+            })
+        })
+        .collect();
+    for c in clients {
+        c.join().unwrap();
+    }
+    budget_comes_back(&server);
+    assert_eq!(server.stats().frame_timeouts.load(std::sync::atomic::Ordering::Relaxed), 0);
+}
+
+/// A frame larger than the whole memory budget (the largest frame may be) is read
+/// once nothing else is reserved, rather than waiting forever.
+#[test]
+fn a_frame_larger_than_the_whole_budget_is_answered() {
+    let master = Master::new(MasterConfig::default()).unwrap();
+    let config = RpcServerConfig { memory_budget: 1 << 20, ..RpcServerConfig::default() };
+    let server = RpcServer::serve_with("127.0.0.1:0", master.service().clone(), config).unwrap();
+    let mut s = TcpStream::connect(server.local_addr()).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    s.write_all(&big_request(3 * 1024)).unwrap();
+    let (h, body) = read_frame(&mut s, 1 << 20).expect("a frame over the budget was never answered");
+    assert_eq!(h.request_id, 7);
+    assert!(matches!(decode_body::<Response>(&body).unwrap(), Response::BatchExists(found) if found.len() == 3 * 1024));
+    budget_comes_back(&server);
+}
+
+/// Frames waiting for budget get it in the order they came: a smaller frame that
+/// would fit does not overtake a large one waiting before it (a stream of them
+/// could otherwise keep the large one waiting forever). Small requests (64 KiB at
+/// most) neither wait nor hold anyone up.
+#[test]
+fn a_frame_waiting_for_budget_is_not_overtaken_by_a_later_smaller_one() {
+    let master = Master::new(MasterConfig::default()).unwrap();
+    let config =
+        RpcServerConfig { memory_budget: 4 << 20, frame_timeout: Duration::from_secs(5), ..RpcServerConfig::default() };
+    let server = RpcServer::serve_with("127.0.0.1:0", master.service().clone(), config).unwrap();
+    let addr = server.local_addr();
+    // Three connections past their hello (a hello waiting for budget would time out).
+    let [mut a, mut b, mut c] = [(); 3].map(|_| {
+        let mut s = TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        s.write_all(&big_request(1)).unwrap();
+        read_frame(&mut s, 1 << 20).unwrap();
+        s
+    });
+    let answered = |s: &mut TcpStream, keys: usize| {
+        let (h, body) = read_frame(s, 1 << 20).unwrap();
+        assert_eq!(h.request_id, 7);
+        match decode_body::<Response>(&body).unwrap() {
+            Response::BatchExists(found) => assert_eq!(found.len(), keys),
+            other => panic!("{other:?}"),
+        }
+    };
+    // `a` holds 3 of the 4 MiB, part of its frame sent.
+    let frame = big_request(3 * 1024);
+    a.write_all(&frame[..5 << 19]).unwrap();
+    let held = || server.stats().buffered_bytes.load(std::sync::atomic::Ordering::Relaxed);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while held() < 3 << 20 && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // `b` needs 3 MiB too: it waits.
+    let b_frame = frame.clone();
+    let b_sends = std::thread::spawn(move || {
+        b.write_all(&b_frame).unwrap();
+        b
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    // `c` needs 100 KiB, which would fit, but `b` came first: it waits as well.
+    c.write_all(&big_request(100)).unwrap();
+    c.set_read_timeout(Some(Duration::from_millis(700))).unwrap();
+    let mut byte = [0u8; 1];
+    let overtook = c.peek(&mut byte);
+    assert!(overtook.is_err(), "a later, smaller frame was answered first: {overtook:?}");
+    // Small requests (64 KiB at most) wait for no budget, on a new connection too.
+    healthy(&addr.to_string());
+    c.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    // `a` finishes: `b`, then `c`, get their budget.
+    a.write_all(&frame[5 << 19..]).unwrap();
+    answered(&mut a, 3 * 1024);
+    let mut b = b_sends.join().unwrap();
+    answered(&mut b, 3 * 1024);
+    answered(&mut c, 100);
+    budget_comes_back(&server);
+}
+
+/// A peer that sends its frame a little at a time, never stalling for the frame
+/// timeout, is still closed once the frame is past its deadline (the frame timeout
+/// plus its length at `min_frame_rate`): it cannot hold its share of the budget
+/// forever.
+#[test]
+fn a_frame_trickled_past_its_deadline_is_closed() {
+    let master = Master::new(MasterConfig::default()).unwrap();
+    let config = RpcServerConfig {
+        memory_budget: 4 << 20,
+        frame_timeout: Duration::from_millis(300),
+        // About 256 KiB: a deadline of 0.3 s + 0.25 s.
+        min_frame_rate: 1 << 20,
+        ..RpcServerConfig::default()
+    };
+    let server = RpcServer::serve_with("127.0.0.1:0", master.service().clone(), config).unwrap();
+    let mut s = TcpStream::connect(server.local_addr()).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    s.write_all(&big_request(1)).unwrap();
+    read_frame(&mut s, 1 << 20).unwrap();
+    // 4 KiB every 100 ms: the whole frame would take 6.4 s.
+    let frame = big_request(256);
+    let mut writer = s.try_clone().unwrap();
+    let start = std::time::Instant::now();
+    let trickle = std::thread::spawn(move || {
+        for piece in frame.chunks(4096) {
+            if writer.write_all(piece).is_err() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    });
+    let mut answer = Vec::new();
+    let _ = s.read_to_end(&mut answer);
+    let closed_after = start.elapsed();
+    assert!(answer.is_empty(), "the trickled frame was answered after {closed_after:?}");
+    assert!(closed_after < Duration::from_secs(4), "closed only after {closed_after:?}");
+    trickle.join().unwrap();
+    assert_eq!(server.stats().frame_timeouts.load(std::sync::atomic::Ordering::Relaxed), 1);
+    budget_comes_back(&server);
+    healthy(&server.local_addr().to_string());
+}
+
+/// A client that sends a request and never reads its (large) answer is closed after
+/// the frame timeout, and the answer's memory goes with it, instead of being kept
+/// while the server waits for the client forever.
+#[test]
+fn a_client_that_never_reads_its_answer_is_closed_after_the_frame_timeout() {
+    let config = RpcServerConfig { frame_timeout: Duration::from_millis(300), ..RpcServerConfig::default() };
+    let (server, mut s) = serve(WhereAnswered::new(), config);
+    // 32 MiB of answer: more than the socket buffers on both sides take.
+    s.write_all(&encode_frame(FrameKind::Request, 1, &Request::ListKeys { limit: 32 << 10 }).unwrap()).unwrap();
+    let timeouts = || server.stats().frame_timeouts.load(std::sync::atomic::Ordering::Relaxed);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while timeouts() == 0 && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(timeouts(), 1, "a client that does not read keeps its answer in the server");
+    // What the sockets took of the answer, then the end: not the whole answer.
+    let mut got = Vec::new();
+    let _ = s.read_to_end(&mut got);
+    assert!(got.len() < 32 << 20, "{}", got.len());
+    assert_eq!(server.stats().open_connections.load(std::sync::atomic::Ordering::Relaxed), 0);
+}
+
+/// `ListKeys` with no real limit answers what fits in a frame, capped at
+/// `MAX_LISTED_KEYS`, instead of every key (an answer over a frame reached no client).
+#[test]
+fn list_keys_answers_no_more_than_fits_in_a_frame() {
+    let master = Master::new(MasterConfig::default()).unwrap();
+    let c = master.register_client().unwrap().client;
+    let region = mooncake_transfer::RemoteRegion { endpoint: "local://n".into(), region: 1 };
+    master.mount_segment(c, &region, 1 << 30).unwrap();
+    // 16.5 Ki keys of 4 KiB: about 68 MB of keys, over a 64 MiB frame.
+    let n = 33 << 9;
+    for i in 0..n {
+        let key = format!("{i:04096}");
+        master.put_start(c, &key, 64, &ReplicateConfig::default()).unwrap();
+        master.put_end(c, &key, 0).unwrap();
+    }
+    let server = RpcServer::bind("127.0.0.1:0", master.service().clone()).unwrap();
+    let store =
+        Store::builder().master_address(&server.local_addr().to_string()).global_segment_size(0).build().unwrap();
+    let keys = store.master().list_keys(usize::MAX).unwrap();
+    assert!(keys.len() < n && keys.len() > 16_000, "{}", keys.len());
+    assert!(keys.len() <= mooncake_core::rpc::MAX_LISTED_KEYS);
+    let listed = keys.iter().map(|k| k.len() + 2).sum::<usize>();
+    assert!(listed <= mooncake_core::rpc::LIST_KEYS_MAX_BYTES, "{listed}");
+    let distinct: std::collections::HashSet<_> = keys.iter().collect();
+    assert_eq!(distinct.len(), keys.len());
+    assert!(keys.iter().all(|k| k.len() == 4096 && k.parse::<usize>().is_ok_and(|i| i < n)));
+    // A limit within the cap is a limit.
+    assert_eq!(store.master().list_keys(10).unwrap().len(), 10);
 }
 
 /// A master daemon's calls, in the order they arrived: the real master answers them.

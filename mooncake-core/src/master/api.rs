@@ -133,7 +133,10 @@ macro_rules! master_calls {
             BatchExists => fn batch_exists(keys: &[&str] => Vec<String>) -> Vec<Result<bool>> => by_keys(keys);
             /// Batch [`remove`](crate::MasterApi::remove).
             BatchRemove => fn batch_remove(keys: &[&str] => Vec<String>) -> Vec<Result<()>> => by_keys(keys);
-            /// Keys of complete objects, at most `limit`.
+            /// Keys of complete objects, at most `limit`. Over RPC, also at most
+            /// [`MAX_LISTED_KEYS`](crate::rpc::MAX_LISTED_KEYS) and a frame's worth
+            /// ([`LIST_KEYS_MAX_BYTES`](crate::rpc::LIST_KEYS_MAX_BYTES)): a server
+            /// answers no more, whatever the limit.
             ListKeys => fn list_keys(limit: usize => usize) -> Result<Vec<String>> => own;
             /// Counters and gauges.
             Stats => fn stats() -> Result<MasterStats> => to_all(merge);

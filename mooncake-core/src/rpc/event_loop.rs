@@ -39,6 +39,12 @@ const LOCAL_LISTENER: Token = Token(2);
 const FIRST_CONN: usize = 3;
 /// Bytes read from a socket at a time.
 const READ_CHUNK: usize = 64 << 10;
+/// Bodies of at most this many bytes are read without waiting for memory budget,
+/// and are not counted against it (only in `buffered_bytes`): a connection may hold
+/// a read's worth of bytes unparsed anyway, and the small requests that keep a
+/// cluster alive (heartbeats, puts, lookups) must not wait behind large ones (a
+/// master restarting while many nodes re-mount with their records).
+const SMALL_FRAME: usize = READ_CHUNK;
 /// How long a refused connection is kept to drain what its peer sent, so that the
 /// peer reads the refusal rather than a reset.
 const LINGER: Duration = Duration::from_millis(500);
@@ -269,16 +275,21 @@ struct Conn {
     /// A request of this connection is being answered (by a thread that may be writing to the
     /// socket: the loop does not).
     busy: bool,
-    /// Body bytes charged to the memory budget.
+    /// Body bytes reserved from the memory budget: the whole body of the frame in
+    /// progress, from its header on, until the frame is answered (0: none).
     charged: usize,
     /// Response bytes not yet written, from `out_pos`.
     out: Vec<u8>,
     out_pos: usize,
-    /// Waiting for memory budget.
+    /// Waiting for memory budget: the frame's header is read, its body not reserved,
+    /// and none of it read. The connection is in [`Loop::starved`].
     starved: bool,
-    /// When bytes of the frame in progress last arrived (see
-    /// [`RpcServerConfig::frame_timeout`]).
+    /// When bytes of the frame in progress last arrived, or bytes of the pending
+    /// response last left (see [`RpcServerConfig::frame_timeout`]).
     progress_at: Instant,
+    /// When the frame being read must be whole (see
+    /// [`RpcServerConfig::min_frame_rate`]); `None` while no reserved frame is read.
+    frame_deadline: Option<Instant>,
     /// The deadline of the stall timer queued for this connection, if one is.
     stall_deadline: Option<Instant>,
 }
@@ -299,9 +310,17 @@ pub(super) struct Loop {
     free: Vec<usize>,
     /// Hello deadlines and linger ends: (when, slot, generation).
     timers: BinaryHeap<Reverse<(Instant, usize, u64)>>,
-    /// Body bytes held over all connections.
+    /// Body bytes reserved over all connections (see [`Conn::charged`]), for bodies
+    /// over [`SMALL_FRAME`]: what the memory budget bounds.
     buffered: usize,
+    /// Body bytes reserved for bodies of at most [`SMALL_FRAME`] bytes.
+    buffered_small: usize,
+    /// Connections waiting for memory budget, oldest first: each waiting connection
+    /// once, and only while it waits.
     starved: VecDeque<(usize, u64)>,
+    /// [`Loop::wake_starved`] is running (it is not entered again from a connection
+    /// it wakes: its loop goes on with what that connection freed).
+    waking: bool,
     lingering: usize,
     accept_retry: Option<Instant>,
     /// Complete requests waiting for a thread to answer them.
@@ -371,7 +390,9 @@ impl Loop {
             free: Vec::new(),
             timers: BinaryHeap::new(),
             buffered: 0,
+            buffered_small: 0,
             starved: VecDeque::new(),
+            waking: false,
             lingering: 0,
             accept_retry: None,
             ready: VecDeque::new(),
@@ -454,6 +475,9 @@ impl Loop {
             self.take_back(done);
         }
         self.fire_timers();
+        // Budget given back during the turn (an inline answer, a closed connection)
+        // goes to the connections waiting for it.
+        self.wake_starved();
         if self.accept_retry.is_some_and(|at| at <= Instant::now()) {
             self.accept_retry = None;
             // Both listeners: the polls are edge-triggered, and either may hold
@@ -480,6 +504,10 @@ impl Loop {
 
     fn close(&mut self, slot: usize, mut conn: Conn) {
         let _ = self.poll.registry().deregister(&mut SourceFd(&conn.stream.as_raw_fd()));
+        if conn.starved {
+            let generation = conn.generation;
+            self.starved.retain(|&waiting| waiting != (slot, generation));
+        }
         self.release(&mut conn);
         if matches!(conn.phase, Phase::Closing) {
             self.lingering -= 1;
@@ -491,9 +519,50 @@ impl Loop {
 
     /// Gives a connection's body bytes back to the memory budget.
     fn release(&mut self, conn: &mut Conn) {
-        self.buffered -= conn.charged;
+        if conn.charged > SMALL_FRAME {
+            self.buffered -= conn.charged;
+        } else {
+            self.buffered_small -= conn.charged;
+        }
         conn.charged = 0;
-        self.stats.buffered_bytes.store(self.buffered as u64, Ordering::Relaxed);
+        conn.frame_deadline = None;
+        self.show_buffered();
+    }
+
+    fn show_buffered(&self) {
+        self.stats.buffered_bytes.store((self.buffered + self.buffered_small) as u64, Ordering::Relaxed);
+    }
+
+    /// Whether a body of `len` bytes may be read now: a small one always; another if
+    /// it fits in the memory budget. One larger than the whole budget fits once
+    /// nothing else is reserved: it would otherwise wait forever.
+    fn fits(&self, len: usize) -> bool {
+        len <= SMALL_FRAME || self.buffered == 0 || self.buffered.saturating_add(len) <= self.config.memory_budget
+    }
+
+    /// Reserves the whole body of `c`'s frame, `len` bytes, before any of it is read:
+    /// a frame that starts can always finish, so the budget always comes back. With
+    /// `timed` (unless the whole body has arrived already, the usual case for a small
+    /// request, which then costs no clock), its clocks start: the stall timer, and
+    /// the deadline for the whole frame.
+    fn reserve(&mut self, c: &mut Conn, len: usize, timed: bool) {
+        if len > SMALL_FRAME {
+            self.buffered += len;
+        } else {
+            self.buffered_small += len;
+        }
+        c.charged = len;
+        self.show_buffered();
+        if !timed {
+            return;
+        }
+        let now = Instant::now();
+        let rate = self.config.min_frame_rate;
+        c.frame_deadline = (rate > 0).then(|| {
+            let nanos = (len as u128 * 1_000_000_000 / u128::from(rate)).min(u64::MAX as u128) as u64;
+            now + self.config.frame_timeout + Duration::from_nanos(nanos)
+        });
+        self.note_progress(c);
     }
 
     /// Accepts what waits on the TCP listener.
@@ -628,6 +697,7 @@ impl Loop {
             out_pos: 0,
             starved: false,
             progress_at: Instant::now(),
+            frame_deadline: None,
             stall_deadline: None,
         });
     }
@@ -663,7 +733,8 @@ impl Loop {
     }
 
     /// Closes connections whose hello did not complete in time, refused ones whose
-    /// linger ended, and those that stopped halfway through a frame.
+    /// linger ended, and those that stopped halfway through a frame (reading or
+    /// writing it) or did not send it whole by its deadline.
     fn fire_timers(&mut self) {
         let now = Instant::now();
         while let Some(Reverse((at, slot, generation))) = self.timers.peek().copied() {
@@ -688,44 +759,66 @@ impl Loop {
         }
     }
 
-    /// Bytes of a frame still in progress arrived on `c`: its stall clock starts
-    /// again, and a timer watches it if none does.
+    /// Bytes of a frame still in progress arrived on `c`, or bytes of its response
+    /// left: its stall clock starts again, and a timer watches it if none does.
     fn note_progress(&mut self, c: &mut Conn) {
         c.progress_at = Instant::now();
+        self.watch(c);
+    }
+
+    /// Arms `c`'s stall timer, unless one is armed: at the stall deadline, or the
+    /// frame's deadline if that comes first. A timer armed earlier never fires later
+    /// than needed (every clock starts at or after its deadline was set), so one
+    /// that fires early just arms the next.
+    fn watch(&mut self, c: &mut Conn) {
         if c.stall_deadline.is_none() {
-            let deadline = c.progress_at + self.config.frame_timeout;
+            let stall = c.progress_at + self.config.frame_timeout;
+            let deadline = c.frame_deadline.map_or(stall, |d| d.min(stall));
             c.stall_deadline = Some(deadline);
             self.timers.push(Reverse((deadline, c.slot, c.generation)));
         }
     }
 
     /// `c`'s stall timer fired (the caller matched its deadline): closes the
-    /// connection if it has held part of a frame, unanswered and not waiting for
-    /// budget, without sending more of it for the frame timeout; otherwise watches
-    /// it again while the frame is in progress.
+    /// connection if it holds the reservation of a frame in progress (not being
+    /// answered) and sent none of it for the frame timeout or missed the frame's
+    /// deadline, or if its pending response took no byte for the frame timeout;
+    /// otherwise watches it again while either lasts. A connection waiting for
+    /// budget holds none and is not watched: the wait is the server's doing.
     fn check_stall(&mut self, c: &mut Conn, now: Instant) -> Next {
         c.stall_deadline = None;
-        if c.busy || c.reader.buffered() == 0 {
+        let writing = !c.out.is_empty();
+        let reading = c.charged > 0;
+        if c.busy || !(writing || reading) {
             return Next::Keep;
         }
-        if c.starved {
-            // Not reading it is the server's doing: its clock starts again.
-            self.note_progress(c);
-            return Next::Keep;
-        }
-        let timeout = self.config.frame_timeout;
-        if now.saturating_duration_since(c.progress_at) >= timeout {
+        let stalled = now.saturating_duration_since(c.progress_at) >= self.config.frame_timeout;
+        let late = !writing && c.frame_deadline.is_some_and(|d| now >= d);
+        if stalled || late {
             self.stats.frame_timeouts.fetch_add(1, Ordering::Relaxed);
-            tracing::warn!(
-                peer = %c.peer,
-                held = c.reader.buffered(),
-                "closing an RPC connection that stopped halfway through a frame"
-            );
+            if writing {
+                tracing::warn!(
+                    peer = %c.peer,
+                    unsent = c.out.len() - c.out_pos,
+                    "closing an RPC connection that does not read its response"
+                );
+            } else if stalled {
+                tracing::warn!(
+                    peer = %c.peer,
+                    held = c.reader.buffered(),
+                    "closing an RPC connection that stopped halfway through a frame"
+                );
+            } else {
+                tracing::warn!(
+                    peer = %c.peer,
+                    held = c.reader.buffered(),
+                    of = c.charged,
+                    "closing an RPC connection that sent its frame too slowly"
+                );
+            }
             return Next::Close;
         }
-        let deadline = c.progress_at + timeout;
-        c.stall_deadline = Some(deadline);
-        self.timers.push(Reverse((deadline, c.slot, c.generation)));
+        self.watch(c);
         Next::Keep
     }
 
@@ -738,8 +831,7 @@ impl Loop {
             match done.outcome {
                 Outcome::Sent => l.drive(c),
                 Outcome::Unsent { frame, pos } => {
-                    c.out = frame;
-                    c.out_pos = pos;
+                    l.queue_response(c, frame, pos);
                     l.drive(c)
                 }
                 Outcome::Malformed | Outcome::Broken => Next::Close,
@@ -748,25 +840,67 @@ impl Loop {
         self.wake_starved();
     }
 
-    /// Retries connections that waited for memory budget.
+    /// Reserves budget for the connections waiting for it, oldest first, while the
+    /// oldest one's frame fits: a later, smaller frame does not overtake it (small
+    /// ones, [`SMALL_FRAME`], wait for nothing and count for nothing here), so a
+    /// large one waits only for the frames reserved before it to be answered.
     fn wake_starved(&mut self) {
-        let n = self.starved.len();
-        for _ in 0..n {
-            if self.buffered >= self.config.memory_budget {
-                return;
+        if self.waking {
+            return;
+        }
+        self.waking = true;
+        while let Some(&(slot, generation)) = self.starved.front() {
+            // Out of its slot: the connection is being driven; the end of the turn
+            // comes back to it.
+            let Some(Some(c)) = self.conns.get(slot) else { break };
+            if c.generation != generation {
+                // Closed connections leave the queue; this one is only a safety net.
+                self.starved.pop_front();
+                continue;
             }
-            let Some((slot, generation)) = self.starved.pop_front() else { return };
+            let len = c.reader.body_len().unwrap_or(0);
+            if !self.fits(len) {
+                break;
+            }
+            self.starved.pop_front();
             self.with_conn(slot, Some(generation), |l, c| {
                 c.starved = false;
+                if len > 0 {
+                    l.reserve(c, len, true);
+                }
                 l.drive(c)
             });
         }
+        self.waking = false;
+    }
+
+    /// Queues the rest of a response, `frame[pos..]`, for the loop to write as the
+    /// socket takes it; its stall clock starts now (armed only if the socket fills).
+    fn queue_response(&mut self, c: &mut Conn, frame: Vec<u8>, pos: usize) {
+        c.out = frame;
+        c.out_pos = pos;
+        c.progress_at = Instant::now();
+    }
+
+    /// Writes what is pending of `c`'s response. Bytes that left restart its stall
+    /// clock; a socket that fills arms the timer, so a client that never reads is
+    /// closed after the frame timeout instead of keeping its response in memory.
+    fn write_pending(&mut self, c: &mut Conn) -> Wrote {
+        let before = c.out_pos;
+        let wrote = write_out(c);
+        if let Wrote::Blocked = wrote {
+            if c.out_pos > before {
+                c.progress_at = Instant::now();
+            }
+            self.watch(c);
+        }
+        wrote
     }
 
     /// The socket can take bytes: writes what is pending of the response, and goes on
     /// with the connection once it is written.
     fn flush(&mut self, c: &mut Conn) -> Next {
-        match write_out(c) {
+        match self.write_pending(c) {
             Wrote::Nothing | Wrote::Blocked => Next::Keep,
             Wrote::All => self.drive(c),
             Wrote::Failed => Next::Close,
@@ -781,7 +915,7 @@ impl Loop {
             if c.busy || c.starved {
                 return Next::Keep;
             }
-            match write_out(c) {
+            match self.write_pending(c) {
                 Wrote::Nothing | Wrote::All => {}
                 Wrote::Blocked => return Next::Keep,
                 Wrote::Failed => return Next::Close,
@@ -931,74 +1065,87 @@ impl Loop {
     }
 
     /// Feeds the frame reader within the memory budget; a complete frame goes to a
-    /// thread (or is answered here, inline). Returns the bytes taken.
+    /// thread (or is answered here, inline). Returns the bytes taken. Once a header
+    /// is read, no byte of its body is taken before the whole body is reserved (see
+    /// [`Loop::reserve`]); a frame that does not fit, or that would overtake frames
+    /// waiting already, waits in [`Loop::starved`]. A small one ([`SMALL_FRAME`])
+    /// never waits, and holds no one up.
     fn feed_some(&mut self, c: &mut Conn, bytes: &[u8]) -> (usize, Next) {
-        let allowance = self.config.memory_budget.saturating_sub(self.buffered);
-        let before = c.reader.buffered();
-        let (n, frame) = match c.reader.feed(bytes, allowance) {
-            Ok(r) => r,
-            Err(e) => {
-                self.stats.bad_frames.fetch_add(1, Ordering::Relaxed);
-                tracing::warn!(peer = %c.peer, error = %e, "closing an RPC connection: malformed frame");
-                return (0, Next::Close);
-            }
-        };
-        // A frame that completes takes its body out of the reader (which then holds
-        // none): its bytes are charged below, from the body itself.
-        let grown = c.reader.buffered().saturating_sub(before);
-        self.buffered += grown;
-        c.charged += grown;
-        match frame {
-            Some((header, body)) => {
-                if header.kind != FrameKind::Request {
+        let mut n = 0;
+        let frame = loop {
+            // Header bytes only, until the body is reserved: it is then taken whole.
+            let allowance = if c.charged > 0 { usize::MAX } else { 0 };
+            let (used, frame) = match c.reader.feed(&bytes[n..], allowance) {
+                Ok(r) => r,
+                Err(e) => {
                     self.stats.bad_frames.fetch_add(1, Ordering::Relaxed);
-                    tracing::warn!(peer = %c.peer, "closing an RPC connection: a response frame from a client");
+                    tracing::warn!(peer = %c.peer, error = %e, "closing an RPC connection: malformed frame");
                     return (n, Next::Close);
                 }
-                // Bodies charged as they arrived stay charged until answered.
-                let extra = body.len().saturating_sub(c.charged);
-                self.buffered += extra;
-                c.charged += extra;
-                c.phase = Phase::Open { hello_done: true };
-                let job = Job {
-                    slot: c.slot,
-                    generation: c.generation,
-                    stream: c.stream.clone(),
-                    request_id: header.request_id,
-                    body,
-                    decoding: self.decoding.clone(),
-                };
-                let kind = request_kind_of(&job.body);
-                if kind == Some(Request::LOCAL_ENDPOINT_KIND) {
-                    return (n, self.tell_local_endpoint(c, &job));
+            };
+            n += used;
+            if frame.is_some() {
+                break frame;
+            }
+            match c.reader.body_len() {
+                // A header just read (an empty body completes at once, above).
+                Some(len) if c.charged == 0 => {
+                    let queued = len > SMALL_FRAME && !self.starved.is_empty();
+                    if queued || !self.fits(len) {
+                        // No room, or frames waiting already go first: wait, holding
+                        // no body byte.
+                        c.starved = true;
+                        self.starved.push_back((c.slot, c.generation));
+                        return (n, Next::Keep);
+                    }
+                    let arrived = bytes.len() - n;
+                    self.reserve(c, len, arrived < len);
                 }
-                let job = match kind.filter(|&k| self.handler.answers_inline(k)) {
-                    // Answered here: `drive` writes the response before reading on.
-                    Some(kind) => match answer(job, &*self.handler, &self.stats, Some(kind)) {
-                        Ok(frame) => {
-                            self.release(c);
-                            let Some(frame) = frame else { return (n, Next::Close) };
-                            c.out = frame;
-                            c.out_pos = 0;
-                            return (n, Next::Keep);
-                        }
-                        // No room to decode it now: a thread waits for some.
-                        Err(job) => job,
-                    },
-                    None => job,
-                };
-                c.busy = true;
-                self.ready.push_back(job);
+                Some(_) if used > 0 => {
+                    self.note_progress(c);
+                    break None;
+                }
+                _ => break None,
             }
-            None if n < bytes.len() => {
-                // Out of memory budget: wait for some to be freed.
-                c.starved = true;
-                self.starved.push_back((c.slot, c.generation));
-            }
-            None if n > 0 && c.reader.buffered() > 0 => self.note_progress(c),
-            None => {}
+        };
+        let Some((header, body)) = frame else { return (n, Next::Keep) };
+        if header.kind != FrameKind::Request {
+            self.stats.bad_frames.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(peer = %c.peer, "closing an RPC connection: a response frame from a client");
+            return (n, Next::Close);
         }
-        self.stats.buffered_bytes.store(self.buffered as u64, Ordering::Relaxed);
+        // Read whole: its deadline is met; its reservation stays until it is
+        // answered.
+        c.frame_deadline = None;
+        c.phase = Phase::Open { hello_done: true };
+        let job = Job {
+            slot: c.slot,
+            generation: c.generation,
+            stream: c.stream.clone(),
+            request_id: header.request_id,
+            body,
+            decoding: self.decoding.clone(),
+        };
+        let kind = request_kind_of(&job.body);
+        if kind == Some(Request::LOCAL_ENDPOINT_KIND) {
+            return (n, self.tell_local_endpoint(c, &job));
+        }
+        let job = match kind.filter(|&k| self.handler.answers_inline(k)) {
+            // Answered here: `drive` writes the response before reading on.
+            Some(kind) => match answer(job, &*self.handler, &self.stats, Some(kind)) {
+                Ok(frame) => {
+                    self.release(c);
+                    let Some(frame) = frame else { return (n, Next::Close) };
+                    self.queue_response(c, frame, 0);
+                    return (n, Next::Keep);
+                }
+                // No room to decode it now: a thread waits for some.
+                Err(job) => job,
+            },
+            None => job,
+        };
+        c.busy = true;
+        self.ready.push_back(job);
         (n, Next::Keep)
     }
 
@@ -1019,8 +1166,7 @@ impl Loop {
         self.stats.ops_by_kind[kind].fetch_add(1, Ordering::Relaxed);
         match encode_frame(FrameKind::Response, job.request_id, &Response::LocalEndpoint(name)) {
             Ok(frame) => {
-                c.out = frame;
-                c.out_pos = 0;
+                self.queue_response(c, frame, 0);
                 Next::Keep
             }
             Err(_) => Next::Close,

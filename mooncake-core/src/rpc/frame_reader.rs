@@ -45,6 +45,13 @@ impl FrameReader {
         self.body.len()
     }
 
+    /// The body length the frame in progress announced, once its header is read
+    /// (`None` before that, and between frames). The server reserves that much of its
+    /// memory budget before it feeds the reader any body byte.
+    pub fn body_len(&self) -> Option<usize> {
+        self.current.map(|h| h.body_len as usize)
+    }
+
     /// Whether no byte of a next frame has arrived yet.
     #[cfg(any(test, feature = "fuzzing"))]
     pub fn is_idle(&self) -> bool {
@@ -144,6 +151,18 @@ mod tests {
         assert_eq!(r.feed(&frame, 0).unwrap(), (HEADER_LEN, None));
         assert_eq!(r.buffered(), 0);
         assert!(r.feed(&frame[HEADER_LEN..], usize::MAX).unwrap().1.is_some());
+    }
+
+    #[test]
+    fn the_announced_body_length_is_known_from_the_header_on() {
+        let frame = encode_frame(FrameKind::Request, 1, &Request::Exists { key: "abc".into() }).unwrap();
+        let mut r = FrameReader::new(1 << 20);
+        assert_eq!(r.feed(&frame[..HEADER_LEN - 1], usize::MAX).unwrap(), (HEADER_LEN - 1, None));
+        assert_eq!(r.body_len(), None);
+        assert_eq!(r.feed(&frame[HEADER_LEN - 1..], 0).unwrap(), (1, None));
+        assert_eq!(r.body_len(), Some(frame.len() - HEADER_LEN));
+        assert!(r.feed(&frame[HEADER_LEN..], usize::MAX).unwrap().1.is_some());
+        assert_eq!(r.body_len(), None);
     }
 
     #[test]

@@ -79,13 +79,17 @@ pub struct RpcServerStats {
     /// Connections that failed the shared-secret handshake.
     pub auth_failures: AtomicU64,
     /// Connections closed for holding part of a frame without sending more of it for
-    /// [`RpcServerConfig::frame_timeout`].
+    /// [`RpcServerConfig::frame_timeout`], for not sending the whole frame by its
+    /// deadline (see [`RpcServerConfig::min_frame_rate`]), or for not reading any of
+    /// their pending response for [`RpcServerConfig::frame_timeout`].
     pub frame_timeouts: AtomicU64,
     /// Requests whose handler panicked: answered with an error, and the connection
     /// and the server went on.
     pub handler_panics: AtomicU64,
-    /// Bytes of request bodies held in memory now (within
-    /// [`RpcServerConfig::memory_budget`]).
+    /// Bytes of request bodies reserved now, for frames being read or answered (within
+    /// [`RpcServerConfig::memory_budget`]): a frame's whole announced body from its
+    /// header on, though the memory itself is taken only as its bytes arrive. Small
+    /// bodies (64 KiB at most) are counted here but not against the budget.
     pub buffered_bytes: AtomicU64,
     /// Requests answered with an error, unanswered, because decoding them would
     /// allocate more than [`RpcServerConfig::decode_limits`] allow, or the
@@ -135,8 +139,16 @@ pub struct RpcServerConfig {
     pub insecure: bool,
     /// Most connections open at once; beyond it, new ones are refused with a message.
     pub max_connections: usize,
-    /// Most bytes of request bodies held in memory over all connections; a
-    /// connection whose body would exceed it waits until memory is freed.
+    /// Most bytes of request bodies held in memory over all connections. A frame
+    /// reserves its whole body from its header on, before any body byte is read, and
+    /// keeps it until it is answered, so a frame that starts can always finish (and
+    /// give its bytes back). A connection whose frame does not fit waits, holding no
+    /// body byte, in the order the frames arrived: a large frame is not overtaken by
+    /// smaller ones indefinitely. A frame larger than the whole budget (possible when
+    /// [`max_frame`](Self::max_frame) is larger) proceeds once nothing else is
+    /// reserved. Bodies of at most 64 KiB (a read's worth, which a connection may
+    /// hold unparsed anyway) are neither counted against the budget nor made to wait:
+    /// heartbeats and lookups do not queue behind large requests.
     pub memory_budget: usize,
     /// What decoding one request may allocate (items, and bytes charged: see
     /// [`budget`](crate::rpc::budget)); a request over them is answered with an
@@ -155,7 +167,17 @@ pub struct RpcServerConfig {
     /// before it is closed (the bytes it held go back to
     /// [`memory_budget`](Self::memory_budget)): a peer that stops halfway must not
     /// keep the budget from the others. Time spent waiting for budget does not count.
+    /// A connection with a response to write that takes none of it for this long is
+    /// closed too: a client that does not read its answers must not keep them in
+    /// memory forever.
     pub frame_timeout: Duration,
+    /// The slowest a frame's body may arrive, in bytes a second, once it has its share
+    /// of [`memory_budget`](Self::memory_budget): a frame not read whole within
+    /// [`frame_timeout`](Self::frame_timeout) plus its body's length at this rate is
+    /// closed, so a peer trickling bytes just often enough cannot hold its share
+    /// forever. 4 MiB/s by default (a 64 MiB frame gets 36 s with the default
+    /// timeout); 0 turns the deadline off.
+    pub min_frame_rate: u64,
     /// Threads serving requests kept ready, polling or answering (0: one per core, at
     /// least 2, at most 16).
     pub workers: usize,
@@ -210,6 +232,7 @@ impl Default for RpcServerConfig {
             decode_wait: Duration::from_secs(1),
             hello_timeout: Duration::from_secs(5),
             frame_timeout: Duration::from_secs(20),
+            min_frame_rate: 4 << 20,
             workers: 0,
             max_workers: 256,
             spin: server_spin(),

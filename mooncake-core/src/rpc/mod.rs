@@ -32,7 +32,7 @@ pub use handler::RpcHandler;
 #[cfg(not(feature = "fuzzing"))]
 pub(crate) use handler::RpcHandler;
 pub use handler::{RpcServerConfig, RpcServerStats, DEFAULT_SERVER_SPIN};
-pub use server::RpcServer;
 #[cfg(feature = "fuzzing")]
 pub use server::{dispatch, read_frame};
+pub use server::{RpcServer, LIST_KEYS_MAX_BYTES, MAX_LISTED_KEYS};
 pub use wire::REQUEST_KINDS;

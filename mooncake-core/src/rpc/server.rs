@@ -21,11 +21,11 @@ use super::wire::{Request, Response, WireError, DEFAULT_MAX_FRAME};
 /// hundred bytes): one polls them all while the others answer the requests it handed
 /// on, each writing its response itself (leader/follower). Request bodies are
 /// read into memory as their bytes arrive, within [`RpcServerConfig::max_frame`] per
-/// connection and [`RpcServerConfig::memory_budget`] over all of them: a header alone
-/// costs nothing. A connection that has not completed its hello within
-/// [`RpcServerConfig::hello_timeout`] is closed; connections beyond
-/// [`RpcServerConfig::max_connections`], and (in protected mode) non-loopback clients
-/// of a server without a secret, are refused with a message.
+/// connection and [`RpcServerConfig::memory_budget`] over all of them: a header
+/// reserves its body's share of the budget but takes no memory. A connection that
+/// has not completed its hello within [`RpcServerConfig::hello_timeout`] is closed;
+/// connections beyond [`RpcServerConfig::max_connections`], and (in protected mode)
+/// non-loopback clients of a server without a secret, are refused with a message.
 ///
 /// ```
 /// use mooncake_core::{Master, MasterConfig, Store};
@@ -132,10 +132,46 @@ impl RpcHandler for MasterService {
     }
 }
 
+/// Most keys one `ListKeys` answers over RPC, whatever limit it asks for: a request
+/// of a dozen bytes must not have the master copy out every key it holds. With the
+/// answer also kept within a frame ([`LIST_KEYS_MAX_BYTES`]), a client can always
+/// decode it (at most about 490 MB charged, within
+/// [`DecodeLimits::RESPONSE`](crate::rpc::budget::DecodeLimits::RESPONSE)).
+pub const MAX_LISTED_KEYS: usize = 2 << 20;
+
+/// Most bytes of keys, as encoded, in one `ListKeys` answer over RPC: what fits in a
+/// frame a client reads (64 MiB, `DEFAULT_MAX_FRAME`) with room for the rest of
+/// the answer. Keys past it are left out (an answer over it could not be sent at all).
+pub const LIST_KEYS_MAX_BYTES: usize = DEFAULT_MAX_FRAME as usize - 64;
+
+/// How many of `keys`, from the first, fit in `max_bytes` as encoded (each key's
+/// bytes after its length, a LEB128 varint).
+fn keys_that_fit(keys: &[String], max_bytes: usize) -> usize {
+    let mut bytes = 0usize;
+    for (i, key) in keys.iter().enumerate() {
+        bytes += varint_len(key.len()) + key.len();
+        if bytes > max_bytes {
+            return i;
+        }
+    }
+    keys.len()
+}
+
+/// Bytes of `n` as a LEB128 varint (how postcard writes lengths).
+fn varint_len(n: usize) -> usize {
+    (usize::BITS - n.leading_zeros()).div_ceil(7).max(1) as usize
+}
+
 /// Answers one request with a master: the server's dispatch over any
-/// [`MasterApi`] (the service itself, or anything that wraps one).
+/// [`MasterApi`] (the service itself, or anything that wraps one). A `ListKeys`
+/// answers at most [`MAX_LISTED_KEYS`] keys, and only as many as fit in a frame
+/// ([`LIST_KEYS_MAX_BYTES`]).
 #[cfg_attr(feature = "fuzzing", visibility::make(pub))]
 pub(crate) fn dispatch(api: &dyn MasterApi, request: Request) -> Response {
+    let request = match request {
+        Request::ListKeys { limit } => Request::ListKeys { limit: limit.min(MAX_LISTED_KEYS) },
+        other => other,
+    };
     macro_rules! dispatch_calls {
         ($( $(#[$doc:meta])* $variant:ident => fn $name:ident ( $( $arg:ident : $ty:ty => $wire:ty ),* $(,)? ) -> $ret:ty
         => $route:ident $( ( $($how:tt)* ) )? $( + $hook:ident )?; )*) => {
@@ -156,7 +192,11 @@ pub(crate) fn dispatch(api: &dyn MasterApi, request: Request) -> Response {
             }
         };
     }
-    master_calls!(dispatch_calls)
+    let mut response = master_calls!(dispatch_calls);
+    if let Response::ListKeys(Ok(keys)) = &mut response {
+        keys.truncate(keys_that_fit(keys, LIST_KEYS_MAX_BYTES));
+    }
+    response
 }
 
 /// Reads one frame body of at most `max` bytes (helper for tests and tools; a
@@ -173,4 +213,43 @@ pub fn read_frame(
     let mut body = vec![0u8; h.body_len as usize];
     r.read_exact(&mut body).map_err(|e| FrameError::Truncated(e.to_string()))?;
     Ok((h, body))
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::rpc::wire::{encode_frame, FrameKind, HEADER_LEN};
+
+    /// The keys' share of their encoding: all of it but the count of keys.
+    fn encoded(keys: &[String]) -> usize {
+        postcard::to_allocvec(keys).unwrap().len() - varint_len(keys.len())
+    }
+
+    proptest! {
+        /// The keys kept are the most, from the first, whose encoding fits the bound.
+        #[test]
+        fn the_keys_kept_are_the_most_that_fit_as_encoded(
+            lens in proptest::collection::vec(0usize..300, 0..40),
+            max in 0usize..4000,
+        ) {
+            let keys: Vec<String> = lens.iter().map(|&n| "k".repeat(n)).collect();
+            let n = keys_that_fit(&keys, max);
+            prop_assert!(encoded(&keys[..n]) <= max);
+            if n < keys.len() {
+                prop_assert!(encoded(&keys[..=n]) > max);
+            }
+        }
+    }
+
+    #[test]
+    fn an_answer_of_the_keys_that_fit_fits_in_a_frame() {
+        // 16 Ki keys of 4 KiB: just over a frame.
+        let keys: Vec<String> = (0..16 << 10).map(|i| format!("{i:04096}")).collect();
+        let n = keys_that_fit(&keys, LIST_KEYS_MAX_BYTES);
+        assert!(n < keys.len() && n > 16_000, "{n}");
+        let frame = encode_frame(FrameKind::Response, 1, &Response::ListKeys(Ok(keys[..n].to_vec()))).unwrap();
+        assert!(frame.len() - HEADER_LEN <= DEFAULT_MAX_FRAME as usize, "{}", frame.len());
+    }
 }
