@@ -155,7 +155,7 @@ pub fn prometheus_text(stats: &MasterStats, rpc: Option<&RpcServerStats>) -> Str
                 "counter",
                 &rpc.handler_panics,
             ),
-            ("rpc_buffered_bytes", "Bytes of request bodies held in memory now.", "gauge", &rpc.buffered_bytes),
+            ("rpc_buffered_bytes", "Bytes of request bodies reserved now (a frame's whole announced body from its header on, until it is answered).", "gauge", &rpc.buffered_bytes),
             (
                 "rpc_over_budget_total",
                 "Requests refused with an error for what decoding them would allocate.",
