@@ -22,6 +22,8 @@ struct Cluster {
     nodes: Vec<Proc>,
     /// The nodes' SSD directories, removed with the cluster.
     dirs: Vec<PathBuf>,
+    /// Flags every master gets besides the common ones.
+    master_args: Vec<String>,
 }
 
 impl Drop for Cluster {
@@ -37,9 +39,15 @@ const LEASE_MS: u64 = 2000;
 
 impl Cluster {
     fn start(masters: usize, nodes: usize) -> Option<Cluster> {
+        Self::start_with(masters, nodes, &[])
+    }
+
+    /// [`start`](Self::start) with `master_args` for every master.
+    fn start_with(masters: usize, nodes: usize, master_args: &[&str]) -> Option<Cluster> {
         let etcd = Etcd::start()?;
         let name = format!("c{}", std::process::id());
-        let mut c = Cluster { etcd, name, masters: Vec::new(), nodes: Vec::new(), dirs: Vec::new() };
+        let master_args = master_args.iter().map(|a| a.to_string()).collect();
+        let mut c = Cluster { etcd, name, masters: Vec::new(), nodes: Vec::new(), dirs: Vec::new(), master_args };
         for _ in 0..masters {
             c.add_master();
         }
@@ -57,24 +65,22 @@ impl Cluster {
     fn add_master(&mut self) -> String {
         let lease = LEASE_MS.to_string();
         let endpoint = self.etcd.endpoint();
-        let p = Proc::spawn(
-            &[],
-            &bin("mooncake-master"),
-            &[
-                "--listen",
-                "127.0.0.1:0",
-                "--etcd",
-                &endpoint,
-                "--cluster-id",
-                &self.name,
-                "--lease-ttl-ms",
-                &lease,
-                "--client-ttl-ms",
-                "2000",
-                "--metrics-listen",
-                "127.0.0.1:0",
-            ],
-        );
+        let mut args = vec![
+            "--listen",
+            "127.0.0.1:0",
+            "--etcd",
+            &endpoint,
+            "--cluster-id",
+            &self.name,
+            "--lease-ttl-ms",
+            &lease,
+            "--client-ttl-ms",
+            "2000",
+            "--metrics-listen",
+            "127.0.0.1:0",
+        ];
+        args.extend(self.master_args.iter().map(String::as_str));
+        let p = Proc::spawn(&[], &bin("mooncake-master"), &args);
         let mut p = p;
         let addr = p.first_line.rsplit(' ').next().unwrap().to_owned();
         let metrics = p.next_addr();
@@ -84,6 +90,12 @@ impl Cluster {
 
     fn add_node(&mut self) {
         let dir = unique_dir("cluster-ssd");
+        self.dirs.push(dir.clone());
+        self.add_node_in(&dir);
+    }
+
+    /// A storage node with an SSD tier in `dir` (a node restarted on its directory).
+    fn add_node_in(&mut self, dir: &std::path::Path) {
         let node = Proc::spawn(
             &[],
             &bin("mooncake-client"),
@@ -103,7 +115,35 @@ impl Cluster {
         );
         assert!(node.first_line.starts_with("mooncake-client serving segment"), "{}", node.first_line);
         self.nodes.push(node);
-        self.dirs.push(dir);
+    }
+
+    /// A storage node without an SSD tier that drains for at most `grace` seconds on
+    /// SIGTERM.
+    fn add_plain_node(&mut self, grace: &str) {
+        let address = self.address();
+        let args = [
+            "serve",
+            "--master",
+            &address,
+            "--listen",
+            "127.0.0.1:0",
+            "--segment-size",
+            "64MiB",
+            "--drain-grace",
+            grace,
+        ];
+        let node = Proc::spawn(&[], &bin("mooncake-client"), &args);
+        assert!(node.first_line.starts_with("mooncake-client serving segment"), "{}", node.first_line);
+        self.nodes.push(node);
+    }
+
+    /// Waits until the masters lead the 16 groups in equal shares.
+    fn wait_balanced(&self) {
+        let n = self.masters.len();
+        wait_until(Duration::from_secs(15), || {
+            let counts = count_by_leader(&self.leaders());
+            counts.len() == n && counts.values().all(|&k| k == 16 / n || k == 16_usize.div_ceil(n))
+        });
     }
 
     fn watcher(&self) -> SlotMapWatcher {
@@ -333,5 +373,152 @@ fn a_drained_node_leaves_the_cluster_without_losing_an_object() {
     let fresh = c.store();
     for (k, v) in &values {
         assert_eq!(&fresh.get(k).unwrap_or_else(|e| panic!("{k}: {e}"))[..], &v[..], "{k}");
+    }
+}
+
+/// The transfer endpoint a storage node serves at (what names it to a drain).
+fn endpoint_of(node: &Proc) -> String {
+    node.first_line.rsplit(' ').next().unwrap().to_owned()
+}
+
+/// Keys (`prefix/i`) whose slot group the master at `addr` leads now.
+fn keys_led_by(c: &Cluster, addr: &str, prefix: &str, n: usize) -> Vec<String> {
+    let map = c.watcher().map();
+    (0..)
+        .map(|i| format!("{prefix}/{i}"))
+        .filter(|k| map.leader(map.group_of_key(k)).is_some_and(|l| l.addr == addr))
+        .take(n)
+        .collect()
+}
+
+#[test]
+fn a_leader_change_in_the_middle_of_a_drain_round_is_no_clean_end() {
+    let Some(mut c) = Cluster::start(2, 0) else { return };
+    c.wait_balanced();
+    // A lone node: its drain has nowhere to copy to and goes round after round.
+    c.add_plain_node("40");
+    let store = c.store();
+    let victim = c.masters[0].1.clone();
+    // Only keys of the groups the victim leads: once it dies, every object of the
+    // node is on an extent mounted again, as a new segment, with the other master.
+    let keys = keys_led_by(&c, &victim, "moving", 40);
+    for (i, k) in keys.iter().enumerate() {
+        store.put(k, &payload(i as u8, 3000 + i)).unwrap();
+    }
+    let node = endpoint_of(&c.nodes[0]);
+    c.nodes[0].signal("TERM");
+    wait_until(Duration::from_secs(10), || store.master().drain_status(&node).is_ok_and(|p| p.started));
+    // Its rounds' looks wait through the failover and answer the new segments.
+    let (mut dead, _, _) = c.masters.remove(0);
+    dead.kill9();
+    c.wait_all_led(Duration::from_secs(10));
+    assert_eq!(c.nodes[0].wait(Duration::from_secs(2)), None, "the node stopped with its objects still only there");
+    // Room for the copies: the drain moves everything there, then the node stops.
+    c.add_plain_node("0");
+    assert_eq!(c.nodes[0].wait(Duration::from_secs(40)), Some(0), "the drain should end and serve exit");
+    for (i, k) in keys.iter().enumerate() {
+        assert_eq!(&store.get(k).unwrap_or_else(|e| panic!("{k}: {e}"))[..], &payload(i as u8, 3000 + i)[..], "{k}");
+    }
+}
+
+#[test]
+fn a_new_leader_learns_of_the_objects_only_on_a_restarted_nodes_ssd() {
+    let Some(mut c) = Cluster::start_with(2, 0, &["--persist", "eager"]) else { return };
+    c.wait_balanced();
+    let dir = support::unique_dir("cluster-ssd-restart");
+    c.dirs.push(dir.clone());
+    c.add_node_in(&dir);
+    let store = c.store();
+    let keys: Vec<String> = (0..100).map(|i| format!("disk/{i}")).collect();
+    for (i, k) in keys.iter().enumerate() {
+        store.put(k, &payload(i as u8, 2000 + i)).unwrap();
+    }
+    // Every object written to the node's SSD (write-behind).
+    wait_until(Duration::from_secs(15), || {
+        keys.iter().all(|k| store.master().get_replica_list(k).is_ok_and(|l| l.disk.is_some()))
+    });
+    // The node restarts on its directory: its memory is empty, its SSD holds all.
+    c.nodes[0].kill9();
+    c.nodes.clear();
+    c.add_node_in(&dir);
+    let read_all = |store: &Store| {
+        for (i, k) in keys.iter().enumerate() {
+            let got = store.get(k).unwrap_or_else(|e| panic!("{k}: {e}"));
+            assert_eq!(&got[..], &payload(i as u8, 2000 + i)[..], "{k}");
+        }
+    };
+    wait_until(Duration::from_secs(15), || keys.iter().all(|k| store.get(k).is_ok()));
+    read_all(&store);
+    // The survivor takes the dead master's groups; the node mounts its extents there
+    // (no memory record to take back) and the new leader must learn of the SSD's objects.
+    let (mut dead, _, _) = c.masters.remove(0);
+    dead.kill9();
+    c.wait_all_led(Duration::from_secs(10));
+    // Fresh clients: none reads through replica lists cached before the failover.
+    read_all(&c.store());
+    // Still there once the new leader's recovery window closed.
+    std::thread::sleep(Duration::from_millis(2500));
+    read_all(&c.store());
+}
+
+#[test]
+fn a_drained_node_stays_draining_when_its_extents_move_to_a_new_master() {
+    let Some(mut c) = Cluster::start(1, 2) else { return };
+    let node = endpoint_of(&c.nodes[0]);
+    let out = std::process::Command::new(bin("mooncake-client"))
+        .args(["drain", "--master", &c.address(), &node, "--grace", "20"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    // A master joins: half the groups move to it, and the nodes mount those extents there.
+    c.add_master();
+    c.wait_balanced();
+    std::thread::sleep(Duration::from_millis(1500));
+    let store = c.store();
+    let keys: Vec<String> = (0..200).map(|i| format!("after/{i}")).collect();
+    for k in &keys {
+        store.put(k, &payload(7, 4096)).unwrap();
+    }
+    for k in &keys {
+        let info = store.master().object_info(k).unwrap();
+        for r in &info.replicas {
+            let seg = store.master().segment_info(r.segment).unwrap();
+            assert!(!seg.name.starts_with(&node), "{k} was placed on the drained node ({})", seg.name);
+        }
+    }
+    let status = store.master().drain_status(&node).unwrap();
+    assert_eq!(status.segments, 16, "every extent of the drained node is draining: {status:?}");
+}
+
+#[test]
+fn a_sigterm_right_after_a_master_died_still_drains_the_node() {
+    let Some(mut c) = Cluster::start(2, 0) else { return };
+    c.wait_balanced();
+    c.add_plain_node("40");
+    c.add_plain_node("0");
+    let store = c.store();
+    let keys: Vec<String> = (0..200).map(|i| format!("term/{i}")).collect();
+    for (i, k) in keys.iter().enumerate() {
+        store.put(k, &payload(i as u8, 2500 + i)).unwrap();
+    }
+    let node = endpoint_of(&c.nodes[0]);
+    let on_node = keys
+        .iter()
+        .filter(|k| {
+            let info = store.master().object_info(k).unwrap();
+            info.replicas
+                .iter()
+                .any(|r| store.master().segment_info(r.segment).is_ok_and(|s| s.name.starts_with(&node)))
+        })
+        .count();
+    assert!(on_node > 20, "objects should be spread over the 2 nodes: {on_node} on the drained one");
+    let (mut dead, _, _) = c.masters.remove(0);
+    dead.kill9();
+    // At once: the dead master still leads its groups, and cannot be told.
+    c.nodes[0].signal("TERM");
+    assert_eq!(c.nodes[0].wait(Duration::from_secs(40)), Some(0), "the drain should end and serve exit");
+    c.wait_all_led(Duration::from_secs(10));
+    for (i, k) in keys.iter().enumerate() {
+        assert_eq!(&store.get(k).unwrap_or_else(|e| panic!("{k}: {e}"))[..], &payload(i as u8, 2500 + i)[..], "{k}");
     }
 }

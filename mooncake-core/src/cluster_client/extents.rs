@@ -37,6 +37,26 @@ impl ClusterClient {
                 tracing::debug!(group = x.group, master = leader.addr, error = %e, "extent not mounted yet");
             }
         }
+        let due = std::mem::take(&mut *self.mark_due.lock());
+        for addr in due {
+            self.mark_draining_at(&addr);
+        }
+    }
+
+    /// A drained node marks its extents at the master at `addr` draining (see
+    /// `drained`); a master that cannot be told now is told with the next heartbeat.
+    fn mark_draining_at(&self, addr: &str) {
+        let Some((node, grace_ms)) = self.drained.lock().clone() else { return };
+        match self.session(addr).and_then(|s| s.rpc.drain_segment(&node, grace_ms)) {
+            Ok(_) => tracing::info!(master = addr, "our extents mounted there marked draining again"),
+            Err(e) => {
+                tracing::warn!(master = addr, error = %e, "cannot mark our extents draining there yet");
+                let mut due = self.mark_due.lock();
+                if !due.iter().any(|a| a == addr) {
+                    due.push(addr.to_owned());
+                }
+            }
+        }
     }
 
     /// Mounts `x` with the leader at `addr` (epoch `epoch`), offering its records.
@@ -59,10 +79,14 @@ impl ClusterClient {
             x.records.apply(ours.into_iter().map(|(_, u)| u).collect());
         }
         self.segment_home.write().insert(segment, addr.to_owned());
-        if taken > 0 {
-            self.remounted.store(true, Ordering::Release);
-        }
+        // Whatever the memory records it took back: the objects only on our SSD (all
+        // of them, right after a restart on the same directory) are known to this
+        // master only once the SSD tier announces them to it.
+        self.remounted.store(true, Ordering::Release);
         tracing::info!(group = x.group, master = addr, segment, taken, "extent mounted");
+        // A mounted extent starts out placeable: a drained node has it marked draining
+        // at once (which also has us drain whatever landed there meanwhile).
+        self.mark_draining_at(addr);
         Ok(())
     }
 
@@ -72,6 +96,12 @@ impl ClusterClient {
             .iter()
             .filter_map(|x| x.mount.lock().as_ref().map(|(_, segment, _)| (*segment, x.region.clone())))
             .collect()
+    }
+
+    /// Whether an extent holding records is mounted with no master now (its leader
+    /// died or forgot us; it is mounted again once its group has a leader).
+    pub(crate) fn unmounted_with_records(&self) -> bool {
+        self.extents.iter().any(|x| x.mount.lock().is_none() && !x.records.snapshot().is_empty())
     }
 
     /// The records of every extent (what this node would offer new leaders).

@@ -113,6 +113,13 @@ pub(crate) struct ClusterClient {
     pub(crate) disk: std::sync::OnceLock<Arc<dyn crate::store::records::DiskDiscard>>,
     /// A master asked this node to drain (`RecordUpdate::Drain`; see `store::drain`).
     pub(crate) drain_asked: crate::store::drain::DrainAsk,
+    /// This node drained (its endpoint and the drain's grace in ms): it stays draining
+    /// until it leaves, so every extent mounted from then on is marked draining at its
+    /// master at once (`extents`), as `rejoin` does for a single master's segment.
+    drained: Mutex<Option<(String, u64)>>,
+    /// Masters where marking our extents draining failed: tried again with the next
+    /// heartbeat.
+    mark_due: Mutex<Vec<String>>,
 }
 
 impl ClusterClient {
@@ -188,6 +195,8 @@ impl ClusterClient {
             unrouted: Mutex::new(Vec::new()),
             disk: std::sync::OnceLock::new(),
             drain_asked: Default::default(),
+            drained: Mutex::new(None),
+            mark_due: Mutex::new(Vec::new()),
         })
     }
 
@@ -205,6 +214,18 @@ impl ClusterClient {
     /// Takes the "an extent moved to a new leader" flag (see `remounted`).
     pub(crate) fn take_remounted(&self) -> bool {
         self.remounted.swap(false, Ordering::AcqRel)
+    }
+
+    /// Sets the "an extent moved to a new leader" flag again: the SSD tier's announce
+    /// it asked for failed, and must be tried again.
+    pub(crate) fn set_remounted(&self) {
+        self.remounted.store(true, Ordering::Release);
+    }
+
+    /// This node (at `node`, its transfer endpoint) drains with `grace_ms`: from now
+    /// on every extent it mounts is marked draining at once (see `drained`).
+    pub(crate) fn set_drained(&self, node: &str, grace_ms: u64) {
+        *self.drained.lock() = Some((node.to_owned(), grace_ms));
     }
 }
 

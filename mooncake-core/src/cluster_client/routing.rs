@@ -423,7 +423,8 @@ impl ClusterClient {
     }
 
     /// Runs a call at every master the map names, all in flight at once, and folds
-    /// their answers with `fold` (from `T::default()`); the first error wins.
+    /// their answers with `fold` (from `T::default()`); the first error wins. A master
+    /// that cannot be sent the call (it just died) does not keep it from the others.
     pub(crate) fn to_all<T: Default>(
         &self,
         needs_id: bool,
@@ -432,13 +433,16 @@ impl ClusterClient {
         fold: impl Fn(T, T) -> T,
     ) -> Result<T> {
         let mut sent = Vec::new();
+        let mut error = None;
         for s in self.all_sessions() {
-            let id = self.id_for(&s, needs_id)?;
-            let req = s.rpc.send(&request(id))?;
-            sent.push((s, req));
+            match self.id_for(&s, needs_id).and_then(|id| s.rpc.send(&request(id))) {
+                Ok(req) => sent.push((s, req)),
+                Err(e) => {
+                    error.get_or_insert(e);
+                }
+            }
         }
         let mut acc = T::default();
-        let mut error = None;
         self.gather(sent, |_, r| match r.and_then(&answer) {
             Ok(v) => acc = fold(std::mem::take(&mut acc), v),
             Err(e) => {

@@ -168,29 +168,42 @@ impl Store {
         let node = self.endpoint().to_owned();
         let grace_ms = grace.as_millis().min(u64::MAX as u128 - 1) as u64;
         signal.drained_grace_ms.store(grace_ms + 1, Ordering::Release);
+        #[cfg(feature = "etcd")]
+        if let Some((cluster, _)) = &inner.cluster {
+            // Extents mounted from now on (a group's leader changed) are marked
+            // draining at once, during this drain and after it.
+            cluster.set_drained(&node, grace_ms);
+        }
         let mut p = DrainProgress { node: node.clone(), started: true, ..Default::default() };
         if inner.segment_regions().is_empty() {
             p.done = true;
             return Ok(p);
         }
         tracing::info!(node, grace_ms, "draining: moving this node's objects away");
-        inner.master.drain_segment(&node, grace_ms)?;
+        if let Err(e) = self.mark_draining(&node, grace_ms) {
+            // A master away (in a cluster: one that just died, whose groups move
+            // within its lease) must not stop the drain: the loop marks our segments
+            // again every few rounds, and the new leaders' extents when mounted.
+            tracing::warn!(error = %e, "drain: cannot mark our segments draining everywhere yet; going on");
+        }
         let mut round = 0u64;
         let mut seen: HashMap<String, u64> = HashMap::new();
         let mut copied: HashSet<String> = HashSet::new();
         let mut names: HashMap<SegmentId, String> = HashMap::new();
         let mut on_disk: HashSet<String> = HashSet::new();
         let mut last_report = Instant::now();
+        // Whether the loop ended with nothing left here (else the rest is counted).
+        let mut clean = false;
         loop {
             // Marked again now and then: a segment re-mounted meanwhile (the master
             // restarted) starts out placeable.
             round += 1;
             if round % 8 == 0 {
-                if let Err(e) = inner.master.drain_segment(&node, grace_ms) {
+                if let Err(e) = self.mark_draining(&node, grace_ms) {
                     tracing::warn!(error = %e, "drain: cannot mark our segments draining again");
                 }
             }
-            let ours: Vec<SegmentId> = inner.segment_regions().iter().map(|(id, _)| *id).collect();
+            let ours = self.segments_now();
             // Replicas on other draining nodes do not count: they are leaving too.
             let draining = Mutex::new(HashMap::new());
             let mut drop: Vec<(String, SegmentId)> = Vec::new();
@@ -220,11 +233,24 @@ impl Store {
                 left_bytes += r.len;
             }
             (p.objects_left, p.bytes_left) = (left, left_bytes);
+            // A segment mounted again while we looked (a group's leader changed: our
+            // extent is a new segment there, which `ours` lacks) or an extent with
+            // records mounted nowhere (its leader just died): this round's answers
+            // and `ours` may miss objects only we hold. Nothing is judged done on them.
+            let settled = self.segments_now() == ours && !self.unmounted_records();
+            if left == 0 && !settled {
+                if Instant::now() >= deadline {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+                continue;
+            }
             if left == 0 {
                 // A put placed here before the drain began may still be writing: its
                 // record comes when it ends. Done once nothing is allocated here.
                 let used = self.segments_used(&ours);
                 if used == Some(0) {
+                    clean = true;
                     break;
                 }
                 if Instant::now() >= deadline {
@@ -275,26 +301,42 @@ impl Store {
             }
         }
         // What is still only here when the grace period ends leaves with the node.
-        if p.objects_left > 0 {
-            let ours: Vec<SegmentId> = inner.segment_regions().iter().map(|(id, _)| *id).collect();
+        if !clean {
+            let ours = self.segments_now();
             let (mut lost, mut lost_bytes) = (0u64, 0u64);
+            let (mut unknown, mut unknown_bytes) = (0u64, 0u64);
             let draining = Mutex::new(HashMap::new());
             for r in self.held(&ours) {
-                if let Ok(Found::OnlyHere { .. }) = self.look(&r.key, &ours, &draining) {
-                    if !on_disk.contains(&r.key) {
+                match self.look(&r.key, &ours, &draining) {
+                    Ok(Found::OnlyHere { .. }) if !on_disk.contains(&r.key) => {
                         lost += 1;
                         lost_bytes += r.len;
+                    }
+                    Ok(_) => {}
+                    Err(_) => {
+                        unknown += 1;
+                        unknown_bytes += r.len;
                     }
                 }
             }
             (p.objects_lost, p.bytes_lost) = (lost, lost_bytes);
+            // Objects no master could answer for now are not known to be safe: left,
+            // never a clean node.
+            if p.objects_left == 0 && unknown > 0 {
+                (p.objects_left, p.bytes_left) = (unknown, unknown_bytes);
+            }
         }
         p.done = true;
         self.report(&mut p, start);
         // The summary counts our segments (the master counts its own in its answers).
         p.segments = inner.segment_regions().len() as u64;
-        // A drain asked while we ran (our own `drain_segment` calls) is this one.
+        // A drain asked while we ran (our own `drain_segment` calls, the marks of
+        // extents mounted meanwhile) is this one.
         let _ = signal.asked.take();
+        #[cfg(feature = "etcd")]
+        if let Some((cluster, _)) = &inner.cluster {
+            let _ = cluster.drain_asked.take();
+        }
         let secs = p.elapsed_ms as f64 / 1000.0;
         tracing::info!(
             node = p.node,
@@ -343,8 +385,33 @@ impl Store {
             .collect()
     }
 
-    /// Whether nothing is allocated in our segments `ours` (no put still writing
-    /// there). A master that cannot say counts as empty.
+    /// Marks our segments (`node`'s) draining at every master, unless each of them
+    /// already is. A master whose last drain of this node ended tells us to drain
+    /// again when asked again: asked needlessly, that echo of our own call would start
+    /// another drain once this one ends, whose own call would do the same, and so on.
+    fn mark_draining(&self, node: &str, grace_ms: u64) -> Result<()> {
+        let mounted = self.segments_now().len() as u64;
+        if self.inner.master.drain_status(node).is_ok_and(|s| s.segments >= mounted) {
+            return Ok(());
+        }
+        self.inner.master.drain_segment(node, grace_ms).map(|_| ())
+    }
+
+    /// Our segments now: the segment, or in a cluster the extents mounted.
+    fn segments_now(&self) -> Vec<SegmentId> {
+        self.inner.segment_regions().iter().map(|(id, _)| *id).collect()
+    }
+
+    /// Whether an extent holding records is mounted nowhere now (its leader died, or
+    /// forgot us): no master lists its objects as ours until it is mounted again.
+    fn unmounted_records(&self) -> bool {
+        #[cfg(feature = "etcd")]
+        if let Some((cluster, _)) = &self.inner.cluster {
+            return cluster.unmounted_with_records();
+        }
+        false
+    }
+
     /// Bytes allocated in our segments `ours`, as the master counts them (`None`: it
     /// cannot say now, which is not "empty").
     fn segments_used(&self, ours: &[SegmentId]) -> Option<u64> {
@@ -359,6 +426,16 @@ impl Store {
             Ok(info) => info,
             Err(Error::NotFound(_)) => return Ok(Found::NotHere),
             Err(e) => return Err(e),
+        };
+        // A replica on none of `ours` may still be ours: a group's leader changed
+        // since `ours` was read, and our extent is a new segment there. Such an object
+        // is still here: checked against the segments mounted now.
+        let now: Vec<SegmentId>;
+        let ours = if info.replicas.iter().any(|r| ours.contains(&r.segment)) {
+            ours
+        } else {
+            now = self.segments_now();
+            &now[..]
         };
         let Some(here) = info.replicas.iter().find(|r| ours.contains(&r.segment)) else {
             return Ok(Found::NotHere);

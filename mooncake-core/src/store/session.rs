@@ -87,7 +87,12 @@ impl StoreInner {
         if let (Some((cluster, _)), Some(ssd)) = (&self.cluster, &self.ssd) {
             // A new leader of some group: it learns of our SSD's objects again.
             if cluster.take_remounted() {
-                ssd.announce(&*self.master, self.client())?;
+                if let Err(e) = ssd.announce(&*self.master, self.client()) {
+                    // Asked again next heartbeat: until then the new leader does not
+                    // know the objects only our SSD holds.
+                    cluster.set_remounted();
+                    return Err(e);
+                }
             }
         }
         Ok(())
@@ -329,6 +334,12 @@ impl Store {
             })
             .map_err(|e| Error::InvalidArgument(format!("cannot start the heartbeat thread: {e}")))?;
         if let Some(ssd) = &inner.ssd {
+            // This announce reaches every leader the extents were just mounted with:
+            // the heartbeat need not announce again for those mounts.
+            #[cfg(feature = "etcd")]
+            if let Some((cluster, _)) = &inner.cluster {
+                cluster.take_remounted();
+            }
             ssd.announce(&*inner.master, client)?;
             spawn_offloader(&inner, ssd.interval())?;
         }
