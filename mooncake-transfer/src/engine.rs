@@ -273,7 +273,20 @@ impl TransferEngine {
 
     /// Registers `len` bytes of fresh zeroed memory that peers may read and write.
     pub fn register_region(&self, len: u64) -> Result<Arc<RegisteredRegion>> {
-        self.regions.register(len)
+        self.regions.register(len, true)
+    }
+
+    /// Registers `len` bytes of fresh zeroed memory that peers may read but never
+    /// write: memory this process fills itself (through
+    /// [`as_mut_ptr`](RegisteredRegion::as_mut_ptr)) and only hands out, such as
+    /// an SSD tier's staging buffer. Every transport refuses a peer's write with
+    /// [`TransferError::ReadOnly`] before touching a byte: TCP answers it so, RDMA
+    /// registers the region without remote write access, and same-host peers can
+    /// map it read-only only (its memfd is sealed against writes from their
+    /// mappings; on a kernel without that seal, before Linux 5.1, they reach it
+    /// over TCP).
+    pub fn register_read_only_region(&self, len: u64) -> Result<Arc<RegisteredRegion>> {
+        self.regions.register(len, false)
     }
 
     /// Stops serving region `id`; returns whether it was registered. Requests already

@@ -290,6 +290,12 @@ fn serve(
                 let header = ResponseHeader { status: FrameStatus::Ok, request_id: h.request_id, len: h.len }.encode();
                 reg.drain_to(h.offset, h.len, &mut |payload: &[u8]| write_frame(&mut w, &header, payload))?;
             }
+            (FrameOp::Write, Ok(reg)) if !reg.peers_may_write() => {
+                // A read-only region (an SSD tier's staging buffer): refused before
+                // one byte was stored; the payload is skipped to stay in sync.
+                std::io::copy(&mut (&mut r).take(h.len), &mut std::io::sink()).map_err(io)?;
+                respond(&mut w, FrameStatus::Refused, h.request_id, 0)?;
+            }
             (FrameOp::Write, Ok(reg)) => {
                 reg.fill_from(h.offset, h.len, &mut r)?;
                 respond(&mut w, FrameStatus::Ok, h.request_id, 0)?;
@@ -615,6 +621,8 @@ impl TcpTransport {
                 (FrameStatus::UnknownRegion, _) => {
                     Err(TransferError::UnknownRegion { endpoint: String::new(), region: c.region })
                 }
+                // The one write a server refuses in bounds is one to a read-only region.
+                (FrameStatus::Refused, TransferOp::Write(_)) => Err(TransferError::ReadOnly { region: c.region }),
                 (FrameStatus::Refused, _) => Err(TransferError::Protocol("request refused".into())),
             });
         }
