@@ -10,8 +10,8 @@ use crate::rdma::{RdmaConfig, RdmaProvider, RdmaResponder, RdmaTransport};
 use crate::region::{RegionId, RegisteredRegion, RemoteRegion};
 use crate::registry::{self, RegionRegistry};
 use crate::transport::{
-    Capabilities, LocalTransport, MappedRegion, ShmTransport, TcpServer, TcpTransport, TransferRequest, TransferStats,
-    Transport, LOCAL_SCHEME,
+    Capabilities, LocalTransport, MappedRegion, ServeLimits, ShmTransport, TcpServer, TcpTransport, TransferRequest,
+    TransferStats, Transport, LOCAL_SCHEME,
 };
 
 static NEXT_LOCAL_ENGINE: AtomicU64 = AtomicU64::new(1);
@@ -197,6 +197,7 @@ impl TransferEngineBuilder {
                 self.insecure,
                 responder,
                 names,
+                ServeLimits::default(),
             )?),
             None => None,
         };

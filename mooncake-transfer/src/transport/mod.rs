@@ -9,8 +9,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 pub use local::{LocalTransport, LOCAL_SCHEME};
 pub use shm::ShmTransport;
-pub(crate) use tcp::TcpServer;
 pub use tcp::TcpTransport;
+pub(crate) use tcp::{ServeLimits, TcpServer};
 
 use crate::error::Result;
 use crate::region::{RegisteredRegion, RemoteRegion};
