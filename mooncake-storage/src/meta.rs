@@ -34,9 +34,25 @@ pub(crate) const RECORD_HEADER_FIXED_V1: usize = 36;
 /// Bytes of the fixed part of a version-2 [`RecordHeader`] (before the key).
 pub(crate) const RECORD_HEADER_FIXED: usize = 44;
 
-/// `x` rounded up to a multiple of [`DISK_ALIGN`].
+/// `x` rounded up to a multiple of [`DISK_ALIGN`] (for lengths this process made
+/// or checked: [`checked_align_up`] for lengths read from disk).
 pub(crate) fn align_up(x: u64) -> u64 {
     x.div_ceil(DISK_ALIGN) * DISK_ALIGN
+}
+
+/// `x` rounded up to a multiple of [`DISK_ALIGN`]; `None` past `u64::MAX`.
+pub(crate) fn checked_align_up(x: u64) -> Option<u64> {
+    x.checked_next_multiple_of(DISK_ALIGN)
+}
+
+/// Longest data a bucket meta may name: no file is longer (`off_t` is signed).
+pub const MAX_BUCKET_DATA_LEN: u64 = i64::MAX as u64;
+
+/// Bytes of a bucket meta file holding `keys` entries with the longest keys: what a
+/// bucket of at most `keys` objects writes, at most.
+pub(crate) fn max_bucket_meta_len(keys: usize) -> u64 {
+    const ENTRY_MAX: u64 = (ENTRY_MIN - 1 + MAX_KEY_LEN + 8) as u64;
+    (BUCKET_FIXED as u64 + 4).saturating_add((keys as u64).saturating_mul(ENTRY_MAX))
 }
 
 /// Checks that a key is 1..=4096 bytes.
@@ -73,6 +89,7 @@ pub struct BucketEntry {
 /// flags      u32   0 (anything else is rejected)
 /// bucket_id  u64
 /// data_len   u64   length of the data the `.bucket` file must hold
+///                  (at most [`MAX_BUCKET_DATA_LEN`])
 /// count      u32   number of entries
 /// count x {
 ///   key_len  u32   1..=4096
@@ -189,6 +206,9 @@ pub fn parse_bucket_meta(bytes: &[u8]) -> Result<BucketMeta> {
     }
     let bucket_id = c.u64()?;
     let data_len = c.u64()?;
+    if data_len > MAX_BUCKET_DATA_LEN {
+        return Err(StorageError::corrupted(WHAT, format!("data length {data_len} exceeds any file")));
+    }
     let count = c.u32()? as usize;
     if count > (body.len() - c.pos) / entry_min {
         return Err(StorageError::corrupted(WHAT, format!("{count} entries cannot fit")));
@@ -498,6 +518,36 @@ mod tests {
             // An unbound header still parses where a binding is known, as unbound.
             prop_assert_eq!(parse_record_header_at(&h.encode(), binding).unwrap(), (h, false));
         }
+    }
+
+    /// A data length no file can have is refused (rounding it up to 4 KiB would
+    /// overflow); the longest possible one is accepted and rounds up.
+    #[test]
+    fn absurd_data_lengths_are_refused() {
+        for data_len in [u64::MAX, u64::MAX - 4095, MAX_BUCKET_DATA_LEN + 1] {
+            let meta = BucketMeta { bucket_id: 1, data_len, entries: vec![] };
+            let err = parse_bucket_meta(&meta.encode()).unwrap_err().to_string();
+            assert!(err.contains("exceeds any file"), "{err}");
+        }
+        let meta = BucketMeta { bucket_id: 1, data_len: MAX_BUCKET_DATA_LEN, entries: vec![] };
+        let parsed = parse_bucket_meta(&meta.encode()).unwrap();
+        assert!(checked_align_up(parsed.data_len).is_some());
+        assert_eq!(checked_align_up(u64::MAX), None);
+        assert_eq!(checked_align_up(4097), Some(8192));
+        let most = BucketMeta {
+            bucket_id: 1,
+            data_len: 3,
+            entries: (0..3u8)
+                .map(|i| BucketEntry {
+                    key: String::from_utf8(vec![b'a' + i; MAX_KEY_LEN]).unwrap(),
+                    offset: i as u64,
+                    len: 1,
+                    checksum: 0,
+                    generation: 0,
+                })
+                .collect(),
+        };
+        assert_eq!(most.encode().len() as u64, max_bucket_meta_len(3));
     }
 
     #[test]

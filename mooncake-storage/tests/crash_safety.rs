@@ -15,7 +15,8 @@ use mooncake_storage::*;
 mod bucket {
     crate::io_variants!(crate::common::Kind::Bucket;
         bucket_truncated_data_file, bucket_corrupt_meta, bucket_missing_meta_and_leftovers, bucket_bit_rot,
-        bucket_newest_copy_wins, bucket_unreadable_meta_is_left_on_disk, bucket_failed_remove_keeps_the_object);
+        bucket_newest_copy_wins, bucket_unreadable_meta_is_left_on_disk, bucket_failed_remove_keeps_the_object,
+        bucket_absurd_data_length_is_garbage, bucket_oversized_meta_is_not_read);
 }
 mod file_per_key {
     crate::io_variants!(crate::common::Kind::FilePerKey;
@@ -454,4 +455,41 @@ fn offset_unreadable_format_file_refuses_the_open(env: &Env) {
     std::fs::write(&format, &good).unwrap();
     let b = OffsetAllocatorBackend::open(env.path(), 1 << 20, env.opts()).unwrap();
     assert_eq!(b.load_vec("x").unwrap(), x);
+}
+
+/// A meta file whose checksum holds but whose data length no file can have (its
+/// rounding up to 4 KiB overflows) makes its bucket garbage, without a panic.
+fn bucket_absurd_data_length_is_garbage(env: &Env) {
+    let (x, y) = (value("x", 3000), value("y", 3000));
+    let (meta, data) = {
+        let b = BucketBackend::open(env.path(), env.opts(), BucketConfig::default()).unwrap();
+        b.offload("x", &x).unwrap();
+        b.offload("y", &y).unwrap();
+        let id = b.bucket_of("x").unwrap();
+        (b.meta_file_path(id), b.data_file_path(id))
+    };
+    let mut parsed = parse_bucket_meta(&std::fs::read(&meta).unwrap()).unwrap();
+    parsed.data_len = u64::MAX - 100;
+    std::fs::write(&meta, parsed.encode()).unwrap();
+    let b = BucketBackend::open(env.path(), env.opts(), BucketConfig::default()).unwrap();
+    assert_eq!(keys_of(&b), ["y"]);
+    assert!(b.load_vec("x").unwrap_err().is_not_found());
+    assert!(!meta.exists() && !data.exists(), "garbage bucket removed");
+}
+
+/// A meta file larger than any bucket writes is not read whole: its bucket is left
+/// on disk, not served, and the others are.
+fn bucket_oversized_meta_is_not_read(env: &Env) {
+    let (x, y) = (value("x", 3000), value("y", 3000));
+    let (meta, data) = {
+        let b = BucketBackend::open(env.path(), env.opts(), BucketConfig::default()).unwrap();
+        b.offload("x", &x).unwrap();
+        b.offload("y", &y).unwrap();
+        let id = b.bucket_of("x").unwrap();
+        (b.meta_file_path(id), b.data_file_path(id))
+    };
+    OpenOptions::new().write(true).open(&meta).unwrap().set_len(1 << 40).unwrap();
+    let b = BucketBackend::open(env.path(), env.opts(), BucketConfig::default()).unwrap();
+    assert_eq!(keys_of(&b), ["y"]);
+    assert!(meta.exists() && data.exists(), "left on disk");
 }
