@@ -56,22 +56,73 @@ pub struct HttpAccess {
     pub insecure: bool,
 }
 
+/// The request headers access depends on: `Authorization`, `Origin`, `Host`.
+type AccessHeaders<'a> = (Option<&'a [u8]>, Option<&'a [u8]>, Option<&'a [u8]>);
+
+/// What a request without the token is told when its `Host` names the listener by
+/// a DNS name of someone else's.
+const FOREIGN_HOST: &str = "the Host header must name this listener by an IP address, `localhost`, or the name it \
+     listens on (other DNS names are refused against DNS rebinding); or set MOONCAKE_SECRET and send the token\n";
+
+/// The name a listener address was given (`master-1` of `master-1:9003`), if it is
+/// not an IP address: a `Host` naming it is the listener's own.
+fn configured_name(addr: &str) -> Option<String> {
+    let (host, _) = addr.rsplit_once(':')?;
+    let host = host.strip_prefix('[').and_then(|h| h.strip_suffix(']')).unwrap_or(host);
+    let host = host.strip_suffix('.').unwrap_or(host);
+    (host.parse::<std::net::IpAddr>().is_err() && !host.is_empty()).then(|| host.to_ascii_lowercase())
+}
+
+/// Whether a `Host` header's value names the listener in a way a rebound DNS name
+/// cannot: an IP address (`127.0.0.1:9003`, `[::1]`), `localhost`, or `own` (the
+/// name the listener was configured with), with or without a port.
+fn host_is_safe(host: &[u8], own: Option<&str>) -> bool {
+    let Ok(host) = std::str::from_utf8(host) else { return false };
+    let host = host.trim();
+    let port_ok = |p: &str| p.is_empty() || p.parse::<u16>().is_ok();
+    if let Some(rest) = host.strip_prefix('[') {
+        return match rest.split_once(']') {
+            Some((v6, "")) => v6.parse::<std::net::Ipv6Addr>().is_ok(),
+            Some((v6, tail)) => tail.strip_prefix(':').is_some_and(port_ok) && v6.parse::<std::net::Ipv6Addr>().is_ok(),
+            None => false,
+        };
+    }
+    let name = match host.rsplit_once(':') {
+        Some((name, port)) if port_ok(port) => name,
+        Some(_) => return false,
+        None => host,
+    };
+    let name = name.strip_suffix('.').unwrap_or(name);
+    name.parse::<std::net::Ipv4Addr>().is_ok()
+        || name.eq_ignore_ascii_case("localhost")
+        || own.is_some_and(|own| name.eq_ignore_ascii_case(own))
+}
+
 impl HttpAccess {
-    /// Whether a request from `peer` with `authorization` (the header's value) and
-    /// `origin` may be answered; the refusal's status and text otherwise.
+    /// Whether a request from `peer` with `authorization` (the header's value),
+    /// `origin` and `host` may be answered by a listener configured as `own` (its
+    /// address's name, if not an IP address); the refusal's status and text
+    /// otherwise.
     ///
     /// A request with an `Origin` header comes from a web page (browsers send it on
     /// every cross-origin request and every POST; scrapers and `curl` do not): it is
-    /// refused, so that a page open on the master's host cannot post to `/drain` or
-    /// read the metrics through a rebound DNS name.
+    /// refused, so that a page open on the master's host cannot post to `/drain`.
+    /// A same-origin `GET` carries no `Origin`: a page served from a DNS name that
+    /// its owner then rebinds to the master's address reads the answers as its own
+    /// unless the `Host` is checked. So, without a token, a `Host` must name the
+    /// listener by an IP address, `localhost`, or its configured name (a request
+    /// without one, HTTP/1.0, is no browser's).
     fn check(
         &self,
         peer: SocketAddr,
-        authorization: Option<&[u8]>,
-        origin: Option<&[u8]>,
+        (authorization, origin, host): AccessHeaders<'_>,
+        own: Option<&str>,
     ) -> Result<(), (u16, &'static str)> {
         if origin.is_some() {
             return Err((403, "requests from web pages (with an Origin header) are refused\n"));
+        }
+        if self.token.is_none() && host.is_some_and(|h| !host_is_safe(h, own)) {
+            return Err((403, FOREIGN_HOST));
         }
         match &self.token {
             Some(token) => {
@@ -229,6 +280,7 @@ impl HttpServer {
         let listener = std::net::TcpListener::bind(addr)?;
         listener.set_nonblocking(true)?;
         let mut listener = TcpListener::from_std(listener);
+        let own_name = configured_name(addr);
         let addr = listener.local_addr()?;
         let poll = Poll::new()?;
         poll.registry().register(&mut listener, LISTENER, Interest::READABLE)?;
@@ -240,6 +292,7 @@ impl HttpServer {
             listener,
             bounds: HttpBounds { max_connections: bounds.max_connections.max(1), ..bounds },
             access,
+            own_name,
             handler,
             post,
             stats: stats.clone(),
@@ -328,6 +381,8 @@ struct EventLoop {
     listener: TcpListener,
     bounds: HttpBounds,
     access: HttpAccess,
+    /// The name the listener was configured with, if not an IP address.
+    own_name: Option<String>,
     handler: Box<Handler>,
     post: Option<Box<PostHandler>>,
     stats: Arc<HttpServerStats>,
@@ -487,7 +542,8 @@ impl EventLoop {
         let Some(conn) = self.conns.get_mut(&token) else { return };
         let mut next = Next::Keep;
         if conn.answer.is_none() {
-            next = read_request(conn, &self.bounds, &self.access, (&*self.handler, self.post.as_deref()), &self.stats);
+            let access = (&self.access, self.own_name.as_deref());
+            next = read_request(conn, &self.bounds, access, (&*self.handler, self.post.as_deref()), &self.stats);
         }
         if matches!(next, Next::Keep) && conn.answer.is_some() {
             next = write_answer(conn);
@@ -504,7 +560,7 @@ impl EventLoop {
 fn read_request(
     conn: &mut Conn,
     bounds: &HttpBounds,
-    access: &HttpAccess,
+    (access, own_name): (&HttpAccess, Option<&str>),
     (handler, post): (&Handler, Option<&PostHandler>),
     stats: &HttpServerStats,
 ) -> Next {
@@ -541,14 +597,14 @@ fn read_request(
         Ok(httparse::Status::Complete(_)) => {
             let (method, target) = (req.method.unwrap_or(""), req.path.unwrap_or(""));
             let header = |name: &str| req.headers.iter().find(|h| h.name.eq_ignore_ascii_case(name)).map(|h| h.value);
-            let (authorization, origin) = (header("authorization"), header("origin"));
+            let headers = (header("authorization"), header("origin"), header("host"));
             let path = target.split(['?', '#']).next().unwrap_or("");
             let query = target.split_once('?').map_or("", |(_, q)| q.split('#').next().unwrap_or(""));
             let post = post.filter(|_| method == "POST");
             let answer = if method != "GET" && method != "HEAD" && post.is_none() {
                 stats.bad_requests.fetch_add(1, Ordering::Relaxed);
                 HttpResponse::text(405, "only GET and HEAD\n")
-            } else if let Err((status, why)) = access.check(conn.peer, authorization, origin) {
+            } else if let Err((status, why)) = access.check(conn.peer, headers, own_name) {
                 stats.denied.fetch_add(1, Ordering::Relaxed);
                 HttpResponse::text(status, why)
             } else if let Some(post) = post {
@@ -589,4 +645,86 @@ fn write_answer(conn: &mut Conn) -> Next {
     }
     let _ = conn.stream.shutdown(Shutdown::Write);
     Next::Close
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hosts_that_no_rebound_name_can_be() {
+        for host in [
+            "127.0.0.1",
+            "127.0.0.1:9003",
+            "10.1.2.3:80",
+            "localhost",
+            "LocalHost:9003",
+            "localhost.:1",
+            "[::1]",
+            "[::1]:9003",
+            "[fe80::1]:",
+            "metrics.example",
+            "Metrics.Example:9003",
+        ] {
+            assert!(host_is_safe(host.as_bytes(), Some("metrics.example")), "{host}");
+        }
+        for host in [
+            "evil.example",
+            "evil.example:9003",
+            "metrics.example.evil.example",
+            "localhost.evil.example",
+            "127.0.0.1.evil.example",
+            "127.0.0.1:x",
+            "::1",
+            "[::1]x",
+            "[evil.example]:1",
+            "",
+            "\u{ff}",
+        ] {
+            assert!(!host_is_safe(host.as_bytes(), Some("metrics.example")), "{host}");
+        }
+        assert!(!host_is_safe(b"metrics.example", None), "only the listener's own name");
+        assert!(!host_is_safe(&[0xff, 0xfe], None));
+        assert_eq!(configured_name("Metrics.Example:9003").as_deref(), Some("metrics.example"));
+        assert_eq!(configured_name("0.0.0.0:9003"), None);
+        assert_eq!(configured_name("[::]:9003"), None);
+        assert_eq!(configured_name("127.0.0.1:0"), None);
+    }
+
+    /// Answers `request` sent to `s` with its status code.
+    fn status(s: &HttpServer, request: &str) -> u16 {
+        use std::io::Read as _;
+        let mut c = std::net::TcpStream::connect(s.local_addr()).unwrap();
+        c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        std::io::Write::write_all(&mut c, request.as_bytes()).unwrap();
+        let mut text = String::new();
+        c.read_to_string(&mut text).unwrap();
+        text.split(' ').nth(1).and_then(|c| c.parse().ok()).unwrap_or(0)
+    }
+
+    /// Without a token, a request naming the listener by a DNS name of someone
+    /// else's (a page that rebound its name to the master's address) is refused;
+    /// an IP address, `localhost` or no `Host` at all is answered. With a token, the
+    /// token decides.
+    #[test]
+    fn without_a_token_a_foreign_host_is_refused() {
+        let ok = |_: &str, _: &HttpServerStats| Some(HttpResponse::ok("text/plain", "fine".into()));
+        for insecure in [false, true] {
+            let s = HttpServer::bind("127.0.0.1:0", HttpBounds::default(), HttpAccess { token: None, insecure }, ok)
+                .unwrap();
+            let port = s.local_addr().port();
+            let get = |host: &str| status(&s, &format!("GET /metrics HTTP/1.1\r\nHost: {host}\r\n\r\n"));
+            assert_eq!(get("rebound.evil.example"), 403);
+            assert_eq!(get(&format!("rebound.evil.example:{port}")), 403);
+            assert_eq!(get(&format!("127.0.0.1:{port}")), 200);
+            assert_eq!(get(&format!("localhost:{port}")), 200);
+            assert_eq!(status(&s, "GET /metrics HTTP/1.0\r\n\r\n"), 200, "no Host: no browser");
+            assert_eq!(s.stats().denied.load(Ordering::Relaxed), 2);
+        }
+        let token = HttpAccess { token: Some("sesame".into()), insecure: false };
+        let s = HttpServer::bind("127.0.0.1:0", HttpBounds::default(), token, ok).unwrap();
+        let get = |auth: &str| status(&s, &format!("GET /metrics HTTP/1.1\r\nHost: scrape.example\r\n{auth}\r\n"));
+        assert_eq!(get("Authorization: Bearer sesame\r\n"), 200);
+        assert_eq!(get(""), 401);
+    }
 }

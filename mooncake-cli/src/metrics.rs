@@ -417,7 +417,7 @@ mod tests {
     }
 
     fn get(s: &HttpServer, path: &str, extra: &str) -> (u16, String) {
-        exchange(s, &format!("GET {path} HTTP/1.1\r\nHost: x\r\n{extra}\r\n"))
+        exchange(s, &format!("GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n{extra}\r\n"))
     }
 
     /// Polls `cond` for up to 5 s.

@@ -80,7 +80,9 @@ pub use io::{
     RawNext, RawRead, RawWrite, RawWriteSource, ReadOp, WriteData, WriteNext, WriteOp, WriteSource, IO_ALIGN,
     QUEUE_DEPTH,
 };
-pub use meta::{parse_bucket_meta, parse_record_header, BucketEntry, BucketMeta, RecordHeader, MAX_KEY_LEN};
+pub use meta::{
+    parse_bucket_meta, parse_record_header, BucketEntry, BucketMeta, RecordHeader, MAX_BUCKET_DATA_LEN, MAX_KEY_LEN,
+};
 pub use staging::{load_into_staging, BatchLease, BufferLocation, ClientBuffer, GcThread, SlotGuard, StagingStats};
 
 #[cfg(test)]

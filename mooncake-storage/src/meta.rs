@@ -23,17 +23,36 @@ const BUCKET_FIXED: usize = 8 + 4 + 4 + 8 + 8 + 4;
 const ENTRY_MIN: usize = 4 + 1 + 8 + 8 + 4;
 
 const HEADER_MAGIC: &[u8; 4] = b"MCOH";
-/// Version 1: no generation; version 2: a generation before the header checksum.
+/// Version 1: no generation; version 2: a generation before the header checksum;
+/// version 3: version 2's layout, its checksum bound to where the record lies (see
+/// [`RecordBinding`]).
 const HEADER_VERSION_1: u16 = 1;
 const HEADER_VERSION_2: u16 = 2;
+const HEADER_VERSION_3: u16 = 3;
 /// Bytes of the fixed part of a version-1 [`RecordHeader`] (before the key).
 pub(crate) const RECORD_HEADER_FIXED_V1: usize = 36;
 /// Bytes of the fixed part of a version-2 [`RecordHeader`] (before the key).
 pub(crate) const RECORD_HEADER_FIXED: usize = 44;
 
-/// `x` rounded up to a multiple of [`DISK_ALIGN`].
+/// `x` rounded up to a multiple of [`DISK_ALIGN`] (for lengths this process made
+/// or checked: [`checked_align_up`] for lengths read from disk).
 pub(crate) fn align_up(x: u64) -> u64 {
     x.div_ceil(DISK_ALIGN) * DISK_ALIGN
+}
+
+/// `x` rounded up to a multiple of [`DISK_ALIGN`]; `None` past `u64::MAX`.
+pub(crate) fn checked_align_up(x: u64) -> Option<u64> {
+    x.checked_next_multiple_of(DISK_ALIGN)
+}
+
+/// Longest data a bucket meta may name: no file is longer (`off_t` is signed).
+pub const MAX_BUCKET_DATA_LEN: u64 = i64::MAX as u64;
+
+/// Bytes of a bucket meta file holding `keys` entries with the longest keys: what a
+/// bucket of at most `keys` objects writes, at most.
+pub(crate) fn max_bucket_meta_len(keys: usize) -> u64 {
+    const ENTRY_MAX: u64 = (ENTRY_MIN - 1 + MAX_KEY_LEN + 8) as u64;
+    (BUCKET_FIXED as u64 + 4).saturating_add((keys as u64).saturating_mul(ENTRY_MAX))
 }
 
 /// Checks that a key is 1..=4096 bytes.
@@ -70,6 +89,7 @@ pub struct BucketEntry {
 /// flags      u32   0 (anything else is rejected)
 /// bucket_id  u64
 /// data_len   u64   length of the data the `.bucket` file must hold
+///                  (at most [`MAX_BUCKET_DATA_LEN`])
 /// count      u32   number of entries
 /// count x {
 ///   key_len  u32   1..=4096
@@ -186,6 +206,9 @@ pub fn parse_bucket_meta(bytes: &[u8]) -> Result<BucketMeta> {
     }
     let bucket_id = c.u64()?;
     let data_len = c.u64()?;
+    if data_len > MAX_BUCKET_DATA_LEN {
+        return Err(StorageError::corrupted(WHAT, format!("data length {data_len} exceeds any file")));
+    }
     let count = c.u32()? as usize;
     if count > (body.len() - c.pos) / entry_min {
         return Err(StorageError::corrupted(WHAT, format!("{count} entries cannot fit")));
@@ -237,6 +260,13 @@ pub fn parse_bucket_meta(bytes: &[u8]) -> Result<BucketMeta> {
 /// ```
 /// The value starts 4 KiB-aligned so it can be read with `O_DIRECT` straight into an
 /// aligned caller buffer.
+///
+/// Version 3 (written by the offset-allocator layout) has version 2's layout, but
+/// its `header_crc` also covers a [`RecordBinding`] (a secret salt of the data file
+/// and the record's offset in it) put before the header bytes: a header is valid only
+/// at the place it was written, in the file it was written to, so bytes that look
+/// like a record inside some value (a client's bytes) never pass for one. It is
+/// parsed only with its binding (by its layout); [`parse_record_header`] refuses it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RecordHeader {
     /// The object's key.
@@ -280,9 +310,24 @@ impl RecordHeader {
 
     /// Serializes the header and key (no padding).
     pub fn encode(&self) -> Vec<u8> {
+        self.encode_with(None)
+    }
+
+    /// Serializes the header and key as a version-3 header bound to `binding` (a
+    /// generation of 0 where there is none): the same layout and length as version
+    /// 2.
+    pub(crate) fn encode_bound(&self, binding: RecordBinding) -> Vec<u8> {
+        RecordHeader { generation: Some(self.generation.unwrap_or(0)), ..self.clone() }.encode_with(Some(binding))
+    }
+
+    fn encode_with(&self, binding: Option<RecordBinding>) -> Vec<u8> {
         let mut out = Vec::with_capacity(self.encoded_len());
         out.extend_from_slice(HEADER_MAGIC);
-        let version = if self.generation.is_some() { HEADER_VERSION_2 } else { HEADER_VERSION_1 };
+        let version = match (binding, self.generation) {
+            (Some(_), _) => HEADER_VERSION_3,
+            (None, Some(_)) => HEADER_VERSION_2,
+            (None, None) => HEADER_VERSION_1,
+        };
         out.extend_from_slice(&version.to_le_bytes());
         out.extend_from_slice(&0u16.to_le_bytes());
         out.extend_from_slice(&(self.key.len() as u32).to_le_bytes());
@@ -292,10 +337,32 @@ impl RecordHeader {
         if let Some(g) = self.generation {
             out.extend_from_slice(&g.to_le_bytes());
         }
-        let crc = crc32c::crc32c_append(crc32c::crc32c(&out), self.key.as_bytes());
+        let crc = crc32c::crc32c_append(header_crc_seed(binding, &out), self.key.as_bytes());
         out.extend_from_slice(&crc.to_le_bytes());
         out.extend_from_slice(self.key.as_bytes());
         out
+    }
+}
+
+/// What a version-3 [`RecordHeader`]'s checksum is bound to: the salt of its data
+/// file (random, kept beside the file, never sent anywhere) and the record's offset
+/// in it. Without the salt no one can make a header that passes at any offset.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct RecordBinding {
+    pub(crate) salt: u64,
+    pub(crate) offset: u64,
+}
+
+/// The crc32c of a header's fixed bytes, after the binding's bytes for a bound one.
+fn header_crc_seed(binding: Option<RecordBinding>, fixed: &[u8]) -> u32 {
+    match binding {
+        Some(b) => {
+            let mut prefix = [0u8; 16];
+            prefix[..8].copy_from_slice(&b.salt.to_le_bytes());
+            prefix[8..].copy_from_slice(&b.offset.to_le_bytes());
+            crc32c::crc32c_append(crc32c::crc32c(&prefix), fixed)
+        }
+        None => crc32c::crc32c(fixed),
     }
 }
 
@@ -305,16 +372,33 @@ pub(crate) fn has_record_header_magic(bytes: &[u8]) -> bool {
 }
 
 /// Parses a record header from the start of `bytes` (which may continue with
-/// padding and value). Never panics.
+/// padding and value): version 1 or 2 (a version-3 header is refused: it is valid
+/// only with its binding). Never panics.
 pub fn parse_record_header(bytes: &[u8]) -> Result<RecordHeader> {
+    parse_header(bytes, None).map(|(h, _)| h)
+}
+
+/// Parses a record header found at `binding`'s offset of the data file whose salt
+/// it names: a version-3 header must be bound to exactly that; versions 1 and 2
+/// (bound to nothing) are parsed as [`parse_record_header`] does. Also says whether
+/// the header was bound. Never panics.
+pub(crate) fn parse_record_header_at(bytes: &[u8], binding: RecordBinding) -> Result<(RecordHeader, bool)> {
+    parse_header(bytes, Some(binding))
+}
+
+fn parse_header(bytes: &[u8], binding: Option<RecordBinding>) -> Result<(RecordHeader, bool)> {
     const WHAT: &str = "record header";
     let mut c = Cursor { bytes, pos: 0, what: WHAT };
     if c.take(4)? != HEADER_MAGIC {
         return Err(StorageError::corrupted(WHAT, "bad magic"));
     }
     let version = c.u16()?;
-    if version != HEADER_VERSION_1 && version != HEADER_VERSION_2 {
-        return Err(StorageError::corrupted(WHAT, format!("unknown version {version} (this build reads 1 and 2)")));
+    let bound = version == HEADER_VERSION_3;
+    if bound && binding.is_none() {
+        return Err(StorageError::corrupted(WHAT, "a version-3 header is valid only where its data file put it"));
+    }
+    if version != HEADER_VERSION_1 && version != HEADER_VERSION_2 && !bound {
+        return Err(StorageError::corrupted(WHAT, format!("unknown version {version} (this build reads 1 to 3)")));
     }
     let flags = c.u16()?;
     if flags != 0 {
@@ -324,14 +408,15 @@ pub fn parse_record_header(bytes: &[u8]) -> Result<RecordHeader> {
     let value_crc = c.u32()?;
     let value_len = c.u64()?;
     let seq = c.u64()?;
-    let generation = if version == HEADER_VERSION_2 { Some(c.u64()?) } else { None };
+    let generation = if version == HEADER_VERSION_1 { None } else { Some(c.u64()?) };
     let fixed = c.pos + 4;
     let stored = c.u32()?;
     if key_len == 0 || key_len as usize > MAX_KEY_LEN {
         return Err(StorageError::corrupted(WHAT, format!("key length {key_len}")));
     }
     let key_bytes = c.take(key_len as usize)?;
-    let actual = crc32c::crc32c_append(crc32c::crc32c(&bytes[..fixed - 4]), key_bytes);
+    let seed = header_crc_seed(binding.filter(|_| bound), &bytes[..fixed - 4]);
+    let actual = crc32c::crc32c_append(seed, key_bytes);
     if stored != actual {
         return Err(StorageError::corrupted(WHAT, format!("checksum {stored:#010x} != {actual:#010x}")));
     }
@@ -339,7 +424,7 @@ pub fn parse_record_header(bytes: &[u8]) -> Result<RecordHeader> {
         return Err(StorageError::corrupted(WHAT, format!("value length {value_len}")));
     }
     let key = String::from_utf8(key_bytes.to_vec()).map_err(|_| StorageError::corrupted(WHAT, "key is not UTF-8"))?;
-    Ok(RecordHeader { key, value_len, value_crc, seq, generation })
+    Ok((RecordHeader { key, value_len, value_crc, seq, generation }, bound))
 }
 
 #[cfg(test)]
@@ -409,6 +494,60 @@ mod tests {
             bytes[i] ^= flip;
             prop_assert!(parse_record_header(&bytes).is_err());
         }
+    }
+
+    proptest! {
+        /// A bound header parses only at its own offset under its own salt; the
+        /// plain parser refuses it; it is as long as a version-2 header.
+        #[test]
+        fn bound_headers_are_valid_only_where_they_were_written(key in "[a-z0-9]{1,64}", value_len in 1u64..(1 << 40), seq in any::<u64>(), generation in any::<u64>(), salt in any::<u64>(), offset in any::<u64>(), other in any::<u64>()) {
+            let h = RecordHeader { key, value_len, value_crc: 7, seq, generation: Some(generation) };
+            let binding = RecordBinding { salt, offset };
+            let bytes = h.encode_bound(binding);
+            prop_assert_eq!(bytes.len(), h.encode().len());
+            prop_assert_eq!(parse_record_header_at(&bytes, binding).unwrap(), (h.clone(), true));
+            prop_assert!(parse_record_header(&bytes).is_err());
+            if other != offset {
+                let moved = RecordBinding { salt, offset: other };
+                prop_assert!(parse_record_header_at(&bytes, moved).is_err());
+            }
+            if other != salt {
+                let other_file = RecordBinding { salt: other, offset };
+                prop_assert!(parse_record_header_at(&bytes, other_file).is_err());
+            }
+            // An unbound header still parses where a binding is known, as unbound.
+            prop_assert_eq!(parse_record_header_at(&h.encode(), binding).unwrap(), (h, false));
+        }
+    }
+
+    /// A data length no file can have is refused (rounding it up to 4 KiB would
+    /// overflow); the longest possible one is accepted and rounds up.
+    #[test]
+    fn absurd_data_lengths_are_refused() {
+        for data_len in [u64::MAX, u64::MAX - 4095, MAX_BUCKET_DATA_LEN + 1] {
+            let meta = BucketMeta { bucket_id: 1, data_len, entries: vec![] };
+            let err = parse_bucket_meta(&meta.encode()).unwrap_err().to_string();
+            assert!(err.contains("exceeds any file"), "{err}");
+        }
+        let meta = BucketMeta { bucket_id: 1, data_len: MAX_BUCKET_DATA_LEN, entries: vec![] };
+        let parsed = parse_bucket_meta(&meta.encode()).unwrap();
+        assert!(checked_align_up(parsed.data_len).is_some());
+        assert_eq!(checked_align_up(u64::MAX), None);
+        assert_eq!(checked_align_up(4097), Some(8192));
+        let most = BucketMeta {
+            bucket_id: 1,
+            data_len: 3,
+            entries: (0..3u8)
+                .map(|i| BucketEntry {
+                    key: String::from_utf8(vec![b'a' + i; MAX_KEY_LEN]).unwrap(),
+                    offset: i as u64,
+                    len: 1,
+                    checksum: 0,
+                    generation: 0,
+                })
+                .collect(),
+        };
+        assert_eq!(most.encode().len() as u64, max_bucket_meta_len(3));
     }
 
     #[test]

@@ -27,7 +27,10 @@ pub struct BufferLocation {
 /// A batch of slots, valid until released or reclaimed by the GC.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BatchLease {
-    /// Identifies the batch for [`ClientBuffer::release`].
+    /// Identifies the batch for [`ClientBuffer::release`]: 64 bits no one can
+    /// guess from other batches' ids (a keyed hash of a counter under a key drawn
+    /// at random per buffer), so that only the client it was handed to can release
+    /// it, and a restarted node never takes an old id for a new batch.
     pub batch_id: u64,
     /// One location per requested size, in order.
     pub locations: Vec<BufferLocation>,
@@ -82,7 +85,10 @@ pub struct ClientBuffer {
     lent: Option<Box<dyn std::any::Any + Send + Sync>>,
     alloc: Mutex<OffsetAllocator>,
     leases: Mutex<AHashMap<u64, Lease>>,
+    /// Counts batches; their ids are this count under `batch_ids`.
     next_batch: AtomicU64,
+    /// A keyed hash (SipHash under a random key) that turns the count into ids.
+    batch_ids: std::collections::hash_map::RandomState,
     gc_ttl: Duration,
     gc_reclaimed: AtomicU64,
     uring_registered: AtomicBool,
@@ -139,6 +145,7 @@ impl ClientBuffer {
             alloc: Mutex::new(alloc),
             leases: Mutex::new(AHashMap::new()),
             next_batch: AtomicU64::new(1),
+            batch_ids: std::collections::hash_map::RandomState::new(),
             gc_ttl,
             gc_reclaimed: AtomicU64::new(0),
             uring_registered: AtomicBool::new(false),
@@ -221,7 +228,6 @@ impl ClientBuffer {
                 }
             }
         }
-        let batch_id = self.next_batch.fetch_add(1, Ordering::Relaxed);
         let lease = Lease {
             allocs,
             locations: locations.clone(),
@@ -230,7 +236,21 @@ impl ClientBuffer {
             users: 0,
             released: false,
         };
-        self.leases.lock().insert(batch_id, lease);
+        let batch_id = {
+            let mut leases = self.leases.lock();
+            // Ids are not sequential: a client releasing a batch it guessed would
+            // free slots another client is still reading. One never repeats a live
+            // batch's (nor is 0).
+            let batch_id = loop {
+                let n = self.next_batch.fetch_add(1, Ordering::Relaxed);
+                let id = std::hash::BuildHasher::hash_one(&self.batch_ids, n);
+                if id != 0 && !leases.contains_key(&id) {
+                    break id;
+                }
+            };
+            leases.insert(batch_id, lease);
+            batch_id
+        };
         Ok(BatchLease { batch_id, locations, gc_ttl_ms: self.gc_ttl.as_millis() as u64 })
     }
 
@@ -521,6 +541,33 @@ mod tests {
         assert!(unsafe { ClientBuffer::from_raw_parts(4097 as *mut u8, 8192, Duration::ZERO, other) }.is_err());
         // SAFETY: refused before any use: less than one slot.
         assert!(unsafe { ClientBuffer::from_raw_parts(4096 as *mut u8, 4095, Duration::ZERO, Box::new(())) }.is_err());
+    }
+
+    /// Batch ids tell nothing of other batches' (a client that knows its own cannot
+    /// release its neighbours'), and a new buffer (a restarted node) does not hand
+    /// out the old one's ids again.
+    #[test]
+    fn batch_ids_cannot_be_guessed() {
+        let b = ClientBuffer::new(1 << 20, Duration::from_secs(60)).unwrap();
+        let ids: Vec<u64> = (0..64).map(|_| b.allocate_batch(&[4096]).unwrap().batch_id).collect();
+        let set: std::collections::HashSet<u64> = ids.iter().copied().collect();
+        assert_eq!(set.len(), ids.len());
+        for &id in &ids {
+            for guess in [id.wrapping_add(1), id.wrapping_sub(1)] {
+                assert!(!set.contains(&guess), "{guess} follows from {id}");
+                assert!(!b.release(guess));
+            }
+        }
+        for guess in 0..=64 {
+            assert!(set.contains(&guess) || !b.release(guess));
+        }
+        assert_eq!(b.stats().batches, 64, "no guess released a batch");
+        let restarted = ClientBuffer::new(1 << 20, Duration::from_secs(60)).unwrap();
+        let again: Vec<u64> = (0..64).map(|_| restarted.allocate_batch(&[4096]).unwrap().batch_id).collect();
+        assert!(again.iter().all(|id| !set.contains(id)), "a new buffer's ids are new");
+        for id in ids {
+            assert!(b.release(id));
+        }
     }
 
     #[test]

@@ -15,7 +15,8 @@ use mooncake_storage::*;
 mod bucket {
     crate::io_variants!(crate::common::Kind::Bucket;
         bucket_truncated_data_file, bucket_corrupt_meta, bucket_missing_meta_and_leftovers, bucket_bit_rot,
-        bucket_newest_copy_wins, bucket_unreadable_meta_is_left_on_disk, bucket_failed_remove_keeps_the_object);
+        bucket_newest_copy_wins, bucket_unreadable_meta_is_left_on_disk, bucket_failed_remove_keeps_the_object,
+        bucket_absurd_data_length_is_garbage, bucket_oversized_meta_is_not_read);
 }
 mod file_per_key {
     crate::io_variants!(crate::common::Kind::FilePerKey;
@@ -23,7 +24,9 @@ mod file_per_key {
 }
 mod offset_allocator {
     crate::io_variants!(crate::common::Kind::Offset;
-        offset_partial_and_corrupt_records, offset_bit_rot, offset_failed_remove_keeps_the_object);
+        offset_partial_and_corrupt_records, offset_bit_rot, offset_failed_remove_keeps_the_object,
+        offset_records_inside_removed_values_stay_values, offset_files_of_unbound_records_are_read_and_bound,
+        offset_unreadable_format_file_refuses_the_open);
 }
 
 fn flip_byte(path: &std::path::Path, off: u64) {
@@ -352,4 +355,141 @@ fn offset_failed_remove_keeps_the_object(env: &Env) {
     drop(b);
     let b = OffsetAllocatorBackend::open(env.path(), 1 << 20, env.opts()).unwrap();
     assert!(keys_of(&b).is_empty());
+}
+
+/// A record as an older build wrote it (an unbound header, version 2 with a
+/// generation or 1 without), padded to 4 KiB, then its value.
+fn unbound_record(key: &str, value: &[u8], seq: u64, generation: Option<u64>) -> Vec<u8> {
+    let h = RecordHeader {
+        key: key.into(),
+        value_len: value.len() as u64,
+        value_crc: crc32c::crc32c(value),
+        seq,
+        generation,
+    };
+    let mut out = h.encode();
+    out.resize(h.value_offset() as usize, 0);
+    out.extend_from_slice(value);
+    out
+}
+
+/// A value whose bytes hold complete records (headers at 4 KiB boundaries of the
+/// file, with their values) stays a value: once it is removed, a reopen finds none
+/// of them; nor while it is stored.
+fn offset_records_inside_removed_values_stay_values(env: &Env) {
+    let mut outer = value("outer", 64 << 10);
+    // The outer record's value starts 4 KiB into the file; these lie at 12 KiB and
+    // 36 KiB of the file.
+    let forged = unbound_record("forged", &value("forged", 5000), u64::MAX, Some(u64::MAX));
+    outer[8192..8192 + forged.len()].copy_from_slice(&forged);
+    let old = unbound_record("old", &value("old", 100), 1, None);
+    outer[32768..32768 + old.len()].copy_from_slice(&old);
+    let b = OffsetAllocatorBackend::open(env.path(), 1 << 20, env.opts()).unwrap();
+    b.offload("outer", &outer).unwrap();
+    assert_eq!(b.record_offset("outer"), Some(0));
+    drop(b);
+    let b = OffsetAllocatorBackend::open(env.path(), 1 << 20, env.opts()).unwrap();
+    assert_eq!(keys_of(&b), ["outer"]);
+    assert_eq!(b.load_vec("outer").unwrap(), outer);
+    b.remove("outer").unwrap();
+    drop(b);
+    for _ in 0..2 {
+        let b = OffsetAllocatorBackend::open(env.path(), 1 << 20, env.opts()).unwrap();
+        assert!(keys_of(&b).is_empty(), "records inside a removed value came back: {:?}", keys_of(&b));
+        assert!(b.load_vec("forged").unwrap_err().is_not_found());
+    }
+}
+
+/// A data file written before records were bound to their places (no format file)
+/// is read whole, its records bound in place, and from then on only bound records
+/// count: an unbound header found later (a value's bytes) is not one.
+fn offset_files_of_unbound_records_are_read_and_bound(env: &Env) {
+    let (a, c) = (value("a", 10_000), value("c", 3000));
+    let data = env.path().join("kv_cache.data");
+    {
+        let f = OpenOptions::new().create(true).truncate(true).read(true).write(true).open(&data).unwrap();
+        f.set_len(1 << 20).unwrap();
+        f.write_all_at(&unbound_record("a", &a, 1, Some(5)), 0).unwrap();
+        // The largest sequence number there is: the next one saturates, no overflow.
+        f.write_all_at(&unbound_record("c", &c, u64::MAX, None), 64 << 10).unwrap();
+        f.sync_all().unwrap();
+    }
+    assert!(!env.path().join("kv_cache.format").exists());
+    let b = OffsetAllocatorBackend::open(env.path(), 1 << 20, env.opts()).unwrap();
+    assert_eq!(keys_of(&b), ["a", "c"]);
+    assert_eq!(b.load_vec("a").unwrap(), a);
+    assert_eq!(b.load_vec("c").unwrap(), c);
+    assert_eq!(b.object_meta("a").unwrap().generation, 5);
+    assert!(env.path().join("kv_cache.format").exists(), "the file's records are bound now");
+    drop(b);
+    // A record header that is not bound, where a value of a removed object was.
+    let f = OpenOptions::new().write(true).open(&data).unwrap();
+    f.write_all_at(&unbound_record("planted", &value("planted", 100), 9, Some(9)), 256 << 10).unwrap();
+    f.sync_all().unwrap();
+    drop(f);
+    for _ in 0..2 {
+        let b = OffsetAllocatorBackend::open(env.path(), 1 << 20, env.opts()).unwrap();
+        assert_eq!(keys_of(&b), ["a", "c"]);
+        assert_eq!(b.load_vec("a").unwrap(), a);
+        assert_eq!(b.load_vec("c").unwrap(), c);
+    }
+}
+
+/// A format file this build cannot read refuses the open (its records cannot be told
+/// from a value's bytes) and leaves the data file as it was.
+fn offset_unreadable_format_file_refuses_the_open(env: &Env) {
+    let x = value("x", 9000);
+    let b = OffsetAllocatorBackend::open(env.path(), 1 << 20, env.opts()).unwrap();
+    b.offload("x", &x).unwrap();
+    drop(b);
+    let format = env.path().join("kv_cache.format");
+    let good = std::fs::read(&format).unwrap();
+    let mut bad = good.clone();
+    bad[13] ^= 1;
+    std::fs::write(&format, &bad).unwrap();
+    let Err(err) = OffsetAllocatorBackend::open(env.path(), 1 << 20, env.opts()) else {
+        panic!("opened with an unreadable format file")
+    };
+    assert!(matches!(err, StorageError::Corrupted { .. }), "{err}");
+    assert!(err.to_string().contains("kv_cache.format"), "{err}");
+    std::fs::write(&format, &good).unwrap();
+    let b = OffsetAllocatorBackend::open(env.path(), 1 << 20, env.opts()).unwrap();
+    assert_eq!(b.load_vec("x").unwrap(), x);
+}
+
+/// A meta file whose checksum holds but whose data length no file can have (its
+/// rounding up to 4 KiB overflows) makes its bucket garbage, without a panic.
+fn bucket_absurd_data_length_is_garbage(env: &Env) {
+    let (x, y) = (value("x", 3000), value("y", 3000));
+    let (meta, data) = {
+        let b = BucketBackend::open(env.path(), env.opts(), BucketConfig::default()).unwrap();
+        b.offload("x", &x).unwrap();
+        b.offload("y", &y).unwrap();
+        let id = b.bucket_of("x").unwrap();
+        (b.meta_file_path(id), b.data_file_path(id))
+    };
+    let mut parsed = parse_bucket_meta(&std::fs::read(&meta).unwrap()).unwrap();
+    parsed.data_len = u64::MAX - 100;
+    std::fs::write(&meta, parsed.encode()).unwrap();
+    let b = BucketBackend::open(env.path(), env.opts(), BucketConfig::default()).unwrap();
+    assert_eq!(keys_of(&b), ["y"]);
+    assert!(b.load_vec("x").unwrap_err().is_not_found());
+    assert!(!meta.exists() && !data.exists(), "garbage bucket removed");
+}
+
+/// A meta file larger than any bucket writes is not read whole: its bucket is left
+/// on disk, not served, and the others are.
+fn bucket_oversized_meta_is_not_read(env: &Env) {
+    let (x, y) = (value("x", 3000), value("y", 3000));
+    let (meta, data) = {
+        let b = BucketBackend::open(env.path(), env.opts(), BucketConfig::default()).unwrap();
+        b.offload("x", &x).unwrap();
+        b.offload("y", &y).unwrap();
+        let id = b.bucket_of("x").unwrap();
+        (b.meta_file_path(id), b.data_file_path(id))
+    };
+    OpenOptions::new().write(true).open(&meta).unwrap().set_len(1 << 40).unwrap();
+    let b = BucketBackend::open(env.path(), env.opts(), BucketConfig::default()).unwrap();
+    assert_eq!(keys_of(&b), ["y"]);
+    assert!(meta.exists() && data.exists(), "left on disk");
 }

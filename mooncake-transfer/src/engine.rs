@@ -10,8 +10,8 @@ use crate::rdma::{RdmaConfig, RdmaProvider, RdmaResponder, RdmaTransport};
 use crate::region::{RegionId, RegisteredRegion, RemoteRegion};
 use crate::registry::{self, RegionRegistry};
 use crate::transport::{
-    Capabilities, LocalTransport, MappedRegion, ShmTransport, TcpServer, TcpTransport, TransferRequest, TransferStats,
-    Transport, LOCAL_SCHEME,
+    Capabilities, LocalTransport, MappedRegion, ServeLimits, ShmTransport, TcpServer, TcpTransport, TransferRequest,
+    TransferStats, Transport, LOCAL_SCHEME,
 };
 
 static NEXT_LOCAL_ENGINE: AtomicU64 = AtomicU64::new(1);
@@ -197,6 +197,7 @@ impl TransferEngineBuilder {
                 self.insecure,
                 responder,
                 names,
+                ServeLimits::default(),
             )?),
             None => None,
         };
@@ -273,7 +274,20 @@ impl TransferEngine {
 
     /// Registers `len` bytes of fresh zeroed memory that peers may read and write.
     pub fn register_region(&self, len: u64) -> Result<Arc<RegisteredRegion>> {
-        self.regions.register(len)
+        self.regions.register(len, true)
+    }
+
+    /// Registers `len` bytes of fresh zeroed memory that peers may read but never
+    /// write: memory this process fills itself (through
+    /// [`as_mut_ptr`](RegisteredRegion::as_mut_ptr)) and only hands out, such as
+    /// an SSD tier's staging buffer. Every transport refuses a peer's write with
+    /// [`TransferError::ReadOnly`] before touching a byte: TCP answers it so, RDMA
+    /// registers the region without remote write access, and same-host peers can
+    /// map it read-only only (its memfd is sealed against writes from their
+    /// mappings; on a kernel without that seal, before Linux 5.1, they reach it
+    /// over TCP).
+    pub fn register_read_only_region(&self, len: u64) -> Result<Arc<RegisteredRegion>> {
+        self.regions.register(len, false)
     }
 
     /// Stops serving region `id`; returns whether it was registered. Requests already

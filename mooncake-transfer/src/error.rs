@@ -19,6 +19,14 @@ pub enum TransferError {
     /// No engine answers at this endpoint (it was dropped, or never existed).
     #[error("unknown endpoint {0}")]
     UnknownEndpoint(String),
+    /// The region may be read by peers but not written (see
+    /// [`RegisteredRegion::peers_may_write`](crate::RegisteredRegion::peers_may_write)).
+    /// Nothing was written.
+    #[error("region {region} is read-only: peers may not write it")]
+    ReadOnly {
+        /// Region addressed.
+        region: u64,
+    },
     /// The endpoint exists but has no region with this id (unregistered, or never).
     #[error("endpoint {endpoint} has no region {region}")]
     UnknownRegion {

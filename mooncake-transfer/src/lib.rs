@@ -79,7 +79,7 @@ pub use rdma::VerbsRdma;
 pub use rdma::{
     rdma_device_present, Completion, CompletionStatus, DeviceRegion, DeviceTransfer, DmaBuf, MemoryRegion, PortInfo,
     ProtectionDomain, QpAddress, QpState, QueuePair, RdmaConfig, RdmaHandshake, RdmaProvider, RdmaRegionInfo,
-    RdmaTransport, RegionPiece, SoftFaults, SoftPortConfig, SoftRdma, WorkOp, WorkRequest,
+    RdmaTransport, RegionPiece, RemoteAccess, SoftFaults, SoftPortConfig, SoftRdma, WorkOp, WorkRequest,
 };
 pub use region::{RegionId, RegisteredRegion, RemoteRegion};
 pub use transport::{

@@ -80,13 +80,14 @@ impl RegionRegistry {
             .ok_or_else(|| TransferError::UnknownRegion { endpoint: self.endpoint.clone(), region: id })
     }
 
-    /// Registers `len` bytes of fresh zeroed memory under a new id.
-    pub(crate) fn register(&self, len: u64) -> Result<Arc<RegisteredRegion>> {
+    /// Registers `len` bytes of fresh zeroed memory under a new id; `peers_write`:
+    /// whether peers may write it (see [`RegisteredRegion::peers_may_write`]).
+    pub(crate) fn register(&self, len: u64, peers_write: bool) -> Result<Arc<RegisteredRegion>> {
         let id = self.next_region.fetch_add(1, Ordering::Relaxed);
         let region = Arc::new(if self.shared {
-            RegisteredRegion::new_shared(id, len)?
+            RegisteredRegion::new_shared(id, len, peers_write)?
         } else {
-            RegisteredRegion::new(id, len)?
+            RegisteredRegion::new(id, len, peers_write)?
         });
         self.regions.write().insert(id, region.clone());
         Ok(region)
@@ -154,8 +155,8 @@ mod tests {
     #[test]
     fn regions_register_unregister_and_revoke() {
         let table = RegionRegistry::new("local://registry-test/1".into(), false);
-        let a = table.register(4096).unwrap();
-        let b = table.register(4096).unwrap();
+        let a = table.register(4096, true).unwrap();
+        let b = table.register(4096, true).unwrap();
         assert_ne!(a.id(), b.id());
         assert_eq!(table.len(), 2);
         assert_eq!(table.region(a.id()).unwrap().id(), a.id());

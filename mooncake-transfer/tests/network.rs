@@ -8,7 +8,8 @@ use std::time::Duration;
 
 use mooncake_transfer::{FrameOp, FrameStatus, RequestHeader, ResponseHeader, REQUEST_HEADER_LEN, RESPONSE_HEADER_LEN};
 use mooncake_transfer::{
-    RemoteRegion, ShmTransport, TcpTransport, TransferEngine, TransferError, TransferRequest, Transport,
+    LocalTransport, RemoteRegion, SharedSecret, ShmTransport, TcpTransport, TransferEngine, TransferError,
+    TransferRequest, Transport,
 };
 use proptest::prelude::*;
 
@@ -542,4 +543,57 @@ fn shm_asks_again_a_peer_that_could_not_answer() {
     let srv = TransferEngine::builder().tcp_listen(&endpoint).shared_memory(true).build().unwrap();
     assert_eq!(srv.endpoint(), endpoint);
     assert!(shm.can_reach(&endpoint), "the same host, once it answers");
+}
+
+/// A region its engine registered read-only (an SSD tier's staging buffer): a peer
+/// holding the shared secret reads it over every transport, and its writes (one
+/// piece or striped) are refused as `ReadOnly`, touching nothing; the connection
+/// that carried a refused write goes on serving.
+#[test]
+fn read_only_regions_are_read_but_never_written_by_peers() {
+    let srv = TransferEngine::builder()
+        .tcp_listen("127.0.0.1:0")
+        .shared_memory(true)
+        .shared_secret(b"cluster secret")
+        .build()
+        .unwrap();
+    let staging = srv.register_read_only_region(4 << 20).unwrap();
+    assert!(!staging.peers_may_write());
+    let data = bytes(7, 8192);
+    staging.copy_in(4096, &data).unwrap();
+    let target = srv.remote(staging.id());
+    let writable = srv.register_region(1 << 20).unwrap();
+    let secret = SharedSecret::new(b"cluster secret");
+    let transports: [(&str, Arc<dyn Transport>); 3] = [
+        ("tcp", Arc::new(TcpTransport::with_secret(secret.clone()))),
+        ("shm", Arc::new(ShmTransport::with_secret(secret.clone()))),
+        ("local", Arc::new(LocalTransport)),
+    ];
+    for (name, t) in transports {
+        let cli = client(t.clone());
+        let mut back = vec![0u8; 8192];
+        cli.read(&target, 4096, &mut back).unwrap();
+        assert!(back == data, "{name}: read");
+        for len in [1usize, 4096, 3 << 20] {
+            let err = cli.write(&target, 0, &vec![9u8; len]).unwrap_err();
+            assert_eq!(err, TransferError::ReadOnly { region: staging.id() }, "{name}: {len}-byte write");
+        }
+        let mut reqs =
+            [TransferRequest::write(&target, 4096, &[1u8; 100]), TransferRequest::read(&target, 4096, &mut back)];
+        let results = cli.transfer(&mut reqs);
+        assert_eq!(results[0], Err(TransferError::ReadOnly { region: staging.id() }), "{name}");
+        assert_eq!(results[1], Ok(()), "{name}: a read in the same batch");
+        assert!(back == data, "{name}: read after refused writes");
+        let mut mem = vec![0u8; 4 << 20];
+        staging.copy_out(0, &mut mem).unwrap();
+        assert!(mem[..4096].iter().all(|&b| b == 0) && mem[4096..4096 + 8192] == data[..], "{name}: memory untouched");
+        assert!(mem[4096 + 8192..].iter().all(|&b| b == 0), "{name}: memory untouched");
+        // Other regions of the same engine are still written.
+        cli.write(&srv.remote(writable.id()), 0, b"still writable").unwrap();
+        match t.map_region(&target) {
+            Some(Ok(map)) => assert!(!map.is_writable(), "{name}: mapped read-only"),
+            Some(Err(e)) => panic!("{name}: {e}"),
+            None => assert_eq!(name, "tcp"),
+        }
+    }
 }

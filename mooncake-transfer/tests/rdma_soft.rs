@@ -359,3 +359,35 @@ fn rdma_small_requests_stay_on_the_nic_nearest_the_buffer() {
         }
     }
 }
+
+/// A region its engine registered read-only (an SSD tier's staging buffer) is
+/// registered for remote READ only: a peer reads it, and its WRITE fails at the NIC
+/// without touching a byte.
+#[test]
+fn rdma_reads_read_only_regions_and_their_writes_fail_at_the_nic() {
+    let (srv_nics, cli_nics) = (Arc::new(SoftRdma::new(1).unwrap()), SoftRdma::new(1).unwrap());
+    on_seam("rdma_read_only_regions", &cli_nics);
+    let srv = server(&srv_nics);
+    let (cli, rdma) = client(&cli_nics, RdmaConfig { retries: 1, ..RdmaConfig::default() });
+    let staging = srv.register_read_only_region(1 << 20).unwrap();
+    let data = bytes(5, 1 << 20);
+    staging.copy_in(0, &data).unwrap();
+    let target = srv.remote(staging.id());
+    let mut back = vec![0u8; 1 << 20];
+    cli.read(&target, 0, &mut back).unwrap();
+    assert!(back == data);
+    assert!(!rdma.falls_back_to_tcp(&target.endpoint), "read over RDMA, not TCP");
+    assert!(cli.write(&target, 0, &[0u8; 4096]).is_err(), "a peer's write is refused");
+    let mut local = vec![0u8; 1 << 20];
+    staging.copy_out(0, &mut local).unwrap();
+    assert!(local == data, "a refused write changed memory");
+    // The link comes back after its cooldown (the refused WRITE broke it, as a NIC
+    // does): the region is still read.
+    let until = Instant::now() + Duration::from_secs(10);
+    back.fill(0);
+    while let Err(e) = cli.read(&target, 0, &mut back) {
+        assert!(Instant::now() < until, "never read again: {e}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(back == data);
+}

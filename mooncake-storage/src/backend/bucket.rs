@@ -16,7 +16,12 @@ use super::{BackendOptions, BackendStats, DiskEvictionReport, ObjectMeta, Storag
 use crate::error::{Result, StorageError};
 use crate::eviction::UnitInfo;
 use crate::io::{AlignedBuf, IoFile, OpenMode, ReadOp, WriteData, WriteNext, WriteOp, WriteSource};
-use crate::meta::{align_up, parse_bucket_meta, BucketEntry, BucketMeta};
+use crate::meta::{align_up, checked_align_up, max_bucket_meta_len, parse_bucket_meta, BucketEntry, BucketMeta};
+
+/// Most bytes of a meta file read, whatever the configured keys per bucket: 64 MiB
+/// (16,256 entries with keys of the longest length), or what the configured limit
+/// writes if more. A larger file is not read (it is left on disk, not served).
+const MIN_META_READ_LIMIT: u64 = 64 << 20;
 
 /// Limits of one bucket.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -130,6 +135,26 @@ pub struct BucketBackend {
     core: BackendCore,
     index: RwLock<Index>,
     last_id: Mutex<u64>,
+}
+
+/// The whole of the file at `path`, if it holds at most `limit` bytes; a larger one
+/// is an I/O error (`FileTooLarge`) and is not read: such a meta file is no bucket's
+/// this build wrote, yet it may be one a larger `bucket_keys_limit` wrote, so it is
+/// left on disk rather than deleted as garbage.
+fn read_capped(path: &Path, limit: u64) -> Result<Vec<u8>> {
+    use std::io::Read;
+    let f = std::fs::File::open(path)?;
+    let mut bytes = Vec::new();
+    // One byte more than the limit tells a larger file (also one that grew since).
+    f.take(limit + 1).read_to_end(&mut bytes)?;
+    if bytes.len() as u64 > limit {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::FileTooLarge,
+            format!("{}: a meta file of more than {limit} bytes: not read", path.display()),
+        )
+        .into());
+    }
+    Ok(bytes)
 }
 
 fn data_path(dir: &Path, id: u64) -> PathBuf {
@@ -270,7 +295,7 @@ impl BucketBackend {
         meta_path: &Path,
         known: &AHashMap<String, Loc>,
     ) -> Result<Option<Bucket>> {
-        let bytes = std::fs::read(meta_path)?;
+        let bytes = read_capped(meta_path, MIN_META_READ_LIMIT.max(max_bucket_meta_len(self.cfg.bucket_keys_limit)))?;
         let meta = parse_bucket_meta(&bytes)?;
         if meta.bucket_id != id {
             return Err(StorageError::corrupted(meta_path.display().to_string(), "bucket id differs from file name"));
@@ -290,9 +315,11 @@ impl BucketBackend {
         if !live.iter().any(|&l| l) {
             return Ok(None);
         }
+        let data_len = checked_align_up(meta.data_len)
+            .ok_or_else(|| StorageError::corrupted(meta_path.display().to_string(), "data length overflows"))?;
         let bucket = Bucket {
             id,
-            data_len: file_len.max(align_up(meta.data_len)),
+            data_len: file_len.max(data_len),
             entries: meta.entries,
             state: Mutex::new(BucketState { live, deleted: false }),
             pins: Pins::default(),

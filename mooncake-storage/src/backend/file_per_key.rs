@@ -176,7 +176,8 @@ impl FilePerKeyBackend {
             strategy.add(unit, obj.info(&[h.key.as_str()]));
             idx.objects.insert(h.key, Arc::new(obj));
         }
-        self.next_seq.store(max_seq + 1, Ordering::Relaxed);
+        // Saturating: a sequence number read from disk must not overflow (and panic).
+        self.next_seq.store(max_seq.saturating_add(1), Ordering::Relaxed);
         Ok(())
     }
 

@@ -10,7 +10,7 @@ use mooncake_offset_allocator::{Allocation, OffsetAllocator};
 use parking_lot::{Mutex, RwLock};
 use xxhash_rust::xxh64::xxh64;
 
-use super::files::sync_dir;
+use super::files::{sync_dir, write_file_atomic};
 use super::skeleton::{
     batch_results, checked_load, split_generations, validate_batch, BackendCore, Layout, Pinned, Pins, ReadPin, Usage,
     Victims,
@@ -20,13 +20,96 @@ use crate::error::{Result, StorageError};
 use crate::eviction::{UnitId, UnitInfo};
 use crate::io::{AlignedBuf, IoFile, OpenMode, ReadOp, IO_ALIGN};
 use crate::meta::{
-    align_up, has_record_header_magic, parse_record_header, RecordHeader, DISK_ALIGN, RECORD_HEADER_FIXED,
+    align_up, has_record_header_magic, parse_record_header_at, RecordBinding, RecordHeader, DISK_ALIGN,
+    RECORD_HEADER_FIXED,
 };
 
 /// Number of index shards.
 const SHARDS: usize = 1024;
 /// Name of the data file.
 const DATA_FILE: &str = "kv_cache.data";
+/// Name of the file that holds the data file's salt and how far its records are
+/// bound to it (see [`Format`]).
+const FORMAT_FILE: &str = "kv_cache.format";
+const FORMAT_MAGIC: &[u8; 8] = b"MCOAFMT1";
+const FORMAT_LEN: usize = 8 + 4 + 8 + 4;
+
+/// How far the records of a data file are bound to their places (version-3
+/// headers, [`RecordBinding`]): the state kept in [`FORMAT_FILE`] with the salt.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Binding {
+    /// No format file: a data file written before records were bound. Its
+    /// (unbound) records are read once, then bound.
+    Legacy,
+    /// Binding under way: bound and unbound records both count.
+    Migrating = 1,
+    /// Every record is bound: a header counts only where it was written.
+    Bound = 2,
+}
+
+/// The data file's salt and [`Binding`] state.
+#[derive(Clone, Copy, Debug)]
+struct Format {
+    salt: u64,
+    binding: Binding,
+}
+
+impl Format {
+    /// `magic | state u32 | salt u64 | crc32c u32 of the bytes before`.
+    fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(FORMAT_LEN);
+        out.extend_from_slice(FORMAT_MAGIC);
+        out.extend_from_slice(&(self.binding as u32).to_le_bytes());
+        out.extend_from_slice(&self.salt.to_le_bytes());
+        let crc = crc32c::crc32c(&out);
+        out.extend_from_slice(&crc.to_le_bytes());
+        out
+    }
+
+    /// The format file's content; an error for anything this build did not write.
+    fn decode(bytes: &[u8]) -> Result<Self> {
+        let bad = |detail: &str| StorageError::corrupted(FORMAT_FILE, detail.to_owned());
+        if bytes.len() != FORMAT_LEN || &bytes[..8] != FORMAT_MAGIC {
+            return Err(bad("not a format file of this layout (bad length or magic)"));
+        }
+        let crc = u32::from_le_bytes(bytes[20..24].try_into().expect("4 bytes"));
+        if crc != crc32c::crc32c(&bytes[..20]) {
+            return Err(bad("checksum mismatch"));
+        }
+        let binding = match u32::from_le_bytes(bytes[8..12].try_into().expect("4 bytes")) {
+            1 => Binding::Migrating,
+            2 => Binding::Bound,
+            n => return Err(bad(&format!("unknown state {n}"))),
+        };
+        Ok(Format { salt: u64::from_le_bytes(bytes[12..20].try_into().expect("8 bytes")), binding })
+    }
+
+    /// The format of the data file in `dir`: read from its format file, or, where
+    /// there is none, a new salt and `fresh` (a data file just created) or
+    /// [`Binding::Legacy`]. A format file that cannot be read refuses the open: its
+    /// records cannot be told from bytes that look like records.
+    fn load(dir: &Path, fresh: bool) -> Result<Self> {
+        match std::fs::read(dir.join(FORMAT_FILE)) {
+            Ok(bytes) => Format::decode(&bytes),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                Ok(Format { salt: random_salt(), binding: if fresh { Binding::Bound } else { Binding::Legacy } })
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Writes the format file (atomically and durably).
+    fn store(&self, dir: &Path) -> Result<()> {
+        write_file_atomic(dir, FORMAT_FILE, &self.encode())
+    }
+}
+
+/// 64 bits nobody can predict: SipHash, under a key the standard library draws from
+/// the OS at random, of the time and the process.
+fn random_salt() -> u64 {
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+    std::hash::BuildHasher::hash_one(&std::collections::hash_map::RandomState::new(), (nanos, std::process::id()))
+}
 const SCAN_CHUNK: usize = 8 << 20;
 
 /// A record in the data file: the unit of eviction of this layout.
@@ -82,7 +165,14 @@ struct Control {
 ///
 /// i.e. the C++ Mooncake store's `[key_len | value_len | key | value]` plus a magic,
 /// the value's crc32c, a write sequence number and a crc32c of the header and key (see
-/// [`RecordHeader`]), with the value 4 KiB-aligned for `O_DIRECT`.
+/// [`RecordHeader`]), with the value 4 KiB-aligned for `O_DIRECT`. Headers are version
+/// 3: their checksum also covers a random salt of the data file (kept in
+/// `<dir>/kv_cache.format`) and the record's own offset, so a header counts only
+/// where this file's writer put it, never as bytes inside a value (a client's value
+/// may hold anything, records included, and a removal wipes only a record's first
+/// 4 KiB). A data file without a format file (written before headers were bound)
+/// is read once with its version-1/2 headers, which are then rewritten bound in
+/// place; a format file that cannot be read refuses the open.
 ///
 /// **Crash safety and recovery**: a write is acknowledged after `fdatasync`. Removal
 /// and eviction overwrite the record's first 4 KiB with zeros (synced) before its
@@ -105,6 +195,8 @@ pub struct OffsetAllocatorBackend {
     next_unit: AtomicU64,
     /// Records whose reads outlived `eviction_wait`: freed once unpinned.
     deferred: Mutex<Vec<Arc<Rec>>>,
+    /// The data file's salt: every record written is bound to it and its offset.
+    salt: u64,
 }
 
 fn shard_of(key: &str) -> usize {
@@ -136,6 +228,7 @@ impl OffsetAllocatorBackend {
         std::fs::create_dir_all(dir)?;
         let path = dir.join(DATA_FILE);
         let exists = path.exists();
+        let format = Format::load(dir, !exists)?;
         let io = options.io.clone();
         let file = io.open(&path, if exists { OpenMode::ReadWrite } else { OpenMode::Create })?;
         let mut size = file_size / DISK_ALIGN * DISK_ALIGN;
@@ -164,9 +257,14 @@ impl OffsetAllocatorBackend {
             next_seq: AtomicU64::new(1),
             next_unit: AtomicU64::new(1),
             deferred: Mutex::new(Vec::new()),
+            salt: format.salt,
             core: BackendCore::new(options),
         };
-        b.recover()?;
+        if !exists {
+            // Before any record: the file's records are all bound from the first.
+            format.store(dir)?;
+        }
+        b.recover(dir, format)?;
         Ok(b)
     }
 
@@ -208,8 +306,12 @@ impl OffsetAllocatorBackend {
         Ok(crc)
     }
 
-    fn recover(&self) -> Result<()> {
-        let mut found: AHashMap<String, (RecordHeader, u64)> = AHashMap::new();
+    /// Scans the file for records (see the type's documentation) and indexes them.
+    /// Where the file's records are not all bound yet ([`Binding`]), the unbound
+    /// ones found are rewritten bound, then the format file says so.
+    fn recover(&self, dir: &Path, format: Format) -> Result<()> {
+        // Records found: the header, its offset, and whether it was bound.
+        let mut found: AHashMap<String, (RecordHeader, u64, bool)> = AHashMap::new();
         let mut stale: Vec<u64> = Vec::new();
         let mut chunk = AlignedBuf::zeroed(SCAN_CHUNK);
         let mut chunk_start = 0u64;
@@ -236,20 +338,26 @@ impl OffsetAllocatorBackend {
             let at = (off - chunk_start) as usize;
             let block = &chunk[at..chunk_len];
             if has_record_header_magic(block) {
-                if let Ok(h) = parse_record_header(block) {
+                let binding = RecordBinding { salt: format.salt, offset: off };
+                // Once every record is bound, an unbound header is bytes of some
+                // value (a client's), never a record.
+                let parsed = parse_record_header_at(block, binding)
+                    .ok()
+                    .filter(|(_, bound)| *bound || format.binding != Binding::Bound);
+                if let Some((h, bound)) = parsed {
                     let end = off.checked_add(h.record_len());
                     if let Some(end) = end.filter(|&e| e <= self.file_size) {
                         let crc =
                             self.crc_of_range(&chunk[..chunk_len], chunk_start, off + h.value_offset(), h.value_len)?;
                         if crc == h.value_crc {
                             match found.get(&h.key) {
-                                Some((old, _)) if old.seq > h.seq => stale.push(off),
-                                Some((_, old_off)) => {
+                                Some((old, _, _)) if old.seq > h.seq => stale.push(off),
+                                Some((_, old_off, _)) => {
                                     stale.push(*old_off);
-                                    found.insert(h.key.clone(), (h, off));
+                                    found.insert(h.key.clone(), (h, off, bound));
                                 }
                                 None => {
-                                    found.insert(h.key.clone(), (h, off));
+                                    found.insert(h.key.clone(), (h, off, bound));
                                 }
                             }
                             off = align_up(end);
@@ -264,17 +372,22 @@ impl OffsetAllocatorBackend {
         for off in stale {
             self.wipe(off)?;
         }
-        let mut recs: Vec<(RecordHeader, u64)> = found.into_values().collect();
-        recs.sort_by_key(|(_, off)| *off);
+        let mut recs: Vec<(RecordHeader, u64, bool)> = found.into_values().collect();
+        recs.sort_by_key(|(_, off, _)| *off);
         let mut alloc = self.alloc.lock();
         let mut placed = Vec::with_capacity(recs.len());
-        for (h, off) in recs {
+        for (h, off, bound) in recs {
             match alloc.allocate_at(off, h.record_len()) {
-                Some(a) => placed.push((h, off, a)),
+                Some(a) => placed.push((h, off, a, bound)),
                 None => tracing::warn!("record {:?} at {off} overlaps another: ignored", h.key),
             }
         }
         drop(alloc);
+        if format.binding != Binding::Bound {
+            placed = self.bind_records(dir, format, placed)?;
+        }
+        let mut placed: Vec<(RecordHeader, u64, Allocation)> =
+            placed.into_iter().map(|(h, off, a, _)| (h, off, a)).collect();
         placed.sort_by_key(|(h, _, _)| h.seq);
         let mut ctl = self.ctl.lock();
         let mut strategy = self.core.strategy.lock();
@@ -300,8 +413,54 @@ impl OffsetAllocatorBackend {
             strategy.add(unit, UnitInfo { bytes: rec.size(), keys: &[h.key.as_str()] });
             self.shards[shard_of(&h.key)].write().insert(h.key, Arc::new(rec));
         }
-        self.next_seq.store(max_seq + 1, Ordering::Relaxed);
+        // Saturating: a sequence number read from disk must not overflow (and panic).
+        self.next_seq.store(max_seq.saturating_add(1), Ordering::Relaxed);
         Ok(())
+    }
+
+    /// Rewrites the unbound records of `placed` bound to their offsets, then
+    /// records in the format file that every record is bound (the salt first, so
+    /// that a crash half way leaves headers that the next open can check). A record
+    /// whose bound header would not end before its value (a version-1 header with a
+    /// key of 4053..=4060 bytes) is dropped.
+    #[allow(clippy::type_complexity)]
+    fn bind_records(
+        &self,
+        dir: &Path,
+        format: Format,
+        placed: Vec<(RecordHeader, u64, Allocation, bool)>,
+    ) -> Result<Vec<(RecordHeader, u64, Allocation, bool)>> {
+        if format.binding == Binding::Legacy {
+            Format { binding: Binding::Migrating, ..format }.store(dir)?;
+        }
+        let mut kept = Vec::with_capacity(placed.len());
+        let mut dropped = Vec::new();
+        for (h, off, a, bound) in placed {
+            if bound {
+                kept.push((h, off, a, bound));
+                continue;
+            }
+            let encoded = h.encode_bound(RecordBinding { salt: format.salt, offset: off });
+            if align_up(encoded.len() as u64) != h.value_offset() {
+                tracing::warn!("record {:?} at {off}: its header cannot be bound in place: dropped", h.key);
+                self.wipe(off)?;
+                dropped.push(a);
+                continue;
+            }
+            let mut head = AlignedBuf::zeroed(h.value_offset() as usize);
+            head[..encoded.len()].copy_from_slice(&encoded);
+            self.core.io.write_at(&self.file, off, &head)?;
+            kept.push((h, off, a, true));
+        }
+        self.core.io.sync_data(&self.file)?;
+        let mut alloc = self.alloc.lock();
+        for a in dropped {
+            alloc.free(a);
+        }
+        drop(alloc);
+        Format { binding: Binding::Bound, ..format }.store(dir)?;
+        tracing::info!("{}: {} records bound to their places", self.path.display(), kept.len());
+        Ok(kept)
     }
 
     /// Overwrites the first 4 KiB of a record with zeros (not synced).
@@ -399,7 +558,7 @@ impl OffsetAllocatorBackend {
             generation: Some(generation),
         };
         let mut head = AlignedBuf::zeroed(h.value_offset() as usize);
-        let enc = h.encode();
+        let enc = h.encode_bound(RecordBinding { salt: self.salt, offset: off });
         head[..enc.len()].copy_from_slice(&enc);
         self.core.io.write_at(&self.file, off, &head)?;
         self.core.io.write_at(&self.file, off + h.value_offset(), value)?;

@@ -88,6 +88,26 @@ pub enum QpState {
     Error,
 }
 
+/// What peers may do to a memory region with its `rkey` (the region's own
+/// process always reads and writes it with its `lkey`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RemoteAccess {
+    /// Nothing: the region has no remote key (a local buffer of transfers).
+    LocalOnly,
+    /// One-sided READ only: peers' WRITEs complete with a remote access error (a
+    /// region its engine registered read-only).
+    Read,
+    /// One-sided READ and WRITE (a segment peers put objects into).
+    ReadWrite,
+}
+
+impl RemoteAccess {
+    /// Whether peers get a remote key at all.
+    pub fn is_remote(self) -> bool {
+        self != RemoteAccess::LocalOnly
+    }
+}
+
 /// A registered memory region: `len` bytes at `addr`, with its keys.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MemoryRegion {
@@ -189,19 +209,19 @@ pub trait ProtectionDomain: Send + Sync {
     /// The port it lives on.
     fn port(&self) -> &PortInfo;
 
-    /// Registers `[addr, addr + len)` for local access and, with `remote_access`,
-    /// for peers' READ/WRITE (`len` at most the port's `max_mr_size`). Without
-    /// remote access the returned `rkey` is 0.
+    /// Registers `[addr, addr + len)` for local access and for what `access` lets
+    /// peers do (`len` at most the port's `max_mr_size`). With
+    /// [`RemoteAccess::LocalOnly`] the returned `rkey` is 0.
     ///
     /// # Safety
-    /// With `remote_access`, the range must stay mapped (and be used for nothing the
+    /// With remote access, the range must stay mapped (and be used for nothing the
     /// peers' accesses could break) until [`deregister`](Self::deregister) returns.
     /// Without, it must be valid whenever a work request naming it is posted.
-    unsafe fn register(&self, addr: *mut u8, len: u64, remote_access: bool) -> Result<MemoryRegion>;
+    unsafe fn register(&self, addr: *mut u8, len: u64, access: RemoteAccess) -> Result<MemoryRegion>;
 
     /// Registers `len` bytes at `offset` of a dma-buf (device memory a GPU driver
     /// exported, so that the NIC reads and writes it without host staging), for
-    /// local access and, with `remote_access`, peers' READ/WRITE. Work requests
+    /// local access and for what `access` lets peers do. Work requests
     /// name its bytes from `iova` on (the returned region's `addr`), not by a
     /// host address: the CPU may not be able to reach them at all. Devices or
     /// implementations without dma-buf support refuse (the default).
@@ -214,9 +234,9 @@ pub trait ProtectionDomain: Send + Sync {
         offset: u64,
         len: u64,
         iova: u64,
-        remote_access: bool,
+        access: RemoteAccess,
     ) -> Result<MemoryRegion> {
-        let _ = (fd, offset, len, iova, remote_access);
+        let _ = (fd, offset, len, iova, access);
         Err(crate::TransferError::Registration(format!("{}: no dma-buf registration", self.port().device)))
     }
 

@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use super::{DmaBuf, MemoryRegion, ProtectionDomain, RdmaProvider};
+use super::{DmaBuf, MemoryRegion, ProtectionDomain, RdmaProvider, RemoteAccess};
 use crate::error::{Result, TransferError};
 
 const PAGE: u64 = 4096;
@@ -43,10 +43,10 @@ impl Nics {
     ///
     /// # Safety
     /// As [`ProtectionDomain::register`], for the whole range.
-    pub(crate) unsafe fn register(&self, addr: *mut u8, len: u64, remote: bool) -> Result<Registration> {
+    pub(crate) unsafe fn register(&self, addr: *mut u8, len: u64, access: RemoteAccess) -> Result<Registration> {
         self.register_pieces(addr as u64, len, |pd, done, n| {
             // SAFETY: a sub-range of the caller's range, under the caller's contract.
-            unsafe { pd.register(addr.add(done as usize), n, remote) }
+            unsafe { pd.register(addr.add(done as usize), n, access) }
         })
     }
 
@@ -61,7 +61,7 @@ impl Nics {
         let fd = buf.fd.as_raw_fd();
         self.register_pieces(buf.iova, buf.len, |pd, done, n| {
             // SAFETY: a sub-range of the dma-buf, under the caller's contract.
-            unsafe { pd.register_dmabuf(fd, buf.offset + done, n, buf.iova + done, false) }
+            unsafe { pd.register_dmabuf(fd, buf.offset + done, n, buf.iova + done, RemoteAccess::LocalOnly) }
         })
     }
 
@@ -175,7 +175,7 @@ impl RegistrationCache {
         // SAFETY: local access only: the range is the caller's live buffer, rounded
         // to pages of the same mapping; work requests name it only while the
         // buffer it belongs to is borrowed by a transfer.
-        let reg = Arc::new(unsafe { nics.register(start as *mut u8, end - start, false) }?);
+        let reg = Arc::new(unsafe { nics.register(start as *mut u8, end - start, RemoteAccess::LocalOnly) }?);
         if entries.len() >= self.capacity {
             if let Some(oldest) = entries.iter().min_by_key(|(_, (_, used))| *used).map(|(k, _)| *k) {
                 entries.remove(&oldest);

@@ -9,7 +9,7 @@ use parking_lot::Mutex;
 
 use super::handshake::{RdmaHandshake, RdmaRegionInfo, RegionPiece};
 use super::registration::{Nics, Registration};
-use super::QueuePair;
+use super::{QueuePair, RemoteAccess};
 use crate::frame::FrameStatus;
 use crate::frame::{FrameOp, MAX_HANDSHAKE_BYTES};
 use crate::handshake::ControlResponder;
@@ -78,16 +78,20 @@ impl RdmaResponder {
             match regions.get(&region.id()) {
                 Some((r, _)) => r.clone(),
                 None => {
+                    // Peers write only regions their engine lets them write: a
+                    // read-only region (an SSD tier's staging buffer) gets no
+                    // remote write access, so a peer's WRITE fails at the NIC.
+                    let access = if region.peers_may_write() { RemoteAccess::ReadWrite } else { RemoteAccess::Read };
                     // SAFETY: the region's mapping lives as long as the `Arc` held in
                     // `regions` next to the registration, and the registration is
                     // dropped (deregistered) first when the entry goes; peers' writes
-                    // into it are what registering a region is for.
-                    let r = Arc::new(unsafe { self.nics.register(region.as_mut_ptr(), region.len(), true) }.map_err(
-                        |e| {
+                    // into it (where allowed) are what registering a region is for.
+                    let r = Arc::new(
+                        unsafe { self.nics.register(region.as_mut_ptr(), region.len(), access) }.map_err(|e| {
                             tracing::warn!(error = %e, "registering a served region for RDMA");
                             FrameStatus::Refused
-                        },
-                    )?);
+                        })?,
+                    );
                     regions.insert(region.id(), (r.clone(), region.clone()));
                     r
                 }

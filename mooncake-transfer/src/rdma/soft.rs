@@ -22,7 +22,7 @@ use parking_lot::{Condvar, Mutex, RwLock};
 
 use super::{
     Completion, CompletionStatus, MemoryRegion, PortInfo, ProtectionDomain, QpAddress, QpState, QueuePair,
-    RdmaProvider, WorkOp, WorkRequest,
+    RdmaProvider, RemoteAccess, WorkOp, WorkRequest,
 };
 use crate::error::{Result, TransferError};
 
@@ -108,6 +108,8 @@ struct MrEntry {
     addr: u64,
     len: u64,
     remote: bool,
+    /// Peers may WRITE it (a remote key only).
+    writable: bool,
     /// Where the NIC reaches the first byte: `addr` itself for host memory, the
     /// NIC's own mapping of a dma-buf.
     host: u64,
@@ -302,13 +304,14 @@ impl SoftPd {
     }
 
     /// Enters a region named from `addr` on, reached at `host`, into the NIC's table.
-    fn insert(&self, addr: u64, len: u64, remote_access: bool, host: u64) -> MemoryRegion {
+    fn insert(&self, addr: u64, len: u64, access: RemoteAccess, host: u64) -> MemoryRegion {
         let key = self.nic.next_key.fetch_add(2, Ordering::Relaxed);
-        let (lkey, rkey) = (key, if remote_access { key + 1 } else { 0 });
+        let (lkey, rkey) = (key, if access.is_remote() { key + 1 } else { 0 });
         let mut mrs = self.nic.mrs.write();
-        mrs.insert(lkey, MrEntry { pd: self.id, addr, len, remote: false, host });
-        if remote_access {
-            mrs.insert(rkey, MrEntry { pd: self.id, addr, len, remote: true, host });
+        mrs.insert(lkey, MrEntry { pd: self.id, addr, len, remote: false, writable: false, host });
+        if access.is_remote() {
+            let writable = access == RemoteAccess::ReadWrite;
+            mrs.insert(rkey, MrEntry { pd: self.id, addr, len, remote: true, writable, host });
         }
         MemoryRegion { addr, len, lkey, rkey }
     }
@@ -319,9 +322,9 @@ impl ProtectionDomain for SoftPd {
         &self.nic.info
     }
 
-    unsafe fn register(&self, addr: *mut u8, len: u64, remote_access: bool) -> Result<MemoryRegion> {
+    unsafe fn register(&self, addr: *mut u8, len: u64, access: RemoteAccess) -> Result<MemoryRegion> {
         self.check_len(len)?;
-        Ok(self.insert(addr as u64, len, remote_access, addr as u64))
+        Ok(self.insert(addr as u64, len, access, addr as u64))
     }
 
     /// The soft NIC imports a dma-buf by mapping it (a software device has no
@@ -334,7 +337,7 @@ impl ProtectionDomain for SoftPd {
         offset: u64,
         len: u64,
         iova: u64,
-        remote_access: bool,
+        access: RemoteAccess,
     ) -> Result<MemoryRegion> {
         if self.nic.faults.refuse_dmabuf.load(Ordering::SeqCst) {
             return Err(TransferError::Registration(format!("{}: dma-buf registration refused", self.nic.info.device)));
@@ -346,7 +349,7 @@ impl ProtectionDomain for SoftPd {
         let map = memmap2::MmapOptions::new().offset(offset).len(len as usize).map_raw(fd).map_err(|e| {
             TransferError::Registration(format!("{}: cannot import the dma-buf: {e}", self.nic.info.device))
         })?;
-        let mr = self.insert(iova, len, remote_access, map.as_mut_ptr() as u64);
+        let mr = self.insert(iova, len, access, map.as_mut_ptr() as u64);
         self.nic.dmabufs.lock().insert(mr.lkey, map);
         self.nic.faults.dmabuf_registrations.fetch_add(1, Ordering::Relaxed);
         Ok(mr)
@@ -673,8 +676,11 @@ fn serve(conn: TcpStream, nic: &Weak<SoftNic>) {
         }
         // Held across the access: deregistration waits for it.
         let mrs = nic.mrs.read();
-        let host =
-            mrs.get(&rkey).filter(|mr| mr.remote && mr.pd == pd && mr.covers(addr, len)).map(|mr| mr.translate(addr));
+        // A WRITE needs a region peers may write (a NIC checks the access flags).
+        let host = mrs
+            .get(&rkey)
+            .filter(|mr| mr.remote && mr.pd == pd && mr.covers(addr, len) && (op != 2 || mr.writable))
+            .map(|mr| mr.translate(addr));
         let ok = host.is_some();
         let mut resp = [0u8; RESP_LEN];
         resp[0..8].copy_from_slice(&wr_id.to_le_bytes());
@@ -758,9 +764,9 @@ mod tests {
         let mut local = vec![0u8; 8192];
         let mut remote = vec![0u8; 4096];
         // SAFETY: both vectors outlive their registrations (deregistered below).
-        let lmr = unsafe { p.pda.register(local.as_mut_ptr(), 8192, false) }.unwrap();
+        let lmr = unsafe { p.pda.register(local.as_mut_ptr(), 8192, RemoteAccess::LocalOnly) }.unwrap();
         // SAFETY: as above.
-        let rmr = unsafe { p.pdb.register(remote.as_mut_ptr(), 4096, true) }.unwrap();
+        let rmr = unsafe { p.pdb.register(remote.as_mut_ptr(), 4096, RemoteAccess::ReadWrite) }.unwrap();
         assert_eq!(lmr.rkey, 0, "local-only regions have no remote key");
         local[..5].copy_from_slice(b"hello");
         let wr = |wr_id, op, local_off: u64, remote_off: u64, len, rkey| WorkRequest {
@@ -805,9 +811,9 @@ mod tests {
         let mut local = vec![0u8; 4096];
         let mut remote = vec![0u8; 4096];
         // SAFETY: both vectors outlive their registrations.
-        let lmr = unsafe { p.pda.register(local.as_mut_ptr(), 4096, false) }.unwrap();
+        let lmr = unsafe { p.pda.register(local.as_mut_ptr(), 4096, RemoteAccess::LocalOnly) }.unwrap();
         // SAFETY: as above.
-        let rmr = unsafe { p.pdb.register(remote.as_mut_ptr(), 4096, true) }.unwrap();
+        let rmr = unsafe { p.pdb.register(remote.as_mut_ptr(), 4096, RemoteAccess::ReadWrite) }.unwrap();
         let wr = WorkRequest {
             wr_id: 1,
             op: WorkOp::Write,
@@ -823,9 +829,9 @@ mod tests {
 
         let mut p = pair();
         // SAFETY: as above.
-        let lmr = unsafe { p.pda.register(local.as_mut_ptr(), 4096, false) }.unwrap();
+        let lmr = unsafe { p.pda.register(local.as_mut_ptr(), 4096, RemoteAccess::LocalOnly) }.unwrap();
         // SAFETY: as above.
-        let rmr = unsafe { p.pdb.register(remote.as_mut_ptr(), 4096, true) }.unwrap();
+        let rmr = unsafe { p.pdb.register(remote.as_mut_ptr(), 4096, RemoteAccess::ReadWrite) }.unwrap();
         let outside = WorkRequest { lkey: lmr.lkey, local_addr: lmr.addr + 4090, rkey: rmr.rkey, ..wr };
         // SAFETY: the request is refused before any memory is touched.
         unsafe { p.qa.post(&[outside]) }.unwrap();
@@ -834,9 +840,9 @@ mod tests {
 
         let mut p = pair();
         // SAFETY: as above.
-        let lmr = unsafe { p.pda.register(local.as_mut_ptr(), 4096, false) }.unwrap();
+        let lmr = unsafe { p.pda.register(local.as_mut_ptr(), 4096, RemoteAccess::LocalOnly) }.unwrap();
         // SAFETY: as above.
-        let rmr = unsafe { p.pdb.register(remote.as_mut_ptr(), 4096, true) }.unwrap();
+        let rmr = unsafe { p.pdb.register(remote.as_mut_ptr(), 4096, RemoteAccess::ReadWrite) }.unwrap();
         p.b.faults().kill();
         let good = WorkRequest { lkey: lmr.lkey, local_addr: lmr.addr, rkey: rmr.rkey, ..wr };
         // SAFETY: as above.
@@ -846,13 +852,47 @@ mod tests {
         p.b.faults().revive();
         let mut p2 = pair();
         // SAFETY: as above.
-        let lmr = unsafe { p2.pda.register(local.as_mut_ptr(), 4096, false) }.unwrap();
+        let lmr = unsafe { p2.pda.register(local.as_mut_ptr(), 4096, RemoteAccess::LocalOnly) }.unwrap();
         // SAFETY: as above.
-        let rmr = unsafe { p2.pdb.register(remote.as_mut_ptr(), 4096, true) }.unwrap();
+        let rmr = unsafe { p2.pdb.register(remote.as_mut_ptr(), 4096, RemoteAccess::ReadWrite) }.unwrap();
         p2.pdb.deregister(&rmr);
         let stale = WorkRequest { lkey: lmr.lkey, local_addr: lmr.addr, rkey: rmr.rkey, ..wr };
         // SAFETY: as above.
         unsafe { p2.qa.post(&[stale]) }.unwrap();
         assert_eq!(wait_all(p2.qa.as_mut(), 1)[0].status, CompletionStatus::RemoteAccess, "deregistered");
+    }
+
+    /// A region registered for remote READ only: peers read it, and a WRITE fails
+    /// at the NIC without touching it (an engine's read-only region).
+    #[test]
+    fn soft_seam_read_only_regions_refuse_writes() {
+        let mut p = pair();
+        let mut local = vec![0u8; 4096];
+        let mut remote = vec![7u8; 4096];
+        // SAFETY: both vectors outlive their registrations (deregistered below).
+        let lmr = unsafe { p.pda.register(local.as_mut_ptr(), 4096, RemoteAccess::LocalOnly) }.unwrap();
+        // SAFETY: as above.
+        let rmr = unsafe { p.pdb.register(remote.as_mut_ptr(), 4096, RemoteAccess::Read) }.unwrap();
+        assert_ne!(rmr.rkey, 0, "a read-only region has a remote key");
+        let wr = |wr_id, op| WorkRequest {
+            wr_id,
+            op,
+            local_addr: lmr.addr,
+            len: 16,
+            lkey: lmr.lkey,
+            remote_addr: rmr.addr,
+            rkey: rmr.rkey,
+        };
+        // SAFETY: `local` outlives the completion.
+        unsafe { p.qa.post(&[wr(1, WorkOp::Read)]) }.unwrap();
+        assert_eq!(wait_all(p.qa.as_mut(), 1)[0].status, CompletionStatus::Success);
+        assert_eq!(&local[..16], &[7u8; 16]);
+        local[..16].fill(1);
+        // SAFETY: as above.
+        unsafe { p.qa.post(&[wr(2, WorkOp::Write)]) }.unwrap();
+        assert_eq!(wait_all(p.qa.as_mut(), 1)[0].status, CompletionStatus::RemoteAccess);
+        p.pda.deregister(&lmr);
+        p.pdb.deregister(&rmr);
+        assert_eq!(remote, vec![7u8; 4096], "nothing was written");
     }
 }

@@ -18,7 +18,7 @@ use parking_lot::Mutex;
 
 use super::{
     Completion, CompletionStatus, MemoryRegion, PortInfo, ProtectionDomain, QpAddress, QpState, QueuePair,
-    RdmaProvider, WorkOp, WorkRequest,
+    RdmaProvider, RemoteAccess, WorkOp, WorkRequest,
 };
 use crate::error::{Result, TransferError};
 
@@ -46,7 +46,17 @@ const MR_RKEY: usize = 40;
 const QP_NUM: usize = 52;
 /// Access flags: local write, remote write, remote read.
 const ACCESS_LOCAL: c_int = 1;
+const ACCESS_REMOTE_READ: c_int = 1 | 4;
 const ACCESS_REMOTE: c_int = 1 | 2 | 4;
+
+/// The `ibv_access_flags` of `access`.
+fn access_flags(access: RemoteAccess) -> c_int {
+    match access {
+        RemoteAccess::LocalOnly => ACCESS_LOCAL,
+        RemoteAccess::Read => ACCESS_REMOTE_READ,
+        RemoteAccess::ReadWrite => ACCESS_REMOTE,
+    }
+}
 /// `enum ibv_qp_type` RC, `enum ibv_qp_state`.
 const QPT_RC: u32 = 2;
 const QPS_INIT: u32 = 1;
@@ -455,13 +465,13 @@ impl ProtectionDomain for VerbsPd {
         &self.info
     }
 
-    unsafe fn register(&self, addr: *mut u8, len: u64, remote_access: bool) -> Result<MemoryRegion> {
+    unsafe fn register(&self, addr: *mut u8, len: u64, access: RemoteAccess) -> Result<MemoryRegion> {
         if len == 0 || len > self.info.max_mr_size {
             return Err(TransferError::Registration(format!("memory region of {len} bytes")));
         }
-        let access = if remote_access { ACCESS_REMOTE } else { ACCESS_LOCAL };
+        let flags = access_flags(access);
         // SAFETY: the caller keeps the range valid as the trait requires.
-        let mr = unsafe { (self.ctx.lib.reg_mr)(self.pd, addr.cast(), len as usize, access) };
+        let mr = unsafe { (self.ctx.lib.reg_mr)(self.pd, addr.cast(), len as usize, flags) };
         if mr.is_null() {
             return Err(TransferError::Registration(format!(
                 "ibv_reg_mr of {len} bytes: {}",
@@ -472,7 +482,7 @@ impl ProtectionDomain for VerbsPd {
         let (lkey, rkey) =
             unsafe { (*mr.cast::<u8>().add(MR_LKEY).cast::<u32>(), *mr.cast::<u8>().add(MR_RKEY).cast::<u32>()) };
         self.mrs.lock().insert(lkey, mr as usize);
-        Ok(MemoryRegion { addr: addr as u64, len, lkey, rkey: if remote_access { rkey } else { 0 } })
+        Ok(MemoryRegion { addr: addr as u64, len, lkey, rkey: if access.is_remote() { rkey } else { 0 } })
     }
 
     unsafe fn register_dmabuf(
@@ -481,7 +491,7 @@ impl ProtectionDomain for VerbsPd {
         offset: u64,
         len: u64,
         iova: u64,
-        remote_access: bool,
+        access: RemoteAccess,
     ) -> Result<MemoryRegion> {
         let Some(reg) = self.ctx.lib.reg_dmabuf_mr else {
             return Err(TransferError::Registration("libibverbs has no ibv_reg_dmabuf_mr".into()));
@@ -489,9 +499,9 @@ impl ProtectionDomain for VerbsPd {
         if len == 0 || len > self.info.max_mr_size {
             return Err(TransferError::Registration(format!("dma-buf memory region of {len} bytes")));
         }
-        let access = if remote_access { ACCESS_REMOTE } else { ACCESS_LOCAL };
+        let flags = access_flags(access);
         // SAFETY: the caller keeps the dma-buf allocated as the trait requires.
-        let mr = unsafe { reg(self.pd, offset, len as usize, iova, fd, access) };
+        let mr = unsafe { reg(self.pd, offset, len as usize, iova, fd, flags) };
         if mr.is_null() {
             return Err(TransferError::Registration(format!(
                 "ibv_reg_dmabuf_mr of {len} bytes: {}",
@@ -502,7 +512,7 @@ impl ProtectionDomain for VerbsPd {
         let (lkey, rkey) =
             unsafe { (*mr.cast::<u8>().add(MR_LKEY).cast::<u32>(), *mr.cast::<u8>().add(MR_RKEY).cast::<u32>()) };
         self.mrs.lock().insert(lkey, mr as usize);
-        Ok(MemoryRegion { addr: iova, len, lkey, rkey: if remote_access { rkey } else { 0 } })
+        Ok(MemoryRegion { addr: iova, len, lkey, rkey: if access.is_remote() { rkey } else { 0 } })
     }
 
     fn deregister(&self, mr: &MemoryRegion) {

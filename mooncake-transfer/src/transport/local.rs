@@ -31,8 +31,8 @@ impl Transport for LocalTransport {
     fn map_region(&self, target: &RemoteRegion) -> Option<Result<MappedRegion>> {
         let region = registry::lookup(&target.endpoint).and_then(|engine| engine.region(target.region));
         Some(region.map(|r| {
-            let (ptr, len) = (r.as_mut_ptr(), r.len());
-            MappedRegion::new(r, ptr, len)
+            let (ptr, len, writable) = (r.as_mut_ptr(), r.len(), r.peers_may_write());
+            MappedRegion::new(r, ptr, len, writable)
         }))
     }
 

@@ -9,8 +9,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 pub use local::{LocalTransport, LOCAL_SCHEME};
 pub use shm::ShmTransport;
-pub(crate) use tcp::TcpServer;
 pub use tcp::TcpTransport;
+pub(crate) use tcp::{ServeLimits, TcpServer};
 
 use crate::error::Result;
 use crate::region::{RegisteredRegion, RemoteRegion};
@@ -143,7 +143,7 @@ impl<'a> TransferRequest<'a> {
 /// Moves `req`'s bytes between its local buffer and `region` by memcpy (the `local`
 /// and `shm` transports). A read that asks for its checksum is copied piece by piece,
 /// each piece summed right after its copy while it is in the cache; a write is summed
-/// before its copy.
+/// before its copy. A write to a region peers may not write is refused.
 pub(crate) fn copy_with_region(region: &RegisteredRegion, req: &mut TransferRequest<'_>) -> Result<()> {
     /// Small enough to stay in a core's L2 cache between the copy and the sum.
     const PIECE: usize = 256 << 10;
@@ -160,6 +160,9 @@ pub(crate) fn copy_with_region(region: &RegisteredRegion, req: &mut TransferRequ
             crate::checksum::crc32c_concat(pieces)
         }
         TransferOp::Read(dst) => return region.copy_out(base, dst),
+        TransferOp::Write(_) if !region.peers_may_write() => {
+            return Err(crate::error::TransferError::ReadOnly { region: region.id() })
+        }
         TransferOp::Write(src) => {
             // Summed whole, then copied in one piece: cut into pieces, a large copy
             // into cold memory loses memcpy's non-temporal stores (measured: 1 MiB
@@ -263,6 +266,7 @@ pub struct MappedRegion {
     keep: std::sync::Arc<dyn Send + Sync>,
     ptr: *mut u8,
     len: u64,
+    writable: bool,
 }
 
 // SAFETY: the value only names memory that `keep` keeps mapped; it hands out no
@@ -272,14 +276,23 @@ unsafe impl Send for MappedRegion {}
 unsafe impl Sync for MappedRegion {}
 
 impl MappedRegion {
-    /// A mapping of `len` bytes at `ptr`, valid while `keep` lives.
-    pub(crate) fn new(keep: std::sync::Arc<dyn Send + Sync>, ptr: *mut u8, len: u64) -> Self {
-        Self { keep, ptr, len }
+    /// A mapping of `len` bytes at `ptr`, valid while `keep` lives; `writable`:
+    /// whether the region's peers may write it.
+    pub(crate) fn new(keep: std::sync::Arc<dyn Send + Sync>, ptr: *mut u8, len: u64, writable: bool) -> Self {
+        Self { keep, ptr, len, writable }
+    }
+
+    /// Whether the region may be written through this mapping. A region its owner
+    /// registered read-only ([`RegisteredRegion::peers_may_write`]) may not: a
+    /// same-host peer's is mapped read-only (a write through it faults).
+    pub fn is_writable(&self) -> bool {
+        self.writable
     }
 
     /// The address of byte `offset` of the region, if `offset + len` bytes fit in
     /// it. Valid while this value lives; the bytes may be written by others (the
-    /// peer, other clients) at any time, so a reader checks what it read.
+    /// peer, other clients) at any time, so a reader checks what it read. Written
+    /// through only if [`is_writable`](Self::is_writable).
     pub fn range(&self, offset: u64, len: u64) -> Option<*mut u8> {
         let end = offset.checked_add(len)?;
         // SAFETY: `offset <= end <= self.len`: inside the mapping.

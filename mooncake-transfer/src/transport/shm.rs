@@ -129,7 +129,11 @@ impl ShmTransport {
         if seals < 0 || seals & libc::F_SEAL_SHRINK == 0 {
             return Err(TransferError::Unreachable(format!("{path} is not a size-sealed memfd")));
         }
-        let region_map = RegisteredRegion::map_file(region, &file, info.len, true)?;
+        // A region its owner registered read-only is sealed against writes from
+        // mappings made after its own: ours is read-only, and refuses writes.
+        let writable = seals & libc::F_SEAL_FUTURE_WRITE == 0;
+        let region_map = RegisteredRegion::map_file(region, &file, info.len, true, writable)
+            .map_err(|e| TransferError::Unreachable(format!("cannot map {path}: {e}")))?;
         if region_map.is_revoked() {
             return Err(TransferError::UnknownRegion { endpoint: endpoint.to_owned(), region });
         }
@@ -162,8 +166,8 @@ impl Transport for ShmTransport {
 
     fn map_region(&self, target: &RemoteRegion) -> Option<Result<MappedRegion>> {
         Some(self.mapping(&target.endpoint, target.region).map(|m| {
-            let (ptr, len) = (m.region.as_mut_ptr(), m.region.len());
-            MappedRegion::new(m, ptr, len)
+            let (ptr, len, writable) = (m.region.as_mut_ptr(), m.region.len(), m.region.peers_may_write());
+            MappedRegion::new(m, ptr, len, writable)
         }))
     }
 

@@ -42,6 +42,38 @@ const WINDOW: usize = 128;
 /// and a real peer, whose handshake takes a round trip, still gets in.
 pub(crate) const MAX_UNAUTHENTICATED: usize = 64;
 
+/// Most connections a listener serves at once, authenticated or not, each with its
+/// thread. Beyond it the oldest unauthenticated one is closed to make room; when
+/// every one is authenticated, a new connection is refused (with a message) until
+/// one closes. A client keeps at most 8 idle connections to a peer, and idle ones
+/// are closed after [`IDLE_TIMEOUT`]: 1024 serves 128 peers at full pools at once.
+pub(crate) const MAX_CONNECTIONS: usize = 1024;
+
+/// A served connection that sends no request for this long is closed (its thread
+/// ends). Clients pool idle connections, and dial a fresh one when a pooled one
+/// turns out closed: only connections nobody uses go.
+pub(crate) const IDLE_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// How long one write of an answer may block (a peer that stopped reading the
+/// bytes it asked for): then the connection is closed, as a client gives up on a
+/// peer that stops reading its requests (`PEER_TIMEOUT`).
+pub(crate) const SERVE_WRITE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// What a listener lets its peers hold ([`MAX_CONNECTIONS`], [`IDLE_TIMEOUT`],
+/// [`SERVE_WRITE_TIMEOUT`] by default).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ServeLimits {
+    pub(crate) max_connections: usize,
+    pub(crate) idle_timeout: Duration,
+    pub(crate) write_timeout: Duration,
+}
+
+impl Default for ServeLimits {
+    fn default() -> Self {
+        Self { max_connections: MAX_CONNECTIONS, idle_timeout: IDLE_TIMEOUT, write_timeout: SERVE_WRITE_TIMEOUT }
+    }
+}
+
 /// Serves an engine's regions to TCP peers; stops when the engine is dropped (its
 /// listener is woken and closed, and every open connection is shut down).
 pub(crate) struct TcpServer {
@@ -71,6 +103,7 @@ struct Warnings {
     protected: WarnLimiter,
     auth: WarnLimiter,
     crowded: WarnLimiter,
+    full: WarnLimiter,
     closed: WarnLimiter,
 }
 
@@ -78,7 +111,8 @@ impl TcpServer {
     /// Binds `listener` and serves `regions` on background threads. Without a
     /// secret, and unless `insecure`, only loopback peers are served (protected mode).
     /// `names`: what the listener proves it is called besides its socket address
-    /// (the engine's endpoint).
+    /// (the engine's endpoint). `limits`: what its peers may hold.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn start(
         listener: TcpListener,
         regions: Weak<RegionRegistry>,
@@ -87,6 +121,7 @@ impl TcpServer {
         insecure: bool,
         responder: Option<Arc<dyn ControlResponder>>,
         names: Vec<String>,
+        limits: ServeLimits,
     ) -> Result<Self> {
         let addr = listener.local_addr().map_err(|e| TransferError::Io(e.to_string()))?;
         let stop = Arc::new(AtomicBool::new(false));
@@ -128,16 +163,30 @@ impl TcpServer {
                     next_conn += 1;
                     let id = next_conn;
                     {
-                        // Room for one more unauthenticated connection: the oldest goes.
+                        // Room for one more unauthenticated connection, and for one more
+                        // connection: the oldest waiting to authenticate goes.
                         let mut waiting = pending.lock();
-                        while waiting.len() >= MAX_UNAUTHENTICATED {
+                        let full = |waiting: &std::collections::VecDeque<u64>| {
+                            waiting.len() >= MAX_UNAUTHENTICATED || conns2.lock().len() >= limits.max_connections
+                        };
+                        while full(&waiting) {
                             let Some(oldest) = waiting.pop_front() else { break };
                             if let Some(c) = conns2.lock().remove(&oldest) {
                                 let _ = c.shutdown(std::net::Shutdown::Both);
                             }
                             warnings.crowded.warn(format_args!(
-                                "{MAX_UNAUTHENTICATED} transfer connections wait to authenticate: closing the oldest"
+                                "transfer connections waiting to authenticate crowd the listener: closing the oldest"
                             ));
+                        }
+                        if conns2.lock().len() >= limits.max_connections {
+                            // Every connection is authenticated: this one waits for one to close.
+                            warnings.full.warn(format_args!(
+                                "{} transfer connections open: refusing one more ({peer:?})",
+                                limits.max_connections
+                            ));
+                            let _ = conn.set_nonblocking(true);
+                            let _ = (&conn).write(&encode_refusal(TOO_MANY_CONNECTIONS));
+                            continue;
                         }
                         match conn.try_clone() {
                             Ok(c) => {
@@ -167,7 +216,7 @@ impl TcpServer {
                                 &regions,
                                 &stop,
                                 &host_id,
-                                secret.is_some(),
+                                (secret.is_some(), &limits),
                                 responder.as_deref(),
                                 &authenticated,
                             );
@@ -243,18 +292,31 @@ fn write_frame(w: &mut impl Write, header: &[u8], payload: &[u8]) -> std::io::Re
 /// How long a new connection may take to send its first request.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// What a peer refused for [`MAX_CONNECTIONS`] is told.
+const TOO_MANY_CONNECTIONS: &str = "too many transfer connections open at this listener: try again later";
+
+/// Whether `e` is a socket timeout (`SO_RCVTIMEO`/`SO_SNDTIMEO` ran out).
+fn timed_out(e: &std::io::Error) -> bool {
+    matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut)
+}
+
 /// One connection: requests answered in order. Write payloads go from the socket
 /// straight into the region, so a peer's announced lengths never size a buffer.
+/// Closed quietly once idle for `limits.idle_timeout` between requests; a write of
+/// an answer blocked for `limits.write_timeout` fails it.
 fn serve(
     conn: &TcpStream,
     regions: &Weak<RegionRegistry>,
     stop: &AtomicBool,
     host_id: &str,
-    authenticated: bool,
+    (authenticated, limits): (bool, &ServeLimits),
     responder: Option<&dyn ControlResponder>,
     first_request: &dyn Fn(),
 ) -> Result<()> {
     let _ = conn.set_nodelay(true);
+    // Kept for the connection's life (the handshake's timeouts end with it): a peer
+    // that stops reading what it asked for frees its thread.
+    let _ = conn.set_write_timeout(Some(limits.write_timeout));
     // Buffered for headers; payloads larger than the buffer bypass it (`BufReader`
     // reads big requests straight into the destination slice). Small, because a
     // header read fills the buffer with whatever follows it, typically the start of
@@ -271,12 +333,15 @@ fn serve(
         }
         first_request();
     }
+    let _ = conn.set_read_timeout(Some(limits.idle_timeout));
     let mut have_header = !authenticated;
     loop {
         let got = if std::mem::take(&mut have_header) { Ok(()) } else { r.read_exact(&mut header) };
         match got {
             Ok(()) => {}
             Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
+            // Idle for the whole timeout: the client redials when it needs one.
+            Err(e) if timed_out(&e) => return Ok(()),
             Err(e) => return Err(io(e)),
         }
         if stop.load(Ordering::Relaxed) {
@@ -289,6 +354,12 @@ fn serve(
             (FrameOp::Read, Ok(reg)) => {
                 let header = ResponseHeader { status: FrameStatus::Ok, request_id: h.request_id, len: h.len }.encode();
                 reg.drain_to(h.offset, h.len, &mut |payload: &[u8]| write_frame(&mut w, &header, payload))?;
+            }
+            (FrameOp::Write, Ok(reg)) if !reg.peers_may_write() => {
+                // A read-only region (an SSD tier's staging buffer): refused before
+                // one byte was stored; the payload is skipped to stay in sync.
+                std::io::copy(&mut (&mut r).take(h.len), &mut std::io::sink()).map_err(io)?;
+                respond(&mut w, FrameStatus::Refused, h.request_id, 0)?;
             }
             (FrameOp::Write, Ok(reg)) => {
                 reg.fill_from(h.offset, h.len, &mut r)?;
@@ -359,7 +430,6 @@ fn first_request_arrives(conn: &TcpStream, r: &mut impl Read, header: &mut [u8; 
         return Ok(false);
     }
     r.read_exact(&mut header[4..]).map_err(io)?;
-    let _ = conn.set_read_timeout(None);
     Ok(true)
 }
 
@@ -615,6 +685,8 @@ impl TcpTransport {
                 (FrameStatus::UnknownRegion, _) => {
                     Err(TransferError::UnknownRegion { endpoint: String::new(), region: c.region })
                 }
+                // The one write a server refuses in bounds is one to a read-only region.
+                (FrameStatus::Refused, TransferOp::Write(_)) => Err(TransferError::ReadOnly { region: c.region }),
                 (FrameStatus::Refused, _) => Err(TransferError::Protocol("request refused".into())),
             });
         }
@@ -622,9 +694,9 @@ impl TcpTransport {
     }
 }
 
-impl ControlChannel for TcpTransport {
-    /// A one-request control exchange on a pooled connection.
-    fn control_with(&self, endpoint: &str, op: FrameOp, region: u64, payload: &[u8]) -> Result<(FrameStatus, Vec<u8>)> {
+impl TcpTransport {
+    /// One control exchange on a connection from the pool (or a fresh one).
+    fn control_once(&self, endpoint: &str, op: FrameOp, region: u64, payload: &[u8]) -> Result<(FrameStatus, Vec<u8>)> {
         let mut s = self.connect(endpoint)?;
         let h = RequestHeader { op, request_id: 1, region, offset: 0, len: payload.len() as u64 };
         let mut frame = h.encode().to_vec();
@@ -635,6 +707,22 @@ impl ControlChannel for TcpTransport {
         s.read_exact(&mut payload).map_err(io)?;
         self.give_back(endpoint, s);
         Ok((r.status, payload))
+    }
+}
+
+impl ControlChannel for TcpTransport {
+    /// A one-request control exchange on a pooled connection. A pooled connection
+    /// that turns out broken (the peer closed it idle, or restarted) is dropped with
+    /// its pool and the exchange made once more on a fresh one, as for transfers.
+    fn control_with(&self, endpoint: &str, op: FrameOp, region: u64, payload: &[u8]) -> Result<(FrameStatus, Vec<u8>)> {
+        let pooled = self.pools.lock().get(endpoint).is_some_and(|p| !p.is_empty());
+        match self.control_once(endpoint, op, region, payload) {
+            Err(TransferError::Io(_)) if pooled => {
+                self.pools.lock().remove(endpoint);
+                self.control_once(endpoint, op, region, payload)
+            }
+            answer => answer,
+        }
     }
 }
 
@@ -807,6 +895,7 @@ impl Transport for TcpTransport {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::region::RemoteRegion;
 
     fn option(conn: &TcpStream, level: i32, name: i32) -> i32 {
         use std::os::fd::AsRawFd;
@@ -831,5 +920,138 @@ mod tests {
         assert_eq!(option(&conn, libc::IPPROTO_TCP, libc::TCP_KEEPIDLE), 60);
         assert_eq!(option(&conn, libc::IPPROTO_TCP, libc::TCP_KEEPINTVL), 10);
         assert_eq!(option(&conn, libc::IPPROTO_TCP, libc::TCP_KEEPCNT), 3);
+    }
+
+    /// A listener with `limits` serving one region of 64 MiB (its endpoint and
+    /// region id); no secret, loopback peers.
+    fn listener(limits: ServeLimits) -> (TcpServer, Arc<RegionRegistry>, String, u64) {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let endpoint = l.local_addr().unwrap().to_string();
+        let regions = Arc::new(RegionRegistry::new(endpoint.clone(), false));
+        let region = regions.register(64 << 20, true).unwrap().id();
+        let server =
+            TcpServer::start(l, Arc::downgrade(&regions), "host".into(), None, false, None, vec![], limits).unwrap();
+        (server, regions, endpoint, region)
+    }
+
+    /// A raw connection that sent one request and read its answer: served, no
+    /// longer waiting for its first request.
+    fn served_connection(endpoint: &str) -> TcpStream {
+        let mut s = TcpStream::connect(endpoint).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let h = RequestHeader { op: FrameOp::Hello, request_id: 1, region: 0, offset: 0, len: 0 };
+        s.write_all(&h.encode()).unwrap();
+        let mut head = [0u8; RESPONSE_HEADER_LEN];
+        s.read_exact(&mut head).unwrap();
+        let r = ResponseHeader::decode(&head, MAX_HANDSHAKE_BYTES).unwrap();
+        let mut id = vec![0u8; r.len as usize];
+        s.read_exact(&mut id).unwrap();
+        assert_eq!(id, b"host");
+        s
+    }
+
+    /// What a listener sends a new connection before anything is asked: a refusal's
+    /// message, or `None` when it waits for a request.
+    fn refusal(endpoint: &str) -> Option<String> {
+        let s = TcpStream::connect(endpoint).unwrap();
+        s.set_read_timeout(Some(Duration::from_millis(300))).unwrap();
+        let mut magic = [0u8; 4];
+        match (&s).read_exact(&mut magic) {
+            Ok(()) => {
+                assert_eq!(magic, REFUSE_MAGIC);
+                Some(decode_refusal(&[], &s))
+            }
+            Err(e) if timed_out(&e) => None,
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    fn eventually(mut f: impl FnMut() -> bool) -> bool {
+        let until = std::time::Instant::now() + Duration::from_secs(10);
+        while std::time::Instant::now() < until {
+            if f() {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        false
+    }
+
+    /// The listener serves at most `max_connections` at once: one more is refused
+    /// with a message (the served ones go on), a connection waiting for its first
+    /// request is closed to make room for a new one, and a closed one frees its
+    /// place.
+    #[test]
+    fn served_connections_are_capped() {
+        let limits = ServeLimits { max_connections: 2, ..ServeLimits::default() };
+        let (_server, _regions, endpoint, _) = listener(limits);
+        let mut first = served_connection(&endpoint);
+        let waiting = TcpStream::connect(&endpoint).unwrap();
+        assert_eq!(refusal(&endpoint), None, "room: the connection waiting for its first request goes");
+        let mut buf = [0u8; 1];
+        waiting.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        assert_eq!((&waiting).read(&mut buf).unwrap_or(0), 0, "the waiting one was closed");
+        let _second = served_connection(&endpoint);
+        let refused = refusal(&endpoint).expect("a third connection is refused");
+        assert!(refused.contains("too many transfer connections"), "{refused}");
+        let err = TcpTransport::new().control(&endpoint, FrameOp::Hello, 0).unwrap_err();
+        assert!(matches!(&err, TransferError::Auth(m) if m.contains("too many")), "{err}");
+        // The served ones go on.
+        let h = RequestHeader { op: FrameOp::Hello, request_id: 2, region: 0, offset: 0, len: 0 };
+        first.write_all(&h.encode()).unwrap();
+        let mut head = [0u8; RESPONSE_HEADER_LEN + 4];
+        first.read_exact(&mut head).unwrap();
+        drop(first);
+        assert!(eventually(|| refusal(&endpoint).is_none()), "a closed connection frees its place");
+    }
+
+    /// A peer that asks for bytes and stops reading them holds its connection only
+    /// until a write of the answer times out; an idle connection goes after the
+    /// idle timeout. Either frees its place (here the only one).
+    #[test]
+    fn stalled_and_idle_connections_are_closed() {
+        let limits = ServeLimits {
+            max_connections: 1,
+            idle_timeout: Duration::from_millis(500),
+            write_timeout: Duration::from_millis(300),
+        };
+        let (_server, _regions, endpoint, region) = listener(limits);
+        let stalled = TcpStream::connect(&endpoint).unwrap();
+        let h = RequestHeader { op: FrameOp::Read, request_id: 1, region, offset: 0, len: 64 << 20 };
+        (&stalled).write_all(&h.encode()).unwrap();
+        std::thread::sleep(Duration::from_millis(100));
+        assert!(refusal(&endpoint).is_some(), "the stalled reader holds the only place");
+        assert!(eventually(|| refusal(&endpoint).is_none()), "its answer's write timed out");
+        drop(stalled);
+        let idle = served_connection(&endpoint);
+        assert!(refusal(&endpoint).is_some(), "the idle connection holds the only place");
+        assert!(eventually(|| refusal(&endpoint).is_none()), "closed once idle");
+        let mut buf = [0u8; 1];
+        assert_eq!((&idle).read(&mut buf).unwrap(), 0, "closed by the listener");
+    }
+
+    /// Pooled connections the listener closed while idle are dialled again without
+    /// the caller seeing it: transfers and control requests (the shared-memory and
+    /// RDMA handshakes) alike.
+    #[test]
+    fn pooled_connections_closed_while_idle_are_dialled_again() {
+        let limits = ServeLimits { idle_timeout: Duration::from_millis(200), ..ServeLimits::default() };
+        let (_server, regions, endpoint, region) = listener(limits);
+        let tcp = TcpTransport::new();
+        let target = RemoteRegion { endpoint: endpoint.clone(), region };
+        let data = vec![3u8; 3 << 20];
+        for round in 0..3 {
+            assert_eq!(tcp.control(&endpoint, FrameOp::Hello, 0).unwrap(), (FrameStatus::Ok, b"host".to_vec()));
+            let mut reqs = [TransferRequest::write(&target, 4096, &data)];
+            assert_eq!(tcp.transfer(&mut reqs), [Ok(())], "round {round}");
+            let mut back = vec![0u8; data.len()];
+            let mut reqs = [TransferRequest::read(&target, 4096, &mut back)];
+            assert_eq!(tcp.transfer(&mut reqs), [Ok(())], "round {round}");
+            assert!(back == data);
+            assert!(!tcp.pools.lock().get(&endpoint).is_none_or(Vec::is_empty), "connections are pooled");
+            // Every pooled connection is closed by the listener meanwhile.
+            std::thread::sleep(Duration::from_millis(500));
+        }
+        drop(regions);
     }
 }

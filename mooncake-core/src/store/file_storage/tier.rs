@@ -170,11 +170,15 @@ impl FileStorage {
             .with_eviction_boxed(cfg.eviction.build())
             .with_listener(Arc::new(EvictionNotice { master, client }));
         let backend = cfg.backend.open(&cfg.dir, opts)?;
-        let region: Arc<RegisteredRegion> = engine.register_region(cfg.staging_size.max(4096))?;
+        // Read-only for peers: they only pull staged objects out of it, and a write
+        // of theirs (refused by every transport) would change a slot under a load.
+        let region: Arc<RegisteredRegion> = engine.register_read_only_region(cfg.staging_size.max(4096))?;
         let staging_region = engine.remote(region.id());
         // SAFETY: the region's mapping is page-aligned and lives as long as the `Arc`
-        // handed over as owner; nothing but the staging allocator writes it (peers
-        // only read it through the engine).
+        // handed over as owner; nothing but the staging allocator writes it: peers
+        // may only read it (registered read-only: the engine's transports refuse
+        // their writes, RDMA registers it without remote write, same-host peers
+        // map it read-only).
         let staging = Arc::new(unsafe {
             ClientBuffer::from_raw_parts(region.as_mut_ptr(), region.len() as usize, cfg.gc_ttl, Box::new(region))
         }?);
@@ -408,5 +412,59 @@ impl FileStorage {
     /// A snapshot of the tier.
     pub(crate) fn stats(&self) -> SsdStats {
         self.counters.snapshot(self.backend.stats(), self.staging.stats(), self.discarder.failed.lock().len() as u64)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::AtomicU64;
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use mooncake_transfer::{RemoteRegion, SharedSecret, TcpTransport, TransferEngine, TransferError};
+
+    use super::FileStorage;
+    use crate::master::{Master, MasterApi};
+    use crate::rpc::wire::{Request, Response};
+    use crate::rpc::RpcMasterClient;
+    use crate::store::file_storage::config::SsdOffloadConfig;
+    use crate::MasterConfig;
+
+    /// The staging region a load server names in its answers is read by peers
+    /// holding the secret, and never written by them: their writes are refused and
+    /// the staged bytes stay what the disk held.
+    #[test]
+    fn peers_read_the_staging_region_and_may_not_write_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let secret = b"tier secret";
+        let engine = TransferEngine::builder().tcp_listen("127.0.0.1:0").shared_secret(secret).build().unwrap();
+        let master: Arc<dyn MasterApi> = Master::new(MasterConfig::default()).unwrap().service().clone();
+        let mut cfg = SsdOffloadConfig::new(dir.path(), 64 << 20);
+        cfg.staging_size = 1 << 20;
+        let tier = FileStorage::open(&cfg, master, Arc::new(AtomicU64::new(1)), &engine, Some(secret), false).unwrap();
+        let value = vec![0x5a; 10_000];
+        tier.backend.offload("k", &value).unwrap();
+        let load_server = tier.server.local_addr().to_string();
+        let peer = RpcMasterClient::connect_with_timeout(
+            &load_server,
+            Some(SharedSecret::new(secret)),
+            Duration::from_secs(5),
+        )
+        .unwrap();
+        let batch = match peer.call(&Request::BatchGetOffloadObject { keys: vec!["k".into()] }).unwrap() {
+            Response::OffloadBatch(b) => b,
+            other => panic!("{other:?}"),
+        };
+        let (offset, len) = batch.objects[0].clone().unwrap();
+        let staging = RemoteRegion { endpoint: batch.endpoint.clone(), region: batch.region };
+        let other = TransferEngine::builder()
+            .transport(Arc::new(TcpTransport::with_secret(SharedSecret::new(secret))))
+            .build()
+            .unwrap();
+        let err = other.write(&staging, offset, &vec![0u8; len as usize]).unwrap_err();
+        assert_eq!(err, TransferError::ReadOnly { region: batch.region });
+        let mut back = vec![0u8; len as usize];
+        other.read(&staging, offset, &mut back).unwrap();
+        assert_eq!(back, value, "the staged bytes are the disk's");
     }
 }
