@@ -78,10 +78,32 @@ impl MasterService {
         capacity: u64,
         group: Option<u32>,
     ) -> Result<(SegmentId, bool)> {
+        let alloc = self.new_segment(region, capacity)?;
+        self.mount_allocator(client, region, alloc, group)
+    }
+
+    /// The allocator of a new segment of `capacity` bytes served at `region`, under a
+    /// new id; not mounted yet (see [`mount_allocator`](Self::mount_allocator)).
+    pub(crate) fn new_segment(&self, region: &RemoteRegion, capacity: u64) -> Result<Arc<SegmentAllocator>> {
         let id = self.next_segment.fetch_add(1, Ordering::Relaxed);
         let name = format!("{}#{}", region.endpoint, region.region);
-        let alloc = SegmentAllocator::with_alignment(id, name, capacity, DEFAULT_ALIGNMENT)
-            .map_err(|e| Error::InvalidArgument(format!("segment of {capacity} bytes: {e}")))?;
+        SegmentAllocator::with_alignment(id, name, capacity, DEFAULT_ALIGNMENT)
+            .map_err(|e| Error::InvalidArgument(format!("segment of {capacity} bytes: {e}")))
+    }
+
+    /// Mounts `alloc` (from [`new_segment`](Self::new_segment), whatever it already
+    /// holds reserved) as the segment of `client` served at `region`, placeable from
+    /// now on; as [`mount_group_segment`](Self::mount_group_segment). When the region
+    /// is asked again, `alloc` is not mounted: what it holds is the caller's to drop.
+    pub(crate) fn mount_allocator(
+        &self,
+        client: ClientId,
+        region: &RemoteRegion,
+        alloc: Arc<SegmentAllocator>,
+        group: Option<u32>,
+    ) -> Result<(SegmentId, bool)> {
+        let id = alloc.id();
+        let capacity = alloc.capacity();
         let mut clients = self.clients.write();
         let rec = clients.get_mut(&client).ok_or(Error::UnknownClient(client))?;
         {
