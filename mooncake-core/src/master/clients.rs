@@ -95,6 +95,12 @@ impl MasterService {
     /// holds reserved) as the segment of `client` served at `region`, placeable from
     /// now on; as [`mount_group_segment`](Self::mount_group_segment). When the region
     /// is asked again, `alloc` is not mounted: what it holds is the caller's to drop.
+    ///
+    /// A region mounted by another client is the same memory (an endpoint is served
+    /// by one process, and its region ids are never reused): a node that re-joined
+    /// under a new id after its first re-join's answer was lost. That older client
+    /// is forgotten first, as if it had expired, else two segments over the same
+    /// bytes would place objects over each other.
     pub(crate) fn mount_allocator(
         &self,
         client: ClientId,
@@ -104,7 +110,24 @@ impl MasterService {
     ) -> Result<(SegmentId, bool)> {
         let id = alloc.id();
         let capacity = alloc.capacity();
-        let mut clients = self.clients.write();
+        let mut clients = loop {
+            let clients = self.clients.write();
+            if !clients.contains_key(&client) {
+                return Err(Error::UnknownClient(client));
+            }
+            let older =
+                self.segments.read().by_id.values().find(|s| s.region == *region && s.owner != client).map(|s| s.owner);
+            let Some(older) = older else { break clients };
+            drop(clients);
+            let removed = self.forget_client(older);
+            tracing::warn!(
+                client = format!("{older:#x}"),
+                by = format!("{client:#x}"),
+                region = format!("{}#{}", region.endpoint, region.region),
+                removed,
+                "client forgotten: another client mounts its memory"
+            );
+        };
         let rec = clients.get_mut(&client).ok_or(Error::UnknownClient(client))?;
         {
             let table = self.segments.read();

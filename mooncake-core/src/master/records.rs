@@ -955,98 +955,33 @@ mod tests {
         assert_eq!(master.object_info("k").unwrap().replicas.len(), 1);
     }
 
-    /// While a restarted master waits for nodes to re-mount, a key it does not hold
-    /// may still come back: a remove, an existence check or an info of it answer
-    /// `Recovering` (retried), not `NotFound` or `false`, which the key's return
-    /// would contradict; `remove_all` waits too. Keys it holds answer as usual.
+    /// A region (endpoint and region id) mounted by another client is the same
+    /// memory: a node whose re-join's answer was lost re-joins again under a new id
+    /// while the master still holds the first. The older client is forgotten and its
+    /// objects are taken back from the records the node offers; before, a second
+    /// segment over the same bytes placed objects over the first's.
     #[test]
-    fn a_missing_key_is_recovering_while_nodes_re_mount() {
+    fn a_region_mounted_by_another_client_replaces_the_older_one() {
         let master = Master::new(MasterConfig::default()).unwrap();
-        let c = master.register_client().unwrap().client;
-        let region = RemoteRegion { endpoint: "local://n".into(), region: 1 };
-        let record = ObjectRecord { key: "back".into(), offset: 0, len: 100, checksum: 7, generation: 1 };
-        master.remount_segment(c, &region, 1 << 20, &[record]).unwrap();
-        assert!(master.exists("back").unwrap());
-        assert!(matches!(master.exists("other"), Err(Error::Recovering(_))));
-        assert!(matches!(master.remove("other"), Err(Error::Recovering(_))));
-        assert!(matches!(master.object_info("other"), Err(Error::Recovering(_))));
-        assert!(matches!(master.remove_all(), Err(Error::Recovering(_))));
-        master.remove("back").unwrap();
-    }
-
-    /// A put's or an upsert's end asked again of a restarted master before the node
-    /// holding the ended object re-mounted (its first answer was lost with the old
-    /// master) is `Recovering`, which the caller retries, not `NotFound`: once the
-    /// node is back with the object, the same end is answered Ok. After the window a
-    /// put that never ended is `NotFound`, as before.
-    #[test]
-    fn an_end_asked_again_while_nodes_re_mount_is_recovering_then_ok() {
-        let ttl = std::time::Duration::from_secs(1);
-        let master = Master::new(MasterConfig { client_ttl: ttl, ..Default::default() }).unwrap();
-        let c = master.register_client().unwrap().client;
-        // A node back with an object: the master restarted, and others may follow.
-        let first = RemoteRegion { endpoint: "local://a".into(), region: 1 };
-        let other = ObjectRecord { key: "other".into(), offset: 0, len: 100, checksum: 5, generation: 1 };
-        master.remount_segment(c, &first, 1 << 20, &[other]).unwrap();
-        // The node holding "ended" is not back yet.
-        assert!(matches!(master.put_end(c, "ended", 7), Err(Error::Recovering(_))));
-        assert!(matches!(master.upsert_end(c, "ended", 7), Err(Error::Recovering(_))));
-        let d = master.register_client().unwrap().client;
-        let second = RemoteRegion { endpoint: "local://b".into(), region: 1 };
-        let record = ObjectRecord { key: "ended".into(), offset: 0, len: 100, checksum: 7, generation: 1 };
-        master.remount_segment(d, &second, 1 << 20, &[record]).unwrap();
-        master.put_end(c, "ended", 7).unwrap();
-        master.upsert_end(c, "ended", 7).unwrap();
-        // Other bytes under the key: refused, as before.
-        assert!(matches!(master.put_end(c, "ended", 8), Err(Error::AlreadyExists(_))));
-        // Once the window is over, an end of a put that never started is NotFound.
-        std::thread::sleep(ttl + std::time::Duration::from_millis(100));
-        assert!(matches!(master.put_end(c, "never", 7), Err(Error::NotFound(_))));
-    }
-
-    /// A put's or an upsert's end asked again once it ended (sent again after a
-    /// broken connection, or to a new leader that took the object back from its
-    /// records) is answered Ok when the object holds its bytes, and the records are
-    /// told again; with other bytes it is refused as before.
-    #[test]
-    fn an_end_asked_again_after_it_ended_is_answered_ok() {
-        let master = Master::new(MasterConfig { track_records: true, ..Default::default() }).unwrap();
-        let (c, _, seg) = mount(&master, "n");
-        let node = Arc::new(Seen::default());
-        master.attach_records(c, node.clone()).unwrap();
-        master.put_start(c, "k", 100, &on(&seg)).unwrap();
-        master.put_end(c, "k", 7).unwrap();
-        master.put_end(c, "k", 7).unwrap();
-        assert!(matches!(master.put_end(c, "k", 8), Err(Error::AlreadyExists(_))));
-        let added = || node.0.lock().iter().filter(|u| matches!(u, RecordUpdate::Added { .. })).count();
-        assert_eq!(added(), 2, "the records were told again");
-        master.upsert_start(c, "k", 200, &on(&seg)).unwrap();
-        master.upsert_end(c, "k", 9).unwrap();
-        master.upsert_end(c, "k", 9).unwrap();
-        assert!(master.upsert_end(c, "k", 10).is_err());
-        assert_eq!(master.object_info("k").unwrap().checksum, 9);
-    }
-
-    #[test]
-    fn a_node_announcing_a_new_endpoint_gets_its_changes_there() {
-        let master = Master::new(MasterConfig { track_records: true, ..Default::default() }).unwrap();
-        let c = master.register_client().unwrap().client;
-        let region = RemoteRegion { endpoint: "local://n".into(), region: 1 };
-        master.mount_segment(c, &region, 1 << 20).unwrap();
-        let (first, second) = (Arc::new(Seen::default()), Arc::new(Seen::default()));
-        master.attach_records(c, first.clone()).unwrap();
-        master.put_start(c, "a", 10, &ReplicateConfig::default()).unwrap();
-        master.put_end(c, "a", 1).unwrap();
-        master.attach_records(c, second.clone()).unwrap();
-        master.put_start(c, "b", 10, &ReplicateConfig::default()).unwrap();
-        master.put_end(c, "b", 2).unwrap();
-        master.remove("a").unwrap();
-        let keys = |s: &Seen| s.0.lock().iter().map(|u| u.key().to_owned()).collect::<Vec<_>>();
-        assert_eq!(keys(&first), ["a"]);
-        assert_eq!(keys(&second), ["b", "a"]);
-        let gens: Vec<u64> =
-            first.0.lock().iter().chain(second.0.lock().iter()).map(RecordUpdate::generation).collect();
-        assert!(gens.windows(2).all(|w| w[0] < w[1]), "generations increase in the order changes were queued");
+        let (first, region, seg) = mount(&master, "n");
+        let placed = master.put_start(first, "k", 100, &on(&seg)).unwrap();
+        master.put_end(first, "k", 7).unwrap();
+        let record = ObjectRecord { key: "k".into(), offset: placed[0].offset, len: 100, checksum: 7, generation: 1 };
+        let again = master.register_client().unwrap().client;
+        let (id, taken) = master.remount_segment(again, &region, 1 << 20, &[record]).unwrap();
+        assert_eq!(taken, 1);
+        assert_eq!(master.stats().segments, 1, "two segments over the same memory");
+        assert!(matches!(master.heartbeat(first), Err(Error::UnknownClient(_))));
+        let info = master.object_info("k").unwrap();
+        assert_eq!((info.checksum, info.replicas.len(), info.replicas[0].segment), (7, 1, id));
+        // A plain mount too; another region of the same endpoint is other memory.
+        let third = master.register_client().unwrap().client;
+        master.mount_segment(third, &region, 1 << 20).unwrap();
+        assert!(matches!(master.heartbeat(again), Err(Error::UnknownClient(_))));
+        let fourth = master.register_client().unwrap().client;
+        master.mount_segment(fourth, &RemoteRegion { region: 2, ..region }, 1 << 20).unwrap();
+        assert_eq!(master.stats().segments, 2);
+        master.heartbeat(third).unwrap();
     }
 
     /// A master past the window after its start in which a re-mount counts as its
@@ -1153,5 +1088,99 @@ mod tests {
         for r in records.iter().step_by(2) {
             assert_ne!(held.get(&r.offset), Some(&r.key), "a refused record stayed");
         }
+    }
+
+    /// While a restarted master waits for nodes to re-mount, a key it does not hold
+    /// may still come back: a remove, an existence check or an info of it answer
+    /// `Recovering` (retried), not `NotFound` or `false`, which the key's return
+    /// would contradict; `remove_all` waits too. Keys it holds answer as usual.
+    #[test]
+    fn a_missing_key_is_recovering_while_nodes_re_mount() {
+        let master = Master::new(MasterConfig::default()).unwrap();
+        let c = master.register_client().unwrap().client;
+        let region = RemoteRegion { endpoint: "local://n".into(), region: 1 };
+        let record = ObjectRecord { key: "back".into(), offset: 0, len: 100, checksum: 7, generation: 1 };
+        master.remount_segment(c, &region, 1 << 20, &[record]).unwrap();
+        assert!(master.exists("back").unwrap());
+        assert!(matches!(master.exists("other"), Err(Error::Recovering(_))));
+        assert!(matches!(master.remove("other"), Err(Error::Recovering(_))));
+        assert!(matches!(master.object_info("other"), Err(Error::Recovering(_))));
+        assert!(matches!(master.remove_all(), Err(Error::Recovering(_))));
+        master.remove("back").unwrap();
+    }
+
+    /// A put's or an upsert's end asked again of a restarted master before the node
+    /// holding the ended object re-mounted (its first answer was lost with the old
+    /// master) is `Recovering`, which the caller retries, not `NotFound`: once the
+    /// node is back with the object, the same end is answered Ok. After the window a
+    /// put that never ended is `NotFound`, as before.
+    #[test]
+    fn an_end_asked_again_while_nodes_re_mount_is_recovering_then_ok() {
+        let ttl = std::time::Duration::from_secs(1);
+        let master = Master::new(MasterConfig { client_ttl: ttl, ..Default::default() }).unwrap();
+        let c = master.register_client().unwrap().client;
+        // A node back with an object: the master restarted, and others may follow.
+        let first = RemoteRegion { endpoint: "local://a".into(), region: 1 };
+        let other = ObjectRecord { key: "other".into(), offset: 0, len: 100, checksum: 5, generation: 1 };
+        master.remount_segment(c, &first, 1 << 20, &[other]).unwrap();
+        // The node holding "ended" is not back yet.
+        assert!(matches!(master.put_end(c, "ended", 7), Err(Error::Recovering(_))));
+        assert!(matches!(master.upsert_end(c, "ended", 7), Err(Error::Recovering(_))));
+        let d = master.register_client().unwrap().client;
+        let second = RemoteRegion { endpoint: "local://b".into(), region: 1 };
+        let record = ObjectRecord { key: "ended".into(), offset: 0, len: 100, checksum: 7, generation: 1 };
+        master.remount_segment(d, &second, 1 << 20, &[record]).unwrap();
+        master.put_end(c, "ended", 7).unwrap();
+        master.upsert_end(c, "ended", 7).unwrap();
+        // Other bytes under the key: refused, as before.
+        assert!(matches!(master.put_end(c, "ended", 8), Err(Error::AlreadyExists(_))));
+        // Once the window is over, an end of a put that never started is NotFound.
+        std::thread::sleep(ttl + std::time::Duration::from_millis(100));
+        assert!(matches!(master.put_end(c, "never", 7), Err(Error::NotFound(_))));
+    }
+
+    /// A put's or an upsert's end asked again once it ended (sent again after a
+    /// broken connection, or to a new leader that took the object back from its
+    /// records) is answered Ok when the object holds its bytes, and the records are
+    /// told again; with other bytes it is refused as before.
+    #[test]
+    fn an_end_asked_again_after_it_ended_is_answered_ok() {
+        let master = Master::new(MasterConfig { track_records: true, ..Default::default() }).unwrap();
+        let (c, _, seg) = mount(&master, "n");
+        let node = Arc::new(Seen::default());
+        master.attach_records(c, node.clone()).unwrap();
+        master.put_start(c, "k", 100, &on(&seg)).unwrap();
+        master.put_end(c, "k", 7).unwrap();
+        master.put_end(c, "k", 7).unwrap();
+        assert!(matches!(master.put_end(c, "k", 8), Err(Error::AlreadyExists(_))));
+        let added = || node.0.lock().iter().filter(|u| matches!(u, RecordUpdate::Added { .. })).count();
+        assert_eq!(added(), 2, "the records were told again");
+        master.upsert_start(c, "k", 200, &on(&seg)).unwrap();
+        master.upsert_end(c, "k", 9).unwrap();
+        master.upsert_end(c, "k", 9).unwrap();
+        assert!(master.upsert_end(c, "k", 10).is_err());
+        assert_eq!(master.object_info("k").unwrap().checksum, 9);
+    }
+
+    #[test]
+    fn a_node_announcing_a_new_endpoint_gets_its_changes_there() {
+        let master = Master::new(MasterConfig { track_records: true, ..Default::default() }).unwrap();
+        let c = master.register_client().unwrap().client;
+        let region = RemoteRegion { endpoint: "local://n".into(), region: 1 };
+        master.mount_segment(c, &region, 1 << 20).unwrap();
+        let (first, second) = (Arc::new(Seen::default()), Arc::new(Seen::default()));
+        master.attach_records(c, first.clone()).unwrap();
+        master.put_start(c, "a", 10, &ReplicateConfig::default()).unwrap();
+        master.put_end(c, "a", 1).unwrap();
+        master.attach_records(c, second.clone()).unwrap();
+        master.put_start(c, "b", 10, &ReplicateConfig::default()).unwrap();
+        master.put_end(c, "b", 2).unwrap();
+        master.remove("a").unwrap();
+        let keys = |s: &Seen| s.0.lock().iter().map(|u| u.key().to_owned()).collect::<Vec<_>>();
+        assert_eq!(keys(&first), ["a"]);
+        assert_eq!(keys(&second), ["b", "a"]);
+        let gens: Vec<u64> =
+            first.0.lock().iter().chain(second.0.lock().iter()).map(RecordUpdate::generation).collect();
+        assert!(gens.windows(2).all(|w| w[0] < w[1]), "generations increase in the order changes were queued");
     }
 }
