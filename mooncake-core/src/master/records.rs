@@ -1109,6 +1109,53 @@ mod tests {
         master.remove("back").unwrap();
     }
 
+    /// While a restarted master waits for nodes to re-mount, a put of a key it does
+    /// not hold (or an upsert, or a bind of room held ahead) answers `Recovering`:
+    /// taken, it would have the key's copy on a node not back yet (an object
+    /// acknowledged before the restart) refused when the node re-mounts, where
+    /// without the restart the put would have found the key taken. Once the window
+    /// is over, the key is taken if no node brought it back.
+    #[test]
+    fn a_put_of_a_key_not_back_yet_is_recovering() {
+        let ttl = std::time::Duration::from_millis(500);
+        let master = Master::new(MasterConfig { client_ttl: ttl, ..Default::default() }).unwrap();
+        let (w, _, seg) = mount(&master, "w");
+        let held = master.place_ahead(w, 100, &on(&seg)).unwrap();
+        // A node back with an object: the master restarted, others may follow.
+        let a = master.register_client().unwrap().client;
+        let first = RemoteRegion { endpoint: "local://a".into(), region: 1 };
+        let other = ObjectRecord { key: "other".into(), offset: 0, len: 100, checksum: 5, generation: 1 };
+        master.remount_segment(a, &first, 1 << 20, &[other]).unwrap();
+        for key in ["k", "gone"] {
+            assert!(matches!(master.put_start(w, key, 100, &on(&seg)), Err(Error::Recovering(_))));
+            assert!(matches!(master.put_start_summed(w, key, 100, 1, &on(&seg)), Err(Error::Recovering(_))));
+            assert!(matches!(master.upsert_start(w, key, 100, &on(&seg)), Err(Error::Recovering(_))));
+        }
+        assert!(matches!(master.put_bind(w, held.id, "k", 1, false), Err(Error::Recovering(_))));
+        // Keys it holds answer as usual.
+        assert!(matches!(master.put_start(w, "other", 100, &on(&seg)), Err(Error::AlreadyExists(_))));
+        master.upsert_start(w, "other", 100, &on(&seg)).unwrap();
+        master.upsert_end(w, "other", 6).unwrap();
+        // The holder of "k" comes back: its object stands.
+        let b = master.register_client().unwrap().client;
+        let second = RemoteRegion { endpoint: "local://b".into(), region: 1 };
+        let k = ObjectRecord { key: "k".into(), offset: 0, len: 100, checksum: 7, generation: 1 };
+        assert_eq!(master.remount_segment(b, &second, 1 << 20, &[k]).unwrap().1, 1);
+        let until = std::time::Instant::now() + ttl + std::time::Duration::from_millis(100);
+        while std::time::Instant::now() < until {
+            for c in [w, a, b] {
+                master.heartbeat(c).unwrap();
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        assert!(matches!(master.put_start(w, "k", 100, &on(&seg)), Err(Error::AlreadyExists(_))));
+        assert_eq!(master.object_info("k").unwrap().checksum, 7);
+        // A key no node brought back is put.
+        master.put_start(w, "gone", 100, &on(&seg)).unwrap();
+        master.put_end(w, "gone", 8).unwrap();
+        assert_eq!(master.object_info("gone").unwrap().checksum, 8);
+    }
+
     /// A put's or an upsert's end asked again of a restarted master before the node
     /// holding the ended object re-mounted (its first answer was lost with the old
     /// master) is `Recovering`, which the caller retries, not `NotFound`: once the
