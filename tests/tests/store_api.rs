@@ -598,3 +598,52 @@ fn checksums_taken_by_tcp_on_the_way_are_the_objects_and_catch_bad_bytes() {
     assert!(matches!(reader.get("b2"), Err(Error::Corrupted(_))));
     assert!(reader.stats().checksum_mismatches >= 4);
 }
+
+/// A put of a key that a restarted master does not hold yet waits while nodes
+/// re-mount (the master answers `Recovering`: the key may come back), then goes on:
+/// taken if no node brought the key back, refused (`AlreadyExists`) if one did, the
+/// node's object standing (before, the put was taken and the node's copy, an object
+/// acknowledged before the restart, refused when it came back).
+#[test]
+fn a_put_waits_while_the_master_recovers() {
+    use mooncake_core::ObjectRecord;
+    use mooncake_transfer::RemoteRegion;
+    use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+    use std::time::Instant;
+    let ttl = Duration::from_millis(600);
+    let master = Master::new(MasterConfig { client_ttl: ttl, ..Default::default() }).unwrap();
+    let store = store_on(&master, 1 << 20);
+    // A node back with an object: the master counts as restarted.
+    let remount = |name: &str, key: &str, checksum: u32| {
+        let c = master.register_client().unwrap().client;
+        let region = RemoteRegion { endpoint: format!("local://{name}"), region: 1 };
+        let record = ObjectRecord { key: key.into(), offset: 0, len: 100, checksum, generation: 1 };
+        assert_eq!(master.remount_segment(c, &region, 1 << 20, &[record]).unwrap().1, 1);
+        c
+    };
+    let a = remount("a", "other", 5);
+    let start = Instant::now();
+    let done = AtomicBool::new(false);
+    std::thread::scope(|s| {
+        let fresh = s.spawn(|| store.put("fresh", b"v"));
+        let taken = s.spawn(|| store.put("k", b"mine"));
+        // The holder of "k" comes back while both wait.
+        std::thread::sleep(Duration::from_millis(150));
+        let b = remount("b", "k", 7);
+        let (master, done) = (&master, &done);
+        s.spawn(move || {
+            // (Bounded: a failed assertion below must not leave it running.)
+            while !done.load(Relaxed) && start.elapsed() < Duration::from_secs(10) {
+                master.heartbeat(a).unwrap();
+                master.heartbeat(b).unwrap();
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        });
+        fresh.join().unwrap().unwrap();
+        assert!(start.elapsed() >= ttl / 2, "the put did not wait for the recovery");
+        assert!(matches!(taken.join().unwrap(), Err(Error::AlreadyExists(_))));
+        done.store(true, Relaxed);
+    });
+    assert_eq!(&store.get("fresh").unwrap()[..], b"v");
+    assert_eq!(master.object_info("k").unwrap().checksum, 7);
+}

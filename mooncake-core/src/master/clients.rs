@@ -78,11 +78,56 @@ impl MasterService {
         capacity: u64,
         group: Option<u32>,
     ) -> Result<(SegmentId, bool)> {
+        let alloc = self.new_segment(region, capacity)?;
+        self.mount_allocator(client, region, alloc, group)
+    }
+
+    /// The allocator of a new segment of `capacity` bytes served at `region`, under a
+    /// new id; not mounted yet (see [`mount_allocator`](Self::mount_allocator)).
+    pub(crate) fn new_segment(&self, region: &RemoteRegion, capacity: u64) -> Result<Arc<SegmentAllocator>> {
         let id = self.next_segment.fetch_add(1, Ordering::Relaxed);
         let name = format!("{}#{}", region.endpoint, region.region);
-        let alloc = SegmentAllocator::with_alignment(id, name, capacity, DEFAULT_ALIGNMENT)
-            .map_err(|e| Error::InvalidArgument(format!("segment of {capacity} bytes: {e}")))?;
-        let mut clients = self.clients.write();
+        SegmentAllocator::with_alignment(id, name, capacity, DEFAULT_ALIGNMENT)
+            .map_err(|e| Error::InvalidArgument(format!("segment of {capacity} bytes: {e}")))
+    }
+
+    /// Mounts `alloc` (from [`new_segment`](Self::new_segment), whatever it already
+    /// holds reserved) as the segment of `client` served at `region`, placeable from
+    /// now on; as [`mount_group_segment`](Self::mount_group_segment). When the region
+    /// is asked again, `alloc` is not mounted: what it holds is the caller's to drop.
+    ///
+    /// A region mounted by another client is the same memory (an endpoint is served
+    /// by one process, and its region ids are never reused): a node that re-joined
+    /// under a new id after its first re-join's answer was lost. That older client
+    /// is forgotten first, as if it had expired, else two segments over the same
+    /// bytes would place objects over each other.
+    pub(crate) fn mount_allocator(
+        &self,
+        client: ClientId,
+        region: &RemoteRegion,
+        alloc: Arc<SegmentAllocator>,
+        group: Option<u32>,
+    ) -> Result<(SegmentId, bool)> {
+        let id = alloc.id();
+        let capacity = alloc.capacity();
+        let mut clients = loop {
+            let clients = self.clients.write();
+            if !clients.contains_key(&client) {
+                return Err(Error::UnknownClient(client));
+            }
+            let older =
+                self.segments.read().by_id.values().find(|s| s.region == *region && s.owner != client).map(|s| s.owner);
+            let Some(older) = older else { break clients };
+            drop(clients);
+            let removed = self.forget_client(older);
+            tracing::warn!(
+                client = format!("{older:#x}"),
+                by = format!("{client:#x}"),
+                region = format!("{}#{}", region.endpoint, region.region),
+                removed,
+                "client forgotten: another client mounts its memory"
+            );
+        };
         let rec = clients.get_mut(&client).ok_or(Error::UnknownClient(client))?;
         {
             let table = self.segments.read();

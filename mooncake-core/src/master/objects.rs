@@ -125,12 +125,21 @@ impl MasterService {
 
     /// Makes way for a new put of `key` in its `shard` (locked): `AlreadyExists` if
     /// the key is an object or a put in progress; a put that never ended (older than
-    /// `put_timeout`) is reclaimed.
+    /// `put_timeout`) is reclaimed. `Recovering` while a key the master does not hold
+    /// may still come back with a re-mounting node: a put taken then would have the
+    /// node's copy (an object acknowledged before the restart) refused when it
+    /// re-mounts, where without the restart the put would have found the key taken.
     pub(crate) fn claim_key(&self, shard: &mut Shard, key: &str, now: u64) -> Result<()> {
-        if let Some(e) = shard.get(key) {
-            if e.complete() || !self.put_expired(e, now) {
-                return Err(Error::AlreadyExists(key.to_owned()));
-            }
+        let held = shard.get(key);
+        if held.is_some_and(|e| e.complete() || !self.put_expired(e, now)) {
+            return Err(Error::AlreadyExists(key.to_owned()));
+        }
+        if self.recovering_key(key) {
+            return Err(Error::Recovering(format!(
+                "{key} may come back with a node re-mounting its segment: not put before clients re-mounted"
+            )));
+        }
+        if held.is_some() {
             // A put that never ended: reclaim it and go on.
             if let Some(mut e) = shard.remove(key) {
                 self.unsent_removals.add(key, self.drop_declared_put(key, &e));

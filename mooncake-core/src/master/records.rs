@@ -16,10 +16,10 @@
 
 use std::sync::Arc;
 
-use mooncake_alloc::SegmentId;
+use mooncake_alloc::{AllocatedBuffer, SegmentId};
 use mooncake_transfer::RemoteRegion;
 
-use crate::config::check_key;
+use crate::config::{check_key, check_value_len};
 use crate::error::{Error, Result};
 
 use crate::master::object::{ObjectEntry, StoredReplica};
@@ -388,35 +388,49 @@ impl MasterService {
         records: &[ObjectRecord],
     ) -> Result<(SegmentId, usize)> {
         let mut records = records.to_vec();
-        let (id, new) = self.mount_group_segment(client, region, capacity, group)?;
+        records.sort_by_key(|r| r.offset);
+        // Every record's range is reserved before the segment is mounted: from then on
+        // it takes new puts, and one placed over a record not reserved yet would have
+        // the record refused (an object acknowledged before, lost) and its bytes
+        // overwritten.
+        let alloc = self.new_segment(region, capacity)?;
+        let reserved: Vec<(ObjectRecord, Option<AllocatedBuffer>)> = records
+            .into_iter()
+            .map(|r| {
+                if check_key(&r.key).is_err() || check_value_len(r.len).is_err() {
+                    return (r, None);
+                }
+                self.gens.observe(r.generation);
+                let buf = alloc.allocate_at(r.offset, r.len);
+                if buf.is_none() {
+                    tracing::warn!(key = r.key, offset = r.offset, "record does not fit the segment; skipped");
+                }
+                (r, buf)
+            })
+            .collect();
+        let (id, new) = self.mount_allocator(client, region, alloc, group)?;
         if !new {
-            // Asked again: its records were taken (or refused) the first time.
+            // Asked again: its records were taken (or refused) the first time (what
+            // was reserved above, on an allocator never mounted, goes).
             return Ok((id, 0));
         }
         // In a cluster, taking a group over opens its own recovery window.
-        if !records.is_empty() && group.is_none() {
+        if !reserved.is_empty() && group.is_none() {
             self.note_recovery();
         }
-        let Some(alloc) = self.segments.read().by_id.get(&id).map(|s| s.alloc.clone()) else {
-            return Ok((id, 0));
-        };
-        records.sort_by_key(|r| r.offset);
         let now = self.now_ms();
         let mut taken = 0;
         let mut stale = 0u64;
         // The records not taken back: the node is told to drop them, or a later
         // master would take back what this one refused (a removed object, an old
-        // version of a key put again).
-        let mut refused: Vec<(String, u64)> = Vec::new();
-        for r in records {
-            if check_key(&r.key).is_err() || crate::config::check_value_len(r.len).is_err() {
-                refused.push((r.key, r.offset));
-                continue;
-            }
-            self.gens.observe(r.generation);
-            let Some(buf) = alloc.allocate_at(r.offset, r.len) else {
-                tracing::warn!(key = r.key, offset = r.offset, "record does not fit the segment; skipped");
-                refused.push((r.key, r.offset));
+        // version of a key put again). Their ranges stay reserved until their
+        // removals are queued: a put placed there before would be recorded first,
+        // and the node (which keys its records by offset) would drop its record with
+        // the refused one's newer removal.
+        let mut refused: Vec<(String, u64, Option<AllocatedBuffer>)> = Vec::new();
+        for (r, buf) in reserved {
+            let Some(buf) = buf else {
+                refused.push((r.key, r.offset, None));
                 continue;
             };
             let mut shard = self.index.shard(&r.key).lock();
@@ -425,7 +439,7 @@ impl MasterService {
                 None if !self.tombstones.admits(&r.key, r.generation) => {
                     stale += 1;
                     drop(shard);
-                    refused.push((r.key, r.offset));
+                    refused.push((r.key, r.offset, Some(buf)));
                 }
                 None => {
                     shard.insert(&r.key, {
@@ -442,16 +456,19 @@ impl MasterService {
                 Some(_) => {
                     tracing::warn!(key = r.key, "record conflicts with the master's view; skipped");
                     drop(shard);
-                    refused.push((r.key, r.offset));
+                    refused.push((r.key, r.offset, Some(buf)));
                 }
             }
         }
         if self.config.track_records && !refused.is_empty() {
             let mut wait = RecordWait::default();
-            for (key, offset) in refused {
+            for (key, offset, _) in &mut refused {
+                let (key, offset) = (std::mem::take(key), *offset);
                 let removed = |generation| RecordUpdate::Removed { segment: id, key, offset, generation };
                 self.push_update(id, removed, &mut wait);
             }
+            // Queued: their ranges may take new objects now.
+            drop(refused);
             // Before the mount is answered: a master that restarts after it must not
             // find them on the node.
             self.await_records(wait);
@@ -484,6 +501,8 @@ impl MasterService {
 #[cfg(test)]
 mod tests {
     use parking_lot::Mutex;
+
+    use std::collections::HashMap;
 
     use super::*;
     use crate::config::{MasterConfig, ReplicateConfig};
@@ -960,6 +979,141 @@ mod tests {
         assert_eq!(master.object_info("k").unwrap().replicas.len(), 1);
     }
 
+    /// A region (endpoint and region id) mounted by another client is the same
+    /// memory: a node whose re-join's answer was lost re-joins again under a new id
+    /// while the master still holds the first. The older client is forgotten and its
+    /// objects are taken back from the records the node offers; before, a second
+    /// segment over the same bytes placed objects over the first's.
+    #[test]
+    fn a_region_mounted_by_another_client_replaces_the_older_one() {
+        let master = Master::new(MasterConfig::default()).unwrap();
+        let (first, region, seg) = mount(&master, "n");
+        let placed = master.put_start(first, "k", 100, &on(&seg)).unwrap();
+        master.put_end(first, "k", 7).unwrap();
+        let record = ObjectRecord { key: "k".into(), offset: placed[0].offset, len: 100, checksum: 7, generation: 1 };
+        let again = master.register_client().unwrap().client;
+        let (id, taken) = master.remount_segment(again, &region, 1 << 20, &[record]).unwrap();
+        assert_eq!(taken, 1);
+        assert_eq!(master.stats().segments, 1, "two segments over the same memory");
+        assert!(matches!(master.heartbeat(first), Err(Error::UnknownClient(_))));
+        let info = master.object_info("k").unwrap();
+        assert_eq!((info.checksum, info.replicas.len(), info.replicas[0].segment), (7, 1, id));
+        // A plain mount too; another region of the same endpoint is other memory.
+        let third = master.register_client().unwrap().client;
+        master.mount_segment(third, &region, 1 << 20).unwrap();
+        assert!(matches!(master.heartbeat(again), Err(Error::UnknownClient(_))));
+        let fourth = master.register_client().unwrap().client;
+        master.mount_segment(fourth, &RemoteRegion { region: 2, ..region }, 1 << 20).unwrap();
+        assert_eq!(master.stats().segments, 2);
+        master.heartbeat(third).unwrap();
+    }
+
+    /// A master past the window after its start in which a re-mount counts as its
+    /// restart (two client TTLs of `config`), so that puts of absent keys are taken.
+    fn settled(config: MasterConfig) -> Master {
+        let ttl = std::time::Duration::from_millis(300);
+        let master = Master::new(MasterConfig { client_ttl: ttl, ..config }).unwrap();
+        std::thread::sleep(2 * ttl + std::time::Duration::from_millis(50));
+        master
+    }
+
+    /// Re-mounts `records` on a 32 MiB segment `local://n#1` for `node` while another
+    /// client puts 64-byte objects preferring that segment, as fast as it can (its
+    /// clients heartbeat meanwhile). Returns the re-mount's answer and the puts
+    /// acknowledged, with their offsets.
+    fn remount_while_putting(
+        master: &Master,
+        node: ClientId,
+        records: &[ObjectRecord],
+    ) -> ((SegmentId, usize), Vec<(String, u64)>) {
+        use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+        let writer = master.register_client().unwrap().client;
+        let region = RemoteRegion { endpoint: "local://n".into(), region: 1 };
+        let done = AtomicBool::new(false);
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                while !done.load(Relaxed) {
+                    let _ = master.heartbeat(node);
+                    let _ = master.heartbeat(writer);
+                    std::thread::sleep(std::time::Duration::from_millis(20));
+                }
+            });
+            let puts = s.spawn(|| {
+                let mut acked = Vec::new();
+                let cfg = on("local://n#1");
+                for i in 0.. {
+                    if done.load(Relaxed) {
+                        break;
+                    }
+                    let key = format!("w{i}");
+                    // (Refused until the segment is mounted.)
+                    let Ok(placed) = master.put_start(writer, &key, 64, &cfg) else { continue };
+                    master.put_end(writer, &key, 1).unwrap();
+                    acked.push((key, placed[0].offset));
+                }
+                acked
+            });
+            let mounted = master.remount_segment(node, &region, 32 << 20, records).unwrap();
+            // A few more puts once it is mounted.
+            std::thread::sleep(std::time::Duration::from_millis(50));
+            done.store(true, Relaxed);
+            (mounted, puts.join().unwrap())
+        })
+    }
+
+    /// A segment re-mounted with its records takes new puts only once every record's
+    /// range is reserved: before, it was placeable from the start of the re-mount, a
+    /// put could be placed over a record not reserved yet, and the record (an object
+    /// acknowledged before) was refused as not fitting and lost.
+    #[test]
+    fn a_remount_reserves_its_records_before_taking_puts() {
+        const N: u64 = 200_000;
+        let master = settled(MasterConfig::default());
+        let node = master.register_client().unwrap().client;
+        let records: Vec<ObjectRecord> = (0..N)
+            .map(|i| ObjectRecord { key: format!("r{i}"), offset: i * 64, len: 64, checksum: 7, generation: 1 })
+            .collect();
+        let ((_, taken), acked) = remount_while_putting(&master, node, &records);
+        assert!(!acked.is_empty());
+        assert_eq!(taken as u64, N, "records refused");
+        for r in &records {
+            let info = master.object_info(&r.key).unwrap();
+            assert_eq!((info.replicas[0].offset, info.checksum), (r.offset, 7), "{}", r.key);
+        }
+    }
+
+    /// The ranges of records a re-mount refuses are freed only once their removals
+    /// are queued: before, a put placed in a range freed earlier was queued first,
+    /// and the node, which keys its records by offset, dropped the put's record with
+    /// the refused one's (newer) removal: acknowledged, yet gone after a restart.
+    #[test]
+    fn a_remount_frees_refused_ranges_only_after_their_removals() {
+        const N: u64 = 40_000;
+        let master = settled(MasterConfig { track_records: true, ..Default::default() });
+        let node = master.register_client().unwrap().client;
+        let records_of_node = Arc::new(crate::store::records::SegmentRecords::new(0));
+        records_of_node.begin_mount();
+        master.attach_records(node, records_of_node.clone()).unwrap();
+        let records: Vec<ObjectRecord> = (0..N)
+            .map(|i| ObjectRecord { key: format!("r{i}"), offset: i * 64, len: 64, checksum: 7, generation: 1 })
+            .collect();
+        // Every other record was removed since: refused.
+        for r in records.iter().step_by(2) {
+            master.tombstones.supersede(&r.key, master.gens.next());
+        }
+        let ((id, taken), acked) = remount_while_putting(&master, node, &records);
+        records_of_node.set_segment(id);
+        assert_eq!(taken as u64, N / 2);
+        let held: HashMap<u64, String> = records_of_node.snapshot().into_iter().map(|r| (r.offset, r.key)).collect();
+        assert!(!acked.is_empty());
+        for (key, offset) in &acked {
+            assert_eq!(held.get(offset), Some(key), "an acknowledged put's record is gone");
+        }
+        for r in records.iter().step_by(2) {
+            assert_ne!(held.get(&r.offset), Some(&r.key), "a refused record stayed");
+        }
+    }
+
     /// While a restarted master waits for nodes to re-mount, a key it does not hold
     /// may still come back: a remove, an existence check or an info of it answer
     /// `Recovering` (retried), not `NotFound` or `false`, which the key's return
@@ -977,6 +1131,53 @@ mod tests {
         assert!(matches!(master.object_info("other"), Err(Error::Recovering(_))));
         assert!(matches!(master.remove_all(), Err(Error::Recovering(_))));
         master.remove("back").unwrap();
+    }
+
+    /// While a restarted master waits for nodes to re-mount, a put of a key it does
+    /// not hold (or an upsert, or a bind of room held ahead) answers `Recovering`:
+    /// taken, it would have the key's copy on a node not back yet (an object
+    /// acknowledged before the restart) refused when the node re-mounts, where
+    /// without the restart the put would have found the key taken. Once the window
+    /// is over, the key is taken if no node brought it back.
+    #[test]
+    fn a_put_of_a_key_not_back_yet_is_recovering() {
+        let ttl = std::time::Duration::from_millis(500);
+        let master = Master::new(MasterConfig { client_ttl: ttl, ..Default::default() }).unwrap();
+        let (w, _, seg) = mount(&master, "w");
+        let held = master.place_ahead(w, 100, &on(&seg)).unwrap();
+        // A node back with an object: the master restarted, others may follow.
+        let a = master.register_client().unwrap().client;
+        let first = RemoteRegion { endpoint: "local://a".into(), region: 1 };
+        let other = ObjectRecord { key: "other".into(), offset: 0, len: 100, checksum: 5, generation: 1 };
+        master.remount_segment(a, &first, 1 << 20, &[other]).unwrap();
+        for key in ["k", "gone"] {
+            assert!(matches!(master.put_start(w, key, 100, &on(&seg)), Err(Error::Recovering(_))));
+            assert!(matches!(master.put_start_summed(w, key, 100, 1, &on(&seg)), Err(Error::Recovering(_))));
+            assert!(matches!(master.upsert_start(w, key, 100, &on(&seg)), Err(Error::Recovering(_))));
+        }
+        assert!(matches!(master.put_bind(w, held.id, "k", 1, false), Err(Error::Recovering(_))));
+        // Keys it holds answer as usual.
+        assert!(matches!(master.put_start(w, "other", 100, &on(&seg)), Err(Error::AlreadyExists(_))));
+        master.upsert_start(w, "other", 100, &on(&seg)).unwrap();
+        master.upsert_end(w, "other", 6).unwrap();
+        // The holder of "k" comes back: its object stands.
+        let b = master.register_client().unwrap().client;
+        let second = RemoteRegion { endpoint: "local://b".into(), region: 1 };
+        let k = ObjectRecord { key: "k".into(), offset: 0, len: 100, checksum: 7, generation: 1 };
+        assert_eq!(master.remount_segment(b, &second, 1 << 20, &[k]).unwrap().1, 1);
+        let until = std::time::Instant::now() + ttl + std::time::Duration::from_millis(100);
+        while std::time::Instant::now() < until {
+            for c in [w, a, b] {
+                master.heartbeat(c).unwrap();
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        assert!(matches!(master.put_start(w, "k", 100, &on(&seg)), Err(Error::AlreadyExists(_))));
+        assert_eq!(master.object_info("k").unwrap().checksum, 7);
+        // A key no node brought back is put.
+        master.put_start(w, "gone", 100, &on(&seg)).unwrap();
+        master.put_end(w, "gone", 8).unwrap();
+        assert_eq!(master.object_info("gone").unwrap().checksum, 8);
     }
 
     /// A put's or an upsert's end asked again of a restarted master before the node

@@ -45,9 +45,6 @@ pub(crate) struct SegmentRecords {
 /// the oldest are forgotten.
 const MAX_CLEARED: usize = 1 << 16;
 
-/// Most updates kept while a mount is in progress (see [`SegmentRecords::begin_mount`]).
-const MAX_MOUNTING: usize = 1 << 16;
-
 /// The records by offset, each offset with the generation of its last change.
 ///
 /// Changes may arrive twice (a frame sent again after a timeout, whose first copy the
@@ -63,8 +60,12 @@ struct Applied {
     cleared: usize,
     /// While the segment is being mounted: the updates for segments other than the
     /// one it had (its new id is not known until the mount returns, and the master
-    /// may place objects there, and tell us, before that).
-    mounting: Option<Vec<RecordUpdate>>,
+    /// may place objects there, and tell us, before that), the newest of each offset
+    /// of each segment. None may be dropped (the master counts them delivered: a
+    /// removal lost would let a removed object come back after a restart), and the
+    /// newest of an offset is all that applying them leaves, so they take at most
+    /// one entry per offset, as the records do.
+    mounting: Option<HashMap<(SegmentId, u64), RecordUpdate>>,
 }
 
 /// One offset of the segment.
@@ -74,6 +75,27 @@ struct Slot {
 }
 
 impl Applied {
+    /// Keeps `u`, for a segment not known to be ours yet, while a mount is in
+    /// progress, unless a newer change of its offset is kept.
+    fn keep_mounting(&mut self, u: RecordUpdate) {
+        let Some(kept) = self.mounting.as_mut() else { return };
+        let at = match &u {
+            RecordUpdate::Added { segment, record } => (*segment, record.offset),
+            RecordUpdate::Removed { segment, offset, .. } => (*segment, *offset),
+            RecordUpdate::Discard { .. } | RecordUpdate::Drain { .. } => return,
+        };
+        match kept.entry(at) {
+            std::collections::hash_map::Entry::Occupied(mut e) => {
+                if e.get().generation() < u.generation() {
+                    e.insert(u);
+                }
+            }
+            std::collections::hash_map::Entry::Vacant(e) => {
+                e.insert(u);
+            }
+        }
+    }
+
     /// Applies one change of the segment, unless a newer one of its offset was.
     fn apply(&mut self, u: RecordUpdate) {
         let generation = u.generation();
@@ -141,11 +163,7 @@ impl SegmentRecords {
                     RecordUpdate::Discard { key, generation } => discards.push((key, generation)),
                     RecordUpdate::Drain { grace_ms, .. } => self.drain.asked.ask(grace_ms),
                     u if u.segment() == Some(own) => applied.apply(u),
-                    u => {
-                        if let Some(kept) = applied.mounting.as_mut().filter(|k| k.len() < MAX_MOUNTING) {
-                            kept.push(u);
-                        }
-                    }
+                    u => applied.keep_mounting(u),
                 }
             }
         }
@@ -186,7 +204,7 @@ impl SegmentRecords {
     /// A mount (or re-mount) of the segment starts: until [`set_segment`](Self::set_segment)
     /// names its new id, updates for other segments are kept rather than ignored.
     pub(crate) fn begin_mount(&self) {
-        self.records.lock().mounting = Some(Vec::new());
+        self.records.lock().mounting = Some(HashMap::new());
     }
 
     /// The segment was mounted (again) under `segment`: the updates for it that came
@@ -194,8 +212,8 @@ impl SegmentRecords {
     pub(crate) fn set_segment(&self, segment: SegmentId) {
         let mut applied = self.records.lock();
         self.segment.store(segment, Ordering::Release);
-        for u in applied.mounting.take().unwrap_or_default() {
-            if u.segment() == Some(segment) {
+        for ((of, _), u) in applied.mounting.take().unwrap_or_default() {
+            if of == segment {
                 applied.apply(u);
             }
         }
@@ -300,6 +318,32 @@ mod tests {
         assert_eq!(state(&records).len(), 3);
     }
 
+    /// However many updates for the segment being mounted arrive before the mount's
+    /// answer names its id (a re-mount's refused records, each removed, and the puts
+    /// placed there meanwhile), none is dropped: the master counts them delivered,
+    /// and a removal dropped would let a removed object come back after a restart.
+    /// Before, those past the first 65,536 were dropped, answered as applied.
+    #[test]
+    fn every_update_for_a_segment_being_mounted_is_kept() {
+        const N: u64 = 100_000;
+        let records = SegmentRecords::new(7);
+        records.begin_mount();
+        let added = |i: u64, generation| RecordUpdate::Added {
+            segment: 9,
+            record: ObjectRecord { key: format!("k{i}"), offset: i * 64, len: 1, checksum: 0, generation },
+        };
+        records.apply((0..N).map(|i| added(i, 10 + i)).collect());
+        let removed =
+            |i: u64| RecordUpdate::Removed { segment: 9, key: format!("k{i}"), offset: i * 64, generation: 10 * N + i };
+        // Removals of the even ones, one of them arriving again, and a copy of an add
+        // older than its removal, arriving late.
+        records.apply((0..N).step_by(2).map(removed).chain([removed(0), added(2, 12)]).collect());
+        records.set_segment(9);
+        let held = state(&records);
+        assert_eq!(held.len() as u64, N / 2);
+        assert!(held.iter().all(|(offset, key)| offset / 64 % 2 == 1 && *key == format!("k{}", offset / 64)));
+    }
+
     /// On a rejoin only records whose bytes still lie in the segment and match their
     /// checksum are offered; one whose range is outside the segment (a length of
     /// 2^50, an offset past the end) is dropped before anything is allocated for it.
@@ -356,6 +400,42 @@ mod tests {
                 shuffled.apply(chunk.to_vec());
             }
             prop_assert_eq!(state(&shuffled), state(&in_order));
+        }
+
+        /// The same for updates that arrive while the segment is being mounted,
+        /// kept until the mount's answer names its id (the newest of each offset).
+        #[test]
+        fn records_kept_during_a_mount_end_as_the_masters_order_leaves_them(
+            before in changes(),
+            changes in changes(),
+            order in proptest::collection::vec(any::<u16>(), 0..80),
+            split in any::<u8>(),
+        ) {
+            // What it had, under the id of its previous mount.
+            let old = updates_of(7, &before);
+            let updates = updates_of(9, &changes);
+            let in_order = SegmentRecords::new(7);
+            in_order.apply(old.clone());
+            in_order.set_segment(9);
+            in_order.apply(updates.clone());
+            let mut arrivals: Vec<RecordUpdate> = updates.clone();
+            for pick in &order {
+                if !updates.is_empty() {
+                    let u = updates[*pick as usize % updates.len()].clone();
+                    arrivals.insert(*pick as usize % (arrivals.len() + 1), u);
+                }
+            }
+            let mounting = SegmentRecords::new(7);
+            mounting.apply(old);
+            mounting.begin_mount();
+            // Some arrive before the answer, the rest after it.
+            let split = split as usize % (arrivals.len() + 1);
+            for chunk in arrivals[..split].chunks(3) {
+                mounting.apply(chunk.to_vec());
+            }
+            mounting.set_segment(9);
+            mounting.apply(arrivals[split..].to_vec());
+            prop_assert_eq!(state(&mounting), state(&in_order));
         }
     }
 }

@@ -9,7 +9,8 @@
 //! trip each). An item a replica of which could not be written is placed again
 //! without the failed segment (the master is told of it), up to
 //! [`PUT_ATTEMPTS`] times; an upsert of a key that another write holds waits for
-//! it (up to [`BUSY_WAIT`]).
+//! it (up to [`BUSY_WAIT`]); a key that a master recovering from a restart cannot
+//! take yet (`Recovering`) waits for the recovery (up to [`RECOVERING_WAIT`]).
 
 use std::time::{Duration, Instant};
 
@@ -52,6 +53,14 @@ const BUSY_WAIT: Duration = Duration::from_secs(5);
 const BUSY_PAUSE: Duration = Duration::from_micros(200);
 /// Longest pause between two tries of a busy key.
 const BUSY_PAUSE_MAX: Duration = Duration::from_millis(20);
+/// How long a put of a key waits while the master answers `Recovering` (it
+/// restarted, and a node re-mounting may bring the key back): the master's window
+/// lasts one client TTL after the last node came back, so two default TTLs (10 s).
+/// Then the put fails with `Recovering` (retryable).
+const RECOVERING_WAIT: Duration = Duration::from_secs(20);
+/// Longest pause between two tries while the master recovers: every waiting put
+/// asks again, of a master busy taking its nodes back.
+const RECOVERING_PAUSE_MAX: Duration = Duration::from_millis(100);
 
 /// Where an object's bytes come from.
 pub(super) enum Source<'a> {
@@ -301,16 +310,26 @@ impl StoreInner {
             declare_checksums(&mut writing, host_up_to, self.master_is_remote, !mapped);
         }
         let mut pending: Vec<usize> = (0..items.len()).filter(|&i| writing[i].is_some()).collect();
-        let (busy_until, mut pause, mut attempt) = (Instant::now() + BUSY_WAIT, BUSY_PAUSE, 1);
+        let start = Instant::now();
+        let (busy_until, recovering_until) = (start + BUSY_WAIT, start + RECOVERING_WAIT);
+        let (mut pause, mut attempt) = (BUSY_PAUSE, 1);
         while !pending.is_empty() {
             let again = self.write_round(&pending, &mut writing, &directs, &mut results, cfg, mode, attempt);
-            // A busy key waits; anything else (a failed write, an upsert whose old
-            // object's segments left) is another attempt.
-            let failed_write = again.iter().any(|&i| !matches!(results[i], Err(Error::AlreadyExists(_))));
+            // A busy key, or a master recovering from a restart, waits; anything else
+            // (a failed write, an upsert whose old object's segments left) is another
+            // attempt.
+            let waits = |r: &Result<()>| matches!(r, Err(Error::AlreadyExists(_) | Error::Recovering(_)));
+            let failed_write = again.iter().any(|&i| !waits(&results[i]));
+            let recovering = again.iter().any(|&i| matches!(results[i], Err(Error::Recovering(_))));
             let mut retry = Vec::new();
+            let now = Instant::now();
             for i in again {
-                let busy = matches!(results[i], Err(Error::AlreadyExists(_)));
-                if (busy && Instant::now() < busy_until) || (!busy && attempt < PUT_ATTEMPTS) {
+                let more = match results[i] {
+                    Err(Error::AlreadyExists(_)) => now < busy_until,
+                    Err(Error::Recovering(_)) => now < recovering_until,
+                    _ => attempt < PUT_ATTEMPTS,
+                };
+                if more {
                     retry.push(i);
                 }
             }
@@ -318,7 +337,7 @@ impl StoreInner {
                 attempt += 1;
             } else if !retry.is_empty() {
                 std::thread::sleep(pause);
-                pause = (pause * 2).min(BUSY_PAUSE_MAX);
+                pause = (pause * 2).min(if recovering { RECOVERING_PAUSE_MAX } else { BUSY_PAUSE_MAX });
             }
             retry.sort_unstable();
             pending = retry;
@@ -417,7 +436,11 @@ impl StoreInner {
                     placed.push(i);
                 }
                 Err(e) => {
-                    if matches!(e, Error::AlreadyExists(_)) && mode == WriteMode::Upsert {
+                    // A key another write holds (an upsert waits for it), or one a
+                    // restarted master may still get back from a node: asked again.
+                    if (matches!(e, Error::AlreadyExists(_)) && mode == WriteMode::Upsert)
+                        || matches!(e, Error::Recovering(_))
+                    {
                         again.push(i);
                     }
                     results[i] = Err(e);
