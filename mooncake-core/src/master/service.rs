@@ -92,6 +92,9 @@ pub struct MasterService {
     pub(super) ownership: std::sync::OnceLock<Arc<dyn crate::master::ownership::KeyOwnership>>,
     /// Cluster mode: until when (ms) each group taken over waits for its extents.
     pub(super) group_recovering: Mutex<ahash::HashMap<u32, u64>>,
+    /// The latest `until` ever put in `group_recovering`: once it is past, no group
+    /// recovers, and a put need not take the map's lock to learn it.
+    pub(super) group_recovering_latest_ms: AtomicU64,
     /// Cluster mode: groups taken and given up.
     pub(super) cluster_counters: ClusterCounters,
     /// Placements clients hold ahead of their puts (`master/held.rs`).
@@ -167,6 +170,7 @@ impl Master {
             recovering_until_ms: AtomicU64::new(0),
             ownership: std::sync::OnceLock::new(),
             group_recovering: Default::default(),
+            group_recovering_latest_ms: AtomicU64::new(0),
             cluster_counters: Default::default(),
             held: Default::default(),
             drains: Default::default(),

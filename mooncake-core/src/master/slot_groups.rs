@@ -52,7 +52,13 @@ impl MasterService {
             return true;
         }
         let Some(group) = self.placement_group(key) else { return false };
-        self.group_recovering.lock().get(&group).is_some_and(|&until| self.now_ms() < until)
+        let now = self.now_ms();
+        // Every put asks (`claim_key`): the usual answer, no group recovering, without
+        // the lock every RPC thread would share.
+        if now >= self.group_recovering_latest_ms.load(Ordering::Relaxed) {
+            return false;
+        }
+        self.group_recovering.lock().get(&group).is_some_and(|&until| now < until)
     }
 
     /// What a call on `key` answers when the master holds no object under it:
@@ -81,6 +87,7 @@ impl MasterService {
         self.drop_group_state(group);
         let until = self.now_ms() + self.config.client_ttl.as_millis() as u64;
         self.group_recovering.lock().insert(group, until);
+        self.group_recovering_latest_ms.fetch_max(until, Ordering::Relaxed);
         self.cluster_counters.groups_acquired.fetch_add(1, Ordering::Relaxed);
         tracing::info!(group, "slot group acquired: waiting for its extents");
     }
