@@ -387,25 +387,28 @@ impl MasterService {
         group: Option<u32>,
         records: &[ObjectRecord],
     ) -> Result<(SegmentId, usize)> {
-        let mut records = records.to_vec();
-        records.sort_by_key(|r| r.offset);
+        // In offset order, by index: a re-mount may bring a million records, and the
+        // request holds them already (no copy beside the decoded one).
+        let mut order: Vec<usize> = (0..records.len()).collect();
+        order.sort_by_key(|&i| records[i].offset);
         // Every record's range is reserved before the segment is mounted: from then on
         // it takes new puts, and one placed over a record not reserved yet would have
         // the record refused (an object acknowledged before, lost) and its bytes
         // overwritten.
         let alloc = self.new_segment(region, capacity)?;
-        let reserved: Vec<(ObjectRecord, Option<AllocatedBuffer>)> = records
-            .into_iter()
-            .map(|r| {
+        let reserved: Vec<Option<AllocatedBuffer>> = order
+            .iter()
+            .map(|&i| {
+                let r = &records[i];
                 if check_key(&r.key).is_err() || check_value_len(r.len).is_err() {
-                    return (r, None);
+                    return None;
                 }
                 self.gens.observe(r.generation);
                 let buf = alloc.allocate_at(r.offset, r.len);
                 if buf.is_none() {
                     tracing::warn!(key = r.key, offset = r.offset, "record does not fit the segment; skipped");
                 }
-                (r, buf)
+                buf
             })
             .collect();
         let (id, new) = self.mount_allocator(client, region, alloc, group)?;
@@ -428,9 +431,9 @@ impl MasterService {
         // and the node (which keys its records by offset) would drop its record with
         // the refused one's newer removal.
         let mut refused: Vec<(String, u64, Option<AllocatedBuffer>)> = Vec::new();
-        for (r, buf) in reserved {
+        for (r, buf) in order.iter().map(|&i| &records[i]).zip(reserved) {
             let Some(buf) = buf else {
-                refused.push((r.key, r.offset, None));
+                refused.push((r.key.clone(), r.offset, None));
                 continue;
             };
             let mut shard = self.index.shard(&r.key).lock();
@@ -439,7 +442,7 @@ impl MasterService {
                 None if !self.tombstones.admits(&r.key, r.generation) => {
                     stale += 1;
                     drop(shard);
-                    refused.push((r.key, r.offset, Some(buf)));
+                    refused.push((r.key.clone(), r.offset, Some(buf)));
                 }
                 None => {
                     shard.insert(&r.key, {
@@ -456,7 +459,7 @@ impl MasterService {
                 Some(_) => {
                     tracing::warn!(key = r.key, "record conflicts with the master's view; skipped");
                     drop(shard);
-                    refused.push((r.key, r.offset, Some(buf)));
+                    refused.push((r.key.clone(), r.offset, Some(buf)));
                 }
             }
         }
