@@ -260,3 +260,38 @@ fn a_write_is_not_acknowledged_by_a_master_that_lost_its_group_meanwhile() {
     own.led.lock().unwrap().insert(0);
     assert!(matches!(master.batch_remove(&[&b])[0], Err(Error::Moved { .. })));
 }
+
+/// A group taken over waits for puts of keys it does not hold only once a node came
+/// back with objects of it: a fresh cluster's groups (and groups whose nodes brought
+/// nothing back) take puts at once, while a key a node may still bring back is not
+/// put over it.
+#[test]
+fn puts_wait_in_a_group_taken_over_only_once_its_objects_come_back() {
+    let (master, own) = cluster_master(&[]);
+    let client = master.register_client().unwrap().client;
+    own.led.lock().unwrap().extend([0, 1]);
+    master.acquire_group(0);
+    master.acquire_group(1);
+    master.mount_extent(client, &region(1), 1 << 20, 0, &[]).unwrap();
+    let kept = key_in(&own, 1, 0);
+    let record = ObjectRecord { key: kept.clone(), offset: 0, len: 100, checksum: 42, generation: 1 };
+    master.mount_extent(client, &region(2), 1 << 20, 1, &[record]).unwrap();
+    // Group 0: nothing came back, a put of a new key goes through at once.
+    let fresh = key_in(&own, 0, 1);
+    master.put_start(client, &fresh, 100, &ReplicateConfig::default()).unwrap();
+    master.put_end(client, &fresh, 7).unwrap();
+    // Group 1: a node came back with objects, so a missing key may still come back
+    // with another node: its put waits (`Recovering`, retried by clients) ...
+    let missing = key_in(&own, 1, 2);
+    assert!(matches!(master.put_start(client, &missing, 100, &ReplicateConfig::default()), Err(Error::Recovering(_))));
+    // ... and the key that did come back is taken.
+    assert!(matches!(master.put_start(client, &kept, 100, &ReplicateConfig::default()), Err(Error::AlreadyExists(_))));
+    // After the window (one client TTL) it goes through.
+    let until = std::time::Instant::now() + Duration::from_millis(600);
+    while std::time::Instant::now() < until {
+        master.heartbeat(client).unwrap();
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    master.put_start(client, &missing, 100, &ReplicateConfig::default()).unwrap();
+    master.put_end(client, &missing, 8).unwrap();
+}

@@ -134,7 +134,7 @@ impl MasterService {
         if held.is_some_and(|e| e.complete() || !self.put_expired(e, now)) {
             return Err(Error::AlreadyExists(key.to_owned()));
         }
-        if self.recovering_key(key) {
+        if self.recovering_put(key) {
             return Err(Error::Recovering(format!(
                 "{key} may come back with a node re-mounting its segment: not put before clients re-mounted"
             )));

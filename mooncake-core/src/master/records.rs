@@ -125,7 +125,7 @@ impl MasterService {
             None => {
                 // The segment went (its node is being forgotten, or unmounted it):
                 // whatever its node still holds is out of sight, untold.
-                self.mark_untold(&make(self.gens.next()));
+                self.linger_untold(&make(self.gens.next()));
                 return;
             }
         };
@@ -146,6 +146,19 @@ impl MasterService {
         }
     }
 
+    /// `u`, built for a node that went while it was being queued, will never reach
+    /// it: the key lingers. Never a removal's supersede here: the update may be one
+    /// replica's removal (a replica dropped, memory copies of an offloaded object
+    /// evicted) while the object lives on elsewhere, and a mark at its generation
+    /// would refuse the other holders' copies too when they re-mount. Lingering is
+    /// enough for an eviction's: the key's next put raises the mark past this copy
+    /// (`supersede_if_marked`), and an evicted object offered back harms nothing.
+    fn linger_untold(&self, u: &RecordUpdate) {
+        if !matches!(u, RecordUpdate::Drain { .. }) {
+            self.tombstones.linger(u.key());
+        }
+    }
+
     /// Queues the update `make` builds for `client`: on its link, or for its
     /// heartbeats. Returns whether the client is known.
     pub(crate) fn push_to_client(
@@ -157,8 +170,8 @@ impl MasterService {
         let clients = self.clients.read();
         let Some(rec) = clients.get(&client) else {
             // Forgotten (or being forgotten: its record goes before its segments
-            // and replicas), so never told: see `mark_untold`.
-            self.mark_untold(&make(self.gens.next()));
+            // and replicas), so never told: see `linger_untold`.
+            self.linger_untold(&make(self.gens.next()));
             return false;
         };
         // Under the heartbeat queue's lock, so that `mount_records` moving the queue
@@ -411,15 +424,19 @@ impl MasterService {
                 buf
             })
             .collect();
+        // Records back: puts of missing keys wait (`recovering_put`), from before the
+        // segment takes puts. (In a cluster, the group's window opened when it was
+        // taken over.)
+        match group {
+            _ if reserved.is_empty() => {}
+            None => self.note_recovery(),
+            Some(g) => self.note_group_objects_back(g),
+        }
         let (id, new) = self.mount_allocator(client, region, alloc, group)?;
         if !new {
             // Asked again: its records were taken (or refused) the first time (what
             // was reserved above, on an allocator never mounted, goes).
             return Ok((id, 0));
-        }
-        // In a cluster, taking a group over opens its own recovery window.
-        if !reserved.is_empty() && group.is_none() {
-            self.note_recovery();
         }
         let now = self.now_ms();
         let mut taken = 0;

@@ -95,6 +95,9 @@ pub struct MasterService {
     /// The latest `until` ever put in `group_recovering`: once it is past, no group
     /// recovers, and a put need not take the map's lock to learn it.
     pub(super) group_recovering_latest_ms: AtomicU64,
+    /// Cluster mode: groups taken over whose extents came back with objects since:
+    /// only there may a put of a missing key take a key a node still brings back.
+    pub(super) groups_bringing_objects: Mutex<ahash::HashSet<u32>>,
     /// Cluster mode: groups taken and given up.
     pub(super) cluster_counters: ClusterCounters,
     /// Placements clients hold ahead of their puts (`master/held.rs`).
@@ -171,6 +174,7 @@ impl Master {
             ownership: std::sync::OnceLock::new(),
             group_recovering: Default::default(),
             group_recovering_latest_ms: AtomicU64::new(0),
+            groups_bringing_objects: Default::default(),
             cluster_counters: Default::default(),
             held: Default::default(),
             drains: Default::default(),

@@ -61,6 +61,28 @@ impl MasterService {
         self.group_recovering.lock().get(&group).is_some_and(|&until| now < until)
     }
 
+    /// Whether a put of `key`, which the master does not hold, must wait: the key may
+    /// still come back with a re-mounting node. Only once a node came back with
+    /// objects (after a restart, or into a group taken over): a fresh master, a
+    /// fresh cluster's groups or a group whose nodes brought nothing back puts at
+    /// once. (Until the first node with objects is back, a put may still take a key
+    /// a later one brings back: the window opens with that node.)
+    pub(crate) fn recovering_put(&self, key: &str) -> bool {
+        if self.recovering() {
+            return true;
+        }
+        let Some(group) = self.placement_group(key) else { return false };
+        self.recovering_key(key) && self.groups_bringing_objects.lock().contains(&group)
+    }
+
+    /// An extent of `group` came back with objects: puts of its missing keys wait
+    /// for the rest of its window ([`recovering_put`](Self::recovering_put)).
+    pub(crate) fn note_group_objects_back(&self, group: u32) {
+        if self.group_recovering.lock().contains_key(&group) {
+            self.groups_bringing_objects.lock().insert(group);
+        }
+    }
+
     /// What a call on `key` answers when the master holds no object under it:
     /// `Recovering` while the key may still come back with a re-mounting node (the
     /// caller retries), else `NotFound`. A remove or an existence check answered
@@ -87,6 +109,7 @@ impl MasterService {
         self.drop_group_state(group);
         let until = self.now_ms() + self.config.client_ttl.as_millis() as u64;
         self.group_recovering.lock().insert(group, until);
+        self.groups_bringing_objects.lock().remove(&group);
         self.group_recovering_latest_ms.fetch_max(until, Ordering::Relaxed);
         self.cluster_counters.groups_acquired.fetch_add(1, Ordering::Relaxed);
         tracing::info!(group, "slot group acquired: waiting for its extents");
@@ -97,6 +120,7 @@ impl MasterService {
     /// many objects were dropped.
     pub fn release_group(&self, group: u32) -> usize {
         self.group_recovering.lock().remove(&group);
+        self.groups_bringing_objects.lock().remove(&group);
         let dropped = self.drop_group_state(group);
         self.cluster_counters.groups_released.fetch_add(1, Ordering::Relaxed);
         tracing::info!(group, dropped, "slot group released");

@@ -132,6 +132,10 @@ struct StoreInner {
     master_is_remote: bool,
     /// Longest time `flush` waits for the SSD tier.
     flush_timeout: Duration,
+    /// How long a put waits while its master recovers (see `store::write`): three of
+    /// the master's client TTLs (its window after the last node is back), at least
+    /// 20 s.
+    recovering_wait: Duration,
     /// Cluster mode: the cluster client (also `master`) and the record endpoint of our
     /// extents.
     #[cfg_attr(not(feature = "etcd"), allow(dead_code))]

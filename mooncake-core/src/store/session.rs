@@ -17,6 +17,7 @@ use super::records::SegmentRecords;
 use super::replica_cache::ReplicaCache;
 use super::routes::Routes;
 use super::stats::StoreCounters;
+use super::write::RECOVERING_WAIT_MIN;
 use super::{ClusterPart, OwnSegment, RecordEndpoint, Store, StoreInner, CLOSED};
 use crate::error::{Error, Result};
 use crate::master::{ClientId, MasterApi};
@@ -300,6 +301,7 @@ impl Store {
             // builder's config is in this process; a daemon or a cluster is not.
             master_is_remote: cfg.master_address.is_some() || cluster.is_some(),
             flush_timeout: cfg.flush_timeout,
+            recovering_wait: RECOVERING_WAIT_MIN.max(Duration::from_millis(reg.client_ttl_ms.saturating_mul(3))),
             cluster,
             _heartbeat_stop: stop_tx,
             pinned: Default::default(),

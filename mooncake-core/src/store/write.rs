@@ -10,7 +10,8 @@
 //! without the failed segment (the master is told of it), up to
 //! [`PUT_ATTEMPTS`] times; an upsert of a key that another write holds waits for
 //! it (up to [`BUSY_WAIT`]); a key that a master recovering from a restart cannot
-//! take yet (`Recovering`) waits for the recovery (up to [`RECOVERING_WAIT`]).
+//! take yet (`Recovering`) waits for the recovery (up to three of the master's
+//! client TTLs, at least [`RECOVERING_WAIT_MIN`]).
 
 use std::time::{Duration, Instant};
 
@@ -55,9 +56,10 @@ const BUSY_PAUSE: Duration = Duration::from_micros(200);
 const BUSY_PAUSE_MAX: Duration = Duration::from_millis(20);
 /// How long a put of a key waits while the master answers `Recovering` (it
 /// restarted, and a node re-mounting may bring the key back): the master's window
-/// lasts one client TTL after the last node came back, so two default TTLs (10 s).
-/// Then the put fails with `Recovering` (retryable).
-const RECOVERING_WAIT: Duration = Duration::from_secs(20);
+/// lasts one client TTL after the last node came back, and a restarted master
+/// opens it for up to three TTLs after its start; so a put waits three of the
+/// master's TTLs, and at least this. Then it fails with `Recovering` (retryable).
+pub(crate) const RECOVERING_WAIT_MIN: Duration = Duration::from_secs(20);
 /// Longest pause between two tries while the master recovers: every waiting put
 /// asks again, of a master busy taking its nodes back.
 const RECOVERING_PAUSE_MAX: Duration = Duration::from_millis(100);
@@ -311,7 +313,7 @@ impl StoreInner {
         }
         let mut pending: Vec<usize> = (0..items.len()).filter(|&i| writing[i].is_some()).collect();
         let start = Instant::now();
-        let (busy_until, recovering_until) = (start + BUSY_WAIT, start + RECOVERING_WAIT);
+        let (busy_until, recovering_until) = (start + BUSY_WAIT, start + self.recovering_wait);
         let (mut pause, mut attempt) = (BUSY_PAUSE, 1);
         while !pending.is_empty() {
             let again = self.write_round(&pending, &mut writing, &directs, &mut results, cfg, mode, attempt);
