@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::io::{BufReader, BufWriter, Read, Write};
 use std::net::{TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
@@ -43,16 +43,50 @@ const WINDOW: usize = 128;
 pub(crate) const MAX_UNAUTHENTICATED: usize = 64;
 
 /// Most connections a listener serves at once, authenticated or not, each with its
-/// thread. Beyond it the oldest unauthenticated one is closed to make room; when
-/// every one is authenticated, a new connection is refused (with a message) until
-/// one closes. A client keeps at most 8 idle connections to a peer, and idle ones
-/// are closed after [`IDLE_TIMEOUT`]: 1024 serves 128 peers at full pools at once.
+/// thread. Beyond it the oldest unauthenticated one is closed to make room, else
+/// the one idle longest between requests (a client's pooled connection: it dials
+/// again when it needs one); only when every one is in a request is a new
+/// connection refused (with a message) until one closes. Idle ones are also closed
+/// after [`IDLE_TIMEOUT`].
 pub(crate) const MAX_CONNECTIONS: usize = 1024;
 
 /// A served connection that sends no request for this long is closed (its thread
 /// ends). Clients pool idle connections, and dial a fresh one when a pooled one
 /// turns out closed: only connections nobody uses go.
 pub(crate) const IDLE_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// A served connection: its stream, and since when (ms, [`served_clock_ms`]) it
+/// waits for a request, [`BUSY`] while it reads or answers one.
+type Served = (TcpStream, Arc<AtomicU64>);
+
+/// A served connection that is reading or answering a request.
+const BUSY: u64 = u64::MAX;
+
+/// Milliseconds since the first call: when served connections went idle.
+fn served_clock_ms() -> u64 {
+    static START: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+    START.get_or_init(std::time::Instant::now).elapsed().as_millis() as u64
+}
+
+/// At [`MAX_CONNECTIONS`]: closes the connection idle longest between requests (a
+/// client's pooled connection, which it dials again when it needs one), so that a
+/// new client is served rather than refused. False if every connection is in a
+/// request.
+fn close_longest_idle(conns: &Mutex<HashMap<u64, Served>>) -> bool {
+    let mut conns = conns.lock();
+    let idlest = conns
+        .iter()
+        .map(|(&id, (_, since))| (since.load(Ordering::Relaxed), id))
+        .filter(|&(since, _)| since != BUSY)
+        .min();
+    match idlest.and_then(|(_, id)| conns.remove(&id)) {
+        Some((c, _)) => {
+            let _ = c.shutdown(std::net::Shutdown::Both);
+            true
+        }
+        None => false,
+    }
+}
 
 /// How long one write of an answer may block (a peer that stopped reading the
 /// bytes it asked for): then the connection is closed, as a client gives up on a
@@ -79,7 +113,7 @@ impl Default for ServeLimits {
 pub(crate) struct TcpServer {
     stop: Arc<AtomicBool>,
     addr: std::net::SocketAddr,
-    conns: Arc<Mutex<HashMap<u64, TcpStream>>>,
+    conns: Arc<Mutex<HashMap<u64, Served>>>,
 }
 
 impl Drop for TcpServer {
@@ -87,7 +121,7 @@ impl Drop for TcpServer {
         self.stop.store(true, Ordering::Relaxed);
         // Wake the accept loop so that it sees `stop` and drops the listener.
         let _ = TcpStream::connect_timeout(&self.addr, Duration::from_millis(100));
-        for (_, conn) in self.conns.lock().drain() {
+        for (_, (conn, _)) in self.conns.lock().drain() {
             let _ = conn.shutdown(std::net::Shutdown::Both);
         }
     }
@@ -125,7 +159,7 @@ impl TcpServer {
     ) -> Result<Self> {
         let addr = listener.local_addr().map_err(|e| TransferError::Io(e.to_string()))?;
         let stop = Arc::new(AtomicBool::new(false));
-        let conns: Arc<Mutex<HashMap<u64, TcpStream>>> = Arc::default();
+        let conns: Arc<Mutex<HashMap<u64, Served>>> = Arc::default();
         let (stop2, conns2) = (stop.clone(), conns.clone());
         let host_id: Arc<str> = host_id.into();
         let names: Arc<[String]> = names.into();
@@ -162,6 +196,7 @@ impl TcpServer {
                     keep_alive(&conn);
                     next_conn += 1;
                     let id = next_conn;
+                    let idle = Arc::new(AtomicU64::new(BUSY));
                     {
                         // Room for one more unauthenticated connection, and for one more
                         // connection: the oldest waiting to authenticate goes.
@@ -171,15 +206,16 @@ impl TcpServer {
                         };
                         while full(&waiting) {
                             let Some(oldest) = waiting.pop_front() else { break };
-                            if let Some(c) = conns2.lock().remove(&oldest) {
+                            if let Some((c, _)) = conns2.lock().remove(&oldest) {
                                 let _ = c.shutdown(std::net::Shutdown::Both);
                             }
                             warnings.crowded.warn(format_args!(
                                 "transfer connections waiting to authenticate crowd the listener: closing the oldest"
                             ));
                         }
-                        if conns2.lock().len() >= limits.max_connections {
-                            // Every connection is authenticated: this one waits for one to close.
+                        if conns2.lock().len() >= limits.max_connections && !close_longest_idle(&conns2) {
+                            // Every connection is authenticated and in a request: this
+                            // one waits for one to close.
                             warnings.full.warn(format_args!(
                                 "{} transfer connections open: refusing one more ({peer:?})",
                                 limits.max_connections
@@ -190,7 +226,7 @@ impl TcpServer {
                         }
                         match conn.try_clone() {
                             Ok(c) => {
-                                conns2.lock().insert(id, c);
+                                conns2.lock().insert(id, (c, idle.clone()));
                                 waiting.push_back(id);
                             }
                             // Out of descriptors: this one cannot be tracked, so not served.
@@ -219,6 +255,7 @@ impl TcpServer {
                                 (secret.is_some(), &limits),
                                 responder.as_deref(),
                                 &authenticated,
+                                &idle,
                             );
                             if let Err(e) = result {
                                 warnings.closed.warn(format_args!("closing transfer connection ({peer:?}): {e}"));
@@ -312,6 +349,7 @@ fn serve(
     (authenticated, limits): (bool, &ServeLimits),
     responder: Option<&dyn ControlResponder>,
     first_request: &dyn Fn(),
+    idle_since: &AtomicU64,
 ) -> Result<()> {
     let _ = conn.set_nodelay(true);
     // Kept for the connection's life (the handshake's timeouts end with it): a peer
@@ -336,7 +374,18 @@ fn serve(
     let _ = conn.set_read_timeout(Some(limits.idle_timeout));
     let mut have_header = !authenticated;
     loop {
-        let got = if std::mem::take(&mut have_header) { Ok(()) } else { r.read_exact(&mut header) };
+        let got = if std::mem::take(&mut have_header) {
+            Ok(())
+        } else {
+            // Waiting on the socket for the next request: the listener may close this
+            // connection to make room (`close_longest_idle`); the client redials.
+            if r.buffer().is_empty() {
+                idle_since.store(served_clock_ms(), Ordering::Relaxed);
+            }
+            let got = r.read_exact(&mut header);
+            idle_since.store(BUSY, Ordering::Relaxed);
+            got
+        };
         match got {
             Ok(()) => {}
             Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
@@ -977,31 +1026,38 @@ mod tests {
         false
     }
 
-    /// The listener serves at most `max_connections` at once: one more is refused
-    /// with a message (the served ones go on), a connection waiting for its first
-    /// request is closed to make room for a new one, and a closed one frees its
-    /// place.
+    /// The listener serves at most `max_connections` at once: a connection waiting
+    /// for its first request is closed to make room for a new one, else the one idle
+    /// longest between requests; only when every one is in a request is one more
+    /// refused with a message; a closed one frees its place.
     #[test]
     fn served_connections_are_capped() {
         let limits = ServeLimits { max_connections: 2, ..ServeLimits::default() };
-        let (_server, _regions, endpoint, _) = listener(limits);
+        let (_server, _regions, endpoint, region) = listener(limits);
         let mut first = served_connection(&endpoint);
         let waiting = TcpStream::connect(&endpoint).unwrap();
         assert_eq!(refusal(&endpoint), None, "room: the connection waiting for its first request goes");
         let mut buf = [0u8; 1];
         waiting.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
         assert_eq!((&waiting).read(&mut buf).unwrap_or(0), 0, "the waiting one was closed");
-        let _second = served_connection(&endpoint);
-        let refused = refusal(&endpoint).expect("a third connection is refused");
+        // Full of connections idle between requests (pooled): a new client takes the
+        // place of the one idle longest, which its client would dial again.
+        let second = served_connection(&endpoint);
+        let third = served_connection(&endpoint);
+        assert_eq!(first.read(&mut buf).unwrap_or(0), 0, "the connection idle longest was closed");
+        // Connections in a request (here: answers their clients do not read) keep
+        // their places: a new one is refused, with a message.
+        for s in [&second, &third] {
+            let h = RequestHeader { op: FrameOp::Read, request_id: 2, region, offset: 0, len: 64 << 20 };
+            let mut s = s;
+            s.write_all(&h.encode()).unwrap();
+        }
+        std::thread::sleep(Duration::from_millis(100));
+        let refused = refusal(&endpoint).expect("every connection in a request: refused");
         assert!(refused.contains("too many transfer connections"), "{refused}");
         let err = TcpTransport::new().control(&endpoint, FrameOp::Hello, 0).unwrap_err();
         assert!(matches!(&err, TransferError::Auth(m) if m.contains("too many")), "{err}");
-        // The served ones go on.
-        let h = RequestHeader { op: FrameOp::Hello, request_id: 2, region: 0, offset: 0, len: 0 };
-        first.write_all(&h.encode()).unwrap();
-        let mut head = [0u8; RESPONSE_HEADER_LEN + 4];
-        first.read_exact(&mut head).unwrap();
-        drop(first);
+        drop((second, third));
         assert!(eventually(|| refusal(&endpoint).is_none()), "a closed connection frees its place");
     }
 
@@ -1023,11 +1079,13 @@ mod tests {
         assert!(refusal(&endpoint).is_some(), "the stalled reader holds the only place");
         assert!(eventually(|| refusal(&endpoint).is_none()), "its answer's write timed out");
         drop(stalled);
+        // Alone (no new client wants its place), an idle connection is closed once
+        // idle for the timeout.
         let idle = served_connection(&endpoint);
-        assert!(refusal(&endpoint).is_some(), "the idle connection holds the only place");
-        assert!(eventually(|| refusal(&endpoint).is_none()), "closed once idle");
         let mut buf = [0u8; 1];
+        let since = std::time::Instant::now();
         assert_eq!((&idle).read(&mut buf).unwrap(), 0, "closed by the listener");
+        assert!(since.elapsed() >= Duration::from_millis(400), "not before its idle timeout");
     }
 
     /// Pooled connections the listener closed while idle are dialled again without
