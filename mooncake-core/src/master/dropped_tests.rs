@@ -306,3 +306,19 @@ fn the_room_of_a_put_whose_writer_was_forgotten_is_kept_a_put_timeout() {
     let dropped = Instant::now();
     quarantined_until(&master, c, dropped, PUT_TIMEOUT);
 }
+
+/// Quarantined room on a draining segment is freed at the next tick: nothing is
+/// placed there again, and the node's drain waits for its segments to hold nothing.
+#[test]
+fn the_room_of_a_dropped_put_on_a_draining_segment_is_freed_at_once() {
+    let (master, c) = one_room();
+    assert_eq!(room(&master, c, "a").unwrap(), 0);
+    master.put_revoke(c, "a").unwrap();
+    master.service().tick();
+    assert_eq!(master.stats().used_bytes, 4096, "quarantined");
+    let name =
+        master.segment_info(master.service().segments.read().by_id.keys().next().copied().unwrap()).unwrap().name;
+    master.drain_segment(&name, 60_000).unwrap();
+    master.service().tick();
+    assert_eq!(master.stats().used_bytes, 0, "a draining segment kept a dropped put's room");
+}

@@ -570,17 +570,34 @@ impl MasterService {
         }
     }
 
-    /// Frees the room of dropped puts whose quarantine is over at `now` (ms).
+    /// Frees the room of dropped puts whose quarantine is over at `now` (ms), and
+    /// at once the room on draining segments: nothing is placed there again, so late
+    /// bytes land where no object will be, and a drain waits for its node's
+    /// segments to hold nothing.
     pub(crate) fn free_quarantined(&self, now: u64) {
-        let freed: Vec<_> = {
+        if self.quarantined.lock().is_empty() {
+            return;
+        }
+        // Read before the queue's lock (taken alone, never with another).
+        let draining: Vec<SegmentId> =
+            self.segments.read().by_id.iter().filter(|(_, s)| s.draining).map(|(id, _)| *id).collect();
+        let mut freed: Vec<StoredReplica> = Vec::new();
+        {
             let mut q = self.quarantined.lock();
-            if q.is_empty() {
-                return;
-            }
-            let (freed, kept) = std::mem::take(&mut *q).into_iter().partition(|(until, _)| *until <= now);
-            *q = kept;
-            freed
-        };
+            q.retain_mut(|(until, replicas)| {
+                if *until <= now {
+                    freed.extend(replicas.drain(..));
+                    return false;
+                }
+                if !draining.is_empty() {
+                    let (gone, kept): (Vec<_>, Vec<_>) =
+                        replicas.drain(..).partition(|r| draining.contains(&r.segment()));
+                    freed.extend(gone);
+                    replicas.extend(kept);
+                }
+                !replicas.is_empty()
+            });
+        }
         // Freed once the lock is given up.
         drop(freed);
     }
