@@ -254,8 +254,7 @@ impl TcpServer {
                                 &host_id,
                                 (secret.is_some(), &limits),
                                 responder.as_deref(),
-                                &authenticated,
-                                &idle,
+                                (&authenticated, &idle),
                             );
                             if let Err(e) = result {
                                 warnings.closed.warn(format_args!("closing transfer connection ({peer:?}): {e}"));
@@ -348,8 +347,7 @@ fn serve(
     host_id: &str,
     (authenticated, limits): (bool, &ServeLimits),
     responder: Option<&dyn ControlResponder>,
-    first_request: &dyn Fn(),
-    idle_since: &AtomicU64,
+    (first_request, idle_since): (&dyn Fn(), &AtomicU64),
 ) -> Result<()> {
     let _ = conn.set_nodelay(true);
     // Kept for the connection's life (the handshake's timeouts end with it): a peer
