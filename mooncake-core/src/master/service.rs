@@ -91,13 +91,10 @@ pub struct MasterService {
     /// Cluster mode: the slot groups this master leads (unset: it answers every key).
     pub(super) ownership: std::sync::OnceLock<Arc<dyn crate::master::ownership::KeyOwnership>>,
     /// Cluster mode: until when (ms) each group taken over waits for its extents.
-    pub(super) group_recovering: Mutex<ahash::HashMap<u32, u64>>,
+    pub(super) group_recovering: Mutex<ahash::HashMap<u32, GroupRecovery>>,
     /// The latest `until` ever put in `group_recovering`: once it is past, no group
     /// recovers, and a put need not take the map's lock to learn it.
     pub(super) group_recovering_latest_ms: AtomicU64,
-    /// Cluster mode: groups taken over whose extents came back with objects since:
-    /// only there may a put of a missing key take a key a node still brings back.
-    pub(super) groups_bringing_objects: Mutex<ahash::HashSet<u32>>,
     /// Cluster mode: groups taken and given up.
     pub(super) cluster_counters: ClusterCounters,
     /// Placements clients hold ahead of their puts (`master/held.rs`).
@@ -174,7 +171,6 @@ impl Master {
             ownership: std::sync::OnceLock::new(),
             group_recovering: Default::default(),
             group_recovering_latest_ms: AtomicU64::new(0),
-            groups_bringing_objects: Default::default(),
             cluster_counters: Default::default(),
             held: Default::default(),
             drains: Default::default(),
@@ -223,4 +219,14 @@ fn spawn_monitor(service: &Arc<MasterService>) -> Result<()> {
         })
         .map(|_| ())
         .map_err(|e| Error::InvalidArgument(format!("cannot start the master monitor: {e}")))
+}
+
+/// A slot group this master took over, while its nodes re-mount its extents.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct GroupRecovery {
+    /// Until when (ms) a missing key of the group may still come back.
+    pub(crate) until_ms: u64,
+    /// An extent of the group came back with objects: only then may a put of a
+    /// missing key take a key a node still brings back (so it waits too).
+    pub(crate) objects_back: bool,
 }

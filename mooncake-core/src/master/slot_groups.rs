@@ -10,7 +10,7 @@ use mooncake_transfer::RemoteRegion;
 
 use crate::error::{Error, Result};
 use crate::master::ownership::KeyOwnership;
-use crate::master::service::MasterService;
+use crate::master::service::{GroupRecovery, MasterService};
 use crate::master::types::{ClientId, ObjectRecord};
 
 impl MasterService {
@@ -48,17 +48,7 @@ impl MasterService {
     /// Whether a missing `key` may still come back with a re-mounting node: the master
     /// restarted moments ago, or took the key's group over moments ago.
     pub(crate) fn recovering_key(&self, key: &str) -> bool {
-        if self.recovering() {
-            return true;
-        }
-        let Some(group) = self.placement_group(key) else { return false };
-        let now = self.now_ms();
-        // Every put asks (`claim_key`): the usual answer, no group recovering, without
-        // the lock every RPC thread would share.
-        if now >= self.group_recovering_latest_ms.load(Ordering::Relaxed) {
-            return false;
-        }
-        self.group_recovering.lock().get(&group).is_some_and(|&until| now < until)
+        self.recovering() || self.in_group_window(key, |_| true)
     }
 
     /// Whether a put of `key`, which the master does not hold, must wait: the key may
@@ -68,18 +58,27 @@ impl MasterService {
     /// once. (Until the first node with objects is back, a put may still take a key
     /// a later one brings back: the window opens with that node.)
     pub(crate) fn recovering_put(&self, key: &str) -> bool {
-        if self.recovering() {
-            return true;
-        }
+        self.recovering() || self.in_group_window(key, |r| r.objects_back)
+    }
+
+    /// Whether `key`'s group (cluster mode) is in its window after a takeover, and
+    /// that window is one `counts`.
+    fn in_group_window(&self, key: &str, counts: impl Fn(&GroupRecovery) -> bool) -> bool {
         let Some(group) = self.placement_group(key) else { return false };
-        self.recovering_key(key) && self.groups_bringing_objects.lock().contains(&group)
+        let now = self.now_ms();
+        // Every put asks (`claim_key`): the usual answer, no group recovering, without
+        // the lock every RPC thread would share.
+        if now >= self.group_recovering_latest_ms.load(Ordering::Relaxed) {
+            return false;
+        }
+        self.group_recovering.lock().get(&group).is_some_and(|r| now < r.until_ms && counts(r))
     }
 
     /// An extent of `group` came back with objects: puts of its missing keys wait
     /// for the rest of its window ([`recovering_put`](Self::recovering_put)).
     pub(crate) fn note_group_objects_back(&self, group: u32) {
-        if self.group_recovering.lock().contains_key(&group) {
-            self.groups_bringing_objects.lock().insert(group);
+        if let Some(r) = self.group_recovering.lock().get_mut(&group) {
+            r.objects_back = true;
         }
     }
 
@@ -98,7 +97,7 @@ impl MasterService {
     /// Whether any key may still come back with a re-mounting node.
     pub(crate) fn recovering_any(&self) -> bool {
         let now = self.now_ms();
-        self.recovering() || self.group_recovering.lock().values().any(|&until| now < until)
+        self.recovering() || self.group_recovering.lock().values().any(|r| now < r.until_ms)
     }
 
     /// This master now leads `group`: storage nodes will re-mount its extents with the
@@ -108,8 +107,7 @@ impl MasterService {
         // Whatever a call that raced the last release left of the group is stale.
         self.drop_group_state(group);
         let until = self.now_ms() + self.config.client_ttl.as_millis() as u64;
-        self.group_recovering.lock().insert(group, until);
-        self.groups_bringing_objects.lock().remove(&group);
+        self.group_recovering.lock().insert(group, GroupRecovery { until_ms: until, objects_back: false });
         self.group_recovering_latest_ms.fetch_max(until, Ordering::Relaxed);
         self.cluster_counters.groups_acquired.fetch_add(1, Ordering::Relaxed);
         tracing::info!(group, "slot group acquired: waiting for its extents");
@@ -120,7 +118,6 @@ impl MasterService {
     /// many objects were dropped.
     pub fn release_group(&self, group: u32) -> usize {
         self.group_recovering.lock().remove(&group);
-        self.groups_bringing_objects.lock().remove(&group);
         let dropped = self.drop_group_state(group);
         self.cluster_counters.groups_released.fetch_add(1, Ordering::Relaxed);
         tracing::info!(group, dropped, "slot group released");

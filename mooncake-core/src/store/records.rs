@@ -288,6 +288,19 @@ mod tests {
         out
     }
 
+    /// `updates` as they may arrive: every one at least once, then the ones `order`
+    /// picks again, each inserted anywhere (sent again, overtaken).
+    fn arrivals(updates: &[RecordUpdate], order: &[u16]) -> Vec<RecordUpdate> {
+        let mut arrivals = updates.to_vec();
+        for pick in order {
+            if !updates.is_empty() {
+                let u = updates[*pick as usize % updates.len()].clone();
+                arrivals.insert(*pick as usize % (arrivals.len() + 1), u);
+            }
+        }
+        arrivals
+    }
+
     fn state(r: &SegmentRecords) -> Vec<(u64, String)> {
         let mut v: Vec<(u64, String)> = r.snapshot().into_iter().map(|r| (r.offset, r.key)).collect();
         v.sort();
@@ -383,14 +396,7 @@ mod tests {
             let updates = updates_of(7, &changes);
             let in_order = SegmentRecords::new(7);
             in_order.apply(updates.clone());
-            // Every update at least once, then the `order` picks in any order.
-            let mut arrivals: Vec<RecordUpdate> = updates.clone();
-            for pick in &order {
-                if !updates.is_empty() {
-                    let u = updates[*pick as usize % updates.len()].clone();
-                    arrivals.insert(*pick as usize % (arrivals.len() + 1), u);
-                }
-            }
+            let mut arrivals = arrivals(&updates, &order);
             if foreign {
                 // Changes of another segment (an old mount) change nothing.
                 arrivals.extend(updates_of(8, &changes));
@@ -418,13 +424,7 @@ mod tests {
             in_order.apply(old.clone());
             in_order.set_segment(9);
             in_order.apply(updates.clone());
-            let mut arrivals: Vec<RecordUpdate> = updates.clone();
-            for pick in &order {
-                if !updates.is_empty() {
-                    let u = updates[*pick as usize % updates.len()].clone();
-                    arrivals.insert(*pick as usize % (arrivals.len() + 1), u);
-                }
-            }
+            let arrivals = arrivals(&updates, &order);
             let mounting = SegmentRecords::new(7);
             mounting.apply(old);
             mounting.begin_mount();
