@@ -473,8 +473,15 @@ fn a_drained_node_stays_draining_when_its_extents_move_to_a_new_master() {
     // A master joins: half the groups move to it, and the nodes mount those extents there.
     c.add_master();
     c.wait_balanced();
-    std::thread::sleep(Duration::from_millis(1500));
     let store = c.store();
+    // A moved extent is mounted at its new master placeable, then marked draining
+    // at once (what lands there meanwhile is drained): wait, however slow the
+    // machine, until each master marks exactly the 8 extents of the groups it leads
+    // (the old one released the moved groups, the new one marked all of its own).
+    let masters: Vec<RpcMasterClient> =
+        c.masters.iter().map(|(_, a, _)| RpcMasterClient::connect(a).unwrap()).collect();
+    let draining = || masters.iter().all(|m| m.drain_status(&node).is_ok_and(|s| s.segments == 8));
+    wait_until(Duration::from_secs(20), draining);
     let keys: Vec<String> = (0..200).map(|i| format!("after/{i}")).collect();
     for k in &keys {
         store.put(k, &payload(7, 4096)).unwrap();
