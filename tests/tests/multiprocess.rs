@@ -56,7 +56,12 @@ fn kill_9_of_a_storage_node_keeps_replicated_objects_and_never_returns_garbage()
         assert_eq!(c.get_bytes(&dir, &format!("two/{i}")).unwrap(), payload(i, 200_000), "two/{i}");
     }
     // After the TTL the dead node's replicas are gone: exact bytes or not found.
-    std::thread::sleep(Duration::from_millis(2500));
+    // The master forgets the node at a monitor tick past the TTL, later on a loaded
+    // machine (a stalled tick grants a fresh TTL): wait for it, then read.
+    support::wait_until(Duration::from_secs(20), || {
+        let status = c.status();
+        status.contains("\"expired_clients\": 1") && status.contains("\"segments\": 1")
+    });
     let mut lost = 0;
     for i in 0..8 {
         assert_eq!(c.get_bytes(&dir, &format!("two/{i}")).unwrap(), payload(i, 200_000));
@@ -115,7 +120,7 @@ fn a_killed_master_breaks_the_continuity_its_clients_check() {
     assert!(client.unchanged_since(mark), "calls go on over the connections opened before the mark");
     c.master.kill9();
     c.restart_master();
-    support::wait_until(Duration::from_secs(10), || client.exists("k").is_ok());
+    support::wait_until(Duration::from_secs(20), || client.exists("k").is_ok());
     assert!(!client.unchanged_since(mark), "the master restarted since the mark");
     let after = client.continuity_mark();
     assert!(client.unchanged_since(after));
@@ -147,7 +152,7 @@ fn serve_stops_cleanly_on_sigterm() {
     node.signal(libc_sig::SIGTERM);
     let code = node.wait(Duration::from_secs(10));
     assert_eq!(code, Some(0), "serve must exit 0 on SIGTERM");
-    support::wait_until(Duration::from_secs(5), || c.status().contains("\"segments\": 0"));
+    support::wait_until(Duration::from_secs(20), || c.status().contains("\"segments\": 0"));
 }
 
 mod libc_sig {

@@ -51,7 +51,13 @@ fn kill_9_during_offload_leaves_objects_intact_or_absent() {
 
     // Restart on the same directory; wait until the dead node's segment is dropped.
     let node2 = ssd_node(&cluster.master_addr, &dir, "1GiB");
-    std::thread::sleep(Duration::from_millis(2500));
+    // The dead node is forgotten at a monitor tick past its TTL (later on a loaded
+    // machine: a stalled tick grants a fresh TTL), and the new node announces what
+    // its SSD holds on its own thread: wait for both, however slow, before reading.
+    wait_until(Duration::from_secs(30), || cluster.status().contains("\"segments\": 1"));
+    wait_until(Duration::from_secs(30), || {
+        acked.iter().filter(|&&i| writer.exists(&format!("crash/{i}")).unwrap_or(false)).count() + 20 >= acked.len()
+    });
     let mut buf = vec![0u8; MIB];
     let (mut intact, mut absent) = (0, 0);
     for &i in &acked {

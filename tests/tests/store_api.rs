@@ -5,8 +5,12 @@ use std::time::Duration;
 
 use mooncake_core::{Error, Master, MasterConfig, ReplicateConfig, Store, MAX_KEY_LEN};
 
+/// The read lease of [`short_lease_master`]: short, but long enough that a loaded
+/// machine does not let it run out between a read and the call it must block.
+const SHORT_LEASE: Duration = Duration::from_millis(500);
+
 fn short_lease_master() -> Master {
-    Master::new(MasterConfig { default_lease: Duration::from_millis(50), ..Default::default() }).unwrap()
+    Master::new(MasterConfig { default_lease: SHORT_LEASE, ..Default::default() }).unwrap()
 }
 
 fn store_on(master: &Master, segment: u64) -> Store {
@@ -113,7 +117,7 @@ fn leases_block_remove_until_they_expire() {
     master.get_replica_list("k").unwrap();
     assert!(matches!(store.remove("k"), Err(Error::HasLease(_))));
     assert_eq!(master.stats().lease_refusals, 1);
-    std::thread::sleep(Duration::from_millis(80));
+    std::thread::sleep(SHORT_LEASE + Duration::from_millis(30));
     store.remove("k").unwrap();
     assert!(!store.exists("k").unwrap());
 }
@@ -130,7 +134,7 @@ fn remove_all_skips_leased_objects_and_counts() {
     master.get_replica_list("k7").unwrap();
     assert_eq!(store.remove_all().unwrap(), 8);
     assert!(store.exists("k3").unwrap() && store.exists("k7").unwrap());
-    std::thread::sleep(Duration::from_millis(80));
+    std::thread::sleep(SHORT_LEASE + Duration::from_millis(30));
     assert_eq!(store.remove_all().unwrap(), 2);
     assert_eq!(master.stats().objects, 0);
 }
