@@ -199,7 +199,16 @@ fn a_replicate_of_an_object_upserted_while_placing_is_refused() {
     std::thread::sleep(Duration::from_millis(300));
     m.upsert_start(a, "k", 4 * LEN, &on(&seg_a)).unwrap();
     m.upsert_end(a, "k", 2).unwrap();
-    let plan = m.offload_heartbeat(b, 256).unwrap();
+    // The placing thread asks for B's objects to go to its SSD once it runs: asked
+    // until it has, however late a loaded machine runs it.
+    let asked = std::time::Instant::now();
+    let plan = loop {
+        let plan = m.offload_heartbeat(b, 256).unwrap();
+        if !plan.tasks.is_empty() || asked.elapsed() > Duration::from_secs(20) {
+            break plan;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
     assert!(!plan.tasks.is_empty(), "B's objects were asked to go to its SSD");
     let items: Vec<(&str, u64, u32, u64)> =
         plan.tasks.iter().map(|t| (t.key.as_str(), t.len, t.checksum, t.generation)).collect();
