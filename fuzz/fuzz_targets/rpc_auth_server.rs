@@ -6,7 +6,7 @@
 //! the secret: what the server sends is its proof and at most a verdict of 0.
 #![no_main]
 
-use std::io::{Read, Write};
+use std::io::Read;
 use std::net::{Shutdown, TcpStream};
 use std::os::fd::AsFd;
 use std::sync::{Arc, LazyLock};

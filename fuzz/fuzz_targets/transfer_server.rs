@@ -5,7 +5,7 @@
 //! a region or a handshake.
 #![no_main]
 
-use std::io::{Read, Write};
+use std::io::Read;
 use std::net::{Shutdown, TcpStream};
 use std::os::fd::AsFd;
 use std::sync::{Arc, LazyLock};
