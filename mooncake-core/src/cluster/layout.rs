@@ -101,6 +101,7 @@ pub(crate) struct ConfigValue {
     pub groups: u32,
 }
 
+#[cfg(any(feature = "etcd", feature = "fuzzing"))]
 impl Layout {
     /// The slot group count the value of `config` sets: an error names the key and
     /// says what is wrong (not JSON of a config, or a count out of range).

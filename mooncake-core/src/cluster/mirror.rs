@@ -5,7 +5,6 @@ use etcd_client::{Compare, CompareOp, EventType, GetOptions, PutOptions, Txn, Tx
 
 use super::client::Etcd;
 use super::layout::{ConfigValue, Layout};
-use super::slots::validate_groups;
 use super::view::{Change, ClusterView};
 use crate::error::{Error, Result};
 
