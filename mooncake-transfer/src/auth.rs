@@ -228,6 +228,13 @@ impl SharedSecret {
         proved
     }
 
+    /// [`prove`](Self::prove) over any stream (the fuzz targets feed it a listener's
+    /// bytes); `dialed` as the socket's peer address would be.
+    #[cfg(feature = "fuzzing")]
+    pub fn prove_over_stream(&self, c: impl Read + Write, dialed: Option<&str>, peer: &str) -> Result<(), String> {
+        self.prove_over(c, dialed, peer)
+    }
+
     /// The connecting side's handshake over `c` (its read timeout set), to the
     /// listener dialed as `peer`, also known as `dialed` (the socket's peer
     /// address).

@@ -42,7 +42,7 @@ impl ShmInfo {
         p
     }
 
-    fn decode(p: &[u8]) -> Option<Self> {
+    pub(crate) fn decode(p: &[u8]) -> Option<Self> {
         let len = u64::from_le_bytes(p.get(0..8)?.try_into().ok()?);
         let pid = u32::from_le_bytes(p.get(8..12)?.try_into().ok()?);
         let fd = i32::from_le_bytes(p.get(12..16)?.try_into().ok()?);

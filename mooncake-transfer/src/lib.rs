@@ -55,6 +55,8 @@ pub mod checksum;
 mod engine;
 mod error;
 mod frame;
+#[cfg(feature = "fuzzing")]
+pub mod fuzzing;
 mod handshake;
 mod rdma;
 mod region;

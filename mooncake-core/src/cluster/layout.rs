@@ -101,6 +101,20 @@ pub(crate) struct ConfigValue {
     pub groups: u32,
 }
 
+#[cfg(any(feature = "etcd", feature = "fuzzing"))]
+impl Layout {
+    /// The slot group count the value of `config` sets: an error names the key and
+    /// says what is wrong (not JSON of a config, or a count out of range).
+    pub(crate) fn config_groups(&self, value: &[u8]) -> crate::error::Result<u32> {
+        let config: ConfigValue = serde_json::from_slice(value).map_err(|e| {
+            crate::error::Error::Coordination(format!("malformed cluster config {}: {e}", self.config()))
+        })?;
+        super::slots::validate_groups(config.groups)
+            .map_err(|e| crate::error::Error::Coordination(format!("cluster config {}: {e}", self.config())))?;
+        Ok(config.groups)
+    }
+}
+
 /// The value of `masters/<id>`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) struct MasterValue {

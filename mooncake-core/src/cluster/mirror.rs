@@ -5,7 +5,6 @@ use etcd_client::{Compare, CompareOp, EventType, GetOptions, PutOptions, Txn, Tx
 
 use super::client::Etcd;
 use super::layout::{ConfigValue, Layout};
-use super::slots::validate_groups;
 use super::view::{Change, ClusterView};
 use crate::error::{Error, Result};
 
@@ -47,11 +46,7 @@ pub(crate) async fn read_config(etcd: &Etcd, layout: &Layout) -> Result<Option<u
         })
         .await?;
     let Some(kv) = resp.kvs().first() else { return Ok(None) };
-    let config: ConfigValue = serde_json::from_slice(kv.value())
-        .map_err(|e| Error::Coordination(format!("malformed cluster config {}: {e}", layout.config())))?;
-    validate_groups(config.groups)
-        .map_err(|e| Error::Coordination(format!("cluster config {}: {e}", layout.config())))?;
-    Ok(Some(config.groups))
+    layout.config_groups(kv.value()).map(Some)
 }
 
 /// A view kept current by a watch.

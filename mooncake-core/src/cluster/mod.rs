@@ -32,7 +32,10 @@ mod credentials;
 mod failures;
 #[cfg(any(feature = "etcd", test))]
 mod fence;
-#[cfg(any(feature = "etcd", test))]
+#[cfg(feature = "fuzzing")]
+pub mod fuzzing;
+#[cfg(any(feature = "etcd", feature = "fuzzing", test))]
+#[cfg_attr(all(feature = "fuzzing", not(feature = "etcd")), allow(dead_code))]
 mod layout;
 #[cfg(feature = "etcd")]
 pub(crate) mod leadership;
@@ -45,7 +48,8 @@ mod mirror;
 #[cfg(any(feature = "etcd", test))]
 mod scheduler;
 mod slots;
-#[cfg(any(feature = "etcd", test))]
+#[cfg(any(feature = "etcd", feature = "fuzzing", test))]
+#[cfg_attr(all(feature = "fuzzing", not(feature = "etcd")), allow(dead_code))]
 mod view;
 #[cfg(feature = "etcd")]
 mod watcher;

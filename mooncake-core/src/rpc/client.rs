@@ -195,44 +195,8 @@ impl RpcMasterClient {
         // thread woken from sleep pays as much again as the round trip.
         // The stream type named: the solver does not infer it through the bounds
         // of the generic `Stream`'s `Read`.
-        let mut n = read_polling::<ClientSocket>(stream, buf, answer_spin())?;
-        while n < HEADER_LEN {
-            match (&*stream).read(&mut buf[n..]) {
-                Ok(0) => break,
-                Ok(k) => n += k,
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(e),
-            }
-        }
-        if n >= 4 && buf[..4] == AUTH_MAGIC {
-            return Err(refused("the master requires a shared secret and this client has none: set MOONCAKE_SECRET"));
-        }
-        if n >= 4 && buf[..4] == REFUSE_MAGIC {
-            return Err(refused(&format!(
-                "the master refused the connection: {}",
-                decode_refusal(&buf[4..n], &*stream)
-            )));
-        }
-        if n < HEADER_LEN {
-            return Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "the master closed the connection"));
-        }
-        let h = FrameHeader::decode(&buf[..HEADER_LEN], DEFAULT_MAX_FRAME)
-            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
-        let end = HEADER_LEN + h.body_len as usize;
-        if n > end {
-            // One request in flight per connection: nothing may follow its answer.
-            return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, "bytes after the answer"));
-        }
-        if end > buf.len() {
-            // A large answer (bounded by `DEFAULT_MAX_FRAME`); the buffer shrinks back
-            // when the connection returns to the pool.
-            buf.resize(end, 0);
-        }
-        (&*stream).read_exact(&mut buf[n..end])?;
-        if h.kind != FrameKind::Response || h.request_id != id {
-            return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, "response does not match the request"));
-        }
-        decode_body(&buf[HEADER_LEN..end]).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))
+        let n = read_polling::<ClientSocket>(stream, buf, answer_spin())?;
+        answer_from(buf, n, &*stream, id)
     }
 
     /// Sends `req` and returns the master's response: [`send`](Self::send), then
@@ -350,6 +314,80 @@ impl RpcMasterClient {
             _ => Some(Error::MasterUnavailable(format!("{}: {e}", self.addr))),
         }
     }
+}
+
+/// The answer to request `id`: `buf` holds the `n` bytes of it read so far (at
+/// least one header's worth of room), `stream` the rest. The master's bytes are
+/// judged here: a refusal, a header within [`DEFAULT_MAX_FRAME`], one answer and
+/// nothing after it, a body that decodes.
+fn answer_from(buf: &mut Vec<u8>, mut n: usize, mut stream: impl Read, id: u64) -> std::io::Result<Response> {
+    while n < HEADER_LEN {
+        match stream.read(&mut buf[n..]) {
+            Ok(0) => break,
+            Ok(k) => n += k,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    if n >= 4 && buf[..4] == AUTH_MAGIC {
+        return Err(refused("the master requires a shared secret and this client has none: set MOONCAKE_SECRET"));
+    }
+    if n >= 4 && buf[..4] == REFUSE_MAGIC {
+        return Err(refused(&format!("the master refused the connection: {}", decode_refusal(&buf[4..n], stream))));
+    }
+    if n < HEADER_LEN {
+        return Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "the master closed the connection"));
+    }
+    let h = FrameHeader::decode(&buf[..HEADER_LEN], DEFAULT_MAX_FRAME)
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
+    let end = HEADER_LEN + h.body_len as usize;
+    if n > end {
+        // One request in flight per connection: nothing may follow its answer.
+        return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, "bytes after the answer"));
+    }
+    if end > buf.len() {
+        // A large answer (bounded by `DEFAULT_MAX_FRAME`); the buffer shrinks back
+        // when the connection returns to the pool.
+        buf.resize(end, 0);
+    }
+    stream.read_exact(&mut buf[n..end])?;
+    if h.kind != FrameKind::Response || h.request_id != id {
+        return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, "response does not match the request"));
+    }
+    decode_body(&buf[HEADER_LEN..end]).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))
+}
+
+/// The answer a client makes of a master's `bytes` to request `id`, read as
+/// `RpcMasterClient` reads one: the first `first` bytes in one read, then the rest
+/// (for the fuzz targets).
+#[cfg(feature = "fuzzing")]
+pub fn decode_answer(bytes: &[u8], first: usize, id: u64) -> std::io::Result<Response> {
+    let first = first.min(bytes.len()).min(READ_BUFFER);
+    let mut buf = vec![0u8; READ_BUFFER];
+    buf[..first].copy_from_slice(&bytes[..first]);
+    answer_from(&mut buf, first, &bytes[first..], id)
+}
+
+/// What a call of `RpcMasterClient` returns for the decoded `response` (as `Debug`
+/// text), `items` being the batch it asked about when the call is a batch call (for
+/// the fuzz targets: turning any answer, an error's included, into a result).
+#[cfg(feature = "fuzzing")]
+pub fn answer_result(response: Response, items: Option<usize>) -> String {
+    macro_rules! answer_results {
+        ($( $(#[$doc:meta])* $variant:ident => fn $name:ident ( $( $arg:ident : $ty:ty => $wire:ty ),* $(,)? ) -> $ret:ty
+        => $route:ident $( ( $($how:tt)* ) )? $( + $hook:ident )?; )*) => {
+            match response {
+                $(
+                    Response::$variant(wire) => {
+                        let items = if <$ret as WireReturn>::BATCH { items } else { None };
+                        format!("{:?}", <$ret as WireReturn>::from_wire(wire, items))
+                    }
+                )*
+                other => format!("{:?}", unexpected(other)),
+            }
+        };
+    }
+    master_calls!(answer_results)
 }
 
 /// What asking a local server for its Unix socket came to.

@@ -21,6 +21,8 @@ pub mod wire;
 #[cfg(not(feature = "fuzzing"))]
 pub(crate) mod wire;
 
+#[cfg(feature = "fuzzing")]
+pub use client::{answer_result, decode_answer};
 pub use client::{record_endpoint_secret, RpcMasterClient, RpcRecordConnector, RECORD_KEY_LEN};
 #[cfg(feature = "etcd")]
 pub(crate) use client::{unexpected, Sent};
