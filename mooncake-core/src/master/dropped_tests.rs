@@ -262,6 +262,73 @@ fn quarantined_until(master: &Master, client: ClientId, dropped: Instant, hold: 
     assert_eq!(room(master, client, "next").unwrap(), 0, "the quarantine did not end");
 }
 
+/// The room of a dropped upsert of "a" stays used, in no object (the master holds
+/// "a" alone), until its quarantine, `hold` from `dropped`, is over. (Not probed by
+/// placing: a put would evict "a" for room.)
+fn upsert_room_kept_until(master: &Master, client: ClientId, dropped: Instant, hold: Duration) {
+    master.service().tick();
+    if dropped.elapsed() < hold {
+        let stats = master.stats();
+        assert_eq!((stats.used_bytes, stats.objects), (2 * 4096, 1), "a dropped upsert's room was freed");
+    }
+    tick_after(master, client, (hold + Duration::from_millis(50)).saturating_sub(dropped.elapsed()));
+    assert_eq!(master.stats().used_bytes, 4096, "the quarantine did not end");
+}
+
+/// A master as [`one_room`]'s with 16 rooms (used little: nothing is evicted), "a"
+/// put in the first, complete.
+fn a_and_rooms_to_spare() -> (Master, ClientId) {
+    let master = Master::new(MasterConfig {
+        client_ttl: TTL,
+        put_timeout: PUT_TIMEOUT,
+        monitor_interval: Duration::from_secs(3600),
+        ..Default::default()
+    })
+    .unwrap();
+    let n = node_of(&master, "n", 16 * 4096);
+    assert_eq!(room(&master, n.client, "a").unwrap(), 0);
+    master.put_end(n.client, "a", 1).unwrap();
+    (master, n.client)
+}
+
+/// Where an upsert of "a" (4 KiB) by `client` places its new bytes.
+fn upsert_room(master: &Master, client: ClientId) -> u64 {
+    master.upsert_start(client, "a", 4096, &ReplicateConfig::default()).unwrap()[0].offset
+}
+
+#[test]
+fn the_room_of_a_revoked_upsert_is_kept_a_client_ttl() {
+    let (master, c) = a_and_rooms_to_spare();
+    assert_eq!(upsert_room(&master, c), 4096);
+    master.upsert_revoke(c, "a").unwrap();
+    let dropped = Instant::now();
+    assert_eq!(master.stats().used_bytes, 2 * 4096, "a revoked upsert's room was freed at once");
+    // Still kept past a put timeout.
+    tick_after(&master, c, PUT_TIMEOUT);
+    upsert_room_kept_until(&master, c, dropped, TTL);
+}
+
+#[test]
+fn the_room_of_an_upsert_whose_time_ran_out_is_kept_a_put_timeout() {
+    let (master, c) = a_and_rooms_to_spare();
+    assert_eq!(upsert_room(&master, c), 4096);
+    std::thread::sleep(PUT_TIMEOUT + Duration::from_millis(20));
+    // A read of the object takes the abandoned upsert out of it.
+    master.get_replica_list("a").unwrap();
+    let dropped = Instant::now();
+    upsert_room_kept_until(&master, c, dropped, PUT_TIMEOUT);
+}
+
+#[test]
+fn the_room_of_an_upsert_whose_writer_was_forgotten_is_kept_a_put_timeout() {
+    let (master, c) = a_and_rooms_to_spare();
+    let writer = master.register_client().unwrap().client;
+    assert_eq!(upsert_room(&master, writer), 4096);
+    master.unregister_client(writer).unwrap();
+    let dropped = Instant::now();
+    upsert_room_kept_until(&master, c, dropped, PUT_TIMEOUT);
+}
+
 #[test]
 fn the_room_of_a_revoked_put_is_kept_a_client_ttl() {
     let (master, c) = one_room();

@@ -10,7 +10,7 @@ use mooncake_alloc::{AllocatedBuffer, AllocationError, AllocationRequest, Segmen
 use crate::config::{check_key, check_value_len, ReplicateConfig};
 use crate::error::{Error, Result};
 use crate::master::eviction::above_watermark;
-use crate::master::object::{ObjectEntry, Shard, StoredReplica};
+use crate::master::object::{ObjectEntry, Replicas, Shard, StoredReplica};
 use crate::master::record_link::RecordWait;
 use crate::master::service::MasterService;
 use crate::master::types::*;
@@ -563,10 +563,25 @@ impl MasterService {
     /// once the time is up ([`free_quarantined`](Self::free_quarantined)). Counted in
     /// `used_bytes`, as held placements are, in no object's bytes.
     pub(crate) fn quarantine_put(&self, e: &mut ObjectEntry, hold: std::time::Duration) {
-        let replicas = std::mem::take(&mut e.replicas);
+        self.quarantine_replicas(std::mem::take(&mut e.replicas), hold);
+    }
+
+    /// Keeps `replicas`, dropped while their writer may still be writing them,
+    /// allocated for `hold` more, out of every object's reach (see
+    /// [`quarantine_put`](Self::quarantine_put)).
+    pub(crate) fn quarantine_replicas(&self, replicas: Replicas, hold: std::time::Duration) {
         let hold_ms = hold.as_millis() as u64;
         if !replicas.is_empty() && hold_ms > 0 {
             self.quarantined.lock().push((self.now_ms() + hold_ms, replicas));
+        }
+    }
+
+    /// The replicas of an upsert whose writer's time ran out, taken out of its object
+    /// ([`ObjectEntry::tidy_upsert`]), kept a put timeout as a reclaimed put's room is:
+    /// its writer may still be writing them.
+    pub(crate) fn quarantine_abandoned_upsert(&self, abandoned: Option<Replicas>) {
+        if let Some(replicas) = abandoned {
+            self.quarantine_replicas(replicas, self.config.put_timeout);
         }
     }
 
@@ -648,7 +663,8 @@ impl MasterService {
         let mut shard = self.index.shard(key).lock();
         match shard.get_mut(key) {
             Some(e) if e.complete() => {
-                e.lease(now, lease.as_millis() as u64);
+                let abandoned = e.lease(now, lease.as_millis() as u64);
+                self.quarantine_abandoned_upsert(abandoned);
                 e.last_access_ms = now;
                 Ok(ReplicaList {
                     len: e.len(),
@@ -916,7 +932,8 @@ impl MasterService {
         }
         // Sources must stay put while the client copies from them: the copy is a
         // read, released by `replicate_end`.
-        e.lease(now, self.config.put_timeout.as_millis() as u64);
+        let abandoned = e.lease(now, self.config.put_timeout.as_millis() as u64);
+        self.quarantine_abandoned_upsert(abandoned);
         let sources = e.replicas.iter().filter(|r| r.complete()).map(|r| r.memory(e.len())).collect();
         let targets = bufs.iter().map(MemoryReplica::of).collect();
         e.replicas.extend(bufs.into_iter().map(|buf| StoredReplica::new(buf, false)));

@@ -69,9 +69,9 @@ pub struct MasterService {
     /// Replicas of upserts whose object went away under them (its last replica's
     /// node was lost, its disk replica evicted) while their writer may still be
     /// writing them: held, so that their space is not given to another object
-    /// meanwhile, until the upsert's deadline (`put_timeout`); then the monitor frees
-    /// them. (The writer's `upsert_end` answers `NotFound`, and `Store::upsert` starts
-    /// again.)
+    /// meanwhile, until the upsert's deadline (`put_timeout`); then the monitor moves
+    /// them to `quarantined` for a put timeout more. (The writer's `upsert_end`
+    /// answers `NotFound`, and `Store::upsert` starts again.)
     pub(super) orphaned_upserts: Mutex<Vec<(u64, crate::master::object::Replicas)>>,
     /// The room of puts dropped before their end while their writers may still be
     /// writing there (revoked, reclaimed after `put_timeout`, their writer

@@ -40,12 +40,13 @@ enum Found {
 }
 
 impl MasterService {
-    /// Keeps the replicas of an upsert still under way on `e` (about to be removed):
-    /// its writer may be writing them, so their space is held until the upsert's
-    /// deadline (see `orphaned_upserts`).
+    /// Keeps the replicas of an upsert under way on `e` (about to be removed): its
+    /// writer may be writing them, so their space is held until the upsert's
+    /// deadline (see `orphaned_upserts`); an abandoned one's, a put timeout more.
     pub(crate) fn hold_orphaned_upsert(&self, e: &mut ObjectEntry, now: u64) {
-        if let Some(held) = e.take_staged_replicas(now) {
-            self.orphaned_upserts.lock().push(held);
+        match e.take_staged_replicas() {
+            Some((until, replicas)) if until > now => self.orphaned_upserts.lock().push((until, replicas)),
+            abandoned => self.quarantine_abandoned_upsert(abandoned.map(|(_, replicas)| replicas)),
         }
     }
 
@@ -56,7 +57,7 @@ impl MasterService {
         for key in keys {
             let mut shard = self.index.shard(&key).lock();
             if let Some(e) = shard.get_mut(&key) {
-                e.tidy_upsert(now);
+                self.quarantine_abandoned_upsert(e.tidy_upsert(now));
                 if e.has_retired() {
                     left.push(key);
                 }
@@ -65,9 +66,19 @@ impl MasterService {
         self.retiring.lock().extend(left);
     }
 
-    /// Frees the held replicas of orphaned upserts whose deadline passed.
+    /// Moves the held replicas of orphaned upserts whose deadline passed into the
+    /// quarantine of abandoned ones (a put timeout more: their writer may still be
+    /// writing them).
     pub(crate) fn free_orphaned_upserts(&self, now: u64) {
-        self.orphaned_upserts.lock().retain(|(until, _)| *until > now);
+        let due: Vec<Replicas> = {
+            let mut held = self.orphaned_upserts.lock();
+            let (due, kept): (Vec<_>, Vec<_>) = held.drain(..).partition(|(until, _)| *until <= now);
+            *held = kept;
+            due.into_iter().map(|(_, replicas)| replicas).collect()
+        };
+        for replicas in due {
+            self.quarantine_abandoned_upsert(Some(replicas));
+        }
     }
 
     /// Phase one of an upsert: reserves up to `cfg.replica_num` buffers of `len`
@@ -121,7 +132,7 @@ impl MasterService {
             return Err(Error::AlreadyExists(format!("{key} (an upsert of it is in progress)")));
         }
         // An upsert whose writer gave up leaves its replicas to be freed here.
-        e.tidy_upsert(now);
+        self.quarantine_abandoned_upsert(e.tidy_upsert(now));
         let id = rand::random::<u64>();
         e.extra.get_or_insert_with(Default::default).staged = Some(StagedUpsert {
             owner: client,
@@ -165,7 +176,7 @@ impl MasterService {
                 if let Some(u) = e.extra.as_deref_mut() {
                     u.staged = None;
                 }
-                e.tidy_upsert(now);
+                self.quarantine_abandoned_upsert(e.tidy_upsert(now));
                 return Err(err);
             }
         };
@@ -221,7 +232,7 @@ impl MasterService {
             new.retain(|r| segments.by_id.contains_key(&r.segment()));
         }
         if new.is_empty() {
-            e.tidy_upsert(now);
+            self.quarantine_abandoned_upsert(e.tidy_upsert(now));
             return Err(Error::NotFound(format!("{key} (the segments of the upsert are gone)")));
         }
         for r in &mut new {
@@ -249,7 +260,7 @@ impl MasterService {
         if let Some(pin) = staged.soft_pin {
             e.set_soft_pin(pin, staged.soft_pin_ttl_ms);
         }
-        e.tidy_upsert(now);
+        self.quarantine_abandoned_upsert(e.tidy_upsert(now));
         wait.merge(self.note_added(key, e, None));
         let first = e.replicas.first().map(|r| r.segment());
         drop(shard);
@@ -257,7 +268,9 @@ impl MasterService {
         Ok(wait)
     }
 
-    /// Abandons an upsert: its new replicas are freed; the object keeps its value.
+    /// Abandons an upsert: the object keeps its value; the upsert's new replicas are
+    /// freed a client TTL later, as a revoked put's room is (bytes its writer sent
+    /// may still land there).
     pub fn upsert_revoke(&self, client: ClientId, key: &str) -> Result<()> {
         let now = self.now_ms();
         let mut shard = self.index.shard(key).lock();
@@ -268,8 +281,12 @@ impl MasterService {
             return self.put_revoke(client, key);
         }
         let staged = e.extra.as_deref_mut().and_then(|u| u.staged.take_if(|s| s.owner == client));
-        e.tidy_upsert(now);
-        staged.map(drop).ok_or_else(|| no_upsert(key))
+        self.quarantine_abandoned_upsert(e.tidy_upsert(now));
+        let staged = staged.ok_or_else(|| no_upsert(key))?;
+        // As a revoked put's room (see `put_revoke`): bytes its writer sent may still
+        // be on their way to a paused node.
+        self.quarantine_replicas(staged.replicas, self.config.client_ttl);
+        Ok(())
     }
 
     /// [`upsert_start`](Self::upsert_start) for many keys; one result per key.
@@ -302,9 +319,11 @@ impl MasterService {
         for shard in self.index.shards() {
             shard.lock().for_each_mut(|_, e| {
                 let Some(u) = e.extra.as_deref_mut() else { return };
-                if u.staged.as_ref().is_some_and(|s| s.owner == client) {
-                    u.staged = None;
-                    e.tidy_upsert(now);
+                if let Some(staged) = u.staged.take_if(|s| s.owner == client) {
+                    // As the room of a put whose writer was forgotten: its bytes may
+                    // still be on their way.
+                    self.quarantine_replicas(staged.replicas, self.config.put_timeout);
+                    self.quarantine_abandoned_upsert(e.tidy_upsert(now));
                 }
             });
         }

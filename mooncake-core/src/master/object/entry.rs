@@ -121,7 +121,8 @@ pub(crate) struct StagedUpsert {
     /// Length of the new value.
     pub(crate) len: u64,
     /// Until when the writer may end it (`put_timeout` after it started); then it is
-    /// abandoned and its replicas freed at the next occasion.
+    /// abandoned, and its replicas are taken out at the next occasion and kept a put
+    /// timeout more (its writer may still be writing them) before they are freed.
     pub(crate) until_ms: u64,
     /// Pin state the object takes when the upsert ends (`None`: the one it has).
     pub(crate) soft_pin: Option<bool>,
@@ -283,42 +284,60 @@ impl ObjectEntry {
     /// One more read in flight, for at most `ttl_ms`. Reads whose lease ran out were
     /// never released (their client died): they no longer count.
     /// Only complete objects are read (the field holds the owner before).
-    pub(crate) fn lease(&mut self, now_ms: u64, ttl_ms: u64) {
+    /// Returns the replicas of an upsert whose writer gave up, as
+    /// [`tidy_upsert`](Self::tidy_upsert) does.
+    #[must_use = "an abandoned upsert's replicas are quarantined, not dropped"]
+    pub(crate) fn lease(&mut self, now_ms: u64, ttl_ms: u64) -> Option<Replicas> {
         debug_assert!(self.complete, "only complete objects are leased");
         if !self.complete {
-            return;
+            return None;
         }
         if self.holder <= now_ms {
             self.readers = 0;
         }
-        self.tidy_upsert(now_ms);
+        let abandoned = self.tidy_upsert(now_ms);
         self.readers = self.readers.saturating_add(1);
         self.holder = self.holder.max(now_ms + ttl_ms);
+        abandoned
     }
 
     /// One read in flight less.
     pub(crate) fn release(&mut self) {
         self.readers = self.readers.saturating_sub(1);
         if self.readers == 0 {
-            self.tidy_upsert(0);
+            self.drop_retired(0);
+            self.tidy_extra();
         }
     }
 
     /// Frees what an upsert left behind that nothing can use anymore: replaced
     /// replicas (all of them when no read is in flight, else those whose readers'
-    /// leases ran out by `now_ms`), and an upsert whose writer gave up (its time ran
-    /// out by `now_ms`).
-    pub(crate) fn tidy_upsert(&mut self, now_ms: u64) {
+    /// leases ran out by `now_ms`); and takes out an upsert whose writer gave up (its
+    /// time ran out by `now_ms`), returning its replicas: its writer may still be
+    /// writing them, so the master keeps them out of every object's reach a while
+    /// (`quarantine_abandoned_upsert`) instead of freeing them here.
+    #[must_use = "an abandoned upsert's replicas are quarantined, not dropped"]
+    pub(crate) fn tidy_upsert(&mut self, now_ms: u64) -> Option<Replicas> {
+        self.drop_retired(now_ms);
+        let abandoned = self
+            .extra
+            .as_deref_mut()
+            .and_then(|u| u.staged.take_if(|s| s.until_ms <= now_ms))
+            .map(|s| s.replicas)
+            .filter(|r| !r.is_empty());
+        self.tidy_extra();
+        abandoned
+    }
+
+    /// Frees the replaced replicas no read can use anymore (see
+    /// [`tidy_upsert`](Self::tidy_upsert)).
+    fn drop_retired(&mut self, now_ms: u64) {
         let Some(u) = self.extra.as_deref_mut() else { return };
         if self.readers == 0 {
             u.retired.clear();
         } else {
             u.retired.retain(|(until, _)| *until > now_ms);
         }
-        if u.staged.as_ref().is_some_and(|s| s.until_ms <= now_ms) {
-            u.staged = None;
-        }
-        self.tidy_extra();
     }
 
     /// Whether the entry holds retired replicas (see [`tidy_upsert`](Self::tidy_upsert)).
@@ -326,13 +345,13 @@ impl ObjectEntry {
         self.extra.as_deref().is_some_and(|x| !x.retired.is_empty())
     }
 
-    /// Takes the replicas of an upsert still under way (its writer may be writing
-    /// them), with the time its writer may write until; an abandoned one's are
-    /// dropped (freed). For an entry about to be removed.
-    pub(crate) fn take_staged_replicas(&mut self, now_ms: u64) -> Option<(u64, Replicas)> {
+    /// Takes the replicas of an upsert under way or abandoned (its writer may be
+    /// writing them), with the time its writer may write until. For an entry about
+    /// to be removed.
+    pub(crate) fn take_staged_replicas(&mut self) -> Option<(u64, Replicas)> {
         let staged = self.extra.as_deref_mut()?.staged.take()?;
         self.tidy_extra();
-        (staged.until_ms > now_ms).then_some((staged.until_ms, staged.replicas))
+        (!staged.replicas.is_empty()).then_some((staged.until_ms, staged.replicas))
     }
 
     /// The upsert in progress, if its writer's time has not run out at `now_ms`.
@@ -370,7 +389,7 @@ mod tests {
         e.mark_complete();
         assert_eq!((e.owner(), e.lease_until_ms()), (None, 0));
         assert!(!e.leased(100));
-        e.lease(100, 50);
+        assert!(e.lease(100, 50).is_none());
         assert_eq!((e.readers, e.lease_until_ms()), (1, 150));
         assert!(e.leased(149) && !e.leased(150));
         e.release();
