@@ -320,6 +320,26 @@ fn the_room_of_an_upsert_whose_time_ran_out_is_kept_a_put_timeout() {
 }
 
 #[test]
+fn the_room_of_an_abandoned_upsert_of_a_removed_object_is_kept_a_put_timeout() {
+    let (master, c) = a_and_rooms_to_spare();
+    assert_eq!(upsert_room(&master, c), 4096);
+    std::thread::sleep(PUT_TIMEOUT + Duration::from_millis(20));
+    master.remove("a").unwrap();
+    let dropped = Instant::now();
+    master.service().tick();
+    if dropped.elapsed() < PUT_TIMEOUT {
+        let stats = master.stats();
+        assert_eq!(
+            (stats.used_bytes, stats.objects),
+            (4096, 0),
+            "an abandoned upsert's room was freed with its object"
+        );
+    }
+    tick_after(&master, c, (PUT_TIMEOUT + Duration::from_millis(50)).saturating_sub(dropped.elapsed()));
+    assert_eq!(master.stats().used_bytes, 0, "the quarantine did not end");
+}
+
+#[test]
 fn the_room_of_an_upsert_whose_writer_was_forgotten_is_kept_a_put_timeout() {
     let (master, c) = a_and_rooms_to_spare();
     let writer = master.register_client().unwrap().client;

@@ -192,6 +192,8 @@ impl MasterService {
                         // Its offload may still be written, unknown to us.
                         self.tombstones.linger(k);
                     }
+                    // An abandoned upsert's replicas (a live one leases the object).
+                    self.hold_orphaned_upsert(e, now);
                     false
                 });
             }

@@ -791,9 +791,11 @@ impl MasterService {
             }
             Some(e) if e.complete() => {
                 let mut wait = RecordWait::default();
-                if let Some(e) = shard.remove(key) {
+                if let Some(mut e) = shard.remove(key) {
                     wait = self.note_removed(key, &e.replicas);
                     self.release_disk(key, &e, &mut wait);
+                    // An abandoned upsert's replicas (a live one would have leased it).
+                    self.hold_orphaned_upsert(&mut e, now);
                 }
                 drop(shard);
                 // Older copies evicted from nodes not told yet: acknowledged only once
