@@ -308,11 +308,11 @@ struct Timing {
     p50: f64,
 }
 
-/// The calls of `f` over `iters` calls, `undo` run after each outside the clock.
 /// Untimed calls before a timed loop (the Python bench, `gpu_pointers.py`, makes as
 /// many, so that the two compare the same steady state).
 const WARM_UP: usize = 5;
 
+/// The calls of `f` over `iters` calls, `undo` run after each outside the clock.
 fn timed(
     iters: usize,
     mut f: impl FnMut(usize) -> Result<(), Box<dyn std::error::Error>>,

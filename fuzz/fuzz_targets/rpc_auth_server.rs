@@ -53,7 +53,7 @@ fuzz_target!(|data: &[u8]| {
         c.read_exact(&mut greeting).expect("the server's greeting");
         assert_eq!(greeting[..4], AUTH_MAGIC);
     }
-    // In pieces of 1 to 64 bytes, so that the server sees partial hellos and proofs.
+    // In pieces of 1 to 127 bytes, so that the server sees partial hellos and proofs.
     let piece = usize::from(how >> 1).max(1);
     for chunk in data.chunks(piece) {
         let mut sent = 0;

@@ -26,7 +26,7 @@ fuzz_target!(|data: &[u8]| {
         [usize::from(status % 4)];
     let (hello, info) = shm_answers(status, payload, 5);
     if let Ok(host) = hello {
-        assert_eq!(host.as_bytes(), payload);
+        assert_eq!((status, host.as_bytes()), (FrameStatus::Ok, payload));
     }
     match info {
         Ok(i) => {

@@ -81,8 +81,13 @@ pub(crate) trait ControlResponder: Send + Sync {
 
 /// The host identity the peer at `endpoint` reports.
 pub(crate) fn hello(via: &impl ControlChannel, endpoint: &str) -> Result<String> {
-    let (_, payload) = via.control(endpoint, FrameOp::Hello, 0)?;
-    String::from_utf8(payload).map_err(|_| TransferError::Protocol("host id is not UTF-8".into()))
+    match via.control(endpoint, FrameOp::Hello, 0)? {
+        (FrameStatus::Ok, payload) => {
+            String::from_utf8(payload).map_err(|_| TransferError::Protocol("host id is not UTF-8".into()))
+        }
+        // A refusal's payload is no host identity (taken as one, it could pass for ours).
+        (status, _) => Err(TransferError::Protocol(format!("peer answered the hello with {status:?}"))),
+    }
 }
 
 /// How to map region `region` of the peer at `endpoint`.
@@ -138,6 +143,8 @@ mod tests {
 
         let bad_utf8 = Scripted(vec![(FrameOp::Hello, FrameStatus::Ok, vec![0xff, 0xfe])]);
         assert!(matches!(hello(&bad_utf8, "peer:1"), Err(TransferError::Protocol(_))));
+        let refused = Scripted(vec![(FrameOp::Hello, FrameStatus::Refused, b"other-host".to_vec())]);
+        assert!(matches!(hello(&refused, "peer:1"), Err(TransferError::Protocol(_))));
         let unknown = Scripted(vec![(FrameOp::ShmInfo, FrameStatus::UnknownRegion, vec![])]);
         assert_eq!(
             shm_info(&unknown, "peer:1", 5).err(),

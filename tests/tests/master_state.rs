@@ -195,12 +195,10 @@ fn a_replicate_of_an_object_upserted_while_placing_is_refused() {
         let (m, seg_a, seg_b) = (m.clone(), seg_a.clone(), seg_b.clone());
         std::thread::spawn(move || m.replicate_start(a, "k", &replicas(2, &[&seg_a, &seg_b])))
     };
-    // The placement waits for B's objects to reach B's SSD before it evicts them.
+    // The placement waits for B's objects to reach B's SSD before it evicts them:
+    // it asks for them once it runs (asked for until then, however late a loaded
+    // machine runs it), and the upsert comes while it waits.
     std::thread::sleep(Duration::from_millis(300));
-    m.upsert_start(a, "k", 4 * LEN, &on(&seg_a)).unwrap();
-    m.upsert_end(a, "k", 2).unwrap();
-    // The placing thread asks for B's objects to go to its SSD once it runs: asked
-    // until it has, however late a loaded machine runs it.
     let asked = std::time::Instant::now();
     let plan = loop {
         let plan = m.offload_heartbeat(b, 256).unwrap();
@@ -210,6 +208,8 @@ fn a_replicate_of_an_object_upserted_while_placing_is_refused() {
         std::thread::sleep(Duration::from_millis(20));
     };
     assert!(!plan.tasks.is_empty(), "B's objects were asked to go to its SSD");
+    m.upsert_start(a, "k", 4 * LEN, &on(&seg_a)).unwrap();
+    m.upsert_end(a, "k", 2).unwrap();
     let items: Vec<(&str, u64, u32, u64)> =
         plan.tasks.iter().map(|t| (t.key.as_str(), t.len, t.checksum, t.generation)).collect();
     m.notify_offload_success(b, &items);
