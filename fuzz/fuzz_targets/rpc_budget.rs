@@ -75,7 +75,8 @@ fuzz_target!(|data: &[u8]| {
     let pool = DecodePool::new(usize::from(*pool_kib) << 12);
     let access = Some(PoolAccess { pool: &pool, wait: None });
 
-    let (request, peak) = peak_of(|| decode_request(body, limits, access).map(|(r, held)| (r, held.items(), held.charged())));
+    let (request, peak) =
+        peak_of(|| decode_request(body, limits, access).map(|(r, held)| (r, held.items(), held.charged())));
     assert!(peak <= limits.max_bytes + SLACK, "request: {peak} bytes held under {limits:?}");
     match request {
         Ok((request, items, charged)) => {

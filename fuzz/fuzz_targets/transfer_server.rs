@@ -13,8 +13,8 @@ use std::time::Duration;
 
 use libfuzzer_sys::fuzz_target;
 use mooncake_transfer::{
-    send_no_signal, FrameStatus, RegisteredRegion, ResponseHeader, TransferEngine, MAX_HANDSHAKE_BYTES,
-    REFUSE_MAGIC, RESPONSE_HEADER_LEN,
+    send_no_signal, FrameStatus, RegisteredRegion, ResponseHeader, TransferEngine, MAX_HANDSHAKE_BYTES, REFUSE_MAGIC,
+    RESPONSE_HEADER_LEN,
 };
 
 /// Bytes of each registered region.

@@ -26,6 +26,7 @@ mod store;
 mod tasks;
 mod tensor;
 mod tensor_api;
+mod tensor_meta;
 
 /// The classes written in Python (`BufferHandle`, `MooncakeDistributedStoreAsync`).
 const EXTRAS: &str = include_str!("extras.py");
