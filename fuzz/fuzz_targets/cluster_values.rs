@@ -54,6 +54,20 @@ fuzz_target!(|data: &[u8]| {
         assert!(g < 4);
         let _ = map.leader(g);
     }
+    // A group has a leader only where a leader key of this cluster for that group
+    // was written.
+    for g in 0..4u32 {
+        if map.leader(g).is_some() {
+            let written = changes.iter().any(|(key, value, _, _)| {
+                value.is_some()
+                    && key
+                        .strip_prefix(b"/mooncake/c/leaders/")
+                        .and_then(|n| std::str::from_utf8(n).ok()?.parse::<u32>().ok())
+                        == Some(g)
+            });
+            assert!(written, "group {g} has a leader no leader key of the cluster named");
+        }
+    }
     assert!(map.ranges().iter().all(|(r, _)| *r.end() < SLOTS));
     let _ = map.masters();
 });
