@@ -519,7 +519,7 @@ impl MasterService {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use parking_lot::Mutex;
 
     use std::collections::HashMap;
@@ -528,9 +528,10 @@ mod tests {
     use crate::config::{MasterConfig, ReplicateConfig};
     use crate::master::Master;
 
-    /// A node's records, as the master tells them.
+    /// A node's records, as the master tells them (the master's other tests use it
+    /// too: `dropped_tests.rs`).
     #[derive(Default)]
-    struct Seen(Mutex<Vec<RecordUpdate>>);
+    pub(in crate::master) struct Seen(pub(in crate::master) Mutex<Vec<RecordUpdate>>);
 
     impl RecordSink for Seen {
         fn apply_records(&self, updates: &[RecordUpdate]) -> Result<()> {
