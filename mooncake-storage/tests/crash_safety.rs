@@ -457,17 +457,20 @@ fn offset_unreadable_format_file_refuses_the_open(env: &Env) {
     assert_eq!(b.load_vec("x").unwrap(), x);
 }
 
+/// Offloads "x" and "y" (3000 bytes each) to a bucket backend at `env`, closed
+/// again; the meta and data files of the bucket of "x".
+fn x_and_y_offloaded(env: &Env) -> (std::path::PathBuf, std::path::PathBuf) {
+    let b = BucketBackend::open(env.path(), env.opts(), BucketConfig::default()).unwrap();
+    b.offload("x", &value("x", 3000)).unwrap();
+    b.offload("y", &value("y", 3000)).unwrap();
+    let id = b.bucket_of("x").unwrap();
+    (b.meta_file_path(id), b.data_file_path(id))
+}
+
 /// A meta file whose checksum holds but whose data length no file can have (its
 /// rounding up to 4 KiB overflows) makes its bucket garbage, without a panic.
 fn bucket_absurd_data_length_is_garbage(env: &Env) {
-    let (x, y) = (value("x", 3000), value("y", 3000));
-    let (meta, data) = {
-        let b = BucketBackend::open(env.path(), env.opts(), BucketConfig::default()).unwrap();
-        b.offload("x", &x).unwrap();
-        b.offload("y", &y).unwrap();
-        let id = b.bucket_of("x").unwrap();
-        (b.meta_file_path(id), b.data_file_path(id))
-    };
+    let (meta, data) = x_and_y_offloaded(env);
     let mut parsed = parse_bucket_meta(&std::fs::read(&meta).unwrap()).unwrap();
     parsed.data_len = u64::MAX - 100;
     std::fs::write(&meta, parsed.encode()).unwrap();
@@ -480,14 +483,7 @@ fn bucket_absurd_data_length_is_garbage(env: &Env) {
 /// A meta file larger than any bucket writes is not read whole: its bucket is left
 /// on disk, not served, and the others are.
 fn bucket_oversized_meta_is_not_read(env: &Env) {
-    let (x, y) = (value("x", 3000), value("y", 3000));
-    let (meta, data) = {
-        let b = BucketBackend::open(env.path(), env.opts(), BucketConfig::default()).unwrap();
-        b.offload("x", &x).unwrap();
-        b.offload("y", &y).unwrap();
-        let id = b.bucket_of("x").unwrap();
-        (b.meta_file_path(id), b.data_file_path(id))
-    };
+    let (meta, data) = x_and_y_offloaded(env);
     OpenOptions::new().write(true).open(&meta).unwrap().set_len(1 << 40).unwrap();
     let b = BucketBackend::open(env.path(), env.opts(), BucketConfig::default()).unwrap();
     assert_eq!(keys_of(&b), ["y"]);
