@@ -21,9 +21,15 @@ pub struct ShmInfoFields {
     pub host_id: String,
 }
 
+impl From<ShmInfo> for ShmInfoFields {
+    fn from(i: ShmInfo) -> Self {
+        Self { len: i.len, pid: i.pid, fd: i.fd, ino: i.ino, host_id: i.host_id }
+    }
+}
+
 /// Decodes a shared-memory handshake answer (`None`: too short).
 pub fn decode_shm_info(payload: &[u8]) -> Option<ShmInfoFields> {
-    ShmInfo::decode(payload).map(|i| ShmInfoFields { len: i.len, pid: i.pid, fd: i.fd, ino: i.ino, host_id: i.host_id })
+    ShmInfo::decode(payload).map(ShmInfoFields::from)
 }
 
 /// Encodes this process's answer about a region (the pid is this process's).
@@ -46,12 +52,6 @@ impl ControlChannel for Answers<'_> {
 pub fn shm_answers(status: FrameStatus, payload: &[u8], region: u64) -> (Result<String>, Result<ShmInfoFields>) {
     let peer = Answers(status, payload);
     let hello = handshake::hello(&peer, "peer:1");
-    let info = handshake::shm_info(&peer, "peer:1", region).map(|i| ShmInfoFields {
-        len: i.len,
-        pid: i.pid,
-        fd: i.fd,
-        ino: i.ino,
-        host_id: i.host_id,
-    });
+    let info = handshake::shm_info(&peer, "peer:1", region).map(ShmInfoFields::from);
     (hello, info)
 }
