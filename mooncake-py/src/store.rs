@@ -1136,7 +1136,7 @@ impl MooncakeDistributedStore {
         let Some(s) = self.session() else { return INVALID_PARAMS.into() };
         let Ok(re) = regex::Regex::new(regex_pattern) else { return INVALID_PARAMS.into() };
         py.detach(|| {
-            let keys = match s.store.master().list_keys(usize::MAX) {
+            let keys = match s.store.master().all_keys() {
                 Ok(k) => k,
                 Err(e) => return code(&e).into(),
             };

@@ -419,7 +419,7 @@ impl MooncakeStore {
         check_str(pattern)?;
         let s = self.session()?;
         let re = regex::Regex::new(pattern).map_err(|e| StoreError::InvalidArgument(e.to_string()))?;
-        let keys = s.store.master().list_keys(usize::MAX)?;
+        let keys = s.store.master().all_keys()?;
         let mut pending: Vec<&str> = keys.iter().map(String::as_str).filter(|k| re.is_match(k)).collect();
         let deadline = lease_deadline(force);
         let mut removed = 0;

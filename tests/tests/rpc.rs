@@ -387,6 +387,7 @@ fn wire_format_changes_bump_the_version() {
         Request::DrainSegment { segment: "h:1#2".into(), grace_ms: 30_000 },
         Request::LocalEndpoint {},
         Request::PutBind { client: 7, placement: 3, key: "k".into(), checksum: 6, ahead: true },
+        Request::ListKeysAfter { after: "k".into(), limit: 3 },
         Request::DrainReport {
             client: 7,
             progress: mooncake_core::DrainProgress {
@@ -419,6 +420,7 @@ fn wire_format_changes_bump_the_version() {
             replicas: vec![MemoryReplica { segment: 1, offset: 2, len: 5 }],
             held_for_ms: 500,
         }))),
+        Response::ListKeysAfter(Ok(vec!["l".into(), "m".into()])),
     ];
     let mut all = Vec::new();
     for r in &reqs {
@@ -430,7 +432,7 @@ fn wire_format_changes_bump_the_version() {
     let sum = all.iter().fold(0u32, |h, &b| h.wrapping_mul(31).wrapping_add(b as u32));
     assert_eq!(
         (mooncake_core::rpc::wire::VERSION, sum),
-        (15, 2154716957),
+        (16, 3643109948),
         "the wire format changed: bump wire::VERSION and update this pin"
     );
 }
@@ -795,6 +797,14 @@ fn list_keys_answers_no_more_than_fits_in_a_frame() {
     assert!(keys.iter().all(|k| k.len() == 4096 && k.parse::<usize>().is_ok_and(|i| i < n)));
     // A limit within the cap is a limit.
     assert_eq!(store.master().list_keys(10).unwrap().len(), 10);
+    // Every key, in pages cut to a frame: none skipped, none twice, sorted.
+    let all = store.master().all_keys().unwrap();
+    let want: Vec<String> = (0..n).map(|i| format!("{i:04096}")).collect();
+    assert!(all == want, "{} keys listed of {n}", all.len());
+    // A page after a key starts past it, and a page past the last key is empty.
+    let page = store.master().list_keys_after(&want[100], 3).unwrap();
+    assert_eq!(page, want[101..104]);
+    assert!(store.master().list_keys_after(&want[n - 1], usize::MAX).unwrap().is_empty());
 }
 
 /// A master daemon's calls, in the order they arrived: the real master answers them.

@@ -144,7 +144,8 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// List keys, one a line, escaped (`\n`, `\t`, `\"`, `\u{..}` as in Rust strings).
+    /// List every key, sorted, one a line, escaped (`\n`, `\t`, `\"`, `\u{..}` as in
+    /// Rust strings).
     Ls {
         /// Master address.
         #[arg(long)]
@@ -396,8 +397,7 @@ fn run(cmd: Command, protocol: Protocol) -> Result<(), String> {
                 .into()),
         },
         Command::Ls { master, json } => {
-            let mut keys = client(&master, protocol)?.master().list_keys(usize::MAX).map_err(|e| e.to_string())?;
-            keys.sort();
+            let keys = client(&master, protocol)?.master().all_keys().map_err(|e| e.to_string())?;
             if json {
                 println!("{}", serde_json::to_string(&keys).map_err(|e| e.to_string())?);
             } else {

@@ -77,6 +77,32 @@ impl ClusterClient {
         Ok(keys)
     }
 
+    /// A page of every master's keys after `after`, sorted: each master's page,
+    /// merged and cut at the least last key of the masters' pages (past it, a master
+    /// whose page was cut may hold keys no page has shown yet), so the next page,
+    /// after this one's last key, skips none.
+    pub(crate) fn list_keys_after(&self, after: &str, limit: usize) -> Result<Vec<String>> {
+        let mut keys = Vec::new();
+        let mut cut: Option<String> = None;
+        for s in self.all_sessions() {
+            let page = s.rpc.list_keys_after(after, limit)?;
+            if let Some(last) = page.last() {
+                if cut.as_ref().is_none_or(|c| last < c) {
+                    cut = Some(last.clone());
+                }
+            }
+            keys.extend(page);
+        }
+        keys.sort_unstable();
+        // A key whose slot group moves may be listed by both masters a moment.
+        keys.dedup();
+        if let Some(cut) = cut {
+            keys.truncate(keys.partition_point(|k| *k <= cut));
+        }
+        keys.truncate(limit);
+        Ok(keys)
+    }
+
     /// Where `client` serves loads from its SSD: asked of the master that told us of
     /// its disk replicas, else of each.
     pub(crate) fn disk_endpoint(&self, client: ClientId) -> Result<String> {

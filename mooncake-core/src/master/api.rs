@@ -133,10 +133,11 @@ macro_rules! master_calls {
             BatchExists => fn batch_exists(keys: &[&str] => Vec<String>) -> Vec<Result<bool>> => by_keys(keys);
             /// Batch [`remove`](crate::MasterApi::remove).
             BatchRemove => fn batch_remove(keys: &[&str] => Vec<String>) -> Vec<Result<()>> => by_keys(keys);
-            /// Keys of complete objects, at most `limit`. Over RPC, also at most
-            /// [`MAX_LISTED_KEYS`](crate::rpc::MAX_LISTED_KEYS) and a frame's worth
-            /// ([`LIST_KEYS_MAX_BYTES`](crate::rpc::LIST_KEYS_MAX_BYTES)): a server
-            /// answers no more, whatever the limit.
+            /// Keys of complete objects, at most `limit`, in no particular order. Over
+            /// RPC, also at most [`MAX_LISTED_KEYS`](crate::rpc::MAX_LISTED_KEYS) and a
+            /// frame's worth ([`LIST_KEYS_MAX_BYTES`](crate::rpc::LIST_KEYS_MAX_BYTES)):
+            /// a server answers no more, whatever the limit. For every key, use
+            /// [`all_keys`](crate::MasterApi::all_keys).
             ListKeys => fn list_keys(limit: usize => usize) -> Result<Vec<String>> => own;
             /// Counters and gauges.
             Stats => fn stats() -> Result<MasterStats> => to_all(merge);
@@ -315,6 +316,15 @@ macro_rules! master_calls {
                 items: &[(&str, u64, u32)] => Vec<(String, u64, u32)>,
                 ahead: bool => bool
             ) -> Vec<Result<Option<HeldPlacement>>> => by_keys(items);
+            /// One page of the keys of complete objects: the first `limit` keys after
+            /// `after` in byte order (from the first key when `after` is empty), sorted.
+            /// The next page starts after this page's last key; an empty page ends the
+            /// listing ([`all_keys`](crate::MasterApi::all_keys) walks them). Over RPC a
+            /// page is also cut at [`MAX_LISTED_KEYS`](crate::rpc::MAX_LISTED_KEYS) and a
+            /// frame's worth: the cut drops the page's tail, which the next page begins
+            /// with, so no key is skipped.
+            ListKeysAfter => fn list_keys_after(after: &str => String, limit: usize => usize)
+                -> Result<Vec<String>> => own;
         }
     };
 }
@@ -343,6 +353,25 @@ macro_rules! define_master_api {
             /// given to another object. The default makes no such promise (`false`).
             fn unchanged_since(&self, _mark: u64) -> bool {
                 false
+            }
+
+            /// Every key of a complete object, sorted: the pages of
+            /// [`list_keys_after`](Self::list_keys_after), however many a master's
+            /// answers take. A listing, not a snapshot: a key put or removed while it
+            /// runs may be in it or not. A master whose page does not move past the
+            /// previous one in order is an error (`MasterUnavailable`), never a loop.
+            fn all_keys(&self) -> Result<Vec<String>> {
+                let mut keys: Vec<String> = Vec::new();
+                loop {
+                    let page = self.list_keys_after(keys.last().map_or("", String::as_str), usize::MAX)?;
+                    let Some(first) = page.first() else { return Ok(keys) };
+                    if keys.last().is_some_and(|last| first <= last) || !page.is_sorted_by(|a, b| a < b) {
+                        return Err(crate::error::Error::MasterUnavailable(
+                            "the master's pages of keys are out of order".into(),
+                        ));
+                    }
+                    keys.extend(page);
+                }
             }
         }
 

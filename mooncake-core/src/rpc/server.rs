@@ -163,13 +163,14 @@ fn varint_len(n: usize) -> usize {
 }
 
 /// Answers one request with a master: the server's dispatch over any
-/// [`MasterApi`] (the service itself, or anything that wraps one). A `ListKeys`
-/// answers at most [`MAX_LISTED_KEYS`] keys, and only as many as fit in a frame
-/// ([`LIST_KEYS_MAX_BYTES`]).
+/// [`MasterApi`] (the service itself, or anything that wraps one). A `ListKeys` or
+/// `ListKeysAfter` answers at most [`MAX_LISTED_KEYS`] keys, and only as many as fit
+/// in a frame ([`LIST_KEYS_MAX_BYTES`]).
 #[cfg_attr(feature = "fuzzing", visibility::make(pub))]
 pub(crate) fn dispatch(api: &dyn MasterApi, request: Request) -> Response {
     let request = match request {
         Request::ListKeys { limit } => Request::ListKeys { limit: limit.min(MAX_LISTED_KEYS) },
+        Request::ListKeysAfter { after, limit } => Request::ListKeysAfter { after, limit: limit.min(MAX_LISTED_KEYS) },
         other => other,
     };
     macro_rules! dispatch_calls {
@@ -193,7 +194,9 @@ pub(crate) fn dispatch(api: &dyn MasterApi, request: Request) -> Response {
         };
     }
     let mut response = master_calls!(dispatch_calls);
-    if let Response::ListKeys(Ok(keys)) = &mut response {
+    // A page of `ListKeysAfter` is sorted: cutting its tail skips nothing (the next
+    // page starts there).
+    if let Response::ListKeys(Ok(keys)) | Response::ListKeysAfter(Ok(keys)) = &mut response {
         keys.truncate(keys_that_fit(keys, LIST_KEYS_MAX_BYTES));
     }
     response

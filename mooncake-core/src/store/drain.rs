@@ -374,7 +374,7 @@ impl Store {
             return self.segment_records();
         }
         let master = &self.inner.master;
-        let keys = master.list_keys(usize::MAX).unwrap_or_default();
+        let keys = master.all_keys().unwrap_or_default();
         keys.into_iter()
             .filter_map(|key| {
                 let info = master.object_info(&key).ok()?;
