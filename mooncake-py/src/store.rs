@@ -104,7 +104,8 @@ pub struct MooncakeDistributedStore {
     /// The in-flight gate: held shared by each pointer call from the check of its
     /// pointers to its last touch of the memory (all with the GIL released), and
     /// exclusively by `unregister_buffer` and `close` while they forget buffers, so
-    /// that they return only after the calls that may still use one are done.
+    /// that they return only after the calls that may still use one are done (and
+    /// calls arriving meanwhile wait for them: parking_lot's lock is fair).
     in_flight: RwLock<()>,
 }
 
@@ -193,12 +194,13 @@ impl MooncakeDistributedStore {
 
     /// Marks a pointer call in flight until the guard drops: take it with the GIL
     /// released, before checking the pointers, and hold it until the memory is no
-    /// longer touched. Recursive: it never waits for a waiting `unregister_buffer`
-    /// while another call is in flight, so a call made inside one cannot deadlock
-    /// (and holding the GIL while it is taken could not either: its exclusive
-    /// holder never needs the GIL).
+    /// longer touched. Fair: a call that arrives while `unregister_buffer` or
+    /// `close` waits queues behind it, so calls that always overlap one another
+    /// cannot keep them waiting. Never taken twice on one thread (no pointer call
+    /// makes another: each runs engine calls only, with no Python in between), so
+    /// queueing cannot deadlock; its exclusive holder never needs the GIL.
     pub(crate) fn pointer_call(&self) -> RwLockReadGuard<'_, ()> {
-        self.in_flight.read_recursive()
+        self.in_flight.read()
     }
 
     /// Runs `forget` (removing registered buffers) once no pointer call is in flight,
