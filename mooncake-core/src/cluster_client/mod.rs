@@ -122,6 +122,20 @@ pub(crate) struct ClusterClient {
     mark_due: Mutex<Vec<String>>,
 }
 
+/// How record updates reached this node, which decides what happens to those it
+/// cannot keep (updates for extents whose mount answer is still on its way, past
+/// `store::cluster::MAX_UNROUTED`).
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum UpdatesFrom {
+    /// Sent to our record endpoint: a master waits for our answer and sends again
+    /// what we refuse, so a batch we cannot keep whole is refused whole (applied
+    /// later, never acknowledged and dropped).
+    Endpoint,
+    /// In a heartbeat's answer (queued for us before our record endpoint was known):
+    /// nobody sends them again, so what fits is kept.
+    Heartbeat,
+}
+
 impl ClusterClient {
     /// Connects to the cluster at `address` (loads the slot map). With
     /// `segment_size > 0`, registers one extent per slot group with `engine`.

@@ -75,7 +75,7 @@ impl ClusterClient {
                 match s.rpc.heartbeat(id) {
                     Ok(updates) => {
                         me.note_answer();
-                        me.apply_updates(updates);
+                        let _ = me.apply_updates(updates, super::UpdatesFrom::Heartbeat);
                     }
                     Err(Error::UnknownClient(_)) => {
                         if me.register_session(&s, id).is_ok() {

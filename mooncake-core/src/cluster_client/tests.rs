@@ -278,3 +278,42 @@ fn concurrent_batches_travel_in_rounds_that_ask_every_master_once() {
     assert_eq!(to_a, to_b, "every round asks both masters once");
     assert!(to_a < (threads * calls) as u64, "{to_a} requests for {} calls: nothing combined", threads * calls);
 }
+
+fn added(segment: u64, i: usize) -> crate::master::RecordUpdate {
+    let record = crate::master::ObjectRecord { key: format!("k{i}"), offset: 0, len: 1, checksum: 0, generation: 1 };
+    crate::master::RecordUpdate::Added { segment, record }
+}
+
+/// Record updates for extents whose mount answer has not arrived wait for it, up to
+/// a bound; a batch sent to the record endpoint that cannot wait whole is refused
+/// (the master sends it again), never answered and dropped. From a heartbeat (sent
+/// once), what fits is kept.
+#[test]
+fn record_updates_that_cannot_wait_for_their_extent_are_refused_not_dropped() {
+    use crate::rpc::wire::{Request, Response};
+    use crate::rpc::RpcHandler;
+    use crate::store::cluster::{ClusterRecords, MAX_UNROUTED};
+
+    let maps = Arc::new(TestMaps::default());
+    *maps.map.lock() = Some(map(1, &[(0..GROUPS, Some("a"))]));
+    let c = client(&maps);
+    let endpoint = ClusterRecords(c.clone());
+    let batch = |from: usize, n: usize| (from..from + n).map(|i| added(7, i)).collect::<Vec<_>>();
+    let waiting = || c.unrouted.lock().len();
+    let apply = |updates| endpoint.handle(Request::ApplyRecords { updates });
+
+    assert!(matches!(apply(batch(0, MAX_UNROUTED - 10)), Response::Unit));
+    assert_eq!(waiting(), MAX_UNROUTED - 10);
+    // Eleven more cannot all wait: none is taken, and the answer says so.
+    assert!(matches!(apply(batch(MAX_UNROUTED, 11)), Response::Error(_)));
+    assert_eq!(waiting(), MAX_UNROUTED - 10);
+    // Ten can.
+    assert!(matches!(apply(batch(MAX_UNROUTED, 10)), Response::Unit));
+    assert_eq!(waiting(), MAX_UNROUTED);
+    // A heartbeat's updates are not sent again: what fits is kept (here none).
+    assert_eq!(c.apply_updates(batch(2 * MAX_UNROUTED, 5), super::UpdatesFrom::Heartbeat), Ok(()));
+    assert_eq!(waiting(), MAX_UNROUTED);
+    // A drain request is about no extent: it never waits, and is never refused.
+    let drain = crate::master::RecordUpdate::Drain { grace_ms: 5, generation: 2 };
+    assert!(matches!(apply(vec![drain]), Response::Unit));
+}
