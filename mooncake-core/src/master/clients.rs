@@ -97,10 +97,13 @@ impl MasterService {
     /// is asked again, `alloc` is not mounted: what it holds is the caller's to drop.
     ///
     /// A region mounted by another client is the same memory (an endpoint is served
-    /// by one process, and its region ids are never reused): a node that re-joined
-    /// under a new id after its first re-join's answer was lost. That older client
-    /// is forgotten first, as if it had expired, else two segments over the same
-    /// bytes would place objects over each other.
+    /// by one process, and its region ids start at a random base, never reused): a
+    /// node that re-joined under a new id after its first re-join's answer was lost.
+    /// That older client's segment over the region passes to this one, with what it
+    /// holds (objects placed there meanwhile were acknowledged) and the record updates
+    /// its node was not told yet; this mount then answers that segment, as a mount
+    /// asked again does. The older client is then forgotten, as if it had expired
+    /// (two segments over the same bytes would place objects over each other).
     pub(crate) fn mount_allocator(
         &self,
         client: ClientId,
@@ -118,14 +121,17 @@ impl MasterService {
             let older =
                 self.segments.read().by_id.values().find(|s| s.region == *region && s.owner != client).map(|s| s.owner);
             let Some(older) = older else { break clients };
+            let mut clients = clients;
+            let handed = self.hand_over_region(&mut clients, older, client, region, group);
             drop(clients);
             let removed = self.forget_client(older);
             tracing::warn!(
                 client = format!("{older:#x}"),
                 by = format!("{client:#x}"),
                 region = format!("{}#{}", region.endpoint, region.region),
+                handed,
                 removed,
-                "client forgotten: another client mounts its memory"
+                "client forgotten: its node mounts the same memory under a new id, which takes its segment"
             );
         };
         let rec = clients.get_mut(&client).ok_or(Error::UnknownClient(client))?;
@@ -159,6 +165,62 @@ impl MasterService {
         });
         tracing::debug!(segment = id, client, capacity, "segment mounted");
         Ok((id, true))
+    }
+
+    /// Gives `to` the segments of `from` over `region` (for `group`), and moves the
+    /// record updates `from`'s node was not told yet to `to`'s link or queue: the
+    /// same node under its newer id (see [`mount_allocator`](Self::mount_allocator)).
+    /// Returns how many segments passed.
+    fn hand_over_region(
+        &self,
+        clients: &mut ahash::HashMap<ClientId, ClientRecord>,
+        from: ClientId,
+        to: ClientId,
+        region: &RemoteRegion,
+        group: Option<u32>,
+    ) -> usize {
+        let moved: Vec<SegmentId> = {
+            let mut table = self.segments.write();
+            let mut moved = Vec::new();
+            for s in table.by_id.values_mut() {
+                if s.owner == from && s.region == *region && s.group == group {
+                    s.owner = to;
+                    moved.push(s.alloc.id());
+                }
+            }
+            moved
+        };
+        if moved.is_empty() {
+            return 0;
+        }
+        let (queued, old_link) = match clients.get_mut(&from) {
+            Some(old) => {
+                old.segments.retain(|s| !moved.contains(s));
+                let queued = std::mem::take(&mut *old.updates.lock());
+                (queued, old.link.lock().take())
+            }
+            None => (Vec::new(), None),
+        };
+        if let Some(new) = clients.get_mut(&to) {
+            new.segments.extend_from_slice(&moved);
+            // Under the heartbeat queue's lock, as every update is queued.
+            let mut updates = new.updates.lock();
+            match new.link.lock().clone() {
+                Some(link) => {
+                    if let Some(old) = old_link {
+                        old.close_into(&self.gens, &link);
+                    }
+                    for u in queued {
+                        link.push(&self.gens, |_| u);
+                    }
+                }
+                None => {
+                    updates.extend(old_link.map(|old| old.close()).unwrap_or_default());
+                    updates.extend(queued);
+                }
+            }
+        }
+        moved.len()
     }
 
     /// Unmounts a segment: its replicas are dropped, objects left without a replica

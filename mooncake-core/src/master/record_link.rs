@@ -101,6 +101,10 @@ struct LinkState {
     parked: Option<RecordsInFlight>,
     /// The node was forgotten: nothing more is delivered.
     closed: bool,
+    /// Closed because the node's memory passed to its newer client id
+    /// ([`NodeLink::close_into`]): that id's link and the ticket there that covers
+    /// everything this one had not delivered.
+    successor: Option<(Arc<NodeLink>, u64)>,
     /// The node is certainly gone (its endpoint refuses connections).
     gone: bool,
     /// Since when sends have been failing (`None`: the last one worked).
@@ -332,15 +336,45 @@ impl NodeLink {
     /// delivered (their keys may have copies the node still lists).
     pub(crate) fn close(&self) -> Vec<RecordUpdate> {
         let mut st = self.state.lock();
+        let left = Self::close_locked(&mut st);
+        drop(st);
+        self.cond.notify_all();
+        left
+    }
+
+    fn close_locked(st: &mut LinkState) -> Vec<RecordUpdate> {
         st.closed = true;
         // The frame in flight may or may not have been applied: given back too (its
         // sender, back, finds it gone).
         st.parked = None;
         let flight = st.flight.take();
-        let left = flight.iter().flat_map(|b| b.iter().cloned()).chain(st.queue.drain(..)).collect();
+        flight.iter().flat_map(|b| b.iter().cloned()).chain(st.queue.drain(..)).collect()
+    }
+
+    /// Closes this link and queues what it did not deliver on `next`, the link of
+    /// the same node under its newer client id: a waiter that finds this link closed
+    /// waits on `next` instead ([`successor`](Self::successor)), set before any
+    /// waiter can see the link closed.
+    pub(crate) fn close_into(&self, clock: &GenClock, next: &Arc<NodeLink>) {
+        let mut st = self.state.lock();
+        for u in Self::close_locked(&mut st) {
+            next.push(clock, |_| u);
+        }
+        st.successor = Some((next.clone(), next.queued()));
         drop(st);
         self.cond.notify_all();
-        left
+    }
+
+    /// Where this link's undelivered updates went when it closed, if it closed into
+    /// another ([`close_into`](Self::close_into)): that link and the ticket to wait
+    /// for there.
+    pub(crate) fn successor(&self) -> Option<(Arc<NodeLink>, u64)> {
+        self.state.lock().successor.clone()
+    }
+
+    /// The client this link delivers to.
+    pub(crate) fn client(&self) -> ClientId {
+        self.client
     }
 }
 

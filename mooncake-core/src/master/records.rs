@@ -212,7 +212,7 @@ impl MasterService {
     /// them.
     pub(crate) fn await_records(&self, wait: RecordWait) -> bool {
         let mut all = true;
-        for (client, mut link, mut ticket) in wait.tickets {
+        for (mut client, mut link, mut ticket) in wait.tickets {
             loop {
                 match link.wait(ticket, self.config.record_timeout) {
                     Delivery::Done => {
@@ -225,6 +225,14 @@ impl MasterService {
                         break;
                     }
                     Delivery::Closed => {
+                        // The node's memory passed to its newer client id: what this
+                        // link did not deliver went to that id's link.
+                        if let Some((new, t)) = link.successor() {
+                            client = new.client();
+                            ticket = t;
+                            link = new;
+                            continue;
+                        }
                         // The node announced a new endpoint: what this link did not
                         // deliver moved to the new one, ahead of what it queues.
                         if let Some(new) = self.current_link(client).filter(|new| !Arc::ptr_eq(new, &link)) {
@@ -1034,31 +1042,74 @@ pub(super) mod tests {
 
     /// A region (endpoint and region id) mounted by another client is the same
     /// memory: a node whose re-join's answer was lost re-joins again under a new id
-    /// while the master still holds the first. The older client is forgotten and its
-    /// objects are taken back from the records the node offers; before, a second
-    /// segment over the same bytes placed objects over the first's.
+    /// while the master still holds the first. The newer id takes the older one's
+    /// segment with what it holds (the mount answers that segment, its records
+    /// already taken), and the older id is forgotten; before, a second segment over
+    /// the same bytes placed objects over the first's, and before that fix the
+    /// older id's objects went with it.
     #[test]
-    fn a_region_mounted_by_another_client_replaces_the_older_one() {
+    fn a_region_mounted_by_another_client_passes_to_it_with_its_objects() {
         let master = Master::new(MasterConfig::default()).unwrap();
         let (first, region, seg) = mount(&master, "n");
         let placed = master.put_start(first, "k", 100, &on(&seg)).unwrap();
+        let first_id = placed[0].segment;
         master.put_end(first, "k", 7).unwrap();
-        let record = ObjectRecord { key: "k".into(), offset: placed[0].offset, len: 100, checksum: 7, generation: 1 };
+        // Its records do not know of `k` (it was placed after they were taken).
         let again = master.register_client().unwrap().client;
-        let (id, taken) = master.remount_segment(again, &region, 1 << 20, &[record]).unwrap();
-        assert_eq!(taken, 1);
+        assert_eq!(master.remount_segment(again, &region, 1 << 20, &[]).unwrap(), (first_id, 0));
         assert_eq!(master.stats().segments, 1, "two segments over the same memory");
         assert!(matches!(master.heartbeat(first), Err(Error::UnknownClient(_))));
         let info = master.object_info("k").unwrap();
-        assert_eq!((info.checksum, info.replicas.len(), info.replicas[0].segment), (7, 1, id));
+        assert_eq!((info.checksum, info.replicas.len()), (7, 1));
+        assert_eq!((info.replicas[0].segment, info.replicas[0].offset), (first_id, placed[0].offset));
+        // Room there is still the segment's: a put does not land over `k`.
+        let other = master.put_start(again, "l", 100, &on(&seg)).unwrap();
+        assert!(other[0].offset >= placed[0].offset + 100 || other[0].offset + 100 <= placed[0].offset);
         // A plain mount too; another region of the same endpoint is other memory.
         let third = master.register_client().unwrap().client;
-        master.mount_segment(third, &region, 1 << 20).unwrap();
+        assert_eq!(master.mount_segment(third, &region, 1 << 20).unwrap(), first_id);
         assert!(matches!(master.heartbeat(again), Err(Error::UnknownClient(_))));
+        assert!(master.exists("k").unwrap());
         let fourth = master.register_client().unwrap().client;
         master.mount_segment(fourth, &RemoteRegion { region: 2, ..region }, 1 << 20).unwrap();
         assert_eq!(master.stats().segments, 2);
         master.heartbeat(third).unwrap();
+    }
+
+    /// A put on a node's segment waits for its record while the node does not answer
+    /// under its first re-join's id (that re-join's answer was lost); the node joins
+    /// again under a new id: the record goes to the new id's link, the put is
+    /// acknowledged once the node has it, and the node's next records list it.
+    #[test]
+    fn a_put_waiting_for_the_older_ids_record_is_answered_once_the_newer_id_has_it() {
+        let config =
+            MasterConfig { track_records: true, default_lease: std::time::Duration::ZERO, ..Default::default() };
+        let master = Master::new(config).unwrap();
+        let (first, region, seg) = mount(&master, "n");
+        let old_link = Arc::new(Pausable::default());
+        master.attach_records(first, old_link.clone()).unwrap();
+        old_link.down.store(true, std::sync::atomic::Ordering::Relaxed);
+        let writer = master.register_client().unwrap().client;
+        let placed = master.put_start(writer, "p", 100, &on(&seg)).unwrap();
+        let first_id = placed[0].segment;
+        let ended = std::thread::spawn({
+            let master = master.clone();
+            move || master.put_end(writer, "p", 5)
+        });
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        assert!(!ended.is_finished(), "acknowledged before any node holds the record");
+        // The node again, under a new id, with a link that answers.
+        let again = master.register_client().unwrap().client;
+        let new_link = Arc::new(Seen::default());
+        master.attach_records(again, new_link.clone()).unwrap();
+        assert_eq!(master.remount_segment(again, &region, 1 << 20, &[]).unwrap(), (first_id, 0));
+        ended.join().unwrap().unwrap();
+        let told = new_link.0.lock().iter().any(|u| {
+            matches!(u, RecordUpdate::Added { segment, record }
+                if *segment == first_id && record.key == "p" && record.offset == placed[0].offset)
+        });
+        assert!(told, "the record went to the new id's link");
+        assert!(master.exists("p").unwrap());
     }
 
     /// A master past the window after its start in which a re-mount counts as its

@@ -203,8 +203,11 @@ impl SegmentRecords {
 
     /// A mount (or re-mount) of the segment starts: until [`set_segment`](Self::set_segment)
     /// names its new id, updates for other segments are kept rather than ignored.
+    /// What an earlier mount that never finished kept stays: its answer may have been
+    /// lost while the master placed objects there and told us, and the master hands
+    /// that segment to our next mount (the same memory), answering with its id.
     pub(crate) fn begin_mount(&self) {
-        self.records.lock().mounting = Some(HashMap::new());
+        self.records.lock().mounting.get_or_insert_default();
     }
 
     /// The segment was mounted (again) under `segment`: the updates for it that came
@@ -409,13 +412,15 @@ mod tests {
         }
 
         /// The same for updates that arrive while the segment is being mounted,
-        /// kept until the mount's answer names its id (the newest of each offset).
+        /// kept until the mount's answer names its id (the newest of each offset), also
+        /// across a second mount begun after the first one's answer was lost.
         #[test]
         fn records_kept_during_a_mount_end_as_the_masters_order_leaves_them(
             before in changes(),
             changes in changes(),
             order in proptest::collection::vec(any::<u16>(), 0..80),
             split in any::<u8>(),
+            again in any::<bool>(),
         ) {
             // What it had, under the id of its previous mount.
             let old = updates_of(7, &before);
@@ -432,6 +437,11 @@ mod tests {
             let split = split as usize % (arrivals.len() + 1);
             for chunk in arrivals[..split].chunks(3) {
                 mounting.apply(chunk.to_vec());
+            }
+            if again {
+                // The first mount's answer was lost: a second mount, which the master
+                // answers with the same segment, keeps what the first kept.
+                mounting.begin_mount();
             }
             mounting.set_segment(9);
             mounting.apply(arrivals[split..].to_vec());
