@@ -179,16 +179,17 @@ impl MasterService {
         region: &RemoteRegion,
         group: Option<u32>,
     ) -> usize {
-        let moved: Vec<SegmentId> = {
+        let (moved, suspect) = {
             let mut table = self.segments.write();
-            let mut moved = Vec::new();
+            let (mut moved, mut suspect) = (Vec::new(), false);
             for s in table.by_id.values_mut() {
                 if s.owner == from && s.region == *region && s.group == group {
                     s.owner = to;
+                    suspect |= s.suspect;
                     moved.push(s.alloc.id());
                 }
             }
-            moved
+            (moved, suspect)
         };
         if moved.is_empty() {
             return 0;
@@ -203,6 +204,12 @@ impl MasterService {
         };
         if let Some(new) = clients.get_mut(&to) {
             new.segments.extend_from_slice(&moved);
+            // A segment marked suspect under the older id (the table is read under
+            // the lock a report marks it under) is placeable again after the newer
+            // id's next heartbeat, as it would have been after the older's.
+            if suspect {
+                new.suspect.store(true, Ordering::Release);
+            }
             // Under the heartbeat queue's lock, as every update is queued.
             let mut updates = new.updates.lock();
             match new.link.lock().clone() {

@@ -1054,6 +1054,8 @@ pub(super) mod tests {
         let placed = master.put_start(first, "k", 100, &on(&seg)).unwrap();
         let first_id = placed[0].segment;
         master.put_end(first, "k", 7).unwrap();
+        // A writer found it unwritable meanwhile (the node was out of reach).
+        master.report_segment_failure(first, first_id).unwrap();
         // Its records do not know of `k` (it was placed after they were taken).
         let again = master.register_client().unwrap().client;
         assert_eq!(master.remount_segment(again, &region, 1 << 20, &[]).unwrap(), (first_id, 0));
@@ -1062,8 +1064,11 @@ pub(super) mod tests {
         let info = master.object_info("k").unwrap();
         assert_eq!((info.checksum, info.replicas.len()), (7, 1));
         assert_eq!((info.replicas[0].segment, info.replicas[0].offset), (first_id, placed[0].offset));
-        // Room there is still the segment's: a put does not land over `k`.
+        // Placeable again after the newer id's heartbeat; room there is still the
+        // segment's: a put does not land over `k`.
+        master.heartbeat(again).unwrap();
         let other = master.put_start(again, "l", 100, &on(&seg)).unwrap();
+        assert_eq!(other[0].segment, first_id);
         assert!(other[0].offset >= placed[0].offset + 100 || other[0].offset + 100 <= placed[0].offset);
         // A plain mount too; another region of the same endpoint is other memory.
         let third = master.register_client().unwrap().client;
