@@ -262,7 +262,7 @@ pub fn parse_bucket_meta(bytes: &[u8]) -> Result<BucketMeta> {
 /// aligned caller buffer.
 ///
 /// Version 3 (written by the offset-allocator layout) has version 2's layout, but
-/// its `header_crc` also covers a [`RecordBinding`] (a secret salt of the data file
+/// its `header_crc` also covers a `RecordBinding` (a secret salt of the data file
 /// and the record's offset in it) put before the header bytes: a header is valid only
 /// at the place it was written, in the file it was written to, so bytes that look
 /// like a record inside some value (a client's bytes) never pass for one. It is

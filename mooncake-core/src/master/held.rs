@@ -127,7 +127,7 @@ impl MasterService {
     /// value there, then binds it to its key with [`put_bind`](Self::put_bind)
     /// within `held_for_ms`. `UnknownClient` for a client the master does not know;
     /// `InvalidArgument` in cluster mode, or for a client holding
-    /// [`HELD_PER_CLIENT`] placements already; `NoSpace` where no segment has room.
+    /// `HELD_PER_CLIENT` (16) placements already; `NoSpace` where no segment has room.
     pub fn place_ahead(&self, client: ClientId, len: u64, cfg: &ReplicateConfig) -> Result<HeldPlacement> {
         check_value_len(len)?;
         cfg.check()?;

@@ -40,7 +40,7 @@ use serde::Deserialize;
 pub const ITEM_RESERVE: usize = 32;
 
 /// Bytes charged for each item of a request answered per item (a batch call: see
-/// [`wire::decode_request`](super::wire::decode_request)): its result and the wire
+/// `wire::decode_request`): its result and the wire
 /// form of that result (up to 72 bytes each), what they hold (a replica list, an
 /// error's message), and its share of the encoded answer.
 pub const ANSWER_RESERVE: usize = 256;
@@ -130,7 +130,7 @@ pub enum DecodeError {
 }
 
 /// Bytes of decoded messages held at once, over every request a server is decoding
-/// or answering. A decoding takes its bytes a [`GRAIN`] at a time; when the pool is
+/// or answering. A decoding takes its bytes a `GRAIN` at a time; when the pool is
 /// full it waits (up to its deadline) for other requests to give theirs back.
 #[derive(Debug)]
 pub struct DecodePool {

@@ -276,7 +276,7 @@ macro_rules! define_wire_messages {
             LocalEndpoint,
         }
 
-        /// Names of the request kinds, indexed by [`Request::kind_index`] (for metrics).
+        /// Names of the request kinds, indexed by `Request::kind_index` (for metrics).
         pub const REQUEST_KINDS: &[&str] =
             &[$( stringify!($name), )* "batch_get_offload_object", "release_offload_buffer", "apply_records", "local_endpoint"];
 
