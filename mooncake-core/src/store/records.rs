@@ -190,6 +190,16 @@ impl SegmentRecords {
             region.copy_out(r.offset, &mut buf).is_ok() && crate::checksum::checksum(&buf) == r.checksum
         };
         let mut applied = self.records.lock();
+        // What a mount whose answer never came was told is of our memory too (only
+        // our segments' changes come here): the objects placed there meanwhile were
+        // acknowledged, and a master that forgot that mount's client has them only
+        // from these records. Kept as well, for the case the master answers with
+        // that same segment (`set_segment` applies them again; nothing changes).
+        let unfinished: Vec<RecordUpdate> =
+            applied.mounting.as_ref().map(|kept| kept.values().cloned().collect()).unwrap_or_default();
+        for u in unfinished {
+            applied.apply(u);
+        }
         // The segment is mounted under a new id: changes of the old one (late copies)
         // are ignored by their segment, and the new master's generations start afresh
         // here (its clock may be behind the old one's).
@@ -384,6 +394,33 @@ mod tests {
         ]);
         let offered: Vec<String> = records.rejoin(&region).into_iter().map(|r| r.key).collect();
         assert_eq!(offered, ["good"]);
+    }
+
+    /// A mount whose answer never came was told of objects placed on its segment
+    /// (acknowledged puts): the next rejoin offers them, and without the removals it
+    /// was told of.
+    #[test]
+    fn a_rejoin_offers_what_an_unanswered_mount_was_told() {
+        let engine = mooncake_transfer::TransferEngine::new();
+        let region = engine.register_region(1 << 16).unwrap();
+        let value = b"placed while the answer was lost";
+        let crc = crate::checksum::checksum(value);
+        for offset in [0, 4096, 8192] {
+            region.copy_in(offset, value).unwrap();
+        }
+        let added = |segment: u64, key: &str, offset: u64, generation: u64| RecordUpdate::Added {
+            segment,
+            record: ObjectRecord { key: key.into(), offset, len: value.len() as u64, checksum: crc, generation },
+        };
+        let records = SegmentRecords::new(7);
+        records.apply(vec![added(7, "before", 0, 1), added(7, "removed", 8192, 2)]);
+        // The mount of segment 9 begins; its answer is lost.
+        records.begin_mount();
+        let removed = RecordUpdate::Removed { segment: 9, key: "removed".into(), offset: 8192, generation: 4 };
+        records.apply(vec![added(9, "placed", 4096, 3), removed]);
+        let mut offered: Vec<String> = records.rejoin(&region).into_iter().map(|r| r.key).collect();
+        offered.sort();
+        assert_eq!(offered, ["before", "placed"]);
     }
 
     proptest! {
