@@ -8,16 +8,15 @@
 //! `Origin` header.
 #![no_main]
 
-use std::io::{ErrorKind, Read};
-use std::net::{Shutdown, TcpStream};
-use std::os::fd::AsFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::LazyLock;
 use std::time::Duration;
 
 use libfuzzer_sys::fuzz_target;
 use mooncake_cli::http::{HttpAccess, HttpBounds, HttpResponse, HttpServer, HttpServerStats};
-use mooncake_transfer::send_no_signal;
+
+#[path = "common/loopback.rs"]
+mod loopback;
 
 /// The token of server 0.
 const TOKEN: &str = "fuzz-token";
@@ -131,42 +130,11 @@ fuzz_target!(|data: &[u8]| {
     let piece = PIECES[usize::from(how >> 4)];
 
     let (gets, posts) = (GET_RUNS[which].load(Ordering::SeqCst), POST_RUNS[which].load(Ordering::SeqCst));
-    let mut c = loop {
-        match TcpStream::connect(server.local_addr()) {
-            Ok(c) => break c,
-            // Ports in TIME_WAIT run out under a fast loop: wait for some.
-            Err(_) => std::thread::sleep(Duration::from_millis(100)),
-        }
-    };
     // The server closes every connection within its 3 s request timeout: far
     // longer is a hang.
-    c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    c.set_write_timeout(Some(Duration::from_secs(10))).unwrap();
-    let _ = c.set_nodelay(true);
-    'write: for chunk in request.chunks(piece) {
-        let mut sent = 0;
-        while sent < chunk.len() {
-            match send_no_signal(c.as_fd(), &chunk[sent..]) {
-                Ok(n) => sent += n,
-                // The server answered (or refused) and closed before the end.
-                Err(_) => break 'write,
-            }
-        }
-    }
-    let _ = c.shutdown(Shutdown::Write);
-    let mut answer = Vec::new();
-    let whole = match c.read_to_end(&mut answer) {
-        Ok(_) => true,
-        Err(e) => {
-            assert!(
-                !matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut),
-                "the server neither answered nor closed a closed client's connection"
-            );
-            // Reset: the server closed with bytes of ours unread (sent after its
-            // answer), which may have cost some of the answer.
-            false
-        }
-    };
+    let c = loopback::connect(server.local_addr(), Duration::from_secs(10));
+    loopback::send_in_pieces(&c, &request, piece);
+    let (answer, whole) = loopback::finish(c);
     let gets = GET_RUNS[which].load(Ordering::SeqCst) - gets;
     let posts = POST_RUNS[which].load(Ordering::SeqCst) - posts;
     let runs = gets + posts;

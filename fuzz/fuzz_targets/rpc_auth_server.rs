@@ -7,15 +7,16 @@
 #![no_main]
 
 use std::io::Read;
-use std::net::{Shutdown, TcpStream};
-use std::os::fd::AsFd;
 use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
 use libfuzzer_sys::fuzz_target;
 use mooncake_core::rpc::wire::{Request, Response};
 use mooncake_core::rpc::{RpcHandler, RpcServer, RpcServerConfig};
-use mooncake_transfer::{send_no_signal, SharedSecret, AUTH_HELLO_LEN, AUTH_LEN, AUTH_MAGIC, REFUSE_MAGIC};
+use mooncake_transfer::{SharedSecret, AUTH_HELLO_LEN, AUTH_LEN, AUTH_MAGIC, REFUSE_MAGIC};
+
+#[path = "common/loopback.rs"]
+mod loopback;
 
 /// Answers every request with `Unit`.
 struct Unit;
@@ -39,41 +40,16 @@ fuzz_target!(|data: &[u8]| {
     let Some((&how, data)) = data.split_first() else { return };
     let with_secret = how & 1 == 0;
     let server = &SERVERS[usize::from(!with_secret)];
-    let mut c = loop {
-        match TcpStream::connect(server.local_addr()) {
-            Ok(c) => break c,
-            // Ports in TIME_WAIT run out under a fast loop: wait for some.
-            Err(_) => std::thread::sleep(Duration::from_millis(100)),
-        }
-    };
-    c.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
-    let _ = c.set_nodelay(true);
+    let mut c = loopback::connect(server.local_addr(), Duration::from_secs(20));
     if with_secret {
         let mut greeting = [0u8; AUTH_HELLO_LEN];
         c.read_exact(&mut greeting).expect("the server's greeting");
         assert_eq!(greeting[..4], AUTH_MAGIC);
     }
     // In pieces of 1 to 127 bytes, so that the server sees partial hellos and proofs.
-    let piece = usize::from(how >> 1).max(1);
-    for chunk in data.chunks(piece) {
-        let mut sent = 0;
-        while sent < chunk.len() {
-            match send_no_signal(c.as_fd(), &chunk[sent..]) {
-                Ok(n) => sent += n,
-                Err(_) => break,
-            }
-        }
-        if sent < chunk.len() {
-            break;
-        }
-    }
-    let _ = c.shutdown(Shutdown::Write);
-    let mut answer = Vec::new();
-    if let Err(e) = c.read_to_end(&mut answer) {
-        assert!(
-            !matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut),
-            "the server kept a closed client's connection open"
-        );
+    loopback::send_in_pieces(&c, data, usize::from(how >> 1));
+    let (answer, whole) = loopback::finish(c);
+    if !whole {
         return;
     }
     if !with_secret {

@@ -5,17 +5,17 @@
 //! a region or a handshake.
 #![no_main]
 
-use std::io::Read;
-use std::net::{Shutdown, TcpStream};
-use std::os::fd::AsFd;
 use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
 use libfuzzer_sys::fuzz_target;
 use mooncake_transfer::{
-    send_no_signal, FrameStatus, RegisteredRegion, ResponseHeader, TransferEngine, MAX_HANDSHAKE_BYTES, REFUSE_MAGIC,
+    FrameStatus, RegisteredRegion, ResponseHeader, TransferEngine, MAX_HANDSHAKE_BYTES, REFUSE_MAGIC,
     RESPONSE_HEADER_LEN,
 };
+
+#[path = "common/loopback.rs"]
+mod loopback;
 
 /// Bytes of each registered region.
 const REGION: u64 = 4096;
@@ -30,28 +30,10 @@ static ENGINE: LazyLock<(TransferEngine, [Arc<RegisteredRegion>; 2])> = LazyLock
 
 fuzz_target!(|data: &[u8]| {
     let (engine, _) = &*ENGINE;
-    let mut c = loop {
-        match TcpStream::connect(engine.endpoint()) {
-            Ok(c) => break c,
-            // Ports in TIME_WAIT run out under a fast loop: wait for some.
-            Err(_) => std::thread::sleep(Duration::from_millis(100)),
-        }
-    };
-    c.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
-    let mut sent = 0;
-    while sent < data.len() {
-        match send_no_signal(c.as_fd(), &data[sent..]) {
-            Ok(n) => sent += n,
-            Err(_) => break,
-        }
-    }
-    let _ = c.shutdown(Shutdown::Write);
-    let mut answer = Vec::new();
-    if let Err(e) = c.read_to_end(&mut answer) {
-        assert!(
-            !matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut),
-            "the server kept a closed peer's connection open"
-        );
+    let c = loopback::connect(engine.endpoint(), Duration::from_secs(20));
+    loopback::send_in_pieces(&c, data, usize::MAX);
+    let (answer, whole) = loopback::finish(c);
+    if !whole {
         return;
     }
     if answer.starts_with(&REFUSE_MAGIC) {
