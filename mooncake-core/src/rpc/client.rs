@@ -199,8 +199,7 @@ impl RpcMasterClient {
         answer_from(buf, n, &*stream, id)
     }
 
-    /// Sends `req` and returns the master's response: `send`, then
-    /// `receive`.
+    /// Sends `req` and returns the master's response: `send`, then `receive`.
     pub fn call(&self, req: &Request) -> Result<Response> {
         self.receive(self.send(req)?)
     }
