@@ -78,7 +78,8 @@ WARM_UP = 5
 def timed(iters, call, undo=lambda i: None):
     """Seconds a call took: (mean, median), `undo` run after each outside the clock,
     after WARM_UP untimed calls (as `gpu_store`'s: the first device call page-locks the
-    segment, the next few fill the staging pool, the streams and the room held ahead)."""
+    piece of the segment it moves through, the next few fill the staging pool, the
+    streams and the room held ahead; every call here reuses the room of the one before)."""
     for w in range(WARM_UP):
         call(-1 - w)
         undo(-1 - w)

@@ -7,7 +7,7 @@
 //! objects go through `Store::batch_get_into_parts`; an object with a range in GPU
 //! memory through `Store::batch_get_into_devices`, the parts seen as one
 //! `DeviceScatter` (device ranges, registered host ranges, host scratch), so its
-//! bytes reach the GPU the way every device read moves them (one DMA from a mapped
+//! bytes reach the GPU the way every device read moves them (by DMA from a mapped
 //! segment, streamed from a TCP peer), never through a host copy here. The object's
 //! length is not known beforehand: the first read ends at the end of the last range,
 //! and an object longer than that is read again with a scratch tail of the exact

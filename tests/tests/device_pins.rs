@@ -1,10 +1,65 @@
-//! The segments a store page-locks for device copies go with the store. (They were
-//! kept in a process-wide table: every dropped store's whole segment stayed mapped,
-//! and on a GPU page-locked, until the process exited.) Over the host emulation of
-//! device memory; alone in its test binary, so the process's mappings are its own.
+//! The segments a store page-locks for device copies: piece by piece, only the
+//! pieces replicas moved by DMA lie in, one DMA per piece; and they go with the
+//! store. (They were kept in a process-wide table: every dropped store's whole
+//! segment stayed mapped, and on a GPU page-locked, until the process exited.) Over
+//! the host emulation of device memory; alone in its test binary, so the process's
+//! mappings of 256 MiB and more are its own (the other tests here map less).
 
-use mooncake_core::gpu::HostDeviceMemory;
-use mooncake_core::Store;
+use std::collections::BTreeSet;
+
+use mooncake_core::gpu::{DeviceMemory, HostDeviceMemory};
+use mooncake_core::{Error, Store};
+
+fn pattern(seed: usize, len: usize) -> Vec<u8> {
+    (0..len).map(|i| (i.wrapping_mul(31) ^ seed.wrapping_mul(0x9E37)) as u8).collect()
+}
+
+/// Device puts and gets of replicas lying across the pieces of a segment move by
+/// DMA (nothing staged) with exact bytes, and only the pieces they lie in are
+/// page-locked, each once.
+#[test]
+fn replicas_move_by_dma_piece_by_piece_and_only_their_pieces_are_page_locked() {
+    const PIECE: u64 = 1 << 20;
+    const SEGMENT: u64 = 48 << 20;
+    let store = Store::builder().global_segment_size(SEGMENT).page_lock_piece(PIECE).build().unwrap();
+    let src = HostDeviceMemory::new(8 << 20).unwrap();
+    let dst = HostDeviceMemory::new(8 << 20).unwrap();
+    let lens = [3000usize, (1 << 20) + 5, (2 << 20) + 123, 700 << 10, (3 << 20) + 1, 1 << 20, 4096];
+    let (mut pieces, mut across, mut total) = (BTreeSet::new(), 0, 0u64);
+    for (i, &len) in lens.iter().enumerate() {
+        let data = pattern(i, len);
+        src.copy_from_host(100 * i as u64, &data).unwrap();
+        let key = format!("kv/{i}");
+        store.put_from_device(&key, &src, 100 * i as u64, len as u64).unwrap();
+        assert!(store.get(&key).unwrap()[..] == data[..], "{len}: stored bytes");
+        let r = store.master().get_replica_list(&key).unwrap().replicas[0];
+        let (first, last) = (r.offset / PIECE, (r.offset + r.len - 1) / PIECE);
+        across += usize::from(last > first);
+        pieces.extend(first..=last);
+        assert_eq!(store.stats().device_page_locked_bytes, pieces.len() as u64 * PIECE, "{len}: pieces locked");
+        dst.with_bytes_mut(|b| b.fill(0));
+        let at = 4096 + 7 * i as u64;
+        assert_eq!(store.get_into_device(&key, &dst, at).unwrap(), len);
+        let all = dst.to_vec();
+        assert!(all[at as usize..][..len] == data[..], "{len}: device bytes");
+        assert!(all[..at as usize].iter().chain(&all[at as usize + len..]).all(|&b| b == 0), "{len}: around");
+        total += len as u64;
+    }
+    assert!(across >= 3, "only {across} replicas lie across pieces: the test no longer tests that");
+    let s = store.stats();
+    assert_eq!((s.device_direct_bytes, s.device_staged_bytes), (2 * total, 0), "every replica by DMA");
+    assert_eq!(s.device_page_locked_bytes, pieces.len() as u64 * PIECE);
+    assert!(s.device_page_locked_bytes < SEGMENT / 2, "the whole segment was page-locked");
+}
+
+#[test]
+fn a_page_lock_piece_under_a_mib_or_off_the_page_size_is_refused() {
+    for bytes in [0, 4096, (1 << 20) - 4096, (1 << 20) + 1, (64 << 20) + 100] {
+        let built = Store::builder().global_segment_size(1 << 20).page_lock_piece(bytes).build();
+        assert!(matches!(built, Err(Error::InvalidArgument(ref m)) if m.contains("page_lock_piece")), "{bytes}");
+    }
+    assert!(Store::builder().global_segment_size(1 << 20).page_lock_piece((1 << 20) + 4096).build().is_ok());
+}
 
 /// Mappings of this process of at least `len` bytes (a segment each; far larger than
 /// anything else here: malloc's arenas, which only grow, are 64 MiB).

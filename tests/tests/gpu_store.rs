@@ -577,10 +577,12 @@ fn per_layer_ranges_as_one_scatter_through_the_device_api() {
 }
 
 /// On a real GPU: a replica in the store's own segment moves to and from CUDA
-/// device memory in one DMA (the segment page-locked once), counted as direct,
-/// with exact bytes. Skipped, with a message, without a GPU.
+/// device memory by DMA (the pieces of the segment it lies in page-locked once
+/// each, one DMA per piece), counted as direct, with exact bytes: with the default
+/// 64 MiB pieces, and with 1 MiB pieces, where every object lies across several
+/// registrations of the driver's. Skipped, with a message, without a GPU.
 #[test]
-fn with_a_gpu_the_own_segment_moves_in_one_dma() {
+fn with_a_gpu_the_own_segment_moves_by_dma_piece_by_piece() {
     use mooncake_core::gpu::{DeviceBuffer, DeviceMemory};
     let dev = match DeviceBuffer::new(0, 16 << 20) {
         Ok(d) => d,
@@ -589,26 +591,34 @@ fn with_a_gpu_the_own_segment_moves_in_one_dma() {
             return;
         }
     };
-    let store = store(256 << 20);
-    for (i, len) in [(1usize << 20) + 5, 8 << 20].into_iter().enumerate() {
-        let data = pattern(40 + i as u64, len);
-        let mut stream = dev.open_stream().unwrap();
-        // SAFETY: `data` outlives the copy, which is synchronized right away.
-        unsafe { stream.copy_to_device_async(data.as_ptr(), len, 0).unwrap() };
-        stream.synchronize().unwrap();
-        drop(stream);
-        let key = format!("gpu/{len}");
-        store.put_from_device(&key, &dev, 0, len as u64).unwrap();
-        assert!(store.get(&key).unwrap()[..] == data[..], "{len}: stored bytes");
-        assert_eq!(store.get_into_device(&key, &dev, 4096).unwrap(), len);
-        let mut back = vec![0u8; len];
-        let mut stream = dev.open_stream().unwrap();
-        // SAFETY: as above.
-        unsafe { stream.copy_from_device_async(back.as_mut_ptr(), len, 4096).unwrap() };
-        stream.synchronize().unwrap();
-        assert!(back == data, "{len}: device bytes");
+    for piece in [None, Some(1u64 << 20)] {
+        let mut builder = Store::builder().global_segment_size(256 << 20);
+        if let Some(piece) = piece {
+            builder = builder.page_lock_piece(piece);
+        }
+        let store = builder.build().unwrap();
+        for (i, len) in [(1usize << 20) + 5, 8 << 20, (3 << 20) + 4097].into_iter().enumerate() {
+            let data = pattern(40 + i as u64, len);
+            let mut stream = dev.open_stream().unwrap();
+            // SAFETY: `data` outlives the copy, which is synchronized right away.
+            unsafe { stream.copy_to_device_async(data.as_ptr(), len, 0).unwrap() };
+            stream.synchronize().unwrap();
+            drop(stream);
+            let key = format!("gpu/{len}");
+            store.put_from_device(&key, &dev, 0, len as u64).unwrap();
+            assert!(store.get(&key).unwrap()[..] == data[..], "{piece:?} {len}: stored bytes");
+            assert_eq!(store.get_into_device(&key, &dev, 4096).unwrap(), len);
+            let mut back = vec![0u8; len];
+            let mut stream = dev.open_stream().unwrap();
+            // SAFETY: as above.
+            unsafe { stream.copy_from_device_async(back.as_mut_ptr(), len, 4096).unwrap() };
+            stream.synchronize().unwrap();
+            assert!(back == data, "{piece:?} {len}: device bytes");
+        }
+        let s = store.stats();
+        let total = 2 * ((1u64 << 20) + 5 + (8 << 20) + (3 << 20) + 4097);
+        assert_eq!((s.device_direct_bytes, s.device_staged_bytes), (total, 0), "{piece:?}: not page-locked");
+        assert!(s.device_page_locked_bytes > 0 && s.device_page_locked_bytes < 256 << 20, "{piece:?}");
+        assert_eq!(store.page_lock_segments(), 256 << 20, "{piece:?}: the whole segment, locked now");
     }
-    let s = store.stats();
-    let total = 2 * ((1u64 << 20) + 5 + (8 << 20));
-    assert_eq!((s.device_direct_bytes, s.device_staged_bytes), (total, 0), "the own segment was not page-locked");
 }

@@ -46,6 +46,7 @@ pub struct StoreBuilder {
     pub(super) master_timeout: Duration,
     pub(super) flush_timeout: Duration,
     pub(super) etcd_credentials: crate::cluster::EtcdCredentials,
+    pub(super) page_lock_piece: u64,
 }
 
 impl std::fmt::Debug for StoreBuilder {
@@ -80,6 +81,7 @@ impl Default for StoreBuilder {
             master_timeout: Duration::from_secs(30),
             flush_timeout: Duration::from_secs(60),
             etcd_credentials: crate::cluster::EtcdCredentials::default(),
+            page_lock_piece: super::device::DEFAULT_PIECE,
         }
     }
 }
@@ -213,6 +215,21 @@ impl StoreBuilder {
         self
     }
 
+    /// Bytes of a mapped segment (this client's own, a same-host peer's) page-locked
+    /// at a time for device copies (default 64 MiB; at least 1 MiB, a multiple of
+    /// 4 KiB). A replica there moves to or from device memory by DMA straight from
+    /// or into the segment once the pieces it lies in are page-locked: each piece
+    /// the first time a device call moves a replica in it, that call waiting for it
+    /// (page-locking takes time in proportion to the bytes, and the CUDA driver
+    /// holds the process's other CUDA calls meanwhile). Smaller pieces: shorter
+    /// first calls, more registrations with the driver; one DMA per piece a replica
+    /// lies in. [`StoreStats::device_page_locked_bytes`](crate::StoreStats) says how
+    /// much is locked.
+    pub fn page_lock_piece(mut self, bytes: u64) -> Self {
+        self.page_lock_piece = bytes;
+        self
+    }
+
     /// Builds the client: joins (or starts) the master and mounts the segment.
     pub fn build(mut self) -> Result<Store> {
         self.replicate.check()?;
@@ -258,6 +275,12 @@ impl StoreBuilder {
         }
         if self.master_timeout.is_zero() || self.flush_timeout.is_zero() {
             return Err(Error::InvalidArgument("master_timeout and flush_timeout must be > 0".into()));
+        }
+        if self.page_lock_piece < 1 << 20 || self.page_lock_piece % 4096 != 0 {
+            return Err(Error::InvalidArgument(format!(
+                "page_lock_piece {} must be at least 1 MiB and a multiple of 4 KiB",
+                self.page_lock_piece
+            )));
         }
         if let Some(addr) = self.master_address.clone().filter(|a| crate::cluster::EtcdAddress::is_etcd(a)) {
             #[cfg(feature = "etcd")]

@@ -449,6 +449,7 @@ impl Store {
             declared_puts: c.declared_puts.load(Ordering::Relaxed),
             device_direct_bytes: c.device_direct_bytes.load(Ordering::Relaxed),
             device_staged_bytes: c.device_staged_bytes.load(Ordering::Relaxed),
+            device_page_locked_bytes: inner.pinned.locked_bytes(),
             ssd: self.ssd_stats(),
             disk_loads: inner.disk_peers.loads(),
             replica_cache_hits: inner.cache.hits(),

@@ -72,8 +72,8 @@ enum Attempt {
     Memory(usize),
     /// Read replica `order[n]` straight into device memory (RDMA).
     Device(usize),
-    /// Copy replica `order[n]` to device memory in one DMA from its mapped,
-    /// page-locked segment (`pinned`).
+    /// Copy replica `order[n]` to device memory by DMA from its mapped,
+    /// page-locked segment (`pinned`; one DMA per piece it lies in).
     Dma(usize),
     /// Read replica `order[n]` with the transport into pinned chunks, each
     /// copied to device memory while the next one arrives.
@@ -84,7 +84,7 @@ enum Attempt {
 
 impl Attempt {
     /// The bytes go to device memory with no host copy of the caller's: straight
-    /// (RDMA) or in one DMA from a mapped segment.
+    /// (RDMA) or by DMA from a mapped segment.
     fn is_direct(self) -> bool {
         matches!(self, Attempt::Device(_) | Attempt::Dma(_))
     }
@@ -263,10 +263,15 @@ impl StoreInner {
             while r.next < r.order.len() {
                 match &r.order[r.next].1 {
                     Ok(route) => {
+                        let (offset, len) = (r.order[r.next].0.offset, r.len() as u64);
                         r.pinned = match &r.target.dest {
-                            Dest::Device { mem, .. } if route.caps.maps_peer_memory => {
-                                self.pinned.get(&self.engine, &route.region, mem.location().is_emulated())
-                            }
+                            // By DMA once the pieces the replica lies in are
+                            // page-locked (locked here if they were not); else
+                            // streamed, as from any transport.
+                            Dest::Device { mem, .. } if route.caps.maps_peer_memory => self
+                                .pinned
+                                .get(&self.engine, &route.region, mem.location().is_emulated())
+                                .filter(|p| p.parts(offset, len).is_some()),
                             _ => None,
                         };
                         attempt = Some(if r.direct.is_some() && route.caps.moves_device_memory {
@@ -369,18 +374,27 @@ impl StoreInner {
                     continue;
                 };
                 let (rep, len) = (&r.order[n].0, r.len());
-                let Some(src) = pinned.range(rep.offset, len as u64) else {
+                let Some(parts) = pinned.parts(rep.offset, len as u64) else {
                     let region = r.order[n].1.as_ref().map_or(0, |route| route.region.region);
                     let (offset, len, region_len) = (rep.offset, len as u64, pinned.len());
                     let e = TransferError::OutOfBounds { region, offset, len, region_len };
                     ok[k] = Some(Err(e.into()));
                     continue;
                 };
-                // SAFETY: `src` lies in the mapped segment, which `Keep::Mapped`
-                // keeps mapped until the copy is done; a writer of that range in
-                // the meantime (the object freed and reused) can only make the
-                // device bytes fail their checksum below.
-                let queued = unsafe { copies.enqueue_upload(k, *mem, src, len, *offset, Keep::Mapped(pinned.clone())) };
+                // One DMA per page-locked piece the replica lies in, in order.
+                let mut queued = Ok(());
+                let mut at = *offset;
+                for (src, part) in parts {
+                    // SAFETY: `src` lies in the mapped segment, which `Keep::Mapped`
+                    // keeps mapped until the copy is done; a writer of that range in
+                    // the meantime (the object freed and reused) can only make the
+                    // device bytes fail their checksum below.
+                    queued = unsafe { copies.enqueue_upload(k, *mem, src, part, at, Keep::Mapped(pinned.clone())) };
+                    if queued.is_err() {
+                        break;
+                    }
+                    at += part as u64;
+                }
                 // The check of the device bytes, chained behind the copy.
                 ok[k] = Some(queued.and_then(|()| copies.sum_after(k, *mem, *offset, len as u64)));
             }

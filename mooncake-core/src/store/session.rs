@@ -304,7 +304,7 @@ impl Store {
             recovering_wait: RECOVERING_WAIT_MIN.max(Duration::from_millis(reg.client_ttl_ms.saturating_mul(3))),
             cluster,
             _heartbeat_stop: stop_tx,
-            pinned: Default::default(),
+            pinned: super::device::PinnedRegions::new(cfg.page_lock_piece),
             ahead: Default::default(),
         });
         // Heartbeats get their own thread so that no amount of I/O delays them.

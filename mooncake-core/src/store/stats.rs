@@ -73,6 +73,11 @@ pub struct StoreStats {
     /// replica over TCP, on a disk, or in memory that could not be page-locked or
     /// registered). Counted once per object.
     pub device_staged_bytes: u64,
+    /// Bytes of mapped segments (this client's own, same-host peers') page-locked
+    /// now for device copies: the pieces replicas moved by DMA lie in (see
+    /// [`StoreBuilder::page_lock_piece`](crate::StoreBuilder::page_lock_piece)).
+    /// Taken back when a mapping is dropped with its store or replaced.
+    pub device_page_locked_bytes: u64,
     /// Connections to this storage node's record endpoint that were refused: they
     /// could not prove the record key only the masters it mounted on know (a forged
     /// record change, say). See [`Store::record_endpoint`](crate::Store::record_endpoint).
@@ -98,7 +103,7 @@ pub struct StoreStats {
 /// ```text
 /// client 0x…: segment 1048576/4194304 bytes used
 ///   puts 10 (…), gets 12 (…), removes 0, checksum retries 0, declared 0, replica cache hits 3, disk loads 0,
-///     device bytes 0 direct / 0 staged
+///     device bytes 0 direct / 0 staged (0 B page-locked)
 ///   ssd (bucket, io …): 8 objects, 65536/… B used, 8 offloaded (65536 B, 0 failed), …
 ///   master (random): 10 objects (…), … evicted (… B), lease refusals 0, put timeouts 0, …
 /// ```
@@ -113,7 +118,7 @@ impl std::fmt::Display for StoreStats {
         writeln!(
             f,
             "  puts {} ({} B, {} failed), gets {} ({} B, {} failed), removes {}, checksum retries {}, \
-             declared {}, replica cache hits {}, disk loads {}, device bytes {} direct / {} staged, record refusals {}, \
+             declared {}, replica cache hits {}, disk loads {}, device bytes {} direct / {} staged ({} B page-locked), record refusals {}, \
              record mounts failed {}",
             self.puts,
             self.put_bytes,
@@ -128,6 +133,7 @@ impl std::fmt::Display for StoreStats {
             self.disk_loads,
             self.device_direct_bytes,
             self.device_staged_bytes,
+            self.device_page_locked_bytes,
             self.record_refusals,
             self.record_mount_failures
         )?;

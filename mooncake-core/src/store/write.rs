@@ -13,6 +13,7 @@
 //! take yet (`Recovering`) waits for the recovery (up to three of the master's
 //! client TTLs, at least [`RECOVERING_WAIT_MIN`]).
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use mooncake_alloc::SegmentId;
@@ -21,7 +22,9 @@ use mooncake_transfer::{TransferRequest, WorkOp};
 use smallvec::SmallVec;
 
 use super::ahead::{HOLD_FROM, HOLD_UP_TO};
-use super::device::{move_device, stream_writes, Copies, DeviceMove, Directs, Keep, StreamWrite};
+use super::device::{
+    move_device, stream_writes, Copies, DeviceMove, Directs, Keep, PinnedParts, PinnedRegion, StreamWrite,
+};
 use super::routes::Route;
 use super::stats::StoreCounters;
 use super::StoreInner;
@@ -379,7 +382,7 @@ impl StoreInner {
                     return None;
                 }
                 let (p, until) = self.ahead.take(&*self.master, client, w.len, cfg)?;
-                // Only where every replica is moved by one DMA, the bind beside it
+                // Only where every replica is moved by DMA, the bind beside it
                 // (else the room is left to expire).
                 let mapped = p.replicas.iter().all(|r| {
                     self.routes.get(&*self.master, &self.engine, r.segment).is_ok_and(|r| r.caps.maps_peer_memory)
@@ -636,39 +639,55 @@ impl StoreInner {
                 // Room held ahead: written by DMA only, and only while the master
                 // certainly holds it (`ahead.rs`); else not at all, placed again.
                 let held = w.held.is_some();
-                if w.held.is_some_and(|(_, until)| Instant::now() >= until) {
-                    by_host[k].clear();
-                    w.failed.get_or_insert(Error::Timeout("room held ahead ran out before its DMA".into()));
-                    continue;
-                }
+                // The replicas in mapped segments, the pieces each lies in
+                // page-locked first (locking may take a while: before the hold's
+                // time is checked); the rest staged below.
+                let mut targets: SmallVec<[(Arc<PinnedRegion>, PinnedParts); 2]> = SmallVec::new();
                 let mut cannot = false;
-                by_host[k].retain(|j| {
-                    let j = *j;
+                by_host[k].retain(|&mut j| {
                     let (r, route) = &w.placed[j];
                     let target = route
                         .caps
                         .maps_peer_memory
                         .then(|| self.pinned.get(&self.engine, &route.region, mem.location().is_emulated()))
                         .flatten()
-                        .and_then(|p| p.range(r.offset, len).map(|dst| (p, dst)));
-                    let Some((pinned, dst)) = target else {
+                        .and_then(|p| p.parts(r.offset, len).map(|parts| (p, parts)));
+                    match target {
+                        Some(t) => {
+                            targets.push(t);
+                            false
+                        }
                         // Staged below; room held ahead is not written at all.
-                        cannot |= held;
-                        return !held;
-                    };
-                    // SAFETY: `dst` is the replica the master placed for this put
-                    // (no one else writes or reads it before `put_end`; room held
-                    // ahead: not before its hold ends, checked above), in a segment
-                    // `Keep::Mapped` keeps mapped until the copy is done;
-                    // `offset..offset + len` of `mem` was checked.
-                    let queued = unsafe {
-                        copies.enqueue_download(k, mem, dst, len as usize, offset, Keep::Mapped(pinned.clone()))
-                    };
-                    if let Err(e) = queued {
-                        w.failed.get_or_insert(e);
+                        None => {
+                            cannot |= held;
+                            !held
+                        }
                     }
-                    false
                 });
+                if w.held.is_some_and(|(_, until)| Instant::now() >= until) {
+                    by_host[k].clear();
+                    w.failed.get_or_insert(Error::Timeout("room held ahead ran out before its DMA".into()));
+                    continue;
+                }
+                'replicas: for (pinned, parts) in targets {
+                    // One DMA per page-locked piece the replica lies in, in order.
+                    let mut at = offset;
+                    for (dst, part) in parts {
+                        // SAFETY: `dst` lies in the replica the master placed for
+                        // this put (no one else writes or reads it before
+                        // `put_end`; room held ahead: not before its hold ends,
+                        // checked above), in a segment `Keep::Mapped` keeps mapped
+                        // until the copy is done; `offset..offset + len` of `mem`
+                        // was checked, and the parts add up to `len`.
+                        let queued =
+                            unsafe { copies.enqueue_download(k, mem, dst, part, at, Keep::Mapped(pinned.clone())) };
+                        if let Err(e) = queued {
+                            w.failed.get_or_insert(e);
+                            continue 'replicas;
+                        }
+                        at += part as u64;
+                    }
+                }
                 if cannot {
                     w.failed.get_or_insert(Error::Transport(mooncake_transfer::TransferError::Unreachable(
                         "room held ahead outside page-locked mapped memory".into(),
@@ -867,7 +886,7 @@ fn holds_ahead(w: &Writing<'_>) -> bool {
 }
 
 /// A device item: moved by RDMA where it can be (`direct`, its registration), by
-/// one DMA into replicas in mapped segments, else from a pinned copy taken when a
+/// DMA into replicas in mapped segments, else from a pinned copy taken when a
 /// replica needs one.
 fn device_item<'a>(
     key: &'a str,

@@ -14,10 +14,11 @@
 //!   allocation). The replica is READ straight into device memory, or WRITTEN
 //!   straight from it; the checksum is taken of the device bytes
 //!   ([`DeviceMemory::crc32c`](mooncake_gpu::DeviceMemory::crc32c)).
-//! * **One DMA** (`pinned.rs`): the replica's transport maps its memory into this
+//! * **By DMA** (`pinned.rs`): the replica's transport maps its memory into this
 //!   process (this client's own segment, a same-host peer's): the mapped segment
-//!   is page-locked with CUDA once, and the replica moves to or from device memory
-//!   in one DMA straight from or into it. The checksum is taken of the device
+//!   is page-locked with CUDA piece by piece (each piece once, when a replica in it
+//!   first moves), and the replica moves to or from device memory straight from or
+//!   into it, one DMA per piece it lies in. The checksum is taken of the device
 //!   bytes.
 //! * **Streamed** (`stream.rs`): a replica the transport reaches through host
 //!   memory (a TCP peer's, a segment that cannot be page-locked) moves through
@@ -39,6 +40,6 @@ mod staging;
 mod stream;
 
 pub(super) use direct::{move_device, DeviceMove, Directs};
-pub(super) use pinned::{PinnedRegion, PinnedRegions};
+pub(super) use pinned::{PinnedParts, PinnedRegion, PinnedRegions, DEFAULT_PIECE};
 pub(super) use staging::{room_after, staging, Copies, Keep};
 pub(super) use stream::{stream_reads, stream_writes, StreamRead, StreamWrite};
