@@ -3,7 +3,8 @@
 # the CUDA tests (none may skip), the two-process CUDA IPC test, the store's device
 # tests, `gpu_store --bench` (local / shm-peer / tcp-peer replicas against pinned
 # DMA and the host calls; again with answer polling off, up to 16 MiB; again with
-# master calls over loopback TCP, 4 and 16 MiB), `gpu_sweep` (NanoKvCache put/get
+# master calls over loopback TCP, 4 and 16 MiB; the first device calls of a store
+# with a 2 and an 8 GiB segment), `gpu_sweep` (NanoKvCache put/get
 # against DtoD), and, when
 # torch with CUDA imports, the Python drop-in on CUDA tensors (pytest, the
 # `gpu_pointers.py` bench against `gpu_store`'s `own_master_process` rows, compared
@@ -12,7 +13,7 @@
 #
 #   bash bench/gpu.sh [OUT]        # default bench/results/gpu-<date>
 #
-# Knobs: ITERS (20), PY_ITERS (100: the Python steps and their Rust reference), MAX_SIZE (64 MiB), PYTHON (python3 with the wheel installed:
+# Knobs: ITERS (20), FIRST_CALL_SEGMENTS (segment sizes of the first-call steps), PY_ITERS (100: the Python steps and their Rust reference), MAX_SIZE (64 MiB), PYTHON (python3 with the wheel installed:
 # `cd mooncake-py && maturin develop --release`), STEP_LIMIT (seconds one step may
 # take, 300), PARTS (which parts run: "tests bench python", all by default; a
 # machine lent for minutes can run them in separate calls). Exit status: 0 when every step passed and no GPU test skipped, else 1
@@ -102,6 +103,12 @@ if want bench; then
         --iters "$ITERS" --min-size $((1 << 20)) --max-size $((16 << 20)) --replicas own_remote_master,shm_peer
     step gpu-store-bench-ahead example examples gpu_store --bench \
         --iters "$ITERS" --min-size $((1 << 20)) --max-size $((16 << 20)) --replicas own_remote_master,shm_peer
+    # The first device calls of a fresh store, its segment page-locked in pieces
+    # (the default) and as one piece (as before pieces), with FIRST_CALL_SEGMENTS
+    # (bytes; 2 and 8 GiB by default: 32 GiB takes a minute), and `page_lock_segments` after them.
+    for seg in ${FIRST_CALL_SEGMENTS:-2147483648 8589934592}; do
+        step "first-call-$seg" example examples gpu_store --first-call "$seg" --device 0
+    done
     step gpu-sweep example mooncake-gpu gpu_sweep --iters "$ITERS"
     step gpu-sweep-staging example mooncake-gpu gpu_sweep --staging --iters "$ITERS"
     # Where a device checksum's time goes: its kernels with parts cut out.

@@ -29,6 +29,14 @@
 //! figures are no GPU result):
 //!
 //! `cargo run --release --example gpu_store -- --bench [--iters N] [--device D] [--max-size B] [--master-bin PATH] [--emulate]`
+//!
+//! First-call mode: how long the first device calls of a fresh store with a
+//! segment of SEGMENT bytes take (six 1 MiB `put_from_device`, then three
+//! `get_into_device`), with the segment page-locked in pieces (the default) and as
+//! one piece (how every segment was locked before pieces), then how long
+//! `Store::page_lock_segments` takes to lock the rest; one JSON document:
+//!
+//! `cargo run --release --example gpu_store -- --first-call SEGMENT [--device D] [--emulate]`
 
 use std::io::BufRead;
 use std::process::{Child, Command, Stdio};
@@ -64,6 +72,8 @@ struct Args {
     /// client's own segment with that binary as its master, in its own process
     /// (as the Python drop-in's bench runs it).
     master_bin: Option<String>,
+    /// First-call mode: the segment's bytes.
+    first_call: Option<u64>,
 }
 
 fn parse_args() -> Args {
@@ -76,6 +86,7 @@ fn parse_args() -> Args {
         min_size: 64 << 10,
         replicas: Vec::new(),
         master_bin: None,
+        first_call: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -96,8 +107,9 @@ fn parse_args() -> Args {
             }
             "--emulate" => a.emulate = true,
             "--master-bin" => a.master_bin = it.next(),
+            "--first-call" => a.first_call = Some(num("--first-call") as u64),
             "-h" | "--help" => {
-                eprintln!("usage: gpu_store [--bench [--iters N] [--device D] [--min-size BYTES] [--max-size BYTES] [--replicas local,own_remote_master,shm_peer,tcp_peer,own_master_process] [--master-bin PATH] [--emulate]]");
+                eprintln!("usage: gpu_store [--bench [--iters N] [--device D] [--min-size BYTES] [--max-size BYTES] [--replicas local,own_remote_master,shm_peer,tcp_peer,own_master_process] [--master-bin PATH] [--emulate]] [--first-call SEGMENT [--device D] [--emulate]]");
                 std::process::exit(0);
             }
             other => {
@@ -522,8 +534,66 @@ fn bench(a: &Args) -> Result<String, Box<dyn std::error::Error>> {
     ))
 }
 
+/// First-call mode (see the crate doc): one row per way of page-locking.
+fn first_call(a: &Args, segment: u64) -> Result<String, Box<dyn std::error::Error>> {
+    const SIZE: usize = 1 << 20;
+    let dev: Arc<dyn DeviceMemory> = if a.emulate {
+        Arc::new(HostDeviceMemory::new(2 * SIZE as u64)?)
+    } else {
+        Arc::new(DeviceBuffer::new(a.device, 2 * SIZE)?)
+    };
+    dev.copy_from_host(0, &kv_block(1, 2, SIZE))?;
+    let ms = |t: Instant| format!("{:.2}", t.elapsed().as_secs_f64() * 1e3);
+    let mut rows = Vec::new();
+    let whole = segment.next_multiple_of(4096).max(1 << 20);
+    for (name, piece) in [("pieces", None), ("whole_segment", Some(whole))] {
+        let mut builder = Store::builder().global_segment_size(segment);
+        if let Some(piece) = piece {
+            builder = builder.page_lock_piece(piece);
+        }
+        let store = builder.build()?;
+        let mut puts = Vec::new();
+        for i in 0..6 {
+            let t = Instant::now();
+            store.put_from_device(&format!("first/{i}"), &*dev, 0, SIZE as u64)?;
+            puts.push(ms(t));
+        }
+        let mut gets = Vec::new();
+        for i in 0..3 {
+            let t = Instant::now();
+            store.get_into_device(&format!("first/{i}"), &*dev, SIZE as u64)?;
+            gets.push(ms(t));
+        }
+        let locked_by_calls = store.stats().device_page_locked_bytes;
+        let t = Instant::now();
+        let locked = store.page_lock_segments();
+        let lock_rest = ms(t);
+        let t = Instant::now();
+        drop(store);
+        rows.push(format!(
+            "  {{\"page_locking\":\"{name}\",\"segment_bytes\":{segment},\"device_put_ms\":[{}],\"device_get_ms\":[{}],\
+             \"page_locked_by_the_calls\":{locked_by_calls},\"page_lock_segments_ms\":{lock_rest},\
+             \"page_locked_after\":{locked},\"drop_ms\":{}}}",
+            puts.join(","),
+            gets.join(","),
+            ms(t)
+        ));
+    }
+    Ok(format!("{{\"device\":\"{}\",\"rows\":[\n{}\n]}}", dev.location(), rows.join(",\n")))
+}
+
 fn main() {
     let a = parse_args();
+    if let Some(segment) = a.first_call {
+        match first_call(&a, segment) {
+            Ok(json) => println!("{json}"),
+            Err(e) => {
+                eprintln!("gpu_store --first-call: {e}");
+                std::process::exit(1);
+            }
+        }
+        return;
+    }
     if a.bench {
         match bench(&a) {
             Ok(json) => println!("{json}"),
