@@ -65,14 +65,11 @@ impl PinnedRegion {
             parts.push((base, 0));
             return Some(parts);
         }
-        let (first, last) = (offset / self.piece, (offset + len - 1) / self.piece);
-        for i in first..=last {
+        for (i, start, part) in split_at_pieces(offset, len, self.piece) {
             if !self.pinned(i as usize) {
                 return None;
             }
-            let start = offset.max(i * self.piece);
-            let end = (offset + len).min((i + 1) * self.piece);
-            parts.push((self.map.range(start, end - start)?, (end - start) as usize));
+            parts.push((self.map.range(start, part)?, part as usize));
         }
         Some(parts)
     }
@@ -123,6 +120,18 @@ impl Drop for PinnedRegion {
             .sum();
         self.locked.fetch_sub(locked, Ordering::Relaxed);
     }
+}
+
+/// `[offset, offset + len)` cut where pieces of `piece` bytes meet: `(piece index,
+/// start, length)` of each part, in order (none for an empty range). The caller
+/// checked that the range lies in the region (no overflow).
+fn split_at_pieces(offset: u64, len: u64, piece: u64) -> impl Iterator<Item = (u64, u64, u64)> {
+    let end = offset + len;
+    let pieces = if len == 0 { 1..1 } else { offset / piece..(end - 1) / piece + 1 };
+    pieces.map(move |i| {
+        let start = offset.max(i * piece);
+        (i, start, end.min((i + 1) * piece) - start)
+    })
 }
 
 /// The ranges the emulation page-locked in this process: like CUDA, it refuses to
@@ -212,6 +221,27 @@ mod tests {
     use crate::Store;
 
     const PIECE: u64 = 1 << 20;
+
+    proptest::proptest! {
+        /// The parts of a range are the range, in order, each inside one piece and
+        /// no two in the same piece: against a byte-by-byte model.
+        #[test]
+        fn a_range_is_cut_exactly_where_pieces_meet(piece in 1u64..64, offset in 0u64..400, len in 0u64..400) {
+            let parts: Vec<(u64, u64, u64)> = split_at_pieces(offset, len, piece).collect();
+            let mut at = offset;
+            for &(i, start, n) in &parts {
+                proptest::prop_assert_eq!(start, at);
+                proptest::prop_assert!(n > 0);
+                proptest::prop_assert!((start..start + n).all(|b| b / piece == i), "a part spans pieces");
+                at += n;
+            }
+            proptest::prop_assert_eq!(at, offset + len);
+            // Byte by byte, the pieces the range touches, each once.
+            let touched: std::collections::BTreeSet<u64> = (offset..offset + len).map(|b| b / piece).collect();
+            let listed: Vec<u64> = parts.iter().map(|p| p.0).collect();
+            proptest::prop_assert_eq!(listed, touched.into_iter().collect::<Vec<_>>());
+        }
+    }
 
     /// A piece that cannot be page-locked stages the replicas in it; the other
     /// pieces of the same segment still move by DMA.
