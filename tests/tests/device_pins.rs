@@ -52,6 +52,28 @@ fn replicas_move_by_dma_piece_by_piece_and_only_their_pieces_are_page_locked() {
     assert!(s.device_page_locked_bytes < SEGMENT / 2, "the whole segment was page-locked");
 }
 
+/// A server that page-locks at setup: before any device call, the own segment is
+/// locked whole, and the device calls after it lock nothing more (the same pins).
+#[test]
+fn page_locking_at_setup_locks_the_own_segment_before_any_device_call() {
+    const SEGMENT: u64 = 24 << 20;
+    let store = Store::builder().global_segment_size(SEGMENT).page_lock_piece(4 << 20).build().unwrap();
+    assert_eq!(store.stats().device_page_locked_bytes, 0);
+    assert_eq!(store.page_lock_segments(), SEGMENT);
+    let dev = HostDeviceMemory::new(4 << 20).unwrap();
+    let data = pattern(9, 3 << 20);
+    dev.copy_from_host(0, &data).unwrap();
+    store.put_from_device("kv", &dev, 0, data.len() as u64).unwrap();
+    assert_eq!(store.get_into_device("kv", &dev, 1 << 20).unwrap(), data.len());
+    let s = store.stats();
+    assert_eq!((s.device_direct_bytes, s.device_staged_bytes), (2 * data.len() as u64, 0));
+    assert_eq!(s.device_page_locked_bytes, SEGMENT, "locked again, or twice");
+    assert_eq!(store.page_lock_segments(), SEGMENT);
+    // A client without a segment of its own has nothing to lock.
+    let reader = Store::builder().global_segment_size(0).build().unwrap();
+    assert_eq!(reader.page_lock_segments(), 0);
+}
+
 #[test]
 fn a_page_lock_piece_under_a_mib_or_off_the_page_size_is_refused() {
     for bytes in [0, 4096, (1 << 20) - 4096, (1 << 20) + 1, (64 << 20) + 100] {

@@ -28,15 +28,15 @@ impl From<GpuError> for Error {
 }
 
 impl Store {
-    /// Page-locks, now, every piece not yet locked of the segments this store has
-    /// mapped for device copies so far (its own, same-host peers': each mapped by
-    /// the first device call that moved a replica there), and returns the bytes of
-    /// mapped segments page-locked after it
+    /// Page-locks, now, every piece not yet locked of this client's own segment and
+    /// of the segments this store has mapped for device copies so far (same-host
+    /// peers': each mapped by the first device call that moved a replica there), and
+    /// returns the bytes of mapped segments page-locked after it
     /// ([`StoreStats::device_page_locked_bytes`](crate::StoreStats)). Device calls
     /// lock the pieces they move replicas through when they first do (see
     /// [`StoreBuilder::page_lock_piece`](crate::StoreBuilder::page_lock_piece)); a
-    /// server that would rather pay for it at setup makes one device call, then
-    /// this. Takes time in proportion to the bytes (about 0.15-0.75 s per GiB on an
+    /// server that would rather pay for it at setup calls this then (with CUDA
+    /// where a GPU is usable, else in the host emulation). Takes time in proportion to the bytes (about 0.15-0.75 s per GiB on an
     /// H100 host), during which the CUDA driver holds the process's other CUDA
     /// calls. A piece that cannot be page-locked is logged and left to staging.
     ///
@@ -54,7 +54,19 @@ impl Store {
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn page_lock_segments(&self) -> u64 {
-        self.inner.pinned.lock_all()
+        let inner = &self.inner;
+        let own = inner.own_segment.load(std::sync::atomic::Ordering::Acquire);
+        if own != 0 {
+            // Mapped now if no device call has yet, as the devices this process
+            // can use would map it.
+            let emulated = !mooncake_gpu::cuda_available();
+            if let Ok(route) = inner.routes.get(&*inner.master, &inner.engine, own) {
+                if route.caps.maps_peer_memory {
+                    inner.pinned.get(&inner.engine, &route.region, emulated);
+                }
+            }
+        }
+        inner.pinned.lock_all()
     }
 
     /// Reads the object under `key` into device memory `dst` at byte `offset`
