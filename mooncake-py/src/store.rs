@@ -8,7 +8,7 @@ use bytes::Bytes;
 use mooncake_core::gpu::{DeviceMemory, KeepCurrentContext};
 use mooncake_core::{BufferRegistry, Error, Store};
 use parking_lot::{RwLock, RwLockReadGuard};
-use pyo3::exceptions::{PyNotImplementedError, PyTypeError};
+use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyBytes, PyDict, PyInt, PyList, PyString, PyTuple};
 
@@ -30,9 +30,6 @@ use crate::tensor_api::Split;
 /// frees memory a reader may still be copying from, so `force` waits out the lease
 /// (the master's lease TTL, 5 s by default) instead of skipping it.
 const FORCE_DEADLINE: Duration = Duration::from_secs(30);
-/// Why the CUDA reads raise.
-const CUDA_READS: &str = "reading into CUDA tensors needs the GPU path of the Python binding, which this \
-                          build does not have yet: read with get_tensor_into into host memory and copy";
 /// Poll period of a forced remove.
 const FORCE_POLL: Duration = Duration::from_millis(10);
 
@@ -100,7 +97,7 @@ impl WriteMode {
 pub struct MooncakeDistributedStore {
     session: RwLock<Option<Arc<Session>>>,
     buffers: BufferRegistry,
-    devices: DevicePointers,
+    pub(crate) devices: DevicePointers,
     /// The in-flight gate: held shared by each pointer call from the check of its
     /// pointers to its last touch of the memory (all with the GIL released), and
     /// exclusively by `unregister_buffer` and `close` while they forget buffers, so
@@ -137,7 +134,7 @@ fn length_or_code(res: &mooncake_core::Result<usize>) -> i64 {
 /// Writes objects whose bytes are in device memory (one `DeviceMemory` each, the
 /// whole of it), as puts or upserts, through the store's device forms: one batch,
 /// one master round trip per phase; one code each.
-fn write_device(
+pub(crate) fn write_device(
     mode: WriteMode,
     store: &Store,
     items: &[(&str, Arc<dyn DeviceMemory>)],
@@ -155,7 +152,7 @@ fn write_device(
 
 /// Reads `keys[i]` into device memory `mem` for each `(i, mem)` of `on_device`, in
 /// one batch (one master round trip), and puts each length or code in `results[i]`.
-fn read_device<M: std::ops::Deref<Target = dyn DeviceMemory>>(
+pub(crate) fn read_device<M: std::ops::Deref<Target = dyn DeviceMemory>>(
     store: &Store,
     keys: &[String],
     on_device: &[(usize, M)],
@@ -480,6 +477,18 @@ impl MooncakeDistributedStore {
             Ok(_) => codes::HEALTHY,
             Err(_) => codes::MASTER_UNREACHABLE,
         })
+    }
+
+    /// Page-locks, now, this client's segment (and the same-host peers' segments its
+    /// GPU calls have mapped) for DMA to and from GPU memory, and returns the bytes
+    /// page-locked (0 before `setup`, without a segment, or where the segment is
+    /// reached over the network: protocol `tcp`). Without it, a GPU call page-locks
+    /// the 64 MiB pieces it moves objects through, the first time it does; a server
+    /// that would rather pay it at setup calls this after registering its GPU
+    /// buffers. Not in the reference (which registers its whole segment at setup).
+    fn page_lock_segments(&self, py: Python<'_>) -> u64 {
+        let Some(s) = self.session() else { return 0 };
+        py.detach(|| s.store.page_lock_segments())
     }
 
     /// `host:port` this client serves its segment on ("" before `setup`).
@@ -1614,16 +1623,26 @@ impl MooncakeDistributedStore {
         self.write_tensors_from(py, WriteMode::Upsert, &keys, &buffer_ptrs, &sizes, Split::NONE)
     }
 
-    /// Reads into a CUDA tensor: not supported by this build yet (it needs the GPU
-    /// path of the binding); raises `NotImplementedError`, never touches the tensor.
-    fn get_tensor_into_cuda(&self, key: String, tensor: Bound<'_, PyAny>) -> PyResult<i64> {
-        let _ = (key, tensor);
-        Err(PyNotImplementedError::new_err(CUDA_READS))
+    /// Reads the tensor stored under `key` into `tensor` (a contiguous torch tensor on
+    /// a CUDA GPU, moved by device copies or DMA, or on the CPU inside a registered
+    /// buffer) of the stored dtype and shape; returns the bytes of elements read, or a
+    /// negative code (-600 for a destination that is not such a tensor or does not
+    /// match; see `batch_get_tensor_into_cuda`).
+    fn get_tensor_into_cuda(&self, py: Python<'_>, key: String, tensor: Bound<'_, PyAny>) -> PyResult<i64> {
+        Ok(self.read_tensors_into_cuda(py, &[key], &[tensor])?[0])
     }
 
-    /// The batch form of `get_tensor_into_cuda`: raises `NotImplementedError` as it does.
-    fn batch_get_tensor_into_cuda(&self, keys: Vec<String>, tensors_list: Vec<Bound<'_, PyAny>>) -> PyResult<Vec<i64>> {
-        let _ = (keys, tensors_list);
-        Err(PyNotImplementedError::new_err(CUDA_READS))
+    /// `get_tensor_into_cuda` for many keys in one batch (one master round trip); one
+    /// result per key. A destination whose dtype or shape differs from the stored
+    /// tensor's gets -600; where the stored tensor is not larger than it, its elements
+    /// were written into it first (the reference reads the header first and leaves it
+    /// as it was).
+    fn batch_get_tensor_into_cuda(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+        tensors_list: Vec<Bound<'_, PyAny>>,
+    ) -> PyResult<Vec<i64>> {
+        self.read_tensors_into_cuda(py, &keys, &tensors_list)
     }
 }

@@ -24,7 +24,7 @@ pub use crate::tensor_meta::{Dtype, Meta, META_LEN};
 pub enum Refusal {
     /// Not an array or tensor, an unsupported dtype or too many dimensions: -600.
     Invalid,
-    /// A tensor in device memory: an error is raised (the GPU path is not there yet).
+    /// A tensor on a device other than the CPU or a CUDA GPU: an error is raised.
     Device(String),
 }
 
@@ -36,6 +36,9 @@ pub struct Input<'py> {
     pub ptr: usize,
     /// Its header.
     pub meta: Meta,
+    /// Whether the elements are in CUDA device memory (moved only by the store's
+    /// device calls, never read on the host).
+    pub on_device: bool,
 }
 
 fn module_of(obj: &Bound<'_, PyAny>) -> String {
@@ -48,9 +51,10 @@ fn shape_of(obj: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
 
 /// What [`input`] found in a Python object.
 enum Found<'py> {
-    /// A CPU tensor: a C-contiguous version of it, its address, dtype name and shape.
-    Host(Bound<'py, PyAny>, usize, String, Vec<i64>),
-    /// A tensor on this device type.
+    /// A CPU tensor (`false`) or a CUDA one (`true`): a C-contiguous version of it,
+    /// its address, dtype name and shape.
+    Host(Bound<'py, PyAny>, usize, String, Vec<i64>, bool),
+    /// A tensor on this other device type.
     Device(String),
     /// Neither a numpy array nor a torch tensor.
     Other,
@@ -60,14 +64,15 @@ fn find<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Found<'py>> {
     let module = module_of(obj);
     if module.starts_with("torch") && obj.hasattr("data_ptr")? {
         let device = obj.getattr("device")?.getattr("type")?.extract::<String>()?;
-        if device != "cpu" {
+        if device != "cpu" && device != "cuda" {
             return Ok(Found::Device(device));
         }
+        // A CUDA tensor's contiguous version is made on its GPU, by torch.
         let t = obj.call_method0("contiguous")?;
         let dtype = t.getattr("dtype")?.str()?.to_string();
         let ptr = t.call_method0("data_ptr")?.extract::<usize>()?;
         let shape = shape_of(&t)?;
-        return Ok(Found::Host(t, ptr, dtype.trim_start_matches("torch.").to_owned(), shape));
+        return Ok(Found::Host(t, ptr, dtype.trim_start_matches("torch.").to_owned(), shape, device == "cuda"));
     }
     if module.starts_with("numpy") && obj.hasattr("__array_interface__")? {
         // An array as is; a numpy scalar (`np.float64(1.5)`) as a 0-d array of its
@@ -90,29 +95,41 @@ fn find<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Found<'py>> {
         let iface = arr.getattr("__array_interface__")?;
         let ptr = iface.get_item("data")?.get_item(0)?.extract::<usize>()?;
         let shape = shape_of(&arr)?;
-        return Ok(Found::Host(arr, ptr, name, shape));
+        return Ok(Found::Host(arr, ptr, name, shape, false));
     }
     Ok(Found::Other)
 }
 
-/// Reads a numpy array or a torch tensor (on the CPU) given by Python.
+/// Reads a numpy array or a torch tensor (on the CPU or a CUDA GPU) given by Python.
 pub fn input<'py>(obj: &Bound<'py, PyAny>) -> Result<Input<'py>, Refusal> {
     match find(obj) {
-        Ok(Found::Host(owner, ptr, dtype, shape)) => {
+        Ok(Found::Host(owner, ptr, dtype, shape, on_device)) => {
             let dtype = Dtype::from_name(&dtype).ok_or(Refusal::Invalid)?;
             let meta = Meta::full(dtype, shape).ok_or(Refusal::Invalid)?;
-            Ok(Input { _owner: owner, ptr, meta })
+            Ok(Input { _owner: owner, ptr, meta, on_device })
         }
         Ok(Found::Device(device)) => Err(Refusal::Device(device)),
         _ => Err(Refusal::Invalid),
     }
 }
 
-/// The error raised for a tensor in device memory.
+/// A destination tensor of `get_tensor_into_cuda`: a contiguous torch tensor on the
+/// CPU or a CUDA GPU (written in place: never a contiguous copy of it), as the
+/// reference takes.
+pub fn destination<'py>(obj: &Bound<'py, PyAny>) -> Result<Input<'py>, Refusal> {
+    let contiguous = module_of(obj).starts_with("torch")
+        && obj.call_method0("is_contiguous").and_then(|c| c.extract::<bool>()).unwrap_or(false);
+    if !contiguous {
+        return Err(Refusal::Invalid);
+    }
+    input(obj)
+}
+
+/// The error raised for a tensor on a device other than the CPU or a CUDA GPU.
 pub fn device_error(device: &str) -> PyErr {
     PyValueError::new_err(format!(
-        "a tensor on device {device:?} cannot be stored by this build: the GPU path of the Python \
-         binding is not there yet; copy it to the CPU first (tensor.cpu())"
+        "a tensor on device {device:?} cannot be stored: only CPU and CUDA tensors can; copy it to \
+         the CPU first (tensor.cpu())"
     ))
 }
 

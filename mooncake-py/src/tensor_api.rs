@@ -2,12 +2,16 @@
 //! `store.rs`): writes of numpy arrays and torch tensors, whole or as tensor-parallel
 //! shards, reads into new tensors or views of registered buffers.
 
+use std::sync::Arc;
+
+use mooncake_core::gpu::{DeviceMemory, DeviceScatter, HostDeviceMemory, KeepCurrentContext};
 use pyo3::prelude::*;
 use pyo3::types::PyList;
 
 use crate::codes::INVALID_PARAMS;
 use crate::config::ReplicateConfig;
-use crate::store::{MooncakeDistributedStore, WriteMode};
+use crate::device::{host_part, Target};
+use crate::store::{read_device, write_device, MooncakeDistributedStore, WriteMode};
 use crate::tensor::{self, device_error, tp_key, Input, Meta, Refusal, META_LEN};
 
 /// How a write splits its tensors: into `size` shards on dimension `dim`
@@ -40,20 +44,23 @@ struct Write {
     key: String,
     header: [u8; META_LEN],
     data: Data,
+    /// Whether `data`'s ranges are CUDA device memory (always `Borrowed`).
+    on_device: bool,
 }
 
 /// The most shards `put_tensor_with_tp` and its forms split a tensor into (more is
 /// refused with -600).
 const MAX_TP_SIZE: i32 = 4096;
 
-/// The objects of `meta`'s tensor (elements at `base`), whole (`tp_size <= 1`) or as
-/// `tp_size` shards split on `split_dim` under `key_tp_<rank>`; `None` if it cannot be
-/// split so.
-fn plan(of: usize, key: &str, meta: &Meta, base: usize, split: Split) -> Option<Vec<Write>> {
+/// The objects of `meta`'s tensor (elements at `base`, in device memory if
+/// `on_device`), whole (`tp_size <= 1`) or as `tp_size` shards split on `split_dim`
+/// under `key_tp_<rank>`; `None` if it cannot be split so.
+fn plan(of: usize, key: &str, meta: &Meta, base: usize, split: Split, on_device: bool) -> Option<Vec<Write>> {
     let (tp_size, split_dim) = (split.size, split.dim);
     if tp_size <= 1 {
         let data = if meta.data_bytes == 0 { vec![] } else { vec![(base, meta.data_bytes)] };
-        return Some(vec![Write { of, key: key.to_owned(), header: meta.encode(), data: Data::Borrowed(data) }]);
+        let header = meta.encode();
+        return Some(vec![Write { of, key: key.to_owned(), header, data: Data::Borrowed(data), on_device }]);
     }
     // Checked before anything is reserved for `tp_size` shards: a size that does
     // not divide the dimension is refused, and so is one beyond any tensor-parallel
@@ -65,7 +72,9 @@ fn plan(of: usize, key: &str, meta: &Meta, base: usize, split: Split) -> Option<
     let mut out = Vec::with_capacity(tp_size as usize);
     for rank in 0..tp_size {
         let (shard, ranges) = meta.shard(split_dim, rank, tp_size)?;
-        let data = if ranges.len() <= 1 {
+        // Device memory is never read on the host: a shard's rows stay ranges of it,
+        // moved by device copies (one scatter), where host rows are gathered here.
+        let data = if ranges.len() <= 1 || on_device {
             Data::Borrowed(ranges.iter().map(|&(off, len)| (base + off, len)).collect())
         } else {
             let mut v = Vec::with_capacity(shard.data_bytes);
@@ -77,7 +86,7 @@ fn plan(of: usize, key: &str, meta: &Meta, base: usize, split: Split) -> Option<
             }
             Data::Owned(v)
         };
-        out.push(Write { of, key: tp_key(key, rank), header: shard.encode(), data });
+        out.push(Write { of, key: tp_key(key, rank), header: shard.encode(), data, on_device });
     }
     Some(out)
 }
@@ -91,6 +100,7 @@ fn write_planned(
     cfg: &mooncake_core::ReplicateConfig,
     mut results: Vec<i32>,
 ) -> Vec<i32> {
+    let writes: Vec<&Write> = writes.iter().filter(|w| !w.on_device).collect();
     if writes.is_empty() {
         return results;
     }
@@ -123,8 +133,10 @@ fn write_planned(
 }
 
 impl MooncakeDistributedStore {
-    /// Writes the plans' objects in one batch and folds the codes per key of the call
-    /// (`n` keys; a key whose plan failed keeps the code already in `results`).
+    /// Writes the plans' objects (those of host tensors in one batch, those of CUDA
+    /// tensors in another, through the store's device calls) and folds the codes per
+    /// key of the call (`n` keys; a key whose plan failed keeps the code already in
+    /// `results`).
     fn run_writes(
         &self,
         py: Python<'_>,
@@ -138,7 +150,60 @@ impl MooncakeDistributedStore {
             Ok(c) => c,
             Err(c) => return vec![c; results.len()],
         };
-        py.detach(|| write_planned(&s.store, mode, writes, &cfg, results))
+        if !writes.iter().any(|w| w.on_device) {
+            return py.detach(|| write_planned(&s.store, mode, writes, &cfg, results));
+        }
+        // Device calls bind their memory's CUDA context: give the framework's back.
+        let _ctx = KeepCurrentContext::new();
+        py.detach(|| {
+            let _call = self.pointer_call();
+            let results = self.write_device_tensors(&s.store, mode, writes, &cfg, results);
+            write_planned(&s.store, mode, writes, &cfg, results)
+        })
+    }
+
+    /// Writes the objects of CUDA tensors among `writes`, each its host header and its
+    /// device ranges seen as one device memory (a scatter), through the store's device
+    /// calls; folds the codes into `results` (-600 for a range the CUDA driver does not
+    /// know as device memory). The caller holds the in-flight gate.
+    fn write_device_tensors(
+        &self,
+        store: &mooncake_core::Store,
+        mode: WriteMode,
+        writes: &[Write],
+        cfg: &mooncake_core::ReplicateConfig,
+        mut results: Vec<i32>,
+    ) -> Vec<i32> {
+        let writes: Vec<&Write> = writes.iter().filter(|w| w.on_device).collect();
+        // The headers, in memory of this call's own that the copies read.
+        let mut headers: Vec<[u8; META_LEN]> = writes.iter().map(|w| w.header).collect();
+        let mut items: Vec<(&str, Arc<dyn DeviceMemory>)> = Vec::with_capacity(writes.len());
+        let mut owners = Vec::with_capacity(writes.len());
+        for (w, header) in writes.iter().zip(headers.iter_mut()) {
+            let Data::Borrowed(ranges) = &w.data else {
+                results[w.of] = INVALID_PARAMS;
+                continue;
+            };
+            match self.device_object(header, ranges) {
+                Ok(mem) => {
+                    items.push((w.key.as_str(), Arc::new(mem)));
+                    owners.push(w.of);
+                }
+                Err(c) => {
+                    if results[w.of] == 0 {
+                        results[w.of] = c;
+                    }
+                }
+            }
+        }
+        for (of, c) in owners.into_iter().zip(write_device(mode, store, &items, cfg)) {
+            if c != 0 && results[of] == 0 {
+                results[of] = c;
+            }
+        }
+        drop(items);
+        drop(headers);
+        results
     }
 
     /// Writes `tensors[i]` under `keys[i]` (numpy arrays or CPU torch tensors), whole
@@ -163,7 +228,7 @@ impl MooncakeDistributedStore {
         for (i, (key, t)) in keys.iter().zip(tensors).enumerate() {
             match tensor::input(t) {
                 Ok(input) => {
-                    match plan(i, key, &input.meta, input.ptr, split) {
+                    match plan(i, key, &input.meta, input.ptr, split, input.on_device) {
                         Some(w) => writes.extend(w),
                         None => results[i] = INVALID_PARAMS,
                     }
@@ -177,6 +242,30 @@ impl MooncakeDistributedStore {
         let out = self.run_writes(py, mode, &writes, config, results);
         drop(inputs);
         Ok(out)
+    }
+
+    /// One object of a CUDA tensor as one device memory: `header` (host memory of the
+    /// caller's, read by the write's copies only) then the elements' `ranges` (in
+    /// order, within one device allocation: the whole tensor, or a shard's rows),
+    /// resolved once for the span they cover. -600 if the span is not device memory
+    /// the driver knows.
+    fn device_object(&self, header: &mut [u8; META_LEN], ranges: &[(usize, usize)]) -> Result<DeviceScatter, i32> {
+        // SAFETY: `header` lives until the caller's writes are done and is only read
+        // by them.
+        let head = unsafe { HostDeviceMemory::borrowed(header.as_mut_ptr(), META_LEN) }.map_err(|_| INVALID_PARAMS)?;
+        let mut parts: Vec<(Arc<dyn DeviceMemory>, u64, u64)> = vec![(Arc::new(head), 0, META_LEN as u64)];
+        if let (Some(&(start, _)), Some(end)) = (ranges.first(), ranges.iter().map(|&(p, l)| p + l).max()) {
+            let span = end.checked_sub(start).ok_or(INVALID_PARAMS)?;
+            let mem = match self.devices.resolve(self.buffers(), start, span)? {
+                Target::Device(mem) => mem,
+                Target::Host => host_part(start, span)?,
+            };
+            for &(ptr, len) in ranges {
+                let off = ptr.checked_sub(start).ok_or(INVALID_PARAMS)?;
+                parts.push((mem.clone(), off as u64, len as u64));
+            }
+        }
+        DeviceScatter::new(parts).map_err(|_| INVALID_PARAMS)
     }
 
     /// Writes the tensor objects at `buffer_ptrs[i]` (registered memory holding a
@@ -236,9 +325,15 @@ impl MooncakeDistributedStore {
                         .copy_from_slice(unsafe { std::slice::from_raw_parts(buffer_ptrs[i] as *const u8, META_LEN) });
                     let rest = sizes[i] - META_LEN;
                     let data = if rest == 0 { vec![] } else { vec![(buffer_ptrs[i] + META_LEN, rest)] };
-                    Some(vec![Write { of: i, key: keys[i].clone(), header, data: Data::Borrowed(data) }])
+                    Some(vec![Write {
+                        of: i,
+                        key: keys[i].clone(),
+                        header,
+                        data: Data::Borrowed(data),
+                        on_device: false,
+                    }])
                 } else {
-                    plan(i, &keys[i], &m, buffer_ptrs[i] + m.data_offset, split)
+                    plan(i, &keys[i], &m, buffer_ptrs[i] + m.data_offset, split, false)
                 }
             });
             match planned {
@@ -262,6 +357,80 @@ impl MooncakeDistributedStore {
         // and `size >= META_LEN`.
         let head = unsafe { std::slice::from_raw_parts(ptr as *const u8, META_LEN) };
         Meta::parse(head, size)
+    }
+
+    /// Reads the tensor objects under `keys[i]` into the tensors `tensors[i]` (contiguous
+    /// torch tensors on a CUDA GPU, or on the CPU inside a registered buffer), whose
+    /// dtype and shape must be the stored tensor's: one result per key, the bytes of
+    /// elements read, or a negative code (-600 for a destination that is not such a
+    /// tensor or does not match what is stored, -704 for a missing key). Device
+    /// destinations are written by the store's device calls, never on the host. An
+    /// object is read in one call, its header into memory of this call's and its
+    /// elements straight into the tensor, and the header checked then: a stored tensor
+    /// of another dtype or shape gives -600, and where it is not larger than the
+    /// destination its elements were written into it (the reference reads the header
+    /// first and leaves the tensor as it was).
+    pub(crate) fn read_tensors_into_cuda(
+        &self,
+        py: Python<'_>,
+        keys: &[String],
+        tensors: &[Bound<'_, PyAny>],
+    ) -> PyResult<Vec<i64>> {
+        let n = keys.len();
+        let bad = i64::from(INVALID_PARAMS);
+        let Some(s) = self.session() else { return Ok(vec![bad; n]) };
+        if tensors.len() != n {
+            return Ok(vec![bad; n]);
+        }
+        let mut results = vec![bad; n];
+        let mut wanted: Vec<(usize, Input<'_>)> = Vec::with_capacity(n);
+        for (i, t) in tensors.iter().enumerate() {
+            match tensor::destination(t) {
+                Ok(input) => wanted.push((i, input)),
+                Err(Refusal::Invalid) => {}
+                Err(Refusal::Device(d)) => return Err(device_error(&d)),
+            }
+        }
+        // What the read needs of each destination (`wanted` keeps the tensors alive).
+        let dests: Vec<(usize, usize, &Meta)> = wanted.iter().map(|(i, input)| (*i, input.ptr, &input.meta)).collect();
+        // Device calls bind their memory's CUDA context: give the framework's back.
+        let _ctx = KeepCurrentContext::new();
+        py.detach(|| {
+            let _call = self.pointer_call();
+            let mut headers: Vec<[u8; META_LEN]> = vec![[0; META_LEN]; dests.len()];
+            let mut reads: Vec<(usize, Arc<dyn DeviceMemory>)> = Vec::with_capacity(dests.len());
+            let mut of_read = Vec::with_capacity(dests.len());
+            for (k, (&(i, ptr, meta), header)) in dests.iter().zip(headers.iter_mut()).enumerate() {
+                let data = if meta.data_bytes == 0 { vec![] } else { vec![(ptr, meta.data_bytes)] };
+                if let Ok(mem) = self.device_object(header, &data) {
+                    reads.push((i, Arc::new(mem)));
+                    of_read.push(k);
+                }
+            }
+            let mut lengths = vec![bad; n];
+            read_device(&s.store, keys, &reads, &mut lengths);
+            drop(reads);
+            for k in of_read {
+                let (i, _, want) = dests[k];
+                let len = lengths[i];
+                results[i] = match usize::try_from(len) {
+                    Err(_) => len,
+                    Ok(len) => match Meta::parse(&headers[k], len) {
+                        Some(m)
+                            if m.data_offset == META_LEN
+                                && m.dtype == want.dtype
+                                && m.local == want.local
+                                && m.data_bytes == want.data_bytes =>
+                        {
+                            m.data_bytes as i64
+                        }
+                        _ => bad,
+                    },
+                };
+            }
+        });
+        drop(wanted);
+        Ok(results)
     }
 
     /// New tensors holding the objects under `keys` (`None` for a missing key or an

@@ -17,6 +17,7 @@ import time
 import pytest
 
 from conftest import Registered, connect, start_master, start_storage_node, stop
+from mooncake_rs.store import MooncakeDistributedStore
 
 INVALID_PARAMS = -600
 OBJECT_NOT_FOUND = -704
@@ -289,6 +290,33 @@ def test_device_upsert_that_gives_up_on_a_busy_key_says_so():
         stop(proc)
 
 
+def test_page_locking_the_segment_at_setup(master):
+    """`page_lock_segments` locks the whole segment of a store that maps it (shm), and
+    the GPU calls after it move objects straight from and into it (direct, nothing
+    staged); over tcp nothing is mapped, so nothing is locked."""
+    store = connect(master, segment=32 << 20, protocol="shm")
+    try:
+        assert store.page_lock_segments() == 32 << 20
+        gpu = EmulatedGpu(store, 4 << 20)
+        data = payload(3 << 20, 5)
+        gpu.write(0, data)
+        assert store.put_from("g/locked", gpu.ptr, len(data)) == 0
+        assert store.get_into("g/locked", gpu.ptr + (2 << 20), len(data)) == INVALID_PARAMS  # past the buffer
+        assert store.get_into("g/locked", gpu.ptr + (1 << 20), len(data)) == len(data)
+        assert gpu.read(1 << 20, len(data)) == data
+        assert store._device_bytes() == (2 * len(data), 0)
+        assert store.page_lock_segments() == 32 << 20, "locked again, or twice"
+    finally:
+        store.remove_all(True)
+        store.close()
+    tcp = connect(master, segment=8 << 20, protocol="tcp")
+    try:
+        assert tcp.page_lock_segments() == 0
+    finally:
+        tcp.close()
+    assert MooncakeDistributedStore().page_lock_segments() == 0
+
+
 def test_host_pointers_do_not_touch_the_device_path(store):
     data = payload(50_000, 20)
     with Registered(store, 64 << 10) as buf:
@@ -322,6 +350,18 @@ def test_torch_cuda_tensors(store):
     assert store._device_bytes()[0] + store._device_bytes()[1] >= 6 << 20
     for t in layers + out:
         assert store.unregister_buffer(t.data_ptr()) == 0
+    # The tensor API with CUDA tensors: stored from device memory (whole and as
+    # shards on an inner dimension), read back into CUDA tensors.
+    w = torch.randn(64, 96, device="cuda", dtype=torch.bfloat16)
+    assert store.put_tensor("cuda/w", w) == 0
+    assert torch.equal(store.get_tensor("cuda/w").to("cuda"), w)
+    assert store.put_tensor_with_tp("cuda/w", w, tp_rank=0, tp_size=2, split_dim=1) == 0
+    for rank, part in enumerate(w.chunk(2, dim=1)):
+        assert torch.equal(store.get_tensor_with_tp("cuda/w", tp_rank=rank, tp_size=2).to("cuda"), part)
+    into = torch.zeros_like(w)
+    assert store.get_tensor_into_cuda("cuda/w", into) == w.numel() * w.element_size()
+    assert torch.equal(into, w)
+    assert store.get_tensor_into_cuda("cuda/w", torch.zeros(64, 95, device="cuda", dtype=torch.bfloat16)) == -600
 
 
 def test_compare_gpu_sets_python_against_the_rust_rows_of_its_placement(tmp_path):

@@ -12,6 +12,7 @@ from conftest import Registered
 from mooncake_rs.store import MooncakeDistributedStore, ReplicateConfig
 
 INVALID_PARAMS = -600
+OBJECT_NOT_FOUND = -704
 HEADER = 304
 MAGIC = 0x4D4F4F4E
 # The reference's dtype numbers.
@@ -134,21 +135,151 @@ def test_refusals(store):
     assert s.get_tensor("x") is None and s.batch_get_tensor(["x", "y"]) == [None, None]
 
 
-def test_device_tensors_are_refused_clearly(store):
-    """A CUDA tensor raises ValueError (the GPU path is not there yet); nothing is
-    read from its device pointer."""
-    fake = types.new_class("Tensor", exec_body=lambda ns: ns.update(__module__="torch"))()
-    fake.device = types.SimpleNamespace(type="cuda")
-    fake.data_ptr = lambda: 0xDEAD0000
-    with pytest.raises(ValueError, match="cuda"):
-        store.put_tensor("gpu", fake)
-    with pytest.raises(ValueError, match="cuda"):
-        store.batch_put_tensor(["cpu", "gpu"], [np.zeros(2), fake])
-    assert store.is_exist("gpu") == 0
-    with pytest.raises(NotImplementedError, match="GPU"):
-        store.get_tensor_into_cuda("k", fake)
-    with pytest.raises(NotImplementedError, match="GPU"):
-        store.batch_get_tensor_into_cuda(["k"], [fake])
+class FakeCudaTensor:
+    """What the binding reads of a torch CUDA tensor (module `torch`, device `cuda`),
+    over a numpy array's memory that the store was told is GPU memory (the emulation,
+    `_emulate_device_memory`): its bytes may move only through the device path."""
+
+    def __init__(self, array, device="cuda"):
+        self.array = array
+        self.device = types.SimpleNamespace(type=device)
+        self.dtype = f"torch.{array.dtype.name}"
+        self.shape = array.shape
+
+    def contiguous(self):
+        return self
+
+    def is_contiguous(self):
+        return self.array.flags["C_CONTIGUOUS"]
+
+    def data_ptr(self):
+        return self.array.ctypes.data
+
+
+FakeCudaTensor.__module__ = "torch"
+
+
+# Arrays declared GPU memory, kept for the whole run: a declaration lasts as long as
+# its store, and memory freed and allocated again would be declared twice.
+DECLARED = []
+
+
+def on_gpu(store, array):
+    """`array` as a CUDA tensor of the emulation."""
+    DECLARED.append(array)
+    if array.nbytes:
+        assert store._emulate_device_memory(array.ctypes.data, array.nbytes, 0) == 0
+    return FakeCudaTensor(array)
+
+
+def test_cuda_tensors_are_stored_through_the_device_path(store):
+    arrays = {
+        "f": sample("float32", (6, 10), 1),
+        "i": sample("int64", (4, 3, 2), 2),
+        "e": np.zeros((0, 3), np.float16),
+    }
+    gpu = {k: on_gpu(store, a) for k, a in arrays.items()}
+    before = sum(store._device_bytes())
+    assert store.put_tensor("cuda/f", gpu["f"]) == 0
+    assert store.batch_put_tensor(["cuda/i", "cuda/e", "cpu/i"], [gpu["i"], gpu["e"], arrays["i"]]) == [0, 0, 0]
+    for k, a in arrays.items():
+        got = as_numpy(store.get_tensor(f"cuda/{k}"))
+        assert got.dtype == a.dtype and np.array_equal(got, a), k
+    # Every CUDA tensor's object (its header, then its elements) went through the
+    # device calls; the CPU array did not.
+    moved = sum(store._device_bytes()) - before
+    assert moved == sum(HEADER + a.nbytes for a in arrays.values())
+    # The objects are the ones a CPU tensor makes, byte for byte.
+    assert store.get("cuda/i") == store.get("cpu/i")
+    # An upsert replaces; a put of a key that exists keeps the first value.
+    new = on_gpu(store, sample("float32", (6, 10), 9))
+    assert store.put_tensor("cuda/f", new) == 0
+    assert np.array_equal(as_numpy(store.get_tensor("cuda/f")), arrays["f"])
+    assert store.upsert_tensor("cuda/f", new) == 0
+    assert np.array_equal(as_numpy(store.get_tensor("cuda/f")), new.array)
+
+
+def test_cuda_tensors_split_for_tensor_parallel_ranks(store):
+    """Shards of a CUDA tensor: on the first dimension a range of it, on an inner one
+    its rows, moved by device copies (never gathered on the host)."""
+    full = sample("float32", (4, 6, 2), 3)
+    gpu = on_gpu(store, full)
+    for split_dim in (0, 1, 2):
+        key = f"w{split_dim}"
+        assert store.put_tensor_with_tp(key, gpu, tp_rank=0, tp_size=2, split_dim=split_dim) == 0
+        for rank, want in enumerate(np.split(full, 2, axis=split_dim)):
+            got = as_numpy(store.get_tensor_with_tp(key, tp_rank=rank, tp_size=2, split_dim=split_dim))
+            assert np.array_equal(got, want), (split_dim, rank)
+    assert store.put_tensor_with_tp("odd", gpu, tp_size=4, split_dim=1) == INVALID_PARAMS
+
+
+def test_device_tensors_the_binding_cannot_move_are_refused(store):
+    """A CUDA tensor whose memory the driver does not know is -600 (nothing is read
+    from its address); a tensor on another device raises ValueError."""
+    stray = FakeCudaTensor(sample("float32", (8,), 4))
+    assert store.put_tensor("gpu", stray) == INVALID_PARAMS
+    assert store.batch_put_tensor(["cpu", "gpu"], [np.zeros(2), stray]) == [0, INVALID_PARAMS]
+    assert store.is_exist("gpu") == 0 and store.is_exist("cpu") == 1
+    with pytest.raises(ValueError, match="mps"):
+        store.put_tensor("mps", FakeCudaTensor(np.zeros(2), device="mps"))
+    assert store.is_exist("mps") == 0
+    assert store.put_tensor("k", np.zeros(8, np.float32)) == 0
+    before = stray.array.copy()
+    assert store.get_tensor_into_cuda("k", stray) == INVALID_PARAMS
+    assert store.batch_get_tensor_into_cuda(["k"], [stray]) == [INVALID_PARAMS]
+    assert np.array_equal(stray.array, before), "written through an unknown pointer"
+
+
+def test_tensors_are_read_into_cuda_tensors(store):
+    stored = {"a": sample("float32", (5, 7), 11), "b": sample("int16", (3,), 12), "e": np.zeros((2, 0), np.int8)}
+    assert store.batch_put_tensor(list(stored), list(stored.values())) == [0, 0, 0]
+    dst = {k: on_gpu(store, np.zeros_like(a)) for k, a in stored.items()}
+    before = sum(store._device_bytes())
+    assert store.get_tensor_into_cuda("a", dst["a"]) == stored["a"].nbytes
+    assert np.array_equal(dst["a"].array, stored["a"])
+    got = store.batch_get_tensor_into_cuda(["missing", "b", "e"], [dst["a"], dst["b"], dst["e"]])
+    assert got == [OBJECT_NOT_FOUND, stored["b"].nbytes, 0]
+    assert np.array_equal(dst["b"].array, stored["b"])
+    # Each object read (header and elements) went through the device calls.
+    assert sum(store._device_bytes()) - before == sum(HEADER + stored[k].nbytes for k in "abe")
+    # A CPU tensor inside a registered buffer is read in place too; outside, -600.
+    host = np.zeros_like(stored["a"])
+    cpu = FakeCudaTensor(host, device="cpu")
+    assert store.get_tensor_into_cuda("a", cpu) == INVALID_PARAMS
+    assert not host.any()
+    assert store.register_buffer(host.ctypes.data, host.nbytes) == 0
+    assert store.get_tensor_into_cuda("a", cpu) == stored["a"].nbytes
+    assert np.array_equal(host, stored["a"])
+    store.unregister_buffer(host.ctypes.data)
+
+
+def test_reads_into_cuda_tensors_check_what_is_stored(store):
+    stored = sample("float32", (4, 6), 13)
+    assert store.put_tensor("t", stored) == 0
+    # Fewer bytes than stored: -600, the tensor untouched.
+    for wrong in (np.zeros((4, 5), np.float32), np.zeros((2, 5), np.float64)):
+        gpu = on_gpu(store, wrong)
+        assert store.get_tensor_into_cuda("t", gpu) == INVALID_PARAMS, wrong.shape
+        assert not wrong.any(), wrong.shape
+    # As many bytes or more, as another dtype or shape: -600 as well, found once the
+    # object (header and elements) was read.
+    for wrong in (
+        np.zeros((4, 6), np.int32),
+        np.zeros((6, 4), np.float32),
+        np.zeros(24, np.float32),
+        np.zeros((4, 12), np.float32),
+        np.zeros((4, 6), np.float64),
+    ):
+        assert store.get_tensor_into_cuda("t", on_gpu(store, wrong)) == INVALID_PARAMS, (wrong.dtype, wrong.shape)
+    # Not a torch tensor, or not contiguous: -600.
+    assert store.get_tensor_into_cuda("t", np.zeros((4, 6), np.float32)) == INVALID_PARAMS
+    wide = np.zeros((4, 12), np.float32)
+    on_gpu(store, wide)
+    assert store.get_tensor_into_cuda("t", FakeCudaTensor(wide[:, ::2])) == INVALID_PARAMS
+    assert not wide.any()
+    # An object that is not a tensor: -600.
+    assert store.put("raw", b"x" * (HEADER + 96)) == 0
+    assert store.get_tensor_into_cuda("raw", on_gpu(store, np.zeros((4, 6), np.float32))) == INVALID_PARAMS
 
 
 def test_batches_and_upserts(store):
