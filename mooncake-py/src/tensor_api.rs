@@ -245,16 +245,17 @@ impl MooncakeDistributedStore {
     }
 
     /// One object of a CUDA tensor as one device memory: `header` (host memory of the
-    /// caller's, read by the write's copies only) then the elements' `ranges` (in
-    /// order, within one device allocation: the whole tensor, or a shard's rows),
-    /// resolved once for the span they cover. -600 if the span is not device memory
+    /// caller's, read or written by the call's copies only) then the elements'
+    /// `ranges` (in order, within one device allocation: the whole tensor, or a
+    /// shard's rows), resolved once for the span they cover. -600 if the span is not device memory
     /// the driver knows.
     fn device_object(&self, header: &mut [u8; META_LEN], ranges: &[(usize, usize)]) -> Result<DeviceScatter, i32> {
-        // SAFETY: `header` lives until the caller's writes are done and is only read
-        // by them.
+        // SAFETY: the caller keeps `header` alive and untouched until the transfer of
+        // the object (a write reading it, or a read filling it) is done.
         let head = unsafe { HostDeviceMemory::borrowed(header.as_mut_ptr(), META_LEN) }.map_err(|_| INVALID_PARAMS)?;
         let mut parts: Vec<(Arc<dyn DeviceMemory>, u64, u64)> = vec![(Arc::new(head), 0, META_LEN as u64)];
-        if let (Some(&(start, _)), Some(end)) = (ranges.first(), ranges.iter().map(|&(p, l)| p + l).max()) {
+        let start = ranges.iter().map(|&(p, _)| p).min();
+        if let (Some(start), Some(end)) = (start, ranges.iter().map(|&(p, l)| p.saturating_add(l)).max()) {
             let span = end.checked_sub(start).ok_or(INVALID_PARAMS)?;
             let mem = match self.devices.resolve(self.buffers(), start, span)? {
                 Target::Device(mem) => mem,
