@@ -123,13 +123,18 @@ fn write_planned(
         })
         .collect();
     let items: Vec<(&str, &[&[u8]])> = writes.iter().zip(&parts).map(|(w, p)| (w.key.as_str(), p.as_slice())).collect();
-    // A key's code: the first failure of its objects, else 0.
     for (w, c) in writes.iter().zip(mode.parts(store, &items, cfg)) {
-        if c != 0 && results[w.of] == 0 {
-            results[w.of] = c;
-        }
+        note_code(&mut results, w.of, c);
     }
     results
+}
+
+/// Folds an object's code into its key's: a key's code is the first failure of its
+/// objects (a tensor's shards), else 0.
+fn note_code(results: &mut [i32], of: usize, code: i32) {
+    if code != 0 && results[of] == 0 {
+        results[of] = code;
+    }
 }
 
 impl MooncakeDistributedStore {
@@ -189,17 +194,11 @@ impl MooncakeDistributedStore {
                     items.push((w.key.as_str(), Arc::new(mem)));
                     owners.push(w.of);
                 }
-                Err(c) => {
-                    if results[w.of] == 0 {
-                        results[w.of] = c;
-                    }
-                }
+                Err(c) => note_code(&mut results, w.of, c),
             }
         }
         for (of, c) in owners.into_iter().zip(write_device(mode, store, &items, cfg)) {
-            if c != 0 && results[of] == 0 {
-                results[of] = c;
-            }
+            note_code(&mut results, of, c);
         }
         drop(items);
         drop(headers);
