@@ -61,6 +61,7 @@ mod handshake;
 mod rdma;
 mod region;
 mod registry;
+mod stream_copy;
 mod transport;
 mod warn_limit;
 

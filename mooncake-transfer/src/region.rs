@@ -344,7 +344,7 @@ impl RegisteredRegion {
         // exposed as a slice), and writers of one range are serialized by the master
         // (see the `Send` impl).
         unsafe {
-            std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr.add(offset as usize), src.len());
+            crate::stream_copy::copy_to_pool(src.as_ptr(), self.ptr.add(offset as usize), src.len());
         }
         Ok(())
     }
