@@ -69,6 +69,9 @@ fn find<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Found<'py>> {
         }
         // A CUDA tensor's contiguous version is made on its GPU, by torch.
         let t = obj.call_method0("contiguous")?;
+        if device == "cuda" {
+            wait_for_torch(&t)?;
+        }
         let dtype = t.getattr("dtype")?.str()?.to_string();
         let ptr = t.call_method0("data_ptr")?.extract::<usize>()?;
         let shape = shape_of(&t)?;
@@ -98,6 +101,17 @@ fn find<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Found<'py>> {
         return Ok(Found::Host(arr, ptr, name, shape, false));
     }
     Ok(Found::Other)
+}
+
+/// Waits for the work torch queued on the current stream of CUDA tensor `t`'s device:
+/// the kernels that write a tensor (or still read one about to be written) may be
+/// running when it is handed over, and the store's copies run on streams of their
+/// own; `tensor.cpu()` waits for the same. Nothing to wait for where torch does not
+/// import (an object that only looks like a tensor).
+fn wait_for_torch(t: &Bound<'_, PyAny>) -> PyResult<()> {
+    let Some(torch) = self::module(t.py(), &TORCH, "torch") else { return Ok(()) };
+    torch.getattr("cuda")?.call_method1("current_stream", (t.getattr("device")?,))?.call_method0("synchronize")?;
+    Ok(())
 }
 
 /// Reads a numpy array or a torch tensor (on the CPU or a CUDA GPU) given by Python.
