@@ -123,6 +123,8 @@ def main():
         store = MooncakeDistributedStore()
         segment = 6 * layers * max(sizes) + 64 * MiB
         assert store.setup("localhost", "P2PHANDSHAKE", segment, 16 * MiB, a.protocol, "", master) == 0
+        # The segment page-locked whole before timing, as `gpu_store` does per row.
+        store.page_lock_segments()
         rows = []
         keep = []  # emulated ranges stay declared until the store closes
         for size in sizes:
