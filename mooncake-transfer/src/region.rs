@@ -349,6 +349,15 @@ impl RegisteredRegion {
         Ok(())
     }
 
+    /// [`copy_in`](Self::copy_in) that also gives the crc32c of `src`, taken while
+    /// it is copied (each piece summed from the cache its copy read it into).
+    pub fn copy_in_summed(&self, offset: u64, src: &[u8]) -> Result<u32> {
+        self.check_bounds(offset, src.len() as u64)?;
+        self.writable_memory()?;
+        // SAFETY: as in `copy_in`.
+        Ok(unsafe { crate::stream_copy::copy_to_pool_summed(src.as_ptr(), self.ptr.add(offset as usize), src.len()) })
+    }
+
     /// Copies bytes of the region at `offset` into `dst`, after a bounds check.
     pub fn copy_out(&self, offset: u64, dst: &mut [u8]) -> Result<()> {
         self.check_bounds(offset, dst.len() as u64)?;

@@ -34,6 +34,55 @@ pub(crate) unsafe fn copy_to_pool(src: *const u8, dst: *mut u8, len: usize) {
     unsafe { copy_streaming_from(src, dst, len, STREAM_FROM) }
 }
 
+/// Bytes copied, then summed while still in this core's cache, at a time by
+/// [`copy_to_pool_summed`]: small enough for the first level of the cache, large
+/// enough that the sum's per-call cost is nothing (measured on the VM, 4 MiB: 18.7
+/// GB/s in pieces of 16 KiB, 15.9 of 4 KiB, 16.7 of 64 KiB; summing first, then
+/// streaming the whole: 15-17).
+const SUMMED_PIECE: usize = 16 << 10;
+
+/// [`copy_to_pool`] that also gives the crc32c of the bytes: each piece is summed
+/// right after it is copied, from the cache its copy just read it into, instead of
+/// in a pass of its own over the source.
+///
+/// # Safety
+///
+/// As [`copy_to_pool`].
+pub(crate) unsafe fn copy_to_pool_summed(src: *const u8, dst: *mut u8, len: usize) -> u32 {
+    // SAFETY: the caller's contract.
+    unsafe { copy_summed_streaming_from(src, dst, len, STREAM_FROM) }
+}
+
+/// [`copy_to_pool_summed`] streaming from `min` bytes on (tests take every length).
+///
+/// # Safety
+///
+/// As [`copy_to_pool`].
+pub(crate) unsafe fn copy_summed_streaming_from(src: *const u8, dst: *mut u8, len: usize, min: usize) -> u32 {
+    // SAFETY: `src` is valid for reads of `len` bytes and not written meanwhile (the
+    // caller's contract: it is only read here).
+    let bytes = unsafe { std::slice::from_raw_parts(src, len) };
+    #[cfg(target_arch = "x86_64")]
+    if len >= min && std::arch::is_x86_feature_detected!("avx2") {
+        let mut digest = crc_fast::Digest::new(crc_fast::CrcAlgorithm::Crc32Iscsi);
+        let mut at = 0;
+        while at < len {
+            let n = SUMMED_PIECE.min(len - at);
+            // SAFETY: AVX2 was detected; `[at, at + n)` lies in both ranges.
+            unsafe { x86::stream_unfenced(src.add(at), dst.add(at), n) };
+            digest.update(&bytes[at..at + n]);
+            at += n;
+        }
+        x86::fence();
+        return digest.finalize() as u32;
+    }
+    let _ = min;
+    let crc = crate::checksum::crc32c(bytes);
+    // SAFETY: the caller's contract.
+    unsafe { std::ptr::copy_nonoverlapping(src, dst, len) };
+    crc
+}
+
 /// [`copy_to_pool`] streaming from `min` bytes on (tests take every length).
 ///
 /// # Safety
@@ -58,15 +107,36 @@ mod x86 {
     /// Bytes per step of the loop: four 32-byte vectors.
     const STEP: usize = 128;
 
-    /// The streaming copy: plain copies up to the first 32-byte aligned destination
-    /// byte and after the last whole step, streamed vectors between, then a fence.
+    /// The streaming copy, then a fence.
+    ///
+    /// # Safety
+    ///
+    /// As [`stream_unfenced`].
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn stream(src: *const u8, dst: *mut u8, len: usize) {
+        // SAFETY: the caller's contract.
+        unsafe { stream_unfenced(src, dst, len) };
+        fence();
+    }
+
+    /// Orders every streaming store before this thread's later stores: whoever
+    /// learns of the bytes from it (a put's answer) then sees them.
+    pub(super) fn fence() {
+        // SAFETY: `sfence` (SSE, part of x86-64) has no operands and no
+        // precondition.
+        unsafe { _mm_sfence() };
+    }
+
+    /// The streaming copy without its fence: plain copies up to the first 32-byte
+    /// aligned destination byte and after the last whole step, streamed vectors
+    /// between. The caller fences ([`fence`]) before the bytes are announced.
     ///
     /// # Safety
     ///
     /// AVX2 is available; `src` valid for reads and `dst` for writes of `len` bytes,
     /// not overlapping.
     #[target_feature(enable = "avx2")]
-    pub(super) unsafe fn stream(src: *const u8, dst: *mut u8, len: usize) {
+    pub(super) unsafe fn stream_unfenced(src: *const u8, dst: *mut u8, len: usize) {
         let head = dst.align_offset(32).min(len);
         // SAFETY: `head <= len`: inside both ranges.
         unsafe { std::ptr::copy_nonoverlapping(src, dst, head) };
@@ -91,9 +161,6 @@ mod x86 {
         }
         // SAFETY: `at <= len`: the rest of both ranges.
         unsafe { std::ptr::copy_nonoverlapping(src.add(at), dst.add(at), len - at) };
-        // Streaming stores are weakly ordered: fenced, so that every later store of
-        // this thread (a put's answer) is seen after them.
-        _mm_sfence();
     }
 }
 
@@ -117,6 +184,21 @@ mod tests {
         }
     }
 
+    proptest! {
+        /// The summed copy is the copy, and its sum the crc32c of the bytes, over
+        /// pieces, alignments and lengths (the streaming path from 0 bytes on).
+        #[test]
+        fn a_summed_streaming_copy_is_a_copy_and_its_sum(len in 0usize..(3 * SUMMED_PIECE), src_at in 0usize..64, dst_at in 0usize..64, seed: u8) {
+            let src: Vec<u8> = (0..len + src_at).map(|i| (i as u8).wrapping_mul(29).wrapping_add(seed)).collect();
+            let mut dst = vec![0x5Au8; len + dst_at + 64];
+            // SAFETY: both ranges lie inside their vectors, which do not overlap.
+            let crc = unsafe { copy_summed_streaming_from(src.as_ptr().add(src_at), dst.as_mut_ptr().add(dst_at), len, 0) };
+            prop_assert_eq!(crc, crate::checksum::crc32c(&src[src_at..]));
+            prop_assert_eq!(&dst[dst_at..dst_at + len], &src[src_at..]);
+            prop_assert!(dst[..dst_at].iter().chain(&dst[dst_at + len..]).all(|&b| b == 0x5A));
+        }
+    }
+
     #[test]
     fn a_large_copy_into_the_pool_is_a_copy() {
         let src: Vec<u8> = (0..(STREAM_FROM * 3 + 77)).map(|i| (i * 7 % 251) as u8).collect();
@@ -124,5 +206,9 @@ mod tests {
         // SAFETY: inside both vectors.
         unsafe { copy_to_pool(src.as_ptr(), dst.as_mut_ptr().add(3), src.len()) };
         assert!(dst[3..] == src[..] && dst[..3] == [0, 0, 0]);
+        let mut again = vec![0u8; src.len()];
+        // SAFETY: inside both vectors.
+        let crc = unsafe { copy_to_pool_summed(src.as_ptr(), again.as_mut_ptr(), src.len()) };
+        assert!(again == src && crc == crate::checksum::crc32c(&src));
     }
 }
