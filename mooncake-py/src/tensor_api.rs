@@ -91,16 +91,16 @@ fn plan(of: usize, key: &str, meta: &Meta, base: usize, split: Split, on_device:
     Some(out)
 }
 
-/// Writes the plans' objects in one batch (with the GIL released) and folds the codes
-/// per key into `results` (a key whose plan failed keeps the code already there).
+/// Writes the plans' objects of host memory in one batch (with the GIL released) and
+/// folds the codes per key into `results` (a key whose plan failed keeps the code
+/// already there).
 fn write_planned(
     store: &mooncake_core::Store,
     mode: WriteMode,
-    writes: &[Write],
+    writes: &[&Write],
     cfg: &mooncake_core::ReplicateConfig,
     mut results: Vec<i32>,
 ) -> Vec<i32> {
-    let writes: Vec<&Write> = writes.iter().filter(|w| !w.on_device).collect();
     if writes.is_empty() {
         return results;
     }
@@ -155,31 +155,31 @@ impl MooncakeDistributedStore {
             Ok(c) => c,
             Err(c) => return vec![c; results.len()],
         };
-        if !writes.iter().any(|w| w.on_device) {
-            return py.detach(|| write_planned(&s.store, mode, writes, &cfg, results));
+        let (on_device, in_host): (Vec<&Write>, Vec<&Write>) = writes.iter().partition(|w| w.on_device);
+        if on_device.is_empty() {
+            return py.detach(|| write_planned(&s.store, mode, &in_host, &cfg, results));
         }
         // Device calls bind their memory's CUDA context: give the framework's back.
         let _ctx = KeepCurrentContext::new();
         py.detach(|| {
             let _call = self.pointer_call();
-            let results = self.write_device_tensors(&s.store, mode, writes, &cfg, results);
-            write_planned(&s.store, mode, writes, &cfg, results)
+            let results = self.write_device_tensors(&s.store, mode, &on_device, &cfg, results);
+            write_planned(&s.store, mode, &in_host, &cfg, results)
         })
     }
 
-    /// Writes the objects of CUDA tensors among `writes`, each its host header and its
-    /// device ranges seen as one device memory (a scatter), through the store's device
-    /// calls; folds the codes into `results` (-600 for a range the CUDA driver does not
-    /// know as device memory). The caller holds the in-flight gate.
+    /// Writes the objects of CUDA tensors, each its host header and its device ranges
+    /// seen as one device memory (a scatter), through the store's device calls; folds
+    /// the codes into `results` (-600 for a range the CUDA driver does not know as
+    /// device memory). The caller holds the in-flight gate.
     fn write_device_tensors(
         &self,
         store: &mooncake_core::Store,
         mode: WriteMode,
-        writes: &[Write],
+        writes: &[&Write],
         cfg: &mooncake_core::ReplicateConfig,
         mut results: Vec<i32>,
     ) -> Vec<i32> {
-        let writes: Vec<&Write> = writes.iter().filter(|w| w.on_device).collect();
         // The headers, in memory of this call's own that the copies read.
         let mut headers: Vec<[u8; META_LEN]> = writes.iter().map(|w| w.header).collect();
         let mut items: Vec<(&str, Arc<dyn DeviceMemory>)> = Vec::with_capacity(writes.len());
@@ -246,8 +246,8 @@ impl MooncakeDistributedStore {
     /// One object of a CUDA tensor as one device memory: `header` (host memory of the
     /// caller's, read or written by the call's copies only) then the elements'
     /// `ranges` (in order, within one device allocation: the whole tensor, or a
-    /// shard's rows), resolved once for the span they cover. -600 if the span is not device memory
-    /// the driver knows.
+    /// shard's rows), resolved once for the span they cover. -600 if the span is not
+    /// device memory the driver knows.
     fn device_object(&self, header: &mut [u8; META_LEN], ranges: &[(usize, usize)]) -> Result<DeviceScatter, i32> {
         // SAFETY: the caller keeps `header` alive and untouched until the transfer of
         // the object (a write reading it, or a read filling it) is done.
@@ -342,7 +342,7 @@ impl MooncakeDistributedStore {
                 None => results[i] = INVALID_PARAMS,
             }
         }
-        write_planned(store, mode, &writes, cfg, results)
+        write_planned(store, mode, &writes.iter().collect::<Vec<_>>(), cfg, results)
     }
 
     /// The tensor header of the registered buffer `[ptr, ptr + size)`, if it holds a

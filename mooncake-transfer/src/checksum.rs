@@ -79,6 +79,29 @@ mod gf2 {
     }
 }
 
+/// The crc32c of bytes given piece by piece (as [`crc32c`] of their concatenation,
+/// with no combine per piece): for a sum taken while the bytes pass through.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+pub(crate) struct Crc32cDigest(crc_fast::Digest);
+
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+impl Crc32cDigest {
+    /// The sum of no bytes yet.
+    pub(crate) fn new() -> Self {
+        Self(crc_fast::Digest::new(crc_fast::CrcAlgorithm::Crc32Iscsi))
+    }
+
+    /// Adds `data` after the bytes given so far.
+    pub(crate) fn update(&mut self, data: &[u8]) {
+        self.0.update(data);
+    }
+
+    /// The crc32c of every byte given.
+    pub(crate) fn finish(self) -> u32 {
+        self.0.finalize() as u32
+    }
+}
+
 /// crc32c of pieces laid end to end, each given as (its crc32c, its length).
 pub fn crc32c_concat(pieces: impl IntoIterator<Item = (u32, usize)>) -> u32 {
     pieces.into_iter().fold(None, |acc, (crc, len)| Some(acc.map_or(crc, |a| crc32c_combine(a, crc, len)))).unwrap_or(0)

@@ -64,7 +64,7 @@ pub(crate) unsafe fn copy_summed_streaming_from(src: *const u8, dst: *mut u8, le
     let bytes = unsafe { std::slice::from_raw_parts(src, len) };
     #[cfg(target_arch = "x86_64")]
     if len >= min && std::arch::is_x86_feature_detected!("avx2") {
-        let mut digest = crc_fast::Digest::new(crc_fast::CrcAlgorithm::Crc32Iscsi);
+        let mut digest = crate::checksum::Crc32cDigest::new();
         let mut at = 0;
         while at < len {
             let n = SUMMED_PIECE.min(len - at);
@@ -74,7 +74,7 @@ pub(crate) unsafe fn copy_summed_streaming_from(src: *const u8, dst: *mut u8, le
             at += n;
         }
         x86::fence();
-        return digest.finalize() as u32;
+        return digest.finish();
     }
     let _ = min;
     let crc = crate::checksum::crc32c(bytes);

@@ -21,7 +21,9 @@ use std::time::Instant;
 use mooncake_transfer::{TransferError, TransferRequest, WorkOp};
 
 use super::destination::{Dest, Destination, Got};
-use super::device::{move_device, stream_reads, Copies, DeviceMove, Directs, Keep, PinnedRegion, StreamRead};
+use super::device::{
+    move_device, stream_reads, Copies, DeviceMove, Directs, Keep, PinnedParts, PinnedRegion, StreamRead,
+};
 use super::routes::Route;
 use super::stats::StoreCounters;
 use super::write::summed;
@@ -61,8 +63,9 @@ struct Reading<'a> {
     direct: Option<usize>,
     /// The attempt that read the object.
     read_by: Option<Attempt>,
-    /// The replica's segment, mapped and page-locked, for a `Dma` attempt.
-    pinned: Option<Arc<PinnedRegion>>,
+    /// The replica's segment, mapped, and the parts of the replica in its
+    /// page-locked pieces, for a `Dma` attempt.
+    pinned: Option<(Arc<PinnedRegion>, PinnedParts)>,
 }
 
 /// What a round does for one object.
@@ -271,7 +274,7 @@ impl StoreInner {
                             Dest::Device { mem, .. } if route.caps.maps_peer_memory => self
                                 .pinned
                                 .get(&self.engine, &route.region, mem.location().is_emulated())
-                                .filter(|p| p.parts(offset, len).is_some()),
+                                .and_then(|p| p.parts(offset, len).map(|parts| (p, parts))),
                             _ => None,
                         };
                         attempt = Some(if r.direct.is_some() && route.caps.moves_device_memory {
@@ -368,23 +371,17 @@ impl StoreInner {
         {
             let mut copies = Copies::default();
             for (k, r) in reading.iter().enumerate() {
-                let (Some(Attempt::Dma(n)), Dest::Device { mem, offset }, Some(pinned)) =
+                let (Some(Attempt::Dma(_)), Dest::Device { mem, offset }, Some((pinned, parts))) =
                     (attempts[k], &r.target.dest, &r.pinned)
                 else {
                     continue;
                 };
-                let (rep, len) = (&r.order[n].0, r.len());
-                let Some(parts) = pinned.parts(rep.offset, len as u64) else {
-                    let region = r.order[n].1.as_ref().map_or(0, |route| route.region.region);
-                    let (offset, len, region_len) = (rep.offset, len as u64, pinned.len());
-                    let e = TransferError::OutOfBounds { region, offset, len, region_len };
-                    ok[k] = Some(Err(e.into()));
-                    continue;
-                };
-                // One DMA per page-locked piece the replica lies in, in order.
+                let len = r.len();
+                // One DMA per page-locked piece the replica lies in, in order (the
+                // parts were taken, inside the region, when the attempt was chosen).
                 let mut queued = Ok(());
                 let mut at = *offset;
-                for (src, part) in parts {
+                for &(src, part) in parts {
                     // SAFETY: `src` lies in the mapped segment, which `Keep::Mapped`
                     // keeps mapped until the copy is done; a writer of that range in
                     // the meantime (the object freed and reused) can only make the

@@ -36,9 +36,10 @@ impl Store {
     /// lock the pieces they move replicas through when they first do (see
     /// [`StoreBuilder::page_lock_piece`](crate::StoreBuilder::page_lock_piece)); a
     /// server that would rather pay for it at setup calls this then (with CUDA
-    /// where a GPU is usable, else in the host emulation). Takes time in proportion to the bytes (about 0.15-0.75 s per GiB on an
-    /// H100 host), during which the CUDA driver holds the process's other CUDA
-    /// calls. A piece that cannot be page-locked is logged and left to staging.
+    /// where a GPU is usable, else in the host emulation). Takes time in proportion
+    /// to the bytes (about 0.15-0.75 s per GiB on an H100 host), during which the
+    /// CUDA driver holds the process's other CUDA calls. A piece that cannot be
+    /// page-locked is logged and left to staging.
     ///
     /// ```
     /// use mooncake_core::gpu::HostDeviceMemory;
@@ -78,10 +79,11 @@ impl Store {
     /// can register: a dma-buf export) is READ straight into device memory; one
     /// in a segment this process maps (its own, a same-host peer's) is copied by
     /// DMA from that segment, the pieces it lies in page-locked on first use (one
-    /// DMA per piece, see [`StoreBuilder::page_lock_piece`](crate::StoreBuilder::page_lock_piece));
-    /// otherwise the bytes are
-    /// read into a pinned staging buffer and copied to the device with an
-    /// asynchronous DMA ([`StoreStats`](crate::StoreStats) counts which).
+    /// DMA per piece, see
+    /// [`StoreBuilder::page_lock_piece`](crate::StoreBuilder::page_lock_piece));
+    /// otherwise the bytes are read into a pinned staging buffer and copied to the
+    /// device with an asynchronous DMA ([`StoreStats`](crate::StoreStats) counts
+    /// which).
     ///
     /// Errors: `NotFound`; `BufferTooSmall` if the object is larger than
     /// `dst.len() - offset` (nothing is copied); `InvalidArgument` if `offset`
@@ -115,9 +117,9 @@ impl Store {
     /// `key`, with the builder's default replication (like [`put`](Self::put)):
     /// every replica whose transport moves device memory is WRITTEN straight
     /// from it, every replica in a segment this process maps is written by DMA (one
-    /// per page-locked piece it lies in); the others are written from a pinned copy (device -> pinned with an
-    /// asynchronous DMA). `InvalidArgument` if the range is outside `src` or
-    /// empty.
+    /// per page-locked piece it lies in); the others are written from a pinned copy
+    /// (device -> pinned with an asynchronous DMA). `InvalidArgument` if the range
+    /// is outside `src` or empty.
     pub fn put_from_device(&self, key: &str, src: &dyn DeviceMemory, offset: u64, len: u64) -> Result<()> {
         self.put_from_device_with(key, src, offset, len, &self.inner.replicate)
     }

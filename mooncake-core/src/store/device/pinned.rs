@@ -74,20 +74,21 @@ impl PinnedRegion {
         Some(parts)
     }
 
-    /// The region's length.
-    pub(in crate::store) fn len(&self) -> u64 {
-        self.map.len()
-    }
-
     /// Whether piece `i` is page-locked, locking it on first use.
     fn pinned(&self, i: usize) -> bool {
         let Some(cell) = self.pieces.get(i) else { return false };
         cell.get_or_init(|| self.pin(i)).is_some()
     }
 
-    fn pin(&self, i: usize) -> Option<Pin> {
+    /// Where piece `i` starts in the region, and its length (the last may be
+    /// shorter).
+    fn piece_range(&self, i: usize) -> (u64, u64) {
         let start = i as u64 * self.piece;
-        let len = self.piece.min(self.map.len() - start);
+        (start, self.piece.min(self.map.len() - start))
+    }
+
+    fn pin(&self, i: usize) -> Option<Pin> {
+        let (start, len) = self.piece_range(i);
         let ptr = self.map.range(start, len)?;
         let pin = if self.emulated {
             HostPinning::emulated(&EMULATED, ptr as u64, len).map(Pin::Emulated)
@@ -116,7 +117,7 @@ impl Drop for PinnedRegion {
     fn drop(&mut self) {
         let locked: u64 = (0..self.pieces.len())
             .filter(|&i| self.pieces[i].get().is_some_and(Option::is_some))
-            .map(|i| self.piece.min(self.map.len() - i as u64 * self.piece))
+            .map(|i| self.piece_range(i).1)
             .sum();
         self.locked.fetch_sub(locked, Ordering::Relaxed);
     }
