@@ -4,9 +4,13 @@
 //!   this process over a plain socket;
 //! - `apply_records`: one `ApplyRecords` round trip (one update) from the master's
 //!   record client to a record endpoint served by an `RpcServer`;
-//! - `put_start` and `put_start+put_end`: a put's two master calls (no bytes moved)
-//!   against a master daemon whose one storage node serves its records over TCP, so
-//!   `put_end` includes the round trip to the node; `remove` likewise.
+//! - `put_start`, `put_end`, `remove` (each timed alone) and
+//!   `put_start+put_end+remove`: a put's two master calls (no bytes moved) and a
+//!   remove against a master daemon whose one storage node serves its records over
+//!   TCP, so `put_end` includes the round trip to the node; `remove` likewise.
+//!   Three threads poll here at once (this one for the master's answer, the master
+//!   for the node's, the node for its next request): on a host with fewer free
+//!   cores than that, these rows show how the pollers share them.
 
 use std::collections::HashMap;
 use std::hint::black_box;
@@ -94,13 +98,45 @@ fn put_end(c: &mut Criterion) {
     let cfg = ReplicateConfig::default();
     let mut i = 0u64;
     c.bench_function("records/put_start", |b| {
-        b.iter(|| {
-            let key = format!("bench/start/{i}");
-            i += 1;
-            black_box(client.put_start(id, &key, 4096, &cfg).unwrap());
-            client.put_revoke(id, &key).unwrap();
+        // Only the start is timed; each put is then ended and removed (a revoke
+        // would keep its room quarantined a client TTL, filling the segment).
+        b.iter_custom(|iters| {
+            let mut timed = Duration::ZERO;
+            for _ in 0..iters {
+                let key = format!("bench/start/{i}");
+                i += 1;
+                let t = std::time::Instant::now();
+                black_box(client.put_start(id, &key, 4096, &cfg).unwrap());
+                timed += t.elapsed();
+                client.put_end(id, &key, 7).unwrap();
+                client.remove(&key).unwrap();
+            }
+            timed
         })
     });
+    for (name, part) in [("records/put_end", 1), ("records/remove", 2)] {
+        c.bench_function(name, |b| {
+            b.iter_custom(|iters| {
+                let mut timed = Duration::ZERO;
+                for _ in 0..iters {
+                    let key = format!("bench/part/{i}");
+                    i += 1;
+                    client.put_start(id, &key, 4096, &cfg).unwrap();
+                    let t = std::time::Instant::now();
+                    client.put_end(id, &key, 7).unwrap();
+                    if part == 1 {
+                        timed += t.elapsed();
+                    }
+                    let t = std::time::Instant::now();
+                    client.remove(&key).unwrap();
+                    if part == 2 {
+                        timed += t.elapsed();
+                    }
+                }
+                timed
+            })
+        });
+    }
     c.bench_function("records/put_start+put_end+remove", |b| {
         b.iter(|| {
             let key = format!("bench/end/{i}");

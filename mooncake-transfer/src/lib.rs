@@ -65,7 +65,9 @@ mod stream_copy;
 mod transport;
 mod warn_limit;
 
-pub use answer_wait::{answer_spin, read_polling, send_no_signal, spin_from_env, DEFAULT_ANSWER_SPIN};
+pub use answer_wait::{
+    answer_spin, poll_pause, read_polling, send_no_signal, spin_from_env, DEFAULT_ANSWER_SPIN, SPIN_BEFORE_YIELD,
+};
 pub use auth::{
     admits_peer, decode_refusal, encode_refusal, read_up_to, Acceptor, AuthFailure, SharedSecret, AUTH_HELLO_LEN,
     AUTH_LEN, PROTECTED_MODE_REFUSAL,

@@ -20,7 +20,8 @@ use mio::net::{TcpListener, UnixListener};
 use mio::unix::SourceFd;
 use mio::{Events, Interest, Poll, Token, Waker};
 use mooncake_transfer::{
-    admits_peer, encode_refusal, Acceptor, WarnLimiter, AUTH_HELLO_LEN, AUTH_LEN, AUTH_MAGIC, PROTECTED_MODE_REFUSAL,
+    admits_peer, encode_refusal, poll_pause, Acceptor, WarnLimiter, AUTH_HELLO_LEN, AUTH_LEN, AUTH_MAGIC,
+    PROTECTED_MODE_REFUSAL,
 };
 
 use super::budget::{DecodeError, DecodeLimits, DecodePool, PoolAccess};
@@ -333,8 +334,8 @@ pub(super) struct Loop {
     /// may have moved on (checked when taken out).
     unauthenticated: VecDeque<(usize, u64)>,
     warnings: Warnings,
-    /// Until when turns poll without sleeping (see [`Loop::spin_for`]).
-    spin_until: Option<Instant>,
+    /// Since when and until when turns poll without sleeping (see [`Loop::spin_for`]).
+    spin: Option<(Instant, Instant)>,
 }
 
 /// What driving a connection came to.
@@ -402,7 +403,7 @@ impl Loop {
             next_generation: 0,
             unauthenticated: VecDeque::new(),
             warnings: Warnings::default(),
-            spin_until: None,
+            spin: None,
         })
     }
 
@@ -410,9 +411,14 @@ impl Loop {
     /// an exchange (a put's `put_end` after its `put_start`) sends its next request
     /// within microseconds, and a poll that sleeps costs a wakeup as long as the
     /// round trip itself on many hosts.
+    ///
+    /// Between two polls that found nothing, the core is yielded once the first
+    /// microseconds have passed ([`poll_pause`]): a server polling for a request
+    /// that may never come must not hold a core another thread needs.
     pub(super) fn spin_for(&mut self, budget: Duration) {
         if !budget.is_zero() {
-            self.spin_until = Some(Instant::now() + budget);
+            let now = Instant::now();
+            self.spin = Some((now, now + budget));
         }
     }
 
@@ -443,9 +449,12 @@ impl Loop {
         let now = Instant::now();
         let next_timer = self.timers.peek().map(|Reverse((at, _, _))| *at);
         let wake = [next_timer, self.accept_retry].into_iter().flatten().min();
-        self.spin_until = self.spin_until.filter(|&at| now < at);
-        let timeout = match self.spin_until {
-            Some(_) => Some(Duration::ZERO),
+        self.spin = self.spin.filter(|&(_, until)| now < until);
+        let timeout = match self.spin {
+            Some((since, _)) => {
+                poll_pause(since);
+                Some(Duration::ZERO)
+            }
             None => wake.map(|at| at.saturating_duration_since(now)),
         };
         let mut events = self.events.take().unwrap_or_else(|| Events::with_capacity(1024));
