@@ -444,6 +444,7 @@ fn bench(a: &Args) -> Result<String, Box<dyn std::error::Error>> {
                 },
             )?
             .mean;
+            let phases = store.stats().write_time;
             let put_dev = timed(
                 a.iters,
                 |i| Ok(store.put_from_device_with(&put_key(i), dst, 0, size as u64, &cfg)?),
@@ -451,6 +452,10 @@ fn bench(a: &Args) -> Result<String, Box<dyn std::error::Error>> {
                     let _ = store.remove(&put_key(i));
                 },
             )?;
+            // Where a device put's time went (the untimed calls of `timed` included).
+            let put_phases = store.stats().write_time.since(&phases).per_call_us();
+            let put_phases = put_phases.iter().map(|(name, us)| format!("\"{name}\":{us:.1}")).collect::<Vec<_>>();
+            let put_phases = put_phases.join(",");
             let bkeys = |i: usize| -> Vec<String> { (0..batch).map(|j| format!("{}/{j}", put_key(i))).collect() };
             let batch_put = timed(
                 a.iters.div_ceil(batch),
@@ -508,6 +513,7 @@ fn bench(a: &Args) -> Result<String, Box<dyn std::error::Error>> {
                  \"get_into_device_us\":{get_dev_us:.1},\
                  \"htod_pinned_us\":{htod_us:.1},\"device_crc32c_us\":{crc_us:.1},\
                  \"get_into_device_p50_us\":{get_dev_p50_us:.1},\"put_from_device_p50_us\":{put_dev_p50_us:.1},\
+                 \"put_from_device_phases_us\":{{{put_phases}}},\
                  \"htod_pinned_p50_us\":{htod_p50_us:.1},\"dtoh_pinned_p50_us\":{dtoh_p50_us:.1},\
                  \"layers\":{LAYERS},\"get_into_device_layers_gbps\":{get_layers:.3},\
                  \"put_from_device_layers_gbps\":{put_layers:.3},\

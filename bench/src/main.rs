@@ -151,6 +151,10 @@ struct Row {
     p99_us: f64,
     mean_us: f64,
     max_us: f64,
+    /// Puts: where a call's time went, mean microseconds per phase
+    /// ([`mooncake_core::WriteTime`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    phases_us: Option<std::collections::BTreeMap<&'static str, f64>>,
 }
 
 fn row(api: &'static str, transport: &str, size: u64, hist: &Histogram<u64>, fail: u64, wall: Duration) -> Row {
@@ -174,6 +178,7 @@ fn row(api: &'static str, transport: &str, size: u64, hist: &Histogram<u64>, fai
         p99_us: hist.value_at_quantile(0.99) as f64 / 1000.0,
         mean_us: hist.mean() / 1000.0,
         max_us: hist.max() as f64 / 1000.0,
+        phases_us: None,
     }
 }
 
@@ -247,7 +252,7 @@ fn remote(
             let _ = store.get(&format!("{k}/warm"));
         }
         let mut hist = Histogram::<u64>::new(3).expect("histogram");
-        let (mut fail, start) = (0, Instant::now());
+        let (mut fail, start, phases) = (0, Instant::now(), store.stats().write_time);
         for k in &keys {
             let t = Instant::now();
             if store.put(k, &value).is_err() {
@@ -255,7 +260,9 @@ fn remote(
             }
             hist.record(t.elapsed().as_nanos() as u64).ok();
         }
-        rows.push(row("put", transport, size, &hist, fail, start.elapsed()));
+        let mut put = row("put", transport, size, &hist, fail, start.elapsed());
+        put.phases_us = Some(store.stats().write_time.since(&phases).per_call_us().into_iter().collect());
+        rows.push(put);
         for (api, into) in [("get", false), ("get_into", true)] {
             let mut hist = Histogram::<u64>::new(3).expect("histogram");
             let mut buf = vec![0u8; size as usize];

@@ -41,6 +41,19 @@ pub(crate) struct Pool {
     _children: Vec<Child2>,
 }
 
+/// The stores first, then the processes in the reverse of their start: a storage
+/// node told to stop drains through its master, which must still be there (else it
+/// tries for its whole drain grace, 30 s).
+impl Drop for Pool {
+    fn drop(&mut self) {
+        self.clients.clear();
+        self._node = None;
+        while let Some(child) = self._children.pop() {
+            drop(child);
+        }
+    }
+}
+
 /// The client protocol of a transport name (`tcp`, `shm`, `rdma`).
 pub(crate) fn protocol(transport: &str) -> Result<Protocol, String> {
     match transport {

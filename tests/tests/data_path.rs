@@ -1012,6 +1012,60 @@ fn dev_bytes(dev: &HostDeviceMemory, at: usize, len: usize) -> Vec<u8> {
     out
 }
 
+/// A client's write time, phase by phase (`StoreStats::write_time`): every call
+/// counted once, a batch too, and a round each; the phases, each a part of its
+/// call, never add up to more than the calls took; only device puts declare or
+/// bind beside their DMA, and that time is a part of their move.
+#[test]
+fn write_time_accounts_for_every_call_phase_by_phase() {
+    let daemon = MasterDaemon::builder("127.0.0.1:0").serve().unwrap();
+    let addr = daemon.local_addr().to_string();
+    let _holder = Store::builder()
+        .master_address(&addr)
+        .listen("127.0.0.1:0")
+        .protocol(Protocol::Shm)
+        .global_segment_size(32 << 20)
+        .build()
+        .unwrap();
+    let client = Store::builder().master_address(&addr).protocol(Protocol::Shm).global_segment_size(0).build().unwrap();
+    let time = || client.stats().write_time;
+    let before = time();
+    assert_eq!(before.per_call_us().map(|(_, us)| us), [0.0; 5], "no call yet");
+
+    // Host puts: five single, one batch of four, one upsert.
+    let values: Vec<Vec<u8>> = (0..10).map(|i| payload(60 + i, 64 << 10)).collect();
+    let started = std::time::Instant::now();
+    for (i, v) in values[..5].iter().enumerate() {
+        client.put(&format!("h{i}"), v).unwrap();
+    }
+    let batch: Vec<(String, &[u8])> = (5..9).map(|i| (format!("h{i}"), &values[i][..])).collect();
+    let items: Vec<(&str, &[u8])> = batch.iter().map(|(k, v)| (k.as_str(), *v)).collect();
+    assert!(client.batch_put(&items, &ReplicateConfig::default()).iter().all(Result::is_ok));
+    client.upsert("h0", &values[9]).unwrap();
+    let wall = started.elapsed().as_nanos() as u64;
+    let host = time().since(&before);
+    assert_eq!((host.calls, host.rounds), (7, 7), "{host:?}");
+    assert!(host.place_ns > 0 && host.move_ns > 0 && host.end_ns > 0, "{host:?}");
+    assert_eq!(host.declare_ns, 0, "host puts declare with their placement, never beside a move");
+    let phases = host.sum_ns + host.place_ns + host.move_ns + host.end_ns;
+    assert!(phases <= wall, "the phases ({phases} ns) are parts of calls that took {wall} ns");
+
+    // Device puts into mapped memory: summed and declared (or bound) beside the DMA.
+    let dev = HostDeviceMemory::new(4 << 20).unwrap();
+    dev.copy_from_host(0, &payload(70, 4 << 20)).unwrap();
+    let before = time();
+    for i in 0..3 {
+        client.put_from_device(&format!("d{i}"), &dev, 0, 1 << 20).unwrap();
+    }
+    let device = time().since(&before);
+    assert_eq!((device.calls, device.rounds), (3, 3), "{device:?}");
+    assert!(device.declare_ns > 0, "declared or bound beside the DMA: {device:?}");
+    assert!(device.declare_ns <= device.move_ns, "a part of the move: {device:?}");
+    let per_call: std::collections::HashMap<&str, f64> = device.per_call_us().into_iter().collect();
+    assert_eq!(per_call["declare"], device.declare_ns as f64 / 3.0 / 1e3);
+    assert!(client.stats().to_string().contains("writes 10 calls (10 rounds)"), "{}", client.stats());
+}
+
 /// Device puts into mapped memory through a master daemon use room held ahead: the
 /// first of a size is placed by a start and asks for room ahead of the next; each
 /// next one of that size is written there at once and bound to its key beside its

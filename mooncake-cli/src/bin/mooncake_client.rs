@@ -207,7 +207,12 @@ fn stop_serving(store: Store, mut signals: signal_hook::iterator::Signals, grace
             }
         });
         match drain.join() {
-            Ok(Ok(p)) => println!("drained: {}", drain_line(&p)),
+            // Not `println!`: a closed standard output (a parent that read the
+            // first line only) must not turn a finished drain into a panic.
+            Ok(Ok(p)) => {
+                use std::io::Write;
+                let _ = writeln!(std::io::stdout(), "drained: {}", drain_line(&p));
+            }
             Ok(Err(e)) => eprintln!("drain failed: {e}"),
             Err(_) => eprintln!("drain failed: its thread panicked"),
         }

@@ -49,7 +49,7 @@ use records::SegmentRecords;
 use replica_cache::ReplicaCache;
 use routes::Routes;
 use stats::StoreCounters;
-pub use stats::StoreStats;
+pub use stats::{StoreStats, WriteTime};
 use write::{Source, WriteItem, WriteMode};
 
 /// The client id of a store that [`Store::close`] unregistered (ids are never 0).
@@ -458,6 +458,7 @@ impl Store {
                 st.auth_failures.load(Ordering::Relaxed) + st.refused_connections.load(Ordering::Relaxed)
             }),
             record_mount_failures: c.record_mount_failures.load(Ordering::Relaxed),
+            write_time: c.write_time(),
             master,
         }
     }

@@ -1,6 +1,7 @@
 //! Counters of one client.
 
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
 
 use crate::master::MasterStats;
 
@@ -19,11 +20,118 @@ pub(super) struct StoreCounters {
     pub(super) device_direct_bytes: AtomicU64,
     pub(super) device_staged_bytes: AtomicU64,
     pub(super) record_mount_failures: AtomicU64,
+    pub(super) write_calls: AtomicU64,
+    pub(super) write_rounds: AtomicU64,
+    pub(super) write_sum_ns: AtomicU64,
+    pub(super) write_place_ns: AtomicU64,
+    pub(super) write_move_ns: AtomicU64,
+    pub(super) write_declare_ns: AtomicU64,
+    pub(super) write_end_ns: AtomicU64,
 }
 
 impl StoreCounters {
     pub(super) fn inc(counter: &AtomicU64, by: u64) {
         counter.fetch_add(by, Ordering::Relaxed);
+    }
+
+    pub(super) fn write_time(&self) -> WriteTime {
+        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        WriteTime {
+            calls: get(&self.write_calls),
+            rounds: get(&self.write_rounds),
+            sum_ns: get(&self.write_sum_ns),
+            place_ns: get(&self.write_place_ns),
+            move_ns: get(&self.write_move_ns),
+            declare_ns: get(&self.write_declare_ns),
+            end_ns: get(&self.write_end_ns),
+        }
+    }
+}
+
+/// Times one phase after another of a write, each added to its counter.
+pub(super) struct PhaseTimer(Instant);
+
+impl PhaseTimer {
+    pub(super) fn start() -> Self {
+        Self(Instant::now())
+    }
+
+    /// Adds the time since the start (or the previous phase) to `counter`.
+    pub(super) fn add_to(self, counter: &AtomicU64) {
+        let _ = self.next(counter);
+    }
+
+    /// Adds the time since the start (or the previous phase) to `counter`, and
+    /// times the next phase from now.
+    pub(super) fn next(self, counter: &AtomicU64) -> Self {
+        let now = Instant::now();
+        let ns = u64::try_from(now.duration_since(self.0).as_nanos()).unwrap_or(u64::MAX);
+        counter.fetch_add(ns, Ordering::Relaxed);
+        Self(now)
+    }
+}
+
+/// Where the time of a client's writes went: puts and upserts of every form
+/// (single, batch, parts, device), summed since the store was built. Each phase
+/// is wall time of the calling thread; a call runs its phases one after the
+/// other, in rounds (a round places, moves and ends every item still pending; a
+/// failed write or a busy key takes another). Two snapshots' difference
+/// ([`since`](Self::since)) divided by its calls ([`per_call_us`](Self::per_call_us))
+/// says where a call's time goes: a checksum taken before the placement, the
+/// master's answer, the copy or DMA, or the end's wait for the master (and,
+/// through it, for the nodes' records).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct WriteTime {
+    /// Write calls (a batch is one).
+    pub calls: u64,
+    /// Rounds of those calls (one each, unless a write failed or a key was busy).
+    pub rounds: u64,
+    /// Summing values on this client's cores (or device): before their placement,
+    /// to declare their checksums with it (values up to a size, with a master
+    /// daemon or a cluster only), or after their copy where the transport did not
+    /// sum them on the way.
+    pub sum_ns: u64,
+    /// Placing: the master's placement (`put_start` and its forms; none for room
+    /// held ahead) and the routes to its replicas.
+    pub place_ns: u64,
+    /// Moving the bytes into every replica (copies, transfers, DMAs), the device
+    /// checksums and what runs beside the DMAs (`declare_ns`) included.
+    pub move_ns: u64,
+    /// Of `move_ns`: declaring checksums and binding room held ahead while device
+    /// bytes move (`put_declare`, `put_bind`); a DMA longer than this hides it.
+    pub declare_ns: u64,
+    /// Ending: binding room held ahead that was not bound on the way, revoking
+    /// failed writes, and the end itself (`put_end` and its forms), which waits for
+    /// the nodes' records of the puts.
+    pub end_ns: u64,
+}
+
+impl WriteTime {
+    /// What happened between `earlier` and this snapshot.
+    pub fn since(&self, earlier: &WriteTime) -> WriteTime {
+        WriteTime {
+            calls: self.calls.saturating_sub(earlier.calls),
+            rounds: self.rounds.saturating_sub(earlier.rounds),
+            sum_ns: self.sum_ns.saturating_sub(earlier.sum_ns),
+            place_ns: self.place_ns.saturating_sub(earlier.place_ns),
+            move_ns: self.move_ns.saturating_sub(earlier.move_ns),
+            declare_ns: self.declare_ns.saturating_sub(earlier.declare_ns),
+            end_ns: self.end_ns.saturating_sub(earlier.end_ns),
+        }
+    }
+
+    /// Each phase's mean per call in microseconds, named as in the fields: `sum`,
+    /// `place`, `move`, `declare` (part of `move`), `end`. Zeros when no call was
+    /// made.
+    pub fn per_call_us(&self) -> [(&'static str, f64); 5] {
+        let per = |ns: u64| if self.calls == 0 { 0.0 } else { ns as f64 / self.calls as f64 / 1e3 };
+        [
+            ("sum", per(self.sum_ns)),
+            ("place", per(self.place_ns)),
+            ("move", per(self.move_ns)),
+            ("declare", per(self.declare_ns)),
+            ("end", per(self.end_ns)),
+        ]
     }
 }
 
@@ -87,6 +195,8 @@ pub struct StoreStats {
     /// come with its heartbeats only, so an acknowledged put may be unknown to a
     /// master restarted before the next heartbeat.
     pub record_mount_failures: u64,
+    /// Where the time of this client's puts and upserts went, phase by phase.
+    pub write_time: WriteTime,
     /// The SSD tier's counters, if this client has one.
     pub ssd: Option<super::SsdStats>,
     /// Objects this client pulled from other clients' SSDs.
@@ -104,6 +214,7 @@ pub struct StoreStats {
 /// client 0x…: segment 1048576/4194304 bytes used
 ///   puts 10 (…), gets 12 (…), removes 0, checksum retries 0, declared 0, replica cache hits 3, disk loads 0,
 ///     device bytes 0 direct / 0 staged (0 B page-locked)
+///   writes 10 calls (10 rounds), per call: sum 0.0 us, place 6.1 us, move 40.2 us (declare 0.0 us), end 6.3 us
 ///   ssd (bucket, io …): 8 objects, 65536/… B used, 8 offloaded (65536 B, 0 failed), …
 ///   master (random): 10 objects (…), … evicted (… B), lease refusals 0, put timeouts 0, …
 /// ```
@@ -136,6 +247,14 @@ impl std::fmt::Display for StoreStats {
             self.device_page_locked_bytes,
             self.record_refusals,
             self.record_mount_failures
+        )?;
+        let w = &self.write_time;
+        let [sum, place, moved, declare, end] = w.per_call_us().map(|(_, us)| us);
+        writeln!(
+            f,
+            "  writes {} calls ({} rounds), per call: sum {sum:.1} us, place {place:.1} us, move {moved:.1} us \
+             (declare {declare:.1} us), end {end:.1} us",
+            w.calls, w.rounds
         )?;
         if let Some(s) = &self.ssd {
             let b = &s.backend;

@@ -26,7 +26,7 @@ use super::device::{
     move_device, stream_writes, Copies, DeviceMove, Directs, Keep, PinnedParts, PinnedRegion, StreamWrite,
 };
 use super::routes::Route;
-use super::stats::StoreCounters;
+use super::stats::{PhaseTimer, StoreCounters};
 use super::StoreInner;
 use crate::config::{check_key, check_value_len, ReplicateConfig};
 use crate::error::{Error, Result};
@@ -309,11 +309,14 @@ impl StoreInner {
             results.push(prepared.as_ref().map(|_| ()).map_err(Error::clone));
             writing.push(prepared.ok());
         }
+        let timer = PhaseTimer::start();
         if mode == WriteMode::Put {
             let mapped = self.routes.all_map_peer_memory();
             let host_up_to = if mapped { DECLARE_MAPPED_UP_TO } else { DECLARE_UP_TO };
             declare_checksums(&mut writing, host_up_to, self.master_is_remote, !mapped);
         }
+        timer.add_to(&self.counters.write_sum_ns);
+        StoreCounters::inc(&self.counters.write_calls, 1);
         let mut pending: Vec<usize> = (0..items.len()).filter(|&i| writing[i].is_some()).collect();
         let start = Instant::now();
         let (busy_until, recovering_until) = (start + BUSY_WAIT, start + self.recovering_wait);
@@ -373,6 +376,8 @@ impl StoreInner {
         attempt: usize,
     ) -> Vec<usize> {
         let client = self.client();
+        StoreCounters::inc(&self.counters.write_rounds, 1);
+        let timer = PhaseTimer::start();
         // Device puts into room held ahead start without a master call.
         let held: Vec<Option<(HeldPlacement, Instant)>> = pending
             .iter()
@@ -458,11 +463,16 @@ impl StoreInner {
         let mut round: Vec<&mut Writing<'_>> =
             writing.iter_mut().enumerate().filter_map(|(i, w)| if is_placed[i] { w.as_mut() } else { None }).collect();
         let declare = (mode == WriteMode::Put && self.master_is_remote).then_some((client, cfg));
+        // Placing ends with the routes to the replicas (a route the store did not
+        // know costs a master call).
+        let timer = timer.next(&self.counters.write_place_ns);
         let failed_segments = self.write_replicas(&mut round, directs, declare);
+        let timer = timer.next(&self.counters.write_move_ns);
+        let sums = item_checksums(&mut round);
+        let timer = timer.next(&self.counters.write_sum_ns);
         for (segment, e) in &failed_segments {
             self.report_failed_segment(*segment, e);
         }
-        let sums = item_checksums(&mut round);
         // Room held ahead that the DMA's shadow did not bind: bound now, before the
         // end.
         let unbound: SmallVec<[usize; 4]> =
@@ -508,6 +518,7 @@ impl StoreInner {
             }
             results[*i] = res;
         }
+        timer.add_to(&self.counters.write_end_ns);
         again
     }
 
@@ -802,7 +813,12 @@ impl StoreInner {
         round: &mut [&mut Writing<'_>],
         of: impl IntoIterator<Item = usize>,
     ) {
+        let timer = PhaseTimer::start();
         let mut of: SmallVec<[usize; 4]> = of.into_iter().filter(|&k| round[k].failed.is_none()).collect();
+        if of.is_empty() {
+            // No device bytes moving (a host write): nothing to declare or bind.
+            return;
+        }
         of.sort_unstable();
         of.dedup();
         // Placed by a start: ask for room ahead of the next put of their size.
@@ -832,6 +848,7 @@ impl StoreInner {
                 self.ahead.ask(&*self.master, client, w.len, cfg);
             }
         }
+        timer.add_to(&self.counters.write_declare_ns);
     }
 
     /// Binds the room held ahead of items `of` of `round`, written, each to its key
