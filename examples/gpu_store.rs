@@ -325,6 +325,13 @@ struct Timing {
 const WARM_UP: usize = 5;
 
 /// The calls of `f` over `iters` calls, `undo` run after each outside the clock.
+/// A call's phases (`WriteTime` / `ReadTime::per_call_us`) as a JSON object of
+/// microseconds.
+fn phases_json(phases: &[(&str, f64)]) -> String {
+    let fields: Vec<String> = phases.iter().map(|(name, us)| format!("\"{name}\":{us:.1}")).collect();
+    format!("{{{}}}", fields.join(","))
+}
+
 fn timed(
     iters: usize,
     mut f: impl FnMut(usize) -> Result<(), Box<dyn std::error::Error>>,
@@ -414,7 +421,9 @@ fn bench(a: &Args) -> Result<String, Box<dyn std::error::Error>> {
             let mut host = vec![0u8; size];
             let get_host =
                 timed(a.iters, |i| Ok(store.get_into(&keys[i % batch], &mut host).map(|_| ())?), |_| {})?.mean;
+            let phases = store.stats().read_time;
             let get_dev = timed(a.iters, |i| Ok(store.get_into_device(&keys[i % batch], dst, 0).map(|_| ())?), |_| {})?;
+            let get_phases = phases_json(&store.stats().read_time.since(&phases).per_call_us());
             let layer_keys: Vec<String> = (0..batch).map(|i| format!("{}/layers", keys[i])).collect();
             for (i, k) in layer_keys.iter().enumerate() {
                 store.put(k, &kv_block(i, size, layered as usize))?;
@@ -453,9 +462,7 @@ fn bench(a: &Args) -> Result<String, Box<dyn std::error::Error>> {
                 },
             )?;
             // Where a device put's time went (the untimed calls of `timed` included).
-            let put_phases = store.stats().write_time.since(&phases).per_call_us();
-            let put_phases = put_phases.iter().map(|(name, us)| format!("\"{name}\":{us:.1}")).collect::<Vec<_>>();
-            let put_phases = put_phases.join(",");
+            let put_phases = phases_json(&store.stats().write_time.since(&phases).per_call_us());
             let bkeys = |i: usize| -> Vec<String> { (0..batch).map(|j| format!("{}/{j}", put_key(i))).collect() };
             let batch_put = timed(
                 a.iters.div_ceil(batch),
@@ -513,7 +520,7 @@ fn bench(a: &Args) -> Result<String, Box<dyn std::error::Error>> {
                  \"get_into_device_us\":{get_dev_us:.1},\
                  \"htod_pinned_us\":{htod_us:.1},\"device_crc32c_us\":{crc_us:.1},\
                  \"get_into_device_p50_us\":{get_dev_p50_us:.1},\"put_from_device_p50_us\":{put_dev_p50_us:.1},\
-                 \"put_from_device_phases_us\":{{{put_phases}}},\
+                 \"get_into_device_phases_us\":{get_phases},\"put_from_device_phases_us\":{put_phases},\
                  \"htod_pinned_p50_us\":{htod_p50_us:.1},\"dtoh_pinned_p50_us\":{dtoh_p50_us:.1},\
                  \"layers\":{LAYERS},\"get_into_device_layers_gbps\":{get_layers:.3},\
                  \"put_from_device_layers_gbps\":{put_layers:.3},\

@@ -151,8 +151,8 @@ struct Row {
     p99_us: f64,
     mean_us: f64,
     max_us: f64,
-    /// Puts: where a call's time went, mean microseconds per phase
-    /// ([`mooncake_core::WriteTime`]).
+    /// Where a call's time went, mean microseconds per phase
+    /// ([`mooncake_core::WriteTime`] for puts, [`mooncake_core::ReadTime`] for gets).
     #[serde(skip_serializing_if = "Option::is_none")]
     phases_us: Option<std::collections::BTreeMap<&'static str, f64>>,
 }
@@ -266,7 +266,7 @@ fn remote(
         for (api, into) in [("get", false), ("get_into", true)] {
             let mut hist = Histogram::<u64>::new(3).expect("histogram");
             let mut buf = vec![0u8; size as usize];
-            let (mut fail, start) = (0, Instant::now());
+            let (mut fail, start, phases) = (0, Instant::now(), store.stats().read_time);
             for k in &keys {
                 let t = Instant::now();
                 let ok = if into { store.get_into(k, &mut buf).is_ok() } else { store.get(k).is_ok() };
@@ -275,7 +275,9 @@ fn remote(
                     fail += 1;
                 }
             }
-            rows.push(row(api, transport, size, &hist, fail, start.elapsed()));
+            let mut got = row(api, transport, size, &hist, fail, start.elapsed());
+            got.phases_us = Some(store.stats().read_time.since(&phases).per_call_us().into_iter().collect());
+            rows.push(got);
         }
         eprintln!(
             "{transport} {size:>8} B: put {:.2} GB/s p50 {:.0} us | get {:.2} GB/s p50 {:.0} us",

@@ -44,7 +44,7 @@ pub use master::{
     MasterService, MasterStats, MemoryReplica, ObjectInfo, ObjectRecord, OffloadPlan, OffloadTask, RecordConnector,
     RecordSink, RecordUpdate, RecordsInFlight, ReplicaList, ReplicatePlan, SegmentInfo, SegmentUsage,
 };
-pub use store::{SsdBackend, SsdOffloadConfig, SsdStats, Store, StoreBuilder, StoreStats, WriteTime};
+pub use store::{ReadTime, SsdBackend, SsdOffloadConfig, SsdStats, Store, StoreBuilder, StoreStats, WriteTime};
 
 /// Re-exports of the allocation crate: strategies and the traits to write your own.
 pub use mooncake_alloc as alloc;

@@ -1012,12 +1012,13 @@ fn dev_bytes(dev: &HostDeviceMemory, at: usize, len: usize) -> Vec<u8> {
     out
 }
 
-/// A client's write time, phase by phase (`StoreStats::write_time`): every call
-/// counted once, a batch too, and a round each; the phases, each a part of its
-/// call, never add up to more than the calls took; only device puts declare or
-/// bind beside their DMA, and that time is a part of their move.
+/// A client's write and read time, phase by phase (`StoreStats::write_time`,
+/// `read_time`): every call counted once, a batch too, and a round each; the
+/// phases, each a part of its call, never add up to more than the calls took; only
+/// device puts declare or bind beside their DMA, and that time is a part of their
+/// move.
 #[test]
-fn write_time_accounts_for_every_call_phase_by_phase() {
+fn write_and_read_time_account_for_every_call_phase_by_phase() {
     let daemon = MasterDaemon::builder("127.0.0.1:0").serve().unwrap();
     let addr = daemon.local_addr().to_string();
     let _holder = Store::builder()
@@ -1064,6 +1065,22 @@ fn write_time_accounts_for_every_call_phase_by_phase() {
     let per_call: std::collections::HashMap<&str, f64> = device.per_call_us().into_iter().collect();
     assert_eq!(per_call["declare"], device.declare_ns as f64 / 3.0 / 1e3);
     assert!(client.stats().to_string().contains("writes 10 calls (10 rounds)"), "{}", client.stats());
+
+    // Reads: each call a round (every replica is sound), the phases parts of them.
+    let before = client.stats().read_time;
+    let started = std::time::Instant::now();
+    for (i, v) in values[1..5].iter().enumerate() {
+        assert_eq!(&client.get(&format!("h{}", i + 1)).unwrap()[..], &v[..]);
+    }
+    let dst = HostDeviceMemory::new(1 << 20).unwrap();
+    assert_eq!(client.get_into_device("d1", &dst, 0).unwrap(), 1 << 20);
+    let wall = started.elapsed().as_nanos() as u64;
+    let read = client.stats().read_time.since(&before);
+    assert_eq!((read.calls, read.rounds), (5, 5), "{read:?}");
+    assert!(read.locate_ns > 0 && read.move_ns > 0 && read.check_ns > 0, "{read:?}");
+    let phases = read.locate_ns + read.move_ns + read.check_ns + read.upload_ns;
+    assert!(phases <= wall, "the phases ({phases} ns) are parts of calls that took {wall} ns");
+    assert!(client.stats().to_string().contains("reads 5 calls (5 rounds)"), "{}", client.stats());
 }
 
 /// Device puts into mapped memory through a master daemon use room held ahead: the

@@ -426,10 +426,15 @@ fn bytes_that_fail_their_checksum_are_never_returned() {
     let replicas = master.put_start(node.client, "k", 5, &ReplicateConfig::default()).unwrap();
     node.region.copy_in(replicas[0].offset, b"wrong").unwrap();
     master.put_end(node.client, "k", crc32c_of(b"right")).unwrap();
+    let before = reader.stats().read_time;
     assert!(matches!(reader.get("k"), Err(Error::Corrupted(_))));
     let mut buf = [0u8; 5];
     assert!(matches!(reader.get_into("k", &mut buf), Err(Error::Corrupted(_))));
     assert!(reader.stats().checksum_mismatches >= 2);
+    // Each failed check took the replica again from a new list: more rounds than calls.
+    let read = reader.stats().read_time.since(&before);
+    assert_eq!(read.calls, 2, "{read:?}");
+    assert!(read.rounds > read.calls, "{read:?}");
     // Large objects take the path that sums chunks while copying: same verdicts.
     let big: Vec<u8> = (0..(3 << 20)).map(|i| (i % 239) as u8).collect();
     let replicas = master.put_start(node.client, "big", big.len() as u64, &ReplicateConfig::default()).unwrap();

@@ -49,7 +49,7 @@ use records::SegmentRecords;
 use replica_cache::ReplicaCache;
 use routes::Routes;
 use stats::StoreCounters;
-pub use stats::{StoreStats, WriteTime};
+pub use stats::{ReadTime, StoreStats, WriteTime};
 use write::{Source, WriteItem, WriteMode};
 
 /// The client id of a store that [`Store::close`] unregistered (ids are never 0).
@@ -459,6 +459,7 @@ impl Store {
             }),
             record_mount_failures: c.record_mount_failures.load(Ordering::Relaxed),
             write_time: c.write_time(),
+            read_time: c.read_time(),
             master,
         }
     }

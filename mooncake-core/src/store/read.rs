@@ -25,7 +25,7 @@ use super::device::{
     move_device, stream_reads, Copies, DeviceMove, Directs, Keep, PinnedParts, PinnedRegion, StreamRead,
 };
 use super::routes::Route;
-use super::stats::StoreCounters;
+use super::stats::{PhaseTimer, StoreCounters};
 use super::write::summed;
 use super::StoreInner;
 use crate::config::check_key;
@@ -159,18 +159,26 @@ impl StoreInner {
             }
             reading.push(r);
         }
+        let c = &self.counters;
+        StoreCounters::inc(&c.read_calls, 1);
         loop {
+            let timer = PhaseTimer::start();
             self.ask_lists(&mut reading);
             if reading.iter().all(|r| r.done.is_some()) {
+                timer.add_to(&c.read_locate_ns);
                 break;
             }
             // Each object either gets an attempt, or is finished, or waits for a
             // new list (at most CHECKSUM_RETRIES + 1 times): this ends.
             let attempts = self.pick(&mut reading);
+            let timer = timer.next(&c.read_locate_ns);
             if attempts.iter().any(Option::is_some) {
-                self.read_round(&mut reading, &attempts, &directs);
+                StoreCounters::inc(&c.read_rounds, 1);
+                let timer = self.read_round(&mut reading, &attempts, &directs, timer);
+                timer.add_to(&c.read_check_ns);
             }
         }
+        let timer = PhaseTimer::start();
         let mut uploads = Copies::default();
         for (k, r) in reading.iter_mut().enumerate() {
             if let (Some(Ok(n)), false) = (&r.done, r.read_by.is_some_and(Attempt::lands_on_device)) {
@@ -183,6 +191,7 @@ impl StoreInner {
         for (k, e) in uploads.finish().failed {
             reading[k].done = Some(Err(e));
         }
+        timer.add_to(&c.read_upload_ns);
         reading
             .into_iter()
             .map(|r| {
@@ -333,7 +342,16 @@ impl StoreInner {
     }
 
     /// Runs one round's attempts and checks what they read.
-    fn read_round(&self, reading: &mut [Reading<'_>], attempts: &[Option<Attempt>], directs: &Directs<'_>) {
+    ///
+    /// `timer` times the move from the round's start; the one returned times the
+    /// check from its start.
+    fn read_round(
+        &self,
+        reading: &mut [Reading<'_>],
+        attempts: &[Option<Attempt>],
+        directs: &Directs<'_>,
+        timer: PhaseTimer,
+    ) -> PhaseTimer {
         let mut ok: Vec<Option<Result<()>>> = vec![None; reading.len()];
         // Straight into device memory.
         {
@@ -498,7 +516,9 @@ impl StoreInner {
                 ok[k] = Some(res);
             }
         }
+        let timer = timer.next(&self.counters.read_move_ns);
         self.check_round(reading, attempts, ok, taken);
+        timer
     }
 
     /// Checks the checksum of every object read this round, and moves each on:

@@ -27,6 +27,12 @@ pub(super) struct StoreCounters {
     pub(super) write_move_ns: AtomicU64,
     pub(super) write_declare_ns: AtomicU64,
     pub(super) write_end_ns: AtomicU64,
+    pub(super) read_calls: AtomicU64,
+    pub(super) read_rounds: AtomicU64,
+    pub(super) read_locate_ns: AtomicU64,
+    pub(super) read_move_ns: AtomicU64,
+    pub(super) read_check_ns: AtomicU64,
+    pub(super) read_upload_ns: AtomicU64,
 }
 
 impl StoreCounters {
@@ -46,9 +52,21 @@ impl StoreCounters {
             end_ns: get(&self.write_end_ns),
         }
     }
+
+    pub(super) fn read_time(&self) -> ReadTime {
+        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        ReadTime {
+            calls: get(&self.read_calls),
+            rounds: get(&self.read_rounds),
+            locate_ns: get(&self.read_locate_ns),
+            move_ns: get(&self.read_move_ns),
+            check_ns: get(&self.read_check_ns),
+            upload_ns: get(&self.read_upload_ns),
+        }
+    }
 }
 
-/// Times one phase after another of a write, each added to its counter.
+/// Times one phase after another of a call, each added to its counter.
 pub(super) struct PhaseTimer(Instant);
 
 impl PhaseTimer {
@@ -71,67 +89,95 @@ impl PhaseTimer {
     }
 }
 
-/// Where the time of a client's writes went: puts and upserts of every form
-/// (single, batch, parts, device), summed since the store was built. Each phase
-/// is wall time of the calling thread; a call runs its phases one after the
-/// other, in rounds (a round places, moves and ends every item still pending; a
-/// failed write or a busy key takes another). Two snapshots' difference
-/// ([`since`](Self::since)) divided by its calls ([`per_call_us`](Self::per_call_us))
-/// says where a call's time goes: a checksum taken before the placement, the
-/// master's answer, the copy or DMA, or the end's wait for the master (and,
-/// through it, for the nodes' records).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct WriteTime {
-    /// Write calls (a batch is one).
-    pub calls: u64,
-    /// Rounds of those calls (one each, unless a write failed or a key was busy).
-    pub rounds: u64,
-    /// Summing values on this client's cores (or device): before their placement,
-    /// to declare their checksums with it (values up to a size, with a master
-    /// daemon or a cluster only), or after their copy where the transport did not
-    /// sum them on the way.
-    pub sum_ns: u64,
-    /// Placing: the master's placement (`put_start` and its forms; none for room
-    /// held ahead) and the routes to its replicas.
-    pub place_ns: u64,
-    /// Moving the bytes into every replica (copies, transfers, DMAs), the device
-    /// checksums and what runs beside the DMAs (`declare_ns`) included.
-    pub move_ns: u64,
-    /// Of `move_ns`: declaring checksums and binding room held ahead while device
-    /// bytes move (`put_declare`, `put_bind`); a DMA longer than this hides it.
-    pub declare_ns: u64,
-    /// Ending: binding room held ahead that was not bound on the way, revoking
-    /// failed writes, and the end itself (`put_end` and its forms), which waits for
-    /// the nodes' records of the puts.
-    pub end_ns: u64,
+/// Declares a public type of phase times: `calls`, `rounds`, then one `u64` of
+/// nanoseconds per phase, with [`since`](WriteTime::since) and
+/// [`per_call_us`](WriteTime::per_call_us) (the phases' names are the fields'
+/// without `_ns`).
+macro_rules! phase_time {
+    ($(#[$meta:meta])* $name:ident { $($(#[$fmeta:meta])* $field:ident => $label:literal,)+ }) => {
+        $(#[$meta])*
+        #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+        pub struct $name {
+            /// Calls (a batch is one).
+            pub calls: u64,
+            /// Rounds of those calls (one each, unless one must try again).
+            pub rounds: u64,
+            $($(#[$fmeta])* pub $field: u64,)+
+        }
+
+        impl $name {
+            /// What happened between `earlier` and this snapshot.
+            pub fn since(&self, earlier: &$name) -> $name {
+                $name {
+                    calls: self.calls.saturating_sub(earlier.calls),
+                    rounds: self.rounds.saturating_sub(earlier.rounds),
+                    $($field: self.$field.saturating_sub(earlier.$field),)+
+                }
+            }
+
+            /// Each phase's mean per call in microseconds, in the fields' order,
+            /// named as the fields without `_ns`; zeros when no call was made.
+            pub fn per_call_us(&self) -> [(&'static str, f64); <[&str]>::len(&[$($label),+])] {
+                let per = |ns: u64| if self.calls == 0 { 0.0 } else { ns as f64 / self.calls as f64 / 1e3 };
+                [$(($label, per(self.$field))),+]
+            }
+        }
+    };
 }
 
-impl WriteTime {
-    /// What happened between `earlier` and this snapshot.
-    pub fn since(&self, earlier: &WriteTime) -> WriteTime {
-        WriteTime {
-            calls: self.calls.saturating_sub(earlier.calls),
-            rounds: self.rounds.saturating_sub(earlier.rounds),
-            sum_ns: self.sum_ns.saturating_sub(earlier.sum_ns),
-            place_ns: self.place_ns.saturating_sub(earlier.place_ns),
-            move_ns: self.move_ns.saturating_sub(earlier.move_ns),
-            declare_ns: self.declare_ns.saturating_sub(earlier.declare_ns),
-            end_ns: self.end_ns.saturating_sub(earlier.end_ns),
-        }
+phase_time! {
+    /// Where the time of a client's writes went: puts and upserts of every form
+    /// (single, batch, parts, device), summed since the store was built. Each phase
+    /// is wall time of the calling thread; a call runs its phases one after the
+    /// other, in rounds (a round places, moves and ends every item still pending; a
+    /// failed write or a busy key takes another). Two snapshots' difference
+    /// ([`since`](Self::since)) divided by its calls ([`per_call_us`](Self::per_call_us))
+    /// says where a call's time goes: checksums, the master's answer, the copy or
+    /// DMA, or the end's wait for the master (and, through it, for the nodes'
+    /// records).
+    WriteTime {
+        /// Summing values on this client's cores (or device): before their
+        /// placement, to declare their checksums with it (values up to a size, with
+        /// a master daemon or a cluster only), or after their copy where the
+        /// transport did not sum them on the way.
+        sum_ns => "sum",
+        /// Placing: the master's placement (`put_start` and its forms; none for room
+        /// held ahead) and the routes to its replicas.
+        place_ns => "place",
+        /// Moving the bytes into every replica (copies, transfers, DMAs), the device
+        /// checksums and what runs beside the DMAs (`declare_ns`) included.
+        move_ns => "move",
+        /// Of `move_ns`: declaring checksums and binding room held ahead while
+        /// device bytes move (`put_declare`, `put_bind`); a DMA longer than this
+        /// hides it.
+        declare_ns => "declare",
+        /// Ending: binding room held ahead that was not bound on the way, revoking
+        /// failed writes, and the end itself (`put_end` and its forms), which waits
+        /// for the nodes' records of the puts.
+        end_ns => "end",
     }
+}
 
-    /// Each phase's mean per call in microseconds, named as in the fields: `sum`,
-    /// `place`, `move`, `declare` (part of `move`), `end`. Zeros when no call was
-    /// made.
-    pub fn per_call_us(&self) -> [(&'static str, f64); 5] {
-        let per = |ns: u64| if self.calls == 0 { 0.0 } else { ns as f64 / self.calls as f64 / 1e3 };
-        [
-            ("sum", per(self.sum_ns)),
-            ("place", per(self.place_ns)),
-            ("move", per(self.move_ns)),
-            ("declare", per(self.declare_ns)),
-            ("end", per(self.end_ns)),
-        ]
+phase_time! {
+    /// Where the time of a client's reads went: gets of every form (single, batch,
+    /// into buffers, into device memory) and the reads of `replicate`, summed since
+    /// the store was built, as
+    /// [`WriteTime`] does for writes. A round reads one replica of every object
+    /// still unread; a replica that fails or fails its checksum takes another.
+    ReadTime {
+        /// Locating: asking the master for replica lists (none for a list this
+        /// client kept from a recent get) and choosing the replica to read.
+        locate_ns => "locate",
+        /// Moving the bytes (copies, transfers, DMAs; into pinned chunks and on
+        /// to the device for a replica streamed to device memory).
+        move_ns => "move",
+        /// Checking: the checksums not taken on the way (summed on this client's
+        /// cores or, for bytes in device memory, on the device), then the leases'
+        /// release.
+        check_ns => "check",
+        /// Uploading to device memory what was read into host memory first (a disk
+        /// replica read for a device destination, say).
+        upload_ns => "upload",
     }
 }
 
@@ -197,6 +243,8 @@ pub struct StoreStats {
     pub record_mount_failures: u64,
     /// Where the time of this client's puts and upserts went, phase by phase.
     pub write_time: WriteTime,
+    /// Where the time of this client's gets went, phase by phase.
+    pub read_time: ReadTime,
     /// The SSD tier's counters, if this client has one.
     pub ssd: Option<super::SsdStats>,
     /// Objects this client pulled from other clients' SSDs.
@@ -215,6 +263,7 @@ pub struct StoreStats {
 ///   puts 10 (…), gets 12 (…), removes 0, checksum retries 0, declared 0, replica cache hits 3, disk loads 0,
 ///     device bytes 0 direct / 0 staged (0 B page-locked)
 ///   writes 10 calls (10 rounds), per call: sum 0.0 us, place 6.1 us, move 40.2 us (declare 0.0 us), end 6.3 us
+///   reads 12 calls (12 rounds), per call: locate 5.9 us, move 38.0 us, check 0.4 us, upload 0.0 us
 ///   ssd (bucket, io …): 8 objects, 65536/… B used, 8 offloaded (65536 B, 0 failed), …
 ///   master (random): 10 objects (…), … evicted (… B), lease refusals 0, put timeouts 0, …
 /// ```
@@ -255,6 +304,14 @@ impl std::fmt::Display for StoreStats {
             "  writes {} calls ({} rounds), per call: sum {sum:.1} us, place {place:.1} us, move {moved:.1} us \
              (declare {declare:.1} us), end {end:.1} us",
             w.calls, w.rounds
+        )?;
+        let r = &self.read_time;
+        let [locate, moved, check, upload] = r.per_call_us().map(|(_, us)| us);
+        writeln!(
+            f,
+            "  reads {} calls ({} rounds), per call: locate {locate:.1} us, move {moved:.1} us, check {check:.1} us, \
+             upload {upload:.1} us",
+            r.calls, r.rounds
         )?;
         if let Some(s) = &self.ssd {
             let b = &s.backend;
