@@ -230,9 +230,11 @@ struct Replicas {
 /// in this process (a served master, a node store serving its segment on
 /// loopback), and the two peer clients reach it only through their transport.
 fn placements(segment: u64, master_bin: Option<&str>) -> Result<(Vec<Replicas>, Masters), Box<dyn std::error::Error>> {
-    let local = Store::builder().global_segment_size(segment).build()?;
+    // Timed phase by phase (a device call takes 20 us and more; a clock reading 20 ns).
+    let local = Store::builder().phase_times(true).global_segment_size(segment).build()?;
     let own_daemon = MasterDaemon::builder("127.0.0.1:0").serve()?;
     let own = Store::builder()
+        .phase_times(true)
         .master_address(&own_daemon.local_addr().to_string())
         .protocol(Protocol::Shm)
         .global_segment_size(segment)
@@ -241,8 +243,9 @@ fn placements(segment: u64, master_bin: Option<&str>) -> Result<(Vec<Replicas>, 
     let daemon = MasterDaemon::builder("127.0.0.1:0").serve()?;
     let addr = daemon.local_addr().to_string();
     let node = Store::builder().master_address(&addr).global_segment_size(segment).build()?;
-    let client =
-        |protocol: Protocol| Store::builder().master_address(&addr).protocol(protocol).global_segment_size(0).build();
+    let client = |protocol: Protocol| {
+        Store::builder().phase_times(true).master_address(&addr).protocol(protocol).global_segment_size(0).build()
+    };
     let mut out = vec![
         Replicas { name: "local", client: local, _node: None },
         Replicas { name: "own_remote_master", client: own, _node: None },

@@ -84,6 +84,11 @@ enum Cmd {
         /// Bytes moved per phase (ops = clamp(phase/size, 64, 2000), as the anchor).
         #[arg(long, default_value = "256MiB")]
         phase_bytes: String,
+        /// Time every call phase by phase and write each row's means (`phases_us`):
+        /// a few clock readings per call (20 ns each on a VM), so the rows of the
+        /// targets are measured without it.
+        #[arg(long)]
+        phases: bool,
         /// JSON output file (stdout if absent).
         #[arg(long)]
         out: Option<PathBuf>,
@@ -220,18 +225,20 @@ fn remote(
     master: Option<String>,
     segment: &str,
     phase: &str,
+    phases: bool,
 ) -> Result<Vec<Row>, String> {
     let segment_bytes = parse_size(segment).map_err(|e| e.to_string())?;
     let phase_bytes = parse_size(phase).map_err(|e| e.to_string())?;
     // Our own master and pre-faulted node, or a client of the master given.
     let (pool, store) = match master {
         None => {
-            let pool = micro::pool(transport, 1, segment_bytes)?;
+            let pool = micro::pool(transport, 1, segment_bytes, phases)?;
             let store = pool.clients[0].clone();
             (Some(pool), store)
         }
         Some(m) => {
             let store = Store::builder()
+                .phase_times(phases)
                 .master_address(&m)
                 .protocol(micro::protocol(transport)?)
                 .global_segment_size(0)
@@ -252,7 +259,7 @@ fn remote(
             let _ = store.get(&format!("{k}/warm"));
         }
         let mut hist = Histogram::<u64>::new(3).expect("histogram");
-        let (mut fail, start, phases) = (0, Instant::now(), store.stats().write_time);
+        let (mut fail, start, written) = (0, Instant::now(), store.stats().write_time);
         for k in &keys {
             let t = Instant::now();
             if store.put(k, &value).is_err() {
@@ -261,12 +268,12 @@ fn remote(
             hist.record(t.elapsed().as_nanos() as u64).ok();
         }
         let mut put = row("put", transport, size, &hist, fail, start.elapsed());
-        put.phases_us = Some(store.stats().write_time.since(&phases).per_call_us().into_iter().collect());
+        put.phases_us = phases.then(|| store.stats().write_time.since(&written).per_call_us().into_iter().collect());
         rows.push(put);
         for (api, into) in [("get", false), ("get_into", true)] {
             let mut hist = Histogram::<u64>::new(3).expect("histogram");
             let mut buf = vec![0u8; size as usize];
-            let (mut fail, start, phases) = (0, Instant::now(), store.stats().read_time);
+            let (mut fail, start, read) = (0, Instant::now(), store.stats().read_time);
             for k in &keys {
                 let t = Instant::now();
                 let ok = if into { store.get_into(k, &mut buf).is_ok() } else { store.get(k).is_ok() };
@@ -276,7 +283,7 @@ fn remote(
                 }
             }
             let mut got = row(api, transport, size, &hist, fail, start.elapsed());
-            got.phases_us = Some(store.stats().read_time.since(&phases).per_call_us().into_iter().collect());
+            got.phases_us = phases.then(|| store.stats().read_time.since(&read).per_call_us().into_iter().collect());
             rows.push(got);
         }
         eprintln!(
@@ -342,8 +349,8 @@ fn main() {
                 eprintln!("wrote {}", f.display());
             }
         }),
-        Cmd::Remote { transport, sizes, master, segment_size, phase_bytes, out } => {
-            remote(&transport, &sizes, master, &segment_size, &phase_bytes).and_then(|rows| {
+        Cmd::Remote { transport, sizes, master, segment_size, phase_bytes, phases, out } => {
+            remote(&transport, &sizes, master, &segment_size, &phase_bytes, phases).and_then(|rows| {
                 let json = serde_json::json!({ "system": "mooncake-rs", "rows": rows });
                 write_json(&json, out)
             })

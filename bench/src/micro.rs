@@ -65,14 +65,17 @@ pub(crate) fn protocol(transport: &str) -> Result<Protocol, String> {
 }
 
 /// A master and one node with a pre-faulted segment of `segment` bytes, and
-/// `threads` clients that give no memory (`local`: all in this process).
-pub(crate) fn pool(transport: &str, threads: usize, segment: u64) -> Result<Pool, String> {
+/// `threads` clients that give no memory (`local`: all in this process), timing
+/// their calls phase by phase with `phase_times`.
+pub(crate) fn pool(transport: &str, threads: usize, segment: u64, phase_times: bool) -> Result<Pool, String> {
     let err = |e: mooncake_core::Error| e.to_string();
     if transport == "local" {
         let master = Master::new(MasterConfig::default()).map_err(err)?;
         let node = Store::builder().master(&master).global_segment_size(segment).build().map_err(err)?;
         let clients: Vec<Store> = (0..threads)
-            .map(|_| Store::builder().master(&master).global_segment_size(0).build().map_err(err))
+            .map(|_| {
+                Store::builder().master(&master).phase_times(phase_times).global_segment_size(0).build().map_err(err)
+            })
             .collect::<Result<_, _>>()?;
         prefault(&clients[0], segment);
         return Ok(Pool { clients, _node: Some(node), _children: Vec::new() });
@@ -86,7 +89,10 @@ pub(crate) fn pool(transport: &str, threads: usize, segment: u64) -> Result<Pool
         &["serve", "--master", &addr, "--listen", "127.0.0.1:0", "--segment-size", &size],
     )?;
     let clients = (0..threads)
-        .map(|_| Store::builder().master_address(&addr).protocol(protocol).global_segment_size(0).build().map_err(err))
+        .map(|_| {
+            let b = Store::builder().master_address(&addr).protocol(protocol).phase_times(phase_times);
+            b.global_segment_size(0).build().map_err(err)
+        })
         .collect::<Result<Vec<_>, _>>()?;
     prefault(&clients[0], segment);
     Ok(Pool { clients, _node: None, _children: vec![m, node] })
@@ -193,7 +199,7 @@ pub fn micro(
     let mut rows = Vec::new();
     for transport in transports.split(',') {
         for &n in &threads {
-            let pool = pool(transport, n.max(1), segment)?;
+            let pool = pool(transport, n.max(1), segment, false)?;
             for &size in &sizes {
                 // Items per thread: the phase's bytes split over the threads, and
                 // never more than 85 % of the segment in flight.

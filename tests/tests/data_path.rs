@@ -1013,7 +1013,8 @@ fn dev_bytes(dev: &HostDeviceMemory, at: usize, len: usize) -> Vec<u8> {
 }
 
 /// A client's write and read time, phase by phase (`StoreStats::write_time`,
-/// `read_time`): every call counted once, a batch too, and a round each; the
+/// `read_time`, with `StoreBuilder::phase_times`; zeros without): every call
+/// counted once, a batch too, and a round each; the
 /// phases, each a part of its call, never add up to more than the calls took; only
 /// device puts declare or bind beside their DMA, and that time is a part of their
 /// move.
@@ -1028,7 +1029,20 @@ fn write_and_read_time_account_for_every_call_phase_by_phase() {
         .global_segment_size(32 << 20)
         .build()
         .unwrap();
-    let client = Store::builder().master_address(&addr).protocol(Protocol::Shm).global_segment_size(0).build().unwrap();
+    let client = Store::builder()
+        .master_address(&addr)
+        .protocol(Protocol::Shm)
+        .global_segment_size(0)
+        .phase_times(true)
+        .build()
+        .unwrap();
+    // Off unless asked: a store that does not time phases leaves them at zero.
+    let untimed = Store::builder().master_address(&addr).protocol(Protocol::Shm).global_segment_size(0).build();
+    let untimed = untimed.unwrap();
+    untimed.put("untimed", b"value").unwrap();
+    assert_eq!(untimed.get("untimed").unwrap(), b"value".to_vec());
+    let s = untimed.stats();
+    assert_eq!((s.write_time, s.read_time), Default::default(), "timed though not asked");
     let time = || client.stats().write_time;
     let before = time();
     assert_eq!(before.per_call_us().map(|(_, us)| us), [0.0; 5], "no call yet");

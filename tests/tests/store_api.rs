@@ -420,7 +420,7 @@ fn raw_node(master: &Master) -> RawNode {
 fn bytes_that_fail_their_checksum_are_never_returned() {
     let master = Master::new(MasterConfig::default()).unwrap();
     let node = raw_node(&master);
-    let reader = store_on(&master, 0);
+    let reader = Store::builder().master(&master).global_segment_size(0).phase_times(true).build().unwrap();
     // The object's bytes in memory are not the bytes its checksum was taken of (as
     // after a stray write, or memory freed and reused under a stale replica list).
     let replicas = master.put_start(node.client, "k", 5, &ReplicateConfig::default()).unwrap();

@@ -47,6 +47,7 @@ pub struct StoreBuilder {
     pub(super) flush_timeout: Duration,
     pub(super) etcd_credentials: crate::cluster::EtcdCredentials,
     pub(super) page_lock_piece: u64,
+    pub(super) phase_times: Option<bool>,
 }
 
 impl std::fmt::Debug for StoreBuilder {
@@ -82,6 +83,7 @@ impl Default for StoreBuilder {
             flush_timeout: Duration::from_secs(60),
             etcd_credentials: crate::cluster::EtcdCredentials::default(),
             page_lock_piece: super::device::DEFAULT_PIECE,
+            phase_times: None,
         }
     }
 }
@@ -227,6 +229,16 @@ impl StoreBuilder {
     /// much is locked.
     pub fn page_lock_piece(mut self, bytes: u64) -> Self {
         self.page_lock_piece = bytes;
+        self
+    }
+
+    /// Whether to time every write and read call phase by phase
+    /// ([`StoreStats::write_time`](crate::StoreStats::write_time) and
+    /// [`read_time`](crate::StoreStats::read_time); left at zero when off). Off by
+    /// default, unless `MOONCAKE_PHASE_TIMES=1`: the clock readings cost 20 ns each
+    /// on a VM, 0.1 us of a 0.6 us cached `get_into` of 4 KiB.
+    pub fn phase_times(mut self, on: bool) -> Self {
+        self.phase_times = Some(on);
         self
     }
 

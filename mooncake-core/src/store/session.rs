@@ -293,6 +293,9 @@ impl Store {
             replicate: cfg.replicate,
             counters: StoreCounters {
                 record_mount_failures: AtomicU64::new(u64::from(!announced)),
+                phase_times: cfg
+                    .phase_times
+                    .unwrap_or_else(|| std::env::var("MOONCAKE_PHASE_TIMES").is_ok_and(|v| v.trim() == "1")),
                 ..StoreCounters::default()
             },
             records,

@@ -20,6 +20,8 @@ pub(super) struct StoreCounters {
     pub(super) device_direct_bytes: AtomicU64,
     pub(super) device_staged_bytes: AtomicU64,
     pub(super) record_mount_failures: AtomicU64,
+    /// Whether calls are timed phase by phase (`StoreBuilder::phase_times`).
+    pub(super) phase_times: bool,
     pub(super) write_calls: AtomicU64,
     pub(super) write_rounds: AtomicU64,
     pub(super) write_sum_ns: AtomicU64,
@@ -66,12 +68,29 @@ impl StoreCounters {
     }
 }
 
-/// Times one phase after another of a call, each added to its counter.
-pub(super) struct PhaseTimer(Instant);
+/// Times one phase after another of a call, each added to its counter; does
+/// nothing (no clock reading) where the store does not time phases.
+pub(super) struct PhaseTimer(Option<Instant>);
 
 impl PhaseTimer {
-    pub(super) fn start() -> Self {
-        Self(Instant::now())
+    /// Starts timing a phase, if `counters` time phases.
+    pub(super) fn start(counters: &StoreCounters) -> Self {
+        Self(counters.phase_times.then(Instant::now))
+    }
+
+    /// Starts timing a phase and counts one in `count` (a call, a round), if
+    /// `counters` time phases.
+    pub(super) fn counting(counters: &StoreCounters, count: &AtomicU64) -> Self {
+        let timer = Self::start(counters);
+        timer.count(count);
+        timer
+    }
+
+    /// Counts one in `count` (a round of the call), if timing.
+    pub(super) fn count(&self, count: &AtomicU64) {
+        if self.0.is_some() {
+            count.fetch_add(1, Ordering::Relaxed);
+        }
     }
 
     /// Adds the time since the start (or the previous phase) to `counter`.
@@ -82,10 +101,11 @@ impl PhaseTimer {
     /// Adds the time since the start (or the previous phase) to `counter`, and
     /// times the next phase from now.
     pub(super) fn next(self, counter: &AtomicU64) -> Self {
+        let Some(then) = self.0 else { return self };
         let now = Instant::now();
-        let ns = u64::try_from(now.duration_since(self.0).as_nanos()).unwrap_or(u64::MAX);
+        let ns = u64::try_from(now.duration_since(then).as_nanos()).unwrap_or(u64::MAX);
         counter.fetch_add(ns, Ordering::Relaxed);
-        Self(now)
+        Self(Some(now))
     }
 }
 
@@ -127,7 +147,8 @@ macro_rules! phase_time {
 
 phase_time! {
     /// Where the time of a client's writes went: puts and upserts of every form
-    /// (single, batch, parts, device), summed since the store was built. Each phase
+    /// (single, batch, parts, device), summed since the store was built, where the
+    /// store times them ([`StoreBuilder::phase_times`](crate::StoreBuilder::phase_times)). Each phase
     /// is wall time of the calling thread; a call runs its phases one after the
     /// other, in rounds (a round places, moves and ends every item still pending; a
     /// failed write or a busy key takes another). Two snapshots' difference
@@ -241,9 +262,11 @@ pub struct StoreStats {
     /// come with its heartbeats only, so an acknowledged put may be unknown to a
     /// master restarted before the next heartbeat.
     pub record_mount_failures: u64,
-    /// Where the time of this client's puts and upserts went, phase by phase.
+    /// Where the time of this client's puts and upserts went, phase by phase
+    /// (zeros unless [`StoreBuilder::phase_times`](crate::StoreBuilder::phase_times)).
     pub write_time: WriteTime,
-    /// Where the time of this client's gets went, phase by phase.
+    /// Where the time of this client's gets went, phase by phase (zeros unless
+    /// [`StoreBuilder::phase_times`](crate::StoreBuilder::phase_times)).
     pub read_time: ReadTime,
     /// The SSD tier's counters, if this client has one.
     pub ssd: Option<super::SsdStats>,

@@ -309,14 +309,13 @@ impl StoreInner {
             results.push(prepared.as_ref().map(|_| ()).map_err(Error::clone));
             writing.push(prepared.ok());
         }
-        let timer = PhaseTimer::start();
+        let timer = PhaseTimer::counting(&self.counters, &self.counters.write_calls);
         if mode == WriteMode::Put {
             let mapped = self.routes.all_map_peer_memory();
             let host_up_to = if mapped { DECLARE_MAPPED_UP_TO } else { DECLARE_UP_TO };
             declare_checksums(&mut writing, host_up_to, self.master_is_remote, !mapped);
         }
         timer.add_to(&self.counters.write_sum_ns);
-        StoreCounters::inc(&self.counters.write_calls, 1);
         let mut pending: Vec<usize> = (0..items.len()).filter(|&i| writing[i].is_some()).collect();
         let start = Instant::now();
         let (busy_until, recovering_until) = (start + BUSY_WAIT, start + self.recovering_wait);
@@ -376,8 +375,7 @@ impl StoreInner {
         attempt: usize,
     ) -> Vec<usize> {
         let client = self.client();
-        StoreCounters::inc(&self.counters.write_rounds, 1);
-        let timer = PhaseTimer::start();
+        let timer = PhaseTimer::counting(&self.counters, &self.counters.write_rounds);
         // Device puts into room held ahead start without a master call.
         let held: Vec<Option<(HeldPlacement, Instant)>> = pending
             .iter()
@@ -813,7 +811,7 @@ impl StoreInner {
         round: &mut [&mut Writing<'_>],
         of: impl IntoIterator<Item = usize>,
     ) {
-        let timer = PhaseTimer::start();
+        let timer = PhaseTimer::start(&self.counters);
         let mut of: SmallVec<[usize; 4]> = of.into_iter().filter(|&k| round[k].failed.is_none()).collect();
         if of.is_empty() {
             // No device bytes moving (a host write): nothing to declare or bind.
