@@ -1012,6 +1012,18 @@ fn dev_bytes(dev: &HostDeviceMemory, at: usize, len: usize) -> Vec<u8> {
     out
 }
 
+/// A storage node of the master at `addr` with a 32 MiB segment that same-host
+/// clients map (`Protocol::Shm`).
+fn shm_node(addr: &str) -> Store {
+    Store::builder()
+        .master_address(addr)
+        .listen("127.0.0.1:0")
+        .protocol(Protocol::Shm)
+        .global_segment_size(32 << 20)
+        .build()
+        .unwrap()
+}
+
 /// A client's write and read time, phase by phase (`StoreStats::write_time`,
 /// `read_time`, with `StoreBuilder::phase_times`; zeros without): every call
 /// counted once, a batch too, and a round each; the
@@ -1022,13 +1034,7 @@ fn dev_bytes(dev: &HostDeviceMemory, at: usize, len: usize) -> Vec<u8> {
 fn write_and_read_time_account_for_every_call_phase_by_phase() {
     let daemon = MasterDaemon::builder("127.0.0.1:0").serve().unwrap();
     let addr = daemon.local_addr().to_string();
-    let _holder = Store::builder()
-        .master_address(&addr)
-        .listen("127.0.0.1:0")
-        .protocol(Protocol::Shm)
-        .global_segment_size(32 << 20)
-        .build()
-        .unwrap();
+    let _holder = shm_node(&addr);
     let client = Store::builder()
         .master_address(&addr)
         .protocol(Protocol::Shm)
@@ -1110,13 +1116,7 @@ fn device_puts_through_a_master_daemon_write_into_room_held_ahead() {
     let config = MasterConfig { placement_hold: Duration::from_secs(10), ..MasterConfig::served() };
     let daemon = MasterDaemon::builder("127.0.0.1:0").config(config).serve().unwrap();
     let addr = daemon.local_addr().to_string();
-    let holder = Store::builder()
-        .master_address(&addr)
-        .listen("127.0.0.1:0")
-        .protocol(Protocol::Shm)
-        .global_segment_size(32 << 20)
-        .build()
-        .unwrap();
+    let holder = shm_node(&addr);
     let client = Store::builder().master_address(&addr).protocol(Protocol::Shm).global_segment_size(0).build().unwrap();
     let stats = || daemon.master().stats();
     const MIB: usize = 1 << 20;
