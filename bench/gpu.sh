@@ -2,7 +2,8 @@
 # The GPU checks of issue 24 in one run, on a machine with a CUDA GPU (and NVRTC):
 # the CUDA tests (none may skip), the two-process CUDA IPC test, the store's device
 # tests, `gpu_store --bench` (local / shm-peer / tcp-peer replicas against pinned
-# DMA and the host calls; again with answer polling off, up to 16 MiB; again with
+# DMA and the host calls, each row with its device put's and get's time phase by
+# phase, `*_phases_us`; again with answer polling off, up to 16 MiB; again with
 # master calls over loopback TCP, 4 and 16 MiB; the first device calls of a store
 # with a 2 and an 8 GiB segment), `gpu_sweep` (NanoKvCache put/get
 # against DtoD), and, when
