@@ -327,7 +327,6 @@ struct Timing {
 /// many, so that the two compare the same steady state).
 const WARM_UP: usize = 5;
 
-/// The calls of `f` over `iters` calls, `undo` run after each outside the clock.
 /// A call's phases (`WriteTime` / `ReadTime::per_call_us`) as a JSON object of
 /// microseconds.
 fn phases_json(phases: &[(&str, f64)]) -> String {
@@ -335,6 +334,7 @@ fn phases_json(phases: &[(&str, f64)]) -> String {
     format!("{{{}}}", fields.join(","))
 }
 
+/// The calls of `f` over `iters` calls, `undo` run after each outside the clock.
 fn timed(
     iters: usize,
     mut f: impl FnMut(usize) -> Result<(), Box<dyn std::error::Error>>,

@@ -458,8 +458,8 @@ impl Store {
                 st.auth_failures.load(Ordering::Relaxed) + st.refused_connections.load(Ordering::Relaxed)
             }),
             record_mount_failures: c.record_mount_failures.load(Ordering::Relaxed),
-            write_time: c.write_time(),
-            read_time: c.read_time(),
+            write_time: c.write.snapshot(),
+            read_time: c.read.snapshot(),
             master,
         }
     }

@@ -162,12 +162,12 @@ impl StoreInner {
         let c = &self.counters;
         // One clock reading per phase boundary, and none where phases are not
         // timed (a cached `get_into` of 4 KiB takes 0.6 us; a reading 20 ns).
-        let mut timer = PhaseTimer::counting(c, &c.read_calls);
+        let mut timer = PhaseTimer::counting(c, &c.read.calls);
         loop {
             let asked = self.ask_lists(&mut reading);
             if reading.iter().all(|r| r.done.is_some()) {
                 if asked {
-                    timer = timer.next(&c.read_locate_ns);
+                    timer = timer.next(&c.read.locate_ns);
                 }
                 break;
             }
@@ -175,15 +175,12 @@ impl StoreInner {
             // new list (at most CHECKSUM_RETRIES + 1 times): this ends.
             let attempts = self.pick(&mut reading);
             if attempts.iter().any(Option::is_some) {
-                timer.count(&c.read_rounds);
-                let moving = timer.next(&c.read_locate_ns);
-                timer = self.read_round(&mut reading, &attempts, &directs, moving).next(&c.read_check_ns);
+                timer.count(&c.read.rounds);
+                let moving = timer.next(&c.read.locate_ns);
+                timer = self.read_round(&mut reading, &attempts, &directs, moving).next(&c.read.check_ns);
             }
         }
         // What was read into host memory for device memory, uploaded.
-        let uploading = reading
-            .iter()
-            .any(|r| matches!(r.target.dest, Dest::Device { .. }) && !r.read_by.is_some_and(Attempt::lands_on_device));
         let mut uploads = Copies::default();
         for (k, r) in reading.iter_mut().enumerate() {
             if let (Some(Ok(n)), false) = (&r.done, r.read_by.is_some_and(Attempt::lands_on_device)) {
@@ -193,11 +190,12 @@ impl StoreInner {
                 }
             }
         }
+        let uploading = uploads.items().next().is_some();
         for (k, e) in uploads.finish().failed {
             reading[k].done = Some(Err(e));
         }
         if uploading {
-            timer.add_to(&c.read_upload_ns);
+            timer.add_to(&c.read.upload_ns);
         }
         reading
             .into_iter()
@@ -525,7 +523,7 @@ impl StoreInner {
                 ok[k] = Some(res);
             }
         }
-        let timer = timer.next(&self.counters.read_move_ns);
+        let timer = timer.next(&self.counters.read.move_ns);
         self.check_round(reading, attempts, ok, taken);
         timer
     }

@@ -22,49 +22,13 @@ pub(super) struct StoreCounters {
     pub(super) record_mount_failures: AtomicU64,
     /// Whether calls are timed phase by phase (`StoreBuilder::phase_times`).
     pub(super) phase_times: bool,
-    pub(super) write_calls: AtomicU64,
-    pub(super) write_rounds: AtomicU64,
-    pub(super) write_sum_ns: AtomicU64,
-    pub(super) write_place_ns: AtomicU64,
-    pub(super) write_move_ns: AtomicU64,
-    pub(super) write_declare_ns: AtomicU64,
-    pub(super) write_end_ns: AtomicU64,
-    pub(super) read_calls: AtomicU64,
-    pub(super) read_rounds: AtomicU64,
-    pub(super) read_locate_ns: AtomicU64,
-    pub(super) read_move_ns: AtomicU64,
-    pub(super) read_check_ns: AtomicU64,
-    pub(super) read_upload_ns: AtomicU64,
+    pub(super) write: WriteCounters,
+    pub(super) read: ReadCounters,
 }
 
 impl StoreCounters {
     pub(super) fn inc(counter: &AtomicU64, by: u64) {
         counter.fetch_add(by, Ordering::Relaxed);
-    }
-
-    pub(super) fn write_time(&self) -> WriteTime {
-        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
-        WriteTime {
-            calls: get(&self.write_calls),
-            rounds: get(&self.write_rounds),
-            sum_ns: get(&self.write_sum_ns),
-            place_ns: get(&self.write_place_ns),
-            move_ns: get(&self.write_move_ns),
-            declare_ns: get(&self.write_declare_ns),
-            end_ns: get(&self.write_end_ns),
-        }
-    }
-
-    pub(super) fn read_time(&self) -> ReadTime {
-        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
-        ReadTime {
-            calls: get(&self.read_calls),
-            rounds: get(&self.read_rounds),
-            locate_ns: get(&self.read_locate_ns),
-            move_ns: get(&self.read_move_ns),
-            check_ns: get(&self.read_check_ns),
-            upload_ns: get(&self.read_upload_ns),
-        }
     }
 }
 
@@ -112,9 +76,10 @@ impl PhaseTimer {
 /// Declares a public type of phase times: `calls`, `rounds`, then one `u64` of
 /// nanoseconds per phase, with [`since`](WriteTime::since) and
 /// [`per_call_us`](WriteTime::per_call_us) (the phases' names are the fields'
-/// without `_ns`).
+/// without `_ns`), and the store's live counters of the same fields, whose
+/// `snapshot` gives one.
 macro_rules! phase_time {
-    ($(#[$meta:meta])* $name:ident { $($(#[$fmeta:meta])* $field:ident => $label:literal,)+ }) => {
+    ($(#[$meta:meta])* $name:ident, $counters:ident { $($(#[$fmeta:meta])* $field:ident => $label:literal,)+ }) => {
         $(#[$meta])*
         #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
         pub struct $name {
@@ -142,6 +107,24 @@ macro_rules! phase_time {
                 [$(($label, per(self.$field))),+]
             }
         }
+
+        /// The live counters behind a snapshot of this type: one atomic per field.
+        #[derive(Default)]
+        pub(super) struct $counters {
+            pub(super) calls: AtomicU64,
+            pub(super) rounds: AtomicU64,
+            $(pub(super) $field: AtomicU64,)+
+        }
+
+        impl $counters {
+            pub(super) fn snapshot(&self) -> $name {
+                $name {
+                    calls: self.calls.load(Ordering::Relaxed),
+                    rounds: self.rounds.load(Ordering::Relaxed),
+                    $($field: self.$field.load(Ordering::Relaxed),)+
+                }
+            }
+        }
     };
 }
 
@@ -156,7 +139,7 @@ phase_time! {
     /// says where a call's time goes: checksums, the master's answer, the copy or
     /// DMA, or the end's wait for the master (and, through it, for the nodes'
     /// records).
-    WriteTime {
+    WriteTime, WriteCounters {
         /// Summing values on this client's cores (or device): before their
         /// placement, to declare their checksums with it (values up to a size, with
         /// a master daemon or a cluster only), or after their copy where the
@@ -185,7 +168,7 @@ phase_time! {
     /// the store was built, as
     /// [`WriteTime`] does for writes. A round reads one replica of every object
     /// still unread; a replica that fails or fails its checksum takes another.
-    ReadTime {
+    ReadTime, ReadCounters {
         /// Locating: asking the master for replica lists (none for a list this
         /// client kept from a recent get) and choosing the replica to read.
         locate_ns => "locate",

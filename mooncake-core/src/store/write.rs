@@ -309,13 +309,13 @@ impl StoreInner {
             results.push(prepared.as_ref().map(|_| ()).map_err(Error::clone));
             writing.push(prepared.ok());
         }
-        let timer = PhaseTimer::counting(&self.counters, &self.counters.write_calls);
+        let timer = PhaseTimer::counting(&self.counters, &self.counters.write.calls);
         if mode == WriteMode::Put {
             let mapped = self.routes.all_map_peer_memory();
             let host_up_to = if mapped { DECLARE_MAPPED_UP_TO } else { DECLARE_UP_TO };
             declare_checksums(&mut writing, host_up_to, self.master_is_remote, !mapped);
         }
-        timer.add_to(&self.counters.write_sum_ns);
+        timer.add_to(&self.counters.write.sum_ns);
         let mut pending: Vec<usize> = (0..items.len()).filter(|&i| writing[i].is_some()).collect();
         let start = Instant::now();
         let (busy_until, recovering_until) = (start + BUSY_WAIT, start + self.recovering_wait);
@@ -375,7 +375,7 @@ impl StoreInner {
         attempt: usize,
     ) -> Vec<usize> {
         let client = self.client();
-        let timer = PhaseTimer::counting(&self.counters, &self.counters.write_rounds);
+        let timer = PhaseTimer::counting(&self.counters, &self.counters.write.rounds);
         // Device puts into room held ahead start without a master call.
         let held: Vec<Option<(HeldPlacement, Instant)>> = pending
             .iter()
@@ -463,11 +463,11 @@ impl StoreInner {
         let declare = (mode == WriteMode::Put && self.master_is_remote).then_some((client, cfg));
         // Placing ends with the routes to the replicas (a route the store did not
         // know costs a master call).
-        let timer = timer.next(&self.counters.write_place_ns);
+        let timer = timer.next(&self.counters.write.place_ns);
         let failed_segments = self.write_replicas(&mut round, directs, declare);
-        let timer = timer.next(&self.counters.write_move_ns);
+        let timer = timer.next(&self.counters.write.move_ns);
         let sums = item_checksums(&mut round);
-        let timer = timer.next(&self.counters.write_sum_ns);
+        let timer = timer.next(&self.counters.write.sum_ns);
         for (segment, e) in &failed_segments {
             self.report_failed_segment(*segment, e);
         }
@@ -516,7 +516,7 @@ impl StoreInner {
             }
             results[*i] = res;
         }
-        timer.add_to(&self.counters.write_end_ns);
+        timer.add_to(&self.counters.write.end_ns);
         again
     }
 
@@ -811,12 +811,12 @@ impl StoreInner {
         round: &mut [&mut Writing<'_>],
         of: impl IntoIterator<Item = usize>,
     ) {
-        let timer = PhaseTimer::start(&self.counters);
         let mut of: SmallVec<[usize; 4]> = of.into_iter().filter(|&k| round[k].failed.is_none()).collect();
         if of.is_empty() {
             // No device bytes moving (a host write): nothing to declare or bind.
             return;
         }
+        let timer = PhaseTimer::start(&self.counters);
         of.sort_unstable();
         of.dedup();
         // Placed by a start: ask for room ahead of the next put of their size.
@@ -846,7 +846,7 @@ impl StoreInner {
                 self.ahead.ask(&*self.master, client, w.len, cfg);
             }
         }
-        timer.add_to(&self.counters.write_declare_ns);
+        timer.add_to(&self.counters.write.declare_ns);
     }
 
     /// Binds the room held ahead of items `of` of `round`, written, each to its key
