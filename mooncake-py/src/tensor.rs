@@ -235,6 +235,43 @@ pub fn view<'py>(py: Python<'py>, meta: &Meta, ptr: usize) -> PyResult<Bound<'py
     }
 }
 
+/// A torch tensor on CUDA device `ordinal` over `meta.data_bytes` bytes of its memory
+/// at `ptr` (which the caller keeps alive while the tensor is used): [`view`]'s
+/// counterpart for a buffer in GPU memory, made without touching the memory on the
+/// host. torch takes the memory through the CUDA array interface as bytes, then
+/// reinterprets them as the stored dtype (the interface has no bfloat16 or float8).
+/// `None` without torch: a numpy array cannot hold device memory.
+pub fn device_view<'py>(
+    py: Python<'py>,
+    meta: &Meta,
+    ptr: usize,
+    ordinal: usize,
+) -> PyResult<Option<Bound<'py, PyAny>>> {
+    let Backend::Torch(torch) = backend(py)? else { return Ok(None) };
+    let device = format!("cuda:{ordinal}");
+    let dtype = torch.getattr(meta.dtype.name())?;
+    let shape = PyTuple::new(py, &meta.local)?;
+    if meta.data_bytes == 0 {
+        let kwargs = pyo3::types::PyDict::new(py);
+        kwargs.set_item("dtype", dtype)?;
+        kwargs.set_item("device", device)?;
+        return Ok(Some(torch.call_method("empty", (shape,), Some(&kwargs))?));
+    }
+    let interface = pyo3::types::PyDict::new(py);
+    interface.set_item("shape", (meta.data_bytes,))?;
+    interface.set_item("typestr", "|u1")?;
+    interface.set_item("data", (ptr, false))?;
+    interface.set_item("strides", py.None())?;
+    interface.set_item("version", 2)?;
+    // torch keeps the holder (not the memory's owner) alive with the tensor.
+    let holder = py.import("types")?.getattr("SimpleNamespace")?.call0()?;
+    holder.setattr("__cuda_array_interface__", interface)?;
+    let kwargs = pyo3::types::PyDict::new(py);
+    kwargs.set_item("device", device)?;
+    let bytes = torch.call_method("as_tensor", (holder,), Some(&kwargs))?;
+    Ok(Some(bytes.call_method1("view", (dtype,))?.call_method1("reshape", (shape,))?))
+}
+
 /// A tensor holding a copy of the elements of `object` (an object of the tensor
 /// layout), or `None` if the object is not one.
 pub fn from_object<'py>(py: Python<'py>, object: &[u8]) -> PyResult<Option<Bound<'py, PyAny>>> {

@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use mooncake_core::gpu::{DeviceMemory, DeviceScatter, HostDeviceMemory, KeepCurrentContext};
+use mooncake_core::gpu::{DeviceMemory, DeviceScatter, HostDeviceMemory, KeepCurrentContext, MemoryLocation};
 use pyo3::prelude::*;
 use pyo3::types::PyList;
 
@@ -36,6 +36,15 @@ enum Data {
     Borrowed(Vec<(usize, usize)>),
     /// A copy (the shards of a split along an inner dimension are not contiguous).
     Owned(Vec<u8>),
+}
+
+/// A tensor object found in a buffer given by address.
+struct BufferObject {
+    meta: Meta,
+    /// Its header, in memory of the call's own.
+    header: [u8; META_LEN],
+    /// The buffer's device memory, if it is some (`None`: registered host memory).
+    device: Option<Arc<dyn DeviceMemory>>,
 }
 
 /// One object to write: the key's index in the call, its key, header and elements.
@@ -155,17 +164,35 @@ impl MooncakeDistributedStore {
             Ok(c) => c,
             Err(c) => return vec![c; results.len()],
         };
-        let (on_device, in_host): (Vec<&Write>, Vec<&Write>) = writes.iter().partition(|w| w.on_device);
-        if on_device.is_empty() {
-            return py.detach(|| write_planned(&s.store, mode, &in_host, &cfg, results));
+        if !writes.iter().any(|w| w.on_device) {
+            return py.detach(|| write_planned(&s.store, mode, &writes.iter().collect::<Vec<_>>(), &cfg, results));
         }
         // Device calls bind their memory's CUDA context: give the framework's back.
         let _ctx = KeepCurrentContext::new();
         py.detach(|| {
             let _call = self.pointer_call();
-            let results = self.write_device_tensors(&s.store, mode, &on_device, &cfg, results);
-            write_planned(&s.store, mode, &in_host, &cfg, results)
+            self.write_all(&s.store, mode, writes, &cfg, results)
         })
+    }
+
+    /// Writes the planned objects, those in device memory through the store's device
+    /// calls, the others in one batch from host memory, and folds the codes per key.
+    /// The caller holds the in-flight gate, and keeps the thread's CUDA context.
+    fn write_all(
+        &self,
+        store: &mooncake_core::Store,
+        mode: WriteMode,
+        writes: &[Write],
+        cfg: &mooncake_core::ReplicateConfig,
+        results: Vec<i32>,
+    ) -> Vec<i32> {
+        let (on_device, in_host): (Vec<&Write>, Vec<&Write>) = writes.iter().partition(|w| w.on_device);
+        let results = if on_device.is_empty() {
+            results
+        } else {
+            self.write_device_tensors(store, mode, &on_device, cfg, results)
+        };
+        write_planned(store, mode, &in_host, cfg, results)
     }
 
     /// Writes the objects of CUDA tensors, each its host header and its device ranges
@@ -290,6 +317,9 @@ impl MooncakeDistributedStore {
             Ok(c) => c,
             Err(c) => return vec![c; n],
         };
+        // Device copies (of buffers in GPU memory) bind their memory's CUDA context:
+        // give the framework's back.
+        let _ctx = KeepCurrentContext::new();
         // One release of the GIL from the buffers' check to the end of the write:
         // they stay registered (and so allocated) while the call is in flight.
         py.detach(|| {
@@ -314,26 +344,22 @@ impl MooncakeDistributedStore {
         let mut results = vec![0; n];
         let mut writes = Vec::new();
         for i in 0..n {
-            let meta = self.buffer_meta(buffer_ptrs[i], sizes[i]);
-            let planned = meta.and_then(|m| {
+            let planned = self.buffer_object(buffer_ptrs[i], sizes[i]).and_then(|object| {
+                let on_device = object.device.is_some();
                 if split.size <= 1 {
                     // As stored: the buffer is the object.
-                    let mut header = [0u8; META_LEN];
-                    // SAFETY: `buffer_meta` checked `sizes[i] >= META_LEN` bytes of
-                    // registered memory at the pointer.
-                    header
-                        .copy_from_slice(unsafe { std::slice::from_raw_parts(buffer_ptrs[i] as *const u8, META_LEN) });
                     let rest = sizes[i] - META_LEN;
                     let data = if rest == 0 { vec![] } else { vec![(buffer_ptrs[i] + META_LEN, rest)] };
                     Some(vec![Write {
                         of: i,
                         key: keys[i].clone(),
-                        header,
+                        header: object.header,
                         data: Data::Borrowed(data),
-                        on_device: false,
+                        on_device,
                     }])
                 } else {
-                    plan(i, &keys[i], &m, buffer_ptrs[i] + m.data_offset, split, false)
+                    let m = &object.meta;
+                    plan(i, &keys[i], m, buffer_ptrs[i] + m.data_offset, split, on_device)
                 }
             });
             match planned {
@@ -342,21 +368,34 @@ impl MooncakeDistributedStore {
                 None => results[i] = INVALID_PARAMS,
             }
         }
-        write_planned(store, mode, &writes.iter().collect::<Vec<_>>(), cfg, results)
+        self.write_all(store, mode, &writes, cfg, results)
     }
 
-    /// The tensor header of the registered buffer `[ptr, ptr + size)`, if it holds a
-    /// whole tensor object. The caller keeps the buffer registered until it is done
-    /// with it: it holds the in-flight gate, or the GIL throughout (`unregister_buffer`
-    /// cannot return to its caller, who would free the buffer, meanwhile).
-    fn buffer_meta(&self, ptr: usize, size: usize) -> Option<Meta> {
-        if size < META_LEN || self.buffers().check(ptr, size).is_err() {
+    /// The tensor object in the buffer `[ptr, ptr + size)` (registered host memory,
+    /// or device memory: see `device.rs`), if it holds a whole one: its header is
+    /// read in place from host memory, by a device copy from device memory. The
+    /// caller keeps the buffer registered until it is done with it: it holds the
+    /// in-flight gate, or the GIL throughout (`unregister_buffer` cannot return to
+    /// its caller, who would free the buffer, meanwhile).
+    fn buffer_object(&self, ptr: usize, size: usize) -> Option<BufferObject> {
+        if size < META_LEN {
             return None;
         }
-        // SAFETY: `[ptr, ptr + size)` lies inside a registered buffer (checked above),
-        // and `size >= META_LEN`.
-        let head = unsafe { std::slice::from_raw_parts(ptr as *const u8, META_LEN) };
-        Meta::parse(head, size)
+        let mut header = [0u8; META_LEN];
+        let device = match self.devices.resolve(self.buffers(), ptr, size).ok()? {
+            Target::Host => {
+                // SAFETY: `[ptr, ptr + size)` lies inside a registered host buffer
+                // (`resolve` checked it), and `size >= META_LEN`.
+                header.copy_from_slice(unsafe { std::slice::from_raw_parts(ptr as *const u8, META_LEN) });
+                None
+            }
+            Target::Device(mem) => {
+                mem.copy_to_host(0, &mut header).ok()?;
+                Some(mem)
+            }
+        };
+        let meta = Meta::parse(&header, size)?;
+        Some(BufferObject { meta, header, device })
     }
 
     /// Reads the tensor objects under `keys[i]` into the tensors `tensors[i]` (contiguous
@@ -469,12 +508,26 @@ impl MooncakeDistributedStore {
         if self.session().is_none() || buffer_ptrs.len() != n || sizes.len() != n || buffer_ptrs.contains(&0) {
             return PyList::new(py, vec![INVALID_PARAMS; n]);
         }
+        // The headers of objects read into device memory are read back by device
+        // copies, which bind the memory's CUDA context: give the framework's back.
+        let _ctx = KeepCurrentContext::new();
         let lengths = self.batch_get_into(py, keys, buffer_ptrs.clone(), sizes);
         let out = PyList::empty(py);
         for (i, len) in lengths.into_iter().enumerate() {
-            let t = usize::try_from(len).ok().and_then(|len| self.buffer_meta(buffer_ptrs[i], len));
-            match t {
-                Some(meta) => out.append(tensor::view(py, &meta, buffer_ptrs[i] + meta.data_offset)?)?,
+            let object = usize::try_from(len).ok().and_then(|len| self.buffer_object(buffer_ptrs[i], len));
+            let view = match object {
+                None => None,
+                Some(BufferObject { meta, device, .. }) => {
+                    let elements = buffer_ptrs[i] + meta.data_offset;
+                    match device.map(|mem| mem.location()) {
+                        // Host memory, or the host memory that emulates a device.
+                        None | Some(MemoryLocation::Emulated) => Some(tensor::view(py, &meta, elements)?),
+                        Some(MemoryLocation::Cuda { ordinal }) => tensor::device_view(py, &meta, elements, ordinal)?,
+                    }
+                }
+            };
+            match view {
+                Some(t) => out.append(t)?,
                 None => out.append(py.None())?,
             }
         }

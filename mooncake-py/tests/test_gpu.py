@@ -317,6 +317,49 @@ def test_page_locking_the_segment_at_setup(master):
     assert MooncakeDistributedStore().page_lock_segments() == 0
 
 
+def test_tensor_objects_in_device_buffers(gpu_store):
+    """get_tensor_into with a buffer in device memory reads the object through the
+    device path and gives a tensor over its elements there (the emulation's memory is
+    host memory, so that tensor is a host view here; on a GPU a CUDA tensor); the
+    header is read back by a device copy, never on the host. put_tensor_from and its
+    forms take such a buffer's object through the device path too."""
+    np = pytest.importorskip("numpy")
+    store, keep = gpu_store
+    a = np.arange(48, dtype=np.float32).reshape(6, 8)
+    assert store.put_tensor("t", a) == 0
+    n = 304 + a.nbytes
+    gpu = EmulatedGpu(store, 1 << 16)
+    keep.append(gpu)
+    before = staged(store)
+    t = store.get_tensor_into("t", gpu.ptr, 1 << 16)
+    assert np.array_equal(np.asarray(t), a)
+    assert staged(store) - before == n, "the object went through get_into_device"
+    # A view of the device buffer, not a copy.
+    gpu.write(304, np.float32(-1).tobytes())
+    assert np.asarray(t)[0, 0] == -1
+    gpu.write(304, a.tobytes()[:4])
+    # Batch and tensor-parallel forms, into both halves of the device buffer.
+    assert store.put_tensor_with_tp("w", a, tp_size=2) == 0
+    half = 1 << 15
+    got = store.batch_get_tensor_with_tp_into(["w", "w"], [gpu.ptr, gpu.ptr + half], [half] * 2, 1, 2)
+    assert np.array_equal(np.asarray(got[0]), a[3:]) and np.array_equal(np.asarray(got[1]), a[3:])
+    assert store.get_tensor_into("missing", gpu.ptr, half) is None
+    assert store.get_tensor_into("t", gpu.ptr, 100) is None
+    # The object left in the device buffer is stored again from it, whole or split.
+    assert store.get_into("t", gpu.ptr, half) == n
+    before = staged(store)
+    assert store.put_tensor_from("t2", gpu.ptr, n) == 0
+    assert staged(store) - before == n, "the object went through put_from_device"
+    assert np.array_equal(np.asarray(store.get_tensor("t2")), a)
+    assert store.batch_upsert_tensor_from(["t2", "t3"], [gpu.ptr, gpu.ptr], [n, n]) == [0, 0]
+    assert store.put_tensor_with_tp_from("s", gpu.ptr, n, 0, 2, 1) == 0
+    assert np.array_equal(np.asarray(store.get_tensor("s_tp_1")), a[:, 4:])
+    # A buffer that holds no tensor object: refused, nothing stored.
+    gpu.write(0, b"\0" * 304)
+    assert store.put_tensor_from("bad", gpu.ptr, n) == INVALID_PARAMS
+    assert store.is_exist("bad") == 0
+
+
 def test_host_pointers_do_not_touch_the_device_path(store):
     data = payload(50_000, 20)
     with Registered(store, 64 << 10) as buf:
@@ -362,6 +405,17 @@ def test_torch_cuda_tensors(store):
     assert store.get_tensor_into_cuda("cuda/w", into) == w.numel() * w.element_size()
     assert torch.equal(into, w)
     assert store.get_tensor_into_cuda("cuda/w", torch.zeros(64, 95, device="cuda", dtype=torch.bfloat16)) == -600
+    # get_tensor_into with a buffer in GPU memory: a CUDA tensor over the elements
+    # there (a view, not a copy); put_tensor_from takes the object back from it.
+    buf = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda")
+    assert store.register_buffer(buf.data_ptr(), buf.numel()) == 0
+    view = store.get_tensor_into("cuda/w", buf.data_ptr(), buf.numel())
+    assert view.is_cuda and view.dtype == torch.bfloat16 and torch.equal(view, w)
+    assert view.data_ptr() == buf.data_ptr() + 304
+    n = 304 + w.numel() * w.element_size()
+    assert store.put_tensor_from("cuda/w2", buf.data_ptr(), n) == 0
+    assert torch.equal(store.get_tensor("cuda/w2").to("cuda"), w)
+    assert store.unregister_buffer(buf.data_ptr()) == 0
 
 
 def test_compare_gpu_sets_python_against_the_rust_rows_of_its_placement(tmp_path):
