@@ -1479,7 +1479,8 @@ impl MooncakeDistributedStore {
 
     /// Reads the tensor under `key` into the registered buffer `[buffer_ptr,
     /// buffer_ptr + size)` and returns a tensor over its elements there (not a copy:
-    /// valid while the buffer is), or `None`.
+    /// valid while the buffer is), or `None`. A buffer in GPU memory gives a torch
+    /// CUDA tensor (`ImportError` without torch).
     fn get_tensor_into<'py>(
         &self,
         py: Python<'py>,

@@ -240,14 +240,15 @@ pub fn view<'py>(py: Python<'py>, meta: &Meta, ptr: usize) -> PyResult<Bound<'py
 /// counterpart for a buffer in GPU memory, made without touching the memory on the
 /// host. torch takes the memory through the CUDA array interface as bytes, then
 /// reinterprets them as the stored dtype (the interface has no bfloat16 or float8).
-/// `None` without torch: a numpy array cannot hold device memory.
-pub fn device_view<'py>(
-    py: Python<'py>,
-    meta: &Meta,
-    ptr: usize,
-    ordinal: usize,
-) -> PyResult<Option<Bound<'py, PyAny>>> {
-    let Backend::Torch(torch) = backend(py)? else { return Ok(None) };
+/// Without torch an `ImportError`: a numpy array cannot hold device memory (the
+/// bytes are in the buffer all the same).
+pub fn device_view<'py>(py: Python<'py>, meta: &Meta, ptr: usize, ordinal: usize) -> PyResult<Bound<'py, PyAny>> {
+    let Backend::Torch(torch) = backend(py)? else {
+        return Err(PyImportError::new_err(
+            "a tensor read into GPU memory comes out as a torch CUDA tensor, and torch does not import (the \
+             object's bytes are in the buffer)",
+        ));
+    };
     let device = format!("cuda:{ordinal}");
     let dtype = torch.getattr(meta.dtype.name())?;
     let shape = PyTuple::new(py, &meta.local)?;
@@ -255,7 +256,7 @@ pub fn device_view<'py>(
         let kwargs = pyo3::types::PyDict::new(py);
         kwargs.set_item("dtype", dtype)?;
         kwargs.set_item("device", device)?;
-        return Ok(Some(torch.call_method("empty", (shape,), Some(&kwargs))?));
+        return torch.call_method("empty", (shape,), Some(&kwargs));
     }
     let interface = pyo3::types::PyDict::new(py);
     interface.set_item("shape", (meta.data_bytes,))?;
@@ -269,7 +270,7 @@ pub fn device_view<'py>(
     let kwargs = pyo3::types::PyDict::new(py);
     kwargs.set_item("device", device)?;
     let bytes = torch.call_method("as_tensor", (holder,), Some(&kwargs))?;
-    Ok(Some(bytes.call_method1("view", (dtype,))?.call_method1("reshape", (shape,))?))
+    bytes.call_method1("view", (dtype,))?.call_method1("reshape", (shape,))
 }
 
 /// A tensor holding a copy of the elements of `object` (an object of the tensor

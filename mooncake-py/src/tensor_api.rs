@@ -522,7 +522,9 @@ impl MooncakeDistributedStore {
                     match device.map(|mem| mem.location()) {
                         // Host memory, or the host memory that emulates a device.
                         None | Some(MemoryLocation::Emulated) => Some(tensor::view(py, &meta, elements)?),
-                        Some(MemoryLocation::Cuda { ordinal }) => tensor::device_view(py, &meta, elements, ordinal)?,
+                        Some(MemoryLocation::Cuda { ordinal }) => {
+                            Some(tensor::device_view(py, &meta, elements, ordinal)?)
+                        }
                     }
                 }
             };
