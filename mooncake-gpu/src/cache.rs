@@ -55,7 +55,7 @@ impl Default for CacheConfig {
 
 impl CacheConfig {
     fn validate(&self) -> Result<()> {
-        if self.page_size == 0 || self.page_size % PAYLOAD_ALIGN != 0 {
+        if self.page_size == 0 || !self.page_size.is_multiple_of(PAYLOAD_ALIGN) {
             return Err(GpuError::InvalidArgument(format!(
                 "page size {} must be a non-zero multiple of {PAYLOAD_ALIGN}",
                 self.page_size

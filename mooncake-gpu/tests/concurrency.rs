@@ -22,7 +22,7 @@ fn value(k: u64, gen: u64, words: usize) -> Vec<u8> {
 
 /// Checks that `v` is entirely version `gen` (taken from word 0) of key `k`.
 fn check(k: u64, v: &[u8]) -> Result<u64, String> {
-    if v.is_empty() || v.len() % 8 != 0 {
+    if v.is_empty() || !v.len().is_multiple_of(8) {
         return Err(format!("odd length {}", v.len()));
     }
     let w0 = u64::from_ne_bytes(v[..8].try_into().unwrap());

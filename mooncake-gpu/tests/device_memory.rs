@@ -515,7 +515,7 @@ fn emulated_memory_exports_its_bytes_as_a_dmabuf_a_nic_can_map() {
     assert_eq!(mem.allocation_id(), Some(a), "and keeps it");
     let buf = mem.export_dmabuf().unwrap();
     assert_eq!(buf.iova, mem.device_ptr(), "work requests name the bytes by device address");
-    assert!(buf.len >= mem.len() && buf.len % 4096 == 0, "{}", buf.len);
+    assert!(buf.len >= mem.len() && buf.len.is_multiple_of(4096), "{}", buf.len);
     // What a software NIC does with it: map it, and reach the same bytes.
     // SAFETY: the mapping is only read and written by this test, while `mem` lives.
     let mut nic =

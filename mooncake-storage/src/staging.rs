@@ -168,7 +168,7 @@ impl ClientBuffer {
         gc_ttl: Duration,
         owner: Box<dyn std::any::Any + Send + Sync>,
     ) -> Result<Self> {
-        if (base as usize) % SLOT_ALIGN as usize != 0 {
+        if !(base as usize).is_multiple_of(SLOT_ALIGN as usize) {
             return Err(StorageError::InvalidArgument("staging memory is not 4 KiB-aligned".into()));
         }
         let usable = len - len % SLOT_ALIGN as usize;

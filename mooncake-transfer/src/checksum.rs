@@ -62,8 +62,13 @@ mod gf2 {
         table
     };
 
+    /// `x^n mod POLY`.
+    pub(super) const fn x_pow(n: u64) -> u32 {
+        mul(x_pow_8n(n / 8), ONE >> (n % 8))
+    }
+
     /// `x^(8 n) mod POLY`: the factor that shifts a remainder past `n` bytes.
-    pub(super) fn x_pow_8n(n: u64) -> u32 {
+    pub(super) const fn x_pow_8n(n: u64) -> u32 {
         // 8 n = n << 3: start at the table entry for 2^3.
         let mut result = ONE;
         let mut k = 3;
@@ -77,6 +82,19 @@ mod gf2 {
         }
         result
     }
+}
+
+/// The two 64-bit factors that fold a 128-bit piece of a message `bits` further
+/// along it with carry-less multiplications (`stream_copy.rs`): a piece whose low
+/// half (the first 8 bytes in memory, the higher powers of the message polynomial)
+/// is `h` and high half `l` is congruent, `bits` later, to `clmul(h, first) ^
+/// clmul(l, second)`. A reflected carry-less product is the polynomial product times
+/// `x`, so the factors are `x^(bits + 63)` and `x^(bits - 1)` modulo the polynomial
+/// (32 bits each, in the upper half of their 64: the reflected 64-bit form of a
+/// polynomial of degree 31 or less).
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+pub(crate) const fn fold_factors(bits: u64) -> (u64, u64) {
+    ((gf2::x_pow(bits + 63) as u64) << 32, (gf2::x_pow(bits - 1) as u64) << 32)
 }
 
 /// The crc32c of bytes given piece by piece (as [`crc32c`] of their concatenation,

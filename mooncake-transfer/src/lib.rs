@@ -87,6 +87,7 @@ pub use rdma::{
     RdmaTransport, RegionPiece, RemoteAccess, SoftFaults, SoftPortConfig, SoftRdma, WorkOp, WorkRequest,
 };
 pub use region::{RegionId, RegisteredRegion, RemoteRegion};
+pub use stream_copy::copies_fold_checksums;
 pub use transport::{
     Capabilities, LocalTransport, MappedRegion, OnLanded, ShmTransport, TcpTransport, TransferOp, TransferRequest,
     TransferStats, Transport, TransportStats, LOCAL_SCHEME,

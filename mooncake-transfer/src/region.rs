@@ -350,12 +350,23 @@ impl RegisteredRegion {
     }
 
     /// [`copy_in`](Self::copy_in) that also gives the crc32c of `src`, taken while
-    /// it is copied (each piece summed from the cache its copy read it into).
+    /// it is copied (folded into the copy where the CPU can:
+    /// [`copies_fold_checksums`](crate::copies_fold_checksums); else each piece
+    /// summed from the cache its copy read it into).
     pub fn copy_in_summed(&self, offset: u64, src: &[u8]) -> Result<u32> {
         self.check_bounds(offset, src.len() as u64)?;
         self.writable_memory()?;
         // SAFETY: as in `copy_in`.
         Ok(unsafe { crate::stream_copy::copy_to_pool_summed(src.as_ptr(), self.ptr.add(offset as usize), src.len()) })
+    }
+
+    /// [`copy_out`](Self::copy_out) that also gives the crc32c of the bytes copied,
+    /// taken on the way (folded into the copy where the CPU can:
+    /// [`copies_fold_checksums`](crate::copies_fold_checksums)).
+    pub fn copy_out_summed(&self, offset: u64, dst: &mut [u8]) -> Result<u32> {
+        self.check_bounds(offset, dst.len() as u64)?;
+        // SAFETY: as in `copy_out`.
+        Ok(unsafe { crate::stream_copy::copy_out_summed(self.ptr.add(offset as usize), dst.as_mut_ptr(), dst.len()) })
     }
 
     /// Copies bytes of the region at `offset` into `dst`, after a bounds check.

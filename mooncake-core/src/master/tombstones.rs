@@ -294,7 +294,7 @@ mod tests {
     fn floors_are_the_forgotten_generations_per_slot_group() {
         let clock = GenClock::default();
         let t = Tombstones::default();
-        let group = |k: &str| u32::from(k.len() % 2 == 0);
+        let group = |k: &str| u32::from(k.len().is_multiple_of(2));
         t.set_grouping(Arc::new(group));
         let before = clock.next();
         // Removals of odd-length keys (group 0) overflow the shard of "kk" (group 1).

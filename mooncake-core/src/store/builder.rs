@@ -288,7 +288,7 @@ impl StoreBuilder {
         if self.master_timeout.is_zero() || self.flush_timeout.is_zero() {
             return Err(Error::InvalidArgument("master_timeout and flush_timeout must be > 0".into()));
         }
-        if self.page_lock_piece < 1 << 20 || self.page_lock_piece % 4096 != 0 {
+        if self.page_lock_piece < 1 << 20 || !self.page_lock_piece.is_multiple_of(4096) {
             return Err(Error::InvalidArgument(format!(
                 "page_lock_piece {} must be at least 1 MiB and a multiple of 4 KiB",
                 self.page_lock_piece

@@ -198,7 +198,7 @@ impl Store {
             // Marked again now and then: a segment re-mounted meanwhile (the master
             // restarted) starts out placeable.
             round += 1;
-            if round % 8 == 0 {
+            if round.is_multiple_of(8) {
                 if let Err(e) = self.mark_draining(&node, grace_ms) {
                     tracing::warn!(error = %e, "drain: cannot mark our segments draining again");
                 }

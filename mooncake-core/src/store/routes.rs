@@ -15,7 +15,9 @@ use crate::error::Result;
 use crate::master::MasterApi;
 
 /// Objects below this many bytes, moved by a transport that copies through a
-/// mapping of the peer's memory, are copied and summed piece by piece
+/// mapping of the peer's memory on a CPU without the folding copy
+/// ([`mooncake_transfer::copies_fold_checksums`]: with it, the sum costs nothing
+/// beside the copy at any size), are copied and summed piece by piece
 /// (`TransferRequest::with_checksum`). Measured on the 2-vCPU development VM
 /// (in-process `get_into`, GB/s, three runs): 2 MiB 8.7–10.8 fused vs 5.7–8.0, 4 MiB
 /// 7.5–9.4 vs 5.1–7.9; but 16 MiB 3.9–5.6 vs 8.2–9.1, where summing the whole copy on
@@ -37,10 +39,11 @@ pub(super) struct Route {
 impl Route {
     /// Whether a transfer of an object of `len` bytes should have the transport
     /// take its checksum on the way: wherever the transport sums in flight, except
-    /// large objects copied through a mapping, which one parallel sum afterwards
-    /// beats (`FUSED_BELOW`).
+    /// large objects copied through a mapping by a CPU that cannot fold the sum into
+    /// the copy, where one parallel sum afterwards beats it (`FUSED_BELOW`).
     pub(super) fn sums_in_flight(&self, len: usize) -> bool {
-        self.caps.sums_in_flight && !(self.caps.maps_peer_memory && len >= FUSED_BELOW)
+        self.caps.sums_in_flight
+            && !(self.caps.maps_peer_memory && len >= FUSED_BELOW && !mooncake_transfer::copies_fold_checksums())
     }
 
     /// How near the bytes are, for the read order: 0 this client's own segment,

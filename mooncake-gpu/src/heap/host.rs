@@ -66,7 +66,7 @@ impl HostHeap {
 
     fn check_span(&self, span: &PageSpan) -> Result<()> {
         let end = span.payload_base.checked_add(span.alloc_bytes());
-        if span.payload_base % HOST_WORD != 0 || u64::from(span.page_size) % HOST_WORD != 0 {
+        if !span.payload_base.is_multiple_of(HOST_WORD) || u64::from(span.page_size) % HOST_WORD != 0 {
             return Err(GpuError::InvalidArgument(format!(
                 "payload base {} and page size {} must be multiples of {HOST_WORD}",
                 span.payload_base, span.page_size

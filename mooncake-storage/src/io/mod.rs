@@ -367,7 +367,7 @@ pub(crate) fn open_file(path: &Path, mode: OpenMode, direct: bool) -> Result<IoF
 }
 
 pub(crate) fn is_aligned(x: usize) -> bool {
-    x % IO_ALIGN == 0
+    x.is_multiple_of(IO_ALIGN)
 }
 
 fn eof(file: &IoFile, offset: u64) -> StorageError {

@@ -141,30 +141,19 @@ impl<'a> TransferRequest<'a> {
 }
 
 /// Moves `req`'s bytes between its local buffer and `region` by memcpy (the `local`
-/// and `shm` transports). A read that asks for its checksum is copied piece by piece,
-/// each piece summed right after its copy while it is in the cache; a write is summed
-/// before its copy. A write to a region peers may not write is refused.
+/// and `shm` transports). A request that asks for its checksum has it taken on the
+/// way (`stream_copy.rs`: folded into the copy where the CPU can, else each piece
+/// summed right after its copy while it is in the cache). A write to a region peers
+/// may not write is refused.
 pub(crate) fn copy_with_region(region: &RegisteredRegion, req: &mut TransferRequest<'_>) -> Result<()> {
-    /// Small enough to stay in a core's L2 cache between the copy and the sum.
-    const PIECE: usize = 256 << 10;
     let (base, asked) = (req.offset, req.checksum_asked());
     let crc = match &mut req.op {
-        TransferOp::Read(dst) if asked => {
-            // Bounds first: a request out of bounds copies nothing, not its first pieces.
-            region.check_bounds(base, dst.len() as u64)?;
-            let mut pieces = Vec::with_capacity(dst.len().div_ceil(PIECE));
-            for (i, piece) in dst.chunks_mut(PIECE).enumerate() {
-                region.copy_out(base + (i * PIECE) as u64, piece)?;
-                pieces.push((crate::checksum::crc32c(piece), piece.len()));
-            }
-            crate::checksum::crc32c_concat(pieces)
-        }
+        TransferOp::Read(dst) if asked => region.copy_out_summed(base, dst)?,
         TransferOp::Read(dst) => return region.copy_out(base, dst),
         TransferOp::Write(_) if !region.peers_may_write() => {
             return Err(crate::error::TransferError::ReadOnly { region: region.id() })
         }
-        // Copied with streaming stores from 256 KiB, each piece summed right after
-        // its copy read it (`stream_copy.rs`).
+        // Copied with streaming stores from 256 KiB, summed on the way.
         TransferOp::Write(src) if asked => region.copy_in_summed(base, src)?,
         TransferOp::Write(src) => return region.copy_in(base, src),
     };

@@ -405,7 +405,7 @@ mod tests {
     /// An entry whose length, completeness and side box follow from `value`, for the
     /// totals to see all kinds.
     fn varied_entry(value: u32) -> ObjectEntry {
-        let mut e = if value % 3 == 0 {
+        let mut e = if value.is_multiple_of(3) {
             ObjectEntry::new(u64::from(value % 5000) + 1, 7, 0)
         } else {
             ObjectEntry::new_complete(u64::from(value % 7000) + 1, 0, 0)
