@@ -349,6 +349,41 @@ fn the_old_replicas_stay_until_their_readers_are_done() {
     assert!(left > 0 && left < 20_000, "{left} bytes in use: the revoked upsert's room alone should be");
 }
 
+/// A revoke asked again once it was served (a client sends a call again when its
+/// connection broke before the answer) is answered as the first was; a revoke of
+/// what this client never started, or of another client's put, is still `NotFound`,
+/// and the other's put goes on.
+#[test]
+fn a_revoke_asked_again_is_answered_as_the_first() {
+    let master = Master::new(MasterConfig::default()).unwrap();
+    let store = Store::builder().master(&master).global_segment_size(4 << 20).build().unwrap();
+    let (me, other) = (store.client_id() ^ 2, store.client_id() ^ 4);
+    let cfg = ReplicateConfig::default();
+    master.put_start(me, "p", 10, &cfg).unwrap();
+    master.put_revoke(me, "p").unwrap();
+    master.put_revoke(me, "p").unwrap();
+    assert!(matches!(master.put_revoke(other, "p"), Err(Error::NotFound(_))));
+    assert!(matches!(master.put_revoke(me, "never"), Err(Error::NotFound(_))));
+    // Another client's put of the key, started since: a late copy of my revoke is
+    // answered without touching it.
+    master.put_start(other, "p", 10, &cfg).unwrap();
+    master.put_revoke(me, "p").unwrap();
+    master.put_end(other, "p", 7).unwrap();
+    assert_eq!(master.object_info("p").unwrap().checksum, 7);
+    // Upserts alike, over an object that stays as it was.
+    store.put("u", b"kept").unwrap();
+    master.upsert_start(me, "u", 3, &cfg).unwrap();
+    master.upsert_revoke(me, "u").unwrap();
+    master.upsert_revoke(me, "u").unwrap();
+    assert!(matches!(master.upsert_revoke(other, "u"), Err(Error::NotFound(_))));
+    assert_eq!(&store.get("u").unwrap()[..], b"kept");
+    // Batches too.
+    master.batch_put_start(me, &[("b1", 4), ("b2", 4)], &cfg).into_iter().for_each(|r| drop(r.unwrap()));
+    assert!(master.batch_put_revoke(me, &["b1", "b2"]).iter().all(Result::is_ok));
+    let again = master.batch_put_revoke(me, &["b1", "b2", "b3"]);
+    assert!(again[0].is_ok() && again[1].is_ok() && matches!(again[2], Err(Error::NotFound(_))));
+}
+
 /// An upsert of an absent key is a put; a put of a key an upsert replaced still
 /// fails (objects stay immutable to `put`).
 #[test]

@@ -15,6 +15,11 @@ use crate::master::record_link::RecordWait;
 use crate::master::service::MasterService;
 use crate::master::types::*;
 
+/// How many revokes a master remembers for answering one asked again
+/// ([`MasterService::was_revoked`]): a client sends a call again at once after its
+/// connection broke, so the last few thousand cover every one in flight.
+const REVOKES_REMEMBERED: usize = 4096;
+
 /// The largest free block of any of `segments`.
 fn largest_free(segments: &[Arc<SegmentAllocator>]) -> u64 {
     segments.iter().map(|s| s.report().largest_free_region).max().unwrap_or(0)
@@ -550,10 +555,33 @@ impl MasterService {
                     self.quarantine_put(&mut e, self.config.client_ttl);
                 }
                 self.counters.pending_puts.fetch_sub(1, Ordering::Relaxed);
+                // Under the shard's lock: a copy of this call asked again meanwhile
+                // finds it revoked (the list's lock is taken inside a shard's, or
+                // alone).
+                self.note_revoked(client, key);
                 Ok(())
             }
+            // Asked again once it was served: done already.
+            _ if self.was_revoked(client, key) => Ok(()),
             _ => Err(Error::NotFound(format!("{key} (no put in progress by this client)"))),
         }
+    }
+
+    /// Remembers that `client` revoked its put or upsert of `key` (the last
+    /// [`REVOKES_REMEMBERED`] revokes), so that the same revoke asked again is
+    /// answered `Ok`.
+    pub(super) fn note_revoked(&self, client: ClientId, key: &str) {
+        let mut revoked = self.revoked.lock();
+        if revoked.len() == REVOKES_REMEMBERED {
+            revoked.pop_front();
+        }
+        revoked.push_back((client, key.into()));
+    }
+
+    /// Whether `client` revoked its put or upsert of `key` lately (and nothing of
+    /// the key by `client` is in progress now: the callers ask only then).
+    pub(super) fn was_revoked(&self, client: ClientId, key: &str) -> bool {
+        self.revoked.lock().iter().rev().any(|(c, k)| *c == client && &**k == key)
     }
 
     /// Keeps the room of `e`, a put dropped before its end (revoked, reclaimed, its

@@ -79,6 +79,10 @@ pub struct MasterService {
     /// readable nor placeable, so that late bytes land in no other object; then the
     /// monitor frees it (`MasterService::quarantine_put`).
     pub(super) quarantined: Mutex<Vec<(u64, crate::master::object::Replicas)>>,
+    /// The last puts and upserts revoked, by (client, key): a revoke asked again
+    /// (sent again after a broken connection whose first copy was served) is
+    /// answered as the first was, not `NotFound` (`MasterService::note_revoked`).
+    pub(super) revoked: Mutex<std::collections::VecDeque<(ClientId, Box<str>)>>,
     /// Keys whose entry holds retired replicas (an upsert's old ones): the monitor
     /// frees them once their time is up, even for a key never touched again (a reader
     /// that died never gives its lease back).
@@ -166,6 +170,7 @@ impl Master {
             send_after_answer: Default::default(),
             orphaned_upserts: Default::default(),
             quarantined: Default::default(),
+            revoked: Default::default(),
             retiring: Default::default(),
             recovering_until_ms: AtomicU64::new(0),
             ownership: std::sync::OnceLock::new(),

@@ -275,17 +275,23 @@ impl MasterService {
         let now = self.now_ms();
         let mut shard = self.index.shard(key).lock();
         self.fence(key)?;
-        let Some(e) = shard.get_mut(key) else { return Err(no_upsert(key)) };
+        let Some(e) = shard.get_mut(key) else {
+            // Asked again once it was served: done already.
+            return if self.was_revoked(client, key) { Ok(()) } else { Err(no_upsert(key)) };
+        };
         if !e.complete() {
             drop(shard);
             return self.put_revoke(client, key);
         }
         let staged = e.extra.as_deref_mut().and_then(|u| u.staged.take_if(|s| s.owner == client));
         self.quarantine_abandoned_upsert(e.tidy_upsert(now));
-        let staged = staged.ok_or_else(|| no_upsert(key))?;
+        let Some(staged) = staged else {
+            return if self.was_revoked(client, key) { Ok(()) } else { Err(no_upsert(key)) };
+        };
         // As a revoked put's room (see `put_revoke`): bytes its writer sent may still
         // be on their way to a paused node.
         self.quarantine_replicas(staged.replicas, self.config.client_ttl);
+        self.note_revoked(client, key);
         Ok(())
     }
 
