@@ -100,10 +100,8 @@ pub(crate) const fn fold_factors(bits: u64) -> (u64, u64) {
 
 /// The crc32c of bytes given piece by piece (as [`crc32c`] of their concatenation,
 /// with no combine per piece): for a sum taken while the bytes pass through.
-#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(crate) struct Crc32cDigest(crc_fast::Digest);
 
-#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 impl Crc32cDigest {
     /// The sum of no bytes yet.
     pub(crate) fn new() -> Self {

@@ -125,20 +125,19 @@ const OUT_PIECE: usize = 256 << 10;
 ///
 /// As [`copy_to_pool`].
 unsafe fn copy_out_summed_in_pieces(src: *const u8, dst: *mut u8, len: usize) -> u32 {
-    let mut pieces = Vec::with_capacity(len.div_ceil(OUT_PIECE));
+    let mut digest = crate::checksum::Crc32cDigest::new();
     let mut at = 0;
     while at < len {
         let n = OUT_PIECE.min(len - at);
         // SAFETY: `[at, at + n)` lies in both ranges (the caller's contract); the
         // destination piece was just written by this thread and is read only here.
-        let piece = unsafe {
+        digest.update(unsafe {
             std::ptr::copy_nonoverlapping(src.add(at), dst.add(at), n);
             std::slice::from_raw_parts(dst.add(at), n)
-        };
-        pieces.push((crate::checksum::crc32c(piece), n));
+        });
         at += n;
     }
-    crate::checksum::crc32c_concat(pieces)
+    digest.finish()
 }
 
 /// Whether this CPU's copies in and out of the pool take their crc32c at no cost
@@ -172,11 +171,11 @@ pub(crate) unsafe fn copy_streaming_from(src: *const u8, dst: *mut u8, len: usiz
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::{
-        __m128i, __m256i, __m512i, _mm256_loadu_si256, _mm256_stream_si256, _mm512_castsi512_si128,
-        _mm512_clmulepi64_epi128, _mm512_extracti32x4_epi32, _mm512_loadu_si512, _mm512_set_epi64, _mm512_store_si512,
-        _mm512_stream_si512, _mm512_ternarylogic_epi64, _mm512_xor_si512, _mm512_zextsi128_si512, _mm_clmulepi64_si128,
-        _mm_crc32_u64, _mm_crc32_u8, _mm_cvtsi128_si64, _mm_cvtsi32_si128, _mm_extract_epi64, _mm_set_epi64x,
-        _mm_sfence, _mm_xor_si128,
+        __m128i, __m256i, __m512i, _mm256_loadu_si256, _mm256_stream_si256, _mm512_broadcast_i32x4,
+        _mm512_castsi512_si128, _mm512_clmulepi64_epi128, _mm512_extracti32x4_epi32, _mm512_loadu_si512,
+        _mm512_store_si512, _mm512_stream_si512, _mm512_ternarylogic_epi64, _mm512_xor_si512, _mm512_zextsi128_si512,
+        _mm_clmulepi64_si128, _mm_crc32_u64, _mm_crc32_u8, _mm_cvtsi128_si64, _mm_cvtsi32_si128, _mm_extract_epi64,
+        _mm_set_epi64x, _mm_sfence, _mm_xor_si128,
     };
 
     use super::SUMMED_PIECE;
@@ -197,6 +196,13 @@ mod x86 {
             && std::arch::is_x86_feature_detected!("vpclmulqdq")
             && std::arch::is_x86_feature_detected!("pclmulqdq")
             && std::arch::is_x86_feature_detected!("sse4.2")
+    }
+
+    /// A pair of fold factors as one 128-bit lane: the first in its low half (it
+    /// multiplies a lane's low half), the second in its high half.
+    fn factors((first, second): (u64, u64)) -> __m128i {
+        // SAFETY: SSE2, part of x86-64.
+        unsafe { _mm_set_epi64x(second as i64, first as i64) }
     }
 
     /// Stores `v` at `dst`, 64-byte aligned: a streaming store with `STREAM`.
@@ -285,16 +291,7 @@ mod x86 {
         let mut state = unsafe { crc_bytes(!0, &bytes[..head]) };
         let body = (len - head) / FOLD_STEP * FOLD_STEP;
         if body > 0 {
-            let step = _mm512_set_epi64(
-                STEP_FACTORS.1 as i64,
-                STEP_FACTORS.0 as i64,
-                STEP_FACTORS.1 as i64,
-                STEP_FACTORS.0 as i64,
-                STEP_FACTORS.1 as i64,
-                STEP_FACTORS.0 as i64,
-                STEP_FACTORS.1 as i64,
-                STEP_FACTORS.0 as i64,
-            );
+            let step = _mm512_broadcast_i32x4(factors(STEP_FACTORS));
             // SAFETY: `head + body <= len`: every vector read and stored below lies
             // inside both ranges; the stores go to `dst + head + k * 64`, 64-byte
             // aligned (`dst + head` is).
@@ -332,7 +329,7 @@ mod x86 {
                 (a, b)
             };
             // The eight lanes, in the message's order, folded onto the last one.
-            let lane = _mm_set_epi64x(LANE_FACTORS.1 as i64, LANE_FACTORS.0 as i64);
+            let lane = factors(LANE_FACTORS);
             let lanes: [__m128i; 8] = [
                 _mm512_castsi512_si128(a),
                 _mm512_extracti32x4_epi32::<1>(a),

@@ -273,21 +273,19 @@ impl MasterService {
     /// may still land there).
     pub fn upsert_revoke(&self, client: ClientId, key: &str) -> Result<()> {
         let now = self.now_ms();
+        // No upsert of `key` by `client` in progress: done already if this revoke
+        // was asked again once it was served.
+        let none = || if self.was_revoked(client, key) { Ok(()) } else { Err(no_upsert(key)) };
         let mut shard = self.index.shard(key).lock();
         self.fence(key)?;
-        let Some(e) = shard.get_mut(key) else {
-            // Asked again once it was served: done already.
-            return if self.was_revoked(client, key) { Ok(()) } else { Err(no_upsert(key)) };
-        };
+        let Some(e) = shard.get_mut(key) else { return none() };
         if !e.complete() {
             drop(shard);
             return self.put_revoke(client, key);
         }
         let staged = e.extra.as_deref_mut().and_then(|u| u.staged.take_if(|s| s.owner == client));
         self.quarantine_abandoned_upsert(e.tidy_upsert(now));
-        let Some(staged) = staged else {
-            return if self.was_revoked(client, key) { Ok(()) } else { Err(no_upsert(key)) };
-        };
+        let Some(staged) = staged else { return none() };
         // As a revoked put's room (see `put_revoke`): bytes its writer sent may still
         // be on their way to a paused node.
         self.quarantine_replicas(staged.replicas, self.config.client_ttl);
