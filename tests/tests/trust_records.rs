@@ -68,6 +68,30 @@ fn exists_settled(store: &Store, key: &str) -> bool {
     }
 }
 
+/// A restarted master hears it from the clients that knew the one before, ahead of
+/// any node re-mounting: until the nodes are back, a key it does not hold is
+/// `Recovering` (to every client, a new one too), never `NotFound`. A fresh master
+/// answers `NotFound` at once.
+#[test]
+fn a_restarted_master_learns_it_from_its_clients_before_the_nodes_are_back() {
+    let mut c = Cluster::start(&["--client-ttl-ms", "3000", "--default-lease-ms", "1"], 1);
+    let store = client(&c.master_addr);
+    let got = store.get("k");
+    assert!(matches!(got, Err(Error::NotFound(_))), "a fresh master has nothing to wait for: {got:?}");
+    store.put("k", &value(1, 1, 4096)).unwrap();
+    // The node cannot re-mount while stopped; the master restarts meanwhile.
+    c.nodes[0].signal("STOP");
+    c.master.kill9();
+    c.restart_master();
+    let got = store.get("k");
+    assert!(matches!(got, Err(Error::Recovering(_))), "an acknowledged object, before its node is back: {got:?}");
+    let fresh = client(&c.master_addr);
+    let there = fresh.exists("k");
+    assert!(matches!(there, Err(Error::Recovering(_))), "to a client new to this master as well: {there:?}");
+    c.nodes[0].signal("CONT");
+    assert_eq!(get_settled(&store, "k"), Some(value(1, 1, 4096)));
+}
+
 #[test]
 fn a_node_paused_for_3_s_with_removes_in_flight_loses_nothing() {
     let mut c = Cluster::start(&["--client-ttl-ms", "10000", "--default-lease-ms", "1"], 2);

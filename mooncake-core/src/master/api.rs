@@ -325,6 +325,15 @@ macro_rules! master_calls {
             /// with, so no key is skipped.
             ListKeysAfter => fn list_keys_after(after: &str => String, limit: usize => usize)
                 -> Result<Vec<String>> => own;
+            /// A client whose connection to this master broke is back on a fresh one
+            /// (an RPC client of a store says so first on every connection it opens
+            /// after one broke, until this is answered). To a master younger than two
+            /// client TTLs this means it restarted: the storage nodes are on their way
+            /// back with their objects, so for one TTL a key it does not hold is
+            /// `Recovering`, not `NotFound`, and is not put, as once a node re-mounted
+            /// with objects, but from before the first one is back. Nothing in cluster
+            /// mode (a slot group's window opens when it is taken over).
+            Reconnected => fn reconnected() -> Result<()> => refused;
         }
     };
 }

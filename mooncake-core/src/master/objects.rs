@@ -199,9 +199,20 @@ impl MasterService {
         Ok(())
     }
 
-    /// A segment came back with its objects. To a master younger than two client
-    /// TTLs this means it restarted (a client that merely expired comes back to an
-    /// older one): other clients may still be on their way back for one TTL.
+    /// A client is back after its connection broke (see
+    /// [`MasterApi::reconnected`](crate::MasterApi::reconnected)): to a young
+    /// master, a restart, noted before the first node re-mounts.
+    pub fn reconnected(&self) -> Result<()> {
+        if self.ownership.get().is_none() {
+            self.note_recovery();
+        }
+        Ok(())
+    }
+
+    /// A segment came back with its objects, or a client after its connection broke.
+    /// To a master younger than two client TTLs this means it restarted (a client
+    /// that merely expired comes back to an older one): other clients may still be on
+    /// their way back for one TTL.
     pub(crate) fn note_recovery(&self) {
         let (now, ttl) = (self.now_ms(), self.config.client_ttl.as_millis() as u64);
         if now < 2 * ttl {

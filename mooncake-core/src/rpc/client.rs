@@ -2,7 +2,7 @@
 
 use std::io::{Read, Write};
 use std::net::{TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -38,6 +38,11 @@ pub struct RpcMasterClient {
     dialed: AtomicU64,
     timeout: Duration,
     secret: Option<SharedSecret>,
+    /// Says `Reconnected` first on every connection opened after one broke, until
+    /// the master answers it ([`announce_reconnects`](Self::announce_reconnects)).
+    announces_reconnects: bool,
+    /// A connection broke and no `Reconnected` was answered since.
+    reconnect_unannounced: AtomicBool,
 }
 
 impl std::fmt::Debug for RpcMasterClient {
@@ -68,15 +73,39 @@ impl RpcMasterClient {
             dialed: AtomicU64::new(0),
             timeout,
             secret,
+            announces_reconnects: false,
+            reconnect_unannounced: AtomicBool::new(false),
         };
         let conn = client.dial()?;
         client.pool.lock().push(conn);
         Ok(client)
     }
 
-    /// A new connection to the server, numbered after every one before it.
+    /// This client (a store's, of a master daemon) tells the master when it is back
+    /// after a connection broke: the first call on every connection opened after a
+    /// break is [`MasterApi::reconnected`], until one is answered. A master that
+    /// restarted learns so before it answers anything else (a key it does not hold
+    /// yet is `Recovering`, not `NotFound`). Not for other servers (storage nodes'
+    /// endpoints), which do not serve it.
+    pub fn announce_reconnects(mut self) -> Self {
+        self.announces_reconnects = true;
+        self
+    }
+
+    /// A new connection to the server, numbered after every one before it; the
+    /// first after a break says `Reconnected` (see
+    /// [`announce_reconnects`](Self::announce_reconnects)).
     fn dial(&self) -> Result<Conn> {
-        let mut conn = self.open()?;
+        let mut conn = self.open().inspect_err(|_| {
+            // Nothing listens where a master answered before: it stopped, and the
+            // next one to answer there is another process.
+            if self.dialed.load(Ordering::SeqCst) > 0 {
+                self.reconnect_unannounced.store(true, Ordering::SeqCst);
+            }
+        })?;
+        if self.announces_reconnects && self.reconnect_unannounced.load(Ordering::SeqCst) {
+            self.say_reconnected(&mut conn)?;
+        }
         conn.serial = self.dialed.fetch_add(1, Ordering::SeqCst) + 1;
         Ok(conn)
     }
@@ -162,6 +191,20 @@ impl RpcMasterClient {
             self.ask_local_endpoint(&mut conn)?;
         }
         Ok(conn)
+    }
+
+    /// One `Reconnected` round trip on `conn`, before any call goes there: the
+    /// master has taken note once it answers, whatever the answer.
+    fn say_reconnected(&self, conn: &mut Conn) -> Result<()> {
+        let (id, frame) = self.request_frame(&Request::Reconnected {})?;
+        let unavailable = |e: std::io::Error| Error::MasterUnavailable(format!("{}: {e}", self.addr));
+        (&conn.stream).write_all(&frame).map_err(unavailable)?;
+        let answer = Self::read_answer(conn, id).map_err(unavailable)?;
+        if !matches!(answer, Response::Reconnected(Ok(()))) {
+            tracing::debug!(addr = %self.addr, ?answer, "the master did not take the reconnection note");
+        }
+        self.reconnect_unannounced.store(false, Ordering::SeqCst);
+        Ok(())
     }
 
     /// One `LocalEndpoint` round trip on `conn`: the name the server tells.
@@ -306,11 +349,15 @@ impl RpcMasterClient {
             }
             _ if !retried => {
                 tracing::debug!(error = %e, "master connection broken; retrying on a new one");
+                self.reconnect_unannounced.store(true, Ordering::SeqCst);
                 // Every pooled connection may be stale (the master restarted).
                 self.pool.lock().clear();
                 None
             }
-            _ => Some(Error::MasterUnavailable(format!("{}: {e}", self.addr))),
+            _ => {
+                self.reconnect_unannounced.store(true, Ordering::SeqCst);
+                Some(Error::MasterUnavailable(format!("{}: {e}", self.addr)))
+            }
         }
     }
 }

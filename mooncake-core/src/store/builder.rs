@@ -307,11 +307,14 @@ impl StoreBuilder {
         }
         let master: Arc<dyn MasterApi> = match (&self.master, &self.master_address) {
             (Some(m), _) => m.service().clone(),
-            (None, Some(addr)) => Arc::new(RpcMasterClient::connect_with_timeout(
-                addr,
-                self.secret.as_deref().map(SharedSecret::new),
-                self.master_timeout,
-            )?),
+            (None, Some(addr)) => Arc::new(
+                RpcMasterClient::connect_with_timeout(
+                    addr,
+                    self.secret.as_deref().map(SharedSecret::new),
+                    self.master_timeout,
+                )?
+                .announce_reconnects(),
+            ),
             (None, None) => {
                 let mut cfg = self.master_config.clone().unwrap_or_default();
                 if let Some(s) = &self.strategy {

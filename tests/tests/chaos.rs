@@ -1,0 +1,413 @@
+//! Faults while the store works: several clients put, upsert, remove and read their
+//! own keys without pause, while a fault thread kills the master (`kill -9`, then
+//! a restart on its address) and stops storage nodes (`SIGSTOP`, `SIGCONT`), now and
+//! then past their TTL. Every client keeps, per key, the set of states the store may
+//! hold (a call that failed may or may not have taken effect) and checks each read
+//! against it. At the end, with every process running again and once more after a
+//! last `kill -9` of the master:
+//! - no read ever returned bytes that were not written under that key, at a state
+//!   the key could be in;
+//! - every key holds one of the states its history allows: an acknowledged put or
+//!   upsert is there (or what a later call may have left), an acknowledged remove
+//!   stays removed.
+//!
+//! Seeded: a failure prints its seed; `MOONCAKE_CHAOS_SEED=N` runs that sequence of
+//! choices again (the faults' timing still varies), `MOONCAKE_CHAOS_SECS=N` runs
+//! longer than the default 25 s.
+
+mod support;
+
+use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use mooncake_core::{Error, ReplicateConfig, Store};
+use proptest::prelude::RngExt;
+use proptest::test_runner::{RngAlgorithm, TestRng};
+use support::{payload, wait_until, Cluster};
+
+/// How long a node's master remembers it without a heartbeat.
+const CLIENT_TTL_MS: u64 = 3000;
+const NODES: usize = 3;
+const WORKERS: usize = 4;
+const KEYS_PER_WORKER: usize = 24;
+
+/// One version of one key's bytes: a header naming them, then bytes derived from it.
+fn value(key: usize, version: u32, len: usize) -> Vec<u8> {
+    let mut v = payload((key as u8).wrapping_mul(31) ^ version as u8, len.max(16));
+    v[..4].copy_from_slice(&(key as u32).to_le_bytes());
+    v[4..8].copy_from_slice(&version.to_le_bytes());
+    v[8..16].copy_from_slice(&(len.max(16) as u64).to_le_bytes());
+    v
+}
+
+/// The version `bytes` are of, if they are exactly some version of `key`.
+fn version_of(key: usize, bytes: &[u8]) -> Option<u32> {
+    if bytes.len() < 16 || bytes[..4] != (key as u32).to_le_bytes() {
+        return None;
+    }
+    let version = u32::from_le_bytes(bytes[4..8].try_into().unwrap());
+    (value(key, version, bytes.len()) == bytes).then_some(version)
+}
+
+/// The time of day (UTC), as the processes' logs print it.
+fn clock() -> String {
+    let ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() % 86_400_000;
+    format!("{:02}:{:02}:{:02}.{:03}", ms / 3_600_000, ms / 60_000 % 60, ms / 1000 % 60, ms % 1000)
+}
+
+/// A state a key may be in: absent, or holding one version.
+type State = Option<u32>;
+
+/// What one client knows of its keys.
+struct Model {
+    /// Per key, every state the store may hold now.
+    may_hold: Vec<BTreeSet<State>>,
+}
+
+impl Model {
+    fn new() -> Self {
+        Model { may_hold: (0..KEYS_PER_WORKER).map(|_| BTreeSet::from([None])).collect() }
+    }
+
+    /// A call that set `slot` to `state` was acknowledged.
+    fn acknowledged(&mut self, slot: usize, state: State) {
+        self.may_hold[slot] = BTreeSet::from([state]);
+    }
+
+    /// A call that would set `slot` to `state` failed: it may have taken effect.
+    fn maybe(&mut self, slot: usize, state: State) {
+        self.may_hold[slot].insert(state);
+    }
+}
+
+/// What the run saw, for the report and for the test to mean something.
+#[derive(Default)]
+struct Tally {
+    acknowledged_writes: AtomicU64,
+    acknowledged_removes: AtomicU64,
+    failed_calls: AtomicU64,
+    good_reads: AtomicU64,
+    master_kills: AtomicU64,
+    node_pauses: AtomicU64,
+    pauses_past_ttl: AtomicU64,
+}
+
+fn client(addr: &str) -> Store {
+    Store::builder().master_address(addr).global_segment_size(0).master_timeout(Duration::from_secs(2)).build().unwrap()
+}
+
+/// The faults that make `NotFound` legitimate for a key the model says is there: a
+/// node forgotten through its TTL (its objects are back when it re-joins).
+struct Faults {
+    /// Set from the moment a node is stopped past its TTL until its objects are
+    /// surely back.
+    node_forgotten: AtomicBool,
+}
+
+/// One client's loop: random calls on its own keys until `stop`.
+fn work(
+    worker: usize,
+    seed: u64,
+    addr: String,
+    stop: Arc<AtomicBool>,
+    faults: Arc<Faults>,
+    tally: Arc<Tally>,
+) -> (Model, Vec<String>) {
+    let mut rng = TestRng::from_seed(RngAlgorithm::ChaCha, &seed_bytes(seed ^ worker as u64));
+    let store = client(&addr);
+    let two = ReplicateConfig { replica_num: 2, ..Default::default() };
+    let mut model = Model::new();
+    let mut problems = Vec::new();
+    let mut next_version = 1u32;
+    let key_of = |slot: usize| worker * KEYS_PER_WORKER + slot;
+    let name = |slot: usize| format!("chaos/{}", key_of(slot));
+    let len = |rng: &mut TestRng| match rng.random_range(0..10) {
+        0 => rng.random_range(256 << 10..1 << 20),
+        _ => rng.random_range(16..96 << 10),
+    };
+    // A read of `slot` answered `got` (bytes or NotFound); anything else is no news.
+    let check = |model: &Model, slot: usize, got: Result<&[u8], &Error>, problems: &mut Vec<String>| {
+        let may = &model.may_hold[slot];
+        match got {
+            Ok(bytes) => match version_of(key_of(slot), bytes) {
+                Some(v) if may.contains(&Some(v)) => {
+                    tally.good_reads.fetch_add(1, Ordering::Relaxed);
+                }
+                Some(v) => problems.push(format!("{} {}: read version {v}, may hold {may:?}", clock(), name(slot))),
+                None => problems.push(format!(
+                    "{} {}: read {} bytes that were never written",
+                    clock(),
+                    name(slot),
+                    bytes.len()
+                )),
+            },
+            Err(Error::NotFound(_)) if !may.contains(&None) && !faults.node_forgotten.load(Ordering::SeqCst) => {
+                problems.push(format!("{} {}: NotFound, may hold {may:?}", clock(), name(slot)))
+            }
+            Err(_) => {}
+        }
+    };
+    while !stop.load(Ordering::Relaxed) {
+        let slot = rng.random_range(0..KEYS_PER_WORKER);
+        let key = name(slot);
+        match rng.random_range(0..100) {
+            // Reads, by value and into a buffer.
+            0..30 => check(&model, slot, store.get(&key).as_deref(), &mut problems),
+            30..35 => {
+                let mut buf = vec![0u8; 1 << 20];
+                let got = store.get_into(&key, &mut buf).map(|n| &buf[..n]);
+                check(&model, slot, got.as_deref(), &mut problems);
+            }
+            // Puts: only of keys the model says are absent (objects are immutable).
+            35..55 => {
+                if model.may_hold[slot] != BTreeSet::from([None]) {
+                    continue;
+                }
+                let version = next_version;
+                next_version += 1;
+                match store.put_with(&key, &value(key_of(slot), version, len(&mut rng)), &two) {
+                    Ok(()) => {
+                        model.acknowledged(slot, Some(version));
+                        tally.acknowledged_writes.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Err(_) => {
+                        model.maybe(slot, Some(version));
+                        tally.failed_calls.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }
+            55..75 => {
+                let version = next_version;
+                next_version += 1;
+                match store.upsert_with(&key, &value(key_of(slot), version, len(&mut rng)), &two) {
+                    Ok(()) => {
+                        model.acknowledged(slot, Some(version));
+                        tally.acknowledged_writes.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Err(_) => {
+                        model.maybe(slot, Some(version));
+                        tally.failed_calls.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }
+            75..88 => match store.remove(&key) {
+                Ok(()) => {
+                    model.acknowledged(slot, None);
+                    tally.acknowledged_removes.fetch_add(1, Ordering::Relaxed);
+                }
+                Err(_) => {
+                    model.maybe(slot, None);
+                    tally.failed_calls.fetch_add(1, Ordering::Relaxed);
+                }
+            },
+            // Batch forms over a few of this client's keys.
+            88..94 => {
+                let slots: Vec<usize> =
+                    (0..rng.random_range(2..6)).map(|_| rng.random_range(0..KEYS_PER_WORKER)).collect();
+                let slots: Vec<usize> = slots.into_iter().collect::<BTreeSet<_>>().into_iter().collect();
+                let keys: Vec<String> = slots.iter().map(|&s| name(s)).collect();
+                let values: Vec<(u32, Vec<u8>)> = slots
+                    .iter()
+                    .map(|&s| {
+                        next_version += 1;
+                        (next_version, value(key_of(s), next_version, len(&mut rng)))
+                    })
+                    .collect();
+                let items: Vec<(&str, &[u8])> =
+                    keys.iter().zip(&values).map(|(k, (_, v))| (k.as_str(), v.as_slice())).collect();
+                for ((&s, (version, _)), r) in slots.iter().zip(&values).zip(store.batch_upsert(&items, &two)) {
+                    match r {
+                        Ok(()) => model.acknowledged(s, Some(*version)),
+                        Err(_) => model.maybe(s, Some(*version)),
+                    }
+                }
+            }
+            94..97 => {
+                let slots: Vec<usize> = (0..4).map(|_| rng.random_range(0..KEYS_PER_WORKER)).collect();
+                let keys: Vec<String> = slots.iter().map(|&s| name(s)).collect();
+                let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+                for (&s, r) in slots.iter().zip(store.batch_get(&refs)) {
+                    check(&model, s, r.as_deref(), &mut problems);
+                }
+            }
+            _ => {
+                let slots: BTreeSet<usize> = (0..3).map(|_| rng.random_range(0..KEYS_PER_WORKER)).collect();
+                let keys: Vec<String> = slots.iter().map(|&s| name(s)).collect();
+                let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+                for (&s, r) in slots.iter().zip(store.batch_remove(&refs)) {
+                    match r {
+                        Ok(()) => model.acknowledged(s, None),
+                        Err(_) => model.maybe(s, None),
+                    }
+                }
+            }
+        }
+    }
+    (model, problems)
+}
+
+fn seed_bytes(seed: u64) -> [u8; 32] {
+    let mut bytes = [0u8; 32];
+    for (i, chunk) in bytes.chunks_mut(8).enumerate() {
+        chunk.copy_from_slice(&(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15).rotate_left(i as u32 * 7)).to_le_bytes());
+    }
+    bytes
+}
+
+/// A number in the master's JSON status, e.g. `"segments": 2`.
+fn status_number(c: &Cluster, field: &str) -> Option<u64> {
+    let status = std::panic::catch_unwind(|| c.status()).ok()?;
+    let at = status.find(&format!("\"{field}\": "))? + field.len() + 4;
+    status[at..].split(|ch: char| !ch.is_ascii_digit()).next()?.parse().ok()
+}
+
+/// The faults, at random, until `until`; returns with every process running.
+fn inject_faults(c: &mut Cluster, rng: &mut TestRng, until: Instant, faults: &Faults, tally: &Tally) {
+    let ttl = Duration::from_millis(CLIENT_TTL_MS);
+    while Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(rng.random_range(300..1500)));
+        match rng.random_range(0..10) {
+            0..3 => {
+                eprintln!("{} chaos: kill -9 of the master", clock());
+                c.master.kill9();
+                std::thread::sleep(Duration::from_millis(rng.random_range(0..500)));
+                c.restart_master();
+                tally.master_kills.fetch_add(1, Ordering::Relaxed);
+            }
+            3..8 => {
+                // Paused well within its TTL; sometimes the master dies meanwhile.
+                let node = rng.random_range(0..NODES);
+                eprintln!("{} chaos: node {node} stopped", clock());
+                c.nodes[node].signal("STOP");
+                let pause = Duration::from_millis(rng.random_range(200..2000));
+                if rng.random_range(0..4) == 0 {
+                    eprintln!("{} chaos: kill -9 of the master", clock());
+                    c.master.kill9();
+                    c.restart_master();
+                    tally.master_kills.fetch_add(1, Ordering::Relaxed);
+                }
+                std::thread::sleep(pause);
+                c.nodes[node].signal("CONT");
+                eprintln!("{} chaos: node {node} continued", clock());
+                tally.node_pauses.fetch_add(1, Ordering::Relaxed);
+            }
+            8 => {
+                // Past its TTL: forgotten, then back with what nothing superseded.
+                let node = rng.random_range(0..NODES);
+                faults.node_forgotten.store(true, Ordering::SeqCst);
+                eprintln!("{} chaos: node {node} stopped past its TTL", clock());
+                c.nodes[node].signal("STOP");
+                std::thread::sleep(ttl + Duration::from_millis(rng.random_range(500..2000)));
+                c.nodes[node].signal("CONT");
+                wait_until(Duration::from_secs(20), || status_number(c, "segments") == Some(NODES as u64));
+                std::thread::sleep(Duration::from_millis(1000));
+                faults.node_forgotten.store(false, Ordering::SeqCst);
+                tally.pauses_past_ttl.fetch_add(1, Ordering::Relaxed);
+            }
+            _ => {}
+        }
+    }
+}
+
+/// The store's answer for `key` once it settles (retryable errors retried): its
+/// bytes, or `None` for NotFound.
+fn read_settled(store: &Store, key: &str) -> Result<Option<Vec<u8>>, Error> {
+    let start = Instant::now();
+    loop {
+        match store.get(key) {
+            Ok(b) => return Ok(Some(b.to_vec())),
+            Err(Error::NotFound(_)) => return Ok(None),
+            Err(e) if start.elapsed() < Duration::from_secs(20) => {
+                let _ = e;
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// Every key of every model against what the store holds; the problems found.
+fn check_all(store: &Store, models: &[Model], when: &str) -> Vec<String> {
+    let mut problems = Vec::new();
+    for (worker, model) in models.iter().enumerate() {
+        for (slot, may) in model.may_hold.iter().enumerate() {
+            let key = worker * KEYS_PER_WORKER + slot;
+            let state = match read_settled(store, &format!("chaos/{key}")) {
+                Ok(None) => None,
+                Ok(Some(bytes)) => match version_of(key, &bytes) {
+                    Some(v) => Some(v),
+                    None => {
+                        problems.push(format!("{when}: chaos/{key}: {} bytes never written", bytes.len()));
+                        continue;
+                    }
+                },
+                Err(e) => {
+                    problems.push(format!("{when}: chaos/{key}: unreadable ({e})"));
+                    continue;
+                }
+            };
+            if !may.contains(&state) {
+                problems.push(format!("{when}: chaos/{key} holds {state:?}, its history allows {may:?}"));
+            }
+        }
+    }
+    problems
+}
+
+#[test]
+fn no_acknowledged_write_lost_and_no_wrong_bytes_under_kills_and_pauses() {
+    let seed = std::env::var("MOONCAKE_CHAOS_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64
+    });
+    let secs = std::env::var("MOONCAKE_CHAOS_SECS").ok().and_then(|s| s.parse().ok()).unwrap_or(25);
+    eprintln!("chaos seed {seed} (MOONCAKE_CHAOS_SEED={seed} runs the same choices), {secs} s");
+    let ttl = CLIENT_TTL_MS.to_string();
+    let mut c = Cluster::start(&["--client-ttl-ms", &ttl, "--default-lease-ms", "1"], NODES);
+    let stop = Arc::new(AtomicBool::new(false));
+    let faults = Arc::new(Faults { node_forgotten: AtomicBool::new(false) });
+    let tally = Arc::new(Tally::default());
+    let workers: Vec<_> = (0..WORKERS)
+        .map(|w| {
+            let (addr, stop, faults, tally) = (c.master_addr.clone(), stop.clone(), faults.clone(), tally.clone());
+            std::thread::spawn(move || work(w, seed, addr, stop, faults, tally))
+        })
+        .collect();
+    let mut rng = TestRng::from_seed(RngAlgorithm::ChaCha, &seed_bytes(seed));
+    inject_faults(&mut c, &mut rng, Instant::now() + Duration::from_secs(secs), &faults, &tally);
+    // Calm: the clients go on a little with everything running, then stop.
+    wait_until(Duration::from_secs(20), || status_number(&c, "segments") == Some(NODES as u64));
+    std::thread::sleep(Duration::from_secs(2));
+    stop.store(true, Ordering::Relaxed);
+    let mut models = Vec::new();
+    let mut problems = Vec::new();
+    for w in workers {
+        let (model, found) = w.join().unwrap();
+        models.push(model);
+        problems.extend(found);
+    }
+    let t = &*tally;
+    let report = format!(
+        "seed {seed}: {} writes and {} removes acknowledged, {} calls failed, {} reads checked; \
+         {} master kills, {} node pauses, {} past the TTL",
+        t.acknowledged_writes.load(Ordering::Relaxed),
+        t.acknowledged_removes.load(Ordering::Relaxed),
+        t.failed_calls.load(Ordering::Relaxed),
+        t.good_reads.load(Ordering::Relaxed),
+        t.master_kills.load(Ordering::Relaxed),
+        t.node_pauses.load(Ordering::Relaxed),
+        t.pauses_past_ttl.load(Ordering::Relaxed),
+    );
+    eprintln!("{report}");
+    let store = client(&c.master_addr);
+    problems.extend(check_all(&store, &models, "with every process running"));
+    assert_eq!(status_number(&c, "evicted_objects"), Some(0), "the run must not evict: {}", c.status());
+    // What a master rebuilds from the nodes is the same.
+    c.master.kill9();
+    c.restart_master();
+    wait_until(Duration::from_secs(20), || status_number(&c, "segments") == Some(NODES as u64));
+    problems.extend(check_all(&store, &models, "after a last kill -9 of the master"));
+    assert!(problems.is_empty(), "{report}\n{}", problems.join("\n"));
+    assert!(t.acknowledged_writes.load(Ordering::Relaxed) >= 100, "{report}: too few writes to mean anything");
+}
