@@ -32,6 +32,11 @@ const PORT_RANGE: (u16, u16) = (12300, 14300);
 /// SSD tier size when `enable_ssd_offload` is set and `MOONCAKE_SSD_CAPACITY` is not.
 const DEFAULT_SSD_CAPACITY: u64 = 16 << 30;
 
+/// Where the SSD tier goes when `enable_ssd_offload` is set without a path, as in the
+/// reference: this variable, else its default directory.
+const SSD_PATH_VARIABLE: &str = "MOONCAKE_OFFLOAD_FILE_STORAGE_PATH";
+const DEFAULT_SSD_PATH: &str = "/data/file_storage";
+
 /// Why `setup`'s arguments were refused.
 #[derive(Debug)]
 pub enum SetupError {
@@ -62,6 +67,10 @@ pub struct SetupArgs {
     pub master_server_addr: String,
     /// SSD tier directory, when offload is on.
     pub ssd_offload_path: Option<String>,
+    /// A transfer engine was handed over (SGLang passes the reference's, already
+    /// listening at `local_hostname`'s port): that port is the engine's, so this
+    /// client listens on another of the same host.
+    pub engine_given: bool,
 }
 
 impl SetupArgs {
@@ -117,10 +126,11 @@ impl SetupArgs {
             return Err(INVALID_PARAMS.into());
         }
         let offload = matches!(text("enable_ssd_offload", "false")?.to_ascii_lowercase().as_str(), "true" | "1");
-        let ssd_path = text("ssd_offload_path", "")?;
+        let mut ssd_path = text("ssd_offload_path", "")?;
         if offload && ssd_path.is_empty() {
-            return Err(INVALID_PARAMS.into());
+            ssd_path = std::env::var(SSD_PATH_VARIABLE).unwrap_or_else(|_| DEFAULT_SSD_PATH.to_owned());
         }
+        let engine_given = values.get("engine").is_some_and(|e| !e.is_none());
         // The reference's staging buffer size is checked like the reference checks it,
         // then unused: this engine moves bytes straight between the caller's memory
         // and the segments, and recycles read buffers by size class on demand.
@@ -131,16 +141,19 @@ impl SetupArgs {
             protocol: text("protocol", "tcp")?,
             master_server_addr: text("master_server_addr", "127.0.0.1:50051")?,
             ssd_offload_path: offload.then_some(ssd_path),
+            engine_given,
         })
     }
 
     /// The address to listen on: the hostname with its port, or, like the reference, a
-    /// free port of 12300..=14300 (any free port if that range is full).
+    /// free port of 12300..=14300 (any free port if that range is full); the latter
+    /// also when the port is a transfer engine's that was handed over.
     fn listen_address(&self) -> String {
-        if split_port(&self.local_hostname).is_some() {
-            return self.local_hostname.clone();
-        }
-        let host = self.local_hostname.as_str();
+        let host = match split_port(&self.local_hostname) {
+            Some(_) if !self.engine_given => return self.local_hostname.clone(),
+            Some((host, _)) => host,
+            None => self.local_hostname.as_str(),
+        };
         let span = u64::from(PORT_RANGE.1 - PORT_RANGE.0) + 1;
         // Start at a random point of the range so that clients started together spread.
         let start = std::collections::hash_map::RandomState::new().hash_one(std::process::id()) % span;

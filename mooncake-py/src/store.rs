@@ -399,7 +399,11 @@ impl MooncakeDistributedStore {
     /// ssd_offload_path="", tenant_id="default", enable_client_http_server=False,
     /// client_http_port=9300)`, or `setup(config_dict)` with sizes such as `"16 MB"`.
     /// The metadata server, RDMA devices, engine, tenant and HTTP server are accepted
-    /// and not needed. Returns 0 or a negative code.
+    /// and not needed; with an engine handed over, the port of `local_hostname` is
+    /// the engine's, so this client serves its segment on another port of that host.
+    /// `enable_ssd_offload` without `ssd_offload_path` puts the SSD tier where the
+    /// reference does: `$MOONCAKE_OFFLOAD_FILE_STORAGE_PATH`, else
+    /// `/data/file_storage`. Returns 0 or a negative code.
     #[pyo3(signature = (*args, **kwargs))]
     fn setup(&self, py: Python<'_>, args: &Bound<'_, PyTuple>, kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<i32> {
         let parsed = match SetupArgs::parse(args, kwargs) {

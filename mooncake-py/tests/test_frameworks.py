@@ -75,6 +75,48 @@ def test_unknown_keyword_is_a_type_error_naming_it(master):
     s.close()
 
 
+def test_setup_with_a_live_engine_listens_beside_the_engines_port(master):
+    """SGLang hands over the reference's TransferEngine with `local_hostname` set to
+    that engine's `ip:port`: the port is taken (by the engine), so this client serves
+    its segment on another port of that host instead of failing to listen."""
+    import socket
+
+    engine_port = socket.socket()
+    engine_port.bind(("127.0.0.1", 0))
+    engine_port.listen()
+    taken = f"127.0.0.1:{engine_port.getsockname()[1]}"
+    try:
+        plain = MooncakeDistributedStore()
+        # Without an engine the port is this client's own to take: taken, it fails.
+        assert plain.setup(taken, "P2PHANDSHAKE", 16 << 20, 16 << 20, "tcp", "", master) != 0
+        s = MooncakeDistributedStore()
+        engine = object()  # stands for the TransferEngine SGLang passes
+        assert s.setup(taken, "P2PHANDSHAKE", 16 << 20, 16 << 20, "tcp", "", master, engine) == 0
+        host = s.get_hostname()
+        assert host.startswith("127.0.0.1:") and host != taken, host
+        assert s.put("engine-k", b"v") == 0 and s.get("engine-k") == b"v"
+        s.remove_all(True)
+        s.close()
+    finally:
+        engine_port.close()
+
+
+def test_ssd_offload_without_a_path_takes_the_references_variable(master, tmp_path, monkeypatch):
+    """`enable_ssd_offload=True` without `ssd_offload_path`: the reference's
+    MOONCAKE_OFFLOAD_FILE_STORAGE_PATH names the directory (it used to be -600)."""
+    ssd = tmp_path / "ssd"
+    monkeypatch.setenv("MOONCAKE_OFFLOAD_FILE_STORAGE_PATH", str(ssd))
+    s = MooncakeDistributedStore()
+    rc = s.setup("localhost", "P2PHANDSHAKE", 16 << 20, 16 << 20, "tcp", "", master, None, enable_ssd_offload=True)
+    assert rc == 0
+    try:
+        assert ssd.is_dir(), "the tier starts in the directory the variable names"
+        assert s.put("ssd-k", b"v" * 4096) == 0 and s.get("ssd-k") == b"v" * 4096
+    finally:
+        s.remove_all(True)
+        s.close()
+
+
 def test_setup_dict_then_positional_on_type_error(master):
     """LMCache's order: the dict form, and the positional form when a build lacks it."""
     cfg = {
