@@ -16,6 +16,7 @@ mod codes;
 mod config;
 mod device;
 mod dummy;
+mod get_sessions;
 mod handle;
 mod hostmem;
 mod ranges;

@@ -8,6 +8,7 @@ use parking_lot::Mutex;
 
 use crate::codes::INVALID_PARAMS;
 use crate::config::ReplicateConfig;
+use crate::get_sessions::GetSessions;
 use crate::tasks::TaskTable;
 
 /// How long a list of the mounted segments is reused before the master is asked again
@@ -25,13 +26,22 @@ pub struct Session {
     pub local_segments: Vec<String>,
     /// Copy and move tasks started by this client.
     pub tasks: TaskTable,
+    /// The objects of the open get sessions (`batch_get_session_start`).
+    pub get_sessions: GetSessions,
     segments: Mutex<Option<(Instant, Vec<String>)>>,
 }
 
 impl Session {
     /// A session over `store`.
     pub fn new(store: Store, hostname: String, local_segments: Vec<String>) -> Self {
-        Self { store, hostname, local_segments, tasks: TaskTable::default(), segments: Mutex::new(None) }
+        Self {
+            store,
+            hostname,
+            local_segments,
+            tasks: TaskTable::default(),
+            get_sessions: GetSessions::default(),
+            segments: Mutex::new(None),
+        }
     }
 
     /// Names of the mounted segments (`endpoint#n`), as the master reported them at

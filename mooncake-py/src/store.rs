@@ -865,6 +865,53 @@ impl MooncakeDistributedStore {
         })
     }
 
+    /// Starts a get session over `keys` (SGLang's layer-wise loads): each object is
+    /// read whole, once, its checksum checked, and kept until
+    /// [`batch_get_session_end`](Self::batch_get_session_end), so that
+    /// `batch_get_into_multi_buffer_ranges` copies its slices without another read.
+    /// One code per key: 0, `-704` for a missing object, or why it cannot be read.
+    fn batch_get_session_start(&self, py: Python<'_>, keys: Vec<String>) -> Vec<i32> {
+        let Some(s) = self.session() else { return vec![INVALID_PARAMS; keys.len()] };
+        py.detach(|| s.get_sessions.start(&s.store, &keys))
+    }
+
+    /// Copies slices of the objects of started get sessions: for key `i`, the
+    /// `all_sizes[i][j]` bytes at `all_src_offsets[i][j]` of its object into
+    /// `all_buffer_ptrs[i][j]` (registered host memory, or GPU memory). One answer per
+    /// key: the bytes copied (the sum of its sizes), or `-600` for a key with no
+    /// session, a slice past the object's end or a destination that is neither.
+    fn batch_get_into_multi_buffer_ranges(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+        all_buffer_ptrs: Vec<Vec<usize>>,
+        all_sizes: Vec<Vec<usize>>,
+        all_src_offsets: Vec<Vec<usize>>,
+    ) -> Vec<i64> {
+        let Some(s) = self.session() else { return vec![i64::from(INVALID_PARAMS); keys.len()] };
+        // Device calls bind their memory's CUDA context: give the framework's back.
+        let _ctx = KeepCurrentContext::new();
+        py.detach(|| {
+            let _call = self.pointer_call();
+            s.get_sessions.read_ranges(
+                &self.buffers,
+                &self.devices,
+                &keys,
+                &all_buffer_ptrs,
+                &all_sizes,
+                &all_src_offsets,
+            )
+        })
+    }
+
+    /// Ends the get sessions of `keys`: their objects' bytes are let go. Returns 0.
+    fn batch_get_session_end(&self, keys: Vec<String>) -> i32 {
+        if let Some(s) = self.session() {
+            s.get_sessions.end(&keys);
+        }
+        0
+    }
+
     /// Stores the `sizes[i]` bytes at `buffer_ptrs[i]` under `keys[i]`, in one batch
     /// and without copies. One code per key.
     #[pyo3(signature = (keys, buffer_ptrs, sizes, config = None))]

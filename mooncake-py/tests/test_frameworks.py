@@ -383,3 +383,46 @@ def test_get_all_segments_lists_mounted_segments():
             assert r.read() == b""
     finally:
         stop(proc)
+
+
+# ---------------------------------------------------------------- get sessions (SGLang's direct linker)
+
+
+def test_layer_wise_loads_through_a_get_session(store):
+    """SGLang's direct linker: `batch_get_session_start` over a batch of pages, one
+    `batch_get_into_multi_buffer_ranges` per layer (each page's K and V slices of that
+    layer into their own places), `batch_get_session_end`. Every answer is what it
+    checks: [0] * n, then the sum of each key's sizes, and the bytes land exactly."""
+    layers, kv, pages = 4, 1024, 3
+    page_len = layers * 2 * kv
+    objects = {f"page/{p}": payload(page_len, p) for p in range(pages)}
+    for key, value in objects.items():
+        assert store.put(key, value) == 0
+    keys = list(objects)
+    with Registered(store, pages * page_len) as dst:
+        assert store.batch_get_session_start(keys) == [0] * pages
+        for layer in range(layers):
+            # Page p's K of this layer goes to one place, its V to another.
+            ptrs = [[dst.ptr + (p * layers + layer) * 2 * kv, dst.ptr + (p * layers + layer) * 2 * kv + kv] for p in range(pages)]
+            sizes = [[kv, kv] for _ in range(pages)]
+            offsets = [[layer * 2 * kv, layer * 2 * kv + kv] for _ in range(pages)]
+            assert store.batch_get_into_multi_buffer_ranges(keys, ptrs, sizes, offsets) == [2 * kv] * pages
+        for p, key in enumerate(keys):
+            assert dst.read(p * page_len, page_len) == objects[key], key
+        # A slice past the object's end, a pointer outside every registered buffer,
+        # and lists that do not match: -600 for that key only.
+        assert store.batch_get_into_multi_buffer_ranges(
+            keys, [[dst.ptr], [12345], [dst.ptr]], [[kv], [kv], [kv, kv]], [[page_len - kv + 1], [0], [0]]
+        ) == [INVALID_PARAMS] * 3
+        assert store.batch_get_into_multi_buffer_ranges(keys[:1], [[dst.ptr]], [[kv]], [[0]]) == [kv]
+        # The session holds the bytes read at its start, whatever happens to the key.
+        assert store.remove(keys[0], True) == 0
+        assert store.batch_get_into_multi_buffer_ranges(keys[:1], [[dst.ptr]], [[kv]], [[kv]]) == [kv]
+        assert dst.read(0, kv) == objects[keys[0]][kv : 2 * kv]
+        assert store.batch_get_session_end(keys) == 0
+        # No session (ended, or never started): -600, as in the reference.
+        assert store.batch_get_into_multi_buffer_ranges(keys[1:2], [[dst.ptr]], [[kv]], [[0]]) == [INVALID_PARAMS]
+        # A key that cannot be read does not start: -704 for a missing object.
+        assert store.batch_get_session_start([keys[0], keys[1]]) == [-704, 0]
+        assert store.batch_get_into_multi_buffer_ranges([keys[0]], [[dst.ptr]], [[kv]], [[0]]) == [INVALID_PARAMS]
+        store.batch_get_session_end([keys[1]])

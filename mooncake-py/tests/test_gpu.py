@@ -447,3 +447,27 @@ def test_compare_gpu_sets_python_against_the_rust_rows_of_its_placement(tmp_path
     got = json.loads(out)["python_over_rust"]
     assert got == [{"object_bytes": 1 << 20, "put_from_mean_ratio": 0.9, "put_from_p50_ratio": 0.9,
                     "get_into_mean_ratio": 0.8, "get_into_p50_ratio": 0.8}]
+
+
+def test_get_session_slices_into_device_memory(gpu_store):
+    """SGLang's direct linker reads each layer's slices into GPU KV buffers: the
+    session's slices go there by the device API (emulation here)."""
+    store, keep = gpu_store
+    gpu = EmulatedGpu(store, 1 << 20)
+    keep.append(gpu)
+    a, b = payload(64 << 10, 7), payload(48 << 10, 8)
+    assert store.put("sess/a", a) == 0 and store.put("sess/b", b) == 0
+    assert store.batch_get_session_start(["sess/a", "sess/b"]) == [0, 0]
+    got = store.batch_get_into_multi_buffer_ranges(
+        ["sess/a", "sess/b"],
+        [[gpu.ptr, gpu.ptr + 100_000], [gpu.ptr + 200_000]],
+        [[4096, 8192], [16384]],
+        [[0, 50_000], [1000]],
+    )
+    assert got == [4096 + 8192, 16384]
+    assert gpu.read(0, 4096) == a[:4096]
+    assert gpu.read(100_000, 8192) == a[50_000:58_192]
+    assert gpu.read(200_000, 16384) == b[1000:17384]
+    # A slice longer than the device memory left from its pointer: refused.
+    assert store.batch_get_into_multi_buffer_ranges(["sess/a"], [[gpu.ptr + (1 << 20) - 10]], [[100]], [[0]]) == [INVALID_PARAMS]
+    assert store.batch_get_session_end(["sess/a", "sess/b"]) == 0
