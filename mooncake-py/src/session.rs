@@ -8,7 +8,7 @@ use parking_lot::Mutex;
 
 use crate::codes::INVALID_PARAMS;
 use crate::config::ReplicateConfig;
-use crate::get_sessions::GetSessions;
+use crate::layer_sessions::{GetSessions, PutSessions};
 use crate::tasks::TaskTable;
 
 /// How long a list of the mounted segments is reused before the master is asked again
@@ -28,6 +28,8 @@ pub struct Session {
     pub tasks: TaskTable,
     /// The objects of the open get sessions (`batch_get_session_start`).
     pub get_sessions: GetSessions,
+    /// The objects of the open put sessions (`batch_put_session_start`).
+    pub put_sessions: PutSessions,
     segments: Mutex<Option<(Instant, Vec<String>)>>,
 }
 
@@ -40,6 +42,7 @@ impl Session {
             local_segments,
             tasks: TaskTable::default(),
             get_sessions: GetSessions::default(),
+            put_sessions: PutSessions::default(),
             segments: Mutex::new(None),
         }
     }

@@ -912,6 +912,70 @@ impl MooncakeDistributedStore {
         0
     }
 
+    /// Starts a put session per key (vLLM's layer-wise saves): an object of
+    /// `sizes[i]` bytes whose slices `batch_put_from_multi_buffer_ranges` gathers, put
+    /// whole (with `config`) by `batch_put_session_end`. One code per key: 0, `-705`
+    /// for a key that exists, `-600` for a session already open or a bad size.
+    #[pyo3(signature = (keys, sizes, config = None))]
+    fn batch_put_session_start(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+        sizes: Vec<usize>,
+        config: Option<PyRef<'_, ReplicateConfig>>,
+    ) -> Vec<i32> {
+        let Some(s) = self.session() else { return vec![INVALID_PARAMS; keys.len()] };
+        let cfg = match s.write_config(config.as_deref(), keys.len()) {
+            Ok(cfg) => cfg,
+            Err(c) => return vec![c; keys.len()],
+        };
+        py.detach(|| s.put_sessions.start(&s.store, &keys, &sizes, cfg))
+    }
+
+    /// Copies slices into the objects of started put sessions: for key `i`, the
+    /// `all_sizes[i][j]` bytes at `all_buffer_ptrs[i][j]` (registered host memory, or
+    /// GPU memory) to `all_dst_offsets[i][j]` of its object. One answer per key: the
+    /// bytes copied, or `-600` for a key with no session, a slice past the object's
+    /// end or a source that is neither.
+    fn batch_put_from_multi_buffer_ranges(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+        all_buffer_ptrs: Vec<Vec<usize>>,
+        all_sizes: Vec<Vec<usize>>,
+        all_dst_offsets: Vec<Vec<usize>>,
+    ) -> Vec<i64> {
+        let Some(s) = self.session() else { return vec![i64::from(INVALID_PARAMS); keys.len()] };
+        // Device calls bind their memory's CUDA context: give the framework's back.
+        let _ctx = KeepCurrentContext::new();
+        py.detach(|| {
+            let _call = self.pointer_call();
+            s.put_sessions.write_ranges(
+                &self.buffers,
+                &self.devices,
+                &keys,
+                &all_buffer_ptrs,
+                &all_sizes,
+                &all_dst_offsets,
+            )
+        })
+    }
+
+    /// Puts the objects of `keys`' put sessions (in one batch per start) and closes
+    /// the sessions. One code per key: 0, `-600` for a key without a session, or why
+    /// its put failed.
+    fn batch_put_session_end(&self, py: Python<'_>, keys: Vec<String>) -> Vec<i32> {
+        let Some(s) = self.session() else { return vec![INVALID_PARAMS; keys.len()] };
+        py.detach(|| s.put_sessions.end(&s.store, &keys))
+    }
+
+    /// Closes the put sessions of `keys` without putting anything. One code per key:
+    /// 0, or `-600` for a key without a session.
+    fn batch_put_session_revoke(&self, keys: Vec<String>) -> Vec<i32> {
+        let Some(s) = self.session() else { return vec![INVALID_PARAMS; keys.len()] };
+        s.put_sessions.revoke(&keys)
+    }
+
     /// Stores the `sizes[i]` bytes at `buffer_ptrs[i]` under `keys[i]`, in one batch
     /// and without copies. One code per key.
     #[pyo3(signature = (keys, buffer_ptrs, sizes, config = None))]

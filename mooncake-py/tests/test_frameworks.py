@@ -426,3 +426,56 @@ def test_layer_wise_loads_through_a_get_session(store):
         assert store.batch_get_session_start([keys[0], keys[1]]) == [-704, 0]
         assert store.batch_get_into_multi_buffer_ranges([keys[0]], [[dst.ptr]], [[kv]], [[0]]) == [INVALID_PARAMS]
         store.batch_get_session_end([keys[1]])
+
+
+# ---------------------------------------------------------------- put sessions (vLLM's layer-wise saves)
+
+SESSION_METHODS = (
+    "batch_put_session_start",
+    "batch_put_from_multi_buffer_ranges",
+    "batch_put_session_end",
+    "batch_put_session_revoke",
+    "batch_get_session_start",
+    "batch_get_into_multi_buffer_ranges",
+    "batch_get_session_end",
+)
+
+
+def test_layer_wise_saves_through_a_put_session(store):
+    """vLLM's Mooncake store connector saves layer by layer when a store has all seven
+    session calls: `batch_put_session_start`, one `batch_put_from_multi_buffer_ranges`
+    per layer (each key's K and V of that layer, from where the layer keeps them), and
+    `batch_put_session_end` after the last layer; a key that failed is revoked."""
+    assert all(callable(getattr(store, m)) for m in SESSION_METHODS)
+    layers, kv, blocks = 3, 2048, 4
+    block_len = layers * 2 * kv
+    keys = [f"save/{b}" for b in range(blocks)]
+    expected = {k: payload(block_len, 100 + b) for b, k in enumerate(keys)}
+    assert store.put("save/exists", b"x") == 0
+    with Registered(store, blocks * block_len) as src:
+        # Where the layers keep them: layer-major, unlike the objects (key-major).
+        for b, k in enumerate(keys):
+            for layer in range(layers):
+                at = (layer * blocks + b) * 2 * kv
+                src.write(at, expected[k][layer * 2 * kv : (layer + 1) * 2 * kv])
+        assert store.batch_put_session_start(keys + ["save/exists"], [block_len] * (blocks + 1)) == [0] * blocks + [-705]
+        # A session cannot be started twice; a size no object can have is refused.
+        assert store.batch_put_session_start([keys[0], "save/empty"], [block_len, 0]) == [INVALID_PARAMS] * 2
+        for layer in range(layers):
+            ptrs = [[src.ptr + (layer * blocks + b) * 2 * kv, src.ptr + (layer * blocks + b) * 2 * kv + kv] for b in range(blocks)]
+            sizes = [[kv, kv]] * blocks
+            offsets = [[layer * 2 * kv, layer * 2 * kv + kv]] * blocks
+            assert store.batch_put_from_multi_buffer_ranges(keys, ptrs, sizes, offsets) == [2 * kv] * blocks
+            # Not readable before its end.
+            assert store.is_exist(keys[0]) == 0
+        # Out of the object, a pointer in no registered buffer, no session: -600.
+        assert store.batch_put_from_multi_buffer_ranges(
+            [keys[0], keys[1], "save/none"], [[src.ptr], [12345], [src.ptr]], [[kv], [kv], [kv]], [[block_len - 1], [0], [0]]
+        ) == [INVALID_PARAMS] * 3
+        assert store.batch_put_session_revoke([keys[3], "save/none"]) == [0, INVALID_PARAMS]
+        assert store.batch_put_session_end(keys) == [0, 0, 0, INVALID_PARAMS]
+    for k in keys[:3]:
+        assert store.get(k) == expected[k], k
+    assert store.is_exist(keys[3]) == 0, "a revoked session puts nothing"
+    # Ended: its keys are no sessions any more.
+    assert store.batch_put_session_end(keys[:1]) == [INVALID_PARAMS]

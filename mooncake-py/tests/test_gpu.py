@@ -471,3 +471,20 @@ def test_get_session_slices_into_device_memory(gpu_store):
     # A slice longer than the device memory left from its pointer: refused.
     assert store.batch_get_into_multi_buffer_ranges(["sess/a"], [[gpu.ptr + (1 << 20) - 10]], [[100]], [[0]]) == [INVALID_PARAMS]
     assert store.batch_get_session_end(["sess/a", "sess/b"]) == 0
+
+
+def test_put_session_slices_from_device_memory(gpu_store):
+    """vLLM's layer-wise saves hand over GPU KV memory: the slices come out of it by
+    the device API (emulation here), and the object put at the end is exact."""
+    store, keep = gpu_store
+    gpu = EmulatedGpu(store, 1 << 20)
+    keep.append(gpu)
+    data = payload(96 << 10, 9)
+    gpu.write(300_000, data)
+    half = len(data) // 2
+    assert store.batch_put_session_start(["psess/a"], [len(data)]) == [0]
+    # The second half first: slices come in any order.
+    assert store.batch_put_from_multi_buffer_ranges(["psess/a"], [[gpu.ptr + 300_000 + half]], [[half]], [[half]]) == [half]
+    assert store.batch_put_from_multi_buffer_ranges(["psess/a"], [[gpu.ptr + 300_000]], [[half]], [[0]]) == [half]
+    assert store.batch_put_session_end(["psess/a"]) == [0]
+    assert store.get("psess/a") == data
