@@ -479,3 +479,50 @@ def test_layer_wise_saves_through_a_put_session(store):
     assert store.is_exist(keys[3]) == 0, "a revoked session puts nothing"
     # Ended: its keys are no sessions any more.
     assert store.batch_put_session_end(keys[:1]) == [INVALID_PARAMS]
+
+
+# ---------------------------------------------------------------- `mooncake.store`, unchanged frameworks
+
+ALIASED = (
+    "from mooncake.store import MooncakeDistributedStore as M, ReplicateConfig as C\n"
+    "from mooncake.async_store import MooncakeDistributedStoreAsync as A\n"
+    "import mooncake_rs.store as ours\n"
+    "assert M is ours.MooncakeDistributedStore and C is ours.ReplicateConfig\n"
+    "assert A is ours.MooncakeDistributedStoreAsync\n"
+)
+
+
+def python(code, **env):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True)
+
+
+def reference_installed():
+    import importlib.util
+
+    return importlib.util.find_spec("mooncake") is not None
+
+
+def test_install_as_mooncake_names_this_store_mooncake_store():
+    """A framework that imports `mooncake.store` gets this store once
+    `install_as_mooncake()` ran in its process."""
+    done = python("import mooncake_rs\nmooncake_rs.install_as_mooncake()\n" + ALIASED)
+    assert done.returncode == 0, done.stderr
+
+
+def test_the_environment_variable_aliases_every_process_started_with_it():
+    """`MOONCAKE_RS_AS_MOONCAKE=1`: every interpreter started with it (a framework's
+    worker processes too) finds this store as `mooncake.store`, through the `.pth` file
+    the wheel installs; without it nothing changes."""
+    import site
+
+    places = site.getsitepackages() + [site.getusersitepackages()]
+    if not any(os.path.exists(os.path.join(p, "mooncake_rs_alias.pth")) for p in places):
+        pytest.skip("mooncake_rs_alias.pth is installed by the wheel (`maturin develop` leaves it out)")
+    aliased = python(ALIASED, MOONCAKE_RS_AS_MOONCAKE="1")
+    assert aliased.returncode == 0, aliased.stderr
+    if not reference_installed():
+        plain = python("import mooncake.store", MOONCAKE_RS_AS_MOONCAKE="0")
+        assert plain.returncode != 0 and "No module named 'mooncake'" in plain.stderr, plain.stderr
