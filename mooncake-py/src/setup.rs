@@ -26,6 +26,9 @@ const POSITIONAL: [&str; 13] = [
     "client_http_port",
 ];
 
+/// The tenant whose keys this store holds (the only one).
+const DEFAULT_TENANT: &str = "default";
+
 /// Ports the reference picks a client's port from when its hostname names none.
 const PORT_RANGE: (u16, u16) = (12300, 14300);
 
@@ -131,6 +134,16 @@ impl SetupArgs {
             ssd_path = std::env::var(SSD_PATH_VARIABLE).unwrap_or_else(|_| DEFAULT_SSD_PATH.to_owned());
         }
         let engine_given = values.get("engine").is_some_and(|e| !e.is_none());
+        // One namespace of keys: a tenant other than the default would share it with
+        // every other tenant. Refused as an argument this build does not take (SGLang
+        // then says tenants need another build, instead of mixing their keys).
+        let tenant = text("tenant_id", DEFAULT_TENANT)?;
+        if !tenant.is_empty() && tenant != DEFAULT_TENANT {
+            return Err(SetupError::Type(format!(
+                "setup() got an unsupported keyword argument 'tenant_id' ({tenant:?}): this store has one \
+                 namespace of keys, the default tenant's"
+            )));
+        }
         // The reference's staging buffer size is checked like the reference checks it,
         // then unused: this engine moves bytes straight between the caller's memory
         // and the segments, and recycles read buffers by size class on demand.

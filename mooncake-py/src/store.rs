@@ -398,8 +398,9 @@ impl MooncakeDistributedStore {
     /// protocol, rdma_devices, master_server_addr, engine=None, enable_ssd_offload=False,
     /// ssd_offload_path="", tenant_id="default", enable_client_http_server=False,
     /// client_http_port=9300)`, or `setup(config_dict)` with sizes such as `"16 MB"`.
-    /// The metadata server, RDMA devices, engine, tenant and HTTP server are accepted
-    /// and not needed; with an engine handed over, the port of `local_hostname` is
+    /// The metadata server, RDMA devices, engine and HTTP server are accepted and not
+    /// needed; a `tenant_id` other than `"default"` is a `TypeError` naming it (one
+    /// namespace of keys: tenants would share it); with an engine handed over, the port of `local_hostname` is
     /// the engine's, so this client serves its segment on another port of that host.
     /// `enable_ssd_offload` without `ssd_offload_path` puts the SSD tier where the
     /// reference does: `$MOONCAKE_OFFLOAD_FILE_STORAGE_PATH`, else

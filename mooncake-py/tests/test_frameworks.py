@@ -117,6 +117,17 @@ def test_ssd_offload_without_a_path_takes_the_references_variable(master, tmp_pa
         s.close()
 
 
+def test_a_tenant_other_than_the_default_is_refused_by_name(master):
+    """One namespace of keys: a non-default `tenant_id` would share it with every other
+    tenant, so it is a TypeError naming `tenant_id` (SGLang then stops and says tenants
+    need another build, rather than mixing tenants' keys); the default is taken."""
+    s = MooncakeDistributedStore()
+    with pytest.raises(TypeError, match="tenant_id"):
+        s.setup("localhost", "P2PHANDSHAKE", 16 << 20, 16 << 20, "tcp", "", master, None, tenant_id="team-a")
+    assert s.setup("localhost", "P2PHANDSHAKE", 16 << 20, 16 << 20, "tcp", "", master, None, tenant_id="default") == 0
+    s.close()
+
+
 def test_setup_dict_then_positional_on_type_error(master):
     """LMCache's order: the dict form, and the positional form when a build lacks it."""
     cfg = {
