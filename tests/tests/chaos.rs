@@ -80,6 +80,21 @@ impl Model {
     fn maybe(&mut self, slot: usize, state: State) {
         self.may_hold[slot].insert(state);
     }
+
+    /// What the answer `res` of a call that sets `slot` to `state` says, counted.
+    fn answered(&mut self, tally: &Tally, slot: usize, state: State, res: &Result<(), Error>) {
+        match res {
+            Ok(()) => {
+                self.acknowledged(slot, state);
+                let count = if state.is_some() { &tally.acknowledged_writes } else { &tally.acknowledged_removes };
+                count.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(_) => {
+                self.maybe(slot, state);
+                tally.failed_calls.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
 }
 
 /// What the run saw, for the report and for the test to mean something.
@@ -165,43 +180,16 @@ fn work(
                 if model.may_hold[slot] != BTreeSet::from([None]) {
                     continue;
                 }
-                let version = next_version;
                 next_version += 1;
-                match store.put_with(&key, &value(key_of(slot), version, len(&mut rng)), &two) {
-                    Ok(()) => {
-                        model.acknowledged(slot, Some(version));
-                        tally.acknowledged_writes.fetch_add(1, Ordering::Relaxed);
-                    }
-                    Err(_) => {
-                        model.maybe(slot, Some(version));
-                        tally.failed_calls.fetch_add(1, Ordering::Relaxed);
-                    }
-                }
+                let res = store.put_with(&key, &value(key_of(slot), next_version, len(&mut rng)), &two);
+                model.answered(&tally, slot, Some(next_version), &res);
             }
             55..75 => {
-                let version = next_version;
                 next_version += 1;
-                match store.upsert_with(&key, &value(key_of(slot), version, len(&mut rng)), &two) {
-                    Ok(()) => {
-                        model.acknowledged(slot, Some(version));
-                        tally.acknowledged_writes.fetch_add(1, Ordering::Relaxed);
-                    }
-                    Err(_) => {
-                        model.maybe(slot, Some(version));
-                        tally.failed_calls.fetch_add(1, Ordering::Relaxed);
-                    }
-                }
+                let res = store.upsert_with(&key, &value(key_of(slot), next_version, len(&mut rng)), &two);
+                model.answered(&tally, slot, Some(next_version), &res);
             }
-            75..88 => match store.remove(&key) {
-                Ok(()) => {
-                    model.acknowledged(slot, None);
-                    tally.acknowledged_removes.fetch_add(1, Ordering::Relaxed);
-                }
-                Err(_) => {
-                    model.maybe(slot, None);
-                    tally.failed_calls.fetch_add(1, Ordering::Relaxed);
-                }
-            },
+            75..88 => model.answered(&tally, slot, None, &store.remove(&key)),
             // Batch forms over a few of this client's keys.
             88..94 => {
                 let slots: Vec<usize> =
@@ -218,10 +206,7 @@ fn work(
                 let items: Vec<(&str, &[u8])> =
                     keys.iter().zip(&values).map(|(k, (_, v))| (k.as_str(), v.as_slice())).collect();
                 for ((&s, (version, _)), r) in slots.iter().zip(&values).zip(store.batch_upsert(&items, &two)) {
-                    match r {
-                        Ok(()) => model.acknowledged(s, Some(*version)),
-                        Err(_) => model.maybe(s, Some(*version)),
-                    }
+                    model.answered(&tally, s, Some(*version), &r);
                 }
             }
             94..97 => {
@@ -237,10 +222,7 @@ fn work(
                 let keys: Vec<String> = slots.iter().map(|&s| name(s)).collect();
                 let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
                 for (&s, r) in slots.iter().zip(store.batch_remove(&refs)) {
-                    match r {
-                        Ok(()) => model.acknowledged(s, None),
-                        Err(_) => model.maybe(s, None),
-                    }
+                    model.answered(&tally, s, None, &r);
                 }
             }
         }
