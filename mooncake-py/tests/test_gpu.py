@@ -415,6 +415,20 @@ def test_torch_cuda_tensors(store):
     n = 304 + w.numel() * w.element_size()
     assert store.put_tensor_from("cuda/w2", buf.data_ptr(), n) == 0
     assert torch.equal(store.get_tensor("cuda/w2").to("cuda"), w)
+    # Layer sessions over GPU KV memory (vLLM's saves, SGLang's loads): slices of
+    # `layers` saved into one object layer by layer, loaded back into `buf` likewise.
+    kv = 1 << 16
+    assert store.batch_put_session_start(["cuda/s"], [4 * kv]) == [0]
+    for i, t in enumerate(layers):
+        assert store.batch_put_from_multi_buffer_ranges(["cuda/s"], [[t.data_ptr()]], [[kv]], [[i * kv]]) == [kv]
+    assert store.batch_put_session_end(["cuda/s"]) == [0]
+    assert store.batch_get_session_start(["cuda/s"]) == [0]
+    for i in range(4):
+        at = [[buf.data_ptr() + (3 - i) * kv]]
+        assert store.batch_get_into_multi_buffer_ranges(["cuda/s"], at, [[kv]], [[i * kv]]) == [kv]
+    store.batch_get_session_end(["cuda/s"])
+    for i, t in enumerate(layers):
+        assert torch.equal(buf[(3 - i) * kv : (4 - i) * kv], t[:kv])
     assert store.unregister_buffer(buf.data_ptr()) == 0
 
 
