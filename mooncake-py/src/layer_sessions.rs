@@ -96,6 +96,15 @@ fn slices_of(
         .collect()
 }
 
+/// `len` zero bytes, or `None` when that much memory cannot be had (a refusal, never
+/// an abort of the process).
+fn zeroed(len: usize) -> Option<Vec<u8>> {
+    let mut bytes = Vec::new();
+    bytes.try_reserve_exact(len).ok()?;
+    bytes.resize(len, 0);
+    Some(bytes)
+}
+
 /// Whether the three per-key lists of a ranged call have one entry per key.
 fn lists_match(keys: usize, ptrs: usize, sizes: usize, offsets: usize) -> bool {
     ptrs == keys && sizes == keys && offsets == keys
@@ -188,10 +197,17 @@ impl PutSessions {
                     return INVALID_PARAMS;
                 }
                 match exists {
-                    Ok(false) => {
-                        objects.insert(key.clone(), PutObject { bytes: vec![0; size], cfg: cfg.clone() });
-                        0
-                    }
+                    Ok(false) => match zeroed(size) {
+                        Some(bytes) => {
+                            objects.insert(key.clone(), PutObject { bytes, cfg: cfg.clone() });
+                            0
+                        }
+                        None => code(&Error::NoSpace {
+                            needed: size as u64,
+                            largest_free: 0,
+                            reason: "no host memory for the session's object".into(),
+                        }),
+                    },
                     Ok(true) => code(&Error::AlreadyExists(key.clone())),
                     Err(e) => code(&e),
                 }

@@ -916,7 +916,8 @@ impl MooncakeDistributedStore {
     /// Starts a put session per key (vLLM's layer-wise saves): an object of
     /// `sizes[i]` bytes whose slices `batch_put_from_multi_buffer_ranges` gathers, put
     /// whole (with `config`) by `batch_put_session_end`. One code per key: 0, `-705`
-    /// for a key that exists, `-600` for a session already open or a bad size.
+    /// for a key that exists, `-600` for a session already open or a bad size, `-200`
+    /// when there is no host memory to gather the object in.
     #[pyo3(signature = (keys, sizes, config = None))]
     fn batch_put_session_start(
         &self,

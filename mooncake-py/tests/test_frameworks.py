@@ -471,7 +471,10 @@ def test_layer_wise_saves_through_a_put_session(store):
                 src.write(at, expected[k][layer * 2 * kv : (layer + 1) * 2 * kv])
         assert store.batch_put_session_start(keys + ["save/exists"], [block_len] * (blocks + 1)) == [0] * blocks + [-705]
         # A session cannot be started twice; a size no object can have is refused.
-        assert store.batch_put_session_start([keys[0], "save/empty"], [block_len, 0]) == [INVALID_PARAMS] * 2
+        too_big = (4 << 30) + 1  # beyond any object: refused before any memory is taken
+        assert store.batch_put_session_start([keys[0], "save/empty", "save/huge"], [block_len, 0, too_big]) == [
+            INVALID_PARAMS
+        ] * 3
         for layer in range(layers):
             ptrs = [[src.ptr + (layer * blocks + b) * 2 * kv, src.ptr + (layer * blocks + b) * 2 * kv + kv] for b in range(blocks)]
             sizes = [[kv, kv]] * blocks
