@@ -22,6 +22,11 @@ use super::{ClusterPart, OwnSegment, RecordEndpoint, Store, StoreInner, CLOSED};
 use crate::error::{Error, Result};
 use crate::master::{ClientId, MasterApi};
 use crate::rpc::RpcServer;
+
+/// How soon a heartbeat the master did not answer is sent again (instead of a whole
+/// period later): a restarted master hears from its nodes, and has their objects
+/// back, within this of listening.
+const UNANSWERED_RETRY: Duration = Duration::from_millis(20);
 use mooncake_alloc::SegmentId;
 
 /// A new record key and the config of the record endpoint that requires it: only a
@@ -316,26 +321,51 @@ impl Store {
         let period = Duration::from_millis((reg.client_ttl_ms / 4).clamp(1, 250));
         std::thread::Builder::new()
             .name("mooncake-heartbeat".into())
-            .spawn(move || loop {
-                match stop_rx.recv_timeout(period) {
-                    Err(RecvTimeoutError::Timeout) => {}
-                    _ => return,
-                }
-                let Some(inner) = weak.upgrade() else { return };
-                if inner.client() == CLOSED {
-                    return;
-                }
-                match inner.heartbeat() {
-                    Ok(()) => {}
-                    Err(Error::UnknownClient(_)) => {
-                        if let Err(e) = inner.rejoin() {
-                            tracing::error!(error = %e, "cannot re-register with the master");
-                        }
+            .spawn(move || {
+                // Since when the master has not answered (`None` while it does).
+                let mut failing: Option<Instant> = None;
+                loop {
+                    // A master that stopped answering is asked again soon: once it is
+                    // back (restarted), this node re-mounts at once, and its objects are
+                    // readable again without waiting out a period.
+                    let wait = if failing.is_some() { period.min(UNANSWERED_RETRY) } else { period };
+                    match stop_rx.recv_timeout(wait) {
+                        Err(RecvTimeoutError::Timeout) => {}
+                        _ => return,
                     }
-                    // Unreachable master: keep our identity and try again next period.
-                    Err(e) => tracing::warn!(error = %e, "heartbeat failed"),
+                    let Some(inner) = weak.upgrade() else { return };
+                    if inner.client() == CLOSED {
+                        return;
+                    }
+                    let answered = match inner.heartbeat() {
+                        Ok(()) => true,
+                        Err(Error::UnknownClient(_)) => {
+                            if let Err(e) = inner.rejoin() {
+                                tracing::error!(error = %e, "cannot re-register with the master");
+                            }
+                            true
+                        }
+                        // Unreachable master: keep our identity and try again; said once
+                        // per outage (then quietly, as the retries come fast).
+                        Err(e) if failing.is_none() => {
+                            tracing::warn!(error = %e, "heartbeat failed; asking again every {UNANSWERED_RETRY:?}");
+                            false
+                        }
+                        Err(e) => {
+                            tracing::debug!(error = %e, "heartbeat failed");
+                            false
+                        }
+                    };
+                    match (answered, failing) {
+                        (true, Some(since)) => {
+                            tracing::warn!(after = ?since.elapsed(), "the master answers again");
+                            failing = None;
+                        }
+                        (false, None) => failing = Some(Instant::now()),
+                        _ => {}
+                    }
+                    super::drain::poll(&inner);
                 }
-                super::drain::poll(&inner);
             })
             .map_err(|e| Error::InvalidArgument(format!("cannot start the heartbeat thread: {e}")))?;
         if let Some(ssd) = &inner.ssd {
