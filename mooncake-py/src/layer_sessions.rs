@@ -252,25 +252,21 @@ impl PutSessions {
     /// closes the sessions. One code per key: 0, `-600` for a key without a
     /// session, or why its put failed.
     pub fn end(&self, store: &Store, keys: &[String]) -> Vec<i32> {
-        let taken: Vec<Option<PutObject>> = {
+        let mut taken: Vec<(usize, PutObject)> = {
             let mut objects = self.objects.lock();
-            keys.iter().map(|k| objects.remove(k)).collect()
+            keys.iter().enumerate().filter_map(|(i, k)| objects.remove(k).map(|o| (i, o))).collect()
         };
         let mut results = vec![INVALID_PARAMS; keys.len()];
         // The keys of one start share its configuration: each such group is one batch.
-        let mut pending: Vec<usize> = (0..keys.len()).filter(|&i| taken[i].is_some()).collect();
-        while let Some(&first) = pending.first() {
-            let cfg = taken[first].as_ref().map(|o| o.cfg.clone()).unwrap_or_default();
-            let (group, rest): (Vec<usize>, Vec<usize>) =
-                pending.iter().partition(|&&i| taken[i].as_ref().is_some_and(|o| Arc::ptr_eq(&o.cfg, &cfg)));
-            let items: Vec<(&str, &[u8])> = group
-                .iter()
-                .filter_map(|&i| taken[i].as_ref().map(|o| (keys[i].as_str(), o.bytes.as_slice())))
-                .collect();
-            for (&i, res) in group.iter().zip(store.batch_put(&items, &cfg)) {
-                results[i] = put_status(&res);
+        while let Some((_, first)) = taken.first() {
+            let cfg = first.cfg.clone();
+            let (group, rest): (Vec<_>, Vec<_>) = taken.into_iter().partition(|(_, o)| Arc::ptr_eq(&o.cfg, &cfg));
+            let items: Vec<(&str, &[u8])> =
+                group.iter().map(|(i, o)| (keys[*i].as_str(), o.bytes.as_slice())).collect();
+            for ((i, _), res) in group.iter().zip(store.batch_put(&items, &cfg)) {
+                results[*i] = put_status(&res);
             }
-            pending = rest;
+            taken = rest;
         }
         results
     }
@@ -281,6 +277,11 @@ impl PutSessions {
         let mut objects = self.objects.lock();
         keys.iter().map(|k| if objects.remove(k).is_some() { 0 } else { INVALID_PARAMS }).collect()
     }
+}
+
+/// The code of a device copy that failed.
+fn device_code(e: mooncake_core::gpu::GpuError) -> i32 {
+    code(&Error::from(e))
 }
 
 /// Copies each slice `(place, offset, len)` of `object` to its place: host slices at
@@ -297,18 +298,17 @@ fn copy_out(object: &[u8], slices: &[(Place, usize, usize)]) -> Result<(), i32> 
             // buffer.
             Place::Host(at) => unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), *at as *mut u8, bytes.len()) },
             Place::Device(mem) => {
-                let mut stream = mem.open_stream().map_err(|e| code(&Error::from(e)))?;
+                let mut stream = mem.open_stream().map_err(device_code)?;
                 // SAFETY: `bytes` are the session's immutable bytes, alive (the
                 // caller holds them) until every stream was synchronized below, or
                 // dropped on an error (which waits for its copies).
-                unsafe { stream.copy_to_device_async(bytes.as_ptr(), bytes.len(), 0) }
-                    .map_err(|e| code(&Error::from(e)))?;
+                unsafe { stream.copy_to_device_async(bytes.as_ptr(), bytes.len(), 0) }.map_err(device_code)?;
                 streams.push(stream);
             }
         }
     }
     for mut stream in streams {
-        stream.synchronize().map_err(|e| code(&Error::from(e)))?;
+        stream.synchronize().map_err(device_code)?;
     }
     Ok(())
 }
@@ -327,17 +327,17 @@ fn copy_in(object: &mut [u8], slices: &[(Place, usize, usize)]) -> Result<(), i3
             // no caller's buffer aliases.
             Place::Host(at) => unsafe { std::ptr::copy_nonoverlapping(*at as *const u8, into, *len) },
             Place::Device(mem) => {
-                let mut stream = mem.open_stream().map_err(|e| code(&Error::from(e)))?;
+                let mut stream = mem.open_stream().map_err(device_code)?;
                 // SAFETY: `into` has room for the slice in the session's object, which
                 // the caller holds (under the sessions' lock) and nothing else touches
                 // until every stream was synchronized below, or dropped on an error.
-                unsafe { stream.copy_from_device_async(into, *len, 0) }.map_err(|e| code(&Error::from(e)))?;
+                unsafe { stream.copy_from_device_async(into, *len, 0) }.map_err(device_code)?;
                 streams.push(stream);
             }
         }
     }
     for mut stream in streams {
-        stream.synchronize().map_err(|e| code(&Error::from(e)))?;
+        stream.synchronize().map_err(device_code)?;
     }
     Ok(())
 }

@@ -22,12 +22,12 @@ use super::{ClusterPart, OwnSegment, RecordEndpoint, Store, StoreInner, CLOSED};
 use crate::error::{Error, Result};
 use crate::master::{ClientId, MasterApi};
 use crate::rpc::RpcServer;
+use mooncake_alloc::SegmentId;
 
 /// How soon a heartbeat the master did not answer is sent again (instead of a whole
 /// period later): a restarted master hears from its nodes, and has their objects
 /// back, within this of listening.
 const UNANSWERED_RETRY: Duration = Duration::from_millis(20);
-use mooncake_alloc::SegmentId;
 
 /// A new record key and the config of the record endpoint that requires it: only a
 /// master we tell the key (by mounting on it) can change our records, whatever the
