@@ -264,3 +264,86 @@ fn an_offload_of_a_removed_object_is_refused_for_its_successor_with_the_same_byt
     assert!(m.notify_offload_success(c, &[("k", 1000, 7, LATER)])[0].is_ok());
     assert_eq!(m.get_replica_list("k").unwrap().disk, Some(c));
 }
+
+/// Two clients holding an object's memory replicas, each with an SSD tier, a master
+/// that persists every put at once.
+fn two_holders(keys: &[&str]) -> (Master, u64, u64, [ReplicateConfig; 2]) {
+    let m = Master::new(MasterConfig {
+        default_lease: Duration::ZERO,
+        persist: mooncake_core::PersistPolicy::Eager,
+        ..Default::default()
+    })
+    .unwrap();
+    let (mut clients, mut on) = (Vec::new(), Vec::new());
+    for name in ["a", "b"] {
+        let c = m.register_client().unwrap().client;
+        let region = RemoteRegion { endpoint: format!("local://{name}"), region: 1 };
+        let seg = m.mount_segment(c, &region, 1 << 30).unwrap();
+        m.mount_ssd(c, 1 << 30, &format!("{name}:1")).unwrap();
+        clients.push(c);
+        // Two replicas, the first on this client's segment.
+        let name = m.segment_info(seg).unwrap().name;
+        on.push(ReplicateConfig { replica_num: 2, preferred_segments: vec![name], ..Default::default() });
+    }
+    let two = ReplicateConfig { replica_num: 2, ..Default::default() };
+    for k in keys {
+        m.put_start(clients[0], k, 1000, &two).unwrap();
+        m.put_end(clients[0], k, 7).unwrap();
+    }
+    let on: [ReplicateConfig; 2] = on.try_into().unwrap();
+    (m, clients[0], clients[1], on)
+}
+
+/// The master keeps one disk replica per object and tells only its holder of a
+/// removal: a second client's report of the same object is refused (it deletes its
+/// file), or a restarted master could take that file back after the removal.
+#[test]
+fn an_object_on_one_ssd_refuses_a_second_clients_report() {
+    let (m, a, b, _) = two_holders(&["k"]);
+    assert!(m.notify_offload_success(a, &[("k", 1000, 7, LATER)])[0].is_ok());
+    let res = m.notify_offload_success(b, &[("k", 1000, 7, LATER)]);
+    assert!(matches!(res[0], Err(Error::NotFound(_))), "{res:?}");
+    assert_eq!(m.get_replica_list("k").unwrap().disk, Some(a));
+    assert_eq!((m.ssd_usage(a).unwrap().1, m.ssd_usage(b).unwrap().1), (1000, 0));
+    // Reported again by its holder: still one.
+    assert!(m.notify_offload_success(a, &[("k", 1000, 7, LATER)])[0].is_ok());
+    assert_eq!(m.get_replica_list("k").unwrap().disk, Some(a));
+}
+
+/// An offload asked of one node for an object that an upsert then replaced is not
+/// given to it, though it holds a replica of the new one too: the new object's own
+/// request (of the node of its first replica) is the only one, so two nodes never
+/// write one object.
+#[test]
+fn an_offload_asked_for_a_replaced_object_is_not_given() {
+    let (m, a, b, [on_a, on_b]) = two_holders(&[]);
+    m.put_start(a, "k", 1000, &on_a).unwrap();
+    m.put_end(a, "k", 7).unwrap();
+    // Replaced before a's SSD asked for work: the new value lives on b.
+    m.upsert_start(b, "k", 2000, &on_b).unwrap();
+    m.upsert_end(b, "k", 8).unwrap();
+    let plan_a = m.offload_heartbeat(a, 16).unwrap();
+    assert!(plan_a.tasks.is_empty(), "a was asked for the replaced object: {:?}", plan_a.tasks);
+    assert_eq!(m.get_replica_list("k").unwrap().replicas.len(), 2);
+    let plan_b = m.offload_heartbeat(b, 16).unwrap();
+    assert_eq!(plan_b.tasks.len(), 1);
+    assert_eq!((plan_b.tasks[0].len, plan_b.tasks[0].checksum), (2000, 8));
+}
+
+/// A node announcing a file of an object another node's SSD holds (its file was
+/// written under a master that died before the report): the disk replica moves to
+/// the announcer, and the other node is told to delete its copy, so that a later
+/// removal, which tells only the holder, leaves no file behind.
+#[test]
+fn an_object_announced_from_a_second_ssd_keeps_one_file() {
+    let (m, a, b, _) = two_holders(&["k"]);
+    assert!(m.notify_offload_success(a, &[("k", 1000, 7, LATER)])[0].is_ok());
+    let _ = m.offload_heartbeat(a, 16).unwrap();
+    assert!(m.register_disk_objects(b, &[("k", 1000, 7, 1)])[0].is_ok());
+    assert_eq!(m.get_replica_list("k").unwrap().disk, Some(b));
+    assert_eq!((m.ssd_usage(a).unwrap().1, m.ssd_usage(b).unwrap().1), (0, 1000));
+    assert_eq!(m.offload_heartbeat(a, 16).unwrap().discard, vec!["k".to_owned()]);
+    // The removal tells the new holder.
+    m.remove("k").unwrap();
+    assert_eq!(m.offload_heartbeat(b, 16).unwrap().discard, vec!["k".to_owned()]);
+}

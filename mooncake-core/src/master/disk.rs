@@ -96,10 +96,11 @@ impl MasterService {
             .collect()
     }
 
-    /// Asks `owner` to offload `keys` (their entries were marked pending).
-    pub(crate) fn queue_offloads(&self, owner: ClientId, keys: impl IntoIterator<Item = Box<str>>) {
+    /// Asks `owner` to offload `objects` (key, checksum; their entries were marked
+    /// pending).
+    pub(crate) fn queue_offloads(&self, owner: ClientId, objects: impl IntoIterator<Item = (Box<str>, u32)>) {
         if let Some(rec) = self.clients.read().get(&owner) {
-            rec.offload.lock().write.extend(keys);
+            rec.offload.lock().write.extend(objects);
         }
     }
 
@@ -110,14 +111,17 @@ impl MasterService {
         }
         let Some(owner) = first_segment.and_then(|s| self.offload_owner(s)) else { return };
         let deadline = self.now_ms() + self.config.put_timeout.as_millis() as u64;
-        {
+        let checksum = {
             let mut shard = self.index.shard(key).lock();
             match shard.get_mut(key) {
-                Some(e) if e.complete() && e.disk() == 0 => e.set_offload_deadline_ms(deadline),
+                Some(e) if e.complete() && e.disk() == 0 => {
+                    e.set_offload_deadline_ms(deadline);
+                    e.checksum
+                }
                 _ => return,
             }
-        }
-        self.queue_offloads(owner, [key.into()]);
+        };
+        self.queue_offloads(owner, [(key.into(), checksum)]);
     }
 
     /// The offload heartbeat of a client's SSD tier: up to `max` objects of its
@@ -132,14 +136,20 @@ impl MasterService {
             rec.touch(now);
             let mut q = rec.offload.lock();
             let n = q.write.len().min(max);
-            let keys: Vec<Box<str>> = q.write.drain(..n).collect();
+            let keys: Vec<(Box<str>, u32)> = q.write.drain(..n).collect();
             (keys, std::mem::take(&mut q.discard), rec.segments.clone())
         };
         let hold = now + self.config.put_timeout.as_millis() as u64;
         let mut tasks = Vec::with_capacity(keys.len());
-        for key in keys {
+        for (key, checksum) in keys {
             let mut shard = self.index.shard(&key).lock();
             let Some(e) = shard.get_mut(&key) else { continue };
+            if e.checksum != checksum || (e.disk() != 0 && e.disk() != client) {
+                // Asked for an object since replaced (the new one's request is its
+                // own, perhaps of another node), or already on another node's SSD:
+                // a second file of one object is one the master would not know of.
+                continue;
+            }
             if !e.complete() || e.disk() == client {
                 e.set_offload_deadline_ms(0);
                 continue;
@@ -202,7 +212,19 @@ impl MasterService {
                         Ok(())
                     }
                     Some(e) if e.complete() && e.len() == len && e.checksum == checksum => {
+                        let previous = e.disk();
                         self.attach_disk(e, client);
+                        if previous != 0 && previous != client {
+                            // The master keeps one disk replica: the file of the node
+                            // it held it on goes (that node may be this one's dead
+                            // previous life on the same directory: then nothing is
+                            // delivered). A later remove, upsert or put of the key
+                            // waits for it, or a restarted master could take it
+                            // back after the key was removed.
+                            let mut wait = RecordWait::default();
+                            self.discard_on(previous, key, self.gens.next(), &mut wait);
+                            self.unsent_removals.add(key, wait);
+                        }
                         Ok(())
                     }
                     Some(_) => Err(Error::AlreadyExists(format!("{key} (the master holds a different object)"))),
@@ -263,12 +285,19 @@ impl MasterService {
             }
         }
         for client in holders {
-            if self.has_record_link(client) {
-                let discard = |_| RecordUpdate::Discard { key: key.to_owned(), generation };
-                self.push_to_client(client, discard, wait);
-            } else if let Some(rec) = self.clients.read().get(&client) {
-                rec.offload.lock().discard.push(key.to_owned());
-            }
+            self.discard_on(client, key, generation, wait);
+        }
+    }
+
+    /// Tells `holder`'s SSD tier to delete its file of `key` if it is of
+    /// `generation` or older: on its record endpoint when it has one (`wait` then
+    /// waits for it), else with its next offload heartbeat.
+    fn discard_on(&self, holder: ClientId, key: &str, generation: u64, wait: &mut RecordWait) {
+        if self.has_record_link(holder) {
+            let discard = |_| RecordUpdate::Discard { key: key.to_owned(), generation };
+            self.push_to_client(holder, discard, wait);
+        } else if let Some(rec) = self.clients.read().get(&holder) {
+            rec.offload.lock().discard.push(key.to_owned());
         }
     }
 
@@ -282,8 +311,10 @@ impl MasterService {
     /// offload task it wrote from) to its SSD: each gets a `LocalDisk` replica on that
     /// client. An object that vanished, whose length or checksum differ, or that was
     /// removed or replaced after the task was given (a put again with the same bytes
-    /// included: the file written is the old object's, deleted by its removal), is
-    /// refused with `NotFound` and changes no counter.
+    /// included: the file written is the old object's, deleted by its removal), or
+    /// that is on another client's SSD already (the master keeps one disk replica, and
+    /// tells only its holder of a removal), is refused with `NotFound` (the client
+    /// deletes its file) and changes no counter.
     pub fn notify_offload_success(&self, client: ClientId, items: &[(&str, u64, u32, u64)]) -> Vec<Result<()>> {
         if !self.clients.read().contains_key(&client) {
             return items.iter().map(|_| Err(Error::UnknownClient(client))).collect();
@@ -299,6 +330,7 @@ impl MasterService {
                         if e.complete()
                             && e.len() == len
                             && e.checksum == checksum
+                            && (e.disk() == 0 || e.disk() == client)
                             && !self.tombstones.superseded_after(key, generation) =>
                     {
                         e.set_offload_deadline_ms(0);

@@ -125,7 +125,7 @@ impl MasterService {
         //    (`PersistPolicy::Lazy`): it is queued, kept, and freed by a later pass.
         let offload_owners = self.offload_owners();
         let offload_until = now + self.config.put_timeout.as_millis() as u64;
-        let mut to_offload: Vec<(u64, Box<str>)> = Vec::new();
+        let mut to_offload: Vec<(u64, (Box<str>, u32))> = Vec::new();
         // Memory that offloads under way will free: it counts toward the target, so
         // that a pass asks for no more offloads than the room it needs.
         let mut awaiting_bytes = 0u64;
@@ -166,7 +166,7 @@ impl MasterService {
                             }
                             if e.offload_deadline_ms() == 0 {
                                 e.set_offload_deadline_ms(offload_until);
-                                to_offload.push((owner, Box::<str>::from(k)));
+                                to_offload.push((owner, (Box::<str>::from(k), e.checksum)));
                                 report.awaiting_offload += 1;
                                 awaiting_bytes += e.memory_bytes(segment);
                                 return true;

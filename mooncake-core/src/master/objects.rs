@@ -795,7 +795,7 @@ impl MasterService {
                 left += 1;
                 if !e.offload_pending(now) {
                     e.set_offload_deadline_ms(hold);
-                    ask.push(Box::<str>::from(k));
+                    ask.push((Box::<str>::from(k), e.checksum));
                 }
             });
         }

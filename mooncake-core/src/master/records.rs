@@ -482,7 +482,12 @@ impl MasterService {
                     taken += 1;
                 }
                 Some(_) => {
-                    tracing::warn!(key = r.key, "record conflicts with the master's view; skipped");
+                    tracing::warn!(
+                        key = r.key,
+                        len = r.len,
+                        generation = r.generation,
+                        "record conflicts with the master's view; skipped"
+                    );
                     drop(shard);
                     refused.push((r.key.clone(), r.offset, Some(buf)));
                 }

@@ -52,8 +52,10 @@ pub(crate) struct ClientRecord {
 /// What a client's SSD tier has to do, drained by its offload heartbeats.
 #[derive(Default)]
 pub(crate) struct OffloadQueue {
-    /// Keys to write to the SSD, oldest request first.
-    pub(crate) write: std::collections::VecDeque<Box<str>>,
+    /// Objects to write to the SSD, oldest request first: the key and the checksum
+    /// of the object asked for (a request outlived by a new object under the key is
+    /// dropped: the new one is asked for on its own, perhaps of another node).
+    pub(crate) write: std::collections::VecDeque<(Box<str>, u32)>,
     /// Keys whose disk replica the master dropped (removed objects): their files go.
     pub(crate) discard: Vec<String>,
 }

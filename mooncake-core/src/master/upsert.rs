@@ -264,6 +264,9 @@ impl MasterService {
         wait.merge(self.note_added(key, e, None));
         let first = e.replicas.first().map(|r| r.segment());
         drop(shard);
+        // Deletes of earlier copies nodes were not told of yet (an evicted replica's
+        // record, a second SSD file's): acknowledged only once they are, as a put.
+        wait.merge(self.unsent_removals.take(key));
         self.offload_on_put(key, first);
         Ok(wait)
     }
