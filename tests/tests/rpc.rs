@@ -890,3 +890,30 @@ fn a_failed_record_mount_is_counted() {
     node.put("k", b"v").unwrap();
     assert_eq!(&node.get("k").unwrap()[..], b"v");
 }
+
+/// A client's watch connection says at once that its master went away (a stopped
+/// server closes every connection), and nothing while the master runs: what wakes a
+/// storage node's heartbeat after a master restart.
+#[test]
+fn a_master_going_away_is_seen_at_once_on_the_watch_connection() {
+    use mooncake_core::rpc::RpcMasterClient;
+    use mooncake_core::MasterApi;
+    use std::time::Instant;
+    let master = Master::new(MasterConfig::default()).unwrap();
+    let server = RpcServer::serve_with("127.0.0.1:0", master.service().clone(), RpcServerConfig::default()).unwrap();
+    let client = RpcMasterClient::connect(&server.local_addr().to_string()).unwrap().announce_reconnects();
+    let quiet = Instant::now();
+    assert!(!client.await_hangup(Duration::from_millis(300)), "a running master hung up");
+    assert!(quiet.elapsed() >= Duration::from_millis(250), "returned after {:?}", quiet.elapsed());
+    let watcher = std::thread::spawn(move || {
+        let start = Instant::now();
+        (client.await_hangup(Duration::from_secs(60)), start.elapsed(), client)
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    drop(server);
+    let (hung_up, waited, client) = watcher.join().unwrap();
+    assert!(hung_up, "the master's exit was not seen");
+    assert!(waited < Duration::from_secs(20), "seen only after {waited:?} (the wait was 60 s)");
+    // Nothing listens any more: quiet again (a dial every 20 ms), never a hang-up.
+    assert!(!client.await_hangup(Duration::from_millis(100)));
+}

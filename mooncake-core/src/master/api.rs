@@ -364,6 +364,16 @@ macro_rules! define_master_api {
                 false
             }
 
+            /// Waits up to `timeout` for the master to go away: `true` as soon as a
+            /// master daemon closed a connection this client keeps idle to watch it
+            /// (it stopped, or was killed), so that a storage node heartbeats and
+            /// re-mounts at once rather than a period later. A master that cannot
+            /// go away apart from this process waits out `timeout` (`false`).
+            fn await_hangup(&self, timeout: std::time::Duration) -> bool {
+                std::thread::sleep(timeout);
+                false
+            }
+
             /// Every key of a complete object, sorted: the pages of
             /// [`list_keys_after`](Self::list_keys_after), however many a master's
             /// answers take. A listing, not a snapshot: a key put or removed while it

@@ -43,6 +43,9 @@ pub struct RpcMasterClient {
     announces_reconnects: bool,
     /// A connection broke and no `Reconnected` was answered since.
     reconnect_unannounced: AtomicBool,
+    /// A connection nothing is asked on: it closes when the master goes away
+    /// ([`MasterApi::await_hangup`]).
+    watch: Mutex<Option<Conn>>,
 }
 
 impl std::fmt::Debug for RpcMasterClient {
@@ -75,6 +78,7 @@ impl RpcMasterClient {
             secret,
             announces_reconnects: false,
             reconnect_unannounced: AtomicBool::new(false),
+            watch: Mutex::new(None),
         };
         let conn = client.dial()?;
         client.pool.lock().push(conn);
@@ -108,6 +112,43 @@ impl RpcMasterClient {
         }
         conn.serial = self.dialed.fetch_add(1, Ordering::SeqCst) + 1;
         Ok(conn)
+    }
+
+    /// [`MasterApi::await_hangup`]: waits on the watch connection (opened first if
+    /// there is none; while the master is unreachable, a dial every 20 ms, the
+    /// first that succeeds saying `Reconnected` after a break) until the master
+    /// closes it or `timeout` passes.
+    fn watch_for_hangup(&self, timeout: Duration) -> bool {
+        let mut watch = self.watch.lock();
+        if watch.is_none() {
+            match self.dial() {
+                Ok(conn) => *watch = Some(conn),
+                Err(_) => {
+                    drop(watch);
+                    std::thread::sleep(timeout.min(Duration::from_millis(20)));
+                    return false;
+                }
+            }
+        }
+        let Some(conn) = watch.as_ref() else { return false };
+        let mut fd = libc::pollfd {
+            fd: std::os::fd::AsRawFd::as_raw_fd(&conn.stream),
+            events: libc::POLLIN | libc::POLLRDHUP,
+            revents: 0,
+        };
+        let ms = i32::try_from(timeout.as_millis()).unwrap_or(i32::MAX);
+        // SAFETY: `fd` is one live `pollfd` naming the socket `conn` owns, which the
+        // lock held keeps open for the whole call.
+        let n = unsafe { libc::poll(&mut fd, 1, ms) };
+        if n <= 0 || conn.open_and_idle() {
+            // Quiet (or interrupted): the master that accepted it still runs.
+            return false;
+        }
+        // Closed (or out of step: nothing is ever asked on it): the next connection
+        // opened tells a restarted master so before anything else.
+        *watch = None;
+        self.reconnect_unannounced.store(true, Ordering::SeqCst);
+        true
     }
 
     /// A new connection to the server: over TCP, then, for a server on this host
@@ -600,6 +641,10 @@ macro_rules! impl_rpc_client {
             /// no promise.
             fn unchanged_since(&self, mark: u64) -> bool {
                 self.pool.lock().iter().any(|c| c.serial <= mark && c.open_and_idle())
+            }
+
+            fn await_hangup(&self, timeout: Duration) -> bool {
+                self.watch_for_hangup(timeout)
             }
 
             $(

@@ -142,6 +142,8 @@ struct StoreInner {
     cluster: ClusterPart,
     /// Dropping it stops the heartbeat thread.
     _heartbeat_stop: Sender<()>,
+    /// Wakes the heartbeat thread at once (the master daemon went away).
+    heartbeat_wake: Sender<()>,
     /// Segments this store maps (its own, same-host peers') page-locked for DMA to and
     /// from device memory; unpinned and unmapped with the store.
     pinned: device::PinnedRegions,

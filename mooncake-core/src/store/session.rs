@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{bounded, RecvTimeoutError};
+use crossbeam_channel::bounded;
 use mooncake_transfer::{RegisteredRegion, TransferEngine};
 use parking_lot::Mutex;
 
@@ -76,6 +76,31 @@ fn announce_records(
             false
         }
     }
+}
+
+/// Watches a master daemon for going away ([`MasterApi::await_hangup`]) on a thread
+/// of its own, and wakes the heartbeat when it does: a master killed and restarted
+/// at once is asked within milliseconds, not up to a heartbeat period later, so
+/// this node re-mounts sooner, and the reconnection note (`reconnected`) reaches
+/// the new master as soon as it listens: a client new to it meanwhile gets
+/// `Recovering`, not `NotFound`, for an object this node holds.
+fn watch_master(inner: &Arc<StoreInner>, period: Duration) -> Result<()> {
+    let master = inner.master.clone();
+    let weak: Weak<StoreInner> = Arc::downgrade(inner);
+    std::thread::Builder::new()
+        .name("mooncake-master-watch".into())
+        .spawn(move || loop {
+            let hung_up = master.await_hangup(period);
+            let Some(inner) = weak.upgrade() else { return };
+            if inner.client() == CLOSED {
+                return;
+            }
+            if hung_up {
+                let _ = inner.heartbeat_wake.try_send(());
+            }
+        })
+        .map(|_| ())
+        .map_err(|e| Error::InvalidArgument(format!("cannot start the master watch thread: {e}")))
 }
 
 impl StoreInner {
@@ -216,6 +241,8 @@ impl Store {
         engine: TransferEngine,
         cluster: ClusterPart,
     ) -> Result<Store> {
+        // A daemon can go away beside us: watched (see `watch_master`).
+        let master_daemon = cfg.master_address.is_some() && cfg.master.is_none() && cluster.is_none();
         let reg = master.register_client()?;
         let client = reg.client;
         let gives_memory = cfg.global_segment_size > 0;
@@ -277,6 +304,8 @@ impl Store {
         };
         let leases = LeaseReleaser::new(master.clone(), cfg.master_address.is_some())?;
         let (stop_tx, stop_rx) = bounded::<()>(0);
+        // A master daemon that goes away wakes the heartbeat (see `watch_master`).
+        let (wake_tx, wake_rx) = bounded::<()>(1);
         if let Some(ssd) = &ssd {
             records.set_disk(ssd.discarder());
         }
@@ -312,6 +341,7 @@ impl Store {
             recovering_wait: RECOVERING_WAIT_MIN.max(Duration::from_millis(reg.client_ttl_ms.saturating_mul(3))),
             cluster,
             _heartbeat_stop: stop_tx,
+            heartbeat_wake: wake_tx,
             pinned: super::device::PinnedRegions::new(cfg.page_lock_piece),
             ahead: Default::default(),
         });
@@ -329,9 +359,12 @@ impl Store {
                     // back (restarted), this node re-mounts at once, and its objects are
                     // readable again without waiting out a period.
                     let wait = if failing.is_some() { period.min(UNANSWERED_RETRY) } else { period };
-                    match stop_rx.recv_timeout(wait) {
-                        Err(RecvTimeoutError::Timeout) => {}
-                        _ => return,
+                    crossbeam_channel::select! {
+                        recv(stop_rx) -> _ => return,
+                        // The master went away: asked at once (then every
+                        // `UNANSWERED_RETRY` until it answers).
+                        recv(wake_rx) -> _ => {}
+                        default(wait) => {}
                     }
                     let Some(inner) = weak.upgrade() else { return };
                     if inner.client() == CLOSED {
@@ -368,6 +401,9 @@ impl Store {
                 }
             })
             .map_err(|e| Error::InvalidArgument(format!("cannot start the heartbeat thread: {e}")))?;
+        if master_daemon {
+            watch_master(&inner, period)?;
+        }
         if let Some(ssd) = &inner.ssd {
             // This announce reaches every leader the extents were just mounted with:
             // the heartbeat need not announce again for those mounts.
