@@ -4,7 +4,7 @@
 //!   restart on its address) and storage nodes stopped (`SIGSTOP`, `SIGCONT`), now
 //!   and then past their TTL;
 //! - **node kills on SSD tiers**: nodes with an SSD tier (objects persisted as soon
-//!   as they are put) are killed (`kill -9`) and restarted on their directory, at
+//!   as they are put; one node per on-disk layout) are killed (`kill -9`) and restarted on their directory, at
 //!   once or after the master forgot them; the master is killed now and then while
 //!   every node runs, and nodes are paused.
 //!
@@ -36,7 +36,7 @@ use std::time::{Duration, Instant};
 use mooncake_core::{Error, ReplicateConfig, Store};
 use proptest::prelude::RngExt;
 use proptest::test_runner::{RngAlgorithm, TestRng};
-use support::{payload, ssd_node_with, unique_dir, wait_until, Cluster};
+use support::{payload, ssd_node_on, unique_dir, wait_until, Cluster};
 
 /// How long a node's master remembers it without a heartbeat.
 const CLIENT_TTL_MS: u64 = 3000;
@@ -286,6 +286,15 @@ fn status_number(c: &Cluster, field: &str) -> Option<u64> {
     status[at..].split(|ch: char| !ch.is_ascii_digit()).next()?.parse().ok()
 }
 
+/// `kill -9` of the master, then a restart on its address `down` later.
+fn kill_master(c: &mut Cluster, down: Duration, tally: &Tally) {
+    eprintln!("{} chaos: kill -9 of the master", clock());
+    c.master.kill9();
+    std::thread::sleep(down);
+    c.restart_master();
+    tally.master_kills.fetch_add(1, Ordering::Relaxed);
+}
+
 /// Master kills and node pauses, at random, until `until`; returns with every
 /// process running.
 fn inject_master_kills_and_pauses(c: &mut Cluster, rng: &mut TestRng, until: Instant, faults: &Faults, tally: &Tally) {
@@ -294,11 +303,8 @@ fn inject_master_kills_and_pauses(c: &mut Cluster, rng: &mut TestRng, until: Ins
         std::thread::sleep(Duration::from_millis(rng.random_range(300..1500)));
         match rng.random_range(0..10) {
             0..3 => {
-                eprintln!("{} chaos: kill -9 of the master", clock());
-                c.master.kill9();
-                std::thread::sleep(Duration::from_millis(rng.random_range(0..500)));
-                c.restart_master();
-                tally.master_kills.fetch_add(1, Ordering::Relaxed);
+                let down = Duration::from_millis(rng.random_range(0..500));
+                kill_master(c, down, tally);
             }
             3..8 => {
                 // Paused well within its TTL; sometimes the master dies meanwhile.
@@ -307,10 +313,7 @@ fn inject_master_kills_and_pauses(c: &mut Cluster, rng: &mut TestRng, until: Ins
                 c.nodes[node].signal("STOP");
                 let pause = Duration::from_millis(rng.random_range(200..2000));
                 if rng.random_range(0..4) == 0 {
-                    eprintln!("{} chaos: kill -9 of the master", clock());
-                    c.master.kill9();
-                    c.restart_master();
-                    tally.master_kills.fetch_add(1, Ordering::Relaxed);
+                    kill_master(c, Duration::ZERO, tally);
                 }
                 std::thread::sleep(pause);
                 c.nodes[node].signal("CONT");
@@ -366,15 +369,12 @@ fn inject_node_kills(
                 // Returns once what its SSD holds is registered again (or refused and
                 // deleted): only then may the master die without the removals it
                 // remembers (its tombstones) going with it.
-                c.nodes[node] = ssd_node_with(&c.master_addr, &dirs[node], SSD_SEGMENT, SSD_CAPACITY);
+                c.nodes[node] = ssd_node(c, dirs, node);
                 eprintln!("{} chaos: node {node} restarted", clock());
             }
             4..6 => {
-                eprintln!("{} chaos: kill -9 of the master", clock());
-                c.master.kill9();
-                std::thread::sleep(Duration::from_millis(rng.random_range(0..500)));
-                c.restart_master();
-                tally.master_kills.fetch_add(1, Ordering::Relaxed);
+                let down = Duration::from_millis(rng.random_range(0..500));
+                kill_master(c, down, tally);
             }
             6..9 => {
                 let node = rng.random_range(0..NODES);
@@ -448,6 +448,14 @@ enum Scenario {
 /// Segment and SSD tier of a node of the SSD run.
 const SSD_SEGMENT: &str = "64MiB";
 const SSD_CAPACITY: &str = "256MiB";
+/// Node `i` of the SSD run keeps its tier in layout `SSD_BACKENDS[i]`: every run
+/// covers the three.
+const SSD_BACKENDS: [&str; NODES] = ["bucket", "file_per_key", "offset_allocator"];
+
+/// Starts node `i` of the SSD run on its directory (again, after a kill).
+fn ssd_node(c: &Cluster, dirs: &[PathBuf], i: usize) -> support::Proc {
+    ssd_node_on(&c.master_addr, &dirs[i], SSD_SEGMENT, SSD_CAPACITY, SSD_BACKENDS[i])
+}
 
 /// Runs the clients against `c` under the faults of `scenario` for the default
 /// `default_secs` (or `MOONCAKE_CHAOS_SECS`), then checks every key twice.
@@ -530,8 +538,9 @@ fn node_kills_on_ssd_tiers_bring_back_nothing_removed_or_overwritten() {
     let ttl = CLIENT_TTL_MS.to_string();
     let mut c = Cluster::start(&["--client-ttl-ms", &ttl, "--default-lease-ms", "1", "--persist", "eager"], 0);
     let dirs: Vec<PathBuf> = (0..NODES).map(|i| unique_dir(&format!("chaos-ssd-{i}"))).collect();
-    for dir in &dirs {
-        c.nodes.push(ssd_node_with(&c.master_addr, dir, SSD_SEGMENT, SSD_CAPACITY));
+    for i in 0..NODES {
+        let node = ssd_node(&c, &dirs, i);
+        c.nodes.push(node);
     }
     // Two replicas on two nodes or the put fails: one node's kill never loses an
     // acknowledged object.

@@ -16,6 +16,12 @@ pub fn ssd_node(master: &str, dir: &Path, capacity: &str) -> Proc {
 /// [`ssd_node`] with a segment of `segment` bytes (e.g. "64MiB"). Its first line is
 /// printed once the objects its SSD already holds are registered with the master.
 pub fn ssd_node_with(master: &str, dir: &Path, segment: &str, capacity: &str) -> Proc {
+    ssd_node_on(master, dir, segment, capacity, "bucket")
+}
+
+/// [`ssd_node_with`] on the SSD layout `backend` (`bucket`, `file_per_key`,
+/// `offset_allocator`).
+pub fn ssd_node_on(master: &str, dir: &Path, segment: &str, capacity: &str, backend: &str) -> Proc {
     let dir = dir.to_str().expect("a UTF-8 test directory");
     let node = Proc::spawn(
         &[],
@@ -32,6 +38,8 @@ pub fn ssd_node_with(master: &str, dir: &Path, segment: &str, capacity: &str) ->
             dir,
             "--ssd-capacity",
             capacity,
+            "--ssd-backend",
+            backend,
         ],
     );
     assert!(node.first_line.starts_with("mooncake-client serving segment"), "{}", node.first_line);
