@@ -10,17 +10,12 @@ use std::time::{Duration, Instant};
 /// Starts a storage node of `master` with a 16 MiB segment and an SSD tier of
 /// `capacity` (e.g. "256MiB") in `dir`, listening on a free loopback port.
 pub fn ssd_node(master: &str, dir: &Path, capacity: &str) -> Proc {
-    ssd_node_with(master, dir, "16MiB", capacity)
+    ssd_node_on(master, dir, "16MiB", capacity, "bucket")
 }
 
-/// [`ssd_node`] with a segment of `segment` bytes (e.g. "64MiB"). Its first line is
+/// [`ssd_node`] with a segment of `segment` bytes (e.g. "64MiB") and the SSD layout
+/// `backend` (`bucket`, `file_per_key`, `offset_allocator`). Its first line is
 /// printed once the objects its SSD already holds are registered with the master.
-pub fn ssd_node_with(master: &str, dir: &Path, segment: &str, capacity: &str) -> Proc {
-    ssd_node_on(master, dir, segment, capacity, "bucket")
-}
-
-/// [`ssd_node_with`] on the SSD layout `backend` (`bucket`, `file_per_key`,
-/// `offset_allocator`).
 pub fn ssd_node_on(master: &str, dir: &Path, segment: &str, capacity: &str, backend: &str) -> Proc {
     let dir = dir.to_str().expect("a UTF-8 test directory");
     let node = Proc::spawn(
