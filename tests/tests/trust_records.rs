@@ -8,7 +8,9 @@
 //! - an SSD node forgotten and returning after its keys were put again and removed
 //!   serves none of its old bytes (generations);
 //! - a node paused past its TTL re-joins with the objects it holds, except those put
-//!   again or removed meanwhile.
+//!   again or removed meanwhile;
+//! - after a master restart, a node that missed its keys' new puts (forgotten while
+//!   paused) coming back first does not decide their value: the newer copies win.
 
 mod support;
 
@@ -304,4 +306,48 @@ fn a_forgotten_ssd_node_returning_after_a_reput_and_remove_serves_no_old_bytes()
     assert_eq!(old, 0, "{old} of {n} removed keys serve their old bytes again");
     std::fs::remove_dir_all(&ssd).ok();
     std::fs::remove_dir_all(&ssd2).ok();
+}
+
+/// Node 0 holds v1 of the `p/` keys, is paused and forgotten; v2 is put on node 1.
+/// The master is killed and restarted while node 1 is paused too, so that node 0
+/// comes back first and offers its v1 records to a master that lost its tombstones.
+/// Node 1 then comes back with v2: v2 must be the keys' value. (Before generations
+/// decided re-mount conflicts, the first copy offered stayed: v1 was served again and
+/// v2, acknowledged, was dropped.)
+#[test]
+fn a_stale_node_back_first_after_a_master_restart_does_not_decide_the_value() {
+    let mut c = Cluster::start(&["--client-ttl-ms", "2000", "--default-lease-ms", "1"], 1);
+    let store = client(&c.master_addr);
+    let len = 4096;
+    let (n, kept) = (20, 25);
+    for i in 0..kept {
+        store.put(&format!("p/{i}"), &value(i, 1, len)).unwrap();
+    }
+    c.add_node(&[], "127.0.0.1:0");
+    c.nodes[0].signal("STOP");
+    wait_until(Duration::from_secs(10), || !store.exists("p/0").unwrap_or(true));
+    for i in 0..n {
+        store.put(&format!("p/{i}"), &value(i, 2, len)).unwrap();
+    }
+    c.nodes[1].signal("STOP");
+    c.master.kill9();
+    drop(store);
+    c.restart_master();
+    c.nodes[0].signal("CONT");
+    wait_until(Duration::from_secs(15), || status_number(&c, "segments") == Some(1));
+    c.nodes[1].signal("CONT");
+    wait_until(Duration::from_secs(15), || status_number(&c, "segments") == Some(2));
+    let store = client(&c.master_addr);
+    let mut stale = Vec::new();
+    for i in 0..kept {
+        let got = get_settled(&store, &format!("p/{i}"));
+        let want = value(i, if i < n { 2 } else { 1 }, len);
+        match got {
+            Some(b) if b == want => {}
+            Some(b) if i < n && b == value(i, 1, len) => stale.push(i),
+            other => panic!("p/{i}: {:?} bytes, not its last put's", other.map(|b| b.len())),
+        }
+    }
+    assert!(stale.is_empty(), "keys served their old bytes, the newer acknowledged ones lost: {stale:?}");
+    assert!(status_number(&c, "stale_copies").unwrap() >= n as u64, "{}", c.status());
 }

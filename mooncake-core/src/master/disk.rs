@@ -206,12 +206,14 @@ impl MasterService {
                         shard.insert(key, {
                             let mut e = ObjectEntry::new_complete(len, checksum, now);
                             e.set_disk(client);
+                            self.note_recovered_copy(key, &mut e, generation, true);
                             e
                         });
                         self.add_ssd_used(client, len as i64);
                         Ok(())
                     }
                     Some(e) if e.complete() && e.len() == len && e.checksum == checksum => {
+                        self.note_recovered_copy(key, e, generation, false);
                         let previous = e.disk();
                         self.attach_disk(e, client);
                         if previous != 0 && previous != client {
@@ -225,6 +227,19 @@ impl MasterService {
                             self.discard_on(previous, key, self.gens.next(), &mut wait);
                             self.unsent_removals.add(key, wait);
                         }
+                        Ok(())
+                    }
+                    // Taken back from a node that missed the key's removal and put
+                    // since: this file is the newer object (`master/recovered.rs`).
+                    Some(e) if self.outdated_by(key, e, generation) => {
+                        let wait = self.drop_outdated(key, e, Some(client), now);
+                        e.set_len(len);
+                        e.checksum = checksum;
+                        e.last_access_ms = now;
+                        self.attach_disk(e, client);
+                        self.note_recovered_copy(key, e, generation, true);
+                        drop(shard);
+                        self.unsent_removals.add(key, wait);
                         Ok(())
                     }
                     Some(_) => Err(Error::AlreadyExists(format!("{key} (the master holds a different object)"))),
@@ -266,6 +281,20 @@ impl MasterService {
     pub(crate) fn release_disk(&self, key: &str, e: &ObjectEntry, wait: &mut RecordWait) {
         let generation = self.gens.next();
         self.tombstones.supersede(key, generation);
+        self.discard_copies(key, e, generation, None, wait);
+    }
+
+    /// Gives back the usage of `e`'s disk replica and tells every SSD that holds (or
+    /// may be writing) a file of it, but `spare`'s, to delete its file of `key` of
+    /// `generation` or older (see [`release_disk`](Self::release_disk)).
+    pub(crate) fn discard_copies(
+        &self,
+        key: &str,
+        e: &ObjectEntry,
+        generation: u64,
+        spare: Option<ClientId>,
+        wait: &mut RecordWait,
+    ) {
         let mut holders: smallvec::SmallVec<[ClientId; 2]> = smallvec::SmallVec::new();
         if e.disk() != 0 {
             self.add_ssd_used(e.disk(), -(e.len() as i64));
@@ -284,7 +313,7 @@ impl MasterService {
                 }
             }
         }
-        for client in holders {
+        for client in holders.into_iter().filter(|&c| Some(c) != spare) {
             self.discard_on(client, key, generation, wait);
         }
     }

@@ -62,6 +62,7 @@ impl MasterService {
         self.free_quarantined(now);
         self.free_expired_held(now);
         self.free_retired(now);
+        self.forget_recovered_generations();
         self.evict_if_needed();
         // Eviction notices delivered (or whose node was forgotten) need no waiting.
         self.unsent_removals.prune();

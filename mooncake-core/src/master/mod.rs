@@ -10,7 +10,7 @@
 //! files are facets of [`MasterService`]: `clients`, `objects`, `disk` (the SSD tier's
 //! side), `eviction`, `records` (durable per-node records), `ownership` (cluster mode:
 //! the slot groups this master leads), `liveness`, `stats`, `upsert` (atomic
-//! replacement of an object), `held` (placements clients hold ahead of their puts). The
+//! replacement of an object), `recovered` (which copy a restarted master keeps), `held` (placements clients hold ahead of their puts). The
 //! internal index and segment table live in `object` and `segment`.
 
 mod api;
@@ -28,6 +28,7 @@ mod objects;
 mod ownership;
 mod record_link;
 mod records;
+mod recovered;
 mod segment;
 mod service;
 mod slot_groups;

@@ -449,6 +449,7 @@ impl MasterService {
         let now = self.now_ms();
         let mut taken = 0;
         let mut stale = 0u64;
+        let mut replaced = 0u64;
         // The records not taken back: the node is told to drop them, or a later
         // master would take back what this one refused (a removed object, an old
         // version of a key put again). Their ranges stay reserved until their
@@ -473,13 +474,29 @@ impl MasterService {
                     shard.insert(&r.key, {
                         let mut e = ObjectEntry::new_complete(r.len, r.checksum, now);
                         e.replicas.push(StoredReplica::new(buf, true));
+                        self.note_recovered_copy(&r.key, &mut e, r.generation, true);
                         e
                     });
                     taken += 1;
                 }
                 Some(e) if e.complete() && e.len() == r.len && e.checksum == r.checksum => {
                     e.replicas.push(StoredReplica::new(buf, true));
+                    self.note_recovered_copy(&r.key, e, r.generation, false);
                     taken += 1;
+                }
+                // Taken back from a node that missed the key's removal and put since:
+                // this copy is the newer object (`master/recovered.rs`).
+                Some(e) if self.outdated_by(&r.key, e, r.generation) => {
+                    let wait = self.drop_outdated(&r.key, e, None, now);
+                    e.replicas.push(StoredReplica::new(buf, true));
+                    e.set_len(r.len);
+                    e.checksum = r.checksum;
+                    e.last_access_ms = now;
+                    self.note_recovered_copy(&r.key, e, r.generation, true);
+                    drop(shard);
+                    self.unsent_removals.add(&r.key, wait);
+                    taken += 1;
+                    replaced += 1;
                 }
                 Some(_) => {
                     tracing::warn!(
@@ -509,6 +526,9 @@ impl MasterService {
         if stale > 0 {
             self.counters.stale_copies.fetch_add(stale, std::sync::atomic::Ordering::Relaxed);
             tracing::info!(segment = id, stale, "records older than their keys' last removal or put: not taken back");
+        }
+        if replaced > 0 {
+            tracing::info!(segment = id, replaced, "records newer than the objects taken back before: those replaced");
         }
         tracing::info!(segment = id, taken, "segment re-mounted with its objects");
         Ok((id, taken))

@@ -73,6 +73,10 @@ pub(crate) struct ObjectEntry {
     pub(crate) soft_pin: bool,
     /// `PutEnd` seen: readable.
     complete: bool,
+    /// Made from a copy a node offered back (a re-mounted record, an announced file)
+    /// and not changed since: a newer copy offered later may replace it
+    /// (`master/recovered.rs`).
+    recovered: bool,
 }
 
 /// What only some objects have, in one side box: the disk replica, a pending
@@ -152,6 +156,7 @@ impl ObjectEntry {
             readers: 0,
             soft_pin: false,
             complete: false,
+            recovered: false,
         }
     }
 
@@ -338,6 +343,28 @@ impl ObjectEntry {
         } else {
             u.retired.retain(|(until, _)| *until > now_ms);
         }
+    }
+
+    /// Made from a copy a node offered back, and not changed since.
+    pub(crate) fn recovered(&self) -> bool {
+        self.recovered
+    }
+
+    /// Marks the entry as made from a copy a node offered back (or not).
+    pub(crate) fn set_recovered(&mut self, recovered: bool) {
+        self.recovered = recovered;
+    }
+
+    /// Takes the replicas out, keeping them (retired) until `until_ms` while reads are
+    /// in flight, as an upsert's swap does; freed at once when none is. Returns
+    /// whether some are kept.
+    pub(crate) fn retire_replicas(&mut self, until_ms: u64, now_ms: u64) -> bool {
+        let old = std::mem::take(&mut self.replicas);
+        if old.is_empty() || self.readers == 0 || self.lease_until_ms() <= now_ms {
+            return false;
+        }
+        self.extra_mut().retired.extend(old.into_iter().map(|r| (until_ms, r)));
+        true
     }
 
     /// Whether the entry holds retired replicas (see [`tidy_upsert`](Self::tidy_upsert)).
