@@ -2,12 +2,14 @@
 //! the index stays the same size), on one core, no bytes moved. And the cost of
 //! durable records on an in-process store: a 4 KiB put + remove with the master
 //! tracking records (each acknowledged once the node's records are updated) or not.
+//! And a node re-mounting 100,000 records to a restarted master (in its recovery
+//! window, so each key's generation is remembered as well).
 
 use std::hint::black_box;
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use mooncake_core::{Master, MasterConfig, ReplicateConfig, Store};
+use mooncake_core::{Master, MasterConfig, ObjectRecord, ReplicateConfig, Store};
 use mooncake_transfer::RemoteRegion;
 
 fn metadata_round_trip(c: &mut Criterion) {
@@ -75,5 +77,39 @@ fn embedded_put_with_records(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, metadata_round_trip, embedded_put_with_records);
+fn remount_after_restart(c: &mut Criterion) {
+    const RECORDS: u64 = 100_000;
+    let records: Vec<ObjectRecord> = (0..RECORDS)
+        .map(|i| ObjectRecord {
+            key: format!("bench/prefix/{i:08}"),
+            offset: i * 4096,
+            len: 4096,
+            checksum: i as u32,
+            generation: 1 + i,
+        })
+        .collect();
+    let region = RemoteRegion { endpoint: "bench://node".into(), region: 1 };
+    let mut group = c.benchmark_group("remount");
+    group.throughput(Throughput::Elements(RECORDS));
+    group.sample_size(20);
+    group.bench_function("100k records to a restarted master", |b| {
+        b.iter_batched(
+            || {
+                let master = Master::new(MasterConfig::default()).unwrap();
+                let client = master.register_client().unwrap().client;
+                master.reconnected().unwrap();
+                (master, client)
+            },
+            |(master, client)| {
+                let (_, taken) = master.remount_segment(client, &region, RECORDS * 4096, &records).unwrap();
+                assert_eq!(taken as u64, RECORDS);
+                master
+            },
+            criterion::BatchSize::PerIteration,
+        )
+    });
+    group.finish();
+}
+
+criterion_group!(benches, metadata_round_trip, embedded_put_with_records, remount_after_restart);
 criterion_main!(benches);

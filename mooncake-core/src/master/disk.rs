@@ -15,6 +15,7 @@ use crate::error::{Error, Result};
 
 use crate::master::object::ObjectEntry;
 use crate::master::record_link::RecordWait;
+use crate::master::recovered::Offered;
 use crate::master::service::MasterService;
 use crate::master::types::{ClientId, OffloadPlan, OffloadTask, RecordUpdate};
 
@@ -189,6 +190,7 @@ impl MasterService {
             return items.iter().map(|_| Err(Error::UnknownClient(client))).collect();
         }
         let now = self.now_ms();
+        let window = self.recovering_any();
         items
             .iter()
             .map(|&(key, len, checksum, generation)| {
@@ -197,23 +199,27 @@ impl MasterService {
                 crate::config::check_value_len(len)?;
                 self.gens.observe(generation);
                 let mut shard = self.index.shard(key).lock();
-                match shard.get_mut(key) {
-                    None if !self.tombstones.admits(key, generation) => {
-                        self.counters.stale_copies.fetch_add(1, Ordering::Relaxed);
-                        Err(Error::AlreadyExists(format!("{key} (removed or put again after this copy was written)")))
-                    }
-                    None => {
-                        shard.insert(key, {
-                            let mut e = ObjectEntry::new_complete(len, checksum, now);
-                            e.set_disk(client);
-                            self.note_recovered_copy(key, &mut e, generation, true);
-                            e
-                        });
+                let offered = self.classify_offered(&shard, key, len, checksum, generation);
+                let remember = match offered {
+                    Offered::Absent => {
+                        let mut e = ObjectEntry::new_complete(len, checksum, now);
+                        e.set_disk(client);
+                        let remember = Self::recovered_copy(&mut e, true, window);
+                        shard.insert(key, e);
                         self.add_ssd_used(client, len as i64);
-                        Ok(())
+                        remember
                     }
-                    Some(e) if e.complete() && e.len() == len && e.checksum == checksum => {
-                        self.note_recovered_copy(key, e, generation, false);
+                    Offered::Same | Offered::Newer => {
+                        let Some(e) = shard.get_mut(key) else {
+                            return Err(Error::AlreadyExists(format!("{key} (the master holds a different object)")));
+                        };
+                        if offered == Offered::Newer {
+                            let wait = self.drop_outdated(key, e, Some(client), now);
+                            e.set_len(len);
+                            e.checksum = checksum;
+                            e.last_access_ms = now;
+                            self.unsent_removals.add(key, wait);
+                        }
                         let previous = e.disk();
                         self.attach_disk(e, client);
                         if previous != 0 && previous != client {
@@ -227,23 +233,22 @@ impl MasterService {
                             self.discard_on(previous, key, self.gens.next(), &mut wait);
                             self.unsent_removals.add(key, wait);
                         }
-                        Ok(())
+                        Self::recovered_copy(e, offered == Offered::Newer, window)
                     }
-                    // Taken back from a node that missed the key's removal and put
-                    // since: this file is the newer object (`master/recovered.rs`).
-                    Some(e) if self.outdated_by(key, e, generation) => {
-                        let wait = self.drop_outdated(key, e, Some(client), now);
-                        e.set_len(len);
-                        e.checksum = checksum;
-                        e.last_access_ms = now;
-                        self.attach_disk(e, client);
-                        self.note_recovered_copy(key, e, generation, true);
-                        drop(shard);
-                        self.unsent_removals.add(key, wait);
-                        Ok(())
+                    Offered::Stale => {
+                        self.counters.stale_copies.fetch_add(1, Ordering::Relaxed);
+                        return Err(Error::AlreadyExists(format!(
+                            "{key} (removed or put again after this copy was written)"
+                        )));
                     }
-                    Some(_) => Err(Error::AlreadyExists(format!("{key} (the master holds a different object)"))),
+                    Offered::Conflict => {
+                        return Err(Error::AlreadyExists(format!("{key} (the master holds a different object)")))
+                    }
+                };
+                if remember {
+                    self.remember_recovered(&mut shard, key, generation);
                 }
+                Ok(())
             })
             .collect()
     }

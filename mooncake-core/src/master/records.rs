@@ -24,6 +24,7 @@ use crate::error::{Error, Result};
 
 use crate::master::object::{ObjectEntry, StoredReplica};
 use crate::master::record_link::{Delivery, NodeLink, RecordConnector, RecordSink, RecordWait};
+use crate::master::recovered::Offered;
 use crate::master::service::MasterService;
 use crate::master::types::{ClientId, MemoryReplica, ObjectRecord, RecordUpdate};
 
@@ -447,6 +448,8 @@ impl MasterService {
             return Ok((id, 0));
         }
         let now = self.now_ms();
+        // (Opened above when records came back.)
+        let window = self.recovering_any();
         let mut taken = 0;
         let mut stale = 0u64;
         let mut replaced = 0u64;
@@ -463,42 +466,39 @@ impl MasterService {
                 continue;
             };
             let mut shard = self.index.shard(&r.key).lock();
-            match shard.get_mut(r.key.as_str()) {
+            let offered = self.classify_offered(&shard, &r.key, r.len, r.checksum, r.generation);
+            let remember = match offered {
+                Offered::Absent => {
+                    let mut e = ObjectEntry::new_complete(r.len, r.checksum, now);
+                    e.replicas.push(StoredReplica::new(buf, true));
+                    let remember = Self::recovered_copy(&mut e, true, window);
+                    shard.insert(&r.key, e);
+                    remember
+                }
+                Offered::Same | Offered::Newer => {
+                    let Some(e) = shard.get_mut(&r.key) else {
+                        refused.push((r.key.clone(), r.offset, Some(buf)));
+                        continue;
+                    };
+                    if offered == Offered::Newer {
+                        let wait = self.drop_outdated(&r.key, e, None, now);
+                        e.set_len(r.len);
+                        e.checksum = r.checksum;
+                        e.last_access_ms = now;
+                        self.unsent_removals.add(&r.key, wait);
+                        replaced += 1;
+                    }
+                    e.replicas.push(StoredReplica::new(buf, true));
+                    Self::recovered_copy(e, offered == Offered::Newer, window)
+                }
                 // Removed or put again after this copy was made: not taken back.
-                None if !self.tombstones.admits(&r.key, r.generation) => {
+                Offered::Stale => {
                     stale += 1;
                     drop(shard);
                     refused.push((r.key.clone(), r.offset, Some(buf)));
+                    continue;
                 }
-                None => {
-                    shard.insert(&r.key, {
-                        let mut e = ObjectEntry::new_complete(r.len, r.checksum, now);
-                        e.replicas.push(StoredReplica::new(buf, true));
-                        self.note_recovered_copy(&r.key, &mut e, r.generation, true);
-                        e
-                    });
-                    taken += 1;
-                }
-                Some(e) if e.complete() && e.len() == r.len && e.checksum == r.checksum => {
-                    e.replicas.push(StoredReplica::new(buf, true));
-                    self.note_recovered_copy(&r.key, e, r.generation, false);
-                    taken += 1;
-                }
-                // Taken back from a node that missed the key's removal and put since:
-                // this copy is the newer object (`master/recovered.rs`).
-                Some(e) if self.outdated_by(&r.key, e, r.generation) => {
-                    let wait = self.drop_outdated(&r.key, e, None, now);
-                    e.replicas.push(StoredReplica::new(buf, true));
-                    e.set_len(r.len);
-                    e.checksum = r.checksum;
-                    e.last_access_ms = now;
-                    self.note_recovered_copy(&r.key, e, r.generation, true);
-                    drop(shard);
-                    self.unsent_removals.add(&r.key, wait);
-                    taken += 1;
-                    replaced += 1;
-                }
-                Some(_) => {
+                Offered::Conflict => {
                     tracing::warn!(
                         key = r.key,
                         len = r.len,
@@ -507,8 +507,13 @@ impl MasterService {
                     );
                     drop(shard);
                     refused.push((r.key.clone(), r.offset, Some(buf)));
+                    continue;
                 }
+            };
+            if remember {
+                self.remember_recovered(&mut shard, &r.key, r.generation);
             }
+            taken += 1;
         }
         if self.config.track_records && !refused.is_empty() {
             let mut wait = RecordWait::default();

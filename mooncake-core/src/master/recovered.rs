@@ -22,103 +22,91 @@
 //!
 //! Only entries made from offered copies are replaced (`ObjectEntry::recovered`): an
 //! object put on this master is newer than anything a node offers back. The
-//! generations are kept by the key's 64-bit hash (24 bytes a key, only while a
-//! window is open, dropped by the monitor once none is): two keys sharing a hash
-//! keep the newer generation, which only makes the master refuse a copy it could
-//! have taken, as before. A copy offered once no window is open is refused on a
+//! generations are kept in the key's index shard, by the key's 64-bit hash (16 bytes
+//! a copy taken back, appended under the shard lock the re-mount holds anyway; only
+//! while a window is open, dropped by the monitor once none is): two keys sharing a
+//! hash share the newer generation, which only makes the master refuse a copy it
+//! could have taken, as before. A copy offered once no window is open is refused on a
 //! conflict as before: the nodes that come back then are those forgotten long ago.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 
-use parking_lot::Mutex;
-
-use crate::master::object::ObjectEntry;
+use crate::master::object::{ObjectEntry, Shard};
 use crate::master::record_link::RecordWait;
 use crate::master::service::MasterService;
 use crate::master::types::ClientId;
 
-/// Shards of the generations (each its own lock, taken last: no lock is taken under it).
-const SHARDS: usize = 64;
-
-/// The newest generation of the copies each recovered key was taken back from, by
-/// the key's hash (see the module docs).
-pub(crate) struct RecoveredGenerations {
-    shards: Box<[Mutex<ahash::HashMap<u64, u64>>]>,
-    hasher: ahash::RandomState,
-    /// Whether any shard may hold anything: the monitor skips the locks while none does.
-    any: AtomicBool,
-}
-
-impl Default for RecoveredGenerations {
-    fn default() -> Self {
-        Self {
-            shards: (0..SHARDS).map(|_| Mutex::new(Default::default())).collect(),
-            hasher: ahash::RandomState::new(),
-            any: AtomicBool::new(false),
-        }
-    }
-}
-
-impl RecoveredGenerations {
-    fn shard(&self, key: &str) -> (u64, &Mutex<ahash::HashMap<u64, u64>>) {
-        let hash = self.hasher.hash_one(key);
-        (hash, &self.shards[((hash >> 48) as usize) % SHARDS])
-    }
-
-    /// A copy of `key` stamped `generation` was taken back.
-    fn note(&self, key: &str, generation: u64) {
-        let (hash, shard) = self.shard(key);
-        let mut shard = shard.lock();
-        let newest = shard.entry(hash).or_insert(generation);
-        *newest = (*newest).max(generation);
-        self.any.store(true, Ordering::Release);
-    }
-
-    /// The newest generation taken back for `key`, if it is remembered.
-    fn get(&self, key: &str) -> Option<u64> {
-        if !self.any.load(Ordering::Acquire) {
-            return None;
-        }
-        let (hash, shard) = self.shard(key);
-        shard.lock().get(&hash).copied()
-    }
-
-    /// Forgets every generation (the maps' memory goes too).
-    fn clear(&self) {
-        if self.any.swap(false, Ordering::AcqRel) {
-            for shard in self.shards.iter() {
-                *shard.lock() = Default::default();
-            }
-        }
-    }
+/// What the master makes of a copy of a key a node offers back (a re-mounted
+/// record, an announced file).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Offered {
+    /// The key has no object, and was not removed or put again since the copy was
+    /// stamped: the copy is taken, as the key's object.
+    Absent,
+    /// Older than the key's last removal or put: refused.
+    Stale,
+    /// A copy of the key's object: it joins it.
+    Same,
+    /// Newer than the object taken back for the key, which it replaces.
+    Newer,
+    /// Another object than the key's, and not a newer one: refused.
+    Conflict,
 }
 
 impl MasterService {
-    /// `e`, the object under `key`, was made from a copy stamped `generation` that a
-    /// node offered back (`made`), or such a copy joined it: while a recovery window
-    /// is open, a newer copy offered later may replace it. A copy joining an object
-    /// put on this master changes nothing (that object is newer than the copy says).
-    pub(crate) fn note_recovered_copy(&self, key: &str, e: &mut ObjectEntry, generation: u64, made: bool) {
-        if (made || e.recovered()) && self.recovering_any() {
-            e.set_recovered(true);
-            self.recovered.note(key, generation);
+    /// What to make of a copy of `key` (`len` bytes, `checksum`) stamped
+    /// `generation` that a node offers back, given `shard`, the key's (locked).
+    pub(crate) fn classify_offered(
+        &self,
+        shard: &Shard,
+        key: &str,
+        len: u64,
+        checksum: u32,
+        generation: u64,
+    ) -> Offered {
+        match shard.get(key) {
+            None if !self.tombstones.admits(key, generation) => Offered::Stale,
+            None => Offered::Absent,
+            Some(e) if e.complete() && e.len() == len && e.checksum == checksum => Offered::Same,
+            // Taken back from a node that missed the key's removal and put since
+            // (and not changed since): this copy is the newer object.
+            Some(e)
+                if e.complete()
+                    && e.recovered()
+                    && shard.recovered_generation(key).is_some_and(|newest| generation > newest)
+                    && self.tombstones.admits(key, generation) =>
+            {
+                Offered::Newer
+            }
+            Some(_) => Offered::Conflict,
         }
     }
 
-    /// Whether an offered copy of `key` stamped `generation`, which differs from `e`,
-    /// holds a newer object than `e`: `e` was taken back from older copies (and not
-    /// changed since), and `key` was not removed or put again on this master after
-    /// the copy was stamped.
-    pub(crate) fn outdated_by(&self, key: &str, e: &ObjectEntry, generation: u64) -> bool {
-        e.complete()
-            && e.recovered()
-            && self.recovered.get(key).is_some_and(|newest| generation > newest)
-            && self.tombstones.admits(key, generation)
+    /// A copy of `key` stamped `generation`, offered back, was taken by `e`, the
+    /// key's object in `shard`: it made `e` (`made`: the key was absent, or its
+    /// object replaced) or joined it. While a recovery window is open (`window`:
+    /// [`recovering_any`](Self::recovering_any) when the node's call began, asked
+    /// once per call, not per copy), `e` may then be replaced by a newer copy
+    /// offered later: returns whether the copy's generation must be remembered
+    /// ([`remember_recovered`](Self::remember_recovered), once `e` is no longer
+    /// borrowed). A copy joining an object put on this master changes nothing (that
+    /// object is newer than the copy says).
+    pub(crate) fn recovered_copy(e: &mut ObjectEntry, made: bool, window: bool) -> bool {
+        if made {
+            e.set_recovered(window);
+        }
+        window && e.recovered()
     }
 
-    /// Drops `e`'s object for a newer copy of `key` offered back (see
-    /// [`outdated_by`](Self::outdated_by); the caller then makes `e` that copy's
-    /// object): the owners of its replicas are sent `Removed`, its disk replica and
+    /// Remembers the generation of a copy of `key` taken back (see
+    /// [`recovered_copy`](Self::recovered_copy)).
+    pub(crate) fn remember_recovered(&self, shard: &mut Shard, key: &str, generation: u64) {
+        shard.note_recovered(key, generation);
+        self.recovered_noted.store(true, Ordering::Release);
+    }
+
+    /// Drops `e`'s object for a newer copy of `key` offered back
+    /// ([`Offered::Newer`]; the caller then makes `e` that copy's object): the owners of its replicas are sent `Removed`, its disk replica and
     /// the files an asked-for offload may have written are discarded (but on
     /// `filer`'s SSD, whose file is the newer copy), and the replicas are kept while
     /// reads in flight may still copy from them. Returns the removals to wait for
@@ -145,11 +133,13 @@ impl MasterService {
         wait
     }
 
-    /// Forgets the generations of recovered keys once no recovery window is open
-    /// (the monitor's round).
+    /// Forgets the generations of copies taken back once no recovery window is
+    /// open (the monitor's round).
     pub(crate) fn forget_recovered_generations(&self) {
-        if !self.recovering_any() {
-            self.recovered.clear();
+        if !self.recovering_any() && self.recovered_noted.swap(false, Ordering::AcqRel) {
+            for shard in self.index.shards() {
+                shard.lock().forget_recovered();
+            }
         }
     }
 }
@@ -354,9 +344,10 @@ mod tests {
         .unwrap();
         let (a, b) = (node(&master, "a"), node(&master, "b"));
         a.remount(&master, &[record(1, 10)]);
-        assert!(master.service().recovered.get("k").is_some());
+        let remembered = || master.service().index.shard("k").lock().recovered_generation("k").is_some();
+        assert!(remembered());
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
-        while master.service().recovering_any() || master.service().recovered.get("k").is_some() {
+        while master.service().recovering_any() || remembered() {
             assert!(std::time::Instant::now() < deadline, "the window never closed");
             master.heartbeat(a.client).unwrap();
             master.heartbeat(b.client).unwrap();

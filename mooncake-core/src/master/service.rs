@@ -59,9 +59,10 @@ pub struct MasterService {
     /// Generation high-water marks of keys whose old copies may still be offered: a
     /// record or file older than its key's last removal is refused.
     pub(super) tombstones: crate::master::tombstones::Tombstones,
-    /// While a recovery window is open: the newest generation of the copies each key
-    /// was taken back from, so that a newer copy offered later replaces the object.
-    pub(super) recovered: crate::master::recovered::RecoveredGenerations,
+    /// Whether an index shard may hold generations of copies taken back in a
+    /// recovery window (`master/recovered.rs`): the monitor drops them once no
+    /// window is open.
+    pub(super) recovered_noted: std::sync::atomic::AtomicBool,
     /// Removals that evictions and dropped puts queued (not waited for) and that have
     /// not reached their nodes yet: a later remove or put of the key waits for them.
     pub(super) unsent_removals: crate::master::record_link::UnsentRemovals,
@@ -169,7 +170,7 @@ impl Master {
             record_connector: std::sync::OnceLock::new(),
             gens: Default::default(),
             tombstones: Default::default(),
-            recovered: Default::default(),
+            recovered_noted: Default::default(),
             unsent_removals: Default::default(),
             send_after_answer: Default::default(),
             orphaned_upserts: Default::default(),

@@ -41,9 +41,9 @@ impl ObjectIndex {
 }
 
 /// Heap bytes a table spends on its slots (one entry pointer, plus a control byte
-/// each).
+/// each), and on the generations of copies taken back in a recovery window.
 pub(crate) fn table_bytes(shard: &Shard) -> u64 {
-    (shard.slots() * (std::mem::size_of::<usize>() + 1)) as u64
+    (shard.slots() * (std::mem::size_of::<usize>() + 1) + shard.recovered_bytes()) as u64
 }
 
 /// Bytes glibc's malloc takes for a request of `size`: an 8-byte header, rounded up

@@ -252,11 +252,22 @@ pub(crate) struct Shard {
     /// The entry last handed out by `get_mut`, until the next `&mut self` call
     /// accounts for what the borrower changed.
     lent: Option<Lent>,
+    /// While a recovery window is open: (key hash, generation) of each copy the
+    /// master took back for an object of this shard (`master/recovered.rs`).
+    /// Appended to under the lock a re-mount holds anyway; looked through only for
+    /// a copy that conflicts with the object.
+    recovered: Vec<(u64, u64)>,
 }
 
 impl Default for Shard {
     fn default() -> Self {
-        Self { table: HashTable::new(), hasher: ahash::RandomState::new(), totals: Totals::default(), lent: None }
+        Self {
+            table: HashTable::new(),
+            hasher: ahash::RandomState::new(),
+            totals: Totals::default(),
+            lent: None,
+            recovered: Vec::new(),
+        }
     }
 }
 
@@ -375,6 +386,29 @@ impl Shard {
     #[cfg(test)]
     pub(crate) fn len(&self) -> usize {
         self.table.len()
+    }
+
+    /// A copy of `key` stamped `generation` was taken back (see `recovered`).
+    pub(crate) fn note_recovered(&mut self, key: &str, generation: u64) {
+        let hash = self.hash(key);
+        self.recovered.push((hash, generation));
+    }
+
+    /// The newest generation of the copies taken back for `key` (or for a key
+    /// sharing its hash), if any is remembered.
+    pub(crate) fn recovered_generation(&self, key: &str) -> Option<u64> {
+        let hash = self.hash(key);
+        self.recovered.iter().filter(|&&(h, _)| h == hash).map(|&(_, g)| g).max()
+    }
+
+    /// Forgets the generations of copies taken back (their memory goes too).
+    pub(crate) fn forget_recovered(&mut self) {
+        self.recovered = Vec::new();
+    }
+
+    /// Heap bytes of the generations of copies taken back.
+    pub(crate) fn recovered_bytes(&self) -> usize {
+        self.recovered.capacity() * std::mem::size_of::<(u64, u64)>()
     }
 
     /// Slots the table has allocated (used or spare).
