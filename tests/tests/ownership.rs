@@ -295,3 +295,48 @@ fn puts_wait_in_a_group_taken_over_only_once_its_objects_come_back() {
     master.put_start(client, &missing, 100, &ReplicateConfig::default()).unwrap();
     master.put_end(client, &missing, 8).unwrap();
 }
+
+/// A new leader of a group rebuilds it from the extents nodes mount: a node that
+/// missed a key's removal and put again mounts first with the old object, the node
+/// of the new put next. The newer copy is the key's value, and the first node is
+/// told to drop its record; an older copy mounted after it is refused.
+#[test]
+fn a_new_leader_keeps_the_newest_copy_whichever_extent_comes_first() {
+    let (master, own) = cluster_master(&[0]);
+    master.acquire_group(0);
+    let key = key_in(&own, 0, 0);
+    let record = |checksum: u32, generation: u64| ObjectRecord {
+        key: key.clone(),
+        offset: 0,
+        len: 100 + u64::from(checksum),
+        checksum,
+        generation,
+    };
+    let node = |n: u64| {
+        let client = master.register_client().unwrap().client;
+        let seen = Arc::new(Recorder::default());
+        master.attach_records(client, seen.clone()).unwrap();
+        (client, seen, region(n))
+    };
+    let ((a, seen_a, region_a), (b, _, region_b), (c, seen_c, region_c)) = (node(1), node(2), node(3));
+    let (extent_a, _) = master.mount_extent(a, &region_a, 1 << 20, 0, &[record(1, 10)]).unwrap();
+    let (extent_b, taken) = master.mount_extent(b, &region_b, 1 << 20, 0, &[record(2, 20)]).unwrap();
+    assert_eq!(taken, 1, "the newer copy was refused");
+    let (extent_c, taken) = master.mount_extent(c, &region_c, 1 << 20, 0, &[record(3, 15)]).unwrap();
+    assert_eq!(taken, 0, "an older copy was taken");
+    let list = master.get_replica_list(&key).unwrap();
+    assert_eq!(list.checksum, 2);
+    assert_eq!(list.replicas.iter().map(|r| r.segment).collect::<Vec<_>>(), [extent_b]);
+    // The key's remove waits for every removal queued for it: by then node a has it.
+    master.release_leases(&[&key]).unwrap();
+    master.remove(&key).unwrap();
+    let removed = |seen: &Recorder, extent| {
+        seen.0
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|u| matches!(u, RecordUpdate::Removed { segment, key: k, .. } if *segment == extent && *k == key))
+    };
+    assert!(removed(&seen_a, extent_a), "the old copy's node still lists it");
+    assert!(removed(&seen_c, extent_c), "the refused copy's node still lists it");
+}
