@@ -43,9 +43,15 @@ impl GenClock {
     /// A generation seen elsewhere (a record, a file): later ones are greater.
     /// Generations implausibly far ahead of the wall clock are ignored.
     pub(crate) fn observe(&self, generation: u64) {
-        if generation <= unix_ns().saturating_add(MAX_AHEAD_NS) {
+        if Self::believable(generation) {
             self.last.fetch_max(generation, Ordering::AcqRel);
         }
+    }
+
+    /// Whether `generation` is not implausibly far ahead of the wall clock (more
+    /// than a day): a copy stamped so is never taken for a newer object either.
+    pub(crate) fn believable(generation: u64) -> bool {
+        generation <= unix_ns().saturating_add(MAX_AHEAD_NS)
     }
 }
 

@@ -31,6 +31,7 @@
 
 use std::sync::atomic::Ordering;
 
+use crate::master::generations::GenClock;
 use crate::master::object::{ObjectEntry, Shard};
 use crate::master::record_link::RecordWait;
 use crate::master::service::MasterService;
@@ -73,6 +74,7 @@ impl MasterService {
             Some(e)
                 if e.complete()
                     && e.recovered()
+                    && GenClock::believable(generation)
                     && shard.recovered_generation(key).is_some_and(|newest| generation > newest)
                     && self.tombstones.admits(key, generation) =>
             {
@@ -249,14 +251,16 @@ mod tests {
         assert_eq!(master.stats().stale_copies, 1);
     }
 
-    /// The other order: the older copy, offered second, is refused.
+    /// The other order: the older copy, offered second, is refused; so is one stamped
+    /// implausibly far ahead of the clock (more than a day).
     #[test]
     fn an_older_copy_offered_after_a_newer_one_is_refused() {
         let master = master();
-        let (a, b) = (node(&master, "a"), node(&master, "b"));
+        let (a, b, c) = (node(&master, "a"), node(&master, "b"), node(&master, "c"));
         let (seg_b, _) = b.remount(&master, &[record(2, 20)]);
         let (seg_a, taken) = a.remount(&master, &[record(1, 10)]);
         assert_eq!(taken, 0);
+        assert_eq!(c.remount(&master, &[record(3, u64::MAX - 1)]).1, 0, "a copy from the far future was taken");
         let list = master.get_replica_list("k").unwrap();
         assert_eq!(list.checksum, 1002);
         assert_eq!(list.replicas.iter().map(|r| r.segment).collect::<Vec<_>>(), [seg_b]);
