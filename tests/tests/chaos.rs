@@ -2,7 +2,9 @@
 //! own keys without pause, while a fault thread injects faults. Two runs:
 //! - **master kills and node pauses**: the master is killed (`kill -9`, then a
 //!   restart on its address) and storage nodes stopped (`SIGSTOP`, `SIGCONT`), now
-//!   and then past their TTL;
+//!   and then past their TTL, and now and then the master is killed while such a
+//!   node is forgotten: the node comes back to a master without tombstones, with
+//!   records of objects removed or replaced meanwhile;
 //! - **node kills on SSD tiers**: nodes with an SSD tier (objects persisted as soon
 //!   as they are put; one node per on-disk layout) are killed (`kill -9`) and restarted on their directory, at
 //!   once or after the master forgot them; the master is killed now and then while
@@ -19,7 +21,13 @@
 //!   upsert is there (or what a later call may have left), an acknowledged remove
 //!   stays removed. Objects are put with two replicas on two nodes, so an
 //!   acknowledged one may be missing only after two node kills (neither memory
-//!   replica left, the disk copy not yet written).
+//!   replica left, the disk copy not yet written). After a master kill while a
+//!   node was forgotten, a key removed since that node stopped may come back with
+//!   a state it could hold when the node stopped (the documented window: the new
+//!   master never saw the removal); a key put or upserted since must hold the newer
+//!   state whichever node comes back first (a read in the tens of ms between the
+//!   forgotten node's re-mount and the others' may still return the older state:
+//!   counted in the report, not failed).
 //!
 //! Seeded: a failure prints its seed; `MOONCAKE_CHAOS_SEED=N` runs that sequence of
 //! choices again (the faults' timing still varies), `MOONCAKE_CHAOS_SECS=N` runs
@@ -78,6 +86,11 @@ struct Model {
     /// Per key, the node kills counted before the call that set its state last
     /// began: two kills since, and its objects may be gone.
     kills_at_ack: Vec<u64>,
+    /// Per key, every change of `may_hold`: (when its call began, when it was
+    /// answered, `may_hold` after it), in the order answered.
+    history: Vec<Vec<(Instant, Instant, BTreeSet<State>)>>,
+    /// The `Faults::stale_returns` this model has taken in.
+    stale_returns: Vec<(Instant, Instant)>,
 }
 
 impl Model {
@@ -85,14 +98,64 @@ impl Model {
         Model {
             may_hold: (0..KEYS_PER_WORKER).map(|_| BTreeSet::from([None])).collect(),
             kills_at_ack: vec![0; KEYS_PER_WORKER],
+            history: vec![Vec::new(); KEYS_PER_WORKER],
+            stale_returns: Vec::new(),
         }
+    }
+
+    /// Notes `slot`'s new `may_hold`, set by a call begun at `started`.
+    fn changed(&mut self, slot: usize, started: Instant) {
+        self.history[slot].push((started, Instant::now(), self.may_hold[slot].clone()));
+    }
+
+    /// The states `slot` may have held from `from` to `to`: those of the last
+    /// change answered by `from`, and those of every call in flight or answered
+    /// between the two.
+    fn held_during(&self, slot: usize, from: Instant, to: Instant) -> BTreeSet<State> {
+        let mut held = BTreeSet::from([None]);
+        for (started, answered, after) in &self.history[slot] {
+            if *answered <= from {
+                held = after.clone();
+            } else if *started <= to {
+                held.extend(after.iter().copied());
+            }
+        }
+        held
+    }
+
+    /// Whether `slot` may have held `state` while the node of the last master kill
+    /// while a node was forgotten was stopped.
+    fn held_by_stale_node(&self, slot: usize, state: State) -> bool {
+        let Some(&(from, to)) = self.stale_returns.last() else { return false };
+        self.held_during(slot, from, to).contains(&state)
+    }
+
+    /// Takes in the master kills that happened while a node was forgotten (stopped
+    /// at `from`, the master killed at `to`): a key that may be absent now (removed
+    /// since) may also hold what it held meanwhile, which the node's records may
+    /// bring back to a master that never saw the removal. (Updates written ahead to
+    /// a stopped node wait in its socket, and it applies them once it runs again.)
+    /// A key put or upserted since holds the newer state: the restarted master keeps
+    /// the newest copy offered back.
+    fn follow(&mut self, faults: &Faults) {
+        let returns = faults.stale_returns.lock().unwrap().clone();
+        for &(from, to) in &returns[self.stale_returns.len()..] {
+            for slot in 0..KEYS_PER_WORKER {
+                if self.may_hold[slot].contains(&None) {
+                    let held = self.held_during(slot, from, to);
+                    self.may_hold[slot].extend(held);
+                }
+            }
+        }
+        self.stale_returns = returns;
     }
 
     /// A call that set `slot` to `state`, begun when `kills` nodes had been killed,
     /// was acknowledged.
-    fn acknowledged(&mut self, slot: usize, state: State, kills: u64) {
+    fn acknowledged(&mut self, slot: usize, state: State, kills: u64, started: Instant) {
         self.may_hold[slot] = BTreeSet::from([state]);
         self.kills_at_ack[slot] = kills;
+        self.changed(slot, started);
     }
 
     /// Whether `slot` may be absent although no call of its history says so: two
@@ -102,22 +165,31 @@ impl Model {
         kills_now >= self.kills_at_ack[slot] + 2
     }
 
-    /// A call that would set `slot` to `state` failed: it may have taken effect.
-    fn maybe(&mut self, slot: usize, state: State) {
+    /// A call that would set `slot` to `state`, begun at `started`, failed: it may
+    /// have taken effect.
+    fn maybe(&mut self, slot: usize, state: State, started: Instant) {
         self.may_hold[slot].insert(state);
+        self.changed(slot, started);
     }
 
-    /// What the answer `res` of a call that sets `slot` to `state`, begun after
-    /// `kills` node kills, says, counted.
-    fn answered(&mut self, tally: &Tally, slot: usize, state: State, kills: u64, res: &Result<(), Error>) {
+    /// What the answer `res` of a call that sets `slot` to `state`, begun at
+    /// `started` after `kills` node kills, says, counted.
+    fn answered(
+        &mut self,
+        tally: &Tally,
+        slot: usize,
+        state: State,
+        (kills, started): (u64, Instant),
+        res: &Result<(), Error>,
+    ) {
         match res {
             Ok(()) => {
-                self.acknowledged(slot, state, kills);
+                self.acknowledged(slot, state, kills, started);
                 let count = if state.is_some() { &tally.acknowledged_writes } else { &tally.acknowledged_removes };
                 count.fetch_add(1, Ordering::Relaxed);
             }
             Err(_) => {
-                self.maybe(slot, state);
+                self.maybe(slot, state, started);
                 tally.failed_calls.fetch_add(1, Ordering::Relaxed);
             }
         }
@@ -134,6 +206,10 @@ struct Tally {
     master_kills: AtomicU64,
     node_pauses: AtomicU64,
     pauses_past_ttl: AtomicU64,
+    master_kills_while_forgotten: AtomicU64,
+    /// Reads, right after such a kill, of a state older than the key's (the known
+    /// window: the forgotten node re-mounted before the nodes of newer copies).
+    stale_window_reads: AtomicU64,
     nodes_forgotten_killed: AtomicU64,
 }
 
@@ -149,6 +225,11 @@ struct Faults {
     node_forgotten: AtomicBool,
     /// Nodes killed so far (counted before the signal).
     node_kills: AtomicU64,
+    /// When each node stopped that was forgotten and came back to a restarted
+    /// master, and when the master was killed (pushed before the kill).
+    stale_returns: std::sync::Mutex<Vec<(Instant, Instant)>>,
+    /// Set from such a kill until every node is back (and a second more).
+    stale_window: AtomicBool,
 }
 
 impl Faults {
@@ -186,6 +267,11 @@ fn work(
                 Some(v) if may.contains(&Some(v)) => {
                     tally.good_reads.fetch_add(1, Ordering::Relaxed);
                 }
+                // Until the nodes of newer copies re-mount (tens of ms), the object
+                // is the one the forgotten node brought back.
+                Some(v) if faults.stale_window.load(Ordering::SeqCst) && model.held_by_stale_node(slot, Some(v)) => {
+                    tally.stale_window_reads.fetch_add(1, Ordering::Relaxed);
+                }
                 Some(v) => problems.push(format!("{} {}: read version {v}, may hold {may:?}", clock(), name(slot))),
                 None => problems.push(format!(
                     "{} {}: read {} bytes that were never written",
@@ -205,15 +291,21 @@ fn work(
         }
     };
     while !stop.load(Ordering::Relaxed) {
-        let kills = faults.kills();
+        model.follow(&faults);
+        let kills = (faults.kills(), Instant::now());
         let slot = rng.random_range(0..KEYS_PER_WORKER);
         let key = name(slot);
         match rng.random_range(0..100) {
             // Reads, by value and into a buffer.
-            0..30 => check(&model, slot, store.get(&key).as_deref(), &mut problems),
+            0..30 => {
+                let got = store.get(&key);
+                model.follow(&faults);
+                check(&model, slot, got.as_deref(), &mut problems)
+            }
             30..35 => {
                 let mut buf = vec![0u8; 1 << 20];
                 let got = store.get_into(&key, &mut buf).map(|n| &buf[..n]);
+                model.follow(&faults);
                 check(&model, slot, got.as_deref(), &mut problems);
             }
             // Puts: only of keys the model says are absent (objects are immutable).
@@ -254,7 +346,9 @@ fn work(
                 let slots: Vec<usize> = (0..4).map(|_| rng.random_range(0..KEYS_PER_WORKER)).collect();
                 let keys: Vec<String> = slots.iter().map(|&s| name(s)).collect();
                 let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
-                for (&s, r) in slots.iter().zip(store.batch_get(&refs)) {
+                let got = store.batch_get(&refs);
+                model.follow(&faults);
+                for (&s, r) in slots.iter().zip(got) {
                     check(&model, s, r.as_deref(), &mut problems);
                 }
             }
@@ -268,6 +362,7 @@ fn work(
             }
         }
     }
+    model.follow(&faults);
     (model, problems)
 }
 
@@ -332,6 +427,26 @@ fn inject_master_kills_and_pauses(c: &mut Cluster, rng: &mut TestRng, until: Ins
                 std::thread::sleep(Duration::from_millis(1000));
                 faults.node_forgotten.store(false, Ordering::SeqCst);
                 tally.pauses_past_ttl.fetch_add(1, Ordering::Relaxed);
+            }
+            9 => {
+                // Past its TTL, and the master killed while it is forgotten: the node
+                // comes back to a master that never saw what was removed or put
+                // again meanwhile (and may be the first back).
+                let node = rng.random_range(0..NODES);
+                faults.node_forgotten.store(true, Ordering::SeqCst);
+                eprintln!("{} chaos: node {node} stopped past its TTL, the master to be killed", clock());
+                let stopped = Instant::now();
+                c.nodes[node].signal("STOP");
+                std::thread::sleep(ttl + Duration::from_millis(rng.random_range(500..2000)));
+                faults.stale_returns.lock().unwrap().push((stopped, Instant::now()));
+                faults.stale_window.store(true, Ordering::SeqCst);
+                kill_master(c, Duration::ZERO, tally);
+                c.nodes[node].signal("CONT");
+                wait_until(Duration::from_secs(20), || status_number(c, "segments") == Some(NODES as u64));
+                std::thread::sleep(Duration::from_millis(1000));
+                faults.stale_window.store(false, Ordering::SeqCst);
+                faults.node_forgotten.store(false, Ordering::SeqCst);
+                tally.master_kills_while_forgotten.fetch_add(1, Ordering::Relaxed);
             }
             _ => {}
         }
@@ -496,12 +611,16 @@ fn run(mut c: Cluster, scenario: Scenario, two: ReplicateConfig, default_secs: u
     let t = &*tally;
     let report = format!(
         "seed {seed}: {} writes and {} removes acknowledged, {} calls failed, {} reads checked; \
-         {} master kills, {} node pauses, {} past the TTL, {} node kills ({} forgotten before the restart)",
+         {} master kills ({} while a node was forgotten; {} reads of an older state right after), \
+         {} node pauses, {} past the TTL, \
+         {} node kills ({} forgotten before the restart)",
         t.acknowledged_writes.load(Ordering::Relaxed),
         t.acknowledged_removes.load(Ordering::Relaxed),
         t.failed_calls.load(Ordering::Relaxed),
         t.good_reads.load(Ordering::Relaxed),
         t.master_kills.load(Ordering::Relaxed),
+        t.master_kills_while_forgotten.load(Ordering::Relaxed),
+        t.stale_window_reads.load(Ordering::Relaxed),
         t.node_pauses.load(Ordering::Relaxed),
         t.pauses_past_ttl.load(Ordering::Relaxed),
         faults.kills(),
