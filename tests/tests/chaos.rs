@@ -25,9 +25,9 @@
 //!   node was forgotten, a key removed since that node stopped may come back with
 //!   a state it could hold when the node stopped (the documented window: the new
 //!   master never saw the removal); a key put or upserted since must hold the newer
-//!   state whichever node comes back first (a read in the tens of ms between the
-//!   forgotten node's re-mount and the others' may still return the older state:
-//!   counted in the report, not failed).
+//!   state whichever node comes back first, and no read may return the older one
+//!   meanwhile (the node says it may have missed updates: what only it holds
+//!   answers `Recovering` until the recovery window closes).
 //!
 //! Seeded: a failure prints its seed; `MOONCAKE_CHAOS_SEED=N` runs that sequence of
 //! choices again (the faults' timing still varies), `MOONCAKE_CHAOS_SECS=N` runs
@@ -123,13 +123,6 @@ impl Model {
         held
     }
 
-    /// Whether `slot` may have held `state` while the node of the last master kill
-    /// while a node was forgotten was stopped.
-    fn held_by_stale_node(&self, slot: usize, state: State) -> bool {
-        let Some(&(from, to)) = self.stale_returns.last() else { return false };
-        self.held_during(slot, from, to).contains(&state)
-    }
-
     /// Takes in the master kills that happened while a node was forgotten (stopped
     /// at `from`, the master killed at `to`): a key that may be absent now (removed
     /// since) may also hold what it held meanwhile, which the node's records may
@@ -207,9 +200,6 @@ struct Tally {
     node_pauses: AtomicU64,
     pauses_past_ttl: AtomicU64,
     master_kills_while_forgotten: AtomicU64,
-    /// Reads, right after such a kill, of a state older than the key's (the known
-    /// window: the forgotten node re-mounted before the nodes of newer copies).
-    stale_window_reads: AtomicU64,
     nodes_forgotten_killed: AtomicU64,
 }
 
@@ -228,8 +218,6 @@ struct Faults {
     /// When each node stopped that was forgotten and came back to a restarted
     /// master, and when the master was killed (pushed before the kill).
     stale_returns: std::sync::Mutex<Vec<(Instant, Instant)>>,
-    /// Set from such a kill until every node is back (and a second more).
-    stale_window: AtomicBool,
 }
 
 impl Faults {
@@ -266,11 +254,6 @@ fn work(
             Ok(bytes) => match version_of(key_of(slot), bytes) {
                 Some(v) if may.contains(&Some(v)) => {
                     tally.good_reads.fetch_add(1, Ordering::Relaxed);
-                }
-                // Until the nodes of newer copies re-mount (tens of ms), the object
-                // is the one the forgotten node brought back.
-                Some(v) if faults.stale_window.load(Ordering::SeqCst) && model.held_by_stale_node(slot, Some(v)) => {
-                    tally.stale_window_reads.fetch_add(1, Ordering::Relaxed);
                 }
                 Some(v) => problems.push(format!("{} {}: read version {v}, may hold {may:?}", clock(), name(slot))),
                 None => problems.push(format!(
@@ -439,12 +422,10 @@ fn inject_master_kills_and_pauses(c: &mut Cluster, rng: &mut TestRng, until: Ins
                 c.nodes[node].signal("STOP");
                 std::thread::sleep(ttl + Duration::from_millis(rng.random_range(500..2000)));
                 faults.stale_returns.lock().unwrap().push((stopped, Instant::now()));
-                faults.stale_window.store(true, Ordering::SeqCst);
                 kill_master(c, Duration::ZERO, tally);
                 c.nodes[node].signal("CONT");
                 wait_until(Duration::from_secs(20), || status_number(c, "segments") == Some(NODES as u64));
                 std::thread::sleep(Duration::from_millis(1000));
-                faults.stale_window.store(false, Ordering::SeqCst);
                 faults.node_forgotten.store(false, Ordering::SeqCst);
                 tally.master_kills_while_forgotten.fetch_add(1, Ordering::Relaxed);
             }
@@ -611,8 +592,7 @@ fn run(mut c: Cluster, scenario: Scenario, two: ReplicateConfig, default_secs: u
     let t = &*tally;
     let report = format!(
         "seed {seed}: {} writes and {} removes acknowledged, {} calls failed, {} reads checked; \
-         {} master kills ({} while a node was forgotten; {} reads of an older state right after), \
-         {} node pauses, {} past the TTL, \
+         {} master kills ({} while a node was forgotten), {} node pauses, {} past the TTL, \
          {} node kills ({} forgotten before the restart)",
         t.acknowledged_writes.load(Ordering::Relaxed),
         t.acknowledged_removes.load(Ordering::Relaxed),
@@ -620,7 +600,6 @@ fn run(mut c: Cluster, scenario: Scenario, two: ReplicateConfig, default_secs: u
         t.good_reads.load(Ordering::Relaxed),
         t.master_kills.load(Ordering::Relaxed),
         t.master_kills_while_forgotten.load(Ordering::Relaxed),
-        t.stale_window_reads.load(Ordering::Relaxed),
         t.node_pauses.load(Ordering::Relaxed),
         t.pauses_past_ttl.load(Ordering::Relaxed),
         faults.kills(),

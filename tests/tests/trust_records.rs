@@ -311,9 +311,9 @@ fn a_forgotten_ssd_node_returning_after_a_reput_and_remove_serves_no_old_bytes()
 /// Node 0 holds v1 of the `p/` keys, is paused and forgotten; v2 is put on node 1.
 /// The master is killed and restarted while node 1 is paused too, so that node 0
 /// comes back first and offers its v1 records to a master that lost its tombstones.
-/// Node 1 then comes back with v2: v2 must be the keys' value. (Before generations
-/// decided re-mount conflicts, the first copy offered stayed: v1 was served again and
-/// v2, acknowledged, was dropped.)
+/// Node 1 then comes back with v2: v2 must be the keys' value, and meanwhile no v1
+/// byte is served. (Before generations decided re-mount conflicts, the first copy
+/// offered stayed: v1 was served again and v2, acknowledged, was dropped.)
 #[test]
 fn a_stale_node_back_first_after_a_master_restart_does_not_decide_the_value() {
     let mut c = Cluster::start(&["--client-ttl-ms", "2000", "--default-lease-ms", "1"], 1);
@@ -335,9 +335,16 @@ fn a_stale_node_back_first_after_a_master_restart_does_not_decide_the_value() {
     c.restart_master();
     c.nodes[0].signal("CONT");
     wait_until(Duration::from_secs(15), || status_number(&c, "segments") == Some(1));
+    // Node 0 knows it was silent past its TTL and says so: until the recovery
+    // window closes (or a newer copy comes), what only it holds is `Recovering`,
+    // never its old bytes.
+    let store = client(&c.master_addr);
+    for i in 0..kept {
+        let early = store.master().get_replica_list(&format!("p/{i}"));
+        assert!(matches!(early, Err(Error::Recovering(_))), "p/{i} served from the stale node: {early:?}");
+    }
     c.nodes[1].signal("CONT");
     wait_until(Duration::from_secs(15), || status_number(&c, "segments") == Some(2));
-    let store = client(&c.master_addr);
     let mut stale = Vec::new();
     for i in 0..kept {
         let got = get_settled(&store, &format!("p/{i}"));

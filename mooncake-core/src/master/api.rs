@@ -334,6 +334,14 @@ macro_rules! master_calls {
             /// with objects, but from before the first one is back. Nothing in cluster
             /// mode (a slot group's window opens when it is taken over).
             Reconnected => fn reconnected() -> Result<()> => refused;
+            /// `client`, registered again, may have missed record updates before
+            /// (silent for longer than a client TTL: the master before may have
+            /// forgotten it, and removed or replaced objects it holds without telling
+            /// it). While this master's recovery window is open, an object it takes
+            /// back only from this client's copies answers `Recovering`, not its bytes:
+            /// a node with a newer copy may still be on its way back. Said before the
+            /// client re-mounts or announces its SSD. Nothing in cluster mode.
+            MissedUpdates => fn missed_updates(client: ClientId => ClientId) -> Result<()> => refused;
         }
     };
 }
@@ -372,6 +380,14 @@ macro_rules! define_master_api {
             fn await_hangup(&self, timeout: std::time::Duration) -> bool {
                 std::thread::sleep(timeout);
                 false
+            }
+
+            /// When a connection to the master was last refused (nothing listened at
+            /// its address: the master process was not running then, so it could
+            /// not expire this client meanwhile). `None` for a master that cannot go
+            /// away apart from this process.
+            fn last_refused(&self) -> Option<std::time::Instant> {
+                None
             }
 
             /// Every key of a complete object, sorted: the pages of

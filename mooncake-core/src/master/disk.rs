@@ -190,7 +190,7 @@ impl MasterService {
             return items.iter().map(|_| Err(Error::UnknownClient(client))).collect();
         }
         let now = self.now_ms();
-        let window = self.recovering_any();
+        let offer = self.offer_context(client);
         items
             .iter()
             .map(|&(key, len, checksum, generation)| {
@@ -204,7 +204,7 @@ impl MasterService {
                     Offered::Absent => {
                         let mut e = ObjectEntry::new_complete(len, checksum, now);
                         e.set_disk(client);
-                        let remember = Self::recovered_copy(&mut e, true, window);
+                        let remember = Self::recovered_copy(&mut e, true, offer);
                         shard.insert(key, e);
                         self.add_ssd_used(client, len as i64);
                         remember
@@ -233,7 +233,7 @@ impl MasterService {
                             self.discard_on(previous, key, self.gens.next(), &mut wait);
                             self.unsent_removals.add(key, wait);
                         }
-                        Self::recovered_copy(e, offered == Offered::Newer, window)
+                        Self::recovered_copy(e, offered == Offered::Newer, offer)
                     }
                     Offered::Stale => {
                         self.counters.stale_copies.fetch_add(1, Ordering::Relaxed);

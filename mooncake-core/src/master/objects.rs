@@ -701,7 +701,7 @@ impl MasterService {
         let lease = self.config.default_lease;
         let mut shard = self.index.shard(key).lock();
         match shard.get_mut(key) {
-            Some(e) if e.complete() => {
+            Some(e) if e.complete() && !self.withheld(key, e) => {
                 let abandoned = e.lease(now, lease.as_millis() as u64);
                 self.quarantine_abandoned_upsert(abandoned);
                 e.last_access_ms = now;
@@ -740,7 +740,7 @@ impl MasterService {
         self.fence(key)?;
         let now = self.now_ms();
         match self.index.shard(key).lock().get(key) {
-            Some(e) if e.complete() => Ok(ObjectInfo {
+            Some(e) if e.complete() && !self.withheld(key, e) => Ok(ObjectInfo {
                 len: e.len(),
                 checksum: e.checksum,
                 replicas: e.replicas.iter().filter(|r| r.complete()).map(|r| r.memory(e.len())).collect(),
@@ -756,7 +756,7 @@ impl MasterService {
     pub fn exists(&self, key: &str) -> Result<bool> {
         check_key(key)?;
         self.fence(key)?;
-        if self.index.shard(key).lock().get(key).is_some_and(|e| e.complete()) {
+        if self.index.shard(key).lock().get(key).is_some_and(|e| e.complete() && !self.withheld(key, e)) {
             return Ok(true);
         }
         // A miss builds no error unless it is one (batch lookups miss often).

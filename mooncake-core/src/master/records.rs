@@ -448,8 +448,8 @@ impl MasterService {
             return Ok((id, 0));
         }
         let now = self.now_ms();
-        // (Opened above when records came back.)
-        let window = self.recovering_any();
+        // (The window was opened above when records came back.)
+        let offer = self.offer_context(client);
         let mut taken = 0;
         let mut stale = 0u64;
         let mut replaced = 0u64;
@@ -471,7 +471,7 @@ impl MasterService {
                 Offered::Absent => {
                     let mut e = ObjectEntry::new_complete(r.len, r.checksum, now);
                     e.replicas.push(StoredReplica::new(buf, true));
-                    let remember = Self::recovered_copy(&mut e, true, window);
+                    let remember = Self::recovered_copy(&mut e, true, offer);
                     shard.insert(&r.key, e);
                     remember
                 }
@@ -489,7 +489,7 @@ impl MasterService {
                         replaced += 1;
                     }
                     e.replicas.push(StoredReplica::new(buf, true));
-                    Self::recovered_copy(e, offered == Offered::Newer, window)
+                    Self::recovered_copy(e, offered == Offered::Newer, offer)
                 }
                 // Removed or put again after this copy was made: not taken back.
                 Offered::Stale => {

@@ -31,6 +31,7 @@
 
 use std::sync::atomic::Ordering;
 
+use crate::error::{Error, Result};
 use crate::master::generations::GenClock;
 use crate::master::object::{ObjectEntry, Shard};
 use crate::master::record_link::RecordWait;
@@ -54,7 +55,46 @@ pub(crate) enum Offered {
     Conflict,
 }
 
+/// What the master knows, for one node's call offering copies back, of the copies
+/// it offers: asked once per call, not per copy.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct OfferContext {
+    /// A recovery window is open ([`MasterService::recovering_any`]).
+    pub(crate) window: bool,
+    /// The node said it may have missed updates ([`MasterService::missed_updates`]).
+    pub(crate) stale_node: bool,
+}
+
 impl MasterService {
+    /// `client`, registered again, may have missed record updates before (see
+    /// [`MasterApi::missed_updates`](crate::MasterApi::missed_updates)). Nothing in
+    /// cluster mode.
+    pub fn missed_updates(&self, client: ClientId) -> Result<()> {
+        if self.ownership.get().is_some() {
+            return Ok(());
+        }
+        match self.clients.read().get(&client) {
+            Some(rec) => {
+                rec.missed_updates.store(true, Ordering::Relaxed);
+                Ok(())
+            }
+            None => Err(Error::UnknownClient(client)),
+        }
+    }
+
+    /// What to make of the copies `client` offers in one call.
+    pub(crate) fn offer_context(&self, client: ClientId) -> OfferContext {
+        let stale_node = self.clients.read().get(&client).is_some_and(|r| r.missed_updates.load(Ordering::Relaxed));
+        OfferContext { window: self.recovering_any(), stale_node }
+    }
+
+    /// Whether `e`, the object under `key`, is withheld from readers: taken back only
+    /// from nodes that may have missed updates, while the recovery window that may
+    /// still bring a newer copy is open (they are answered `Recovering`).
+    pub(crate) fn withheld(&self, key: &str, e: &ObjectEntry) -> bool {
+        e.unconfirmed() && self.recovering_key(key)
+    }
+
     /// What to make of a copy of `key` (`len` bytes, `checksum`) stamped
     /// `generation` that a node offers back, given `shard`, the key's (locked).
     pub(crate) fn classify_offered(
@@ -86,18 +126,21 @@ impl MasterService {
 
     /// A copy of `key` stamped `generation`, offered back, was taken by `e`, the
     /// key's object in `shard`: it made `e` (`made`: the key was absent, or its
-    /// object replaced) or joined it. While a recovery window is open (`window`:
-    /// [`recovering_any`](Self::recovering_any) when the node's call began, asked
-    /// once per call, not per copy), `e` may then be replaced by a newer copy
-    /// offered later: returns whether the copy's generation must be remembered
-    /// ([`remember_recovered`](Self::remember_recovered), once `e` is no longer
-    /// borrowed). A copy joining an object put on this master changes nothing (that
-    /// object is newer than the copy says).
-    pub(crate) fn recovered_copy(e: &mut ObjectEntry, made: bool, window: bool) -> bool {
+    /// object replaced) or joined it. While a recovery window is open, `e` may then
+    /// be replaced by a newer copy offered later: returns whether the copy's
+    /// generation must be remembered ([`remember_recovered`](Self::remember_recovered),
+    /// once `e` is no longer borrowed). A copy joining an object put on this master
+    /// changes nothing (that object is newer than the copy says). An object made from
+    /// the copy of a node that may have missed updates is withheld from readers
+    /// until the window closes or a copy of another node joins it.
+    pub(crate) fn recovered_copy(e: &mut ObjectEntry, made: bool, offer: OfferContext) -> bool {
         if made {
-            e.set_recovered(window);
+            e.set_recovered(offer.window);
+            e.set_unconfirmed(offer.window && offer.stale_node);
+        } else if !offer.stale_node {
+            e.set_unconfirmed(false);
         }
-        window && e.recovered()
+        offer.window && e.recovered()
     }
 
     /// Remembers the generation of a copy of `key` taken back (see
@@ -311,6 +354,52 @@ mod tests {
         assert_eq!(b.remount(&master, &[record(2, u64::MAX / 2)]).1, 0);
         assert!(b.announce(&master, 3, u64::MAX / 2).is_err());
         assert_eq!(master.get_replica_list("k").unwrap().checksum, 1001);
+    }
+
+    /// A node that says it may have missed updates (it was forgotten before the
+    /// restart) re-mounts first: what only it holds answers `Recovering` while the
+    /// window is open (a node with a newer copy may still come back), never its
+    /// bytes. A copy of the same object from another node vouches for it; a newer
+    /// copy replaces it; with the window closed, it is served.
+    #[test]
+    fn what_only_a_node_that_missed_updates_holds_waits_for_the_window() {
+        let master = Master::new(MasterConfig {
+            track_records: true,
+            client_ttl: Duration::from_millis(400),
+            monitor_interval: Duration::from_millis(10),
+            ..Default::default()
+        })
+        .unwrap();
+        let (stale, b, c) = (node(&master, "stale"), node(&master, "b"), node(&master, "c"));
+        master.missed_updates(stale.client).unwrap();
+        let key =
+            |k: &str, version: u32, generation: u64| ObjectRecord { key: k.into(), ..record(version, generation) };
+        let records = [key("k", 1, 10), key("same", 1, 10), key("only", 1, 10)];
+        let at = |i: u64, r: ObjectRecord| ObjectRecord { offset: i * 4096, ..r };
+        let records: Vec<ObjectRecord> = records.into_iter().enumerate().map(|(i, r)| at(i as u64, r)).collect();
+        assert_eq!(stale.remount(&master, &records).1, 3);
+        for k in ["k", "same", "only"] {
+            assert!(matches!(master.get_replica_list(k), Err(Error::Recovering(_))), "{k} served");
+            assert!(matches!(master.exists(k), Err(Error::Recovering(_))), "{k} said to exist");
+            assert!(matches!(master.object_info(k), Err(Error::Recovering(_))));
+        }
+        b.remount(&master, &[key("k", 2, 20), at(1, key("same", 1, 10))]);
+        assert_eq!(master.get_replica_list("k").unwrap().checksum, 1002, "the newer copy is not served");
+        assert_eq!(master.get_replica_list("same").unwrap().checksum, 1001, "a vouched copy is withheld");
+        assert!(matches!(master.get_replica_list("only"), Err(Error::Recovering(_))));
+        // A copy from another node that may have missed updates does not vouch.
+        master.missed_updates(c.client).unwrap();
+        assert_eq!(c.remount(&master, &[at(2, key("only", 1, 10))]).1, 1);
+        assert!(matches!(master.get_replica_list("only"), Err(Error::Recovering(_))));
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while master.service().recovering_any() {
+            assert!(std::time::Instant::now() < deadline, "the window never closed");
+            for n in [&stale, &b, &c] {
+                master.heartbeat(n.client).unwrap();
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert_eq!(master.get_replica_list("only").unwrap().checksum, 1001, "withheld after the window");
     }
 
     /// A read handed the old object's replicas may still be copying from them: the

@@ -39,6 +39,10 @@ pub(crate) struct ClientRecord {
     pub(crate) record_key: parking_lot::Mutex<Option<Vec<u8>>>,
     /// Some segment of this client is suspect (its next heartbeat clears them).
     pub(crate) suspect: std::sync::atomic::AtomicBool,
+    /// The client said it may have missed record updates before it registered
+    /// (`missed_updates`): what the master takes back only from it waits for the
+    /// recovery window to close before it is served (`master/recovered.rs`).
+    pub(crate) missed_updates: std::sync::atomic::AtomicBool,
     /// SSD capacity the client reported (bytes; <= 0: none).
     pub(crate) ssd_total: std::sync::atomic::AtomicI64,
     /// Bytes of `LocalDisk` replicas the master records on the client's SSD.
@@ -69,6 +73,7 @@ impl ClientRecord {
             link: Default::default(),
             record_key: Default::default(),
             suspect: Default::default(),
+            missed_updates: Default::default(),
             ssd_total: Default::default(),
             ssd_used: Default::default(),
             ssd_endpoint: Default::default(),

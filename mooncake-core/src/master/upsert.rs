@@ -259,6 +259,7 @@ impl MasterService {
         e.last_access_ms = now;
         // Put on this master: newer than any copy a node may still offer back.
         e.set_recovered(false);
+        e.set_unconfirmed(false);
         if let Some(pin) = staged.soft_pin {
             e.set_soft_pin(pin, staged.soft_pin_ttl_ms);
         }

@@ -46,6 +46,8 @@ pub struct RpcMasterClient {
     /// A connection nothing is asked on: it closes when the master goes away
     /// ([`MasterApi::await_hangup`]).
     watch: Mutex<Option<Conn>>,
+    /// When a dial was last refused ([`MasterApi::last_refused`]).
+    refused_at: Mutex<Option<std::time::Instant>>,
 }
 
 impl std::fmt::Debug for RpcMasterClient {
@@ -79,6 +81,7 @@ impl RpcMasterClient {
             announces_reconnects: false,
             reconnect_unannounced: AtomicBool::new(false),
             watch: Mutex::new(None),
+            refused_at: Mutex::new(None),
         };
         let conn = client.dial()?;
         client.pool.lock().push(conn);
@@ -162,6 +165,9 @@ impl RpcMasterClient {
             let s = match TcpStream::connect_timeout(&a, Duration::from_secs(2)) {
                 Ok(s) => s,
                 Err(e) => {
+                    if e.kind() == std::io::ErrorKind::ConnectionRefused {
+                        *self.refused_at.lock() = Some(std::time::Instant::now());
+                    }
                     last = unavailable(e);
                     continue;
                 }
@@ -645,6 +651,10 @@ macro_rules! impl_rpc_client {
 
             fn await_hangup(&self, timeout: Duration) -> bool {
                 self.watch_for_hangup(timeout)
+            }
+
+            fn last_refused(&self) -> Option<std::time::Instant> {
+                *self.refused_at.lock()
             }
 
             $(

@@ -34,7 +34,7 @@ pub const MAGIC: [u8; 4] = *b"MCRP";
 /// 11: `NotifyOffloadSuccess` carries each task's generation; 12: `PutStartSummed`,
 /// `BatchPutStartSummed`; 13: `PutDeclare`, `BatchPutDeclare`; 14: `LocalEndpoint`;
 /// 15: `PlaceAhead`, `PutBind`, `BatchPutBind`; 16: `ListKeysAfter`; 17: `Reconnected`).
-pub const VERSION: u8 = 17;
+pub const VERSION: u8 = 18;
 /// Bytes in a frame header.
 pub const HEADER_LEN: usize = 20;
 /// Default largest body accepted (64 MiB).

@@ -167,10 +167,19 @@ impl StoreInner {
 
     /// Registers again after the master forgot us (we expired, or it restarted) and
     /// re-mounts the same memory with the objects it still holds. Records whose bytes
-    /// no longer match their checksum are not offered.
-    fn rejoin(&self) -> Result<()> {
+    /// no longer match their checksum are not offered. `missed`: we may have missed
+    /// record updates (silent for longer than a TTL to a master that was running),
+    /// which the master is told first (`MasterApi::missed_updates`).
+    fn rejoin(&self, missed: bool) -> Result<()> {
         let reg = self.master.register_client()?;
         let client = reg.client;
+        if missed {
+            // Before anything is offered: what only we hold may be older than what
+            // a node still on its way back holds.
+            if let Err(e) = self.master.missed_updates(client) {
+                tracing::debug!(error = %e, "the master does not take the note that we may have missed updates");
+            }
+        }
         // Announced before the segment is placeable again, so that no put placed on
         // it is acknowledged before we hold its record (the master waits for the
         // endpoint it knows).
@@ -349,11 +358,17 @@ impl Store {
         let weak: Weak<StoreInner> = Arc::downgrade(&inner);
         // Well within the TTL, and often enough that segment records stay fresh.
         let period = Duration::from_millis((reg.client_ttl_ms / 4).clamp(1, 250));
+        let ttl = Duration::from_millis(reg.client_ttl_ms);
         std::thread::Builder::new()
             .name("mooncake-heartbeat".into())
             .spawn(move || {
                 // Since when the master has not answered (`None` while it does).
                 let mut failing: Option<Instant> = None;
+                // When a master last answered us: silent for longer than a TTL to a
+                // master that kept running (it refused no connection meanwhile), we
+                // may have been forgotten, and missed removals and puts of what we
+                // hold.
+                let mut last_answered = Instant::now();
                 loop {
                     // A master that stopped answering is asked again soon: once it is
                     // back (restarted), this node re-mounts at once, and its objects are
@@ -371,11 +386,27 @@ impl Store {
                         return;
                     }
                     let answered = match inner.heartbeat() {
-                        Ok(()) => true,
+                        Ok(()) => {
+                            last_answered = Instant::now();
+                            true
+                        }
                         Err(Error::UnknownClient(_)) => {
-                            if let Err(e) = inner.rejoin() {
+                            let old_master_gone = inner
+                                .master
+                                .last_refused()
+                                .filter(|&at| at > last_answered)
+                                .unwrap_or_else(Instant::now);
+                            let missed = old_master_gone.saturating_duration_since(last_answered) > ttl;
+                            if missed {
+                                tracing::warn!(
+                                    silent = ?old_master_gone.saturating_duration_since(last_answered),
+                                    "silent for longer than the client TTL: we may have missed updates"
+                                );
+                            }
+                            if let Err(e) = inner.rejoin(missed) {
                                 tracing::error!(error = %e, "cannot re-register with the master");
                             }
+                            last_answered = Instant::now();
                             true
                         }
                         // Unreachable master: keep our identity and try again; said once

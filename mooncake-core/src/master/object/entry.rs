@@ -77,6 +77,9 @@ pub(crate) struct ObjectEntry {
     /// and not changed since: a newer copy offered later may replace it
     /// (`master/recovered.rs`).
     recovered: bool,
+    /// Made from copies only of nodes that may have missed updates: not served
+    /// while a recovery window is open (`master/recovered.rs`).
+    unconfirmed: bool,
 }
 
 /// What only some objects have, in one side box: the disk replica, a pending
@@ -157,6 +160,7 @@ impl ObjectEntry {
             soft_pin: false,
             complete: false,
             recovered: false,
+            unconfirmed: false,
         }
     }
 
@@ -353,6 +357,17 @@ impl ObjectEntry {
     /// Marks the entry as made from a copy a node offered back (or not).
     pub(crate) fn set_recovered(&mut self, recovered: bool) {
         self.recovered = recovered;
+    }
+
+    /// Made from copies only of nodes that may have missed updates.
+    pub(crate) fn unconfirmed(&self) -> bool {
+        self.unconfirmed
+    }
+
+    /// Marks the entry as made from copies only of nodes that may have missed
+    /// updates (or not).
+    pub(crate) fn set_unconfirmed(&mut self, unconfirmed: bool) {
+        self.unconfirmed = unconfirmed;
     }
 
     /// Takes the replicas out, keeping them (retired) until `until_ms` while reads are
