@@ -22,12 +22,12 @@
 //!   stays removed. Objects are put with two replicas on two nodes, so an
 //!   acknowledged one may be missing only after two node kills (neither memory
 //!   replica left, the disk copy not yet written). After a master kill while a
-//!   node was forgotten, a key removed since that node stopped may come back with
-//!   a state it could hold when the node stopped (the documented window: the new
-//!   master never saw the removal); a key put or upserted since must hold the newer
-//!   state whichever node comes back first, and no read may return the older one
-//!   meanwhile (the node says it may have missed updates: what only it holds
-//!   answers `Recovering` until the recovery window closes).
+//!   node was forgotten, a key that may be absent (removed since) may come back
+//!   with a state it held before (the documented window: the new master never saw
+//!   the removal); a key put or upserted since must hold the newer state whichever
+//!   node comes back first, and no read may return an older one meanwhile (the node
+//!   says it may have missed updates: what only it holds answers `Recovering` until
+//!   the recovery window closes).
 //!
 //! Seeded: a failure prints its seed; `MOONCAKE_CHAOS_SEED=N` runs that sequence of
 //! choices again (the faults' timing still varies), `MOONCAKE_CHAOS_SECS=N` runs
@@ -90,7 +90,7 @@ struct Model {
     /// answered, `may_hold` after it), in the order answered.
     history: Vec<Vec<(Instant, Instant, BTreeSet<State>)>>,
     /// The `Faults::stale_returns` this model has taken in.
-    stale_returns: Vec<(Instant, Instant)>,
+    stale_returns: Vec<Instant>,
 }
 
 impl Model {
@@ -108,34 +108,44 @@ impl Model {
         self.history[slot].push((started, Instant::now(), self.may_hold[slot].clone()));
     }
 
-    /// The states `slot` may have held from `from` to `to`: those of the last
-    /// change answered by `from`, and those of every call in flight or answered
-    /// between the two.
-    fn held_during(&self, slot: usize, from: Instant, to: Instant) -> BTreeSet<State> {
+    /// `slot`'s changes, for a report: each as (began, answered, may hold after), the
+    /// times of day as the processes' logs print them.
+    fn history_of(&self, slot: usize) -> String {
+        let at = |t: Instant| {
+            let ago = t.elapsed();
+            let now = std::time::SystemTime::now();
+            let ms = (now - ago).duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() % 86_400_000;
+            format!("{:02}:{:02}:{:02}.{:03}", ms / 3_600_000, ms / 60_000 % 60, ms / 1000 % 60, ms % 1000)
+        };
+        let recent = self.history[slot].iter().rev().take(12).rev();
+        recent.map(|(s, a, after)| format!("[{} {} {after:?}]", at(*s), at(*a))).collect::<Vec<_>>().join(" ")
+    }
+
+    /// Every state `slot` may have held up to `to`.
+    fn held_before(&self, slot: usize, to: Instant) -> BTreeSet<State> {
         let mut held = BTreeSet::from([None]);
-        for (started, answered, after) in &self.history[slot] {
-            if *answered <= from {
-                held = after.clone();
-            } else if *started <= to {
+        for (started, _, after) in &self.history[slot] {
+            if *started <= to {
                 held.extend(after.iter().copied());
             }
         }
         held
     }
 
-    /// Takes in the master kills that happened while a node was forgotten (stopped
-    /// at `from`, the master killed at `to`): a key that may be absent now (removed
-    /// since) may also hold what it held meanwhile, which the node's records may
-    /// bring back to a master that never saw the removal. (Updates written ahead to
-    /// a stopped node wait in its socket, and it applies them once it runs again.)
-    /// A key put or upserted since holds the newer state: the restarted master keeps
+    /// Takes in the master kills that happened while a node was forgotten (the
+    /// master dead at `to`): a key that may be absent now (removed since) may also
+    /// hold any state it held before, which the node's records may bring back to a
+    /// master that never saw the removal (the node's records are what it was told
+    /// before it stopped, updates written ahead to it that waited in its socket, and
+    /// what it brought back after an earlier such kill and nobody removed since). A
+    /// key put or upserted since holds the newer state: the restarted master keeps
     /// the newest copy offered back.
     fn follow(&mut self, faults: &Faults) {
         let returns = faults.stale_returns.lock().unwrap().clone();
-        for &(from, to) in &returns[self.stale_returns.len()..] {
+        for &to in &returns[self.stale_returns.len()..] {
             for slot in 0..KEYS_PER_WORKER {
                 if self.may_hold[slot].contains(&None) {
-                    let held = self.held_during(slot, from, to);
+                    let held = self.held_before(slot, to);
                     self.may_hold[slot].extend(held);
                 }
             }
@@ -162,6 +172,17 @@ impl Model {
     /// have taken effect.
     fn maybe(&mut self, slot: usize, state: State, started: Instant) {
         self.may_hold[slot].insert(state);
+        if state.is_none() {
+            // A remove under way when the master was killed while a node was
+            // forgotten may have taken effect there: the node may bring back what
+            // the key held while it was stopped, as for a remove acknowledged then.
+            for &to in &self.stale_returns {
+                if started <= to {
+                    let held = self.held_before(slot, to);
+                    self.may_hold[slot].extend(held);
+                }
+            }
+        }
         self.changed(slot, started);
     }
 
@@ -215,9 +236,9 @@ struct Faults {
     node_forgotten: AtomicBool,
     /// Nodes killed so far (counted before the signal).
     node_kills: AtomicU64,
-    /// When each node stopped that was forgotten and came back to a restarted
-    /// master, and when the master was killed (pushed before the kill).
-    stale_returns: std::sync::Mutex<Vec<(Instant, Instant)>>,
+    /// When the master was dead, for each kill while a node was forgotten (pushed
+    /// before its restart).
+    stale_returns: std::sync::Mutex<Vec<Instant>>,
 }
 
 impl Faults {
@@ -255,7 +276,12 @@ fn work(
                 Some(v) if may.contains(&Some(v)) => {
                     tally.good_reads.fetch_add(1, Ordering::Relaxed);
                 }
-                Some(v) => problems.push(format!("{} {}: read version {v}, may hold {may:?}", clock(), name(slot))),
+                Some(v) => problems.push(format!(
+                    "{} {}: read version {v}, may hold {may:?}; its history: {}",
+                    clock(),
+                    name(slot),
+                    model.history_of(slot)
+                )),
                 None => problems.push(format!(
                     "{} {}: read {} bytes that were never written",
                     clock(),
@@ -418,11 +444,15 @@ fn inject_master_kills_and_pauses(c: &mut Cluster, rng: &mut TestRng, until: Ins
                 let node = rng.random_range(0..NODES);
                 faults.node_forgotten.store(true, Ordering::SeqCst);
                 eprintln!("{} chaos: node {node} stopped past its TTL, the master to be killed", clock());
-                let stopped = Instant::now();
                 c.nodes[node].signal("STOP");
                 std::thread::sleep(ttl + Duration::from_millis(rng.random_range(500..2000)));
-                faults.stale_returns.lock().unwrap().push((stopped, Instant::now()));
-                kill_master(c, Duration::ZERO, tally);
+                // The kill's time is taken once the master is dead: a call begun
+                // before may still have been served by it.
+                eprintln!("{} chaos: kill -9 of the master", clock());
+                c.master.kill9();
+                faults.stale_returns.lock().unwrap().push(Instant::now());
+                c.restart_master();
+                tally.master_kills.fetch_add(1, Ordering::Relaxed);
                 c.nodes[node].signal("CONT");
                 wait_until(Duration::from_secs(20), || status_number(c, "segments") == Some(NODES as u64));
                 std::thread::sleep(Duration::from_millis(1000));
