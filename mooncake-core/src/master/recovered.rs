@@ -265,6 +265,30 @@ mod tests {
         Master::new(MasterConfig { track_records: true, ..Default::default() }).unwrap()
     }
 
+    /// A master whose recovery window (one client TTL) closes within half a second.
+    fn short_window_master() -> Master {
+        Master::new(MasterConfig {
+            track_records: true,
+            client_ttl: Duration::from_millis(400),
+            monitor_interval: Duration::from_millis(10),
+            ..Default::default()
+        })
+        .unwrap()
+    }
+
+    /// Heartbeats `nodes` until `master`'s recovery window is closed and `also` no
+    /// longer holds.
+    fn wait_out_window(master: &Master, nodes: &[&Node], also: impl Fn() -> bool) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while master.service().recovering_any() || also() {
+            assert!(std::time::Instant::now() < deadline, "the window never closed");
+            for n in nodes {
+                master.heartbeat(n.client).unwrap();
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     /// Delivers what the master queued for the nodes without waiting (the removals
     /// of the copies it dropped).
     fn deliver(master: &Master) {
@@ -363,13 +387,7 @@ mod tests {
     /// copy replaces it; with the window closed, it is served.
     #[test]
     fn what_only_a_node_that_missed_updates_holds_waits_for_the_window() {
-        let master = Master::new(MasterConfig {
-            track_records: true,
-            client_ttl: Duration::from_millis(400),
-            monitor_interval: Duration::from_millis(10),
-            ..Default::default()
-        })
-        .unwrap();
+        let master = short_window_master();
         let (stale, b, c) = (node(&master, "stale"), node(&master, "b"), node(&master, "c"));
         master.missed_updates(stale.client).unwrap();
         let key =
@@ -391,14 +409,7 @@ mod tests {
         master.missed_updates(c.client).unwrap();
         assert_eq!(c.remount(&master, &[at(2, key("only", 1, 10))]).1, 1);
         assert!(matches!(master.get_replica_list("only"), Err(Error::Recovering(_))));
-        let deadline = std::time::Instant::now() + Duration::from_secs(10);
-        while master.service().recovering_any() {
-            assert!(std::time::Instant::now() < deadline, "the window never closed");
-            for n in [&stale, &b, &c] {
-                master.heartbeat(n.client).unwrap();
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        wait_out_window(&master, &[&stale, &b, &c], || false);
         assert_eq!(master.get_replica_list("only").unwrap().checksum, 1001, "withheld after the window");
     }
 
@@ -428,24 +439,12 @@ mod tests {
     /// conflict, as before (those nodes were forgotten long ago).
     #[test]
     fn after_the_window_the_first_copy_stays() {
-        let master = Master::new(MasterConfig {
-            track_records: true,
-            client_ttl: Duration::from_millis(300),
-            monitor_interval: Duration::from_millis(10),
-            ..Default::default()
-        })
-        .unwrap();
+        let master = short_window_master();
         let (a, b) = (node(&master, "a"), node(&master, "b"));
         a.remount(&master, &[record(1, 10)]);
         let remembered = || master.service().index.shard("k").lock().recovered_generation("k").is_some();
         assert!(remembered());
-        let deadline = std::time::Instant::now() + Duration::from_secs(10);
-        while master.service().recovering_any() || remembered() {
-            assert!(std::time::Instant::now() < deadline, "the window never closed");
-            master.heartbeat(a.client).unwrap();
-            master.heartbeat(b.client).unwrap();
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        wait_out_window(&master, &[&a, &b], remembered);
         assert_eq!(b.remount(&master, &[record(2, 20)]).1, 0);
         assert_eq!(master.get_replica_list("k").unwrap().checksum, 1001);
     }
