@@ -424,40 +424,33 @@ fn inject_master_kills_and_pauses(c: &mut Cluster, rng: &mut TestRng, until: Ins
                 eprintln!("{} chaos: node {node} continued", clock());
                 tally.node_pauses.fetch_add(1, Ordering::Relaxed);
             }
-            8 => {
+            choice @ 8..10 => {
                 // Past its TTL: forgotten, then back with what nothing superseded.
-                let node = rng.random_range(0..NODES);
-                faults.node_forgotten.store(true, Ordering::SeqCst);
-                eprintln!("{} chaos: node {node} stopped past its TTL", clock());
-                c.nodes[node].signal("STOP");
-                std::thread::sleep(ttl + Duration::from_millis(rng.random_range(500..2000)));
-                c.nodes[node].signal("CONT");
-                wait_until(Duration::from_secs(20), || status_number(c, "segments") == Some(NODES as u64));
-                std::thread::sleep(Duration::from_millis(1000));
-                faults.node_forgotten.store(false, Ordering::SeqCst);
-                tally.pauses_past_ttl.fetch_add(1, Ordering::Relaxed);
-            }
-            9 => {
-                // Past its TTL, and the master killed while it is forgotten: the node
+                // With 9 the master is killed while the node is forgotten: the node
                 // comes back to a master that never saw what was removed or put
                 // again meanwhile (and may be the first back).
+                let kill = choice == 9;
                 let node = rng.random_range(0..NODES);
                 faults.node_forgotten.store(true, Ordering::SeqCst);
-                eprintln!("{} chaos: node {node} stopped past its TTL, the master to be killed", clock());
+                let then = if kill { ", the master to be killed" } else { "" };
+                eprintln!("{} chaos: node {node} stopped past its TTL{then}", clock());
                 c.nodes[node].signal("STOP");
                 std::thread::sleep(ttl + Duration::from_millis(rng.random_range(500..2000)));
-                // The kill's time is taken once the master is dead: a call begun
-                // before may still have been served by it.
-                eprintln!("{} chaos: kill -9 of the master", clock());
-                c.master.kill9();
-                faults.stale_returns.lock().unwrap().push(Instant::now());
-                c.restart_master();
-                tally.master_kills.fetch_add(1, Ordering::Relaxed);
+                if kill {
+                    // The kill's time is taken once the master is dead: a call begun
+                    // before may still have been served by it.
+                    eprintln!("{} chaos: kill -9 of the master", clock());
+                    c.master.kill9();
+                    faults.stale_returns.lock().unwrap().push(Instant::now());
+                    c.restart_master();
+                    tally.master_kills.fetch_add(1, Ordering::Relaxed);
+                }
                 c.nodes[node].signal("CONT");
                 wait_until(Duration::from_secs(20), || status_number(c, "segments") == Some(NODES as u64));
                 std::thread::sleep(Duration::from_millis(1000));
                 faults.node_forgotten.store(false, Ordering::SeqCst);
-                tally.master_kills_while_forgotten.fetch_add(1, Ordering::Relaxed);
+                let count = if kill { &tally.master_kills_while_forgotten } else { &tally.pauses_past_ttl };
+                count.fetch_add(1, Ordering::Relaxed);
             }
             _ => {}
         }

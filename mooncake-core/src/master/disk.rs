@@ -214,11 +214,7 @@ impl MasterService {
                             return Err(Error::AlreadyExists(format!("{key} (the master holds a different object)")));
                         };
                         if offered == Offered::Newer {
-                            let wait = self.drop_outdated(key, e, Some(client), now);
-                            e.set_len(len);
-                            e.checksum = checksum;
-                            e.last_access_ms = now;
-                            self.unsent_removals.add(key, wait);
+                            self.take_newer_copy(key, e, (len, checksum), Some(client), now);
                         }
                         let previous = e.disk();
                         self.attach_disk(e, client);

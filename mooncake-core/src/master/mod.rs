@@ -10,8 +10,9 @@
 //! files are facets of [`MasterService`]: `clients`, `objects`, `disk` (the SSD tier's
 //! side), `eviction`, `records` (durable per-node records), `ownership` (cluster mode:
 //! the slot groups this master leads), `liveness`, `stats`, `upsert` (atomic
-//! replacement of an object), `recovered` (which copy a restarted master keeps), `held` (placements clients hold ahead of their puts). The
-//! internal index and segment table live in `object` and `segment`.
+//! replacement of an object), `recovered` (which copy a restarted master keeps),
+//! `held` (placements clients hold ahead of their puts). The internal index and
+//! segment table live in `object` and `segment`.
 
 mod api;
 mod clients;

@@ -481,11 +481,7 @@ impl MasterService {
                         continue;
                     };
                     if offered == Offered::Newer {
-                        let wait = self.drop_outdated(&r.key, e, None, now);
-                        e.set_len(r.len);
-                        e.checksum = r.checksum;
-                        e.last_access_ms = now;
-                        self.unsent_removals.add(&r.key, wait);
+                        self.take_newer_copy(&r.key, e, (r.len, r.checksum), None, now);
                         replaced += 1;
                     }
                     e.replicas.push(StoredReplica::new(buf, true));

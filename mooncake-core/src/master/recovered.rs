@@ -34,7 +34,6 @@ use std::sync::atomic::Ordering;
 use crate::error::{Error, Result};
 use crate::master::generations::GenClock;
 use crate::master::object::{ObjectEntry, Shard};
-use crate::master::record_link::RecordWait;
 use crate::master::service::MasterService;
 use crate::master::types::ClientId;
 
@@ -150,20 +149,22 @@ impl MasterService {
         self.recovered_noted.store(true, Ordering::Release);
     }
 
-    /// Drops `e`'s object for a newer copy of `key` offered back
-    /// ([`Offered::Newer`]; the caller then makes `e` that copy's object): the owners of its replicas are sent `Removed`, its disk replica and
+    /// Makes `e` the object of a newer copy of `key` (`len` bytes, `checksum`) offered
+    /// back ([`Offered::Newer`]; the caller then adds the copy's replica to it). The
+    /// owners of the old object's replicas are sent `Removed`, its disk replica and
     /// the files an asked-for offload may have written are discarded (but on
-    /// `filer`'s SSD, whose file is the newer copy), and the replicas are kept while
-    /// reads in flight may still copy from them. Returns the removals to wait for
-    /// (not waited for here: a node of the old object may be slow; the key's next
-    /// remove, upsert or put waits for them).
-    pub(crate) fn drop_outdated(
+    /// `filer`'s SSD, whose file is the newer copy), and its replicas are kept while
+    /// reads in flight may still copy from them. Those removals are not waited for
+    /// here (a node of the old object may be slow): the key's next remove, upsert or
+    /// put waits for them.
+    pub(crate) fn take_newer_copy(
         &self,
         key: &str,
         e: &mut ObjectEntry,
+        (len, checksum): (u64, u32),
         filer: Option<ClientId>,
         now: u64,
-    ) -> RecordWait {
+    ) {
         let mut wait = self.note_removed(key, &e.replicas);
         self.discard_copies(key, e, self.gens.next(), filer, &mut wait);
         e.set_disk(0);
@@ -173,9 +174,12 @@ impl MasterService {
         if e.retire_replicas(retire_until, now) {
             self.retiring.lock().insert(key.into());
         }
+        e.set_len(len);
+        e.checksum = checksum;
+        e.last_access_ms = now;
+        self.unsent_removals.add(key, wait);
         self.counters.stale_copies.fetch_add(1, Ordering::Relaxed);
         tracing::debug!(key, "an object taken back is replaced by a newer copy offered since");
-        wait
     }
 
     /// Forgets the generations of copies taken back once no recovery window is

@@ -396,17 +396,20 @@ impl Store {
                                 .last_refused()
                                 .filter(|&at| at > last_answered)
                                 .unwrap_or_else(Instant::now);
-                            let missed = old_master_gone.saturating_duration_since(last_answered) > ttl;
+                            let silent = old_master_gone.saturating_duration_since(last_answered);
+                            let missed = silent > ttl;
                             if missed {
                                 tracing::warn!(
-                                    silent = ?old_master_gone.saturating_duration_since(last_answered),
+                                    ?silent,
                                     "silent for longer than the client TTL: we may have missed updates"
                                 );
                             }
-                            if let Err(e) = inner.rejoin(missed) {
-                                tracing::error!(error = %e, "cannot re-register with the master");
+                            match inner.rejoin(missed) {
+                                Ok(()) => last_answered = Instant::now(),
+                                // Asked again next round, with the same silence: a
+                                // rejoin that failed must not lose the note.
+                                Err(e) => tracing::error!(error = %e, "cannot re-register with the master"),
                             }
-                            last_answered = Instant::now();
                             true
                         }
                         // Unreachable master: keep our identity and try again; said once
