@@ -86,6 +86,12 @@ pub fn prometheus_text(stats: &MasterStats, rpc: Option<&RpcServerStats>) -> Str
         "counter",
         stats.stale_copies as f64,
     );
+    gauge(
+        "carried_tombstones_total",
+        "Removals handed to storage nodes to keep for a restarted master (their key's copies may have been out of sight).",
+        "counter",
+        stats.carried_tombstones as f64,
+    );
     gauge("stall_graces_total", "Grace periods granted after a master stall.", "counter", stats.stall_graces as f64);
     gauge(
         "slot_groups_acquired_total",

@@ -41,7 +41,7 @@ impl RpcHandler for Records {
                     RecordUpdate::Removed { offset, .. } => {
                         map.remove(&offset);
                     }
-                    RecordUpdate::Discard { .. } | RecordUpdate::Drain { .. } => {}
+                    RecordUpdate::Discard { .. } | RecordUpdate::Drain { .. } | RecordUpdate::Tombstone { .. } => {}
                 }
             }
         }

@@ -389,6 +389,7 @@ fn wire_format_changes_bump_the_version() {
         Request::PutBind { client: 7, placement: 3, key: "k".into(), checksum: 6, ahead: true },
         Request::ListKeysAfter { after: "k".into(), limit: 3 },
         Request::Reconnected {},
+        Request::RestoreTombstones { client: 7, items: vec![("k".into(), 11)] },
         Request::DrainReport {
             client: 7,
             progress: mooncake_core::DrainProgress {
@@ -413,6 +414,7 @@ fn wire_format_changes_bump_the_version() {
             RecordUpdate::Removed { segment: 1, key: "k".into(), offset: 64, generation: 8 },
             RecordUpdate::Discard { key: "k".into(), generation: 9 },
             RecordUpdate::Drain { grace_ms: 30_000, generation: 10 },
+            RecordUpdate::Tombstone { key: "k".into(), generation: 11 },
         ])),
         Response::Error(mooncake_core::rpc::wire::WireError::NotFound("k".into())),
         Response::LocalEndpoint(Some("mooncake-rpc-00000000000000000000000000000001".into())),
@@ -433,7 +435,7 @@ fn wire_format_changes_bump_the_version() {
     let sum = all.iter().fold(0u32, |h, &b| h.wrapping_mul(31).wrapping_add(b as u32));
     assert_eq!(
         (mooncake_core::rpc::wire::VERSION, sum),
-        (18, 2648970047),
+        (19, 1839936069),
         "the wire format changed: bump wire::VERSION and update this pin"
     );
 }

@@ -10,14 +10,16 @@
 //! - a node paused past its TTL re-joins with the objects it holds, except those put
 //!   again or removed meanwhile;
 //! - after a master restart, a node that missed its keys' new puts (forgotten while
-//!   paused) coming back first does not decide their value: the newer copies win.
+//!   paused) coming back first does not decide their value: the newer copies win;
+//! - after a master restart, a node that missed its keys' removals (forgotten while
+//!   paused) does not bring them back: another node kept the removals.
 
 mod support;
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use mooncake_core::{Error, Store};
+use mooncake_core::{Error, ReplicateConfig, Store};
 use support::{payload, ssd_node, unique_dir, wait_until, Cluster, Proc};
 
 /// A client of the master at `addr` that gives no memory.
@@ -356,5 +358,56 @@ fn a_stale_node_back_first_after_a_master_restart_does_not_decide_the_value() {
         }
     }
     assert!(stale.is_empty(), "keys served their old bytes, the newer acknowledged ones lost: {stale:?}");
+    assert!(status_number(&c, "stale_copies").unwrap() >= n as u64, "{}", c.status());
+}
+
+/// Keys held by both nodes are removed while node 0 is paused past its TTL (the
+/// master forgets it with its copies). The master is then `kill -9`ed and restarted,
+/// node 1 stays paused, and node 0 comes back first, offering its records of the
+/// removed keys to a master that lost its tombstones. None may come back: node 1
+/// kept the removals for the master (they were handed to it before each remove was
+/// acknowledged), and once it is back the master drops what node 0 brought; until
+/// then node 0's copies are not served. (Before, every removed key was readable
+/// again once the recovery window closed.)
+#[test]
+fn a_stale_node_back_first_after_a_master_restart_does_not_bring_back_removed_keys() {
+    let mut c = Cluster::start(&["--client-ttl-ms", "2000", "--default-lease-ms", "1"], 2);
+    let store = client(&c.master_addr);
+    let len = 4096;
+    let (n, kept) = (20, 25);
+    let both = ReplicateConfig { replica_num: 2, ..Default::default() };
+    for i in 0..kept {
+        store.put_with(&format!("r/{i}"), &value(i, 1, len), &both).unwrap();
+    }
+    assert_eq!(store.master().get_replica_list("r/0").unwrap().replicas.len(), 2);
+    c.nodes[0].signal("STOP");
+    wait_until(Duration::from_secs(10), || status_number(&c, "segments") == Some(1));
+    for i in 0..n {
+        store.remove(&format!("r/{i}")).unwrap();
+    }
+    assert!(status_number(&c, "carried_tombstones").unwrap() >= n as u64, "{}", c.status());
+    c.nodes[1].signal("STOP");
+    c.master.kill9();
+    drop(store);
+    c.restart_master();
+    c.nodes[0].signal("CONT");
+    wait_until(Duration::from_secs(15), || status_number(&c, "segments") == Some(1));
+    let store = client(&c.master_addr);
+    for i in 0..n {
+        let early = store.master().get_replica_list(&format!("r/{i}"));
+        assert!(matches!(early, Err(Error::Recovering(_))), "r/{i} served from the stale node: {early:?}");
+    }
+    c.nodes[1].signal("CONT");
+    wait_until(Duration::from_secs(15), || status_number(&c, "segments") == Some(2));
+    let mut back = Vec::new();
+    for i in 0..kept {
+        match get_settled(&store, &format!("r/{i}")) {
+            None if i < n => {}
+            Some(b) if i < n && b == value(i, 1, len) => back.push(i),
+            Some(b) if i >= n && b == value(i, 1, len) => {}
+            other => panic!("r/{i}: {:?} bytes, not what its last put or remove left", other.map(|b| b.len())),
+        }
+    }
+    assert!(back.is_empty(), "removed keys came back: {back:?}");
     assert!(status_number(&c, "stale_copies").unwrap() >= n as u64, "{}", c.status());
 }

@@ -342,6 +342,16 @@ macro_rules! master_calls {
             /// a node with a newer copy may still be on its way back. Said before the
             /// client re-mounts or announces its SSD. Nothing in cluster mode.
             MissedUpdates => fn missed_updates(client: ClientId => ClientId) -> Result<()> => refused;
+            /// Tombstones `client` kept for an earlier master (handed to it with
+            /// `RecordUpdate::Tombstone`): (key, generation of the removal). The
+            /// master refuses copies of these keys older than their removal from now
+            /// on, and drops an object it took back in its recovery window only from
+            /// such copies. Said right after registering again, before the client
+            /// re-mounts or announces its SSD. Nothing in cluster mode.
+            RestoreTombstones => fn restore_tombstones(
+                client: ClientId => ClientId,
+                items: &[(&str, u64)] => Vec<(String, u64)>
+            ) -> Result<()> => refused;
         }
     };
 }

@@ -275,13 +275,16 @@ impl MasterService {
     }
 
     /// `e`, the object under `key`, is removed or replaced: its tombstone records the
-    /// removal's generation, its disk replica's usage is given back, and every SSD
+    /// removal's generation (handed to nodes to keep if copies of the key may be out
+    /// of sight: `master/carried.rs`), its disk replica's usage is given back, and every SSD
     /// that holds (or may be writing) a file of it is told to delete it, on the node's
     /// record endpoint when it has one (the call then waits for it in `wait`: a
     /// removal is as durable as a put), else with its next offload heartbeat.
     pub(crate) fn release_disk(&self, key: &str, e: &ObjectEntry, wait: &mut RecordWait) {
         let generation = self.gens.next();
-        self.tombstones.supersede(key, generation);
+        if self.tombstones.supersede(key, generation) {
+            self.carry_tombstone(key, generation, wait);
+        }
         self.discard_copies(key, e, generation, None, wait);
     }
 

@@ -10,11 +10,13 @@
 //! files are facets of [`MasterService`]: `clients`, `objects`, `disk` (the SSD tier's
 //! side), `eviction`, `records` (durable per-node records), `ownership` (cluster mode:
 //! the slot groups this master leads), `liveness`, `stats`, `upsert` (atomic
-//! replacement of an object), `recovered` (which copy a restarted master keeps),
+//! replacement of an object), `recovered` (which copy a restarted master keeps), `carried` (removals nodes keep
+//! for a restarted master),
 //! `held` (placements clients hold ahead of their puts). The internal index and
 //! segment table live in `object` and `segment`.
 
 mod api;
+mod carried;
 mod clients;
 mod disk;
 mod drain;

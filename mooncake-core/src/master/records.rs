@@ -138,11 +138,21 @@ impl MasterService {
     /// removal it missed (an eviction's, which leaves no mark of its own) refuses
     /// whatever it holds of the key, even if the key comes and goes again
     /// meanwhile; anything else lingers (good until the key is put or removed again).
+    /// A removal missed while the key holds no object is handed to nodes to keep
+    /// (`master/carried.rs`), not waited for: the removal's call was answered when
+    /// the node was given up. (While the key holds an object, the update may be
+    /// one replica's removal, and a restarted master must not refuse the object's
+    /// other copies.)
     pub(crate) fn mark_untold(&self, u: &RecordUpdate) {
         match u {
-            // (A drain notice is about no key.)
-            RecordUpdate::Drain { .. } => {}
-            RecordUpdate::Removed { key, generation, .. } => self.tombstones.supersede(key, *generation),
+            // (A drain notice, a tombstone kept for us: about no copy of the node.)
+            RecordUpdate::Drain { .. } | RecordUpdate::Tombstone { .. } => {}
+            RecordUpdate::Removed { key, generation, .. } => {
+                self.tombstones.supersede_unseen(key, *generation);
+                if self.index.shard(key).lock().get(key).is_none() {
+                    self.carry_tombstone(key, *generation, &mut RecordWait::default());
+                }
+            }
             u => self.tombstones.linger(u.key()),
         }
     }
@@ -155,7 +165,7 @@ impl MasterService {
     /// enough for an eviction's: the key's next put raises the mark past this copy
     /// (`supersede_if_marked`), and an evicted object offered back harms nothing.
     fn linger_untold(&self, u: &RecordUpdate) {
-        if !matches!(u, RecordUpdate::Drain { .. }) {
+        if !matches!(u, RecordUpdate::Drain { .. } | RecordUpdate::Tombstone { .. }) {
             self.tombstones.linger(u.key());
         }
     }

@@ -194,7 +194,7 @@ impl MasterService {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use std::sync::Arc;
     use std::time::Duration;
 
@@ -210,13 +210,13 @@ mod tests {
     /// A storage node coming back to a restarted master: registered, its record
     /// endpoint attached, and told the master it reconnected (what opens the
     /// recovery window).
-    struct Node {
-        client: ClientId,
+    pub(crate) struct Node {
+        pub(crate) client: ClientId,
         region: RemoteRegion,
-        seen: Arc<Seen>,
+        pub(crate) seen: Arc<Seen>,
     }
 
-    fn node(master: &Master, name: &str) -> Node {
+    pub(crate) fn node(master: &Master, name: &str) -> Node {
         let client = master.register_client().unwrap().client;
         let seen = Arc::new(Seen::default());
         master.attach_records(client, seen.clone()).unwrap();
@@ -225,24 +225,24 @@ mod tests {
     }
 
     /// A version of `k`: its length and checksum tell it, `generation` orders it.
-    fn record(version: u32, generation: u64) -> ObjectRecord {
+    pub(crate) fn record(version: u32, generation: u64) -> ObjectRecord {
         ObjectRecord { key: "k".into(), offset: 0, len: 100 + u64::from(version), checksum: 1000 + version, generation }
     }
 
     impl Node {
         /// Re-mounts a 1 MiB segment holding `records`: its id and how many were taken.
-        fn remount(&self, master: &Master, records: &[ObjectRecord]) -> (SegmentId, usize) {
+        pub(crate) fn remount(&self, master: &Master, records: &[ObjectRecord]) -> (SegmentId, usize) {
             master.remount_segment(self.client, &self.region, 1 << 20, records).unwrap()
         }
 
         /// Announces an SSD file of `k`'s `version`, stamped `generation`.
-        fn announce(&self, master: &Master, version: u32, generation: u64) -> crate::error::Result<()> {
+        pub(crate) fn announce(&self, master: &Master, version: u32, generation: u64) -> crate::error::Result<()> {
             let r = record(version, generation);
             master.register_disk_objects(self.client, &[("k", r.len, r.checksum, r.generation)]).remove(0)
         }
 
         /// Whether the node was told to drop its record of `k` in `segment`.
-        fn removed(&self, segment: SegmentId) -> bool {
+        pub(crate) fn removed(&self, segment: SegmentId) -> bool {
             self.seen
                 .0
                 .lock()
@@ -252,7 +252,7 @@ mod tests {
 
         /// The newest generation a `Discard` of `k` told the node (its files of it or
         /// older go).
-        fn discarded(&self) -> Option<u64> {
+        pub(crate) fn discarded(&self) -> Option<u64> {
             self.seen
                 .0
                 .lock()
@@ -265,12 +265,12 @@ mod tests {
         }
     }
 
-    fn master() -> Master {
+    pub(crate) fn master() -> Master {
         Master::new(MasterConfig { track_records: true, ..Default::default() }).unwrap()
     }
 
     /// A master whose recovery window (one client TTL) closes within half a second.
-    fn short_window_master() -> Master {
+    pub(crate) fn short_window_master() -> Master {
         Master::new(MasterConfig {
             track_records: true,
             client_ttl: Duration::from_millis(400),
@@ -282,7 +282,7 @@ mod tests {
 
     /// Heartbeats `nodes` until `master`'s recovery window is closed and `also` no
     /// longer holds.
-    fn wait_out_window(master: &Master, nodes: &[&Node], also: impl Fn() -> bool) {
+    pub(crate) fn wait_out_window(master: &Master, nodes: &[&Node], also: impl Fn() -> bool) {
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
         while master.service().recovering_any() || also() {
             assert!(std::time::Instant::now() < deadline, "the window never closed");
@@ -295,7 +295,7 @@ mod tests {
 
     /// Delivers what the master queued for the nodes without waiting (the removals
     /// of the copies it dropped).
-    fn deliver(master: &Master) {
+    pub(crate) fn deliver(master: &Master) {
         let svc = master.service();
         svc.await_records(svc.unsent_removals.take("k"));
     }

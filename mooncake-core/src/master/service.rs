@@ -31,6 +31,7 @@ pub(crate) struct MasterCounters {
     pub(super) segment_failures: AtomicU64,
     pub(super) record_failures: AtomicU64,
     pub(super) stale_copies: AtomicU64,
+    pub(super) carried_tombstones: AtomicU64,
     pub(super) declared_puts: AtomicU64,
     pub(super) bound_puts: AtomicU64,
 }

@@ -94,6 +94,7 @@ impl MasterService {
             segment_failures: c.segment_failures.load(Ordering::Relaxed),
             record_failures: c.record_failures.load(Ordering::Relaxed),
             stale_copies: c.stale_copies.load(Ordering::Relaxed),
+            carried_tombstones: c.carried_tombstones.load(Ordering::Relaxed),
             declared_puts: c.declared_puts.load(Ordering::Relaxed),
             stall_graces: c.stall_graces.load(Ordering::Relaxed),
             held_placements: self.held.count(),

@@ -13,6 +13,12 @@
 //!   *lingering*: such copies are good until the key is put or removed again, which
 //!   turns the tombstone into a removal's.
 //!
+//! A removal of a key whose copies may be out of sight is the one thing a restarted
+//! master cannot learn back from the copies nodes offer (the copy out of sight is
+//! older than the removal, and nothing newer may be left to say so). Such marks are
+//! *unseen*: the master hands each removal of them to nodes that keep it for it
+//! (`master/carried.rs`), and a restarted master learns them back from those nodes.
+//!
 //! At most [`MAX_TOMBSTONES`] are kept (each key once, plus 8 bytes of order), oldest
 //! first out; forgetting one raises its shard's *floor* to the forgotten mark's
 //! generation: an offered copy of a key without a tombstone is admitted only if it is
@@ -44,12 +50,21 @@ const PER_SHARD: usize = MAX_TOMBSTONES / SHARDS;
 /// that nothing superseded since.
 const LINGERING: u64 = 0;
 
+/// The mark of one key.
+#[derive(Clone, Copy)]
+struct Mark {
+    /// The generation of its last removal or put after it lingered, or [`LINGERING`].
+    generation: u64,
+    /// Copies of the key may be where the master cannot see them (it lingered, or a
+    /// node was never told of a removal): its removals are handed to nodes to keep.
+    unseen: bool,
+}
+
 /// The tombstones of one shard of keys.
 #[derive(Default)]
 struct Shard {
-    /// (key, generation of its last removal or put after it lingered, or
-    /// [`LINGERING`]), found by the key's hash: the key is kept once.
-    marks: HashTable<(Box<str>, u64)>,
+    /// (key, its mark), found by the key's hash: the key is kept once.
+    marks: HashTable<(Box<str>, Mark)>,
     /// Hashes of the keys in insertion order, to forget the oldest beyond [`PER_SHARD`].
     order: VecDeque<u64>,
     /// Per slot group (0 without groups): copies of keys without a mark are admitted
@@ -58,7 +73,7 @@ struct Shard {
 }
 
 impl Shard {
-    fn get_mut(&mut self, hash: u64, key: &str) -> Option<&mut u64> {
+    fn get_mut(&mut self, hash: u64, key: &str) -> Option<&mut Mark> {
         self.marks.find_mut(hash, |(k, _)| &**k == key).map(|(_, m)| m)
     }
 }
@@ -106,12 +121,16 @@ impl Tombstones {
         (hash, &self.shards[((hash >> 48) as usize) % SHARDS])
     }
 
-    /// Sets `key`'s mark with `update` (given the current one, if any), making room.
-    fn mark(&self, key: &str, update: impl FnOnce(Option<u64>) -> u64) {
+    /// Sets `key`'s mark with `update` (given the current one, if any), making room;
+    /// returns the mark set.
+    fn mark(&self, key: &str, update: impl FnOnce(Option<Mark>) -> Mark) -> Mark {
         let (hash, shard) = self.shard(key);
         let mut shard = shard.lock();
-        match shard.get_mut(hash, key) {
-            Some(m) => *m = update(Some(*m)),
+        let set = match shard.get_mut(hash, key) {
+            Some(m) => {
+                *m = update(Some(*m));
+                *m
+            }
             None => {
                 let value = update(None);
                 let router = &self.router;
@@ -122,26 +141,45 @@ impl Tombstones {
                     // The oldest key of that hash (two keys sharing 64 bits of hash
                     // would only make one forgotten early: the floor covers it).
                     if let Ok(entry) = shard.marks.find_entry(old, |(k, _)| router.hash_one(&**k) == old) {
-                        let ((forgotten, generation), _) = entry.remove();
+                        let ((forgotten, mark), _) = entry.remove();
                         let floor = shard.floors.entry(self.group(&forgotten)).or_insert(0);
-                        *floor = (*floor).max(generation);
+                        *floor = (*floor).max(mark.generation);
                     }
                 }
+                value
             }
-        }
+        };
         self.any.store(true, Ordering::Release);
+        set
+    }
+
+    /// The hash the marks are found by (the same for a key on every master).
+    pub(crate) fn key_hash(&self, key: &str) -> u64 {
+        self.router.hash_one(key)
     }
 
     /// Copies of `key` may linger where the master does not see them (their holder was
     /// forgotten): they stay admissible until the key is put or removed again.
     pub(crate) fn linger(&self, key: &str) {
-        self.mark(key, |m| m.unwrap_or(LINGERING));
+        self.mark(key, |m| Mark { generation: m.map_or(LINGERING, |m| m.generation), unseen: true });
     }
 
     /// `key` was removed (or replaced) at `generation`: copies older than it are
-    /// refused from now on.
-    pub(crate) fn supersede(&self, key: &str, generation: u64) {
-        self.mark(key, |m| m.unwrap_or(LINGERING).max(generation));
+    /// refused from now on. Returns whether copies of the key may be out of the
+    /// master's sight (the removal is then to be kept by nodes as well).
+    pub(crate) fn supersede(&self, key: &str, generation: u64) -> bool {
+        self.mark(key, |m| Mark {
+            generation: m.map_or(LINGERING, |m| m.generation).max(generation),
+            unseen: m.is_some_and(|m| m.unseen),
+        })
+        .unseen
+    }
+
+    /// A node holding a copy of `key` was never told of its removal at
+    /// `generation` (it was forgotten first): that copy is out of sight, and older
+    /// than the removal. (The removal is to be kept by nodes as well.)
+    pub(crate) fn supersede_unseen(&self, key: &str, generation: u64) {
+        self.mark(key, |m| Mark { generation: m.map_or(LINGERING, |m| m.generation).max(generation), unseen: true });
     }
 
     /// `key` was put at `generation`: if copies of an earlier object of the key may
@@ -150,7 +188,7 @@ impl Tombstones {
         if self.any.load(Ordering::Acquire) {
             let (hash, shard) = self.shard(key);
             if let Some(m) = shard.lock().get_mut(hash, key) {
-                *m = (*m).max(generation);
+                m.generation = m.generation.max(generation);
             }
         }
     }
@@ -163,7 +201,7 @@ impl Tombstones {
         }
         let (hash, shard) = self.shard(key);
         let mut shard = shard.lock();
-        shard.get_mut(hash, key).is_some_and(|m| *m != LINGERING && *m > generation)
+        shard.get_mut(hash, key).is_some_and(|m| m.generation != LINGERING && m.generation > generation)
     }
 
     /// Whether a copy of `key` stamped `generation` may be taken back while the
@@ -174,7 +212,7 @@ impl Tombstones {
         }
         let (hash, shard) = self.shard(key);
         let mut shard = shard.lock();
-        match shard.get_mut(hash, key).copied() {
+        match shard.get_mut(hash, key).map(|m| m.generation) {
             Some(LINGERING) => true,
             Some(removed) => generation > removed,
             // A file of a version without generations (0) is taken by a master that
@@ -193,9 +231,10 @@ mod tests {
     use crate::master::generations::GenClock;
     use proptest::prelude::*;
 
-    /// The rule without a bound: a key's last supersession, or lingering.
+    /// The rule without a bound: a key's last supersession, or lingering; and the
+    /// keys whose copies went out of sight.
     #[derive(Default)]
-    struct Model(std::collections::HashMap<String, u64>);
+    struct Model(std::collections::HashMap<String, u64>, std::collections::HashSet<String>);
 
     impl Model {
         fn admits(&self, key: &str, generation: u64) -> bool {
@@ -210,6 +249,7 @@ mod tests {
     enum Op {
         Linger(u8),
         Remove(u8),
+        Untold(u8),
         Put(u8),
         Offer(u8, u8),
     }
@@ -218,6 +258,7 @@ mod tests {
         prop_oneof![
             any::<u8>().prop_map(Op::Linger),
             any::<u8>().prop_map(Op::Remove),
+            any::<u8>().prop_map(Op::Untold),
             any::<u8>().prop_map(Op::Put),
             (any::<u8>(), any::<u8>()).prop_map(|(k, back)| Op::Offer(k, back)),
         ]
@@ -238,13 +279,25 @@ mod tests {
                     Op::Linger(k) => {
                         let key = k.to_string();
                         t.linger(&key);
+                        model.1.insert(key.clone());
                         model.0.entry(key).or_insert(LINGERING);
                     }
                     Op::Remove(k) => {
                         let key = k.to_string();
                         let g = clock.next();
                         stamps.push(g);
-                        t.supersede(&key, g);
+                        // A removal is handed to nodes exactly when a copy of the key
+                        // went out of sight before, however long ago.
+                        prop_assert_eq!(t.supersede(&key, g), model.1.contains(&key), "{}", key);
+                        let m = model.0.entry(key).or_insert(LINGERING);
+                        *m = (*m).max(g);
+                    }
+                    Op::Untold(k) => {
+                        let key = k.to_string();
+                        let g = clock.next();
+                        stamps.push(g);
+                        t.supersede_unseen(&key, g);
+                        model.1.insert(key.clone());
                         let m = model.0.entry(key).or_insert(LINGERING);
                         *m = (*m).max(g);
                     }

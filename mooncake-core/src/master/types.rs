@@ -184,6 +184,10 @@ pub struct MasterStats {
     /// Records and disk files a node offered back and the master refused: their key
     /// was removed or put again after they were written (their generation is older).
     pub stale_copies: u64,
+    /// Removals handed to nodes to keep for a restarted master: the key's copies
+    /// may have been out of sight (a node forgotten before it was told), and only
+    /// such tombstones tell a restarted master of the removal.
+    pub carried_tombstones: u64,
     /// Puts that declared their checksum before they ended (when they started,
     /// `put_start_summed`, or while written, `put_declare`) and ended with it: their
     /// records went to the nodes while the bytes were written.
@@ -236,6 +240,7 @@ impl MasterStats {
             segment_failures,
             record_failures,
             stale_copies,
+            carried_tombstones,
             declared_puts,
             stall_graces,
             held_placements,
@@ -343,6 +348,17 @@ pub enum RecordUpdate {
         /// When (the master's generation clock) it was asked.
         generation: u64,
     },
+    /// `key` was removed (or replaced) at `generation` while a copy of it may be
+    /// where the master cannot see it (on a node it forgot): the node keeps this
+    /// tombstone and offers it to a master it registers with again
+    /// (`MasterApi::restore_tombstones`), so that a restarted master refuses that
+    /// copy too. About no segment of the node.
+    Tombstone {
+        /// Object key.
+        key: String,
+        /// The generation of the removal.
+        generation: u64,
+    },
 }
 
 impl RecordUpdate {
@@ -352,7 +368,8 @@ impl RecordUpdate {
             RecordUpdate::Added { record, .. } => record.generation,
             RecordUpdate::Removed { generation, .. }
             | RecordUpdate::Discard { generation, .. }
-            | RecordUpdate::Drain { generation, .. } => *generation,
+            | RecordUpdate::Drain { generation, .. }
+            | RecordUpdate::Tombstone { generation, .. } => *generation,
         }
     }
 
@@ -360,7 +377,9 @@ impl RecordUpdate {
     pub fn key(&self) -> &str {
         match self {
             RecordUpdate::Added { record, .. } => &record.key,
-            RecordUpdate::Removed { key, .. } | RecordUpdate::Discard { key, .. } => key,
+            RecordUpdate::Removed { key, .. }
+            | RecordUpdate::Discard { key, .. }
+            | RecordUpdate::Tombstone { key, .. } => key,
             RecordUpdate::Drain { .. } => "",
         }
     }
@@ -369,7 +388,7 @@ impl RecordUpdate {
     pub fn segment(&self) -> Option<SegmentId> {
         match self {
             RecordUpdate::Added { segment, .. } | RecordUpdate::Removed { segment, .. } => Some(*segment),
-            RecordUpdate::Discard { .. } | RecordUpdate::Drain { .. } => None,
+            RecordUpdate::Discard { .. } | RecordUpdate::Drain { .. } | RecordUpdate::Tombstone { .. } => None,
         }
     }
 }

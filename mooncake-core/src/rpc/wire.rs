@@ -33,8 +33,10 @@ pub const MAGIC: [u8; 4] = *b"MCRP";
 /// `DrainReport`, `DrainStatus` and `RecordUpdate::Drain`; 10: `BatchDropSpareReplicas`;
 /// 11: `NotifyOffloadSuccess` carries each task's generation; 12: `PutStartSummed`,
 /// `BatchPutStartSummed`; 13: `PutDeclare`, `BatchPutDeclare`; 14: `LocalEndpoint`;
-/// 15: `PlaceAhead`, `PutBind`, `BatchPutBind`; 16: `ListKeysAfter`; 17: `Reconnected`).
-pub const VERSION: u8 = 18;
+/// 15: `PlaceAhead`, `PutBind`, `BatchPutBind`; 16: `ListKeysAfter`; 17: `Reconnected`;
+/// 18: `MissedUpdates`; 19: `RestoreTombstones`, `RecordUpdate::Tombstone`,
+/// `MasterStats::carried_tombstones`).
+pub const VERSION: u8 = 19;
 /// Bytes in a frame header.
 pub const HEADER_LEN: usize = 20;
 /// Default largest body accepted (64 MiB).

@@ -39,6 +39,42 @@ pub(crate) struct SegmentRecords {
     /// A master asked this node to drain (`RecordUpdate::Drain`), and whether a drain
     /// runs (`store::drain`).
     pub(crate) drain: super::drain::DrainSignal,
+    /// Removals the master handed us to keep (`RecordUpdate::Tombstone`).
+    kept: Mutex<KeptTombstones>,
+}
+
+/// Most tombstones a node keeps for the master (the oldest go first beyond it).
+const MAX_KEPT_TOMBSTONES: usize = 1 << 16;
+
+/// Removals a master handed this node to keep, and that the node offers to a master
+/// it registers with again (`MasterApi::restore_tombstones`): a restarted master
+/// learns from them of removals whose objects a node it forgot may still hold
+/// (`master/carried.rs`). Each key once, with its newest removal; at most
+/// [`MAX_KEPT_TOMBSTONES`], the oldest forgotten first (one forgotten lets that
+/// removal's object come back if its old holder returns to a restarted master and no
+/// other node kept it).
+#[derive(Default)]
+struct KeptTombstones {
+    by_key: HashMap<Arc<str>, u64>,
+    /// The keys, oldest first.
+    order: std::collections::VecDeque<Arc<str>>,
+}
+
+impl KeptTombstones {
+    fn keep(&mut self, key: String, generation: u64) {
+        if let Some(g) = self.by_key.get_mut(key.as_str()) {
+            *g = (*g).max(generation);
+            return;
+        }
+        let key: Arc<str> = key.into();
+        self.by_key.insert(key.clone(), generation);
+        self.order.push_back(key);
+        while self.order.len() > MAX_KEPT_TOMBSTONES {
+            if let Some(old) = self.order.pop_front() {
+                self.by_key.remove(&old);
+            }
+        }
+    }
 }
 
 /// Most offsets remembered as emptied (with the generation that emptied them) before
@@ -82,7 +118,7 @@ impl Applied {
         let at = match &u {
             RecordUpdate::Added { segment, record } => (*segment, record.offset),
             RecordUpdate::Removed { segment, offset, .. } => (*segment, *offset),
-            RecordUpdate::Discard { .. } | RecordUpdate::Drain { .. } => return,
+            RecordUpdate::Discard { .. } | RecordUpdate::Drain { .. } | RecordUpdate::Tombstone { .. } => return,
         };
         match kept.entry(at) {
             std::collections::hash_map::Entry::Occupied(mut e) => {
@@ -104,7 +140,7 @@ impl Applied {
             // Whatever the offset holds with an older generation predates the removal
             // (the master frees space only after queueing its removal).
             RecordUpdate::Removed { offset, .. } => (offset, None),
-            RecordUpdate::Discard { .. } | RecordUpdate::Drain { .. } => return,
+            RecordUpdate::Discard { .. } | RecordUpdate::Drain { .. } | RecordUpdate::Tombstone { .. } => return,
         };
         let slot = self.by_offset.entry(offset).or_insert(Slot { generation: 0, record: None });
         if generation <= slot.generation {
@@ -162,6 +198,7 @@ impl SegmentRecords {
                 match u {
                     RecordUpdate::Discard { key, generation } => discards.push((key, generation)),
                     RecordUpdate::Drain { grace_ms, .. } => self.drain.asked.ask(grace_ms),
+                    RecordUpdate::Tombstone { key, generation } => self.kept.lock().keep(key, generation),
                     u if u.segment() == Some(own) => applied.apply(u),
                     u => applied.keep_mounting(u),
                 }
@@ -230,6 +267,13 @@ impl SegmentRecords {
                 applied.apply(u);
             }
         }
+    }
+
+    /// The removals the master handed us to keep: (key, generation of the removal),
+    /// oldest first.
+    pub(crate) fn kept_tombstones(&self) -> Vec<(String, u64)> {
+        let kept = self.kept.lock();
+        kept.order.iter().map(|k| (k.to_string(), kept.by_key[k])).collect()
     }
 
     /// A copy of the records.
@@ -484,6 +528,24 @@ mod tests {
             mounting.apply(arrivals[split..].to_vec());
             prop_assert_eq!(state(&mounting), state(&in_order));
         }
+    }
+
+    /// Removals the master hands us to keep: each key once with its newest removal,
+    /// about no segment (a mount in progress keeps none of them aside), at most
+    /// `MAX_KEPT_TOMBSTONES`, the oldest forgotten first.
+    #[test]
+    fn kept_tombstones_are_bounded_and_keep_the_newest_removal() {
+        let records = SegmentRecords::new(1);
+        records.begin_mount();
+        let kept = |key: &str, generation| RecordUpdate::Tombstone { key: key.into(), generation };
+        records.apply(vec![kept("a", 5), kept("b", 7), kept("a", 9), kept("a", 3)]);
+        assert_eq!(records.kept_tombstones(), [("a".to_string(), 9), ("b".to_string(), 7)]);
+        assert!(records.snapshot().is_empty());
+        records.apply((0..MAX_KEPT_TOMBSTONES as u64).map(|i| kept(&format!("k{i}"), i + 10)).collect());
+        let all = records.kept_tombstones();
+        assert_eq!(all.len(), MAX_KEPT_TOMBSTONES);
+        assert!(all.iter().all(|(k, _)| k != "a" && k != "b"), "the oldest were kept");
+        assert_eq!(all.last(), Some(&(format!("k{}", MAX_KEPT_TOMBSTONES - 1), MAX_KEPT_TOMBSTONES as u64 + 9)));
     }
 }
 

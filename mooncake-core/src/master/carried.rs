@@ -1,0 +1,238 @@
+//! Tombstones carried by nodes: the removals a restarted master learns back
+//! (ARCHITECTURE.md, "Generations").
+//!
+//! A restarted master rebuilds its index from the copies nodes offer back, and a
+//! copy's generation tells it whether a later removal or put superseded it, once the
+//! master knows of that removal. Its tombstones are gone with the old master's
+//! memory, though. When the key was put again, the newer copy says so (a re-mount
+//! conflict, `master/recovered.rs`); when it was only removed, nothing offered back
+//! says so, and a node forgotten before the removal (paused, cut off past its TTL)
+//! brought the removed object back.
+//!
+//! So a removal of a key whose copies may be out of the master's sight (its
+//! tombstone is *unseen*: the key lingered, or a node was never told of a removal)
+//! is handed to up to [`CARRIERS`] other nodes with a record endpoint, as a
+//! `RecordUpdate::Tombstone` on their links, and the removal is acknowledged once
+//! they hold it, as once its holders dropped their records. A node keeps the
+//! tombstones it is handed (bounded, `store/records.rs`) and offers them first
+//! whenever it registers again ([`MasterService::restore_tombstones`]). The master
+//! raises its marks with them; an object it took back in this recovery window
+//! from copies all older than such a removal is dropped, its holders told, as a
+//! newer copy replaces an older one. Until those nodes are back the object is not
+//! served if only nodes that said they may have missed updates hold it
+//! (`ObjectEntry::unconfirmed`).
+//!
+//! Carriers are picked by rendezvous hashing of the key over the nodes registered
+//! with a record endpoint (any such node will do: every node offers what it keeps).
+//! Nothing is carried in cluster mode (each slot group's leader keeps its own
+//! marks, and a new leader has none of them; the known window stays there).
+
+use std::sync::atomic::Ordering;
+
+use crate::config::check_key;
+use crate::error::{Error, Result};
+use crate::master::generations::GenClock;
+use crate::master::record_link::RecordWait;
+use crate::master::service::MasterService;
+use crate::master::types::{ClientId, RecordUpdate};
+
+/// How many nodes are handed each removal to keep.
+pub(crate) const CARRIERS: usize = 2;
+
+impl MasterService {
+    /// `key` was removed at `generation` while copies of it may be out of sight:
+    /// hands the removal to up to [`CARRIERS`] nodes to keep for a restarted master
+    /// (`wait` then waits for them as for the holders' records).
+    pub(crate) fn carry_tombstone(&self, key: &str, generation: u64, wait: &mut RecordWait) {
+        if self.ownership.get().is_some() || !self.config.track_records {
+            return;
+        }
+        let hash = self.tombstones.key_hash(key);
+        // Rendezvous hashing: the nodes whose id mixed with the key's hash rank
+        // highest, so that the same key tends to go to the same nodes.
+        let mut carriers: smallvec::SmallVec<[(u64, ClientId); CARRIERS]> = smallvec::SmallVec::new();
+        for (&client, rec) in self.clients.read().iter() {
+            if rec.link.lock().is_none() {
+                continue;
+            }
+            let rank = mix(hash ^ client);
+            if carriers.len() < CARRIERS {
+                carriers.push((rank, client));
+            } else if let Some(lowest) = carriers.iter_mut().min_by_key(|(r, _)| *r) {
+                if rank > lowest.0 {
+                    *lowest = (rank, client);
+                }
+            }
+        }
+        for (_, carrier) in carriers {
+            self.push_to_client(carrier, |_| RecordUpdate::Tombstone { key: key.to_owned(), generation }, wait);
+        }
+        self.counters.carried_tombstones.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Tombstones `client` kept for an earlier master ([`carry_tombstone`](Self::carry_tombstone)):
+    /// (key, generation of its removal). Each raises the key's mark; an object this
+    /// master took back in its recovery window only from copies older than the
+    /// removal is dropped (its holders are told; the key's next remove, upsert or put
+    /// waits for them), and a copy of it offered later is refused. Nothing in
+    /// cluster mode.
+    pub fn restore_tombstones(&self, client: ClientId, items: &[(&str, u64)]) -> Result<()> {
+        if self.ownership.get().is_some() {
+            return Ok(());
+        }
+        if !self.clients.read().contains_key(&client) {
+            return Err(Error::UnknownClient(client));
+        }
+        let now = self.now_ms();
+        let mut dropped = 0u64;
+        for &(key, generation) in items {
+            check_key(key)?;
+            // A removal stamped implausibly far ahead of the clock would refuse
+            // every copy of the key for a day: not believed.
+            if !GenClock::believable(generation) {
+                continue;
+            }
+            self.gens.observe(generation);
+            self.tombstones.supersede_unseen(key, generation);
+            let mut shard = self.index.shard(key).lock();
+            let superseded = shard.get(key).is_some_and(|e| {
+                e.complete()
+                    && e.recovered()
+                    && self.recovering_key(key)
+                    && shard.recovered_generation(key).is_some_and(|newest| newest < generation)
+            });
+            if !superseded {
+                continue;
+            }
+            let Some(mut e) = shard.remove(key) else { continue };
+            let mut wait = self.note_removed(key, &e.replicas);
+            self.discard_copies(key, &e, generation, None, &mut wait);
+            self.hold_orphaned_upsert(&mut e, now);
+            drop(shard);
+            // A read handed its replicas (it was served: no node that may have
+            // missed updates held it alone) keeps their memory for its lease.
+            if e.leased(now) {
+                let hold = std::time::Duration::from_millis(e.lease_until_ms().saturating_sub(now));
+                self.quarantine_replicas(std::mem::take(&mut e.replicas), hold);
+            }
+            self.unsent_removals.add(key, wait);
+            dropped += 1;
+            tracing::debug!(key, "an object taken back is dropped: a node kept its removal");
+        }
+        self.counters.stale_copies.fetch_add(dropped, Ordering::Relaxed);
+        Ok(())
+    }
+}
+
+/// A 64-bit finalizer (splitmix64's): ranks a node for a key.
+fn mix(mut x: u64) -> u64 {
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::error::Error;
+    use crate::master::recovered::tests::{deliver, master, node, record, short_window_master, wait_out_window, Node};
+    use crate::master::{Master, RecordUpdate};
+
+    /// The removals of `k` a node was handed to keep.
+    fn kept(n: &Node) -> Vec<u64> {
+        n.seen
+            .0
+            .lock()
+            .iter()
+            .filter_map(|u| match u {
+                RecordUpdate::Tombstone { key, generation } if key == "k" => Some(*generation),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// `k`, held by `holder` and `other` (version 1, stamped 10).
+    fn held_twice(master: &Master, holder: &Node, other: &Node) {
+        holder.remount(master, &[record(1, 10)]);
+        other.remount(master, &[record(1, 10)]);
+        assert_eq!(master.get_replica_list("k").unwrap().replicas.len(), 2);
+        master.release_leases(&["k"]).unwrap();
+    }
+
+    /// A remove of a key whose copy went out of sight with a forgotten node is handed
+    /// to two other nodes with a record endpoint (and waited for); a remove of a key
+    /// every holder of which is told is handed to none.
+    #[test]
+    fn a_removal_a_forgotten_node_missed_is_kept_by_two_nodes() {
+        let master = master();
+        let (gone, holder, b, c) =
+            (node(&master, "gone"), node(&master, "holder"), node(&master, "b"), node(&master, "c"));
+        held_twice(&master, &gone, &holder);
+        master.unregister_client(gone.client).unwrap();
+        master.remove("k").unwrap();
+        let carriers: Vec<Vec<u64>> = [&holder, &b, &c].into_iter().map(kept).collect();
+        assert_eq!(carriers.iter().filter(|k| k.len() == 1).count(), 2, "kept by: {carriers:?}");
+        assert!(carriers.iter().all(|k| k.len() <= 1));
+        assert!(kept(&gone).is_empty(), "handed to the node that missed it");
+        assert_eq!(master.stats().carried_tombstones, 1);
+
+        // Put again on nodes that stay: its removal is handed to nobody more.
+        let fresh = |m: &Master| -> u64 { m.stats().carried_tombstones };
+        let seen = fresh(&master);
+        let r = |name: &str| crate::master::ObjectRecord { key: name.into(), ..record(1, 20) };
+        b.remount(&master, &[r("told")]);
+        master.remove("told").unwrap();
+        assert_eq!(fresh(&master), seen, "a removal every holder was told of was handed on");
+    }
+
+    /// A restarted master takes `k` back from a node that missed its removal, then
+    /// hears the removal from a node that kept it: the object is dropped (and its
+    /// node told), and served by no read meanwhile. In the other order the stale
+    /// copy is refused. A copy newer than the removal, or an object put on the new
+    /// master, stays.
+    #[test]
+    fn a_kept_removal_drops_or_refuses_older_copies_in_either_order() {
+        for kept_first in [false, true] {
+            let master = short_window_master();
+            let (stale, carrier) = (node(&master, "stale"), node(&master, "carrier"));
+            master.missed_updates(stale.client).unwrap();
+            let restore = || master.restore_tombstones(carrier.client, &[("k", 15)]).unwrap();
+            if kept_first {
+                restore();
+            }
+            let (seg, taken) = stale.remount(&master, &[record(1, 10)]);
+            assert_eq!(taken, usize::from(!kept_first), "kept first: {kept_first}");
+            assert!(matches!(master.get_replica_list("k"), Err(Error::Recovering(_))));
+            if !kept_first {
+                restore();
+            }
+            deliver(&master);
+            assert!(stale.removed(seg), "the stale copy's node keeps it (kept first: {kept_first})");
+            assert_eq!(master.stats().stale_copies, 1);
+            wait_out_window(&master, &[&stale, &carrier], || false);
+            assert!(matches!(master.get_replica_list("k"), Err(Error::NotFound(_))), "kept first: {kept_first}");
+        }
+
+        // A copy stamped after the removal is a later put's: it stays.
+        let master = master();
+        let (newer, carrier) = (node(&master, "newer"), node(&master, "carrier"));
+        newer.remount(&master, &[record(2, 20)]);
+        master.restore_tombstones(carrier.client, &[("k", 15)]).unwrap();
+        assert_eq!(master.get_replica_list("k").unwrap().checksum, 1002);
+        // An older file offered later is refused by the kept removal.
+        assert!(carrier.announce(&master, 1, 11).is_err());
+    }
+
+    /// A removal stamped implausibly far ahead of the clock is not believed (it would
+    /// refuse every copy of its key for a day); a client the master does not know is
+    /// told so; a key too long is refused.
+    #[test]
+    fn kept_removals_are_checked() {
+        let master = master();
+        let n = node(&master, "n");
+        master.restore_tombstones(n.client, &[("k", u64::MAX - 1)]).unwrap();
+        assert_eq!(n.remount(&master, &[record(1, 10)]).1, 1, "a removal from the far future refused a copy");
+        assert!(matches!(master.restore_tombstones(u64::MAX, &[("k", 1)]), Err(Error::UnknownClient(_))));
+        let long = "x".repeat(crate::config::MAX_KEY_LEN + 1);
+        assert!(master.restore_tombstones(n.client, &[(&long, 1)]).is_err());
+    }
+}
