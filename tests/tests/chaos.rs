@@ -133,24 +133,12 @@ impl Model {
     }
 
     /// Takes in the master kills that happened while a node was forgotten (the
-    /// master dead at `to`): a key that may be absent now (removed since) may also
-    /// hold any state it held before, which the node's records may bring back to a
-    /// master that never saw the removal (the node's records are what it was told
-    /// before it stopped, updates written ahead to it that waited in its socket, and
-    /// what it brought back after an earlier such kill and nobody removed since). A
-    /// key put or upserted since holds the newer state: the restarted master keeps
-    /// the newest copy offered back.
+    /// master dead at `to`), for [`maybe`](Self::maybe). A key removed meanwhile stays
+    /// removed (other nodes kept the removal for the restarted master), and a key put
+    /// or upserted since holds the newer state (the restarted master keeps the newest
+    /// copy offered back).
     fn follow(&mut self, faults: &Faults) {
-        let returns = faults.stale_returns.lock().unwrap().clone();
-        for &to in &returns[self.stale_returns.len()..] {
-            for slot in 0..KEYS_PER_WORKER {
-                if self.may_hold[slot].contains(&None) {
-                    let held = self.held_before(slot, to);
-                    self.may_hold[slot].extend(held);
-                }
-            }
-        }
-        self.stale_returns = returns;
+        self.stale_returns = faults.stale_returns.lock().unwrap().clone();
     }
 
     /// A call that set `slot` to `state`, begun when `kills` nodes had been killed,

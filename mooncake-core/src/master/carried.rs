@@ -133,6 +133,8 @@ fn mix(mut x: u64) -> u64 {
 
 #[cfg(test)]
 mod tests {
+    use proptest::prelude::*;
+
     use crate::error::Error;
     use crate::master::recovered::tests::{deliver, master, node, record, short_window_master, wait_out_window, Node};
     use crate::master::{Master, RecordUpdate};
@@ -234,5 +236,56 @@ mod tests {
         assert!(matches!(master.restore_tombstones(u64::MAX, &[("k", 1)]), Err(Error::UnknownClient(_))));
         let long = "x".repeat(crate::config::MAX_KEY_LEN + 1);
         assert!(master.restore_tombstones(n.client, &[(&long, 1)]).is_err());
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+        /// Nodes come back to a restarted master in any order, each with at most a
+        /// record and a file of `k` (of any of four versions, whose generations come
+        /// in any order) and at most a removal it kept (of the object of any version,
+        /// stamped after that version's copies and before the next version's): the
+        /// key ends with the newest version offered if that is newer than every
+        /// removal kept, else with nothing, and every other copy was told to go.
+        #[test]
+        fn kept_removals_and_copies_in_any_order(
+            nodes in prop::collection::vec(
+                (prop::option::of(0u32..4), prop::option::of(0u32..4), prop::option::of(0u32..4)),
+                1..6,
+            ),
+            ranks in Just(vec![0u64, 1, 2, 3]).prop_shuffle(),
+            order in Just((0..18usize).collect::<Vec<_>>()).prop_shuffle(),
+        ) {
+            let gen_of = |version: u32| 100 + 10 * ranks[version as usize];
+            let master = master();
+            let ns: Vec<Node> = (0..nodes.len()).map(|i| node(&master, &format!("n{i}"))).collect();
+            let mut segments = vec![None; ns.len()];
+            let mut refused_files = vec![false; ns.len()];
+            for step in order.into_iter().filter(|s| s / 3 < ns.len()) {
+                let (i, what) = (step / 3, step % 3);
+                let (rec, file, removal) = nodes[i];
+                match (what, rec, file, removal) {
+                    (0, Some(v), _, _) => segments[i] = Some(ns[i].remount(&master, &[record(v, gen_of(v))]).0),
+                    (1, _, Some(v), _) => refused_files[i] = ns[i].announce(&master, v, gen_of(v) + 1).is_err(),
+                    (2, _, _, Some(v)) => master.restore_tombstones(ns[i].client, &[("k", gen_of(v) + 5)]).unwrap(),
+                    _ => {}
+                }
+            }
+            deliver(&master);
+            let removed_at = nodes.iter().filter_map(|n| n.2).map(|v| gen_of(v) + 5).max().unwrap_or(0);
+            let newest = nodes.iter().flat_map(|&(r, f, _)| r.into_iter().chain(f)).max_by_key(|&v| gen_of(v));
+            let expected = newest.filter(|&v| gen_of(v) > removed_at);
+            let got = master.get_replica_list("k");
+            prop_assert_eq!(got.as_ref().ok().map(|l| l.checksum), expected.map(|v| 1000 + v), "{:?}", got);
+            for (i, n) in ns.iter().enumerate() {
+                if let (Some(v), Some(seg)) = (nodes[i].0, segments[i]) {
+                    prop_assert!(n.removed(seg) || Some(v) == expected, "node {} keeps a record of version {}", i, v);
+                }
+                if let Some(v) = nodes[i].1 {
+                    let stays = !refused_files[i] && n.discarded().is_none_or(|g| g < gen_of(v) + 1);
+                    prop_assert!(!stays || Some(v) == expected, "node {} keeps a file of version {}", i, v);
+                }
+            }
+        }
     }
 }
