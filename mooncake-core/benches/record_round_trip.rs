@@ -8,6 +8,11 @@
 //!   `put_start+put_end+remove`: a put's two master calls (no bytes moved) and a
 //!   remove against a master daemon whose one storage node serves its records over
 //!   TCP, so `put_end` includes the round trip to the node; `remove` likewise.
+//! - `remove_kept`: `remove` of a key whose other copy went out of the master's
+//!   sight with a node it forgot: the removal is also handed to the storage node to
+//!   keep for a restarted master (`RecordUpdate::Tombstone`), on the same link as
+//!   its record's removal.
+//!
 //!   Three threads poll here at once (this one for the master's answer, the master
 //!   for the node's, the node for its next request): on a host with fewer free
 //!   cores than that, these rows show how the pollers share them.
@@ -134,9 +139,50 @@ fn put_end(c: &mut Criterion) {
     });
 }
 
+fn remove_kept(c: &mut Criterion) {
+    let daemon = MasterDaemon::builder("127.0.0.1:0").serve().unwrap();
+    let addr = daemon.local_addr().to_string();
+    let _node = Store::builder().master_address(&addr).global_segment_size(64 << 20).build().unwrap();
+    let client = RpcMasterClient::connect(&addr).unwrap();
+    let id = client.register_client().unwrap().client;
+    let both = ReplicateConfig { replica_num: 2, ..Default::default() };
+    let mut round = 0u64;
+    c.bench_function("records/remove_kept", |b| {
+        b.iter_custom(|iters| {
+            let mut timed = Duration::ZERO;
+            // In rounds of at most 4,096 keys (16 MiB of each 64 MiB segment).
+            let mut left = iters;
+            while left > 0 {
+                let n = left.min(4096);
+                left -= n;
+                // Untimed: keys with a replica on the storage node and one on a node
+                // (a segment of this client's) that is then forgotten.
+                round += 1;
+                let gone = client.register_client().unwrap().client;
+                let region = mooncake_transfer::RemoteRegion { endpoint: format!("bench-gone-{round}:1"), region: 1 };
+                client.mount_segment(gone, &region, 64 << 20).unwrap();
+                let keys: Vec<String> = (0..n).map(|i| format!("bench/kept/{round}/{i}")).collect();
+                for key in &keys {
+                    black_box(client.put_start(id, key, 4096, &both).unwrap());
+                    client.put_end(id, key, 7).unwrap();
+                }
+                client.unregister_client(gone).unwrap();
+                let t = std::time::Instant::now();
+                for key in &keys {
+                    client.remove(key).unwrap();
+                }
+                timed += t.elapsed();
+            }
+            timed
+        })
+    });
+    let stats = client.stats().unwrap();
+    assert!(stats.carried_tombstones > 0, "no removal was handed on: the bench measures a plain remove");
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default().measurement_time(Duration::from_secs(3)).warm_up_time(Duration::from_secs(1));
-    targets = tcp_ping_pong, apply_records, put_end
+    targets = tcp_ping_pong, apply_records, put_end, remove_kept
 }
 criterion_main!(benches);
