@@ -45,19 +45,23 @@ pub(crate) struct SegmentRecords {
 
 /// Most tombstones a node keeps for the master (the oldest go first beyond it).
 const MAX_KEPT_TOMBSTONES: usize = 1 << 16;
+/// Most bytes of keys of the tombstones a node keeps (the oldest go first beyond it).
+const MAX_KEPT_KEY_BYTES: usize = 16 << 20;
 
 /// Removals a master handed this node to keep, and that the node offers to a master
 /// it registers with again (`MasterApi::restore_tombstones`): a restarted master
 /// learns from them of removals whose objects a node it forgot may still hold
 /// (`master/carried.rs`). Each key once, with its newest removal; at most
-/// [`MAX_KEPT_TOMBSTONES`], the oldest forgotten first (one forgotten lets that
-/// removal's object come back if its old holder returns to a restarted master and no
-/// other node kept it).
+/// [`MAX_KEPT_TOMBSTONES`] and [`MAX_KEPT_KEY_BYTES`] of keys, the oldest forgotten
+/// first (one forgotten lets that removal's object come back if its old holder
+/// returns to a restarted master and no other node kept it).
 #[derive(Default)]
 struct KeptTombstones {
     by_key: HashMap<Arc<str>, u64>,
     /// The keys, oldest first.
     order: std::collections::VecDeque<Arc<str>>,
+    /// Bytes of the keys kept.
+    key_bytes: usize,
 }
 
 impl KeptTombstones {
@@ -67,12 +71,13 @@ impl KeptTombstones {
             return;
         }
         let key: Arc<str> = key.into();
+        self.key_bytes += key.len();
         self.by_key.insert(key.clone(), generation);
         self.order.push_back(key);
-        while self.order.len() > MAX_KEPT_TOMBSTONES {
-            if let Some(old) = self.order.pop_front() {
-                self.by_key.remove(&old);
-            }
+        while self.order.len() > MAX_KEPT_TOMBSTONES || self.key_bytes > MAX_KEPT_KEY_BYTES {
+            let Some(old) = self.order.pop_front() else { break };
+            self.key_bytes -= old.len();
+            self.by_key.remove(&old);
         }
     }
 }
@@ -546,6 +551,12 @@ mod tests {
         assert_eq!(all.len(), MAX_KEPT_TOMBSTONES);
         assert!(all.iter().all(|(k, _)| k != "a" && k != "b"), "the oldest were kept");
         assert_eq!(all.last(), Some(&(format!("k{}", MAX_KEPT_TOMBSTONES - 1), MAX_KEPT_TOMBSTONES as u64 + 9)));
+        // Long keys: bounded by their bytes as well.
+        let long = |i: usize| format!("{i:04}{}", "x".repeat(crate::config::MAX_KEY_LEN - 4));
+        records.apply((0..MAX_KEPT_KEY_BYTES / crate::config::MAX_KEY_LEN + 8).map(|i| kept(&long(i), 1)).collect());
+        let all = records.kept_tombstones();
+        assert!(all.iter().map(|(k, _)| k.len()).sum::<usize>() <= MAX_KEPT_KEY_BYTES);
+        assert_eq!(all.last().map(|(k, _)| k.clone()), Some(long(MAX_KEPT_KEY_BYTES / crate::config::MAX_KEY_LEN + 7)));
     }
 }
 

@@ -123,6 +123,8 @@ pub(crate) struct FileStorage {
     batch: usize,
     interval: Duration,
     counters: Arc<SsdCounters>,
+    /// The tier was offered to a master once already (by this process).
+    announced: std::sync::atomic::AtomicBool,
     _gc: GcThread,
 }
 
@@ -217,6 +219,7 @@ impl FileStorage {
             batch: cfg.offload_batch,
             interval: cfg.heartbeat_interval,
             counters,
+            announced: Default::default(),
             _gc: gc,
         })
     }
@@ -233,10 +236,19 @@ impl FileStorage {
 
     /// Offers the tier to the master and registers every object already on disk
     /// (at start, and again after the master restarted). Stale copies (the master
-    /// holds a different object under the key) are deleted.
+    /// holds a different object under the key) are deleted. Files found at start
+    /// were written before this process: the node was away meanwhile and may have
+    /// missed their removals, which the master is told first
+    /// (`MasterApi::missed_updates`: a restarted master then withholds what only
+    /// they hold while its recovery window is open).
     pub(crate) fn announce(&self, master: &dyn MasterApi, client: ClientId) -> Result<usize> {
         let mut found: Vec<ObjectMeta> = Vec::new();
         self.backend.scan_meta(&mut |m| found.push(m.clone()));
+        if !self.announced.swap(true, Ordering::AcqRel) && !found.is_empty() {
+            if let Err(e) = master.missed_updates(client) {
+                tracing::debug!(error = %e, "the master does not take the note that our files may be stale");
+            }
+        }
         let mut registered = 0;
         for chunk in found.chunks(REGISTER_CHUNK) {
             let items: Vec<(&str, u64, u32, u64)> =
@@ -424,6 +436,7 @@ mod tests {
     use mooncake_transfer::{RemoteRegion, SharedSecret, TcpTransport, TransferEngine, TransferError};
 
     use super::FileStorage;
+    use crate::error::Error;
     use crate::master::{Master, MasterApi};
     use crate::rpc::wire::{Request, Response};
     use crate::rpc::RpcMasterClient;
@@ -466,5 +479,38 @@ mod tests {
         let mut back = vec![0u8; len as usize];
         other.read(&staging, offset, &mut back).unwrap();
         assert_eq!(back, value, "the staged bytes are the disk's");
+    }
+
+    /// A node started on an SSD directory that holds files was away for as long as
+    /// it was down: to a master in its recovery window (it restarted too), what only
+    /// those files hold answers `Recovering` until the window closes, not bytes a
+    /// removal it missed may have superseded. Announced again by the same process
+    /// (the master restarted meanwhile), its files are served at once.
+    #[test]
+    fn files_found_at_start_wait_for_a_restarted_masters_window() {
+        let dir = tempfile::tempdir().unwrap();
+        let engine = TransferEngine::builder().tcp_listen("127.0.0.1:0").build().unwrap();
+        let cfg = SsdOffloadConfig::new(dir.path(), 64 << 20);
+        let value = vec![0x5a; 10_000];
+        {
+            let master: Arc<dyn MasterApi> = Master::new(MasterConfig::default()).unwrap().service().clone();
+            let tier = FileStorage::open(&cfg, master, Arc::new(AtomicU64::new(1)), &engine, None, true).unwrap();
+            tier.backend.offload("k", &value).unwrap();
+        }
+        let restarted = || {
+            let master = Master::new(MasterConfig::default()).unwrap();
+            let client = master.register_client().unwrap().client;
+            master.reconnected().unwrap();
+            (master, client)
+        };
+        let (master, client) = restarted();
+        let api: Arc<dyn MasterApi> = master.service().clone();
+        let tier = FileStorage::open(&cfg, api.clone(), Arc::new(AtomicU64::new(client)), &engine, None, true).unwrap();
+        assert_eq!(tier.announce(&*api, client).unwrap(), 1);
+        assert!(matches!(master.get_replica_list("k"), Err(Error::Recovering(_))), "files from before served");
+        let (master, client) = restarted();
+        let api: Arc<dyn MasterApi> = master.service().clone();
+        assert_eq!(tier.announce(&*api, client).unwrap(), 1);
+        assert_eq!(master.get_replica_list("k").unwrap().len, value.len() as u64);
     }
 }
