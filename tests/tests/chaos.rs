@@ -22,12 +22,13 @@
 //!   stays removed. Objects are put with two replicas on two nodes, so an
 //!   acknowledged one may be missing only after two node kills (neither memory
 //!   replica left, the disk copy not yet written). After a master kill while a
-//!   node was forgotten, a key that may be absent (removed since) may come back
-//!   with a state it held before (the documented window: the new master never saw
-//!   the removal); a key put or upserted since must hold the newer state whichever
-//!   node comes back first, and no read may return an older one meanwhile (the node
-//!   says it may have missed updates: what only it holds answers `Recovering` until
-//!   the recovery window closes).
+//!   node was forgotten, a key removed since stays removed (the other nodes kept
+//!   the removal for the new master, which never saw it; only a remove under way
+//!   at the kill may leave the key at a state it held before), a key put or
+//!   upserted since must hold the newer state whichever node comes back first, and
+//!   no read may return an older one meanwhile (the node says it may have missed
+//!   updates: what only it holds answers `Recovering` until the recovery window
+//!   closes, or until a node that kept its removal is back).
 //!
 //! Seeded: a failure prints its seed; `MOONCAKE_CHAOS_SEED=N` runs that sequence of
 //! choices again (the faults' timing still varies), `MOONCAKE_CHAOS_SECS=N` runs

@@ -47,15 +47,15 @@ impl MasterService {
         if self.ownership.get().is_some() || !self.config.track_records {
             return;
         }
-        let hash = self.tombstones.key_hash(key);
-        // Rendezvous hashing: the nodes whose id mixed with the key's hash rank
-        // highest, so that the same key tends to go to the same nodes.
+        // Rendezvous hashing: the nodes whose id hashed with the key ranks highest,
+        // so that the same key tends to go to the same nodes.
+        let ranker = ahash::RandomState::with_seeds(0x6b65_6570, 0x7468_6973, 0x666f_7220, 0x7573_2121);
         let mut carriers: smallvec::SmallVec<[(u64, ClientId); CARRIERS]> = smallvec::SmallVec::new();
         for (&client, rec) in self.clients.read().iter() {
             if rec.link.lock().is_none() {
                 continue;
             }
-            let rank = mix(hash ^ client);
+            let rank = ranker.hash_one((key, client));
             if carriers.len() < CARRIERS {
                 carriers.push((rank, client));
             } else if let Some(lowest) = carriers.iter_mut().min_by_key(|(r, _)| *r) {
@@ -122,13 +122,6 @@ impl MasterService {
         self.counters.stale_copies.fetch_add(dropped, Ordering::Relaxed);
         Ok(())
     }
-}
-
-/// A 64-bit finalizer (splitmix64's): ranks a node for a key.
-fn mix(mut x: u64) -> u64 {
-    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    x ^ (x >> 31)
 }
 
 #[cfg(test)]

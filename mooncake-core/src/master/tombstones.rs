@@ -153,11 +153,6 @@ impl Tombstones {
         set
     }
 
-    /// The hash the marks are found by (the same for a key on every master).
-    pub(crate) fn key_hash(&self, key: &str) -> u64 {
-        self.router.hash_one(key)
-    }
-
     /// Copies of `key` may linger where the master does not see them (their holder was
     /// forgotten): they stay admissible until the key is put or removed again.
     pub(crate) fn linger(&self, key: &str) {
