@@ -70,8 +70,8 @@ impl MasterService {
         self.counters.carried_tombstones.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// Tombstones `client` kept for an earlier master ([`carry_tombstone`](Self::carry_tombstone)):
-    /// (key, generation of its removal). Each raises the key's mark; an object this
+    /// Tombstones `client` kept for an earlier master (handed to it with
+    /// `RecordUpdate::Tombstone`): (key, generation of its removal). Each raises the key's mark; an object this
     /// master took back in its recovery window only from copies older than the
     /// removal is dropped (its holders are told; the key's next remove, upsert or put
     /// waits for them), and a copy of it offered later is refused. Nothing in
