@@ -310,6 +310,29 @@ fn a_forgotten_ssd_node_returning_after_a_reput_and_remove_serves_no_old_bytes()
     std::fs::remove_dir_all(&ssd2).ok();
 }
 
+/// With node 0 stopped past its TTL (forgotten by the master): stops node 1,
+/// `kill -9`s the master, restarts it and lets node 0 come back first. Node 0
+/// knows it was silent past its TTL and says so: until the recovery window closes
+/// (or a newer copy or a kept removal comes), what only it holds is `Recovering`,
+/// never its old bytes; checked for `{prefix}/0..withheld`. Then node 1 comes back.
+/// Returns a client of the new master.
+fn restart_with_the_stale_node_first(c: &mut Cluster, store: Store, prefix: &str, withheld: usize) -> Store {
+    c.nodes[1].signal("STOP");
+    c.master.kill9();
+    drop(store);
+    c.restart_master();
+    c.nodes[0].signal("CONT");
+    wait_until(Duration::from_secs(15), || status_number(c, "segments") == Some(1));
+    let store = client(&c.master_addr);
+    for i in 0..withheld {
+        let early = store.master().get_replica_list(&format!("{prefix}/{i}"));
+        assert!(matches!(early, Err(Error::Recovering(_))), "{prefix}/{i} served from the stale node: {early:?}");
+    }
+    c.nodes[1].signal("CONT");
+    wait_until(Duration::from_secs(15), || status_number(c, "segments") == Some(2));
+    store
+}
+
 /// Node 0 holds v1 of the `p/` keys, is paused and forgotten; v2 is put on node 1.
 /// The master is killed and restarted while node 1 is paused too, so that node 0
 /// comes back first and offers its v1 records to a master that lost its tombstones.
@@ -331,22 +354,7 @@ fn a_stale_node_back_first_after_a_master_restart_does_not_decide_the_value() {
     for i in 0..n {
         store.put(&format!("p/{i}"), &value(i, 2, len)).unwrap();
     }
-    c.nodes[1].signal("STOP");
-    c.master.kill9();
-    drop(store);
-    c.restart_master();
-    c.nodes[0].signal("CONT");
-    wait_until(Duration::from_secs(15), || status_number(&c, "segments") == Some(1));
-    // Node 0 knows it was silent past its TTL and says so: until the recovery
-    // window closes (or a newer copy comes), what only it holds is `Recovering`,
-    // never its old bytes.
-    let store = client(&c.master_addr);
-    for i in 0..kept {
-        let early = store.master().get_replica_list(&format!("p/{i}"));
-        assert!(matches!(early, Err(Error::Recovering(_))), "p/{i} served from the stale node: {early:?}");
-    }
-    c.nodes[1].signal("CONT");
-    wait_until(Duration::from_secs(15), || status_number(&c, "segments") == Some(2));
+    let store = restart_with_the_stale_node_first(&mut c, store, "p", kept);
     let mut stale = Vec::new();
     for i in 0..kept {
         let got = get_settled(&store, &format!("p/{i}"));
@@ -386,19 +394,7 @@ fn a_stale_node_back_first_after_a_master_restart_does_not_bring_back_removed_ke
         store.remove(&format!("r/{i}")).unwrap();
     }
     assert!(status_number(&c, "carried_tombstones").unwrap() >= n as u64, "{}", c.status());
-    c.nodes[1].signal("STOP");
-    c.master.kill9();
-    drop(store);
-    c.restart_master();
-    c.nodes[0].signal("CONT");
-    wait_until(Duration::from_secs(15), || status_number(&c, "segments") == Some(1));
-    let store = client(&c.master_addr);
-    for i in 0..n {
-        let early = store.master().get_replica_list(&format!("r/{i}"));
-        assert!(matches!(early, Err(Error::Recovering(_))), "r/{i} served from the stale node: {early:?}");
-    }
-    c.nodes[1].signal("CONT");
-    wait_until(Duration::from_secs(15), || status_number(&c, "segments") == Some(2));
+    let store = restart_with_the_stale_node_first(&mut c, store, "r", n);
     let mut back = Vec::new();
     for i in 0..kept {
         match get_settled(&store, &format!("r/{i}")) {
