@@ -340,3 +340,66 @@ fn a_new_leader_keeps_the_newest_copy_whichever_extent_comes_first() {
     assert!(removed(&seen_a, extent_a), "the old copy's node still lists it");
     assert!(removed(&seen_c, extent_c), "the refused copy's node still lists it");
 }
+
+/// A leader removes a key whose copy went out of sight with a node it forgot: the
+/// removal is handed to two other nodes to keep. The group's next leader hears it
+/// from them: the old copy the forgotten node brings back is dropped if its extent
+/// came first (its node told), refused if it came after; a key of a group the new
+/// master does not lead is left alone.
+#[test]
+fn a_new_leader_learns_a_removal_from_the_nodes_that_kept_it() {
+    let (old_leader, own) = cluster_master(&[0]);
+    old_leader.acquire_group(0);
+    let key = key_in(&own, 0, 0);
+    let other_group = key_in(&own, 1, 0);
+    let record = |generation: u64| ObjectRecord { key: key.clone(), offset: 0, len: 100, checksum: 1, generation };
+    let node = |master: &Master, n: u64| {
+        let client = master.register_client().unwrap().client;
+        let seen = Arc::new(Recorder::default());
+        master.attach_records(client, seen.clone()).unwrap();
+        (client, seen, region(n))
+    };
+    let (stale, _, region_stale) = node(&old_leader, 1);
+    let (holder, seen_holder, region_holder) = node(&old_leader, 2);
+    let (_, seen_other, _) = node(&old_leader, 3);
+    old_leader.mount_extent(stale, &region_stale, 1 << 20, 0, &[record(10)]).unwrap();
+    old_leader.mount_extent(holder, &region_holder, 1 << 20, 0, &[record(10)]).unwrap();
+    old_leader.unregister_client(stale).unwrap();
+    old_leader.remove(&key).unwrap();
+    let kept = |seen: &Recorder| {
+        seen.0.lock().unwrap().iter().find_map(|u| match u {
+            RecordUpdate::Tombstone { key: k, generation } if *k == key => Some(*generation),
+            _ => None,
+        })
+    };
+    let removed_at = kept(&seen_holder).expect("the holder did not keep the removal");
+    assert_eq!(kept(&seen_other), Some(removed_at));
+    assert!(removed_at > 10);
+
+    for kept_first in [false, true] {
+        let (leader, _) = cluster_master(&[0]);
+        leader.acquire_group(0);
+        let (stale, seen_stale, region_stale) = node(&leader, 1);
+        let (keeper, _, _) = node(&leader, 2);
+        let restore = || leader.restore_tombstones(keeper, &[(&key, removed_at), (&other_group, removed_at)]).unwrap();
+        if kept_first {
+            restore();
+        }
+        let (extent, taken) = leader.mount_extent(stale, &region_stale, 1 << 20, 0, &[record(10)]).unwrap();
+        assert_eq!(taken, usize::from(!kept_first));
+        if !kept_first {
+            restore();
+        }
+        let told =
+            || {
+                seen_stale.0.lock().unwrap().iter().any(
+                    |u| matches!(u, RecordUpdate::Removed { segment, key: k, .. } if *segment == extent && *k == key),
+                )
+            };
+        // Sent at the latest with the node's next heartbeat (the key's next put or
+        // remove waits for it).
+        leader.heartbeat(stale).unwrap();
+        assert!(told(), "the stale copy's node keeps it (kept first: {kept_first})");
+        assert!(leader.get_replica_list(&key).is_err(), "the removed key is back (kept first: {kept_first})");
+    }
+}

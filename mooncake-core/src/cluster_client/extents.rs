@@ -67,6 +67,11 @@ impl ClusterClient {
         // mode); so does the same leader if it forgot us: it takes back only what no
         // removal or put superseded meanwhile.
         let records = x.records.rejoin(&x.region);
+        // First the removals we keep for the group's leader: a copy another node
+        // forgotten before its removal offers is refused or dropped by them.
+        if let Err(e) = x.records.offer_tombstones(&s.rpc, id) {
+            tracing::warn!(group = x.group, master = addr, error = %e, "cannot hand the leader the removals we keep");
+        }
         let (segment, taken) = s.rpc.mount_extent(id, &x.remote, x.region.len(), x.group, &records)?;
         {
             // The master may have placed objects there and told us before this answer
@@ -88,6 +93,12 @@ impl ClusterClient {
         // at once (which also has us drain whatever landed there meanwhile).
         self.mark_draining_at(addr);
         Ok(())
+    }
+
+    /// Which of our extents is of `key`'s slot group (its index).
+    pub(crate) fn extent_of(&self, key: &str) -> Option<usize> {
+        let group = self.maps.map().group_of_key(key);
+        self.extents.iter().position(|x| x.group == group)
     }
 
     /// The extents mounted now, by their segment ids (the SSD tier reads offloads there).

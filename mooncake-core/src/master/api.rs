@@ -347,7 +347,9 @@ macro_rules! master_calls {
             /// master refuses copies of these keys older than their removal from now
             /// on, and drops an object it took back in its recovery window only from
             /// such copies. Said right after registering again, before the client
-            /// re-mounts or announces its SSD. Nothing in cluster mode.
+            /// re-mounts or announces its SSD (in cluster mode: to a group's leader
+            /// before the extent is mounted there, for that group's keys; items of
+            /// groups the master does not lead are ignored).
             RestoreTombstones => fn restore_tombstones(
                 client: ClientId => ClientId,
                 items: &[(&str, u64)] => Vec<(String, u64)>

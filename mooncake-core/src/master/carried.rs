@@ -24,8 +24,11 @@
 //!
 //! Carriers are picked by rendezvous hashing of the key over the nodes registered
 //! with a record endpoint (any such node will do: every node offers what it keeps).
-//! Nothing is carried in cluster mode (each slot group's leader keeps its own
-//! marks, and a new leader has none of them; the known window stays there).
+//! In cluster mode a slot group's leader hands its removals on alike; a node keeps
+//! them with its extent of the key's group and offers them to the group's next
+//! leader before it mounts the extent there (nodes do not say there that they may
+//! have missed updates: until the keeper's extent is mounted, a copy its removal
+//! would drop may be read).
 
 use std::sync::atomic::Ordering;
 
@@ -44,7 +47,7 @@ impl MasterService {
     /// hands the removal to up to [`CARRIERS`] nodes to keep for a restarted master
     /// (`wait` then waits for them as for the holders' records).
     pub(crate) fn carry_tombstone(&self, key: &str, generation: u64, wait: &mut RecordWait) {
-        if self.ownership.get().is_some() || !self.config.track_records {
+        if !self.config.track_records {
             return;
         }
         // Rendezvous hashing: the nodes whose id hashed with the key ranks highest,
@@ -74,12 +77,9 @@ impl MasterService {
     /// `RecordUpdate::Tombstone`): (key, generation of its removal). Each raises the key's mark; an object this
     /// master took back in its recovery window only from copies older than the
     /// removal is dropped (its holders are told; the key's next remove, upsert or put
-    /// waits for them), and a copy of it offered later is refused. Nothing in
-    /// cluster mode.
+    /// waits for them), and a copy of it offered later is refused. In cluster mode,
+    /// items of groups this master does not lead are ignored.
     pub fn restore_tombstones(&self, client: ClientId, items: &[(&str, u64)]) -> Result<()> {
-        if self.ownership.get().is_some() {
-            return Ok(());
-        }
         if !self.clients.read().contains_key(&client) {
             return Err(Error::UnknownClient(client));
         }
@@ -92,9 +92,15 @@ impl MasterService {
             if !GenClock::believable(generation) {
                 continue;
             }
+            let mut shard = self.index.shard(key).lock();
+            // Cluster mode: only the keys of the groups this master leads (a node
+            // offers those of the group whose extent it mounts here), checked under
+            // the key's shard lock as every change is.
+            if !self.leads_key(key) {
+                continue;
+            }
             self.gens.observe(generation);
             self.tombstones.supersede_unseen(key, generation);
-            let mut shard = self.index.shard(key).lock();
             let superseded = shard.get(key).is_some_and(|e| {
                 e.complete()
                     && e.recovered()

@@ -50,6 +50,14 @@ impl ClusterClient {
                 self.drain_asked.ask(grace_ms);
                 continue;
             }
+            if let RecordUpdate::Tombstone { key, .. } = &u {
+                // Kept with the extent of the key's group, and offered to the
+                // group's next leader when the extent is mounted there.
+                if let Some(i) = self.extent_of(key) {
+                    by_extent[i].push(u);
+                }
+                continue;
+            }
             let Some(segment) = u.segment() else {
                 discards.push(u);
                 continue;

@@ -16,7 +16,7 @@ use parking_lot::Mutex;
 
 use crate::config::check_value_len;
 use crate::error::Result;
-use crate::master::{ObjectRecord, RecordSink, RecordUpdate};
+use crate::master::{ClientId, MasterApi, ObjectRecord, RecordSink, RecordUpdate};
 use crate::rpc::wire::{Request, Response, WireError};
 use crate::rpc::RpcHandler;
 
@@ -47,6 +47,8 @@ pub(crate) struct SegmentRecords {
 const MAX_KEPT_TOMBSTONES: usize = 1 << 16;
 /// Most bytes of keys of the tombstones a node keeps (the oldest go first beyond it).
 const MAX_KEPT_KEY_BYTES: usize = 16 << 20;
+/// Most bytes of keys in one `restore_tombstones` call (a frame holds many times more).
+const RESTORE_BATCH_BYTES: usize = 1 << 20;
 
 /// Removals a master handed this node to keep, and that the node offers to a master
 /// it registers with again (`MasterApi::restore_tombstones`): a restarted master
@@ -279,6 +281,26 @@ impl SegmentRecords {
     pub(crate) fn kept_tombstones(&self) -> Vec<(String, u64)> {
         let kept = self.kept.lock();
         kept.order.iter().map(|k| (k.to_string(), kept.by_key[k])).collect()
+    }
+
+    /// Hands `master`, which knows us as `client`, the removals we keep
+    /// (`MasterApi::restore_tombstones`), in calls of at most
+    /// [`RESTORE_BATCH_BYTES`] of keys; none when we keep none.
+    pub(crate) fn offer_tombstones(&self, master: &dyn MasterApi, client: ClientId) -> Result<()> {
+        let kept = self.kept_tombstones();
+        let mut rest = kept.as_slice();
+        while !rest.is_empty() {
+            let mut bytes = 0;
+            let n = rest.iter().take_while(|(k, _)| {
+                bytes += k.len();
+                bytes <= RESTORE_BATCH_BYTES
+            });
+            let n = n.count().max(1);
+            let items: Vec<(&str, u64)> = rest[..n].iter().map(|(k, g)| (k.as_str(), *g)).collect();
+            master.restore_tombstones(client, &items)?;
+            rest = &rest[n..];
+        }
+        Ok(())
     }
 
     /// A copy of the records.

@@ -182,7 +182,7 @@ impl StoreInner {
         }
         // Before anything is offered too: a copy a node forgotten before its removal
         // offers (ours, or another's) is refused or dropped by these.
-        if let Err(e) = restore_tombstones(&*self.master, client, &self.records.kept_tombstones()) {
+        if let Err(e) = self.records.offer_tombstones(&*self.master, client) {
             tracing::warn!(error = %e, "cannot hand the master the removals we keep for it");
         }
         // Announced before the segment is placeable again, so that no put placed on
@@ -218,27 +218,6 @@ impl StoreInner {
         tracing::warn!(client = format!("{client:#x}"), "client re-registered with the master");
         Ok(())
     }
-}
-
-/// Most bytes of keys in one `restore_tombstones` call (a frame holds many times more).
-const RESTORE_BATCH_BYTES: usize = 1 << 20;
-
-/// Hands `master` the removals this node keeps for it, in calls of at most
-/// [`RESTORE_BATCH_BYTES`] of keys.
-fn restore_tombstones(master: &dyn MasterApi, client: ClientId, kept: &[(String, u64)]) -> Result<()> {
-    let mut rest = kept;
-    while !rest.is_empty() {
-        let mut bytes = 0;
-        let n = rest.iter().take_while(|(k, _)| {
-            bytes += k.len();
-            bytes <= RESTORE_BATCH_BYTES
-        });
-        let n = n.count().max(1);
-        let items: Vec<(&str, u64)> = rest[..n].iter().map(|(k, g)| (k.as_str(), *g)).collect();
-        master.restore_tombstones(client, &items)?;
-        rest = &rest[n..];
-    }
-    Ok(())
 }
 
 impl Store {
