@@ -344,8 +344,9 @@ fn a_new_leader_keeps_the_newest_copy_whichever_extent_comes_first() {
 /// A leader removes a key whose copy went out of sight with a node it forgot: the
 /// removal is handed to two other nodes to keep. The group's next leader hears it
 /// from them: the old copy the forgotten node brings back is dropped if its extent
-/// came first (its node told), refused if it came after; a key of a group the new
-/// master does not lead is left alone.
+/// came first (its node told, and the object withheld meanwhile: the node said it
+/// may have missed updates), refused if it came after; a key of a group the new
+/// master does not lead is ignored.
 #[test]
 fn a_new_leader_learns_a_removal_from_the_nodes_that_kept_it() {
     let (old_leader, own) = cluster_master(&[0]);
@@ -385,8 +386,11 @@ fn a_new_leader_learns_a_removal_from_the_nodes_that_kept_it() {
         if kept_first {
             restore();
         }
+        leader.missed_updates(stale).unwrap();
         let (extent, taken) = leader.mount_extent(stale, &region_stale, 1 << 20, 0, &[record(10)]).unwrap();
         assert_eq!(taken, usize::from(!kept_first));
+        // Meanwhile not served: the node said it may have missed updates.
+        assert!(matches!(leader.get_replica_list(&key), Err(Error::Recovering(_))));
         if !kept_first {
             restore();
         }

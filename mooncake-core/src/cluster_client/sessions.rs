@@ -3,7 +3,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use mooncake_transfer::SharedSecret;
 use parking_lot::Mutex;
@@ -21,6 +21,10 @@ pub(crate) struct Session {
     pub(crate) client: AtomicU64,
     /// Held while registering (see `register_session`).
     registering: Mutex<()>,
+    /// When this master last answered a heartbeat or a registration: silent for
+    /// longer than a client TTL while it kept running, we may have been forgotten
+    /// and missed removals of what we hold.
+    last_heard: Mutex<Instant>,
 }
 
 impl ClusterClient {
@@ -32,8 +36,13 @@ impl ClusterClient {
         }
         let rpc =
             RpcMasterClient::connect_with_timeout(addr, self.secret.as_deref().map(SharedSecret::new), self.timeout)?;
-        let session =
-            Arc::new(Session { addr: addr.to_owned(), rpc, client: AtomicU64::new(0), registering: Mutex::new(()) });
+        let session = Arc::new(Session {
+            addr: addr.to_owned(),
+            rpc,
+            client: AtomicU64::new(0),
+            registering: Mutex::new(()),
+            last_heard: Mutex::new(Instant::now()),
+        });
         let (session, new) = {
             let mut sessions = self.sessions.write();
             match sessions.get(addr) {
@@ -75,6 +84,7 @@ impl ClusterClient {
                 match s.rpc.heartbeat(id) {
                     Ok(updates) => {
                         me.note_answer();
+                        *s.last_heard.lock() = Instant::now();
                         let _ = me.apply_updates(updates, super::UpdatesFrom::Heartbeat);
                     }
                     Err(Error::UnknownClient(_)) => {
@@ -112,6 +122,25 @@ impl ClusterClient {
         let reg = s.rpc.register_client()?;
         self.note_answer();
         self.client_ttl_ms.fetch_min(reg.client_ttl_ms, Ordering::Relaxed);
+        if stale != 0 {
+            // Registered again: said before any extent is mounted there, as a single
+            // master's node does (a dial the master's address refused proves it was
+            // down from then on: that silence does not count).
+            let heard = *s.last_heard.lock();
+            let gone = s.rpc.last_refused().filter(|&at| at > heard).unwrap_or_else(Instant::now);
+            let silent = gone.saturating_duration_since(heard);
+            if silent > Duration::from_millis(reg.client_ttl_ms) {
+                tracing::warn!(
+                    master = s.addr,
+                    ?silent,
+                    "silent for longer than the client TTL: we may have missed updates"
+                );
+                if let Err(e) = s.rpc.missed_updates(reg.client) {
+                    tracing::debug!(master = s.addr, error = %e, "the master does not take the note");
+                }
+            }
+        }
+        *s.last_heard.lock() = Instant::now();
         s.client.store(reg.client, Ordering::Release);
         if let Some((endpoint, key)) = self.record_endpoint.lock().clone() {
             if let Err(e) = s.rpc.mount_records(reg.client, &endpoint, &key) {

@@ -340,7 +340,9 @@ macro_rules! master_calls {
             /// it). While this master's recovery window is open, an object it takes
             /// back only from this client's copies answers `Recovering`, not its bytes:
             /// a node with a newer copy may still be on its way back. Said before the
-            /// client re-mounts or announces its SSD. Nothing in cluster mode.
+            /// client re-mounts or announces its SSD (in cluster mode: to each master
+            /// it registers with again, before it mounts extents there; the window
+            /// is then the group's after a takeover).
             MissedUpdates => fn missed_updates(client: ClientId => ClientId) -> Result<()> => refused;
             /// Tombstones `client` kept for an earlier master (handed to it with
             /// `RecordUpdate::Tombstone`): (key, generation of the removal). The

@@ -66,12 +66,8 @@ pub(crate) struct OfferContext {
 
 impl MasterService {
     /// `client`, registered again, may have missed record updates before (see
-    /// [`MasterApi::missed_updates`](crate::MasterApi::missed_updates)). Nothing in
-    /// cluster mode.
+    /// [`MasterApi::missed_updates`](crate::MasterApi::missed_updates)).
     pub fn missed_updates(&self, client: ClientId) -> Result<()> {
-        if self.ownership.get().is_some() {
-            return Ok(());
-        }
         match self.clients.read().get(&client) {
             Some(rec) => {
                 rec.missed_updates.store(true, Ordering::Relaxed);
