@@ -26,9 +26,7 @@
 //! with a record endpoint (any such node will do: every node offers what it keeps).
 //! In cluster mode a slot group's leader hands its removals on alike; a node keeps
 //! them with its extent of the key's group and offers them to the group's next
-//! leader before it mounts the extent there (nodes do not say there that they may
-//! have missed updates: until the keeper's extent is mounted, a copy its removal
-//! would drop may be read).
+//! leader before it mounts the extent there.
 
 use std::sync::atomic::Ordering;
 
