@@ -71,6 +71,18 @@ impl MasterService {
         self.counters.carried_tombstones.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// Removals (key, generation) some holder of which was given up before it was
+    /// told (the removal's call found a node gone, or forgotten meanwhile): handed to
+    /// nodes to keep, and waited for, before the removal is acknowledged.
+    pub(crate) fn keep_untold_removals(&self, removed: &[(&str, u64)]) {
+        let mut wait = RecordWait::default();
+        for &(key, generation) in removed {
+            self.tombstones.supersede_unseen(key, generation);
+            self.carry_tombstone(key, generation, &mut wait);
+        }
+        self.await_records(wait);
+    }
+
     /// Tombstones `client` kept for an earlier master (handed to it with
     /// `RecordUpdate::Tombstone`): (key, generation of its removal). Each raises the key's mark; an object this
     /// master took back in its recovery window only from copies older than the
@@ -181,6 +193,33 @@ mod tests {
         b.remount(&master, &[r("told")]);
         master.remove("told").unwrap();
         assert_eq!(fresh(&master), seen, "a removal every holder was told of was handed on");
+    }
+
+    /// A node whose process ended (its endpoint refuses: gone) while a remove told it:
+    /// the master gives it up, and the remove is acknowledged only once two other
+    /// nodes keep the removal (its copy may come back with it after a restart).
+    #[test]
+    fn a_removal_a_gone_holder_was_not_told_is_kept_before_it_is_acknowledged() {
+        struct Gone;
+        impl crate::master::RecordSink for Gone {
+            fn apply_records(&self, _: &[RecordUpdate]) -> crate::error::Result<()> {
+                Err(Error::MasterUnavailable("connection refused".into()))
+            }
+            fn gone(&self) -> bool {
+                true
+            }
+        }
+        let master = master();
+        let (holder, told, b, c) =
+            (node(&master, "holder"), node(&master, "told"), node(&master, "b"), node(&master, "c"));
+        holder.remount(&master, &[record(1, 10)]);
+        told.remount(&master, &[record(1, 10)]);
+        master.attach_records(holder.client, std::sync::Arc::new(Gone)).unwrap();
+        let before = master.stats().carried_tombstones;
+        master.remove("k").unwrap();
+        let keepers = [&told, &b, &c].into_iter().filter(|n| !kept(n).is_empty()).count();
+        assert_eq!(keepers, 2, "the removal was acknowledged before two nodes kept it");
+        assert!(master.stats().carried_tombstones > before);
     }
 
     /// A restarted master takes `k` back from a node that missed its removal, then

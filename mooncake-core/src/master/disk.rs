@@ -280,12 +280,14 @@ impl MasterService {
     /// that holds (or may be writing) a file of it is told to delete it, on the node's
     /// record endpoint when it has one (the call then waits for it in `wait`: a
     /// removal is as durable as a put), else with its next offload heartbeat.
-    pub(crate) fn release_disk(&self, key: &str, e: &ObjectEntry, wait: &mut RecordWait) {
+    /// Returns the removal's generation.
+    pub(crate) fn release_disk(&self, key: &str, e: &ObjectEntry, wait: &mut RecordWait) -> u64 {
         let generation = self.gens.next();
         if self.tombstones.supersede(key, generation) {
             self.carry_tombstone(key, generation, wait);
         }
         self.discard_copies(key, e, generation, None, wait);
+        generation
     }
 
     /// Gives back the usage of `e`'s disk replica and tells every SSD that holds (or

@@ -807,18 +807,22 @@ impl MasterService {
 
     /// Removes a complete object; fails with `HasLease` while a read of it is in
     /// flight. With durable records, returns once every node that held a replica
-    /// dropped its record (a node that cannot be told is forgotten: it comes back with
-    /// none).
+    /// dropped its record; a node that cannot be told is forgotten, and the removal is
+    /// then handed to other nodes to keep before it is acknowledged (the forgotten
+    /// node may offer its copy to a restarted master: `master/carried.rs`).
     pub fn remove(&self, key: &str) -> Result<()> {
-        let wait = self.remove_queued(key)?;
-        self.await_records(wait);
+        let (wait, removed_at) = self.remove_queued(key)?;
+        if !self.await_records(wait) {
+            self.keep_untold_removals(&[(key, removed_at)]);
+        }
         // Cluster mode: not acknowledged by a master that lost the key's group while
         // it waited (a new leader may have taken the object back meanwhile).
         self.fence(key)
     }
 
-    /// [`remove`](Self::remove) without waiting for the nodes' records.
-    fn remove_queued(&self, key: &str) -> Result<RecordWait> {
+    /// [`remove`](Self::remove) without waiting for the nodes' records; returns what
+    /// to wait for and the removal's generation.
+    fn remove_queued(&self, key: &str) -> Result<(RecordWait, u64)> {
         check_key(key)?;
         self.fence(key)?;
         let now = self.now_ms();
@@ -830,9 +834,10 @@ impl MasterService {
             }
             Some(e) if e.complete() => {
                 let mut wait = RecordWait::default();
+                let mut removed_at = 0;
                 if let Some(mut e) = shard.remove(key) {
                     wait = self.note_removed(key, &e.replicas);
-                    self.release_disk(key, &e, &mut wait);
+                    removed_at = self.release_disk(key, &e, &mut wait);
                     // An abandoned upsert's replicas (a live one would have leased it).
                     self.hold_orphaned_upsert(&mut e, now);
                 }
@@ -840,7 +845,7 @@ impl MasterService {
                 // Older copies evicted from nodes not told yet: acknowledged only once
                 // they are, or a restarted master would take them back.
                 wait.merge(self.unsent_removals.take(key));
-                Ok(wait)
+                Ok((wait, removed_at))
             }
             _ => Err(self.absent(key)),
         }
@@ -849,8 +854,19 @@ impl MasterService {
     /// [`remove`](Self::remove) for many keys.
     pub fn batch_remove(&self, keys: &[&str]) -> Vec<Result<()>> {
         let mut wait = RecordWait::default();
-        let mut results: Vec<Result<()>> = keys.iter().map(|k| self.remove_queued(k).map(|w| wait.merge(w))).collect();
-        self.await_records(wait);
+        let mut removed: Vec<(&str, u64)> = Vec::new();
+        let mut results: Vec<Result<()>> = keys
+            .iter()
+            .map(|k| {
+                self.remove_queued(k).map(|(w, removed_at)| {
+                    wait.merge(w);
+                    removed.push((k, removed_at));
+                })
+            })
+            .collect();
+        if !self.await_records(wait) {
+            self.keep_untold_removals(&removed);
+        }
         for (res, k) in results.iter_mut().zip(keys) {
             if res.is_ok() {
                 *res = self.fence(k);
