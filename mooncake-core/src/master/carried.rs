@@ -84,11 +84,12 @@ impl MasterService {
     }
 
     /// Tombstones `client` kept for an earlier master (handed to it with
-    /// `RecordUpdate::Tombstone`): (key, generation of its removal). Each raises the key's mark; an object this
-    /// master took back in its recovery window only from copies older than the
-    /// removal is dropped (its holders are told; the key's next remove, upsert or put
-    /// waits for them), and a copy of it offered later is refused. In cluster mode,
-    /// items of groups this master does not lead are ignored.
+    /// `RecordUpdate::Tombstone`): (key, generation of its removal). Each raises the
+    /// key's mark; an object this master took back in its recovery window only from
+    /// copies older than the removal is dropped (its holders are told; the key's next
+    /// remove, upsert or put waits for them), and a copy of it offered later is
+    /// refused. In cluster mode, items of groups this master does not lead are
+    /// ignored.
     pub fn restore_tombstones(&self, client: ClientId, items: &[(&str, u64)]) -> Result<()> {
         if !self.clients.read().contains_key(&client) {
             return Err(Error::UnknownClient(client));

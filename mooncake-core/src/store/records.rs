@@ -29,7 +29,6 @@ pub(crate) trait DiskDiscard: Send + Sync {
 }
 
 /// The objects of this node's segment, by offset.
-#[derive(Default)]
 pub(crate) struct SegmentRecords {
     /// The segment the records describe (its id changes when it is re-mounted).
     segment: AtomicU64,
@@ -39,8 +38,25 @@ pub(crate) struct SegmentRecords {
     /// A master asked this node to drain (`RecordUpdate::Drain`), and whether a drain
     /// runs (`store::drain`).
     pub(crate) drain: super::drain::DrainSignal,
-    /// Removals the master handed us to keep (`RecordUpdate::Tombstone`).
-    kept: Mutex<KeptTombstones>,
+    /// Removals the master handed us to keep (`RecordUpdate::Tombstone`), which the
+    /// node offers to a master it registers with again
+    /// (`MasterApi::restore_tombstones`): a restarted master learns from them of
+    /// removals whose objects a node it forgot may still hold (`master/carried.rs`).
+    /// One forgotten (beyond the bounds) lets that removal's object come back if its
+    /// old holder returns to a restarted master and no other node kept it.
+    kept: Mutex<Removals>,
+}
+
+impl Default for SegmentRecords {
+    fn default() -> Self {
+        Self {
+            segment: AtomicU64::new(0),
+            records: Default::default(),
+            disk: OnceLock::new(),
+            drain: Default::default(),
+            kept: Mutex::new(Removals::new(MAX_KEPT_TOMBSTONES, MAX_KEPT_KEY_BYTES)),
+        }
+    }
 }
 
 /// Most tombstones a node keeps for the master (the oldest go first beyond it).
@@ -50,25 +66,29 @@ const MAX_KEPT_KEY_BYTES: usize = 16 << 20;
 /// Most bytes of keys in one `restore_tombstones` call (a frame holds many times more).
 const RESTORE_BATCH_BYTES: usize = 1 << 20;
 
-/// Removals a master handed this node to keep, and that the node offers to a master
-/// it registers with again (`MasterApi::restore_tombstones`): a restarted master
-/// learns from them of removals whose objects a node it forgot may still hold
-/// (`master/carried.rs`). Each key once, with its newest removal; at most
-/// [`MAX_KEPT_TOMBSTONES`] and [`MAX_KEPT_KEY_BYTES`] of keys, the oldest forgotten
-/// first (one forgotten lets that removal's object come back if its old holder
-/// returns to a restarted master and no other node kept it).
-#[derive(Default)]
-struct KeptTombstones {
+/// Removals remembered: each key once, with the generation of its newest removal;
+/// at most `max_keys` keys and `max_key_bytes` bytes of them, the oldest forgotten
+/// first. (The removals a master handed a node to keep; an SSD tier's recent
+/// discards.)
+pub(crate) struct Removals {
     by_key: HashMap<Arc<str>, u64>,
     /// The keys, oldest first.
     order: std::collections::VecDeque<Arc<str>>,
     /// Bytes of the keys kept.
     key_bytes: usize,
+    max_keys: usize,
+    max_key_bytes: usize,
 }
 
-impl KeptTombstones {
-    fn keep(&mut self, key: String, generation: u64) {
-        if let Some(g) = self.by_key.get_mut(key.as_str()) {
+impl Removals {
+    /// None yet, bounded as said.
+    pub(crate) fn new(max_keys: usize, max_key_bytes: usize) -> Self {
+        Self { by_key: HashMap::new(), order: Default::default(), key_bytes: 0, max_keys, max_key_bytes }
+    }
+
+    /// `key` was removed at `generation` (an older removal of it is raised).
+    pub(crate) fn keep(&mut self, key: &str, generation: u64) {
+        if let Some(g) = self.by_key.get_mut(key) {
             *g = (*g).max(generation);
             return;
         }
@@ -76,11 +96,21 @@ impl KeptTombstones {
         self.key_bytes += key.len();
         self.by_key.insert(key.clone(), generation);
         self.order.push_back(key);
-        while self.order.len() > MAX_KEPT_TOMBSTONES || self.key_bytes > MAX_KEPT_KEY_BYTES {
+        while self.order.len() > self.max_keys || self.key_bytes > self.max_key_bytes {
             let Some(old) = self.order.pop_front() else { break };
             self.key_bytes -= old.len();
             self.by_key.remove(&old);
         }
+    }
+
+    /// The newest removal of `key` remembered, if any.
+    pub(crate) fn get(&self, key: &str) -> Option<u64> {
+        self.by_key.get(key).copied()
+    }
+
+    /// Every removal remembered, (key, generation), oldest first.
+    pub(crate) fn all(&self) -> Vec<(String, u64)> {
+        self.order.iter().map(|k| (k.to_string(), self.by_key[k])).collect()
     }
 }
 
@@ -205,7 +235,7 @@ impl SegmentRecords {
                 match u {
                     RecordUpdate::Discard { key, generation } => discards.push((key, generation)),
                     RecordUpdate::Drain { grace_ms, .. } => self.drain.asked.ask(grace_ms),
-                    RecordUpdate::Tombstone { key, generation } => self.kept.lock().keep(key, generation),
+                    RecordUpdate::Tombstone { key, generation } => self.kept.lock().keep(&key, generation),
                     u if u.segment() == Some(own) => applied.apply(u),
                     u => applied.keep_mounting(u),
                 }
@@ -279,8 +309,7 @@ impl SegmentRecords {
     /// The removals the master handed us to keep: (key, generation of the removal),
     /// oldest first.
     pub(crate) fn kept_tombstones(&self) -> Vec<(String, u64)> {
-        let kept = self.kept.lock();
-        kept.order.iter().map(|k| (k.to_string(), kept.by_key[k])).collect()
+        self.kept.lock().all()
     }
 
     /// Hands `master`, which knows us as `client`, the removals we keep

@@ -18,6 +18,7 @@ use super::stats::{inc, SsdCounters, SsdStats};
 use crate::error::{Error, Result};
 use crate::master::{ClientId, MasterApi, OffloadPlan, OffloadTask};
 use crate::rpc::{RpcServer, RpcServerConfig};
+use crate::store::records::Removals;
 
 /// Objects registered with the master per call when a disk is scanned.
 const REGISTER_CHUNK: usize = 1024;
@@ -32,8 +33,8 @@ const KEY_LOCKS: usize = 64;
 pub(crate) struct Discarder {
     backend: Arc<dyn StorageBackend>,
     counters: Arc<SsdCounters>,
-    /// Recent discards: key -> generation, and their order.
-    recent: Mutex<(ahash::HashMap<String, u64>, std::collections::VecDeque<String>)>,
+    /// Recent discards.
+    recent: Mutex<Removals>,
     /// Discards whose delete failed (the file is still stored): key -> generation,
     /// retried on each offload heartbeat.
     failed: Mutex<ahash::HashMap<String, u64>>,
@@ -84,7 +85,7 @@ impl Discarder {
 
     /// The newest discard of `key` remembered, if any.
     fn discarded(&self, key: &str) -> Option<u64> {
-        self.recent.lock().0.get(key).copied()
+        self.recent.lock().get(key)
     }
 }
 
@@ -92,20 +93,7 @@ impl crate::store::records::DiskDiscard for Discarder {
     fn discard(&self, key: &str, generation: u64) {
         {
             // Remembered first: an offload finishing meanwhile checks it after writing.
-            let mut recent = self.recent.lock();
-            let (map, order) = &mut *recent;
-            match map.get_mut(key) {
-                Some(g) => *g = (*g).max(generation),
-                None => {
-                    map.insert(key.to_owned(), generation);
-                    order.push_back(key.to_owned());
-                    if order.len() > RECENT_DISCARDS {
-                        if let Some(old) = order.pop_front() {
-                            map.remove(&old);
-                        }
-                    }
-                }
-            }
+            self.recent.lock().keep(key, generation);
         }
         let _guard = self.key_lock(key);
         self.delete_older(key, generation);
@@ -206,7 +194,7 @@ impl FileStorage {
         let discarder = Arc::new(Discarder {
             backend: backend.clone(),
             counters: counters.clone(),
-            recent: Mutex::new(Default::default()),
+            recent: Mutex::new(Removals::new(RECENT_DISCARDS, usize::MAX)),
             failed: Mutex::new(Default::default()),
             key_locks: (0..KEY_LOCKS).map(|_| Mutex::new(())).collect(),
         });
